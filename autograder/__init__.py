@@ -1,0 +1,1 @@
+"""The instructor side of Attention Lab: building the student release and grading with nbgrader."""

@@ -1,0 +1,89 @@
+"""Execute a notebook top to bottom and report, per cell, what failed.
+
+    python -m autograder.execute autograder/source/01_mha_shapes/01_mha_shapes.ipynb
+    python -m autograder.execute course/01_mha_shapes.ipynb
+
+Used by the tests (solutions pass every check; releases fail only on the blanks), the
+benchmarks and instructors checking a notebook by hand. Cells run with the notebook's
+folder as the working directory, widgets drawing static figures (MPLBACKEND=Agg).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+
+@dataclass
+class CellError:
+    cell_id: str
+    grade_id: str | None
+    ename: str
+    evalue: str
+
+
+@dataclass
+class ExecutionResult:
+    path: Path
+    seconds: float
+    errors: list[CellError] = field(default_factory=list)
+    passed_tests: list[str] = field(default_factory=list)
+    failed_tests: list[str] = field(default_factory=list)
+    notebook: nbformat.NotebookNode | None = None
+
+    def summary(self) -> str:
+        lines = [f"{self.path}: {self.seconds:.1f} s, {len(self.passed_tests)} tests passed, "
+                 f"{len(self.failed_tests)} failed, {len(self.errors)} cells raised"]
+        for error in self.errors:
+            where = error.grade_id or error.cell_id
+            lines.append(f"  {where}: {error.ename}: {error.evalue.splitlines()[0] if error.evalue else ''}")
+        return "\n".join(lines)
+
+
+def execute_notebook(path: Path | str, timeout: int = 600, working_dir: Path | str | None = None) -> ExecutionResult:
+    """Run every cell (continuing past errors) and collect the errors and test outcomes."""
+    path = Path(path)
+    notebook = nbformat.read(path, as_version=4)
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    client = NotebookClient(
+        notebook, timeout=timeout, kernel_name="python3", allow_errors=True,
+        resources={"metadata": {"path": str(working_dir or path.parent)}},
+    )
+    start = time.perf_counter()
+    client.execute()
+    result = ExecutionResult(path=path, seconds=time.perf_counter() - start, notebook=notebook)
+    for cell in notebook.cells:
+        if cell.cell_type != "code":
+            continue
+        nbgrader = cell.metadata.get("nbgrader", {})
+        grade_id = nbgrader.get("grade_id")
+        cell_errors = [output for output in cell.outputs if output.output_type == "error"]
+        for output in cell_errors:
+            result.errors.append(CellError(cell.id, grade_id, output.ename, output.evalue))
+        if nbgrader.get("grade"):
+            (result.failed_tests if cell_errors else result.passed_tests).append(grade_id)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+    options = parser.parse_args(argv)
+    failed = False
+    for path in options.notebooks:
+        result = execute_notebook(path, timeout=options.timeout)
+        print(result.summary())
+        failed |= bool(result.errors)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,586 @@
+"""The check framework: what every ``check_<name>`` in ``attention_lab.checks`` is built from.
+
+A check runs in layers and stops at the first failure, with a message a student can act on:
+
+1. **Contract** -- callable, right parameters, returns a tensor/array of the exact shape,
+   dtype and device (``[6]`` is not ``[1, 6]``).
+2. **Numbers** -- against PyTorch itself or a mathematical identity, first in float64 on
+   the CPU (the ground truth), then on the student's device and dtype with a tolerance
+   chosen for them (:func:`tolerance`).
+3. **Properties** with random sizes (causality, rows summing to 1, round trips, ...).
+4. **Diagnosis** -- a wrong output is compared with known wrong variants (no 1/sqrt(d),
+   softmax over the wrong axis, ...) and the likely mistake is named.
+
+Every check runs inside :func:`check`'s wrapper, which
+
+* refuses to run if the notebook replaced a library function the checks rely on
+  (``torch.allclose = lambda *a: True``, ``F.scaled_dot_product_attention = mine``, ...):
+  it restores the original and fails with a message saying so;
+* pins the numerics (TF32 off, SDPA on the math backend) so CPU and CUDA give one verdict;
+* prints one line on success.
+
+Check modules are frozen with :func:`freeze_module`, so an answer cell cannot replace a
+check either; test cells import the check they call, so rebinding the global name in the
+notebook has no effect.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import inspect
+import math
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "CheckFailure",
+    "Variant",
+    "check",
+    "tolerance",
+    "pinned_numerics",
+    "describe",
+    "shape_str",
+    "expect_callable",
+    "expect_signature",
+    "expect_tensor",
+    "expect_array",
+    "expect_close",
+    "expect_true",
+    "call_student",
+    "from_scratch",
+    "random_generator",
+    "verify_untampered",
+    "freeze_module",
+]
+
+
+class CheckFailure(AssertionError):
+    """A check found a problem in the student's answer. The message says what and why."""
+
+
+# --------------------------------------------------------------------------------------
+# Describing things in messages
+# --------------------------------------------------------------------------------------
+
+
+def shape_str(shape: Iterable[int]) -> str:
+    """``[2, 4, 5, 8]``: shapes are written the way the notebooks write them."""
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def describe(value: Any) -> str:
+    """A short description of a value for messages: shape, dtype and device of a tensor."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).replace("torch.", "")
+        return f"tensor of shape {shape_str(value.shape)} ({dtype}, {value.device.type})"
+    if isinstance(value, np.ndarray):
+        return f"ndarray of shape {shape_str(value.shape)} ({value.dtype})"
+    if isinstance(value, tuple):
+        return "tuple of " + str(len(value)) + " (" + ", ".join(describe(v) for v in value) + ")"
+    if value is None:
+        return "None"
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+# --------------------------------------------------------------------------------------
+# Tolerances and pinned numerics
+# --------------------------------------------------------------------------------------
+
+# (rtol, atol) for comparing a student's output in `dtype` with a float64 reference.
+# The references are exact to ~1e-15; these budgets cover the rounding of the student's
+# dtype over the small sizes the checks use (reductions of at most a few hundred terms).
+# Wrong answers (missing scale, wrong axis, ...) are off by 1e-1 or more, far outside.
+_TOLERANCES: dict[tuple[torch.dtype, str], tuple[float, float]] = {
+    (torch.float64, "cpu"): (1e-7, 1e-9),
+    (torch.float64, "cuda"): (1e-7, 1e-9),
+    (torch.float32, "cpu"): (1e-4, 1e-5),
+    # CUDA float32 with TF32 off: different summation order and fused kernels.
+    (torch.float32, "cuda"): (1e-4, 5e-5),
+    (torch.float16, "cpu"): (1e-2, 2e-3),
+    (torch.float16, "cuda"): (1e-2, 2e-3),
+    (torch.bfloat16, "cpu"): (3e-2, 2e-2),
+    (torch.bfloat16, "cuda"): (3e-2, 2e-2),
+}
+
+
+def tolerance(dtype: torch.dtype | np.dtype, device: torch.device | str = "cpu") -> tuple[float, float]:
+    """``(rtol, atol)`` for an output computed in ``dtype`` on ``device``.
+
+    NumPy dtypes are accepted (``np.float64`` is treated like ``torch.float64``).
+    """
+    if not isinstance(dtype, torch.dtype):
+        dtype = {np.dtype("float64"): torch.float64, np.dtype("float32"): torch.float32,
+                 np.dtype("float16"): torch.float16}.get(np.dtype(dtype), torch.float64)
+    device_type = torch.device(device).type
+    device_type = device_type if device_type in ("cpu", "cuda") else "cuda"
+    try:
+        return _TOLERANCES[(dtype, device_type)]
+    except KeyError:
+        raise ValueError(f"no tolerance is defined for dtype {dtype} on {device_type}") from None
+
+
+@contextlib.contextmanager
+def pinned_numerics() -> Iterator[None]:
+    """Make CPU and CUDA give the same verdict: TF32 off, full-precision float32 matmul.
+
+    On Ampere and newer GPUs PyTorch may run float32 matmuls in TF32 (10-bit mantissa),
+    which is off by ~1e-3 -- enough to fail a correct answer or pass a wrong one. The
+    previous settings are restored on exit, so a notebook's own speed settings survive.
+    """
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved[0]
+        torch.backends.cudnn.allow_tf32 = saved[1]
+        torch.set_float32_matmul_precision(saved[2])
+
+
+def reference_sdpa(q, k, v, attn_mask=None, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on the math backend: the same kernel on every device.
+
+    The flash and memory-efficient kernels (chosen automatically on CUDA) are accurate to
+    their own, looser tolerance and are not available for float64; pinning the math
+    backend makes the reference identical in meaning on CPU and CUDA.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return _PRISTINE_SDPA(q, k, v, attn_mask=attn_mask, **kwargs)
+
+
+_PRISTINE_SDPA = F.scaled_dot_product_attention
+
+
+# --------------------------------------------------------------------------------------
+# Tamper protection: the notebook must not replace what the checks rely on
+# --------------------------------------------------------------------------------------
+
+# Namespaces whose callables are snapshotted when the package is imported (by the setup
+# cell, before any answer cell runs). Replacing one of them in a notebook -- on purpose
+# or by accident -- would let a wrong answer pass, since the references use them too.
+_WATCHED_NAMESPACES: tuple[tuple[str, Any], ...] = (
+    ("torch", torch),
+    ("torch.Tensor", torch.Tensor),
+    ("torch.nn.functional", F),
+    ("torch.testing", torch.testing),
+    ("torch.linalg", torch.linalg),
+    ("numpy", np),
+    ("numpy.testing", np.testing),
+    ("numpy.linalg", np.linalg),
+    ("math", math),
+)
+# The kernel swaps some builtins per cell (input, getpass); watch only those checks use.
+_WATCHED_BUILTINS = ("abs", "all", "any", "callable", "float", "getattr", "int", "isinstance",
+                     "len", "max", "min", "range", "round", "sorted", "sum", "tuple", "zip")
+_WATCHED_MODULE_CLASSES = (
+    torch.nn.Linear,
+    torch.nn.LayerNorm,
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.Conv2d,
+    torch.nn.Module,
+)
+
+
+def _watched_items() -> Iterator[tuple[Any, str, Any]]:
+    for _label, namespace in _WATCHED_NAMESPACES:
+        for attr, obj in list(vars(namespace).items()):
+            if attr.startswith("__") or isinstance(obj, types.ModuleType):
+                continue
+            if callable(obj) or isinstance(obj, (staticmethod, classmethod)):
+                yield namespace, attr, obj
+    for attr in _WATCHED_BUILTINS:
+        yield builtins, attr, vars(builtins)[attr]
+    for cls in _WATCHED_MODULE_CLASSES:
+        for attr in ("forward", "__call__", "_call_impl"):
+            if attr in vars(cls):
+                yield cls, attr, vars(cls)[attr]
+
+
+_SNAPSHOT: list[tuple[Any, str, Any]] = list(_watched_items())
+
+
+def _label(namespace: Any) -> str:
+    if isinstance(namespace, types.ModuleType):
+        return namespace.__name__
+    return f"{namespace.__module__}.{namespace.__qualname__}"
+
+
+def verify_untampered() -> None:
+    """Fail if the notebook replaced a library function; put the original back first."""
+    replaced = []
+    for namespace, attr, original in _SNAPSHOT:
+        current = vars(namespace).get(attr, _MISSING)
+        if current is not original:
+            setattr(namespace, attr, original)
+            replaced.append(f"{_label(namespace)}.{attr}")
+    if replaced:
+        raise CheckFailure(
+            "Your notebook replaced library functions that the checks rely on: "
+            + ", ".join(sorted(replaced))
+            + ". The originals have been restored. Remove the line that assigns to them "
+            "(e.g. `torch.allclose = ...`) and run the notebook again."
+        )
+
+
+_MISSING = object()
+
+
+class _FrozenModule(types.ModuleType):
+    """A module whose public names cannot be rebound after it was loaded."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("__") and name.endswith("__"):
+            super().__setattr__(name, value)
+            return
+        raise AttributeError(
+            f"{self.__name__}.{name} is read-only: the course's checks cannot be replaced."
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{self.__name__}.{name} is read-only: the course's checks cannot be removed.")
+
+
+def freeze_module(module_name: str) -> None:
+    """Make the public names of a loaded module read-only (called at the end of each check module).
+
+    Its submodules can still be imported, since importing sets them on the parent.
+    """
+    module = sys.modules[module_name]
+    module.__class__ = _FrozenModule
+
+
+# --------------------------------------------------------------------------------------
+# The "from scratch" guard
+# --------------------------------------------------------------------------------------
+
+
+def _torch_function_name(func: Any) -> str:
+    module = getattr(func, "__module__", None) or ""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    return f"{module}.{name}" if module else name
+
+
+# Built-ins that "from scratch" exercises must not call, by the names under which
+# PyTorch reports them to a TorchFunctionMode (however the student imported them).
+BUILTIN_NAMES = {
+    "scaled_dot_product_attention": ("scaled_dot_product_attention",),
+    "multi_head_attention_forward": ("multi_head_attention_forward",),
+    "rms_norm": ("rms_norm",),
+    "layer_norm": ("layer_norm",),
+}
+
+
+class _Tripwire(TorchFunctionMode):
+    """Raises as soon as the student's code calls a forbidden PyTorch function."""
+
+    def __init__(self, forbidden: Sequence[str], exercise: str, any_torch: bool):
+        super().__init__()
+        self.forbidden = tuple(forbidden)
+        self.exercise = exercise
+        self.any_torch = any_torch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _torch_function_name(func)
+        short = name.rsplit(".", 1)[-1]
+        if self.any_torch:
+            raise CheckFailure(
+                f"{self.exercise} must be written with NumPy only, but your code called "
+                f"torch ({name}). Convert nothing to torch: use np.* functions and the @ operator."
+            )
+        if short in self.forbidden:
+            raise CheckFailure(
+                f"{self.exercise} is a from-scratch exercise, but your code called the built-in "
+                f"{short}() that it is compared with. Write it with ordinary tensor operations "
+                f"(matmul, softmax, masked_fill, ...)."
+            )
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def from_scratch(exercise: str, forbidden: Sequence[str] = (), numpy_only: bool = False) -> Iterator[None]:
+    """Inside this block, calling a forbidden built-in (or, with ``numpy_only``, any torch
+    function) raises a :class:`CheckFailure` that names it.
+
+    nn.MultiheadAttention calls ``multi_head_attention_forward``; nn.RMSNorm calls
+    ``rms_norm``: forbidding the functional form catches the module form too.
+    """
+    with _Tripwire(forbidden, exercise, numpy_only):
+        yield
+
+
+# --------------------------------------------------------------------------------------
+# Calling the student's code
+# --------------------------------------------------------------------------------------
+
+
+def call_student(
+    fn: Callable,
+    *args: Any,
+    call: str,
+    forbidden: Sequence[str] = (),
+    numpy_only: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Call the student's ``fn``; turn any exception into a message that names the call.
+
+    ``call`` is how the call reads in the message, e.g. ``"split_heads(x, num_heads=4)
+    with x of shape [2, 5, 32]"``.
+    """
+    exercise = getattr(fn, "__name__", None) or type(fn).__name__
+    try:
+        with from_scratch(exercise, forbidden, numpy_only):
+            return fn(*args, **kwargs)
+    except CheckFailure:
+        raise
+    except NotImplementedError as error:
+        raise CheckFailure(
+            f"{call}: not implemented yet ({error}). Replace `raise NotImplementedError` with your code."
+        ) from None
+    except Exception as error:  # any other bug in the answer: say where it broke
+        raise CheckFailure(f"{call} raised {type(error).__name__}: {error}") from error
+
+
+# --------------------------------------------------------------------------------------
+# Contract
+# --------------------------------------------------------------------------------------
+
+
+def expect_callable(obj: Any, name: str) -> None:
+    if obj is None or not callable(obj):
+        raise CheckFailure(f"{name} should be a function or class, got {describe(obj)}.")
+
+
+def expect_signature(fn: Callable, name: str, parameters: Sequence[str]) -> None:
+    """The leading parameters must be named as in the exercise (other tools call them by name)."""
+    expect_callable(fn, name)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return
+    actual = [p.name for p in signature.parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if actual[: len(parameters)] != list(parameters):
+        raise CheckFailure(
+            f"{name} should take the parameters ({', '.join(parameters)}), "
+            f"but it takes ({', '.join(actual)}). Keep the signature given in the exercise."
+        )
+
+
+def expect_tensor(
+    value: Any,
+    *,
+    what: str,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    hints: Mapping[tuple[int, ...], str] | None = None,
+) -> torch.Tensor:
+    """Contract of a returned tensor: type, then exact shape, dtype and device.
+
+    ``hints`` maps wrong shapes that a known mistake produces to the hint for it.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise CheckFailure(f"{what} should be a torch.Tensor, got {describe(value)}.")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        message = f"{what} should have shape {shape_str(shape)}, got {shape_str(value.shape)}."
+        hint = (hints or {}).get(tuple(value.shape))
+        if hint:
+            message += f"\n  Likely mistake: {hint}"
+        elif value.numel() == math.prod(shape):
+            message += " (same number of elements: check the order of axes, not only the count)"
+        raise CheckFailure(message)
+    if dtype is not None and value.dtype != dtype:
+        raise CheckFailure(
+            f"{what} should keep the input dtype {dtype}, got {value.dtype}. "
+            "Do not call .float()/.double() on the result; compute in the input's dtype."
+        )
+    if device is not None and value.device.type != torch.device(device).type:
+        raise CheckFailure(
+            f"{what} should be on {torch.device(device).type} like its inputs, got {value.device.type}. "
+            "Create new tensors with device=x.device."
+        )
+    return value
+
+
+def expect_array(value: Any, *, what: str, shape: Sequence[int] | None = None,
+                 dtype: Any = None, hints: Mapping[tuple[int, ...], str] | None = None) -> np.ndarray:
+    """Contract of a returned NumPy array (type, exact shape, dtype)."""
+    if isinstance(value, torch.Tensor):
+        raise CheckFailure(f"{what} should be a NumPy array, got a torch tensor. Use NumPy only.")
+    if not isinstance(value, np.ndarray):
+        raise CheckFailure(f"{what} should be a NumPy ndarray, got {describe(value)}.")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        message = f"{what} should have shape {shape_str(shape)}, got {shape_str(value.shape)}."
+        hint = (hints or {}).get(tuple(value.shape))
+        if hint:
+            message += f"\n  Likely mistake: {hint}"
+        raise CheckFailure(message)
+    if dtype is not None and value.dtype != np.dtype(dtype):
+        raise CheckFailure(f"{what} should have dtype {np.dtype(dtype)}, got {value.dtype}.")
+    return value
+
+
+def expect_true(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckFailure(message)
+
+
+# --------------------------------------------------------------------------------------
+# Numbers and diagnosis
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A known wrong answer: what it computes and the hint to give when it matches."""
+
+    output: Any  # tensor / array, or a zero-argument callable producing one (lazy)
+    hint: str
+
+
+def _as_float64_tensor(value: Any) -> torch.Tensor:
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.asarray(value, dtype=np.float64))
+    return value.detach().to(device="cpu", dtype=torch.float64)
+
+
+def _close_mask(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    both_inf = torch.isinf(actual) & torch.isinf(expected) & (torch.sign(actual) == torch.sign(expected))
+    both_nan = torch.isnan(actual) & torch.isnan(expected)
+    near = (actual - expected).abs() <= atol + rtol * expected.abs()
+    return near | both_inf | both_nan
+
+
+def diagnose(actual: Any, variants: Sequence[Variant], rtol: float, atol: float) -> str | None:
+    """The hint of the first known wrong variant that the output matches, if any."""
+    got = _as_float64_tensor(actual)
+    for variant in variants:
+        output = variant.output() if callable(variant.output) else variant.output
+        if output is None:
+            continue
+        candidate = _as_float64_tensor(output)
+        if candidate.shape == got.shape and bool(_close_mask(got, candidate, rtol * 10, atol * 10).all()):
+            return variant.hint
+    return None
+
+
+def expect_close(
+    actual: Any,
+    expected: Any,
+    *,
+    what: str,
+    against: str,
+    variants: Sequence[Variant] = (),
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> float:
+    """Values of ``actual`` must match ``expected`` within the tolerance of actual's dtype/device.
+
+    ``expected`` is computed in float64. On failure the message gives the largest error,
+    where it is, both values there, the tolerance, and -- if the output matches a known
+    wrong variant -- the likely mistake. Returns the largest absolute error.
+    """
+    if isinstance(actual, torch.Tensor):
+        default_rtol, default_atol = tolerance(actual.dtype, actual.device)
+    else:
+        default_rtol, default_atol = tolerance(np.asarray(actual).dtype)
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    got = _as_float64_tensor(actual)
+    want = _as_float64_tensor(expected)
+    if got.shape != want.shape:
+        raise CheckFailure(f"{what} should have shape {shape_str(want.shape)}, got {shape_str(got.shape)}.")
+    close = _close_mask(got, want, rtol, atol)
+    error = torch.where(close, torch.zeros_like(got), (got - want).abs().nan_to_num(math.inf))
+    if bool(close.all()):
+        finite = (got - want).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        return float(finite.max()) if finite.numel() else 0.0
+    flat_index = int(torch.argmax(error.flatten()))
+    index = tuple(int(i) for i in np.unravel_index(flat_index, tuple(got.shape))) if got.dim() else ()
+    bad_count = int((~close).sum())
+    message = (
+        f"{what} does not match {against}: {bad_count} of {got.numel()} values are off.\n"
+        f"  Largest error at index {index}: got {float(got[index]):.6g}, expected {float(want[index]):.6g} "
+        f"(tolerance: atol={atol:g}, rtol={rtol:g})."
+    )
+    if torch.isnan(got).any() and not torch.isnan(want).any():
+        message += "\n  Your output contains NaN: look for 0/0 (e.g. a softmax row that is entirely masked or overflowed)."
+    hint = diagnose(actual, variants, rtol, atol)
+    if hint:
+        message += f"\n  Likely mistake: {hint}"
+    raise CheckFailure(message)
+
+
+# --------------------------------------------------------------------------------------
+# Randomness for property checks
+# --------------------------------------------------------------------------------------
+
+
+def random_generator(seed: int) -> torch.Generator:
+    """A private CPU generator: checks never disturb the notebook's own random state."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
+
+
+def randn(*shape: int, generator: torch.Generator, dtype=torch.float64, device="cpu") -> torch.Tensor:
+    """Normal samples drawn on the CPU (so every device sees the same numbers), then moved."""
+    return torch.randn(*shape, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def randint(low: int, high: int, generator: torch.Generator) -> int:
+    """One integer in [low, high]."""
+    return int(torch.randint(low, high + 1, (1,), generator=generator))
+
+
+# --------------------------------------------------------------------------------------
+# The wrapper every check goes through
+# --------------------------------------------------------------------------------------
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """The device a check runs the student's code on: the course's device unless given."""
+    from attention_lab.device import pick_device
+
+    return pick_device() if device is None else torch.device(device)
+
+
+def check(summary: str) -> Callable[[Callable], Callable]:
+    """Decorator for a check function ``check_<name>(answer, *, seed=0, device=None, ...)``.
+
+    ``summary`` is the line printed when every layer passes; it may use the check's
+    keyword arguments, e.g. ``"split_heads: shapes, values and round trip ({device})"``.
+    """
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(answer: Any, *args: Any, quiet: bool = False, **kwargs: Any) -> None:
+            verify_untampered()
+            kwargs["device"] = resolve_device(kwargs.get("device"))
+            with pinned_numerics(), torch.random.fork_rng(devices=[]):
+                function(answer, *args, **kwargs)
+            if not quiet:
+                print("✓ " + summary.format(**{**kwargs, "device": kwargs["device"].type}))
+
+        return wrapper
+
+    return decorate

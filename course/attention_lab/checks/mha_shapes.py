@@ -1,0 +1,584 @@
+"""Checks for notebook 01 -- multi-head attention, shape by shape.
+
+References come from PyTorch itself (``F.scaled_dot_product_attention`` on the math
+backend, ``nn.MultiheadAttention``) or from definitions written differently from the
+idiomatic answer (slicing instead of view/permute), computed in float64 at check time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from attention_lab.checking import (
+    CheckFailure,
+    Variant,
+    call_student,
+    check,
+    describe,
+    expect_close,
+    expect_signature,
+    expect_tensor,
+    expect_true,
+    freeze_module,
+    randint,
+    randn,
+    random_generator,
+    reference_sdpa,
+    shape_str,
+)
+
+ATTENTION_BUILTINS = ("scaled_dot_product_attention", "multi_head_attention_forward")
+
+# --------------------------------------------------------------------------------------
+# References (definitions, not the idiomatic answers)
+# --------------------------------------------------------------------------------------
+
+
+def _heads_by_slicing(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Head h holds features h*d ... (h+1)*d - 1 of every token: [B, S, D] -> [B, H, S, d]."""
+    d_head = x.shape[-1] // num_heads
+    return torch.stack([x[..., h * d_head:(h + 1) * d_head] for h in range(num_heads)], dim=1)
+
+
+def _concatenate_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, d] -> [B, S, H*d] by concatenating the heads' features."""
+    return torch.cat([x[:, h] for h in range(x.shape[1])], dim=-1)
+
+
+def _weights_via_sdpa(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None):
+    """Attention weights from PyTorch: SDPA with V = identity returns the weight matrix itself."""
+    s_k = k.shape[-2]
+    identity = torch.eye(s_k, dtype=q.dtype, device=q.device).expand(*k.shape[:-2], s_k, s_k)
+    return reference_sdpa(q, k, identity, attn_mask=mask, scale=scale)
+
+
+def _softmax_rows(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(scores, dim=dim)
+
+
+def _mask_description(mask: torch.Tensor | None) -> str:
+    return "no mask" if mask is None else f"a boolean mask of shape {shape_str(mask.shape)}"
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: split_heads
+# --------------------------------------------------------------------------------------
+
+SPLIT_HEADS_HINTS = {
+    "view_no_permute": "you reshaped to [B, S, H, d_head] but did not move the head axis in front "
+    "of the sequence axis: add .permute(0, 2, 1, 3) (or .transpose(1, 2)).",
+    "reshape_only": "you reshaped straight to [B, H, S, d_head]. The shape is right but the numbers "
+    "are scrambled: reshape reads memory in order, so 'heads' would cut across tokens. First "
+    "view as [B, S, H, d_head] (split the feature axis), then permute.",
+    "strided": "your heads take every H-th feature (view as [B, S, d_head, H]); head h must take "
+    "the contiguous block of features h*d_head ... (h+1)*d_head - 1.",
+}
+
+
+def _split_heads_variants(x: torch.Tensor, num_heads: int) -> list[Variant]:
+    b, s, d_model = x.shape
+    d_head = d_model // num_heads
+    return [
+        Variant(lambda: x.reshape(b, num_heads, s, d_head), SPLIT_HEADS_HINTS["reshape_only"]),
+        Variant(lambda: x.reshape(b, s, d_head, num_heads).permute(0, 3, 1, 2), SPLIT_HEADS_HINTS["strided"]),
+    ]
+
+
+def _check_split_heads_once(split_heads: Callable, x: torch.Tensor, num_heads: int, name: str) -> torch.Tensor:
+    b, s, d_model = x.shape
+    d_head = d_model // num_heads
+    call = f"{name}(x, num_heads={num_heads}) with x a {describe(x)}"
+    out = call_student(split_heads, x, num_heads, call=call)
+    expect_tensor(out, what=call, shape=(b, num_heads, s, d_head), dtype=x.dtype, device=x.device,
+                  hints={(b, s, num_heads, d_head): SPLIT_HEADS_HINTS["view_no_permute"]})
+    expect_close(out, _heads_by_slicing(x, num_heads), what=call,
+                 against="head h = features h*d_head ... (h+1)*d_head - 1 of every token",
+                 variants=_split_heads_variants(x, num_heads))
+    return out
+
+
+def _expect_value_error(fn: Callable, args: tuple, call: str, must_mention: tuple[int, ...]) -> None:
+    try:
+        fn(*args)
+    except ValueError as error:
+        text = str(error)
+        missing = [str(n) for n in must_mention if str(n) not in text]
+        expect_true(not missing, f"{call} raised ValueError, but its message {text!r} should name "
+                    f"{' and '.join(str(n) for n in must_mention)} so the caller knows what went wrong.")
+        return
+    except NotImplementedError:
+        raise CheckFailure(f"{call}: not implemented yet.") from None
+    except Exception as error:
+        raise CheckFailure(f"{call} should raise ValueError naming D and H, but raised "
+                           f"{type(error).__name__}: {error}") from None
+    raise CheckFailure(f"{call} should raise ValueError (D is not divisible by H), but it returned normally.")
+
+
+def _check_split_heads(split_heads: Callable, *, seed: int, device: torch.device, name: str) -> None:
+    expect_signature(split_heads, name, ["x", "num_heads"])
+    generator = random_generator(seed)
+    # Contract and numbers: float64 ground truth, then the course's device in float32.
+    for dtype in (torch.float64, torch.float32):
+        x = randn(2, 5, 12, generator=generator, dtype=dtype, device=device)
+        _check_split_heads_once(split_heads, x, 3, name)
+    # Edge cases: one head, one token, a non-contiguous input (a transposed [S, B, D] tensor).
+    _check_split_heads_once(split_heads, randn(1, 1, 6, generator=generator, device=device), 1, name)
+    _check_split_heads_once(split_heads, randn(3, 1, 8, generator=generator, device=device), 4, name)
+    x_transposed = randn(7, 2, 16, generator=generator, device=device).transpose(0, 1)
+    _check_split_heads_once(split_heads, x_transposed, 4, name)
+    # Properties on random sizes.
+    for _ in range(8):
+        b, s, h, d = (randint(1, 3, generator), randint(1, 9, generator),
+                      randint(1, 6, generator), randint(1, 5, generator))
+        _check_split_heads_once(split_heads, randn(b, s, h * d, generator=generator, device=device), h, name)
+    _expect_value_error(split_heads, (randn(2, 3, 10, generator=generator, device=device), 4),
+                        f"{name}(x, num_heads=4) with D = 10", must_mention=(10, 4))
+
+
+@check("split_heads: shapes, values, edge cases and the D % H error ({device})")
+def check_split_heads(split_heads: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """split_heads: [B, S, D] -> [B, H, S, D//H], head h = features h*d ... (h+1)*d - 1."""
+    _check_split_heads(split_heads, seed=seed, device=device, name="split_heads")
+
+
+@check("split_heads_einops: written with einops.rearrange, same result as split_heads ({device})")
+def check_split_heads_einops(split_heads_einops: Callable, *, seed: int = 0,
+                             device: torch.device | None = None) -> None:
+    """split_heads_einops: the same contract as split_heads, and it really uses einops.rearrange."""
+    import einops.einops as einops_module
+
+    calls = []
+    original_reduce = einops_module.reduce
+
+    def counting_reduce(tensor, pattern, reduction, **axes_lengths):
+        calls.append(reduction)
+        return original_reduce(tensor, pattern, reduction, **axes_lengths)
+
+    # rearrange() looks up einops.einops.reduce at call time, however it was imported.
+    vars(einops_module)["reduce"] = counting_reduce
+    try:
+        call_student(split_heads_einops, randn(1, 2, 4, generator=random_generator(seed), device=device), 2,
+                     call="split_heads_einops(x, num_heads=2)")
+    finally:
+        vars(einops_module)["reduce"] = original_reduce
+    expect_true("rearrange" in calls, "split_heads_einops should be written with einops.rearrange "
+                "(e.g. rearrange(x, 'b s (h d) -> b h s d', h=num_heads)), but it never called it.")
+    _check_split_heads(split_heads_einops, seed=seed, device=device, name="split_heads_einops")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: merge_heads
+# --------------------------------------------------------------------------------------
+
+MERGE_HEADS_HINTS = {
+    "reshape_only": "you reshaped [B, H, S, d] straight to [B, S, H*d]. Move the head axis back "
+    "next to the features first: .transpose(1, 2) (or .permute(0, 2, 1, 3)), then flatten.",
+    "not_contiguous": "after permute/transpose the tensor is not contiguous, so .view cannot "
+    "flatten it: call .contiguous() before .view, or use .reshape (which copies only if needed).",
+}
+
+
+def _check_merge_heads_once(merge_heads: Callable, x: torch.Tensor) -> None:
+    b, h, s, d = x.shape
+    call = f"merge_heads(x) with x a {describe(x)}"
+    try:
+        out = call_student(merge_heads, x, call=call)
+    except CheckFailure as failure:
+        if "view size is not compatible" in str(failure):
+            raise CheckFailure(f"{failure}\n  Likely mistake: {MERGE_HEADS_HINTS['not_contiguous']}") from None
+        raise
+    expect_tensor(out, what=call, shape=(b, s, h * d), dtype=x.dtype, device=x.device)
+    expect_close(out, _concatenate_heads(x), what=call, against="the heads' features concatenated per token",
+                 variants=[Variant(lambda: x.reshape(b, s, h * d), MERGE_HEADS_HINTS["reshape_only"])])
+
+
+@check("merge_heads: shapes, values and the round trip with split ({device})")
+def check_merge_heads(merge_heads: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """merge_heads: [B, H, S, d] -> [B, S, H*d], the inverse of split_heads."""
+    expect_signature(merge_heads, "merge_heads", ["x"])
+    generator = random_generator(seed)
+    for dtype in (torch.float64, torch.float32):
+        _check_merge_heads_once(merge_heads, randn(2, 3, 5, 4, generator=generator, dtype=dtype, device=device))
+    # What split_heads returns is a permuted view: merge_heads must accept it.
+    x = randn(2, 5, 12, generator=generator, device=device)
+    permuted = x.view(2, 5, 3, 4).permute(0, 2, 1, 3)
+    _check_merge_heads_once(merge_heads, permuted)
+    round_trip = call_student(merge_heads, permuted, call="merge_heads(split_heads(x, 3))")
+    expect_close(round_trip, x, what="merge_heads(split_heads(x, 3))", against="x (a round trip)")
+    for _ in range(8):
+        b, h, s, d = (randint(1, 3, generator), randint(1, 5, generator),
+                      randint(1, 7, generator), randint(1, 5, generator))
+        _check_merge_heads_once(merge_heads, randn(b, h, s, d, generator=generator, device=device))
+
+
+# --------------------------------------------------------------------------------------
+# Exercises: attention_weights and scaled_dot_product_attention
+# --------------------------------------------------------------------------------------
+
+ATTENTION_HINTS = {
+    "no_scale": "no 1/sqrt(d_head) scaling: divide the scores q @ k^T by math.sqrt(d_head) "
+    "(d_head = q.shape[-1]) before the softmax.",
+    "scale_by_d": "you divided by d_head; the scale is 1/sqrt(d_head).",
+    "wrong_axis": "softmax over the wrong axis: each query's weights over the keys must sum to 1, "
+    "so take the softmax over the last axis (dim=-1).",
+    "mask_flipped": "mask polarity flipped: in this course (as in F.scaled_dot_product_attention) "
+    "True means 'may attend'. Fill the positions where the mask is False with -inf.",
+    "no_transpose": "use k.transpose(-2, -1): the scores are q @ k^T, one row per query and one column per key.",
+    "mask_ignored": "the mask was ignored: positions where mask is False must get weight exactly 0.",
+}
+
+
+def _attention_variants(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> list[Variant]:
+    d_head = q.shape[-1]
+    scores = q @ k.transpose(-2, -1)
+    variants = [
+        Variant(lambda: _weights_via_sdpa(q, k, mask, scale=1.0), ATTENTION_HINTS["no_scale"]),
+        Variant(lambda: _weights_via_sdpa(q, k, mask, scale=1.0 / d_head), ATTENTION_HINTS["scale_by_d"]),
+    ]
+    if mask is None:
+        variants.append(Variant(lambda: _softmax_rows(scores / math.sqrt(d_head), dim=-2), ATTENTION_HINTS["wrong_axis"]))
+    else:
+        variants.append(Variant(lambda: _weights_via_sdpa(q, k, None), ATTENTION_HINTS["mask_ignored"]))
+        blocked = ~mask
+        if bool(blocked.any(dim=-1).all()) and bool((~blocked).any(dim=-1).all()):
+            # Only meaningful when the flipped mask leaves every row something to attend to.
+            variants.append(Variant(lambda: _weights_via_sdpa(q, k, blocked), ATTENTION_HINTS["mask_flipped"]))
+        masked_scores = (scores / math.sqrt(d_head)).masked_fill(~mask, float("-inf"))
+        variants.append(Variant(lambda: _softmax_rows(masked_scores, dim=-2).nan_to_num(0.0), ATTENTION_HINTS["wrong_axis"]))
+    return variants
+
+
+def _causal(s: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool, device=device).tril()
+
+
+def _attention_cases(generator: torch.Generator, device: torch.device):
+    """(q, k, v, mask) cases: float64 and float32, 3-D and 4-D, masks of several broadcast shapes."""
+    yield (randn(2, 3, 5, 8, generator=generator, device=device, dtype=torch.float64),
+           randn(2, 3, 5, 8, generator=generator, device=device, dtype=torch.float64),
+           randn(2, 3, 5, 6, generator=generator, device=device, dtype=torch.float64), None)
+    yield (randn(2, 3, 5, 8, generator=generator, device=device, dtype=torch.float32),
+           randn(2, 3, 7, 8, generator=generator, device=device, dtype=torch.float32),
+           randn(2, 3, 7, 6, generator=generator, device=device, dtype=torch.float32), None)
+    # A causal [S, S] mask broadcast over batch and heads.
+    yield (randn(2, 2, 6, 4, generator=generator, device=device),
+           randn(2, 2, 6, 4, generator=generator, device=device),
+           randn(2, 2, 6, 4, generator=generator, device=device), _causal(6, device))
+    # A padding mask [B, 1, 1, S_k]: the last two keys of the second sequence are padding.
+    padding = torch.ones(2, 1, 1, 5, dtype=torch.bool, device=device)
+    padding[1, ..., 3:] = False
+    yield (randn(2, 3, 4, 8, generator=generator, device=device),
+           randn(2, 3, 5, 8, generator=generator, device=device),
+           randn(2, 3, 5, 8, generator=generator, device=device), padding)
+    # 3-D inputs (no head axis) and a single token.
+    yield (randn(3, 4, 8, generator=generator, device=device), randn(3, 4, 8, generator=generator, device=device),
+           randn(3, 4, 2, generator=generator, device=device), None)
+    yield (randn(1, 1, 1, 16, generator=generator, device=device), randn(1, 1, 1, 16, generator=generator, device=device),
+           randn(1, 1, 1, 16, generator=generator, device=device), None)
+
+
+def _check_weights(weights: torch.Tensor, q, k, mask, call: str) -> None:
+    expected_shape = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
+    expect_tensor(weights, what=call, shape=expected_shape, dtype=q.dtype, device=q.device,
+                  hints={(*expected_shape[:-2], q.shape[-2], q.shape[-1]): ATTENTION_HINTS["no_transpose"]})
+    expect_close(weights, _weights_via_sdpa(q, k, mask), what=call,
+                 against="softmax(q @ k^T / sqrt(d_head)) from F.scaled_dot_product_attention",
+                 variants=_attention_variants(q, k, mask))
+    # Properties: every row sums to 1; masked positions get exactly zero weight.
+    row_error = (weights.double().sum(-1) - 1).abs()
+    if not bool((row_error < 1e-3).all()):
+        worst = float(weights.double().sum(-1).flatten()[row_error.argmax()])
+        raise CheckFailure(f"{call}: every row of the weights should sum to 1 (one probability "
+                           f"distribution per query), but a row sums to {worst:.4f}.")
+    if mask is not None:
+        leaked = weights.masked_select(~mask.expand_as(weights))
+        if not bool((leaked == 0).all()):
+            raise CheckFailure(f"{call}: positions where the mask is False must get weight exactly 0 "
+                               f"(fill their scores with -inf before the softmax), found {float(leaked.abs().max()):.3g}.")
+
+
+@check("attention_weights: softmax(q k^T / sqrt(d_head)) with masks, matches PyTorch ({device})")
+def check_attention_weights(attention_weights: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """attention_weights: shape [..., S_q, S_k], values, rows sum to 1, masked weights exactly 0, from scratch."""
+    expect_signature(attention_weights, "attention_weights", ["q", "k", "mask"])
+    generator = random_generator(seed)
+    for q, k, _v, mask in _attention_cases(generator, device):
+        call = f"attention_weights(q, k, mask) with q a {describe(q)}, k of shape {shape_str(k.shape)}, {_mask_description(mask)}"
+        weights = call_student(attention_weights, q, k, mask, call=call, forbidden=ATTENTION_BUILTINS)
+        _check_weights(weights, q, k, mask, call)
+    # Random sizes, causal: no query may put weight on a later key.
+    for _ in range(6):
+        b, h, s, d = (randint(1, 3, generator), randint(1, 4, generator),
+                      randint(1, 9, generator), randint(1, 16, generator))
+        q, k = (randn(b, h, s, d, generator=generator, device=device) for _ in range(2))
+        mask = _causal(s, device)
+        call = f"attention_weights(q, k, causal mask) with q, k of shape {shape_str(q.shape)}"
+        _check_weights(call_student(attention_weights, q, k, mask, call=call, forbidden=ATTENTION_BUILTINS),
+                       q, k, mask, call)
+
+
+@check("scaled_dot_product_attention: outputs and weights match F.scaled_dot_product_attention ({device})")
+def check_scaled_dot_product_attention(scaled_dot_product_attention: Callable, *, seed: int = 0,
+                                       device: torch.device | None = None) -> None:
+    """scaled_dot_product_attention: (out [..., S_q, d_v], weights), equal to PyTorch's SDPA, from scratch."""
+    expect_signature(scaled_dot_product_attention, "scaled_dot_product_attention", ["q", "k", "v", "mask"])
+    generator = random_generator(seed)
+    for q, k, v, mask in _attention_cases(generator, device):
+        call = (f"scaled_dot_product_attention(q, k, v, mask) with q a {describe(q)}, k {shape_str(k.shape)}, "
+                f"v {shape_str(v.shape)}, {_mask_description(mask)}")
+        result = call_student(scaled_dot_product_attention, q, k, v, mask, call=call, forbidden=ATTENTION_BUILTINS)
+        expect_true(isinstance(result, tuple) and len(result) == 2,
+                    f"{call} should return a tuple (out, weights), got {describe(result)}.")
+        out, weights = result
+        _check_weights(weights, q, k, mask, call + " -> weights")
+        expected_shape = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], v.shape[-1])
+        expect_tensor(out, what=call + " -> out", shape=expected_shape, dtype=q.dtype, device=q.device)
+        expect_close(out, reference_sdpa(q, k, v, attn_mask=mask), what=call + " -> out",
+                     against="F.scaled_dot_product_attention",
+                     variants=[Variant(lambda: reference_sdpa(q, k, v, attn_mask=mask, scale=1.0), ATTENTION_HINTS["no_scale"]),
+                               Variant(lambda: (weights.transpose(-2, -1) @ v) if q.shape[-2] == k.shape[-2] else None,
+                                       "multiply weights @ v (weights [S_q, S_k] times v [S_k, d_v]), not its transpose.")])
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: MultiHeadSelfAttention (and load_torch_mha_weights)
+# --------------------------------------------------------------------------------------
+
+MHSA_HINTS = {
+    "no_out_linear": "the output projection is missing: apply self.out_linear to the merged heads.",
+    "no_scale": "no 1/sqrt(d_head) scaling in the scores (d_head = embed_dim // num_heads, not embed_dim).",
+    "scale_by_model_width": "you scaled by 1/sqrt(embed_dim); the scale is 1/sqrt(d_head) = 1/sqrt(embed_dim // num_heads).",
+    "mask_flipped": "mask polarity flipped: True means 'may attend'.",
+}
+
+
+def _torch_mha_like(module: nn.Module, embed_dim: int, num_heads: int, bias: bool) -> nn.MultiheadAttention:
+    """nn.MultiheadAttention holding the student's module's weights (stacked q; k; v)."""
+    reference = nn.MultiheadAttention(embed_dim, num_heads, bias=bias, batch_first=True)
+    reference = reference.to(device=module.q_linear.weight.device, dtype=module.q_linear.weight.dtype)
+    with torch.no_grad():
+        reference.in_proj_weight.copy_(torch.cat([module.q_linear.weight, module.k_linear.weight, module.v_linear.weight]))
+        reference.out_proj.weight.copy_(module.out_linear.weight)
+        if bias:
+            reference.in_proj_bias.copy_(torch.cat([module.q_linear.bias, module.k_linear.bias, module.v_linear.bias]))
+            reference.out_proj.bias.copy_(module.out_linear.bias)
+    return reference
+
+
+def _torch_mha_reference(reference: nn.MultiheadAttention, x: torch.Tensor, mask: torch.Tensor | None):
+    # nn.MultiheadAttention's boolean attn_mask means True = *blocked*: the opposite of ours.
+    blocked = None if mask is None else ~mask
+    return reference(x, x, x, attn_mask=blocked, need_weights=True, average_attn_weights=False)
+
+
+def _mhsa_variants(module: nn.Module, x: torch.Tensor, mask, num_heads: int) -> list[Variant]:
+    d_model = x.shape[-1]
+    d_head = d_model // num_heads
+
+    def manual(scale: float, use_out: bool = True, flip: bool = False):
+        q, k, v = (_heads_by_slicing(linear(x), num_heads) for linear in (module.q_linear, module.k_linear, module.v_linear))
+        m = None if mask is None else (~mask if flip else mask)
+        context = _concatenate_heads(reference_sdpa(q, k, v, attn_mask=m, scale=scale))
+        return module.out_linear(context) if use_out else context
+
+    variants = [
+        Variant(lambda: manual(1 / math.sqrt(d_head), use_out=False), MHSA_HINTS["no_out_linear"]),
+        Variant(lambda: manual(1.0), MHSA_HINTS["no_scale"]),
+        Variant(lambda: manual(1 / math.sqrt(d_model)), MHSA_HINTS["scale_by_model_width"]),
+    ]
+    if mask is not None and bool((~mask).any(-1).all()):
+        variants.append(Variant(lambda: manual(1 / math.sqrt(d_head), flip=True), MHSA_HINTS["mask_flipped"]))
+    return variants
+
+
+def _build_module(cls: Callable, embed_dim: int, num_heads: int, bias: bool, device, dtype) -> nn.Module:
+    call = f"MultiHeadSelfAttention({embed_dim}, {num_heads}, bias={bias})"
+    module = call_student(cls, embed_dim, num_heads, bias=bias, call=call)
+    expect_true(isinstance(module, nn.Module), f"{call} should be an nn.Module, got {describe(module)}.")
+    for attr in ("q_linear", "k_linear", "v_linear", "out_linear"):
+        layer = getattr(module, attr, None)
+        expect_true(isinstance(layer, nn.Linear), f"{call} should have an attribute {attr} that is an nn.Linear, "
+                    f"got {describe(layer)}. The names are part of the contract (load_torch_mha_weights uses them).")
+        expect_true(tuple(layer.weight.shape) == (embed_dim, embed_dim),
+                    f"{call}.{attr}.weight should be [{embed_dim}, {embed_dim}], got {shape_str(layer.weight.shape)}.")
+        expect_true((layer.bias is not None) == bias, f"{call}.{attr} should {'have' if bias else 'have no'} bias.")
+    return module.to(device=device, dtype=dtype)
+
+
+def _check_mhsa_forward(module: nn.Module, x: torch.Tensor, mask, num_heads: int, label: str) -> None:
+    b, s, d_model = x.shape
+    reference = _torch_mha_like(module, d_model, num_heads, module.q_linear.bias is not None)
+    expected_out, expected_weights = _torch_mha_reference(reference, x, mask)
+    call = f"{label}(x{', mask' if mask is not None else ''}) with x a {describe(x)}, {_mask_description(mask)}"
+    out = call_student(module, x, mask, call=call, forbidden=ATTENTION_BUILTINS)
+    expect_tensor(out, what=call, shape=(b, s, d_model), dtype=x.dtype, device=x.device)
+    expect_close(out, expected_out, what=call, against="nn.MultiheadAttention with the same weights",
+                 variants=_mhsa_variants(module, x, mask, num_heads))
+    call_weights = call + " with return_weights=True"
+    result = call_student(module, x, mask, return_weights=True, call=call_weights, forbidden=ATTENTION_BUILTINS)
+    expect_true(isinstance(result, tuple) and len(result) == 2,
+                f"{call_weights} should return (out, weights), got {describe(result)}.")
+    expect_tensor(result[1], what=call_weights + " -> weights", shape=(b, num_heads, s, s), dtype=x.dtype, device=x.device,
+                  hints={(b, s, s): "return the weights of every head, [B, H, S, S]; do not average over heads."})
+    expect_close(result[1], expected_weights, what=call_weights + " -> weights",
+                 against="nn.MultiheadAttention's per-head weights (average_attn_weights=False)")
+
+
+@check("MultiHeadSelfAttention: attributes, output and weights match nn.MultiheadAttention; equivariance and causality ({device})")
+def check_multi_head_self_attention(MultiHeadSelfAttention: Callable, *, seed: int = 0,
+                                    device: torch.device | None = None) -> None:
+    """MultiHeadSelfAttention: contract, numbers against nn.MultiheadAttention, properties, from scratch."""
+    expect_signature(MultiHeadSelfAttention, "MultiHeadSelfAttention", ["embed_dim", "num_heads", "bias"])
+    generator = random_generator(seed)
+    torch.manual_seed(seed)  # the student's nn.Linear initialisation (the RNG is restored afterwards)
+    for dtype, bias in ((torch.float64, True), (torch.float32, True), (torch.float64, False)):
+        module = _build_module(MultiHeadSelfAttention, 16, 4, bias, device, dtype)
+        x = randn(2, 5, 16, generator=generator, dtype=dtype, device=device)
+        _check_mhsa_forward(module, x, None, 4, "MultiHeadSelfAttention(16, 4)")
+        _check_mhsa_forward(module, x, _causal(5, device), 4, "MultiHeadSelfAttention(16, 4)")
+    # Properties on random sizes: permutation equivariance without a mask; causality with one.
+    for _ in range(4):
+        h, d, s = randint(1, 4, generator), randint(1, 4, generator), randint(2, 7, generator)
+        module = _build_module(MultiHeadSelfAttention, h * d, h, True, device, torch.float64)
+        x = randn(2, s, h * d, generator=generator, device=device)
+        label = f"MultiHeadSelfAttention({h * d}, {h})"
+        _check_mhsa_forward(module, x, None, h, label)
+        permutation = torch.randperm(s, generator=generator).to(device)
+        out = call_student(module, x, call=label + "(x)", forbidden=ATTENTION_BUILTINS)
+        out_permuted = call_student(module, x[:, permutation], call=label + "(x permuted)", forbidden=ATTENTION_BUILTINS)
+        expect_close(out_permuted, out[:, permutation], what=f"{label} on tokens permuted by {permutation.tolist()}",
+                     against="the original outputs permuted the same way (self-attention is permutation-equivariant)")
+        changed = x.clone()
+        changed[:, -1] += 1.0
+        mask = _causal(s, device)
+        before = call_student(module, x, mask, call=label + "(x, causal)", forbidden=ATTENTION_BUILTINS)
+        after = call_student(module, changed, mask, call=label + "(x, causal)", forbidden=ATTENTION_BUILTINS)
+        expect_close(after[:, :-1], before[:, :-1], what=f"{label} with a causal mask after changing the last token",
+                     against="the outputs of the earlier tokens (a causal mask lets no future token influence the past)")
+
+
+@check("load_torch_mha_weights: parameters copied from in_proj_weight/bias and out_proj; outputs then match ({device})")
+def check_load_torch_mha_weights(load_torch_mha_weights: Callable, MultiHeadSelfAttention: Callable, *,
+                                 seed: int = 0, device: torch.device | None = None) -> None:
+    """load_torch_mha_weights: copies stacked q;k;v weights into q/k/v_linear; module then equals nn.MultiheadAttention."""
+    expect_signature(load_torch_mha_weights, "load_torch_mha_weights", ["module", "torch_mha"])
+    generator = random_generator(seed)
+    torch.manual_seed(seed)
+    for bias in (True, False):
+        embed_dim, num_heads = 12, 3
+        torch_mha = nn.MultiheadAttention(embed_dim, num_heads, bias=bias, batch_first=True).to(device, torch.float64)
+        with torch.no_grad():  # biases start at zero in PyTorch: make them count
+            for parameter in torch_mha.parameters():
+                parameter.copy_(randn(*parameter.shape, generator=generator, device=device) * 0.3)
+        module = _build_module(MultiHeadSelfAttention, embed_dim, num_heads, bias, device, torch.float64)
+        call = f"load_torch_mha_weights(module, torch_mha) with embed_dim={embed_dim}, bias={bias}"
+        returned = call_student(load_torch_mha_weights, module, torch_mha, call=call)
+        expect_true(returned is None, f"{call} should modify module in place and return None, got {describe(returned)}.")
+        stacked_weight = torch_mha.in_proj_weight.detach()
+        names = ("q_linear", "k_linear", "v_linear")
+        for index, name in enumerate(names):
+            layer = getattr(module, name)
+            expect_true(isinstance(layer.weight, nn.Parameter), f"after {call}, module.{name}.weight should still be "
+                        "an nn.Parameter: copy into it with .copy_() under torch.no_grad().")
+            block = stacked_weight[index * embed_dim:(index + 1) * embed_dim]
+            others = [stacked_weight[j * embed_dim:(j + 1) * embed_dim] for j in range(3) if j != index]
+            expect_close(layer.weight, block, what=f"module.{name}.weight after {call}",
+                         against=f"rows {index * embed_dim}..{(index + 1) * embed_dim - 1} of in_proj_weight (stacked q; k; v)",
+                         variants=[Variant(block.T, "nn.Linear stores weight as [out, in] like in_proj_weight: copy the block as it is, do not transpose it.")]
+                         + [Variant(o, "wrong block of in_proj_weight: rows are stacked in the order q, k, v.") for o in others])
+            if bias:
+                expect_close(layer.bias, torch_mha.in_proj_bias[index * embed_dim:(index + 1) * embed_dim],
+                             what=f"module.{name}.bias after {call}", against="the matching slice of in_proj_bias")
+        expect_close(module.out_linear.weight, torch_mha.out_proj.weight, what=f"module.out_linear.weight after {call}",
+                     against="torch_mha.out_proj.weight")
+        with torch.no_grad():
+            torch_mha.in_proj_weight.add_(1.0)
+        expect_true(not torch.equal(module.q_linear.weight, torch_mha.in_proj_weight[:embed_dim]),
+                    f"after {call}, module.q_linear.weight shares memory with torch_mha.in_proj_weight: changing one "
+                    "changes the other. Copy the values (param.copy_(...)) instead of assigning a slice.")
+        with torch.no_grad():
+            torch_mha.in_proj_weight.sub_(1.0)
+        x = randn(2, 4, embed_dim, generator=generator, device=device)
+        expected, _ = torch_mha(x, x, x, need_weights=False)
+        out = call_student(module, x, call="MultiHeadSelfAttention(x) after loading", forbidden=ATTENTION_BUILTINS)
+        expect_close(out, expected, what="your MultiHeadSelfAttention's output after load_torch_mha_weights",
+                     against="torch_mha(x, x, x) (the weights were copied right, so check MultiHeadSelfAttention itself)")
+
+
+# --------------------------------------------------------------------------------------
+# Exercises: the shape table and the parameter count
+# --------------------------------------------------------------------------------------
+
+SHAPE_KEYS = ("input", "q", "q_heads", "scores", "weights", "context_heads", "context", "output")
+
+
+def _traced_shapes(B: int, S: int, D: int, H: int) -> dict[str, tuple[int, ...]]:
+    """The shapes, read off a real forward pass through PyTorch's modules (not typed in)."""
+    x = torch.zeros(B, S, D)
+    q = nn.Linear(D, D)(x)
+    q_heads = _heads_by_slicing(q, H)
+    scores = q_heads @ q_heads.transpose(-2, -1)
+    weights = torch.softmax(scores, dim=-1)
+    context_heads = weights @ q_heads
+    context = _concatenate_heads(context_heads)
+    output = nn.Linear(D, D)(context)
+    values = (x, q, q_heads, scores, weights, context_heads, context, output)
+    return {key: tuple(value.shape) for key, value in zip(SHAPE_KEYS, values)}
+
+
+@check("mha_shapes: the shape table matches a real forward pass")
+def check_mha_shapes(mha_shapes: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """mha_shapes: a dict of tuples with the seed's eight rows, for any B, S, D, H."""
+    expect_signature(mha_shapes, "mha_shapes", ["B", "S", "D", "H"])
+    generator = random_generator(seed)
+    cases = [(2, 197, 768, 12), (8, 5, 16, 4)] + [
+        (randint(1, 9, generator), randint(1, 50, generator), 0, randint(1, 12, generator)) for _ in range(5)]
+    for B, S, D, H in cases:
+        D = D or H * randint(1, 16, generator)
+        call = f"mha_shapes(B={B}, S={S}, D={D}, H={H})"
+        table = call_student(mha_shapes, B, S, D, H, call=call)
+        expect_true(isinstance(table, dict), f"{call} should return a dict, got {describe(table)}.")
+        missing = [key for key in SHAPE_KEYS if key not in table]
+        extra = [key for key in table if key not in SHAPE_KEYS]
+        expect_true(not missing and not extra, f"{call} should have exactly the keys {list(SHAPE_KEYS)}; "
+                    f"missing {missing}, unexpected {extra}.")
+        expected = _traced_shapes(B, S, D, H)
+        for key in SHAPE_KEYS:
+            value = table[key]
+            expect_true(isinstance(value, tuple) and all(isinstance(n, int) for n in value),
+                        f"{call}[{key!r}] should be a tuple of ints like {expected[key]}, got {value!r}.")
+            hint = ""
+            if key in ("scores", "weights") and value == (B, H, S, D // H):
+                hint = " Scores compare every query with every key: the last two axes are [S, S]."
+            elif key in ("q_heads", "context_heads") and value == (B, S, H, D // H):
+                hint = " After the permute the head axis comes before the sequence axis."
+            expect_true(tuple(value) == expected[key], f"{call}[{key!r}] should be {expected[key]}, got {tuple(value)}.{hint}")
+
+
+@check("mha_parameter_count: 4·D² weights (+ 4·D biases), as nn.MultiheadAttention counts them")
+def check_mha_parameter_count(mha_parameter_count: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """mha_parameter_count: equals the number of parameters of nn.MultiheadAttention(D, H, bias=...)."""
+    expect_signature(mha_parameter_count, "mha_parameter_count", ["D", "bias"])
+    generator = random_generator(seed)
+    for D in (768, 16, 1, randint(2, 300, generator)):
+        for bias in (True, False):
+            call = f"mha_parameter_count({D}, bias={bias})"
+            count = call_student(mha_parameter_count, D, bias=bias, call=call)
+            expected = sum(p.numel() for p in nn.MultiheadAttention(D, 1, bias=bias, device="meta").parameters())
+            expect_true(isinstance(count, int) and not isinstance(count, bool),
+                        f"{call} should return an int, got {describe(count)}.")
+            hint = ""
+            if count == 3 * D * D + (3 * D if bias else 0):
+                hint = " You counted W_q, W_k and W_v but not the output projection W_o."
+            elif bias and count == 4 * D * D:
+                hint = " With bias=True each of the four projections also has D biases."
+            elif bias and count == 4 * D * D + D:
+                hint = " Each of the four projections has its own D biases: 4·D, not D."
+            expect_true(count == expected, f"{call} should be {expected:,}, got {count!r}.{hint}")
+
+
+freeze_module(__name__)

@@ -1,0 +1,541 @@
+# %% [markdown]
+# # 01 — Multi-head attention, shape by shape
+#
+# You will build multi-head self-attention from `nn.Linear`, `view`, `permute`, `matmul`
+# and `softmax`, one shape at a time, and prove that it computes exactly what PyTorch's
+# `nn.MultiheadAttention` computes. About an hour.
+#
+# **Notation** (used in every notebook): `B` batch, `S` sequence length (tokens), `D` model
+# width, `H` heads, `d_head = D // H`. Shapes are written `[B, H, S, d_head]`.
+#
+# **Masks** are boolean with **True = may attend** (the convention of
+# `F.scaled_dot_product_attention`). Careful: `nn.MultiheadAttention` uses the opposite
+# meaning (True = blocked); exercise 1.7 meets it.
+#
+# After each exercise, run the check cell below it: it tells you, with shapes and numbers,
+# whether your answer is right and what you most likely got wrong.
+
+# %%
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# %% [markdown]
+# ## 1. Projections: one token in, three views of it out
+#
+# Self-attention starts by projecting every token `x` (a row of `D` features) three times:
+# the **query** (what this token looks for), the **key** (what it offers to others) and the
+# **value** (what it hands over when attended to). Each is an `nn.Linear(D, D)`, applied to
+# every token of every sequence at once:
+
+# %%
+B, S, D, H = 2, 5, 12, 3
+x = torch.randn(B, S, D, device=device)
+q_linear = nn.Linear(D, D).to(device)
+Q = q_linear(x)
+print("x:", tuple(x.shape), "-> Q:", tuple(Q.shape))
+print("nn.Linear stores its weight as [out, in]:", tuple(q_linear.weight.shape), "so Q = x @ W.T + b")
+assert torch.allclose(Q, x @ q_linear.weight.T + q_linear.bias, atol=1e-6)
+
+# %% [markdown]
+# Note that every feature of `Q` is a combination of **all** `D` features of the token. When
+# we split `Q` into heads next, each head gets its own `d_head` columns of the *projected*
+# `Q`, but each of those columns was computed from the whole token. (A common explanation
+# says "each head sees only a slice of the token's features": that is not so.)
+
+# %% [markdown]
+# ### Exercise 1.1 — split_heads (2 pts, ~10 min)
+#
+# Split the last axis of `[B, S, D]` into `H` heads of `d_head = D // H` features and move the
+# head axis in front of the sequence axis: `[B, S, D] -> [B, S, H, d_head] -> [B, H, S, d_head]`.
+# Head `h` must hold features `h*d_head ... (h+1)*d_head - 1` of every token.
+#
+# Use `view` (reinterpret the same memory with a new shape, no copy) and then `permute`.
+# If `D` is not divisible by `H`, raise a `ValueError` that names `D` and `H`.
+
+# %% answer="split_heads"
+def split_heads(x, num_heads):
+    """Split the feature axis into heads.
+
+    x: [B, S, D]  ->  [B, H, S, D // H]   (H = num_heads)
+
+    Example: x of shape [2, 5, 12] with num_heads=3 gives [2, 3, 5, 4], and
+    split_heads(x, 3)[0, 1, 0] equals x[0, 0, 4:8].
+    Raises ValueError if D is not divisible by num_heads.
+    """
+    ### BEGIN SOLUTION
+    batch, seq_len, d_model = x.shape
+    if d_model % num_heads != 0:
+        raise ValueError(f"D = {d_model} is not divisible by H = {num_heads}")
+    d_head = d_model // num_heads
+    return x.view(batch, seq_len, num_heads, d_head).permute(0, 2, 1, 3)  # [B, H, S, d_head]
+    ### END SOLUTION
+
+
+# %%
+Q_heads = split_heads(Q, H)
+print("Q:", tuple(Q.shape), "-> Q_heads:", tuple(Q_heads.shape))
+
+# %% test="test_split_heads" points=2
+"""split_heads: [B, S, D] -> [B, H, S, D//H], values, edge cases (H=1, S=1, non-contiguous) and the ValueError."""
+from attention_lab.checks.mha_shapes import check_split_heads
+
+check_split_heads(split_heads)
+### BEGIN HIDDEN TESTS
+check_split_heads(split_heads, seed=1101, device="cpu")
+check_split_heads(split_heads, seed=1102)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 1.2 — merge_heads (1 pt, ~5 min)
+#
+# The inverse: `[B, H, S, d_head] -> [B, S, H, d_head] -> [B, S, H * d_head]`.
+#
+# After `permute`, the tensor's memory is no longer in row-major order for its new shape, so
+# `.view` refuses to flatten it. Either call `.contiguous()` first (it copies **only if** the
+# tensor is not already contiguous — after a `permute` it usually is not), or use `.reshape`,
+# which does the same thing for you.
+
+# %% answer="merge_heads"
+def merge_heads(x):
+    """Concatenate the heads' features back into one axis.
+
+    x: [B, H, S, d]  ->  [B, S, H * d]
+
+    Example: merge_heads(split_heads(x, 3)) equals x.
+    """
+    ### BEGIN SOLUTION
+    batch, num_heads, seq_len, d_head = x.shape
+    return x.transpose(1, 2).reshape(batch, seq_len, num_heads * d_head)  # [B, S, D]
+    ### END SOLUTION
+
+
+# %%
+print("round trip exact:", torch.equal(merge_heads(split_heads(Q, H)), Q))
+print("is split_heads(Q) contiguous?", split_heads(Q, H).is_contiguous())
+
+# %% test="test_merge_heads" points=1
+"""merge_heads: [B, H, S, d] -> [B, S, H*d], accepts permuted input, inverts split_heads."""
+from attention_lab.checks.mha_shapes import check_merge_heads
+
+check_merge_heads(merge_heads)
+### BEGIN HIDDEN TESTS
+check_merge_heads(merge_heads, seed=1201, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 1.3 — split_heads_einops (1 pt, ~5 min)
+#
+# [einops](https://einops.rocks) writes the same reshuffle as a sentence:
+# `"b s (h d) -> b h s d"` says "the last axis is h groups of d; put h before s". The
+# grouping `(h d)` means `h` varies slowest, exactly as in `split_heads`. Write it with
+# `einops.rearrange`.
+
+# %% answer="split_heads_einops"
+from einops import rearrange
+
+
+def split_heads_einops(x, num_heads):
+    """split_heads written with einops.rearrange: [B, S, D] -> [B, H, S, D // H].
+
+    Example: split_heads_einops(x, 3) equals split_heads(x, 3).
+    Raises ValueError if D is not divisible by num_heads.
+    """
+    ### BEGIN SOLUTION
+    if x.shape[-1] % num_heads != 0:
+        raise ValueError(f"D = {x.shape[-1]} is not divisible by H = {num_heads}")
+    return rearrange(x, "b s (h d) -> b h s d", h=num_heads)
+    ### END SOLUTION
+
+
+# %% test="test_split_heads_einops" points=1
+"""split_heads_einops: uses einops.rearrange and meets split_heads' contract."""
+from attention_lab.checks.mha_shapes import check_split_heads_einops
+
+check_split_heads_einops(split_heads_einops)
+### BEGIN HIDDEN TESTS
+check_split_heads_einops(split_heads_einops, seed=1301, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 2. Scores, softmax, weighted sum
+#
+# For one head, the **score** of query `i` against key `j` is the dot product `q_i · k_j`.
+# All of them at once: `Q @ Kᵀ`, with `K.transpose(-2, -1)` turning `[S_k, d_head]` into
+# `[d_head, S_k]`, so the product is `[S_q, S_k]` (the dot product sums over `d_head`).
+#
+# **Why divide by `sqrt(d_head)`?** If the entries of `q` and `k` are independent with mean 0
+# and variance 1, `q · k` is a sum of `d_head` terms of variance 1: its variance is `d_head`.
+# Large scores push the softmax into one-hot rows whose gradients vanish; dividing by
+# `sqrt(d_head)` brings the variance back to 1. (Notebook 02 measures this, including what
+# happens when the variance is not 1.)
+#
+# The **softmax** runs over the keys (the last axis), so each query's weights sum to 1. A
+# **mask** sets the scores of forbidden keys to `-inf` before the softmax, which gives them
+# weight exactly 0.
+
+# %% [markdown]
+# ### Exercise 1.4 — attention_weights (3 pts, ~15 min)
+#
+# `softmax(q @ kᵀ / sqrt(d_head))` over the keys, for inputs `[..., S_q, d_head]` and
+# `[..., S_k, d_head]` (any number of leading axes). `mask` is `None` or boolean,
+# broadcastable to `[..., S_q, S_k]`, **True = may attend**. From scratch: do not call
+# `F.scaled_dot_product_attention` (the check compares you with it).
+
+# %% answer="attention_weights"
+def attention_weights(q, k, mask=None):
+    """Scaled dot-product attention weights.
+
+    q: [..., S_q, d_head], k: [..., S_k, d_head], mask: bool, broadcastable to [..., S_q, S_k]
+    returns: [..., S_q, S_k]; each row sums to 1; weight 0 where mask is False.
+
+    Example: with a causal mask (torch.ones(S, S, dtype=torch.bool).tril()), row i has
+    non-zero weights only in columns 0..i.
+    """
+    ### BEGIN SOLUTION
+    d_head = q.shape[-1]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_head)  # [..., S_q, S_k]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+    ### END SOLUTION
+
+
+# %%
+Q_heads = split_heads(Q, H)  # [B, H, S, d_head]
+causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+print(causal.int())
+weights = attention_weights(Q_heads, Q_heads, causal)
+print("weights:", tuple(weights.shape), "| head 0, batch 0:")
+print(weights[0, 0].round(decimals=2))
+
+# %% test="test_attention_weights" points=3
+"""attention_weights: shape [..., S_q, S_k], matches PyTorch, rows sum to 1, masked weights exactly 0, from scratch."""
+from attention_lab.checks.mha_shapes import check_attention_weights
+
+check_attention_weights(attention_weights)
+### BEGIN HIDDEN TESTS
+check_attention_weights(attention_weights, seed=1401, device="cpu")
+check_attention_weights(attention_weights, seed=1402)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **Look at it.** The explorer below runs *your* `attention_weights` on four heads of random
+# queries and keys for a short sentence. Switch heads, toggle the causal mask, and drag the
+# scale: at `1/sqrt(d_head)` the rows are soft; multiply the scale by 10 and every row
+# collapses onto one key — the saturated softmax that the scaling prevents.
+
+# %%
+from attention_lab.widgets import attention_explorer
+
+tokens = ["the", "cat", "sat", "on", "the", "mat"]
+generator = torch.Generator().manual_seed(0)
+demo_q = torch.randn(4, len(tokens), 16, generator=generator)
+demo_k = torch.randn(4, len(tokens), 16, generator=generator)
+attention_explorer(attention_weights, demo_q, demo_k, tokens)
+
+# %% [markdown]
+# ### Exercise 1.5 — scaled_dot_product_attention (2 pts, ~5 min)
+#
+# The weighted sum of the values: `out = weights @ v`, `[..., S_q, S_k] @ [..., S_k, d_v]
+# -> [..., S_q, d_v]`. Return `(out, weights)`. It must equal
+# `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)` — without calling it.
+
+# %% answer="scaled_dot_product_attention"
+def scaled_dot_product_attention(q, k, v, mask=None):
+    """Attention: softmax(q kᵀ / sqrt(d_head)) v.
+
+    q: [..., S_q, d_head], k: [..., S_k, d_head], v: [..., S_k, d_v]
+    returns (out [..., S_q, d_v], weights [..., S_q, S_k])
+
+    Example: with S_q = S_k = 1 the weight is 1 and out equals v.
+    """
+    ### BEGIN SOLUTION
+    weights = attention_weights(q, k, mask)  # [..., S_q, S_k]
+    return weights @ v, weights  # [..., S_q, d_v]
+    ### END SOLUTION
+
+
+# %%
+Q_heads = split_heads(Q, H)
+V_heads = split_heads(torch.randn(B, S, D, device=device), H)
+out, _ = scaled_dot_product_attention(Q_heads, Q_heads, V_heads, causal)
+reference = F.scaled_dot_product_attention(Q_heads, Q_heads, V_heads, attn_mask=causal)
+print("out:", tuple(out.shape), "| max difference from PyTorch:", float((out - reference).abs().max()))
+
+# %% test="test_scaled_dot_product_attention" points=2
+"""scaled_dot_product_attention: (out, weights) equal to F.scaled_dot_product_attention, with and without masks, from scratch."""
+from attention_lab.checks.mha_shapes import check_scaled_dot_product_attention
+
+check_scaled_dot_product_attention(scaled_dot_product_attention)
+### BEGIN HIDDEN TESTS
+check_scaled_dot_product_attention(scaled_dot_product_attention, seed=1501, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 3. The whole module
+#
+# | step | operation | shape |
+# | --- | --- | --- |
+# | input | `x` | `[B, S, D]` |
+# | projections | `q_linear(x)`, `k_linear(x)`, `v_linear(x)` | `[B, S, D]` each |
+# | split | `split_heads` | `[B, H, S, d_head]` |
+# | scores → weights | `attention_weights` | `[B, H, S, S]` |
+# | weighted sum | `weights @ V` | `[B, H, S, d_head]` |
+# | merge | `merge_heads` | `[B, S, D]` |
+# | output projection | `out_linear` | `[B, S, D]` |
+#
+# The output projection mixes the heads' results; without it, head `h` could only ever
+# write to its own `d_head` output features.
+#
+# There is **no parameter sharing between heads**: the `[D, D]` matrix of `q_linear` is `H`
+# disjoint blocks of `d_head` rows (one per head), computed in one matmul for speed.
+
+# %% [markdown]
+# ### Exercise 1.6 — MultiHeadSelfAttention (4 pts, ~15 min)
+#
+# Put it together as an `nn.Module` with the attributes `q_linear, k_linear, v_linear,
+# out_linear` (each `nn.Linear(embed_dim, embed_dim, bias=bias)`). `forward(x, mask=None,
+# return_weights=False)` returns `[B, S, D]`, or `(out, weights [B, H, S, S])` with
+# `return_weights=True`. Use your functions above; from scratch (no
+# `F.scaled_dot_product_attention`, no `nn.MultiheadAttention`).
+
+# %% answer="MultiHeadSelfAttention"
+class MultiHeadSelfAttention(nn.Module):
+    """Multi-head self-attention.
+
+    forward(x [B, S, D], mask bool broadcastable to [B, H, S, S] or None, return_weights)
+    -> out [B, S, D], or (out, weights [B, H, S, S])
+
+    Example: MultiHeadSelfAttention(16, 4)(torch.randn(2, 5, 16)).shape == (2, 5, 16)
+    """
+
+    def __init__(self, embed_dim, num_heads, bias=True):
+        super().__init__()
+        ### BEGIN SOLUTION
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim = {embed_dim} is not divisible by num_heads = {num_heads}")
+        self.num_heads = num_heads
+        self.q_linear = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_linear = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.v_linear = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.out_linear = nn.Linear(embed_dim, embed_dim, bias=bias)
+        ### END SOLUTION
+
+    def forward(self, x, mask=None, return_weights=False):
+        ### BEGIN SOLUTION
+        q = split_heads(self.q_linear(x), self.num_heads)  # [B, H, S, d_head]
+        k = split_heads(self.k_linear(x), self.num_heads)
+        v = split_heads(self.v_linear(x), self.num_heads)
+        context, weights = scaled_dot_product_attention(q, k, v, mask)  # [B, H, S, d_head]
+        out = self.out_linear(merge_heads(context))  # [B, S, D]
+        return (out, weights) if return_weights else out
+        ### END SOLUTION
+
+
+# %%
+attention = MultiHeadSelfAttention(D, H).to(device)
+out, weights = attention(x, causal, return_weights=True)
+print("out:", tuple(out.shape), "weights:", tuple(weights.shape))
+
+# %% test="test_MultiHeadSelfAttention" points=4
+"""MultiHeadSelfAttention: attributes, output and per-head weights equal nn.MultiheadAttention's; equivariance; causality."""
+from attention_lab.checks.mha_shapes import check_multi_head_self_attention
+
+check_multi_head_self_attention(MultiHeadSelfAttention)
+### BEGIN HIDDEN TESTS
+check_multi_head_self_attention(MultiHeadSelfAttention, seed=1601, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 4. Where PyTorch keeps Q, K and V
+#
+# `nn.MultiheadAttention` (and so `nn.TransformerEncoderLayer`, and a ViT) stores the three
+# projections stacked in **one** parameter, `in_proj_weight` of shape `[3·D, D]`: rows
+# `0…D-1` are `W_q`, then `W_k`, then `W_v`, each in `nn.Linear`'s `[out, in]` layout — it
+# computes `Q = x @ W_qᵀ + b_q`, not `x @ W_q` — with the biases stacked the same way in
+# `in_proj_bias`. The output projection is an ordinary `nn.Linear` called `out_proj`.
+
+# %%
+torch_mha = nn.MultiheadAttention(D, H, batch_first=True)
+print("in_proj_weight:", tuple(torch_mha.in_proj_weight.shape), "| in_proj_bias:", tuple(torch_mha.in_proj_bias.shape),
+      "| out_proj.weight:", tuple(torch_mha.out_proj.weight.shape))
+
+# %% [markdown]
+# ### Exercise 1.7 — load_torch_mha_weights (2 pts, ~10 min)
+#
+# Copy a `nn.MultiheadAttention(batch_first=True)`'s parameters into your module so that
+# both compute the same function. Copy values (`param.copy_(...)` inside `torch.no_grad()`):
+# assigning a slice would make the two modules share memory. Handle `bias=False` too.
+#
+# Then compare them — and remember that `nn.MultiheadAttention`'s boolean `attn_mask` means
+# **True = blocked**, the opposite of ours.
+
+# %% answer="load_torch_mha_weights"
+def load_torch_mha_weights(module, torch_mha):
+    """Copy torch_mha's in_proj_weight/in_proj_bias (stacked q; k; v) and out_proj into module.
+
+    module: a MultiHeadSelfAttention; torch_mha: nn.MultiheadAttention(batch_first=True)
+    with the same embed_dim and bias setting. Modifies module in place; returns None.
+
+    Example: after load_torch_mha_weights(m, t), m(x) equals t(x, x, x)[0].
+    """
+    ### BEGIN SOLUTION
+    w_q, w_k, w_v = torch_mha.in_proj_weight.chunk(3, dim=0)  # three [D, D] blocks
+    targets = (module.q_linear, module.k_linear, module.v_linear)
+    with torch.no_grad():
+        for linear, weight in zip(targets, (w_q, w_k, w_v)):
+            linear.weight.copy_(weight)
+        module.out_linear.weight.copy_(torch_mha.out_proj.weight)
+        if torch_mha.in_proj_bias is not None:
+            for linear, bias in zip(targets, torch_mha.in_proj_bias.chunk(3)):
+                linear.bias.copy_(bias)
+            module.out_linear.bias.copy_(torch_mha.out_proj.bias)
+    ### END SOLUTION
+
+
+# %%
+mine = MultiHeadSelfAttention(D, H)
+load_torch_mha_weights(mine, torch_mha)
+x_cpu = x.cpu()
+theirs, _ = torch_mha(x_cpu, x_cpu, x_cpu, attn_mask=~causal.cpu())  # their mask: True = blocked
+print("max difference:", float((mine(x_cpu, causal.cpu()) - theirs).abs().max()))
+
+# %% test="test_load_torch_mha_weights" points=2
+"""load_torch_mha_weights: copies (not shares) in_proj_weight/bias blocks and out_proj; the module then equals nn.MultiheadAttention."""
+from attention_lab.checks.mha_shapes import check_load_torch_mha_weights
+
+check_load_torch_mha_weights(load_torch_mha_weights, MultiHeadSelfAttention)
+### BEGIN HIDDEN TESTS
+check_load_torch_mha_weights(load_torch_mha_weights, MultiHeadSelfAttention, seed=1701, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 5. Shapes and sizes, in general
+#
+# ### Exercise 1.8 — mha_shapes (2 pts, ~5 min)
+#
+# Write the shape table of section 3 as a function of `B, S, D, H`: a dict with the keys
+# `input, q, q_heads, scores, weights, context_heads, context, output`, each a tuple of
+# ints. Then read it for ViT-B/16 on a 224×224 image: 196 patches + 1 class token, `D = 768`,
+# `H = 12`.
+
+# %% answer="mha_shapes"
+def mha_shapes(B, S, D, H):
+    """The shapes of multi-head self-attention, as tuples.
+
+    Example: mha_shapes(2, 197, 768, 12)["scores"] == (2, 12, 197, 197)
+    """
+    ### BEGIN SOLUTION
+    d_head = D // H
+    return {
+        "input": (B, S, D),
+        "q": (B, S, D),
+        "q_heads": (B, H, S, d_head),
+        "scores": (B, H, S, S),
+        "weights": (B, H, S, S),
+        "context_heads": (B, H, S, d_head),
+        "context": (B, S, D),
+        "output": (B, S, D),
+    }
+    ### END SOLUTION
+
+
+# %%
+for step, shape in mha_shapes(B=8, S=197, D=768, H=12).items():
+    print(f"{step:>14}: {shape}")
+
+# %% test="test_mha_shapes" points=2
+"""mha_shapes: eight rows, tuples of ints, equal to the shapes of a real forward pass for any B, S, D, H."""
+from attention_lab.checks.mha_shapes import check_mha_shapes
+
+check_mha_shapes(mha_shapes)
+### BEGIN HIDDEN TESTS
+check_mha_shapes(mha_shapes, seed=1801)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 1.9 — mha_parameter_count (1 pt, ~3 min)
+#
+# How many parameters does a multi-head attention layer of width `D` have? Four `[D, D]`
+# matrices (`W_q, W_k, W_v, W_o`) plus, with `bias=True`, four bias vectors of `D`. Note
+# that the count does not depend on `H`: more heads means narrower heads, not more weights.
+
+# %% answer="mha_parameter_count"
+def mha_parameter_count(D, bias=True):
+    """Number of parameters of multi-head attention of width D.
+
+    Example: mha_parameter_count(768) == 2_362_368  (ViT-B: 4·768² + 4·768)
+    """
+    ### BEGIN SOLUTION
+    return 4 * D * D + (4 * D if bias else 0)
+    ### END SOLUTION
+
+
+# %%
+print(f"ViT-B attention layer: {mha_parameter_count(768):,} parameters")
+print(f"nn.MultiheadAttention(768, 12): {sum(p.numel() for p in nn.MultiheadAttention(768, 12).parameters()):,}")
+
+# %% test="test_mha_parameter_count" points=1
+"""mha_parameter_count: equals the parameter count of nn.MultiheadAttention(D, H, bias=...)."""
+from attention_lab.checks.mha_shapes import check_mha_parameter_count
+
+check_mha_parameter_count(mha_parameter_count)
+### BEGIN HIDDEN TESTS
+check_mha_parameter_count(mha_parameter_count, seed=1901)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 6. Find the bug
+#
+# Here is a compact einops version of multi-head attention from a draft you may meet online.
+# It runs, its shapes are right — and it is not the attention of the paper. Run the cell.
+# What is missing?
+
+# %%
+class DraftMultiHeadAttention(nn.Module):
+    def __init__(self, embed_dim, num_heads):
+        super().__init__()
+        self.in_proj_q = nn.Linear(embed_dim, embed_dim)
+        self.in_proj_k = nn.Linear(embed_dim, embed_dim)
+        self.in_proj_v = nn.Linear(embed_dim, embed_dim)
+        self.out_proj = nn.Linear(embed_dim, embed_dim)
+        self.num_heads = num_heads
+
+    def forward(self, q, k, v):
+        r_q = rearrange(self.in_proj_q(q), "b m (h d) -> b h m d", h=self.num_heads)
+        r_k = rearrange(self.in_proj_k(k), "b n (h d) -> b h n d", h=self.num_heads)
+        r_v = rearrange(self.in_proj_v(v), "b n (h d) -> b h n d", h=self.num_heads)
+        scores = torch.einsum("b h m d, b h n d -> b h m n", r_q, r_k)
+        attn = torch.softmax(scores, dim=-1)
+        result = torch.einsum("b h m n, b h n d -> b h m d", attn, r_v)
+        return self.out_proj(rearrange(result, "b h m d -> b m (h d)"))
+
+
+draft = DraftMultiHeadAttention(D, H)
+x_cpu = torch.randn(B, S, D)
+q_, k_, v_ = (rearrange(linear(x_cpu), "b s (h d) -> b h s d", h=H)
+              for linear in (draft.in_proj_q, draft.in_proj_k, draft.in_proj_v))
+for scale in (1 / math.sqrt(D // H), 1.0):
+    expected = draft.out_proj(rearrange(F.scaled_dot_product_attention(q_, k_, v_, scale=scale), "b h s d -> b s (h d)"))
+    print(f"draft equals SDPA with scale={scale:.3f}:", torch.allclose(draft(x_cpu, x_cpu, x_cpu), expected, atol=1e-6))
+
+# %% [markdown]
+# The draft never divides the scores by `sqrt(d_head)`: it computes attention with scale
+# 1.0. With `d_head = 64` its scores are 8× too large and its softmax saturates (drag the
+# explorer's scale slider to see what that does). One more detail: a module built this way
+# returns a tensor, so code written for `nn.MultiheadAttention` that takes `[0]` of its result
+# would silently take batch element 0 instead of the output.
+#
+# ## What you built
+#
+# * `split_heads` / `merge_heads`: `view` + `permute`, and why `.contiguous()`/`.reshape` is
+#   needed after a permute.
+# * `attention_weights` / `scaled_dot_product_attention`: equal to PyTorch's SDPA, masks with
+#   True = may attend.
+# * `MultiHeadSelfAttention`: equal to `nn.MultiheadAttention` once the weights are loaded —
+#   with the stacked `in_proj_weight` in `[out, in]` layout and the opposite mask polarity.
+#
+# Next: notebook 02 does the same maths by hand in NumPy.
