@@ -7,6 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 JOBS ?= 2
+# Jupyter refuses to run as root unless told to (CI and containers run as root).
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 # Grading and tests draw widgets as static figures and never open windows.
 export MPLBACKEND := Agg
 
@@ -24,7 +26,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP) ## create .venv and install the course, nbgrader and the test tools (pinned)
 
 lab: setup ## open JupyterLab on the course (sets up first if needed)
-	cd course && ../$(BIN)/jupyter lab
+	cd course && ../$(BIN)/jupyter lab $(ROOT_FLAG) $(LAB_ARGS)
 
 release: setup ## regenerate the student notebooks in course/ from solutions/
 	$(BIN)/python -m autograder.release

@@ -47,6 +47,8 @@ __all__ = [
     "check",
     "tolerance",
     "pinned_numerics",
+    "math_sdpa_backend",
+    "reference_sdpa",
     "describe",
     "shape_str",
     "expect_callable",
@@ -152,16 +154,23 @@ def pinned_numerics() -> Iterator[None]:
         torch.set_float32_matmul_precision(saved[2])
 
 
-def reference_sdpa(q, k, v, attn_mask=None, **kwargs) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` on the math backend: the same kernel on every device.
+@contextlib.contextmanager
+def math_sdpa_backend() -> Iterator[None]:
+    """Run ``F.scaled_dot_product_attention`` on its math backend: the same kernel on every device.
 
     The flash and memory-efficient kernels (chosen automatically on CUDA) are accurate to
-    their own, looser tolerance and are not available for float64; pinning the math
-    backend makes the reference identical in meaning on CPU and CUDA.
+    their own, looser tolerance and do not support float64; pinning the math backend makes
+    the reference identical in meaning on CPU and CUDA.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def reference_sdpa(q, k, v, attn_mask=None, **kwargs) -> torch.Tensor:
+    """PyTorch's own attention (the untampered original) on the math backend."""
+    with math_sdpa_backend():
         return _PRISTINE_SDPA(q, k, v, attn_mask=attn_mask, **kwargs)
 
 
@@ -201,8 +210,9 @@ _WATCHED_MODULE_CLASSES = (
 
 def _watched_items() -> Iterator[tuple[Any, str, Any]]:
     for _label, namespace in _WATCHED_NAMESPACES:
+        is_class = isinstance(namespace, type)
         for attr, obj in list(vars(namespace).items()):
-            if attr.startswith("__") or isinstance(obj, types.ModuleType):
+            if isinstance(obj, types.ModuleType) or (attr.startswith("__") and not is_class):
                 continue
             if callable(obj) or isinstance(obj, (staticmethod, classmethod)):
                 yield namespace, attr, obj
@@ -215,6 +225,11 @@ def _watched_items() -> Iterator[tuple[Any, str, Any]]:
 
 
 _SNAPSHOT: list[tuple[Any, str, Any]] = list(_watched_items())
+# Classes whose namespace must not grow: `torch.Tensor.__sub__ = ...` adds an override
+# to the Python class (the original lives on the C base class), so it is a new key.
+_CLASS_KEYS: dict[type, frozenset[str]] = {
+    cls: frozenset(vars(cls)) for cls in (torch.Tensor, *_WATCHED_MODULE_CLASSES)
+}
 
 
 def _label(namespace: Any) -> str:
@@ -231,6 +246,10 @@ def verify_untampered() -> None:
         if current is not original:
             setattr(namespace, attr, original)
             replaced.append(f"{_label(namespace)}.{attr}")
+    for cls, keys in _CLASS_KEYS.items():
+        for attr in set(vars(cls)) - keys:
+            delattr(cls, attr)
+            replaced.append(f"{_label(cls)}.{attr}")
     if replaced:
         raise CheckFailure(
             "Your notebook replaced library functions that the checks rely on: "

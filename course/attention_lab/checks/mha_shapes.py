@@ -60,6 +60,18 @@ def _softmax_rows(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.softmax(scores, dim=dim)
 
 
+def _naive_attention(q, k, v, keep: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention as a student writes it (-inf fill): a row with nothing to keep becomes NaN.
+
+    Used for wrong variants, e.g. a flipped causal mask, whose last row blocks every key:
+    the student's output then has NaN exactly there, and so does this variant.
+    """
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def _mask_description(mask: torch.Tensor | None) -> str:
     return "no mask" if mask is None else f"a boolean mask of shape {shape_str(mask.shape)}"
 
@@ -243,10 +255,9 @@ def _attention_variants(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | N
         variants.append(Variant(lambda: _softmax_rows(scores / math.sqrt(d_head), dim=-2), ATTENTION_HINTS["wrong_axis"]))
     else:
         variants.append(Variant(lambda: _weights_via_sdpa(q, k, None), ATTENTION_HINTS["mask_ignored"]))
-        blocked = ~mask
-        if bool(blocked.any(dim=-1).all()) and bool((~blocked).any(dim=-1).all()):
-            # Only meaningful when the flipped mask leaves every row something to attend to.
-            variants.append(Variant(lambda: _weights_via_sdpa(q, k, blocked), ATTENTION_HINTS["mask_flipped"]))
+        identity = torch.eye(k.shape[-2], dtype=q.dtype, device=q.device)
+        variants.append(Variant(lambda: _naive_attention(q, k, identity, ~mask, d_head ** -0.5),
+                                ATTENTION_HINTS["mask_flipped"]))
         masked_scores = (scores / math.sqrt(d_head)).masked_fill(~mask, float("-inf"))
         variants.append(Variant(lambda: _softmax_rows(masked_scores, dim=-2).nan_to_num(0.0), ATTENTION_HINTS["wrong_axis"]))
     return variants
@@ -381,8 +392,10 @@ def _mhsa_variants(module: nn.Module, x: torch.Tensor, mask, num_heads: int) -> 
 
     def manual(scale: float, use_out: bool = True, flip: bool = False):
         q, k, v = (_heads_by_slicing(linear(x), num_heads) for linear in (module.q_linear, module.k_linear, module.v_linear))
-        m = None if mask is None else (~mask if flip else mask)
-        context = _concatenate_heads(reference_sdpa(q, k, v, attn_mask=m, scale=scale))
+        if flip:
+            context = _concatenate_heads(_naive_attention(q, k, v, ~mask, scale))
+        else:
+            context = _concatenate_heads(reference_sdpa(q, k, v, attn_mask=mask, scale=scale))
         return module.out_linear(context) if use_out else context
 
     variants = [
@@ -390,7 +403,7 @@ def _mhsa_variants(module: nn.Module, x: torch.Tensor, mask, num_heads: int) -> 
         Variant(lambda: manual(1.0), MHSA_HINTS["no_scale"]),
         Variant(lambda: manual(1 / math.sqrt(d_model)), MHSA_HINTS["scale_by_model_width"]),
     ]
-    if mask is not None and bool((~mask).any(-1).all()):
+    if mask is not None:
         variants.append(Variant(lambda: manual(1 / math.sqrt(d_head), flip=True), MHSA_HINTS["mask_flipped"]))
     return variants
 

@@ -1,0 +1,163 @@
+"""Notebook 05's views: a RoPE explorer, and per-head causal attention coloured by KV group.
+
+* :func:`plot_rope` draws the 2-D feature pairs of one vector rotating with its position
+  (one panel per frequency) and q·k against the offset between query and key;
+  :func:`rope_explorer` wraps it with a position slider and a base selector, running *your*
+  ``rope_frequencies`` and ``apply_rope``.
+* :func:`plot_kv_group_heads` draws one causal heatmap per query head, in one colour per
+  KV group (query heads that share a K/V head share a colour); :func:`kv_group_heatmaps`
+  wraps it with a group selector and a colour-scale toggle.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import ipywidgets as widgets
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+
+from attention_lab.widgets.live import LiveFigure
+
+GROUP_COLOURMAPS = ("Blues", "Oranges", "Greens", "Purples", "Reds", "Greys")
+
+
+# --------------------------------------------------------------------------------------
+# RoPE explorer
+# --------------------------------------------------------------------------------------
+
+
+def plot_rope(figure: Figure, pairs: torch.Tensor, position: int, offsets: torch.Tensor,
+              scores: torch.Tensor, score_labels: Sequence[str], title: str = "") -> None:
+    """Draw RoPE's rotations and its relative-position property.
+
+    pairs: ``[P, d/2, 2]`` the feature pairs of one vector rotated at positions 0 … P-1;
+    the top row shows pair j's path up to ``position`` (line) and where it is at ``position``
+    (arrow from the origin). offsets ``[N]`` and scores ``[M, N]``: q·k against the offset
+    between query and key, one curve per starting position (they coincide for RoPE).
+    """
+    pairs = pairs.detach().to("cpu", torch.float64)
+    num_pairs = pairs.shape[1]
+    grid = figure.add_gridspec(2, num_pairs, height_ratios=[1.0, 1.1], hspace=0.45)
+    radius = float(pairs.norm(dim=-1).max()) * 1.15 or 1.0
+    circle = np.linspace(0.0, 2.0 * math.pi, 120)
+    for j in range(num_pairs):
+        ax = figure.add_subplot(grid[0, j])
+        norm = float(pairs[0, j].norm())
+        ax.plot(norm * np.cos(circle), norm * np.sin(circle), color="0.85", linewidth=0.8)
+        trail = pairs[: position + 1, j]
+        ax.plot(trail[:, 0].numpy(), trail[:, 1].numpy(), color="tab:blue", linewidth=1.0, alpha=0.6)
+        x, y = float(pairs[position, j, 0]), float(pairs[position, j, 1])
+        ax.plot([0.0, x], [0.0, y], color="tab:red", linewidth=2.0)
+        ax.set_xlim(-radius, radius)
+        ax.set_ylim(-radius, radius)
+        ax.set_aspect("equal")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_title(f"pair {j}", fontsize=9)
+    ax = figure.add_subplot(grid[1, :])
+    styles = ("-", "--", ":")
+    for index, (row, label) in enumerate(zip(scores.detach().cpu().double(), score_labels)):
+        ax.plot(offsets.cpu().numpy(), row.numpy(), styles[index % 3], linewidth=2.0 - 0.5 * index, label=label)
+    ax.set_xlabel("offset m - n (query position minus key position)")
+    ax.set_ylabel("q·k after RoPE")
+    ax.legend(fontsize=8, loc="upper right")
+    if title:
+        figure.suptitle(title, fontsize=10)
+
+
+def rope_explorer(apply_rope: Callable, rope_frequencies: Callable, head_dim: int = 8,
+                  max_position: int = 48, seed: int = 0) -> LiveFigure:
+    """Explore RoPE with *your* ``rope_frequencies(head_dim, max_positions, base)`` and
+    ``apply_rope(x, freqs_cis, position_ids)`` on random q, k of ``head_dim`` features.
+
+    Controls: ``position`` (where the top row shows the pairs; also the key position of the
+    second q·k curve) and ``base`` (RoPE's θ: larger bases rotate the slow pairs slower).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(head_dim, generator=generator, dtype=torch.float64)
+    k = q + 0.5 * torch.randn(head_dim, generator=generator, dtype=torch.float64)  # similar to q: a visible peak at 0
+    table_size = 2 * max_position + 1
+
+    def rotate(vector: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        x = vector.expand(1, 1, positions.numel(), head_dim)  # [1, 1, N, d]
+        return apply_rope(x, table, positions[None])[0, 0]  # [N, d]
+
+    def draw(figure: Figure, position: int, base: float) -> None:
+        table = rope_frequencies(head_dim, table_size, base)
+        positions = torch.arange(max_position + 1)
+        pairs = rotate(q, positions, table).reshape(-1, head_dim // 2, 2)  # Meta layout: (2j, 2j+1)
+        offsets = torch.arange(max_position)
+        rows, labels = [], []
+        for key_position in (0, position):
+            rotated_q = rotate(q, key_position + offsets, table)  # query at key_position + offset
+            rotated_k = rotate(k, torch.tensor([key_position]), table)  # [1, d]
+            rows.append(rotated_q @ rotated_k[0])
+            labels.append(f"key at position {key_position}")
+        angles = [f"{float(torch.angle(table[1, j])):.2g}" for j in range(head_dim // 2)]
+        title = (f"position {position}, base {base:g}: pair j turns by θ_j = ({', '.join(angles)}) rad per token; "
+                 "the q·k curves coincide")
+        plot_rope(figure, pairs, position, offsets, torch.stack(rows), labels, title)
+
+    controls = {
+        "position": widgets.IntSlider(value=5, min=0, max=max_position, description="position"),
+        "base": widgets.Dropdown(options=[100.0, 10000.0, 500000.0], value=10000.0, description="base"),
+    }
+    return LiveFigure(draw, controls, figsize=(max(8.0, 1.8 * head_dim // 2), 5.5))
+
+
+# --------------------------------------------------------------------------------------
+# Causal heatmaps per head, coloured by KV group
+# --------------------------------------------------------------------------------------
+
+
+def plot_kv_group_heads(figure: Figure, weights: torch.Tensor, num_kv_heads: int,
+                        tokens: Sequence[str] | None = None, groups: Sequence[int] | None = None,
+                        per_head_scale: bool = False) -> None:
+    """One heatmap per query head of ``weights [H, S_q, S_k]``, one row (and colour) per KV group.
+
+    Query head h reads KV head h // n_rep (n_rep = H / H_kv), so row g holds heads
+    g·n_rep … (g+1)·n_rep - 1. Masked (future) positions have weight 0 and are left blank.
+    """
+    weights = weights.detach().to("cpu", torch.float64)
+    num_heads, seq_len, num_keys = weights.shape
+    n_rep = num_heads // num_kv_heads
+    groups = list(range(num_kv_heads)) if groups is None else list(groups)
+    axes = figure.subplots(len(groups), n_rep, squeeze=False)
+    labels = list(tokens) if tokens is not None else [str(i) for i in range(num_keys)]
+    for row, group in zip(axes, groups):
+        colourmap = GROUP_COLOURMAPS[group % len(GROUP_COLOURMAPS)]
+        for column, ax in enumerate(row):
+            head = group * n_rep + column
+            shown = weights[head].clone()
+            shown[shown == 0] = float("nan")  # masked: blank, so the causal triangle is visible
+            vmax = float(weights[head].max()) if per_head_scale else 1.0
+            ax.imshow(shown.numpy(), cmap=colourmap, vmin=0.0, vmax=vmax)
+            ax.set_title(f"head {head} · KV {group}", fontsize=8)
+            ax.set_xticks(range(num_keys), labels[-num_keys:], rotation=90, fontsize=6)
+            ax.set_yticks(range(seq_len), labels[-seq_len:], fontsize=6)
+    figure.suptitle(f"{num_heads} query heads, {num_kv_heads} KV heads: each row shares one K/V head "
+                    f"(heads g·{n_rep} … g·{n_rep}+{n_rep - 1} read KV head g)", fontsize=9)
+
+
+def kv_group_heatmaps(weights: torch.Tensor, num_kv_heads: int, tokens: Sequence[str] | None = None) -> LiveFigure:
+    """Per-head causal attention ``weights [H, S, S]`` coloured by KV group.
+
+    Controls: ``group`` ("all" or one KV group) and ``per_head_scale`` (colours scaled to
+    each head's largest weight instead of 0 … 1).
+    """
+    num_heads = weights.shape[0]
+    n_rep = num_heads // num_kv_heads
+
+    def draw(figure: Figure, group: str, per_head_scale: bool) -> None:
+        groups = None if group == "all" else [int(group)]
+        plot_kv_group_heads(figure, weights, num_kv_heads, tokens, groups, per_head_scale)
+
+    controls = {
+        "group": widgets.Dropdown(options=["all"] + [str(g) for g in range(num_kv_heads)], value="all",
+                                  description="KV group"),
+        "per_head_scale": widgets.Checkbox(value=False, description="per-head colour scale"),
+    }
+    return LiveFigure(draw, controls, figsize=(2.0 * n_rep + 1.0, 2.0 * num_kv_heads + 0.8))

@@ -1,0 +1,27 @@
+"""The course's fixed contracts (a copy of CURRICULUM.md's names: notebooks, checks and the
+grading pipeline rely on them, so a rename must fail a test)."""
+
+CONTRACTS: dict[str, tuple[str, ...]] = {
+    "01_mha_shapes": (
+        "split_heads", "merge_heads", "attention_weights", "scaled_dot_product_attention",
+        "MultiHeadSelfAttention", "load_torch_mha_weights", "mha_shapes", "mha_parameter_count",
+        "split_heads_einops",
+    ),
+    "02_numpy_walkthrough": (
+        "row_times_matrix", "np_split_heads", "np_merge_heads", "np_softmax", "np_attention",
+        "np_multi_head_attention", "dot_product_variance",
+    ),
+    "03_positions_and_blocks": (
+        "sinusoidal_positions", "FourierFeatures", "CoordinateMLP", "psnr", "fit_image",
+        "TransformerLayer", "Transformer",
+    ),
+    "04_vision_transformer": (
+        "patchify", "PatchEmbedding", "conv_to_linear", "patch_embedding_parameter_count", "ViTBlock",
+        "MiniViT", "cls_attention_map", "attention_rollout", "train_classifier",
+    ),
+    "05_llama_attention": (
+        "LlamaAttentionConfig", "causal_mask", "rope_frequencies", "apply_rope", "rotate_half",
+        "apply_rope_rotate_half", "rope_cos_sin", "interleave_to_half_permutation", "qk_norm",
+        "repeat_kv", "LlamaAttention", "KVCache", "kv_cache_bytes",
+    ),
+}

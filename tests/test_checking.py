@@ -1,0 +1,352 @@
+"""Unit tests of the check framework (attention_lab.checking) and device selection."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import attention_lab
+from attention_lab import checking
+from attention_lab.checking import (
+    CheckFailure,
+    Variant,
+    call_student,
+    check,
+    expect_array,
+    expect_close,
+    expect_signature,
+    expect_tensor,
+    from_scratch,
+    math_sdpa_backend,
+    pinned_numerics,
+    reference_sdpa,
+    tolerance,
+    verify_untampered,
+)
+
+# --------------------------------------------------------------------------------------
+# Device-independent verdicts (argued on the CPU; the CUDA run is in the closing note)
+# --------------------------------------------------------------------------------------
+
+
+def test_pinned_numerics_turns_tf32_off_and_restores_the_notebook_settings():
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("medium")
+    try:
+        with pinned_numerics():
+            assert torch.backends.cuda.matmul.allow_tf32 is False
+            assert torch.backends.cudnn.allow_tf32 is False
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+        assert torch.backends.cudnn.allow_tf32 is True
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("highest")
+
+
+def test_reference_attention_runs_on_the_math_backend_only():
+    with math_sdpa_backend():
+        assert torch.backends.cuda.math_sdp_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled()
+        assert not torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()  # restored afterwards
+
+
+def _round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """Keep 10 mantissa bits, as a TF32 tensor core does with matmul inputs."""
+    mantissa, exponent = torch.frexp(x)
+    return torch.ldexp(torch.round(mantissa * 2**11) / 2**11, exponent)
+
+
+def test_float32_tolerance_would_reject_tf32_matmuls_so_checks_must_pin_them_off():
+    """Why TF32 must be off in checks: its rounding is outside the float32 budget.
+
+    A correct answer computed with TF32 matmuls (as CUDA does by default for some ops on
+    Ampere+) would be failed by the CUDA float32 tolerance; with full float32 it passes.
+    """
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 64, generator=generator, dtype=torch.float64)
+    b = torch.randn(64, 64, generator=generator, dtype=torch.float64)
+    exact = a @ b
+    full_float32 = a.float() @ b.float()
+    tf32 = _round_to_tf32(a.float()) @ _round_to_tf32(b.float())
+    rtol, atol = tolerance(torch.float32, "cuda")
+    assert torch.allclose(full_float32.double(), exact, rtol=rtol, atol=atol)
+    assert not torch.allclose(tf32.double(), exact, rtol=rtol, atol=atol)
+
+
+def test_tolerances_widen_with_lower_precision_and_on_cuda():
+    order = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+    for device in ("cpu", "cuda"):
+        atols = [tolerance(dtype, device)[1] for dtype in order]
+        assert atols == sorted(atols)
+    assert tolerance(torch.float32, "cuda")[1] >= tolerance(torch.float32, "cpu")[1]
+    assert tolerance(np.float64) == tolerance(torch.float64)
+    with pytest.raises(ValueError, match="no tolerance"):
+        tolerance(torch.int64)
+
+
+def test_every_tolerance_still_catches_a_missing_sqrt_d_scale():
+    """The loosest budget (bf16) is far tighter than the error of a typical wrong answer."""
+    generator = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 6, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    right = torch.softmax(q @ k.mT / 4.0, -1)
+    wrong = torch.softmax(q @ k.mT, -1)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        rtol, atol = tolerance(dtype, "cuda")
+        assert not torch.allclose(wrong, right, rtol=rtol, atol=atol)
+
+
+# --------------------------------------------------------------------------------------
+# Contract helpers
+# --------------------------------------------------------------------------------------
+
+
+def test_expect_tensor_names_expected_and_actual_shape_without_broadcasting_slack():
+    with pytest.raises(CheckFailure, match=r"should have shape \[6\], got \[1, 6\]"):
+        expect_tensor(torch.zeros(1, 6), what="f(x)", shape=(6,))
+    with pytest.raises(CheckFailure, match="same number of elements"):
+        expect_tensor(torch.zeros(2, 3), what="f(x)", shape=(3, 2))
+    with pytest.raises(CheckFailure, match="Likely mistake: forgot the permute"):
+        expect_tensor(torch.zeros(2, 3), what="f(x)", shape=(3, 2), hints={(2, 3): "forgot the permute"})
+
+
+def test_expect_tensor_checks_type_dtype_and_device():
+    with pytest.raises(CheckFailure, match="should be a torch.Tensor, got ndarray"):
+        expect_tensor(np.zeros(3), what="f(x)")
+    with pytest.raises(CheckFailure, match="keep the input dtype torch.float64, got torch.float32"):
+        expect_tensor(torch.zeros(3), what="f(x)", dtype=torch.float64)
+    with pytest.raises(CheckFailure, match="should be on cpu like its inputs, got meta"):
+        expect_tensor(torch.zeros(3, device="meta"), what="f(x)", device="cpu")
+
+
+def test_expect_array_rejects_tensors_and_wrong_shapes():
+    with pytest.raises(CheckFailure, match="got a torch tensor"):
+        expect_array(torch.zeros(2), what="f(x)")
+    with pytest.raises(CheckFailure, match=r"should have shape \[2, 3\], got \[3, 2\]"):
+        expect_array(np.zeros((3, 2)), what="f(x)", shape=(2, 3))
+
+
+def test_expect_close_reports_location_values_tolerance_and_likely_mistake():
+    expected = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    actual = expected.clone()
+    actual[1, 2] += 0.5
+    with pytest.raises(CheckFailure) as failure:
+        expect_close(actual, expected, what="f(x)", against="the reference",
+                     variants=[Variant(expected * 2, "doubled"), Variant(actual.clone(), "off by half at the end")])
+    message = str(failure.value)
+    assert "1 of 6 values are off" in message
+    assert "index (1, 2): got 5.5, expected 5" in message
+    assert "atol=1e-09" in message
+    assert "Likely mistake: off by half at the end" in message
+
+
+def test_expect_close_flags_nan_and_accepts_matching_infinities():
+    expected = torch.tensor([0.5, float("-inf")], dtype=torch.float64)
+    assert expect_close(expected.clone(), expected, what="f", against="g") == 0.0
+    with pytest.raises(CheckFailure, match="contains NaN"):
+        expect_close(torch.tensor([float("nan"), float("-inf")], dtype=torch.float64), expected, what="f", against="g")
+
+
+def test_expect_close_uses_the_tolerance_of_the_answers_dtype():
+    expected = torch.ones(4, dtype=torch.float64)
+    slightly_off = expected + 1e-6
+    expect_close(slightly_off.float(), expected, what="f", against="g")  # within float32's budget
+    with pytest.raises(CheckFailure):
+        expect_close(slightly_off, expected, what="f", against="g")  # outside float64's
+
+
+def test_expect_signature_requires_the_contract_parameter_names():
+    expect_signature(lambda x, num_heads, extra=1: None, "f", ["x", "num_heads"])
+    with pytest.raises(CheckFailure, match=r"should take the parameters \(x, num_heads\), but it takes \(x\)"):
+        expect_signature(lambda x: None, "f", ["x", "num_heads"])
+    with pytest.raises(CheckFailure, match="should be a function or class, got None"):
+        expect_signature(None, "f", ["x"])
+
+
+def test_call_student_turns_errors_into_messages_that_name_the_call():
+    def blank(x):
+        raise NotImplementedError("Exercise 9.9: implement f")
+
+    with pytest.raises(CheckFailure, match=r"f\(x\) with x \[2\]: not implemented yet \(Exercise 9.9"):
+        call_student(blank, 1, call="f(x) with x [2]")
+
+    def buggy(x):
+        return x @ torch.zeros(3, 4)
+
+    with pytest.raises(CheckFailure, match=r"f\(x\) raised RuntimeError"):
+        call_student(buggy, torch.zeros(2, 2), call="f(x)")
+
+
+# --------------------------------------------------------------------------------------
+# From-scratch guard
+# --------------------------------------------------------------------------------------
+
+
+def test_from_scratch_catches_the_builtin_however_it_was_imported():
+    from torch.nn.functional import scaled_dot_product_attention as renamed
+
+    q = torch.randn(1, 2, 3, 4)
+    forbidden = ("scaled_dot_product_attention", "multi_head_attention_forward", "rms_norm")
+    for call in (lambda: renamed(q, q, q), lambda: F.scaled_dot_product_attention(q, q, q),
+                 lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q)):
+        with pytest.raises(CheckFailure, match="from-scratch exercise.*scaled_dot_product_attention"):
+            with from_scratch("attention", forbidden):
+                call()
+    with pytest.raises(CheckFailure, match="multi_head_attention_forward"):
+        with from_scratch("attention", forbidden):
+            mha = nn.MultiheadAttention(4, 2, batch_first=True)
+            mha(q[0], q[0], q[0])
+    with pytest.raises(CheckFailure, match="rms_norm"):
+        with from_scratch("qk_norm", forbidden):
+            nn.RMSNorm(4)(q)
+    with from_scratch("attention", forbidden):  # ordinary operations are fine
+        torch.softmax(q @ q.mT / 2.0, dim=-1)
+
+
+def test_numpy_only_rejects_any_torch_call_and_allows_numpy():
+    with from_scratch("np_softmax", numpy_only=True):
+        np.exp(np.ones(3)).sum()
+    with pytest.raises(CheckFailure, match="must be written with NumPy only.*called torch"):
+        with from_scratch("np_softmax", numpy_only=True):
+            torch.softmax(torch.as_tensor(np.ones(3)), dim=0).numpy()
+
+
+# --------------------------------------------------------------------------------------
+# Tamper protection
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("namespace, attribute", [
+    (torch, "allclose"),
+    (F, "scaled_dot_product_attention"),
+    (torch.testing, "assert_close"),
+    (np, "allclose"),
+    (nn.MultiheadAttention, "forward"),
+    (torch.Tensor, "__rsub__"),
+    (math, "isclose"),
+])
+def test_replacing_a_library_function_fails_the_next_check_and_is_undone(namespace, attribute):
+    original = vars(namespace)[attribute]
+    setattr(namespace, attribute, lambda *args, **kwargs: True)
+    try:
+        with pytest.raises(CheckFailure, match=f"replaced library functions.*{attribute}"):
+            verify_untampered()
+        assert vars(namespace)[attribute] is original
+    finally:
+        setattr(namespace, attribute, original)
+    verify_untampered()  # clean again
+
+
+def test_adding_an_operator_override_to_tensor_is_caught_and_removed():
+    """`torch.Tensor.__sub__ = ...` shadows the C implementation from the Python class."""
+    torch.Tensor.__sub__ = lambda self, other: torch.zeros(())
+    try:
+        with pytest.raises(CheckFailure, match="replaced library functions.*torch.Tensor.__sub__"):
+            verify_untampered()
+        assert "__sub__" not in vars(torch.Tensor)
+        assert float(torch.ones(()) - torch.ones(())) == 0.0 and float(torch.full((), 3.0) - 1) == 2.0
+    finally:
+        vars(torch.Tensor).get("__sub__") and delattr(torch.Tensor, "__sub__")
+
+
+def test_check_modules_are_read_only():
+    from attention_lab.checks import mha_shapes
+
+    real = mha_shapes.check_split_heads
+    with pytest.raises(AttributeError, match="read-only"):
+        mha_shapes.check_split_heads = lambda *args, **kwargs: None
+    with pytest.raises(AttributeError, match="read-only"):
+        del mha_shapes.check_split_heads
+    with pytest.raises(AttributeError, match="read-only"):
+        checking_module = __import__("attention_lab.checks.mha_shapes", fromlist=["x"])
+        setattr(checking_module, "expect_close", None)
+    assert mha_shapes.check_split_heads is real
+
+
+def test_an_answer_cell_rebinding_a_check_name_cannot_pass_the_test_cell():
+    """The test cell imports the check itself, so a rebinding in the notebook is overridden."""
+    namespace = {"__name__": "notebook"}
+    exec("check_split_heads = lambda *a, **k: None\n"
+         "def split_heads(x, num_heads):\n"
+         "    return x\n", namespace)
+    with pytest.raises(CheckFailure):
+        exec("from attention_lab.checks.mha_shapes import check_split_heads\n"
+             "check_split_heads(split_heads, device='cpu', quiet=True)", namespace)
+
+
+# --------------------------------------------------------------------------------------
+# The check wrapper
+# --------------------------------------------------------------------------------------
+
+
+def test_check_wrapper_prints_one_line_and_leaves_the_notebook_rng_alone(capsys):
+    @check("demo check on {device}")
+    def check_demo(answer, *, seed=0, device=None):
+        torch.randn(100)  # a check's own draws must not move the notebook's generator
+        answer()
+
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    check_demo(lambda: torch.rand(5), device="cpu")
+    assert torch.rand(1) == expected_next
+    assert capsys.readouterr().out == "✓ demo check on cpu\n"
+    check_demo(lambda: None, device="cpu", quiet=True)
+    assert capsys.readouterr().out == ""
+
+
+def test_check_wrapper_pins_numerics_while_the_check_runs():
+    seen = {}
+
+    @check("ok")
+    def check_flags(answer, *, seed=0, device=None):
+        seen["tf32"] = torch.backends.cuda.matmul.allow_tf32
+        seen["precision"] = torch.get_float32_matmul_precision()
+
+    torch.set_float32_matmul_precision("medium")
+    try:
+        check_flags(None, device="cpu", quiet=True)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert seen == {"tf32": False, "precision": "highest"}
+
+
+def test_reference_sdpa_is_the_untampered_builtin():
+    q = torch.randn(1, 1, 3, 4, dtype=torch.float64)
+    # The CPU's default kernel and the math backend agree to rounding, not bit for bit.
+    assert torch.allclose(reference_sdpa(q, q, q), F.scaled_dot_product_attention(q, q, q), rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------
+# Device selection
+# --------------------------------------------------------------------------------------
+
+
+def test_pick_device_prefers_cuda_only_when_available(monkeypatch):
+    monkeypatch.delenv(attention_lab.device.DEVICE_ENV_VAR, raising=False)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert attention_lab.pick_device().type == expected
+    monkeypatch.setenv(attention_lab.device.DEVICE_ENV_VAR, "cpu")
+    assert attention_lab.pick_device().type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            attention_lab.pick_device("cuda")
+
+
+def test_setup_seeds_and_prints_the_environment(capsys):
+    device = attention_lab.setup(seed=7, preferred="cpu")
+    first = torch.rand(1)
+    attention_lab.setup(seed=7, preferred="cpu", verbose=False)
+    assert torch.rand(1) == first
+    line = capsys.readouterr().out
+    assert device.type == "cpu"
+    assert f"torch {torch.__version__}" in line and "device: CPU" in line

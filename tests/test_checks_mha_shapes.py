@@ -1,0 +1,424 @@
+"""The checks of notebook 01 accept correct answers written differently and reject known mistakes.
+
+Every wrong answer here is a mistake a student really makes; each must be rejected with
+the hint that names it. The correct answers are deliberately written another way than the
+solution notebook, so the checks are shown to test behaviour, not spelling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from attention_lab.checking import CheckFailure
+from attention_lab.checks import mha_shapes as checks
+
+CPU = {"device": "cpu", "quiet": True}
+
+# --------------------------------------------------------------------------------------
+# split_heads / merge_heads / split_heads_einops
+# --------------------------------------------------------------------------------------
+
+
+def split_heads_unflatten(x, num_heads):
+    if x.shape[-1] % num_heads:
+        raise ValueError(f"D={x.shape[-1]} not divisible by H={num_heads}")
+    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
+
+
+def split_heads_no_permute(x, num_heads):
+    b, s, d = x.shape
+    if d % num_heads:
+        raise ValueError(f"{d} {num_heads}")
+    return x.view(b, s, num_heads, d // num_heads)
+
+
+def split_heads_reshape_only(x, num_heads):
+    b, s, d = x.shape
+    if d % num_heads:
+        raise ValueError(f"{d} {num_heads}")
+    return x.reshape(b, num_heads, s, d // num_heads)
+
+
+def split_heads_strided(x, num_heads):
+    b, s, d = x.shape
+    if d % num_heads:
+        raise ValueError(f"{d} {num_heads}")
+    return x.reshape(b, s, d // num_heads, num_heads).permute(0, 3, 1, 2)
+
+
+def split_heads_silent_on_bad_width(x, num_heads):
+    return x.unflatten(-1, (num_heads, x.shape[-1] // num_heads)).transpose(1, 2) if x.shape[-1] % num_heads == 0 \
+        else x[..., : (x.shape[-1] // num_heads) * num_heads].unflatten(-1, (num_heads, -1)).transpose(1, 2)
+
+
+def split_heads_vague_error(x, num_heads):
+    if x.shape[-1] % num_heads:
+        raise ValueError("bad shape")
+    return split_heads_unflatten(x, num_heads)
+
+
+def split_heads_float32(x, num_heads):
+    return split_heads_unflatten(x, num_heads).float()
+
+
+def test_split_heads_accepts_a_correct_answer_written_differently():
+    checks.check_split_heads(split_heads_unflatten, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (split_heads_no_permute, r"should have shape \[2, 3, 5, 4\], got \[2, 5, 3, 4\][\s\S]*permute"),
+    (split_heads_reshape_only, "reshape reads memory in order"),
+    (split_heads_strided, "every H-th feature"),
+    (split_heads_silent_on_bad_width, "should raise ValueError"),
+    (split_heads_vague_error, "should name 10 and 4"),
+    (split_heads_float32, "should keep the input dtype torch.float64, got torch.float32"),
+])
+def test_split_heads_rejects_known_mistakes(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_split_heads(wrong, **CPU)
+
+
+def test_split_heads_reports_a_blank_as_not_implemented():
+    def blank(x, num_heads):
+        raise NotImplementedError("Exercise 1.1: implement split_heads")
+
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_split_heads(blank, **CPU)
+
+
+def test_split_heads_rejects_a_renamed_parameter():
+    def renamed(tensor, heads):
+        return split_heads_unflatten(tensor, heads)
+
+    with pytest.raises(CheckFailure, match=r"should take the parameters \(x, num_heads\)"):
+        checks.check_split_heads(renamed, **CPU)
+
+
+def test_split_heads_einops_requires_rearrange():
+    def with_einops(x, num_heads):
+        if x.shape[-1] % num_heads:
+            raise ValueError(f"D={x.shape[-1]} H={num_heads}")
+        return rearrange(x, "b s (h d) -> b h s d", h=num_heads)
+
+    checks.check_split_heads_einops(with_einops, **CPU)
+    with pytest.raises(CheckFailure, match="never called it"):
+        checks.check_split_heads_einops(split_heads_unflatten, **CPU)
+
+    def einops_wrong_grouping(x, num_heads):
+        if x.shape[-1] % num_heads:
+            raise ValueError(f"D={x.shape[-1]} H={num_heads}")
+        return rearrange(x, "b s (d h) -> b h s d", h=num_heads)
+
+    with pytest.raises(CheckFailure, match="every H-th feature"):
+        checks.check_split_heads_einops(einops_wrong_grouping, **CPU)
+
+
+def merge_heads_flatten(x):
+    return x.permute(0, 2, 1, 3).flatten(2)
+
+
+def merge_heads_view_without_contiguous(x):
+    b, h, s, d = x.shape
+    return x.transpose(1, 2).view(b, s, h * d)
+
+
+def merge_heads_reshape_only(x):
+    b, h, s, d = x.shape
+    return x.reshape(b, s, h * d)
+
+
+def test_merge_heads_accepts_flatten_and_rejects_mistakes():
+    checks.check_merge_heads(merge_heads_flatten, **CPU)
+    with pytest.raises(CheckFailure, match="not contiguous"):
+        checks.check_merge_heads(merge_heads_view_without_contiguous, **CPU)
+    with pytest.raises(CheckFailure, match="Move the head axis back"):
+        checks.check_merge_heads(merge_heads_reshape_only, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# attention_weights / scaled_dot_product_attention
+# --------------------------------------------------------------------------------------
+
+
+def weights_einsum(q, k, mask=None):
+    scores = torch.einsum("...qd,...kd->...qk", q, k) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
+    weights = scores.softmax(-1)
+    return weights if mask is None else weights.masked_fill(~mask, 0.0)
+
+
+def weights_no_scale(q, k, mask=None):
+    scores = q @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1)
+
+
+def weights_scale_by_d(q, k, mask=None):
+    return weights_no_scale(q / q.shape[-1], k, mask)
+
+
+def weights_wrong_axis(q, k, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-2).nan_to_num(0.0)
+
+
+def weights_mask_flipped(q, k, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores.softmax(-1)
+
+
+def weights_mask_ignored(q, k, mask=None):
+    return weights_no_scale(q / q.shape[-1] ** 0.25, k / q.shape[-1] ** 0.25)
+
+
+def weights_calling_sdpa(q, k, mask=None):
+    identity = torch.eye(k.shape[-2], dtype=q.dtype, device=q.device).expand(*k.shape[:-2], -1, -1)
+    return F.scaled_dot_product_attention(q, k, identity, attn_mask=mask)
+
+
+def weights_no_transpose(q, k, mask=None):
+    return (q @ k.transpose(-2, -1)[..., : q.shape[-1]].transpose(-2, -1)).softmax(-1)
+
+
+def test_attention_weights_accepts_einsum_with_finite_fill():
+    checks.check_attention_weights(weights_einsum, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (weights_no_scale, "no 1/sqrt\\(d_head\\) scaling"),
+    (weights_scale_by_d, "you divided by d_head"),
+    (weights_wrong_axis, "softmax over the wrong axis"),
+    (weights_mask_flipped, "mask polarity flipped|weight exactly 0"),
+    (weights_mask_ignored, "the mask was ignored|weight exactly 0"),
+    (weights_calling_sdpa, "from-scratch exercise.*scaled_dot_product_attention"),
+])
+def test_attention_weights_rejects_known_mistakes(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_attention_weights(wrong, **CPU)
+
+
+def test_attention_weights_names_the_missing_transpose_by_shape():
+    def no_transpose(q, k, mask=None):
+        return (q @ k[..., : q.shape[-1], :].transpose(-2, -1).transpose(-2, -1)).softmax(-1) if False else \
+            (q @ torch.ones(*k.shape[:-2], q.shape[-1], q.shape[-1], dtype=q.dtype)).softmax(-1)
+
+    with pytest.raises(CheckFailure, match=r"should have shape \[2, 3, 5, 5\], got \[2, 3, 5, 8\][\s\S]*k.transpose"):
+        checks.check_attention_weights(no_transpose, **CPU)
+
+
+def sdpa_separate_steps(q, k, v, mask=None):
+    weights = weights_einsum(q, k, mask)
+    return torch.einsum("...qk,...kd->...qd", weights, v), weights
+
+
+def test_scaled_dot_product_attention_accepts_and_rejects():
+    checks.check_scaled_dot_product_attention(sdpa_separate_steps, **CPU)
+
+    def only_output(q, k, v, mask=None):
+        return sdpa_separate_steps(q, k, v, mask)[0]
+
+    with pytest.raises(CheckFailure, match=r"should return a tuple \(out, weights\)"):
+        checks.check_scaled_dot_product_attention(only_output, **CPU)
+
+    def unscaled(q, k, v, mask=None):
+        weights = weights_no_scale(q, k, mask)
+        return weights @ v, weights
+
+    with pytest.raises(CheckFailure, match="no 1/sqrt"):
+        checks.check_scaled_dot_product_attention(unscaled, **CPU)
+
+    def builtin(q, k, v, mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask), weights_einsum(q, k, mask)
+
+    with pytest.raises(CheckFailure, match="from-scratch"):
+        checks.check_scaled_dot_product_attention(builtin, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# MultiHeadSelfAttention and load_torch_mha_weights
+# --------------------------------------------------------------------------------------
+
+
+class SelfAttentionEinsum(nn.Module):
+    """A correct answer written another way: einsum and rearrange, softmax with a finite fill."""
+
+    def __init__(self, embed_dim, num_heads, bias=True, scale_width=None, use_out=True, flip_mask=False,
+                 builtin=False, average_heads=False):
+        super().__init__()
+        self.q_linear, self.k_linear, self.v_linear, self.out_linear = (
+            nn.Linear(embed_dim, embed_dim, bias=bias) for _ in range(4))
+        self.num_heads = num_heads
+        self.scale_width = scale_width
+        self.use_out, self.flip_mask, self.builtin, self.average_heads = use_out, flip_mask, builtin, average_heads
+
+    def forward(self, x, mask=None, return_weights=False):
+        q, k, v = (rearrange(f(x), "b s (h d) -> b h s d", h=self.num_heads)
+                   for f in (self.q_linear, self.k_linear, self.v_linear))
+        if self.builtin:
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            weights = None
+        else:
+            width = self.scale_width(q.shape[-1], x.shape[-1]) if self.scale_width else q.shape[-1]
+            scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(width)
+            if mask is not None:
+                scores = scores.masked_fill(mask if self.flip_mask else ~mask, float("-inf"))
+            weights = scores.softmax(-1)
+            context = weights @ v
+        merged = rearrange(context, "b h s d -> b s (h d)")
+        out = self.out_linear(merged) if self.use_out else merged
+        if return_weights:
+            return out, (weights.mean(1) if self.average_heads else weights)
+        return out
+
+
+def variant(**options):
+    return lambda embed_dim, num_heads, bias=True: SelfAttentionEinsum(embed_dim, num_heads, bias, **options)
+
+
+def test_multi_head_self_attention_accepts_a_correct_module():
+    checks.check_multi_head_self_attention(SelfAttentionEinsum, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (variant(use_out=False), "output projection is missing"),
+    (variant(scale_width=lambda d_head, d_model: 1.0), "no 1/sqrt\\(d_head\\) scaling"),
+    (variant(scale_width=lambda d_head, d_model: d_model), "scaled by 1/sqrt\\(embed_dim\\)"),
+    (variant(flip_mask=True), "mask polarity flipped"),
+    (variant(builtin=True), "from-scratch"),
+    (variant(average_heads=True), "do not average over heads"),
+])
+def test_multi_head_self_attention_rejects_known_mistakes(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_multi_head_self_attention(wrong, **CPU)
+
+
+def test_multi_head_self_attention_requires_the_contract_attributes():
+    class Renamed(SelfAttentionEinsum):
+        def __init__(self, embed_dim, num_heads, bias=True):
+            super().__init__(embed_dim, num_heads, bias)
+            self.o_proj = self.out_linear
+            del self.out_linear
+
+    with pytest.raises(CheckFailure, match="attribute out_linear that is an nn.Linear"):
+        checks.check_multi_head_self_attention(Renamed, **CPU)
+
+
+def load_by_index(module, torch_mha):
+    d = module.q_linear.weight.shape[0]
+    with torch.no_grad():
+        for i, name in enumerate(["q_linear", "k_linear", "v_linear"]):
+            getattr(module, name).weight[:] = torch_mha.in_proj_weight[i * d:(i + 1) * d]
+            if torch_mha.in_proj_bias is not None:
+                getattr(module, name).bias[:] = torch_mha.in_proj_bias[i * d:(i + 1) * d]
+        module.out_linear.load_state_dict(torch_mha.out_proj.state_dict())
+
+
+def load_transposed(module, torch_mha):
+    d = module.q_linear.weight.shape[0]
+    load_by_index(module, torch_mha)
+    with torch.no_grad():
+        for i, name in enumerate(["q_linear", "k_linear", "v_linear"]):
+            getattr(module, name).weight.copy_(torch_mha.in_proj_weight[i * d:(i + 1) * d].T)
+
+
+def load_wrong_order(module, torch_mha):
+    load_by_index(module, torch_mha)
+    with torch.no_grad():
+        module.q_linear.weight.copy_(module.k_linear.weight.clone())
+
+
+def load_by_sharing(module, torch_mha):
+    load_by_index(module, torch_mha)
+    d = module.q_linear.weight.shape[0]
+    module.q_linear.weight = nn.Parameter(torch_mha.in_proj_weight[:d])
+
+
+def load_plain_tensor(module, torch_mha):
+    load_by_index(module, torch_mha)
+    d = module.q_linear.weight.shape[0]
+    del module.q_linear.weight
+    module.q_linear.weight = torch_mha.in_proj_weight[:d].detach().clone()
+
+
+def test_load_torch_mha_weights_accepts_and_rejects():
+    checks.check_load_torch_mha_weights(load_by_index, SelfAttentionEinsum, **CPU)
+    with pytest.raises(CheckFailure, match="do not transpose"):
+        checks.check_load_torch_mha_weights(load_transposed, SelfAttentionEinsum, **CPU)
+    with pytest.raises(CheckFailure, match="stacked in the order q, k, v"):
+        checks.check_load_torch_mha_weights(load_wrong_order, SelfAttentionEinsum, **CPU)
+    with pytest.raises(CheckFailure, match="shares memory"):
+        checks.check_load_torch_mha_weights(load_by_sharing, SelfAttentionEinsum, **CPU)
+    with pytest.raises(CheckFailure, match="should still be an nn.Parameter"):
+        checks.check_load_torch_mha_weights(load_plain_tensor, SelfAttentionEinsum, **CPU)
+
+
+def test_load_torch_mha_weights_blames_the_module_when_only_the_module_is_wrong():
+    with pytest.raises(CheckFailure, match="check MultiHeadSelfAttention itself"):
+        checks.check_load_torch_mha_weights(load_by_index, variant(use_out=False), **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# mha_shapes / mha_parameter_count
+# --------------------------------------------------------------------------------------
+
+
+def shapes_by_tracing(B, S, D, H):
+    x = torch.zeros(B, S, D)
+    heads = x.unflatten(-1, (H, D // H)).transpose(1, 2)
+    scores = heads @ heads.transpose(-1, -2)
+    rows = [x, x, heads, scores, scores, heads, x, x]
+    return {key: tuple(int(n) for n in t.shape) for key, t in zip(checks.SHAPE_KEYS, rows)}
+
+
+def test_mha_shapes_accepts_and_rejects():
+    checks.check_mha_shapes(shapes_by_tracing, **CPU)
+
+    def scores_like_heads(B, S, D, H):
+        table = shapes_by_tracing(B, S, D, H)
+        table["scores"] = table["q_heads"]
+        return table
+
+    with pytest.raises(CheckFailure, match="last two axes are \\[S, S\\]"):
+        checks.check_mha_shapes(scores_like_heads, **CPU)
+
+    def torch_sizes(B, S, D, H):
+        return {key: list(value) for key, value in shapes_by_tracing(B, S, D, H).items()}
+
+    with pytest.raises(CheckFailure, match="should be a tuple of ints"):
+        checks.check_mha_shapes(torch_sizes, **CPU)
+
+    def missing_row(B, S, D, H):
+        table = shapes_by_tracing(B, S, D, H)
+        del table["context"]
+        return table
+
+    with pytest.raises(CheckFailure, match=r"missing \['context'\]"):
+        checks.check_mha_shapes(missing_row, **CPU)
+
+    def hard_coded_vit(B, S, D, H):
+        return shapes_by_tracing(2, 197, 768, 12)
+
+    with pytest.raises(CheckFailure, match="should be"):
+        checks.check_mha_shapes(hard_coded_vit, **CPU)
+
+
+def test_mha_parameter_count_accepts_and_rejects():
+    checks.check_mha_parameter_count(lambda D, bias=True: 4 * D * (D + bool(bias)), **CPU)
+    with pytest.raises(CheckFailure, match="not the output projection"):
+        checks.check_mha_parameter_count(lambda D, bias=True: 3 * D * D + 3 * D * bias, **CPU)
+    with pytest.raises(CheckFailure, match="also has D biases"):
+        checks.check_mha_parameter_count(lambda D, bias=True: 4 * D * D, **CPU)
+    with pytest.raises(CheckFailure, match="should return an int"):
+        checks.check_mha_parameter_count(lambda D, bias=True: float(4 * D * D + 4 * D * bias), **CPU)

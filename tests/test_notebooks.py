@@ -1,0 +1,161 @@
+"""Every notebook of the course: its release is fresh and leaks nothing, its contracts hold,
+its solution passes every test (hidden ones included), and its student release fails only
+where the student still has to write code."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from autograder import release
+from autograder.execute import execute_notebook
+from tests.conftest import ASSIGNMENTS, REPO_ROOT
+from tests.curriculum import CONTRACTS
+
+SOLUTION_BLOCK = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.DOTALL)
+HIDDEN_BLOCK = re.compile(r"### BEGIN HIDDEN TESTS\n(.*?)### END HIDDEN TESTS", re.DOTALL)
+
+
+def _cells(path: Path) -> list[nbformat.NotebookNode]:
+    return nbformat.read(path, as_version=4).cells
+
+
+def _grade_ids(path: Path, kind: str) -> list[str]:
+    ids = []
+    for cell in _cells(path):
+        nbgrader = cell.metadata.get("nbgrader", {})
+        if (kind == "answer" and nbgrader.get("solution")) or (kind == "test" and nbgrader.get("grade")):
+            ids.append(nbgrader["grade_id"])
+    return ids
+
+
+def _substantive_lines(block: str) -> set[str]:
+    """Lines of a solution or hidden test worth looking for: long enough to be distinctive
+    (`self.num_heads = num_heads` may appear anywhere; `return x.view(...).permute(0, 2, 1, 3)` may not)."""
+    lines = set()
+    for line in block.splitlines():
+        text = " ".join(line.split())
+        if len(text) >= 32 and not text.startswith("#"):
+            lines.add(text)
+    return lines
+
+
+def test_the_course_has_notebooks():
+    assert ASSIGNMENTS and ASSIGNMENTS[0] == "01_mha_shapes"
+    assert set(ASSIGNMENTS) <= set(CONTRACTS), "a notebook that is not in the curriculum"
+
+
+def test_committed_release_is_what_a_fresh_build_gives(fresh_build):
+    """`make release` was run after the last change to solutions/ (a rebuild is byte-identical)."""
+    stale = [a for a in ASSIGNMENTS
+             if not (REPO_ROOT / "course" / f"{a}.ipynb").exists()
+             or fresh_build.release(a).read_bytes() != (REPO_ROOT / "course" / f"{a}.ipynb").read_bytes()]
+    assert not stale, f"stale student notebooks, run `make release`: {stale}"
+    extra = {p.stem for p in (REPO_ROOT / "course").glob("*.ipynb")} - set(ASSIGNMENTS)
+    assert not extra, f"student notebooks without a source in solutions/: {extra}"
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_release_is_normalised(assignment, fresh_build):
+    notebook = json.loads(fresh_build.release(assignment).read_text())
+    assert notebook["metadata"] == {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                                    "language_info": {"name": "python"}}
+    ids = [cell["id"] for cell in notebook["cells"]]
+    assert len(ids) == len(set(ids)), "cell ids must be unique"
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_release_leaks_no_solution_and_no_hidden_test(assignment, fresh_build):
+    source_text = fresh_build.source(assignment).read_text()
+    release_text = fresh_build.release(assignment).read_text()
+    for marker in ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"):
+        assert marker not in release_text
+    sources = "\n".join(cell.source for cell in nbformat.reads(source_text, as_version=4).cells)
+    released = "\n".join(" ".join(line.split()) for cell in nbformat.reads(release_text, as_version=4).cells
+                         for line in cell.source.splitlines())
+    secret_blocks = SOLUTION_BLOCK.findall(sources) + HIDDEN_BLOCK.findall(sources)
+    assert secret_blocks, "the source notebook should have solutions and hidden tests"
+    leaked = sorted(line for block in secret_blocks for line in _substantive_lines(block) if line in released)
+    assert not leaked, f"solution or hidden-test lines in the student notebook: {leaked}"
+
+
+def test_helper_package_contains_no_solution_line(fresh_build):
+    """The package ships to students (Colab installs it): no solution may be copied into it."""
+    package_lines = set()
+    for path in (REPO_ROOT / "course" / "attention_lab").rglob("*.py"):
+        package_lines |= {" ".join(line.split()) for line in path.read_text().splitlines()}
+    leaked = {}
+    for assignment in ASSIGNMENTS:
+        sources = "\n".join(cell.source for cell in _cells(fresh_build.source(assignment)))
+        for block in SOLUTION_BLOCK.findall(sources):
+            for line in _substantive_lines(block) & package_lines:
+                leaked.setdefault(assignment, []).append(line)
+    assert not leaked, f"solution lines found verbatim in course/attention_lab: {leaked}"
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_notebook_starts_with_title_badge_and_the_generated_setup_cell(assignment, fresh_build):
+    cells = _cells(fresh_build.release(assignment))
+    repository = release.course_repository()
+    assert cells[0].cell_type == "markdown" and cells[0].source.startswith("# ")
+    assert release.colab_badge(repository, assignment) in cells[0].source
+    assert cells[1].source == release.setup_cell_source(repository)
+    assert cells[1].metadata["nbgrader"]["locked"] is True
+    others = "\n".join(cell.source for cell in cells[2:])
+    assert "pip install" not in others and "!wget" not in others and "drive.mount" not in others
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_answer_and_test_cells_follow_the_curriculum(assignment, fresh_build):
+    answers = _grade_ids(fresh_build.release(assignment), "answer")
+    tests = _grade_ids(fresh_build.release(assignment), "test")
+    missing = [name for name in CONTRACTS[assignment] if name not in answers]
+    assert not missing, f"answer cells missing for {missing}"
+    for name in answers:
+        assert any(t == f"test_{name}" or t.startswith(f"test_{name}_") for t in tests), f"no test cell for {name}"
+    points = [cell.metadata["nbgrader"]["points"] for cell in _cells(fresh_build.release(assignment))
+              if cell.metadata.get("nbgrader", {}).get("grade")]
+    assert all(p > 0 for p in points)
+    for cell in _cells(fresh_build.release(assignment)):
+        if cell.metadata.get("nbgrader", {}).get("grade"):
+            first_line = cell.source.splitlines()[0]
+            assert first_line.startswith('"""') and first_line.endswith('"""'), \
+                f"test cell {cell.metadata['nbgrader']['grade_id']} must open with a one-line docstring"
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_every_stub_names_its_exercise(assignment, fresh_build):
+    stubs = [cell for cell in _cells(fresh_build.release(assignment)) if "NotImplementedError" in cell.source]
+    answers = _grade_ids(fresh_build.release(assignment), "answer")
+    assert len(stubs) >= len(answers)
+    for cell in stubs:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in answers:
+            assert re.search(rf'NotImplementedError\("Exercise \d+\.\d+: implement {re.escape(grade_id)}"\)', cell.source)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_solution_notebook_runs_top_to_bottom_and_passes_every_test(assignment, fresh_build):
+    result = execute_notebook(fresh_build.source(assignment))
+    assert not result.errors, result.summary()
+    assert sorted(result.passed_tests) == sorted(_grade_ids(fresh_build.source(assignment), "test"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_release_notebook_fails_only_on_the_blanks(assignment, fresh_build):
+    result = execute_notebook(fresh_build.release(assignment))
+    unexpected = [error for error in result.errors
+                  if not (error.ename == "NotImplementedError"
+                          or (error.ename == "CheckFailure" and "not implemented yet" in error.evalue))]
+    assert not unexpected, result.summary()
+    assert not result.passed_tests, f"a test passes on the blank notebook: {result.passed_tests}"
+    assert result.failed_tests, "the blank notebook should fail its tests"
