@@ -50,7 +50,8 @@ export: setup ## write autograder/grades.csv
 	cd autograder && ../$(BIN)/nbgrader export --to grades.csv
 
 bench: setup ## measure notebook run time and autograde overhead (see benchmarks/)
-	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.notebooks
+	$(BIN)/python -m benchmarks.grading
 
 clean: ## remove generated grading folders (keeps .venv and course/)
 	rm -rf autograder/source autograder/release autograder/autograded autograder/feedback autograder/gradebook.db

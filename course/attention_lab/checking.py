@@ -57,6 +57,7 @@ __all__ = [
     "expect_array",
     "expect_close",
     "expect_true",
+    "expect_value_error",
     "call_student",
     "from_scratch",
     "random_generator",
@@ -461,6 +462,29 @@ def expect_array(value: Any, *, what: str, shape: Sequence[int] | None = None,
 def expect_true(condition: bool, message: str) -> None:
     if not condition:
         raise CheckFailure(message)
+
+
+def expect_value_error(fn: Callable, *args: Any, call: str, why: str, must_mention: Sequence[Any] = (),
+                       **kwargs: Any) -> None:
+    """``fn(*args, **kwargs)`` must raise ValueError whose message names ``must_mention``.
+
+    Bad input gets a clear error: e.g. split_heads with D % H != 0 names D and H. ``why`` says
+    what is wrong with the input, for the message when no ValueError comes.
+    """
+    try:
+        fn(*args, **kwargs)
+    except ValueError as error:
+        text = str(error)
+        missing = [str(n) for n in must_mention if str(n) not in text]
+        expect_true(not missing, f"{call} raised ValueError, but its message {text!r} should name "
+                    f"{' and '.join(str(n) for n in must_mention)} so the caller knows what went wrong.")
+        return
+    except NotImplementedError:
+        raise CheckFailure(f"{call}: not implemented yet.") from None
+    except Exception as error:
+        raise CheckFailure(f"{call} should raise ValueError ({why}), but raised "
+                           f"{type(error).__name__}: {error}") from None
+    raise CheckFailure(f"{call} should raise ValueError ({why}), but it returned normally.")
 
 
 # --------------------------------------------------------------------------------------

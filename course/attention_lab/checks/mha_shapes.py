@@ -23,6 +23,7 @@ from attention_lab.checking import (
     expect_signature,
     expect_tensor,
     expect_true,
+    expect_value_error,
     freeze_module,
     randint,
     randn,
@@ -113,23 +114,6 @@ def _check_split_heads_once(split_heads: Callable, x: torch.Tensor, num_heads: i
     return out
 
 
-def _expect_value_error(fn: Callable, args: tuple, call: str, must_mention: tuple[int, ...]) -> None:
-    try:
-        fn(*args)
-    except ValueError as error:
-        text = str(error)
-        missing = [str(n) for n in must_mention if str(n) not in text]
-        expect_true(not missing, f"{call} raised ValueError, but its message {text!r} should name "
-                    f"{' and '.join(str(n) for n in must_mention)} so the caller knows what went wrong.")
-        return
-    except NotImplementedError:
-        raise CheckFailure(f"{call}: not implemented yet.") from None
-    except Exception as error:
-        raise CheckFailure(f"{call} should raise ValueError naming D and H, but raised "
-                           f"{type(error).__name__}: {error}") from None
-    raise CheckFailure(f"{call} should raise ValueError (D is not divisible by H), but it returned normally.")
-
-
 def _check_split_heads(split_heads: Callable, *, seed: int, device: torch.device, name: str) -> None:
     expect_signature(split_heads, name, ["x", "num_heads"])
     generator = random_generator(seed)
@@ -147,8 +131,9 @@ def _check_split_heads(split_heads: Callable, *, seed: int, device: torch.device
         b, s, h, d = (randint(1, 3, generator), randint(1, 9, generator),
                       randint(1, 6, generator), randint(1, 5, generator))
         _check_split_heads_once(split_heads, randn(b, s, h * d, generator=generator, device=device), h, name)
-    _expect_value_error(split_heads, (randn(2, 3, 10, generator=generator, device=device), 4),
-                        f"{name}(x, num_heads=4) with D = 10", must_mention=(10, 4))
+    expect_value_error(split_heads, randn(2, 3, 10, generator=generator, device=device), 4,
+                       call=f"{name}(x, num_heads=4) with D = 10", why="D = 10 is not divisible by H = 4",
+                       must_mention=(10, 4))
 
 
 @check("split_heads: shapes, values, edge cases and the D % H error ({device})")
