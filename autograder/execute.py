@@ -5,13 +5,12 @@
 
 Used by the tests (solutions pass every check; releases fail only on the blanks), the
 benchmarks and instructors checking a notebook by hand. Cells run with the notebook's
-folder as the working directory, widgets drawing static figures (MPLBACKEND=Agg).
+folder as the working directory.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,7 +50,6 @@ def execute_notebook(path: Path | str, timeout: int = 600, working_dir: Path | s
     """Run every cell (continuing past errors) and collect the errors and test outcomes."""
     path = Path(path)
     notebook = nbformat.read(path, as_version=4)
-    os.environ.setdefault("MPLBACKEND", "Agg")
     client = NotebookClient(
         notebook, timeout=timeout, kernel_name="python3", allow_errors=True,
         resources={"metadata": {"path": str(working_dir or path.parent)}},

@@ -19,7 +19,6 @@ def nbgrader_environment() -> dict[str, str]:
     environment = dict(os.environ)
     bin_dir = str(Path(sys.executable).parent)
     environment["PATH"] = bin_dir + os.pathsep + environment.get("PATH", "")
-    environment.setdefault("MPLBACKEND", "Agg")
     return environment
 
 

@@ -441,21 +441,28 @@ def expect_tensor(
     return value
 
 
-def expect_array(value: Any, *, what: str, shape: Sequence[int] | None = None,
-                 dtype: Any = None, hints: Mapping[tuple[int, ...], str] | None = None) -> np.ndarray:
-    """Contract of a returned NumPy array (type, exact shape, dtype)."""
+def expect_array(value: Any, *, what: str, shape: Sequence[int] | None = None, dtype: Any = None,
+                 hints: Mapping[tuple[int, ...], str] | None = None, dtype_hint: str = "") -> np.ndarray:
+    """Contract of a returned NumPy array: an ndarray (not a tensor), exact shape, dtype.
+
+    ``dtype_hint`` is appended when the dtype is wrong (e.g. how float32 became float64).
+    """
     if isinstance(value, torch.Tensor):
-        raise CheckFailure(f"{what} should be a NumPy array, got a torch tensor. Use NumPy only.")
+        raise CheckFailure(f"{what} should return a NumPy ndarray, got a torch tensor ({describe(value)}). "
+                           "This notebook is NumPy only: use np.* functions and the @ operator.")
     if not isinstance(value, np.ndarray):
-        raise CheckFailure(f"{what} should be a NumPy ndarray, got {describe(value)}.")
+        expected = f" of shape {shape_str(shape)}" if shape is not None else ""
+        raise CheckFailure(f"{what} should return a NumPy ndarray{expected}, got {describe(value)}.")
     if shape is not None and tuple(value.shape) != tuple(shape):
         message = f"{what} should have shape {shape_str(shape)}, got {shape_str(value.shape)}."
         hint = (hints or {}).get(tuple(value.shape))
         if hint:
             message += f"\n  Likely mistake: {hint}"
+        elif value.size == math.prod(shape):
+            message += " (same number of elements: check the order of axes, not only the count)"
         raise CheckFailure(message)
     if dtype is not None and value.dtype != np.dtype(dtype):
-        raise CheckFailure(f"{what} should have dtype {np.dtype(dtype)}, got {value.dtype}.")
+        raise CheckFailure(f"{what} should keep the input dtype {np.dtype(dtype)}, got {value.dtype}. {dtype_hint}".rstrip())
     return value
 
 

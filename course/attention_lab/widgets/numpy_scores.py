@@ -20,21 +20,20 @@ from attention_lab.widgets.live import LiveFigure
 
 def stable_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """Softmax that subtracts each row's max (used when no softmax is passed in)."""
-    shifted = x - np.max(x, axis=axis, keepdims=True)
-    exponentials = np.exp(shifted)
-    return exponentials / np.sum(exponentials, axis=axis, keepdims=True)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
 
 
-def _annotate(ax, matrix: np.ndarray, fmt: str, threshold: float) -> None:
+def _annotate(ax, matrix: np.ndarray, fmt: str, dark: Callable[[float], bool]) -> None:
     """Write each value in its cell (only for small matrices, where it stays readable)."""
     rows, columns = matrix.shape
     if rows > 8 or columns > 8:
         return
     for i in range(rows):
         for j in range(columns):
-            value = matrix[i, j]
+            value = float(matrix[i, j])
             ax.text(j, i, format(value, fmt), ha="center", va="center", fontsize=7,
-                    color="white" if value < threshold else "black")
+                    color="white" if dark(value) else "black")
 
 
 def plot_scores_and_weights(figure: Figure, scores: np.ndarray, weights: np.ndarray, title: str = "") -> None:
@@ -49,10 +48,10 @@ def plot_scores_and_weights(figure: Figure, scores: np.ndarray, weights: np.ndar
     limit = float(np.max(np.abs(scores[np.isfinite(scores)]), initial=1e-12))
     score_image = score_ax.imshow(scores, cmap="RdBu_r", vmin=-limit, vmax=limit)
     score_ax.set_title("scaled scores  scale · Q Kᵀ")
-    _annotate(score_ax, scores, ".1f", threshold=-0.5 * limit)
+    _annotate(score_ax, scores, ".1f", dark=lambda value: abs(value) > 0.6 * limit)
     weight_image = weight_ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0)
     weight_ax.set_title("weights  softmax(rows)")
-    _annotate(weight_ax, weights, ".2f", threshold=0.6)
+    _annotate(weight_ax, weights, ".2f", dark=lambda value: value < 0.6)
     for ax in (score_ax, weight_ax):
         ax.set_xlabel("key position")
         ax.set_ylabel("query position")

@@ -127,7 +127,7 @@ def plot_kv_group_heads(figure: Figure, weights: torch.Tensor, num_kv_heads: int
     groups = list(range(num_kv_heads)) if groups is None else list(groups)
     axes = figure.subplots(len(groups), n_rep, squeeze=False)
     labels = list(tokens) if tokens is not None else [str(i) for i in range(num_keys)]
-    for row, group in zip(axes, groups):
+    for row_index, (row, group) in enumerate(zip(axes, groups)):
         colourmap = GROUP_COLOURMAPS[group % len(GROUP_COLOURMAPS)]
         for column, ax in enumerate(row):
             head = group * n_rep + column
@@ -136,8 +136,15 @@ def plot_kv_group_heads(figure: Figure, weights: torch.Tensor, num_kv_heads: int
             vmax = float(weights[head].max()) if per_head_scale else 1.0
             ax.imshow(shown.numpy(), cmap=colourmap, vmin=0.0, vmax=vmax)
             ax.set_title(f"head {head} · KV {group}", fontsize=8)
-            ax.set_xticks(range(num_keys), labels[-num_keys:], rotation=90, fontsize=6)
-            ax.set_yticks(range(seq_len), labels[-seq_len:], fontsize=6)
+            # Token labels on the outer axes only: rows are queries, columns keys.
+            if row_index == len(groups) - 1:
+                ax.set_xticks(range(num_keys), labels[-num_keys:], rotation=90, fontsize=6)
+            else:
+                ax.set_xticks([])
+            if column == 0:
+                ax.set_yticks(range(seq_len), labels[-seq_len:], fontsize=6)
+            else:
+                ax.set_yticks([])
     figure.suptitle(f"{num_heads} query heads, {num_kv_heads} KV heads: each row shares one K/V head "
                     f"(heads g·{n_rep} … g·{n_rep}+{n_rep - 1} read KV head g)", fontsize=9)
 
@@ -160,4 +167,4 @@ def kv_group_heatmaps(weights: torch.Tensor, num_kv_heads: int, tokens: Sequence
                                   description="KV group"),
         "per_head_scale": widgets.Checkbox(value=False, description="per-head colour scale"),
     }
-    return LiveFigure(draw, controls, figsize=(2.0 * n_rep + 1.0, 2.0 * num_kv_heads + 0.8))
+    return LiveFigure(draw, controls, figsize=(1.9 * n_rep + 0.8, 1.9 * num_kv_heads + 1.0))

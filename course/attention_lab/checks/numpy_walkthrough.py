@@ -1,0 +1,824 @@
+"""Checks for notebook 02 -- the NumPy walkthrough.
+
+The answers are NumPy only: every check calls the student's code with ``numpy_only=True``,
+so an answer that computes with torch and converts back fails and is told so. The
+references are PyTorch in float64 (``F.scaled_dot_product_attention`` on the math backend,
+``nn.MultiheadAttention`` holding copies of the student's weights) or definitions written
+differently from the idiomatic answer, all computed at check time.
+
+Layout note: the notebook follows the seed and writes projections as ``X @ W`` with ``W``
+of shape ``(in, out)``; ``nn.Linear.weight`` and ``in_proj_weight`` are ``(out, in)``, so
+the references copy transposes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from attention_lab.checking import (
+    CheckFailure,
+    Variant,
+    call_student,
+    check,
+    describe,
+    expect_close,
+    expect_array,
+    expect_signature,
+    expect_true,
+    expect_value_error,
+    freeze_module,
+    reference_sdpa,
+    shape_str,
+)
+
+# --------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------
+
+
+def _rng(seed: int) -> np.random.Generator:
+    """A private NumPy generator: checks never disturb the notebook's own random state."""
+    return np.random.default_rng(seed)
+
+
+def _normal(rng: np.random.Generator, *shape: int, dtype=np.float64, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def _t(array: np.ndarray) -> torch.Tensor:
+    """A float64 CPU tensor holding a copy of ``array`` (for the PyTorch references)."""
+    return torch.from_numpy(np.array(array, dtype=np.float64))
+
+
+def _array(value: Any) -> str:
+    return describe(value) if not isinstance(value, np.ndarray) else f"array of shape {shape_str(value.shape)} ({value.dtype})"
+
+
+def _call(fn: Callable, *args: Any, call: str, **kwargs: Any) -> Any:
+    """call_student with NumPy only, and a hint for the broadcasting errors NumPy raises."""
+    try:
+        return call_student(fn, *args, call=call, numpy_only=True, **kwargs)
+    except CheckFailure as failure:
+        text = str(failure)
+        if "not implemented yet" in text or "Likely mistake" in text or "NumPy only" in text:
+            raise
+        if "remapped shapes" in text or ("matmul" in text and "mismatch" in text):  # raised by @
+            raise CheckFailure(text + "\n  Likely mistake: a transpose. Q @ Kᵀ needs K with only its last two "
+                               "axes swapped (np.swapaxes(K, -1, -2) or K.transpose(0, 1, 3, 2)); K.T reverses "
+                               "all four axes.") from None
+        if "could not be broadcast" in text:
+            raise CheckFailure(text + "\n  Likely mistake: a reduction lost its axis. Keep it for broadcasting "
+                               "with keepdims=True (e.g. np.max(x, axis=axis, keepdims=True)).") from None
+        raise
+
+
+DTYPE_HINT = ("NumPy 2 keeps a float32 array float32 when it meets a Python float, but a NumPy float64 "
+              "scalar promotes it: divide by math.sqrt(d) (a Python float), not np.sqrt(d), and create new "
+              "arrays with dtype=x.dtype.")
+
+
+def _expect_unchanged(before: np.ndarray, after: np.ndarray, call: str, name: str) -> None:
+    expect_true(np.array_equal(before, after, equal_nan=True),
+                f"{call} changed its input {name} in place. Compute a new array (x = x - m, not x -= m): "
+                "the caller still needs the original.")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: row_times_matrix
+# --------------------------------------------------------------------------------------
+
+
+class _ExplicitSumsOnly(np.ndarray):
+    """An array that refuses to be multiplied as a matrix: the exercise is to write the sums.
+
+    Elementwise arithmetic, indexing, np.sum and friends work as usual (and return plain
+    arrays); ``@``, np.matmul, np.dot, np.einsum, np.inner, np.tensordot, np.vdot raise.
+    """
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if ufunc.__name__ in _MATRIX_UFUNCS:
+            raise CheckFailure(_MATMUL_USED.format(name=f"np.{ufunc.__name__} (the @ operator)"))
+        inputs = tuple(i.view(np.ndarray) if isinstance(i, _ExplicitSumsOnly) else i for i in inputs)
+        if "out" in kwargs:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, _ExplicitSumsOnly) else o for o in kwargs["out"])
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        if getattr(func, "__name__", "") in _MATRIX_FUNCTIONS:
+            raise CheckFailure(_MATMUL_USED.format(name=f"np.{func.__name__}"))
+        return super().__array_function__(func, types, args, kwargs)
+
+    def dot(self, *args, **kwargs):
+        raise CheckFailure(_MATMUL_USED.format(name=".dot"))
+
+
+_MATRIX_UFUNCS = {"matmul", "vecdot", "matvec", "vecmat"}
+_MATRIX_FUNCTIONS = {"dot", "einsum", "inner", "tensordot", "vdot", "multi_dot", "matmul", "vecdot"}
+_MATMUL_USED = ("row_times_matrix should write the sums itself -- out[j] = Σ_i x_row[i] · W[i, j], with loops "
+                "(or np.sum of elementwise products) -- but it called {name}. The point of the exercise is "
+                "what @ does inside; you will use @ everywhere after it.")
+
+ROW_HINTS = {
+    "transposed": "you computed Σ_j W[i, j] · x_row[j] (that is W @ x_row = x_row @ Wᵀ). Output j is "
+    "Σ_i x_row[i] · W[i, j]: x_row runs down column j of W.",
+    "wrong_length": "your output has one entry per row of W; it needs one per column: "
+    "for j in range(W.shape[1]): out[j] = Σ_i x_row[i] · W[i, j].",
+}
+
+
+def _check_row_once(row_times_matrix: Callable, x_row: np.ndarray, W: np.ndarray) -> None:
+    n, m = W.shape
+    call = f"row_times_matrix(x_row, W) with x_row {_array(x_row)}, W {_array(W)}"
+    guarded_x = x_row.view(_ExplicitSumsOnly)
+    guarded_W = W.view(_ExplicitSumsOnly)
+    out = _call(row_times_matrix, guarded_x, guarded_W, call=call)
+    hints = {(n,): ROW_HINTS["wrong_length"]} if n != m else {}
+    out = expect_array(out, what=call, shape=(m,), dtype=np.result_type(x_row, W), hints=hints, dtype_hint=DTYPE_HINT)
+    expected = _t(x_row) @ _t(W)
+    variants = [Variant(lambda: _t(W) @ _t(x_row), ROW_HINTS["transposed"])] if n == m else []
+    expect_close(out, expected, what=call, against="x_row @ W (PyTorch, float64)", variants=variants)
+
+
+@check("row_times_matrix: explicit sums equal x_row @ W, square and non-square W")
+def check_row_times_matrix(row_times_matrix: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """row_times_matrix: one (N,) @ (N, M) product written as sums, equal to x_row @ W."""
+    expect_signature(row_times_matrix, "row_times_matrix", ["x_row", "W"])
+    rng = _rng(seed)
+    # Non-square first: (N,) @ (N, M) with N != M is where index mix-ups show.
+    for n, m, dtype in ((4, 3, np.float64), (3, 5, np.float64), (4, 4, np.float64), (5, 2, np.float32), (1, 1, np.float64)):
+        _check_row_once(row_times_matrix, _normal(rng, n, dtype=dtype), _normal(rng, n, m, dtype=dtype))
+    for _ in range(3):
+        n, m = (int(v) for v in rng.integers(1, 7, size=2))
+        _check_row_once(row_times_matrix, _normal(rng, n), _normal(rng, n, m))
+
+
+# --------------------------------------------------------------------------------------
+# Exercises: np_split_heads and np_merge_heads
+# --------------------------------------------------------------------------------------
+
+SPLIT_HINTS = {
+    "no_transpose": "you reshaped to (B, S, H, d_head) but did not move the head axis in front of the "
+    "sequence axis: add .transpose(0, 2, 1, 3).",
+    "reshape_only": "you reshaped straight to (B, H, S, d_head). The shape is right but the numbers are "
+    "scrambled: reshape reads memory in order, so 'heads' would cut across tokens. Reshape to "
+    "(B, S, H, d_head) first (split the feature axis), then transpose(0, 2, 1, 3).",
+    "strided": "your heads take every H-th feature (reshape to (B, S, d_head, H)); head h must take the "
+    "contiguous block of features h*d_head ... (h+1)*d_head - 1.",
+}
+MERGE_HINTS = {
+    "reshape_only": "you reshaped (B, H, S, d) straight to (B, S, H*d). Move the head axis back next to "
+    "the features first: .transpose(0, 2, 1, 3), then reshape.",
+}
+
+
+def _split_reference(t: np.ndarray, num_heads: int) -> torch.Tensor:
+    """Head h = features h*d ... (h+1)*d - 1 of every token, by slicing (PyTorch, float64)."""
+    x = _t(t)
+    d_head = x.shape[-1] // num_heads
+    return torch.stack([x[..., h * d_head:(h + 1) * d_head] for h in range(num_heads)], dim=1)
+
+
+def _check_split_once(np_split_heads: Callable, t: np.ndarray, num_heads: int) -> np.ndarray:
+    b, s, n = t.shape
+    d_head = n // num_heads
+    call = f"np_split_heads(t, num_heads={num_heads}) with t {_array(t)}"
+    before = t.copy()
+    out = _call(np_split_heads, t, num_heads, call=call)
+    out = expect_array(out, what=call, shape=(b, num_heads, s, d_head), dtype=t.dtype,
+                          hints={(b, s, num_heads, d_head): SPLIT_HINTS["no_transpose"]}, dtype_hint=DTYPE_HINT)
+    _expect_unchanged(before, t, call, "t")
+    expect_close(out, _split_reference(t, num_heads), what=call,
+                 against="head h = features h*d_head ... (h+1)*d_head - 1 of every token",
+                 variants=[Variant(lambda: t.reshape(b, num_heads, s, d_head), SPLIT_HINTS["reshape_only"]),
+                           Variant(lambda: t.reshape(b, s, d_head, num_heads).transpose(0, 3, 1, 2), SPLIT_HINTS["strided"])])
+    return out
+
+
+@check("np_split_heads: (B, S, D) -> (B, H, S, D//H), values, edge cases and the D % H error")
+def check_np_split_heads(np_split_heads: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """np_split_heads: (B, S, D) -> (B, H, S, D//H), head h = features h*d ... (h+1)*d - 1."""
+    expect_signature(np_split_heads, "np_split_heads", ["t", "num_heads"])
+    rng = _rng(seed)
+    _check_split_once(np_split_heads, _normal(rng, 2, 6, 4), 2)  # the notebook's configuration
+    _check_split_once(np_split_heads, _normal(rng, 2, 5, 12, dtype=np.float32), 3)
+    _check_split_once(np_split_heads, _normal(rng, 1, 1, 6), 1)
+    _check_split_once(np_split_heads, _normal(rng, 3, 1, 8), 4)
+    _check_split_once(np_split_heads, _normal(rng, 7, 2, 16).transpose(1, 0, 2), 4)  # not contiguous
+    for _ in range(6):
+        b, s, h, d = (int(v) for v in rng.integers(1, 6, size=4))
+        _check_split_once(np_split_heads, _normal(rng, b, s, h * d), h)
+    expect_value_error(np_split_heads, _normal(rng, 2, 3, 10), 4, call="np_split_heads(t, num_heads=4) with D = 10",
+                       why="D = 10 is not divisible by 4 heads", must_mention=(10, 4))
+
+
+def _check_merge_once(np_merge_heads: Callable, t: np.ndarray) -> None:
+    b, h, s, d = t.shape
+    call = f"np_merge_heads(t) with t {_array(t)}"
+    before = t.copy()
+    out = _call(np_merge_heads, t, call=call)
+    out = expect_array(out, what=call, shape=(b, s, h * d), dtype=t.dtype, dtype_hint=DTYPE_HINT)
+    _expect_unchanged(before, t, call, "t")
+    expected = torch.cat([_t(t)[:, head] for head in range(h)], dim=-1)
+    expect_close(out, expected, what=call, against="the heads' features concatenated per token",
+                 variants=[Variant(lambda: t.reshape(b, s, h * d), MERGE_HINTS["reshape_only"])])
+
+
+@check("np_merge_heads: (B, H, S, d) -> (B, S, H*d), values and the round trip with the split")
+def check_np_merge_heads(np_merge_heads: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """np_merge_heads: (B, H, S, d) -> (B, S, H*d), the inverse of np_split_heads."""
+    expect_signature(np_merge_heads, "np_merge_heads", ["t"])
+    rng = _rng(seed)
+    _check_merge_once(np_merge_heads, _normal(rng, 2, 2, 6, 2))
+    _check_merge_once(np_merge_heads, _normal(rng, 2, 3, 5, 4, dtype=np.float32))
+    # What a split returns is a transposed view: the merge must accept it and undo it exactly.
+    x = _normal(rng, 2, 5, 12)
+    heads = x.reshape(2, 5, 3, 4).transpose(0, 2, 1, 3)
+    _check_merge_once(np_merge_heads, heads)
+    round_trip = _call(np_merge_heads, heads, call="np_merge_heads(np_split_heads(x, 3))")
+    expect_close(round_trip, _t(x), what="np_merge_heads(np_split_heads(x, 3))", against="x (a round trip)")
+    for _ in range(6):
+        b, h, s, d = (int(v) for v in rng.integers(1, 6, size=4))
+        _check_merge_once(np_merge_heads, _normal(rng, b, h, s, d))
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: np_softmax
+# --------------------------------------------------------------------------------------
+
+SOFTMAX_HINTS = {
+    "no_max": "np.exp overflowed: exp(1000) is inf in float64 (exp(89) already in float32), and inf/inf is "
+    "NaN. Subtract each row's maximum before np.exp: softmax(x) = softmax(x - max(x)), exactly.",
+    "global_max": "you subtracted one maximum for the whole array. A row far below it underflows: "
+    "every exp(x - max) is 0 and the row becomes 0/0 = NaN. Subtract each row's own maximum: "
+    "np.max(x, axis=axis, keepdims=True).",
+    "ignores_axis": "the softmax ran over the last axis although a different axis was asked for. Use the "
+    "axis argument in the max and in the sum.",
+    "no_keepdims": "the row maxima were broadcast against the wrong axis. Keep the reduced axis: "
+    "np.max(x, axis=axis, keepdims=True), and the same for the sum.",
+    "sum_axis": "the normalising sum ran over the wrong axis: e / e.sum(axis=axis, keepdims=True).",
+    "nan": "np.exp of a huge or infinite number, or 0/0: subtract each row's own maximum "
+    "(np.max(x, axis=axis, keepdims=True)) -- not its minimum, not one maximum for the whole array -- "
+    "before np.exp.",
+}
+
+
+def _softmax_reference(x: np.ndarray, axis: int) -> torch.Tensor:
+    return torch.softmax(_t(x), dim=axis)
+
+
+def _softmax_variants(x: np.ndarray, axis: int) -> list[Variant]:
+    def naive():
+        with np.errstate(all="ignore"):
+            e = np.exp(x.astype(np.float64))
+            return e / e.sum(axis=axis, keepdims=True)
+
+    def global_max():
+        with np.errstate(all="ignore"):
+            e = np.exp(x.astype(np.float64) - np.max(x))
+            return e / e.sum(axis=axis, keepdims=True)
+
+    def no_keepdims():
+        if x.ndim < 2:
+            return None
+        with np.errstate(all="ignore"):
+            m = np.max(x, axis=axis)
+            try:
+                e = np.exp(x.astype(np.float64) - m)
+                return e / e.sum(axis=axis, keepdims=True)
+            except ValueError:
+                return None
+
+    def sum_other_axis():
+        if x.ndim < 2:
+            return None
+        other = -1 if axis % x.ndim != x.ndim - 1 else 0
+        with np.errstate(all="ignore"):
+            e = np.exp(x.astype(np.float64) - np.max(x, axis=axis, keepdims=True))
+            return e / e.sum(axis=other, keepdims=True)
+
+    variants = [Variant(naive, SOFTMAX_HINTS["no_max"]), Variant(global_max, SOFTMAX_HINTS["global_max"])]
+    if axis % x.ndim != x.ndim - 1:
+        variants.append(Variant(lambda: _softmax_reference(x, -1), SOFTMAX_HINTS["ignores_axis"]))
+    variants += [Variant(no_keepdims, SOFTMAX_HINTS["no_keepdims"]), Variant(sum_other_axis, SOFTMAX_HINTS["sum_axis"])]
+    return variants
+
+
+def _check_softmax_once(np_softmax: Callable, x: np.ndarray, axis: int | None, label: str) -> np.ndarray:
+    call = f"np_softmax(x{'' if axis is None else f', axis={axis}'}) with x {label}"
+    before = x.copy()
+    with np.errstate(all="ignore"):  # a naive answer's overflow warnings would drown the message
+        out = _call(np_softmax, x, call=call) if axis is None else _call(np_softmax, x, axis=axis, call=call)
+    out = expect_array(out, what=call, shape=x.shape, dtype=x.dtype, dtype_hint=DTYPE_HINT)
+    _expect_unchanged(before, x, call, "x")
+    axis = -1 if axis is None else axis
+    expected = _softmax_reference(x, axis)
+    variants = _softmax_variants(x, axis)
+    if np.isnan(out).any():
+        # Both a missing and a global max give NaN rows; a global max only where rows differ in scale.
+        candidates = [variants[1], variants[0]]
+        hint = next((v.hint for v in candidates if _same(out, v.output())), SOFTMAX_HINTS["nan"])
+        raise CheckFailure(f"{call} returned NaN where torch.softmax gives finite weights "
+                           f"(first NaN at index {tuple(int(i) for i in np.argwhere(np.isnan(out))[0])}).\n"
+                           f"  Likely mistake: {hint}")
+    expect_close(out, expected, what=call, against=f"torch.softmax(x, dim={axis}) in float64", variants=variants)
+    return out
+
+
+def _same(a: np.ndarray, b: np.ndarray | None) -> bool:
+    return b is not None and a.shape == b.shape and bool(np.array_equal(np.isnan(a), np.isnan(b)))
+
+
+@check("np_softmax: stable at 1000, rows of different scales, -inf entries, any axis")
+def check_np_softmax(np_softmax: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """np_softmax: equals torch.softmax where naive code breaks (overflow, underflow, -inf, other axes)."""
+    expect_signature(np_softmax, "np_softmax", ["x", "axis"])
+    rng = _rng(seed)
+    # Ordinary numbers first, so a plain bug is not reported as a stability problem.
+    _check_softmax_once(np_softmax, _normal(rng, 3, 5), None, "of shape [3, 5] (ordinary values, default axis)")
+    _check_softmax_once(np_softmax, _normal(rng, 2, 2, 6, 6, dtype=np.float32), -1, "float32 scores [2, 2, 6, 6]")
+    # Large inputs: exp(1000) overflows to inf, and inf / inf is NaN.
+    big = np.array([[1000.0, 999.0, 998.0], [1000.0, 1000.0, 1000.0]]) + rng.uniform(0, 0.5, size=(2, 3))
+    _check_softmax_once(np_softmax, big, -1, "around 1000")
+    _check_softmax_once(np_softmax, big.astype(np.float32) / 10, -1, "float32 around 100 (exp overflows float32 at 89)")
+    # Rows of very different scales: one global max underflows the low row to 0/0.
+    scales = np.array([[0.0, 1.0, 2.0, 0.5], [-1000.0, -1001.0, -999.5, -1002.0]]) + rng.uniform(0, 0.5, size=(2, 4))
+    _check_softmax_once(np_softmax, scales, -1, "rows near 0 and near -1000")
+    # -inf on part of a row: those entries get weight exactly 0, the rest stays finite.
+    masked = _normal(rng, 3, 5)
+    masked[0, 1:3] = -np.inf
+    masked[2, 0] = -np.inf
+    out = _check_softmax_once(np_softmax, masked, -1, "containing -inf on part of two rows")
+    expect_true(bool((out[np.isneginf(masked)] == 0).all()),
+                "np_softmax(x) with -inf entries: their weights should be exactly 0.")
+    # A non-default axis, on a 2-D array (columns) and on a 3-D array (the middle axis).
+    _check_softmax_once(np_softmax, _normal(rng, 4, 3), 0, "of shape [4, 3], softmax over columns")
+    _check_softmax_once(np_softmax, _normal(rng, 2, 5, 3, scale=3.0), 1, "of shape [2, 5, 3], the middle axis")
+    _check_softmax_once(np_softmax, _normal(rng, 3, 4, 4) + 500.0, -2, "of shape [3, 4, 4] + 500, axis -2")
+    _check_softmax_once(np_softmax, _normal(rng, 7), 0, "of shape [7]")
+    # Properties: shift invariance per row, positive weights summing to 1.
+    for _ in range(4):
+        shape = tuple(int(v) for v in rng.integers(1, 6, size=int(rng.integers(1, 4))))
+        axis = int(rng.integers(-len(shape), len(shape)))
+        x = _normal(rng, *shape, scale=5.0)
+        out = _check_softmax_once(np_softmax, x, axis, f"random of shape {shape_str(shape)}")
+        expect_true(np.allclose(out.sum(axis=axis), 1.0) and bool((out >= 0).all()),
+                    f"np_softmax(x, axis={axis}) on {shape_str(shape)}: weights should be >= 0 and sum to 1 along axis {axis}.")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: np_attention
+# --------------------------------------------------------------------------------------
+
+ATTENTION_HINTS = {
+    "no_scale": "no 1/sqrt(d_head) scaling: divide the scores Q @ Kᵀ by math.sqrt(d_head) "
+    "(d_head = Q.shape[-1]) before the softmax.",
+    "scale_by_d": "you divided by d_head; the scale is 1/sqrt(d_head).",
+    "wrong_axis": "softmax over the wrong axis: each query's weights over the keys must sum to 1, so take "
+    "the softmax over the last axis (axis=-1).",
+    "mask_flipped": "mask polarity flipped: in this course (as in F.scaled_dot_product_attention) True means "
+    "'may attend'. Set the scores where the mask is False to -inf: np.where(mask, scores, -np.inf).",
+    "mask_ignored": "the mask was ignored: positions where mask is False must get weight exactly 0.",
+    "mask_after_softmax": "you zeroed the masked weights after the softmax, so the rows no longer sum to 1. "
+    "Mask the scores (-inf) before the softmax instead.",
+    "no_transpose": "the scores are Q @ Kᵀ -- one row per query and one column per key -- so transpose K's "
+    "last two axes (np.swapaxes(K, -1, -2)).",
+    "weights_transposed": "multiply weights @ V (weights (S_q, S_k) times V (S_k, d_v)), not its transpose.",
+    "overflow": "your softmax overflowed on large scores: use a stable softmax (your np_softmax) that "
+    "subtracts each row's maximum.",
+}
+
+
+def _sdpa_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+    """Attention weights from PyTorch: SDPA with V = identity returns the weight matrix itself."""
+    s_k = k.shape[-2]
+    identity = torch.eye(s_k, dtype=q.dtype).expand(*k.shape[:-2], s_k, s_k)
+    return reference_sdpa(q, k, identity, attn_mask=mask, scale=scale)
+
+
+def _attention_variants(Q, K, V, mask) -> tuple[list[Variant], list[Variant]]:
+    """(variants of the weights, variants of the output) for known mistakes."""
+    q, k, v = _t(Q), _t(K), _t(V)
+    m = None if mask is None else torch.from_numpy(np.asarray(mask))
+    d_head = q.shape[-1]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_head)
+    weight_variants = [
+        (lambda: _sdpa_weights(q, k, m, scale=1.0), ATTENTION_HINTS["no_scale"]),
+        (lambda: _sdpa_weights(q, k, m, scale=1.0 / d_head), ATTENTION_HINTS["scale_by_d"]),
+    ]
+    if q.shape[-2] == k.shape[-2] == d_head:
+        weight_variants.append((lambda: torch.softmax(q @ k / math.sqrt(d_head), -1), ATTENTION_HINTS["no_transpose"]))
+    if m is None:
+        weight_variants.append((lambda: torch.softmax(scores, dim=-2), ATTENTION_HINTS["wrong_axis"]))
+    else:
+        weight_variants.append((lambda: _sdpa_weights(q, k, None), ATTENTION_HINTS["mask_ignored"]))
+        weight_variants.append((lambda: _sdpa_weights(q, k, None) * m, ATTENTION_HINTS["mask_after_softmax"]))
+        if bool((~m).any(-1).all()):  # the flipped mask leaves every row something to attend to
+            weight_variants.append((lambda: _sdpa_weights(q, k, ~m), ATTENTION_HINTS["mask_flipped"]))
+        weight_variants.append((lambda: torch.softmax(scores.masked_fill(~m, -math.inf), dim=-2).nan_to_num(0.0),
+                                ATTENTION_HINTS["wrong_axis"]))
+    weights = [Variant(output, hint) for output, hint in weight_variants]
+    outputs = [Variant(lambda o=output: o() @ v if o().shape[-1] == v.shape[-2] else None, hint)
+               for output, hint in weight_variants]
+    if q.shape[-2] == k.shape[-2]:
+        outputs.append(Variant(lambda: _sdpa_weights(q, k, m).transpose(-2, -1) @ v, ATTENTION_HINTS["weights_transposed"]))
+    return weights, outputs
+
+
+def _nan_hint(nan_rows: np.ndarray, mask, weights_shape: Sequence[int]) -> str:
+    """NaN rows where the mask allows every key are what a flipped mask gives (those rows become all -inf)."""
+    if mask is not None:
+        full_rows = np.broadcast_to(np.asarray(mask), tuple(weights_shape)).all(-1)  # (B, H, S_q)
+        if nan_rows.ndim == 2:  # per token (B, S): a NaN in any head reaches the token's output
+            full_rows = full_rows.any(1)
+        if full_rows.any() and np.array_equal(nan_rows, full_rows):
+            return ATTENTION_HINTS["mask_flipped"] + " (The rows where every key is allowed became all -inf: 0/0.)"
+    return ATTENTION_HINTS["overflow"]
+
+
+def _check_attention_once(np_attention: Callable, Q, K, V, mask, label: str) -> None:
+    b, h, s_q, d = Q.shape
+    s_k, d_v = K.shape[-2], V.shape[-1]
+    mask_text = "no mask" if mask is None else f"a boolean mask of shape {shape_str(mask.shape)}"
+    call = f"np_attention(Q, K, V, mask) with Q {_array(Q)}, K {shape_str(K.shape)}, V {shape_str(V.shape)}, {mask_text}{label}"
+    inputs = [a.copy() for a in (Q, K, V)]
+    with np.errstate(all="ignore"):
+        result = _call(np_attention, Q, K, V, mask, call=call)
+    expect_true(isinstance(result, tuple) and len(result) == 2, f"{call} should return a tuple (out, weights), got {describe(result)}.")
+    out, weights = result
+    weights = expect_array(weights, what=call + " -> weights", shape=(b, h, s_q, s_k), dtype=Q.dtype,
+                              hints={(b, h, s_q, d): ATTENTION_HINTS["no_transpose"]} if d != s_k else None, dtype_hint=DTYPE_HINT)
+    out = expect_array(out, what=call + " -> out", shape=(b, h, s_q, d_v), dtype=Q.dtype, dtype_hint=DTYPE_HINT)
+    for before, after, name in zip(inputs, (Q, K, V), "QKV"):
+        _expect_unchanged(before, after, call, name)
+    q, k, v = _t(Q), _t(K), _t(V)
+    m = None if mask is None else torch.from_numpy(np.asarray(mask))
+    weight_variants, out_variants = _attention_variants(Q, K, V, mask)
+    if np.isnan(weights).any():
+        raise CheckFailure(f"{call} -> weights contains NaN where F.scaled_dot_product_attention gives finite "
+                           f"weights.\n  Likely mistake: {_nan_hint(np.isnan(weights).any(-1), mask, weights.shape)}")
+    expect_close(weights, _sdpa_weights(q, k, m), what=call + " -> weights",
+                 against="softmax(Q @ Kᵀ / sqrt(d_head)) from F.scaled_dot_product_attention", variants=weight_variants)
+    expect_close(out, reference_sdpa(q, k, v, attn_mask=m), what=call + " -> out",
+                 against="F.scaled_dot_product_attention (float64)", variants=out_variants)
+    if mask is not None:
+        leaked = weights[np.broadcast_to(~np.asarray(mask), weights.shape)]
+        if not bool((leaked == 0).all()):
+            raise CheckFailure(f"{call}: positions where the mask is False must get weight exactly 0 (set their "
+                               f"scores to -inf before the softmax), found {float(np.abs(leaked).max()):.3g}.")
+
+
+@check("np_attention: (out, weights) equal F.scaled_dot_product_attention, with masks and large scores")
+def check_np_attention(np_attention: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """np_attention: softmax(Q Kᵀ / sqrt(d_head)) V on (B, H, S, d) arrays, boolean masks True = may attend."""
+    expect_signature(np_attention, "np_attention", ["Q", "K", "V", "mask"])
+    rng = _rng(seed)
+    causal = np.tril(np.ones((6, 6), dtype=bool))
+    # The notebook's configuration: B=2, H=2, S=6, d_head=2.
+    _check_attention_once(np_attention, *(_normal(rng, 2, 2, 6, 2) for _ in range(3)), None, "")
+    _check_attention_once(np_attention, *(_normal(rng, 2, 2, 6, 2) for _ in range(3)), causal, " (causal)")
+    # Cross-attention sizes, float32, value width != d_head.
+    _check_attention_once(np_attention, _normal(rng, 2, 3, 4, 8, dtype=np.float32), _normal(rng, 2, 3, 5, 8, dtype=np.float32),
+                          _normal(rng, 2, 3, 5, 3, dtype=np.float32), None, "")
+    # A padding mask (B, 1, 1, S_k): the last two keys of the second sequence are padding.
+    padding = np.ones((2, 1, 1, 5), dtype=bool)
+    padding[1, ..., 3:] = False
+    _check_attention_once(np_attention, _normal(rng, 2, 3, 4, 8), _normal(rng, 2, 3, 5, 8), _normal(rng, 2, 3, 5, 8),
+                          padding, " (padding)")
+    # Square case S == d_head, where a missing transpose still has the right shape.
+    _check_attention_once(np_attention, *(_normal(rng, 1, 2, 4, 4) for _ in range(3)), None, "")
+    # Large scores (~1e3 and more): a naive softmax overflows to NaN.
+    _check_attention_once(np_attention, _normal(rng, 1, 2, 6, 8, scale=30.0), _normal(rng, 1, 2, 6, 8, scale=30.0),
+                          _normal(rng, 1, 2, 6, 8), causal, " (large scores)")
+    # One token.
+    _check_attention_once(np_attention, *(_normal(rng, 1, 1, 1, 4) for _ in range(3)), None, "")
+    # Random sizes with a random mask that leaves every query at least one key.
+    for _ in range(3):
+        b, h, s, d = (int(v) for v in rng.integers(1, 6, size=4))
+        mask = rng.random((s, s)) < 0.6
+        mask[np.arange(s), rng.integers(0, s, size=s)] = True
+        _check_attention_once(np_attention, *(_normal(rng, b, h, s, d) for _ in range(3)), mask, " (random mask)")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: np_multi_head_attention
+# --------------------------------------------------------------------------------------
+
+MHA_HINTS = {
+    "no_out": "the output projection is missing: after merging the heads, multiply by W_o. "
+    "Concatenating the heads is not the end (the seed forgot this step too).",
+    "layout": "you used the weights in (out, in) layout (X @ W.T, as nn.Linear stores them). Here the "
+    "weights are (in, out), as in the seed: Q = X @ W_q, and out = merged @ W_o.",
+    "layout_qkv": "you used W_q, W_k, W_v in (out, in) layout (X @ W.T). Here they are (in, out): Q = X @ W_q.",
+    "layout_out": "you used W_o in (out, in) layout (merged @ W_o.T). Here it is (in, out): merged @ W_o.",
+    "no_scale": "no 1/sqrt(d_head) scaling in the scores (d_head = D // num_heads).",
+    "scale_by_width": "you scaled by 1/sqrt(D); the scale is 1/sqrt(d_head) = 1/sqrt(D // num_heads).",
+    "mask_flipped": "mask polarity flipped: True means 'may attend' (nn.MultiheadAttention uses the "
+    "opposite; this course does not).",
+    "split": "the heads are split wrongly: reshape (B, S, D) to (B, S, H, d_head) and then transpose to "
+    "(B, H, S, d_head); reshaping straight to (B, H, S, d_head) mixes tokens.",
+    "merge": "the heads are merged wrongly: transpose (B, H, S, d) back to (B, S, H, d) before reshaping to (B, S, D).",
+}
+
+
+def _torch_mha(W_q, W_k, W_v, W_o, num_heads: int) -> nn.MultiheadAttention:
+    """nn.MultiheadAttention holding copies of the (in, out) weights, transposed to its (out, in) layout."""
+    d_model = W_q.shape[0]
+    module = nn.MultiheadAttention(d_model, num_heads, bias=False, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        module.in_proj_weight.copy_(torch.cat([_t(W_q).T, _t(W_k).T, _t(W_v).T]))
+        module.out_proj.weight.copy_(_t(W_o).T)
+    return module
+
+
+def _manual_mha(X, W_q, W_k, W_v, W_o, num_heads, mask, *, scale=None, out=True, transpose_qkv=False,
+                transpose_out=False, flip=False, split="right", merge="right") -> torch.Tensor:
+    """The pipeline with one deliberate change, for diagnosis (PyTorch, float64)."""
+    x = _t(X)
+    b, s, d_model = x.shape
+    d_head = d_model // num_heads
+
+    def project(W):
+        w = _t(W)
+        return x @ (w.T if transpose_qkv else w)
+
+    def heads(t):
+        if split == "reshape":
+            return t.reshape(b, num_heads, s, d_head)
+        return t.reshape(b, s, num_heads, d_head).transpose(1, 2)
+
+    q, k, v = (heads(project(W)) for W in (W_q, W_k, W_v))
+    m = None if mask is None else torch.from_numpy(np.asarray(mask))
+    if m is not None and flip:
+        m = ~m
+    context = reference_sdpa(q, k, v, attn_mask=m, scale=scale)
+    merged = context.reshape(b, s, d_model) if merge == "reshape" else context.transpose(1, 2).reshape(b, s, d_model)
+    if not out:
+        return merged
+    w_o = _t(W_o)
+    return merged @ (w_o.T if transpose_out else w_o)
+
+
+def _mha_variants(X, weights, num_heads, mask) -> list[Variant]:
+    d_model = X.shape[-1]
+
+    def v(hint, **kwargs):
+        return Variant(lambda: _manual_mha(X, *weights, num_heads, mask, **kwargs), MHA_HINTS[hint])
+
+    variants = [v("no_out", out=False), v("layout", transpose_qkv=True, transpose_out=True),
+                v("layout_qkv", transpose_qkv=True), v("layout_out", transpose_out=True),
+                v("no_scale", scale=1.0)]
+    if num_heads > 1:
+        variants += [v("scale_by_width", scale=1 / math.sqrt(d_model)), v("split", split="reshape"),
+                     v("merge", merge="reshape")]
+    if mask is not None and bool((~np.asarray(mask)).any(-1).all()):
+        variants.append(v("mask_flipped", flip=True))
+    return variants
+
+
+def _check_mha_once(np_multi_head_attention: Callable, X, weights, num_heads: int, mask, label: str = "") -> np.ndarray:
+    b, s, d_model = X.shape
+    mask_text = "no mask" if mask is None else f"a boolean mask of shape {shape_str(mask.shape)}"
+    call = (f"np_multi_head_attention(X, W_q, W_k, W_v, W_o, num_heads={num_heads}, mask) with X {_array(X)}, "
+            f"weights ({d_model}, {d_model}), {mask_text}{label}")
+    inputs = [a.copy() for a in (X, *weights)]
+    with np.errstate(all="ignore"):
+        out = _call(np_multi_head_attention, X, *weights, num_heads, mask, call=call)
+    out = expect_array(out, what=call, shape=(b, s, d_model), dtype=X.dtype,
+                          hints={(b, num_heads, s, d_model // num_heads): MHA_HINTS["merge"] + " (and apply W_o)"}, dtype_hint=DTYPE_HINT)
+    for before, after, name in zip(inputs, (X, *weights), ("X", "W_q", "W_k", "W_v", "W_o")):
+        _expect_unchanged(before, after, call, name)
+    if np.isnan(out).any():
+        b_, s_ = X.shape[:2]
+        raise CheckFailure(f"{call} contains NaN where nn.MultiheadAttention gives finite values.\n  Likely mistake: "
+                           f"{_nan_hint(np.isnan(out).any(-1), mask, (b_, num_heads, s_, s_))}")
+    reference = _torch_mha(*weights, num_heads)
+    blocked = None if mask is None else torch.from_numpy(~np.asarray(mask))  # nn.MultiheadAttention: True = blocked
+    expected, _ = reference(_t(X), _t(X), _t(X), attn_mask=blocked, need_weights=False)
+    expect_close(out, expected.detach(), what=call,
+                 against="nn.MultiheadAttention holding your weights (in_proj_weight = [W_qᵀ; W_kᵀ; W_vᵀ], out_proj.weight = W_oᵀ)",
+                 variants=_mha_variants(X, weights, num_heads, mask))
+    return out
+
+
+def _mha_weights(rng, d_model, dtype=np.float64):
+    # Scaled like a real initialisation (std 1/sqrt(D)) so the softmax is neither flat nor one-hot.
+    return tuple(_normal(rng, d_model, d_model, dtype=dtype, scale=1 / math.sqrt(d_model)) for _ in range(4))
+
+
+@check("np_multi_head_attention: equals nn.MultiheadAttention with the same weights, incl. W_o; equivariance and causality")
+def check_np_multi_head_attention(np_multi_head_attention: Callable, *, seed: int = 0,
+                                  device: torch.device | None = None) -> None:
+    """np_multi_head_attention: projections (X @ W, W (in, out)), split, attention, merge, output projection."""
+    expect_signature(np_multi_head_attention, "np_multi_head_attention",
+                     ["X", "W_q", "W_k", "W_v", "W_o", "num_heads", "mask"])
+    rng = _rng(seed)
+    causal = np.tril(np.ones((6, 6), dtype=bool))
+    # The notebook's configuration: B=2, S=6, D=4, H=2.
+    X = _normal(rng, 2, 6, 4)
+    weights = _mha_weights(rng, 4)
+    weights = tuple(w * 2 for w in weights)  # D = 4 is tiny: larger weights make every mistake visible
+    _check_mha_once(np_multi_head_attention, X, weights, 2, None)
+    band = np.abs(np.arange(6)[:, None] - np.arange(6)[None, :]) <= 1  # each token sees its neighbours
+    _check_mha_once(np_multi_head_attention, X, weights, 2, band, " (band: |i - j| <= 1)")
+    _check_mha_once(np_multi_head_attention, X, weights, 2, causal, " (causal)")
+    # Wider, float32, several heads, and one head.
+    X = _normal(rng, 2, 5, 12, dtype=np.float32)
+    _check_mha_once(np_multi_head_attention, X, _mha_weights(rng, 12, np.float32), 3, None)
+    _check_mha_once(np_multi_head_attention, _normal(rng, 1, 4, 8), _mha_weights(rng, 8), 1, None)
+    # Properties on random sizes: permutation equivariance without a mask, causality with one.
+    for _ in range(3):
+        h, d, s = (int(v) for v in rng.integers(1, 5, size=3))
+        s += 1
+        X = _normal(rng, 2, s, h * d)
+        weights = _mha_weights(rng, h * d)
+        out = _check_mha_once(np_multi_head_attention, X, weights, h, None)
+        permutation = rng.permutation(s)
+        call = f"np_multi_head_attention on tokens permuted by {permutation.tolist()}"
+        permuted = _call(np_multi_head_attention, X[:, permutation], *weights, h, None, call=call)
+        expect_close(permuted, out[:, permutation], what=call,
+                     against="the original outputs permuted the same way (self-attention is permutation-equivariant)")
+        mask = np.tril(np.ones((s, s), dtype=bool))
+        before = _check_mha_once(np_multi_head_attention, X, weights, h, mask, " (causal)")
+        changed = X.copy()
+        changed[:, -1] += 1.0
+        call = "np_multi_head_attention with a causal mask after changing the last token"
+        after = _call(np_multi_head_attention, changed, *weights, h, mask, call=call)
+        expect_close(after[:, :-1], before[:, :-1], what=call,
+                     against="the outputs of the earlier tokens (a causal mask lets no future token influence the past)")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: dot_product_variance
+# --------------------------------------------------------------------------------------
+
+VARIANCE_HINTS = {
+    "sigma_squared": "your estimate is close to d·σ², not d·σ⁴. Each product q_i·k_i has variance "
+    "Var(q_i)·Var(k_i) = σ²·σ² = σ⁴; check that *both* q and k are drawn with standard deviation σ "
+    "(rng.normal(0.0, sigma, ...)), not one of them with 1 or sqrt(σ).",
+    "sigma_eighth": "your estimate is close to d·σ⁸: rng.normal's scale is the standard deviation σ, not the "
+    "variance σ². Draw with rng.normal(0.0, sigma, size=...).",
+    "std": "you returned the standard deviation sqrt(d)·σ², not the variance. Use np.var (or the mean of the "
+    "squares, since the mean is 0).",
+    "no_sum": "your estimate is close to σ⁴ (no factor d): either you divided by sqrt(d_head) (measure the raw "
+    "q·k) or you took the variance of single products q_i·k_i instead of their sum over d_head.",
+    "self_dot": "your estimate is close to 2·d·σ⁴, the variance of q·q: draw k independently of q.",
+    "formula": "you returned the formula, not a measurement: draw n_samples pairs (q, k) with the rng you "
+    "are given and measure the variance of their dot products.",
+}
+
+
+def _variance_tolerance(d_head: int, sigma: float, n_samples: int) -> float:
+    """Five standard errors of the sample variance of q·k.
+
+    For q, k with iid N(0, σ²) entries, Z = q·k has E[Z²] = dσ⁴ and E[Z⁴] = (3d² + 6d)σ⁸, so
+    Var(Z²) = (2d² + 6d)σ⁸ and the mean of n squares has standard error sqrt((2d² + 6d)/n)·σ⁴.
+    """
+    return 5.0 * math.sqrt((2 * d_head ** 2 + 6 * d_head) / n_samples) * sigma ** 4
+
+
+def _call_variance(dot_product_variance: Callable, d_head: int, sigma: float, n_samples: int,
+                   rng: np.random.Generator, call: str) -> float:
+    global_state = np.random.get_state()
+    rng_state = copy.deepcopy(rng.bit_generator.state)
+    try:
+        value = _call(dot_product_variance, d_head, sigma, n_samples, rng, call=call)
+        used_global = not _same_global_state(global_state, np.random.get_state())
+    finally:
+        np.random.set_state(global_state)  # the notebook's own global stream is left as it was
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
+    expect_true(isinstance(value, numbers.Real) and not isinstance(value, bool),
+                f"{call} should return one float (the measured variance), got {describe(value)}.")
+    value = float(value)
+    if rng.bit_generator.state == rng_state:
+        where = ("np.random's global generator (np.random.randn / np.random.normal)" if used_global
+                 else "a generator of your own, or no randomness at all")
+        expected = d_head * sigma ** 4
+        extra = f"\n  Likely mistake: {VARIANCE_HINTS['formula']}" if math.isclose(value, expected, rel_tol=1e-9) else ""
+        raise CheckFailure(f"{call} did not draw from the rng it was given: it used {where}. Draw every sample "
+                           f"from rng (rng.normal(0.0, sigma, size=(n_samples, d_head))), so that the same rng "
+                           f"state gives the same result.{extra}")
+    if used_global:
+        raise CheckFailure(f"{call} drew from np.random's global generator as well as from rng: draw every "
+                           "sample from the rng you are given.")
+    return value
+
+
+def _same_global_state(a, b) -> bool:
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+def _diagnose_variance(value: float, d_head: int, sigma: float) -> str | None:
+    s2, s4 = sigma ** 2, sigma ** 4
+    alternatives = [
+        (d_head * s2, "sigma_squared"),
+        (d_head * s4 * s4, "sigma_eighth"),
+        (math.sqrt(d_head) * s2, "std"),
+        (s4, "no_sum"),
+        (2 * d_head * s4, "self_dot"),
+    ]
+    for alternative, key in alternatives:
+        # A wrong estimator has its own sampling noise: allow ~25% relative, generous and still unambiguous
+        # for the sizes the check uses (d = 64, σ = 2 separates these values by factors of 2 or more).
+        if abs(alternative - d_head * s4) > 0.5 * d_head * s4 and abs(value - alternative) <= 0.25 * alternative:
+            return VARIANCE_HINTS[key]
+    return None
+
+
+@check("dot_product_variance: measures d·σ⁴ within the sampling error, from the rng it is given")
+def check_dot_product_variance(dot_product_variance: Callable, *, seed: int = 0,
+                               device: torch.device | None = None) -> None:
+    """dot_product_variance: empirical Var(q·k) for iid N(0, σ²) entries ≈ d_head·σ⁴, reproducible from rng."""
+    expect_signature(dot_product_variance, "dot_product_variance", ["d_head", "sigma", "n_samples", "rng"])
+    n_samples = 20_000
+    cases = [(64, 2.0), (16, 0.5), (1, 3.0), (8, 1.0)]
+    for index, (d_head, sigma) in enumerate(cases):
+        rng_seed = 1000 * seed + index
+        call = (f"dot_product_variance(d_head={d_head}, sigma={sigma}, n_samples={n_samples}, "
+                f"rng=np.random.default_rng({rng_seed}))")
+        value = _call_variance(dot_product_variance, d_head, sigma, n_samples, np.random.default_rng(rng_seed), call)
+        if index == 0:  # the same rng state must give the same measurement
+            again = _call_variance(dot_product_variance, d_head, sigma, n_samples, np.random.default_rng(rng_seed), call)
+            expect_true(value == again, f"{call} gave {value!r} and then {again!r} from two generators in the same "
+                        "state. Draw every sample from the rng you are given, so that a seeded rng reproduces the result.")
+        expected = d_head * sigma ** 4
+        tolerance = _variance_tolerance(d_head, sigma, n_samples)
+        if not abs(value - expected) <= tolerance:
+            message = (f"{call} returned {value:.6g}, expected d_head·σ⁴ = {d_head}·{sigma:g}⁴ = {expected:.6g} "
+                       f"within ±{tolerance:.3g} (five standard errors of a variance measured on {n_samples} samples).")
+            hint = _diagnose_variance(value, d_head, sigma)
+            if hint:
+                message += f"\n  Likely mistake: {hint}"
+            raise CheckFailure(message)
+    # Different rng states must give different measurements (no seed hidden inside the answer).
+    call = "dot_product_variance(16, 1.0, 2000, rng) with two different rng seeds"
+    first = _call_variance(dot_product_variance, 16, 1.0, 2000, np.random.default_rng(seed + 7), call)
+    second = _call_variance(dot_product_variance, 16, 1.0, 2000, np.random.default_rng(seed + 8), call)
+    expect_true(first != second, f"{call} gave the same value {first!r} twice: the result should depend on the rng.")
+
+
+# --------------------------------------------------------------------------------------
+# The multiple-choice question on softmax peakedness
+# --------------------------------------------------------------------------------------
+
+CHOICES = ("A", "B", "C", "D")
+SCALING_QUESTION_NAME = "ANSWER_SCALING"
+
+
+def peakedness_curves(d_heads: Sequence[int] = (4, 16, 64, 256, 1024), seq_len: int = 16, num_queries: int = 200,
+                      seed: int = 0) -> dict[str, np.ndarray]:
+    """Mean max softmax weight per row for q, k with iid N(0, 1) entries, scaled by 1 and by 1/sqrt(d)."""
+    rng = _rng(seed)
+    unscaled, scaled = [], []
+    for d_head in d_heads:
+        q = rng.standard_normal((num_queries, 1, d_head))
+        k = rng.standard_normal((num_queries, seq_len, d_head))  # fresh keys for every query
+        scores = torch.from_numpy((q * k).sum(-1))  # [num_queries, seq_len]
+        unscaled.append(float(torch.softmax(scores, -1).amax(-1).mean()))
+        scaled.append(float(torch.softmax(scores / math.sqrt(d_head), -1).amax(-1).mean()))
+    return {"d_head": np.array(d_heads), "unscaled": np.array(unscaled), "scaled": np.array(scaled),
+            "uniform": np.full(len(d_heads), 1.0 / seq_len)}
+
+
+def _statements(curves: dict[str, np.ndarray]) -> dict[str, bool]:
+    """Which of the notebook's four statements the measured curves support."""
+    unscaled, scaled, uniform = curves["unscaled"], curves["scaled"], curves["uniform"][0]
+    unscaled_rise = unscaled[-1] - unscaled[0]
+    scaled_rise = scaled[-1] - scaled[0]
+    flat = 0.08
+    return {
+        # A: unscaled rows stay equally soft; scaling is what makes them peaked.
+        "A": bool(abs(unscaled_rise) < flat and scaled_rise > 0.2),
+        # B: unscaled rows become one-hot as d_head grows; scaled rows stay about equally peaked.
+        "B": bool(unscaled_rise > 0.3 and unscaled[-1] > 0.9 and np.ptp(scaled) < flat),
+        # C: both curves rise; scaling only delays the rise.
+        "C": bool(unscaled_rise > 0.2 and scaled_rise > 0.2),
+        # D: with scaling the rows flatten to uniform for large d_head.
+        "D": bool(abs(scaled[-1] - uniform) < 0.02),
+    }
+
+
+@check("ANSWER_SCALING: right choice")
+def check_answer_scaling(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """The multiple-choice question: the check re-runs the experiment and accepts the one statement it supports."""
+    if answer is None:
+        raise CheckFailure(f"{SCALING_QUESTION_NAME}: not implemented yet. Set {SCALING_QUESTION_NAME} to one of "
+                           f"{', '.join(repr(c) for c in CHOICES)}.")
+    expect_true(isinstance(answer, str) and answer.strip().upper() in CHOICES,
+                f"{SCALING_QUESTION_NAME} should be one of {', '.join(repr(c) for c in CHOICES)} (a string), "
+                f"got {describe(answer)}.")
+    supported = [letter for letter, holds in _statements(peakedness_curves(seed=seed)).items() if holds]
+    if len(supported) != 1:  # the experiment itself went wrong: say so rather than grade at random
+        raise RuntimeError(f"the peakedness experiment supports {supported}; please report this to the course staff")
+    expect_true(answer.strip().upper() == supported[0],
+                f"{SCALING_QUESTION_NAME} = {answer!r} is a wrong choice: re-read the plot.")
+
+
+freeze_module(__name__)

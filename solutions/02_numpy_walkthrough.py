@@ -1,0 +1,571 @@
+# %% [markdown]
+# # 02 — The NumPy walkthrough
+#
+# Notebook 01 built multi-head attention from PyTorch modules. Here you do the same maths by
+# hand in **NumPy**, on a configuration small enough to print whole — `B = 2` sequences of
+# `S = 6` tokens with `D = 4` features, split into `H = 2` heads of `d_head = 2` — and look at
+# every intermediate array. Then you measure *why* the scores are divided by `sqrt(d_head)`.
+# About an hour.
+#
+# **Notation** (as in every notebook): `B` batch, `S` sequence length, `D` model width, `H`
+# heads, `d_head = D // H`. The walkthrough this notebook grew from calls the feature width
+# `N`; we call it `D`.
+#
+# **Rules of this notebook.** Your answers use **NumPy only** (no torch, not even "compute in
+# torch and convert back": the checks notice and say so). The checks compare your arrays with
+# PyTorch in float64. Masks are boolean with **True = may attend**.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch  # only the demo cells use it, to compare with PyTorch; your answers do not
+
+# %% [markdown]
+# ## 1. The input: a `(B, S, D)` array
+#
+# One fixed generator, `np.random.default_rng(2024)`, makes every number below reproducible:
+# run the notebook twice and you get the same arrays. (Without a seed, printed numbers can
+# never be checked again.)
+
+# %%
+B, S, D, H = 2, 6, 4, 2
+d_head = D // H
+
+rng = np.random.default_rng(2024)
+X = rng.standard_normal((B, S, D)).round(2)  # [B, S, D]
+print(X)
+print("shape:", X.shape)
+
+# %% [markdown]
+# Read a 3-D array from the outside in: `X[b]` is sequence `b` (a `(6, 4)` block), `X[b, s]` is
+# token `s` of that sequence (a row of `D = 4` features), `X[b, s, i]` is one feature.
+
+# %%
+print("sequence 1, token 0:", X[1, 0], "| feature 2 of it:", X[1, 0, 2])
+
+# %% [markdown]
+# ## 2. Weights, in `(in, out)` layout
+#
+# Queries, keys and values are three linear projections of every token, plus a fourth, the
+# **output projection** `W_o`, applied after the heads are merged. As in the walkthrough, a
+# projection is written `X @ W` with `W` of shape `(in, out)`.
+#
+# Careful when you compare with PyTorch: `nn.Linear.weight` (and `nn.MultiheadAttention`'s
+# `in_proj_weight`) is stored the other way round, `(out, in)`, and computes `x @ weight.T`.
+# Moving weights between the two conventions means transposing them (section 9 does it).
+
+# %%
+W_q = rng.standard_normal((D, D)).round(2)  # (in, out): Q = X @ W_q
+W_k = rng.standard_normal((D, D)).round(2)
+W_v = rng.standard_normal((D, D)).round(2)
+W_o = rng.standard_normal((D, D)).round(2)  # the output projection
+print("W_q =\n", W_q)
+
+# %% [markdown]
+# ## 3. Projections: what `@` does with a 3-D array
+#
+# `Q_total = X @ W_q` multiplies a `(B, S, D)` array by a `(D, D)` matrix and gives `(B, S, D)`.
+# (The walkthrough's comment says `(S, B, N)`: the batch axis comes first, `(B, S, D)`.)
+#
+# `@` treats every axis but the last two as a batch: for **each** `(b, s)` it multiplies the
+# row `X[b, s]` (shape `(D,)`) by `W_q`. The same weights, applied independently to every
+# token of every sequence. For one row `x` and a matrix `W` of shape `(N, M)`:
+#
+# $$ (x\,W)_j = \sum_{i=0}^{N-1} x_i\, W_{i j}, \qquad j = 0, \dots, M-1 $$
+#
+# Each output feature `j` walks `x` down column `j` of `W`.
+
+# %%
+Q_total = X @ W_q  # (B, S, D) @ (D, D) -> (B, S, D)
+K_total = X @ W_k
+V_total = X @ W_v
+print("Q_total:", Q_total.shape)
+print("token (b=0, s=0):", X[0, 0], "@ W_q =", Q_total[0, 0])
+
+# %% [markdown]
+# ### Exercise 2.1 — row_times_matrix (2 pts, ~10 min)
+#
+# Write one row-times-matrix product **as explicit sums**: loops over `j` (output features)
+# and `i` (input features). `x_row` has shape `(N,)`, `W` has shape `(N, M)`; return shape
+# `(M,)`, in the inputs' dtype. Do not use `@`, `np.dot`, `np.matmul` or `np.einsum` here: the
+# exercise is what they do inside. The check uses weights that are **not square**, where
+# mixing up `i` and `j` cannot hide.
+
+# %% answer="row_times_matrix"
+def row_times_matrix(x_row, W):
+    """x_row @ W written as sums: out[j] = sum_i x_row[i] * W[i, j].
+
+    x_row: (N,), W: (N, M)  ->  (M,), same dtype as the inputs.
+
+    Example: row_times_matrix(np.array([1., 2.]), np.array([[1., 0., 2.], [0., 1., 3.]]))
+    gives array([1., 2., 8.]).
+    """
+    ### BEGIN SOLUTION
+    num_in, num_out = W.shape
+    out = np.zeros(num_out, dtype=np.result_type(x_row, W))
+    for j in range(num_out):
+        total = 0.0
+        for i in range(num_in):
+            total += x_row[i] * W[i, j]
+        out[j] = total
+    return out
+    ### END SOLUTION
+
+
+# %%
+# Every (b, s) of the batched product is one row_times_matrix.
+by_hand = np.array([[row_times_matrix(X[b, s], W_q) for s in range(S)] for b in range(B)])  # [B, S, D]
+print("all B·S rows equal X @ W_q:", np.allclose(by_hand, X @ W_q))
+W_narrow = rng.standard_normal((D, 3))  # (in=4, out=3): not square
+print("non-square:", row_times_matrix(X[0, 0], W_narrow), "vs", X[0, 0] @ W_narrow)
+
+# %% test="test_row_times_matrix" points=2
+"""row_times_matrix: explicit sums (no @), equal to x_row @ W for square and non-square W, dtype kept."""
+from attention_lab.checks.numpy_walkthrough import check_row_times_matrix
+
+check_row_times_matrix(row_times_matrix)
+### BEGIN HIDDEN TESTS
+check_row_times_matrix(row_times_matrix, seed=2101)
+check_row_times_matrix(row_times_matrix, seed=2102)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 4. Heads: split and merge
+#
+# Each head works on its own `d_head` columns of the projected `Q`, `K`, `V`. Splitting is a
+# reshape of the feature axis, `(B, S, D) -> (B, S, H, d_head)`, then a transpose that moves
+# the head axis in front of the sequence axis, `-> (B, H, S, d_head)`. Why that order? `@`
+# batches over all leading axes, so with `(B, H)` in front every head of every sequence gets
+# its own `(S, d_head)` matrix and one `@` computes them all. (The walkthrough calls
+# `(B, S, H, d_head)` "the paper convention": the paper specifies no array layout at all.)
+#
+# ### Exercise 2.2 — np_split_heads (2 pts, ~10 min)
+#
+# `(B, S, D) -> (B, H, S, D // H)`, where head `h` holds features `h*d_head … (h+1)*d_head - 1`
+# of every token. Use `reshape` and `transpose`. If `D` is not divisible by `num_heads`, raise
+# a `ValueError` that names both numbers.
+
+# %% answer="np_split_heads"
+def np_split_heads(t, num_heads):
+    """Split the feature axis into heads.
+
+    t: (B, S, D)  ->  (B, H, S, D // H)   (H = num_heads)
+
+    Example: t of shape (2, 6, 4) with num_heads=2 gives (2, 2, 6, 2), and
+    np_split_heads(t, 2)[0, 1, 0] equals t[0, 0, 2:4].
+    Raises ValueError if D is not divisible by num_heads.
+    """
+    ### BEGIN SOLUTION
+    batch, seq_len, width = t.shape
+    if width % num_heads != 0:
+        raise ValueError(f"D = {width} is not divisible by num_heads = {num_heads}")
+    d = width // num_heads
+    return t.reshape(batch, seq_len, num_heads, d).transpose(0, 2, 1, 3)  # (B, H, S, d_head)
+    ### END SOLUTION
+
+
+# %%
+Q = np_split_heads(X @ W_q, H)  # (B, H, S, d_head)
+print("Q:", Q.shape)
+print("head 1 of token 0 (sequence 0):", Q[0, 1, 0], "= features 2..3 of", (X @ W_q)[0, 0])
+
+# %% test="test_np_split_heads" points=2
+"""np_split_heads: (B, S, D) -> (B, H, S, D//H) with the right numbers, edge cases, and the ValueError."""
+from attention_lab.checks.numpy_walkthrough import check_np_split_heads
+
+check_np_split_heads(np_split_heads)
+### BEGIN HIDDEN TESTS
+check_np_split_heads(np_split_heads, seed=2201)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 2.3 — np_merge_heads (1 pt, ~5 min)
+#
+# The inverse: `(B, H, S, d) -> (B, S, H, d) -> (B, S, H * d)`. Transpose first, then reshape
+# (NumPy's `reshape` copies when it has to, so the transposed array is no problem).
+
+# %% answer="np_merge_heads"
+def np_merge_heads(t):
+    """Concatenate the heads' features back into one axis.
+
+    t: (B, H, S, d)  ->  (B, S, H * d)
+
+    Example: np_merge_heads(np_split_heads(t, 2)) equals t.
+    """
+    ### BEGIN SOLUTION
+    batch, num_heads, seq_len, d = t.shape
+    return t.transpose(0, 2, 1, 3).reshape(batch, seq_len, num_heads * d)  # (B, S, D)
+    ### END SOLUTION
+
+
+# %%
+print("round trip exact:", np.array_equal(np_merge_heads(np_split_heads(X, H)), X))
+
+# %% test="test_np_merge_heads" points=1
+"""np_merge_heads: (B, H, S, d) -> (B, S, H*d), accepts a transposed view, inverts np_split_heads."""
+from attention_lab.checks.numpy_walkthrough import check_np_merge_heads
+
+check_np_merge_heads(np_merge_heads)
+### BEGIN HIDDEN TESTS
+check_np_merge_heads(np_merge_heads, seed=2301)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 5. Raw scores, and why `K` is transposed
+#
+# The score of query `i` against key `j` (in one head of one sequence) is the dot product
+# `Q[b, h, i] · K[b, h, j]`, a sum over the `d_head` features. All `S × S` of them at once are
+# a matrix product `Q Kᵀ`: `Q` is `(S, d_head)`, so `K` must be turned into `(d_head, S)` for
+# the inner axes to meet. In the batched form only the **last two** axes are swapped:
+#
+# `(B, H, S, d_head) @ (B, H, d_head, S) -> (B, H, S, S)`
+#
+# The product sums over `d_head` — the per-head feature axis, not the head axis `H` (each head
+# is computed separately). `K.T` would reverse all four axes: use `K.transpose(0, 1, 3, 2)` or
+# `np.swapaxes(K, -1, -2)`.
+
+# %%
+Q = np_split_heads(X @ W_q, H)  # (B, H, S, d_head)
+K = np_split_heads(X @ W_k, H)
+scores = Q @ K.transpose(0, 1, 3, 2)  # (B, H, S, d_head) @ (B, H, d_head, S) -> (B, H, S, S)
+print("scores:", scores.shape)
+print("batch 0, head 0:\n", scores[0, 0].round(2))
+print("entry (i=2, j=4) is one dot product:", np.isclose(scores[0, 0, 2, 4], Q[0, 0, 2] @ K[0, 0, 4]))
+
+# %% [markdown]
+# ## 6. Why divide by `sqrt(d_head)`? The variance argument, done right
+#
+# Take `q` and `k` with independent entries of mean 0 and variance `σ²`. Their dot product
+# `q · k = Σ_i q_i k_i` is a sum of `d` independent terms, each with mean 0 and variance
+#
+# $$ \mathrm{Var}(q_i k_i) = \mathbb{E}[q_i^2]\,\mathbb{E}[k_i^2] = \sigma^2 \cdot \sigma^2 = \sigma^4 ,$$
+#
+# so **`Var(q · k) = d · σ⁴`**. (The walkthrough writes `d · σ²`; that holds only when `σ = 1`.)
+# Dividing the scores by `sqrt(d)` divides the variance by `d`: the scaled scores have variance
+# `σ⁴` whatever the head width. That is the point of the factor — the spread of the scores no
+# longer grows with `d_head` — and it is exactly 1 only for unit-variance queries and keys.
+#
+# Is `1/sqrt(d_head)` "the only mathematically correct factor"? No: it is the one that keeps the
+# variance constant under this independence assumption. Other choices are in use — μP
+# (maximal-update parametrisation) scales by `1/d_head`, and models that normalise `q` and `k`
+# (QK-norm) use a fixed or learned temperature instead.
+
+# %%
+Q, K = np_split_heads(X @ W_q, H), np_split_heads(X @ W_k, H)
+scores = Q @ K.transpose(0, 1, 3, 2)  # (B, H, S, S), as above
+scaled_scores = scores / math.sqrt(d_head)  # a Python float keeps the array's dtype
+print("scaled scores, batch 0, head 0:\n", scaled_scores[0, 0].round(2))
+
+# %% [markdown]
+# ### Exercise 2.4 — dot_product_variance (3 pts, ~10 min)
+#
+# Measure it. Draw `n_samples` pairs `(q, k)` of vectors of `d_head` entries, all independent
+# `N(0, σ²)`, and return the empirical variance of their dot products as a float. Draw every
+# number from the generator `rng` you are given (`rng.normal(0.0, sigma, size=...)` — note
+# that its `scale` is the standard deviation `σ`, not the variance): then a seeded `rng` gives
+# the same answer every time.
+
+# %% answer="dot_product_variance"
+def dot_product_variance(d_head, sigma, n_samples, rng):
+    """Empirical Var(q · k) for q, k in R^d_head with iid N(0, sigma²) entries.
+
+    rng: a np.random.Generator; every sample is drawn from it.
+    Returns a float, close to d_head * sigma**4 for large n_samples.
+
+    Example: dot_product_variance(64, 2.0, 20_000, np.random.default_rng(0)) is about 1024.
+    """
+    ### BEGIN SOLUTION
+    q = rng.normal(0.0, sigma, size=(n_samples, d_head))
+    k = rng.normal(0.0, sigma, size=(n_samples, d_head))
+    dots = np.sum(q * k, axis=-1)  # (n_samples,)
+    return float(np.var(dots))
+    ### END SOLUTION
+
+
+# %%
+print(f"{'d_head':>6} {'σ':>4} {'measured':>10} {'d·σ²':>8} {'d·σ⁴':>8}")
+for sigma in (1.0, 2.0):
+    for d in (1, 4, 16, 64):
+        measured = dot_product_variance(d, sigma, 20_000, np.random.default_rng(0))
+        print(f"{d:>6} {sigma:>4} {measured:>10.1f} {d * sigma**2:>8.0f} {d * sigma**4:>8.0f}")
+
+# %% test="test_dot_product_variance" points=3
+"""dot_product_variance: d·σ⁴ within the sampling error of n_samples, reproducible from the given rng."""
+from attention_lab.checks.numpy_walkthrough import check_dot_product_variance
+
+check_dot_product_variance(dot_product_variance)
+### BEGIN HIDDEN TESTS
+check_dot_product_variance(dot_product_variance, seed=2401)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 7. Softmax, without overflow
+#
+# The softmax turns each row of scores into weights that are positive and sum to 1:
+# `softmax(x)_j = exp(x_j) / Σ_l exp(x_l)`. Written like that it breaks on real numbers:
+
+# %%
+def naive_softmax(x):
+    e = np.exp(x)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+with np.errstate(over="ignore", invalid="ignore"):
+    print("scores near 1000:", naive_softmax(np.array([1000.0, 999.0, 998.0])))  # inf / inf = nan
+print("the same shifted by -1000:", naive_softmax(np.array([0.0, -1.0, -2.0])))
+
+# %% [markdown]
+# Adding a constant `c` to every entry of a row does not change its softmax (the factor
+# `exp(c)` cancels). So subtract each row's **own** maximum first: the largest exponent is then
+# `exp(0) = 1`, nothing overflows, and the sum is at least 1, so nothing divides by 0.
+#
+# Two traps: one maximum for the whole array is not enough (a row far below it underflows to
+# all zeros, 0/0), and the reductions must keep their axis (`keepdims=True`) to broadcast back.
+# A `-inf` entry (a masked position) simply gets `exp(-inf) = 0`.
+#
+# ### Exercise 2.5 — np_softmax (3 pts, ~10 min)
+#
+# A numerically stable softmax over `axis` (default: the last). Same shape and dtype as `x`;
+# do not modify `x` in place. It must be right at inputs like 1000, on rows of very different
+# scales, with `-inf` on part of a row, and along any axis.
+
+# %% answer="np_softmax"
+def np_softmax(x, axis=-1):
+    """Numerically stable softmax along `axis`.
+
+    x: any shape  ->  same shape; values >= 0 summing to 1 along `axis`.
+
+    Example: np_softmax(np.array([1000., 1000.])) gives array([0.5, 0.5]).
+    """
+    ### BEGIN SOLUTION
+    shifted = x - np.max(x, axis=axis, keepdims=True)  # each row's own max becomes 0
+    exponentials = np.exp(shifted)
+    return exponentials / np.sum(exponentials, axis=axis, keepdims=True)
+    ### END SOLUTION
+
+
+# %%
+print("near 1000:", np_softmax(np.array([1000.0, 999.0, 998.0])).round(3))
+print("two rows, very different scales:\n", np_softmax(np.array([[0.0, 1.0, 2.0], [-1000.0, -999.0, -998.0]])).round(3))
+print("-inf on part of a row:", np_softmax(np.array([1.0, -np.inf, 1.0])))
+print("over axis 0 (columns sum to 1):", np_softmax(np.array([[1.0, 2.0], [3.0, 4.0]]), axis=0).sum(axis=0))
+
+# %% test="test_np_softmax" points=3
+"""np_softmax: equals torch.softmax at 1000, on rows of different scales, with -inf entries and on other axes."""
+from attention_lab.checks.numpy_walkthrough import check_np_softmax
+
+check_np_softmax(np_softmax)
+### BEGIN HIDDEN TESTS
+check_np_softmax(np_softmax, seed=2501)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 8. Weights, and the weighted sum of values
+#
+# Put it together for one layer of heads: scores → scale → (mask) → softmax → weighted sum.
+# The weights are `(B, H, S, S)`: row `i` says how much query `i` takes from each key. The
+# output is `weights @ V` — **weights**, not scores, times `V` —
+# `(B, H, S, S) @ (B, H, S, d_head) -> (B, H, S, d_head)`: each output row is a weighted
+# average of the value rows.
+#
+# ### Exercise 2.6 — np_attention (3 pts, ~10 min)
+#
+# Scaled dot-product attention on `(B, H, S, d)` arrays: return `(out, weights)`. `mask` is
+# `None` or boolean, broadcastable to `(B, H, S_q, S_k)`, **True = may attend**: set the scores
+# where it is False to `-inf` before the softmax (`np.where`). Use your `np_softmax`. The check
+# compares you with `F.scaled_dot_product_attention`.
+
+# %% answer="np_attention"
+def np_attention(Q, K, V, mask=None):
+    """softmax(Q Kᵀ / sqrt(d_head)) V, with an optional boolean mask (True = may attend).
+
+    Q: (B, H, S_q, d), K: (B, H, S_k, d), V: (B, H, S_k, d_v), mask broadcastable to (B, H, S_q, S_k)
+    returns (out (B, H, S_q, d_v), weights (B, H, S_q, S_k)); masked weights are exactly 0.
+
+    Example: with a causal mask np.tril(np.ones((S, S), dtype=bool)), weights[..., i, j] == 0 for j > i.
+    """
+    ### BEGIN SOLUTION
+    d = Q.shape[-1]
+    scores = Q @ np.swapaxes(K, -1, -2) / math.sqrt(d)  # (B, H, S_q, S_k)
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    weights = np_softmax(scores, axis=-1)
+    return weights @ V, weights  # (B, H, S_q, d_v)
+    ### END SOLUTION
+
+
+# %%
+Q, K, V = (np_split_heads(X @ W, H) for W in (W_q, W_k, W_v))  # (B, H, S, d_head) each
+context, weights = np_attention(Q, K, V)
+print("weights:", weights.shape, "| context:", context.shape)
+print("batch 0, head 0 (each row sums to 1):\n", weights[0, 0].round(2))
+causal = np.tril(np.ones((S, S), dtype=bool))
+_, causal_weights = np_attention(Q, K, V, causal)
+print("with a causal mask:\n", causal_weights[0, 0].round(2))
+
+# %% test="test_np_attention" points=3
+"""np_attention: (out, weights) equal F.scaled_dot_product_attention, masks (True = may attend), large scores."""
+from attention_lab.checks.numpy_walkthrough import check_np_attention
+
+check_np_attention(np_attention)
+### BEGIN HIDDEN TESTS
+check_np_attention(np_attention, seed=2601)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **Look at it.** Pick a sequence `b` and a head `h` and see its `6 × 6` scaled scores next to
+# its weights, computed with *your* `np_softmax`. Drag the scale: at `1/sqrt(d_head) ≈ 0.71`
+# you see the model as defined; at 10× that every row collapses onto one key; near 0 every
+# row becomes uniform (`1/6`).
+
+# %%
+from attention_lab.widgets.numpy_scores import scores_explorer
+
+Q, K = np_split_heads(X @ W_q, H), np_split_heads(X @ W_k, H)
+scores_explorer(Q, K, softmax=np_softmax)
+
+# %% [markdown]
+# ## 9. Concatenate — and project
+#
+# Merging the heads gives `(B, S, D)` again: each token's output is its `H` heads' context
+# vectors side by side. The walkthrough's section "Concatenation and Final Projection" stops
+# there, but **multi-head attention ends with the output projection** `W_o`:
+# `out = merge(heads) @ W_o`. Without it, head `h` could only ever write to its own `d_head`
+# output features; `W_o` mixes what the heads found.
+#
+# ### Exercise 2.7 — np_multi_head_attention (4 pts, ~15 min)
+#
+# The whole layer: project (`X @ W_q` etc., weights `(in, out)`), split, attend (with the
+# mask), merge, project with `W_o`. Returns `(B, S, D)`. The check loads your four matrices
+# into `nn.MultiheadAttention` — transposed, since PyTorch stores `(out, in)` — and compares.
+
+# %% answer="np_multi_head_attention"
+def np_multi_head_attention(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
+    """Multi-head self-attention in NumPy, weights in (in, out) layout.
+
+    X: (B, S, D); W_q, W_k, W_v, W_o: (D, D); mask: bool, broadcastable to (B, H, S, S), True = may attend
+    returns (B, S, D) = merge(attention(split(X @ W_q), split(X @ W_k), split(X @ W_v))) @ W_o
+
+    Example: np_multi_head_attention(X, W_q, W_k, W_v, W_o, 2).shape == X.shape
+    """
+    ### BEGIN SOLUTION
+    Q = np_split_heads(X @ W_q, num_heads)  # (B, H, S, d_head)
+    K = np_split_heads(X @ W_k, num_heads)
+    V = np_split_heads(X @ W_v, num_heads)
+    context, _ = np_attention(Q, K, V, mask)  # (B, H, S, d_head)
+    return np_merge_heads(context) @ W_o  # (B, S, D)
+    ### END SOLUTION
+
+
+# %%
+causal = np.tril(np.ones((S, S), dtype=bool))  # True = may attend
+out = np_multi_head_attention(X, W_q, W_k, W_v, W_o, H, causal)
+print("out:", out.shape)
+
+# The same layer in PyTorch: nn.MultiheadAttention stores (out, in) weights, so copy transposes.
+torch_mha = torch.nn.MultiheadAttention(D, H, bias=False, batch_first=True, dtype=torch.float64)
+with torch.no_grad():
+    torch_mha.in_proj_weight.copy_(torch.from_numpy(np.concatenate([W_q.T, W_k.T, W_v.T])))  # stacked q; k; v
+    torch_mha.out_proj.weight.copy_(torch.from_numpy(W_o.T))
+X_torch = torch.from_numpy(X)
+blocked = torch.from_numpy(~causal)  # careful: nn.MultiheadAttention's mask means True = blocked
+theirs, _ = torch_mha(X_torch, X_torch, X_torch, attn_mask=blocked)
+print("max difference from nn.MultiheadAttention:", float(np.abs(out - theirs.detach().numpy()).max()))
+
+# %% test="test_np_multi_head_attention" points=4
+"""np_multi_head_attention: equals nn.MultiheadAttention with the same (transposed) weights, W_o included; equivariance, causality."""
+from attention_lab.checks.numpy_walkthrough import check_np_multi_head_attention
+
+check_np_multi_head_attention(np_multi_head_attention)
+### BEGIN HIDDEN TESTS
+check_np_multi_head_attention(np_multi_head_attention, seed=2701)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 10. Experiment: how peaked is the softmax, with and without the scale?
+#
+# Random queries and keys with unit-variance entries, 16 keys per query, for growing `d_head`.
+# For each width we measure how peaked the weights are: the **largest weight** of a row
+# (1/16 = uniform, 1 = one-hot) and its **entropy** (log 16 ≈ 2.77 nats = uniform, 0 = one-hot),
+# averaged over 200 queries — once on the raw scores `q · k`, once on `q · k / sqrt(d_head)`.
+
+# %%
+def peakedness(d, scale, num_keys=16, num_queries=200, seed=0):
+    generator = np.random.default_rng(seed)
+    q = generator.standard_normal((num_queries, 1, d))
+    k = generator.standard_normal((num_queries, num_keys, d))  # fresh keys for every query
+    weights = np_softmax(scale * np.sum(q * k, axis=-1), axis=-1)  # (num_queries, num_keys)
+    entropy = -np.sum(weights * np.log(np.clip(weights, 1e-300, None)), axis=-1)
+    return weights.max(axis=-1).mean(), entropy.mean()
+
+
+widths = [4, 16, 64, 256, 1024]
+raw = np.array([peakedness(d, 1.0) for d in widths])
+scaled = np.array([peakedness(d, 1 / math.sqrt(d)) for d in widths])
+
+fig, (ax_max, ax_entropy) = plt.subplots(1, 2, figsize=(10, 3.5))
+for curve, label in ((raw, "raw scores q·k"), (scaled, "scaled q·k / sqrt(d_head)")):
+    ax_max.plot(widths, curve[:, 0], "o-", label=label)
+    ax_entropy.plot(widths, curve[:, 1], "o-", label=label)
+ax_max.axhline(1 / 16, color="gray", linestyle=":", label="uniform (1/16)")
+ax_entropy.axhline(math.log(16), color="gray", linestyle=":", label="uniform (log 16)")
+for ax, name in ((ax_max, "mean max weight"), (ax_entropy, "mean entropy (nats)")):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("d_head")
+    ax.set_ylabel(name)
+    ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ### Exercise 2.8 — which is right? (2 pts, ~5 min)
+#
+# Read the plot. Which statement does it support?
+#
+# * **A.** Without scaling the rows stay equally soft for every `d_head`; dividing by
+#   `sqrt(d_head)` is what makes them peaked.
+# * **B.** Without scaling the rows get more and more peaked (max weight towards 1, entropy
+#   towards 0) as `d_head` grows; with `1/sqrt(d_head)` they stay about equally peaked for
+#   every `d_head`.
+# * **C.** Both curves get more peaked as `d_head` grows; the scaling only delays it by a
+#   constant factor.
+# * **D.** With `1/sqrt(d_head)` the rows flatten towards uniform weights (max weight `1/16`)
+#   as `d_head` grows.
+#
+# Set `ANSWER_SCALING` to the letter, as a string (e.g. `ANSWER_SCALING = "A"`).
+
+# %% answer="ANSWER_SCALING"
+ANSWER_SCALING = None  # your choice: "A", "B", "C" or "D"
+### BEGIN SOLUTION
+ANSWER_SCALING = "B"
+### END SOLUTION
+
+# %% test="test_ANSWER_SCALING" points=2
+"""ANSWER_SCALING: the statement that the peakedness experiment supports (the check re-runs the experiment)."""
+from attention_lab.checks.numpy_walkthrough import check_answer_scaling
+
+check_answer_scaling(ANSWER_SCALING)
+### BEGIN HIDDEN TESTS
+check_answer_scaling(ANSWER_SCALING, seed=2801)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## What you built
+#
+# | step | operation | shape |
+# | --- | --- | --- |
+# | input | `X` | `(2, 6, 4)` = `(B, S, D)` |
+# | projections | `X @ W_q`, `X @ W_k`, `X @ W_v` (`W` is `(in, out)`) | `(2, 6, 4)` each |
+# | split | `np_split_heads` (reshape + transpose) | `(2, 2, 6, 2)` = `(B, H, S, d_head)` |
+# | scores | `Q @ Kᵀ` (last two axes of `K` swapped; sums over `d_head`) | `(2, 2, 6, 6)` |
+# | scale | `/ sqrt(d_head)`: the variance `d·σ⁴` becomes `σ⁴` | `(2, 2, 6, 6)` |
+# | softmax | `np_softmax` over the keys, row max subtracted | `(2, 2, 6, 6)` |
+# | context | **weights** `@ V` | `(2, 2, 6, 2)` |
+# | merge | `np_merge_heads` (transpose + reshape) | `(2, 6, 4)` |
+# | output projection | `@ W_o` | `(2, 6, 4)` = `(B, S, D)` |
+#
+# You wrote every step in NumPy and matched `nn.MultiheadAttention` to float64 precision —
+# after transposing the weights into PyTorch's `(out, in)` layout and flipping the mask's
+# meaning. Next: positions and the Transformer block (notebook 03).

@@ -1,0 +1,693 @@
+"""The checks of notebook 02 accept correct NumPy answers written differently and reject known mistakes.
+
+Every wrong answer here is a mistake a student really makes (most of them are in the seed
+walkthrough itself); each must be rejected with the hint that names it. The correct answers
+are deliberately written another way than the solution notebook.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attention_lab.checking import CheckFailure
+from attention_lab.checks import numpy_walkthrough as checks
+from attention_lab.widgets.numpy_scores import plot_scores_and_weights, scores_explorer, stable_softmax
+
+CPU = {"device": "cpu", "quiet": True}
+
+
+def _reference_softmax(x, axis=-1):
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    e = np.exp(shifted)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+# --------------------------------------------------------------------------------------
+# row_times_matrix
+# --------------------------------------------------------------------------------------
+
+
+def row_generator_sum(x_row, W):
+    return np.array([sum(x_row[i] * W[i, j] for i in range(len(x_row))) for j in range(W.shape[1])],
+                    dtype=np.result_type(x_row, W))
+
+
+def row_broadcast_sum(x_row, W):
+    return np.sum(x_row[:, None] * W, axis=0)
+
+
+def row_uses_matmul(x_row, W):
+    return x_row @ W
+
+
+def row_uses_dot(x_row, W):
+    return np.dot(x_row, W)
+
+
+def row_uses_einsum(x_row, W):
+    return np.einsum("i,ij->j", x_row, W)
+
+
+def row_indices_swapped(x_row, W):
+    # out[j] = sum_i x[i] * W[j, i]: one entry per *row* of W
+    n_rows, n_columns = W.shape
+    out = np.zeros(n_rows, dtype=W.dtype)
+    for j in range(n_rows):
+        for i in range(n_columns):
+            out[j] += x_row[i] * W[j, i]
+    return out
+
+
+def row_square_transposed(x_row, W):
+    out = np.zeros(W.shape[1], dtype=W.dtype)
+    for j in range(W.shape[1]):
+        for i in range(W.shape[0]):
+            out[j] += x_row[i] * W[j, i]
+    return out
+
+
+def row_default_dtype(x_row, W):
+    out = np.zeros(W.shape[1])  # float64 whatever the input
+    for j in range(W.shape[1]):
+        out[j] = sum(x_row[i] * W[i, j] for i in range(W.shape[0]))
+    return out
+
+
+def row_via_torch(x_row, W):
+    return (torch.from_numpy(np.asarray(x_row)) @ torch.from_numpy(np.asarray(W))).numpy()
+
+
+def row_returns_list(x_row, W):
+    return [sum(x_row[i] * W[i, j] for i in range(W.shape[0])) for j in range(W.shape[1])]
+
+
+def test_row_times_matrix_accepts_correct_answers_written_differently():
+    checks.check_row_times_matrix(row_generator_sum, **CPU)
+    checks.check_row_times_matrix(row_broadcast_sum, seed=3, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (row_uses_matmul, r"should write the sums itself[\s\S]*np.matmul"),
+    (row_uses_dot, r"should write the sums itself[\s\S]*np.dot"),
+    (row_uses_einsum, r"should write the sums itself[\s\S]*np.einsum"),
+    (row_indices_swapped, r"should have shape \[3\], got \[4\][\s\S]*one per column"),
+    (row_default_dtype, "should keep the input dtype float32, got float64"),
+    (row_via_torch, "NumPy only"),
+    (row_returns_list, "should return a NumPy ndarray of shape"),
+])
+def test_row_times_matrix_rejects_known_mistakes(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_row_times_matrix(wrong, **CPU)
+
+
+def test_row_times_matrix_names_transposed_indices_on_a_square_matrix():
+    rng = np.random.default_rng(0)
+    with pytest.raises(CheckFailure, match=r"x_row @ W[\s\S]*W @ x_row"):
+        checks._check_row_once(row_square_transposed, rng.standard_normal(4), rng.standard_normal((4, 4)))
+
+
+def test_row_times_matrix_reports_a_blank_and_a_renamed_parameter():
+    def blank(x_row, W):
+        raise NotImplementedError("Exercise 2.1: implement row_times_matrix")
+
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_row_times_matrix(blank, **CPU)
+    with pytest.raises(CheckFailure, match=r"should take the parameters \(x_row, W\), but it takes \(x, W\)"):
+        checks.check_row_times_matrix(lambda x, W: row_broadcast_sum(x, W), **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# np_split_heads / np_merge_heads
+# --------------------------------------------------------------------------------------
+
+
+def split_by_np_split(t, num_heads):
+    if t.shape[-1] % num_heads:
+        raise ValueError(f"width {t.shape[-1]} cannot be split into {num_heads} heads")
+    return np.stack(np.split(t, num_heads, axis=-1), axis=1)
+
+
+def split_no_transpose(t, num_heads):
+    b, s, n = t.shape
+    if n % num_heads:
+        raise ValueError(f"{n} {num_heads}")
+    return t.reshape(b, s, num_heads, n // num_heads)
+
+
+def split_reshape_only(t, num_heads):
+    b, s, n = t.shape
+    if n % num_heads:
+        raise ValueError(f"{n} {num_heads}")
+    return t.reshape(b, num_heads, s, n // num_heads)
+
+
+def split_strided(t, num_heads):
+    b, s, n = t.shape
+    if n % num_heads:
+        raise ValueError(f"{n} {num_heads}")
+    return t.reshape(b, s, n // num_heads, num_heads).transpose(0, 3, 1, 2)
+
+
+def split_vague_error(t, num_heads):
+    return np.stack(np.split(t, num_heads, axis=-1), axis=1)  # np.split's own ValueError names neither number
+
+
+def split_silent(t, num_heads):
+    b, s, n = t.shape
+    d = n // num_heads
+    return t[..., : d * num_heads].reshape(b, s, num_heads, d).transpose(0, 2, 1, 3)
+
+
+def split_float32(t, num_heads):
+    return split_by_np_split(t, num_heads).astype(np.float32)
+
+
+def split_via_torch(t, num_heads):
+    x = torch.from_numpy(t)
+    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2).numpy()
+
+
+def test_np_split_heads_accepts_a_correct_answer_written_differently():
+    checks.check_np_split_heads(split_by_np_split, **CPU)
+    checks.check_np_split_heads(split_by_np_split, seed=5, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (split_no_transpose, r"should have shape \[2, 2, 6, 2\], got \[2, 6, 2, 2\][\s\S]*transpose\(0, 2, 1, 3\)"),
+    (split_reshape_only, "reshape reads memory in order"),
+    (split_strided, "every H-th feature"),
+    (split_vague_error, "should name 10 and 4"),
+    (split_silent, "should raise ValueError"),
+    (split_float32, "should keep the input dtype float64, got float32"),
+    (split_via_torch, "NumPy only"),
+])
+def test_np_split_heads_rejects_known_mistakes(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_np_split_heads(wrong, **CPU)
+
+
+def merge_by_concatenate(t):
+    return np.concatenate([t[:, h] for h in range(t.shape[1])], axis=-1)
+
+
+def merge_reshape_only(t):
+    b, h, s, d = t.shape
+    return t.reshape(b, s, h * d)
+
+
+def merge_forgets_to_flatten(t):
+    return t.transpose(0, 2, 1, 3)
+
+
+def merge_in_place_transpose(t):
+    # ndarray.shape assignment on a transposed view fails: a classic "view" mistake
+    merged = t.transpose(0, 2, 1, 3)
+    merged.shape = (t.shape[0], t.shape[2], t.shape[1] * t.shape[3])
+    return merged
+
+
+def test_np_merge_heads_accepts_and_rejects():
+    checks.check_np_merge_heads(merge_by_concatenate, **CPU)
+    with pytest.raises(CheckFailure, match="Move the head axis back"):
+        checks.check_np_merge_heads(merge_reshape_only, **CPU)
+    with pytest.raises(CheckFailure, match=r"should have shape \[2, 6, 4\], got \[2, 6, 2, 2\]"):
+        checks.check_np_merge_heads(merge_forgets_to_flatten, **CPU)
+    with pytest.raises(CheckFailure, match="raised AttributeError"):
+        checks.check_np_merge_heads(merge_in_place_transpose, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# np_softmax
+# --------------------------------------------------------------------------------------
+
+
+def softmax_logsumexp(x, axis=-1):
+    top = np.max(x, axis=axis, keepdims=True)
+    log_total = top + np.log(np.sum(np.exp(x - top), axis=axis, keepdims=True))
+    return np.exp(x - log_total)
+
+
+def softmax_naive(x, axis=-1):
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def softmax_global_max(x, axis=-1):
+    e = np.exp(x - np.max(x))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def softmax_ignores_axis(x, axis=-1):
+    return _reference_softmax(x, -1)
+
+
+def softmax_no_keepdims(x, axis=-1):
+    e = np.exp(x - np.max(x, axis=axis))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def softmax_min_shift(x, axis=-1):
+    e = np.exp(x - np.min(x, axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def softmax_in_place(x, axis=-1):
+    x -= np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def softmax_always_float64(x, axis=-1):
+    return _reference_softmax(x.astype(np.float64), axis)
+
+
+def softmax_via_torch(x, axis=-1):
+    return torch.softmax(torch.from_numpy(x), dim=axis).numpy()
+
+
+def test_np_softmax_accepts_a_correct_answer_written_differently():
+    checks.check_np_softmax(softmax_logsumexp, **CPU)
+    checks.check_np_softmax(softmax_logsumexp, seed=9, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (softmax_naive, r"returned NaN[\s\S]*Subtract each row's maximum"),
+    (softmax_global_max, r"returned NaN[\s\S]*one maximum for the whole array"),
+    (softmax_ignores_axis, "a different axis was asked for"),
+    (softmax_no_keepdims, "keepdims=True"),
+    (softmax_min_shift, r"returned NaN[\s\S]*not its minimum"),
+    (softmax_in_place, "changed its input x in place"),
+    (softmax_always_float64, "should keep the input dtype float32, got float64"),
+    (softmax_via_torch, "NumPy only"),
+])
+def test_np_softmax_rejects_known_mistakes(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_np_softmax(wrong, **CPU)
+
+
+def test_np_softmax_global_max_is_caught_only_by_rows_of_different_scales():
+    # On the first inputs a global max is harmless; the check must reach the row near -1000.
+    with pytest.raises(CheckFailure, match="rows near 0 and near -1000"):
+        checks.check_np_softmax(softmax_global_max, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# np_attention
+# --------------------------------------------------------------------------------------
+
+
+def attention_einsum(Q, K, V, mask=None):
+    scores = np.einsum("bhqd,bhkd->bhqk", Q, K) * (1.0 / math.sqrt(Q.shape[-1]))
+    if mask is not None:
+        scores = np.where(mask, scores, -1e30)  # finite fill is fine: exp underflows to exactly 0
+    weights = softmax_logsumexp(scores, axis=-1)
+    return np.einsum("bhqk,bhkd->bhqd", weights, V), weights
+
+
+def _attention_with(Q, K, V, mask, *, scale=None, axis=-1, flip=False, transpose_k=True, mask_after=False,
+                    weights_t=False, softmax=_reference_softmax):
+    d = Q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = (Q @ (np.swapaxes(K, -1, -2) if transpose_k else K)) * scale
+    if mask is not None and not mask_after:
+        scores = np.where(~mask if flip else mask, scores, -np.inf)
+    weights = softmax(scores, axis=axis)
+    if mask is not None and mask_after:
+        weights = weights * mask
+    return (np.swapaxes(weights, -1, -2) if weights_t else weights) @ V, weights
+
+
+WRONG_ATTENTION = {
+    "no_scale": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, scale=1.0), "no 1/sqrt"),
+    "scale_by_d": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, scale=1.0 / Q.shape[-1]),
+                   "divided by d_head"),
+    "wrong_axis": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, axis=-2), "wrong axis"),
+    "flipped": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, flip=True), "polarity flipped"),
+    "ignored": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, None), "mask was ignored"),
+    "after_softmax": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, mask_after=True),
+                      "after the softmax"),
+    "no_transpose": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, transpose_k=False),
+                     r"transpose[\s\S]*last two"),
+    "full_transpose": (lambda Q, K, V, mask=None: (lambda w: (w @ V, w))(_reference_softmax(Q @ K.T)),
+                       "K.T reverses all four axes"),
+    "weights_transposed": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, weights_t=True),
+                           r"weights @ V[\s\S]*not its transpose"),
+    "naive_softmax": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, softmax=softmax_naive),
+                      "softmax overflowed"),
+    "np_sqrt": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, scale=1 / np.sqrt(Q.shape[-1])),
+                r"keep the input dtype float32[\s\S]*math.sqrt"),
+    "only_out": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask)[0], "should return a tuple"),
+    "torch": (lambda Q, K, V, mask=None: tuple(
+        t.numpy() for t in _torch_attention(torch.from_numpy(Q), torch.from_numpy(K), torch.from_numpy(V))), "NumPy only"),
+}
+
+
+def _torch_attention(q, k, v):
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1)
+    return weights @ v, weights
+
+
+def test_np_attention_accepts_a_correct_answer_written_differently():
+    checks.check_np_attention(attention_einsum, **CPU)
+    checks.check_np_attention(attention_einsum, seed=4, **CPU)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_ATTENTION))
+def test_np_attention_rejects_known_mistakes(name):
+    wrong, phrase = WRONG_ATTENTION[name]
+
+    def np_attention(Q, K, V, mask=None):
+        with np.errstate(all="ignore"):
+            return wrong(Q, K, V, mask)
+
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_np_attention(np_attention, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# np_multi_head_attention
+# --------------------------------------------------------------------------------------
+
+
+def mha_einsum(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
+    b, s, width = X.shape
+    d = width // num_heads
+    q, k, v = (np.einsum("bsi,io->bso", X, W).reshape(b, s, num_heads, d) for W in (W_q, W_k, W_v))
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    weights = softmax_logsumexp(scores)
+    context = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, width)
+    return context @ W_o
+
+
+def _mha_with(X, W_q, W_k, W_v, W_o, num_heads, mask=None, *, use_out=True, t_qkv=False, t_out=False,
+              scale=None, flip=False, split="right", merge="right"):
+    b, s, width = X.shape
+    d = width // num_heads
+
+    def heads(t):
+        if split == "reshape":
+            return t.reshape(b, num_heads, s, d)
+        return t.reshape(b, s, num_heads, d).transpose(0, 2, 1, 3)
+
+    q, k, v = (heads(X @ (W.T if t_qkv else W)) for W in (W_q, W_k, W_v))
+    m = None if mask is None else (~mask if flip else mask)
+    scores = q @ np.swapaxes(k, -1, -2) * (1 / math.sqrt(d) if scale is None else scale)
+    if m is not None:
+        scores = np.where(m, scores, -np.inf)
+    with np.errstate(all="ignore"):
+        context = _reference_softmax(scores) @ v
+    merged = context.reshape(b, s, width) if merge == "reshape" else context.transpose(0, 2, 1, 3).reshape(b, s, width)
+    if not use_out:
+        return merged
+    return merged @ (W_o.T if t_out else W_o)
+
+
+WRONG_MHA = {
+    "no_out": (dict(use_out=False), "output projection is missing"),
+    "layout": (dict(t_qkv=True, t_out=True), r"\(out, in\) layout \(X @ W.T"),
+    "layout_qkv": (dict(t_qkv=True), r"W_q, W_k, W_v in \(out, in\) layout"),
+    "layout_out": (dict(t_out=True), r"W_o in \(out, in\) layout"),
+    "no_scale": (dict(scale=1.0), "no 1/sqrt"),
+    "scale_by_width": (dict(scale=0.5), r"1/sqrt\(D\)"),  # D = 4 in the first case
+    "flipped": (dict(flip=True), "polarity flipped"),
+    "split": (dict(split="reshape"), "split wrongly"),
+    "merge": (dict(merge="reshape"), "merged wrongly"),
+}
+
+
+def test_np_multi_head_attention_accepts_a_correct_answer_written_differently():
+    checks.check_np_multi_head_attention(mha_einsum, **CPU)
+    checks.check_np_multi_head_attention(mha_einsum, seed=11, **CPU)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_MHA))
+def test_np_multi_head_attention_rejects_known_mistakes(name):
+    options, phrase = WRONG_MHA[name]
+
+    def np_multi_head_attention(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
+        return _mha_with(X, W_q, W_k, W_v, W_o, num_heads, mask, **options)
+
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_np_multi_head_attention(np_multi_head_attention, **CPU)
+
+
+def test_np_multi_head_attention_flipped_causal_mask_is_named_even_when_it_gives_nan():
+    # A flipped causal mask leaves the last query nothing to attend to: NaN, diagnosed as polarity.
+    weights = tuple(np.random.default_rng(1).standard_normal((4, 4)) for _ in range(4))
+    X = np.random.default_rng(2).standard_normal((2, 6, 4))
+    causal = np.tril(np.ones((6, 6), dtype=bool))
+
+    def flipped(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
+        return _mha_with(X, W_q, W_k, W_v, W_o, num_heads, mask, flip=True)
+
+    with pytest.raises(CheckFailure, match=r"contains NaN[\s\S]*polarity flipped"):
+        checks._check_mha_once(flipped, X, weights, 2, causal)
+
+
+def test_np_multi_head_attention_rejects_torch_and_wrong_returns():
+    def via_torch(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
+        module = torch.nn.MultiheadAttention(X.shape[-1], num_heads, bias=False, batch_first=True, dtype=torch.float64)
+        x = torch.from_numpy(X)
+        return module(x, x, x)[0].detach().numpy()
+
+    def returns_tuple(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
+        return mha_einsum(X, W_q, W_k, W_v, W_o, num_heads, mask), None
+
+    def np_sqrt_scale(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
+        return _mha_with(X, W_q, W_k, W_v, W_o, num_heads, mask, scale=1 / np.sqrt(X.shape[-1] // num_heads))
+
+    with pytest.raises(CheckFailure, match="NumPy only"):
+        checks.check_np_multi_head_attention(via_torch, **CPU)
+    with pytest.raises(CheckFailure, match="should return a NumPy ndarray of shape"):
+        checks.check_np_multi_head_attention(returns_tuple, **CPU)
+    with pytest.raises(CheckFailure, match="should keep the input dtype float32, got float64"):
+        checks.check_np_multi_head_attention(np_sqrt_scale, **CPU)
+    with pytest.raises(CheckFailure, match=r"should take the parameters \(X, W_q, W_k, W_v, W_o, num_heads, mask\)"):
+        checks.check_np_multi_head_attention(lambda X, W_q, W_k, W_v, W_o, H, mask=None: None, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# dot_product_variance
+# --------------------------------------------------------------------------------------
+
+
+def variance_mean_of_squares(d_head, sigma, n_samples, rng):
+    q = sigma * rng.standard_normal((n_samples, d_head))
+    k = sigma * rng.standard_normal((n_samples, d_head))
+    return float(np.mean(np.einsum("nd,nd->n", q, k) ** 2))
+
+
+def variance_sigma_squared(d_head, sigma, n_samples, rng):
+    q = rng.normal(0.0, sigma, size=(n_samples, d_head))
+    k = rng.normal(0.0, 1.0, size=(n_samples, d_head))  # only one of them scaled: the seed's d·σ²
+    return float(np.var(np.sum(q * k, axis=-1)))
+
+
+def variance_scale_is_variance(d_head, sigma, n_samples, rng):
+    q = rng.normal(0.0, sigma**2, size=(n_samples, d_head))
+    k = rng.normal(0.0, sigma**2, size=(n_samples, d_head))
+    return float(np.var(np.sum(q * k, axis=-1)))
+
+
+def variance_returns_std(d_head, sigma, n_samples, rng):
+    q, k = (rng.normal(0.0, sigma, size=(n_samples, d_head)) for _ in range(2))
+    return float(np.std(np.sum(q * k, axis=-1)))
+
+
+def variance_scaled_scores(d_head, sigma, n_samples, rng):
+    q, k = (rng.normal(0.0, sigma, size=(n_samples, d_head)) for _ in range(2))
+    return float(np.var(np.sum(q * k, axis=-1) / math.sqrt(d_head)))
+
+
+def variance_self_dot(d_head, sigma, n_samples, rng):
+    q = rng.normal(0.0, sigma, size=(n_samples, d_head))
+    return float(np.var(np.sum(q * q, axis=-1)))
+
+
+def variance_formula(d_head, sigma, n_samples, rng):
+    return d_head * sigma**4
+
+
+def variance_global_rng(d_head, sigma, n_samples, rng):
+    q, k = (np.random.normal(0.0, sigma, size=(n_samples, d_head)) for _ in range(2))
+    return float(np.var(np.sum(q * k, axis=-1)))
+
+
+def variance_own_rng(d_head, sigma, n_samples, rng):
+    return variance_mean_of_squares(d_head, sigma, n_samples, np.random.default_rng(0))
+
+
+def variance_mixed_rng(d_head, sigma, n_samples, rng):
+    q = rng.normal(0.0, sigma, size=(n_samples, d_head))
+    k = np.random.normal(0.0, sigma, size=(n_samples, d_head))
+    return float(np.var(np.sum(q * k, axis=-1)))
+
+
+def variance_returns_array(d_head, sigma, n_samples, rng):
+    return np.array([variance_mean_of_squares(d_head, sigma, n_samples, rng)])
+
+
+def variance_via_torch(d_head, sigma, n_samples, rng):
+    q = torch.from_numpy(rng.normal(0.0, sigma, size=(n_samples, d_head)))
+    k = torch.from_numpy(rng.normal(0.0, sigma, size=(n_samples, d_head)))
+    return float((q * k).sum(-1).var())
+
+
+def test_dot_product_variance_accepts_a_correct_answer_written_differently():
+    checks.check_dot_product_variance(variance_mean_of_squares, **CPU)
+    checks.check_dot_product_variance(variance_mean_of_squares, seed=3, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (variance_sigma_squared, r"expected d_head·σ⁴[\s\S]*close to d·σ², not d·σ⁴"),
+    (variance_scale_is_variance, r"close to d·σ⁸[\s\S]*standard deviation σ, not the variance"),
+    (variance_returns_std, "standard deviation sqrt"),
+    (variance_scaled_scores, r"close to σ⁴ \(no factor d\)"),
+    (variance_self_dot, r"2·d·σ⁴[\s\S]*independently of q"),
+    (variance_formula, r"did not draw from the rng[\s\S]*returned the formula"),
+    (variance_global_rng, r"did not draw from the rng it was given: it used np.random's global generator"),
+    (variance_own_rng, r"did not draw from the rng it was given: it used a generator of your own"),
+    (variance_mixed_rng, "as well as from rng"),
+    (variance_returns_array, "should return one float"),
+    (variance_via_torch, "NumPy only"),
+])
+def test_dot_product_variance_rejects_known_mistakes(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_dot_product_variance(wrong, **CPU)
+
+
+def test_dot_product_variance_tolerance_follows_the_sample_count():
+    # Five standard errors of the sample variance of q·k: sqrt((2d² + 6d)/n)·σ⁴, shrinking like 1/sqrt(n).
+    assert checks._variance_tolerance(64, 2.0, 20_000) == pytest.approx(5 * math.sqrt((2 * 64**2 + 6 * 64) / 20_000) * 16)
+    assert checks._variance_tolerance(64, 2.0, 80_000) == pytest.approx(checks._variance_tolerance(64, 2.0, 20_000) / 2)
+    # An estimate 10% off at d=64 (about 5 standard errors of 20,000 samples) is rejected.
+    biased = lambda d_head, sigma, n_samples, rng: 1.1 * variance_mean_of_squares(d_head, sigma, n_samples, rng)
+    with pytest.raises(CheckFailure, match="within ±"):
+        checks.check_dot_product_variance(biased, **CPU)
+
+
+def test_dot_product_variance_check_leaves_the_global_numpy_stream_alone():
+    np.random.seed(123)
+    expected = np.random.random()
+    np.random.seed(123)
+    with pytest.raises(CheckFailure):
+        checks.check_dot_product_variance(variance_global_rng, **CPU)
+    assert np.random.random() == expected
+
+
+# --------------------------------------------------------------------------------------
+# The multiple-choice question
+# --------------------------------------------------------------------------------------
+
+
+def test_answer_scaling_accepts_the_supported_statement():
+    supported = [letter for letter, holds in checks._statements(checks.peakedness_curves()).items() if holds]
+    assert supported == ["B"]
+    checks.check_answer_scaling("B", **CPU)
+    checks.check_answer_scaling(" b ", seed=5, **CPU)
+
+
+@pytest.mark.parametrize("letter", ["A", "C", "D"])
+def test_answer_scaling_rejects_wrong_choices_without_revealing_the_answer(letter):
+    with pytest.raises(CheckFailure, match="wrong choice: re-read the plot") as failure:
+        checks.check_answer_scaling(letter, **CPU)
+    assert "B" not in str(failure.value).replace("ANSWER_SCALING", "")
+
+
+@pytest.mark.parametrize("answer, phrase", [
+    (None, "not implemented yet"),
+    ("E", r"should be one of 'A', 'B', 'C', 'D'"),
+    (2, r"should be one of[\s\S]*got int 2"),
+])
+def test_answer_scaling_rejects_blank_and_invalid_answers(answer, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_answer_scaling(answer, **CPU)
+
+
+def test_peakedness_curves_show_saturation_without_scaling():
+    curves = checks.peakedness_curves(seed=1)
+    assert curves["unscaled"][-1] > 0.9 > curves["unscaled"][0]
+    assert np.ptp(curves["scaled"]) < 0.08
+
+
+# --------------------------------------------------------------------------------------
+# The checks cannot be replaced
+# --------------------------------------------------------------------------------------
+
+
+def test_check_module_is_frozen():
+    with pytest.raises(AttributeError, match="read-only"):
+        checks.check_np_softmax = lambda *args, **kwargs: None
+
+
+# --------------------------------------------------------------------------------------
+# The widget
+# --------------------------------------------------------------------------------------
+
+
+def _demo_qk():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((2, 2, 6, 2)), rng.standard_normal((2, 2, 6, 2))
+
+
+def _images(explorer):
+    image_axes = [ax for ax in explorer.figure.axes if ax.images and ax.get_title()]
+    assert len(image_axes) == 2, [ax.get_title() for ax in explorer.figure.axes]
+    scores_ax, weights_ax = image_axes
+    return np.asarray(scores_ax.images[0].get_array()), np.asarray(weights_ax.images[0].get_array())
+
+
+def test_scores_explorer_draws_scores_next_to_their_softmax():
+    Q, K = _demo_qk()
+    explorer = scores_explorer(Q, K)
+    assert set(explorer.controls) == {"b", "h", "scale"}
+    assert len(explorer.figure.axes) == 4  # two heatmaps, two colorbars
+    scores, weights = _images(explorer)
+    expected_scores = Q[0, 0] @ K[0, 0].T / math.sqrt(2)
+    np.testing.assert_allclose(scores, expected_scores)
+    np.testing.assert_allclose(weights, _reference_softmax(expected_scores))
+    np.testing.assert_allclose(weights.sum(-1), 1.0)
+
+
+def test_scores_explorer_follows_batch_head_and_scale():
+    Q, K = _demo_qk()
+    explorer = scores_explorer(Q, K)
+    explorer.controls["b"].value = 1
+    explorer.controls["h"].value = 1
+    scores, _ = _images(explorer)
+    np.testing.assert_allclose(scores, Q[1, 1] @ K[1, 1].T / math.sqrt(2))
+    _, soft = _images(explorer)
+    explorer.controls["scale"].value = 20.0
+    scores, sharp = _images(explorer)
+    np.testing.assert_allclose(scores, 20.0 * (Q[1, 1] @ K[1, 1].T), rtol=1e-12)
+    assert sharp.max(-1).mean() > soft.max(-1).mean()  # a larger scale sharpens every row
+    assert any("scale = 20.000" in text.get_text() for text in explorer.figure.texts)  # the suptitle
+
+
+def test_scores_explorer_uses_the_given_softmax_and_rejects_bad_shapes():
+    Q, K = _demo_qk()
+    calls = []
+
+    def my_softmax(x, axis=-1):
+        calls.append((x.shape, axis))
+        return stable_softmax(x, axis)
+
+    scores_explorer(Q, K, softmax=my_softmax)
+    assert calls == [((6, 6), -1)]
+    with pytest.raises(ValueError, match=r"\(B, H, S, d_head\)"):
+        scores_explorer(Q[0], K[0])
+
+
+def test_plot_scores_and_weights_annotates_small_matrices():
+    from matplotlib.figure import Figure
+
+    figure = Figure()
+    scores = np.arange(9.0).reshape(3, 3)
+    plot_scores_and_weights(figure, scores, _reference_softmax(scores), title="t")
+    assert len(figure.axes[0].texts) == 9 and len(figure.axes[1].texts) == 9
