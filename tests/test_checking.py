@@ -350,3 +350,17 @@ def test_setup_seeds_and_prints_the_environment(capsys):
     line = capsys.readouterr().out
     assert device.type == "cpu"
     assert f"torch {torch.__version__}" in line and "device: CPU" in line
+
+
+def test_ordinary_library_use_in_a_notebook_does_not_look_like_tampering():
+    """Lazy imports inside PyTorch (an optimizer pulls in torch._dynamo) must not trip the guard."""
+    model = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True, norm_first=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss = model(torch.randn(2, 3, 8)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    q = torch.randn(1, 4, 3, 8)
+    F.scaled_dot_product_attention(q, q[:, :2], q[:, :2], enable_gqa=True, is_causal=True)
+    torch.manual_seed(0)
+    verify_untampered()

@@ -38,6 +38,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+# Imported for its side effect before the tamper snapshot below is taken: PyTorch imports
+# torch._dynamo lazily (e.g. when the first optimizer is built), and that import rewraps
+# torch.manual_seed. Importing it now keeps a notebook that trains from looking tampered.
+import torch._dynamo  # noqa: F401
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 

@@ -1,0 +1,828 @@
+"""The checks of notebook 03 accept correct answers written differently and reject known mistakes.
+
+Every wrong answer here is a mistake a student really makes (most of them are in the seed's
+draft: post-norm, a missing residual, an unconverted mask, Linear(2, 256) after a 24-feature
+encoder, frequencies without pi or as a plain attribute, ReLU instead of GELU, eps 1e-5); each
+must be rejected with the hint that names it. The correct answers are written another way
+than the solution notebook, so the checks are shown to test behaviour, not spelling.
+Also here: the procedurally drawn rose and the notebook's widgets.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attention_lab.checking import CheckFailure
+from attention_lab.checks import positions_and_blocks as checks
+from attention_lab.images import draw_rose, image_dataset, pixel_coordinates
+
+CPU = {"device": "cpu", "quiet": True}
+
+# --------------------------------------------------------------------------------------
+# Multiple-choice questions
+# --------------------------------------------------------------------------------------
+
+
+def test_answer_permutation():
+    checks.check_answer_permutation("B", **CPU)
+    checks.check_answer_permutation(" b ", **CPU)
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_answer_permutation(None, **CPU)
+    with pytest.raises(CheckFailure, match="Invariant would mean"):
+        checks.check_answer_permutation("A", **CPU)
+    with pytest.raises(CheckFailure, match="predictable"):
+        checks.check_answer_permutation("C", **CPU)
+    with pytest.raises(CheckFailure, match="should be one of"):
+        checks.check_answer_permutation("equivariant", **CPU)
+
+
+def test_answer_encodings():
+    checks.check_answer_encodings("B", **CPU)
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_answer_encodings(None, **CPU)
+    with pytest.raises(CheckFailure, match="are.* absolute"):
+        checks.check_answer_encodings("A", **CPU)
+    with pytest.raises(CheckFailure, match="YaRN"):
+        checks.check_answer_encodings("C", **CPU)
+    with pytest.raises(CheckFailure, match="rotates queries and keys"):
+        checks.check_answer_encodings("D", **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# sinusoidal_positions
+# --------------------------------------------------------------------------------------
+
+
+def sinusoidal_stacked(num_positions, dim, base=10000.0):
+    """Correct, written another way: exp/log frequencies, sin and cos stacked then interleaved by reshape."""
+    if dim % 2:
+        raise ValueError(f"odd dim {dim}")
+    inverse = torch.exp(torch.arange(0, dim, 2).float() * (-math.log(base) / dim))
+    angles = torch.outer(torch.arange(num_positions).float(), inverse)
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(num_positions, dim)
+
+
+def _table(num_positions, dim, base, frequency_of_column, layout="interleaved", start=0):
+    if dim % 2:
+        raise ValueError(f"odd dim {dim}")
+    p = torch.arange(start, start + num_positions, dtype=torch.float32)[:, None]
+    if layout == "concatenated":
+        w = torch.tensor([frequency_of_column(2 * i) for i in range(dim // 2)], dtype=torch.float32)
+        return torch.cat([torch.sin(p * w), torch.cos(p * w)], dim=-1)
+    w = torch.tensor([frequency_of_column(c) for c in range(dim)], dtype=torch.float32)
+    sin, cos = torch.sin(p * w), torch.cos(p * w)
+    even = torch.arange(dim) % 2 == 0
+    return torch.where(~even if layout == "swapped" else even, sin, cos)
+
+
+def right_frequency(dim, base):
+    return lambda c: base ** (-(2 * (c // 2)) / dim)
+
+
+def sinusoidal_concatenated(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return _table(n, d, base, right_frequency(d, base), layout="concatenated")
+
+
+def sinusoidal_swapped(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return _table(n, d, base, right_frequency(d, base), layout="swapped")
+
+
+def sinusoidal_column_index(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return _table(n, d, base, lambda c: base ** (-2 * c / d))
+
+
+def sinusoidal_half_exponent(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return _table(n, d, base, lambda c: base ** (-(c // 2) / d))
+
+
+def sinusoidal_multiplied(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return _table(n, d, base, lambda c: base ** (2 * (c // 2) / d))
+
+
+def sinusoidal_from_one(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return _table(n, d, base, right_frequency(d, base), start=1)
+
+
+def sinusoidal_no_odd_check(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return sinusoidal_stacked(n, d + d % 2, base)[:, :d]
+
+
+def sinusoidal_float64(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return sinusoidal_stacked(n, d, base).double()
+
+
+def sinusoidal_transposed(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return sinusoidal_stacked(n, d, base).T
+
+
+def sinusoidal_numpy(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return sinusoidal_stacked(n, d, base).numpy()
+
+
+def test_sinusoidal_positions_accepts_a_correct_answer_written_differently():
+    checks.check_sinusoidal_positions(sinusoidal_stacked, **CPU)
+    checks.check_sinusoidal_positions(sinusoidal_stacked, seed=7, **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (sinusoidal_concatenated, "interleaves"),
+    (sinusoidal_swapped, "sine and cosine are swapped"),
+    (sinusoidal_column_index, "column index"),
+    (sinusoidal_half_exponent, "exponent is 2i/dim"),
+    (sinusoidal_multiplied, "divide by it"),
+    (sinusoidal_from_one, "positions start at 0"),
+])
+def test_sinusoidal_positions_diagnoses_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure, match=hint):
+        checks.check_sinusoidal_positions(answer, **CPU)
+
+
+def test_sinusoidal_positions_contract():
+    with pytest.raises(CheckFailure, match=r"should raise ValueError \(dim = 7 is odd"):
+        checks.check_sinusoidal_positions(sinusoidal_no_odd_check, **CPU)
+    with pytest.raises(CheckFailure, match="should return torch.float32 .*got torch.float64"):
+        checks.check_sinusoidal_positions(sinusoidal_float64, **CPU)
+    with pytest.raises(CheckFailure, match=r"(?s)should have shape \[6, 8\], got \[8, 6\].*one row per position"):
+        checks.check_sinusoidal_positions(sinusoidal_transposed, **CPU)
+    with pytest.raises(CheckFailure, match="should be a torch.Tensor, got ndarray"):
+        checks.check_sinusoidal_positions(sinusoidal_numpy, **CPU)
+    with pytest.raises(CheckFailure, match=r"take the parameters \(num_positions, dim, base\)"):
+        checks.check_sinusoidal_positions(lambda n, d: sinusoidal_stacked(n, d), **CPU)
+
+
+def test_positions_break_equivariance():
+    checks.check_positions_break_equivariance(sinusoidal_stacked, **CPU)
+    checks.check_positions_break_equivariance(sinusoidal_stacked, seed=3, **CPU)
+    with pytest.raises(CheckFailure, match="every row .* is the same vector"):
+        checks.check_positions_break_equivariance(lambda n, d, base=10000.0: torch.ones(n, d), **CPU)
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_positions_break_equivariance(_not_implemented, **CPU)
+
+
+def _not_implemented(*args, **kwargs):
+    raise NotImplementedError("Exercise 3.2: implement sinusoidal_positions")
+
+
+# --------------------------------------------------------------------------------------
+# FourierFeatures
+# --------------------------------------------------------------------------------------
+
+
+class FourierPow(nn.Module):
+    """Correct, written another way: torch.pow, unsqueeze/reshape, buffer named freqs."""
+
+    def __init__(self, in_dim, num_frequencies):
+        super().__init__()
+        self.out_dim = 2 * num_frequencies * in_dim
+        self.register_buffer("freqs", torch.pi * torch.pow(2.0, torch.arange(num_frequencies)), persistent=False)
+
+    def forward(self, x):
+        angles = (x.unsqueeze(-1) * self.freqs).reshape(*x.shape[:-1], -1)
+        return torch.cat((angles.sin(), angles.cos()), -1)
+
+
+def fourier_variant(*, frequencies=None, store="buffer", order="coordinate", layout="blocks",
+                    out_dim=None, seed_slice=False):
+    """A FourierFeatures class with one known mistake switched on."""
+
+    class Variant(nn.Module):
+        def __init__(self, in_dim, num_frequencies):
+            super().__init__()
+            self.out_dim = in_dim * 2 * num_frequencies if out_dim is None else out_dim(in_dim, num_frequencies)
+            k = torch.arange(num_frequencies, dtype=torch.float32)
+            values = 2.0 ** k * math.pi if frequencies is None else frequencies(k)
+            if store == "buffer":
+                self.register_buffer("frequencies", values, persistent=False)
+            elif store == "persistent":
+                self.register_buffer("frequencies", values)
+            elif store == "parameter":
+                self.frequencies = nn.Parameter(values)
+            else:
+                self.frequencies = values
+
+        def forward(self, x):
+            if seed_slice:
+                angles = (x[..., None:] * self.frequencies).flatten(-2)
+            elif order == "coordinate":
+                angles = (x[..., None] * self.frequencies.to(x)).flatten(-2)
+            else:
+                angles = (self.frequencies.to(x)[:, None] * x[..., None, :]).flatten(-2)
+            if layout == "interleaved":
+                return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)
+            return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+    return Variant
+
+
+class FourierNoFlatten(FourierPow):
+    def forward(self, x):
+        angles = x.unsqueeze(-1) * self.freqs
+        return torch.cat((angles.sin(), angles.cos()), -1)
+
+
+class FourierFloat32Output(FourierPow):
+    def forward(self, x):
+        return super().forward(x).float()
+
+
+def test_fourier_features_accepts_a_correct_answer_written_differently():
+    checks.check_fourier_features(FourierPow, **CPU)
+    checks.check_fourier_features(FourierPow, seed=11, **CPU)
+    checks.check_fourier_features(fourier_variant(), **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (fourier_variant(frequencies=lambda k: 2.0 ** k), "2\\^k; they are 2\\^k \\* pi"),
+    (fourier_variant(frequencies=lambda k: torch.exp(k)), "the draft's exp"),
+    (fourier_variant(store="plain"), "plain tensor attribute .*register_buffer"),
+    (fourier_variant(store="persistent"), "persistent=False"),
+    (fourier_variant(store="parameter"), "nn.Parameter"),
+    (fourier_variant(order="frequency"), "flattened in the wrong order"),
+    (fourier_variant(layout="interleaved"), "interleaved per angle"),
+    (fourier_variant(seed_slice=True), r"x\[\.\.\., None:\] is a full slice"),
+    (fourier_variant(out_dim=lambda i, f: 2 * f), "in_dim coordinates x F frequencies x 2"),
+    (fourier_variant(out_dim=lambda i, f: i * f), "a sine and a cosine"),
+])
+def test_fourier_features_diagnoses_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure, match=hint):
+        checks.check_fourier_features(answer, **CPU)
+
+
+def test_fourier_features_contract():
+    with pytest.raises(CheckFailure, match=r"(?s)should have shape \[4, 3, 24\], got \[4, 3, 2, 12\].*flatten"):
+        checks.check_fourier_features(FourierNoFlatten, **CPU)
+    with pytest.raises(CheckFailure, match="should keep the input dtype torch.float64, got torch.float32"):
+        checks.check_fourier_features(FourierFloat32Output, **CPU)
+    with pytest.raises(CheckFailure, match="should be an nn.Module"):
+        checks.check_fourier_features(lambda in_dim, num_frequencies: "not a module", **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# CoordinateMLP
+# --------------------------------------------------------------------------------------
+
+
+class MLPExplicit(nn.Module):
+    """Correct, written another way: four named layers and F.relu in forward; Identity for no encoder."""
+
+    def __init__(self, encoder=None, hidden=256):
+        super().__init__()
+        self.encoder = nn.Identity() if encoder is None else encoder
+        width = 2 if encoder is None else encoder.out_dim
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, hidden // 2)
+        self.fc3 = nn.Linear(hidden // 2, hidden // 4)
+        self.fc4 = nn.Linear(hidden // 4, 3)
+
+    def forward(self, coords):
+        h = self.encoder(coords)
+        for layer in (self.fc1, self.fc2, self.fc3):
+            h = F.relu(layer(h))
+        return self.fc4(h)
+
+
+class MLPSeedWidth(MLPExplicit):
+    """The draft's bug: the first layer always takes 2 features."""
+
+    def __init__(self, encoder=None, hidden=256):
+        super().__init__(None, hidden)
+        self.encoder = nn.Identity() if encoder is None else encoder
+
+
+class MLPFinalReLU(MLPExplicit):
+    def forward(self, coords):
+        return F.relu(super().forward(coords))
+
+
+class MLPFinalSigmoid(MLPExplicit):
+    def forward(self, coords):
+        return torch.sigmoid(super().forward(coords))
+
+
+class MLPNoReLU(MLPExplicit):
+    def forward(self, coords):
+        h = self.encoder(coords)
+        return self.fc4(self.fc3(self.fc2(self.fc1(h))))
+
+
+class MLPUnregisteredEncoder(MLPExplicit):
+    def __init__(self, encoder=None, hidden=256):
+        super().__init__(encoder, hidden)
+        del self.encoder
+        self.encoders = [nn.Identity() if encoder is None else encoder]  # a plain list: not registered
+
+    def forward(self, coords):
+        h = self.encoders[0](coords)
+        for layer in (self.fc1, self.fc2, self.fc3):
+            h = F.relu(layer(h))
+        return self.fc4(h)
+
+
+class MLPConstantWidth(MLPExplicit):
+    def __init__(self, encoder=None, hidden=256):
+        super().__init__(encoder, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, hidden // 4)
+
+
+def test_coordinate_mlp_accepts_a_correct_answer_written_differently():
+    checks.check_coordinate_mlp(MLPExplicit, **CPU)
+    checks.check_coordinate_mlp(MLPExplicit, seed=5, **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (MLPSeedWidth, "the first Linear takes 2 features, but the encoder outputs"),
+    (MLPFinalReLU, "ReLU after the last Linear"),
+    (MLPFinalSigmoid, "sigmoid after the last Linear"),
+    (MLPNoReLU, "ReLUs between the Linear layers are missing"),
+    (MLPUnregisteredEncoder, "store the encoder as a module attribute"),
+    (MLPConstantWidth, r"four nn.Linear layers .* = \[\(2, 256\), \(256, 128\), \(128, 64\), \(64, 3\)\]"),
+])
+def test_coordinate_mlp_diagnoses_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure, match=hint):
+        checks.check_coordinate_mlp(answer, **CPU)
+
+
+def test_coordinate_mlp_contract():
+    with pytest.raises(CheckFailure, match=r"take the parameters \(encoder, hidden\)"):
+        checks.check_coordinate_mlp(lambda hidden=256, encoder=None: MLPExplicit(encoder, hidden), **CPU)
+
+    class Float32Output(MLPExplicit):
+        def forward(self, coords):
+            return super().forward(coords).float()
+
+    with pytest.raises(CheckFailure, match="should keep the input dtype torch.float64, got torch.float32"):
+        checks.check_coordinate_mlp(Float32Output, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# psnr
+# --------------------------------------------------------------------------------------
+
+
+def psnr_torch(pred, target, max_value=1.0):
+    """Correct, written another way: -10·log10(MSE / max²) in torch; log10(0) = -inf gives +inf."""
+    mse = F.mse_loss(pred.detach().double(), target.detach().double())
+    return (-10.0 * torch.log10(mse / max_value ** 2)).item()
+
+
+def psnr_natural_log(pred, target, max_value=1.0):
+    return 10 * math.log(max_value ** 2 / F.mse_loss(pred, target).item())
+
+
+def psnr_twenty(pred, target, max_value=1.0):
+    return 20 * math.log10(max_value / F.mse_loss(pred, target).item())
+
+
+def psnr_peak_not_squared(pred, target, max_value=1.0):
+    return 10 * math.log10(max_value / F.mse_loss(pred, target).item())
+
+
+def psnr_sum(pred, target, max_value=1.0):
+    return 10 * math.log10(max_value ** 2 / ((pred - target) ** 2).sum().item())
+
+
+def psnr_upside_down(pred, target, max_value=1.0):
+    return 10 * math.log10(F.mse_loss(pred, target).item() / max_value ** 2)
+
+
+def psnr_tensor(pred, target, max_value=1.0):
+    return 10 * torch.log10(max_value ** 2 / F.mse_loss(pred, target))
+
+
+def psnr_no_inf(pred, target, max_value=1.0):
+    return 10 * math.log10(max_value ** 2 / F.mse_loss(pred.detach(), target).item())
+
+
+def test_psnr_accepts_a_correct_answer_written_differently():
+    checks.check_psnr(psnr_torch, **CPU)
+    checks.check_psnr(psnr_torch, seed=9, **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (psnr_natural_log, "use log10"),
+    (psnr_twenty, "20 \\* log10 goes with the root"),
+    (psnr_peak_not_squared, "square the peak value"),
+    (psnr_sum, "the \\*mean\\* of the squared errors"),
+    (psnr_upside_down, "upside down"),
+])
+def test_psnr_diagnoses_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure, match=hint):
+        checks.check_psnr(answer, **CPU)
+
+
+def test_psnr_contract():
+    with pytest.raises(CheckFailure, match="should return a Python float, got a tensor of shape"):
+        checks.check_psnr(psnr_tensor, **CPU)
+    with pytest.raises(CheckFailure, match=r"psnr\(x, x\) \(a perfect reconstruction\) raised ZeroDivisionError"):
+        checks.check_psnr(psnr_no_inf, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# fit_image and the outcome
+# --------------------------------------------------------------------------------------
+
+
+def fit_image_plain(model, coords, colors, steps, lr):
+    """Correct, written another way: no progress bar (so no progress argument), set_to_none, manual MSE."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    history = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = ((model(coords) - colors) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        history.append(loss.item())
+    return history
+
+
+def fit_variant(*, optimizer="adam", after=False, zero_grad=True, reduction="mean", use_lr=True,
+                fresh=False, as_tensors=False):
+    def fit_image(model, coords, colors, steps, lr, progress=True):
+        make = lambda: (torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam)(  # noqa: E731
+            model.parameters(), **({"lr": lr} if use_lr or optimizer == "sgd" else {}))
+        opt = make()
+        losses = []
+        for _ in range(steps):
+            if fresh:
+                opt = make()
+            if zero_grad:
+                opt.zero_grad()
+            loss = F.mse_loss(model(coords), colors, reduction=reduction)
+            loss.backward()
+            opt.step()
+            if after:
+                with torch.no_grad():
+                    losses.append(F.mse_loss(model(coords), colors).item())
+            else:
+                losses.append(loss if as_tensors else loss.item())
+        return losses
+
+    return fit_image
+
+
+def test_fit_image_accepts_a_correct_answer_written_differently():
+    checks.check_fit_image(fit_image_plain, **CPU)
+    checks.check_fit_image(fit_variant(), seed=4, **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (fit_variant(optimizer="sgd"), "plain SGD"),
+    (fit_variant(after=True), "after the optimizer step"),
+    (fit_variant(zero_grad=False), "gradients accumulate"),
+    (fit_variant(reduction="sum"), "not the sum"),
+    (fit_variant(use_lr=False), "learning rate was ignored"),
+    (fit_variant(fresh=True), "create the optimizer once"),
+])
+def test_fit_image_diagnoses_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure, match=hint):
+        checks.check_fit_image(answer, **CPU)
+
+
+def test_fit_image_contract():
+    with pytest.raises(CheckFailure, match=r"returned a list of tensors; store loss.item\(\)"):
+        checks.check_fit_image(fit_variant(as_tensors=True), **CPU)
+    with pytest.raises(CheckFailure, match=r"one loss per step \(12\), got 11"):
+        checks.check_fit_image(lambda model, coords, colors, steps, lr: fit_image_plain(model, coords, colors, steps, lr)[1:], **CPU)
+    with pytest.raises(CheckFailure, match="should return a list of 12 floats, got tuple"):
+        checks.check_fit_image(lambda model, coords, colors, steps, lr: tuple(fit_image_plain(model, coords, colors, steps, lr)), **CPU)
+
+
+def _outcome_scores(capsys, *answers):
+    checks.check_fourier_beats_identity(*answers, **CPU)
+    printed = capsys.readouterr().out
+    found = re.search(r"raw \(x, y\) ([\d.]+) dB, Fourier features ([\d.]+) dB", printed)
+    assert found, printed
+    return float(found.group(1)), float(found.group(2))
+
+
+class MLPDrawsRandomNumbers(MLPExplicit):
+    """Correct, but uses the global RNG while building (as a different layer order would)."""
+
+    def __init__(self, encoder=None, hidden=256):
+        torch.randn(1000)
+        super().__init__(encoder, hidden)
+
+
+def test_outcome_fourier_features_beat_raw_coordinates(capsys):
+    raw, fourier = _outcome_scores(capsys, FourierPow, MLPExplicit, fit_image_plain)
+    assert fourier - raw > 5.0  # measured ~7 dB: the 3 dB threshold leaves slack
+    # The check re-initialises the layers from its seed: how an answer draws its initial weights
+    # does not change the experiment.
+    assert _outcome_scores(capsys, FourierPow, MLPDrawsRandomNumbers, fit_image_plain) == pytest.approx(
+        (raw, fourier), abs=0.05)
+
+
+def test_outcome_rejects_training_that_does_not_train():
+    def fit_image_no_steps(model, coords, colors, steps, lr):
+        with torch.no_grad():
+            loss = F.mse_loss(model(coords), colors).item()
+        return [loss] * steps
+
+    with pytest.raises(CheckFailure, match="a margin of .* less than the 3 dB"):
+        checks.check_fourier_beats_identity(FourierPow, MLPExplicit, fit_image_no_steps, **CPU)
+
+
+def test_outcome_reports_an_unimplemented_class():
+    class Stub(nn.Module):
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError("Exercise 3.5: implement CoordinateMLP")
+
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_fourier_beats_identity(FourierPow, Stub, fit_image_plain, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# TransformerLayer
+# --------------------------------------------------------------------------------------
+
+
+class LayerFloatMask(nn.Module):
+    """Correct, written another way: an additive float mask (-inf where blocked), weights requested and dropped."""
+
+    def __init__(self, embed_dim, num_heads, mlp_ratio=4.0):
+        super().__init__()
+        hidden = int(embed_dim * mlp_ratio)
+        self.attn = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(embed_dim, hidden), nn.GELU(), nn.Linear(hidden, embed_dim))
+        self.norm1 = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(embed_dim, eps=1e-6)
+
+    def forward(self, x, mask=None):
+        additive = None
+        if mask is not None:
+            additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
+        y = self.norm1(x)
+        attended, _weights = self.attn(y, y, y, attn_mask=additive)
+        x = attended + x
+        return self.mlp(self.norm2(x)) + x
+
+
+def layer_variant(*, post_norm=False, attn_residual=True, mlp_residual=True, convert_mask=True,
+                  activation=nn.GELU, eps=1e-6, batch_first=True, swap_norms=False, take_first=True):
+    class Layer(LayerFloatMask):
+        def __init__(self, embed_dim, num_heads, mlp_ratio=4.0):
+            super().__init__(embed_dim, num_heads, mlp_ratio)
+            hidden = int(embed_dim * mlp_ratio)
+            self.attn = nn.MultiheadAttention(embed_dim, num_heads, batch_first=batch_first)
+            self.mlp = nn.Sequential(nn.Linear(embed_dim, hidden), activation(), nn.Linear(hidden, embed_dim))
+            self.norm1 = nn.LayerNorm(embed_dim, eps=eps)
+            self.norm2 = nn.LayerNorm(embed_dim, eps=eps)
+
+        def forward(self, x, mask=None):
+            blocked = None if mask is None else (~mask if convert_mask else mask)
+            norm1, norm2 = (self.norm2, self.norm1) if swap_norms else (self.norm1, self.norm2)
+            if post_norm:
+                x = norm1(x + self.attn(x, x, x, attn_mask=blocked)[0])
+                return norm2(x + self.mlp(x))
+            h = norm1(x)
+            result = self.attn(h, h, h, attn_mask=blocked)
+            attended = result[0] if take_first else result
+            x = x + attended if attn_residual else attended
+            m = self.mlp(norm2(x))
+            return x + m if mlp_residual else m
+
+    return Layer
+
+
+def test_transformer_layer_accepts_a_correct_answer_written_differently():
+    checks.check_transformer_layer(LayerFloatMask, **CPU)
+    checks.check_transformer_layer(layer_variant(), seed=2, **CPU)
+    checks.check_transformer_layer_properties(LayerFloatMask, **CPU)
+    checks.check_transformer_layer_properties(layer_variant(), seed=2, **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (layer_variant(post_norm=True), "post-norm layer"),
+    (layer_variant(attn_residual=False, mlp_residual=False), "both residual connections are missing"),
+    (layer_variant(attn_residual=False), "residual connection around attention is missing"),
+    (layer_variant(mlp_residual=False), "residual connection around the MLP is missing"),
+    (layer_variant(convert_mask=False), "passed to nn.MultiheadAttention unconverted"),
+    (layer_variant(swap_norms=True), "yours are swapped"),
+    (layer_variant(activation=nn.ReLU), "ReLU instead of GELU"),
+    (layer_variant(activation=lambda: nn.GELU(approximate="tanh")), "exact nn.GELU"),
+    (layer_variant(eps=1e-5), "eps should be 1e-6, got 1e-05"),
+    (layer_variant(batch_first=False), "batch_first=True"),
+    (layer_variant(take_first=False), "returns a tuple \\(output, weights\\): take \\[0\\]"),
+])
+def test_transformer_layer_diagnoses_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure, match=hint):
+        checks.check_transformer_layer(answer, **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (layer_variant(post_norm=True), "post-norm layer"),
+    (layer_variant(attn_residual=False, mlp_residual=False), "both residual connections are missing"),
+    (layer_variant(convert_mask=False), "passed to nn.MultiheadAttention unconverted"),
+])
+def test_transformer_layer_properties_diagnose_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure, match=hint):
+        checks.check_transformer_layer_properties(answer, **CPU)
+
+
+def test_transformer_layer_properties_catch_an_ignored_mask():
+    class IgnoresMask(LayerFloatMask):
+        def forward(self, x, mask=None):
+            return super().forward(x, None)
+
+    with pytest.raises(CheckFailure, match="(?s)a causal mask lets no future token influence the past.*mask was ignored"):
+        checks.check_transformer_layer_properties(IgnoresMask, **CPU)
+
+
+def test_transformer_layer_contract():
+    class NoNorms(LayerFloatMask):
+        def __init__(self, embed_dim, num_heads, mlp_ratio=4.0):
+            super().__init__(embed_dim, num_heads, mlp_ratio)
+            self.in_norm, self.mlp_norm = self.norm1, self.norm2
+            del self.norm1, self.norm2
+
+    with pytest.raises(CheckFailure, match="norm1 should be an nn.LayerNorm, got None"):
+        checks.check_transformer_layer(NoNorms, **CPU)
+
+    class WideMLP(LayerFloatMask):
+        def __init__(self, embed_dim, num_heads, mlp_ratio=4.0):
+            super().__init__(embed_dim, num_heads, mlp_ratio)
+            self.mlp = nn.Sequential(nn.Linear(embed_dim, 4 * embed_dim), nn.GELU(), nn.Linear(4 * embed_dim, embed_dim))
+
+    with pytest.raises(CheckFailure, match=r"mlp\[0\] should be nn.Linear\(12, 24\)"):
+        checks.check_transformer_layer(WideMLP, **CPU)
+
+    class Float32Output(LayerFloatMask):
+        def forward(self, x, mask=None):
+            return super().forward(x, mask).float()
+
+    with pytest.raises(CheckFailure, match="should keep the input dtype torch.float64, got torch.float32"):
+        checks.check_transformer_layer(Float32Output, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# Transformer
+# --------------------------------------------------------------------------------------
+
+
+class StackOfClones(nn.Module):
+    """Correct, written another way: deep copies of one layer (as nn.TransformerEncoder does)."""
+
+    def __init__(self, embed_dim, num_heads, num_layers, mlp_ratio=4.0):
+        super().__init__()
+        first = LayerFloatMask(embed_dim, num_heads, mlp_ratio)
+        self.layers = nn.ModuleList([copy.deepcopy(first) for _ in range(num_layers)])
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+
+    def forward(self, x, mask=None):
+        for layer in self.layers:
+            x = layer(x, mask=mask)
+        return self.norm(x)
+
+
+def stack_variant(*, shared=False, container="modulelist", final_norm=True, pass_mask=True, eps=1e-6):
+    class Stack(StackOfClones):
+        def __init__(self, embed_dim, num_heads, num_layers, mlp_ratio=4.0):
+            super().__init__(embed_dim, num_heads, num_layers, mlp_ratio)
+            layers = ([LayerFloatMask(embed_dim, num_heads, mlp_ratio)] * num_layers if shared else
+                      [LayerFloatMask(embed_dim, num_heads, mlp_ratio) for _ in range(num_layers)])
+            del self.layers
+            if container == "modulelist":
+                self.layers = nn.ModuleList(layers)
+            elif container == "sequential":
+                self.layers = nn.Sequential(*layers)
+            else:
+                self.layers = layers
+            self.norm = nn.LayerNorm(embed_dim, eps=eps)
+
+        def forward(self, x, mask=None):
+            for layer in self.layers:
+                x = layer(x, mask if pass_mask else None)
+            return self.norm(x) if final_norm else x
+
+    return Stack
+
+
+def test_transformer_accepts_a_correct_answer_written_differently():
+    checks.check_transformer(StackOfClones, **CPU)
+    checks.check_transformer(stack_variant(), seed=8, **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (stack_variant(shared=True), r"\[TransformerLayer\(\.\.\.\)\] \* n\) repeats one layer"),
+    (stack_variant(container="sequential"), "nn.Sequential: it cannot pass the mask"),
+    (stack_variant(container="list"), "plain Python list is not registered"),
+    (stack_variant(final_norm=False), "final LayerNorm is missing"),
+    (stack_variant(pass_mask=False), "the mask did not reach the layers"),
+    (stack_variant(eps=1e-5), "norm.eps should be 1e-6"),
+])
+def test_transformer_diagnoses_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure, match=hint):
+        checks.check_transformer(answer, **CPU)
+
+
+def test_transformer_reports_a_wrong_layer_as_such():
+    class PostNormStack(StackOfClones):
+        def __init__(self, embed_dim, num_heads, num_layers, mlp_ratio=4.0):
+            super().__init__(embed_dim, num_heads, num_layers, mlp_ratio)
+            self.layers = nn.ModuleList([layer_variant(post_norm=True)(embed_dim, num_heads, mlp_ratio)
+                                         for _ in range(num_layers)])
+
+    with pytest.raises(CheckFailure, match="(?s)post-norm layer.*make test_TransformerLayer pass first"):
+        checks.check_transformer(PostNormStack, **CPU)
+
+
+def test_transformer_contract():
+    with pytest.raises(CheckFailure, match=r"take the parameters \(embed_dim, num_heads, num_layers, mlp_ratio\)"):
+        checks.check_transformer(lambda embed_dim, num_heads, mlp_ratio=4.0: None, **CPU)
+    with pytest.raises(CheckFailure, match="should hold 3 layers, got 2"):
+        checks.check_transformer(lambda embed_dim, num_heads, num_layers, mlp_ratio=4.0:
+                                 StackOfClones(embed_dim, num_heads, 2, mlp_ratio), **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# The rose and the widgets
+# --------------------------------------------------------------------------------------
+
+
+def test_rose_is_a_deterministic_rgb_picture_with_fine_detail():
+    rose = draw_rose(64)
+    assert rose.shape == (64, 64, 3) and rose.dtype == np.float32
+    assert 0.0 <= rose.min() and rose.max() <= 1.0
+    np.testing.assert_array_equal(rose, draw_rose(64))
+    # Fine detail: many sharp jumps between neighbouring pixels (the petal outlines).
+    jumps = np.abs(np.diff(rose, axis=1)).max(-1)
+    assert (jumps > 0.3).sum() > 60
+    # Red petals in the middle, green stem near the bottom, pale background in a corner.
+    assert rose[26, 32, 0] > rose[26, 32, 1] + 0.2
+    assert rose[60, 32, 1] > rose[60, 32, 0]
+    assert rose[2, 2].min() > 0.8
+    with pytest.raises(ValueError, match="size = 4"):
+        draw_rose(4)
+
+
+def test_image_dataset_flattens_pixels_row_major_with_coordinates_in_unit_square():
+    rose = draw_rose(16)
+    coords, colors = image_dataset(rose, dtype=torch.float64)
+    assert coords.shape == (256, 2) and colors.shape == (256, 3) and coords.dtype == torch.float64
+    np.testing.assert_allclose(colors.reshape(16, 16, 3).numpy(), rose, rtol=0, atol=0)
+    assert coords.min() == 0.0 and coords.max() == 1.0
+    # Pixel (row 2, column 5) is (x, y) = (5/15, 2/15).
+    torch.testing.assert_close(coords[2 * 16 + 5], torch.tensor([5 / 15, 2 / 15], dtype=torch.float64))
+    assert pixel_coordinates(3, 4).shape == (3, 4, 2)
+
+
+def test_positions_explorer_draws_the_table_and_the_dot_products():
+    from attention_lab.widgets.positions import positions_explorer
+
+    widget = positions_explorer(sinusoidal_stacked, num_positions=40, dim=16)
+    heatmap_axes, dot_axes = widget.figure.axes[0], widget.figure.axes[1]  # (axes[2]: the colour bar)
+    np.testing.assert_allclose(heatmap_axes.images[0].get_array(), sinusoidal_stacked(40, 16).numpy(), rtol=1e-6)
+    dots = dot_axes.lines[0].get_ydata()
+    assert int(np.argmax(dots)) == 20 and math.isclose(dots.max(), 8.0, rel_tol=1e-5)
+
+    widget.controls["position"].value = 5
+    dots = widget.figure.axes[1].lines[0].get_ydata()
+    assert int(np.argmax(dots)) == 5
+
+    widget.controls["dim"].value = 32
+    assert widget.figure.axes[0].images[0].get_array().shape == (40, 32)
+    assert math.isclose(widget.figure.axes[1].lines[0].get_ydata().max(), 16.0, rel_tol=1e-5)
+
+    before = np.array(widget.figure.axes[0].images[0].get_array())
+    widget.controls["base"].value = 100.0
+    after = np.array(widget.figure.axes[0].images[0].get_array())
+    np.testing.assert_allclose(after, sinusoidal_stacked(40, 32, base=100.0).numpy(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(before, after)
+
+
+def test_positions_explorer_lets_not_implemented_through():
+    from attention_lab.widgets.positions import positions_explorer
+
+    with pytest.raises(NotImplementedError):
+        positions_explorer(_not_implemented)
+
+
+def test_show_images_draws_one_panel_per_picture():
+    from attention_lab.widgets.positions import show_images
+
+    rose = draw_rose(16)
+    widget = show_images({"target": rose, "half": torch.from_numpy(rose) * 0.5, "too bright": rose * 3})
+    axes = widget.figure.axes
+    assert [ax.get_title() for ax in axes] == ["target", "half", "too bright"]
+    np.testing.assert_allclose(axes[1].images[0].get_array(), rose * 0.5, rtol=1e-6)
+    assert np.asarray(axes[2].images[0].get_array()).max() <= 1.0  # clipped for display
+    assert widget._repr_mimebundle_()["image/png"]
