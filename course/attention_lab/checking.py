@@ -491,7 +491,7 @@ def expect_value_error(fn: Callable, *args: Any, call: str, why: str, must_menti
                     f"{' and '.join(str(n) for n in must_mention)} so the caller knows what went wrong.")
         return
     except NotImplementedError:
-        raise CheckFailure(f"{call}: not implemented yet.") from None
+        raise CheckFailure(f"{call}: not implemented yet. Replace `raise NotImplementedError` with your code.") from None
     except Exception as error:
         raise CheckFailure(f"{call} should raise ValueError ({why}), but raised "
                            f"{type(error).__name__}: {error}") from None

@@ -204,17 +204,24 @@ def _add_hint_on_error(failure: CheckFailure, needle: str, hint: str) -> CheckFa
 # Exercise: LlamaAttentionConfig
 # --------------------------------------------------------------------------------------
 
-CONFIG_DEFAULTS = {
-    "hidden_size": 128,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 8,
-    "max_position_embeddings": 256,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-5,
-    "attention_bias": False,
-    "use_qk_norm": True,
-}
+
+@dataclasses.dataclass
+class _Config:
+    """The fields of LlamaAttentionConfig (the checks do not depend on the student's dataclass)."""
+
+    hidden_size: int = 128
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 8
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = False
+    use_qk_norm: bool = True
+
+
+# The contract's fields and defaults (the checks compare the student's dataclass with them).
+CONFIG_DEFAULTS = dataclasses.asdict(_Config())
 
 
 def _expect_config_error(cls: Callable, kwargs: dict, must_mention: tuple, why: str) -> None:
@@ -785,21 +792,6 @@ def check_kv_cache(KVCache: Callable, *, seed: int = 0, device: torch.device | N
 # --------------------------------------------------------------------------------------
 # Exercise: LlamaAttention
 # --------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Config:
-    """The fields of LlamaAttentionConfig (the checks do not depend on the student's dataclass)."""
-
-    hidden_size: int = 128
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 4
-    head_dim: int = 8
-    max_position_embeddings: int = 256
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    attention_bias: bool = False
-    use_qk_norm: bool = True
 
 
 def _config_text(config: _Config) -> str:

@@ -29,6 +29,7 @@ from attention_lab.checking import (
     expect_signature,
     expect_tensor,
     expect_true,
+    expect_value_error,
     freeze_module,
     randint,
     randn,
@@ -40,23 +41,6 @@ from attention_lab.images import draw_rose, image_dataset
 # --------------------------------------------------------------------------------------
 # Small helpers
 # --------------------------------------------------------------------------------------
-
-
-def _expect_value_error(fn: Callable, args: tuple, call: str, must_mention: tuple[Any, ...], why: str) -> None:
-    """``fn(*args)`` must raise ValueError whose message names every value in ``must_mention``."""
-    try:
-        fn(*args)
-    except ValueError as error:
-        text = str(error)
-        missing = [str(n) for n in must_mention if str(n) not in text]
-        expect_true(not missing, f"{call} raised ValueError, but its message {text!r} should name "
-                    f"{' and '.join(str(n) for n in must_mention)} so the caller knows what went wrong.")
-        return
-    except NotImplementedError:
-        raise CheckFailure(f"{call}: not implemented yet. Replace `raise NotImplementedError` with your code.") from None
-    except Exception as error:
-        raise CheckFailure(f"{call} should raise ValueError ({why}), but raised {type(error).__name__}: {error}") from None
-    raise CheckFailure(f"{call} should raise ValueError ({why}), but it returned normally.")
 
 
 def _accepts(fn: Callable, parameter: str) -> bool:
@@ -211,8 +195,8 @@ def check_sinusoidal_positions(sinusoidal_positions: Callable, *, seed: int = 0,
         num_positions, dim = randint(1, 40, generator), 2 * randint(1, 16, generator)
         base = (10.0, 1000.0, 10000.0)[randint(0, 2, generator)]
         _call_sinusoidal(sinusoidal_positions, num_positions, dim, base)
-    _expect_value_error(sinusoidal_positions, (5, 7), "sinusoidal_positions(5, 7)", (7,),
-                        "dim = 7 is odd, and the features come in sin/cos pairs")
+    expect_value_error(sinusoidal_positions, 5, 7, call="sinusoidal_positions(5, 7)", must_mention=(7,),
+                       why="dim = 7 is odd, and the features come in sin/cos pairs")
 
 
 @check("positions break the symmetry: attention is permutation-equivariant without them, not with them ({device})")
