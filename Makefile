@@ -10,7 +10,7 @@ JOBS ?= 2
 # Jupyter refuses to run as root unless told to (CI and containers run as root).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help setup lab release release-check test test-fast grade feedback export bench clean
+.PHONY: help setup lab release release-check test test-fast sandbox intake grade feedback export bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -32,24 +32,33 @@ release: setup ## regenerate the student notebooks in course/ from solutions/
 release-check: setup ## fail if course/ is stale
 	$(BIN)/python -m autograder.release --check
 
-test: setup ## run the whole test suite (sets up first if needed)
+sandbox: ## install bubblewrap (isolates student code while grading) when it is missing
+	@command -v bwrap >/dev/null || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
+	  || echo "warning: could not install bubblewrap; grading will run WITHOUT isolation"; }
+
+test: setup sandbox ## run the whole test suite (sets up first if needed)
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup
 
 test-fast: setup ## the suite without the slow notebook/nbgrader tests
 	$(BIN)/python -m pytest -n $(JOBS) -m "not slow"
 
-grade: setup ## autograde every submission under autograder/submitted/<student>/<assignment>/
-	$(BIN)/python -m autograder.grade
+intake: setup ## file SUBMISSIONS=<dir> (<student>/<file>) under autograder/submitted/, with a report
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder>"; exit 2; }
+	$(BIN)/python -m autograder.intake "$(SUBMISSIONS)"
 
-feedback: setup ## write feedback for every autograded submission
-	$(BIN)/python -m autograder.grade --feedback
+grade: setup sandbox ## autograde new/changed submissions, JOBS students at a time (FORCE=1 regrades all)
+	$(BIN)/python -m autograder.grade --jobs $(JOBS) $(if $(FORCE),--force)
 
-export: setup ## write autograder/grades.csv
-	cd autograder && ../$(BIN)/nbgrader export --to grades.csv
+feedback: setup ## write autograder/feedback/<student>/<assignment>/*.html
+	$(BIN)/python -m autograder.feedback
+
+export: setup ## write autograder/grades.csv and autograder/grades_by_question.csv
+	$(BIN)/python -m autograder.export
 
 bench: setup ## measure notebook run time and autograde overhead (see benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
 	$(BIN)/python -m benchmarks.grading
 
-clean: ## remove generated grading folders (keeps .venv and course/)
-	rm -rf autograder/source autograder/release autograder/autograded autograder/feedback autograder/gradebook.db
+clean: ## remove generated grading folders (keeps .venv, course/ and submissions)
+	rm -rf autograder/source autograder/release autograder/autograded autograder/feedback autograder/gradebook.db \
+	  autograder/.grading autograder/reports autograder/grades.csv autograder/grades_by_question.csv

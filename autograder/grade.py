@@ -1,0 +1,566 @@
+"""Autograde every submission, students in parallel, with nbgrader as the engine.
+
+    python -m autograder.grade                 # grade new or changed submissions (make grade)
+    python -m autograder.grade --jobs 4        # four students at a time (make grade JOBS=4)
+    python -m autograder.grade --force         # regrade everything
+    python -m autograder.grade --student "Ana Núñez" --assignment 01_mha_shapes
+    python -m autograder.grade --feedback      # write feedback (make feedback; see autograder.feedback)
+
+Layout: ``autograder/submitted/<student>/<assignment>/<notebook>.ipynb`` (``make intake``
+puts them there), sources in ``autograder/source/<assignment>/``.
+
+How one run works
+-----------------
+1. The main gradebook (``autograder/gradebook.db``) gets every assignment that has
+   submissions (``nbgrader generate_assignment``), then a snapshot of it is taken.
+2. Each submission whose fingerprint (its files, the source notebook, the grading settings)
+   changed since it was last graded is autograded by ``nbgrader autograde`` in its **own
+   temporary course root** (the source, that student's files and a copy of the snapshot):
+   ``--jobs`` of them at a time, each in its own process with its own kernel and gradebook
+   file, so they never share a database.  See :mod:`autograder.worker`.
+3. As each finishes, **this process alone** copies its grades and comments into the main
+   gradebook and its autograded notebook into ``autograder/autograded/``: one writer, so
+   the gradebook stays consistent.
+4. A kernel that dies (``sys.exit`` is fine, ``os._exit``/segfault is not) or hangs past
+   its timeout without answering the interrupt is restarted, with that cell skipped (it
+   earns nothing, the others earn what they earn); after ``--attempts`` tries, or when a
+   whole attempt runs past ``--notebook-timeout``, the submission is reported as failed,
+   never silently scored.
+5. ``autograder/reports/grading_report.{md,json}`` says what happened to each submission.
+
+Student kernels run under the limits and the sandbox of :mod:`autograder.sandbox`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from autograder import sandbox
+from autograder.nbgrader_cli import AUTOGRADER_DIR, nbgrader_environment, run_nbgrader
+
+COURSE_ID = "attention-lab"  # c.CourseDirectory.course_id in nbgrader_config.py
+STATE_DIR = ".grading"
+REPORTS_DIR = "reports"
+IGNORED_NAMES = {".ipynb_checkpoints", "__MACOSX", ".DS_Store", "timestamp.txt"}
+
+
+@dataclass
+class Settings:
+    timeout: int = 120                 # seconds per cell (nbgrader's Execute.timeout)
+    notebook_timeout: int = 1800       # seconds per attempt at a whole submission
+    memory_mb: int = 4096              # address-space limit of a student kernel
+    file_mb: int = 256                 # largest file a student kernel may write
+    max_output_bytes: int = 1_000_000  # output kept per cell
+    attempts: int = 6                  # restarts after a kernel died or hung
+    unresponsive_grace: int = 10       # seconds an interrupted kernel has to answer
+    sandbox: str = "auto"              # auto | on | off
+    threads: int = 1                   # torch/BLAS threads per kernel
+
+    def fingerprint(self) -> str:
+        values = dataclasses.asdict(self)
+        for name in ("notebook_timeout", "threads", "unresponsive_grace", "attempts"):
+            values.pop(name)
+        return json.dumps(values, sort_keys=True)
+
+
+@dataclass
+class Submission:
+    student: str
+    assignment: str
+    folder: Path
+
+    @property
+    def key(self) -> str:
+        return f"{self.student}/{self.assignment}"
+
+
+@dataclass
+class Outcome:
+    student: str
+    assignment: str
+    status: str                          # graded | unchanged | failed
+    seconds: float = 0.0
+    attempts: int = 0
+    score: float | None = None
+    max_score: float | None = None
+    tests: list[dict] = field(default_factory=list)
+    incidents: list[dict] = field(default_factory=list)
+    error: str = ""
+    fingerprint: str = ""
+    course_root: str = ""                # the temporary course root (merged, then removed)
+
+    def as_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.pop("course_root")
+        data.pop("fingerprint")
+        return data
+
+
+# --------------------------------------------------------------------------------------
+# Discovery, fingerprints, state
+# --------------------------------------------------------------------------------------
+
+def assignments_with_source(root: Path) -> list[str]:
+    source = root / "source"
+    return sorted(p.name for p in source.iterdir() if p.is_dir() and any(p.glob("*.ipynb"))) if source.is_dir() else []
+
+
+def notebook_names(root: Path, assignment: str) -> list[str]:
+    return sorted(p.stem for p in (root / "source" / assignment).glob("*.ipynb"))
+
+
+def discover(root: Path, students: list[str] | None = None,
+             assignments: list[str] | None = None) -> tuple[list[Submission], list[str]]:
+    """Every ``submitted/<student>/<assignment>/`` holding a notebook; problems as text."""
+    submissions, problems = [], []
+    known = set(assignments_with_source(root))
+    submitted = root / "submitted"
+    if not submitted.is_dir():
+        return [], [f"no submissions folder {submitted}"]
+    for student_dir in sorted(submitted.iterdir()):
+        if not student_dir.is_dir() or student_dir.name.startswith("."):
+            continue
+        if students and student_dir.name not in students:
+            continue
+        for folder in sorted(student_dir.iterdir()):
+            if not folder.is_dir() or folder.name.startswith("."):
+                continue
+            if assignments and folder.name not in assignments:
+                continue
+            if folder.name not in known:
+                problems.append(f"{student_dir.name}/{folder.name}: no such assignment in {root / 'source'}; skipped")
+                continue
+            if not any(folder.glob("*.ipynb")):
+                problems.append(f"{student_dir.name}/{folder.name}: no notebook in the folder; skipped")
+                continue
+            submissions.append(Submission(student_dir.name, folder.name, folder))
+    return submissions, problems
+
+
+def _hash_tree(digest, folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not (set(path.relative_to(folder).parts) & IGNORED_NAMES):
+            digest.update(str(path.relative_to(folder)).encode() + b"\0")
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+
+
+def fingerprint(submission: Submission, root: Path, settings: Settings) -> str:
+    digest = hashlib.sha256()
+    _hash_tree(digest, submission.folder)
+    _hash_tree(digest, root / "source" / submission.assignment)
+    digest.update(settings.fingerprint().encode())
+    return digest.hexdigest()
+
+
+def load_state(root: Path) -> dict:
+    path = root / STATE_DIR / "state.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_state(root: Path, state: dict) -> None:
+    path = root / STATE_DIR / "state.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(".tmp")
+    scratch.write_text(json.dumps(state, indent=1, sort_keys=True, ensure_ascii=False))
+    scratch.replace(path)
+
+
+@contextlib.contextmanager
+def exclusive(root: Path):
+    """One grading run per course root at a time."""
+    lock_path = root / STATE_DIR / "lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"another grading run holds {lock_path}; wait for it to finish") from None
+        yield
+
+
+# --------------------------------------------------------------------------------------
+# The gradebook
+# --------------------------------------------------------------------------------------
+
+def db_url(root: Path) -> str:
+    return f"sqlite:///{root / 'gradebook.db'}"
+
+
+def ensure_assignments(root: Path, assignments: list[str], state: dict) -> None:
+    """Each assignment in the gradebook, with the cells of its current source notebook."""
+    from nbgrader.api import Gradebook, MissingEntry
+
+    sources = state.setdefault("_sources", {})
+    for assignment in assignments:
+        digest = hashlib.sha256()
+        _hash_tree(digest, root / "source" / assignment)
+        present = (root / "gradebook.db").exists()
+        if present:
+            with Gradebook(db_url(root), COURSE_ID) as gb:
+                try:
+                    present = len(gb.find_assignment(assignment).notebooks) > 0
+                except MissingEntry:
+                    present = False
+        if present and sources.get(assignment) == digest.hexdigest():
+            continue
+        run_nbgrader("generate_assignment", assignment, "--force", "--log-level=ERROR",
+                     root=root, capture=True)
+        sources[assignment] = digest.hexdigest()
+
+
+def merge(outcome: Outcome, root: Path) -> None:
+    """Copy one student's grades from its temporary gradebook into the main one (one writer)."""
+    from nbgrader.api import Gradebook
+
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own SQLAlchemy noise
+    scratch = Path(outcome.course_root)
+    flagged = {i["notebook"] for i in outcome.incidents if i.get("notebook")}
+    with Gradebook(db_url(scratch), COURSE_ID) as source, Gradebook(db_url(root), COURSE_ID) as target:
+        graded = source.find_submission(outcome.assignment, outcome.student)
+        target.update_or_create_student(outcome.student)
+        target.update_or_create_submission(outcome.assignment, outcome.student)
+        for notebook in graded.notebooks:
+            for grade in notebook.grades:
+                mine = target.find_grade(grade.name, notebook.name, outcome.assignment, outcome.student)
+                mine.auto_score = grade.auto_score
+                mine.needs_manual_grade = grade.needs_manual_grade
+            for comment in notebook.comments:
+                mine = target.find_comment(comment.name, notebook.name, outcome.assignment, outcome.student)
+                mine.auto_comment = comment.auto_comment
+            submitted = target.find_submission_notebook(notebook.name, outcome.assignment, outcome.student)
+            submitted.flagged = notebook.name in flagged
+        target.db.commit()
+        final = target.find_submission(outcome.assignment, outcome.student)
+        outcome.score, outcome.max_score = final.score, final.max_score
+    destination = root / "autograded" / outcome.student / outcome.assignment
+    produced = scratch / "autograded" / outcome.student / outcome.assignment
+    if destination.exists():
+        shutil.rmtree(destination)
+    destination.mkdir(parents=True)
+    for name in notebook_names(root, outcome.assignment):
+        if (produced / f"{name}.ipynb").exists():
+            shutil.copyfile(produced / f"{name}.ipynb", destination / f"{name}.ipynb")
+    (destination / ".grading.json").write_text(json.dumps(outcome.as_dict(), indent=1, ensure_ascii=False))
+
+
+# --------------------------------------------------------------------------------------
+# One student
+# --------------------------------------------------------------------------------------
+
+def _test_results(notebook_path: Path) -> list[dict]:
+    notebook = nbformat.read(notebook_path, as_version=4)
+    results = []
+    for cell in notebook.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code" and meta.get("grade"):
+            errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+            results.append({"notebook": notebook_path.stem, "grade_id": meta.get("grade_id"),
+                            "points": meta.get("points"), "passed": not errors,
+                            "error": errors[0].get("ename") if errors else None})
+    return results
+
+
+def _skip_reason(kind: str, settings: Settings) -> str:
+    if kind == "dead":
+        return ("this cell stopped the Python kernel (sys.exit()/os._exit(), a crash, or running out "
+                f"of memory: the limit is {settings.memory_mb} MB), so the grader skipped it")
+    if kind == "hung":
+        return (f"this cell ran past the {settings.timeout} s limit and did not stop when "
+                "interrupted, so the grader skipped it")
+    return "this cell kept the notebook running past the grader's time limit, so the grader skipped it"
+
+
+def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir: Path,
+              settings: Settings, use_bwrap: bool, index: int) -> Outcome:
+    """Autograde one submission in its own course root (runs in a worker thread)."""
+    start = time.perf_counter()
+    outcome = Outcome(submission.student, submission.assignment, "failed")
+    course = Path(tempfile.mkdtemp(prefix=f"s{index}-", dir=scratch_dir))
+    outcome.course_root = str(course)
+    shutil.copytree(root / "source" / submission.assignment, course / "source" / submission.assignment)
+    shutil.copytree(submission.folder, course / "submitted" / submission.student / submission.assignment,
+                    ignore=shutil.ignore_patterns(*IGNORED_NAMES))
+    shutil.copyfile(template_db, course / "gradebook.db")
+    runtime, jupyter = course / "rt", course / "jupyter"
+    runtime.mkdir()
+    workdir = course / "autograded" / submission.student / submission.assignment
+    workdir.mkdir(parents=True)
+    argv = sandbox.kernel_argv(workdir, runtime, memory_mb=settings.memory_mb, file_mb=settings.file_mb,
+                               sandbox=use_bwrap, hidden=[scratch_dir, root.resolve()])
+    kernel = sandbox.write_kernelspec(jupyter, argv, threads=settings.threads)
+    environment = nbgrader_environment()
+    environment.update(JUPYTER_PATH=str(jupyter), JUPYTER_RUNTIME_DIR=str(runtime), PYTHONPATH=str(sandbox.REPO_ROOT))
+    report_path, plan_path, log_path = course / "report.json", course / "plan.json", course / "worker.log"
+    skip: dict[str, dict[str, str]] = {}
+    expected = [p.stem for p in (course / "submitted" / submission.student / submission.assignment).glob("*.ipynb")
+                if p.stem in notebook_names(root, submission.assignment)]
+    for attempt in range(1, settings.attempts + 1):
+        outcome.attempts = attempt
+        report_path.unlink(missing_ok=True)
+        plan = {"timeout": settings.timeout, "kernel": kernel, "report": str(report_path), "skip": skip,
+                "max_output_bytes": settings.max_output_bytes,
+                "unresponsive_grace": settings.unresponsive_grace,
+                "ipc": str(runtime / "k") if use_bwrap else None}
+        plan_path.write_text(json.dumps(plan))
+        command = [sys.executable, "-m", "autograder.worker", "--root", str(course),
+                   "--student", submission.student, "--assignment", submission.assignment, "--plan", str(plan_path)]
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(command, cwd=AUTOGRADER_DIR, env=environment, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+            timed_out = False
+            try:
+                process.wait(timeout=settings.notebook_timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        try:
+            report = json.loads(report_path.read_text())
+        except (OSError, ValueError):
+            report = {}
+        for incident in report.get("incidents", []):
+            incident.setdefault("attempt", attempt)
+            if incident not in outcome.incidents:
+                outcome.incidents.append(incident)
+        produced = all((workdir / f"{name}.ipynb").exists() for name in expected)
+        if process.returncode == 0 and produced and not timed_out and expected:
+            outcome.status = "graded"
+            break
+        if "dead_cell" in report:
+            kind, cell = "dead", report["dead_cell"]
+        elif "hung_cell" in report:
+            kind, cell = "hung", report["hung_cell"]
+        elif timed_out and "cell_index" in report:
+            kind, cell = "notebook_timeout", report["cell_index"]
+        else:
+            log_tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+            outcome.error = ("nbgrader autograde failed" + (" (ran past --notebook-timeout)" if timed_out else "")
+                             + ":\n" + log_tail)
+            break
+        notebook = report.get("notebook", expected[0] if expected else "")
+        if str(cell) in skip.get(notebook, {}):
+            outcome.error = f"cell {cell} of {notebook} was skipped and the kernel still failed"
+            break
+        skip.setdefault(notebook, {})[str(cell)] = _skip_reason(kind, settings)
+        outcome.incidents.append({"kind": {"dead": "kernel_died", "hung": "kernel_unresponsive",
+                                           "notebook_timeout": "notebook_timeout"}[kind],
+                                  "notebook": notebook, "cell_index": cell,
+                                  "grade_id": report.get("grade_id"), "attempt": attempt})
+    else:
+        outcome.error = f"gave up after {settings.attempts} attempts"
+    if outcome.status == "graded":
+        for name in expected:
+            outcome.tests += _test_results(workdir / f"{name}.ipynb")
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+# --------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------
+
+def _describe(incident: dict) -> str:
+    where = incident.get("grade_id") or f"cell {incident.get('cell_index')}"
+    return {
+        "kernel_died": f"{where}: stopped the kernel; skipped on a restart",
+        "kernel_unresponsive": f"{where}: hung and ignored the interrupt; skipped on a restart",
+        "notebook_timeout": f"{where}: the notebook ran past the time limit; skipped on a restart",
+        "timeout": f"{where}: ran past the per-cell time limit (interrupted)",
+        "output_truncated": f"{where}: output truncated",
+        "tampering": f"{where}: replaced {incident.get('detail')} (undone before the test ran)",
+    }.get(incident.get("kind"), f"{where}: {incident.get('kind')}")
+
+
+def write_report(root: Path, outcomes: list[Outcome], problems: list[str], settings: Settings,
+                 isolation: str) -> Path:
+    folder = root / REPORTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    data = {"generated": stamp, "isolation": isolation, "settings": dataclasses.asdict(settings),
+            "problems": problems, "submissions": [o.as_dict() for o in outcomes]}
+    (folder / "grading_report.json").write_text(json.dumps(data, indent=1, ensure_ascii=False))
+    lines = [f"# Grading report ({stamp})", "", f"Isolation: {isolation}", "",
+             "| student | assignment | status | score | notes |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        score = f"{o.score:g} / {o.max_score:g}" if o.score is not None and o.max_score is not None else "-"
+        notes = "; ".join(_describe(i) for i in o.incidents)
+        if o.status == "failed":
+            notes = (o.error.splitlines() or ["failed"])[0] + ("; " + notes if notes else "")
+        lines.append(f"| {o.student} | {o.assignment} | {o.status} | {score} | {notes.replace('|', '/')} |")
+    if problems:
+        lines += ["", "## Not graded", ""] + [f"- {p}" for p in problems]
+    failed = [o for o in outcomes if o.status == "failed"]
+    for o in failed:
+        lines += ["", f"## {o.student} / {o.assignment}: could not be graded", "", "```", o.error[-3000:], "```"]
+    path = folder / "grading_report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def grade(root: Path = AUTOGRADER_DIR, *, jobs: int = 2, force: bool = False, settings: Settings | None = None,
+          students: list[str] | None = None, assignments: list[str] | None = None,
+          log=print) -> list[Outcome]:
+    """Grade every new or changed submission under ``root``; return one outcome per submission."""
+    settings = settings or Settings()
+    root = Path(root).resolve()
+    use_bwrap = settings.sandbox != "off" and sandbox.bwrap_path() is not None
+    if settings.sandbox == "on" and not use_bwrap:
+        raise SystemExit(sandbox.isolation_warning())
+    warning = None if use_bwrap else (sandbox.isolation_warning() if settings.sandbox == "auto"
+                                      else "WARNING: sandbox disabled (--sandbox off)")
+    isolation = f"bubblewrap ({sandbox.bwrap_path()})" if use_bwrap else (warning or "none")
+    if warning:
+        log(warning)
+    with exclusive(root):
+        state = load_state(root)
+        submissions, problems = discover(root, students, assignments)
+        for problem in problems:
+            log(f"skipped: {problem}")
+        todo, outcomes = [], []
+        for submission in submissions:
+            digest = fingerprint(submission, root, settings)
+            previous = state.get(submission.key, {})
+            graded_file = root / "autograded" / submission.student / submission.assignment
+            if not force and previous.get("fingerprint") == digest and graded_file.is_dir():
+                outcomes.append(Outcome(submission.student, submission.assignment, "unchanged",
+                                        score=previous.get("score"), max_score=previous.get("max_score"),
+                                        fingerprint=digest))
+            else:
+                todo.append((submission, digest))
+        needed = sorted({s.assignment for s, _ in todo})
+        if needed:
+            ensure_assignments(root, needed, state)
+            save_state(root, state)
+        log(f"{len(todo)} to grade, {len(outcomes)} unchanged, {jobs} at a time")
+        with tempfile.TemporaryDirectory(prefix="alg-") as scratch:
+            scratch_dir = Path(scratch)
+            template = scratch_dir / "template.db"
+            if todo:
+                shutil.copyfile(root / "gradebook.db", template)
+            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                pending = {pool.submit(grade_one, submission, root, template, scratch_dir, settings,
+                                       use_bwrap, index): (submission, digest)
+                           for index, (submission, digest) in enumerate(todo)}
+                while pending:
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        submission, digest = pending.pop(future)
+                        try:
+                            outcome = future.result()
+                        except Exception as error:  # a bug of ours must not stop the class
+                            outcome = Outcome(submission.student, submission.assignment, "failed",
+                                              error=f"{type(error).__name__}: {error}")
+                        outcome.fingerprint = digest
+                        if outcome.status == "graded":
+                            try:
+                                merge(outcome, root)   # the only writer of the main gradebook
+                            except Exception as error:
+                                outcome.status, outcome.error = "failed", f"merge failed: {type(error).__name__}: {error}"
+                        if outcome.status == "graded":
+                            state[submission.key] = {"fingerprint": digest, "score": outcome.score,
+                                                     "max_score": outcome.max_score,
+                                                     "graded": datetime.datetime.now().isoformat(timespec="seconds")}
+                            save_state(root, state)
+                        else:
+                            state.pop(submission.key, None)
+                            save_state(root, state)
+                        if outcome.course_root:
+                            shutil.rmtree(outcome.course_root, ignore_errors=True)
+                        outcomes.append(outcome)
+                        score = (f"{outcome.score:g}/{outcome.max_score:g}" if outcome.score is not None
+                                 else "NOT GRADED")
+                        extra = "; ".join(_describe(i) for i in outcome.incidents)
+                        log(f"  {outcome.status:8s} {submission.key}: {score} ({outcome.seconds:.0f} s)"
+                            + (f" [{extra}]" if extra else "")
+                            + (f" -- {outcome.error.splitlines()[0]}" if outcome.error else ""))
+        outcomes.sort(key=lambda o: (o.student, o.assignment))
+        report = write_report(root, outcomes, problems, settings, isolation)
+        log(f"report: {report}")
+    return outcomes
+
+
+def ensure_sources(root: Path) -> None:
+    """Build autograder/source/<a> (never course/) for submitted assignments that lack it."""
+    from autograder import release
+
+    submitted = {p.name for p in (root / "submitted").glob("*/*") if p.is_dir()}
+    missing = [a for a in release.assignment_names()
+               if a in submitted and not (root / "source" / a / f"{a}.ipynb").exists()]
+    if missing:
+        repository = release.course_repository()
+        for assignment in missing:
+            print(f"building the source notebook of {assignment}")
+            release.write_notebook(release.build_source(assignment, repository),
+                                   root / "source" / assignment / f"{assignment}.ipynb")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", type=Path, default=AUTOGRADER_DIR, help="the course root (default: autograder/)")
+    parser.add_argument("--jobs", "-j", type=int, default=int(os.environ.get("JOBS", 2)),
+                        help="students graded at once (default: $JOBS or 2)")
+    parser.add_argument("--force", action="store_true", help="regrade unchanged submissions too")
+    parser.add_argument("--student", action="append", help="only this student (repeatable)")
+    parser.add_argument("--assignment", action="append", help="only this assignment (repeatable)")
+    defaults = Settings()
+    parser.add_argument("--timeout", type=int, default=defaults.timeout, help="seconds per cell")
+    parser.add_argument("--notebook-timeout", type=int, default=defaults.notebook_timeout,
+                        help="seconds per attempt at a whole submission")
+    parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb, help="memory limit per kernel")
+    parser.add_argument("--file-mb", type=int, default=defaults.file_mb, help="largest file a kernel may write")
+    parser.add_argument("--max-output-bytes", type=int, default=defaults.max_output_bytes)
+    parser.add_argument("--attempts", type=int, default=defaults.attempts)
+    parser.add_argument("--sandbox", choices=("auto", "on", "off"), default="auto",
+                        help="bubblewrap isolation: auto (use when available, warn otherwise), on (required), off")
+    parser.add_argument("--feedback", action="store_true", help="write feedback instead (autograder.feedback)")
+    options = parser.parse_args(argv)
+    if options.feedback:
+        from autograder import feedback
+        return feedback.main(["--root", str(options.root)])
+    jobs = max(1, options.jobs)
+    settings = Settings(timeout=options.timeout, notebook_timeout=options.notebook_timeout,
+                        memory_mb=options.memory_mb, file_mb=options.file_mb,
+                        max_output_bytes=options.max_output_bytes, attempts=options.attempts,
+                        sandbox=options.sandbox, threads=max(1, (os.cpu_count() or 1) // jobs))
+    if options.root.resolve() == AUTOGRADER_DIR:
+        ensure_sources(options.root)
+    if not (options.root / "source").is_dir():
+        print(f"no sources in {options.root / 'source'}: run `make release` first")
+        return 1
+    outcomes = grade(options.root, jobs=jobs, force=options.force, settings=settings,
+                     students=options.student, assignments=options.assignment)
+    failed = [o for o in outcomes if o.status == "failed"]
+    graded = [o for o in outcomes if o.status == "graded"]
+    print(f"graded {len(graded)}, unchanged {len(outcomes) - len(graded) - len(failed)}, failed {len(failed)}")
+    if failed:
+        print("could not grade: " + ", ".join(f"{o.student}/{o.assignment}" for o in failed)
+              + " (see autograder/reports/grading_report.md)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

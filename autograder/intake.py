@@ -1,0 +1,404 @@
+"""Take in a folder of submissions as an LMS or a shared drive gives it.
+
+    python -m autograder.intake DOWNLOADS            # make intake SUBMISSIONS=DOWNLOADS
+
+``DOWNLOADS/<student>/<any file name>`` (files in sub-folders too) becomes
+``autograder/submitted/<student>/<assignment>/<notebook>.ipynb``. The originals are only read.
+
+* **Names students really produce** are recognised: ``Copy of 01_mha_shapes.ipynb``
+  (Colab), ``01_mha_shapes (1).ipynb``, ``01 MHA Shapes.ipynb``, other case; a notebook
+  whose name says nothing is recognised by its content.
+* **Content decides**: a notebook whose cells are those of another assignment than its
+  name says is refused (it would score 0 there).
+* **Stripped metadata is repaired**: Colab and other editors can drop the nbgrader cell
+  metadata; without it nbgrader would not grade the test cells. Each missing graded or
+  locked cell is found again by its content (the same source, or its first line), its
+  metadata restored, and a test cell the student deleted is put back where it belongs
+  (nbgrader restores its code anyway). When a cell cannot be told apart from another the
+  notebook is refused, with the reason.
+* Invalid JSON, empty files, non-notebooks, unknown files: refused, with the reason.
+* If a student has several files for one assignment, the newest is taken.
+
+The report (``autograder/reports/intake_report.{md,json}``) lists every file as
+accepted / repaired / refused with its reasons. Exit status 0 unless the folder is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import datetime
+import json
+import re
+import sys
+import unicodedata
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from autograder.nbgrader_cli import AUTOGRADER_DIR
+
+REPO_ROOT = AUTOGRADER_DIR.parent
+IGNORED = {".DS_Store", "Thumbs.db", "desktop.ini"}
+IGNORED_DIRS = {"__MACOSX", ".ipynb_checkpoints", ".git"}
+FORBIDDEN_IN_ID = re.compile(r"[/\\*?\[\]\x00-\x1f]")
+MIN_CONTENT_MATCH = 0.3
+
+
+@dataclass
+class Entry:
+    source: str                 # the file, relative to the submissions folder
+    student: str | None
+    status: str                 # accepted | repaired | refused | unchanged
+    assignment: str | None = None
+    destination: str | None = None
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Release:
+    assignment: str
+    notebook: str               # the notebook's name inside the assignment
+    cells: list                 # release cells
+    lines: set[str]             # distinctive first lines of its cells
+
+
+# --------------------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------------------
+
+def normalise_name(stem: str) -> str:
+    """``Copy of 01 MHA Shapes (1)`` -> ``01_mha_shapes``."""
+    name = unicodedata.normalize("NFKC", stem).strip().lower()
+    previous = None
+    while previous != name:
+        previous = name
+        name = re.sub(r"^(copy of|copie de|kopie von|copia de)\s+", "", name)
+        name = re.sub(r"\s*[\(\[]\d+[\)\]]$", "", name)        # " (1)"
+        name = re.sub(r"[\s_-]*(-\s*)?copy(\s*\d+)?$", "", name)  # " copy", "-copy 2"
+        name = re.sub(r"[\s_-]+v?\d+$", "", name) if re.search(r"[a-z][\s_-]+v?\d+$", name) else name
+        name = name.strip(" ._-")
+    return re.sub(r"[\s\-.]+", "_", name)
+
+
+def assignment_from_name(filename: str, assignments: list[str]) -> str | None:
+    name = normalise_name(Path(filename).stem)
+    lowered = {a.lower(): a for a in assignments}
+    if name in lowered:
+        return lowered[name]
+    number = re.match(r"^(\d{1,2})(?:_|$)", name)
+    if number:
+        matches = [a for a in assignments if a.split("_")[0].lstrip("0") == number.group(1).lstrip("0")]
+        if len(matches) == 1:
+            return matches[0]
+    return None
+
+
+def clean_student_id(name: str) -> tuple[str | None, str | None]:
+    student = unicodedata.normalize("NFC", name).strip()
+    if not student or student.startswith("."):
+        return None, "empty or hidden student folder name"
+    if FORBIDDEN_IN_ID.search(student) or student in {".", ".."}:
+        return None, f"student folder name {name!r} contains characters nbgrader cannot use (/ \\ * ? [ ])"
+    return student, None
+
+
+# --------------------------------------------------------------------------------------
+# Content
+# --------------------------------------------------------------------------------------
+
+def _first_line(source: str) -> str:
+    for line in source.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _normal(source: str) -> str:
+    return "\n".join(line.rstrip() for line in source.strip().splitlines())
+
+
+def load_releases(course_dir: Path, root: Path, assignments: list[str]) -> dict[str, Release]:
+    releases = {}
+    for assignment in assignments:
+        path = course_dir / f"{assignment}.ipynb"
+        if not path.exists():
+            path = root / "release" / assignment / f"{assignment}.ipynb"
+        if not path.exists():
+            continue
+        notebook = nbformat.read(path, as_version=4)
+        lines = {_first_line(c.source) for c in notebook.cells if len(_first_line(c.source)) > 12}
+        releases[assignment] = Release(assignment, assignment, notebook.cells, lines)
+    return releases
+
+
+def content_match(notebook, release: Release) -> float:
+    lines = {_first_line(c.source) for c in notebook.cells}
+    ids = {c.metadata.get("nbgrader", {}).get("grade_id") for c in notebook.cells} - {None}
+    release_ids = {c.metadata.get("nbgrader", {}).get("grade_id") for c in release.cells} - {None}
+    by_lines = len(release.lines & lines) / max(1, len(release.lines))
+    by_ids = len(release_ids & ids) / max(1, len(release_ids))
+    return max(by_lines, by_ids)
+
+
+def _defined_names(source: str) -> set[str]:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set(re.findall(r"^(?:def|class)\s+(\w+)", source, re.MULTILINE))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def repair(notebook, release: Release) -> tuple[object, list[str], str | None]:
+    """Restore the nbgrader metadata of ``notebook`` from the release.
+
+    Returns (notebook, what was repaired, refusal reason or None).
+    """
+    notebook = copy.deepcopy(notebook)
+    notes: list[str] = []
+    present = {c.metadata.get("nbgrader", {}).get("grade_id") for c in notebook.cells} - {None}
+    wanted = [(i, c) for i, c in enumerate(release.cells) if "nbgrader" in c.metadata]
+    if all(c.metadata["nbgrader"]["grade_id"] in present for _, c in wanted):
+        return notebook, notes, None
+    cells = notebook.cells
+    # Where each release cell sits in the submission (exact content, or its nbgrader id).
+    position: dict[int, int] = {}
+    used: set[int] = set()
+    for r, cell in enumerate(release.cells):
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        for s, mine in enumerate(cells):
+            if s in used:
+                continue
+            if (grade_id and mine.metadata.get("nbgrader", {}).get("grade_id") == grade_id) or (
+                    not mine.metadata.get("nbgrader") and mine.cell_type == cell.cell_type
+                    and _normal(mine.source) == _normal(cell.source) and _normal(cell.source)):
+                position[r] = s
+                used.add(s)
+                break
+
+    def anchor(r: int) -> int:
+        """Submission index after which release cell r belongs (-1: at the start)."""
+        for earlier in range(r - 1, -1, -1):
+            if earlier in position:
+                return position[earlier]
+        return -1
+
+    inserts: list[tuple[int, object]] = []
+    for r, cell in wanted:
+        meta = cell.metadata["nbgrader"]
+        grade_id = meta["grade_id"]
+        if r in position:
+            target = cells[position[r]]
+            if "nbgrader" not in target.metadata:
+                target.metadata["nbgrader"] = copy.deepcopy(meta)
+                notes.append(f"restored the nbgrader metadata of cell {grade_id!r} (identical content)")
+            continue
+        free = [s for s, c in enumerate(cells) if s not in used and c.cell_type == cell.cell_type
+                and not c.metadata.get("nbgrader")]
+        if meta.get("locked"):
+            first = _first_line(cell.source)
+            candidates = [s for s in free if first and first in cells[s].source]
+            if len(candidates) > 1:
+                return notebook, notes, (f"cannot tell which cell is {grade_id!r}: cells "
+                                         f"{', '.join(str(s + 1) for s in candidates)} all look like it")
+            if candidates:
+                s = candidates[0]
+                cells[s].metadata["nbgrader"] = copy.deepcopy(meta)
+                position[r] = s
+                used.add(s)
+                notes.append(f"restored the nbgrader metadata of cell {grade_id!r} (matched by its first line)")
+            else:
+                restored = copy.deepcopy(cell)
+                inserts.append((anchor(r), restored))
+                notes.append(f"put back the deleted cell {grade_id!r}")
+        else:  # an answer cell: find the one cell defining the same names
+            names = _defined_names(cell.source)
+            if names:
+                candidates = [s for s in free if names & _defined_names(cells[s].source)]
+            else:
+                after = anchor(r) + 1
+                candidates = [after] if after in free else []
+            if len(candidates) == 1:
+                s = candidates[0]
+                cells[s].metadata["nbgrader"] = copy.deepcopy(meta)
+                position[r] = s
+                used.add(s)
+                notes.append(f"restored the nbgrader metadata of answer cell {grade_id!r}")
+            elif len(candidates) > 1:
+                return notebook, notes, (f"cannot tell which cell is the answer {grade_id!r}: cells "
+                                         f"{', '.join(str(s + 1) for s in candidates)} all define "
+                                         f"{', '.join(sorted(names)) or 'it'}")
+            else:
+                notes.append(f"answer cell {grade_id!r} not found (its tests will run against whatever "
+                             "the notebook defines)")
+    restored = [n.split("'")[1] for n in notes if n.startswith("restored the nbgrader metadata")]
+    if restored:
+        others = [n for n in notes if not n.startswith("restored the nbgrader metadata")]
+        notes[:] = [f"restored the nbgrader metadata of {len(restored)} cells by matching them to the release "
+                    f"({', '.join(restored)})"] + others
+    for after, cell in sorted(inserts, key=lambda item: item[0], reverse=True):
+        cells.insert(after + 1, cell)
+    # nbgrader needs unique cell ids
+    seen: set[str] = set()
+    for index, cell in enumerate(cells):
+        if not cell.get("id") or cell.id in seen:
+            cell.id = f"intake-{index:03d}"
+        seen.add(cell.id)
+    return notebook, notes, None
+
+
+# --------------------------------------------------------------------------------------
+# The intake
+# --------------------------------------------------------------------------------------
+
+def read_notebook(path: Path):
+    """(notebook, None) or (None, why it is refused)."""
+    data = path.read_bytes()
+    if not data.strip():
+        return None, "empty file"
+    try:
+        raw = json.loads(data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError) as error:
+        return None, f"not valid JSON ({str(error)[:120]}): the file is damaged or not a notebook"
+    if not isinstance(raw, dict) or "cells" not in raw and "worksheets" not in raw:
+        return None, "valid JSON but not a Jupyter notebook (no cells)"
+    try:
+        notebook = nbformat.reads(json.dumps(raw), as_version=4)
+    except Exception as error:  # nbformat raises many kinds
+        return None, f"not a readable Jupyter notebook ({type(error).__name__}: {str(error)[:120]})"
+    for cell in notebook.cells:
+        if cell.cell_type not in ("code", "markdown", "raw") or not isinstance(cell.get("source"), str):
+            return None, "a cell is malformed (the notebook was edited by hand?)"
+        cell.setdefault("metadata", {})
+    return notebook, None
+
+
+def intake(submissions: Path, root: Path = AUTOGRADER_DIR, course_dir: Path | None = None,
+           assignments: list[str] | None = None) -> list[Entry]:
+    from autograder.release import assignment_names
+
+    course_dir = course_dir or REPO_ROOT / "course"
+    assignments = assignments or sorted(set(assignment_names()) | {p.stem for p in course_dir.glob("[0-9][0-9]_*.ipynb")})
+    releases = load_releases(course_dir, root, assignments)
+    entries: list[Entry] = []
+    chosen: dict[tuple[str, str], tuple[float, Entry, object]] = {}
+    for path in sorted(submissions.rglob("*")):
+        relative = path.relative_to(submissions)
+        if path.is_dir() or path.name in IGNORED or set(relative.parts) & IGNORED_DIRS:
+            continue
+        if any(part.startswith(".") for part in relative.parts):
+            continue
+        entry = Entry(str(relative), None, "refused")
+        entries.append(entry)
+        if len(relative.parts) < 2:
+            entry.reasons.append("not inside a student folder (expected <student>/<file>)")
+            continue
+        student, problem = clean_student_id(relative.parts[0])
+        entry.student = student or relative.parts[0]
+        if problem:
+            entry.reasons.append(problem)
+            continue
+        if path.suffix.lower() != ".ipynb":
+            entry.reasons.append(f"not a notebook ({path.suffix or 'no extension'}): unknown file")
+            continue
+        notebook, problem = read_notebook(path)
+        if problem:
+            entry.reasons.append(problem)
+            continue
+        by_name = assignment_from_name(path.name, assignments)
+        scores = {a: content_match(notebook, r) for a, r in releases.items()}
+        best = max(scores, key=scores.get) if scores else None
+        if best is None or scores[best] < MIN_CONTENT_MATCH:
+            entry.reasons.append("its cells are not those of any notebook of this course"
+                                 + (f" (the name says {by_name})" if by_name else ""))
+            continue
+        if by_name and by_name != best and scores.get(by_name, 0) < MIN_CONTENT_MATCH:
+            entry.reasons.append(f"named like {by_name} but its cells are those of {best}: "
+                                 "the wrong notebook was submitted")
+            continue
+        assignment = by_name if by_name and scores.get(by_name, 0) >= MIN_CONTENT_MATCH else best
+        if not by_name:
+            entry.reasons.append(f"recognised by its content as {assignment}")
+        elif normalise_name(path.stem) != assignment.lower() or path.name != f"{assignment}.ipynb":
+            entry.reasons.append(f"file name {path.name!r} taken as {assignment}")
+        repaired, notes, refusal = repair(notebook, releases[assignment])
+        entry.assignment = assignment
+        if refusal:
+            entry.reasons.append("nbgrader metadata missing and cannot be repaired: " + refusal)
+            continue
+        entry.reasons += notes
+        entry.status = "repaired" if notes else "accepted"
+        key = (student, assignment)
+        mtime = path.stat().st_mtime
+        if key in chosen:
+            other_mtime, other, _ = chosen[key]
+            older, newer = (other, entry) if other_mtime <= mtime else (entry, other)
+            older.status = "refused"
+            older.reasons.append(f"superseded by the newer file {newer.source!r}")
+            if newer is other:
+                continue
+        chosen[key] = (mtime, entry, repaired)
+    for (student, assignment), (_, entry, notebook) in chosen.items():
+        release = releases[assignment]
+        folder = root / "submitted" / student / assignment
+        target = folder / f"{release.notebook}.ipynb"
+        text = json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+        entry.destination = str(target.relative_to(root))
+        if target.exists() and target.read_text(encoding="utf-8") == text:
+            entry.reasons.append("already in place, unchanged")
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            entry.reasons.append("replaces the previous submission")
+        target.write_text(text, encoding="utf-8")
+    return entries
+
+
+def write_report(entries: list[Entry], root: Path, submissions: Path) -> Path:
+    folder = root / "reports"
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    (folder / "intake_report.json").write_text(json.dumps(
+        {"generated": stamp, "submissions": str(submissions), "files": [asdict(e) for e in entries]},
+        indent=1, ensure_ascii=False))
+    counts = {s: sum(e.status == s for e in entries) for s in ("accepted", "repaired", "refused")}
+    lines = [f"# Intake report ({stamp})", "", f"From `{submissions}`: "
+             + ", ".join(f"{n} {s}" for s, n in counts.items()), "",
+             "| file | student | status | assignment | reasons |", "|---|---|---|---|---|"]
+    for e in sorted(entries, key=lambda e: (e.status != "refused", e.source)):
+        reasons = "; ".join(e.reasons).replace("|", "/")
+        lines.append(f"| {e.source} | {e.student or '-'} | {e.status} | {e.assignment or '-'} | {reasons} |")
+    path = folder / "intake_report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("submissions", type=Path, help="folder laid out as <student>/<file>")
+    parser.add_argument("--root", type=Path, default=AUTOGRADER_DIR, help="course root (default: autograder/)")
+    parser.add_argument("--course", type=Path, default=REPO_ROOT / "course", help="the student release notebooks")
+    options = parser.parse_args(argv)
+    if not options.submissions.is_dir():
+        print(f"{options.submissions}: no such folder (make intake SUBMISSIONS=<folder>)")
+        return 2
+    entries = intake(options.submissions, options.root, options.course)
+    report = write_report(entries, options.root, options.submissions)
+    for entry in entries:
+        where = f" -> {entry.destination}" if entry.destination else ""
+        print(f"{entry.status:9s} {entry.source}{where}" + (f"  ({'; '.join(entry.reasons)})" if entry.reasons else ""))
+    counts = {s: sum(e.status == s for e in entries) for s in ("accepted", "repaired", "refused")}
+    print(", ".join(f"{n} {s}" for s, n in counts.items()) + f"; report: {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Isolation of the student kernel while autograding.
+
+Every student's notebook runs in its own kernel, started through :func:`kernel_argv`:
+
+* **resource limits** (always): address space (``--memory-mb``), size of any file it
+  writes, and ``PR_SET_PDEATHSIG`` so the kernel dies with the grader;
+* **bubblewrap** (where ``bwrap`` is installed and works): no network (new network
+  namespace; the grader talks to the kernel over Unix sockets), no other processes (new
+  PID namespace), no capabilities, a read-only view of the system, and the course
+  repository, the home folder and ``/tmp`` replaced by empty folders.  Only the
+  interpreter's virtual environment and the ``attention_lab`` package are visible, and the
+  only writable places are the student's own working folder, a private ``/tmp`` and the
+  kernel's socket folder.  The gradebook, the sources (hidden tests), ``solutions/``, git
+  history and the other students' folders are not visible at all.
+
+Without bubblewrap the kernel still runs under the resource limits, in a temporary course
+root holding only this student's files, but it could reach the network or any file the
+grader's user can reach: the grader prints a warning (see :func:`isolation_warning`).
+
+``python -m autograder.sandbox launch --memory-mb N --file-mb M -- CMD...`` applies the
+limits and ``exec``s CMD (what the kernelspec runs); ``python -m autograder.sandbox`` alone
+says which isolation this machine provides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+KERNEL_NAME = "attention-lab-grader"
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_path() -> str | None:
+    """``bwrap`` if installed and able to create the namespaces the grader uses, else None."""
+    path = shutil.which("bwrap")
+    if path is None:
+        return None
+    try:
+        probe = subprocess.run(
+            [path, *_bwrap_base(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "true"],
+            capture_output=True, timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return path if probe.returncode == 0 else None
+
+
+def isolation_warning() -> str | None:
+    """A warning for the instructor when the kernel cannot be sandboxed, else None."""
+    if bwrap_path() is not None:
+        return None
+    if shutil.which("bwrap") is None:
+        reason = "bubblewrap (bwrap) is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+    else:
+        reason = "bwrap is installed but cannot create namespaces here"
+    return (f"WARNING: {reason}. Student code will run WITHOUT filesystem and network isolation "
+            "(memory, file-size and time limits still apply). Do not grade untrusted submissions "
+            "on this machine.")
+
+
+def _bwrap_base() -> list[str]:
+    return ["--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc",
+            "--unshare-uts", "--cap-drop", "ALL"]
+
+
+def _existing(*paths: Path) -> list[Path]:
+    return [p for p in paths if p.exists()]
+
+
+def bwrap_arguments(workdir: Path, runtime_dir: Path, hidden: list[Path] | None = None) -> list[str]:
+    """bwrap options: read-only system, repository/home/tmp hidden, ``workdir`` writable."""
+    venv = Path(sys.prefix).resolve()
+    interpreter = Path(sys.base_prefix).resolve()  # the venv's python may live under $HOME (pyenv)
+    package = REPO_ROOT / "course" / "attention_lab"
+    home = Path.home().resolve()
+    arguments = [bwrap_path() or "bwrap", *_bwrap_base(),
+                 "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                 "--size", str(256 * 2**20), "--tmpfs", "/tmp"]
+    # Hide whole trees, then put back read-only what the kernel needs inside them.
+    trees = sorted({p.resolve() for p in (home, REPO_ROOT, *(hidden or [])) if p.exists()}, key=lambda p: len(p.parts))
+    covered = [Path("/tmp")]
+    for folder in trees:
+        if folder != Path("/") and not any(folder.is_relative_to(c) for c in covered):
+            arguments += ["--tmpfs", str(folder)]  # (already-hidden trees are simply absent)
+            covered.append(folder)
+    for keep in _existing(interpreter, venv, package):
+        arguments += ["--ro-bind", str(keep), str(keep)]
+    arguments += ["--bind", str(workdir), str(workdir),
+                  "--bind", str(runtime_dir), str(runtime_dir),
+                  "--chdir", str(workdir),
+                  "--setenv", "HOME", "/tmp", "--setenv", "MPLCONFIGDIR", "/tmp/matplotlib",
+                  "--setenv", "IPYTHONDIR", "/tmp/ipython",
+                  # inside the PID namespace the kernel's parent is PID 1: no parent polling
+                  "--setenv", "JPY_PARENT_PID", "1", "--"]
+    return arguments
+
+
+def kernel_argv(workdir: Path, runtime_dir: Path, *, memory_mb: int, file_mb: int,
+                sandbox: bool, hidden: list[Path] | None = None) -> list[str]:
+    """The kernelspec argv of the grading kernel (``{connection_file}`` filled in by Jupyter)."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "launch",
+            f"--memory-mb={memory_mb}", f"--file-mb={file_mb}", "--"]
+    if sandbox:
+        argv += bwrap_arguments(workdir, runtime_dir, hidden)
+    argv += [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+             "--HistoryManager.hist_file=:memory:"]
+    return argv
+
+
+def write_kernelspec(jupyter_dir: Path, argv: list[str], threads: int = 1) -> str:
+    """Write ``<jupyter_dir>/kernels/<KERNEL_NAME>/kernel.json``; put jupyter_dir on JUPYTER_PATH."""
+    spec_dir = jupyter_dir / "kernels" / KERNEL_NAME
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"argv": argv, "display_name": "Attention Lab grader", "language": "python",
+            "interrupt_mode": "message", "env": {"MPLBACKEND": "Agg", "PYTHONNOUSERSITE": "1", "OMP_NUM_THREADS": str(threads),
+                    "MKL_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1))
+    return KERNEL_NAME
+
+
+def _set_limits(memory_mb: int, file_mb: int) -> None:
+    import resource
+
+    if memory_mb > 0:
+        limit = memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if file_mb > 0:
+        limit = file_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:  # die with the grader (Linux): no orphaned kernels after a kill
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    launch = sub.add_parser("launch", help="apply the resource limits, then exec the command")
+    launch.add_argument("--memory-mb", type=int, default=0)
+    launch.add_argument("--file-mb", type=int, default=0)
+    launch.add_argument("cmd", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+    if options.command == "launch":
+        cmd = options.cmd[1:] if options.cmd[:1] == ["--"] else options.cmd
+        _set_limits(options.memory_mb, options.file_mb)
+        os.execvp(cmd[0], cmd)
+    warning = isolation_warning()
+    print(warning or f"bubblewrap sandbox available: {bwrap_path()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

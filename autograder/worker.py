@@ -1,0 +1,213 @@
+"""Autograde ONE student's assignment in its own course root (run by autograder.grade).
+
+    python -m autograder.worker --root TMP_ROOT --student S --assignment A --plan plan.json
+
+This is ``nbgrader autograde A --student S`` (the real nbgrader app, with the course's
+nbgrader_config.py) with one change: the Execute preprocessor is :class:`GuardedExecute`,
+which
+
+* runs every cell in the sandboxed grading kernel (kernelspec written by autograder.grade);
+* records, in the plan's ``report`` file, which cell is running, so that a cell that kills
+  the kernel (``os._exit``, a segfault) or hangs past its timeout without answering the
+  interrupt can be named, and skipped on the next attempt instead of costing the whole
+  notebook;
+* skips the cells listed in the plan (their outputs become a ``GraderSkippedCell`` error);
+* before every graded test cell, removes from ``sys.modules`` anything under
+  ``attention_lab`` that is not the real package (a notebook could put a fake check module
+  there) and drops the check modules, so the test cell imports its check afresh from the
+  read-only file;
+* keeps at most ``max_output_bytes`` of output per cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from queue import Empty
+
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbclient.util import run_sync
+from nbformat.notebooknode import NotebookNode
+from traitlets import Dict, Integer, Unicode
+
+from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
+
+SKIPPED_ENAME = "GraderSkippedCell"
+TAMPER_VARIABLE = "_attention_lab_grader_guard"
+GUARD_CODE = f'''
+def _attention_lab_grader_check():
+    import sys, types, os, builtins, importlib
+    report = []
+    package = os.path.realpath({str(Path(__file__).resolve().parent.parent / "course" / "attention_lab")!r})
+    for name in [n for n in list(sys.modules) if n == "attention_lab" or n.startswith("attention_lab.")]:
+        module = sys.modules[name]
+        path = getattr(module, "__file__", None) or ""
+        genuine = isinstance(module, types.ModuleType) and os.path.realpath(path).startswith(package + os.sep)
+        if not genuine:
+            report.append(name)
+            del sys.modules[name]
+        elif name.startswith("attention_lab.checks."):
+            del sys.modules[name]  # re-imported from the read-only file by the test cell
+    if type(builtins.__import__) is not type(len):
+        report.append("builtins.__import__")
+        builtins.__import__ = importlib.__import__
+    return ",".join(report)
+{TAMPER_VARIABLE} = _attention_lab_grader_check()
+del _attention_lab_grader_check
+'''
+
+
+class GuardedExecute(Execute):
+    """nbgrader's Execute, made robust to kernels that die or hang (see the module docstring)."""
+
+    skip_cells = Dict({}, help="{notebook: {cell index: reason}} cells not to run").tag(config=True)
+    report_path = Unicode("", help="JSON file recording progress and incidents").tag(config=True)
+    max_output_bytes = Integer(1_000_000, help="output kept per cell").tag(config=True)
+    unresponsive_grace = Integer(10, help="seconds an interrupted kernel has to answer").tag(config=True)
+
+    def preprocess(self, nb, resources=None, km=None):
+        self._notebook_name = (resources or {}).get("unique_key", "notebook")
+        self._output_bytes: dict[int, int] = {}
+        return super().preprocess(nb, resources, km)
+
+    # -- the report -------------------------------------------------------------------
+    def _report(self, **update) -> None:
+        if not self.report_path:
+            return
+        path = Path(self.report_path)
+        try:
+            report = json.loads(path.read_text()) if path.exists() else {}
+        except ValueError:
+            report = {}
+        if "incident" in update:
+            report.setdefault("incidents", []).append(update.pop("incident"))
+        report.update(update)
+        path.write_text(json.dumps(report))
+
+    # -- execution --------------------------------------------------------------------
+    async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
+        if cell.cell_type != "code" or not cell.source.strip():
+            return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        skip = self.skip_cells.get(self._notebook_name, {}).get(str(cell_index))
+        if skip is not None:
+            cell.outputs = [NotebookNode(output_type="error", ename=SKIPPED_ENAME, evalue=skip,
+                                         traceback=[f"{SKIPPED_ENAME}: {skip}"])]
+            return cell
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        self._report(notebook=self._notebook_name, cell_index=cell_index, grade_id=grade_id,
+                     started=time.time())
+        if cell.metadata.get("nbgrader", {}).get("grade"):
+            await self._guard(grade_id)
+        try:
+            cell = await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        except DeadKernelError:
+            self._report(dead_cell=cell_index)
+            raise
+        except CellTimeoutError:  # interrupted, but the kernel never finished the cell
+            self._report(hung_cell=cell_index)
+            raise UnresponsiveKernelError() from None
+        if any(o.get("output_type") == "error" and o.get("ename") == "CellTimeoutError" for o in cell.outputs):
+            self._report(incident={"kind": "timeout", "notebook": self._notebook_name,
+                                   "cell_index": cell_index, "grade_id": grade_id})
+            if not await self._responsive():
+                self._report(hung_cell=cell_index)
+                raise UnresponsiveKernelError()
+        return cell
+
+    execute_cell = run_sync(async_execute_cell)  # nbclient binds the sync wrapper per class
+
+    async def _responsive(self) -> bool:
+        """After an interrupt: does the kernel answer a kernel_info request in time?"""
+        msg_id = self.kc.kernel_info()
+        deadline = time.monotonic() + self.unresponsive_grace
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = await self.kc.shell_channel.get_msg(timeout=remaining)
+            except Empty:
+                return False
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return True
+        return False
+
+    async def _guard(self, grade_id: str | None) -> None:
+        msg_id = self.kc.execute(GUARD_CODE, silent=True, store_history=False,
+                                 user_expressions={"guard": TAMPER_VARIABLE})
+        deadline = time.monotonic() + max(self.timeout or 60, 10)
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = await self.kc.shell_channel.get_msg(timeout=remaining)
+            except Empty:
+                return
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            found = msg["content"].get("user_expressions", {}).get("guard", {})
+            text = found.get("data", {}).get("text/plain", "''").strip("'\"")
+            if text:
+                self._report(incident={"kind": "tampering", "notebook": self._notebook_name,
+                                       "grade_id": grade_id, "detail": text})
+            return
+
+    # -- output size ------------------------------------------------------------------
+    def output(self, outs, msg, display_id, cell_index):
+        content = msg.get("content", {})
+        if msg["msg_type"] == "error":
+            content["traceback"] = [line[:2000] for line in content.get("traceback", [])[-60:]]
+            content["evalue"] = str(content.get("evalue", ""))[:5000]
+            return super().output(outs, msg, display_id, cell_index)
+        size = len(content.get("text", "")) + sum(len(str(v)) for v in (content.get("data") or {}).values())
+        used = self._output_bytes.get(cell_index, 0)
+        self._output_bytes[cell_index] = used + size
+        if used + size <= self.max_output_bytes:
+            return super().output(outs, msg, display_id, cell_index)
+        if used <= self.max_output_bytes:  # first message over the limit: say so once
+            self._report(incident={"kind": "output_truncated", "notebook": self._notebook_name,
+                                   "cell_index": cell_index})
+            note = NotebookNode(output_type="stream", name="stderr",
+                                text=f"\n[output truncated by the grader after {self.max_output_bytes} bytes]\n")
+            outs.append(note)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--student", required=True)
+    parser.add_argument("--assignment", required=True)
+    parser.add_argument("--plan", required=True, help="JSON: timeout, kernel, skip, report, ...")
+    options = parser.parse_args(argv)
+    plan = json.loads(Path(options.plan).read_text())
+
+    from nbconvert.preprocessors import ClearMetadataPreprocessor
+    from traitlets.config import Config
+
+    from nbgrader.apps.nbgraderapp import NbGraderApp
+    from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, IgnorePattern,
+                                        LimitOutput, SaveAutoGrades)
+
+    config = Config()
+    config.Autograde.autograde_preprocessors = [
+        GuardedExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades,
+        AssignLatePenalties, CheckCellMetadata,
+    ]
+    config.GuardedExecute.skip_cells = plan.get("skip", {})
+    config.GuardedExecute.report_path = plan["report"]
+    config.GuardedExecute.max_output_bytes = plan.get("max_output_bytes", 1_000_000)
+    config.GuardedExecute.unresponsive_grace = plan.get("unresponsive_grace", 10)
+    if plan.get("kernel"):
+        config.GuardedExecute.kernel_name = plan["kernel"]
+    if plan.get("ipc"):  # the sandboxed kernel has no network: Unix sockets in its runtime folder
+        config.KernelManager.transport = "ipc"
+        config.KernelManager.ip = plan["ipc"]
+        config.KernelManager.connection_file = plan["ipc"] + ".json"
+    arguments = ["autograde", options.assignment, "--student", options.student, "--force",
+                 f"--CourseDirectory.root={options.root}", f"--Execute.timeout={plan['timeout']}",
+                 f"--GuardedExecute.timeout={plan['timeout']}", "--log-level=WARN"]
+    NbGraderApp.launch_instance(argv=arguments, config=config)  # exits 1 when nbgrader fails
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Benchmark of the grading pipeline.
+
+    python -m benchmarks.grading                  # 30 generated students per notebook, JOBS=2
+    python -m benchmarks.grading --students 4     # a reduced class
+
+For every notebook of the course it generates a class of submissions (solved, blank, and
+partly solved: each answer solved with probability 1/2, seeded), then measures, in one run:
+
+* ``pipeline``: ``make grade JOBS=N`` (``autograder.grade.grade(jobs=N)``), wall time;
+* ``nbgrader``: plain ``nbgrader autograde <assignment>``, which grades one student at a time;
+* ``execute``: executing each submitted notebook directly (``autograder.execute``), one at a time.
+
+and reports ``speedup = nbgrader / pipeline`` (target >= 1.7 on 2 cores) and
+``overhead = nbgrader per submission / execute per submission`` (target <= 1.3).
+Results: printed, and written to benchmarks/results/grading.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import nbformat
+
+from autograder import grade
+from autograder.execute import execute_notebook
+from autograder.nbgrader_cli import run_nbgrader
+from autograder.release import REPO_ROOT, assignment_names, build_source, course_repository, write_notebook
+
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "grading.json"
+
+
+def generated_class(assignment: str, source_path: Path, students: int, seed: int = 0) -> dict[str, object]:
+    source = nbformat.read(source_path, as_version=4)
+    solutions = {c.metadata["nbgrader"]["grade_id"]: "\n".join(
+        line for line in c.source.splitlines() if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION"))
+        for c in source.cells if c.metadata.get("nbgrader", {}).get("solution")}
+    release = nbformat.read(REPO_ROOT / "course" / f"{assignment}.ipynb", as_version=4)
+    rng = random.Random(seed)
+    notebooks = {}
+    for index in range(students):
+        notebook = nbformat.from_dict(json.loads(json.dumps(release)))
+        share = 1.0 if index % 3 == 0 else (0.0 if index % 3 == 1 else 0.5)
+        for cell in notebook.cells:
+            grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+            if grade_id in solutions and rng.random() < share:
+                cell.source = solutions[grade_id]
+        notebooks[f"student{index:03d}"] = notebook
+    return notebooks
+
+
+def build_root(base: Path, assignments: list[str], students: int) -> Path:
+    root = base / "autograder"
+    repository = course_repository()
+    for assignment in assignments:
+        source_path = root / "source" / assignment / f"{assignment}.ipynb"
+        write_notebook(build_source(assignment, repository), source_path)
+        for student, notebook in generated_class(assignment, source_path, students).items():
+            path = root / "submitted" / student / assignment / f"{assignment}.ipynb"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            nbformat.write(notebook, str(path))
+        run_nbgrader("generate_assignment", assignment, "--force", "--log-level=ERROR", root=root, capture=True)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--students", type=int, default=30, help="submissions per notebook (default 30)")
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("JOBS", 2)))
+    parser.add_argument("--assignments", nargs="*", default=None, help="default: every notebook")
+    parser.add_argument("--timeout", type=int, default=120, help="per-cell timeout")
+    options = parser.parse_args(argv)
+    assignments = options.assignments or [a for a in assignment_names()
+                                          if (REPO_ROOT / "course" / f"{a}.ipynb").exists()]
+    with tempfile.TemporaryDirectory(prefix="bench-grading-") as scratch:
+        base = Path(scratch)
+        template = build_root(base / "template", assignments, options.students)
+        submissions = sorted(template.glob("submitted/*/*/*.ipynb"))
+        n = len(submissions)
+
+        pipeline_root = base / "pipeline" / "autograder"
+        shutil.copytree(template, pipeline_root)
+        start = time.perf_counter()
+        outcomes = grade.grade(pipeline_root, jobs=options.jobs, settings=grade.Settings(
+            timeout=options.timeout, threads=max(1, (os.cpu_count() or 1) // options.jobs)), log=lambda *_: None)
+        pipeline = time.perf_counter() - start
+        failed = [o for o in outcomes if o.status != "graded"]
+
+        plain_root = base / "plain" / "autograder"
+        shutil.copytree(template, plain_root)
+        start = time.perf_counter()
+        for assignment in assignments:
+            run_nbgrader("autograde", assignment, "--log-level=ERROR", f"--Execute.timeout={options.timeout}",
+                         root=plain_root, capture=True, check=False)
+        plain = time.perf_counter() - start
+
+        start = time.perf_counter()
+        for path in submissions:
+            execute_notebook(path, timeout=options.timeout, working_dir=path.parent)
+        execute = time.perf_counter() - start
+
+    results = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "assignments": assignments, "students_per_notebook": options.students, "submissions": n,
+        "jobs": options.jobs, "pipeline_failed": len(failed),
+        "pipeline_seconds": round(pipeline, 1), "plain_nbgrader_seconds": round(plain, 1),
+        "execute_seconds": round(execute, 1),
+        "speedup_vs_plain_nbgrader": round(plain / pipeline, 2),
+        "nbgrader_seconds_per_submission": round(plain / n, 2),
+        "pipeline_seconds_per_submission": round(pipeline / n, 2),
+        "execute_seconds_per_submission": round(execute / n, 2),
+        "autograde_overhead_vs_execute": round(plain / execute, 2),
+        "targets": {"speedup_vs_plain_nbgrader": ">= 1.7 on 2 cores", "autograde_overhead_vs_execute": "<= 1.3"},
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    for key, value in results.items():
+        print(f"{key:36s} {value}")
+    print(f"written to {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

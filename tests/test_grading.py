@@ -1,0 +1,132 @@
+"""The nbgrader flow itself (course config + real ``nbgrader autograde``), and the pieces of
+the pipeline that need no kernel (feedback wording, fingerprints, discovery)."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from autograder import feedback, grade
+from autograder.nbgrader_cli import run_nbgrader
+from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
+
+ASSIGNMENT = "01_mha_shapes"
+
+
+def solved_from(source_path: Path):
+    """The release notebook with the solution cells' sources spliced in (no hidden tests)."""
+    source = nbformat.read(source_path, as_version=4)
+    solutions = {c.metadata["nbgrader"]["grade_id"]: c.source for c in source.cells
+                 if c.metadata.get("nbgrader", {}).get("solution")}
+    notebook = nbformat.read(REPO_ROOT / "course" / f"{ASSIGNMENT}.ipynb", as_version=4)
+    for cell in notebook.cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in solutions:
+            cell.source = solutions[grade_id]
+    return notebook
+
+
+@pytest.fixture
+def course_root(tmp_path):
+    root = tmp_path / "autograder"
+    write_notebook(build_source(ASSIGNMENT, course_repository()), root / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb")
+    return root
+
+
+@pytest.mark.slow
+def test_plain_nbgrader_autograde_gives_full_marks_and_zero(course_root):
+    """The course's nbgrader_config through the real `nbgrader autograde`, one student at a time."""
+    from nbgrader.api import Gradebook
+
+    source_path = course_root / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
+    solved = solved_from(source_path)
+    assert "BEGIN HIDDEN TESTS" not in "".join(c.source for c in solved.cells)
+    for student, notebook in (("solver", solved),
+                              ("blank", nbformat.read(REPO_ROOT / "course" / f"{ASSIGNMENT}.ipynb", as_version=4))):
+        path = course_root / "submitted" / student / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
+        path.parent.mkdir(parents=True)
+        nbformat.write(notebook, str(path))
+    run_nbgrader("generate_assignment", ASSIGNMENT, "--force", "--log-level=ERROR", root=course_root, capture=True)
+    result = run_nbgrader("autograde", ASSIGNMENT, "--log-level=ERROR", root=course_root, capture=True, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with Gradebook(grade.db_url(course_root), grade.COURSE_ID) as gb:
+        scores = {s.student.id: (s.score, s.max_score) for s in gb.find_assignment(ASSIGNMENT).submissions}
+    assert scores == {"solver": (18.0, 18.0), "blank": (0.0, 18.0)}
+
+
+def test_discovery_skips_unknown_assignments_and_empty_folders(course_root):
+    for folder in ("ann/01_mha_shapes", "ann/99_unknown", "bob/01_mha_shapes"):
+        (course_root / "submitted" / folder).mkdir(parents=True)
+    (course_root / "submitted" / "ann" / "01_mha_shapes" / "01_mha_shapes.ipynb").write_text("{}")
+    (course_root / "submitted" / "ann" / "99_unknown" / "x.ipynb").write_text("{}")
+    submissions, problems = grade.discover(course_root)
+    assert [s.key for s in submissions] == ["ann/01_mha_shapes"]
+    assert any("99_unknown" in p for p in problems) and any("bob/01_mha_shapes" in p for p in problems)
+
+
+def test_fingerprint_changes_with_submission_source_and_settings(course_root):
+    folder = course_root / "submitted" / "ann" / ASSIGNMENT
+    folder.mkdir(parents=True)
+    (folder / f"{ASSIGNMENT}.ipynb").write_text("{}")
+    submission = grade.Submission("ann", ASSIGNMENT, folder)
+    settings = grade.Settings()
+    first = grade.fingerprint(submission, course_root, settings)
+    assert grade.fingerprint(submission, course_root, settings) == first
+    (folder / ".ipynb_checkpoints").mkdir()
+    (folder / ".ipynb_checkpoints" / "x.ipynb").write_text("noise")
+    assert grade.fingerprint(submission, course_root, settings) == first
+    assert grade.fingerprint(submission, course_root, grade.Settings(timeout=5)) != first
+    (folder / f"{ASSIGNMENT}.ipynb").write_text('{"changed": 1}')
+    assert grade.fingerprint(submission, course_root, settings) != first
+
+
+# --------------------------------------------------------------------------------------
+# What feedback may say
+# --------------------------------------------------------------------------------------
+
+TEST_SOURCE = '''"""split_heads: shapes and values."""
+from attention_lab.checks.mha_shapes import check_split_heads
+
+check_split_heads(split_heads)
+### BEGIN HIDDEN TESTS
+check_split_heads(split_heads, seed=1101, device="cpu")
+### END HIDDEN TESTS'''
+
+
+def error(line: int, evalue: str = "expected [2, 3] got [3, 2]", ename: str = "CheckFailure") -> dict:
+    return {"ename": ename, "evalue": evalue,
+            "traceback": ["\x1b[0;31m----\x1b[0m", f"Cell \x1b[0;32mIn[12], line {line}\x1b[0m\n      1 x\n",
+                          "File /x/checks.py:10, in check_split_heads", f"{ename}: {evalue}"]}
+
+
+def test_visible_check_failure_shows_its_message():
+    assert feedback.explain(error(4), TEST_SOURCE) == "CheckFailure: expected [2, 3] got [3, 2]"
+
+
+def test_hidden_failure_says_so_and_nothing_more():
+    text = feedback.explain(error(6, evalue="seed=1101 device cpu mismatch"), TEST_SOURCE)
+    assert "hidden tests" in text and "1101" not in text and "CheckFailure" not in text
+
+
+def test_message_quoting_hidden_code_is_withheld():
+    text = feedback.explain(error(4, evalue='check_split_heads(split_heads, seed=1101, device="cpu")'), TEST_SOURCE)
+    assert "withheld" in text and "1101" not in text
+
+
+def test_grader_reasons_are_explained():
+    assert "time limit" in feedback.explain(error(4, ename="CellTimeoutError", evalue=""), TEST_SOURCE)
+    assert "out of memory" in feedback.explain(error(4, ename="MemoryError", evalue=""), TEST_SOURCE)
+    skipped = feedback.explain({"ename": "GraderSkippedCell", "evalue": "this cell stopped the kernel"}, TEST_SOURCE)
+    assert skipped == "Not run: this cell stopped the kernel."
+
+
+def test_render_escapes_and_totals():
+    rows = [{"grade_id": "test_a", "checks": "<b>a</b>", "score": 1.0, "max_score": 2.0, "passed": False,
+             "message": "<script>x</script>"},
+            {"grade_id": "test_b", "checks": "b", "score": 3.0, "max_score": 3.0, "passed": True, "message": ""}]
+    page = feedback.render("Zoë", "01", "01", rows, [])
+    assert "<script>" not in page and "&lt;script&gt;" in page and "4 / 5" in page and "Zoë" in page
