@@ -595,14 +595,14 @@ def test_answer_scaling_accepts_the_supported_statement():
 
 @pytest.mark.parametrize("letter", ["A", "C", "D"])
 def test_answer_scaling_rejects_wrong_choices_without_revealing_the_answer(letter):
-    with pytest.raises(CheckFailure, match="wrong choice: re-read the plot") as failure:
+    with pytest.raises(CheckFailure, match="is not right. Wrong choice: re-read the plot") as failure:
         checks.check_answer_scaling(letter, **CPU)
     assert "B" not in str(failure.value).replace("ANSWER_SCALING", "")
 
 
 @pytest.mark.parametrize("answer, phrase", [
     (None, "not implemented yet"),
-    ("E", r"should be one of 'A', 'B', 'C', 'D'"),
+    ("E", r'should be one of the strings "A", "B", "C", "D", got str .E.'),
     (2, r"should be one of[\s\S]*got int 2"),
 ])
 def test_answer_scaling_rejects_blank_and_invalid_answers(answer, phrase):

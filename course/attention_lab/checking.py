@@ -61,6 +61,7 @@ __all__ = [
     "expect_array",
     "expect_close",
     "expect_true",
+    "expect_choice",
     "expect_value_error",
     "call_student",
     "from_scratch",
@@ -473,6 +474,23 @@ def expect_array(value: Any, *, what: str, shape: Sequence[int] | None = None, d
 def expect_true(condition: bool, message: str) -> None:
     if not condition:
         raise CheckFailure(message)
+
+
+def expect_choice(answer: Any, *, name: str, options: str, correct: str,
+                  hints: Mapping[str, str] | None = None) -> None:
+    """A multiple-choice answer: ``None`` (the blank) is "not implemented yet", then one of
+    ``options`` (a string like ``"ABC"``, case and spaces forgiven), then the ``correct`` one.
+
+    ``hints`` maps a wrong letter to what to look at again; a wrong answer never names the
+    right letter.
+    """
+    listed = ", ".join(f'"{option}"' for option in options)
+    if answer is None:
+        raise CheckFailure(f"{name}: not implemented yet. Set {name} to one of {listed}.")
+    expect_true(isinstance(answer, str) and answer.strip().upper() in options,
+                f"{name} should be one of the strings {listed}, got {describe(answer)}.")
+    choice = answer.strip().upper()
+    expect_true(choice == correct, f"{name} = {answer!r} is not right. {(hints or {}).get(choice, '')}".rstrip())
 
 
 def expect_value_error(fn: Callable, *args: Any, call: str, why: str, must_mention: Sequence[Any] = (),

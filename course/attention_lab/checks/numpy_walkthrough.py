@@ -28,6 +28,7 @@ from attention_lab.checking import (
     call_student,
     check,
     describe,
+    expect_choice,
     expect_close,
     expect_array,
     expect_signature,
@@ -808,17 +809,11 @@ def _statements(curves: dict[str, np.ndarray]) -> dict[str, bool]:
 @check("ANSWER_SCALING: right choice")
 def check_answer_scaling(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The multiple-choice question: the check re-runs the experiment and accepts the one statement it supports."""
-    if answer is None:
-        raise CheckFailure(f"{SCALING_QUESTION_NAME}: not implemented yet. Set {SCALING_QUESTION_NAME} to one of "
-                           f"{', '.join(repr(c) for c in CHOICES)}.")
-    expect_true(isinstance(answer, str) and answer.strip().upper() in CHOICES,
-                f"{SCALING_QUESTION_NAME} should be one of {', '.join(repr(c) for c in CHOICES)} (a string), "
-                f"got {describe(answer)}.")
     supported = [letter for letter, holds in _statements(peakedness_curves(seed=seed)).items() if holds]
     if len(supported) != 1:  # the experiment itself went wrong: say so rather than grade at random
         raise RuntimeError(f"the peakedness experiment supports {supported}; please report this to the course staff")
-    expect_true(answer.strip().upper() == supported[0],
-                f"{SCALING_QUESTION_NAME} = {answer!r} is a wrong choice: re-read the plot.")
+    expect_choice(answer, name=SCALING_QUESTION_NAME, options="".join(CHOICES), correct=supported[0],
+                  hints=dict.fromkeys(CHOICES, "Wrong choice: re-read the plot."))
 
 
 freeze_module(__name__)

@@ -25,6 +25,7 @@ from attention_lab.checking import (
     call_student,
     check,
     describe,
+    expect_choice,
     expect_close,
     expect_signature,
     expect_tensor,
@@ -65,16 +66,6 @@ def _one_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def _multiple_choice(answer: Any, name: str, options: str, correct: str, hints: dict[str, str]) -> None:
-    if answer is None:
-        raise CheckFailure(f"{name}: not implemented yet. Set {name} to one of "
-                           + ", ".join(f'"{o}"' for o in options) + ".")
-    expect_true(isinstance(answer, str) and answer.strip().upper() in options,
-                f"{name} should be one of " + ", ".join(f'"{o}"' for o in options) + f", got {answer!r}.")
-    choice = answer.strip().upper()
-    expect_true(choice == correct, f"{name} = {answer!r} is not right. {hints.get(choice, '')}".rstrip())
-
-
 # --------------------------------------------------------------------------------------
 # Multiple-choice questions
 # --------------------------------------------------------------------------------------
@@ -83,7 +74,7 @@ def _multiple_choice(answer: Any, name: str, options: str, correct: str, hints: 
 @check("ANSWER_PERMUTATION: self-attention is permutation-equivariant")
 def check_answer_permutation(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The word for 'shuffle the tokens, the outputs shuffle the same way'."""
-    _multiple_choice(answer, "ANSWER_PERMUTATION", "ABC", "B", {
+    expect_choice(answer, name="ANSWER_PERMUTATION", options="ABC", correct="B", hints={
         "A": "Invariant would mean the outputs do not change at all. Look at the demo: they did change "
              "(the first print says True) -- but how?",
         "C": "The demo's second print says the outputs were shuffled in the same way as the tokens: "
@@ -94,7 +85,7 @@ def check_answer_permutation(answer: Any, *, seed: int = 0, device: torch.device
 @check("ANSWER_ENCODINGS: sinusoidal encodings are absolute, and about as good as learned ones")
 def check_answer_encodings(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The one correct statement among the draft's claims about position encodings."""
-    _multiple_choice(answer, "ANSWER_ENCODINGS", "ABCD", "B", {
+    expect_choice(answer, name="ANSWER_ENCODINGS", options="ABCD", correct="B", hints={
         "A": "Sinusoidal encodings *are* absolute encodings (one vector per position); the real choice is "
              "fixed vs learned, and interpretability is not what separates them.",
         "C": "RoPE does not extrapolate far beyond its training length by itself; models need tricks such as "

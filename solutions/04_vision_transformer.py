@@ -1,0 +1,878 @@
+# %% [markdown]
+# # 04 — Vision Transformer from patches
+#
+# A Vision Transformer (ViT) reads an image the way a language model reads a sentence: as a
+# sequence of tokens. You will build the whole path, checking every shape on the way:
+#
+# **image → patches → tokens → [CLS] + positions → encoder blocks → head → class scores**
+#
+# then train your ViT on real handwritten digits (on the CPU, in seconds) and look at where
+# its class token attends. About 90 minutes.
+#
+# **Notation** (as in every notebook): `B` batch, `C` channels, `P` patch size, `N` number of
+# patches, `S = N + 1` tokens (the patches and one class token), `D` model width, `H` heads,
+# `d_head = D // H`.
+
+# %%
+import math
+import time
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from attention_lab.datasets import digits_loaders, load_digits_tensors
+
+# %% [markdown]
+# ## 1. An image is a grid of patches
+#
+# The data: scikit-learn's handwritten digits, 1,797 greyscale images of 8×8 pixels that
+# ship inside the scikit-learn package (nothing is downloaded). `load_digits_tensors` returns
+# them as float tensors `[N, 1, 8, 8]` with pixels in `[0, 1]`, split once and for all into a
+# training and a test set (stratified, fixed seed).
+
+# %%
+digits = load_digits_tensors()
+print(digits)
+figure, axes = plt.subplots(1, 10, figsize=(10, 1.3))
+for ax, image, label in zip(axes, digits.train_images, digits.train_labels):
+    ax.imshow(image[0], cmap="gray_r")
+    ax.set_title(int(label))
+    ax.axis("off")
+plt.show()
+
+# %% [markdown]
+# A ViT cuts the image into non-overlapping `P × P` patches. ViT-B/16 on a 224×224 RGB image
+# uses `P = 16`: `(224 / 16)² = 14² = 196` patches, each `3 × 16 × 16 = 768` numbers. Our
+# 8×8 digits with `P = 2` give a 4×4 grid: `N = 16` patches of `1 × 2 × 2 = 4` numbers.
+#
+# Two orders must be fixed, and everything later (the position embeddings, the attention
+# maps you will draw) depends on them:
+#
+# * **patch order: row-major.** Patch `n` sits at grid row `n // (W/P)` and column
+#   `n % (W/P)`: left to right along the top row, then the next row — the order in which
+#   you read a page.
+# * **order inside a patch: `(C, P, P)`.** The flattened patch is channel 0's `P × P`
+#   pixels row by row, then channel 1's, and so on — exactly `patch.reshape(-1)` of a
+#   `[C, P, P]` block. This is the order `nn.Conv2d` stores its kernel in, which is why
+#   exercise 4.3 works.
+
+# %% [markdown]
+# ### Exercise 4.1 — patchify (2 pts, ~10 min)
+#
+# `[B, C, H, W] -> [B, N, C·P·P]` with `N = (H/P)·(W/P)`, patches in row-major order, each
+# flattened in `(C, P, P)` order. If `H` or `W` is not divisible by `P`, raise a `ValueError`
+# that names the image size and the patch size.
+#
+# Two ways that work: `view` the image as `[B, C, H/P, P, W/P, P]`, `permute` the two grid axes
+# to the front and the `(C, P, P)` axes to the back, then `reshape`; or `Tensor.unfold` twice.
+# (`F.unfold` does it too — mind the order of its output axes.) A plain `reshape` of the image
+# does *not*: it would cut rows of pixels, not square patches.
+
+# %% answer="patchify"
+def patchify(images, patch_size):
+    """Cut images into non-overlapping square patches and flatten each patch.
+
+    images: [B, C, H, W]  ->  [B, N, C * P * P]   (P = patch_size, N = (H / P) * (W / P))
+    Patch n covers rows (n // (W/P)) * P ... and columns (n % (W/P)) * P ...; each patch is
+    flattened in (C, P, P) order, i.e. images[b, :, r*P:(r+1)*P, c*P:(c+1)*P].reshape(-1).
+
+    Example: images of shape [2, 3, 8, 6] with patch_size=2 give [2, 12, 12].
+    Raises ValueError if H or W is not divisible by patch_size.
+    """
+    ### BEGIN SOLUTION
+    batch, channels, height, width = images.shape
+    if height % patch_size or width % patch_size:
+        raise ValueError(f"image size {height}x{width} is not divisible by patch size {patch_size}")
+    rows, cols = height // patch_size, width // patch_size
+    blocks = images.reshape(batch, channels, rows, patch_size, cols, patch_size)
+    blocks = blocks.permute(0, 2, 4, 1, 3, 5)  # [B, rows, cols, C, P, P]
+    return blocks.reshape(batch, rows * cols, channels * patch_size * patch_size)  # [B, N, C*P*P]
+    ### END SOLUTION
+
+
+# %%
+patches = patchify(digits.train_images[:1], 2)  # [1, 16, 4]
+print("image", tuple(digits.train_images[:1].shape), "-> patches", tuple(patches.shape))
+figure, axes = plt.subplots(4, 4, figsize=(3, 3))
+for n, ax in enumerate(axes.flat):
+    ax.imshow(patches[0, n].reshape(2, 2), cmap="gray_r", vmin=0, vmax=1)
+    ax.set_title(f"patch {n}", fontsize=7)
+    ax.axis("off")
+plt.show()
+
+# %% test="test_patchify" points=2
+"""patchify: [B, C, H, W] -> [B, N, C*P*P], row-major patches flattened in (C, P, P) order, non-square images, the ValueError."""
+from attention_lab.checks.vision_transformer import check_patchify
+
+check_patchify(patchify)
+### BEGIN HIDDEN TESTS
+check_patchify(patchify, seed=4101, device="cpu")
+check_patchify(patchify, seed=4102)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 2. Patches → tokens: one linear map, written as a convolution
+#
+# Each flattened patch is mapped to a `D`-dimensional token by one learned linear map,
+# shared by all patches. `D` is a design choice (768 for ViT-B, 384 for ViT-S), unrelated to
+# the patch's `C·P·P` numbers — that ViT-B/16's patches also have 768 numbers is a
+# coincidence.
+#
+# The standard implementation does "cut into patches" and "apply the linear map" in one call:
+# a `Conv2d` whose kernel is one patch and whose stride is one patch, so the kernel visits
+# every patch exactly once and never overlaps.
+#
+# | stage | shape (ViT-B/16) | shape (our digits, P = 2, D = 64) |
+# | --- | --- | --- |
+# | image | `[B, 3, 224, 224]` | `[B, 1, 8, 8]` |
+# | `Conv2d(C, D, kernel_size=P, stride=P)` | `[B, 768, 14, 14]` | `[B, 64, 4, 4]` |
+# | `.flatten(2)` | `[B, 768, 196]` | `[B, 64, 16]` |
+# | `.transpose(1, 2)` | `[B, 196, 768]` | `[B, 16, 64]` |
+
+# %% [markdown]
+# ### Exercise 4.2 — PatchEmbedding (2 pts, ~10 min)
+#
+# An `nn.Module(img_size, patch_size, in_channels, embed_dim)` with
+#
+# * `self.proj`: `nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size)`;
+# * `self.num_patches`: `(img_size // patch_size) ** 2` (square images);
+# * `forward(images)`: `[B, C, H, W] -> [B, N, D]`, tokens in row-major patch order.
+#
+# Raise a `ValueError` naming both sizes if `img_size % patch_size != 0`. Mind the last step:
+# the convolution puts the channels (`D`) before the positions; the sequence of tokens wants
+# `[B, N, D]`.
+
+# %% answer="PatchEmbedding"
+class PatchEmbedding(nn.Module):
+    """Image -> patch tokens with one Conv2d (kernel = stride = patch_size).
+
+    forward(images [B, C, H, W]) -> tokens [B, N, D], N = num_patches, row-major patch order.
+
+    Example: PatchEmbedding(8, 2, 1, 64)(torch.zeros(5, 1, 8, 8)).shape == (5, 16, 64)
+    """
+
+    def __init__(self, img_size, patch_size, in_channels, embed_dim):
+        super().__init__()
+        ### BEGIN SOLUTION
+        if img_size % patch_size != 0:
+            raise ValueError(f"img_size {img_size} is not divisible by patch_size {patch_size}")
+        self.grid_size = img_size // patch_size
+        self.num_patches = self.grid_size ** 2
+        self.proj = nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size)
+        ### END SOLUTION
+
+    def forward(self, images):
+        ### BEGIN SOLUTION
+        grid = self.proj(images)  # [B, D, H/P, W/P]
+        return grid.flatten(2).transpose(1, 2)  # [B, D, N] -> [B, N, D]
+        ### END SOLUTION
+
+
+# %%
+patch_embed = PatchEmbedding(img_size=8, patch_size=2, in_channels=1, embed_dim=64)
+tokens = patch_embed(digits.train_images[:5])
+print("num_patches:", patch_embed.num_patches, "| tokens:", tuple(tokens.shape))
+
+# %% test="test_PatchEmbedding" points=2
+"""PatchEmbedding: proj is Conv2d(kernel = stride = P), num_patches, [B, C, H, W] -> [B, N, D] in row-major order, the ValueError."""
+from attention_lab.checks.vision_transformer import check_patch_embedding
+
+check_patch_embedding(PatchEmbedding)
+### BEGIN HIDDEN TESTS
+check_patch_embedding(PatchEmbedding, seed=4201, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 4.3 — conv_to_linear (2 pts, ~10 min)
+#
+# The claim "a stride-`P` convolution is a linear layer on flattened patches" is worth
+# proving, because it pins down the flatten order. `Conv2d`'s weight is
+# `[D, C, P, P]`: output channel `d` takes the dot product of its `[C, P, P]` kernel with the
+# patch. Flatten the kernel in the same `(C, P, P)` order as `patchify` flattens the patch and
+# the convolution becomes `patchify(images) @ Wᵀ + b` with `W` of shape `[D, C·P·P]` — an
+# `nn.Linear(C·P·P, D)` in its `[out, in]` layout.
+#
+# Return a **new** `nn.Linear` (same dtype and device as the convolution, values copied, not
+# shared) such that `linear(patchify(images, P))` equals `patch_embedding(images)`.
+
+# %% answer="conv_to_linear"
+def conv_to_linear(patch_embedding):
+    """The nn.Linear(C*P*P, D) that computes patch_embedding on patchify(images, P).
+
+    patch_embedding: a PatchEmbedding whose .proj is Conv2d(C, D, kernel_size=P, stride=P).
+    Returns a new nn.Linear with weight = proj.weight flattened to [D, C*P*P] (copied) and
+    the same bias, on the same device and dtype.
+
+    Example: conv_to_linear(pe)(patchify(images, P)) equals pe(images).
+    """
+    ### BEGIN SOLUTION
+    conv = patch_embedding.proj
+    out_channels = conv.weight.shape[0]
+    weight = conv.weight.detach().reshape(out_channels, -1)  # [D, C*P*P], (C, P, P) order
+    linear = nn.Linear(weight.shape[1], out_channels, bias=conv.bias is not None,
+                       device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if conv.bias is not None:
+            linear.bias.copy_(conv.bias)
+    return linear
+    ### END SOLUTION
+
+
+# %%
+patch_embed = PatchEmbedding(img_size=8, patch_size=2, in_channels=1, embed_dim=64).double()
+images64 = digits.train_images[:5].double()
+linear = conv_to_linear(patch_embed)
+difference = (linear(patchify(images64, 2)) - patch_embed(images64)).abs().max()
+print("Linear on patches vs Conv2d, float64, max difference:", float(difference))
+
+# %% test="test_conv_to_linear" points=2
+"""conv_to_linear: a new nn.Linear(C*P*P, D), weights copied in (C, P, P) order with the bias; Linear(patchify(x)) equals the Conv2d path."""
+from attention_lab.checks.vision_transformer import check_conv_to_linear
+
+check_conv_to_linear(conv_to_linear)
+### BEGIN HIDDEN TESTS
+check_conv_to_linear(conv_to_linear, seed=4301, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 4.4 — patch_embedding_parameter_count (1 pt, ~3 min)
+#
+# How many parameters does the patch embedding have? Its weight is `[D, C, P, P]` — and do
+# not forget that, like every `nn.Linear`, it has a bias of `D` numbers. (A widely read
+# explainer of ViTs gives `768 · 3 · 16 · 16` for ViT-B/16 and forgets the bias.)
+
+# %% answer="patch_embedding_parameter_count"
+def patch_embedding_parameter_count(patch_size, in_channels, embed_dim):
+    """Parameters of Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size), bias included.
+
+    Example: patch_embedding_parameter_count(16, 3, 768) == 590_592  (ViT-B/16)
+    """
+    ### BEGIN SOLUTION
+    return embed_dim * in_channels * patch_size * patch_size + embed_dim
+    ### END SOLUTION
+
+
+# %%
+count = patch_embedding_parameter_count(16, 3, 768)
+conv = nn.Conv2d(3, 768, kernel_size=16, stride=16, device="meta")  # meta: shapes only, no memory
+print(f"ViT-B/16 patch embedding: {count:,} parameters; Conv2d says "
+      f"{sum(p.numel() for p in conv.parameters()):,}")
+
+# %% test="test_patch_embedding_parameter_count" points=1
+"""patch_embedding_parameter_count: D*C*P*P weights + D biases, as nn.Conv2d counts them (590,592 for ViT-B/16)."""
+from attention_lab.checks.vision_transformer import check_patch_embedding_parameter_count
+
+check_patch_embedding_parameter_count(patch_embedding_parameter_count)
+### BEGIN HIDDEN TESTS
+check_patch_embedding_parameter_count(patch_embedding_parameter_count, seed=4401)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 3. The encoder block
+#
+# The tokens now go through a stack of identical Transformer blocks. A ViT block is the
+# **pre-norm** block of notebook 03:
+#
+# ```
+# x = x + attn(norm1(x))      # tokens exchange information
+# x = x + mlp(norm2(x))       # each token is transformed on its own
+# ```
+#
+# with `norm1, norm2 = LayerNorm(D, eps=1e-6)`, `attn = nn.MultiheadAttention(D, H,
+# batch_first=True)`, and `mlp = Sequential(Linear(D, 4·D), GELU(), Linear(4·D, D))`.
+# Normalising *before* each sublayer (pre-norm) and adding the raw input back keeps a clean
+# residual path from the first block to the last; the original Transformer normalised *after*
+# the addition (post-norm), which trains less stably in deep stacks.
+#
+# `nn.MultiheadAttention` returns `(output, weights)`. Ask it for the weights of every head
+# with `need_weights=True, average_attn_weights=False` — by default it averages them over
+# the heads, which is not what we want to look at later.
+
+# %% [markdown]
+# ### Exercise 4.5 — ViTBlock (3 pts, ~15 min)
+#
+# `nn.Module(embed_dim, num_heads, mlp_ratio=4.0)` with the attributes `norm1, attn, norm2,
+# mlp` as above (the MLP's hidden width is `int(embed_dim * mlp_ratio)`).
+# `forward(x, return_attention=False)`: `x [B, S, D] -> [B, S, D]`, or with
+# `return_attention=True` the pair `(x, weights)` with `weights [B, H, S, S]`, one attention
+# matrix per head (`weights[b, h, i, j]` = how much query token `i` takes from key token `j`).
+
+# %% answer="ViTBlock"
+class ViTBlock(nn.Module):
+    """Pre-norm Transformer encoder block: x + attn(norm1(x)), then x + mlp(norm2(x)).
+
+    forward(x [B, S, D], return_attention=False) -> [B, S, D], or (x, weights [B, H, S, S])
+
+    Example: ViTBlock(64, 4)(torch.zeros(2, 17, 64), return_attention=True)[1].shape == (2, 4, 17, 17)
+    """
+
+    def __init__(self, embed_dim, num_heads, mlp_ratio=4.0):
+        super().__init__()
+        ### BEGIN SOLUTION
+        hidden = int(embed_dim * mlp_ratio)
+        self.norm1 = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.attn = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(embed_dim, hidden), nn.GELU(), nn.Linear(hidden, embed_dim))
+        ### END SOLUTION
+
+    def forward(self, x, return_attention=False):
+        ### BEGIN SOLUTION
+        normed = self.norm1(x)
+        attended, weights = self.attn(normed, normed, normed, need_weights=return_attention,
+                                      average_attn_weights=False)  # weights: [B, H, S, S] or None
+        x = x + attended
+        x = x + self.mlp(self.norm2(x))
+        return (x, weights) if return_attention else x
+        ### END SOLUTION
+
+
+# %%
+block = ViTBlock(embed_dim=64, num_heads=4)
+x = torch.randn(2, 17, 64)
+out, weights = block(x, return_attention=True)
+print("x:", tuple(x.shape), "-> out:", tuple(out.shape), "| weights:", tuple(weights.shape))
+print("each query's weights sum to 1:", torch.allclose(weights.sum(-1), torch.ones(2, 4, 17)))
+
+# %% test="test_ViTBlock" points=3
+"""ViTBlock: attributes, output equals nn.TransformerEncoderLayer configured as a ViT block, per-head weights [B, H, S, S] whose rows sum to 1."""
+from attention_lab.checks.vision_transformer import check_vit_block
+
+check_vit_block(ViTBlock)
+### BEGIN HIDDEN TESTS
+check_vit_block(ViTBlock, seed=4501, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **`nn.TransformerEncoderLayer` is not a ViT block out of the box.** Its defaults are those of
+# the 2017 translation model: post-norm, ReLU, a 2048-wide MLP whatever `D` is, dropout 0.1 and
+# LayerNorm eps 1e-5. Code that builds a ViT with `nn.TransformerEncoderLayer(d_model, nhead)`
+# gets a different network. Configured like this, it is exactly your block (the check above
+# copied your weights into one and compared the outputs):
+
+# %%
+default_layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, batch_first=True)
+vit_layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=4 * 64, dropout=0.0,
+                                       activation="gelu", layer_norm_eps=1e-6, batch_first=True,
+                                       norm_first=True)
+for name, layer in (("defaults", default_layer), ("as a ViT block", vit_layer)):
+    print(f"{name:>15}: norm_first={layer.norm_first}, activation={layer.activation.__name__}, "
+          f"MLP width={layer.linear1.out_features}, dropout={layer.dropout.p}, eps={layer.norm1.eps}")
+
+# %% [markdown]
+# ## 4. The whole model: class token, positions, blocks, head
+#
+# | step | operation | shape (digits, P = 2, D = 64) |
+# | --- | --- | --- |
+# | image | | `[B, 1, 8, 8]` |
+# | patch tokens | `patch_embed(images)` | `[B, 16, 64]` |
+# | prepend [CLS] | `cat([cls_token.expand(B, -1, -1), tokens], dim=1)` | `[B, 17, 64]` |
+# | add positions | `+ pos_embed` (`[1, 17, 64]`, broadcast over B) | `[B, 17, 64]` |
+# | encoder | `depth` × `ViTBlock` | `[B, 17, 64]` |
+# | final norm | `norm` (all tokens) | `[B, 17, 64]` |
+# | read [CLS] | `x[:, 0]` | `[B, 64]` |
+# | head | `Linear(D, num_classes)` | `[B, 10]` |
+#
+# * **The class token** `cls_token [1, 1, D]` is one learned vector, prepended to every image's
+#   patch tokens, so **it is token 0**. It carries no pixels; through attention it collects what
+#   the head needs, and the head reads only its final state. (Classifying from the *average*
+#   of the patch tokens instead — global average pooling — works as well and is common too.)
+# * **Positions.** Self-attention is permutation-*equivariant*: shuffle the input tokens and
+#   the outputs are shuffled the same way — nothing tells patch 3 from patch 12. `pos_embed
+#   [1, N + 1, D]` is a learned vector per position, added to the tokens; position 0 belongs
+#   to the class token, positions 1…N to the patches in row-major order. (This only fits
+#   images of the training size. For another size the grid of position vectors must be
+#   interpolated in 2-D; slicing `pos_embed[:, :S]` fails for a larger image and, for a
+#   smaller one, silently gives the patches the positions of a different grid.)
+# * **Initialisation.** A common recipe (timm's ViT) draws `pos_embed` from a truncated
+#   normal with std 0.02 and `cls_token` with std 1e-6; zeros also train.
+
+# %% [markdown]
+# ### Exercise 4.6 — MiniViT (5 pts, ~20 min)
+#
+# `nn.Module(img_size, patch_size, in_channels, num_classes, embed_dim, depth, num_heads,
+# mlp_ratio=4.0)` with the attributes
+#
+# * `patch_embed` — your `PatchEmbedding`;
+# * `cls_token` — `nn.Parameter` `[1, 1, D]`; `pos_embed` — `nn.Parameter` `[1, N + 1, D]`;
+# * `blocks` — `nn.ModuleList` of `depth` `ViTBlock`s; `norm` — `LayerNorm(D, eps=1e-6)`;
+# * `head` — `nn.Linear(D, num_classes)`.
+#
+# `forward(images, return_attention=False)` returns the logits `[B, num_classes]`, or with
+# `return_attention=True` the pair `(logits, attentions)` where `attentions` is a list with
+# one `[B, H, S, S]` tensor per block. Prepend the class token with `expand` (a view: no copy
+# of the parameter), then add `pos_embed` to **all** `S` tokens.
+
+# %% answer="MiniViT"
+class MiniViT(nn.Module):
+    """A small Vision Transformer classifier.
+
+    forward(images [B, C, H, W], return_attention=False)
+    -> logits [B, num_classes], or (logits, [one [B, H, S, S] per block]), S = N + 1
+
+    Example: MiniViT(8, 2, 1, 10, 64, 2, 4)(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
+    """
+
+    def __init__(self, img_size, patch_size, in_channels, num_classes, embed_dim, depth, num_heads,
+                 mlp_ratio=4.0):
+        super().__init__()
+        ### BEGIN SOLUTION
+        self.patch_embed = PatchEmbedding(img_size, patch_size, in_channels, embed_dim)
+        num_tokens = self.patch_embed.num_patches + 1  # + the class token, at position 0
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
+        nn.init.normal_(self.cls_token, std=1e-6)
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        self.blocks = nn.ModuleList([ViTBlock(embed_dim, num_heads, mlp_ratio) for _ in range(depth)])
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.head = nn.Linear(embed_dim, num_classes)
+        ### END SOLUTION
+
+    def forward(self, images, return_attention=False):
+        ### BEGIN SOLUTION
+        tokens = self.patch_embed(images)  # [B, N, D]
+        cls = self.cls_token.expand(tokens.shape[0], -1, -1)  # [B, 1, D], a view
+        x = torch.cat([cls, tokens], dim=1) + self.pos_embed  # [B, S, D]
+        attentions = []
+        for block in self.blocks:
+            if return_attention:
+                x, weights = block(x, return_attention=True)  # weights: [B, H, S, S]
+                attentions.append(weights)
+            else:
+                x = block(x)
+        x = self.norm(x)
+        logits = self.head(x[:, 0])  # the class token's final state: [B, num_classes]
+        return (logits, attentions) if return_attention else logits
+        ### END SOLUTION
+
+
+# %%
+vit = MiniViT(img_size=8, patch_size=2, in_channels=1, num_classes=10, embed_dim=64, depth=2, num_heads=4)
+logits, attentions = vit(digits.train_images[:3], return_attention=True)
+print("logits:", tuple(logits.shape), "| attentions:", [tuple(a.shape) for a in attentions])
+print(f"parameters: {sum(p.numel() for p in vit.parameters()):,}")
+
+# %% test="test_MiniViT" points=3
+"""MiniViT: attributes and shapes; logits and per-block attention equal a ViT built from PyTorch modules (Conv2d, nn.TransformerEncoderLayer) with your weights."""
+from attention_lab.checks.vision_transformer import check_mini_vit
+
+check_mini_vit(MiniViT)
+### BEGIN HIDDEN TESTS
+check_mini_vit(MiniViT, seed=4601, device="cpu")
+### END HIDDEN TESTS
+
+# %% test="test_MiniViT_properties" points=2
+"""MiniViT properties: CLS is token 0 and the only token the head reads; with pos_embed zeroed, shuffling patches leaves the logits unchanged (and with it, not); cls_token gets the summed gradient."""
+from attention_lab.checks.vision_transformer import check_mini_vit_properties
+
+check_mini_vit_properties(MiniViT)
+### BEGIN HIDDEN TESTS
+check_mini_vit_properties(MiniViT, seed=4602, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 4.7 — `expand` or `repeat`? (1 pt, ~5 min)
+#
+# The class token is one parameter shared by every image. A popular explainer warns: *"if you
+# used `.repeat(B, 1, 1)` instead of `.expand(B, -1, -1)`, you would get B independent tokens
+# whose gradients are not shared."* Run the cell below, then choose:
+#
+# * **A.** With `repeat`, `cls_token.grad` comes from only one image of the batch; with
+#   `expand` it is the sum over the batch.
+# * **B.** Both give exactly the same `cls_token.grad` — the sum over the batch — because
+#   autograd adds up the gradients of every copy; `repeat` only costs memory for `B` copies.
+# * **C.** `expand` gives the *mean* of the per-image gradients and `repeat` the sum.
+#
+# Set `ANSWER_EXPAND_REPEAT` to `"A"`, `"B"` or `"C"`.
+
+# %%
+cls_token = nn.Parameter(torch.randn(1, 1, 8))
+batch_tokens = torch.randn(4, 5, 8)
+gradients = {}
+for how in ("expand", "repeat"):
+    cls_token.grad = None
+    copies = cls_token.expand(4, -1, -1) if how == "expand" else cls_token.repeat(4, 1, 1)  # [4, 1, 8]
+    sequence = torch.cat([copies, batch_tokens], dim=1)  # [4, 6, 8]
+    (sequence.softmax(dim=1) * torch.arange(6.0).view(1, 6, 1)).sum().backward()
+    gradients[how] = cls_token.grad.clone()
+    print(f"{how:>6}: shares memory with cls_token: {copies.data_ptr() == cls_token.data_ptr()}, "
+          f"grad[:3] = {gradients[how].flatten()[:3].tolist()}")
+print("same gradient:", torch.allclose(gradients["expand"], gradients["repeat"]))
+
+# %% answer="ANSWER_EXPAND_REPEAT"
+ANSWER_EXPAND_REPEAT = None  # "A", "B" or "C"
+### BEGIN SOLUTION
+ANSWER_EXPAND_REPEAT = "B"
+### END SOLUTION
+
+# %% test="test_ANSWER_EXPAND_REPEAT" points=1
+"""ANSWER_EXPAND_REPEAT: which statement about expand vs repeat for the class token is right."""
+from attention_lab.checks.vision_transformer import check_answer_expand_repeat
+
+check_answer_expand_repeat(ANSWER_EXPAND_REPEAT)
+
+# %% [markdown]
+# ## 5. Where do Q, K and V live?
+#
+# Inside every block, `attn` is an `nn.MultiheadAttention`. It stores the three input
+# projections stacked in **one** parameter, `in_proj_weight [3·D, D]` — rows `0…D-1` are `W_q`,
+# then `W_k`, then `W_v` — in `nn.Linear`'s `[out, in]` layout, so it computes
+# `Q = x @ W_qᵀ + b_q` (not `x @ W_q`), with the biases stacked in `in_proj_bias [3·D]`. Let us
+# split a real one and redo its computation by hand:
+
+# %%
+D, H = 64, 4
+mha = nn.MultiheadAttention(D, H, batch_first=True)
+x = torch.randn(2, 17, D)
+w_q, w_k, w_v = mha.in_proj_weight.chunk(3, dim=0)  # three [D, D] blocks, [out, in]
+b_q, b_k, b_v = mha.in_proj_bias.chunk(3)
+print("in_proj_weight:", tuple(mha.in_proj_weight.shape), "-> W_q, W_k, W_v:", tuple(w_q.shape))
+
+
+def heads(t):  # [B, S, D] -> [B, H, S, d_head]
+    return t.view(t.shape[0], t.shape[1], H, D // H).transpose(1, 2)
+
+
+q, k, v = heads(x @ w_q.T + b_q), heads(x @ w_k.T + b_k), heads(x @ w_v.T + b_v)
+by_hand = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // H), dim=-1) @ v  # [B, H, S, d_head]
+by_hand = mha.out_proj(by_hand.transpose(1, 2).reshape(2, 17, D))
+print("by hand == nn.MultiheadAttention:", torch.allclose(by_hand, mha(x, x, x)[0], atol=1e-6))
+
+# %% [markdown]
+# Head `h` uses rows `h·d_head … (h+1)·d_head - 1` of `W_q`: a `[d_head, D]` block that reads
+# **all** `D` features of the token. So a head does not "see a slice of the token"; it sees the
+# whole token through its own projection, and only the *projected* `Q`, `K`, `V` are sliced.
+# The `[D, D]` matrix is `H` disjoint blocks — nothing is shared between heads; stacking them
+# just lets one matmul compute all heads at once.
+#
+# The same bookkeeping at real scale, computed on PyTorch's `meta` device (shapes without
+# memory) rather than typed in. ViT-B/16 has `D = 768, H = 12` and `S = 197`; GPT-3 (175B) has
+# `d_model = 12288` with 96 heads of 128 in each of its 96 layers, a 2048-token context and a
+# vocabulary of 50,257 tokens. (GPT-4's dimensions have not been published.)
+
+# %%
+def attention_shape_table(embed_dim, num_heads, seq_len, batch=1):
+    """The shapes inside one nn.MultiheadAttention, read off a forward pass on the meta device."""
+    mha = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True, device="meta")
+    w_q, w_k, w_v = mha.in_proj_weight.chunk(3, dim=0)
+    x = torch.empty(batch, seq_len, embed_dim, device="meta")
+    q = x @ w_q.T  # (+ b_q, which changes no shape)
+    q_heads = q.view(batch, seq_len, num_heads, -1).transpose(1, 2)
+    scores = q_heads @ q_heads.transpose(-2, -1)
+    return {
+        "in_proj_weight": tuple(mha.in_proj_weight.shape),
+        "W_q (one block)": tuple(w_q.shape),
+        "W_q rows per head": (q_heads.shape[-1], embed_dim),
+        "Q": tuple(q.shape),
+        "Q split into heads": tuple(q_heads.shape),
+        "scores Q Kᵀ": tuple(scores.shape),
+        "parameters": f"{sum(p.numel() for p in mha.parameters()):,}",
+    }
+
+
+vit_b = attention_shape_table(embed_dim=768, num_heads=12, seq_len=197)
+gpt3 = attention_shape_table(embed_dim=12288, num_heads=96, seq_len=2048)
+print(f"{'':>20} | {'ViT-B/16 (S = 197)':>22} | {'GPT-3 175B (S = 2048)':>24}")
+for row in vit_b:
+    print(f"{row:>20} | {str(vit_b[row]):>22} | {str(gpt3[row]):>24}")
+# from_pretrained on a meta tensor: the table's shape without memory (and without a random init).
+embedding = nn.Embedding.from_pretrained(torch.empty(50257, 12288, device="meta"))
+print(f"GPT-3 token embedding: {tuple(embedding.weight.shape)} = {embedding.weight.numel():,} parameters; "
+      f"ViT-B/16 patch embedding: {patch_embedding_parameter_count(16, 3, 768):,}")
+
+# %% [markdown]
+# GPT-3 does not *reduce* the width of Q, K and V either: it splits its 12,288 features into 96
+# heads of 128. Models with grouped-query attention (Llama 2 70B and later, notebook 05) *do*
+# give K and V fewer heads than Q, which shrinks the KV cache.
+
+# %% [markdown]
+# ## 6. Training on real digits
+#
+# ### Exercise 4.8 — train_classifier (4 pts, ~15 min)
+#
+# `train_classifier(model, train_loader, epochs, lr, device) -> list[float]`: move the model to
+# `device` and put it in training mode (`model.train()`: it may arrive in evaluation mode);
+# then for each epoch, for each batch `(images, labels)` of the loader: move both to `device`,
+# compute the cross-entropy of `model(images)` against `labels`, zero the gradients,
+# `backward()`, and take an optimizer step. Use `torch.optim.AdamW` (or Adam) with learning rate
+# `lr` — transformers train poorly with plain SGD. Return the mean training loss of every epoch
+# as a list of Python floats (`loss.item()`).
+#
+# Show progress with **one** `tqdm` bar over the epochs (`from tqdm.auto import tqdm`,
+# `leave=False`, the latest loss in `set_postfix`) — not a line per batch. Optional: a
+# learning-rate schedule with warm-up (`torch.optim.lr_scheduler.OneCycleLR`) makes ViT training
+# steadier; the solution uses one.
+
+# %% answer="train_classifier"
+def train_classifier(model, train_loader, epochs, lr, device):
+    """Train model with AdamW on the cross-entropy loss; return the mean loss of every epoch.
+
+    model: maps images [B, ...] to logits [B, num_classes]; train_loader yields (images, labels).
+    Returns a list of `epochs` Python floats.
+
+    Example: losses = train_classifier(MiniViT(...), train_loader, epochs=10, lr=3e-3, device=device)
+    """
+    ### BEGIN SOLUTION
+    model.to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
+    # Warm up for the first 15% of the steps, then anneal: transformers dislike a cold start.
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, pct_start=0.15,
+                                                   total_steps=epochs * len(train_loader))
+    epoch_losses = []
+    progress = tqdm(range(epochs), desc="training", leave=False)
+    for _ in progress:
+        total, count = 0.0, 0
+        for images, labels in train_loader:
+            images, labels = images.to(device), labels.to(device)
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            total += loss.item() * len(labels)
+            count += len(labels)
+        epoch_losses.append(total / count)
+        progress.set_postfix(loss=f"{epoch_losses[-1]:.3f}")
+    return epoch_losses
+    ### END SOLUTION
+
+
+# %% test="test_train_classifier" points=1
+"""train_classifier: trains in place in training mode, returns one float per epoch, and the loss goes down (a small linear model)."""
+from attention_lab.checks.vision_transformer import check_train_classifier
+
+check_train_classifier(train_classifier)
+### BEGIN HIDDEN TESTS
+check_train_classifier(train_classifier, seed=4801, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Now the real thing: a MiniViT with 2×2 patches (a 4×4 grid, `S = 17`), `D = 64`, 2 blocks of
+# 4 heads — about 100k parameters — for 8 epochs of batches of 32. On a CPU this takes roughly
+# ten seconds. The training happens once, in `trained_vit()`; later cells reuse the result.
+
+# %%
+VIT_CONFIG = dict(img_size=8, patch_size=2, in_channels=1, num_classes=10, embed_dim=64, depth=2, num_heads=4)
+_trained = {}
+
+
+def trained_vit():
+    """The MiniViT of this section, trained once (fixed seed) and then reused."""
+    if "model" not in _trained:
+        torch.manual_seed(0)
+        model = MiniViT(**VIT_CONFIG)
+        train_loader, _ = digits_loaders(batch_size=32, seed=0, split=digits)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # matrices this small: one CPU thread beats several that wait on each other
+        try:
+            start = time.perf_counter()
+            losses = train_classifier(model, train_loader, epochs=8, lr=3e-3, device=device)
+            _trained.update(model=model.eval(), losses=losses, seconds=time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(threads)
+    return _trained["model"]
+
+
+@torch.no_grad()
+def predict(model, images, batch_size=512):
+    """Class predictions and probabilities of a trained classifier, in evaluation mode."""
+    model.eval()
+    device_of_model = next(model.parameters()).device
+    probabilities = torch.cat([model(chunk.to(device_of_model)).softmax(-1).cpu()
+                               for chunk in images.split(batch_size)])
+    return probabilities.argmax(-1), probabilities
+
+
+# %%
+vit = trained_vit()
+predicted, _ = predict(vit, digits.test_images)
+accuracy = (predicted == digits.test_labels).float().mean().item()
+print(f"trained in {_trained['seconds']:.1f} s | loss per epoch: "
+      + " ".join(f"{loss:.2f}" for loss in _trained["losses"]))
+print(f"test accuracy: {accuracy:.1%} on {len(digits.test_labels)} images it never saw")
+
+# %% [markdown]
+# Which digits does it confuse? The confusion matrix counts, for every true class (row), how
+# often each class was predicted (column); below it, some of the test images it got wrong.
+
+# %%
+vit = trained_vit()
+predicted, probabilities = predict(vit, digits.test_images)
+confusion = torch.zeros(10, 10, dtype=torch.long)
+confusion.index_put_((digits.test_labels, predicted), torch.ones_like(predicted), accumulate=True)
+wrong = (predicted != digits.test_labels).nonzero().flatten()[:8]
+
+figure = plt.figure(figsize=(11, 3.6))
+ax = figure.add_subplot(1, 3, 1)
+ax.imshow(confusion, cmap="Blues")
+for row in range(10):
+    for col in range(10):
+        if confusion[row, col]:
+            ax.text(col, row, int(confusion[row, col]), ha="center", va="center", fontsize=6,
+                    color="white" if confusion[row, col] > 20 else "black")
+ax.set(xlabel="predicted", ylabel="true", xticks=range(10), yticks=range(10), title="confusion matrix (test)")
+for slot, index in enumerate(wrong.tolist()):
+    ax = figure.add_subplot(2, 6, 3 + slot + 2 * (slot // 4))
+    ax.imshow(digits.test_images[index, 0], cmap="gray_r")
+    ax.set_title(f"{int(digits.test_labels[index])} → {int(predicted[index])} "
+                 f"({probabilities[index].max():.0%})", fontsize=8)
+    ax.axis("off")
+plt.show()
+
+# %% [markdown]
+# **The graded outcome.** The check below trains a *fresh* MiniViT — your class — with *your*
+# `train_classifier`, under a fixed seed, with 4×4 patches, `D = 64`, 2 blocks of 4 heads,
+# batch 32, `lr = 1e-3`, 8 epochs, and measures the test accuracy itself. It must reach at least
+# 90% within 60 s of CPU time (a correct solution needs a small fraction of that; on a GPU, even
+# less).
+
+# %% test="test_train_classifier_outcome" points=3
+"""train_classifier + MiniViT: a fresh MiniViT trained by your loop (fixed seed) reaches >= 90% test accuracy on the digits within the CPU budget."""
+from attention_lab.checks.vision_transformer import check_train_classifier_outcome
+
+check_train_classifier_outcome(train_classifier, MiniViT)
+
+# %% [markdown]
+# ## 7. Looking inside: where does the class token attend?
+#
+# In every block, row 0 of each head's attention matrix says how much the class token takes
+# from every token. Its columns `1…N` belong to the patches, in row-major order — so they
+# fold back into the `grid × grid` image of patches.
+
+# %% [markdown]
+# ### Exercise 4.9 — cls_attention_map (2 pts, ~10 min)
+#
+# One block's attention `[B, H, S, S]` (with `S = grid² + 1`) → the class token's weights on
+# the patches, `[B, H, grid, grid]`: the query row 0, the key columns `1…S-1` (not column 0,
+# which is the class token attending to itself), reshaped row-major. Keep every head.
+
+# %% answer="cls_attention_map"
+def cls_attention_map(attention, grid_size):
+    """The [CLS] query's attention on the patches, as an image of patches.
+
+    attention: [B, H, S, S] with S = grid_size**2 + 1 (token 0 is [CLS])
+    returns: [B, H, grid_size, grid_size]; out[b, h, r, c] = attention[b, h, 0, 1 + r * grid_size + c]
+
+    Example: a [2, 4, 17, 17] attention with grid_size=4 gives [2, 4, 4, 4].
+    """
+    ### BEGIN SOLUTION
+    batch, num_heads = attention.shape[:2]
+    return attention[:, :, 0, 1:].reshape(batch, num_heads, grid_size, grid_size)
+    ### END SOLUTION
+
+
+# %%
+vit = trained_vit()
+_, attentions = vit(digits.test_images[:4].to(device), return_attention=True)
+maps = cls_attention_map(attentions[-1], grid_size=4)  # [4, H, 4, 4]
+print("last block:", tuple(attentions[-1].shape), "-> maps:", tuple(maps.shape))
+print("first test image, head 0 of the last block:")
+print(maps[0, 0].detach().cpu().numpy().round(2))
+
+# %% test="test_cls_attention_map" points=2
+"""cls_attention_map: row 0 (the [CLS] query), columns 1..N, [B, H, grid, grid] in row-major patch order, every head kept."""
+from attention_lab.checks.vision_transformer import check_cls_attention_map
+
+check_cls_attention_map(cls_attention_map)
+### BEGIN HIDDEN TESTS
+check_cls_attention_map(cls_attention_map, seed=4901, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 4.10 — attention_rollout (3 pts, ~15 min)
+#
+# One block's map ignores everything before it: in block 2 the "patch" tokens already mix
+# information from all patches. **Attention rollout** (Abnar & Zuidema, 2020) follows the
+# attention through all blocks:
+#
+# 1. per block `l`, average the heads: `A_l = mean_h attention_l[:, h]` → `[B, S, S]`;
+# 2. account for the residual connection: `Ã_l = A_l + I`, then renormalise every row to sum
+#    to 1 (equivalently `0.5·A_l + 0.5·I`);
+# 3. multiply through the blocks, the last on the left: `R = Ã_L · … · Ã_2 · Ã_1`
+#    (token `i` after block `L` draws on token `j` after block `L-1`, which drew on …);
+# 4. return the class token's row of `R` on the patches: `R[:, 0, 1:]` as `[B, grid, grid]`.
+#
+# `attentions` is the list your `MiniViT` returns (one `[B, H, S, S]` per block, first block
+# first); `grid = sqrt(S - 1)`.
+
+# %% answer="attention_rollout"
+def attention_rollout(attentions):
+    """Attention rollout (Abnar & Zuidema 2020) from the [CLS] token to the patches.
+
+    attentions: sequence of L tensors [B, H, S, S], block 1 first; S = grid**2 + 1
+    returns: [B, grid, grid], the [CLS] row of Ã_L ··· Ã_1 on the patch columns, where
+    Ã_l = rownormalise(mean over heads of attentions[l] + I).
+
+    Example: for one block, the result is row 0, columns 1.., of rownormalise(mean_h A + I).
+    """
+    ### BEGIN SOLUTION
+    batch, _, seq_len, _ = attentions[0].shape
+    grid_size = math.isqrt(seq_len - 1)
+    identity = torch.eye(seq_len, dtype=attentions[0].dtype, device=attentions[0].device)
+    rollout = identity.expand(batch, seq_len, seq_len)
+    for attention in attentions:
+        mixed = attention.mean(dim=1) + identity  # [B, S, S]: heads averaged, residual added
+        mixed = mixed / mixed.sum(dim=-1, keepdim=True)
+        rollout = mixed @ rollout  # the later block on the left
+    return rollout[:, 0, 1:].reshape(batch, grid_size, grid_size)
+    ### END SOLUTION
+
+
+# %%
+vit = trained_vit()
+_, attentions = vit(digits.test_images[:4].to(device), return_attention=True)
+rollout = attention_rollout(attentions)
+print("rollout:", tuple(rollout.shape), "| first image:")
+print(rollout[0].detach().cpu().numpy().round(3))
+
+# %% test="test_attention_rollout" points=3
+"""attention_rollout: heads averaged, identity added, rows renormalised, Ã_L ... Ã_1 (later blocks on the left), [CLS] row on the patches as [B, grid, grid]."""
+from attention_lab.checks.vision_transformer import check_attention_rollout
+
+check_attention_rollout(attention_rollout)
+### BEGIN HIDDEN TESTS
+check_attention_rollout(attention_rollout, seed=4911, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **Look at it.** Pick a test image, a block and a head — or the mean of the heads, or the
+# rollout through all blocks — and see the class token's attention over the image's patches.
+# The explorer runs your trained `MiniViT`, your `cls_attention_map` and your
+# `attention_rollout`.
+
+# %%
+from attention_lab.widgets.vit_attention import vit_attention_explorer
+
+vit = trained_vit()
+vit_attention_explorer(vit, digits.test_images[:32], digits.test_labels[:32], cls_attention_map, attention_rollout)
+
+# %% [markdown]
+# **What these pictures are, and are not.** An attention map shows where one token *took
+# information from* in one layer. It is not an explanation of the decision: the values that
+# are mixed are not the pixels but representations that, after the first block, already blend
+# all patches; the MLPs, the residual stream and the head do much of the work; and attention
+# weights can sometimes be changed a lot without changing the prediction (Jain & Wallace 2019,
+# "Attention is not Explanation"; for the other side of that debate, Wiegreffe & Pinter 2019). Rollout is a heuristic on top of that (it assumes heads average
+# and that the residual counts as much as attention). Treat these maps as a view of the
+# mechanism, and test any story they suggest — for example by masking the patches and watching
+# the prediction.
+#
+# ## What you built
+#
+# * `patchify` and `PatchEmbedding`: an image becomes `N` tokens; a stride-`P` `Conv2d` *is* a
+#   linear layer on `(C, P, P)`-flattened patches (`conv_to_linear`), with `D·C·P·P + D`
+#   parameters (590,592 for ViT-B/16).
+# * `ViTBlock` and `MiniViT`: pre-norm blocks equal to `nn.TransformerEncoderLayer` configured
+#   as a ViT; the class token at position 0, positions for every token, the head on the class
+#   token.
+# * `train_classifier`: a ViT that reads handwritten digits, trained on a CPU in seconds.
+# * `cls_attention_map` and `attention_rollout`: what the class token attends to — and why that
+#   is a view, not an explanation.
+#
+# Next: notebook 05 opens up a modern language model's attention — grouped-query attention,
+# rotary positions, QK-norm and the KV cache.
