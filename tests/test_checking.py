@@ -352,6 +352,41 @@ def test_setup_seeds_and_prints_the_environment(capsys):
     assert f"torch {torch.__version__}" in line and "device: CPU" in line
 
 
+def test_the_snapshot_is_taken_by_the_setup_cell_before_any_answer_cell():
+    """`import attention_lab` (the setup cell) loads the checks' snapshot; an answer cell that
+    replaces torch.allclose afterwards is caught by the first check."""
+    import subprocess
+    import sys
+
+    program = ("import attention_lab, sys, torch\n"
+               "assert 'attention_lab.checking' in sys.modules\n"
+               "torch.allclose = lambda *a, **k: True\n"
+               "from attention_lab.checks.mha_shapes import check_mha_parameter_count\n"
+               "try:\n"
+               "    check_mha_parameter_count(lambda D, bias=True: 4 * D * D + 4 * D * bias, device='cpu')\n"
+               "except AssertionError as failure:\n"
+               "    print('caught:', failure)\n")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert "caught: Your notebook replaced library functions that the checks rely on: torch.allclose" in result.stdout, \
+        result.stdout + result.stderr
+
+
+def test_pytorchs_own_lazy_wrapper_of_manual_seed_is_not_tampering_but_a_fake_is():
+    original = vars(torch)["manual_seed"]
+    snapshot_entry = next(i for i, (ns, attr, _) in enumerate(checking._SNAPSHOT) if ns is torch and attr == "manual_seed")
+    expected = checking._SNAPSHOT[snapshot_entry]
+    try:
+        def fake(seed):
+            return None
+
+        torch.manual_seed = fake
+        with pytest.raises(CheckFailure, match="torch.manual_seed"):
+            verify_untampered()
+    finally:
+        torch.manual_seed = original
+        checking._SNAPSHOT[snapshot_entry] = expected
+
+
 def test_ordinary_library_use_in_a_notebook_does_not_look_like_tampering():
     """Lazy imports inside PyTorch (an optimizer pulls in torch._dynamo) must not trip the guard."""
     model = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True, norm_first=True)

@@ -12,6 +12,10 @@ Students meet three parts of this package:
 
 from attention_lab.device import describe_environment, pick_device, seed_everything, setup
 
+# Imported here, by the setup cell, so that the checks' snapshot of the library functions
+# they rely on is taken before any answer cell runs (see attention_lab.checking).
+from attention_lab import checking as _checking  # noqa: E402,F401  isort: skip
+
 __version__ = "0.1.0"
 
 __all__ = ["setup", "pick_device", "seed_everything", "describe_environment", "__version__"]

@@ -38,10 +38,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
-# Imported for its side effect before the tamper snapshot below is taken: PyTorch imports
-# torch._dynamo lazily (e.g. when the first optimizer is built), and that import rewraps
-# torch.manual_seed. Importing it now keeps a notebook that trains from looking tampered.
-import torch._dynamo  # noqa: F401
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -231,6 +227,10 @@ def _watched_items() -> Iterator[tuple[Any, str, Any]]:
 
 
 _SNAPSHOT: list[tuple[Any, str, Any]] = list(_watched_items())
+# PyTorch itself rewraps these when it first imports torch._dynamo (e.g. on the first
+# optimizer step): a wrapper of the original is expected, not tampering. No check relies on
+# them for a verdict.
+_LAZILY_REWRAPPED = {(torch, "manual_seed")}
 # Classes whose namespace must not grow: `torch.Tensor.__sub__ = ...` adds an override
 # to the Python class (the original lives on the C base class), so it is a new key.
 _CLASS_KEYS: dict[type, frozenset[str]] = {
@@ -247,11 +247,15 @@ def _label(namespace: Any) -> str:
 def verify_untampered() -> None:
     """Fail if the notebook replaced a library function; put the original back first."""
     replaced = []
-    for namespace, attr, original in _SNAPSHOT:
+    for index, (namespace, attr, original) in enumerate(_SNAPSHOT):
         current = vars(namespace).get(attr, _MISSING)
-        if current is not original:
-            setattr(namespace, attr, original)
-            replaced.append(f"{_label(namespace)}.{attr}")
+        if current is original:
+            continue
+        if (namespace, attr) in _LAZILY_REWRAPPED and getattr(current, "__wrapped__", None) is original:
+            _SNAPSHOT[index] = (namespace, attr, current)  # PyTorch's own wrapper: expect it from now on
+            continue
+        setattr(namespace, attr, original)
+        replaced.append(f"{_label(namespace)}.{attr}")
     for cls, keys in _CLASS_KEYS.items():
         for attr in set(vars(cls)) - keys:
             delattr(cls, attr)
