@@ -37,6 +37,7 @@ from attention_lab.checking import (
     random_generator,
     shape_str,
 )
+from attention_lab.checks.encoder_reference import torch_encoder_layer_like
 from attention_lab.images import draw_rose, image_dataset
 
 # --------------------------------------------------------------------------------------
@@ -788,20 +789,13 @@ def _randomise(module: nn.Module, generator: torch.Generator) -> None:
 
 
 def _reference_layer(layer: nn.Module, embed_dim: int, num_heads: int, mlp_ratio: float) -> nn.TransformerEncoderLayer:
-    """nn.TransformerEncoderLayer (pre-norm, GELU, eps 1e-6, no dropout) holding the student's weights, float64 CPU."""
-    reference = nn.TransformerEncoderLayer(
-        embed_dim, num_heads, dim_feedforward=_layer_hidden(embed_dim, mlp_ratio), dropout=0.0,
-        activation="gelu", layer_norm_eps=1e-6, batch_first=True, norm_first=True,
-        device="cpu", dtype=torch.float64)
-    with torch.no_grad():
-        for target, source in ((reference.self_attn, layer.attn), (reference.norm1, layer.norm1),
-                               (reference.norm2, layer.norm2), (reference.linear1, layer.mlp[0]),
-                               (reference.linear2, layer.mlp[2])):
-            for (name, parameter), (source_name, value) in zip(target.named_parameters(), source.named_parameters()):
-                expect_true(parameter.shape == value.shape, f"parameter {source_name} has shape {shape_str(value.shape)}, "
-                            f"expected {shape_str(parameter.shape)}.")
-                parameter.copy_(value.detach().to("cpu", torch.float64))
-    return reference.eval()
+    """nn.TransformerEncoderLayer (pre-norm, GELU, eps 1e-6, no dropout) holding the student's weights, float64 CPU.
+
+    In eval mode, like the student's layers in these checks: PyTorch's inference path turns a
+    fully masked row into NaN (as an unconverted mask does), its training path does not.
+    """
+    return torch_encoder_layer_like(layer, embed_dim, num_heads, _layer_hidden(embed_dim, mlp_ratio),
+                                    device="cpu", dtype=torch.float64).eval()
 
 
 def _manual_layer(reference: nn.TransformerEncoderLayer, x: torch.Tensor, mask: torch.Tensor | None, *,

@@ -36,6 +36,7 @@ from attention_lab.checking import (
     random_generator,
     shape_str,
 )
+from attention_lab.checks.encoder_reference import torch_encoder_layer_like
 
 
 
@@ -369,18 +370,8 @@ def _vit_layer_from_block(block: nn.Module, embed_dim: int, num_heads: int, hidd
                           norm_first: bool = True) -> nn.TransformerEncoderLayer:
     """nn.TransformerEncoderLayer configured as a ViT block, with the student's weights copied in."""
     parameter = next(block.parameters())
-    layer = nn.TransformerEncoderLayer(embed_dim, num_heads, dim_feedforward=hidden, dropout=0.0, activation="gelu",
-                                       layer_norm_eps=1e-6, batch_first=True, norm_first=norm_first,
-                                       device=parameter.device, dtype=parameter.dtype)
-    with torch.no_grad():
-        layer.self_attn.load_state_dict(block.attn.state_dict())
-        layer.linear1.load_state_dict(block.mlp[0].state_dict())
-        layer.linear2.load_state_dict(block.mlp[2].state_dict())
-        layer.norm1.load_state_dict(block.norm1.state_dict())
-        layer.norm2.load_state_dict(block.norm2.state_dict())
-    # Training mode (dropout is 0, so it computes the same function) keeps PyTorch off its fused
-    # inference fast path: the reference is the plain composition of modules on every device.
-    return layer.train()
+    return torch_encoder_layer_like(block, embed_dim, num_heads, hidden, device=parameter.device,
+                                    dtype=parameter.dtype, norm_first=norm_first)
 
 
 def _layer_attention(layer: nn.TransformerEncoderLayer, x: torch.Tensor) -> torch.Tensor:
