@@ -188,10 +188,6 @@ def weights_calling_sdpa(q, k, mask=None):
     return F.scaled_dot_product_attention(q, k, identity, attn_mask=mask)
 
 
-def weights_no_transpose(q, k, mask=None):
-    return (q @ k.transpose(-2, -1)[..., : q.shape[-1]].transpose(-2, -1)).softmax(-1)
-
-
 def test_attention_weights_accepts_einsum_with_finite_fill():
     checks.check_attention_weights(weights_einsum, **CPU)
 
@@ -210,12 +206,11 @@ def test_attention_weights_rejects_known_mistakes(wrong, phrase):
 
 
 def test_attention_weights_names_the_missing_transpose_by_shape():
-    def no_transpose(q, k, mask=None):
-        return (q @ k[..., : q.shape[-1], :].transpose(-2, -1).transpose(-2, -1)).softmax(-1) if False else \
-            (q @ torch.ones(*k.shape[:-2], q.shape[-1], q.shape[-1], dtype=q.dtype)).softmax(-1)
+    def elementwise_scores(q, k, mask=None):
+        return (q * k / math.sqrt(q.shape[-1])).softmax(-1)  # q * k, not q @ k^T
 
     with pytest.raises(CheckFailure, match=r"should have shape \[2, 3, 5, 5\], got \[2, 3, 5, 8\][\s\S]*k.transpose"):
-        checks.check_attention_weights(no_transpose, **CPU)
+        checks.check_attention_weights(elementwise_scores, **CPU)
 
 
 def sdpa_separate_steps(q, k, v, mask=None):

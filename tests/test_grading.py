@@ -3,8 +3,6 @@ the pipeline that need no kernel (feedback wording, fingerprints, discovery)."""
 
 from __future__ import annotations
 
-import copy
-import shutil
 from pathlib import Path
 
 import nbformat

@@ -307,16 +307,6 @@ def _torch_function_name(func: Any) -> str:
     return f"{module}.{name}" if module else name
 
 
-# Built-ins that "from scratch" exercises must not call, by the names under which
-# PyTorch reports them to a TorchFunctionMode (however the student imported them).
-BUILTIN_NAMES = {
-    "scaled_dot_product_attention": ("scaled_dot_product_attention",),
-    "multi_head_attention_forward": ("multi_head_attention_forward",),
-    "rms_norm": ("rms_norm",),
-    "layer_norm": ("layer_norm",),
-}
-
-
 class _Tripwire(TorchFunctionMode):
     """Raises as soon as the student's code calls a forbidden PyTorch function."""
 

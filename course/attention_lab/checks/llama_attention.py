@@ -891,7 +891,7 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
 
 
 def _llama_variants(module, config, x, positions, n_new=None, chunk_positions=None) -> list[Variant]:
-    h, h_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    h, h_kv = config.num_attention_heads, config.num_key_value_heads
 
     def variant(hint, **kwargs):
         return Variant(lambda: _llama_reference(module, config, x, positions, n_new, **kwargs), hint)

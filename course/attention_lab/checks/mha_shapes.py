@@ -8,7 +8,7 @@ idiomatic answer (slicing instead of view/permute), computed in float64 at check
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn as nn
