@@ -15,9 +15,11 @@ How one run works
    submissions (``nbgrader generate_assignment``), then a snapshot of it is taken.
 2. Each submission whose fingerprint (its files, the source notebook, the grading settings)
    changed since it was last graded is autograded by ``nbgrader autograde`` in its **own
-   temporary course root** (the source, that student's files and a copy of the snapshot):
-   ``--jobs`` of them at a time, each in its own process with its own kernel and gradebook
-   file, so they never share a database.  See :mod:`autograder.worker`.
+   temporary course root** (the source, that student's files and a copy of the snapshot),
+   so that no two students share a folder or a database.  ``--jobs`` students are graded at
+   a time, each job by its own long-lived nbgrader process (an :class:`Engine`, see
+   :mod:`autograder.worker`), which grades its students one after another: Python and
+   nbgrader start once per job, not once per student.  Every notebook gets a new kernel.
 3. As each finishes, **this process alone** copies its grades and comments into the main
    gradebook and its autograded notebook into ``autograder/autograded/``: one writer, so
    the gradebook stays consistent.
@@ -41,6 +43,8 @@ import fcntl
 import hashlib
 import json
 import os
+import queue
+import select
 import shutil
 import signal
 import subprocess
@@ -267,6 +271,90 @@ def merge(outcome: Outcome, root: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# The engines: one long-lived nbgrader process per job
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class Attempt:
+    status: int | None      # nbgrader's exit status; None when the engine died or was killed
+    timed_out: bool = False
+    log: str = ""           # what the engine printed during this attempt
+
+
+class Engine:
+    """One job's ``python -m autograder.worker`` process: autogrades the students given to it.
+
+    Started on first use and replaced after it was killed (an attempt that ran past its
+    time) or died.  It runs nbgrader, never student code: each notebook gets a new kernel.
+    """
+
+    def __init__(self, log_path: Path):
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self._replies = -1
+        self._buffer = b""
+
+    def _start(self) -> None:
+        read_end, write_end = os.pipe()
+        environment = nbgrader_environment()
+        environment["PYTHONPATH"] = str(sandbox.REPO_ROOT)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "autograder.worker", "--replies", str(write_end)],
+                cwd=AUTOGRADER_DIR, env=environment, stdin=subprocess.PIPE, stdout=log,
+                stderr=subprocess.STDOUT, pass_fds=(write_end,), start_new_session=True)
+        os.close(write_end)
+        self._replies, self._buffer = read_end, b""
+
+    def run(self, task: dict, timeout: float) -> Attempt:
+        """Autograde one task (see :func:`autograder.worker.autograde`); wait at most ``timeout`` s."""
+        if self.process is None or self.process.poll() is not None:
+            self.stop()
+            self._start()
+        offset = self.log_path.stat().st_size
+        attempt = Attempt(status=None)
+        try:
+            self.process.stdin.write((json.dumps(task) + "\n").encode())
+            self.process.stdin.flush()
+            answer = self._read_answer(deadline=time.monotonic() + timeout)
+        except BrokenPipeError:
+            answer = None
+        if answer is None:  # late or dead: kill it (its kernel dies with it); a new one comes next time
+            attempt.timed_out = self.process.poll() is None
+            self.stop()
+        else:
+            attempt.status = answer["status"]
+        with open(self.log_path, "rb") as log:
+            log.seek(offset)
+            attempt.log = log.read().decode(errors="replace")
+        return attempt
+
+    def _read_answer(self, deadline: float) -> dict | None:
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self._replies], [], [], remaining)[0]:
+                return None
+            chunk = os.read(self._replies, 4096)
+            if not chunk:  # the engine exited
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def stop(self) -> None:
+        """Kill the engine (its kernels die with it, see autograder.sandbox)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process.stdin.close()
+            self.process = None
+        if self._replies >= 0:
+            os.close(self._replies)
+            self._replies = -1
+
+
+# --------------------------------------------------------------------------------------
 # One student
 # --------------------------------------------------------------------------------------
 
@@ -294,8 +382,8 @@ def _skip_reason(kind: str, settings: Settings) -> str:
 
 
 def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir: Path,
-              settings: Settings, use_bwrap: bool, index: int) -> Outcome:
-    """Autograde one submission in its own course root (runs in a worker thread)."""
+              settings: Settings, use_bwrap: bool, index: int, engine: Engine) -> Outcome:
+    """Autograde one submission in its own course root, with ``engine`` (runs in a pool thread)."""
     start = time.perf_counter()
     outcome = Outcome(submission.student, submission.assignment, "failed")
     course = Path(tempfile.mkdtemp(prefix=f"s{index}-", dir=scratch_dir))
@@ -311,33 +399,21 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
     argv = sandbox.kernel_argv(workdir, runtime, memory_mb=settings.memory_mb, file_mb=settings.file_mb,
                                sandbox=use_bwrap, hidden=[scratch_dir, root.resolve()])
     kernel = sandbox.write_kernelspec(jupyter, argv, threads=settings.threads)
-    environment = nbgrader_environment()
-    environment.update(JUPYTER_PATH=str(jupyter), JUPYTER_RUNTIME_DIR=str(runtime), PYTHONPATH=str(sandbox.REPO_ROOT))
-    report_path, plan_path, log_path = course / "report.json", course / "plan.json", course / "worker.log"
+    report_path = course / "report.json"
     skip: dict[str, dict[str, str]] = {}
     expected = [p.stem for p in (course / "submitted" / submission.student / submission.assignment).glob("*.ipynb")
                 if p.stem in notebook_names(root, submission.assignment)]
     for attempt in range(1, settings.attempts + 1):
         outcome.attempts = attempt
         report_path.unlink(missing_ok=True)
-        plan = {"timeout": settings.timeout, "kernel": kernel, "report": str(report_path), "skip": skip,
+        task = {"root": str(course), "student": submission.student, "assignment": submission.assignment,
+                "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
+                "timeout": settings.timeout, "kernel": kernel, "report": str(report_path), "skip": skip,
                 "max_output_bytes": settings.max_output_bytes,
                 "unresponsive_grace": settings.unresponsive_grace,
                 "ipc": str(runtime / "k") if use_bwrap else None}
-        plan_path.write_text(json.dumps(plan))
-        command = [sys.executable, "-m", "autograder.worker", "--root", str(course),
-                   "--student", submission.student, "--assignment", submission.assignment, "--plan", str(plan_path)]
-        with open(log_path, "w") as log:
-            process = subprocess.Popen(command, cwd=AUTOGRADER_DIR, env=environment, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
-            timed_out = False
-            try:
-                process.wait(timeout=settings.notebook_timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        result = engine.run(task, timeout=settings.notebook_timeout)
+        timed_out = result.timed_out
         try:
             report = json.loads(report_path.read_text())
         except (OSError, ValueError):
@@ -347,7 +423,7 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
             if incident not in outcome.incidents:
                 outcome.incidents.append(incident)
         produced = all((workdir / f"{name}.ipynb").exists() for name in expected)
-        if process.returncode == 0 and produced and not timed_out and expected:
+        if result.status == 0 and produced and expected:
             outcome.status = "graded"
             break
         if "dead_cell" in report:
@@ -357,9 +433,8 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
         elif timed_out and "cell_index" in report:
             kind, cell = "notebook_timeout", report["cell_index"]
         else:
-            log_tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
             outcome.error = ("nbgrader autograde failed" + (" (ran past --notebook-timeout)" if timed_out else "")
-                             + ":\n" + log_tail)
+                             + ":\n" + result.log[-3000:])
             break
         notebook = report.get("notebook", expected[0] if expected else "")
         if str(cell) in skip.get(notebook, {}):
@@ -461,9 +536,20 @@ def grade(root: Path = AUTOGRADER_DIR, *, jobs: int = 2, force: bool = False, se
             template = scratch_dir / "template.db"
             if todo:
                 shutil.copyfile(root / "gradebook.db", template)
-            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-                pending = {pool.submit(grade_one, submission, root, template, scratch_dir, settings,
-                                       use_bwrap, index): (submission, digest)
+            engines: queue.SimpleQueue[Engine] = queue.SimpleQueue()
+            for number in range(max(1, jobs)):
+                engines.put(Engine(scratch_dir / f"engine{number}.log"))
+
+            def grade_with_free_engine(submission: Submission, index: int) -> Outcome:
+                engine = engines.get()
+                try:
+                    return grade_one(submission, root, template, scratch_dir, settings, use_bwrap, index, engine)
+                finally:
+                    engines.put(engine)
+
+            with contextlib.ExitStack() as cleanup, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                cleanup.callback(lambda: [engines.get().stop() for _ in range(max(1, jobs))])
+                pending = {pool.submit(grade_with_free_engine, submission, index): (submission, digest)
                            for index, (submission, digest) in enumerate(todo)}
                 while pending:
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)

@@ -1,17 +1,21 @@
-"""Autograde ONE student's assignment in its own course root (run by autograder.grade).
+"""The grading engine of one job: autograde students one after another (run by autograder.grade).
 
-    python -m autograder.worker --root TMP_ROOT --student S --assignment A --plan plan.json
+    python -m autograder.worker --replies FD    # tasks on stdin, one JSON line per student
 
-This is ``nbgrader autograde A --student S`` (the real nbgrader app, with the course's
-nbgrader_config.py) with one change: the Execute preprocessor is :class:`GuardedExecute`,
-which
+Each task is ``nbgrader autograde A --student S`` in that student's own temporary course
+root: the real nbgrader app, with the course's nbgrader_config.py, run in this long-lived
+process so that each student does not pay for starting Python and importing nbgrader
+(about 3 s of CPU, as much as some notebooks take to run).  Student code never runs here:
+each notebook gets a new kernel, in its own sandbox.
+
+nbgrader runs with one change: the Execute preprocessor is :class:`GuardedExecute`, which
 
 * runs every cell in the sandboxed grading kernel (kernelspec written by autograder.grade);
-* records, in the plan's ``report`` file, which cell is running, so that a cell that kills
+* records, in the task's ``report`` file, which cell is running, so that a cell that kills
   the kernel (``os._exit``, a segfault) or hangs past its timeout without answering the
   interrupt can be named, and skipped on the next attempt instead of costing the whole
   notebook;
-* skips the cells listed in the plan (their outputs become a ``GraderSkippedCell`` error);
+* skips the cells listed in the task (their outputs become a ``GraderSkippedCell`` error);
 * before every graded test cell, removes from ``sys.modules`` anything under
   ``attention_lab`` that is not the real package (a notebook could put a fake check module
   there) and drops the check modules, so the test cell imports its check afresh from the
@@ -23,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from queue import Empty
 
@@ -171,15 +177,16 @@ class GuardedExecute(Execute):
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--student", required=True)
-    parser.add_argument("--assignment", required=True)
-    parser.add_argument("--plan", required=True, help="JSON: timeout, kernel, skip, report, ...")
-    options = parser.parse_args(argv)
-    plan = json.loads(Path(options.plan).read_text())
+def autograde(task: dict) -> int:
+    """``nbgrader autograde`` of one student in one course root, in this process: 0 when it succeeded.
 
+    ``task``: ``root``, ``student``, ``assignment``, ``environment`` (variables set for this
+    run: where the grading kernelspec and the kernel's runtime folder are) and the plan:
+    ``timeout``, ``kernel``, ``report``, ``skip``, ``max_output_bytes``, ``unresponsive_grace``,
+    ``ipc``.  nbgrader's app is created afresh and reset afterwards (as nbgrader's own test
+    helper does), so one process grades any number of students, each with its own kernel.
+    """
+    from jupyter_core.application import NoStart
     from nbconvert.preprocessors import ClearMetadataPreprocessor
     from traitlets.config import Config
 
@@ -192,21 +199,67 @@ def main(argv: list[str] | None = None) -> int:
         GuardedExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades,
         AssignLatePenalties, CheckCellMetadata,
     ]
-    config.GuardedExecute.skip_cells = plan.get("skip", {})
-    config.GuardedExecute.report_path = plan["report"]
-    config.GuardedExecute.max_output_bytes = plan.get("max_output_bytes", 1_000_000)
-    config.GuardedExecute.unresponsive_grace = plan.get("unresponsive_grace", 10)
-    if plan.get("kernel"):
-        config.GuardedExecute.kernel_name = plan["kernel"]
-    if plan.get("ipc"):  # the sandboxed kernel has no network: Unix sockets in its runtime folder
+    config.GuardedExecute.shutdown_kernel = "immediate"  # no need to wait for the student's atexit
+    config.GuardedExecute.skip_cells = task.get("skip", {})
+    config.GuardedExecute.report_path = task["report"]
+    config.GuardedExecute.max_output_bytes = task.get("max_output_bytes", 1_000_000)
+    config.GuardedExecute.unresponsive_grace = task.get("unresponsive_grace", 10)
+    if task.get("kernel"):
+        config.GuardedExecute.kernel_name = task["kernel"]
+    if task.get("ipc"):  # the sandboxed kernel has no network: Unix sockets in its runtime folder
         config.KernelManager.transport = "ipc"
-        config.KernelManager.ip = plan["ipc"]
-        config.KernelManager.connection_file = plan["ipc"] + ".json"
-    arguments = ["autograde", options.assignment, "--student", options.student, "--force",
-                 f"--CourseDirectory.root={options.root}", f"--Execute.timeout={plan['timeout']}",
-                 f"--GuardedExecute.timeout={plan['timeout']}", "--log-level=WARN"]
-    NbGraderApp.launch_instance(argv=arguments, config=config)  # exits 1 when nbgrader fails
+        config.KernelManager.ip = task["ipc"]
+        config.KernelManager.connection_file = task["ipc"] + ".json"
+    arguments = ["autograde", task["assignment"], "--student", task["student"], "--force",
+                 f"--CourseDirectory.root={task['root']}", f"--Execute.timeout={task['timeout']}",
+                 f"--GuardedExecute.timeout={task['timeout']}", "--log-level=WARN"]
+    saved_environment, saved_path = dict(os.environ), list(sys.path)
+    os.environ.update(task.get("environment", {}))
+    app = NbGraderApp.instance(config=config)
+    try:
+        app.initialize(arguments)
+        app.start()
+        status = 0
+    except NoStart:  # how Jupyter's app says that its subcommand (autograde) ran
+        status = 0
+    except SystemExit as error:  # nbgrader exits 1 when the autograde failed
+        status = error.code if isinstance(error.code, int) else 1
+    finally:
+        app.reset()
+        os.environ.clear()
+        os.environ.update(saved_environment)
+        sys.path[:] = saved_path
+    return status
+
+
+def serve(replies: int) -> int:
+    """Grade the tasks read from stdin (one JSON object per line); answer each on fd ``replies``.
+
+    The answer is ``{"status": N}`` once that student's autograde is over.  The grader kills
+    this process (and so its kernel) when an answer is late; it starts a new one for the
+    next student.  Anything nbgrader or a kernel prints goes to this process's stdout and
+    stderr (the grader's log file), never to the answer channel.
+    """
+    with os.fdopen(replies, "w", buffering=1) as answer:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                status = autograde(json.loads(line))
+            except Exception:  # a bug of ours: report it for this student, keep serving
+                traceback.print_exc()
+                status = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            answer.write(json.dumps({"status": status}) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replies", type=int, required=True, help="file descriptor for the answers")
+    options = parser.parse_args(argv)
+    return serve(options.replies)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import copy
 import csv
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -231,6 +232,20 @@ def test_student_code_cannot_touch_gradebook_sources_or_other_students(graded):
     notebook = nbformat.read(root / "autograded" / "attacker" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", as_version=4)
     printed = "".join(o.get("text", "") for o in cell(notebook, LAST).outputs)
     assert printed.count("blocked") == 4 and "no network" in printed and "NETWORK REACHABLE" not in printed
+
+
+def test_no_student_kernel_outlives_the_run(graded):
+    """Hung, crashed, timed-out and finished kernels alike are gone once grading returns."""
+    folders = {f"/autograded/{student}/{ASSIGNMENT}" for student in graded["sub"]}
+    left = []
+    for link in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            where = os.readlink(link)  # a kernel runs in its student's folder (even once it is deleted)
+        except OSError:
+            continue
+        if any(folder in where for folder in folders):
+            left.append((link.parent.name, where))
+    assert left == [], f"kernels still running: {left}"
 
 
 def test_sandbox_warning_names_the_missing_tool(monkeypatch):

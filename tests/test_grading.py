@@ -1,8 +1,10 @@
-"""The nbgrader flow itself (course config + real ``nbgrader autograde``), and the pieces of
-the pipeline that need no kernel (feedback wording, fingerprints, discovery)."""
+"""The nbgrader flow itself (course config + real ``nbgrader autograde``), the grading
+engines (on a tiny assignment), and the pieces of the pipeline that need no kernel
+(feedback wording, fingerprints, discovery)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -128,3 +130,93 @@ def test_render_escapes_and_totals():
             {"grade_id": "test_b", "checks": "b", "score": 3.0, "max_score": 3.0, "passed": True, "message": ""}]
     page = feedback.render("Zoë", "01", "01", rows, [])
     assert "<script>" not in page and "&lt;script&gt;" in page and "4 / 5" in page and "Zoë" in page
+
+
+# --------------------------------------------------------------------------------------
+# The engines: one long-lived nbgrader process per job, a new kernel per notebook
+# --------------------------------------------------------------------------------------
+
+TINY = "00_tiny"
+
+
+def tiny_notebook(answer: str):
+    """A one-exercise nbgrader notebook (no torch: fast): ``answer`` must define ``value = 42``."""
+    def nbgrader(grade_id, **flags):
+        return {"nbgrader": {"grade_id": grade_id, "schema_version": 3, "task": False, "grade": False,
+                             "solution": False, "locked": False, **flags}}
+
+    return nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(answer, metadata=nbgrader("answer", solution=True)),
+        nbformat.v4.new_code_cell("import builtins\n"
+                                  "assert not hasattr(builtins, 'left_by_another_student')\n"
+                                  "builtins.left_by_another_student = True\n"
+                                  "assert value == 42", metadata=nbgrader("test_value", grade=True, locked=True, points=1)),
+    ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+
+
+@pytest.fixture
+def tiny_class(tmp_path):
+    """A course root with the tiny assignment and a few students (``{student: answer}`` to fill)."""
+    root = tmp_path / "autograder"
+    (root / "source" / TINY).mkdir(parents=True)
+    nbformat.write(tiny_notebook("### BEGIN SOLUTION\nvalue = 42\n### END SOLUTION"),
+                   str(root / "source" / TINY / f"{TINY}.ipynb"))
+
+    def submit(answers: dict[str, str]):
+        for student, answer in answers.items():
+            folder = root / "submitted" / student / TINY
+            folder.mkdir(parents=True)
+            nbformat.write(tiny_notebook(answer), str(folder / f"{TINY}.ipynb"))
+        return root
+
+    return submit
+
+
+@pytest.fixture
+def engine_starts(monkeypatch):
+    """The pid of every engine process the pipeline starts."""
+    pids: list[int] = []
+    start = grade.Engine._start
+
+    def counted(self):
+        start(self)
+        pids.append(self.process.pid)
+
+    monkeypatch.setattr(grade.Engine, "_start", counted)
+    return pids
+
+
+def children_running(module: str) -> list[int]:
+    """Processes of ours (children of this test process) running ``python -m <module>``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == os.getpid() and module.encode() in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_one_engine_grades_a_job_students_each_in_a_fresh_kernel(tiny_class, engine_starts):
+    root = tiny_class({"ann": "value = 42", "bob": "value = 41", "cy": "value = 42", "dee": "value = 42"})
+    outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=lambda *_: None)
+    # A kernel shared between students would fail the second one's test (the builtins marker).
+    assert {o.student: o.score for o in outcomes} == {"ann": 1.0, "bob": 0.0, "cy": 1.0, "dee": 1.0}
+    assert len(engine_starts) == 1, "the job's engine should grade all four students"
+    assert children_running("autograder.worker") == [], "the engine outlived the run"
+
+
+@pytest.mark.slow
+def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny_class, engine_starts):
+    root = tiny_class({"ann": "import time\ntime.sleep(600)\nvalue = 42", "bob": "value = 42"})
+    settings = grade.Settings(timeout=300, notebook_timeout=15, attempts=2)
+    outcomes = {o.student: o for o in grade.grade(root, jobs=1, settings=settings, log=lambda *_: None)}
+    assert outcomes["ann"].status == "graded" and outcomes["ann"].score == 0.0
+    assert [i["kind"] for i in outcomes["ann"].incidents] == ["notebook_timeout"]
+    assert outcomes["bob"].score == 1.0
+    assert len(engine_starts) == 2, "the killed engine should be replaced by exactly one new one"
+    assert children_running("autograder.worker") == []
