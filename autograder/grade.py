@@ -278,7 +278,7 @@ def merge(outcome: Outcome, root: Path) -> None:
 class Attempt:
     status: int | None      # nbgrader's exit status; None when the engine died or was killed
     timed_out: bool = False
-    log: str = ""           # what the engine printed during this attempt
+    log: str = ""           # what the engine printed during a failed attempt
 
 
 class Engine:
@@ -324,9 +324,10 @@ class Engine:
             self.stop()
         else:
             attempt.status = answer["status"]
-        with open(self.log_path, "rb") as log:
-            log.seek(offset)
-            attempt.log = log.read().decode(errors="replace")
+        if attempt.status != 0:
+            with open(self.log_path, "rb") as log:
+                log.seek(offset)
+                attempt.log = log.read().decode(errors="replace")
         return attempt
 
     def _read_answer(self, deadline: float) -> dict | None:
@@ -413,7 +414,6 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
                 "unresponsive_grace": settings.unresponsive_grace,
                 "ipc": str(runtime / "k") if use_bwrap else None}
         result = engine.run(task, timeout=settings.notebook_timeout)
-        timed_out = result.timed_out
         try:
             report = json.loads(report_path.read_text())
         except (OSError, ValueError):
@@ -430,10 +430,10 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
             kind, cell = "dead", report["dead_cell"]
         elif "hung_cell" in report:
             kind, cell = "hung", report["hung_cell"]
-        elif timed_out and "cell_index" in report:
+        elif result.timed_out and "cell_index" in report:
             kind, cell = "notebook_timeout", report["cell_index"]
         else:
-            outcome.error = ("nbgrader autograde failed" + (" (ran past --notebook-timeout)" if timed_out else "")
+            outcome.error = ("nbgrader autograde failed" + (" (ran past --notebook-timeout)" if result.timed_out else "")
                              + ":\n" + result.log[-3000:])
             break
         notebook = report.get("notebook", expected[0] if expected else "")
@@ -501,6 +501,7 @@ def grade(root: Path = AUTOGRADER_DIR, *, jobs: int = 2, force: bool = False, se
           log=print) -> list[Outcome]:
     """Grade every new or changed submission under ``root``; return one outcome per submission."""
     settings = settings or Settings()
+    jobs = max(1, jobs)
     root = Path(root).resolve()
     use_bwrap = settings.sandbox != "off" and sandbox.bwrap_path() is not None
     if settings.sandbox == "on" and not use_bwrap:
@@ -537,7 +538,7 @@ def grade(root: Path = AUTOGRADER_DIR, *, jobs: int = 2, force: bool = False, se
             if todo:
                 shutil.copyfile(root / "gradebook.db", template)
             engines: queue.SimpleQueue[Engine] = queue.SimpleQueue()
-            for number in range(max(1, jobs)):
+            for number in range(jobs):
                 engines.put(Engine(scratch_dir / f"engine{number}.log"))
 
             def grade_with_free_engine(submission: Submission, index: int) -> Outcome:
@@ -547,8 +548,8 @@ def grade(root: Path = AUTOGRADER_DIR, *, jobs: int = 2, force: bool = False, se
                 finally:
                     engines.put(engine)
 
-            with contextlib.ExitStack() as cleanup, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-                cleanup.callback(lambda: [engines.get().stop() for _ in range(max(1, jobs))])
+            with contextlib.ExitStack() as cleanup, ThreadPoolExecutor(max_workers=jobs) as pool:
+                cleanup.callback(lambda: [engines.get().stop() for _ in range(jobs)])
                 pending = {pool.submit(grade_with_free_engine, submission, index): (submission, digest)
                            for index, (submission, digest) in enumerate(todo)}
                 while pending:
