@@ -86,8 +86,18 @@ device = attention_lab.setup()  # CUDA when there is a GPU; seeds every generato
 
 
 def nbgrader_metadata(cell: nbformat.NotebookNode) -> dict | None:
-    """nbgrader metadata for a cell marked ``answer=`` or ``test=`` in the source."""
+    """nbgrader metadata for a cell marked ``answer=``, ``test=`` or ``manual=`` in the source.
+
+    ``# %% [markdown] manual="why_positions" points=2`` is a written answer graded by hand
+    (in Formgrader): the cell's text is the model answer, which nbgrader replaces with
+    "YOUR ANSWER HERE" in the release.
+    """
     metadata = cell.metadata
+    if "manual" in metadata:
+        if cell.cell_type != "markdown" or "points" not in metadata:
+            raise ValueError(f"manual answer {metadata['manual']!r} must be a markdown cell with points=")
+        return {"grade": True, "grade_id": metadata["manual"], "locked": False,
+                "points": metadata["points"], "schema_version": 3, "solution": True, "task": False}
     if "answer" in metadata:
         return {"grade": False, "grade_id": metadata["answer"], "locked": False,
                 "schema_version": 3, "solution": True, "task": False}

@@ -13,6 +13,10 @@ Every student's notebook runs in its own kernel, started through :func:`kernel_a
   kernel's socket folder.  The gradebook, the sources (hidden tests), ``solutions/``, git
   history and the other students' folders are not visible at all.
 
+After each student the grading engine kills and reaps every process that student's kernels
+left behind (it adopts orphans: :func:`adopt_orphans`, :func:`kill_children`), so nothing a
+notebook started runs on into the next student's grading.
+
 Without bubblewrap the kernel still runs under the resource limits, in a temporary course
 root holding only this student's files, but it could reach the network or any file the
 grader's user can reach: the grader prints a warning (see :func:`isolation_warning`).
@@ -25,6 +29,7 @@ says which isolation this machine provides.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -143,6 +148,54 @@ def _set_limits(memory_mb: int, file_mb: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def adopt_orphans() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``).
+
+    A kernel that is killed leaves behind whatever it started (a process a student detached,
+    or, under bubblewrap, the sandbox's own init while it tears the sandbox down): they
+    become children of this process instead of the system's init, so that
+    :func:`kill_children` finds them.  Returns False where the platform has no such call.
+    """
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _children() -> list[int]:
+    mine = str(os.getpid())
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == mine:  # (comm may hold spaces)
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def kill_children() -> list[int]:
+    """SIGKILL and reap every child of this process (with :func:`adopt_orphans`: every descendant).
+
+    Reaping a bubblewrap sandbox's init returns only once everything in the sandbox is gone.
+    Returns the pids killed.
+    """
+    import signal
+
+    killed = []
+    while children := [pid for pid in _children() if pid not in killed]:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        killed += children
+    return killed
 
 
 def main(argv: list[str] | None = None) -> int:

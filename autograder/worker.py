@@ -41,6 +41,8 @@ from traitlets import Dict, Integer, Unicode
 
 from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
+from autograder import sandbox
+
 SKIPPED_ENAME = "GraderSkippedCell"
 TAMPER_VARIABLE = "_attention_lab_grader_guard"
 GUARD_CODE = f'''
@@ -235,11 +237,13 @@ def autograde(task: dict) -> int:
 def serve(replies: int) -> int:
     """Grade the tasks read from stdin (one JSON object per line); answer each on fd ``replies``.
 
-    The answer is ``{"status": N}`` once that student's autograde is over.  The grader kills
-    this process (and so its kernel) when an answer is late; it starts a new one for the
-    next student.  Anything nbgrader or a kernel prints goes to this process's stdout and
+    The answer is ``{"status": N}`` once that student's autograde is over and every process
+    its kernels left behind is killed and reaped (see :func:`autograder.sandbox.adopt_orphans`).
+    The grader kills this process (and so its kernel) when an answer is late; it starts a new
+    one for the next student.  Anything nbgrader or a kernel prints goes to this process's stdout and
     stderr (the grader's log file), never to the answer channel.
     """
+    sandbox.adopt_orphans()
     with os.fdopen(replies, "w", buffering=1) as answer:
         for line in sys.stdin:
             if not line.strip():
@@ -249,6 +253,7 @@ def serve(replies: int) -> int:
             except Exception:  # a bug of ours: report it for this student, keep serving
                 traceback.print_exc()
                 status = 1
+            sandbox.kill_children()  # nothing of this student's runs on once the answer is given
             sys.stdout.flush()
             sys.stderr.flush()
             answer.write(json.dumps({"status": status}) + "\n")

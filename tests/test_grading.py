@@ -186,16 +186,17 @@ def engine_starts(monkeypatch):
     return pids
 
 
-def children_running(module: str) -> list[int]:
-    """Processes of ours (children of this test process) running ``python -m <module>``."""
+def processes_running(*argv: str, parent: int | None = None) -> list[int]:
+    """Processes whose command line holds ``argv`` (in a row), children of ``parent`` if given."""
+    needle = b"\0" + "\0".join(argv).encode() + b"\0"
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = b"\0" + (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if parent == os.getpid() and module.encode() in command:
+        if needle in command and parent in (None, ppid):
             found.append(int(stat.parent.name))
     return found
 
@@ -207,7 +208,7 @@ def test_one_engine_grades_a_job_students_each_in_a_fresh_kernel(tiny_class, eng
     # A kernel shared between students would fail the second one's test (the builtins marker).
     assert {o.student: o.score for o in outcomes} == {"ann": 1.0, "bob": 0.0, "cy": 1.0, "dee": 1.0}
     assert len(engine_starts) == 1, "the job's engine should grade all four students"
-    assert children_running("autograder.worker") == [], "the engine outlived the run"
+    assert processes_running("-m", "autograder.worker", parent=os.getpid()) == [], "the engine outlived the run"
 
 
 @pytest.mark.slow
@@ -219,4 +220,15 @@ def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny
     assert [i["kind"] for i in outcomes["ann"].incidents] == ["notebook_timeout"]
     assert outcomes["bob"].score == 1.0
     assert len(engine_starts) == 2, "the killed engine should be replaced by exactly one new one"
-    assert children_running("autograder.worker") == []
+    assert processes_running("-m", "autograder.worker", parent=os.getpid()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isolation, seconds", [("auto", "4171"), ("off", "4172")])
+def test_processes_a_student_detaches_do_not_outlive_their_grading(tiny_class, isolation, seconds):
+    """Under bubblewrap the sandbox's end takes them; without it the engine adopts and kills them."""
+    root = tiny_class({"ann": f"import subprocess\nsubprocess.Popen(['sleep', '{seconds}'], start_new_session=True)\n"
+                              "value = 42"})
+    outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None)
+    assert [o.score for o in outcomes] == [1.0]
+    assert processes_running("sleep", seconds) == [], "a process the student started is still running"

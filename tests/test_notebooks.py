@@ -25,10 +25,14 @@ def _cells(path: Path) -> list[nbformat.NotebookNode]:
 
 
 def _grade_ids(path: Path, kind: str) -> list[str]:
+    """grade_ids of the ``answer`` cells (code), autograded ``test`` cells, or hand-graded ``manual`` answers."""
     ids = []
     for cell in _cells(path):
         nbgrader = cell.metadata.get("nbgrader", {})
-        if (kind == "answer" and nbgrader.get("solution")) or (kind == "test" and nbgrader.get("grade")):
+        manual = cell.cell_type == "markdown" and nbgrader.get("solution") and nbgrader.get("grade")
+        if ((kind == "answer" and nbgrader.get("solution") and not manual)
+                or (kind == "test" and nbgrader.get("grade") and not manual)
+                or (kind == "manual" and manual)):
             ids.append(nbgrader["grade_id"])
     return ids
 
@@ -125,7 +129,7 @@ def test_answer_and_test_cells_follow_the_curriculum(assignment, fresh_build):
               if cell.metadata.get("nbgrader", {}).get("grade")]
     assert all(p > 0 for p in points)
     for cell in _cells(fresh_build.release(assignment)):
-        if cell.metadata.get("nbgrader", {}).get("grade"):
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("grade"):
             first_line = cell.source.splitlines()[0]
             assert first_line.startswith('"""') and first_line.endswith('"""'), \
                 f"test cell {cell.metadata['nbgrader']['grade_id']} must open with a one-line docstring"
