@@ -146,12 +146,40 @@ def test_every_stub_names_its_exercise(assignment, fresh_build):
             assert re.search(rf'NotImplementedError\("Exercise \d+\.\d+: implement {re.escape(grade_id)}"\)', cell.source)
 
 
+# What a course cell must never show a student: warnings, and autograd internals in a printout.
+NOISE = re.compile(r"\b\w*Warning\b|grad_fn=<")
+
+
+def _noise(notebook: nbformat.NotebookNode) -> list[str]:
+    """Lines of the cells' outputs (streams and plain-text results) that are warnings or autograd noise."""
+    found = []
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            text = output.get("text", "") if output.output_type == "stream" else \
+                output.get("data", {}).get("text/plain", "")
+            text = "".join(text) if isinstance(text, list) else text
+            found += [f"{cell.id}: {line.strip()}" for line in text.splitlines() if NOISE.search(line)]
+    return found
+
+
+def test_noise_detector_sees_warnings_and_grad_fn():
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x")])
+    notebook.cells[0].outputs = [
+        nbformat.v4.new_output("stream", name="stderr", text="/x.py:3: UserWarning: Converting a tensor\n"),
+        nbformat.v4.new_output("execute_result", data={"text/plain": "tensor(0.5, grad_fn=<RoundBackward1>)"}),
+        nbformat.v4.new_output("stream", name="stdout", text="✓ split_heads: shapes and values (cpu)\n"),
+    ]
+    assert len(_noise(notebook)) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_solution_notebook_runs_top_to_bottom_and_passes_every_test(assignment, fresh_build):
     result = execute_notebook(fresh_build.source(assignment))
     assert not result.errors, result.summary()
     assert sorted(result.passed_tests) == sorted(_grade_ids(fresh_build.source(assignment), "test"))
+    noise = _noise(result.notebook)
+    assert not noise, "a course cell printed a warning or autograd noise:\n" + "\n".join(noise)
 
 
 @pytest.mark.slow
