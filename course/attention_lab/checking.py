@@ -49,6 +49,9 @@ import json
 import math
 import os
 import sys
+import sysconfig
+import textwrap
+import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -94,6 +97,16 @@ class CheckFailure(AssertionError):
         super().__init__(*args)
         _record_outside_checks(str(self))
 
+    def _render_traceback_(self) -> list[str]:
+        """How IPython (a notebook, nbgrader's Validate) shows this failure: the message alone.
+
+        The checks' own frames say nothing to a student. When the student's code raised, the
+        frames of *their* code come first, so they see the line that broke.
+        """
+        lines = _student_frames(self.__cause__)
+        lines += _wrap(f"{type(self).__name__}: {self}")
+        return lines
+
 
 # Hints the framework itself gives (check modules keep theirs in dicts named *HINTS too).
 HINTS = {
@@ -101,6 +114,64 @@ HINTS = {
                 "table ...) and casts back (`.type_as(x)`, `.to(x.dtype)`): that loses float64 precision. "
                 "This exercise asks you to keep float64: compute in the input's dtype throughout.",
 }
+
+
+# --------------------------------------------------------------------------------------
+# How a failure is shown in a notebook
+# --------------------------------------------------------------------------------------
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Where installed libraries live (PyTorch's module wrappers, the standard library): their
+# frames are not the student's code either.
+_LIBRARY_DIRS = tuple({os.path.abspath(path) for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                       if (path := sysconfig.get_paths().get(key))})
+# nbgrader's `validate` command cuts a line longer than 87 characters, its 4-space indent included.
+_LINE_WIDTH = 83
+
+
+def _is_student_file(filename: str) -> bool:
+    if filename.startswith("<"):  # <ipython-input-...>, <string>: code typed in a cell
+        return True
+    path = os.path.abspath(filename)
+    return not any(path == root or path.startswith(root + os.sep) for root in (_PACKAGE_DIR, *_LIBRARY_DIRS))
+
+
+def _frame_location(frame: traceback.FrameSummary) -> str:
+    """``Cell In[3], line 4, in split_heads`` for notebook cells, else the file and line."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        cell_number = shell.compile._filename_map.get(frame.filename) if shell is not None else None
+    except Exception:  # no IPython, or one without this map: the file name will do
+        cell_number = None
+    where = f"Cell In[{cell_number}]" if cell_number is not None else f'File "{frame.filename}"'
+    return f"{where}, line {frame.lineno}, in {frame.name}"
+
+
+def _student_frames(error: BaseException | None) -> list[str]:
+    """The frames of the student's own code in ``error``'s traceback, readably formatted."""
+    if error is None or error.__traceback__ is None:
+        return []
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if _is_student_file(frame.filename)]
+    if not frames:
+        return []
+    lines = ["Your code raised this error (most recent call last):"]
+    for frame in frames:
+        lines.append("  " + _frame_location(frame))
+        if frame.line:
+            lines.append("    " + frame.line.strip())
+    return lines + [""]
+
+
+def _wrap(text: str) -> list[str]:
+    """Lines of at most _LINE_WIDTH characters; a continuation keeps its line's indent, plus two."""
+    lines = []
+    for line in text.splitlines() or [""]:
+        indent = line[: len(line) - len(line.lstrip())]
+        lines += textwrap.wrap(line, _LINE_WIDTH, subsequent_indent=indent + "  ", break_long_words=False,
+                               break_on_hyphens=False) or [""]
+    return lines
 
 
 # --------------------------------------------------------------------------------------
