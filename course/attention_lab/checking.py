@@ -98,14 +98,23 @@ class CheckFailure(AssertionError):
         _record_outside_checks(str(self))
 
     def _render_traceback_(self) -> list[str]:
-        """How IPython (a notebook, nbgrader's Validate) shows this failure: the message alone.
+        """How IPython (a notebook, nbgrader's Validate) shows this failure: the message, the
+        notebook line that ran the check and, when the student's code raised, the frames of
+        *their* code -- never the checks' own frames, which say nothing to a student.
 
-        The checks' own frames say nothing to a student. When the student's code raised, the
-        frames of *their* code come first, so they see the line that broke.
+        The line that ran the check also tells the grader's feedback whether the visible
+        check or a hidden test failed.
         """
-        lines = _student_frames(self.__cause__)
-        lines += _wrap(f"{type(self).__name__}: {self}")
-        return lines
+        frames = _student_frames(self.__traceback__) + _student_frames(self.__cause__ and self.__cause__.__traceback__)
+        lines = []
+        if frames:
+            lines.append("In your notebook (most recent call last):")
+            for frame in frames:
+                lines.append("  " + _frame_location(frame))
+                if frame.line:
+                    lines.append("    " + frame.line.strip())
+            lines.append("")
+        return lines + _wrap(f"{type(self).__name__}: {self}")
 
 
 # Hints the framework itself gives (check modules keep theirs in dicts named *HINTS too).
@@ -130,8 +139,8 @@ _LINE_WIDTH = 83
 
 
 def _is_student_file(filename: str) -> bool:
-    if filename.startswith("<"):  # <ipython-input-...>, <string>: code typed in a cell
-        return True
+    if filename.startswith("<"):  # <ipython-input-...>, <string>: code typed in a cell; not <frozen ...>
+        return not filename.startswith("<frozen")
     path = os.path.abspath(filename)
     return not any(path == root or path.startswith(root + os.sep) for root in (_PACKAGE_DIR, *_LIBRARY_DIRS))
 
@@ -149,19 +158,11 @@ def _frame_location(frame: traceback.FrameSummary) -> str:
     return f"{where}, line {frame.lineno}, in {frame.name}"
 
 
-def _student_frames(error: BaseException | None) -> list[str]:
-    """The frames of the student's own code in ``error``'s traceback, readably formatted."""
-    if error is None or error.__traceback__ is None:
+def _student_frames(trace: types.TracebackType | None) -> list[traceback.FrameSummary]:
+    """The frames of ``trace`` in the student's own code (notebook cells, their modules)."""
+    if trace is None:
         return []
-    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if _is_student_file(frame.filename)]
-    if not frames:
-        return []
-    lines = ["Your code raised this error (most recent call last):"]
-    for frame in frames:
-        lines.append("  " + _frame_location(frame))
-        if frame.line:
-            lines.append("    " + frame.line.strip())
-    return lines + [""]
+    return [frame for frame in traceback.extract_tb(trace) if _is_student_file(frame.filename)]
 
 
 def _wrap(text: str) -> list[str]:
