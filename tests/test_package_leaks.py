@@ -11,8 +11,15 @@ check is first probed with a stand-in answer that records the first call the che
 raises: if the check fails after that one call whatever common exception the call raises, an
 object that raises on the same call (replayed directly, with copies of the same arguments)
 fails the check too, and is not run in full. Every other object is run through the check in
-full. A check that never calls its stand-in (a multiple-choice question, where only a string
-can be an answer) is run in full on one function and one class.
+full. A check that never calls its stand-in judges its answer by what it is (a string for a
+multiple-choice question, a dataclass for a config): it is run in full on every class and on
+one function.
+
+A check of several answers (``check_llama_attention_kv_cache(LlamaAttention, KVCache)``) is
+tried with the package's objects named like its other answers in their places; where the
+package defines none (today: ``check_llama_attention_kv_cache``, ``check_load_torch_mha_weights``,
+``check_fourier_beats_identity``, ``check_train_classifier_outcome``) it is not tried, and the
+single-answer checks of those answers stand guard instead.
 """
 
 from __future__ import annotations
@@ -159,10 +166,9 @@ def leaks(check_function: Callable, objects: dict[str, Any]) -> list[str]:
         return []
     found = probe(check_function, others)
     candidates = objects
-    if found.first_call is None:  # never calls its answer: one function and one class stand for all
+    if found.first_call is None:  # judges its answer by what it is (a string, a dataclass): every class, one function
         first_function = next(label for label, obj in objects.items() if inspect.isfunction(obj))
-        first_class = next(label for label, obj in objects.items() if inspect.isclass(obj))
-        candidates = {label: objects[label] for label in (first_function, first_class)}
+        candidates = {label: obj for label, obj in objects.items() if inspect.isclass(obj) or label == first_function}
     passing = []
     for label, candidate in candidates.items():
         if _fails_at_first_call(candidate, found):
