@@ -223,11 +223,14 @@ _TOLERANCES: dict[tuple[torch.dtype, str], tuple[float, float]] = {
 def tolerance(dtype: torch.dtype | np.dtype, device: torch.device | str = "cpu") -> tuple[float, float]:
     """``(rtol, atol)`` for an output computed in ``dtype`` on ``device``.
 
-    NumPy dtypes are accepted (``np.float64`` is treated like ``torch.float64``).
+    NumPy dtypes are accepted (``np.float64`` is treated like ``torch.float64``); a complex
+    dtype gets the tolerance of its real and imaginary parts.
     """
     if not isinstance(dtype, torch.dtype):
         dtype = {np.dtype("float64"): torch.float64, np.dtype("float32"): torch.float32,
-                 np.dtype("float16"): torch.float16}.get(np.dtype(dtype), torch.float64)
+                 np.dtype("float16"): torch.float16, np.dtype("complex128"): torch.float64,
+                 np.dtype("complex64"): torch.float32}.get(np.dtype(dtype), torch.float64)
+    dtype = {torch.complex128: torch.float64, torch.complex64: torch.float32}.get(dtype, dtype)  # per component
     device_type = torch.device(device).type
     device_type = device_type if device_type in ("cpu", "cuda") else "cuda"
     try:
@@ -628,9 +631,15 @@ class Variant:
 
 
 def _as_float64_tensor(value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device="cpu", dtype=torch.float64)
-    return torch.from_numpy(np.asarray(value, dtype=np.float64))
+    """A float64 CPU copy; complex values become (real, imaginary) pairs on a new last axis."""
+    if not isinstance(value, torch.Tensor):
+        array = np.asarray(value)
+        # np.array copies: a read-only array (e.g. from np.broadcast_to) would make torch warn.
+        value = torch.from_numpy(np.array(array, dtype=np.complex128 if np.iscomplexobj(array) else np.float64))
+    value = value.detach().cpu()
+    if value.is_complex():
+        return torch.view_as_real(value.to(torch.complex128)).clone()
+    return value.to(dtype=torch.float64)
 
 
 def _close_mask(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
@@ -671,7 +680,7 @@ def diagnose(actual: Any, variants: Sequence[Variant], rtol: float, atol: float,
 
 
 def _is_float64(dtype: Any) -> bool:
-    return dtype in (torch.float64, np.dtype("float64"))
+    return dtype in (torch.float64, torch.complex128, np.dtype("float64"), np.dtype("complex128"))
 
 
 def _format_pair(got: float, want: float) -> tuple[str, str]:
