@@ -73,7 +73,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     hints = hint_coverage.package_hints()
     missing = hint_coverage.untriggered(hints, hint_coverage.read_messages(config.stash[_HINT_LOG]))
     whole = hint_coverage.whole_suite_ran(config.option, config.args)
-    config.stash[_HINT_REPORT] = hint_coverage.report(missing, len(hints), whole, HINT_COVERAGE_ENFORCED)
+    config.stash[_HINT_REPORT] = hint_coverage.report(missing, len(hints), whole, HINT_COVERAGE_ENFORCED,
+                                                      hint_coverage.modules_under_test(config.args))
     if HINT_COVERAGE_ENFORCED and whole and missing and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

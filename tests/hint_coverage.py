@@ -11,9 +11,11 @@ folder for the session; the check framework appends there every failure message 
 workers and notebook kernels all contribute. When the whole suite ran, the summary lists the
 hints no failure message ever contained, with their module, dict and key; with the gate on
 (``HINT_COVERAGE_ENFORCED`` in conftest) the run then fails. A subset run (a few files,
-``-k``, ``-m``) only prints a note.
+``-k``, ``-m``) is not judged: it prints a note listing the untriggered hints of the check
+modules whose ``tests/test_checks_<module>.py`` ran.
 
-To see which hints are untested: run the whole suite (``make test``) and read the
+To see which hints are untested: run the whole suite (``make test``), or just one notebook's
+check tests (``.venv/bin/python -m pytest tests/test_checks_mha_shapes.py``), and read the
 "hint coverage" section at the end of the summary.
 """
 
@@ -137,17 +139,40 @@ def whole_suite_ran(option: Any, args: Sequence[str], tests_dir: Path = TESTS_DI
     return covers_every_check_test(args, tests_dir)
 
 
-def report(missing: Sequence[Hint], total: int, whole: bool, enforced: bool) -> list[str]:
-    """The lines of the "hint coverage" section of the test summary."""
+def modules_under_test(args: Sequence[str], tests_dir: Path = TESTS_DIR) -> set[str]:
+    """The check modules whose test files ``args`` name, e.g. ``tests/test_checks_mha_shapes.py``
+    -> ``attention_lab.checks.mha_shapes`` (a folder names all of them)."""
+    files = set()
+    for arg in args:
+        path = Path(arg.split("::")[0]).resolve()
+        files |= set(path.glob("**/test_checks_*.py")) if path.is_dir() else {path}
+    return {f"attention_lab.checks.{file.stem.removeprefix('test_checks_')}" for file in files
+            if file.name.startswith("test_checks_") and file.suffix == ".py"}
+
+
+def report(missing: Sequence[Hint], total: int, whole: bool, enforced: bool, modules: Iterable[str] = ()) -> list[str]:
+    """The lines of the "hint coverage" section of the test summary.
+
+    A subset run is not judged; it lists the hints of ``modules`` (those whose test files ran)
+    that it did not trigger, so a contributor can work on one notebook's checks at a time.
+    """
     if not whole:
-        return [f"hint coverage: not judged (only part of the suite ran); {total - len(missing)} of {total} "
-                "hints appeared in a failure message in this run."]
+        lines = [f"hint coverage: not judged (only part of the suite ran); {total - len(missing)} of {total} "
+                 "hints appeared in a failure message in this run."]
+        modules = set(modules)
+        nearby = [hint for hint in missing if hint.module in modules]
+        if nearby:
+            lines.append(f"  not triggered by this run, in the check modules whose tests ran ({len(nearby)}):")
+            lines += [_hint_line(hint) for hint in nearby]
+        return lines
     if not missing:
         return [f"hint coverage: all {total} hints appeared in a failure message."]
     verdict = "FAILED" if enforced else "(not enforced yet)"
     lines = [f"hint coverage {verdict}: {len(missing)} of {total} hints never appeared in a failure message. "
              "Add a test whose wrong answer triggers each, or remove the hint:"]
-    for hint in missing:
-        text = _normalise(hint.text)
-        lines.append(f"  {hint.where()}: {text[:100]}{'…' if len(text) > 100 else ''}")
-    return lines
+    return lines + [_hint_line(hint) for hint in missing]
+
+
+def _hint_line(hint: Hint) -> str:
+    text = _normalise(hint.text)
+    return f"  {hint.where()}: {text[:100]}{'…' if len(text) > 100 else ''}"

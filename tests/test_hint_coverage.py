@@ -64,6 +64,21 @@ def test_the_report_names_each_missing_hint_with_module_dict_and_key():
     assert hint_coverage.report(missing, 7, whole=False, enforced=True) == [
         "hint coverage: not judged (only part of the suite ran); 6 of 7 hints appeared in a failure message in this run."]
     assert hint_coverage.report([], 7, whole=True, enforced=True) == ["hint coverage: all 7 hints appeared in a failure message."]
+    # A subset run lists what it missed in the modules whose tests ran, and only those.
+    other = Hint("attention_lab.checks.other", "HINTS", "'k'", "another hint")
+    lines = hint_coverage.report([missing[0], other], 7, whole=False, enforced=True, modules={"attention_lab.checks.fake"})
+    assert lines[1:] == ["  not triggered by this run, in the check modules whose tests ran (1):",
+                         "  attention_lab.checks.fake.SPLIT_HINTS['scale']: divide by sqrt(d_head)"]
+
+
+def test_a_check_test_file_names_its_check_module(tmp_path):
+    for name in ("test_checks_mha_shapes.py", "test_checks_llama_attention.py", "test_other.py"):
+        (tmp_path / name).write_text("")
+    assert hint_coverage.modules_under_test([str(tmp_path / "test_checks_mha_shapes.py") + "::test_x"]) == \
+        {"attention_lab.checks.mha_shapes"}
+    assert hint_coverage.modules_under_test([str(tmp_path)]) == {"attention_lab.checks.mha_shapes",
+                                                                "attention_lab.checks.llama_attention"}
+    assert hint_coverage.modules_under_test([str(tmp_path / "test_other.py")]) == set()
 
 
 def test_only_a_run_of_every_check_test_without_selection_is_judged(tmp_path):
