@@ -116,8 +116,9 @@ def untriggered(hints: Iterable[Hint], messages: Sequence[str]) -> list[Hint]:
 
 
 def covers_every_check_test(args: Sequence[str], tests_dir: Path = TESTS_DIR) -> bool:
-    """Do the command-line paths ``args`` collect every ``tests/test_checks_*.py`` file whole?"""
-    wanted = {path.resolve() for path in tests_dir.glob("test_checks_*.py")}
+    """Do the command-line paths ``args`` collect every ``tests/test_checks_*.py`` file whole
+    (and ``tests/test_checking.py``, which triggers the framework's own hints)?"""
+    wanted = {path.resolve() for pattern in ("test_checks_*.py", "test_checking.py") for path in tests_dir.glob(pattern)}
     covered = set()
     for arg in args:
         if "::" in arg:  # a single test or class: a subset

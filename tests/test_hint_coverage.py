@@ -3,6 +3,7 @@ run is judged (tests/hint_coverage.py, the hooks in tests/conftest.py)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -84,12 +85,14 @@ def test_a_check_test_file_names_its_check_module(tmp_path):
 def test_only_a_run_of_every_check_test_without_selection_is_judged(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
-    for name in ("test_checks_a.py", "test_checks_b.py", "test_other.py"):
+    for name in ("test_checks_a.py", "test_checks_b.py", "test_checking.py", "test_other.py"):
         (tests / name).write_text("")
     plain = SimpleNamespace(keyword="", markexpr="", deselect=None, lf=False, exitfirst=False)
     judged = lambda args, **changes: hint_coverage.whole_suite_ran(  # noqa: E731
         SimpleNamespace(**{**vars(plain), **changes}), [str(tmp_path / a) for a in args], tests)
-    assert judged(["tests"]) and judged(["."]) and judged(["tests/test_checks_a.py", "tests/test_checks_b.py"])
+    assert judged(["tests"]) and judged(["."])
+    assert judged(["tests/test_checks_a.py", "tests/test_checks_b.py", "tests/test_checking.py"])
+    assert not judged(["tests/test_checks_a.py", "tests/test_checks_b.py"])  # the framework's own hints
     assert not judged(["tests/test_checks_a.py"])
     assert not judged(["tests/test_other.py"])
     assert not judged(["tests/test_checks_a.py::test_x", "tests/test_checks_b.py"])
@@ -98,6 +101,38 @@ def test_only_a_run_of_every_check_test_without_selection_is_judged(tmp_path):
     assert not judged(["tests"], deselect=["tests/test_checks_a.py::test_x"])
     assert not judged(["tests"], lf=True)
     assert hint_coverage.covers_every_check_test(["tests"], tests_dir=tmp_path / "nothing-here") is False
+
+
+def _fake_session(tmp_path, messages, args):
+    from tests import conftest
+
+    log = tmp_path / "log"
+    log.mkdir(parents=True)
+    (log / "failures-1.jsonl").write_text("".join(json.dumps(m) + "\n" for m in messages))
+    config = SimpleNamespace(stash=pytest.Stash(), args=args,
+                             option=SimpleNamespace(keyword="", markexpr="", deselect=None, lf=False, exitfirst=False))
+    config.stash[conftest._HINT_LOG] = str(log)
+    return SimpleNamespace(config=config, exitstatus=pytest.ExitCode.OK)
+
+
+def test_the_gate_fails_a_whole_run_with_an_untriggered_hint_only_when_switched_on(tmp_path, monkeypatch):
+    from tests import conftest
+
+    everything = [hint.text for hint in hint_coverage.package_hints()]
+    whole = [str(hint_coverage.TESTS_DIR)]
+    for case, (enforced, messages, args, expected) in enumerate([
+        (True, everything[1:], whole, pytest.ExitCode.TESTS_FAILED),  # one hint never triggered
+        (True, everything, whole, pytest.ExitCode.OK),  # all triggered
+        (True, [], [str(hint_coverage.TESTS_DIR / "test_checking.py")], pytest.ExitCode.OK),  # a subset: a note only
+        (False, [], whole, pytest.ExitCode.OK),  # gate off: listed, not failed
+    ]):
+        monkeypatch.setattr(conftest, "HINT_COVERAGE_ENFORCED", enforced)
+        session = _fake_session(tmp_path / str(case), messages, args)
+        conftest.pytest_sessionfinish(session, 0)
+        assert session.exitstatus == expected, (enforced, len(messages), args)
+        report = session.config.stash[conftest._HINT_REPORT]
+        if expected == pytest.ExitCode.TESTS_FAILED:
+            assert report[0].startswith("hint coverage FAILED: 1 of") and everything[0][:60] in report[1]
 
 
 def test_the_package_hint_tables_are_found():
