@@ -263,12 +263,12 @@ def test_failure_shows_enough_digits_to_see_the_difference_and_the_relative_erro
             "tolerance atol=1e-05, rtol=0.0001)") in message, message
 
 
-def test_value_comparison_uses_the_fewest_digits_that_tell_the_values_apart():
-    assert checking._value_comparison(0.03706972, 0.03706965, 1e-7, 1e-9) == (
+def test_describe_difference_uses_the_fewest_digits_that_tell_the_values_apart():
+    assert checking.describe_difference(0.03706972, 0.03706965, 1e-7, 1e-9) == (
         "got 0.03706972, expected 0.03706965 (difference 7e-08, relative 1.9e-06; tolerance atol=1e-09, rtol=1e-07)")
-    assert checking._value_comparison(5.5, 5.0, 1e-7, 1e-9).startswith("got 5.5, expected 5 (difference 0.5, relative 0.1;")
-    assert checking._value_comparison(1.0, 0.0, 0, 1e-5) == "got 1, expected 0 (difference 1; tolerance atol=1e-05, rtol=0)"
-    assert checking._value_comparison(float("nan"), 1.0, 0, 1e-5) == "got nan, expected 1 (tolerance atol=1e-05, rtol=0)"
+    assert checking.describe_difference(5.5, 5.0, 1e-7, 1e-9).startswith("got 5.5, expected 5 (difference 0.5, relative 0.1;")
+    assert checking.describe_difference(1.0, 0.0, 0, 1e-5) == "got 1, expected 0 (difference 1; tolerance atol=1e-05, rtol=0)"
+    assert checking.describe_difference(float("nan"), 1.0, 0, 1e-5) == "got nan, expected 1 (tolerance atol=1e-05, rtol=0)"
 
 
 # --------------------------------------------------------------------------------------

@@ -85,6 +85,7 @@ __all__ = [
     "verify_untampered",
     "freeze_module",
     "diagnose",
+    "describe_difference",
     "registered_checks",
     "HINT_LOG_ENV_VAR",
 ]
@@ -694,8 +695,9 @@ def _format_pair(got: float, want: float) -> tuple[str, str]:
     return f"{got:.6g}", f"{want:.6g}"
 
 
-def _value_comparison(got: float, want: float, rtol: float, atol: float) -> str:
-    """``got 0.03706972, expected 0.03706965 (difference 7e-08, relative 1.9e-06; tolerance ...)``."""
+def describe_difference(got: float, want: float, rtol: float, atol: float) -> str:
+    """``got 0.03706972, expected 0.03706965 (difference 7e-08, relative 1.9e-06; tolerance ...)``:
+    two numbers that differ, for a message, with enough digits to see how."""
     got_text, want_text = _format_pair(got, want)
     tolerance_text = f"tolerance atol={atol:g}, rtol={rtol:g}"
     if not (math.isfinite(got) and math.isfinite(want)):
@@ -763,7 +765,7 @@ def expect_close(
     bad_count = int((~close).sum())
     message = (
         f"{what} does not match {against}: {bad_count} of {got.numel()} values are off.\n"
-        f"  Largest error at index {index}: {_value_comparison(float(got[index]), float(want[index]), rtol, atol)}."
+        f"  Largest error at index {index}: {describe_difference(float(got[index]), float(want[index]), rtol, atol)}."
     )
     if torch.isnan(got).any() and not torch.isnan(want).any():
         message += "\n  Your output contains NaN: look for 0/0 (e.g. a softmax row that is entirely masked or overflowed)."
