@@ -636,7 +636,11 @@ def main(argv: list[str] | None = None) -> int:
                         memory_mb=options.memory_mb, file_mb=options.file_mb,
                         max_output_bytes=options.max_output_bytes, attempts=options.attempts,
                         sandbox=options.sandbox, threads=max(1, (os.cpu_count() or 1) // jobs))
-    ensure_sources(options.root, release.assignment_names())
+    # The instructor's course root holds the whole course (Formgrader lists every assignment);
+    # any other root (a test, a benchmark) only what was submitted to it.
+    whole_course = options.root.resolve() == COURSE_ROOT.resolve()
+    submitted = sorted({p.name for p in (options.root / "submitted").glob("*/*") if p.is_dir()})
+    ensure_sources(options.root, release.assignment_names() if whole_course else submitted)
     outcomes = grade(options.root, jobs=jobs, force=options.force, settings=settings,
                      students=options.student, assignments=options.assignment)
     failed = [o for o in outcomes if o.status == "failed"]
