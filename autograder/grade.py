@@ -21,7 +21,7 @@ How one run works
    :mod:`autograder.worker`), which grades its students one after another: Python and
    nbgrader start once per job, not once per student.  Every notebook gets a new kernel.
 3. As each finishes, **this process alone** copies its grades and comments into the main
-   gradebook and its autograded notebook into ``autograder/autograded/``: one writer, so
+   gradebook and its autograded notebook into ``autograded/``: one writer, so
    the gradebook stays consistent.
 4. A kernel that dies (``sys.exit`` is fine, ``os._exit``/segfault is not) or hangs past
    its timeout without answering the interrupt within the grace time is restarted, with that cell skipped (it
