@@ -438,7 +438,7 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
         report_path.unlink(missing_ok=True)
         task = {"root": str(course), "student": submission.student, "assignment": submission.assignment,
                 "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
-        "timeout": settings.timeout, "startup_timeout": settings.startup_timeout, "grace": settings.grace,
+                "timeout": settings.timeout, "startup_timeout": settings.startup_timeout, "grace": settings.grace,
                 "kernel": kernel, "report": str(report_path), "skip": skip,
                 "max_output_bytes": settings.max_output_bytes, "ipc": str(runtime / "k") if use_bwrap else None}
         result = engine.run(task, timeout=settings.notebook_timeout)
