@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP) ## create .venv and install the course, nbgrader and the test tools (pinned)
 
-lab: setup ## open JupyterLab on the course (sets up first if needed)
-	cd course && ../$(BIN)/jupyter lab $(ROOT_FLAG) $(LAB_ARGS)
+lab: setup ## students: JupyterLab on course/ with Validate (sets up first if needed)
+	cd course && JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/lab/student ../$(BIN)/jupyter lab $(ROOT_FLAG) $(LAB_ARGS)
 
 release: setup ## regenerate the student notebooks in course/ from solutions/
 	$(BIN)/python -m autograder.release

@@ -19,7 +19,6 @@ Pipeline, per notebook ``solutions/NN_name.py`` (jupytext percent format):
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 import jupytext
 import nbformat
 
+from autograder.lab.course_notebooks import COURSE_NOTEBOOK_METADATA
 from autograder.nbgrader_cli import AUTOGRADER_DIR, run_nbgrader
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -135,10 +135,7 @@ def build_source(assignment: str, repository: str) -> nbformat.NotebookNode:
 
 def normalise(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """No outputs, no execution counts, stable ids, minimal metadata: rebuilds are byte-identical."""
-    notebook.metadata = {
-        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-        "language_info": {"name": "python"},
-    }
+    notebook.metadata = {key: dict(value) for key, value in COURSE_NOTEBOOK_METADATA.items()}
     notebook.nbformat, notebook.nbformat_minor = 4, 5
     for index, cell in enumerate(notebook.cells):
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
@@ -170,9 +167,14 @@ def name_stubs(notebook: nbformat.NotebookNode, assignment: str) -> None:
 
 
 def write_notebook(notebook: nbformat.NotebookNode, path: Path) -> None:
+    """Write byte for byte what JupyterLab's server would write when a student saves it.
+
+    jupyter_server saves with ``nbformat.write`` (sources split into lists of lines, keys
+    sorted, one-space indent): writing the release the same way leaves a save nothing to change.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
-    path.write_text(text, encoding="utf-8")
+    with open(path, "w", encoding="utf-8") as file:
+        nbformat.write(notebook, file, version=nbformat.NO_CONVERT)
 
 
 def generate_release(assignment: str, autograder_dir: Path) -> nbformat.NotebookNode:
