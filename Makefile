@@ -42,23 +42,22 @@ test: setup sandbox ## run the whole test suite (sets up first if needed)
 test-fast: setup ## the suite without the slow notebook/nbgrader tests
 	$(BIN)/python -m pytest -n $(JOBS) -m "not slow"
 
-intake: setup ## file SUBMISSIONS=<dir> (<student>/<file>) under autograder/submitted/, with a report
+intake: setup ## file SUBMISSIONS=<dir> (<student>/<file>) under autograder/course_root/submitted/, with a report
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder>"; exit 2; }
 	$(BIN)/python -m autograder.intake "$(SUBMISSIONS)"
 
 grade: setup sandbox ## autograde new/changed submissions, JOBS students at a time (FORCE=1 regrades all)
 	$(BIN)/python -m autograder.grade --jobs $(JOBS) $(if $(FORCE),--force)
 
-feedback: setup ## write autograder/feedback/<student>/<assignment>/*.html
+feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/*.html
 	$(BIN)/python -m autograder.feedback
 
-export: setup ## write autograder/grades.csv and autograder/grades_by_question.csv
+export: setup ## write grades.csv and grades_by_question.csv in autograder/course_root/
 	$(BIN)/python -m autograder.export
 
 bench: setup ## measure notebook run time and autograde overhead (see benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
 	$(BIN)/python -m benchmarks.grading
 
-clean: ## remove generated grading folders (keeps .venv, course/ and submissions)
-	rm -rf autograder/source autograder/release autograder/autograded autograder/feedback autograder/gradebook.db \
-	  autograder/.grading autograder/reports autograder/grades.csv autograder/grades_by_question.csv
+clean: ## empty the course root autograder/course_root/ except submitted/ (keeps .venv and course/)
+	@test ! -d autograder/course_root || find autograder/course_root -mindepth 1 -maxdepth 1 ! -name submitted -exec rm -rf {} +

@@ -1,6 +1,6 @@
 """Execute a notebook top to bottom and report, per cell, what failed.
 
-    python -m autograder.execute autograder/source/01_mha_shapes/01_mha_shapes.ipynb
+    python -m autograder.execute autograder/course_root/source/01_mha_shapes/01_mha_shapes.ipynb
     python -m autograder.execute course/01_mha_shapes.ipynb
 
 Used by the tests (solutions pass every check; releases fail only on the blanks), the
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+
+from autograder.results import graded_cells
 
 
 @dataclass
@@ -60,13 +62,13 @@ def execute_notebook(path: Path | str, timeout: int = 600, working_dir: Path | s
     for cell in notebook.cells:
         if cell.cell_type != "code":
             continue
-        nbgrader = cell.metadata.get("nbgrader", {})
-        grade_id = nbgrader.get("grade_id")
-        cell_errors = [output for output in cell.outputs if output.output_type == "error"]
-        for output in cell_errors:
-            result.errors.append(CellError(cell.id, grade_id, output.ename, output.evalue))
-        if nbgrader.get("grade"):
-            (result.failed_tests if cell_errors else result.passed_tests).append(grade_id)
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        for output in cell.outputs:
+            if output.output_type == "error":
+                result.errors.append(CellError(cell.id, grade_id, output.ename, output.evalue))
+    for graded in graded_cells(notebook, path.stem):
+        if not graded.manual:  # written answers are graded by hand, never run
+            (result.passed_tests if graded.passed else result.failed_tests).append(graded.grade_id)
     return result
 
 

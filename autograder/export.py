@@ -2,10 +2,14 @@
 
     python -m autograder.export          # make export
 
-* ``autograder/grades.csv``: one row per student and assignment, written by
-  ``nbgrader export`` (nbgrader's own CSV: raw_score, late penalty, score, max_score, ...).
-* ``autograder/grades_by_question.csv``: student, assignment, notebook, grade_id, score,
-  max_score, one row per graded test cell, from the gradebook.
+* ``autograder/course_root/grades.csv``: one row per student and assignment, written by
+  ``nbgrader export`` (nbgrader's own CSV: raw_score, late penalty, score, max_score, ...),
+  plus a column ``manual_grading_pending``: ``yes`` while a written answer of that
+  submission still awaits grading by hand (in Formgrader).
+* ``autograder/course_root/grades_by_question.csv``: student, assignment, notebook,
+  grade_id, score, max_score, manual_grading_pending, one row per graded cell.
+
+Scores are the gradebook's: a score or extra credit set by hand (Formgrader) counts.
 """
 
 from __future__ import annotations
@@ -15,24 +19,28 @@ import csv
 import sys
 from pathlib import Path
 
-from autograder.nbgrader_cli import AUTOGRADER_DIR, run_nbgrader
+from autograder import gradebook
+from autograder.nbgrader_cli import run_nbgrader
+from autograder.settings import COURSE_ROOT
 
-QUESTION_COLUMNS = ["student", "assignment", "notebook", "grade_id", "score", "max_score"]
+PENDING = "manual_grading_pending"
+QUESTION_COLUMNS = ["student", "assignment", "notebook", "grade_id", "score", "max_score", PENDING]
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
 
 
 def export_by_question(root: Path, path: Path) -> int:
-    from nbgrader.api import Gradebook
-
-    from autograder.grade import COURSE_ID, db_url
-
     rows = []
-    with Gradebook(db_url(root), COURSE_ID) as gb:
+    with gradebook.open_gradebook(root) as gb:
         for assignment in gb.assignments:
             for submission in assignment.submissions:
                 for notebook in submission.notebooks:
                     for grade in notebook.grades:
                         rows.append([submission.student.id, assignment.name, notebook.name, grade.name,
-                                     f"{grade.score:g}", f"{grade.max_score:g}"])
+                                     f"{grade.score:g}", f"{grade.max_score:g}",
+                                     _yes_no(grade.needs_manual_grade)])
     rows.sort()
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
@@ -41,12 +49,30 @@ def export_by_question(root: Path, path: Path) -> int:
     return len(rows)
 
 
-def export(root: Path = AUTOGRADER_DIR) -> tuple[Path, Path]:
+def add_pending_column(root: Path, path: Path) -> None:
+    """Append ``manual_grading_pending`` to each row of nbgrader's own grades.csv."""
+    with gradebook.open_gradebook(root) as gb:
+        pending = {(s.student.id, a.name): s.needs_manual_grade for a in gb.assignments for s in a.submissions}
+    with open(path, newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    if not rows:
+        return
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=[*rows[0].keys(), PENDING])
+        writer.writeheader()
+        for row in rows:
+            submitted = (row["student_id"], row["assignment"]) in pending
+            waiting = pending.get((row["student_id"], row["assignment"]), False)
+            writer.writerow({**row, PENDING: _yes_no(waiting) if submitted else ""})
+
+
+def export(root: Path = COURSE_ROOT) -> tuple[Path, Path]:
     root = Path(root).resolve()
     if not (root / "gradebook.db").exists():
         raise SystemExit(f"no gradebook in {root}: run `make grade` first")
     grades = root / "grades.csv"
     run_nbgrader("export", "--to", str(grades), "--log-level=WARN", root=root)
+    add_pending_column(root, grades)
     by_question = root / "grades_by_question.csv"
     export_by_question(root, by_question)
     return grades, by_question
@@ -54,7 +80,7 @@ def export(root: Path = AUTOGRADER_DIR) -> tuple[Path, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=AUTOGRADER_DIR)
+    parser.add_argument("--root", type=Path, default=COURSE_ROOT)
     options = parser.parse_args(argv)
     for path in export(options.root):
         print(f"wrote {path}")

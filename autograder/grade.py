@@ -4,15 +4,15 @@
     python -m autograder.grade --jobs 4        # four students at a time (make grade JOBS=4)
     python -m autograder.grade --force         # regrade everything
     python -m autograder.grade --student "Ana Núñez" --assignment 01_mha_shapes
-    python -m autograder.grade --feedback      # write feedback (make feedback; see autograder.feedback)
 
-Layout: ``autograder/submitted/<student>/<assignment>/<notebook>.ipynb`` (``make intake``
-puts them there), sources in ``autograder/source/<assignment>/``.
+Layout, in the course root ``autograder/course_root/``: ``submitted/<student>/<assignment>/
+<notebook>.ipynb`` (``make intake`` puts them there); ``source/<assignment>/`` (built here
+from ``solutions/`` by :func:`ensure_sources`, with the release builder's own function).
 
 How one run works
 -----------------
-1. The main gradebook (``autograder/gradebook.db``) gets every assignment that has
-   submissions (``nbgrader generate_assignment``), then a snapshot of it is taken.
+1. The gradebook (``gradebook.db``; grading is its only writer) gets every assignment that
+   has submissions (``nbgrader generate_assignment``), then a snapshot of it is taken.
 2. Each submission whose fingerprint (its files, the source notebook, the grading settings)
    changed since it was last graded is autograded by ``nbgrader autograde`` in its **own
    temporary course root** (the source, that student's files and a copy of the snapshot),
@@ -24,11 +24,17 @@ How one run works
    gradebook and its autograded notebook into ``autograder/autograded/``: one writer, so
    the gradebook stays consistent.
 4. A kernel that dies (``sys.exit`` is fine, ``os._exit``/segfault is not) or hangs past
-   its timeout without answering the interrupt is restarted, with that cell skipped (it
+   its timeout without answering the interrupt within the grace time is restarted, with that cell skipped (it
    earns nothing, the others earn what they earn); after ``--attempts`` tries, or when a
    whole attempt runs past ``--notebook-timeout``, the submission is reported as failed,
    never silently scored.
-5. ``autograder/reports/grading_report.{md,json}`` says what happened to each submission.
+5. ``reports/grading_report.{md,json}`` says what happened to each submission; its notes
+   column flags tampering, and a kernel that could not start is reported with its cause.
+
+Time limits: a cell's limit counts from that cell's start; starting the kernel and the
+generated setup cell (imports) share a start-up budget of their own; an interrupted kernel
+gets a grace time that grows with the cell limit.  So a loaded machine makes grading
+slower, never wrong: a slow but working cell is not mistaken for a hung one.
 
 Student kernels run under the limits and the sandbox of :mod:`autograder.sandbox`.
 """
@@ -44,6 +50,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import select
 import shutil
 import signal
@@ -57,10 +64,11 @@ from pathlib import Path
 
 import nbformat
 
-from autograder import sandbox
-from autograder.nbgrader_cli import AUTOGRADER_DIR, nbgrader_environment, run_nbgrader
+from autograder import gradebook, release, results, sandbox
+from autograder.nbgrader_cli import nbgrader_environment, run_nbgrader
+from autograder.settings import (AUTOGRADER_DIR, CELL_TIMEOUT, COURSE_ROOT, KERNEL_STARTUP_TIMEOUT,
+                                 MAX_OUTPUT_BYTES, REPO_ROOT, UNRESPONSIVE_GRACE)
 
-COURSE_ID = "attention-lab"  # c.CourseDirectory.course_id in nbgrader_config.py
 STATE_DIR = ".grading"
 REPORTS_DIR = "reports"
 IGNORED_NAMES = {".ipynb_checkpoints", "__MACOSX", ".DS_Store", "timestamp.txt"}
@@ -68,19 +76,26 @@ IGNORED_NAMES = {".ipynb_checkpoints", "__MACOSX", ".DS_Store", "timestamp.txt"}
 
 @dataclass
 class Settings:
-    timeout: int = 120                 # seconds per cell (nbgrader's Execute.timeout)
-    notebook_timeout: int = 1800       # seconds per attempt at a whole submission
-    memory_mb: int = 4096              # address-space limit of a student kernel
-    file_mb: int = 256                 # largest file a student kernel may write
-    max_output_bytes: int = 1_000_000  # output kept per cell
-    attempts: int = 6                  # restarts after a kernel died or hung
-    unresponsive_grace: int = 10       # seconds an interrupted kernel has to answer
-    sandbox: str = "auto"              # auto | on | off
-    threads: int = 1                   # torch/BLAS threads per kernel
+    timeout: int = CELL_TIMEOUT                            # seconds per cell, from the cell's start
+    startup_timeout: int = KERNEL_STARTUP_TIMEOUT          # seconds to start a kernel and run its setup cell
+    notebook_timeout: int = 1800                           # seconds per attempt at a whole submission
+    memory_mb: int = 4096                                  # address-space limit of a student kernel
+    file_mb: int = 256                                     # largest file a student kernel may write
+    max_output_bytes: int = MAX_OUTPUT_BYTES               # output kept per cell
+    attempts: int = 6                                      # restarts after a kernel died or hung
+    unresponsive_grace: int = UNRESPONSIVE_GRACE           # least seconds an interrupted kernel has to answer
+    sandbox: str = "auto"                                  # auto | on | off
+    threads: int = 1                                       # torch/BLAS threads per kernel
+
+    @property
+    def grace(self) -> int:
+        """Seconds an interrupted kernel has to answer: a quarter of the cell limit, at least
+        ``unresponsive_grace`` (a loaded machine slows the answer as much as the cell)."""
+        return max(self.unresponsive_grace, self.timeout // 4)
 
     def fingerprint(self) -> str:
         values = dataclasses.asdict(self)
-        for name in ("notebook_timeout", "threads", "unresponsive_grace", "attempts"):
+        for name in ("notebook_timeout", "startup_timeout", "threads", "unresponsive_grace", "attempts"):
             values.pop(name)
         return json.dumps(values, sort_keys=True)
 
@@ -207,13 +222,29 @@ def exclusive(root: Path):
 # The gradebook
 # --------------------------------------------------------------------------------------
 
-def db_url(root: Path) -> str:
-    return f"sqlite:///{root / 'gradebook.db'}"
+def ensure_sources(root: Path, assignments: list[str]) -> None:
+    """``source/<a>/<a>.ipynb`` rebuilt from ``solutions/`` (the release builder's function),
+    written only when it changed; assignments not in ``solutions/`` keep the source they have."""
+    known = set(release.assignment_names())
+    repository = None
+    for assignment in assignments:
+        if assignment not in known:
+            continue
+        repository = repository or release.course_repository()
+        path = release.source_path(root, assignment)
+        built = release.build_source(assignment, repository)
+        with tempfile.TemporaryDirectory() as scratch:  # the same bytes as a written notebook
+            fresh = Path(scratch) / path.name
+            release.write_notebook(built, fresh)
+            if path.exists() and path.read_bytes() == fresh.read_bytes():
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(fresh, path)
 
 
 def ensure_assignments(root: Path, assignments: list[str], state: dict) -> None:
     """Each assignment in the gradebook, with the cells of its current source notebook."""
-    from nbgrader.api import Gradebook, MissingEntry
+    from nbgrader.api import MissingEntry
 
     sources = state.setdefault("_sources", {})
     for assignment in assignments:
@@ -221,7 +252,7 @@ def ensure_assignments(root: Path, assignments: list[str], state: dict) -> None:
         _hash_tree(digest, root / "source" / assignment)
         present = (root / "gradebook.db").exists()
         if present:
-            with Gradebook(db_url(root), COURSE_ID) as gb:
+            with gradebook.open_gradebook(root) as gb:
                 try:
                     present = len(gb.find_assignment(assignment).notebooks) > 0
                 except MissingEntry:
@@ -235,14 +266,9 @@ def ensure_assignments(root: Path, assignments: list[str], state: dict) -> None:
 
 def merge(outcome: Outcome, root: Path) -> None:
     """Copy one student's grades from its temporary gradebook into the main one (one writer)."""
-    from nbgrader.api import Gradebook
-
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own SQLAlchemy noise
     scratch = Path(outcome.course_root)
     flagged = {i["notebook"] for i in outcome.incidents if i.get("notebook")}
-    with Gradebook(db_url(scratch), COURSE_ID) as source, Gradebook(db_url(root), COURSE_ID) as target:
+    with gradebook.open_gradebook(scratch) as source, gradebook.open_gradebook(root) as target:
         graded = source.find_submission(outcome.assignment, outcome.student)
         target.update_or_create_student(outcome.student)
         target.update_or_create_submission(outcome.assignment, outcome.student)
@@ -297,7 +323,7 @@ class Engine:
     def _start(self) -> None:
         read_end, write_end = os.pipe()
         environment = nbgrader_environment()
-        environment["PYTHONPATH"] = str(sandbox.REPO_ROOT)
+        environment["PYTHONPATH"] = str(REPO_ROOT)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "autograder.worker", "--replies", str(write_end)],
@@ -359,17 +385,20 @@ class Engine:
 # One student
 # --------------------------------------------------------------------------------------
 
-def _test_results(notebook_path: Path) -> list[dict]:
-    notebook = nbformat.read(notebook_path, as_version=4)
-    results = []
-    for cell in notebook.cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if cell.cell_type == "code" and meta.get("grade"):
-            errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
-            results.append({"notebook": notebook_path.stem, "grade_id": meta.get("grade_id"),
-                            "points": meta.get("points"), "passed": not errors,
-                            "error": errors[0].get("ename") if errors else None})
-    return results
+KERNEL_START_CAUSE = re.compile(r"^(?:bwrap|sandbox): .*$", re.MULTILINE)
+
+
+def start_failure_cause(log: str) -> str | None:
+    """Why a kernel could not start, as the sandbox said it (nbgrader's own traceback only
+    says that the kernel died before replying): e.g. ``bwrap: execvp …: No such file``."""
+    causes = list(dict.fromkeys(match.group(0).strip() for match in KERNEL_START_CAUSE.finditer(log)))
+    return "; ".join(causes) if causes else None
+
+
+def tampering_incidents(cells: list[results.GradedCell]) -> list[dict]:
+    """Test cells whose check refused because the notebook replaced library functions."""
+    return [{"kind": "replaced_functions", "notebook": cell.notebook, "grade_id": cell.grade_id,
+             "detail": cell.evalue.splitlines()[0]} for cell in cells if cell.tampering]
 
 
 def _skip_reason(kind: str, settings: Settings) -> str:
@@ -409,10 +438,9 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
         report_path.unlink(missing_ok=True)
         task = {"root": str(course), "student": submission.student, "assignment": submission.assignment,
                 "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
-                "timeout": settings.timeout, "kernel": kernel, "report": str(report_path), "skip": skip,
-                "max_output_bytes": settings.max_output_bytes,
-                "unresponsive_grace": settings.unresponsive_grace,
-                "ipc": str(runtime / "k") if use_bwrap else None}
+        "timeout": settings.timeout, "startup_timeout": settings.startup_timeout, "grace": settings.grace,
+                "kernel": kernel, "report": str(report_path), "skip": skip,
+                "max_output_bytes": settings.max_output_bytes, "ipc": str(runtime / "k") if use_bwrap else None}
         result = engine.run(task, timeout=settings.notebook_timeout)
         try:
             report = json.loads(report_path.read_text())
@@ -430,11 +458,13 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
             kind, cell = "dead", report["dead_cell"]
         elif "hung_cell" in report:
             kind, cell = "hung", report["hung_cell"]
-        elif result.timed_out and "cell_index" in report:
-            kind, cell = "notebook_timeout", report["cell_index"]
+        elif result.timed_out and "cell" in report:
+            kind, cell = "notebook_timeout", report["cell"]
         else:
-            outcome.error = ("nbgrader autograde failed" + (" (ran past --notebook-timeout)" if result.timed_out else "")
-                             + ":\n" + result.log[-3000:])
+            cause = start_failure_cause(result.log)
+            outcome.error = (("the kernel could not start: " + cause + "\n") if cause else "") + (
+                "nbgrader autograde failed" + (" (ran past --notebook-timeout)" if result.timed_out else "")
+                + ":\n" + result.log[-3000:])
             break
         notebook = report.get("notebook", expected[0] if expected else "")
         if str(cell) in skip.get(notebook, {}):
@@ -443,13 +473,15 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
         skip.setdefault(notebook, {})[str(cell)] = _skip_reason(kind, settings)
         outcome.incidents.append({"kind": {"dead": "kernel_died", "hung": "kernel_unresponsive",
                                            "notebook_timeout": "notebook_timeout"}[kind],
-                                  "notebook": notebook, "cell_index": cell,
+                                  "notebook": notebook, "cell": cell,
                                   "grade_id": report.get("grade_id"), "attempt": attempt})
     else:
         outcome.error = f"gave up after {settings.attempts} attempts"
     if outcome.status == "graded":
         for name in expected:
-            outcome.tests += _test_results(workdir / f"{name}.ipynb")
+            cells = results.graded_cells(nbformat.read(workdir / f"{name}.ipynb", as_version=4), name)
+            outcome.tests += [cell.as_dict() for cell in cells]
+            outcome.incidents += tampering_incidents(cells)
     outcome.seconds = time.perf_counter() - start
     return outcome
 
@@ -457,18 +489,6 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
 # --------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------
-
-def _describe(incident: dict) -> str:
-    where = incident.get("grade_id") or f"cell {incident.get('cell_index')}"
-    return {
-        "kernel_died": f"{where}: stopped the kernel; skipped on a restart",
-        "kernel_unresponsive": f"{where}: hung and ignored the interrupt; skipped on a restart",
-        "notebook_timeout": f"{where}: the notebook ran past the time limit; skipped on a restart",
-        "timeout": f"{where}: ran past the per-cell time limit (interrupted)",
-        "output_truncated": f"{where}: output truncated",
-        "tampering": f"{where}: replaced {incident.get('detail')} (undone before the test ran)",
-    }.get(incident.get("kind"), f"{where}: {incident.get('kind')}")
-
 
 def write_report(root: Path, outcomes: list[Outcome], problems: list[str], settings: Settings,
                  isolation: str) -> Path:
@@ -482,7 +502,7 @@ def write_report(root: Path, outcomes: list[Outcome], problems: list[str], setti
              "| student | assignment | status | score | notes |", "|---|---|---|---|---|"]
     for o in outcomes:
         score = f"{o.score:g} / {o.max_score:g}" if o.score is not None and o.max_score is not None else "-"
-        notes = "; ".join(_describe(i) for i in o.incidents)
+        notes = "; ".join(results.describe(i) for i in o.incidents)
         if o.status == "failed":
             notes = (o.error.splitlines() or ["failed"])[0] + ("; " + notes if notes else "")
         lines.append(f"| {o.student} | {o.assignment} | {o.status} | {score} | {notes.replace('|', '/')} |")
@@ -496,7 +516,7 @@ def write_report(root: Path, outcomes: list[Outcome], problems: list[str], setti
     return path
 
 
-def grade(root: Path = AUTOGRADER_DIR, *, jobs: int = 2, force: bool = False, settings: Settings | None = None,
+def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, settings: Settings | None = None,
           students: list[str] | None = None, assignments: list[str] | None = None,
           log=print) -> list[Outcome]:
     """Grade every new or changed submission under ``root``; return one outcome per submission."""
@@ -527,10 +547,9 @@ def grade(root: Path = AUTOGRADER_DIR, *, jobs: int = 2, force: bool = False, se
                                         fingerprint=digest))
             else:
                 todo.append((submission, digest))
-        needed = sorted({s.assignment for s, _ in todo})
-        if needed:
-            ensure_assignments(root, needed, state)
-            save_state(root, state)
+        # every assignment, graded or not, so that Formgrader lists them all
+        ensure_assignments(root, assignments_with_source(root), state)
+        save_state(root, state)
         log(f"{len(todo)} to grade, {len(outcomes)} unchanged, {jobs} at a time")
         with tempfile.TemporaryDirectory(prefix="alg-") as scratch:
             scratch_dir = Path(scratch)
@@ -580,7 +599,7 @@ def grade(root: Path = AUTOGRADER_DIR, *, jobs: int = 2, force: bool = False, se
                         outcomes.append(outcome)
                         score = (f"{outcome.score:g}/{outcome.max_score:g}" if outcome.score is not None
                                  else "NOT GRADED")
-                        extra = "; ".join(_describe(i) for i in outcome.incidents)
+                        extra = "; ".join(results.describe(i) for i in outcome.incidents)
                         log(f"  {outcome.status:8s} {submission.key}: {score} ({outcome.seconds:.0f} s)"
                             + (f" [{extra}]" if extra else "")
                             + (f" -- {outcome.error.splitlines()[0]}" if outcome.error else ""))
@@ -590,31 +609,18 @@ def grade(root: Path = AUTOGRADER_DIR, *, jobs: int = 2, force: bool = False, se
     return outcomes
 
 
-def ensure_sources(root: Path) -> None:
-    """Build autograder/source/<a> (never course/) for submitted assignments that lack it."""
-    from autograder import release
-
-    submitted = {p.name for p in (root / "submitted").glob("*/*") if p.is_dir()}
-    missing = [a for a in release.assignment_names()
-               if a in submitted and not (root / "source" / a / f"{a}.ipynb").exists()]
-    if missing:
-        repository = release.course_repository()
-        for assignment in missing:
-            print(f"building the source notebook of {assignment}")
-            release.write_notebook(release.build_source(assignment, repository),
-                                   root / "source" / assignment / f"{assignment}.ipynb")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=AUTOGRADER_DIR, help="the course root (default: autograder/)")
+    parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="the course root (default: autograder/course_root/)")
     parser.add_argument("--jobs", "-j", type=int, default=int(os.environ.get("JOBS", 2)),
                         help="students graded at once (default: $JOBS or 2)")
     parser.add_argument("--force", action="store_true", help="regrade unchanged submissions too")
     parser.add_argument("--student", action="append", help="only this student (repeatable)")
     parser.add_argument("--assignment", action="append", help="only this assignment (repeatable)")
     defaults = Settings()
-    parser.add_argument("--timeout", type=int, default=defaults.timeout, help="seconds per cell")
+    parser.add_argument("--timeout", type=int, default=defaults.timeout, help="seconds per cell, from its start")
+    parser.add_argument("--startup-timeout", type=int, default=defaults.startup_timeout,
+                        help="seconds to start a kernel and run the setup cell")
     parser.add_argument("--notebook-timeout", type=int, default=defaults.notebook_timeout,
                         help="seconds per attempt at a whole submission")
     parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb, help="memory limit per kernel")
@@ -623,21 +629,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attempts", type=int, default=defaults.attempts)
     parser.add_argument("--sandbox", choices=("auto", "on", "off"), default="auto",
                         help="bubblewrap isolation: auto (use when available, warn otherwise), on (required), off")
-    parser.add_argument("--feedback", action="store_true", help="write feedback instead (autograder.feedback)")
     options = parser.parse_args(argv)
-    if options.feedback:
-        from autograder import feedback
-        return feedback.main(["--root", str(options.root)])
     jobs = max(1, options.jobs)
-    settings = Settings(timeout=options.timeout, notebook_timeout=options.notebook_timeout,
+    settings = Settings(timeout=options.timeout, startup_timeout=options.startup_timeout,
+                        notebook_timeout=options.notebook_timeout,
                         memory_mb=options.memory_mb, file_mb=options.file_mb,
                         max_output_bytes=options.max_output_bytes, attempts=options.attempts,
                         sandbox=options.sandbox, threads=max(1, (os.cpu_count() or 1) // jobs))
-    if options.root.resolve() == AUTOGRADER_DIR:
-        ensure_sources(options.root)
-    if not (options.root / "source").is_dir():
-        print(f"no sources in {options.root / 'source'}: run `make release` first")
-        return 1
+    ensure_sources(options.root, release.assignment_names())
     outcomes = grade(options.root, jobs=jobs, force=options.force, settings=settings,
                      students=options.student, assignments=options.assignment)
     failed = [o for o in outcomes if o.status == "failed"]
@@ -645,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"graded {len(graded)}, unchanged {len(outcomes) - len(graded) - len(failed)}, failed {len(failed)}")
     if failed:
         print("could not grade: " + ", ".join(f"{o.student}/{o.assignment}" for o in failed)
-              + " (see autograder/reports/grading_report.md)")
+              + f" (see {options.root / REPORTS_DIR / 'grading_report.md'})")
     return 1 if failed else 0
 
 

@@ -3,7 +3,9 @@
     python -m autograder.intake DOWNLOADS            # make intake SUBMISSIONS=DOWNLOADS
 
 ``DOWNLOADS/<student>/<any file name>`` (files in sub-folders too) becomes
-``autograder/submitted/<student>/<assignment>/<notebook>.ipynb``. The originals are only read.
+``autograder/course_root/submitted/<student>/<assignment>/<assignment>.ipynb``. The originals
+are only read.  Submissions are matched against the release, the student notebooks of
+``course/`` (:func:`autograder.release.released_notebook`), which is what students got.
 
 * **Names students really produce** are recognised: ``Copy of 01_mha_shapes.ipynb``
   (Colab), ``01_mha_shapes (1).ipynb``, ``01 MHA Shapes.ipynb``, other case; a notebook
@@ -19,7 +21,7 @@
 * Invalid JSON, empty files, non-notebooks, unknown files: refused, with the reason.
 * If a student has several files for one assignment, the newest is taken.
 
-The report (``autograder/reports/intake_report.{md,json}``) lists every file as
+The report (``reports/intake_report.{md,json}`` in the course root) lists every file as
 accepted / repaired / refused with its reasons. Exit status 0 unless the folder is missing.
 """
 
@@ -38,9 +40,9 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.nbgrader_cli import AUTOGRADER_DIR
+from autograder.release import assignment_names, released_notebook
+from autograder.settings import COURSE_DIR, COURSE_ROOT
 
-REPO_ROOT = AUTOGRADER_DIR.parent
 IGNORED = {".DS_Store", "Thumbs.db", "desktop.ini"}
 IGNORED_DIRS = {"__MACOSX", ".ipynb_checkpoints", ".git"}
 FORBIDDEN_IN_ID = re.compile(r"[/\\*?\[\]\x00-\x1f]")
@@ -59,8 +61,7 @@ class Entry:
 
 @dataclass
 class Release:
-    assignment: str
-    notebook: str               # the notebook's name inside the assignment
+    assignment: str             # also the name of its one notebook
     cells: list                 # release cells
     lines: set[str]             # distinctive first lines of its cells
 
@@ -120,17 +121,15 @@ def _normal(source: str) -> str:
     return "\n".join(line.rstrip() for line in source.strip().splitlines())
 
 
-def load_releases(course_dir: Path, root: Path, assignments: list[str]) -> dict[str, Release]:
+def load_releases(course_dir: Path, assignments: list[str]) -> dict[str, Release]:
     releases = {}
     for assignment in assignments:
-        path = course_dir / f"{assignment}.ipynb"
-        if not path.exists():
-            path = root / "release" / assignment / f"{assignment}.ipynb"
+        path = released_notebook(assignment, course_dir)
         if not path.exists():
             continue
         notebook = nbformat.read(path, as_version=4)
         lines = {_first_line(c.source) for c in notebook.cells if len(_first_line(c.source)) > 12}
-        releases[assignment] = Release(assignment, assignment, notebook.cells, lines)
+        releases[assignment] = Release(assignment, notebook.cells, lines)
     return releases
 
 
@@ -281,13 +280,10 @@ def read_notebook(path: Path):
     return notebook, None
 
 
-def intake(submissions: Path, root: Path = AUTOGRADER_DIR, course_dir: Path | None = None,
+def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURSE_DIR,
            assignments: list[str] | None = None) -> list[Entry]:
-    from autograder.release import assignment_names
-
-    course_dir = course_dir or REPO_ROOT / "course"
-    assignments = assignments or sorted(set(assignment_names()) | {p.stem for p in course_dir.glob("[0-9][0-9]_*.ipynb")})
-    releases = load_releases(course_dir, root, assignments)
+    assignments = assignments or assignment_names()
+    releases = load_releases(course_dir, assignments)
     entries: list[Entry] = []
     chosen: dict[tuple[str, str], tuple[float, Entry, object]] = {}
     for path in sorted(submissions.rglob("*")):
@@ -347,9 +343,8 @@ def intake(submissions: Path, root: Path = AUTOGRADER_DIR, course_dir: Path | No
                 continue
         chosen[key] = (mtime, entry, repaired)
     for (student, assignment), (_, entry, notebook) in chosen.items():
-        release = releases[assignment]
         folder = root / "submitted" / student / assignment
-        target = folder / f"{release.notebook}.ipynb"
+        target = folder / f"{assignment}.ipynb"
         text = json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
         entry.destination = str(target.relative_to(root))
         if target.exists() and target.read_text(encoding="utf-8") == text:
@@ -384,8 +379,8 @@ def write_report(entries: list[Entry], root: Path, submissions: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("submissions", type=Path, help="folder laid out as <student>/<file>")
-    parser.add_argument("--root", type=Path, default=AUTOGRADER_DIR, help="course root (default: autograder/)")
-    parser.add_argument("--course", type=Path, default=REPO_ROOT / "course", help="the student release notebooks")
+    parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="course root (default: autograder/course_root/)")
+    parser.add_argument("--course", type=Path, default=COURSE_DIR, help="the student release notebooks")
     options = parser.parse_args(argv)
     if not options.submissions.is_dir():
         print(f"{options.submissions}: no such folder (make intake SUBMISSIONS=<folder>)")

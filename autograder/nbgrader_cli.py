@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-AUTOGRADER_DIR = Path(__file__).resolve().parent
+from autograder.settings import AUTOGRADER_DIR, COURSE_ROOT
 
 
 def nbgrader_environment() -> dict[str, str]:
@@ -22,9 +22,9 @@ def nbgrader_environment() -> dict[str, str]:
     return environment
 
 
-def run_nbgrader(*arguments: str, root: Path = AUTOGRADER_DIR, check: bool = True,
+def run_nbgrader(*arguments: str, root: Path = COURSE_ROOT, check: bool = True,
                  capture: bool = False) -> subprocess.CompletedProcess:
-    """``nbgrader <arguments> --CourseDirectory.root=<root>``, from the autograder folder (its config)."""
+    """``nbgrader <arguments> --CourseDirectory.root=<root>``, from ``autograder/`` (where its config is)."""
     return subprocess.run(
         [sys.executable, "-m", "nbgrader", *arguments, f"--CourseDirectory.root={root}"],
         cwd=AUTOGRADER_DIR, env=nbgrader_environment(), check=check,

@@ -1,16 +1,18 @@
 """Build the student release from the one source of each notebook.
 
-    python -m autograder.release           # solutions/*.py  ->  autograder/source  ->  course/*.ipynb
+    python -m autograder.release           # solutions/*.py  ->  course/*.ipynb
     python -m autograder.release --check   # exit 1 if course/ is not what a rebuild gives
 
 Pipeline, per notebook ``solutions/NN_name.py`` (jupytext percent format):
 
-1. **source**: read the cells; turn the short cell markers into nbgrader metadata
-   (``# %% answer="split_heads"`` -> an autograded answer cell, ``# %% test="test_x" points=2``
-   -> a locked, graded test cell); add the Colab badge to the title and the generated setup
-   cell after it; write ``autograder/source/NN_name/NN_name.ipynb``.
-2. **release**: ``nbgrader generate_assignment`` strips solutions and hidden tests into
-   ``autograder/release/``.
+1. **source** (:func:`build_source`): read the cells; turn the short cell markers into
+   nbgrader metadata (``# %% answer="split_heads"`` -> an autograded answer cell,
+   ``# %% test="test_x" points=2`` -> a locked, graded test cell, ``# %% [markdown]
+   manual="x" points=2`` -> a written answer graded by hand); wrap each hidden block so that
+   its failure says it is hidden (:func:`mark_hidden_tests`); add the Colab badge and the
+   generated setup cell.  The grader builds its ``source/`` with the same function.
+2. **release**: ``nbgrader generate_assignment`` strips solutions and hidden tests, in a
+   scratch course root of its own (a release never touches the instructor's gradebook).
 3. **course**: each stub gets its exercise's message, then the notebook is normalised
    (no outputs, no execution counts, stable cell ids, sorted keys) into ``course/``, so a
    rebuild is byte-identical.
@@ -30,14 +32,13 @@ import jupytext
 import nbformat
 
 from autograder.lab.course_notebooks import COURSE_NOTEBOOK_METADATA
-from autograder.nbgrader_cli import AUTOGRADER_DIR, run_nbgrader
+from autograder.nbgrader_cli import run_nbgrader
+from autograder.results import HIDDEN_FAILURE
+from autograder.settings import COURSE_DIR, REPO_ROOT, SETUP_CELL_ID, SOLUTIONS_DIR
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SOLUTIONS_DIR = REPO_ROOT / "solutions"
-COURSE_DIR = REPO_ROOT / "course"
-
-SETUP_CELL_ID = "setup"
 STUB = "raise NotImplementedError()"
+HIDDEN_BEGIN = "### BEGIN HIDDEN TESTS"
+HIDDEN_END = "### END HIDDEN TESTS"
 EXERCISE_HEADER = re.compile(r"^#{2,4}\s+Exercise\s+(?P<number>\d+\.\d+)\b", re.MULTILINE)
 GITHUB_REMOTE = re.compile(r"github\.com[:/](?P<repository>[\w.-]+/[\w.-]+?)(?:\.git)?/?$")
 
@@ -109,6 +110,37 @@ def nbgrader_metadata(cell: nbformat.NotebookNode) -> dict | None:
     return None
 
 
+def mark_hidden_tests(source: str) -> str:
+    """Wrap each hidden block of a test cell so that its failure is a ``HiddenTestFailure``.
+
+    Feedback then knows from the error's name, not from where it was raised, that only the
+    hidden tests failed (and shows nothing of them).  The wrapper sits between the markers,
+    so nbgrader strips it from the release together with the hidden tests.
+    """
+    lines = source.splitlines()
+    marked, index = [], 0
+    while index < len(lines):
+        line = lines[index]
+        marked.append(line)
+        index += 1
+        if line.strip() != HIDDEN_BEGIN:
+            continue
+        end = next((i for i in range(index, len(lines)) if lines[i].strip() == HIDDEN_END), None)
+        if end is None:
+            raise ValueError(f"{HIDDEN_BEGIN} without {HIDDEN_END}")
+        body = lines[index:end]
+        if any(code.strip() and not code.strip().startswith("#") for code in body):
+            indent = line[:len(line) - len(line.lstrip())]
+            marked += [f"{indent}try:", *[f"    {code}" if code.strip() else code for code in body],
+                       f"{indent}except Exception as hidden_failure:  # named for the grader's feedback",
+                       f'{indent}    raise type("{HIDDEN_FAILURE}", (AssertionError,), {{}})(str(hidden_failure)) '
+                       "from hidden_failure"]
+        else:
+            marked += body
+        index = end
+    return "\n".join(marked)
+
+
 def build_source(assignment: str, repository: str) -> nbformat.NotebookNode:
     """The instructor notebook (solutions and hidden tests included) with nbgrader metadata."""
     notebook = jupytext.read(SOLUTIONS_DIR / f"{assignment}.py", fmt="py:percent")
@@ -116,6 +148,8 @@ def build_source(assignment: str, repository: str) -> nbformat.NotebookNode:
     for cell in notebook.cells:
         nbgrader = nbgrader_metadata(cell)
         cell.metadata = {"nbgrader": nbgrader} if nbgrader else {}
+        if nbgrader and nbgrader["locked"] and nbgrader["grade"]:
+            cell.source = mark_hidden_tests(cell.source)
         cells.append(cell)
     title = cells[0]
     if title.cell_type != "markdown" or not title.source.startswith("# "):
@@ -177,22 +211,39 @@ def write_notebook(notebook: nbformat.NotebookNode, path: Path) -> None:
         nbformat.write(notebook, file, version=nbformat.NO_CONVERT)
 
 
-def generate_release(assignment: str, autograder_dir: Path) -> nbformat.NotebookNode:
+def source_path(root: Path, assignment: str) -> Path:
+    """Where a course root keeps the source (instructor) notebook of an assignment."""
+    return root / "source" / assignment / f"{assignment}.ipynb"
+
+
+def released_notebook(assignment: str, course_dir: Path = COURSE_DIR) -> Path:
+    """The release of an assignment: the student notebook students get, and submit back."""
+    return course_dir / f"{assignment}.ipynb"
+
+
+def generate_release(assignment: str, nbgrader_root: Path) -> nbformat.NotebookNode:
     """Run nbgrader's generate_assignment on one source notebook; return the release notebook."""
-    run_nbgrader("generate_assignment", assignment, "--force", "--log-level=WARN", root=autograder_dir)
-    return nbformat.read(autograder_dir / "release" / assignment / f"{assignment}.ipynb", as_version=4)
+    run_nbgrader("generate_assignment", assignment, "--force", "--log-level=WARN", root=nbgrader_root)
+    return nbformat.read(nbgrader_root / "release" / assignment / f"{assignment}.ipynb", as_version=4)
 
 
-def build(assignments: list[str], course_dir: Path, autograder_dir: Path) -> list[Path]:
-    """Build source and student notebooks; return the student notebook paths."""
+def build(assignments: list[str], course_dir: Path, nbgrader_root: Path | None = None) -> list[Path]:
+    """Build the student notebooks into ``course_dir``; return their paths.
+
+    nbgrader runs in ``nbgrader_root`` (a temporary folder unless given: a caller may keep
+    the sources it holds); never in the instructor's course root, whose gradebook and
+    ``source/`` only grading writes.
+    """
+    if nbgrader_root is None:
+        with tempfile.TemporaryDirectory(prefix="release-") as scratch:
+            return build(assignments, course_dir, Path(scratch))
     repository = course_repository()
     written = []
     for assignment in assignments:
-        source = build_source(assignment, repository)
-        write_notebook(source, autograder_dir / "source" / assignment / f"{assignment}.ipynb")
-        release = generate_release(assignment, autograder_dir)
+        write_notebook(build_source(assignment, repository), source_path(nbgrader_root, assignment))
+        release = generate_release(assignment, nbgrader_root)
         name_stubs(release, assignment)
-        path = course_dir / f"{assignment}.ipynb"
+        path = released_notebook(assignment, course_dir)
         write_notebook(normalise(release), path)
         written.append(path)
     return written
@@ -205,13 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     assignments = options.assignments or assignment_names()
     if not options.check:
-        for path in build(assignments, COURSE_DIR, AUTOGRADER_DIR):
+        for path in build(assignments, COURSE_DIR):
             print(f"released {path.relative_to(REPO_ROOT)}")
         return 0
     with tempfile.TemporaryDirectory() as scratch:
-        scratch_dir = Path(scratch)
         stale = []
-        for path in build(assignments, scratch_dir / "course", scratch_dir / "autograder"):
+        for path in build(assignments, Path(scratch) / "course"):
             committed = COURSE_DIR / path.name
             if not committed.exists() or committed.read_bytes() != path.read_bytes():
                 stale.append(path.name)

@@ -38,7 +38,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+if not __package__:  # run as a script by the kernelspec (`python .../sandbox.py launch`)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from autograder.settings import REPO_ROOT  # noqa: E402
+
 KERNEL_NAME = "attention-lab-grader"
 
 
@@ -108,6 +111,17 @@ def bwrap_arguments(workdir: Path, runtime_dir: Path, hidden: list[Path] | None 
     return arguments
 
 
+def kernel_python() -> str:
+    """This interpreter, named through the resolved virtual environment.
+
+    The sandbox shows the resolved environment folder (:func:`bwrap_arguments`), not a
+    symbolic link to it (``.venv -> /elsewhere/venv``), which may lie in a hidden tree.  The
+    last link (``bin/python`` -> the base interpreter) is kept: Python finds its virtual
+    environment from the name it was started by.
+    """
+    return str(Path(sys.prefix).resolve() / "bin" / Path(sys.executable).name)
+
+
 def kernel_argv(workdir: Path, runtime_dir: Path, *, memory_mb: int, file_mb: int,
                 sandbox: bool, hidden: list[Path] | None = None) -> list[str]:
     """The kernelspec argv of the grading kernel (``{connection_file}`` filled in by Jupyter)."""
@@ -115,7 +129,7 @@ def kernel_argv(workdir: Path, runtime_dir: Path, *, memory_mb: int, file_mb: in
             f"--memory-mb={memory_mb}", f"--file-mb={file_mb}", "--"]
     if sandbox:
         argv += bwrap_arguments(workdir, runtime_dir, hidden)
-    argv += [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+    argv += [kernel_python() if sandbox else sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
              "--HistoryManager.hist_file=:memory:"]
     return argv
 
@@ -209,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     if options.command == "launch":
         cmd = options.cmd[1:] if options.cmd[:1] == ["--"] else options.cmd
         _set_limits(options.memory_mb, options.file_mb)
-        os.execvp(cmd[0], cmd)
+        try:
+            os.execvp(cmd[0], cmd)
+        except OSError as error:  # the grader reports this line as the cause (grade.start_failure_cause)
+            print(f"sandbox: cannot start the kernel: {cmd[0]}: {error.strerror}", file=sys.stderr, flush=True)
+            return 127
     warning = isolation_warning()
     print(warning or f"bubblewrap sandbox available: {bwrap_path()}")
     return 0

@@ -11,7 +11,11 @@ each notebook gets a new kernel, in its own sandbox.
 nbgrader runs with one change: the Execute preprocessor is :class:`GuardedExecute`, which
 
 * runs every cell in the sandboxed grading kernel (kernelspec written by autograder.grade);
-* records, in the task's ``report`` file, which cell is running, so that a cell that kills
+* gives each cell its time limit from the cell's own start, and the generated setup cell
+  (which imports torch: slow on a loaded machine) the kernel start-up budget instead, so
+  that start-up and imports never eat a cell's budget; an interrupted kernel has
+  ``grace`` seconds to answer before it counts as hung;
+* records, in the task's ``report`` file, which cell is running (numbered from 1), so that a cell that kills
   the kernel (``os._exit``, a segfault) or hangs past its timeout without answering the
   interrupt can be named, and skipped on the next attempt instead of costing the whole
   notebook;
@@ -42,14 +46,16 @@ from traitlets import Dict, Integer, Unicode
 from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
 from autograder import sandbox
+from autograder.results import SKIPPED_CELL
+from autograder.settings import (KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, REPO_ROOT, SETUP_CELL_ID,
+                                 UNRESPONSIVE_GRACE)
 
-SKIPPED_ENAME = "GraderSkippedCell"
 TAMPER_VARIABLE = "_attention_lab_grader_guard"
 GUARD_CODE = f'''
 def _attention_lab_grader_check():
     import sys, types, os, builtins, importlib
     report = []
-    package = os.path.realpath({str(Path(__file__).resolve().parent.parent / "course" / "attention_lab")!r})
+    package = os.path.realpath({str(REPO_ROOT / "course" / "attention_lab")!r})
     for name in [n for n in list(sys.modules) if n == "attention_lab" or n.startswith("attention_lab.")]:
         module = sys.modules[name]
         path = getattr(module, "__file__", None) or ""
@@ -71,10 +77,18 @@ del _attention_lab_grader_check
 class GuardedExecute(Execute):
     """nbgrader's Execute, made robust to kernels that die or hang (see the module docstring)."""
 
-    skip_cells = Dict({}, help="{notebook: {cell index: reason}} cells not to run").tag(config=True)
+    skip_cells = Dict({}, help="{notebook: {cell number: reason}} cells not to run").tag(config=True)
     report_path = Unicode("", help="JSON file recording progress and incidents").tag(config=True)
-    max_output_bytes = Integer(1_000_000, help="output kept per cell").tag(config=True)
-    unresponsive_grace = Integer(10, help="seconds an interrupted kernel has to answer").tag(config=True)
+    max_output_bytes = Integer(MAX_OUTPUT_BYTES, help="output kept per cell").tag(config=True)
+    unresponsive_grace = Integer(UNRESPONSIVE_GRACE, help="seconds an interrupted kernel has to answer").tag(config=True)
+    startup_timeout = Integer(KERNEL_STARTUP_TIMEOUT, help="seconds to start a kernel; also the setup cell's limit"
+                              ).tag(config=True)
+
+    def _get_timeout(self, cell):
+        """The setup cell (imports) shares the start-up budget; every other cell has ``timeout``."""
+        if cell is not None and cell.metadata.get("nbgrader", {}).get("grade_id") == SETUP_CELL_ID:
+            return self.startup_timeout
+        return super()._get_timeout(cell)
 
     def preprocess(self, nb, resources=None, km=None):
         self._notebook_name = (resources or {}).get("unique_key", "notebook")
@@ -99,29 +113,29 @@ class GuardedExecute(Execute):
     async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
         if cell.cell_type != "code" or not cell.source.strip():
             return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
-        skip = self.skip_cells.get(self._notebook_name, {}).get(str(cell_index))
+        number = cell_index + 1  # as JupyterLab numbers cells
+        skip = self.skip_cells.get(self._notebook_name, {}).get(str(number))
         if skip is not None:
-            cell.outputs = [NotebookNode(output_type="error", ename=SKIPPED_ENAME, evalue=skip,
-                                         traceback=[f"{SKIPPED_ENAME}: {skip}"])]
+            cell.outputs = [NotebookNode(output_type="error", ename=SKIPPED_CELL, evalue=skip,
+                                         traceback=[f"{SKIPPED_CELL}: {skip}"])]
             return cell
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
-        self._report(notebook=self._notebook_name, cell_index=cell_index, grade_id=grade_id,
-                     started=time.time())
+        self._report(notebook=self._notebook_name, cell=number, grade_id=grade_id, started=time.time())
         if cell.metadata.get("nbgrader", {}).get("grade"):
             await self._guard(grade_id)
         try:
             cell = await super().async_execute_cell(cell, cell_index, execution_count, store_history)
         except DeadKernelError:
-            self._report(dead_cell=cell_index)
+            self._report(dead_cell=number)
             raise
-        except CellTimeoutError:  # interrupted, but the kernel never finished the cell
-            self._report(hung_cell=cell_index)
+        except CellTimeoutError:  # interrupted, but no sign of the kernel for `iopub_timeout` (= grace)
+            self._report(hung_cell=number)
             raise UnresponsiveKernelError() from None
         if any(o.get("output_type") == "error" and o.get("ename") == "CellTimeoutError" for o in cell.outputs):
             self._report(incident={"kind": "timeout", "notebook": self._notebook_name,
-                                   "cell_index": cell_index, "grade_id": grade_id})
+                                   "cell": number, "grade_id": grade_id})
             if not await self._responsive():
-                self._report(hung_cell=cell_index)
+                self._report(hung_cell=number)
                 raise UnresponsiveKernelError()
         return cell
 
@@ -172,11 +186,21 @@ class GuardedExecute(Execute):
             return super().output(outs, msg, display_id, cell_index)
         if used <= self.max_output_bytes:  # first message over the limit: say so once
             self._report(incident={"kind": "output_truncated", "notebook": self._notebook_name,
-                                   "cell_index": cell_index})
+                                   "cell": cell_index + 1})
             note = NotebookNode(output_type="stream", name="stderr",
                                 text=f"\n[output truncated by the grader after {self.max_output_bytes} bytes]\n")
             outs.append(note)
         return None
+
+
+def autograde_preprocessors() -> list:
+    """nbgrader's own autograde preprocessors, with :class:`GuardedExecute` in place of Execute."""
+    from nbgrader.converters.autograde import Autograde
+
+    default = Autograde.class_traits()["autograde_preprocessors"].default()
+    if Execute not in default:
+        raise RuntimeError(f"nbgrader's autograde no longer runs Execute: {default}")
+    return [GuardedExecute if preprocessor is Execute else preprocessor for preprocessor in default]
 
 
 def autograde(task: dict) -> int:
@@ -184,37 +208,34 @@ def autograde(task: dict) -> int:
 
     ``task``: ``root``, ``student``, ``assignment``, ``environment`` (variables set for this
     run: where the grading kernelspec and the kernel's runtime folder are) and the plan:
-    ``timeout``, ``kernel``, ``report``, ``skip``, ``max_output_bytes``, ``unresponsive_grace``,
-    ``ipc``.  nbgrader's app is created afresh and reset afterwards (as nbgrader's own test
-    helper does), so one process grades any number of students, each with its own kernel.
+    ``timeout``, ``startup_timeout``, ``grace``, ``kernel``, ``report``, ``skip``,
+    ``max_output_bytes``, ``ipc`` (see autograder.grade.grade_one).  nbgrader's app is created
+    afresh and reset afterwards (as nbgrader's own test helper does), so one process grades
+    any number of students, each with its own kernel.
     """
     from jupyter_core.application import NoStart
-    from nbconvert.preprocessors import ClearMetadataPreprocessor
     from traitlets.config import Config
 
     from nbgrader.apps.nbgraderapp import NbGraderApp
-    from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, IgnorePattern,
-                                        LimitOutput, SaveAutoGrades)
 
     config = Config()
-    config.Autograde.autograde_preprocessors = [
-        GuardedExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades,
-        AssignLatePenalties, CheckCellMetadata,
-    ]
-    config.GuardedExecute.shutdown_kernel = "immediate"  # no need to wait for the student's atexit
-    config.GuardedExecute.skip_cells = task.get("skip", {})
-    config.GuardedExecute.report_path = task["report"]
-    config.GuardedExecute.max_output_bytes = task.get("max_output_bytes", 1_000_000)
-    config.GuardedExecute.unresponsive_grace = task.get("unresponsive_grace", 10)
-    if task.get("kernel"):
-        config.GuardedExecute.kernel_name = task["kernel"]
+    config.Autograde.autograde_preprocessors = autograde_preprocessors()
+    execute = config.GuardedExecute
+    execute.shutdown_kernel = "immediate"  # no need to wait for the student's atexit
+    execute.timeout = task["timeout"]
+    execute.startup_timeout = task["startup_timeout"]
+    execute.unresponsive_grace = task["grace"]
+    execute.iopub_timeout = task["grace"]  # after a reply or an interrupt: the kernel's last outputs
+    execute.skip_cells = task["skip"]
+    execute.report_path = task["report"]
+    execute.max_output_bytes = task["max_output_bytes"]
+    execute.kernel_name = task["kernel"]
     if task.get("ipc"):  # the sandboxed kernel has no network: Unix sockets in its runtime folder
         config.KernelManager.transport = "ipc"
         config.KernelManager.ip = task["ipc"]
         config.KernelManager.connection_file = task["ipc"] + ".json"
     arguments = ["autograde", task["assignment"], "--student", task["student"], "--force",
-                 f"--CourseDirectory.root={task['root']}", f"--Execute.timeout={task['timeout']}",
-                 f"--GuardedExecute.timeout={task['timeout']}", "--log-level=WARN"]
+                 f"--CourseDirectory.root={task['root']}", "--log-level=WARN"]
     saved_environment, saved_path = dict(os.environ), list(sys.path)
     os.environ.update(task.get("environment", {}))
     app = NbGraderApp.instance(config=config)

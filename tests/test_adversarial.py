@@ -20,9 +20,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import feedback, grade, intake, sandbox
+from autograder import feedback, grade, gradebook, intake, sandbox
 from autograder.export import export
 from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
+from autograder.settings import COURSE_ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ ASSIGNMENT = "01_mha_shapes"
 FULL = 18.0
 LAST = "mha_parameter_count"          # answer cell of the last exercise (1 point)
 LAST_TEST = "test_mha_parameter_count"
-REAL_GRADEBOOK = REPO_ROOT / "autograder" / "gradebook.db"
+REAL_GRADEBOOK = COURSE_ROOT / "gradebook.db"
 SETTINGS = grade.Settings(timeout=8, notebook_timeout=400, memory_mb=3072, file_mb=64,
                           max_output_bytes=200_000, attempts=5, unresponsive_grace=3, sandbox="auto")
 
@@ -172,9 +173,7 @@ def graded(tmp_path_factory):
 
 
 def scores(root: Path) -> dict[str, float]:
-    from nbgrader.api import Gradebook
-
-    with Gradebook(grade.db_url(root), grade.COURSE_ID) as gb:
+    with gradebook.open_gradebook(root) as gb:
         return {s.student.id: s.score for s in gb.find_assignment(ASSIGNMENT).submissions}
 
 
@@ -297,8 +296,7 @@ def test_feedback_never_shows_hidden_tests_tracebacks_or_output(graded):
     source = nbformat.read(graded["source_path"], as_version=4)
     hidden = set()
     for c in source.cells:
-        _, lines = feedback.hidden_section(c.source)
-        hidden.update(lines)
+        hidden.update(feedback.hidden_lines(c.source))
     assert hidden
     for page in (root / "feedback").rglob("*.html"):
         text = page.read_text(encoding="utf-8")

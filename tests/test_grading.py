@@ -5,14 +5,15 @@ engines (on a tiny assignment), and the pieces of the pipeline that need no kern
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from autograder import feedback, grade
+from autograder import feedback, grade, gradebook, results
 from autograder.nbgrader_cli import run_nbgrader
-from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
+from autograder.release import REPO_ROOT, build_source, course_repository, mark_hidden_tests, write_notebook
 
 ASSIGNMENT = "01_mha_shapes"
 
@@ -40,8 +41,6 @@ def course_root(tmp_path):
 @pytest.mark.slow
 def test_plain_nbgrader_autograde_gives_full_marks_and_zero(course_root):
     """The course's nbgrader_config through the real `nbgrader autograde`, one student at a time."""
-    from nbgrader.api import Gradebook
-
     source_path = course_root / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
     solved = solved_from(source_path)
     assert "BEGIN HIDDEN TESTS" not in "".join(c.source for c in solved.cells)
@@ -53,7 +52,7 @@ def test_plain_nbgrader_autograde_gives_full_marks_and_zero(course_root):
     run_nbgrader("generate_assignment", ASSIGNMENT, "--force", "--log-level=ERROR", root=course_root, capture=True)
     result = run_nbgrader("autograde", ASSIGNMENT, "--log-level=ERROR", root=course_root, capture=True, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    with Gradebook(grade.db_url(course_root), grade.COURSE_ID) as gb:
+    with gradebook.open_gradebook(course_root) as gb:
         scores = {s.student.id: (s.score, s.max_score) for s in gb.find_assignment(ASSIGNMENT).submissions}
     assert scores == {"solver": (18.0, 18.0), "blank": (0.0, 18.0)}
 
@@ -88,39 +87,82 @@ def test_fingerprint_changes_with_submission_source_and_settings(course_root):
 # What feedback may say
 # --------------------------------------------------------------------------------------
 
-TEST_SOURCE = '''"""split_heads: shapes and values."""
+TEST_SOURCE = mark_hidden_tests('''"""split_heads: shapes and values."""
 from attention_lab.checks.mha_shapes import check_split_heads
 
 check_split_heads(split_heads)
 ### BEGIN HIDDEN TESTS
 check_split_heads(split_heads, seed=1101, device="cpu")
-### END HIDDEN TESTS'''
+### END HIDDEN TESTS''')
 
 
-def error(line: int, evalue: str = "expected [2, 3] got [3, 2]", ename: str = "CheckFailure") -> dict:
-    return {"ename": ename, "evalue": evalue,
-            "traceback": ["\x1b[0;31m----\x1b[0m", f"Cell \x1b[0;32mIn[12], line {line}\x1b[0m\n      1 x\n",
-                          "File /x/checks.py:10, in check_split_heads", f"{ename}: {evalue}"]}
+def failed(evalue: str = "expected [2, 3] got [3, 2]", ename: str = "CheckFailure") -> results.GradedCell:
+    """A failed test cell; the traceback names a line of the hidden block, which must not matter."""
+    error = {"ename": ename, "evalue": evalue,
+             "traceback": ["\x1b[0;31m----\x1b[0m", "Cell \x1b[0;32mIn[12], line 7\x1b[0m\n      1 x\n",
+                           "File /x/checks.py:10, in check_split_heads", f"{ename}: {evalue}"]}
+    return results.GradedCell("01", "test_split_heads", 2.0, manual=False, source=TEST_SOURCE, error=error)
+
+
+def run_test_cell(split_heads) -> results.GradedCell:
+    """Run TEST_SOURCE (as built for the grader) with a stand-in check; the cell as graded."""
+    def check_split_heads(answer, seed=0, device=None):
+        answer(seed)
+
+    module = type(os)("attention_lab.checks.mha_shapes")
+    module.check_split_heads = check_split_heads
+    namespace = {"split_heads": split_heads}
+    saved = {name: sys.modules.get(name) for name in ("attention_lab", "attention_lab.checks",
+                                                      "attention_lab.checks.mha_shapes")}
+    sys.modules["attention_lab.checks.mha_shapes"] = module
+    try:
+        exec(TEST_SOURCE, namespace)
+        error = None
+    except Exception as raised:
+        error = {"ename": type(raised).__name__, "evalue": str(raised), "traceback": []}
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = value
+    return results.GradedCell("01", "test_split_heads", 2.0, manual=False, source=TEST_SOURCE, error=error)
+
+
+def test_hidden_tests_report_their_failure_as_hidden():
+    """The grader's copy of a test cell names a hidden failure itself (no traceback reading)."""
+    def fails_on_other_seeds(seed):
+        if seed:
+            raise ValueError(f"wrong on seed {seed}")
+
+    def always_fails(seed):
+        raise ValueError("wrong everywhere")
+
+    hidden = run_test_cell(fails_on_other_seeds)
+    assert hidden.ename == results.HIDDEN_FAILURE and hidden.hidden_failure
+    visible = run_test_cell(always_fails)
+    assert visible.ename == "ValueError" and not visible.hidden_failure
+    assert run_test_cell(lambda seed: None).passed
 
 
 def test_visible_check_failure_shows_its_message():
-    assert feedback.explain(error(4), TEST_SOURCE) == "CheckFailure: expected [2, 3] got [3, 2]"
+    assert feedback.explain(failed(), TEST_SOURCE) == "CheckFailure: expected [2, 3] got [3, 2]"
 
 
 def test_hidden_failure_says_so_and_nothing_more():
-    text = feedback.explain(error(6, evalue="seed=1101 device cpu mismatch"), TEST_SOURCE)
-    assert "hidden tests" in text and "1101" not in text and "CheckFailure" not in text
+    text = feedback.explain(failed(evalue="seed=1101 device cpu mismatch", ename=results.HIDDEN_FAILURE), TEST_SOURCE)
+    assert "hidden tests" in text and "1101" not in text and results.HIDDEN_FAILURE not in text
 
 
 def test_message_quoting_hidden_code_is_withheld():
-    text = feedback.explain(error(4, evalue='check_split_heads(split_heads, seed=1101, device="cpu")'), TEST_SOURCE)
+    text = feedback.explain(failed(evalue='check_split_heads(split_heads, seed=1101, device="cpu")'), TEST_SOURCE)
     assert "withheld" in text and "1101" not in text
 
 
 def test_grader_reasons_are_explained():
-    assert "time limit" in feedback.explain(error(4, ename="CellTimeoutError", evalue=""), TEST_SOURCE)
-    assert "out of memory" in feedback.explain(error(4, ename="MemoryError", evalue=""), TEST_SOURCE)
-    skipped = feedback.explain({"ename": "GraderSkippedCell", "evalue": "this cell stopped the kernel"}, TEST_SOURCE)
+    assert "time limit" in feedback.explain(failed(ename="CellTimeoutError", evalue=""), TEST_SOURCE)
+    assert "out of memory" in feedback.explain(failed(ename="MemoryError", evalue=""), TEST_SOURCE)
+    skipped = feedback.explain(failed(ename=results.SKIPPED_CELL, evalue="this cell stopped the kernel"), TEST_SOURCE)
     assert skipped == "Not run: this cell stopped the kernel."
 
 
@@ -130,6 +172,14 @@ def test_render_escapes_and_totals():
             {"grade_id": "test_b", "checks": "b", "score": 3.0, "max_score": 3.0, "passed": True, "message": ""}]
     page = feedback.render("Zoë", "01", "01", rows, [])
     assert "<script>" not in page and "&lt;script&gt;" in page and "4 / 5" in page and "Zoë" in page
+
+
+def test_render_keeps_the_lines_of_a_message_and_names_the_notebook_once():
+    rows = [{"grade_id": "test_a", "checks": "a", "score": 0.0, "max_score": 2.0, "passed": False,
+             "message": "CheckFailure: split_heads(x)\nexpected shape [2, 4, 5, 3]\ngot [2, 5, 4, 3]"}]
+    page = feedback.render("ann", "01_mha_shapes", "01_mha_shapes", rows, [])
+    assert "split_heads(x)\nexpected shape [2, 4, 5, 3]\ngot" in page and "white-space:pre-wrap" in page
+    assert "<h1>01_mha_shapes</h1>" in page and page.count("01_mha_shapes") == 2  # heading and title only
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,29 @@
+"""Every place and setting of the instructor pipeline, defined once.
+
+The code lives in ``autograder/``; what nbgrader and the pipeline generate (gradebook,
+``source/``, ``submitted/``, ``autograded/``, ``feedback/``, reports, grade exports) lives in
+the course root ``autograder/course_root/``, a folder of its own that git ignores as a whole.
+``autograder/nbgrader_config.py`` reads its values from here, so the command-line tools,
+Formgrader and the Python pipeline agree on them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+AUTOGRADER_DIR = Path(__file__).resolve().parent   # the code (and nbgrader_config.py)
+REPO_ROOT = AUTOGRADER_DIR.parent
+SOLUTIONS_DIR = REPO_ROOT / "solutions"             # the one source of each notebook
+COURSE_DIR = REPO_ROOT / "course"                   # the student release, committed
+COURSE_ROOT = AUTOGRADER_DIR / "course_root"        # nbgrader's course root: generated state only
+COURSE_ID = "attention-lab"
+
+# The generated first code cell of every notebook: it installs/imports the course and so
+# pays for importing torch; the grader gives it the kernel start-up budget, not a cell's.
+SETUP_CELL_ID = "setup"
+
+# Grading limits (defaults of ``python -m autograder.grade``; see grade.Settings).
+CELL_TIMEOUT = 120              # seconds a cell may run, counted from the cell's own start
+KERNEL_STARTUP_TIMEOUT = 300    # seconds for a kernel to start and run the setup cell
+UNRESPONSIVE_GRACE = 10         # seconds (at least) an interrupted kernel has to answer
+MAX_OUTPUT_BYTES = 1_000_000    # output kept per cell
