@@ -67,10 +67,16 @@ class LabServer:
 
 
 def _lab_settings(settings_dir: Path) -> None:
-    """JupyterLab user settings for the test: autosave after a few seconds (default: 2 minutes)."""
-    plugin = settings_dir / "@jupyterlab" / "docmanager-extension" / "plugin.jupyterlab-settings"
-    plugin.parent.mkdir(parents=True, exist_ok=True)
-    plugin.write_text(json.dumps({"autosave": True, "autosaveInterval": AUTOSAVE_SECONDS}))
+    """JupyterLab user settings for the test: autosave after a few seconds (default: 2 minutes),
+    and every cell in the page (by default only the cells on screen are, so a test could not find them)."""
+    settings = {
+        ("docmanager-extension", "plugin"): {"autosave": True, "autosaveInterval": AUTOSAVE_SECONDS},
+        ("notebook-extension", "tracker"): {"windowingMode": "none"},
+    }
+    for (extension, plugin), values in settings.items():
+        path = settings_dir / "@jupyterlab" / extension / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
 
 
 @contextlib.contextmanager
@@ -86,7 +92,9 @@ def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | No
     environment = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings_dir),
                        JUPYTERLAB_WORKSPACES_DIR=str(scratch / "lab-workspaces"), **(extra_env or {}))
     with open(log, "w") as log_file:
-        process = subprocess.Popen(["make", "--no-print-directory", target, f"{variable}={args}"], cwd=REPO_ROOT,
+        # `make formgrader` serves FORMGRADER_ROOT (its working folder); `make lab` serves course/.
+        variables = [f"{variable}={args}"] + ([f"FORMGRADER_ROOT={root_dir}"] if target == "formgrader" else [])
+        process = subprocess.Popen(["make", "--no-print-directory", target, *variables], cwd=REPO_ROOT,
                                    env=environment, stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     server = LabServer(f"http://127.0.0.1:{port}", root_dir, log)
