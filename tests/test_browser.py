@@ -15,6 +15,7 @@ with a loud reason (see tests/lab_servers.py).
 from __future__ import annotations
 
 import csv
+import os
 import re
 import subprocess
 import sys
@@ -312,6 +313,13 @@ def test_an_instructor_grades_in_formgrader_and_the_export_reflects_it(instructo
     page.get_by_text("Because 2x = x + x.").first.wait_for()
     set_score(page, "why_double", "2")
     screenshots.take(page, "ada-written-answer-graded")
+
+    # The same Formgrader from inside JupyterLab (Nbgrader menu), next to the course root's files.
+    page.goto(instructor_lab.url("lab"))
+    page.get_by_text("Nbgrader", exact=True).first.click()
+    page.get_by_text("Formgrader", exact=True).first.click()
+    page.frame_locator("iframe").first.get_by_text(TINY, exact=True).first.wait_for()
+    screenshots.take(page, "formgrader-in-jupyterlab")
     page.close()
 
     pipeline("export", graded_class)
@@ -319,6 +327,26 @@ def test_an_instructor_grades_in_formgrader_and_the_export_reflects_it(instructo
     assert float(grades[("bob", "test_double")]["score"]) == 1.0
     assert float(grades[("ada", "why_double")]["score"]) == 2.0
     assert float(grades[("ada", "test_double")]["score"]) == 1.0
+
+
+def test_manage_students_works_on_a_new_course_root_without_the_venv_on_path(tmp_path, browser, screenshots):  # noqa: F811
+    """Formgrader creates the gradebook through nbgrader's `alembic` executable; `make formgrader`
+    must find it even when the shell has no virtual environment activated."""
+    root = tmp_path / "course_root"
+    root.mkdir()
+    (root / "nbgrader_config.py").write_text(f"c = get_config()\nc.CourseDirectory.root = {str(root)!r}\n")
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != venv_bin)
+    with running_lab("formgrader", root, tmp_path, extra_env={"PATH": path}) as server:
+        page = browser.new_page()
+        page.goto(server.url("formgrader"))
+        with page.expect_response(lambda r: "/formgrader/api/students" in r.url) as response:
+            page.goto(server.url("formgrader/manage_students"))
+        assert response.value.status == 200, response.value.text()[-2000:]
+        page.get_by_text("Add new student").first.wait_for()
+        screenshots.take(page, "manage-students-new-course")
+        page.close()
+    assert (root / "gradebook.db").exists()
 
 
 def test_a_feedback_page_keeps_the_check_messages_line_breaks(graded_class, browser, screenshots):  # noqa: F811
