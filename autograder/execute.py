@@ -21,6 +21,10 @@ from nbclient import NotebookClient
 
 from autograder.results import graded_cells
 
+# Generous: this runs course notebooks for tests and instructors (training cells included),
+# not student code under grading limits (see autograder.settings for those).
+EXECUTE_CELL_TIMEOUT = 600
+
 
 @dataclass
 class CellError:
@@ -48,7 +52,7 @@ class ExecutionResult:
         return "\n".join(lines)
 
 
-def execute_notebook(path: Path | str, timeout: int = 600, working_dir: Path | str | None = None) -> ExecutionResult:
+def execute_notebook(path: Path | str, timeout: int = EXECUTE_CELL_TIMEOUT, working_dir: Path | str | None = None) -> ExecutionResult:
     """Run every cell (continuing past errors) and collect the errors and test outcomes."""
     path = Path(path)
     notebook = nbformat.read(path, as_version=4)
@@ -75,7 +79,7 @@ def execute_notebook(path: Path | str, timeout: int = 600, working_dir: Path | s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebooks", nargs="+", type=Path)
-    parser.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+    parser.add_argument("--timeout", type=int, default=EXECUTE_CELL_TIMEOUT, help="per-cell timeout in seconds")
     options = parser.parse_args(argv)
     failed = False
     for path in options.notebooks:

@@ -21,7 +21,7 @@ How one run works
    :mod:`autograder.worker`), which grades its students one after another: Python and
    nbgrader start once per job, not once per student.  Every notebook gets a new kernel.
 3. As each finishes, **this process alone** copies its grades and comments into the main
-   gradebook and its autograded notebook into ``autograder/autograded/``: one writer, so
+   gradebook and its autograded notebook into ``autograded/``: one writer, so
    the gradebook stays consistent.
 4. A kernel that dies (``sys.exit`` is fine, ``os._exit``/segfault is not) or hangs past
    its timeout without answering the interrupt within the grace time is restarted, with that cell skipped (it
@@ -438,7 +438,7 @@ def grade_one(submission: Submission, root: Path, template_db: Path, scratch_dir
         report_path.unlink(missing_ok=True)
         task = {"root": str(course), "student": submission.student, "assignment": submission.assignment,
                 "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
-        "timeout": settings.timeout, "startup_timeout": settings.startup_timeout, "grace": settings.grace,
+                "timeout": settings.timeout, "startup_timeout": settings.startup_timeout, "grace": settings.grace,
                 "kernel": kernel, "report": str(report_path), "skip": skip,
                 "max_output_bytes": settings.max_output_bytes, "ipc": str(runtime / "k") if use_bwrap else None}
         result = engine.run(task, timeout=settings.notebook_timeout)
@@ -636,7 +636,11 @@ def main(argv: list[str] | None = None) -> int:
                         memory_mb=options.memory_mb, file_mb=options.file_mb,
                         max_output_bytes=options.max_output_bytes, attempts=options.attempts,
                         sandbox=options.sandbox, threads=max(1, (os.cpu_count() or 1) // jobs))
-    ensure_sources(options.root, release.assignment_names())
+    # The instructor's course root holds the whole course (Formgrader lists every assignment);
+    # any other root (a test, a benchmark) only what was submitted to it.
+    whole_course = options.root.resolve() == COURSE_ROOT.resolve()
+    submitted = sorted({p.name for p in (options.root / "submitted").glob("*/*") if p.is_dir()})
+    ensure_sources(options.root, release.assignment_names() if whole_course else submitted)
     outcomes = grade(options.root, jobs=jobs, force=options.force, settings=settings,
                      students=options.student, assignments=options.assignment)
     failed = [o for o in outcomes if o.status == "failed"]

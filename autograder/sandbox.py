@@ -74,6 +74,21 @@ def isolation_warning() -> str | None:
             "on this machine.")
 
 
+@functools.lru_cache(maxsize=1)
+def package_dir() -> Path:
+    """The ``attention_lab`` package this interpreter (and so a student kernel) imports.
+
+    Found without importing it, wherever it is installed (editable from this repository, or
+    not): the sandbox shows this folder, and the grader's guard trusts modules only from it.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("attention_lab")
+    if spec is None or not spec.submodule_search_locations:
+        return REPO_ROOT / "course" / "attention_lab"
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
 def _bwrap_base() -> list[str]:
     return ["--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc",
             "--unshare-uts", "--cap-drop", "ALL"]
@@ -87,7 +102,7 @@ def bwrap_arguments(workdir: Path, runtime_dir: Path, hidden: list[Path] | None 
     """bwrap options: read-only system, repository/home/tmp hidden, ``workdir`` writable."""
     venv = Path(sys.prefix).resolve()
     interpreter = Path(sys.base_prefix).resolve()  # the venv's python may live under $HOME (pyenv)
-    package = REPO_ROOT / "course" / "attention_lab"
+    package = package_dir()
     home = Path.home().resolve()
     arguments = [bwrap_path() or "bwrap", *_bwrap_base(),
                  "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",

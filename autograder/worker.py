@@ -47,15 +47,14 @@ from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
 from autograder import sandbox
 from autograder.results import SKIPPED_CELL
-from autograder.settings import (KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, REPO_ROOT, SETUP_CELL_ID,
-                                 UNRESPONSIVE_GRACE)
+from autograder.settings import KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID, UNRESPONSIVE_GRACE
 
 TAMPER_VARIABLE = "_attention_lab_grader_guard"
 GUARD_CODE = f'''
 def _attention_lab_grader_check():
     import sys, types, os, builtins, importlib
     report = []
-    package = os.path.realpath({str(REPO_ROOT / "course" / "attention_lab")!r})
+    package = os.path.realpath({str(sandbox.package_dir())!r})
     for name in [n for n in list(sys.modules) if n == "attention_lab" or n.startswith("attention_lab.")]:
         module = sys.modules[name]
         path = getattr(module, "__file__", None) or ""

@@ -34,7 +34,8 @@ import nbformat
 from autograder import grade
 from autograder.execute import execute_notebook
 from autograder.nbgrader_cli import run_nbgrader
-from autograder.release import REPO_ROOT, assignment_names, build_source, course_repository, write_notebook
+from autograder.release import assignment_names, released_notebook, source_path
+from autograder.settings import CELL_TIMEOUT, REPO_ROOT
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "grading.json"
 
@@ -44,7 +45,7 @@ def generated_class(assignment: str, source_path: Path, students: int, seed: int
     solutions = {c.metadata["nbgrader"]["grade_id"]: "\n".join(
         line for line in c.source.splitlines() if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION"))
         for c in source.cells if c.metadata.get("nbgrader", {}).get("solution")}
-    release = nbformat.read(REPO_ROOT / "course" / f"{assignment}.ipynb", as_version=4)
+    release = nbformat.read(released_notebook(assignment), as_version=4)
     rng = random.Random(seed)
     notebooks = {}
     for index in range(students):
@@ -59,12 +60,10 @@ def generated_class(assignment: str, source_path: Path, students: int, seed: int
 
 
 def build_root(base: Path, assignments: list[str], students: int) -> Path:
-    root = base / "autograder"
-    repository = course_repository()
+    root = base / "course_root"
+    grade.ensure_sources(root, assignments)  # as `make grade` builds them
     for assignment in assignments:
-        source_path = root / "source" / assignment / f"{assignment}.ipynb"
-        write_notebook(build_source(assignment, repository), source_path)
-        for student, notebook in generated_class(assignment, source_path, students).items():
+        for student, notebook in generated_class(assignment, source_path(root, assignment), students).items():
             path = root / "submitted" / student / assignment / f"{assignment}.ipynb"
             path.parent.mkdir(parents=True, exist_ok=True)
             nbformat.write(notebook, str(path))
@@ -81,17 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--students", type=int, default=30, help="submissions per notebook (default 30)")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("JOBS", 2)))
     parser.add_argument("--assignments", nargs="*", default=None, help="default: every notebook")
-    parser.add_argument("--timeout", type=int, default=120, help="per-cell timeout")
+    parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT, help="per-cell timeout")
     options = parser.parse_args(argv)
-    assignments = options.assignments or [a for a in assignment_names()
-                                          if (REPO_ROOT / "course" / f"{a}.ipynb").exists()]
+    assignments = options.assignments or [a for a in assignment_names() if released_notebook(a).exists()]
     with tempfile.TemporaryDirectory(prefix="bench-grading-") as scratch:
         base = Path(scratch)
         template = build_root(base / "template", assignments, options.students)
         submissions = sorted(template.glob("submitted/*/*/*.ipynb"))
         n = len(submissions)
 
-        pipeline_root = base / "pipeline" / "autograder"
+        pipeline_root = base / "pipeline" / "course_root"
         shutil.copytree(template, pipeline_root)
         start = time.perf_counter()
         outcomes = grade.grade(pipeline_root, jobs=options.jobs, settings=grade.Settings(
@@ -99,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline = time.perf_counter() - start
         failed = [o for o in outcomes if o.status != "graded"]
 
-        plain_root = base / "plain" / "autograder"
+        plain_root = base / "plain" / "course_root"
         shutil.copytree(template, plain_root)
         start = time.perf_counter()
         for assignment in assignments:

@@ -1,9 +1,10 @@
 """Everything a student can submit, through the real pipeline (intake -> parallel autograde
 -> feedback -> export), in a temporary course root.
 
-One module-scoped run grades the whole "class" below (two students at a time, short cell
-timeouts); the tests then check each student got exactly what their working cells earn,
-that nothing else was affected, and what the reports say.
+One module-scoped run grades the whole "class" below (two students at a time, cell limits
+derived from how long the setup cell takes on this machine now); the tests then check each
+student got exactly what their working cells earn, that nothing else was affected, and what
+the reports say.  All its tests share one xdist group, so that run happens once.
 """
 
 from __future__ import annotations
@@ -20,20 +21,28 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import feedback, grade, gradebook, intake, sandbox
+from autograder import feedback, grade, gradebook, intake, results, sandbox
 from autograder.export import export
 from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
 from autograder.settings import COURSE_ROOT
+from tests.grading_helpers import cell_limit, setup_cell_seconds
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("adversarial_class")]
 
 ASSIGNMENT = "01_mha_shapes"
-FULL = 18.0
+GRADED_CELLS = results.graded_cells(build_source(ASSIGNMENT, course_repository()))
+FULL = sum(c.points for c in GRADED_CELLS if not c.manual)      # what autograding can give
+POSSIBLE = sum(c.points for c in GRADED_CELLS)                  # written answers included
 LAST = "mha_parameter_count"          # answer cell of the last exercise (1 point)
 LAST_TEST = "test_mha_parameter_count"
 REAL_GRADEBOOK = COURSE_ROOT / "gradebook.db"
-SETTINGS = grade.Settings(timeout=8, notebook_timeout=400, memory_mb=3072, file_mb=64,
-                          max_output_bytes=200_000, attempts=5, unresponsive_grace=3, sandbox="auto")
+
+
+def measured_settings() -> grade.Settings:
+    """Short limits, but a multiple of what an honest cell needs on this machine now."""
+    return grade.Settings(timeout=cell_limit(), notebook_timeout=int(max(400, 80 * setup_cell_seconds())),
+                          memory_mb=3072, file_mb=64, max_output_bytes=200_000, attempts=5,
+                          unresponsive_grace=5, sandbox="auto")
 
 
 # --------------------------------------------------------------------------------------
@@ -96,7 +105,7 @@ def graded(tmp_path_factory):
     solved = solved_notebook(source_path)
     blank = release_notebook()
     victim_file = root / "submitted" / "victim" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
-    gradebook = root / "gradebook.db"
+    gradebook_file = root / "gradebook.db"
     sub = {}
 
     sub["Zoë Ångström Núñez"] = ("Copy of 01_mha_shapes.ipynb", solved, FULL)
@@ -129,7 +138,7 @@ def graded(tmp_path_factory):
         "torch.allclose = lambda *a, **k: True\n")), FULL - 1)
     attack = (
         "import os, socket\n"
-        f"targets = [{str(gradebook)!r}, {str(victim_file)!r}, {str(REAL_GRADEBOOK)!r}, {str(source_path)!r}]\n"
+        f"targets = [{str(gradebook_file)!r}, {str(victim_file)!r}, {str(REAL_GRADEBOOK)!r}, {str(source_path)!r}]\n"
         "for target in targets:\n"
         "    try:\n"
         "        with open(target, 'w') as handle:\n"
@@ -161,14 +170,15 @@ def graded(tmp_path_factory):
     victim_before = sha(victim_file)
     source_before = sha(source_path)
     log: list[str] = []
-    outcomes = grade.grade(root, jobs=2, settings=SETTINGS, log=log.append)
+    settings = measured_settings()
+    outcomes = grade.grade(root, jobs=2, settings=settings, log=log.append)
     feedback.write_feedback(root)
     grades_csv, by_question_csv = export(root)
     return {
         "root": root, "downloads": downloads, "sub": sub, "entries": entries, "outcomes": outcomes,
         "log": log, "originals": originals, "real_before": real_before, "victim_before": victim_before,
         "victim_file": victim_file, "source_before": source_before, "source_path": source_path,
-        "grades_csv": grades_csv, "by_question_csv": by_question_csv,
+        "grades_csv": grades_csv, "by_question_csv": by_question_csv, "settings": settings,
     }
 
 
@@ -200,6 +210,8 @@ def test_killed_and_hung_kernels_are_restarted_without_the_guilty_cell(graded):
         assert outcome(graded, student).attempts >= 2
     loop = outcome(graded, "loop")
     assert [i["kind"] for i in loop.incidents].count("timeout") >= 1 and loop.attempts == 1
+    honest = [o for o in graded["outcomes"] if o.student in ("Zoë Ångström Núñez", "blank", "colab", "victim")]
+    assert all(o.incidents == [] and o.attempts <= 1 for o in honest), [(o.student, o.incidents) for o in honest]
 
 
 def test_big_output_is_truncated(graded):
@@ -214,6 +226,20 @@ def test_tampering_with_checks_is_undone_and_reported(graded):
                for i in rebinds.incidents), rebinds.incidents
     failed = {t["grade_id"]: t for t in rebinds.tests if not t["passed"]}
     assert set(failed) == {LAST_TEST}
+
+
+def test_tampering_is_flagged_for_the_instructor(graded):
+    """The check refused (torch.allclose replaced): the report's notes column says so."""
+    rebinds = outcome(graded, "rebinds")
+    refused = [i for i in rebinds.incidents if i["kind"] == "replaced_functions"]
+    assert [i["grade_id"] for i in refused] == [LAST_TEST], rebinds.incidents
+    assert refused[0]["detail"].startswith(results.TAMPERING_MESSAGE)
+    rows = [line for line in (graded["root"] / "reports" / "grading_report.md").read_text().splitlines()
+            if line.startswith("| rebinds |")]
+    assert len(rows) == 1 and f"{LAST_TEST}: TAMPERING: {results.TAMPERING_MESSAGE}" in rows[0]
+    honest = [line for line in (graded["root"] / "reports" / "grading_report.md").read_text().splitlines()
+              if line.startswith("| Zoë Ångström Núñez |")]
+    assert "TAMPERING" not in honest[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -282,7 +308,7 @@ def test_nothing_is_lost(graded):
     assert rows == scores(root)
     with open(graded["by_question_csv"], encoding="utf-8") as handle:
         questions = list(csv.DictReader(handle))
-    assert len(questions) == 9 * len(students)
+    assert len(questions) == len(GRADED_CELLS) * len(students)
     per_student = {}
     for row in questions:
         per_student[row["student"]] = per_student.get(row["student"], 0) + float(row["score"])
@@ -304,7 +330,7 @@ def test_feedback_never_shows_hidden_tests_tracebacks_or_output(graded):
         assert "Traceback" not in text and "BEGIN HIDDEN" not in text and "xxxxxxxxxx" not in text
         assert "all good" not in text
     blank = (root / "feedback" / "blank" / ASSIGNMENT / f"{ASSIGNMENT}.html").read_text(encoding="utf-8")
-    assert "not implemented yet" in blank and "0 / 18" in blank
+    assert "not implemented yet" in blank and f"0 / {POSSIBLE:g}" in blank
     osexit = (root / "feedback" / "osexit" / ASSIGNMENT / f"{ASSIGNMENT}.html").read_text(encoding="utf-8")
     assert "stopped the Python kernel" in osexit
 
@@ -313,13 +339,13 @@ def test_regrading_is_idempotent_and_only_regrades_changes(graded):
     root = graded["root"]
     before = scores(root)
     log: list[str] = []
-    outcomes = grade.grade(root, jobs=2, settings=SETTINGS, log=log.append)
+    outcomes = grade.grade(root, jobs=2, settings=graded["settings"], log=log.append)
     assert {o.status for o in outcomes} == {"unchanged"}, log
     assert scores(root) == before
     # the blank student submits again, solved this time: only that one is regraded
     solved = nbformat.read(root / "submitted" / "Zoë Ångström Núñez" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", as_version=4)
     write(root / "submitted" / "blank" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", solved)
-    outcomes = grade.grade(root, jobs=2, settings=SETTINGS, log=log.append)
+    outcomes = grade.grade(root, jobs=2, settings=graded["settings"], log=log.append)
     regraded = [o.student for o in outcomes if o.status == "graded"]
     assert regraded == ["blank"], log
     assert scores(root) == {**before, "blank": FULL}
@@ -327,9 +353,9 @@ def test_regrading_is_idempotent_and_only_regrades_changes(graded):
 
 def test_make_grade_cli_reports_and_exits_zero(graded):
     result = subprocess.run([str(REPO_ROOT / ".venv" / "bin" / "python"), "-m", "autograder.grade",
-                             "--root", str(graded["root"]), "--timeout", str(SETTINGS.timeout),
-                             "--memory-mb", str(SETTINGS.memory_mb), "--file-mb", str(SETTINGS.file_mb),
-                             "--max-output-bytes", str(SETTINGS.max_output_bytes), "--attempts", str(SETTINGS.attempts)],
+                             "--root", str(graded["root"]), "--timeout", str(graded["settings"].timeout),
+                             "--memory-mb", str(graded["settings"].memory_mb), "--file-mb", str(graded["settings"].file_mb),
+                             "--max-output-bytes", str(graded["settings"].max_output_bytes), "--attempts", str(graded["settings"].attempts)],
                             cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "unchanged" in result.stdout

@@ -4,16 +4,22 @@ engines (on a tiny assignment), and the pieces of the pipeline that need no kern
 
 from __future__ import annotations
 
+import csv
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from autograder import feedback, grade, gradebook, results
+from autograder import feedback, grade, gradebook, results, sandbox
+from autograder.export import export
 from autograder.nbgrader_cli import run_nbgrader
-from autograder.release import REPO_ROOT, build_source, course_repository, mark_hidden_tests, write_notebook
+from autograder.release import (REPO_ROOT, build_source, course_repository, mark_hidden_tests, setup_cell_source,
+                                write_notebook)
+from autograder.settings import SETUP_CELL_ID
+from tests.grading_helpers import loaded_machine, setup_cell_seconds, slow_kernel_start
 
 ASSIGNMENT = "01_mha_shapes"
 
@@ -189,34 +195,47 @@ def test_render_keeps_the_lines_of_a_message_and_names_the_notebook_once():
 TINY = "00_tiny"
 
 
-def tiny_notebook(answer: str):
-    """A one-exercise nbgrader notebook (no torch: fast): ``answer`` must define ``value = 42``."""
+def tiny_notebook(answer: str, setup: bool = False, written: str | None = None):
+    """A one-exercise nbgrader notebook (no torch unless ``setup``): ``answer`` must define ``value = 42``.
+
+    ``setup``: first the course's generated setup cell (imports the course and torch);
+    ``written``: then a written answer graded by hand (2 points) with this text.
+    """
     def nbgrader(grade_id, **flags):
         return {"nbgrader": {"grade_id": grade_id, "schema_version": 3, "task": False, "grade": False,
                              "solution": False, "locked": False, **flags}}
 
-    return nbformat.v4.new_notebook(cells=[
+    cells = [
         nbformat.v4.new_code_cell(answer, metadata=nbgrader("answer", solution=True)),
         nbformat.v4.new_code_cell("import builtins\n"
                                   "assert not hasattr(builtins, 'left_by_another_student')\n"
                                   "builtins.left_by_another_student = True\n"
                                   "assert value == 42", metadata=nbgrader("test_value", grade=True, locked=True, points=1)),
-    ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    ]
+    if setup:
+        cells.insert(0, nbformat.v4.new_code_cell(setup_cell_source("x/y"), metadata=nbgrader(SETUP_CELL_ID, locked=True)))
+    if written is not None:
+        cells.append(nbformat.v4.new_markdown_cell(written, metadata=nbgrader("why_value", grade=True, solution=True,
+                                                                                points=2)))
+    return nbformat.v4.new_notebook(cells=cells, metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
 
 
 @pytest.fixture
 def tiny_class(tmp_path):
     """A course root with the tiny assignment and a few students (``{student: answer}`` to fill)."""
     root = tmp_path / "autograder"
-    (root / "source" / TINY).mkdir(parents=True)
-    nbformat.write(tiny_notebook("### BEGIN SOLUTION\nvalue = 42\n### END SOLUTION"),
-                   str(root / "source" / TINY / f"{TINY}.ipynb"))
 
-    def submit(answers: dict[str, str]):
+    def submit(answers: dict[str, str], setup: bool = False, written: dict[str, str] | None = None):
+        model_answer = "42 is the answer." if written is not None else None
+        (root / "source" / TINY).mkdir(parents=True, exist_ok=True)
+        nbformat.write(tiny_notebook("### BEGIN SOLUTION\nvalue = 42\n### END SOLUTION", setup, model_answer),
+                       str(root / "source" / TINY / f"{TINY}.ipynb"))
         for student, answer in answers.items():
             folder = root / "submitted" / student / TINY
             folder.mkdir(parents=True)
-            nbformat.write(tiny_notebook(answer), str(folder / f"{TINY}.ipynb"))
+            text = written.get(student, "YOUR ANSWER HERE") if written is not None else None
+            nbformat.write(tiny_notebook(answer, setup, text), str(folder / f"{TINY}.ipynb"))
         return root
 
     return submit
@@ -263,10 +282,12 @@ def test_one_engine_grades_a_job_students_each_in_a_fresh_kernel(tiny_class, eng
 
 @pytest.mark.slow
 def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny_class, engine_starts):
+    # long enough to start an engine and a kernel on this machine now, far shorter than the sleep
+    notebook_timeout = int(max(15, 4 * setup_cell_seconds()))
     root = tiny_class({"ann": "import time\ntime.sleep(600)\nvalue = 42", "bob": "value = 42"})
-    settings = grade.Settings(timeout=300, notebook_timeout=15, attempts=2)
+    settings = grade.Settings(timeout=300, notebook_timeout=notebook_timeout, attempts=2)
     outcomes = {o.student: o for o in grade.grade(root, jobs=1, settings=settings, log=lambda *_: None)}
-    assert outcomes["ann"].status == "graded" and outcomes["ann"].score == 0.0
+    assert outcomes["ann"].status == "graded" and outcomes["ann"].score == 0.0, outcomes["ann"].error
     assert [i["kind"] for i in outcomes["ann"].incidents] == ["notebook_timeout"]
     assert outcomes["bob"].score == 1.0
     assert len(engine_starts) == 2, "the killed engine should be replaced by exactly one new one"
@@ -282,3 +303,132 @@ def test_processes_a_student_detaches_do_not_outlive_their_grading(tiny_class, i
     outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None)
     assert [o.score for o in outcomes] == [1.0]
     assert processes_running("sleep", seconds) == [], "a process the student started is still running"
+
+
+# --------------------------------------------------------------------------------------
+# A loaded machine, a slow kernel start, a symlinked environment, a kernel that cannot start
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_under_load_and_a_slow_kernel_start_honest_work_is_graded_and_loops_are_still_caught(
+        tiny_class, tmp_path, monkeypatch):
+    """CPU burners and disk writers run, and every kernel sleeps longer than a cell's limit
+    before it starts: slow honest cells are graded as working, an endless loop as a timeout."""
+    baseline = setup_cell_seconds()               # the setup cell here, now, without the burners
+    # Half of what the setup cell needs: were imports on a cell's budget, every honest
+    # student would time out; the honest cells themselves take milliseconds.
+    limit = max(3, int(baseline / 2))
+    monkeypatch.setattr(sandbox, "kernel_argv", slow_kernel_start(sandbox.kernel_argv, seconds=limit + 3))
+    root = tiny_class({"ann": "value = 42",
+                       "bob": f"import time\ntime.sleep({limit / 3:.1f})  # slow but working\nvalue = 42",
+                       "cy": "while True:\n    pass\nvalue = 42"}, setup=True)
+    settings = grade.Settings(timeout=limit, unresponsive_grace=5, attempts=3)
+    log: list[str] = []
+    with loaded_machine(tmp_path / "load"):
+        outcomes = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    report = "\n".join(log) + f"\n(cell limit {limit} s, setup cell {baseline:.1f} s unloaded)"
+    assert {s: (o.status, o.score) for s, o in outcomes.items()} == {
+        "ann": ("graded", 1.0), "bob": ("graded", 1.0), "cy": ("graded", 0.0)}, report
+    assert outcomes["ann"].incidents == [] and outcomes["bob"].incidents == [], report
+    assert [(i["kind"], i["grade_id"]) for i in outcomes["cy"].incidents] == [("timeout", "answer")], report
+    assert all(o.attempts == 1 for o in outcomes.values()), report
+
+
+def test_the_sandboxed_kernel_is_named_through_the_resolved_environment(tmp_path, monkeypatch):
+    link = tmp_path / "linked-venv"
+    link.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
+    monkeypatch.setattr(sys, "prefix", str(link))
+    monkeypatch.setattr(sys, "executable", str(link / "bin" / "python"))
+    assert sandbox.kernel_python() == str(Path(sys.prefix).resolve() / "bin" / "python")
+    argv = sandbox.kernel_argv(tmp_path, tmp_path, memory_mb=0, file_mb=0, sandbox=False)
+    assert argv[argv.index("-m", 3) - 1] == str(link / "bin" / "python")  # no sandbox: as started
+
+
+def test_the_guard_trusts_the_package_the_kernel_imports():
+    """Where the package is installed is what the sandbox shows and the guard trusts (no false tampering)."""
+    import attention_lab
+
+    from autograder import worker
+
+    assert sandbox.package_dir() == Path(attention_lab.__file__).resolve().parent
+    assert repr(str(sandbox.package_dir())) in worker.GUARD_CODE
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sandbox.bwrap_path() is None, reason="bubblewrap unavailable: only the sandbox hides the link")
+def test_a_symlinked_virtual_environment_grades_in_the_sandbox(tiny_class, tmp_path):
+    """``.venv`` a link into a tree the sandbox hides (here /tmp): every submission still graded."""
+    link = tmp_path / "linked-venv"
+    link.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
+    root = tiny_class({"ann": "value = 42", "bob": "value = 41"})
+    result = subprocess.run([str(link / "bin" / "python"), "-m", "autograder.grade", "--root", str(root),
+                             "--sandbox", "on", "--jobs", "1", "--timeout", "60"],
+                            cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with gradebook.open_gradebook(root) as gb:
+        assert {s.student.id: s.score for s in gb.find_assignment(TINY).submissions} == {"ann": 1.0, "bob": 0.0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isolation", ["auto", "off"])
+def test_a_kernel_that_cannot_start_is_reported_with_its_cause(tiny_class, monkeypatch, isolation):
+    def missing_interpreter(*args, **kwargs):
+        argv = kernel_argv(*args, **kwargs)
+        argv[argv.index("-m", 3) - 1] = "/nonexistent/python3"  # the kernel's interpreter, not the launcher
+        return argv
+
+    kernel_argv = sandbox.kernel_argv
+    monkeypatch.setattr(sandbox, "kernel_argv", missing_interpreter)
+    root = tiny_class({"ann": "value = 42"})
+    (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None)
+    assert outcome.status == "failed"
+    first_line = outcome.error.splitlines()[0]
+    assert first_line.startswith("the kernel could not start: ") and "/nonexistent/python3" in first_line
+    assert "No such file" in first_line
+    notes = (root / "reports" / "grading_report.md").read_text()
+    assert "| ann | 00_tiny | failed | - | the kernel could not start: " in notes
+
+
+# --------------------------------------------------------------------------------------
+# Written answers: left for grading by hand; export and feedback follow the gradebook
+# --------------------------------------------------------------------------------------
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.mark.slow
+def test_written_answers_wait_for_manual_grading_and_export_follows_the_gradebook(tiny_class):
+    root = tiny_class({"ann": "value = 42", "bob": "value = 41"}, written={"ann": "Because.", "bob": "Why not."})
+    outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=lambda *_: None)
+    assert [o.status for o in outcomes] == ["graded", "graded"]
+    with gradebook.open_gradebook(root) as gb:
+        written = gb.find_grade("why_value", TINY, TINY, "ann")
+        assert written.needs_manual_grade and written.auto_score is None  # autograding left it alone
+    grades_csv, by_question_csv = export(root)
+    assert {(r["student_id"], r["score"], r["manual_grading_pending"]) for r in read_csv(grades_csv)} == {
+        ("ann", "1.0", "yes"), ("bob", "0.0", "yes")}
+    pending = {(r["student"], r["grade_id"]): r["manual_grading_pending"] for r in read_csv(by_question_csv)}
+    assert pending == {("ann", "test_value"): "no", ("ann", "why_value"): "yes",
+                       ("bob", "test_value"): "no", ("bob", "why_value"): "yes"}
+    feedback.write_feedback(root)
+    page = (root / "feedback" / "ann" / TINY / f"{TINY}.html").read_text()
+    assert "awaiting grading by hand" in page
+
+    # The instructor grades ann's answer in Formgrader (nbgrader's Gradebook API underneath)
+    # and gives bob a point of extra credit on the test.
+    with gradebook.open_gradebook(root) as gb:
+        written = gb.find_grade("why_value", TINY, TINY, "ann")
+        written.manual_score, written.needs_manual_grade = 1.5, False
+        gb.find_grade("test_value", TINY, TINY, "bob").extra_credit = 1.0
+        gb.db.commit()
+    grades_csv, by_question_csv = export(root)
+    assert {(r["student_id"], r["score"], r["manual_grading_pending"]) for r in read_csv(grades_csv)} == {
+        ("ann", "2.5", "no"), ("bob", "1.0", "yes")}
+    scores = {(r["student"], r["grade_id"]): r["score"] for r in read_csv(by_question_csv)}
+    assert scores == {("ann", "test_value"): "1", ("ann", "why_value"): "1.5",
+                      ("bob", "test_value"): "1", ("bob", "why_value"): "0"}
+    feedback.write_feedback(root)
+    page = (root / "feedback" / "ann" / TINY / f"{TINY}.html").read_text()
+    assert "awaiting grading by hand" not in page and "1.5 / 2" in page

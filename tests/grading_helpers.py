@@ -1,0 +1,85 @@
+"""Helpers of the grading tests: time limits measured on this machine, and a machine under load.
+
+Grading tests must not bake in a time limit (a fixed 8 s fails on a loaded machine and
+proves nothing on a fast one): they measure how long the generated setup cell (importing
+the course and torch, the slowest honest thing a notebook does) takes here, now, and
+derive their limits from that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+from autograder.release import setup_cell_source
+
+
+@functools.lru_cache(maxsize=1)
+def setup_cell_seconds() -> float:
+    """Wall time of the setup cell in a fresh kernel on this machine (kernel start excluded)."""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(setup_cell_source("x/y"))])
+    client = NotebookClient(notebook, timeout=600, kernel_name="python3")
+    with client.setup_kernel():
+        start = time.perf_counter()
+        client.execute_cell(notebook.cells[0], 0)
+        seconds = time.perf_counter() - start
+    errors = [o for o in notebook.cells[0].outputs if o.output_type == "error"]
+    assert not errors, f"the setup cell failed: {errors}"
+    return seconds
+
+
+def cell_limit(multiple: float = 3.0, floor: float = 10.0) -> int:
+    """A per-cell limit for honest course cells: a multiple of the setup cell's time, at least ``floor``."""
+    return int(max(floor, multiple * setup_cell_seconds()) + 0.999)
+
+
+BURN_CPU = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+# Rewrite one file (bounded size) with fsync, so that reads from disk queue behind the writes.
+WRITE_DISK = """import os, time
+end = time.monotonic() + {seconds}
+block = os.urandom(1 << 20)
+while time.monotonic() < end:
+    with open({path!r}, "wb") as handle:
+        for _ in range({megabytes}):
+            handle.write(block)
+        handle.flush()
+        os.fsync(handle.fileno())
+os.remove({path!r})
+"""
+
+
+@contextlib.contextmanager
+def loaded_machine(scratch: Path, *, cpu: int = 3, disk: int = 2, megabytes: int = 64, seconds: int = 420):
+    """CPU burners and disk writers for the duration of the block (each also stops itself
+    after ``seconds``; at most ``disk * megabytes`` MB on disk)."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    scripts = [BURN_CPU.format(seconds=seconds)] * cpu + [
+        WRITE_DISK.format(seconds=seconds, path=str(scratch / f"load{n}.bin"), megabytes=megabytes)
+        for n in range(disk)]
+    burners = [subprocess.Popen([sys.executable, "-c", script], start_new_session=True) for script in scripts]
+    try:
+        yield burners
+    finally:
+        for burner in burners:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(burner.pid, signal.SIGKILL)
+            burner.wait()
+        for leftover in scratch.glob("load*.bin"):
+            leftover.unlink()
+
+
+def slow_kernel_start(argv_builder, seconds: float):
+    """Wrap autograder.sandbox.kernel_argv: the kernel sleeps ``seconds`` before it starts."""
+    def argv(*args, **kwargs):
+        return ["/bin/sh", "-c", f'sleep {seconds} && exec "$@"', "slow-kernel", *argv_builder(*args, **kwargs)]
+
+    return argv
