@@ -26,7 +26,7 @@ import nbformat
 import pytest
 
 from attention_lab.checks.mha_shapes import SPLIT_HEADS_HINTS
-from autograder import release
+from autograder import grade, release
 from tests.conftest import ASSIGNMENTS, REPO_ROOT
 from tests.lab_servers import browser, copy_course, running_lab, screenshots  # noqa: F401 -- fixtures
 
@@ -253,6 +253,9 @@ def graded_class(tmp_path_factory):
     # Formgrader reads the one nbgrader config (autograder/nbgrader_config.py) and then the
     # working folder's: this scratch root names itself, as `--root` does for the pipeline.
     (root / "nbgrader_config.py").write_text(f"c = get_config()\nc.CourseDirectory.root = {str(root)!r}\n")
+    # `make grade` puts every course assignment in the instructor's course root; a scratch root
+    # gets only what was submitted to it, so the five sources are built here the same way.
+    grade.ensure_sources(root, release.assignment_names())
     pipeline("grade", root, "--jobs", "1")
     pipeline("feedback", root)
     return root
