@@ -10,7 +10,7 @@ JOBS ?= 2
 # Jupyter refuses to run as root unless told to (CI and containers run as root).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help setup lab release release-check test test-fast sandbox intake grade feedback export bench clean
+.PHONY: help setup lab formgrader release release-check test test-fast sandbox browser intake grade feedback export bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -23,8 +23,18 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP) ## create .venv and install the course, nbgrader and the test tools (pinned)
 
-lab: setup ## open JupyterLab on the course (sets up first if needed)
-	cd course && ../$(BIN)/jupyter lab $(ROOT_FLAG) $(LAB_ARGS)
+lab: setup ## students: JupyterLab on course/ with Validate (sets up first if needed)
+	cd course && JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/lab/student ../$(BIN)/jupyter lab $(ROOT_FLAG) $(LAB_ARGS)
+
+# The course root Formgrader serves: nbgrader_config.py names it; a test serves a scratch root
+# holding an nbgrader_config.py of its own (nbgrader reads the working folder's config last).
+FORMGRADER_ROOT ?= autograder/course_root
+# .venv/bin on PATH: nbgrader runs the `alembic` executable when it opens the gradebook.
+formgrader: setup ## instructors: JupyterLab with nbgrader's Formgrader on the course root autograder/course_root/
+	mkdir -p $(FORMGRADER_ROOT)
+	cd $(FORMGRADER_ROOT) && PATH=$(CURDIR)/$(BIN):$$PATH \
+	  JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/lab/instructor:$(CURDIR)/autograder \
+	  $(CURDIR)/$(BIN)/jupyter lab $(ROOT_FLAG) $(FORMGRADER_ARGS)
 
 release: setup ## regenerate the student notebooks in course/ from solutions/
 	$(BIN)/python -m autograder.release
@@ -36,7 +46,11 @@ sandbox: ## install bubblewrap (isolates student code while grading) when it is 
 	@command -v bwrap >/dev/null || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
 	  || echo "warning: could not install bubblewrap; grading will run WITHOUT isolation"; }
 
-test: setup sandbox ## run the whole test suite (sets up first if needed)
+browser: ## install Debian's chromium (the browser tests drive it with Playwright) when it is missing
+	@test -x /usr/bin/chromium || { (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
+	  || echo "warning: could not install chromium; the browser tests will be SKIPPED"; }
+
+test: setup sandbox browser ## run the whole test suite (sets up first if needed)
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup
 
 test-fast: setup ## the suite without the slow notebook/nbgrader tests

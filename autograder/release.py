@@ -21,7 +21,6 @@ Pipeline, per notebook ``solutions/NN_name.py`` (jupytext percent format):
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 import jupytext
 import nbformat
 
+from autograder.lab.course_notebooks import COURSE_NOTEBOOK_METADATA
 from autograder.nbgrader_cli import run_nbgrader
 from autograder.results import HIDDEN_FAILURE
 from autograder.settings import COURSE_DIR, REPO_ROOT, SETUP_CELL_ID, SOLUTIONS_DIR
@@ -169,10 +169,7 @@ def build_source(assignment: str, repository: str) -> nbformat.NotebookNode:
 
 def normalise(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """No outputs, no execution counts, stable ids, minimal metadata: rebuilds are byte-identical."""
-    notebook.metadata = {
-        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-        "language_info": {"name": "python"},
-    }
+    notebook.metadata = {key: dict(value) for key, value in COURSE_NOTEBOOK_METADATA.items()}
     notebook.nbformat, notebook.nbformat_minor = 4, 5
     for index, cell in enumerate(notebook.cells):
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
@@ -204,9 +201,14 @@ def name_stubs(notebook: nbformat.NotebookNode, assignment: str) -> None:
 
 
 def write_notebook(notebook: nbformat.NotebookNode, path: Path) -> None:
+    """Write byte for byte what JupyterLab's server would write when a student saves it.
+
+    jupyter_server saves with ``nbformat.write`` (sources split into lists of lines, keys
+    sorted, one-space indent): writing the release the same way leaves a save nothing to change.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
-    path.write_text(text, encoding="utf-8")
+    with open(path, "w", encoding="utf-8") as file:
+        nbformat.write(notebook, file, version=nbformat.NO_CONVERT)
 
 
 def source_path(root: Path, assignment: str) -> Path:

@@ -1,90 +1,135 @@
-"""`make lab` serves the course: JupyterLab with nbgrader's Validate and ipywidgets working."""
+"""`make lab` serves the course to students: Validate and widgets on, instructor tools off,
+and a course notebook saved by JupyterLab is byte for byte the committed release."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
-import socket
-import subprocess
-import time
+import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 
+import nbformat
 import pytest
+from jupyter_server.services.contents.filemanager import FileContentsManager
+from traitlets.config.loader import load_pyconfig_files
 
-from tests.conftest import REPO_ROOT
+from autograder.lab.course_notebooks import is_course_notebook, keep_course_notebooks_clean
+from tests.conftest import ASSIGNMENTS, REPO_ROOT
+from tests.lab_servers import TOKEN, copy_course, http_get, running_lab
 
-TOKEN = "attention-lab-test"
+# What a JupyterLab front end sends back after opening a course notebook and running it:
+# the kernel's own language_info and kernelspec, outputs, counts, and view state.
+KERNEL_METADATA = {
+    "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
+    "language_info": {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+                      "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+                      "pygments_lexer": "ipython3", "version": "3.11.2"},
+    "widgets": {"application/vnd.jupyter.widget-state+json": {"state": {}, "version_major": 2, "version_minor": 0}},
+}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _as_run_in_jupyterlab(notebook: dict) -> dict:
+    notebook = copy.deepcopy(notebook)
+    notebook["metadata"] = copy.deepcopy(KERNEL_METADATA)
+    for count, cell in enumerate(notebook["cells"], start=1):
+        if cell["cell_type"] == "code":
+            cell["execution_count"] = count
+            cell["outputs"] = [{"name": "stdout", "output_type": "stream", "text": ["shape [2, 4, 6, 8]\n"]}]
+            cell["metadata"].update({"execution": {"iopub.status.idle": "2026-11-23T03:00:00.000Z"}, "scrolled": True})
+    return notebook
 
 
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read().decode()
+def _student_contents_manager(root) -> FileContentsManager:
+    """jupyter_server's own contents manager, configured by the student lab's config file."""
+    config = load_pyconfig_files(["jupyter_server_config.py"], str(REPO_ROOT / "autograder" / "lab" / "student"))
+    assert config.FileContentsManager.pre_save_hook is keep_course_notebooks_clean
+    with warnings.catch_warnings():  # traitlets validates the configured hook twice and warns about it
+        warnings.filterwarnings("ignore", message="Overriding existing pre_save_hook")
+        return FileContentsManager(root_dir=str(root), config=config)
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_jupyterlab_saving_an_opened_and_run_course_notebook_leaves_its_bytes_unchanged(assignment, tmp_path):
+    committed = REPO_ROOT / "course" / f"{assignment}.ipynb"
+    shutil.copy(committed, tmp_path / committed.name)
+    contents = _student_contents_manager(tmp_path)
+    model = contents.get(committed.name)
+    model["content"] = _as_run_in_jupyterlab(json.loads(json.dumps(model["content"])))
+    contents.save(model, committed.name)
+    assert (tmp_path / committed.name).read_bytes() == committed.read_bytes()
+
+
+def test_a_students_own_work_is_saved_and_their_own_notebooks_keep_their_outputs(tmp_path):
+    committed = REPO_ROOT / "course" / "01_mha_shapes.ipynb"
+    shutil.copy(committed, tmp_path / committed.name)
+    contents = _student_contents_manager(tmp_path)
+    notebook = _as_run_in_jupyterlab(json.loads(json.dumps(contents.get(committed.name)["content"])))
+    answer = next(c for c in notebook["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == "split_heads")
+    answer["source"] = "def split_heads(x, num_heads):\n    return x  # my attempt"
+    notebook["cells"].append(nbformat.v4.new_code_cell("my_own_experiment = 1"))
+    contents.save({"type": "notebook", "format": "json", "content": notebook}, committed.name)
+    saved = nbformat.read(tmp_path / committed.name, as_version=4)
+    assert any(cell.source.endswith("# my attempt") for cell in saved.cells)
+    assert saved.cells[-1].source == "my_own_experiment = 1"
+    assert all(cell.outputs == [] for cell in saved.cells if cell.cell_type == "code")
+
+    (tmp_path / "notes").mkdir()
+    contents.save({"type": "notebook", "format": "json", "content": _as_run_in_jupyterlab(notebook)}, "notes/mine.ipynb")
+    mine = nbformat.read(tmp_path / "notes" / "mine.ipynb", as_version=4)
+    assert mine.metadata.language_info.version == "3.11.2"
+    assert any(cell.outputs for cell in mine.cells if cell.cell_type == "code")
+
+
+def test_only_the_course_notebooks_at_the_top_are_course_notebooks():
+    assert is_course_notebook("01_mha_shapes.ipynb") and is_course_notebook("/05_llama_attention.ipynb")
+    assert not is_course_notebook("notes/01_mha_shapes.ipynb")
+    assert not is_course_notebook("Untitled.ipynb") and not is_course_notebook("01_mha_shapes-Copy1.ipynb")
 
 
 @pytest.fixture(scope="module")
-def lab_server(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("lab") / "lab.log"
-    args = (f"--no-browser --port={port} --ServerApp.ip=127.0.0.1 --IdentityProvider.token={TOKEN} "
-            "--ServerApp.open_browser=False --LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate")
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(["make", "--no-print-directory", "lab", f"LAB_ARGS={args}"], cwd=REPO_ROOT,
-                                   stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                _get(f"{base}/api/status?token={TOKEN}")
-                break
-            except OSError:
-                if process.poll() is not None:
-                    pytest.fail(f"make lab exited:\n{log.read_text()}")
-                time.sleep(0.5)
-        else:
-            pytest.fail(f"JupyterLab did not start:\n{log.read_text()}")
-        yield base
-    finally:
-        import os
-        import signal
-
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
+def student_lab(tmp_path_factory):
+    scratch = tmp_path_factory.mktemp("student-lab")
+    with running_lab("lab", copy_course(scratch / "course"), scratch) as server:
+        yield server
 
 
-def _validate(base: str, path: str) -> dict:
-    request = urllib.request.Request(f"{base}/assignments/validate?token={TOKEN}",
+def _validate(server, path: str) -> dict:
+    request = urllib.request.Request(server.url("assignments/validate"),
                                      data=urllib.parse.urlencode({"path": path}).encode(), method="POST")
-    with urllib.request.urlopen(request, timeout=300) as response:
+    with urllib.request.urlopen(request, timeout=600) as response:
         return json.loads(response.read().decode())
 
 
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
 @pytest.mark.slow
-def test_lab_serves_the_course_folder_with_the_nbgrader_and_widget_extensions(lab_server):
-    contents = json.loads(_get(f"{lab_server}/api/contents?token={TOKEN}"))
-    names = {item["name"] for item in contents["content"]}
+def test_lab_serves_the_course_with_validate_and_widgets_and_no_instructor_tools(student_lab):
+    names = {item["name"] for item in student_lab.api("contents")["content"]}
     assert "01_mha_shapes.ipynb" in names
-    page = _get(f"{lab_server}/lab?token={TOKEN}")
+    page = http_get(student_lab.url("lab"))
     assert "@jupyter/nbgrader" in page, "nbgrader's lab extension (Validate button) is not loaded"
     assert "@jupyter-widgets/jupyterlab-manager" in page, "the ipywidgets extension is not loaded"
+    for plugin in ("formgrader", "create-assignment", "assignment-list", "course-list", "menu"):
+        assert f'"@jupyter/nbgrader:{plugin}"' in page.split('"disabledExtensions"')[1].split("]")[0], plugin
+    assert _status(student_lab.url("formgrader")) == 404, "Formgrader's server extension runs in the student lab"
+    assert _status(student_lab.url("courses")) == 404, "the exchange's course list runs in the student lab"
 
 
 @pytest.mark.slow
-def test_validate_button_reports_the_blanks_and_passes_a_solved_notebook(lab_server, fresh_build):
-    scratch = REPO_ROOT / "course" / ".validate-test.ipynb"
-    blank = _validate(lab_server, "01_mha_shapes.ipynb")
+def test_validate_button_reports_the_blanks_and_passes_a_solved_notebook(student_lab, fresh_build):
+    blank = _validate(student_lab, "01_mha_shapes.ipynb")
     assert blank["success"] is True  # the request worked; the notebook's verdict is inside
     assert "failed" in blank["value"] or "NotImplementedError" in json.dumps(blank["value"])
-    shutil.copy(fresh_build.source("01_mha_shapes"), scratch)
-    try:
-        solved = _validate(lab_server, scratch.name)
-    finally:
-        scratch.unlink()
+    shutil.copy(fresh_build.source("01_mha_shapes"), student_lab.root_dir / "solved.ipynb")
+    solved = _validate(student_lab, "solved.ipynb")
     assert solved["success"] is True
     assert "failed" not in solved["value"] and "NotImplementedError" not in json.dumps(solved["value"]), solved

@@ -1,0 +1,27 @@
+"""`make formgrader`: JupyterLab for instructors, on the course root (autograder/course_root/).
+
+nbgrader's Formgrader works on the same course root and gradebook as `make intake / grade /
+feedback / export`: the one nbgrader config, autograder/nbgrader_config.py, is found through
+JUPYTER_CONFIG_PATH (the Makefile puts autograder/ there). The exchange (Assignment List,
+Course List) is off: submissions come in through `make intake`, not through an exchange folder.
+"""
+
+from pathlib import Path
+
+c = get_config()  # noqa: F821 -- provided by Jupyter when it loads this file
+
+# Formgrader's Manage Assignments asks the exchange about released/collected assignments; the
+# default exchange (/usr/local/share/nbgrader/exchange) is not writable, which it reports as an
+# error. The course uses no exchange, so an empty one inside the (git-ignored) course root.
+EXCHANGE = Path.cwd() / "exchange"  # `make formgrader` runs in the course root
+EXCHANGE.mkdir(exist_ok=True)
+c.Exchange.root = str(EXCHANGE)
+
+c.ServerApp.jpserver_extensions = {
+    "nbgrader.server_extensions.formgrader": True,
+    "nbgrader.server_extensions.validate_assignment": True,
+    "nbgrader.server_extensions.assignment_list": False,
+    "nbgrader.server_extensions.course_list": False,
+}
+c.LabApp.news_url = None
+c.LabApp.check_for_updates_class = "jupyterlab.NeverCheckForUpdate"

@@ -1,0 +1,28 @@
+"""`make lab`: JupyterLab for students, on course/.
+
+Only what a student needs: nbgrader's Validate button and ipywidgets. Formgrader, the
+exchange (Assignment List, Course List) and Jupytext are instructor tools and stay off.
+Course notebooks are saved without outputs and with the course's metadata, so opening,
+running or validating one never changes the committed file (see course_notebooks.py).
+"""
+
+import sys
+from pathlib import Path
+
+c = get_config()  # noqa: F821 -- provided by Jupyter when it loads this file
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO_ROOT))  # the server runs in course/; the hook lives in autograder/
+from autograder.lab.course_notebooks import keep_course_notebooks_clean  # noqa: E402
+
+c.ServerApp.jpserver_extensions = {
+    "nbgrader.server_extensions.validate_assignment": True,
+    "nbgrader.server_extensions.formgrader": False,
+    "nbgrader.server_extensions.assignment_list": False,
+    "nbgrader.server_extensions.course_list": False,
+    "jupyterlab_jupytext": False,
+}
+c.FileContentsManager.pre_save_hook = keep_course_notebooks_clean
+# No news feed or update check: the course never talks to the internet while you work.
+c.LabApp.news_url = None
+c.LabApp.check_for_updates_class = "jupyterlab.NeverCheckForUpdate"

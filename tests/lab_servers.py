@@ -1,0 +1,183 @@
+"""Start `make lab` / `make formgrader` for a test, and a headless Chromium to drive them.
+
+The servers are the Makefile's own targets (what a student or instructor runs), pointed at a
+scratch folder so that a test never writes into the repository, and with their JupyterLab
+settings and workspaces in the scratch folder too (autosave every few seconds, nothing left
+in the developer's ~/.jupyter).
+
+The browser is Debian's ``/usr/bin/chromium`` driven by Playwright from PyPI (``make browser``
+installs it; ``playwright install`` is never used), kept off the network by its flags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+TOKEN = "attention-lab-test"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
+# The machine running the suite is loaded (2 cores, other tests in parallel): generous limits,
+# always waits on a condition, never fixed sleeps.
+SERVER_START_SECONDS = 180
+AUTOSAVE_SECONDS = 3
+SCREENSHOTS_DIR = Path(os.environ.get("ATTENTION_LAB_SCREENSHOTS", REPO_ROOT / "build" / "browser-screenshots"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 30) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+@dataclass
+class LabServer:
+    """A running JupyterLab: its address, the folder it serves, its log."""
+
+    base_url: str
+    root_dir: Path
+    log: Path
+
+    def url(self, path: str) -> str:
+        separator = "&" if "?" in path else "?"
+        return f"{self.base_url}/{path.lstrip('/')}{separator}token={TOKEN}"
+
+    def api(self, path: str) -> dict:
+        return json.loads(http_get(self.url(f"api/{path.lstrip('/')}")))
+
+
+def _lab_settings(settings_dir: Path) -> None:
+    """JupyterLab user settings for the test: autosave after a few seconds (default: 2 minutes),
+    and every cell in the page (by default only the cells on screen are, so a test could not find them)."""
+    settings = {
+        ("docmanager-extension", "plugin"): {"autosave": True, "autosaveInterval": AUTOSAVE_SECONDS},
+        ("notebook-extension", "tracker"): {"windowingMode": "none"},
+    }
+    for (extension, plugin), values in settings.items():
+        path = settings_dir / "@jupyterlab" / extension / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+
+
+@contextlib.contextmanager
+def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | None = None):
+    """``make <target>`` serving ``root_dir`` on a free port; stopped (whole process group) on exit."""
+    port = free_port()
+    log = scratch / f"{target}.log"
+    settings_dir = scratch / "lab-settings"
+    _lab_settings(settings_dir)
+    args = (f"--no-browser --port={port} --ServerApp.ip=127.0.0.1 --IdentityProvider.token={TOKEN} "
+            f"--ServerApp.root_dir={root_dir}")
+    variable = "LAB_ARGS" if target == "lab" else "FORMGRADER_ARGS"
+    environment = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings_dir),
+                       JUPYTERLAB_WORKSPACES_DIR=str(scratch / "lab-workspaces"), **(extra_env or {}))
+    with open(log, "w") as log_file:
+        # `make formgrader` serves FORMGRADER_ROOT (its working folder); `make lab` serves course/.
+        variables = [f"{variable}={args}"] + ([f"FORMGRADER_ROOT={root_dir}"] if target == "formgrader" else [])
+        process = subprocess.Popen(["make", "--no-print-directory", target, *variables], cwd=REPO_ROOT,
+                                   env=environment, stdout=log_file, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    server = LabServer(f"http://127.0.0.1:{port}", root_dir, log)
+    try:
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while True:
+            try:
+                server.api("status")
+                break
+            except OSError:
+                if process.poll() is not None:
+                    pytest.fail(f"make {target} exited:\n{log.read_text()}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"make {target} did not start in {SERVER_START_SECONDS} s:\n{log.read_text()}")
+                time.sleep(0.5)  # polling interval, not a wait for something to happen
+        yield server
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def copy_course(destination: Path) -> Path:
+    """The student's folder as a clone has it: the course notebooks and the Validate config."""
+    destination.mkdir(parents=True, exist_ok=True)
+    for path in sorted((REPO_ROOT / "course").glob("[0-9][0-9]_*.ipynb")) + [REPO_ROOT / "course" / "nbgrader_config.py"]:
+        shutil.copy2(path, destination / path.name)
+    return destination
+
+
+def chromium_unavailable_reason() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is not installed (make setup installs it)"
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} is missing (make browser installs Debian's chromium)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser(tmp_path_factory):
+    """Headless Debian chromium with a fresh profile, off the network; skipped LOUDLY when missing."""
+    reason = chromium_unavailable_reason()
+    if reason:
+        message = f"BROWSER TESTS NOT RUN: {reason}"
+        warnings.warn(message)
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(profile), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        context.set_default_timeout(120_000)
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+class Screenshots:
+    """Numbered screenshots of one test's steps under SCREENSHOTS_DIR/<test> (artifacts, not compared)."""
+
+    def __init__(self, test_name: str):
+        self.folder = SCREENSHOTS_DIR / test_name
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True)
+        self.count = 0
+        print(f"screenshots: {self.folder}")
+
+    def take(self, page, step: str) -> Path:
+        self.count += 1
+        path = self.folder / f"{self.count:02d}-{step}.png"
+        page.screenshot(path=str(path))
+        return path
+
+
+@pytest.fixture
+def screenshots(request) -> Screenshots:
+    return Screenshots(request.node.name.replace("/", "_").replace("[", "-").rstrip("]"))
