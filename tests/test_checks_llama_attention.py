@@ -7,6 +7,7 @@ expected and what came back.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,26 +27,25 @@ CPU = "cpu"
 # --------------------------------------------------------------------------------------
 
 
-@dataclass
-class GoodConfig:
-    hidden_size: int = 128
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 4
-    head_dim: int = 8
-    max_position_embeddings: int = 256
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    attention_bias: bool = False
-    use_qk_norm: bool = True
+def config_class(name, post_init=None):
+    """A dataclass with the contract's fields and defaults (the checks hold the one table of them)."""
+    fields = [(field, type(default), dataclasses.field(default=default))
+              for field, default in checks.CONFIG_DEFAULTS.items()]
+    namespace = {"__post_init__": post_init} if post_init else {}
+    return dataclasses.make_dataclass(name, fields, namespace=namespace)
 
-    def __post_init__(self):
-        problems = []
-        if self.num_attention_heads % self.num_key_value_heads:
-            problems.append(f"{self.num_attention_heads} query heads do not split into {self.num_key_value_heads} KV groups")
-        if self.head_dim % 2:
-            problems.append(f"odd head_dim {self.head_dim}")
-        if problems:
-            raise ValueError("; ".join(problems))
+
+def _validate(self):
+    problems = []
+    if self.num_attention_heads % self.num_key_value_heads:
+        problems.append(f"{self.num_attention_heads} query heads do not split into {self.num_key_value_heads} KV groups")
+    if self.head_dim % 2:
+        problems.append(f"odd head_dim {self.head_dim}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+GoodConfig = config_class("GoodConfig", _validate)
 
 
 def good_causal_mask(seq_len, device=None):
@@ -96,6 +96,22 @@ def good_qk_norm(x, eps):
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps)
 
 
+def hf_rms_norm(x, eps):
+    # Hugging Face's LlamaRMSNorm (without its weight): float32 inside, cast back.
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return (hidden * torch.rsqrt(variance + eps)).to(input_dtype)
+
+
+def llama4_l2_norm(x, eps):
+    # Llama 4's L2Norm: x.float(), normalise, .type_as(x).
+    def norm(y):
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+
+    return norm(x.float()).type_as(x)
+
+
 def good_repeat_kv(x, n_rep):
     return torch.repeat_interleave(x, n_rep, dim=1)
 
@@ -132,7 +148,10 @@ class Llama(nn.Module):
         self.k_proj = nn.Linear(hidden, out_kv, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, out_kv, bias=config.attention_bias)
         self.o_proj = nn.Linear(out_q, hidden, bias=config.attention_bias)
-        self.table = checks._complex_table(d, config.max_position_embeddings, config.rope_theta)
+        if "meta_table" in self.bugs:  # not a bug: Meta's float32 angles, complex64 table
+            self.table = good_rope_frequencies(d, config.max_position_embeddings, config.rope_theta)
+        else:
+            self.table = checks._complex_table(d, config.max_position_embeddings, config.rope_theta)
 
     def rope(self, x, ids):
         if "half_layout" in self.bugs:
@@ -146,6 +165,8 @@ class Llama(nn.Module):
         if "rms_norm_builtin" in self.bugs:
             return F.rms_norm(x, (x.shape[-1],), eps=self.config.rms_norm_eps)
         eps = 1e-6 if "fixed_eps" in self.bugs else self.config.rms_norm_eps
+        if "float32_norm" in self.bugs:  # not a bug: Hugging Face's LlamaRMSNorm computes in float32
+            return hf_rms_norm(x, eps)
         return good_qk_norm(x, eps)
 
     def forward(self, hidden_states, position_ids=None, kv_cache=None):
@@ -181,6 +202,7 @@ class Llama(nn.Module):
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             scale = 1 / math.sqrt(c.hidden_size if "scale_hidden" in bugs else d)
+            scale = 1.0 if "no_scale" in bugs else scale
             scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
             offset = 0 if "mask_top_left" in bugs else total - s
             blocked = torch.ones(s, total, dtype=torch.bool, device=q.device).triu(1 + offset)
@@ -192,6 +214,8 @@ class Llama(nn.Module):
         out = context.transpose(1, 2).reshape(b, s, merged_width)
         if "no_o_proj" not in bugs:
             out = self.o_proj(out)
+        if "off_in_float32" in bugs and out.dtype == torch.float32:  # a small error no known mistake explains
+            out = out * (1 + 5e-4)
         if kv_cache is not None and "no_tuple" not in bugs:
             return out, kv_cache
         if "always_tuple" in bugs:
@@ -218,20 +242,9 @@ def test_config_correct_answer_passes():
 
 
 def test_config_without_validation_is_rejected():
-    @dataclass
-    class NoValidation:
-        hidden_size: int = 128
-        num_attention_heads: int = 16
-        num_key_value_heads: int = 4
-        head_dim: int = 8
-        max_position_embeddings: int = 256
-        rope_theta: float = 10000.0
-        rms_norm_eps: float = 1e-5
-        attention_bias: bool = False
-        use_qk_norm: bool = True
-
     with pytest.raises(CheckFailure, match="should raise ValueError"):
-        checks.check_llama_attention_config(NoValidation, quiet=True)
+        checks.check_llama_attention_config(config_class("NoValidation"), quiet=True)
+
 
 
 def test_config_requiring_hidden_divisible_is_rejected():
@@ -292,10 +305,11 @@ def test_causal_mask_correct_answer_passes():
 
 
 @pytest.mark.parametrize("wrong, phrase", [
-    (lambda seq_len, device=None: ~torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril(), "Polarity flipped"),
+    (lambda seq_len, device=None: ~torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril(), "polarity flipped"),
     (lambda seq_len, device=None: torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril(-1), "diagonal must be True"),
     (lambda seq_len, device=None: torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(), "upper triangle"),
-    (lambda seq_len, device=None: torch.full((seq_len, seq_len), -math.inf, device=device).triu(1), "should be a boolean mask"),
+    (lambda seq_len, device=None: torch.full((seq_len, seq_len), -math.inf, device=device).triu(1),
+     "should be a boolean mask.*not the seed's float mask"),
     (lambda seq_len, device=None: torch.ones(1, seq_len, seq_len, dtype=torch.bool, device=device).tril(), r"shape \[5, 5\], got \[1, 5, 5\]"),
 ])
 def test_causal_mask_mistakes_are_named(wrong, phrase):
@@ -374,6 +388,12 @@ def rope_downcast(x, freqs_cis, position_ids):  # the notes' xq.float()
     return torch.view_as_real(rotated).flatten(-2)
 
 
+def rope_meta_type_as(x, freqs_cis, position_ids):  # Meta's apply_rotary_emb: float32 inside, dtype kept
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = pairs * freqs_cis.to(x.device)[position_ids][:, None].to(torch.complex64)
+    return torch.view_as_real(rotated).flatten(3).type_as(x)
+
+
 def rope_conjugate(x, freqs_cis, position_ids):
     pairs, rotation = _complex_rope(x, freqs_cis, position_ids)
     return torch.view_as_real(pairs * rotation.conj()).flatten(-2).to(x.dtype)
@@ -419,6 +439,8 @@ def rope_complex_out(x, freqs_cis, position_ids):
     (rope_half_layout, "wrong pairing layout: the Meta layout rotates adjacent features"),
     (rope_in_place, "changed x in place"),
     (rope_complex_out, r"flatten the \(real, imaginary\) axis back"),
+    (lambda x, f, p: _complex_rope(x, f, p)[0] * _complex_rope(x, f, p)[1], "convert the complex result back"),
+    (rope_meta_type_as, "(?s)only to float32 precision.*keep float64"),
 ])
 def test_apply_rope_mistakes_are_named(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -553,6 +575,15 @@ def test_qk_norm_correct_answer_passes():
     checks.check_qk_norm(good_qk_norm, device=CPU, quiet=True)
 
 
+@pytest.mark.parametrize("norm", [hf_rms_norm, llama4_l2_norm])
+def test_qk_norm_in_float32_inside_passes_with_a_note(norm, capsys):
+    """HF's LlamaRMSNorm and Llama 4's L2Norm compute in float32 and cast back: accepted, with a note."""
+    checks.check_qk_norm(norm, device=CPU)
+    printed = capsys.readouterr().out
+    assert printed.startswith("✓ qk_norm")
+    assert "float32 precision" in printed
+
+
 @pytest.mark.parametrize("wrong, phrase", [
     (lambda x, eps: F.normalize(x, dim=-1), "that is L2 normalisation"),
     (lambda x, eps: x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps), "that is L2 normalisation"),
@@ -563,6 +594,7 @@ def test_qk_norm_correct_answer_passes():
     (lambda x, eps: nn.RMSNorm(x.shape[-1], eps=eps, elementwise_affine=False, dtype=x.dtype)(x),
      "from-scratch exercise.*rms_norm"),
     (lambda x, eps: good_qk_norm(x, eps).float(), "returned float32, but x is float64"),
+    (lambda x, eps: x.pow(2).mean(-1, keepdim=True).sqrt(), "return the normalised x, not the norm"),
 ])
 def test_qk_norm_mistakes_are_named(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -676,12 +708,35 @@ def test_llama_attention_correct_answer_passes():
     ("rms_norm_builtin", "from-scratch exercise.*rms_norm"),
     ("square_projections", "heads × head_dim, not hidden_size"),
     ("merge_hidden", "raised RuntimeError"),
-    ("softmax_float32", "the softmax ran in float32 on float64 scores"),
+    ("no_scale", "the scores are not scaled"),
     ("always_tuple", "should return the output tensor alone"),
 ])
 def test_llama_attention_mistakes_are_named(bug, phrase):
     with pytest.raises(CheckFailure, match=phrase):
         checks.check_llama_attention(llama_with(bug), device=CPU, quiet=True)
+
+
+@pytest.mark.parametrize("idiom", ["softmax_float32", "float32_norm", "meta_table"])
+def test_llama_attention_accepts_float32_internals(idiom):
+    """The softmax or QK norm in float32 (HF), or Meta's complex64 RoPE table (which check_rope_frequencies
+    accepts), on float64 input: float32-level accuracy, accepted -- a table one check accepts never fails
+    a later exercise."""
+    checks.check_llama_attention(llama_with(idiom), device=CPU, quiet=True)
+    checks.check_llama_attention_kv_cache(llama_with(idiom), GoodKVCache, device=CPU, quiet=True)
+
+
+def test_llama_attention_built_on_meta_table_and_float32_rope_helper():
+    """The instructor's own LlamaAttention on Meta's float32 table and Meta's apply_rotary_emb (float32, type_as)."""
+
+    class MetaLlama(Llama):
+        def __init__(self, config):
+            super().__init__(config, ("meta_table",))
+
+        def rope(self, x, ids):
+            return rope_meta_type_as(x, self.table, ids)
+
+    checks.check_llama_attention(MetaLlama, device=CPU, quiet=True)
+    checks.check_llama_attention_kv_cache(MetaLlama, GoodKVCache, device=CPU, quiet=True)
 
 
 def test_llama_attention_contract_messages():
@@ -729,6 +784,16 @@ def test_llama_kv_cache_correct_answer_passes():
 def test_llama_kv_cache_mistakes_are_named(bug, phrase):
     with pytest.raises(CheckFailure, match=phrase):
         checks.check_llama_attention_kv_cache(llama_with(bug), GoodKVCache, device=CPU, quiet=True)
+
+
+def test_prefill_chunk_names_no_cache_mistake():
+    """On a prefill (nothing cached) the cache mistakes equal the right answer: a small unexplained error there
+    must not be blamed on the mask offset, an ignored cache or the positions."""
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_llama_attention_kv_cache(llama_with("off_in_float32"), GoodKVCache, device=CPU, quiet=True)
+    message = str(failure.value)
+    assert "chunk 1 of sizes [2, 1, 3]" in message
+    assert "Likely mistake" not in message
 
 
 def test_llama_kv_cache_blames_the_students_cache():
