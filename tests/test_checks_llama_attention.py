@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from dataclasses import dataclass
 
 import pytest
@@ -309,7 +310,7 @@ def test_causal_mask_correct_answer_passes():
     (lambda seq_len, device=None: torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril(-1), "diagonal must be True"),
     (lambda seq_len, device=None: torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(), "upper triangle"),
     (lambda seq_len, device=None: torch.full((seq_len, seq_len), -math.inf, device=device).triu(1),
-     "should be a boolean mask.*not the seed's float mask"),
+     "(?s)should be a boolean mask.*not the seed.s float mask"),
     (lambda seq_len, device=None: torch.ones(1, seq_len, seq_len, dtype=torch.bool, device=device).tril(), r"shape \[5, 5\], got \[1, 5, 5\]"),
 ])
 def test_causal_mask_mistakes_are_named(wrong, phrase):
@@ -388,6 +389,11 @@ def rope_downcast(x, freqs_cis, position_ids):  # the notes' xq.float()
     return torch.view_as_real(rotated).flatten(-2)
 
 
+def rope_complex_unflattened(x, freqs_cis, position_ids):  # forgot view_as_real: a complex [..., d/2]
+    pairs, rotation = _complex_rope(x, freqs_cis, position_ids)
+    return pairs * rotation
+
+
 def rope_meta_type_as(x, freqs_cis, position_ids):  # Meta's apply_rotary_emb: float32 inside, dtype kept
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     rotated = pairs * freqs_cis.to(x.device)[position_ids][:, None].to(torch.complex64)
@@ -439,7 +445,7 @@ def rope_complex_out(x, freqs_cis, position_ids):
     (rope_half_layout, "wrong pairing layout: the Meta layout rotates adjacent features"),
     (rope_in_place, "changed x in place"),
     (rope_complex_out, r"flatten the \(real, imaginary\) axis back"),
-    (lambda x, f, p: _complex_rope(x, f, p)[0] * _complex_rope(x, f, p)[1], "convert the complex result back"),
+    (rope_complex_unflattened, "convert the complex result back"),
     (rope_meta_type_as, "(?s)only to float32 precision.*keep float64"),
 ])
 def test_apply_rope_mistakes_are_named(wrong, phrase):
@@ -801,6 +807,91 @@ def test_llama_kv_cache_blames_the_students_cache():
         checks.check_llama_attention_kv_cache(Llama, NewOnlyCache, device=CPU, quiet=True)
 
 
+def test_llama_attention_names_the_failing_part_it_uses():
+    """A LlamaAttention that repeats KV heads with the student's own (tiled) repeat_kv: the failure says so."""
+    namespace = {"Llama": Llama}
+    exec(textwrap.dedent("""
+        def repeat_kv(x, n_rep):
+            return x.repeat(1, n_rep, 1, 1)
+
+        class LlamaAttention(Llama):
+            def __init__(self, config):
+                super().__init__(config, ("tiled",))
+    """), namespace)
+    with pytest.raises(CheckFailure, match="(?s)tiled KV repeat.*uses your repeat_kv, which fails its own check"):
+        checks.check_llama_attention(namespace["LlamaAttention"], device=CPU, quiet=True)
+
+
+# --------------------------------------------------------------------------------------
+# causal_mask_lower_right
+# --------------------------------------------------------------------------------------
+
+
+def good_lower_right(q_len, kv_len, device=None):
+    if q_len > kv_len:
+        raise ValueError(f"{q_len} queries > {kv_len} keys")
+    query = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]  # absolute positions of the queries
+    return torch.arange(kv_len, device=device)[None, :] <= query
+
+
+def lower_right_from_causal_mask(q_len, kv_len, device=None):
+    if q_len > kv_len:
+        raise ValueError(f"q_len={q_len}, kv_len={kv_len}")
+    return good_causal_mask(kv_len, device)[kv_len - q_len:]
+
+
+def test_causal_mask_lower_right_correct_answers_pass():
+    checks.check_causal_mask_lower_right(good_lower_right, device=CPU, quiet=True)
+    checks.check_causal_mask_lower_right(lower_right_from_causal_mask, seed=3, device=CPU, quiet=True)
+
+
+def _lower_right(fill=None, diagonal_shift=0, upper=False, top_left=False, check_lengths=True):
+    def causal_mask_lower_right(q_len, kv_len, device=None):
+        if check_lengths and q_len > kv_len:
+            raise ValueError(f"{q_len} > {kv_len}")
+        offset = 0 if top_left else kv_len - q_len
+        ones = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+        mask = ones.triu(offset) if upper else ones.tril(offset + diagonal_shift)
+        if fill is not None:
+            return torch.zeros(q_len, kv_len, device=device).masked_fill(~mask, fill)
+        return mask
+
+    return causal_mask_lower_right
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (_lower_right(top_left=True), "top-left alignment of is_causal=True"),
+    (lambda q_len, kv_len, device=None: ~good_lower_right(q_len, kv_len, device), "polarity flipped"),
+    (_lower_right(diagonal_shift=-1), "the diagonal must be True"),
+    (_lower_right(upper=True), "that is the upper triangle"),
+    (_lower_right(fill=-math.inf), "should be a boolean mask"),
+    (_lower_right(check_lengths=False), r"causal_mask_lower_right\(3, 2\) should raise ValueError"),
+    (lambda q_len, kv_len, device=None: good_lower_right(q_len, kv_len).to("meta") if device is not None
+     else good_lower_right(q_len, kv_len), "should be on cpu"),
+])
+def test_causal_mask_lower_right_mistakes_are_named(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_causal_mask_lower_right(wrong, device=CPU, quiet=True)
+
+
+def test_causal_mask_lower_right_error_must_name_both_lengths():
+    def vague(q_len, kv_len, device=None):
+        if q_len > kv_len:
+            raise ValueError("too many queries")
+        return good_lower_right(q_len, kv_len, device)
+
+    with pytest.raises(CheckFailure, match="should name 3 and 2"):
+        checks.check_causal_mask_lower_right(vague, device=CPU, quiet=True)
+
+
+def test_is_causal_is_top_left_when_lengths_differ():
+    """The pitfall the exercise is about, on PyTorch itself."""
+    q, k, v = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    top_left = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(top_left, F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right(top_left=True)(2, 5)))
+    assert not torch.allclose(top_left, F.scaled_dot_product_attention(q, k, v, attn_mask=good_lower_right(2, 5)))
+
+
 # --------------------------------------------------------------------------------------
 # kv_cache_bytes
 # --------------------------------------------------------------------------------------
@@ -867,6 +958,39 @@ def test_rope_explorer_redraws_with_position_and_base():
     assert not torch.allclose(new_curve, first_curve)
 
 
+def test_kv_head_map_runs_the_students_repeat_kv_and_the_tiled_layout():
+    from attention_lab.widgets.rope import LAYOUTS, kv_head_map
+
+    def lines_to_kv(widget):
+        """For each query head (top row, x = head), the x of the KV head its line ends at."""
+        ends = {}
+        for line in widget.figure.axes[0].lines:
+            (x_top, x_bottom), (y_top, y_bottom) = line.get_xdata(), line.get_ydata()
+            assert (y_top, y_bottom) == (1.0, 0.0)
+            ends[int(x_top)] = x_bottom
+        kv_positions = sorted(set(ends.values()))
+        return [kv_positions.index(ends[head]) for head in sorted(ends)]
+
+    widget = kv_head_map(good_repeat_kv, num_heads=8, num_kv_heads=2)
+    assert lines_to_kv(widget) == [0, 0, 0, 0, 1, 1, 1, 1]  # h // n_rep
+    assert "h // n_rep" in widget.figure.axes[0].get_title()
+    widget.controls["layout"].value = LAYOUTS[1]
+    assert lines_to_kv(widget) == [0, 1, 0, 1, 0, 1, 0, 1]  # h % H_kv
+    widget.controls["num_kv_heads"].value = 1  # multi-query: everyone reads KV head 0
+    assert lines_to_kv(widget) == [0] * 8
+    assert list(widget.controls["num_kv_heads"].options) == [1, 2, 4, 8]
+    # A wrong repeat_kv shows as what it does, not as the right picture.
+    widget = kv_head_map(lambda x, n_rep: x.repeat(1, n_rep, 1, 1), num_heads=8, num_kv_heads=2)
+    assert lines_to_kv(widget) == [0, 1, 0, 1, 0, 1, 0, 1]
+
+
+def test_rope_explorer_slider_redraws_on_release():
+    from attention_lab.widgets.rope import rope_explorer
+
+    explorer = rope_explorer(good_apply_rope, good_rope_frequencies, head_dim=8, max_position=10)
+    assert explorer.controls["position"].continuous_update is False
+
+
 def test_kv_group_heatmaps_select_groups_and_scale():
     from attention_lab.widgets.rope import kv_group_heatmaps
 
@@ -881,9 +1005,11 @@ def test_kv_group_heatmaps_select_groups_and_scale():
     assert image.mask[0, 1] or math.isnan(float(image[0, 1]))  # the future is blank
     assert axes[0].images[0].get_clim() == (0.0, 1.0)
 
+    height_all = widget.figure.get_size_inches()[1]
     widget.controls["group"].value = "1"
     axes = widget.figure.axes
     assert [ax.get_title() for ax in axes] == ["head 4 · KV 1", "head 5 · KV 1", "head 6 · KV 1", "head 7 · KV 1"]
+    assert widget.figure.get_size_inches()[1] < height_all / 1.5  # one row of heads: no blank figure below it
     expected = torch.nan_to_num(weights[4].masked_fill(weights[4] == 0, float("nan")), nan=-1.0)
     drawn = torch.nan_to_num(torch.tensor(axes[0].images[0].get_array().filled(float("nan"))), nan=-1.0)
     assert torch.allclose(drawn, expected.double())
