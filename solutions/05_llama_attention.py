@@ -238,7 +238,9 @@ check_causal_mask(causal_mask, seed=5201, device="cpu")
 #
 # Return the complex table `[max_positions, head_dim // 2]` with entry `[p, j] = exp(i·p·θ_j)`.
 # Compute the angles in float64 (`p · θ_j` at large `p` loses digits in float32) and build the
-# complex numbers with `torch.polar(magnitude, angle)`.
+# complex numbers with `torch.polar(magnitude, angle)`. (Meta's code computes the angles in
+# float32 and stores a complex64 table: less precise at large positions, but correct, and
+# accepted here and by every later exercise.)
 #
 # Mind the notes' version: it duplicates the table with `torch.cat((freqs, freqs))` and then
 # slices `[..., :d/2]`, which just undoes the duplication. One angle per pair is all it needs.
@@ -389,7 +391,8 @@ check_rotate_half(rotate_half, seed=5501, device="cpu")
 #
 # The tables for the rotate_half layout, per token: `angles[b, s, j] = position_ids[b, s] · θ_j`
 # (`[B, S, head_dim/2]`), then `cos(cat(angles, angles))` and `sin(...)`, each
-# `[B, S, head_dim]`, on `position_ids`' device. Compute them in float64.
+# `[B, S, head_dim]`, on `position_ids`' device. Compute them in float64 (Hugging Face's
+# float32 tables are accepted too, with float32's tolerance).
 
 # %% answer="rope_cos_sin"
 def rope_cos_sin(head_dim, position_ids, base=10000.0):
@@ -918,14 +921,15 @@ check_llama_attention_kv_cache(LlamaAttention, KVCache, seed=6301, device="cpu")
 # %% [markdown]
 # ## 11. How inference engines do it
 #
-# Your `KVCache` grows by `torch.cat`: every step allocates a new tensor and copies the whole
-# cache into it, so generating `S` tokens copies `O(S²)` numbers, and every step has a new
-# shape. Inference engines instead **preallocate** the cache once, `[B, H_kv, max_len, d]`, and
-# write each step's keys and values in place at their positions, `cache_position` (Hugging
-# Face's `StaticCache`; vLLM splits the same idea into fixed-size blocks, "paged attention").
-# Shapes stay fixed — which is what CUDA graphs and `torch.compile` need — and nothing is
-# copied. The class below does it with the same interface as your `KVCache`, so your
-# `LlamaAttention` runs on it unchanged:
+# A `KVCache` that grows by `torch.cat` allocates a new tensor at every step and copies the
+# whole cache into it, so generating `S` tokens copies `O(S²)` numbers. Inference engines
+# instead **preallocate** the cache once, `[B, H_kv, max_len, d]`, and write each step's keys
+# and values in place at their positions, `cache_position` (Hugging Face's `StaticCache`; vLLM
+# splits the same idea into fixed-size blocks, "paged attention"). The storage never moves or
+# grows; `StaticCache` even runs attention over all `max_len` slots, masking the empty ones, so
+# every step has the same shapes — what CUDA graphs and `torch.compile` need. The class below
+# writes in place but returns only the filled part, with the same interface as your `KVCache`,
+# so your `LlamaAttention` runs on it unchanged:
 
 # %%
 class PreallocatedKVCache:

@@ -103,11 +103,12 @@ def qk_norm(x, eps):
 
 
 # %% answer="repeat_kv"
-def repeat_kv(hidden_states, n_rep):
-    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+def repeat_kv(x, n_rep):
+    """torch.repeat_interleave(x, dim=1, repeats=n_rep), without copying until the reshape."""
+    batch, num_key_value_heads, slen, head_dim = x.shape
     if n_rep == 1:
-        return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+        return x
+    hidden_states = x[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
