@@ -61,7 +61,10 @@ import torch.nn.functional as F
 # general: real configs set it on its own (Gemma-7B: `hidden_size` 3072, 16 heads of
 # `head_dim` 256), so `q_proj` is `Linear(D, H·d_head)` and the output projection maps
 # `H·d_head` back to `D`. And "sequences longer than 256 tokens must be truncated" is a limit of
-# the precomputed table in this code, not of RoPE, which works at any position.
+# the precomputed table in this code, not of RoPE, whose rotation can be computed at any
+# position. (Whether a model *trained* on shorter sequences still works beyond them is another
+# matter: without scaling tricks such as position interpolation, NTK scaling or YaRN it
+# usually does not.)
 
 # %% [markdown]
 # ### Exercise 5.1 — LlamaAttentionConfig (1 pt, ~5 min)
