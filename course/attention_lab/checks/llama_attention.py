@@ -227,6 +227,11 @@ def _expect_same_dtype(out: Any, x: torch.Tensor, call: str, hint: str) -> None:
                            f"  Likely mistake: {hint}")
 
 
+def _likely(hint_name: str) -> str:
+    """The line that names a likely mistake, appended to a message."""
+    return f"\n  Likely mistake: {HINTS[hint_name]}"
+
+
 def _add_hint_on_error(failure: CheckFailure, needle: str, hint: str) -> CheckFailure:
     if needle in str(failure):
         return CheckFailure(f"{failure}\n  Likely mistake: {hint}")
@@ -294,11 +299,11 @@ def check_llama_attention_config(LlamaAttentionConfig: Any, *, seed: int = 0, de
             config = call_student(LlamaAttentionConfig, **custom, call=call)
         except CheckFailure as failure:
             if "ValueError" in str(failure):
-                raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['config_too_strict']}") from None
+                raise CheckFailure(f"{failure}{_likely('config_too_strict')}") from None
             raise
         for name, value in custom.items():
             got = getattr(config, name)
-            hint = f"\n  Likely mistake: {HINTS['head_dim_derived']}" if name == "head_dim" else ""
+            hint = _likely("head_dim_derived") if name == "head_dim" else ""
             expect_true(got == value, f"{call}.{name} should be {value!r}, got {got!r}.{hint}")
     _expect_config_error(LlamaAttentionConfig, {"num_attention_heads": 6, "num_key_value_heads": 4}, (6, 4),
                          "6 query heads cannot be split into groups for 4 KV heads")
@@ -326,17 +331,17 @@ def _expect_mask(mask: torch.Tensor, call: str, q_len: int, kv_len: int) -> None
         return
     known = [(~expected, "mask_polarity"), (key < query + offset, "mask_diagonal"),
              (key >= query + offset, "mask_upper"), (key <= query, "mask_top_left")]
-    hint = next((HINTS[name] for wrong, name in known if torch.equal(mask, wrong)), None)
+    hint_name = next((name for wrong, name in known if torch.equal(mask, wrong)), None)
     rows = "\n".join("    " + " ".join("1" if v else "0" for v in row[:16]) for row in mask.int().tolist()[:6])
     rule = "key <= query" if offset == 0 else f"key j <= query i + {offset}"
     message = f"{call} should be True exactly where {rule}; got (first rows, 1 = True):\n{rows}"
-    raise CheckFailure(message + (f"\n  Likely mistake: {hint}" if hint else ""))
+    raise CheckFailure(message + (_likely(hint_name) if hint_name else ""))
 
 
 def _expect_boolean_mask(mask: Any, call: str, shape: tuple[int, int], device: torch.device) -> None:
     expect_tensor(mask, what=call, shape=shape)
-    expect_true(mask.dtype == torch.bool, f"{call} should be a boolean mask (True = may attend), got {describe(mask)}.\n"
-                f"  Likely mistake: {HINTS['mask_not_boolean']}")
+    expect_true(mask.dtype == torch.bool, f"{call} should be a boolean mask (True = may attend), got "
+                f"{describe(mask)}.{_likely('mask_not_boolean')}")
     expect_true(mask.device.type == device.type, f"{call} should be on {device.type}, got {mask.device.type}.")
 
 
@@ -374,8 +379,7 @@ def check_rope_frequencies(rope_frequencies: Callable, *, seed: int = 0, device:
         table = call_student(rope_frequencies, head_dim, max_positions, base=base, call=call)
         expect_tensor(table, what=call)
         if not table.is_complex():
-            raise CheckFailure(f"{call} should return a complex tensor, got {describe(table)}.\n"
-                               f"  Likely mistake: {HINTS['not_complex']}")
+            raise CheckFailure(f"{call} should return a complex tensor, got {describe(table)}.{_likely('not_complex')}")
         expect_tensor(table, what=call, shape=(max_positions, head_dim // 2),
                       hints={(max_positions, head_dim): HINTS["duplicated_table"]})
         real = torch.view_as_real(table)  # [P, d/2, 2]: (cos, sin)
@@ -651,9 +655,9 @@ def check_interleave_to_half_permutation(interleave_to_half_permutation: Callabl
             inverse[expected] = torch.arange(head_dim)
             hint = ""
             if torch.equal(got, inverse):
-                hint = "\n  Likely mistake: " + HINTS["inverse_permutation"]
+                hint = _likely("inverse_permutation")
             elif not torch.equal(got.sort().values, torch.arange(head_dim)):
-                hint = "\n  Likely mistake: " + HINTS["not_a_permutation"]
+                hint = _likely("not_a_permutation")
             shown = got.tolist()[:16]
             raise CheckFailure(f"{call} should be {expected.tolist()[:16]}{' ...' if head_dim > 16 else ''}, "
                                f"got {shown}{' ...' if head_dim > 16 else ''}.{hint}")
@@ -819,8 +823,8 @@ def check_kv_cache(KVCache: Callable, *, seed: int = 0, device: torch.device | N
                                                HINTS["cache_prepend"])])
             expect_true(_seq_len(cache, "cache") == total, f"after {call}, seq_len should be {total}, got {cache.seq_len!r}.")
         expect_true(_seq_len(other, "a second KVCache()") == 0,
-                    f"a second KVCache() created before these updates now has seq_len {other.seq_len!r}.\n"
-                    f"  Likely mistake: {HINTS['cache_shared']}")
+                    f"a second KVCache() created before these updates now has seq_len {other.seq_len!r}."
+                    f"{_likely('cache_shared')}")
 
 
 # --------------------------------------------------------------------------------------
@@ -846,7 +850,7 @@ def _build_llama(cls: Callable, config: _Config, device: torch.device, dtype: to
         expect_true(isinstance(layer, nn.Linear), f"{label} should have an attribute {name} that is an nn.Linear, got {describe(layer)}.")
         hint = ""
         if name != "o_proj" and tuple(layer.weight.shape) == (hidden, hidden):
-            hint = f"\n  Likely mistake: {HINTS['square_projections']}"
+            hint = _likely("square_projections")
         expect_true(tuple(layer.weight.shape) == shape,
                     f"{label}.{name}.weight should be {shape_str(shape)} (nn.Linear stores [out, in]), got "
                     f"{shape_str(layer.weight.shape)}.{hint}")
@@ -1190,9 +1194,9 @@ def check_kv_cache_bytes(kv_cache_bytes: Callable, *, seed: int = 0, device: tor
                     f"{call} should return an int (a number of bytes), got {describe(got)}.")
         hint = ""
         if got * 2 == expected:
-            hint = f"\n  Likely mistake: {HINTS['bytes_keys_only']}"
+            hint = _likely("bytes_keys_only")
         elif case[0] > 1 and got * case[0] == expected:
-            hint = f"\n  Likely mistake: {HINTS['bytes_one_layer']}"
+            hint = _likely("bytes_one_layer")
         expect_true(got == expected, f"{call} should be {expected:,} bytes, got {got:,}.{hint}")
 
 
