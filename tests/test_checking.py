@@ -635,3 +635,25 @@ def test_ordinary_library_use_in_a_notebook_does_not_look_like_tampering():
     F.scaled_dot_product_attention(q, q[:, :2], q[:, :2], enable_gqa=True, is_causal=True)
     torch.manual_seed(0)
     verify_untampered()
+
+
+# --------------------------------------------------------------------------------------
+# No warnings from the framework itself
+# --------------------------------------------------------------------------------------
+
+
+def test_comparisons_accept_read_only_arrays_and_complex_values_without_a_warning():
+    import warnings
+
+    expected = np.arange(6.0).reshape(2, 3)
+    read_only = np.broadcast_to(np.arange(3.0), (2, 3))  # a view NumPy marks read-only
+    table = torch.polar(torch.ones(3, dtype=torch.float64), torch.arange(3, dtype=torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        expect_close(read_only, np.broadcast_to(np.arange(3.0), (2, 3)), what="f", against="g")
+        with pytest.raises(CheckFailure, match="does not match"):
+            expect_close(read_only, expected, what="f", against="g")
+        expect_close(table.to(torch.complex64), table, what="table", against="exp(i p)")
+        with pytest.raises(CheckFailure, match=r"2 of 6 values are off"):  # the imaginary parts are compared too
+            expect_close(table.conj().resolve_conj(), table, what="table", against="exp(i p)")
+    assert tolerance(torch.complex64) == tolerance(torch.float32)

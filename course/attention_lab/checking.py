@@ -49,6 +49,9 @@ import json
 import math
 import os
 import sys
+import sysconfig
+import textwrap
+import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -94,6 +97,25 @@ class CheckFailure(AssertionError):
         super().__init__(*args)
         _record_outside_checks(str(self))
 
+    def _render_traceback_(self) -> list[str]:
+        """How IPython (a notebook, nbgrader's Validate) shows this failure: the message, the
+        notebook line that ran the check and, when the student's code raised, the frames of
+        *their* code -- never the checks' own frames, which say nothing to a student.
+
+        The line that ran the check also tells the grader's feedback whether the visible
+        check or a hidden test failed.
+        """
+        frames = _student_frames(self.__traceback__) + _student_frames(self.__cause__ and self.__cause__.__traceback__)
+        lines = []
+        if frames:
+            lines.append("In your notebook (most recent call last):")
+            for frame in frames:
+                lines.append("  " + _frame_location(frame))
+                if frame.line:
+                    lines.append("    " + frame.line.strip())
+            lines.append("")
+        return lines + _wrap(f"{type(self).__name__}: {self}")
+
 
 # Hints the framework itself gives (check modules keep theirs in dicts named *HINTS too).
 HINTS = {
@@ -101,6 +123,56 @@ HINTS = {
                 "table ...) and casts back (`.type_as(x)`, `.to(x.dtype)`): that loses float64 precision. "
                 "This exercise asks you to keep float64: compute in the input's dtype throughout.",
 }
+
+
+# --------------------------------------------------------------------------------------
+# How a failure is shown in a notebook
+# --------------------------------------------------------------------------------------
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Where installed libraries live (PyTorch's module wrappers, the standard library): their
+# frames are not the student's code either.
+_LIBRARY_DIRS = tuple({os.path.abspath(path) for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                       if (path := sysconfig.get_paths().get(key))})
+# nbgrader's `validate` command cuts a line longer than 87 characters, its 4-space indent included.
+_LINE_WIDTH = 83
+
+
+def _is_student_file(filename: str) -> bool:
+    if filename.startswith("<"):  # <ipython-input-...>, <string>: code typed in a cell; not <frozen ...>
+        return not filename.startswith("<frozen")
+    path = os.path.abspath(filename)
+    return not any(path == root or path.startswith(root + os.sep) for root in (_PACKAGE_DIR, *_LIBRARY_DIRS))
+
+
+def _frame_location(frame: traceback.FrameSummary) -> str:
+    """``Cell In[3], line 4, in split_heads`` for notebook cells, else the file and line."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        cell_number = shell.compile._filename_map.get(frame.filename) if shell is not None else None
+    except Exception:  # no IPython, or one without this map: the file name will do
+        cell_number = None
+    where = f"Cell In[{cell_number}]" if cell_number is not None else f'File "{frame.filename}"'
+    return f"{where}, line {frame.lineno}, in {frame.name}"
+
+
+def _student_frames(trace: types.TracebackType | None) -> list[traceback.FrameSummary]:
+    """The frames of ``trace`` in the student's own code (notebook cells, their modules)."""
+    if trace is None:
+        return []
+    return [frame for frame in traceback.extract_tb(trace) if _is_student_file(frame.filename)]
+
+
+def _wrap(text: str) -> list[str]:
+    """Lines of at most _LINE_WIDTH characters; a continuation keeps its line's indent, plus two."""
+    lines = []
+    for line in text.splitlines() or [""]:
+        indent = line[: len(line) - len(line.lstrip())]
+        lines += textwrap.wrap(line, _LINE_WIDTH, subsequent_indent=indent + "  ", break_long_words=False,
+                               break_on_hyphens=False) or [""]
+    return lines
 
 
 # --------------------------------------------------------------------------------------
@@ -151,11 +223,14 @@ _TOLERANCES: dict[tuple[torch.dtype, str], tuple[float, float]] = {
 def tolerance(dtype: torch.dtype | np.dtype, device: torch.device | str = "cpu") -> tuple[float, float]:
     """``(rtol, atol)`` for an output computed in ``dtype`` on ``device``.
 
-    NumPy dtypes are accepted (``np.float64`` is treated like ``torch.float64``).
+    NumPy dtypes are accepted (``np.float64`` is treated like ``torch.float64``); a complex
+    dtype gets the tolerance of its real and imaginary parts.
     """
     if not isinstance(dtype, torch.dtype):
         dtype = {np.dtype("float64"): torch.float64, np.dtype("float32"): torch.float32,
-                 np.dtype("float16"): torch.float16}.get(np.dtype(dtype), torch.float64)
+                 np.dtype("float16"): torch.float16, np.dtype("complex128"): torch.float64,
+                 np.dtype("complex64"): torch.float32}.get(np.dtype(dtype), torch.float64)
+    dtype = {torch.complex128: torch.float64, torch.complex64: torch.float32}.get(dtype, dtype)  # per component
     device_type = torch.device(device).type
     device_type = device_type if device_type in ("cpu", "cuda") else "cuda"
     try:
@@ -556,9 +631,15 @@ class Variant:
 
 
 def _as_float64_tensor(value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device="cpu", dtype=torch.float64)
-    return torch.from_numpy(np.asarray(value, dtype=np.float64))
+    """A float64 CPU copy; complex values become (real, imaginary) pairs on a new last axis."""
+    if not isinstance(value, torch.Tensor):
+        array = np.asarray(value)
+        # np.array copies: a read-only array (e.g. from np.broadcast_to) would make torch warn.
+        value = torch.from_numpy(np.array(array, dtype=np.complex128 if np.iscomplexobj(array) else np.float64))
+    value = value.detach().cpu()
+    if value.is_complex():
+        return torch.view_as_real(value.to(torch.complex128)).clone()
+    return value.to(dtype=torch.float64)
 
 
 def _close_mask(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
@@ -599,7 +680,7 @@ def diagnose(actual: Any, variants: Sequence[Variant], rtol: float, atol: float,
 
 
 def _is_float64(dtype: Any) -> bool:
-    return dtype in (torch.float64, np.dtype("float64"))
+    return dtype in (torch.float64, torch.complex128, np.dtype("float64"), np.dtype("complex128"))
 
 
 def _format_pair(got: float, want: float) -> tuple[str, str]:
