@@ -152,7 +152,7 @@ class Llama(nn.Module):
         if "meta_table" in self.bugs:  # not a bug: Meta's float32 angles, complex64 table
             self.table = good_rope_frequencies(d, config.max_position_embeddings, config.rope_theta)
         else:
-            self.table = checks._complex_table(d, config.max_position_embeddings, config.rope_theta)
+            self.table = checks._complex_table(d, config.max_position_embeddings, config.rope_theta, dtype=torch.complex128)
 
     def rope(self, x, ids):
         if "half_layout" in self.bugs:
@@ -565,7 +565,7 @@ def test_layouts_agree_under_the_permutation_and_weight_rows():
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
     ids = torch.tensor([[0, 1, 2, 3, 4], [5, 9, 2, 7, 100]])
     perm = good_permutation(8)
-    meta = good_apply_rope(x, checks._complex_table(8, 128, 1e4), ids)
+    meta = good_apply_rope(x, checks._complex_table(8, 128, 1e4, dtype=torch.complex128), ids)
     cos, sin = good_rope_cos_sin(8, ids)
     half = good_apply_rope_rotate_half(x[..., perm], cos.double(), sin.double())
     assert torch.allclose(meta[..., perm], half, atol=1e-5)
@@ -934,7 +934,7 @@ def test_rope_explorer_redraws_with_position_and_base():
     from attention_lab.widgets.rope import rope_explorer
 
     def frequencies(head_dim, max_positions, base=10000.0):
-        return checks._complex_table(head_dim, max_positions, base)
+        return checks._complex_table(head_dim, max_positions, base, dtype=torch.complex128)
 
     explorer = rope_explorer(good_apply_rope, frequencies, head_dim=8, max_position=20)
     axes = explorer.figure.axes

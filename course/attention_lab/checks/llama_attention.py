@@ -187,14 +187,16 @@ def _rope_reference(x: torch.Tensor, position_ids: torch.Tensor, base: float, la
     return _rotate_pairs(x, angles, layout)
 
 
-def _complex_table(head_dim: int, max_positions: int, base: float, dtype=torch.complex128, device: Any = "cpu",
+def _complex_table(head_dim: int, max_positions: int, base: float, *, dtype: torch.dtype, device: Any = "cpu",
                    **kwargs: Any) -> torch.Tensor:
+    """exp(i·p·θ_j) [max_positions, head_dim/2] in the complex dtype the caller chooses."""
     angles = _angles(head_dim, torch.arange(max_positions), base, **kwargs)
     table = torch.complex(angles.cos(), angles.sin()).to(dtype)
     return table.to(device)
 
 
-def _cos_sin_reference(head_dim: int, position_ids: torch.Tensor, base: float, layout: str = "half", **kwargs):
+def _cos_sin_reference(head_dim: int, position_ids: torch.Tensor, base: float, *, layout: str, **kwargs):
+    """cos and sin [B, S, head_dim] of the angles laid out as two halves ("half") or adjacent pairs."""
     angles = _angles(head_dim, position_ids, base, **kwargs)  # [B, S, d/2]
     if layout == "half":
         angles = torch.cat([angles, angles], dim=-1)
@@ -383,16 +385,16 @@ def check_rope_frequencies(rope_frequencies: Callable, *, seed: int = 0, device:
         expect_tensor(table, what=call, shape=(max_positions, head_dim // 2),
                       hints={(max_positions, head_dim): HINTS["duplicated_table"]})
         real = torch.view_as_real(table)  # [P, d/2, 2]: (cos, sin)
-        expected = torch.view_as_real(_complex_table(head_dim, max_positions, base))
+        expected = torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128))
         variants = [
-            Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, factor=1.0)),
+            Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128, factor=1.0)),
                     HINTS["factor_two"]),
-            Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, sign=1.0)),
+            Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128, sign=1.0)),
                     HINTS["positive_exponent"]),
             Variant(lambda: expected.flip(-1), HINTS["cos_sin_swapped"]),
         ]
         if base != 10000.0:
-            variants.append(Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, 10000.0)),
+            variants.append(Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, 10000.0, dtype=torch.complex128)),
                                     HINTS["base_ignored"]))
         expect_close(real, expected, what=call + " (as view_as_real: [..., (cos, sin)])",
                      against="exp(i·p·θ_j) with θ_j = base^(-2j/head_dim)", variants=variants,
@@ -457,7 +459,7 @@ def check_apply_rope(apply_rope: Callable, *, seed: int = 0, device: torch.devic
     expect_signature(apply_rope, "apply_rope", ["x", "freqs_cis", "position_ids"])
     generator = random_generator(seed)
     base = 10000.0
-    table64 = _complex_table(8, 64, base, device=device)
+    table64 = _complex_table(8, 64, base, dtype=torch.complex128, device=device)
     table32 = _complex_table(8, 64, base, dtype=torch.complex64, device=device)
     positions = torch.tensor([[3, 4, 5, 6, 7], [0, 2, 4, 6, 8]], device=device)
     # float64 first: it must stay float64 (the seed's .float() would downcast it).
@@ -476,10 +478,10 @@ def check_apply_rope(apply_rope: Callable, *, seed: int = 0, device: torch.devic
         theta = [100.0, 10000.0, 500000.0][randint(0, 2, generator)]
         ids = torch.randint(0, 64, (b, s), generator=generator).to(device)
         _check_apply_rope_once(apply_rope, randn(b, h, s, d, generator=generator, device=device),
-                               _complex_table(d, 64, theta, device=device), ids, theta)
+                               _complex_table(d, 64, theta, dtype=torch.complex128, device=device), ids, theta)
     # Properties, stated on their own (they are why RoPE is built this way).
     d = 16
-    table = _complex_table(d, 128, base, device=device)
+    table = _complex_table(d, 128, base, dtype=torch.complex128, device=device)
     x = randn(3, 2, 6, d, generator=generator, device=device) * 3.0
     ids = torch.randint(0, 128, (3, 6), generator=generator).to(device)
     out = call_student(apply_rope, x, table, ids, call="apply_rope(x, freqs_cis, position_ids)")
@@ -561,7 +563,7 @@ def check_rope_cos_sin(rope_cos_sin: Callable, *, seed: int = 0, device: torch.d
         call = f"rope_cos_sin({head_dim}, position_ids, base={base}) with position_ids {_positions_text(position_ids)}"
         result = call_student(rope_cos_sin, head_dim, position_ids, base=base, call=call)
         expect_true(isinstance(result, tuple) and len(result) == 2, f"{call} should return a tuple (cos, sin), got {describe(result)}.")
-        expected_cos, expected_sin = _cos_sin_reference(head_dim, position_ids, base)
+        expected_cos, expected_sin = _cos_sin_reference(head_dim, position_ids, base, layout="half")
         b, s = position_ids.shape
         for name, table, expected, other in (("cos", result[0], expected_cos, expected_sin),
                                               ("sin", result[1], expected_sin, expected_cos)):
@@ -571,9 +573,9 @@ def check_rope_cos_sin(rope_cos_sin: Callable, *, seed: int = 0, device: torch.d
             expect_true(table.dtype in (torch.float32, torch.float64),
                         f"{what} should be a float32 or float64 tensor, got {describe(table)}.")
             variant_cos, variant_sin = _cos_sin_reference(head_dim, position_ids, base, layout="interleaved")
-            f1_cos, f1_sin = _cos_sin_reference(head_dim, position_ids, base, factor=1.0)
+            f1_cos, f1_sin = _cos_sin_reference(head_dim, position_ids, base, layout="half", factor=1.0)
             arange = torch.arange(s, device=device).expand(b, s)
-            a_cos, a_sin = _cos_sin_reference(head_dim, arange, base)
+            a_cos, a_sin = _cos_sin_reference(head_dim, arange, base, layout="half")
             pick = (lambda c, s_: c) if name == "cos" else (lambda c, s_: s_)
             variants = [Variant(pick(variant_cos, variant_sin), HINTS["cos_sin_layout"]),
                         Variant(pick(f1_cos, f1_sin), HINTS["factor_two"]),
@@ -587,7 +589,7 @@ def check_rope_cos_sin(rope_cos_sin: Callable, *, seed: int = 0, device: torch.d
 
 def _check_rotate_half_rope_once(fn: Callable, x: torch.Tensor, position_ids: torch.Tensor, base: float,
                                  table_dtype: torch.dtype) -> None:
-    cos, sin = (t.to(table_dtype) for t in _cos_sin_reference(x.shape[-1], position_ids, base))
+    cos, sin = (t.to(table_dtype) for t in _cos_sin_reference(x.shape[-1], position_ids, base, layout="half"))
     x_before = x.clone()
     call = (f"apply_rope_rotate_half(x, cos, sin) with x a {describe(x)}, cos/sin {shape_str(cos.shape)} "
             f"({str(table_dtype).replace('torch.', '')}), positions {_positions_text(position_ids)}")
@@ -744,9 +746,10 @@ def check_qk_norm(qk_norm: Callable, *, seed: int = 0, device: torch.device | No
 # --------------------------------------------------------------------------------------
 
 
-def _repeat_reference(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Query head h reads KV head h // n_rep."""
-    return torch.stack([x[:, h // n_rep] for h in range(x.shape[1] * n_rep)], dim=1)
+def _kv_heads_for_query_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, H_kv, S, d] -> [B, num_heads, S, d]: query head h reads KV head h // (num_heads / H_kv)."""
+    group = num_heads // x.shape[1]
+    return torch.stack([x[:, h // group] for h in range(num_heads)], dim=1)
 
 
 @check("repeat_kv: [B, H_kv, S, d] -> [B, H_kv·n_rep, S, d], each KV head repeated consecutively ({device})")
@@ -769,7 +772,7 @@ def check_repeat_kv(repeat_kv: Callable, *, seed: int = 0, device: torch.device 
         expect_tensor(out, what=call, shape=(b, h_kv * n_rep, s, d), dtype=x.dtype, device=x.device,
                       hints={(b, h_kv, s * n_rep, d): HINTS["repeat_sequence_axis"],
                              (b, h_kv, n_rep, s, d): HINTS["repeat_not_merged"]})
-        expect_close(out, _repeat_reference(x, n_rep), what=call, against="query head h reading KV head h // n_rep",
+        expect_close(out, _kv_heads_for_query_heads(x, h_kv * n_rep), what=call, against="query head h reading KV head h // n_rep",
                      variants=[Variant(lambda: x.repeat(1, n_rep, 1, 1), HINTS["tiled"])])
 
 
@@ -1049,25 +1052,34 @@ def check_llama_attention(LlamaAttention: Callable, *, seed: int = 0, device: to
 
 
 class _ReferenceCache:
-    """The KV cache contract, for checking LlamaAttention independently of the student's KVCache."""
+    """A preallocated cache of ``capacity`` tokens, to check LlamaAttention independently of the student's
+    KVCache (whose contract, ``KVCache()`` growing without limit, it deliberately does not offer)."""
 
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+    def __init__(self, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.keys = torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.filled = 0
 
     @property
     def seq_len(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[-2])
+        return self.filled
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=-2)
-        return self.keys, self.values
+        end = self.filled + k.shape[-2]
+        self.keys[:, :, self.filled:end] = k
+        self.values[:, :, self.filled:end] = v
+        self.filled = end
+        # Contiguous copies, as a cache grown by torch.cat would return.
+        return self.keys[:, :, :end].contiguous(), self.values[:, :, :end].contiguous()
 
 
-def _decode(module, label, config, x, chunks, cache, explicit_positions=None) -> None:
-    """Feed x [B, T, hidden] through the cache in chunks; compare every chunk with one full causal pass."""
+def _decode(module, label, config, x, chunks, cache=None, explicit_positions=None) -> None:
+    """Feed x [B, T, hidden] through the cache (the course's own when None) in chunks; compare every chunk
+    with one full causal pass."""
     b, t, _ = x.shape
+    if cache is None:
+        cache = _ReferenceCache(b, config.num_key_value_heads, t, config.head_dim, x.dtype, x.device)
     positions = torch.arange(t).expand(b, t) if explicit_positions is None else explicit_positions.cpu()
     chunk_positions = torch.cat([torch.arange(c) for c in chunks]).expand(b, t)
     start = 0
@@ -1104,15 +1116,15 @@ def check_llama_attention_kv_cache(LlamaAttention: Callable, KVCache: Callable, 
     config = _Config()
     module, label = _build_llama(LlamaAttention, config, device, torch.float64, generator)
     x = randn(2, 9, 128, generator=generator, device=device)
-    _decode(module, label, config, x, (4, 1, 1, 1, 1, 1), _ReferenceCache())  # prefill, then one token at a time
-    _decode(module, label, config, x, (3, 2, 3, 1), _ReferenceCache())  # chunked
-    _decode(module, label, config, x, (1,) * 9, _ReferenceCache())  # from an empty cache, token by token
+    _decode(module, label, config, x, (4, 1, 1, 1, 1, 1))  # prefill, then one token at a time
+    _decode(module, label, config, x, (3, 2, 3, 1))  # chunked
+    _decode(module, label, config, x, (1,) * 9)  # from an empty cache, token by token
     explicit = torch.tensor([[20 + i for i in range(9)], [i * 2 for i in range(9)]], device=device)
-    _decode(module, label, config, x, (5, 1, 3), _ReferenceCache(), explicit_positions=explicit)
+    _decode(module, label, config, x, (5, 1, 3), explicit_positions=explicit)
     config = _Config(hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=True)
     module, label = _build_llama(LlamaAttention, config, device, torch.float32, generator)
     _decode(module, label, config, randn(1, 6, 24, generator=generator, dtype=torch.float32, device=device),
-            (2, 1, 3), _ReferenceCache())
+            (2, 1, 3))
     # Finally with the student's own KVCache.
     cache = call_student(KVCache, call="KVCache()")
     try:
@@ -1169,9 +1181,8 @@ def check_causal_mask_lower_right(causal_mask_lower_right: Callable, *, seed: in
 # --------------------------------------------------------------------------------------
 
 
-def _cache_bytes_reference(num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element) -> int:
-    """Allocate (on the meta device: no memory) one layer's K and V, count their bytes, times layers."""
-    dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[bytes_per_element]
+def _cache_bytes_reference(num_layers, num_kv_heads, head_dim, seq_len, batch_size, dtype: torch.dtype) -> int:
+    """Allocate (on the meta device: no memory) one layer's K and V in dtype, count their bytes, times layers."""
     one = torch.empty(batch_size, num_kv_heads, seq_len, head_dim, dtype=dtype, device="meta")
     return num_layers * 2 * one.numel() * one.element_size()
 
@@ -1189,7 +1200,8 @@ def check_kv_cache_bytes(kv_cache_bytes: Callable, *, seed: int = 0, device: tor
     for case in cases:
         call = "kv_cache_bytes(" + ", ".join(f"{n}={v}" for n, v in zip(parameters, case)) + ")"
         got = call_student(kv_cache_bytes, *case, call=call)
-        expected = _cache_bytes_reference(*case)
+        dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[case[-1]]
+        expected = _cache_bytes_reference(*case[:-1], dtype)
         expect_true(isinstance(got, int) and not isinstance(got, bool),
                     f"{call} should return an int (a number of bytes), got {describe(got)}.")
         hint = ""
