@@ -1,16 +1,25 @@
 # %% [markdown]
 # # 05 — Llama attention: GQA, RoPE, QK norm, KV cache
 #
-# The attention layer of a modern decoder (Llama 3, Llama 4, Qwen, Mistral …) is the
-# multi-head attention of notebook 01 plus four ideas:
+# **32 points, about 111 minutes.**
 #
-# * **grouped-query attention (GQA)** — fewer key/value heads than query heads;
-# * **rotary position embeddings (RoPE)** — positions enter by *rotating* q and k;
-# * **QK norm** — q and k are normalised before their dot product;
+# The attention layer of a modern decoder (Llama 3 and 4, Mistral, Qwen, Gemma …) is the
+# multi-head attention of notebook 01 plus a few ideas:
+#
+# * **grouped-query attention (GQA)** — fewer key/value heads than query heads (Llama 3,
+#   Llama 4, Mistral, Qwen2 and Qwen3, Gemma 3 all use it);
+# * **rotary position embeddings (RoPE)** — positions enter by *rotating* q and k (all of the
+#   above);
+# * **QK norm** — q and k are normalised before their dot product. Only *some* models do
+#   this: Qwen3, OLMo 2 and Gemma 3 (each with a learned per-feature weight), and Llama 4 —
+#   with a caveat: Llama 4 Scout uses a weightless norm, only on its RoPE layers (every fourth
+#   layer has neither RoPE nor QK norm), and Llama 4 Maverick uses none. Llama 3, Mistral and
+#   Qwen2 do not normalise q and k at all;
 # * **the KV cache** — when generating, keys and values of past tokens are kept, not recomputed.
 #
 # You will build each piece, check it against PyTorch or against a mathematical property,
-# then assemble `LlamaAttention` from scratch and decode through a KV cache. About 90 minutes.
+# then assemble `LlamaAttention` from scratch, decode through a KV cache, and see how inference
+# engines lay the cache out.
 #
 # The walk follows a set of study notes on Llama 4's attention code. They are mostly right;
 # where they are not (RoPE's two layouts, an "L2 norm" that is really RMS, a silent float64 →
@@ -19,6 +28,11 @@
 # **Notation**: `B` batch, `S` tokens, `H` query heads, `H_kv` key/value heads, `d_head` (the
 # config's `head_dim`) per-head width, `n_rep = H / H_kv` query heads per KV head. **Masks**
 # are boolean with **True = may attend**.
+#
+# **Precision**: the checks compare your answers with float64 references. Computing in
+# float32 inside and casting back (`x.float() … .type_as(x)`, as Hugging Face's and Meta's code
+# do) is accepted, with a one-line note — except in `apply_rope`, whose text asks you to keep
+# float64 throughout.
 
 # %%
 import math
@@ -47,7 +61,10 @@ import torch.nn.functional as F
 # general: real configs set it on its own (Gemma-7B: `hidden_size` 3072, 16 heads of
 # `head_dim` 256), so `q_proj` is `Linear(D, H·d_head)` and the output projection maps
 # `H·d_head` back to `D`. And "sequences longer than 256 tokens must be truncated" is a limit of
-# the precomputed table in this code, not of RoPE, which works at any position.
+# the precomputed table in this code, not of RoPE, whose rotation can be computed at any
+# position. (Whether a model *trained* on shorter sequences still works beyond them is another
+# matter: without scaling tricks such as position interpolation, NTK scaling or YaRN it
+# usually does not.)
 
 # %% [markdown]
 # ### Exercise 5.1 — LlamaAttentionConfig (1 pt, ~5 min)
@@ -143,9 +160,34 @@ print("W_q:", tuple(q_proj.weight.shape), " W_k:", tuple(k_proj.weight.shape), "
 #
 # A decoder predicts token `i + 1` from tokens `0 … i`, so query `i` may attend to keys
 # `0 … i` and never to a later one. As a boolean mask (True = may attend) that is the lower
-# triangle, diagonal included. The notes build a float mask of `0` and `-inf` instead; it works
-# for causal masking, but a row that is *entirely* `-inf` (a padded sequence) turns the softmax
-# into `0/0 = NaN`. Boolean masks say what they mean and leave the filling to one place.
+# triangle, diagonal included. The notes build a float mask of `0` and `-inf` and *add* it to
+# the scores; we keep the mask boolean, say what it means, and fill the blocked scores in one
+# place: `scores.masked_fill(~mask, float("-inf"))`. The softmax is the same.
+#
+# Neither form protects a row in which **no** key is allowed. That row is real: batches of
+# sequences of different lengths are padded to one length, and the padded *keys* are masked
+# too. A real token always sees at least itself, but a padded *query* (say, the first position
+# of a left-padded sequence, under the causal mask) may see nothing. Its softmax is then
+# `0 / 0 = NaN`, with an additive `-inf` mask and with `masked_fill(-inf)` alike — and the NaN
+# does not stay in that row: in the next layer the padded token's value row gets weight 0, and
+# `0 · NaN = NaN` spreads to every token. The cell below shows what each recipe gives.
+
+# %%
+row_scores = torch.tensor([[0.5, -1.0, 2.0]])  # one query, three keys
+nothing_allowed = torch.zeros(1, 3, dtype=torch.bool)  # a padded query: no key may be attended
+print("masked_fill(-inf):      ", torch.softmax(row_scores.masked_fill(~nothing_allowed, float("-inf")), dim=-1))
+print("masked_fill(finfo.min): ", torch.softmax(row_scores.masked_fill(~nothing_allowed, torch.finfo(row_scores.dtype).min), dim=-1))
+one_head = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)  # q, k, v
+print("SDPA with a boolean mask, output:", F.scaled_dot_product_attention(*one_head, attn_mask=nothing_allowed))
+
+# %% [markdown]
+# Three answers to one question. `-inf` gives NaN. The dtype's most negative finite number,
+# `torch.finfo(dtype).min` (Hugging Face's choice), keeps the row finite — but as a *uniform*
+# average over keys that were meant to be hidden: harmless only because a padded token's
+# output is never used. PyTorch's `scaled_dot_product_attention` returns zeros for such a row
+# (the version installed here does; the outputs above are computed, not quoted). In this
+# notebook every row has at least one allowed key (the token itself), so `-inf` is safe; with
+# padding, use `finfo.min` or SDPA, and ignore the padded positions' outputs.
 
 # %% [markdown]
 # ### Exercise 5.2 — causal_mask (1 pt, ~3 min)
@@ -199,7 +241,9 @@ check_causal_mask(causal_mask, seed=5201, device="cpu")
 #
 # Return the complex table `[max_positions, head_dim // 2]` with entry `[p, j] = exp(i·p·θ_j)`.
 # Compute the angles in float64 (`p · θ_j` at large `p` loses digits in float32) and build the
-# complex numbers with `torch.polar(magnitude, angle)`.
+# complex numbers with `torch.polar(magnitude, angle)`. (Meta's code computes the angles in
+# float32 and stores a complex64 table: less precise at large positions, but correct, and
+# accepted here and by every later exercise.)
 #
 # Mind the notes' version: it duplicates the table with `torch.cat((freqs, freqs))` and then
 # slices `[..., :d/2]`, which just undoes the duplication. One angle per pair is all it needs.
@@ -247,9 +291,12 @@ check_rope_frequencies(rope_frequencies, seed=5301)
 #   `[B, S, head_dim/2]`; add a head axis (`[:, None]`) so every head of a token gets the same
 #   rotation. (The notes read a global `position_ids` instead: the function then silently
 #   uses whatever that global holds.)
-# * Keep x's dtype. The notes call `xq.float()`, which downcasts float64 to float32. Compute in
+# * Keep x's dtype **and its precision**. The notes call `xq.float()`, which downcasts float64
+#   to float32 (Meta's code does the same, then casts back with `.type_as(xq)`). Compute in
 #   `torch.promote_types(x.dtype, torch.float32)` — float64 stays float64, half precision is
-#   computed in float32 — and return `.to(x.dtype)`.
+#   computed in float32 — and return `.to(x.dtype)`. This is the one exercise of the notebook
+#   that asks for float64 internals: on float64 input its check wants float64 accuracy, so
+#   computing in float32 and casting back fails here.
 # * Move the table to `x.device` (it is built on the CPU).
 
 # %% answer="apply_rope"
@@ -347,7 +394,8 @@ check_rotate_half(rotate_half, seed=5501, device="cpu")
 #
 # The tables for the rotate_half layout, per token: `angles[b, s, j] = position_ids[b, s] · θ_j`
 # (`[B, S, head_dim/2]`), then `cos(cat(angles, angles))` and `sin(...)`, each
-# `[B, S, head_dim]`, on `position_ids`' device. Compute them in float64.
+# `[B, S, head_dim]`, on `position_ids`' device. Compute them in float64 (Hugging Face's
+# float32 tables are accepted too, with float32's tolerance).
 
 # %% answer="rope_cos_sin"
 def rope_cos_sin(head_dim, position_ids, base=10000.0):
@@ -368,8 +416,8 @@ def rope_cos_sin(head_dim, position_ids, base=10000.0):
 
 
 # %%
-cos, sin = rope_cos_sin(d_head, position_ids, rope_theta)
-print("cos, sin:", tuple(cos.shape), cos.dtype, "| cos at position 1:", cos[0, 1].round(decimals=3).tolist())
+cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
+print("cos, sin:", tuple(cos_table.shape), cos_table.dtype, "| cos at position 1:", cos_table[0, 1].round(decimals=3).tolist())
 
 # %% test="test_rope_cos_sin" points=2
 """rope_cos_sin: (cos, sin) of cat(angles, angles) at position_ids, [B, S, head_dim]."""
@@ -403,9 +451,9 @@ def apply_rope_rotate_half(x, cos, sin):
 
 
 # %%
-cos, sin = rope_cos_sin(d_head, position_ids, rope_theta)
+cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
 q_meta = apply_rope(q, rope_frequencies(d_head, 64), position_ids)
-q_half = apply_rope_rotate_half(q, cos, sin)
+q_half = apply_rope_rotate_half(q, cos_table, sin_table)
 print("same input, two layouts: max difference", float((q_meta - q_half).abs().max()))
 
 # %% test="test_apply_rope_rotate_half" points=2
@@ -449,9 +497,9 @@ def interleave_to_half_permutation(head_dim):
 
 # %%
 perm = interleave_to_half_permutation(d_head).to(device)
-cos, sin = rope_cos_sin(d_head, position_ids, rope_theta)
+cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
 meta_then_permute = apply_rope(q, rope_frequencies(d_head, 64), position_ids)[..., perm]
-permute_then_half = apply_rope_rotate_half(q[..., perm], cos, sin)
+permute_then_half = apply_rope_rotate_half(q[..., perm], cos_table, sin_table)
 print("perm:", perm.tolist(), "| max difference after permuting:", float((meta_then_permute - permute_then_half).abs().max()))
 
 # %% test="test_interleave_to_half_permutation" points=2
@@ -475,7 +523,8 @@ check_interleave_to_half_permutation(interleave_to_half_permutation, seed=5801, 
 # %%
 perm = interleave_to_half_permutation(d_head).to(device)
 meta_table = rope_frequencies(d_head, 64)
-cos, sin = rope_cos_sin(d_head, position_ids, rope_theta)
+cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
+n_rep = H // H_kv
 
 
 def rows_permuted_per_head(weight, num_heads):
@@ -489,9 +538,13 @@ with torch.no_grad():
     W_q_hf, W_k_hf = rows_permuted_per_head(q_proj.weight, H), rows_permuted_per_head(k_proj.weight, H_kv)
     q_hf = (hidden_states @ W_q_hf.T).view(B, S, H, d_head).transpose(1, 2)
     k_hf = (hidden_states @ W_k_hf.T).view(B, S, H_kv, d_head).transpose(1, 2)
-    scores_meta = apply_rope(q_meta[:, :H_kv], meta_table, position_ids) @ apply_rope(k_meta, meta_table, position_ids).transpose(-2, -1)
-    scores_hf = apply_rope_rotate_half(q_hf[:, :H_kv], cos, sin) @ apply_rope_rotate_half(k_hf, cos, sin).transpose(-2, -1)
-print("scores (first H_kv query heads), Meta weights + Meta RoPE vs permuted weights + rotate_half RoPE:",
+    # Query head h reads KV head h // n_rep (section 8): heads 0, 4, 8, 12 read KV heads 0, 1, 2, 3.
+    first_of_each_group = slice(None, None, n_rep)
+    scores_meta = (apply_rope(q_meta[:, first_of_each_group], meta_table, position_ids)
+                   @ apply_rope(k_meta, meta_table, position_ids).transpose(-2, -1))
+    scores_hf = (apply_rope_rotate_half(q_hf[:, first_of_each_group], cos_table, sin_table)
+                 @ apply_rope_rotate_half(k_hf, cos_table, sin_table).transpose(-2, -1))
+print("scores of query heads 0, 4, 8, 12 with their KV heads, Meta weights + Meta RoPE vs permuted weights + rotate_half RoPE:",
       float((scores_meta - scores_hf).abs().max()))
 
 # %% [markdown]
@@ -595,6 +648,19 @@ check_repeat_kv(repeat_kv, seed=6001, device="cpu")
 ### END HIDDEN TESTS
 
 # %% [markdown]
+# **Look at it.** Which KV head does each query head read? The map runs *your* `repeat_kv` on KV
+# heads that hold their own index, so each line goes from a query head to the KV head whose keys
+# and values it gets. Switch the layout to *tiled* (`x.repeat(1, n_rep, 1, 1)`): the shapes are
+# the same, but query head 1 now reads KV head 1 instead of KV head 0 — for a checkpoint trained
+# with consecutive groups, the wrong keys and values. Change `H_kv` to see the two extremes:
+# 1 (multi-query attention, every head shares one K/V head) and 16 (plain multi-head attention).
+
+# %%
+from attention_lab.widgets.rope import kv_head_map
+
+kv_head_map(repeat_kv, num_heads=H)
+
+# %% [markdown]
 # ## 9. The KV cache
 #
 # A decoder generates one token at a time. At step `t` the new token's query must meet the
@@ -652,10 +718,10 @@ class KVCache:
 
 
 # %%
-cache = KVCache()
+demo_cache = KVCache()
 for new_tokens in (3, 1, 1):
-    k_all, v_all = cache.update(torch.randn(B, H_kv, new_tokens, d_head), torch.randn(B, H_kv, new_tokens, d_head))
-    print(f"appended {new_tokens}: seq_len {cache.seq_len}, k_all {tuple(k_all.shape)}")
+    k_all, v_all = demo_cache.update(torch.randn(B, H_kv, new_tokens, d_head), torch.randn(B, H_kv, new_tokens, d_head))
+    print(f"appended {new_tokens}: seq_len {demo_cache.seq_len}, k_all {tuple(k_all.shape)}")
 
 # %% test="test_KVCache" points=2
 """KVCache: starts empty; update appends along the sequence axis and returns all K/V; instances independent."""
@@ -763,9 +829,9 @@ class LlamaAttention(nn.Module):
 
 
 # %%
-attention = LlamaAttention(LlamaAttentionConfig()).to(device)
-out = attention(hidden_states)
-print("out:", tuple(out.shape))
+demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
+with torch.no_grad():
+    print("out:", tuple(demo_layer(hidden_states).shape))
 
 # %% test="test_LlamaAttention" points=4
 """LlamaAttention: equals SDPA(is_causal=True, enable_gqa=True) on the same q/k/v + o_proj; H_kv == H is plain MHA; no future leak; from scratch."""
@@ -782,21 +848,23 @@ check_llama_attention(LlamaAttention, seed=6201, device="cpu")
 # K/V heads consecutively, like `repeat_kv`) and apply `o_proj`: the result is your module's.
 
 # %%
-attention = LlamaAttention(LlamaAttentionConfig()).to(device)
+demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
 x = torch.randn(B, S, hidden_size, device=device)
 ids = torch.arange(S, device=device).expand(B, S)
 with torch.no_grad():
-    q_ = qk_norm(apply_rope(attention.q_proj(x).view(B, S, H, d_head).transpose(1, 2), rope_frequencies(d_head, 64), ids), rms_norm_eps)
-    k_ = qk_norm(apply_rope(attention.k_proj(x).view(B, S, H_kv, d_head).transpose(1, 2), rope_frequencies(d_head, 64), ids), rms_norm_eps)
-    v_ = attention.v_proj(x).view(B, S, H_kv, d_head).transpose(1, 2)
+    q_ = qk_norm(apply_rope(demo_layer.q_proj(x).view(B, S, H, d_head).transpose(1, 2), rope_frequencies(d_head, 64), ids), rms_norm_eps)
+    k_ = qk_norm(apply_rope(demo_layer.k_proj(x).view(B, S, H_kv, d_head).transpose(1, 2), rope_frequencies(d_head, 64), ids), rms_norm_eps)
+    v_ = demo_layer.v_proj(x).view(B, S, H_kv, d_head).transpose(1, 2)
     core = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)  # [B, H, S, d]
-    reference = attention.o_proj(core.transpose(1, 2).reshape(B, S, H * d_head))
-    print("max difference from PyTorch's SDPA:", float((attention(x) - reference).abs().max()))
+    reference = demo_layer.o_proj(core.transpose(1, 2).reshape(B, S, H * d_head))
+    print("max difference from PyTorch's SDPA:", float((demo_layer(x) - reference).abs().max()))
 
 # %% [markdown]
-# **Look at it.** One heatmap per query head, rows = KV groups: the four heads of a row share
-# their keys (and values) but have their own queries, so their patterns differ while drawing
-# from the same keys. The upper triangle is blank — the causal mask — in every head.
+# **Look at it.** One heatmap per query head of an *untrained* layer (random weights), rows =
+# KV groups. Do not look for meaning in the patterns: with random weights there is none. Look
+# at the structure: the upper triangle is blank in every head (the causal mask), and the four
+# heads of a row read the same keys and values yet attend differently, because each has its own
+# queries. Pick one group to see its heads larger.
 
 # %%
 from attention_lab.widgets.rope import kv_group_heatmaps
@@ -832,17 +900,17 @@ kv_group_heatmaps(demo_weights[0], demo_config.num_key_value_heads, tokens)
 # equal that token's output in one full causal pass over the whole sequence.
 
 # %%
-attention = LlamaAttention(LlamaAttentionConfig()).to(device)
+demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
 sequence = torch.randn(1, 8, hidden_size, device=device)
 with torch.no_grad():
-    full = attention(sequence)  # one causal pass over all 8 tokens
-    cache = KVCache()
-    prefill, cache = attention(sequence[:, :5], kv_cache=cache)  # the prompt: tokens 0-4
+    full = demo_layer(sequence)  # one causal pass over all 8 tokens
+    demo_cache = KVCache()
+    prefill, demo_cache = demo_layer(sequence[:, :5], kv_cache=demo_cache)  # the prompt: tokens 0-4
     steps = [prefill]
     for t in range(5, 8):  # then one token at a time
-        step, cache = attention(sequence[:, t:t + 1], kv_cache=cache)
+        step, demo_cache = demo_layer(sequence[:, t:t + 1], kv_cache=demo_cache)
         steps.append(step)
-print("cached tokens:", cache.seq_len, "| max difference from the full pass:", float((torch.cat(steps, dim=1) - full).abs().max()))
+print("cached tokens:", demo_cache.seq_len, "| max difference from the full pass:", float((torch.cat(steps, dim=1) - full).abs().max()))
 
 # %% test="test_LlamaAttention_kv_cache" points=3
 """LlamaAttention with a KV cache: prefill + token-by-token and chunked decoding equal one full causal pass; positions continue; new tokens see the cache."""
@@ -854,7 +922,113 @@ check_llama_attention_kv_cache(LlamaAttention, KVCache, seed=6301, device="cpu")
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ## 11. What GQA saves: the size of the KV cache
+# ## 11. How inference engines do it
+#
+# A `KVCache` that grows by `torch.cat` allocates a new tensor at every step and copies the
+# whole cache into it, so generating `S` tokens copies `O(S²)` numbers. Inference engines
+# instead **preallocate** the cache once, `[B, H_kv, max_len, d]`, and write each step's keys
+# and values in place at their positions, `cache_position` (Hugging Face's `StaticCache`; vLLM
+# splits the same idea into fixed-size blocks, "paged attention"). The storage never moves or
+# grows; `StaticCache` even runs attention over all `max_len` slots, masking the empty ones, so
+# every step has the same shapes — what CUDA graphs and `torch.compile` need. The class below
+# writes in place but returns only the filled part, with the same interface as your `KVCache`,
+# so your `LlamaAttention` runs on it unchanged:
+
+# %%
+class PreallocatedKVCache:
+    """A KV cache allocated once; update writes the new keys/values at cache_position in place."""
+
+    def __init__(self, batch_size, num_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
+        self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.filled = 0  # positions 0 ... filled - 1 hold real tokens
+
+    @property
+    def seq_len(self):
+        return self.filled
+
+    def update(self, k, v):
+        cache_position = torch.arange(self.filled, self.filled + k.shape[2], device=k.device)  # where the new tokens go
+        self.keys.index_copy_(2, cache_position, k)  # [B, H_kv, max_len, d], written in place
+        self.values.index_copy_(2, cache_position, v)
+        self.filled += k.shape[2]
+        return self.keys[:, :, :self.filled], self.values[:, :, :self.filled]  # views: no copy
+
+
+demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
+with torch.no_grad():
+    full = demo_layer(sequence)  # one causal pass over the 8 tokens of the cell above
+    static_cache = PreallocatedKVCache(1, H_kv, 16, d_head, device=device)  # room for 16 tokens
+    prefill, static_cache = demo_layer(sequence[:, :5], kv_cache=static_cache)
+    steps = [prefill] + [demo_layer(sequence[:, t:t + 1], kv_cache=static_cache)[0] for t in range(5, 8)]
+print("preallocated cache: max difference from the full pass:", float((torch.cat(steps, dim=1) - full).abs().max()))
+
+# %% [markdown]
+# Engines also call a fused kernel — `F.scaled_dot_product_attention` or FlashAttention —
+# rather than writing the softmax out, and here is a trap. `is_causal=True` builds the causal
+# mask **aligned to the top left**: query `i` sees keys `0 … i`. That is right only when the
+# queries and keys are the same tokens (`q_len == kv_len`). In a decoding step, the single new
+# query is the *last* of `kv_len` tokens and must see all of them; with `is_causal=True` it sees
+# key 0 only, and nothing fails — the output is just wrong:
+
+# %%
+with torch.no_grad():
+    q_new = torch.randn(1, H, 1, d_head, device=device)  # one new query (the 6th token) ...
+    k_all, v_all = torch.randn(1, H, 6, d_head, device=device), torch.randn(1, H, 6, d_head, device=device)  # ... 6 keys
+    top_left = F.scaled_dot_product_attention(q_new, k_all, v_all, is_causal=True)
+    sees_everything = F.scaled_dot_product_attention(q_new, k_all, v_all)  # the last token may see all 6 keys
+    sees_key_0 = F.scaled_dot_product_attention(q_new, k_all[:, :, :1], v_all[:, :, :1])
+print("is_causal=True vs the right answer:", float((top_left - sees_everything).abs().max()),
+      "| vs attending to key 0 only:", float((top_left - sees_key_0).abs().max()))
+
+# %% [markdown]
+# The right mask for `q_len` new queries after `kv_len - q_len` cached tokens is aligned to the
+# **bottom right**: new query `i` is token `kv_len - q_len + i`, so it may see keys
+# `0 … kv_len - q_len + i`. (That is rows `kv_len - q_len …` of `causal_mask(kv_len)`, what your
+# `LlamaAttention` uses; PyTorch also ships it as `torch.nn.attention.bias.causal_lower_right`.)
+
+# %% [markdown]
+# ### Exercise 5.13 — causal_mask_lower_right (2 pts, ~8 min)
+#
+# Return the `[q_len, kv_len]` boolean mask, True where query `i` may attend to key `j`, i.e.
+# `j <= i + (kv_len - q_len)`, created on `device`. The queries are the *last* `q_len` of the
+# `kv_len` tokens, so `q_len > kv_len` is impossible: raise a `ValueError` that names both
+# numbers. With `q_len == kv_len` it is `causal_mask(kv_len)`.
+
+# %% answer="causal_mask_lower_right"
+def causal_mask_lower_right(q_len, kv_len, device=None):
+    """Causal mask for the last q_len of kv_len tokens: True where query i may attend to key j.
+
+    returns: BoolTensor [q_len, kv_len] on device, True where j <= i + (kv_len - q_len).
+
+    Example: causal_mask_lower_right(2, 4).int() == [[1, 1, 1, 0], [1, 1, 1, 1]];
+    causal_mask_lower_right(1, 5) is all True; causal_mask_lower_right(3, 2) raises ValueError.
+    """
+    ### BEGIN SOLUTION
+    if q_len > kv_len:
+        raise ValueError(f"q_len = {q_len} queries cannot be the last tokens of only kv_len = {kv_len} keys")
+    offset = kv_len - q_len  # tokens before the first query
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=offset)
+    ### END SOLUTION
+
+
+# %%
+print(causal_mask_lower_right(2, 5).int())
+with torch.no_grad():
+    fixed = F.scaled_dot_product_attention(q_new, k_all, v_all, attn_mask=causal_mask_lower_right(1, 6, device))
+print("with the lower-right mask vs the right answer:", float((fixed - sees_everything).abs().max()))
+
+# %% test="test_causal_mask_lower_right" points=2
+"""causal_mask_lower_right: [q_len, kv_len] bool, True where j <= i + kv_len - q_len; a chunk of queries then equals the full causal pass; ValueError for q_len > kv_len."""
+from attention_lab.checks.llama_attention import check_causal_mask_lower_right
+
+check_causal_mask_lower_right(causal_mask_lower_right)
+### BEGIN HIDDEN TESTS
+check_causal_mask_lower_right(causal_mask_lower_right, seed=6351, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 12. What GQA saves: the size of the KV cache
 #
 # Every layer caches one key and one value vector of `head_dim` numbers per KV head and token:
 #
@@ -864,7 +1038,7 @@ check_llama_attention_kv_cache(LlamaAttention, KVCache, seed=6301, device="cpu")
 # weights, is what fills the GPU. GQA divides it by `n_rep`.
 
 # %% [markdown]
-# ### Exercise 5.13 — kv_cache_bytes (1 pt, ~3 min)
+# ### Exercise 5.14 — kv_cache_bytes (1 pt, ~3 min)
 
 # %% answer="kv_cache_bytes"
 def kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element):
@@ -915,7 +1089,31 @@ check_kv_cache_bytes(kv_cache_bytes, seed=6401)
 # 64 GiB — several times the model's own weights (6.7 billion parameters × 2 bytes ≈ 12.5 GiB).
 # That is the point of GQA — at a small cost in quality, since four query heads now share each
 # key/value head.
+
+# %% [markdown]
+# ### Exercise 5.15 — what GQA saves, in your words (2 pts, ~5 min)
 #
+# Llama-3-8B's GQA makes its KV cache 4× smaller than with 32 KV heads, yet it removes only about
+# a tenth of each layer's weights. Explain both numbers in a few sentences: which weights GQA
+# shrinks and which it leaves alone, and why the cache, not the parameter count, is what matters
+# when serving the model. (Llama-3-8B per layer: `D = 4096`, 32 query heads and 8 KV heads of
+# 128, an MLP of three `4096 × 14336` matrices.)
+
+# %% [markdown] manual="gqa_memory_vs_parameters" points=2
+# GQA shrinks only `k_proj` and `v_proj`: from `D × H·d = 4096 × 4096` to `D × H_kv·d =
+# 4096 × 1024` each. `q_proj` and `o_proj` keep all 32 heads, and the MLP (3 · 4096 · 14336 ≈
+# 176M weights) is untouched. Per layer: MHA attention 4 · 4096² ≈ 67M weights, GQA ≈ 42M, so the
+# layer goes from ≈ 243M to ≈ 218M weights — about 10% fewer.
+#
+# The KV cache, by contrast, holds *only* keys and values, `2 · L · H_kv · d · S · B` numbers,
+# so it scales with `H_kv` and shrinks by `n_rep = 4`. It also grows with the context length and
+# the batch while the weights do not: at 32 sequences of 4,096 tokens it is 64 GiB with 32 KV
+# heads (16 GiB with 8), several times the ≈ 15 GiB of 16-bit weights. What fits on the GPU —
+# how many sequences, how long — is set by the cache; and each decoding step reads the whole
+# cache from memory, so a 4× smaller cache is also about 4× less memory traffic per generated
+# token.
+
+# %% [markdown]
 # ## What you built
 #
 # * `apply_rope` (Meta: adjacent pairs as complex numbers) and `apply_rope_rotate_half`
@@ -926,6 +1124,8 @@ check_kv_cache_bytes(kv_cache_bytes, seed=6401)
 # * `repeat_kv`: consecutive grouping, head `h` reads KV head `h // n_rep`.
 # * `LlamaAttention`: equal to PyTorch's SDPA with `is_causal=True, enable_gqa=True`, equal to
 #   plain MHA when `H_kv = H`, and — with `KVCache` — equal to itself when decoding token by token.
+# * `causal_mask_lower_right`: the mask for new queries after a cache, which `is_causal=True`
+#   (aligned top left) does not give when `q_len != kv_len`.
 # * `kv_cache_bytes`: why GQA exists.
 #
 # Next: notebook 06 looks at the cost of the `[S, S]` attention table itself.

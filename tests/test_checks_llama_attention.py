@@ -7,7 +7,9 @@ expected and what came back.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import textwrap
 from dataclasses import dataclass
 
 import pytest
@@ -26,26 +28,25 @@ CPU = "cpu"
 # --------------------------------------------------------------------------------------
 
 
-@dataclass
-class GoodConfig:
-    hidden_size: int = 128
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 4
-    head_dim: int = 8
-    max_position_embeddings: int = 256
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    attention_bias: bool = False
-    use_qk_norm: bool = True
+def config_class(name, post_init=None):
+    """A dataclass with the contract's fields and defaults (the checks hold the one table of them)."""
+    fields = [(field, type(default), dataclasses.field(default=default))
+              for field, default in checks.CONFIG_DEFAULTS.items()]
+    namespace = {"__post_init__": post_init} if post_init else {}
+    return dataclasses.make_dataclass(name, fields, namespace=namespace)
 
-    def __post_init__(self):
-        problems = []
-        if self.num_attention_heads % self.num_key_value_heads:
-            problems.append(f"{self.num_attention_heads} query heads do not split into {self.num_key_value_heads} KV groups")
-        if self.head_dim % 2:
-            problems.append(f"odd head_dim {self.head_dim}")
-        if problems:
-            raise ValueError("; ".join(problems))
+
+def _validate(self):
+    problems = []
+    if self.num_attention_heads % self.num_key_value_heads:
+        problems.append(f"{self.num_attention_heads} query heads do not split into {self.num_key_value_heads} KV groups")
+    if self.head_dim % 2:
+        problems.append(f"odd head_dim {self.head_dim}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+GoodConfig = config_class("GoodConfig", _validate)
 
 
 def good_causal_mask(seq_len, device=None):
@@ -96,6 +97,22 @@ def good_qk_norm(x, eps):
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps)
 
 
+def hf_rms_norm(x, eps):
+    # Hugging Face's LlamaRMSNorm (without its weight): float32 inside, cast back.
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return (hidden * torch.rsqrt(variance + eps)).to(input_dtype)
+
+
+def llama4_l2_norm(x, eps):
+    # Llama 4's L2Norm: x.float(), normalise, .type_as(x).
+    def norm(y):
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+
+    return norm(x.float()).type_as(x)
+
+
 def good_repeat_kv(x, n_rep):
     return torch.repeat_interleave(x, n_rep, dim=1)
 
@@ -132,7 +149,10 @@ class Llama(nn.Module):
         self.k_proj = nn.Linear(hidden, out_kv, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, out_kv, bias=config.attention_bias)
         self.o_proj = nn.Linear(out_q, hidden, bias=config.attention_bias)
-        self.table = checks._complex_table(d, config.max_position_embeddings, config.rope_theta)
+        if "meta_table" in self.bugs:  # not a bug: Meta's float32 angles, complex64 table
+            self.table = good_rope_frequencies(d, config.max_position_embeddings, config.rope_theta)
+        else:
+            self.table = checks._complex_table(d, config.max_position_embeddings, config.rope_theta, dtype=torch.complex128)
 
     def rope(self, x, ids):
         if "half_layout" in self.bugs:
@@ -146,6 +166,8 @@ class Llama(nn.Module):
         if "rms_norm_builtin" in self.bugs:
             return F.rms_norm(x, (x.shape[-1],), eps=self.config.rms_norm_eps)
         eps = 1e-6 if "fixed_eps" in self.bugs else self.config.rms_norm_eps
+        if "float32_norm" in self.bugs:  # not a bug: Hugging Face's LlamaRMSNorm computes in float32
+            return hf_rms_norm(x, eps)
         return good_qk_norm(x, eps)
 
     def forward(self, hidden_states, position_ids=None, kv_cache=None):
@@ -181,6 +203,7 @@ class Llama(nn.Module):
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             scale = 1 / math.sqrt(c.hidden_size if "scale_hidden" in bugs else d)
+            scale = 1.0 if "no_scale" in bugs else scale
             scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
             offset = 0 if "mask_top_left" in bugs else total - s
             blocked = torch.ones(s, total, dtype=torch.bool, device=q.device).triu(1 + offset)
@@ -192,6 +215,8 @@ class Llama(nn.Module):
         out = context.transpose(1, 2).reshape(b, s, merged_width)
         if "no_o_proj" not in bugs:
             out = self.o_proj(out)
+        if "off_in_float32" in bugs and out.dtype == torch.float32:  # a small error no known mistake explains
+            out = out * (1 + 5e-4)
         if kv_cache is not None and "no_tuple" not in bugs:
             return out, kv_cache
         if "always_tuple" in bugs:
@@ -218,20 +243,9 @@ def test_config_correct_answer_passes():
 
 
 def test_config_without_validation_is_rejected():
-    @dataclass
-    class NoValidation:
-        hidden_size: int = 128
-        num_attention_heads: int = 16
-        num_key_value_heads: int = 4
-        head_dim: int = 8
-        max_position_embeddings: int = 256
-        rope_theta: float = 10000.0
-        rms_norm_eps: float = 1e-5
-        attention_bias: bool = False
-        use_qk_norm: bool = True
-
     with pytest.raises(CheckFailure, match="should raise ValueError"):
-        checks.check_llama_attention_config(NoValidation, quiet=True)
+        checks.check_llama_attention_config(config_class("NoValidation"), quiet=True)
+
 
 
 def test_config_requiring_hidden_divisible_is_rejected():
@@ -292,10 +306,11 @@ def test_causal_mask_correct_answer_passes():
 
 
 @pytest.mark.parametrize("wrong, phrase", [
-    (lambda seq_len, device=None: ~torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril(), "Polarity flipped"),
+    (lambda seq_len, device=None: ~torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril(), "polarity flipped"),
     (lambda seq_len, device=None: torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril(-1), "diagonal must be True"),
     (lambda seq_len, device=None: torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(), "upper triangle"),
-    (lambda seq_len, device=None: torch.full((seq_len, seq_len), -math.inf, device=device).triu(1), "should be a boolean mask"),
+    (lambda seq_len, device=None: torch.full((seq_len, seq_len), -math.inf, device=device).triu(1),
+     "(?s)should be a boolean mask.*not the seed.s float mask"),
     (lambda seq_len, device=None: torch.ones(1, seq_len, seq_len, dtype=torch.bool, device=device).tril(), r"shape \[5, 5\], got \[1, 5, 5\]"),
 ])
 def test_causal_mask_mistakes_are_named(wrong, phrase):
@@ -374,6 +389,17 @@ def rope_downcast(x, freqs_cis, position_ids):  # the notes' xq.float()
     return torch.view_as_real(rotated).flatten(-2)
 
 
+def rope_complex_unflattened(x, freqs_cis, position_ids):  # forgot view_as_real: a complex [..., d/2]
+    pairs, rotation = _complex_rope(x, freqs_cis, position_ids)
+    return pairs * rotation
+
+
+def rope_meta_type_as(x, freqs_cis, position_ids):  # Meta's apply_rotary_emb: float32 inside, dtype kept
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = pairs * freqs_cis.to(x.device)[position_ids][:, None].to(torch.complex64)
+    return torch.view_as_real(rotated).flatten(3).type_as(x)
+
+
 def rope_conjugate(x, freqs_cis, position_ids):
     pairs, rotation = _complex_rope(x, freqs_cis, position_ids)
     return torch.view_as_real(pairs * rotation.conj()).flatten(-2).to(x.dtype)
@@ -419,6 +445,8 @@ def rope_complex_out(x, freqs_cis, position_ids):
     (rope_half_layout, "wrong pairing layout: the Meta layout rotates adjacent features"),
     (rope_in_place, "changed x in place"),
     (rope_complex_out, r"flatten the \(real, imaginary\) axis back"),
+    (rope_complex_unflattened, "convert the complex result back"),
+    (rope_meta_type_as, "(?s)only to float32 precision.*keep float64"),
 ])
 def test_apply_rope_mistakes_are_named(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -537,7 +565,7 @@ def test_layouts_agree_under_the_permutation_and_weight_rows():
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
     ids = torch.tensor([[0, 1, 2, 3, 4], [5, 9, 2, 7, 100]])
     perm = good_permutation(8)
-    meta = good_apply_rope(x, checks._complex_table(8, 128, 1e4), ids)
+    meta = good_apply_rope(x, checks._complex_table(8, 128, 1e4, dtype=torch.complex128), ids)
     cos, sin = good_rope_cos_sin(8, ids)
     half = good_apply_rope_rotate_half(x[..., perm], cos.double(), sin.double())
     assert torch.allclose(meta[..., perm], half, atol=1e-5)
@@ -553,6 +581,15 @@ def test_qk_norm_correct_answer_passes():
     checks.check_qk_norm(good_qk_norm, device=CPU, quiet=True)
 
 
+@pytest.mark.parametrize("norm", [hf_rms_norm, llama4_l2_norm])
+def test_qk_norm_in_float32_inside_passes_with_a_note(norm, capsys):
+    """HF's LlamaRMSNorm and Llama 4's L2Norm compute in float32 and cast back: accepted, with a note."""
+    checks.check_qk_norm(norm, device=CPU)
+    printed = capsys.readouterr().out
+    assert printed.startswith("✓ qk_norm")
+    assert "float32 precision" in printed
+
+
 @pytest.mark.parametrize("wrong, phrase", [
     (lambda x, eps: F.normalize(x, dim=-1), "that is L2 normalisation"),
     (lambda x, eps: x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps), "that is L2 normalisation"),
@@ -563,6 +600,7 @@ def test_qk_norm_correct_answer_passes():
     (lambda x, eps: nn.RMSNorm(x.shape[-1], eps=eps, elementwise_affine=False, dtype=x.dtype)(x),
      "from-scratch exercise.*rms_norm"),
     (lambda x, eps: good_qk_norm(x, eps).float(), "returned float32, but x is float64"),
+    (lambda x, eps: x.pow(2).mean(-1, keepdim=True).sqrt(), "return the normalised x, not the norm"),
 ])
 def test_qk_norm_mistakes_are_named(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -676,12 +714,35 @@ def test_llama_attention_correct_answer_passes():
     ("rms_norm_builtin", "from-scratch exercise.*rms_norm"),
     ("square_projections", "heads × head_dim, not hidden_size"),
     ("merge_hidden", "raised RuntimeError"),
-    ("softmax_float32", "the softmax ran in float32 on float64 scores"),
+    ("no_scale", "the scores are not scaled"),
     ("always_tuple", "should return the output tensor alone"),
 ])
 def test_llama_attention_mistakes_are_named(bug, phrase):
     with pytest.raises(CheckFailure, match=phrase):
         checks.check_llama_attention(llama_with(bug), device=CPU, quiet=True)
+
+
+@pytest.mark.parametrize("idiom", ["softmax_float32", "float32_norm", "meta_table"])
+def test_llama_attention_accepts_float32_internals(idiom):
+    """The softmax or QK norm in float32 (HF), or Meta's complex64 RoPE table (which check_rope_frequencies
+    accepts), on float64 input: float32-level accuracy, accepted -- a table one check accepts never fails
+    a later exercise."""
+    checks.check_llama_attention(llama_with(idiom), device=CPU, quiet=True)
+    checks.check_llama_attention_kv_cache(llama_with(idiom), GoodKVCache, device=CPU, quiet=True)
+
+
+def test_llama_attention_built_on_meta_table_and_float32_rope_helper():
+    """The instructor's own LlamaAttention on Meta's float32 table and Meta's apply_rotary_emb (float32, type_as)."""
+
+    class MetaLlama(Llama):
+        def __init__(self, config):
+            super().__init__(config, ("meta_table",))
+
+        def rope(self, x, ids):
+            return rope_meta_type_as(x, self.table, ids)
+
+    checks.check_llama_attention(MetaLlama, device=CPU, quiet=True)
+    checks.check_llama_attention_kv_cache(MetaLlama, GoodKVCache, device=CPU, quiet=True)
 
 
 def test_llama_attention_contract_messages():
@@ -731,9 +792,104 @@ def test_llama_kv_cache_mistakes_are_named(bug, phrase):
         checks.check_llama_attention_kv_cache(llama_with(bug), GoodKVCache, device=CPU, quiet=True)
 
 
+def test_prefill_chunk_names_no_cache_mistake():
+    """On a prefill (nothing cached) the cache mistakes equal the right answer: a small unexplained error there
+    must not be blamed on the mask offset, an ignored cache or the positions."""
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_llama_attention_kv_cache(llama_with("off_in_float32"), GoodKVCache, device=CPU, quiet=True)
+    message = str(failure.value)
+    assert "chunk 1 of sizes [2, 1, 3]" in message
+    assert "Likely mistake" not in message
+
+
 def test_llama_kv_cache_blames_the_students_cache():
     with pytest.raises(CheckFailure, match="works with the course's reference cache but not with your KVCache"):
         checks.check_llama_attention_kv_cache(Llama, NewOnlyCache, device=CPU, quiet=True)
+
+
+def test_llama_attention_names_the_failing_part_it_uses():
+    """A LlamaAttention that repeats KV heads with the student's own (tiled) repeat_kv: the failure says so."""
+    namespace = {"Llama": Llama}
+    exec(textwrap.dedent("""
+        def repeat_kv(x, n_rep):
+            return x.repeat(1, n_rep, 1, 1)
+
+        class LlamaAttention(Llama):
+            def __init__(self, config):
+                super().__init__(config, ("tiled",))
+    """), namespace)
+    with pytest.raises(CheckFailure, match="(?s)tiled KV repeat.*uses your repeat_kv, which fails its own check"):
+        checks.check_llama_attention(namespace["LlamaAttention"], device=CPU, quiet=True)
+
+
+# --------------------------------------------------------------------------------------
+# causal_mask_lower_right
+# --------------------------------------------------------------------------------------
+
+
+def good_lower_right(q_len, kv_len, device=None):
+    if q_len > kv_len:
+        raise ValueError(f"{q_len} queries > {kv_len} keys")
+    query = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]  # absolute positions of the queries
+    return torch.arange(kv_len, device=device)[None, :] <= query
+
+
+def lower_right_from_causal_mask(q_len, kv_len, device=None):
+    if q_len > kv_len:
+        raise ValueError(f"q_len={q_len}, kv_len={kv_len}")
+    return good_causal_mask(kv_len, device)[kv_len - q_len:]
+
+
+def test_causal_mask_lower_right_correct_answers_pass():
+    checks.check_causal_mask_lower_right(good_lower_right, device=CPU, quiet=True)
+    checks.check_causal_mask_lower_right(lower_right_from_causal_mask, seed=3, device=CPU, quiet=True)
+
+
+def _lower_right(fill=None, diagonal_shift=0, upper=False, top_left=False, check_lengths=True):
+    def causal_mask_lower_right(q_len, kv_len, device=None):
+        if check_lengths and q_len > kv_len:
+            raise ValueError(f"{q_len} > {kv_len}")
+        offset = 0 if top_left else kv_len - q_len
+        ones = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+        mask = ones.triu(offset) if upper else ones.tril(offset + diagonal_shift)
+        if fill is not None:
+            return torch.zeros(q_len, kv_len, device=device).masked_fill(~mask, fill)
+        return mask
+
+    return causal_mask_lower_right
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (_lower_right(top_left=True), "top-left alignment of is_causal=True"),
+    (lambda q_len, kv_len, device=None: ~good_lower_right(q_len, kv_len, device), "polarity flipped"),
+    (_lower_right(diagonal_shift=-1), "the diagonal must be True"),
+    (_lower_right(upper=True), "that is the upper triangle"),
+    (_lower_right(fill=-math.inf), "should be a boolean mask"),
+    (_lower_right(check_lengths=False), r"causal_mask_lower_right\(3, 2\) should raise ValueError"),
+    (lambda q_len, kv_len, device=None: good_lower_right(q_len, kv_len).to("meta") if device is not None
+     else good_lower_right(q_len, kv_len), "should be on cpu"),
+])
+def test_causal_mask_lower_right_mistakes_are_named(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_causal_mask_lower_right(wrong, device=CPU, quiet=True)
+
+
+def test_causal_mask_lower_right_error_must_name_both_lengths():
+    def vague(q_len, kv_len, device=None):
+        if q_len > kv_len:
+            raise ValueError("too many queries")
+        return good_lower_right(q_len, kv_len, device)
+
+    with pytest.raises(CheckFailure, match="should name 3 and 2"):
+        checks.check_causal_mask_lower_right(vague, device=CPU, quiet=True)
+
+
+def test_is_causal_is_top_left_when_lengths_differ():
+    """The pitfall the exercise is about, on PyTorch itself."""
+    q, k, v = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    top_left = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(top_left, F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right(top_left=True)(2, 5)))
+    assert not torch.allclose(top_left, F.scaled_dot_product_attention(q, k, v, attn_mask=good_lower_right(2, 5)))
 
 
 # --------------------------------------------------------------------------------------
@@ -778,7 +934,7 @@ def test_rope_explorer_redraws_with_position_and_base():
     from attention_lab.widgets.rope import rope_explorer
 
     def frequencies(head_dim, max_positions, base=10000.0):
-        return checks._complex_table(head_dim, max_positions, base)
+        return checks._complex_table(head_dim, max_positions, base, dtype=torch.complex128)
 
     explorer = rope_explorer(good_apply_rope, frequencies, head_dim=8, max_position=20)
     axes = explorer.figure.axes
@@ -802,6 +958,39 @@ def test_rope_explorer_redraws_with_position_and_base():
     assert not torch.allclose(new_curve, first_curve)
 
 
+def test_kv_head_map_runs_the_students_repeat_kv_and_the_tiled_layout():
+    from attention_lab.widgets.rope import LAYOUTS, kv_head_map
+
+    def lines_to_kv(widget):
+        """For each query head (top row, x = head), the x of the KV head its line ends at."""
+        ends = {}
+        for line in widget.figure.axes[0].lines:
+            (x_top, x_bottom), (y_top, y_bottom) = line.get_xdata(), line.get_ydata()
+            assert (y_top, y_bottom) == (1.0, 0.0)
+            ends[int(x_top)] = x_bottom
+        kv_positions = sorted(set(ends.values()))
+        return [kv_positions.index(ends[head]) for head in sorted(ends)]
+
+    widget = kv_head_map(good_repeat_kv, num_heads=8, num_kv_heads=2)
+    assert lines_to_kv(widget) == [0, 0, 0, 0, 1, 1, 1, 1]  # h // n_rep
+    assert "h // n_rep" in widget.figure.axes[0].get_title()
+    widget.controls["layout"].value = LAYOUTS[1]
+    assert lines_to_kv(widget) == [0, 1, 0, 1, 0, 1, 0, 1]  # h % H_kv
+    widget.controls["num_kv_heads"].value = 1  # multi-query: everyone reads KV head 0
+    assert lines_to_kv(widget) == [0] * 8
+    assert list(widget.controls["num_kv_heads"].options) == [1, 2, 4, 8]
+    # A wrong repeat_kv shows as what it does, not as the right picture.
+    widget = kv_head_map(lambda x, n_rep: x.repeat(1, n_rep, 1, 1), num_heads=8, num_kv_heads=2)
+    assert lines_to_kv(widget) == [0, 1, 0, 1, 0, 1, 0, 1]
+
+
+def test_rope_explorer_slider_redraws_on_release():
+    from attention_lab.widgets.rope import rope_explorer
+
+    explorer = rope_explorer(good_apply_rope, good_rope_frequencies, head_dim=8, max_position=10)
+    assert explorer.controls["position"].continuous_update is False
+
+
 def test_kv_group_heatmaps_select_groups_and_scale():
     from attention_lab.widgets.rope import kv_group_heatmaps
 
@@ -816,9 +1005,11 @@ def test_kv_group_heatmaps_select_groups_and_scale():
     assert image.mask[0, 1] or math.isnan(float(image[0, 1]))  # the future is blank
     assert axes[0].images[0].get_clim() == (0.0, 1.0)
 
+    height_all = widget.figure.get_size_inches()[1]
     widget.controls["group"].value = "1"
     axes = widget.figure.axes
     assert [ax.get_title() for ax in axes] == ["head 4 · KV 1", "head 5 · KV 1", "head 6 · KV 1", "head 7 · KV 1"]
+    assert widget.figure.get_size_inches()[1] < height_all / 1.5  # one row of heads: no blank figure below it
     expected = torch.nan_to_num(weights[4].masked_fill(weights[4] == 0, float("nan")), nan=-1.0)
     drawn = torch.nan_to_num(torch.tensor(axes[0].images[0].get_array().filled(float("nan"))), nan=-1.0)
     assert torch.allclose(drawn, expected.double())

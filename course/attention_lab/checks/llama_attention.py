@@ -41,7 +41,24 @@ from attention_lab.checking import (
 FROM_SCRATCH = ("scaled_dot_product_attention", "multi_head_attention_forward", "rms_norm")
 
 HINTS = {
+    # LlamaAttentionConfig
+    "config_too_strict": "this config is valid. Do not require hidden_size to be divisible by the number of "
+    "heads: head_dim is independent of hidden_size (Gemma-7B: hidden 3072, 16 heads of 256); only H % H_kv and "
+    "an odd head_dim are errors.",
+    "head_dim_derived": "head_dim must not be derived from hidden_size // num_attention_heads: it is a field of its "
+    "own.",
+    # Masks
+    "mask_polarity": "polarity flipped: True means 'may attend' (the past and the token itself).",
+    "mask_diagonal": "the diagonal must be True: each token may attend to itself.",
+    "mask_upper": "that is the upper triangle: a query may see the keys at or *before* it (tril, not triu).",
+    "mask_not_boolean": "masks in this course are boolean (True = may attend), not the seed's float mask of 0 and "
+    "-inf.",
+    "mask_top_left": "that is the top-left alignment of is_causal=True: query i sees keys 0 … i. The queries are "
+    "the *last* q_len of the kv_len tokens, so query i is token kv_len - q_len + i and sees keys 0 … "
+    "kv_len - q_len + i: tril(diagonal=kv_len - q_len).",
     # RoPE frequencies and layouts
+    "not_complex": "build the complex numbers with torch.polar(torch.ones_like(angles), angles) (one unit complex "
+    "number cos φ + i·sin φ per position and pair).",
     "factor_two": "θ_j = base^(-2j/head_dim): the exponent has a factor 2 (j counts pairs, 2j is the "
     "feature index). torch.arange(0, head_dim, 2) / head_dim gives 2j/head_dim directly.",
     "positive_exponent": "the frequencies must decrease: θ_j = base^(-2j/head_dim) = 1 / base^(2j/head_dim), "
@@ -72,6 +89,12 @@ HINTS = {
     "table_dtype": "cast cos and sin to x.dtype before using them (cos.to(x.dtype)), so the output keeps x's dtype.",
     "cos_sin_layout": "the rotate_half tables repeat the head_dim/2 angles as two halves, cat((angles, angles), "
     "dim=-1), so that feature j and feature j + head_dim/2 share angle j (not repeat_interleave).",
+    "complex_not_flattened": "flatten the (real, imaginary) axis back: torch.view_as_real(...).flatten(-2).",
+    "complex_returned": "convert the complex result back to real features with torch.view_as_real(...).flatten(-2).",
+    "keep_dtype": "compute in x's dtype (do not call .float() or .double() on the result).",
+    "rotate_half_adjacent": "rotate_half works on the two halves (j, j + d/2), not on adjacent pairs.",
+    "cos_sin_width": "the rotate_half tables have head_dim columns: cat((angles, angles), dim=-1).",
+    "not_a_permutation": "it is not even a permutation of 0 … head_dim - 1.",
     "inverse_permutation": "that is the inverse permutation. x[..., perm] puts feature perm[i] at place i: first "
     "the first element of every pair (0, 2, 4, ...), then the second (1, 3, 5, ...).",
     # QK norm
@@ -81,11 +104,16 @@ HINTS = {
     "x / (sqrt(mean(x²)) + eps).",
     "eps_ignored": "eps is ignored: add it to the mean of squares, x * rsqrt(mean(x²) + eps).",
     "norm_axis": "normalise over the last axis (head_dim): mean(dim=-1, keepdim=True).",
+    "norm_returned": "return the normalised x, not the norm itself.",
     # GQA
     "tiled": "tiled KV repeat: query head h uses KV head h // n_rep, so each KV head is repeated n_rep times "
     "*consecutively* (k0, k0, k0, k1, k1, k1, ...). x.repeat(1, n_rep, 1, 1) tiles (k0, k1, ..., k0, k1, ...). "
     "Use x[:, :, None].expand(...).reshape(...) or repeat_interleave(n_rep, dim=1).",
+    "repeat_sequence_axis": "repeat along the head axis (dim 1), not the sequence axis.",
+    "repeat_not_merged": "merge the (H_kv, n_rep) axes into one: .reshape(B, H_kv * n_rep, S, d).",
     # LlamaAttention
+    "square_projections": "the projections' width is heads × head_dim, not hidden_size (head_dim is independent "
+    "of hidden_size).",
     "no_o_proj": "the output projection is missing: apply self.o_proj to the merged heads.",
     "rope_on_v": "RoPE applied to V: rotate only the queries and keys (positions enter through q·k); the values "
     "are not rotated.",
@@ -96,8 +124,6 @@ HINTS = {
     "qk_norm_missing": "QK norm is missing: with config.use_qk_norm, apply qk_norm to q and k (after RoPE).",
     "qk_norm_unwanted": "QK norm must be skipped when config.use_qk_norm is False.",
     "eps_config": "use config.rms_norm_eps as qk_norm's eps (the seed's SimpleL2Norm used its own 1e-6).",
-    "softmax_float32": "the softmax ran in float32 on float64 scores: upcast only low precision, "
-    "torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)), so float64 stays float64.",
     # KV cache
     "cache_offset": "missing cache offset: new tokens continue the positions of the cached ones, "
     "position_ids = kv_cache.seq_len + arange(S) (read seq_len *before* updating the cache).",
@@ -106,9 +132,16 @@ HINTS = {
     "causal_mask(S) or a mask that starts at key 0.",
     "cache_ignored": "the cache is not used: concatenate the cached keys/values with the new ones "
     "(k, v = kv_cache.update(k, v)) before attention.",
+    "cache_new_only": "return everything cached so far (the old tokens and the new ones), not only the new ones.",
+    "cache_prepend": "new tokens go at the end: torch.cat([cached, new], dim=2).",
+    "cache_shared": "the instances share their storage. Create the tensors in __init__ (self.keys = None), not as "
+    "class attributes.",
     "cache_axis": "append along the sequence axis (dim 2 of [B, H_kv, S, head_dim]): torch.cat([cached, new], dim=2).",
     "cache_mask_missing": "the causal mask is missing among the new tokens of a chunk: a chunk's token may see "
     "the cache and the chunk's tokens up to itself only.",
+    # kv_cache_bytes
+    "bytes_keys_only": "the cache holds keys *and* values: a factor 2.",
+    "bytes_one_layer": "every layer has its own cache: multiply by num_layers.",
 }
 
 
@@ -154,14 +187,16 @@ def _rope_reference(x: torch.Tensor, position_ids: torch.Tensor, base: float, la
     return _rotate_pairs(x, angles, layout)
 
 
-def _complex_table(head_dim: int, max_positions: int, base: float, dtype=torch.complex128, device: Any = "cpu",
+def _complex_table(head_dim: int, max_positions: int, base: float, *, dtype: torch.dtype, device: Any = "cpu",
                    **kwargs: Any) -> torch.Tensor:
+    """exp(i·p·θ_j) [max_positions, head_dim/2] in the complex dtype the caller chooses."""
     angles = _angles(head_dim, torch.arange(max_positions), base, **kwargs)
     table = torch.complex(angles.cos(), angles.sin()).to(dtype)
     return table.to(device)
 
 
-def _cos_sin_reference(head_dim: int, position_ids: torch.Tensor, base: float, layout: str = "half", **kwargs):
+def _cos_sin_reference(head_dim: int, position_ids: torch.Tensor, base: float, *, layout: str, **kwargs):
+    """cos and sin [B, S, head_dim] of the angles laid out as two halves ("half") or adjacent pairs."""
     angles = _angles(head_dim, position_ids, base, **kwargs)  # [B, S, d/2]
     if layout == "half":
         angles = torch.cat([angles, angles], dim=-1)
@@ -192,6 +227,11 @@ def _expect_same_dtype(out: Any, x: torch.Tensor, call: str, hint: str) -> None:
         raise CheckFailure(f"{call} returned {str(out.dtype).replace('torch.', '')}, but x is "
                            f"{str(x.dtype).replace('torch.', '')}: the output must keep x's dtype.\n"
                            f"  Likely mistake: {hint}")
+
+
+def _likely(hint_name: str) -> str:
+    """The line that names a likely mistake, appended to a message."""
+    return f"\n  Likely mistake: {HINTS[hint_name]}"
 
 
 def _add_hint_on_error(failure: CheckFailure, needle: str, hint: str) -> CheckFailure:
@@ -261,13 +301,11 @@ def check_llama_attention_config(LlamaAttentionConfig: Any, *, seed: int = 0, de
             config = call_student(LlamaAttentionConfig, **custom, call=call)
         except CheckFailure as failure:
             if "ValueError" in str(failure):
-                raise CheckFailure(f"{failure}\n  This config is valid. Do not require hidden_size to be divisible by "
-                                   "the number of heads: head_dim is independent of hidden_size (Gemma-7B: hidden 3072, "
-                                   "16 heads of 256); only H % H_kv and an odd head_dim are errors.") from None
+                raise CheckFailure(f"{failure}{_likely('config_too_strict')}") from None
             raise
         for name, value in custom.items():
             got = getattr(config, name)
-            hint = (" head_dim must not be derived from hidden_size // num_attention_heads." if name == "head_dim" else "")
+            hint = _likely("head_dim_derived") if name == "head_dim" else ""
             expect_true(got == value, f"{call}.{name} should be {value!r}, got {got!r}.{hint}")
     _expect_config_error(LlamaAttentionConfig, {"num_attention_heads": 6, "num_key_value_heads": 4}, (6, 4),
                          "6 query heads cannot be split into groups for 4 KV heads")
@@ -285,6 +323,30 @@ def check_llama_attention_config(LlamaAttentionConfig: Any, *, seed: int = 0, de
 # --------------------------------------------------------------------------------------
 
 
+def _expect_mask(mask: torch.Tensor, call: str, q_len: int, kv_len: int) -> None:
+    """mask must be True exactly where key j <= query i + (kv_len - q_len); name the known wrong layouts."""
+    offset = kv_len - q_len  # tokens before the first query
+    query = torch.arange(q_len, device=mask.device)[:, None]
+    key = torch.arange(kv_len, device=mask.device)[None, :]
+    expected = key <= query + offset
+    if torch.equal(mask, expected):
+        return
+    known = [(~expected, "mask_polarity"), (key < query + offset, "mask_diagonal"),
+             (key >= query + offset, "mask_upper"), (key <= query, "mask_top_left")]
+    hint_name = next((name for wrong, name in known if torch.equal(mask, wrong)), None)
+    rows = "\n".join("    " + " ".join("1" if v else "0" for v in row[:16]) for row in mask.int().tolist()[:6])
+    rule = "key <= query" if offset == 0 else f"key j <= query i + {offset}"
+    message = f"{call} should be True exactly where {rule}; got (first rows, 1 = True):\n{rows}"
+    raise CheckFailure(message + (_likely(hint_name) if hint_name else ""))
+
+
+def _expect_boolean_mask(mask: Any, call: str, shape: tuple[int, int], device: torch.device) -> None:
+    expect_tensor(mask, what=call, shape=shape)
+    expect_true(mask.dtype == torch.bool, f"{call} should be a boolean mask (True = may attend), got "
+                f"{describe(mask)}.{_likely('mask_not_boolean')}")
+    expect_true(mask.device.type == device.type, f"{call} should be on {device.type}, got {mask.device.type}.")
+
+
 @check("causal_mask: boolean [S, S], True on and below the diagonal, on the requested device ({device})")
 def check_causal_mask(causal_mask: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """causal_mask: [S, S] bool, True = may attend, True on and below the diagonal."""
@@ -296,24 +358,8 @@ def check_causal_mask(causal_mask: Callable, *, seed: int = 0, device: torch.dev
         call = f"causal_mask({seq_len})" if index == 1 else f"causal_mask({seq_len}, device={device.type!r})"
         args = {} if index == 1 else {"device": device}
         mask = call_student(causal_mask, seq_len, call=call, **args)
-        expect_tensor(mask, what=call, shape=(seq_len, seq_len))
-        expect_true(mask.dtype == torch.bool,
-                    f"{call} should be a boolean mask (True = may attend), got {describe(mask)}. Masks in this course "
-                    "are boolean, not the seed's float mask of 0 and -inf.")
-        expect_true(mask.device.type == target.type, f"{call} should be on {target.type}, got {mask.device.type}.")
-        query = torch.arange(seq_len, device=mask.device)[:, None]
-        key = torch.arange(seq_len, device=mask.device)[None, :]
-        expected = key <= query  # query i may see keys 0 ... i
-        if not torch.equal(mask, expected):
-            hint = ""
-            if torch.equal(mask, ~expected):
-                hint = " Polarity flipped: True means 'may attend' (the past and the token itself)."
-            elif torch.equal(mask, key < query):
-                hint = " The diagonal must be True: each token may attend to itself."
-            elif torch.equal(mask, key >= query):
-                hint = " That is the upper triangle: a query may see the keys at or *before* it (tril, not triu)."
-            rows = "\n".join("    " + " ".join("1" if v else "0" for v in row) for row in mask.int().tolist()[:6])
-            raise CheckFailure(f"{call} should be True exactly where key <= query; got (first rows):\n{rows}\n {hint}")
+        _expect_boolean_mask(mask, call, (seq_len, seq_len), target)
+        _expect_mask(mask, call, seq_len, seq_len)
 
 
 # --------------------------------------------------------------------------------------
@@ -335,22 +381,20 @@ def check_rope_frequencies(rope_frequencies: Callable, *, seed: int = 0, device:
         table = call_student(rope_frequencies, head_dim, max_positions, base=base, call=call)
         expect_tensor(table, what=call)
         if not table.is_complex():
-            raise CheckFailure(f"{call} should return a complex tensor (one unit complex number cos φ + i·sin φ per "
-                               f"position and pair), got {describe(table)}. Use torch.polar(torch.ones_like(angles), "
-                               "angles).")
+            raise CheckFailure(f"{call} should return a complex tensor, got {describe(table)}.{_likely('not_complex')}")
         expect_tensor(table, what=call, shape=(max_positions, head_dim // 2),
                       hints={(max_positions, head_dim): HINTS["duplicated_table"]})
         real = torch.view_as_real(table)  # [P, d/2, 2]: (cos, sin)
-        expected = torch.view_as_real(_complex_table(head_dim, max_positions, base))
+        expected = torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128))
         variants = [
-            Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, factor=1.0)),
+            Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128, factor=1.0)),
                     HINTS["factor_two"]),
-            Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, sign=1.0)),
+            Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128, sign=1.0)),
                     HINTS["positive_exponent"]),
             Variant(lambda: expected.flip(-1), HINTS["cos_sin_swapped"]),
         ]
         if base != 10000.0:
-            variants.append(Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, 10000.0)),
+            variants.append(Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, 10000.0, dtype=torch.complex128)),
                                     HINTS["base_ignored"]))
         expect_close(real, expected, what=call + " (as view_as_real: [..., (cos, sin)])",
                      against="exp(i·p·θ_j) with θ_j = base^(-2j/head_dim)", variants=variants,
@@ -394,19 +438,18 @@ def _check_apply_rope_once(apply_rope: Callable, x: torch.Tensor, table: torch.T
     _expect_same_dtype(out, x, call, HINTS["downcast"])
     d = x.shape[-1]
     expect_tensor(out, what=call, shape=x.shape, dtype=x.dtype, device=x.device,
-                  hints={(*x.shape[:-1], d // 2, 2): "flatten the (real, imaginary) axis back: "
-                         "torch.view_as_real(...).flatten(-2).",
-                         (*x.shape[:-1], d // 2): "convert the complex result back to real features with "
-                         "torch.view_as_real(...).flatten(-2)."})
+                  hints={(*x.shape[:-1], d // 2, 2): HINTS["complex_not_flattened"],
+                         (*x.shape[:-1], d // 2): HINTS["complex_returned"]})
     max_position = int(position_ids.max()) if position_ids.numel() else 0
     rtol, atol = tolerance(x.dtype, x.device)
     atol = max(atol, _angle_atol(x.dtype, max_position, float(x.abs().max())))
     expect_true(torch.equal(x, x_before), f"{call} changed x in place; return a new tensor instead.")
+    # The exercise asks to keep float64 throughout: float32 internals (the seed's xq.float()) fail here.
     expect_close(out, _rope_reference(x, position_ids, base), what=call,
                  against="each pair (x[2j], x[2j+1]) rotated by the angle position·θ_j",
                  variants=_rope_variants(x, position_ids, base, "interleaved",
                                          lambda *a: _meta_rope(*a, base=base)),
-                 rtol=rtol, atol=atol)
+                 rtol=rtol, atol=atol, float64_internals=True)
     return out
 
 
@@ -416,7 +459,7 @@ def check_apply_rope(apply_rope: Callable, *, seed: int = 0, device: torch.devic
     expect_signature(apply_rope, "apply_rope", ["x", "freqs_cis", "position_ids"])
     generator = random_generator(seed)
     base = 10000.0
-    table64 = _complex_table(8, 64, base, device=device)
+    table64 = _complex_table(8, 64, base, dtype=torch.complex128, device=device)
     table32 = _complex_table(8, 64, base, dtype=torch.complex64, device=device)
     positions = torch.tensor([[3, 4, 5, 6, 7], [0, 2, 4, 6, 8]], device=device)
     # float64 first: it must stay float64 (the seed's .float() would downcast it).
@@ -435,10 +478,10 @@ def check_apply_rope(apply_rope: Callable, *, seed: int = 0, device: torch.devic
         theta = [100.0, 10000.0, 500000.0][randint(0, 2, generator)]
         ids = torch.randint(0, 64, (b, s), generator=generator).to(device)
         _check_apply_rope_once(apply_rope, randn(b, h, s, d, generator=generator, device=device),
-                               _complex_table(d, 64, theta, device=device), ids, theta)
+                               _complex_table(d, 64, theta, dtype=torch.complex128, device=device), ids, theta)
     # Properties, stated on their own (they are why RoPE is built this way).
     d = 16
-    table = _complex_table(d, 128, base, device=device)
+    table = _complex_table(d, 128, base, dtype=torch.complex128, device=device)
     x = randn(3, 2, 6, d, generator=generator, device=device) * 3.0
     ids = torch.randint(0, 128, (3, 6), generator=generator).to(device)
     out = call_student(apply_rope, x, table, ids, call="apply_rope(x, freqs_cis, position_ids)")
@@ -490,7 +533,7 @@ def check_rotate_half(rotate_half: Callable, *, seed: int = 0, device: torch.dev
     for x in cases:
         call = f"rotate_half(x) with x a {describe(x)}"
         out = call_student(rotate_half, x, call=call)
-        _expect_same_dtype(out, x, call, "compute in x's dtype.")
+        _expect_same_dtype(out, x, call, HINTS["keep_dtype"])
         expect_tensor(out, what=call, shape=x.shape, dtype=x.dtype, device=x.device)
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half].double(), x[..., half:].double()
@@ -498,8 +541,7 @@ def check_rotate_half(rotate_half: Callable, *, seed: int = 0, device: torch.dev
         expect_close(out, _rotate_half_reference(x), what=call, against="cat(-x2, x1) of the halves x1, x2",
                      variants=[Variant(torch.cat([x2, -x1], dim=-1), HINTS["rotate_half_sign"]),
                                Variant(torch.cat([x2, x1], dim=-1), HINTS["rotate_half_no_negation"]),
-                               Variant(torch.stack([-odd, even], dim=-1).flatten(-2),
-                                       "rotate_half works on the two halves (j, j + d/2), not on adjacent pairs.")])
+                               Variant(torch.stack([-odd, even], dim=-1).flatten(-2), HINTS["rotate_half_adjacent"])])
     twice = call_student(rotate_half, call_student(rotate_half, cases[0], call="rotate_half(x)"), call="rotate_half(rotate_half(x))")
     expect_close(twice, -cases[0].double(), what="rotate_half(rotate_half(x))", against="-x (two quarter turns)")
 
@@ -521,20 +563,19 @@ def check_rope_cos_sin(rope_cos_sin: Callable, *, seed: int = 0, device: torch.d
         call = f"rope_cos_sin({head_dim}, position_ids, base={base}) with position_ids {_positions_text(position_ids)}"
         result = call_student(rope_cos_sin, head_dim, position_ids, base=base, call=call)
         expect_true(isinstance(result, tuple) and len(result) == 2, f"{call} should return a tuple (cos, sin), got {describe(result)}.")
-        expected_cos, expected_sin = _cos_sin_reference(head_dim, position_ids, base)
+        expected_cos, expected_sin = _cos_sin_reference(head_dim, position_ids, base, layout="half")
         b, s = position_ids.shape
         for name, table, expected, other in (("cos", result[0], expected_cos, expected_sin),
                                               ("sin", result[1], expected_sin, expected_cos)):
             what = f"{call} -> {name}"
             expect_tensor(table, what=what, shape=(b, s, head_dim), device=device,
-                          hints={(b, s, head_dim // 2): "the rotate_half tables have head_dim columns: "
-                                 "cat((angles, angles), dim=-1)."})
+                          hints={(b, s, head_dim // 2): HINTS["cos_sin_width"]})
             expect_true(table.dtype in (torch.float32, torch.float64),
                         f"{what} should be a float32 or float64 tensor, got {describe(table)}.")
             variant_cos, variant_sin = _cos_sin_reference(head_dim, position_ids, base, layout="interleaved")
-            f1_cos, f1_sin = _cos_sin_reference(head_dim, position_ids, base, factor=1.0)
+            f1_cos, f1_sin = _cos_sin_reference(head_dim, position_ids, base, layout="half", factor=1.0)
             arange = torch.arange(s, device=device).expand(b, s)
-            a_cos, a_sin = _cos_sin_reference(head_dim, arange, base)
+            a_cos, a_sin = _cos_sin_reference(head_dim, arange, base, layout="half")
             pick = (lambda c, s_: c) if name == "cos" else (lambda c, s_: s_)
             variants = [Variant(pick(variant_cos, variant_sin), HINTS["cos_sin_layout"]),
                         Variant(pick(f1_cos, f1_sin), HINTS["factor_two"]),
@@ -548,7 +589,7 @@ def check_rope_cos_sin(rope_cos_sin: Callable, *, seed: int = 0, device: torch.d
 
 def _check_rotate_half_rope_once(fn: Callable, x: torch.Tensor, position_ids: torch.Tensor, base: float,
                                  table_dtype: torch.dtype) -> None:
-    cos, sin = (t.to(table_dtype) for t in _cos_sin_reference(x.shape[-1], position_ids, base))
+    cos, sin = (t.to(table_dtype) for t in _cos_sin_reference(x.shape[-1], position_ids, base, layout="half"))
     x_before = x.clone()
     call = (f"apply_rope_rotate_half(x, cos, sin) with x a {describe(x)}, cos/sin {shape_str(cos.shape)} "
             f"({str(table_dtype).replace('torch.', '')}), positions {_positions_text(position_ids)}")
@@ -568,7 +609,8 @@ def _check_rotate_half_rope_once(fn: Callable, x: torch.Tensor, position_ids: to
                  rtol=rtol, atol=atol)
 
 
-@check("apply_rope_rotate_half: x*cos + rotate_half(x)*sin, pairs (j, j + head_dim/2), dtype kept ({device})")
+@check("apply_rope_rotate_half: x*cos + rotate_half(x)*sin, pairs (j, j + head_dim/2), dtype kept ({device})",
+       uses=("rotate_half",))
 def check_apply_rope_rotate_half(apply_rope_rotate_half: Callable, *, seed: int = 0,
                                  device: torch.device | None = None) -> None:
     """apply_rope_rotate_half: Hugging Face layout, cos/sin [B, S, d] broadcast over heads, dtype kept."""
@@ -615,9 +657,9 @@ def check_interleave_to_half_permutation(interleave_to_half_permutation: Callabl
             inverse[expected] = torch.arange(head_dim)
             hint = ""
             if torch.equal(got, inverse):
-                hint = "\n  Likely mistake: " + HINTS["inverse_permutation"]
+                hint = _likely("inverse_permutation")
             elif not torch.equal(got.sort().values, torch.arange(head_dim)):
-                hint = "\n  It is not even a permutation of 0 ... head_dim - 1."
+                hint = _likely("not_a_permutation")
             shown = got.tolist()[:16]
             raise CheckFailure(f"{call} should be {expected.tolist()[:16]}{' ...' if head_dim > 16 else ''}, "
                                f"got {shown}{' ...' if head_dim > 16 else ''}.{hint}")
@@ -685,9 +727,9 @@ def check_qk_norm(qk_norm: Callable, *, seed: int = 0, device: torch.device | No
     for x, eps in cases:
         call = f"qk_norm(x, eps={eps:g}) with x a {describe(x)}"
         out = call_student(qk_norm, x, eps, call=call, forbidden=("rms_norm",))
-        _expect_same_dtype(out, x, call, "compute in x's dtype.")
+        _expect_same_dtype(out, x, call, HINTS["keep_dtype"])
         expect_tensor(out, what=call, shape=x.shape, dtype=x.dtype, device=x.device,
-                      hints={(*x.shape[:-1], 1): "return the normalised x, not the norm itself."})
+                      hints={(*x.shape[:-1], 1): HINTS["norm_returned"]})
         expected = F.rms_norm(x.detach().double(), (x.shape[-1],), eps=eps)
         expect_close(out, expected, what=call, against="x / sqrt(mean(x², last axis) + eps) (F.rms_norm without weight)",
                      variants=_qk_norm_variants(x, eps))
@@ -704,9 +746,10 @@ def check_qk_norm(qk_norm: Callable, *, seed: int = 0, device: torch.device | No
 # --------------------------------------------------------------------------------------
 
 
-def _repeat_reference(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Query head h reads KV head h // n_rep."""
-    return torch.stack([x[:, h // n_rep] for h in range(x.shape[1] * n_rep)], dim=1)
+def _kv_heads_for_query_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, H_kv, S, d] -> [B, num_heads, S, d]: query head h reads KV head h // (num_heads / H_kv)."""
+    group = num_heads // x.shape[1]
+    return torch.stack([x[:, h // group] for h in range(num_heads)], dim=1)
 
 
 @check("repeat_kv: [B, H_kv, S, d] -> [B, H_kv·n_rep, S, d], each KV head repeated consecutively ({device})")
@@ -727,9 +770,9 @@ def check_repeat_kv(repeat_kv: Callable, *, seed: int = 0, device: torch.device 
         call = f"repeat_kv(x, n_rep={n_rep}) with x a {describe(x)}"
         out = call_student(repeat_kv, x, n_rep, call=call)
         expect_tensor(out, what=call, shape=(b, h_kv * n_rep, s, d), dtype=x.dtype, device=x.device,
-                      hints={(b, h_kv, s * n_rep, d): "repeat along the head axis (dim 1), not the sequence axis.",
-                             (b, h_kv, n_rep, s, d): "merge the (H_kv, n_rep) axes into one: .reshape(B, H_kv * n_rep, S, d)."})
-        expect_close(out, _repeat_reference(x, n_rep), what=call, against="query head h reading KV head h // n_rep",
+                      hints={(b, h_kv, s * n_rep, d): HINTS["repeat_sequence_axis"],
+                             (b, h_kv, n_rep, s, d): HINTS["repeat_not_merged"]})
+        expect_close(out, _kv_heads_for_query_heads(x, h_kv * n_rep), what=call, against="query head h reading KV head h // n_rep",
                      variants=[Variant(lambda: x.repeat(1, n_rep, 1, 1), HINTS["tiled"])])
 
 
@@ -773,20 +816,18 @@ def check_kv_cache(KVCache: Callable, *, seed: int = 0, device: torch.device | N
             expect_true(isinstance(result, tuple) and len(result) == 2,
                         f"{call} should return (k_all, v_all), got {describe(result)}.")
             for name, got, parts in (("k_all", result[0], keys), ("v_all", result[1], values)):
-                hints = {(2, 4, new, 8): "return everything cached so far (the old tokens and the new ones), "
-                         "not only the new ones.", (2, 4 * len(parts), 1, 8): HINTS["cache_axis"],
+                hints = {(2, 4, new, 8): HINTS["cache_new_only"], (2, 4 * len(parts), 1, 8): HINTS["cache_axis"],
                          (2, 4, total, 8 * len(parts)): HINTS["cache_axis"]}
                 expect_tensor(got, what=f"{call} -> {name}", shape=(2, 4, total, 8), dtype=dtype, device=device,
                               hints=hints)
                 expect_close(got, torch.cat([p.double() for p in parts], dim=2), what=f"{call} -> {name}",
                              against=f"all {'keys' if name == 'k_all' else 'values'} so far, in order, along the sequence axis",
                              variants=[Variant(torch.cat([p.double() for p in reversed(parts)], dim=2),
-                                               "new tokens go at the end: torch.cat([cached, new], dim=2).")])
+                                               HINTS["cache_prepend"])])
             expect_true(_seq_len(cache, "cache") == total, f"after {call}, seq_len should be {total}, got {cache.seq_len!r}.")
         expect_true(_seq_len(other, "a second KVCache()") == 0,
-                    "a second KVCache() created before these updates now has seq_len "
-                    f"{other.seq_len!r}: the instances share their storage. Create the lists/tensors in __init__ "
-                    "(self.keys = None), not as class attributes.")
+                    f"a second KVCache() created before these updates now has seq_len {other.seq_len!r}."
+                    f"{_likely('cache_shared')}")
 
 
 # --------------------------------------------------------------------------------------
@@ -812,7 +853,7 @@ def _build_llama(cls: Callable, config: _Config, device: torch.device, dtype: to
         expect_true(isinstance(layer, nn.Linear), f"{label} should have an attribute {name} that is an nn.Linear, got {describe(layer)}.")
         hint = ""
         if name != "o_proj" and tuple(layer.weight.shape) == (hidden, hidden):
-            hint = " The projections' width is heads × head_dim, not hidden_size (head_dim is independent of hidden_size)."
+            hint = _likely("square_projections")
         expect_true(tuple(layer.weight.shape) == shape,
                     f"{label}.{name}.weight should be {shape_str(shape)} (nn.Linear stores [out, in]), got "
                     f"{shape_str(layer.weight.shape)}.{hint}")
@@ -836,8 +877,7 @@ def _linear64(layer: nn.Linear):
 def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positions: torch.Tensor,
                      n_new: int | None = None, *, mask: str = "causal", layout: str = "interleaved",
                      repeat: str = "consecutive", rope_on_v: bool = False, o_proj: bool = True,
-                     scale: float | None = None, norm: str | None = None, eps: float | None = None,
-                     softmax_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     scale: float | None = None, norm: str | None = None, eps: float | None = None) -> torch.Tensor:
     """LlamaAttention's output for the last n_new tokens of x [B, T, hidden] (earlier ones cached).
 
     q/k/v from the module's projections, RoPE as pair rotations, QK norm from F.rms_norm, attention from
@@ -868,13 +908,7 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
         k, v = k[:, :, t - n_new:], v[:, :, t - n_new:]
     keys = k.shape[-2]
     enable_gqa = k.shape[1] != h
-    if softmax_dtype is not None:  # written out, to round the softmax like a float32 softmax would
-        k_rep, v_rep = k.repeat_interleave(h // k.shape[1], 1), v.repeat_interleave(h // v.shape[1], 1)
-        scores = q @ k_rep.transpose(-2, -1) * (1 / math.sqrt(d) if scale is None else scale)
-        allowed = torch.arange(keys)[None, :] <= torch.arange(n_new)[:, None] + (keys - n_new)
-        weights = torch.softmax(scores.masked_fill(~allowed, -math.inf).to(softmax_dtype), dim=-1)
-        out = weights.to(torch.float64) @ v_rep
-    elif mask == "causal" and keys == n_new:
+    if mask == "causal" and keys == n_new:
         out = reference_sdpa(q, k, v, is_causal=True, enable_gqa=enable_gqa, scale=scale)
     else:
         query_index = torch.arange(n_new)[:, None]
@@ -897,6 +931,7 @@ def _llama_variants(module, config, x, positions, n_new=None, chunk_positions=No
         return Variant(lambda: _llama_reference(module, config, x, positions, n_new, **kwargs), hint)
 
     variants = []
+    # The cache mistakes only show once something is cached (on a prefill they equal the right answer).
     if chunk_positions is not None:
         variants += [variant(HINTS["mask_offset"], mask="top_left"), variant(HINTS["cache_ignored"], mask="new_only"),
                      Variant(lambda: _llama_reference(module, config, x, chunk_positions, n_new), HINTS["cache_offset"])]
@@ -912,8 +947,6 @@ def _llama_variants(module, config, x, positions, n_new=None, chunk_positions=No
     ]
     if h_kv > 1 and h > h_kv:
         variants.append(variant(HINTS["tiled"], repeat="tiled"))
-    if x.dtype == torch.float64:
-        variants.append(variant(HINTS["softmax_float32"], softmax_dtype=torch.float32))
     b, t = positions.shape
     arange = torch.arange(t, device=positions.device).expand(b, t)
     if chunk_positions is None and not torch.equal(positions, arange):
@@ -954,7 +987,12 @@ def _check_llama_forward(module, label, config, x, position_ids=None) -> torch.T
     return out
 
 
-@check("LlamaAttention: GQA + RoPE + QK norm + causal attention from scratch equals SDPA(is_causal, enable_gqa); H_kv == H is plain MHA; no future leak ({device})")
+# The earlier answers a LlamaAttention is usually built on: when it fails, the ones that fail their own check are named.
+LLAMA_PARTS = ("rope_frequencies", "apply_rope", "qk_norm", "repeat_kv", "causal_mask")
+
+
+@check("LlamaAttention: GQA + RoPE + QK norm + causal attention from scratch equals SDPA(is_causal, enable_gqa); "
+       "H_kv == H is plain MHA; no future leak ({device})", uses=LLAMA_PARTS)
 def check_llama_attention(LlamaAttention: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """LlamaAttention (no cache): attributes, values against PyTorch, MHA equivalence, causality, from scratch."""
     expect_signature(LlamaAttention, "LlamaAttention", ["config"])
@@ -1014,25 +1052,34 @@ def check_llama_attention(LlamaAttention: Callable, *, seed: int = 0, device: to
 
 
 class _ReferenceCache:
-    """The KV cache contract, for checking LlamaAttention independently of the student's KVCache."""
+    """A preallocated cache of ``capacity`` tokens, to check LlamaAttention independently of the student's
+    KVCache (whose contract, ``KVCache()`` growing without limit, it deliberately does not offer)."""
 
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+    def __init__(self, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.keys = torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.filled = 0
 
     @property
     def seq_len(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[-2])
+        return self.filled
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=-2)
-        return self.keys, self.values
+        end = self.filled + k.shape[-2]
+        self.keys[:, :, self.filled:end] = k
+        self.values[:, :, self.filled:end] = v
+        self.filled = end
+        # Contiguous copies, as a cache grown by torch.cat would return.
+        return self.keys[:, :, :end].contiguous(), self.values[:, :, :end].contiguous()
 
 
-def _decode(module, label, config, x, chunks, cache, explicit_positions=None) -> None:
-    """Feed x [B, T, hidden] through the cache in chunks; compare every chunk with one full causal pass."""
+def _decode(module, label, config, x, chunks, cache=None, explicit_positions=None) -> None:
+    """Feed x [B, T, hidden] through the cache (the course's own when None) in chunks; compare every chunk
+    with one full causal pass."""
     b, t, _ = x.shape
+    if cache is None:
+        cache = _ReferenceCache(b, config.num_key_value_heads, t, config.head_dim, x.dtype, x.device)
     positions = torch.arange(t).expand(b, t) if explicit_positions is None else explicit_positions.cpu()
     chunk_positions = torch.cat([torch.arange(c) for c in chunks]).expand(b, t)
     start = 0
@@ -1053,12 +1100,14 @@ def _decode(module, label, config, x, chunks, cache, explicit_positions=None) ->
         expect_close(out, _llama_reference(module, config, x[:, :end], positions[:, :end], size), what=call + " -> out",
                      against="the same tokens' outputs in one full causal pass over the whole sequence",
                      variants=_llama_variants(module, config, x[:, :end], positions[:, :end], size,
-                                              chunk_positions=chunk_positions[:, :end]), rtol=rtol, atol=atol * 3)
+                                              chunk_positions=chunk_positions[:, :end] if start else None),
+                     rtol=rtol, atol=atol * 3)
         cache = returned
         start = end
 
 
-@check("LlamaAttention with a KV cache: prefill, token-by-token and chunked decoding equal one full causal pass ({device})")
+@check("LlamaAttention with a KV cache: prefill, token-by-token and chunked decoding equal one full causal pass ({device})",
+       uses=(*LLAMA_PARTS, "KVCache"))
 def check_llama_attention_kv_cache(LlamaAttention: Callable, KVCache: Callable, *, seed: int = 0,
                                    device: torch.device | None = None) -> None:
     """LlamaAttention(..., kv_cache=...): positions continue from the cache; new tokens see all cached ones."""
@@ -1067,15 +1116,15 @@ def check_llama_attention_kv_cache(LlamaAttention: Callable, KVCache: Callable, 
     config = _Config()
     module, label = _build_llama(LlamaAttention, config, device, torch.float64, generator)
     x = randn(2, 9, 128, generator=generator, device=device)
-    _decode(module, label, config, x, (4, 1, 1, 1, 1, 1), _ReferenceCache())  # prefill, then one token at a time
-    _decode(module, label, config, x, (3, 2, 3, 1), _ReferenceCache())  # chunked
-    _decode(module, label, config, x, (1,) * 9, _ReferenceCache())  # from an empty cache, token by token
+    _decode(module, label, config, x, (4, 1, 1, 1, 1, 1))  # prefill, then one token at a time
+    _decode(module, label, config, x, (3, 2, 3, 1))  # chunked
+    _decode(module, label, config, x, (1,) * 9)  # from an empty cache, token by token
     explicit = torch.tensor([[20 + i for i in range(9)], [i * 2 for i in range(9)]], device=device)
-    _decode(module, label, config, x, (5, 1, 3), _ReferenceCache(), explicit_positions=explicit)
+    _decode(module, label, config, x, (5, 1, 3), explicit_positions=explicit)
     config = _Config(hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=True)
     module, label = _build_llama(LlamaAttention, config, device, torch.float32, generator)
     _decode(module, label, config, randn(1, 6, 24, generator=generator, dtype=torch.float32, device=device),
-            (2, 1, 3), _ReferenceCache())
+            (2, 1, 3))
     # Finally with the student's own KVCache.
     cache = call_student(KVCache, call="KVCache()")
     try:
@@ -1087,13 +1136,53 @@ def check_llama_attention_kv_cache(LlamaAttention: Callable, KVCache: Callable, 
 
 
 # --------------------------------------------------------------------------------------
+# Exercise: causal_mask_lower_right
+# --------------------------------------------------------------------------------------
+
+
+@check("causal_mask_lower_right: [q_len, kv_len] bool aligned bottom right; a chunk of queries then equals the "
+       "full causal pass; ValueError for q_len > kv_len ({device})", uses=("causal_mask",))
+def check_causal_mask_lower_right(causal_mask_lower_right: Callable, *, seed: int = 0,
+                                  device: torch.device | None = None) -> None:
+    """causal_mask_lower_right: values for q_len <= kv_len (1, a chunk, all), device, the property it exists for."""
+    expect_signature(causal_mask_lower_right, "causal_mask_lower_right", ["q_len", "kv_len", "device"])
+    generator = random_generator(seed)
+    cases = [(2, 5), (1, 6), (4, 4), (1, 1), (3, 9)]
+    for _ in range(4):
+        kv_len = randint(1, 40, generator)
+        cases.append((randint(1, kv_len, generator), kv_len))
+    for index, (q_len, kv_len) in enumerate(cases):
+        target = torch.device("cpu") if index == 1 else device
+        call = (f"causal_mask_lower_right({q_len}, {kv_len})" if index == 1
+                else f"causal_mask_lower_right({q_len}, {kv_len}, device={device.type!r})")
+        args = {} if index == 1 else {"device": device}
+        mask = call_student(causal_mask_lower_right, q_len, kv_len, call=call, **args)
+        _expect_boolean_mask(mask, call, (q_len, kv_len), target)
+        _expect_mask(mask, call, q_len, kv_len)
+    # What it is for: the last q_len queries, attending with this mask to all kv_len keys, get exactly
+    # their rows of one full causal pass.
+    q_len, kv_len = 3, 8
+    q = randn(2, 4, kv_len, 8, generator=generator, device=device)
+    k, v = randn(2, 4, kv_len, 8, generator=generator, device=device), randn(2, 4, kv_len, 8, generator=generator, device=device)
+    call = f"causal_mask_lower_right({q_len}, {kv_len}, device={device.type!r})"
+    mask = call_student(causal_mask_lower_right, q_len, kv_len, device=device, call=call)
+    chunk = reference_sdpa(q[:, :, -q_len:], k, v, attn_mask=mask)
+    expect_close(chunk, reference_sdpa(q, k, v, is_causal=True)[:, :, -q_len:],
+                 what=f"SDPA of the last {q_len} queries with attn_mask={call}",
+                 against="the same queries' rows of one full causal pass (is_causal=True over all tokens)")
+    for q_len, kv_len in ((3, 2), (5, 1)):
+        expect_value_error(causal_mask_lower_right, q_len, kv_len, call=f"causal_mask_lower_right({q_len}, {kv_len})",
+                           why=f"{q_len} queries cannot be the last tokens of only {kv_len} keys",
+                           must_mention=(q_len, kv_len))
+
+
+# --------------------------------------------------------------------------------------
 # Exercise: kv_cache_bytes
 # --------------------------------------------------------------------------------------
 
 
-def _cache_bytes_reference(num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element) -> int:
-    """Allocate (on the meta device: no memory) one layer's K and V, count their bytes, times layers."""
-    dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[bytes_per_element]
+def _cache_bytes_reference(num_layers, num_kv_heads, head_dim, seq_len, batch_size, dtype: torch.dtype) -> int:
+    """Allocate (on the meta device: no memory) one layer's K and V in dtype, count their bytes, times layers."""
     one = torch.empty(batch_size, num_kv_heads, seq_len, head_dim, dtype=dtype, device="meta")
     return num_layers * 2 * one.numel() * one.element_size()
 
@@ -1111,14 +1200,15 @@ def check_kv_cache_bytes(kv_cache_bytes: Callable, *, seed: int = 0, device: tor
     for case in cases:
         call = "kv_cache_bytes(" + ", ".join(f"{n}={v}" for n, v in zip(parameters, case)) + ")"
         got = call_student(kv_cache_bytes, *case, call=call)
-        expected = _cache_bytes_reference(*case)
+        dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[case[-1]]
+        expected = _cache_bytes_reference(*case[:-1], dtype)
         expect_true(isinstance(got, int) and not isinstance(got, bool),
                     f"{call} should return an int (a number of bytes), got {describe(got)}.")
         hint = ""
         if got * 2 == expected:
-            hint = " The cache holds keys *and* values: a factor 2."
+            hint = _likely("bytes_keys_only")
         elif case[0] > 1 and got * case[0] == expected:
-            hint = " Every layer has its own cache: multiply by num_layers."
+            hint = _likely("bytes_one_layer")
         expect_true(got == expected, f"{call} should be {expected:,} bytes, got {got:,}.{hint}")
 
 

@@ -4,6 +4,9 @@
   (one panel per frequency) and q·k against the offset between query and key;
   :func:`rope_explorer` wraps it with a position slider and a base selector, running *your*
   ``rope_frequencies`` and ``apply_rope``.
+* :func:`plot_kv_head_map` draws which KV head each query head reads (a line per query head);
+  :func:`kv_head_map` wraps it with a consecutive/tiled toggle and an ``H_kv`` selector,
+  running *your* ``repeat_kv``.
 * :func:`plot_kv_group_heads` draws one causal heatmap per query head, in one colour per
   KV group (query heads that share a K/V head share a colour); :func:`kv_group_heatmaps`
   wraps it with a group selector and a colour-scale toggle.
@@ -102,10 +105,78 @@ def rope_explorer(apply_rope: Callable, rope_frequencies: Callable, head_dim: in
         plot_rope(figure, pairs, position, offsets, torch.stack(rows), labels, title)
 
     controls = {
-        "position": widgets.IntSlider(value=5, min=0, max=max_position, description="position"),
+        # Redraw when the slider is released, not at every intermediate value.
+        "position": widgets.IntSlider(value=5, min=0, max=max_position, description="position",
+                                      continuous_update=False),
         "base": widgets.Dropdown(options=[100.0, 10000.0, 500000.0], value=10000.0, description="base"),
     }
     return LiveFigure(draw, controls, figsize=(max(8.0, 1.8 * head_dim // 2), 5.5))
+
+
+# --------------------------------------------------------------------------------------
+# Which KV head each query head reads
+# --------------------------------------------------------------------------------------
+
+LAYOUTS = ("consecutive (your repeat_kv)", "tiled (x.repeat)")
+
+
+def plot_kv_head_map(figure: Figure, kv_head_of_query: Sequence[int], num_kv_heads: int, title: str = "") -> None:
+    """Query heads on the top row, KV heads on the bottom row, a line from each query head to
+    the KV head it reads (``kv_head_of_query[h]``), coloured by KV head."""
+    num_heads = len(kv_head_of_query)
+    ax = figure.add_subplot(1, 1, 1)
+    colours = [_kv_colour(g) for g in range(num_kv_heads)]
+    # KV heads spread under the query heads, so that consecutive groups sit under their KV head.
+    kv_x = [(g + 0.5) * num_heads / num_kv_heads - 0.5 for g in range(num_kv_heads)]
+    for head, group in enumerate(kv_head_of_query):
+        ax.plot([head, kv_x[group]], [1.0, 0.0], color=colours[group], linewidth=1.6, alpha=0.85)
+    ax.scatter(range(num_heads), [1.0] * num_heads, s=120, color=[colours[g] for g in kv_head_of_query],
+               edgecolor="black", zorder=3)
+    ax.scatter(kv_x, [0.0] * num_kv_heads, s=260, marker="s", color=colours, edgecolor="black", zorder=3)
+    for head in range(num_heads):
+        ax.annotate(f"q{head}", (head, 1.0), textcoords="offset points", xytext=(0, 9), ha="center", fontsize=7)
+    for group, x in enumerate(kv_x):
+        ax.annotate(f"KV {group}", (x, 0.0), textcoords="offset points", xytext=(0, -16), ha="center", fontsize=8)
+    ax.set_xlim(-1.0, num_heads)
+    ax.set_ylim(-0.35, 1.3)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, fontsize=9)
+
+
+def _kv_colour(index: int) -> tuple[float, float, float, float]:
+    """One distinct colour per KV head (tab10 repeats after 10)."""
+    from matplotlib import colormaps
+
+    return colormaps["tab10"](index % 10)
+
+
+def kv_head_map(repeat_kv: Callable, num_heads: int = 16, num_kv_heads: int = 4) -> LiveFigure:
+    """Which KV head each of ``num_heads`` query heads reads, computed by *your*
+    ``repeat_kv(x, n_rep)`` (consecutive) or by ``x.repeat(1, n_rep, 1, 1)`` (tiled).
+
+    Controls: ``layout`` (consecutive / tiled) and ``num_kv_heads`` (the divisors of
+    ``num_heads``: 1 is multi-query attention, ``num_heads`` plain multi-head attention).
+    """
+    divisors = [h_kv for h_kv in range(1, num_heads + 1) if num_heads % h_kv == 0]
+    if num_kv_heads not in divisors:
+        raise ValueError(f"num_kv_heads = {num_kv_heads} must divide num_heads = {num_heads}")
+
+    def draw(figure: Figure, layout: str, num_kv_heads: int) -> None:
+        n_rep = num_heads // num_kv_heads
+        labelled = torch.arange(num_kv_heads, dtype=torch.float64).view(1, num_kv_heads, 1, 1)  # KV head g holds g
+        repeated = repeat_kv(labelled, n_rep) if layout == LAYOUTS[0] else labelled.repeat(1, n_rep, 1, 1)
+        kv_head_of_query = [int(round(float(value))) for value in repeated.flatten()]
+        rule = "h // n_rep" if layout == LAYOUTS[0] else "h % H_kv"
+        title = (f"{num_heads} query heads, {num_kv_heads} KV heads (n_rep = {n_rep}), {layout.split()[0]}: "
+                 f"query head h reads KV head {rule}")
+        plot_kv_head_map(figure, kv_head_of_query, num_kv_heads, title)
+
+    controls = {
+        "layout": widgets.ToggleButtons(options=list(LAYOUTS), value=LAYOUTS[0], description="layout"),
+        "num_kv_heads": widgets.Dropdown(options=divisors, value=num_kv_heads, description="H_kv"),
+    }
+    return LiveFigure(draw, controls, figsize=(max(7.0, 0.55 * num_heads), 2.8))
 
 
 # --------------------------------------------------------------------------------------
@@ -125,6 +196,8 @@ def plot_kv_group_heads(figure: Figure, weights: torch.Tensor, num_kv_heads: int
     num_heads, seq_len, num_keys = weights.shape
     n_rep = num_heads // num_kv_heads
     groups = list(range(num_kv_heads)) if groups is None else list(groups)
+    # The figure's height follows the number of rows drawn: one group alone fills it, no blank below.
+    figure.set_size_inches(_heatmap_width(n_rep), _heatmap_height(len(groups)))
     axes = figure.subplots(len(groups), n_rep, squeeze=False)
     labels = list(tokens) if tokens is not None else [str(i) for i in range(num_keys)]
     for row_index, (row, group) in enumerate(zip(axes, groups)):
@@ -167,4 +240,12 @@ def kv_group_heatmaps(weights: torch.Tensor, num_kv_heads: int, tokens: Sequence
                                   description="KV group"),
         "per_head_scale": widgets.Checkbox(value=False, description="per-head colour scale"),
     }
-    return LiveFigure(draw, controls, figsize=(1.9 * n_rep + 0.8, 1.9 * num_kv_heads + 1.0))
+    return LiveFigure(draw, controls, figsize=(_heatmap_width(n_rep), _heatmap_height(num_kv_heads)))
+
+
+def _heatmap_width(n_rep: int) -> float:
+    return 1.9 * n_rep + 0.8
+
+
+def _heatmap_height(rows: int) -> float:
+    return 1.9 * rows + 1.0
