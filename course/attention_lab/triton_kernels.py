@@ -89,8 +89,9 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _is_interpreted(kernel: Any) -> bool:
-    return type(kernel).__name__ == "InterpretedFunction"
+def _compiled_for_gpu(kernel: Any) -> bool:
+    """A kernel defined while TRITON_INTERPRET was not set: it cannot run on CPU tensors."""
+    return type(kernel).__name__ == "JITFunction"
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int) -> None:
@@ -124,7 +125,7 @@ def launch_flash_attention(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: tor
     if isinstance(kernel, _MissingKernel):
         raise TritonUnavailable(TRITON_MISSING)
     _validate(q, k, v, block_q, block_k)
-    if q.device.type == "cpu" and not _is_interpreted(kernel):
+    if q.device.type == "cpu" and _compiled_for_gpu(kernel):
         raise RuntimeError("this kernel was compiled for a GPU, but the tensors are on the CPU. On a machine "
                            "without a GPU, TRITON_INTERPRET=1 must be set *before* the kernel is defined: run "
                            "the setup cell at the top of the notebook, then the kernel's cell again.")
