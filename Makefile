@@ -10,15 +10,19 @@ JOBS ?= 2
 # Jupyter refuses to run as root unless told to (CI and containers run as root).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help setup lab release release-check test test-fast sandbox intake grade feedback export bench clean
+.PHONY: help setup lab release release-check test test-fast sandbox intake grade feedback export bench gpu-check clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
+# Triton (notebook 06's kernel) publishes wheels for Linux only.
+COMMA := ,
+EXTRAS := dev$(if $(filter Linux,$(shell uname -s)),$(COMMA)triton)
+
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install the course, nbgrader and the test tools (pinned)
@@ -58,6 +62,9 @@ export: setup ## write autograder/grades.csv and autograder/grades_by_question.c
 bench: setup ## measure notebook run time and autograde overhead (see benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
 	$(BIN)/python -m benchmarks.grading
+
+gpu-check: setup ## on a CUDA GPU: run every solution notebook, the check tests and the Triton kernel natively; report
+	$(BIN)/python -m benchmarks.gpu_check
 
 clean: ## remove generated grading folders (keeps .venv, course/ and submissions)
 	rm -rf autograder/source autograder/release autograder/autograded autograder/feedback autograder/gradebook.db \
