@@ -17,6 +17,7 @@ kernel is defined, so ``@triton.jit`` builds an *interpreted* kernel that runs o
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable
 
 import torch
@@ -145,8 +146,9 @@ def launch_flash_attention(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: tor
             CAUSAL=bool(causal), BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=head_dim,
         )
     except Exception as error:  # the blank's NotImplementedError arrives wrapped by the interpreter/compiler
-        if "NotImplementedError" in f"{type(error).__name__}: {error}":
-            message = str(error).strip().splitlines()[-1] if str(error).strip() else ""
-            raise NotImplementedError(f"flash_attention_kernel is not written yet ({message})") from None
+        text = f"{type(error).__name__}: {error}"
+        if "NotImplementedError" in text:
+            stub = re.search(r"NotImplementedError\(['\"](.*?)['\"]\)", text)
+            raise NotImplementedError(stub.group(1) if stub else "the kernel is not written yet") from None
         raise
     return out.view(batch, heads, seq_q, head_dim), lse.view(batch, heads, seq_q)
