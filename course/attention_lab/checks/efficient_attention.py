@@ -156,7 +156,7 @@ def _scores(q, k, causal: bool, scale: float, offset: int | None = None, strict:
 def reference_attention(q, k, v, causal: bool = False, scale: float | None = None,
                         **mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` in float64 on the CPU: SDPA's math backend and ``torch.logsumexp``."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     q64, k64, v64 = _f64(q, k, v)
     attn_mask = None
     if causal:
@@ -173,10 +173,10 @@ def tiled_attention(q, k, v, *, causal: bool, scale: float, block_q: int, block_
     Used only to name mistakes: each bug gives the output a student who made it gets.
     """
     q, k, v = _f64(q, k, v)
-    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    seq_q, seq_k = q.size(2), k.size(2)
     offset = 0 if bug == "top_left" else seq_k - seq_q
     outs, lses = [], []
-    for q_start in range(0, seq_q, block_q):
+    for q_start in range(0, q.size(2), block_q):
         q_block = q[..., q_start:q_start + block_q, :]
         rows = torch.arange(q_start, q_start + q_block.shape[-2])[:, None]
         m = torch.full(q_block.shape[:-1], -math.inf, dtype=torch.float64)
@@ -411,12 +411,12 @@ def _chunked_variants(q, k, v, causal: bool, chunk_size: int) -> list[Variant]:
     variants = [Variant(lambda: reference_attention(q, k, v, causal, 1.0)[0], HINTS["no_scale"])]
     if not causal:
         return variants
-    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    seq_q, seq_k = q.size(2), k.size(2)
 
     def per_chunk(offset_of: Callable[[int], int]) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             chunks = []
-            for start in range(0, seq_q, chunk_size):
+            for start in range(0, q.size(2), chunk_size):
                 rows = q[..., start:start + chunk_size, :]
                 keep = causal_keep(rows.shape[-2], seq_k, offset=offset_of(start))
                 chunks.append(reference_sdpa(*_f64(rows, k, v), attn_mask=keep, scale=scale))
