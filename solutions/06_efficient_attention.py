@@ -405,7 +405,7 @@ print("merged halves vs attention over all keys:", float((merged - full_out).abs
 print("plain average of the halves vs all keys: ", float(((out_a + out_b) / 2 - full_out).abs().max()))
 
 # %% [markdown]
-# ### Exercise 6.6 — merging with lse (written, 2 pts, ~5 min)
+# ### Exercise 6.6 — merging with lse, a written answer (2 pts, ~5 min)
 #
 # In two or three sentences: why is the plain average `(out_A + out_B) / 2` wrong, and what
 # does `e^{lse_A − lse}` measure? Write your answer in the cell below.
@@ -578,7 +578,7 @@ contenders = {
 }
 if device.type == "cuda":
     contenders["flash, Triton"] = lambda q, k, v: triton_flash_attention(q, k, v)[0]
-    costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192, 16384], batch_size=4, num_heads=16,
+    costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4, num_heads=16,
                                     dtype=torch.float16, device=device, repeats=3)
 else:
     costs = measure_attention_costs(contenders, [256, 512, 1024, 2048], num_heads=2, device=device)
