@@ -59,9 +59,10 @@ feedback: setup ## write autograder/feedback/<student>/<assignment>/*.html
 export: setup ## write autograder/grades.csv and autograder/grades_by_question.csv
 	$(BIN)/python -m autograder.export
 
-bench: setup ## measure notebook run time and autograde overhead (see benchmarks/)
+bench: setup ## measure notebook run time, autograde overhead and attention kernels (see benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
 	$(BIN)/python -m benchmarks.grading
+	$(BIN)/python -m benchmarks.attention_kernels
 
 gpu-check: setup ## on a CUDA GPU: run every solution notebook, the check tests and the Triton kernel natively; report
 	$(BIN)/python -m benchmarks.gpu_check
