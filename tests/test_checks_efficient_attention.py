@@ -597,3 +597,26 @@ def test_measurements_are_plotted():
     view.controls["log_scale"].value = False
     assert [ax.get_yscale() for ax in view.figure.axes] == ["linear", "linear"]
     assert {line.get_label() for line in view.figure.axes[0].lines} == {"naive", "SDPA"}
+
+
+# --------------------------------------------------------------------------------------
+# The course's setup and the GPU check
+# --------------------------------------------------------------------------------------
+
+
+def test_setup_selects_the_interpreter_without_a_gpu(monkeypatch):
+    from attention_lab import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(device.DEVICE_ENV_VAR, raising=False)
+    assert device.setup(verbose=False).type == "cpu"
+    assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_check_refuses_clearly_without_cuda(capsys):
+    from benchmarks import gpu_check
+
+    assert gpu_check.main([]) == 2
+    assert "needs a CUDA GPU, and there is none here" in capsys.readouterr().err
