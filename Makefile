@@ -10,15 +10,19 @@ JOBS ?= 2
 # Jupyter refuses to run as root unless told to (CI and containers run as root).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help setup lab formgrader release release-check test test-fast sandbox browser intake grade feedback export bench clean
+.PHONY: help setup lab formgrader release release-check test test-fast sandbox browser intake grade feedback export bench gpu-check clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
+# Triton (notebook 06's kernel) publishes wheels for Linux only.
+COMMA := ,
+EXTRAS := dev$(if $(filter Linux,$(shell uname -s)),$(COMMA)triton)
+
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install the course, nbgrader and the test tools (pinned)
@@ -69,9 +73,13 @@ feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/
 export: setup ## write grades.csv and grades_by_question.csv in autograder/course_root/
 	$(BIN)/python -m autograder.export
 
-bench: setup ## measure notebook run time and autograde overhead (see benchmarks/)
+bench: setup ## measure notebook run time, autograde overhead and attention kernels (see benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
 	$(BIN)/python -m benchmarks.grading
+	$(BIN)/python -m benchmarks.attention_kernels
+
+gpu-check: setup ## on a CUDA GPU: run every solution notebook, the check tests and the Triton kernel natively; report
+	$(BIN)/python -m benchmarks.gpu_check
 
 clean: ## empty the course root autograder/course_root/ except submitted/ (keeps .venv and course/)
 	@test ! -d autograder/course_root || find autograder/course_root -mindepth 1 -maxdepth 1 ! -name submitted -exec rm -rf {} +

@@ -24,4 +24,8 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
         "apply_rope_rotate_half", "rope_cos_sin", "interleave_to_half_permutation", "qk_norm",
         "repeat_kv", "LlamaAttention", "KVCache", "kv_cache_bytes",
     ),
+    "06_efficient_attention": (
+        "attention_matrix_bytes", "chunked_attention", "streaming_logsumexp", "online_softmax_step",
+        "flash_attention_forward", "flash_attention_kernel",
+    ),
 }

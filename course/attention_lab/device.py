@@ -47,8 +47,14 @@ def describe_environment(device: torch.device) -> str:
 
 
 def setup(seed: int = 0, preferred: str | None = None, verbose: bool = True) -> torch.device:
-    """What the first cell of every notebook calls: pick the device, seed, print versions."""
+    """What the first cell of every notebook calls: pick the device, seed, print versions.
+
+    Without a CUDA GPU, Triton kernels (notebook 06) run in Triton's interpreter, which
+    ``@triton.jit`` chooses when ``TRITON_INTERPRET=1`` is set before the kernel is defined.
+    """
     device = pick_device(preferred)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     seed_everything(seed)
     if verbose:
         print(describe_environment(device))

@@ -1,0 +1,155 @@
+"""The course on a CUDA GPU: every solution notebook, the check tests, and notebook 06's Triton kernel natively.
+
+    python -m benchmarks.gpu_check [--skip-notebooks] [--skip-tests]      (make gpu-check)
+
+CI has no GPU, so nothing in `make test` needs one; run this wherever a GPU is lent (a
+workstation, Colab, a cloud VM). It
+
+1. runs every solution notebook top to bottom on CUDA (the checks pin TF32 off and SDPA's math
+   backend, so their verdicts must be those of the CPU), hidden tests included;
+2. runs the tests of the checks (``tests/test_checks_*.py``, ``tests/test_checking.py``);
+3. checks notebook 06's Triton kernel *compiled for the GPU* (not the interpreter) at small and
+   larger sizes, and times it with ``triton.testing.do_bench`` against SDPA;
+
+then prints one report and writes it to ``benchmarks/results/gpu_check.json``. It exits 2 at
+once, saying why, where there is no CUDA GPU, and 1 when anything failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+KERNEL_NOTEBOOK = "06_efficient_attention"
+
+
+def cuda_missing_reason() -> str | None:
+    """Why this machine cannot run the GPU check, or None when it can."""
+    if torch.cuda.is_available():
+        return None
+    built = torch.version.cuda or "none (a CPU-only build)"
+    return (f"make gpu-check needs a CUDA GPU, and there is none here: torch.cuda.is_available() is False (torch "
+            f"{torch.__version__}, CUDA in this build: {built}). Run it on a machine with an NVIDIA GPU and a CUDA "
+            "build of torch (e.g. Colab with a GPU runtime).")
+
+
+def run_notebooks() -> list[dict]:
+    from autograder import release
+    from autograder.execute import execute_notebook
+
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        assignments = release.assignment_names()
+        release.build(assignments, root / "course", root / "autograder")
+        for assignment in assignments:
+            result = execute_notebook(root / "autograder" / "source" / assignment / f"{assignment}.ipynb")
+            rows.append({"notebook": assignment, "seconds": round(result.seconds, 1),
+                         "passed": len(result.passed_tests), "failed": result.failed_tests,
+                         "errors": [f"{e.grade_id or e.cell_id}: {e.ename}: {e.evalue.splitlines()[0] if e.evalue else ''}"
+                                    for e in result.errors]})
+            print(f"  {assignment}: {result.seconds:.1f} s, {len(result.passed_tests)} tests passed, "
+                  f"{len(result.failed_tests)} failed, {len(result.errors)} cells raised", flush=True)
+    return rows
+
+
+def run_check_tests() -> dict:
+    tests = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "tests").glob("test_check*.py"))
+    completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                               cwd=REPO_ROOT, capture_output=True, text=True)
+    summary = completed.stdout.strip().splitlines()[-1] if completed.stdout.strip() else completed.stderr[-500:]
+    print(f"  {summary}", flush=True)
+    return {"returncode": completed.returncode, "summary": summary,
+            "failures": [line for line in completed.stdout.splitlines() if line.startswith("FAILED")]}
+
+
+def solution_namespace() -> dict:
+    """The answers of notebook 06's solution (kernel included), defined in a fresh namespace."""
+    import jupytext
+
+    notebook = jupytext.read(REPO_ROOT / "solutions" / f"{KERNEL_NOTEBOOK}.py", fmt="py:percent")
+    namespace: dict = {}
+    exec("import math\nimport torch\nimport torch.nn.functional as F\n"
+         "from attention_lab.triton_kernels import launch_flash_attention, tl, triton", namespace)
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and "answer" in cell.metadata:
+            exec(compile(cell.source, f"<{cell.metadata['answer']}>", "exec"), namespace)
+    return namespace
+
+
+def check_kernel_natively() -> dict:
+    from attention_lab.checks.efficient_attention import check_flash_attention_kernel
+    from attention_lab.triton_kernels import TRITON_AVAILABLE, interpreter_active, launch_flash_attention
+
+    if not TRITON_AVAILABLE:
+        return {"ok": False, "error": "Triton is not installed (make setup installs it on Linux)"}
+    if interpreter_active():
+        return {"ok": False, "error": "TRITON_INTERPRET=1 is set: unset it to compile the kernel for the GPU"}
+    namespace = solution_namespace()
+    kernel = namespace["flash_attention_kernel"]
+    report: dict = {"ok": True, "checks": [], "timings_ms": []}
+    for sizes in ("small", "more"):
+        try:
+            check_flash_attention_kernel(kernel, device="cuda", sizes=sizes)
+            report["checks"].append(f"{sizes}: passed")
+        except AssertionError as failure:
+            report["ok"] = False
+            report["checks"].append(f"{sizes}: FAILED: {failure}")
+    import triton.testing
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for seq_len in (1024, 4096, 16384):
+        q, k, v = (torch.randn(4, 16, seq_len, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        row = {"S": seq_len}
+        for causal in (False, True):
+            triton_ms = triton.testing.do_bench(lambda: launch_flash_attention(kernel, q, k, v, causal=causal,
+                                                                               block_q=64, block_k=64))
+            sdpa_ms = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal))
+            row["causal" if causal else "full"] = {"triton": round(triton_ms, 3), "sdpa": round(sdpa_ms, 3)}
+        report["timings_ms"].append(row)
+        print(f"  S={seq_len}: {row}", flush=True)
+    for line in report["checks"]:
+        print(f"  kernel check {line}", flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-notebooks", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true")
+    options = parser.parse_args(argv)
+    reason = cuda_missing_reason()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
+    os.environ.pop("ATTENTION_LAB_DEVICE", None)  # the notebooks pick CUDA
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    print(f"GPU check on {report['device']} (torch {torch.__version__})", flush=True)
+    if not options.skip_notebooks:
+        print("solution notebooks on CUDA:", flush=True)
+        report["notebooks"] = run_notebooks()
+    if not options.skip_tests:
+        print("tests of the checks:", flush=True)
+        report["check_tests"] = run_check_tests()
+    print("notebook 06's Triton kernel, compiled for the GPU:", flush=True)
+    report["triton_kernel"] = check_kernel_natively()
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    failed = (any(row["failed"] or row["errors"] for row in report.get("notebooks", []))
+              or report.get("check_tests", {}).get("returncode", 0) != 0 or not report["triton_kernel"]["ok"])
+    print("GPU check: " + ("FAILED" if failed else "all passed") + f" (report: {RESULTS_DIR / 'gpu_check.json'})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,901 @@
+"""Checks for notebook 06 -- efficient attention: from the S×S table to a FlashAttention kernel.
+
+The checks prove the algorithm, not only the numbers:
+
+* outputs against ``F.scaled_dot_product_attention`` (math backend) and ``torch.logsumexp``
+  in float64, then on the student's device and dtype; ragged sizes; causal masks aligned
+  bottom-right (query i sees keys j <= i + S_k - S_q); several block sizes;
+* **memory**: a ``TorchFunctionMode`` watches the output of every PyTorch call the answer makes
+  and names the first one that builds a table as wide as all the keys (the ``[S_q, S_k]``
+  score table, or a row block of it), with the student's line;
+* **work**: the same watch counts the block score products, so a causal pass that masks
+  future key blocks instead of skipping them is caught;
+* **split-KV identity**: two halves of the keys, merged with their ``lse``, give the
+  whole attention exactly;
+* **diagnosis**: a float64 emulation of the tiled loop with each classic mistake (no rescale
+  of ``acc`` or ``l``, normalising inside the loop, a stale max, the diagonal block skipped,
+  top-left alignment, log2 ``lse`` ...) names the mistake a wrong output matches.
+
+Precision policy: a float64 input may be computed with float32 internals (the contract asks
+for *at least* float32); such an answer passes with a one-line note.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from attention_lab.checking import (
+    CheckFailure,
+    Variant,
+    call_student,
+    check,
+    describe,
+    expect_close,
+    expect_signature,
+    expect_tensor,
+    expect_true,
+    freeze_module,
+    randint,
+    randn,
+    random_generator,
+    reference_sdpa,
+    shape_str,
+    tolerance,
+)
+
+LN_2 = math.log(2.0)
+LOG2_E = 1.0 / LN_2
+
+HINTS = {
+    # attention_matrix_bytes
+    "bytes_heads": "every head has its own score table: multiply by num_heads.",
+    "bytes_batch": "every sequence of the batch has its own score tables: multiply by batch_size.",
+    "bytes_square": "the table is S × S: seq_len appears squared.",
+    "bytes_elements": "that is a number of elements: multiply by bytes_per_element to get bytes.",
+    # chunked attention
+    "no_scale": "the scores are not scaled: multiply q·kᵀ by 1/sqrt(d_head) (or by the scale argument).",
+    "top_left": "the causal mask is aligned top-left: with S_q != S_k, query i sees keys j <= i + (S_k - S_q) "
+    "(the last query sees every key, as in KV-cache decoding), not j <= i.",
+    "chunk_rows": "the causal mask of a chunk must use the chunk's own query positions: row r of the chunk that "
+    "starts at `start` is query start + r, so it sees keys j <= start + r + (S_k - S_q).",
+    "strict_mask": "the causal mask excludes the diagonal: query i may also attend to its own key (j <= i + offset, "
+    "not j < i + offset).",
+    "sdpa_is_causal": "F.scaled_dot_product_attention(..., is_causal=True) on a chunk aligns its triangle to the "
+    "chunk's top-left corner, which is wrong for every chunk but the first: pass an explicit boolean attn_mask "
+    "for the chunk's rows instead.",
+    "last_chunk": "the last chunk is shorter when S_q is not a multiple of chunk_size: loop with "
+    "range(0, S_q, chunk_size) and slice q[..., start:start + chunk_size, :] (slicing stops at the end).",
+    "full_table": "this builds a table as wide as all the keys for all queries: compute one chunk of query "
+    "rows at a time and build the causal mask for those rows only.",
+    # streaming logsumexp
+    "overflow": "the result overflows (inf or NaN) for large inputs: subtract the running max before "
+    "exponentiating, e^(x - m), and add m back at the end.",
+    "sum_not_rescaled": "when the running max grows from m to m', the running sum must be rescaled: "
+    "s' = s·e^(m - m') + Σ e^(x_block - m'). Without the factor e^(m - m') the old terms keep the old max.",
+    "neg_inf_block": "NaN from a block whose entries are all -inf while the running max is still -inf: "
+    "e^(m - m') with m = m' = -inf is e^(nan). Use a safe max, e.g. torch.where(m_new == -inf, 0, m_new), "
+    "when exponentiating.",
+    "two_passes": "this reduces the whole row at once (a full-row max is a pass of its own over the data): "
+    "slice one block at a time, x[..., start:start + block_size], and keep a running max and a rescaled sum.",
+    "log2": "that is a base-2 logarithm: logsumexp uses the natural log, log(Σ e^x). With exp2/log2 inside, "
+    "multiply by ln 2 at the end (or use torch.exp/torch.log).",
+    # online softmax step
+    "no_rescale_acc": "acc is not rescaled: when the max grows from m to m', the old accumulator must be "
+    "multiplied by e^(m - m') before adding e^(S_blk - m') @ V_blk.",
+    "no_rescale_l": "l is not rescaled: l' = l·e^(m - m') + rowsum(e^(S_blk - m')).",
+    "stale_max": "the max is stale: return the new running max m' = max(m, rowmax(S_blk)) and use it for "
+    "e^(S_blk - m') and e^(m - m').",
+    "old_max_in_exp": "e^(S_blk - m) uses the old max: exponentiate with the new max m' (the old one may be "
+    "-inf or smaller than the block's scores, and overflow).",
+    "block_max_only": "m' must be the max over everything seen so far, max(m, rowmax(S_blk)), not the block's "
+    "rowmax alone.",
+    "normalise_inside": "acc is normalised inside the loop: keep acc unnormalised (a weighted sum) and divide "
+    "by l once, after the last block.",
+    # flash attention forward
+    "skip_diagonal": "the causal loop stops one key block too early: the block that contains the diagonal "
+    "must be visited (and masked inside); skip only the blocks whose first key is beyond the last query's "
+    "reach, start_k > q_end - 1 + (S_k - S_q).",
+    "lse_log2": "lse is in base 2 (log2 Σ e^s·...): with exp2 and scores scaled by log2(e), convert back at the "
+    "end, lse = (m₂ + log2 l)·ln 2.",
+    "lse_mixed": "lse mixes bases: m + log2(l). With natural exp, lse = m + log(l).",
+    "lse_unscaled": "lse is the logsumexp of the *unscaled* scores: it must be logsumexp(scale · q·kᵀ) with "
+    "the mask applied, the same scores the softmax used.",
+    "lse_no_max": "lse is missing the running max: lse = m + log(l), not log(l) (l was summed relative to m).",
+    "exp2_unscaled": "exp2 without log2(e): 2^(s - m) is e^((s - m)·ln 2), a softmax at the wrong temperature. "
+    "Multiply the scores by log2(e) = 1.4427 before exp2 (or use exp).",
+    "exp_with_log2e": "the scores are in base-2 units (qk_scale includes log2(e)), so exponentiate with tl.exp2, "
+    "not tl.exp.",
+    "block_dependent": "the result changes with the block sizes: some block's keys or queries are lost or "
+    "counted twice (look at the last, shorter block: slices q[..., start:start + block, :] stop at the end).",
+    "future_blocks": "with causal=True the loop still computes every key block: stop the key loop at the last "
+    "block any query of this query block may see (start_k <= q_end - 1 + S_k - S_q), and mask only inside it.",
+    "merge": "two halves of the keys merged with their lse do not give the whole attention: lse must be the "
+    "natural-log logsumexp of exactly the scores each half's softmax used.",
+    # Triton kernel
+    "kernel_boundary": "keys beyond S_k are not masked: a masked tl.load returns `other` (0) for them, which "
+    "gives them score 0, not -inf. Set their scores to -inf with tl.where(offs_k[None, :] < seq_k, s, "
+    "float('-inf')).",
+}
+
+
+# --------------------------------------------------------------------------------------
+# References and the emulated tiled loop (float64, CPU)
+# --------------------------------------------------------------------------------------
+
+
+def causal_keep(seq_q: int, seq_k: int, device: Any = "cpu", offset: int | None = None,
+                strict: bool = False) -> torch.Tensor:
+    """``[S_q, S_k]`` boolean, True where query i may see key j: j <= i + (S_k - S_q)."""
+    offset = seq_k - seq_q if offset is None else offset
+    rows = torch.arange(seq_q, device=device)[:, None]
+    cols = torch.arange(seq_k, device=device)[None, :]
+    return cols < rows + offset if strict else cols <= rows + offset
+
+
+def _f64(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().to("cpu", torch.float64) for t in tensors]
+
+
+def _scores(q, k, causal: bool, scale: float, offset: int | None = None, strict: bool = False) -> torch.Tensor:
+    """Scaled (and masked) scores in float64: [B, H, S_q, S_k]."""
+    q, k = _f64(q, k)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    if causal:
+        keep = causal_keep(q.shape[-2], k.shape[-2], offset=offset, strict=strict)
+        scores = scores.masked_fill(~keep, -math.inf)
+    return scores
+
+
+def reference_attention(q, k, v, causal: bool = False, scale: float | None = None,
+                        **mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` in float64 on the CPU: SDPA's math backend and ``torch.logsumexp``."""
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    q64, k64, v64 = _f64(q, k, v)
+    attn_mask = None
+    if causal:
+        attn_mask = causal_keep(q.shape[-2], k.shape[-2], **mask)
+    out = reference_sdpa(q64, k64, v64, attn_mask=attn_mask, scale=scale)
+    lse = torch.logsumexp(_scores(q64, k64, causal, scale, **mask), dim=-1)
+    return out, lse
+
+
+def tiled_attention(q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int,
+                    bug: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention's loop in float64, with one known ``bug`` (or none): ``(out, lse)``.
+
+    Used only to name mistakes: each bug gives the output a student who made it gets.
+    """
+    q, k, v = _f64(q, k, v)
+    seq_q, seq_k = q.size(2), k.size(2)
+    offset = 0 if bug == "top_left" else seq_k - seq_q
+    outs, lses = [], []
+    for q_start in range(0, q.size(2), block_q):
+        q_block = q[..., q_start:q_start + block_q, :]
+        rows = torch.arange(q_start, q_start + q_block.shape[-2])[:, None]
+        m = torch.full(q_block.shape[:-1], -math.inf, dtype=torch.float64)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*q_block.shape[:-1], v.shape[-1], dtype=torch.float64)
+        last_m = m
+        for k_start in range(0, seq_k, block_k):
+            if causal and k_start > rows[-1, 0] + offset:
+                break
+            if causal and bug == "skip_diagonal" and k_start + block_k - 1 > q_start + offset:
+                break
+            scores = q_block @ k[..., k_start:k_start + block_k, :].transpose(-1, -2) * scale
+            if causal:
+                cols = torch.arange(k_start, k_start + scores.shape[-1])[None, :]
+                keep = cols < rows + offset if bug == "strict_mask" else cols <= rows + offset
+                scores = scores.masked_fill(~keep, -math.inf)
+            m_new = torch.maximum(m, scores.amax(-1))
+            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            alpha = torch.exp(m - safe)
+            p = torch.exp(scores - safe[..., None])
+            l = (l if bug == "no_rescale_l" else l * alpha) + p.sum(-1)
+            acc = (acc if bug == "no_rescale_acc" else acc * alpha[..., None]) + p @ v[..., k_start:k_start + block_k, :]
+            if bug in ("normalise_inside", "normalise_inside_twice"):
+                acc = acc / l[..., None]
+            last_m = m_new
+            if bug != "stale_max":
+                m = m_new
+        outs.append(acc if bug == "normalise_inside" else acc / l[..., None])
+        lses.append(last_m + torch.log(l))
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def _lse_variants(q, k, causal: bool, scale: float) -> list[Variant]:
+    """Wrong ``lse`` values: base 2, mixed bases, unscaled scores, the max left out."""
+    scores = _scores(q, k, causal, scale)
+    row_max = scores.amax(-1)
+    row_sum = torch.exp(scores - row_max[..., None]).sum(-1)
+    return [
+        Variant(lambda: (row_max + torch.log(row_sum)) * LOG2_E, HINTS["lse_log2"]),
+        Variant(lambda: row_max + torch.log2(row_sum), HINTS["lse_mixed"]),
+        Variant(lambda: torch.logsumexp(_scores(q, k, causal, 1.0), -1), HINTS["lse_unscaled"]),
+        Variant(lambda: torch.log(row_sum), HINTS["lse_no_max"]),
+    ]
+
+
+def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: int,
+                  extra: Sequence[tuple[str, float]] = ()) -> list[Variant]:
+    """Wrong outputs of a tiled pass: the classic loop bugs, masks and scales."""
+
+    def tiled(bug: str) -> Callable[[], torch.Tensor]:
+        return lambda: tiled_attention(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+                                       bug=bug)[0]
+
+    variants = [Variant(tiled(bug), HINTS[bug]) for bug in ("no_rescale_acc", "no_rescale_l", "normalise_inside",
+                                                              "stale_max")]
+    variants.append(Variant(tiled("normalise_inside_twice"), HINTS["normalise_inside"]))  # and divided by l again
+    if causal:
+        variants += [Variant(tiled(bug), HINTS[bug]) for bug in ("skip_diagonal", "top_left", "strict_mask")]
+    variants.append(Variant(lambda: reference_attention(q, k, v, causal, 1.0)[0], HINTS["no_scale"]))
+    for hint_key, factor in extra:
+        variants.append(Variant(lambda f=factor: reference_attention(q, k, v, causal, scale * f)[0], HINTS[hint_key]))
+    return variants
+
+
+# --------------------------------------------------------------------------------------
+# Precision policy: float32 internals on float64 input pass, with a note
+# --------------------------------------------------------------------------------------
+
+
+def expect_close_policy(actual: torch.Tensor, expected: torch.Tensor, *, what: str, against: str,
+                        variants: Sequence[Variant] = (), tolerance_of: torch.Tensor | None = None,
+                        notes: list[str] | None = None) -> None:
+    """``expect_close``, where a float64 answer may have float32 accuracy (noted, not failed).
+
+    ``tolerance_of``: the tensor whose dtype/device sets the tolerance (default ``actual``).
+    """
+    basis = actual if tolerance_of is None else tolerance_of
+    rtol, atol = tolerance(basis.dtype, basis.device)
+    if basis.dtype == torch.float64:
+        try:
+            expect_close(actual, expected, what=what, against=against, rtol=rtol, atol=atol)
+            return
+        except CheckFailure:
+            rtol, atol = tolerance(torch.float32, basis.device)
+            expect_close(actual, expected, what=what, against=against, variants=variants, rtol=rtol, atol=atol)
+            if notes is not None and not notes:
+                notes.append(f"note: {what} has float32 accuracy on float64 input (your code computes in float32 "
+                             "internally); accepted, since the exercise asks for at least float32.")
+            return
+    expect_close(actual, expected, what=what, against=against, variants=variants, rtol=rtol, atol=atol)
+
+
+def _print_notes(notes: list[str]) -> None:
+    for note in notes:
+        print(note)
+
+
+# --------------------------------------------------------------------------------------
+# Watching every operation: tables as wide as the keys, block products, full-row passes
+# --------------------------------------------------------------------------------------
+
+# Functions whose outputs are matrix products (their count measures the work of a pass).
+_MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "tensordot",
+            "linear"}
+# Reductions: applied to a whole row, they are a pass over it (a streaming answer reduces blocks only).
+_REDUCTIONS = {"amax", "max", "sum", "logsumexp", "softmax", "log_softmax", "mean", "cumsum", "sort", "topk", "norm",
+               "prod", "aminmax", "argmax", "nansum", "special_logsumexp"}
+_OWN_FILES = ("/torch/", "/attention_lab/", "contextlib.py", "<frozen", "/site-packages/")
+
+
+def _function_name(func: Any) -> str:
+    return str(getattr(func, "__name__", func))
+
+
+def _student_line() -> str:
+    """` (your line: `source`)` for the innermost frame of the student's code (not torch, not the checks)."""
+    for frame in reversed(traceback.extract_stack()):
+        if not any(part in frame.filename for part in _OWN_FILES):
+            text = (frame.line or "").strip()
+            return f" (your line: `{text}`)" if text else ""
+    return ""
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1
+
+
+class OperationWatch(TorchFunctionMode):
+    """Sees the inputs and outputs of every PyTorch function the student's code calls.
+
+    * ``is_wide(shape)`` -> the first new (non-view) output for which it is true is kept in
+      ``offence`` as ``(function, shape, student line)``;
+    * ``reads_row(tensor)`` -> the first reduction (max, sum, logsumexp ...) over such an input is
+      kept in ``row_read``;
+    * ``products[shape[-2:]]`` counts matrix products by the last two dims of their output.
+
+    A function mode (not a dispatch mode) sees the calls as written -- ``q @ k.mT``,
+    ``torch.einsum`` -- and costs no import of the compiler stack.
+    """
+
+    def __init__(self, is_wide: Callable[[tuple[int, ...]], bool] | None = None,
+                 reads_row: Callable[[torch.Tensor], bool] | None = None):
+        super().__init__()
+        self.is_wide = is_wide
+        self.reads_row = reads_row
+        self.offence: tuple[str, tuple[int, ...], str] | None = None
+        self.row_read: tuple[str, str] | None = None
+        self.products: Counter = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = _function_name(func)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outputs:
+            return out
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        input_storages = {_storage(t) for t in inputs}
+        new_outputs = [t for t in outputs if _storage(t) not in input_storages]
+        if self.is_wide is not None and self.offence is None:
+            for tensor in new_outputs:
+                if self.is_wide(tuple(tensor.shape)):
+                    self.offence = (name, tuple(tensor.shape), _student_line())
+                    break
+        if (self.reads_row is not None and self.row_read is None and name in _REDUCTIONS
+                and any(self.reads_row(t) for t in inputs)):
+            self.row_read = (name, _student_line())
+        if name in _MATMULS:
+            for tensor in outputs:
+                if tensor.dim() >= 2:
+                    self.products[tuple(tensor.shape[-2:])] += 1
+        return out
+
+
+def _watched_call(fn: Callable, *args: Any, call: str, watch: OperationWatch, **kwargs: Any) -> Any:
+    with watch:
+        return call_student(fn, *args, call=call, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: attention_matrix_bytes
+# --------------------------------------------------------------------------------------
+
+
+def _matrix_bytes_reference(batch_size: int, num_heads: int, seq_len: int, bytes_per_element: int) -> int:
+    """Allocate the score table on the meta device (no memory) and count its bytes."""
+    dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[bytes_per_element]
+    table = torch.empty(batch_size, num_heads, seq_len, seq_len, dtype=dtype, device="meta")
+    return table.numel() * table.element_size()
+
+
+@check("attention_matrix_bytes: B · H · S² · bytes of one layer's score table")
+def check_attention_matrix_bytes(attention_matrix_bytes: Callable, *, seed: int = 0,
+                                 device: torch.device | None = None) -> None:
+    """attention_matrix_bytes: an int equal to the bytes of a [B, H, S, S] table."""
+    parameters = ["batch_size", "num_heads", "seq_len", "bytes_per_element"]
+    expect_signature(attention_matrix_bytes, "attention_matrix_bytes", parameters)
+    generator = random_generator(seed)
+    cases = [(1, 32, 8192, 2), (1, 32, 131072, 2), (1, 1, 1, 1), (3, 5, 7, 4)]
+    for _ in range(5):
+        cases.append((randint(2, 16, generator), randint(2, 64, generator), randint(2, 50000, generator),
+                      2 ** randint(0, 3, generator)))
+    for case in cases:
+        batch, heads, seq_len, size = case
+        call = "attention_matrix_bytes(" + ", ".join(f"{n}={v}" for n, v in zip(parameters, case)) + ")"
+        got = call_student(attention_matrix_bytes, *case, call=call)
+        expected = _matrix_bytes_reference(*case)
+        expect_true(isinstance(got, int) and not isinstance(got, bool),
+                    f"{call} should return an int (a number of bytes), got {describe(got)}.")
+        hint = ""
+        if heads > 1 and got * heads == expected:
+            hint = HINTS["bytes_heads"]
+        elif batch > 1 and got * batch == expected:
+            hint = HINTS["bytes_batch"]
+        elif seq_len > 1 and got * seq_len == expected:
+            hint = HINTS["bytes_square"]
+        elif size > 1 and got * size == expected:
+            hint = HINTS["bytes_elements"]
+        expect_true(got == expected, f"{call} should be {expected:,} bytes, got {got:,}."
+                    + (f"\n  Likely mistake: {hint}" if hint else ""))
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: chunked_attention
+# --------------------------------------------------------------------------------------
+
+
+def _chunked_variants(q, k, v, causal: bool, chunk_size: int) -> list[Variant]:
+    scale = q.shape[-1] ** -0.5
+    variants = [Variant(lambda: reference_attention(q, k, v, causal, 1.0)[0], HINTS["no_scale"])]
+    if not causal:
+        return variants
+    seq_q, seq_k = q.size(2), k.size(2)
+
+    def per_chunk(offset_of: Callable[[int], int]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            chunks = []
+            for start in range(0, q.size(2), chunk_size):
+                rows = q[..., start:start + chunk_size, :]
+                keep = causal_keep(rows.shape[-2], seq_k, offset=offset_of(start))
+                chunks.append(reference_sdpa(*_f64(rows, k, v), attn_mask=keep, scale=scale))
+            return torch.cat(chunks, dim=-2)
+        return run
+
+    variants += [
+        Variant(lambda: reference_attention(q, k, v, True, offset=0)[0], HINTS["top_left"]),
+        Variant(lambda: reference_attention(q, k, v, True, strict=True)[0], HINTS["strict_mask"]),
+        Variant(per_chunk(lambda start: 0), HINTS["sdpa_is_causal"]),
+        Variant(per_chunk(lambda start: seq_k - seq_q), HINTS["chunk_rows"]),
+    ]
+    return variants
+
+
+def _chunked_case(chunked_attention, shape_q, seq_k, chunk_size, causal, generator, device, dtype,
+                  notes: list[str]) -> None:
+    batch, heads, seq_q, head_dim = shape_q
+    q = randn(batch, heads, seq_q, head_dim, generator=generator, dtype=dtype, device=device)
+    k = randn(batch, heads, seq_k, head_dim, generator=generator, dtype=dtype, device=device)
+    v = randn(batch, heads, seq_k, head_dim, generator=generator, dtype=dtype, device=device)
+    call = (f"chunked_attention(q, k, v, chunk_size={chunk_size}, causal={causal}) with q {shape_str(q.shape)}, "
+            f"k and v {shape_str(k.shape)} ({str(dtype).replace('torch.', '')})")
+    out = call_student(chunked_attention, q, k, v, chunk_size, causal=causal, call=call)
+    short = seq_q - seq_q % chunk_size
+    expect_tensor(out, what=call, shape=q.shape, dtype=dtype, device=device,
+                  hints={(batch, heads, short, head_dim): HINTS["last_chunk"]} if short and short != seq_q else None)
+    expected = reference_attention(q, k, v, causal)[0]
+    expect_close_policy(out, expected, what=call, against="F.scaled_dot_product_attention (float64)",
+                        variants=_chunked_variants(q, k, v, causal, chunk_size), notes=notes)
+
+
+def _wide_table(seq_q: int, seq_k: int) -> Callable[[tuple[int, ...]], bool]:
+    return lambda shape: len(shape) >= 2 and tuple(shape[-2:]) in ((seq_q, seq_k), (seq_k, seq_q))
+
+
+def _expect_no_table(watch: OperationWatch, call: str, what: str, hint: str) -> None:
+    if watch.offence is not None:
+        operation, shape, line = watch.offence
+        raise CheckFailure(f"{call} built a {shape_str(shape)} tensor (with {operation}){line}: {what}.\n"
+                           f"  Likely mistake: {hint}")
+
+
+@check("chunked_attention: exact attention chunk by chunk, ragged last chunk, causal bottom-right; no [S_q, S_k] table ({device})")
+def check_chunked_attention(chunked_attention: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """chunked_attention equals SDPA (float64, then the device), with any chunk size; never builds [S_q, S_k]."""
+    expect_signature(chunked_attention, "chunked_attention", ["q", "k", "v", "chunk_size", "causal"])
+    generator = random_generator(seed)
+    notes: list[str] = []
+    cpu = torch.device("cpu")
+    seq_q = randint(33, 47, generator)
+    for causal in (False, True):
+        _chunked_case(chunked_attention, (2, 3, seq_q, 8), seq_q + randint(0, 20, generator), 16, causal,
+                      generator, cpu, torch.float64, notes)
+    _chunked_case(chunked_attention, (1, 2, 10, 8), 10, 64, True, generator, cpu, torch.float64, notes)  # one chunk
+    _chunked_case(chunked_attention, (1, 2, 9, 4), 9, 1, True, generator, cpu, torch.float64, notes)  # rows one by one
+    _chunked_case(chunked_attention, (2, 2, 40, 16), 56, 12, True, generator, device, torch.float32, notes)
+    # Memory: no intermediate is the whole [S_q, S_k] table (chunks are [chunk, S_k]).
+    for causal, (seq_q, seq_k) in ((False, (45, 70)), (True, (45, 70)), (True, (48, 48))):
+        q = randn(1, 2, seq_q, 8, generator=generator)
+        k = randn(1, 2, seq_k, 8, generator=generator)
+        v = randn(1, 2, seq_k, 8, generator=generator)
+        call = f"chunked_attention(q, k, v, chunk_size=16, causal={causal}) with S_q={seq_q}, S_k={seq_k}"
+        watch = OperationWatch(is_wide=_wide_table(seq_q, seq_k))
+        _watched_call(chunked_attention, q, k, v, 16, causal=causal, call=call, watch=watch)
+        _expect_no_table(watch, call, "the whole score table (or mask) at once, which chunking exists to avoid",
+                         HINTS["full_table"])
+    _print_notes(notes)
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: streaming_logsumexp
+# --------------------------------------------------------------------------------------
+
+
+def _lse_stream_variants(x: torch.Tensor, block_size: int) -> list[Variant]:
+    x64 = _f64(x)[0]
+
+    def no_rescale() -> torch.Tensor:
+        m = torch.full(x64.shape[:-1], -math.inf, dtype=torch.float64)
+        s = torch.zeros_like(m)
+        for start in range(0, x64.shape[-1], block_size):
+            block = x64[..., start:start + block_size]
+            m = torch.maximum(m, block.amax(-1))
+            s = s + torch.exp(block - m[..., None]).sum(-1)
+        return m + torch.log(s)
+
+    return [Variant(no_rescale, HINTS["sum_not_rescaled"]),
+            Variant(lambda: torch.logsumexp(x64, -1) * LOG2_E, HINTS["log2"]),
+            Variant(lambda: torch.log2(torch.exp(x64).sum(-1)), HINTS["log2"])]
+
+
+def _streaming_case(streaming_logsumexp, x: torch.Tensor, block_size: int, label: str, notes: list[str],
+                    watch_rows: bool) -> None:
+    call = f"streaming_logsumexp(x, block_size={block_size}) with x {label} {shape_str(x.shape)}"
+    width = x.shape[-1]
+    watch = OperationWatch(reads_row=lambda t: t.dim() >= 1 and t.shape[-1] == width) if watch_rows else None
+    if watch is not None:
+        out = _watched_call(streaming_logsumexp, x, block_size, call=call, watch=watch)
+    else:
+        out = call_student(streaming_logsumexp, x, block_size, call=call)
+    expect_tensor(out, what=call, shape=x.shape[:-1], dtype=x.dtype, device=x.device)
+    expected = torch.logsumexp(_f64(x)[0], dim=-1)
+    finite = torch.isfinite(expected)
+    got = _f64(out)[0]
+    if bool(torch.isnan(got).any()) and (x == -math.inf).any():
+        raise CheckFailure(f"{call} returned NaN.\n  Likely mistake: {HINTS['neg_inf_block']}")
+    if bool((~torch.isfinite(got) & finite).any()):
+        raise CheckFailure(f"{call} returned inf or NaN where torch.logsumexp is finite.\n  Likely mistake: "
+                           + HINTS["overflow"])
+    expect_close_policy(out, expected, what=call, against="torch.logsumexp (float64)",
+                        variants=_lse_stream_variants(x, block_size), notes=notes)
+    if watch is not None and watch.row_read is not None:
+        operation, line = watch.row_read
+        raise CheckFailure(f"{call}: {operation}() reduced a whole row of x{line}, but a streaming logsumexp reads x "
+                           f"one block of {block_size} columns at a time.\n  Likely mistake: {HINTS['two_passes']}")
+
+
+@check("streaming_logsumexp: one pass over column blocks with a running max and a rescaled sum; equals torch.logsumexp; no overflow; -inf allowed ({device})")
+def check_streaming_logsumexp(streaming_logsumexp: Callable, *, seed: int = 0,
+                              device: torch.device | None = None) -> None:
+    """streaming_logsumexp equals torch.logsumexp, reads x block by block, survives ±1000 and -inf."""
+    expect_signature(streaming_logsumexp, "streaming_logsumexp", ["x", "block_size"])
+    generator = random_generator(seed)
+    notes: list[str] = []
+    width = randint(45, 60, generator)
+    x = randn(3, 4, width, generator=generator) * 3
+    _streaming_case(streaming_logsumexp, x, 8, "of", notes, watch_rows=True)
+    # The max grows block after block (increasing rows): the sum must be rescaled each time.
+    rising = torch.linspace(-5.0, 5.0, width, dtype=torch.float64).expand(2, width) + randn(2, width, generator=generator) * 0.1
+    _streaming_case(streaming_logsumexp, rising, 7, "rising along each row,", notes, watch_rows=True)
+    big = torch.stack([x[0, 0] + 1000.0, x[0, 1] - 1000.0])
+    _streaming_case(streaming_logsumexp, big, 8, "around +1000 and -1000,", notes, watch_rows=False)
+    masked = x[0, :3].clone()
+    masked[0, :16] = -math.inf  # two whole blocks of -inf first: the running max is still -inf
+    masked[1, 5::3] = -math.inf
+    masked[2] = -math.inf  # a row with nothing: -inf, as torch.logsumexp gives
+    _streaming_case(streaming_logsumexp, masked, 8, "with -inf entries,", notes, watch_rows=False)
+    _streaming_case(streaming_logsumexp, x[1, 1], 64, "(one block),", notes, watch_rows=False)
+    _streaming_case(streaming_logsumexp, x.to(device=device, dtype=torch.float32), 16, "float32", notes,
+                    watch_rows=False)
+    _print_notes(notes)
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: online_softmax_step
+# --------------------------------------------------------------------------------------
+
+
+def _step_reference(m, l, acc, scores, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, l, acc, scores, v = _f64(m, l, acc, scores, v)
+    m_new = torch.maximum(m, scores.amax(-1))
+    safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - safe)
+    p = torch.exp(scores - safe[..., None])
+    return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + p @ v
+
+
+def _step_variants(m, l, acc, scores, v, part: int) -> list[Variant]:
+    """Wrong (m', l', acc') -- only the part being compared (0, 1 or 2)."""
+    m, l, acc, scores, v = _f64(m, l, acc, scores, v)
+    m_new, l_new, acc_new = _step_reference(m, l, acc, scores, v)
+    alpha = torch.exp(m - m_new)
+    p = torch.exp(scores - m_new[..., None])
+    block_max = scores.amax(-1)
+    if part == 0:
+        return [Variant(m, HINTS["stale_max"]), Variant(block_max, HINTS["block_max_only"])]
+    if part == 1:
+        p_old = torch.exp(scores - m[..., None])
+        return [Variant(l + p.sum(-1), HINTS["no_rescale_l"]),
+                Variant(l * alpha + p_old.sum(-1), HINTS["old_max_in_exp"]),
+                Variant(l * torch.exp(m - block_max) + torch.exp(scores - block_max[..., None]).sum(-1),
+                        HINTS["block_max_only"])]
+    p_old = torch.exp(scores - m[..., None])
+    return [Variant(acc + p @ v, HINTS["no_rescale_acc"]),
+            Variant(acc_new / l_new[..., None], HINTS["normalise_inside"]),
+            Variant(acc * alpha[..., None] + p_old @ v, HINTS["old_max_in_exp"])]
+
+
+def _step_case(online_softmax_step, m, l, acc, scores, v, label: str, notes: list[str]) -> tuple:
+    call = (f"online_softmax_step(m, l, acc, scores_block, v_block) with {label}: m, l {shape_str(m.shape)}, "
+            f"acc {shape_str(acc.shape)}, scores_block {shape_str(scores.shape)}, v_block {shape_str(v.shape)}")
+    expected = _step_reference(m, l, acc, scores, v)
+    variants = [_step_variants(m, l, acc, scores, v, part) for part in range(3)]
+    result = call_student(online_softmax_step, m.clone(), l.clone(), acc.clone(), scores.clone(), v.clone(), call=call)
+    expect_true(isinstance(result, (tuple, list)) and len(result) == 3,
+                f"{call} should return the tuple (m, l, acc), got {describe(result)}.")
+    names = ("m'", "l'", "acc'")
+    for index, (got, want, like) in enumerate(zip(result, expected, (m, l, acc))):
+        expect_tensor(got, what=f"{names[index]} from {call}", shape=like.shape, dtype=like.dtype, device=like.device)
+        expect_close_policy(got, want, what=f"{names[index]} from {call}", against="the update formula (float64)",
+                            variants=variants[index], notes=notes)
+    return tuple(result)
+
+
+@check("online_softmax_step: m' = max(m, rowmax S), l' = l·e^(m−m') + rowsum e^(S−m'), acc' = acc·e^(m−m') + e^(S−m')@V; blocks chained equal softmax(S)@V ({device})")
+def check_online_softmax_step(online_softmax_step: Callable, *, seed: int = 0,
+                              device: torch.device | None = None) -> None:
+    """online_softmax_step: one update from -inf/0/0, a later one with a growing max, and a chain of them."""
+    expect_signature(online_softmax_step, "online_softmax_step", ["m", "l", "acc", "scores_block", "v_block"])
+    generator = random_generator(seed)
+    notes: list[str] = []
+    batch, heads, rows, width, d_v = 2, 3, 5, 4, 6
+
+    def start(dtype=torch.float64, dev: Any = "cpu"):
+        return (torch.full((batch, heads, rows), -math.inf, dtype=dtype, device=dev),
+                torch.zeros(batch, heads, rows, dtype=dtype, device=dev),
+                torch.zeros(batch, heads, rows, d_v, dtype=dtype, device=dev))
+
+    scores = [randn(batch, heads, rows, width, generator=generator) * 2 for _ in range(4)]
+    scores[2] = scores[2] + 4.0  # a block whose scores exceed the running max: everything must be rescaled
+    scores[3][..., 1] = -math.inf  # masked keys
+    values = [randn(batch, heads, width, d_v, generator=generator) for _ in range(4)]
+    state = _step_case(online_softmax_step, *start(), scores[0], values[0], "the first block (m = -inf, l = 0, acc = 0)",
+                       notes)
+    state = tuple(t.detach().to(torch.float64) for t in state)
+    for index in (1, 2, 3):
+        state = _step_case(online_softmax_step, *state, scores[index], values[index],
+                           f"block {index} (the max {'grows' if index == 2 else 'may change'})", notes)
+        state = tuple(t.detach().to(torch.float64) for t in state)
+    m, l, acc = state
+    all_scores, all_values = torch.cat(scores, dim=-1), torch.cat(values, dim=-2)
+    expected = torch.softmax(all_scores, dim=-1) @ all_values
+    expect_close_policy(acc / l[..., None], expected, what="acc / l after four steps",
+                        against="softmax(all scores) @ V (float64)", tolerance_of=acc, notes=notes)
+    # On the device, in float32.
+    m32, l32, acc32 = start(torch.float32, device)
+    _step_case(online_softmax_step, m32, l32, acc32, scores[0].to(device, torch.float32),
+               values[0].to(device, torch.float32), "float32 on the device", notes)
+    _print_notes(notes)
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: flash_attention_forward
+# --------------------------------------------------------------------------------------
+
+
+def _qkv(generator, batch, heads, seq_q, seq_k, head_dim, d_v=None, dtype=torch.float64, device: Any = "cpu"):
+    d_v = head_dim if d_v is None else d_v
+    return (randn(batch, heads, seq_q, head_dim, generator=generator, dtype=dtype, device=device),
+            randn(batch, heads, seq_k, head_dim, generator=generator, dtype=dtype, device=device),
+            randn(batch, heads, seq_k, d_v, generator=generator, dtype=dtype, device=device))
+
+
+def _flash_call_text(q, k, v, block_q, block_k, causal, scale) -> str:
+    blocks = "" if block_q is None else f"block_q={block_q}, block_k={block_k}, "
+    scale_text = "" if scale is None else f", scale={scale}"
+    return (f"flash_attention_forward(q, k, v, {blocks}causal={causal}{scale_text}) with q {shape_str(q.shape)}, "
+            f"k {shape_str(k.shape)}, v {shape_str(v.shape)} ({str(q.dtype).replace('torch.', '')}, {q.device.type})")
+
+
+def _call_flash(flash_attention_forward, q, k, v, block_q, block_k, causal, scale=None,
+                watch: OperationWatch | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
+    call = _flash_call_text(q, k, v, block_q, block_k, causal, scale)
+    kwargs: dict[str, Any] = {"causal": causal}
+    if block_q is not None:
+        kwargs.update(block_q=block_q, block_k=block_k)
+    if scale is not None:
+        kwargs["scale"] = scale
+    if watch is None:
+        result = call_student(flash_attention_forward, q, k, v, call=call, **kwargs)
+    else:
+        result = _watched_call(flash_attention_forward, q, k, v, call=call, watch=watch, **kwargs)
+    expect_true(isinstance(result, (tuple, list)) and len(result) == 2,
+                f"{call} should return the tuple (out, lse), got {describe(result)}.")
+    out, lse = result
+    batch, heads, seq_q = q.shape[:3]
+    expect_tensor(out, what=f"out from {call}", shape=(batch, heads, seq_q, v.shape[-1]), dtype=q.dtype,
+                  device=q.device)
+    expect_tensor(lse, what=f"lse from {call}", shape=(batch, heads, seq_q), device=q.device,
+                  hints={(batch, heads, seq_q, 1): "lse has one number per query row: [B, H, S_q] (squeeze the last axis)."})
+    expect_true(lse.dtype in (q.dtype, torch.float32),
+                f"lse from {call} should be {q.dtype} (or float32, the usual dtype of lse), got {lse.dtype}.")
+    return out, lse, call
+
+
+def _flash_case(flash_attention_forward, q, k, v, block_q, block_k, causal, notes, scale=None) -> tuple:
+    out, lse, call = _call_flash(flash_attention_forward, q, k, v, block_q, block_k, causal, scale)
+    used_scale = q.shape[-1] ** -0.5 if scale is None else scale
+    want_out, want_lse = reference_attention(q, k, v, causal, used_scale)
+    blocks = (64, 64) if block_q is None else (block_q, block_k)
+    try:
+        expect_close_policy(out, want_out, what=f"out from {call}", against="F.scaled_dot_product_attention (float64)",
+                            variants=_out_variants(q, k, v, causal, used_scale, *blocks), notes=notes)
+    except CheckFailure as failure:
+        ragged = q.shape[-2] % blocks[0] or k.shape[-2] % blocks[1]
+        if not ragged or "Likely mistake" in str(failure):
+            raise
+        raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['block_dependent']}") from None
+    expect_close_policy(lse, want_lse, what=f"lse from {call}", against="torch.logsumexp of the scaled, masked "
+                        "scores (float64)", variants=_lse_variants(q, k, causal, used_scale), tolerance_of=out,
+                        notes=notes)
+    return out, lse
+
+
+def _merge_halves(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-KV identity: softmax over all keys from the two halves' outputs and lse."""
+    out_a, lse_a, out_b, lse_b = _f64(out_a, lse_a, out_b, lse_b)
+    lse = torch.logaddexp(lse_a, lse_b)
+    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
+
+
+@check("flash_attention_forward: out equals SDPA and lse equals logsumexp (float64, then the device); ragged S; causal bottom-right; any block sizes; halves merge exactly with lse ({device})")
+def check_flash_attention_forward(flash_attention_forward: Callable, *, seed: int = 0,
+                                  device: torch.device | None = None) -> None:
+    """flash_attention_forward: numbers, ragged blocks, causal, block-size independence, split-KV merge."""
+    expect_signature(flash_attention_forward, "flash_attention_forward",
+                     ["q", "k", "v", "block_q", "block_k", "causal", "scale"])
+    generator = random_generator(seed)
+    notes: list[str] = []
+    seq = randint(40, 48, generator)
+    # float64 ground truth: a multiple of the blocks, then ragged, then causal (square and decoding-shaped).
+    _flash_case(flash_attention_forward, *_qkv(generator, 2, 3, 32, 32, 8), 16, 16, False, notes)
+    _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq - 3, seq + 9, 8), 16, 32, False, notes)
+    _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, seq, seq, 8), 16, 16, True, notes)
+    _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, 29, seq, 8), 8, 16, True, notes)
+    _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, 21, 21, 8, d_v=6), 8, 8, False, notes, scale=0.3)
+    _flash_case(flash_attention_forward, *_qkv(generator, 1, 1, 100, 100, 8), None, None, True, notes)  # defaults
+    # Independent of the block sizes (including a block larger than the sequence).
+    q, k, v = _qkv(generator, 1, 2, 37, 53, 8)
+    reference = reference_attention(q, k, v, True)[0]
+    for block_q, block_k in ((16, 16), (8, 32), (32, 8), (5, 7), (64, 64)):
+        out, _, call = _call_flash(flash_attention_forward, q, k, v, block_q, block_k, True)
+        try:
+            expect_close_policy(out, reference, what=f"out from {call}", against="SDPA (float64)",
+                                variants=_out_variants(q, k, v, True, 8 ** -0.5, block_q, block_k), notes=notes)
+        except CheckFailure as failure:
+            message = str(failure)
+            if "Likely mistake" not in message:
+                message += f"\n  Likely mistake: {HINTS['block_dependent']}"
+            raise CheckFailure(message) from None
+    # Split-KV / ring attention: the two halves of the keys, merged with their lse, are the whole.
+    q, k, v = _qkv(generator, 2, 2, 24, 40, 8)
+    half = 17
+    out_a, lse_a, _ = _call_flash(flash_attention_forward, q, k[:, :, :half], v[:, :, :half], 8, 8, False)
+    out_b, lse_b, _ = _call_flash(flash_attention_forward, q, k[:, :, half:], v[:, :, half:], 8, 8, False)
+    merged, merged_lse = _merge_halves(out_a, lse_a, out_b, lse_b)
+    try:
+        expect_close_policy(merged, reference_attention(q, k, v)[0],
+                            what="the two halves of the keys (0..16 and 17..39) merged with their lse",
+                            against="attention over all 40 keys (float64)", tolerance_of=out_a, notes=notes)
+    except CheckFailure as failure:
+        raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['merge']}") from None
+    # On the device: float32 (and float16 on a GPU), computed in at least float32.
+    _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq, seq + 5, 16, dtype=torch.float32, device=device),
+                16, 16, True, notes)
+    if device.type == "cuda":
+        _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq, seq, 16, dtype=torch.float16, device=device),
+                    16, 16, True, notes)
+    _print_notes(notes)
+
+
+def _score_products(watch: OperationWatch, block: int) -> int:
+    return watch.products[(block, block)]
+
+
+@check("flash_attention_forward: never builds a tensor as wide as all the keys; the causal pass skips future key blocks")
+def check_flash_attention_forward_memory(flash_attention_forward: Callable, *, seed: int = 0,
+                                         device: torch.device | None = None) -> None:
+    """Every operation's output is watched: no [S_q, S_k] table nor a row block of it; causal visits ~half the blocks."""
+    generator = random_generator(seed)
+    head_dim, heads = 8, 3
+    # Sizes where every legitimate tensor ([B, H, S, d], tiles, [B, H, S_q] rows) differs from a table.
+    narrow = (1, head_dim, heads)
+    for causal, (seq_q, seq_k) in ((False, (48, 80)), (True, (48, 80)), (True, (64, 64))):
+        q, k, v = _qkv(generator, 1, heads, seq_q, seq_k, head_dim)
+
+        def is_wide(shape: tuple[int, ...], seq_q=seq_q, seq_k=seq_k) -> bool:
+            if len(shape) < 2:
+                return False
+            rows, cols = shape[-2:]
+            return ((rows, cols) in ((seq_q, seq_k), (seq_k, seq_q))
+                    or (cols == seq_k and rows not in narrow)
+                    or (rows == seq_k and cols not in narrow))
+
+        watch = OperationWatch(is_wide=is_wide)
+        _, _, call = _call_flash(flash_attention_forward, q, k, v, 16, 16, causal, watch=watch)
+        _expect_no_table(watch, call, f"a table of scores against all {seq_k} keys. FlashAttention holds only one "
+                         "[block_q, block_k] tile of scores at a time",
+                         "loop over key blocks inside the loop over query blocks, and give each tile to "
+                         "online_softmax_step; build masks for the tile only. (Scores for a block of queries against "
+                         "every key is chunked attention, not FlashAttention.)")
+    # Work: count the [16, 16] score products with and without the causal mask.
+    seq, block = 96, 16
+    q, k, v = _qkv(generator, 1, 2, seq, seq, head_dim)
+    counts = {}
+    for causal in (False, True):
+        watch = OperationWatch()
+        _call_flash(flash_attention_forward, q, k, v, block, block, causal, watch=watch)
+        counts[causal] = _score_products(watch, block)
+    blocks = seq // block
+    visited = blocks * (blocks + 1) // 2
+    if counts[False] > 0:
+        allowed = counts[False] * (visited + blocks) / blocks ** 2  # one extra (fully masked) block per row is fine
+        expect_true(counts[True] <= allowed,
+                    f"flash_attention_forward(q, k, v, block_q={block}, block_k={block}, causal=True) with S = {seq} "
+                    f"computed {counts[True]} [{block}, {block}] products of q and k blocks, as many as the non-causal "
+                    f"pass ({counts[False]}). Only {visited} of the {blocks ** 2} tiles hold a key that some query of "
+                    f"the tile may see.\n  Likely mistake: {HINTS['future_blocks']}")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: the Triton kernel
+# --------------------------------------------------------------------------------------
+
+
+def _kernel_variants(q, k, v, causal: bool, block_q: int, block_k: int) -> list[Variant]:
+    scale = q.shape[-1] ** -0.5
+    variants = _out_variants(q, k, v, causal, scale, block_q, block_k,
+                             extra=(("exp_with_log2e", LOG2_E), ("exp2_unscaled", LN_2)))
+    seq_k = k.shape[-2]
+    if seq_k % block_k:
+        padded = math.ceil(seq_k / block_k) * block_k  # unmasked padding: zero keys with score 0, zero values
+        k_pad = torch.cat([_f64(k)[0], torch.zeros(*k.shape[:2], padded - seq_k, k.shape[-1], dtype=torch.float64)], -2)
+        v_pad = torch.cat([_f64(v)[0], torch.zeros(*v.shape[:2], padded - seq_k, v.shape[-1], dtype=torch.float64)], -2)
+        offset_keep = causal_keep(q.shape[-2], padded, offset=seq_k - q.shape[-2]) if causal else None
+        variants.append(Variant(lambda: reference_sdpa(_f64(q)[0], k_pad, v_pad, attn_mask=offset_keep, scale=scale),
+                                HINTS["kernel_boundary"]))
+    return variants
+
+
+def _kernel_tolerance_basis(out: torch.Tensor) -> torch.Tensor:
+    """fp32 tl.dot on a GPU runs in TF32 by default (10-bit mantissa): judge it like float16."""
+    if out.device.type == "cuda" and out.dtype == torch.float32:
+        return out.to(torch.float16)
+    return out
+
+
+def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, device, generator) -> None:
+    from attention_lab.triton_kernels import TritonUnavailable
+
+    batch, heads, seq_q, seq_k, head_dim = shape
+    q, k, v = _qkv(generator, batch, heads, seq_q, seq_k, head_dim, dtype=dtype, device=device)
+    call = (f"your kernel via launch_flash_attention(flash_attention_kernel, q, k, v, causal={causal}, "
+            f"block_q={block_q}, block_k={block_k}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)} "
+            f"({str(dtype).replace('torch.', '')}, {device.type})")
+    try:
+        out, lse = launcher(kernel, q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+    except TritonUnavailable as error:
+        raise CheckFailure(str(error)) from None
+    except NotImplementedError as error:
+        raise CheckFailure(f"{call}: not implemented yet ({error}). Write the loop over key blocks.") from None
+    except Exception as error:
+        text = str(error).strip()
+        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
+    basis = _kernel_tolerance_basis(out)
+    want_out, want_lse = reference_attention(q, k, v, causal)
+    expect_close(out, want_out, what=f"out from {call}", against="F.scaled_dot_product_attention (float64)",
+                 variants=_kernel_variants(q, k, v, causal, block_q, block_k),
+                 rtol=tolerance(basis.dtype, device)[0], atol=tolerance(basis.dtype, device)[1])
+    lse_rtol, lse_atol = tolerance(torch.float32 if basis.dtype == torch.float32 else torch.float16, device)
+    expect_close(lse, want_lse, what=f"lse from {call}", against="torch.logsumexp of the scaled, masked scores",
+                 variants=_lse_variants(q, k, causal, q.shape[-1] ** -0.5), rtol=lse_rtol, atol=lse_atol)
+
+
+@check("flash_attention_kernel: equals SDPA and logsumexp in float32 and float16, ragged and causal, any block sizes ({device})")
+def check_flash_attention_kernel(flash_attention_kernel: Any, *, seed: int = 0, device: torch.device | None = None,
+                                 sizes: str = "small") -> None:
+    """The student's Triton kernel, launched by the course's launcher: on the CPU through Triton's
+    interpreter at small sizes (S <= 256), natively on CUDA. ``sizes="more"``: other, larger cases."""
+    from attention_lab.triton_kernels import TRITON_AVAILABLE, TRITON_MISSING, launch_flash_attention
+
+    if not TRITON_AVAILABLE:
+        raise CheckFailure(TRITON_MISSING)
+    generator = random_generator(seed)
+    # (B, H, S_q, S_k, d), causal, block_q, block_k, dtype. The interpreter costs ~0.3 s a case.
+    cases = [
+        ((1, 2, 64, 64, 16), True, 32, 32, torch.float32),
+        ((1, 1, 45, 77, 16), False, 16, 32, torch.float32),  # ragged: S not a multiple of the blocks
+        ((1, 1, 40, 72, 16), True, 32, 16, torch.float32),  # ragged, causal, bottom-right
+        ((1, 2, 48, 48, 32), True, 16, 16, torch.float16),
+    ]
+    if sizes == "more":  # the hidden test: longer and other shapes
+        cases = [((1, 1, 256, 256, 16), True, 32, 32, torch.float32),
+                 ((2, 1, 100, 130, 32), False, 32, 16, torch.float16),
+                 ((1, 2, 33, 50, 16), True, 16, 16, torch.float32)]
+    for shape, causal, block_q, block_k, dtype in cases:
+        _kernel_case(flash_attention_kernel, launch_flash_attention, shape, causal, block_q, block_k, dtype, device,
+                     generator)
+
+
+freeze_module(__name__)

@@ -1,0 +1,154 @@
+"""Triton for notebook 06: the import (or a stand-in that explains where Triton is missing) and
+the launcher of the FlashAttention kernel the student writes.
+
+* ``triton`` / ``tl``: Triton itself where it is installed (Linux, Colab). On macOS and
+  Windows, which have no Triton wheel, a stand-in whose ``@triton.jit`` still defines the
+  kernel cell without error; launching it raises :class:`TritonUnavailable`, which says to
+  run this part on Colab. Nothing else in the course needs Triton.
+* :func:`launch_flash_attention`: the given launcher. One program per (query block,
+  batch·head); validates what the GPU compiler would reject even where the interpreter
+  accepts it (blocks < 16 in ``tl.dot``, bf16 in the interpreter).
+
+On a machine without a CUDA GPU the course's setup cell sets ``TRITON_INTERPRET=1`` before any
+kernel is defined, so ``@triton.jit`` builds an *interpreted* kernel that runs on CPU tensors
+(slowly: a few seconds per small check).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["triton", "tl", "TRITON_AVAILABLE", "TritonUnavailable", "launch_flash_attention",
+           "interpreter_active", "MIN_BLOCK"]
+
+# tl.dot needs every dimension >= 16 on a GPU; the interpreter would accept less.
+MIN_BLOCK = 16
+LOG2_E = 1.4426950408889634
+
+TRITON_MISSING = (
+    "Triton is not installed in this environment (Triton publishes wheels for Linux only, so "
+    "macOS and Windows have none). The rest of the course does not need it. Open this notebook "
+    "on Colab (the badge at the top: Linux, and a free GPU) to write and check the kernel, or "
+    "use a Linux machine where `make setup` installs Triton."
+)
+
+
+class TritonUnavailable(RuntimeError):
+    """Raised when a kernel is launched where Triton cannot be imported."""
+
+
+class _MissingKernel:
+    """What ``@triton.jit`` gives without Triton: the kernel cell runs; a launch explains."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "kernel")
+
+    def __getitem__(self, grid: Any) -> Callable:
+        raise TritonUnavailable(TRITON_MISSING)
+
+
+class _MissingAttribute:
+    """``tl.constexpr``, ``tl.float32`` ... as annotations and defaults: evaluated, never used."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, name: str) -> "_MissingAttribute":
+        return _MissingAttribute(f"{self._name}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TritonUnavailable(TRITON_MISSING)
+
+
+class _MissingTriton(_MissingAttribute):
+    def jit(self, fn: Callable | None = None, **kwargs: Any) -> Any:
+        return _MissingKernel(fn) if fn is not None else _MissingKernel
+
+    @staticmethod
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except ImportError:  # macOS, Windows: no wheel
+    triton = _MissingTriton("triton")
+    tl = _MissingAttribute("triton.language")
+    TRITON_AVAILABLE = False
+
+
+def interpreter_active() -> bool:
+    """True when ``@triton.jit`` builds interpreted kernels (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _compiled_for_gpu(kernel: Any) -> bool:
+    """A kernel defined while TRITON_INTERPRET was not set: it cannot run on CPU tensors."""
+    return type(kernel).__name__ == "JITFunction"
+
+
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, H, S, d_head]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2] or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q [B, H, S_q, d], k and v [B, H, S_k, d] must agree; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    head_dim = q.shape[-1]
+    for name, size in (("block_q", block_q), ("block_k", block_k), ("head_dim", head_dim)):
+        if size < MIN_BLOCK or size & (size - 1):
+            raise ValueError(f"{name} = {size}: must be a power of two >= {MIN_BLOCK} (tl.arange needs powers "
+                             f"of two, and tl.dot needs every dimension >= {MIN_BLOCK} on a GPU -- Triton's "
+                             "interpreter would accept smaller blocks, but the kernel would not compile on a GPU)")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"the kernel computes in float32 / float16 / bfloat16, got {q.dtype}")
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        raise ValueError("bfloat16 tl.dot gives wrong results in Triton's interpreter: use float16 or float32 on "
+                         "the CPU (bfloat16 works on a GPU)")
+
+
+def launch_flash_attention(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                           block_q: int = 32, block_k: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``kernel`` (the student's ``flash_attention_kernel``) on q, k, v: ``(out, lse)``.
+
+    q ``[B, H, S_q, d]``, k and v ``[B, H, S_k, d]``. Each is made contiguous and seen as
+    ``[B·H, S, d]``; the grid is ``(ceil(S_q / block_q), B·H)``: program ``(i, bh)`` computes
+    rows ``i·block_q …`` of head ``bh``. ``out`` has q's dtype; ``lse`` is float32
+    ``[B, H, S_q]`` (natural log).
+    """
+    if isinstance(kernel, _MissingKernel):
+        raise TritonUnavailable(TRITON_MISSING)
+    _validate(q, k, v, block_q, block_k)
+    if q.device.type == "cpu" and _compiled_for_gpu(kernel):
+        raise RuntimeError("this kernel was compiled for a GPU, but the tensors are on the CPU. On a machine "
+                           "without a GPU, TRITON_INTERPRET=1 must be set *before* the kernel is defined: run "
+                           "the setup cell at the top of the notebook, then the kernel's cell again.")
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    q3 = q.reshape(batch * heads, seq_q, head_dim).contiguous()  # [B·H, S_q, d]
+    k3 = k.reshape(batch * heads, seq_k, head_dim).contiguous()  # [B·H, S_k, d]
+    v3 = v.reshape(batch * heads, seq_k, head_dim).contiguous()  # [B·H, S_k, d]
+    out = torch.empty_like(q3)
+    lse = torch.empty(batch * heads, seq_q, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(seq_q, block_q), batch * heads)
+    try:
+        kernel[grid](
+            q3, k3, v3, out, lse,
+            q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
+            seq_q, seq_k, head_dim ** -0.5,
+            CAUSAL=bool(causal), BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=head_dim,
+        )
+    except Exception as error:  # the blank's NotImplementedError arrives wrapped by the interpreter/compiler
+        text = f"{type(error).__name__}: {error}"
+        if "NotImplementedError" in text:
+            stub = re.search(r"NotImplementedError\(['\"](.*?)['\"]\)", text)
+            raise NotImplementedError(stub.group(1) if stub else "the kernel is not written yet") from None
+        raise
+    return out.view(batch, heads, seq_q, head_dim), lse.view(batch, heads, seq_q)

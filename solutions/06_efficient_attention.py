@@ -1,0 +1,605 @@
+# %% [markdown]
+# # 06 — Efficient attention: from the S×S table to a FlashAttention kernel
+#
+# Every notebook so far built the `[S, S]` table of scores and softmaxed it. That table is what
+# limits the context length of a Transformer. Here you will measure it, then remove it step by
+# step — query chunks, the online softmax, the tiled FlashAttention forward pass in PyTorch —
+# and end with the same algorithm as a Triton GPU kernel, which is checked on the CPU by
+# Triton's interpreter and runs natively on a CUDA GPU (Colab).
+#
+# **16 points, about 83 minutes.**
+#
+# **Notation**: `B` batch, `H` heads, `S_q` query tokens, `S_k` key/value tokens, `d` the
+# per-head width. q is `[B, H, S_q, d]`, k and v are `[B, H, S_k, d]`. **Masks** are boolean
+# with **True = may attend**.
+#
+# **Causal, everywhere in this notebook**: query `i` sees keys `j ≤ i + (S_k − S_q)`. The
+# triangle is aligned to the *bottom-right* corner, as in KV-cache decoding (notebook 05): the
+# last query sees every key. When `S_q = S_k` it is the usual lower triangle.
+#
+# **Precision**: your functions may compute in float32 inside even when they are given float64
+# (FlashAttention computes in at least float32); the checks then accept float32 accuracy and
+# print a one-line note.
+
+# %%
+import math
+
+import torch
+import torch.nn.functional as F
+
+# %% [markdown]
+# ## 1. How big is the score table?
+#
+# For one layer, the scores `q·kᵀ` are a `[B, H, S, S]` tensor: `B·H·S²` numbers. Notebook 05
+# computed the KV cache, which grows like `S`; the score table grows like `S²`.
+
+# %% [markdown]
+# ### Exercise 6.1 — attention_matrix_bytes (1 pt, ~3 min)
+#
+# Return the number of bytes of one layer's score table, as an `int`.
+
+# %% answer="attention_matrix_bytes"
+def attention_matrix_bytes(batch_size, num_heads, seq_len, bytes_per_element):
+    """Bytes of a [batch_size, num_heads, seq_len, seq_len] score table.
+
+    Example: attention_matrix_bytes(1, 2, 3, 4) == 72  (1 · 2 · 3² · 4)
+    """
+    ### BEGIN SOLUTION
+    return batch_size * num_heads * seq_len * seq_len * bytes_per_element
+    ### END SOLUTION
+
+
+# %% test="test_attention_matrix_bytes" points=1
+"""attention_matrix_bytes: B·H·S²·bytes, as an int."""
+from attention_lab.checks.efficient_attention import check_attention_matrix_bytes
+
+check_attention_matrix_bytes(attention_matrix_bytes)
+### BEGIN HIDDEN TESTS
+check_attention_matrix_bytes(attention_matrix_bytes, seed=6101)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Llama-3-8B (its `config.json` on the Hugging Face Hub): 32 layers, 32 query heads and 8
+# key/value heads of 128, in 16-bit precision. Its KV cache is notebook 05's
+# `2 · L · H_kv · d · S · B · bytes`; the score table is one layer's, computed once per layer:
+
+# %%
+GiB = 2**30
+layers, query_heads, kv_heads, head_size = 32, 32, 8, 128
+for context in (8192, 131072):
+    table = attention_matrix_bytes(batch_size=1, num_heads=query_heads, seq_len=context, bytes_per_element=2)
+    kv_cache = 2 * layers * kv_heads * head_size * context * 1 * 2  # notebook 05's kv_cache_bytes
+    print(f"S = {context:>7,}: score table of ONE layer {table / GiB:>8,.0f} GiB | KV cache of all 32 layers "
+          f"{kv_cache / GiB:>5,.0f} GiB")
+
+# %% [markdown]
+# At 8k tokens one layer's table (4 GiB) is already four times the whole KV cache (1 GiB); at
+# 128k tokens it is 1,024 GiB — more than any GPU holds — while the cache is 16 GiB. Yet models
+# serve 128k-token contexts: they never build the table. The rest of this notebook shows how.
+#
+# ## 2. Chunks of queries
+#
+# Each query row of the output needs only its own row of scores. So compute the rows
+# `chunk_size` at a time: the largest intermediate is `[B, H, chunk_size, S_k]`, and the result
+# is *exactly* the same attention.
+#
+# ```
+# for each chunk of query rows [start, start + chunk_size):
+#     scores = q_chunk @ kᵀ · scale            # [B, H, chunk, S_k]
+#     (causal: hide keys j > i + S_k − S_q, with i the *global* query index)
+#     out_chunk = softmax(scores) @ v          # [B, H, chunk, d]
+# ```
+
+# %% [markdown]
+# ### Exercise 6.2 — chunked_attention (2 pts, ~10 min)
+#
+# Write `chunked_attention`. The scale is `1/sqrt(d)`. The last chunk is shorter when `S_q` is
+# not a multiple of `chunk_size`. Build the causal mask for each chunk's rows only (a full
+# `[S_q, S_k]` mask would be the very table we avoid). You may use `torch.softmax`, or
+# `F.scaled_dot_product_attention` on a chunk with an explicit `attn_mask` (careful: its
+# `is_causal=True` aligns the triangle to the chunk's top-left corner).
+
+# %% answer="chunked_attention"
+def chunked_attention(q, k, v, chunk_size, causal=False):
+    """Exact attention, computed chunk_size query rows at a time.
+
+    q: [B, H, S_q, d], k and v: [B, H, S_k, d] -> [B, H, S_q, d].
+    causal: query i sees keys j <= i + (S_k - S_q).
+    Example: chunked_attention(q, k, v, 16) equals F.scaled_dot_product_attention(q, k, v).
+    """
+    ### BEGIN SOLUTION
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5
+    outputs = []
+    for start in range(0, seq_q, chunk_size):
+        q_chunk = q[..., start:start + chunk_size, :]  # [B, H, c, d] (c < chunk_size at the end)
+        scores = q_chunk @ k.transpose(-2, -1) * scale  # [B, H, c, S_k]
+        if causal:
+            rows = torch.arange(start, start + q_chunk.shape[-2], device=q.device)[:, None]  # global query index
+            cols = torch.arange(seq_k, device=q.device)[None, :]
+            scores = scores.masked_fill(cols > rows + (seq_k - seq_q), float("-inf"))
+        outputs.append(torch.softmax(scores, dim=-1) @ v)  # [B, H, c, d]
+    return torch.cat(outputs, dim=-2)
+    ### END SOLUTION
+
+
+# %%
+q_demo = torch.randn(1, 2, 50, 16, device=device)
+k_demo, v_demo = torch.randn(1, 2, 70, 16, device=device), torch.randn(1, 2, 70, 16, device=device)
+bottom_right = torch.ones(50, 70, dtype=torch.bool, device=device).tril(diagonal=70 - 50)
+reference_out = F.scaled_dot_product_attention(q_demo, k_demo, v_demo, attn_mask=bottom_right)
+print("chunked (chunk 16, causal) vs SDPA, max difference:",
+      float((chunked_attention(q_demo, k_demo, v_demo, 16, causal=True) - reference_out).abs().max()))
+
+# %% test="test_chunked_attention" points=2
+"""chunked_attention: equals SDPA (float64, then the device), ragged last chunk, causal bottom-right; never builds [S_q, S_k]."""
+from attention_lab.checks.efficient_attention import check_chunked_attention
+
+check_chunked_attention(chunked_attention)
+### BEGIN HIDDEN TESTS
+check_chunked_attention(chunked_attention, seed=6201)
+check_chunked_attention(chunked_attention, seed=6202, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Chunking cuts the memory to `chunk/S` of the table, but each chunk still holds scores
+# against *all* keys. To go further we must split the keys too — and the softmax of a row
+# needs the whole row: its max (for stability) and its sum (to normalise). The next idea fixes
+# that.
+#
+# ## 3. The online softmax
+#
+# A logsumexp, `log Σ e^{x_j}`, is computed stably as `m + log Σ e^{x_j − m}` with `m = max x`.
+# It can also be computed in **one pass** over blocks of `x`: keep a running max `m` and a
+# running sum `s` *relative to* `m`. When a block brings a larger max `m'`, the old sum is
+# rescaled:
+#
+# $$m' = \max(m, \max x_{\text{blk}}), \qquad s' = s\,e^{m - m'} + \sum e^{x_{\text{blk}} - m'}.$$
+#
+# At the start `m = −∞` and `s = 0` (then `e^{m − m'} = 0`). Careful with a block of `−∞`
+# entries while `m` is still `−∞`: `e^{−∞ − (−∞)}` is `NaN`. Exponentiate with a "safe" max
+# (e.g. 0 where `m'` is `−∞`).
+
+# %% [markdown]
+# ### Exercise 6.3 — streaming_logsumexp (2 pts, ~10 min)
+#
+# Write the one-pass logsumexp over the last axis, reading `x` one block of `block_size` columns
+# at a time (`x[..., start:start + block_size]`). It must equal `torch.logsumexp(x, dim=-1)`
+# (not to be called), overflow neither at +1000 nor at −1000, and allow `−inf` entries (a row
+# of only `−inf` gives `−inf`). The check watches that no operation reads a whole row at once.
+
+# %% answer="streaming_logsumexp"
+def streaming_logsumexp(x, block_size):
+    """log Σ_j exp(x[..., j]) in one pass over blocks of block_size columns.
+
+    x: [..., N] -> [...], same dtype and device.
+    Example: streaming_logsumexp(torch.tensor([0.0, 0.0]), 1) == log(2)
+    """
+    ### BEGIN SOLUTION
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device)  # running max
+    s = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)  # running sum of e^(x - m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(dim=-1))
+        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # -inf rows: avoid -inf - -inf
+        s = s * torch.exp(m - safe) + torch.exp(block - safe[..., None]).sum(dim=-1)
+        m = m_new
+    return m + torch.log(s)
+    ### END SOLUTION
+
+
+# %%
+row = torch.tensor([[1000.0, 999.0, -5.0, 1001.0], [float("-inf"), 0.0, 0.0, float("-inf")]], device=device)
+print("streaming:", streaming_logsumexp(row, 2).tolist(), "| torch.logsumexp:", torch.logsumexp(row, dim=-1).tolist())
+
+# %% test="test_streaming_logsumexp" points=2
+"""streaming_logsumexp: equals torch.logsumexp; one pass over blocks; no overflow at ±1000; -inf entries allowed."""
+from attention_lab.checks.efficient_attention import check_streaming_logsumexp
+
+check_streaming_logsumexp(streaming_logsumexp)
+### BEGIN HIDDEN TESTS
+check_streaming_logsumexp(streaming_logsumexp, seed=6301)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# The same trick carries the softmax-weighted sum of the values. For a block of scores
+# `S_blk` (`[..., S_q, block]`) and its values `V_blk` (`[..., block, d]`), keep per query row
+# the running max `m`, the running sum `l` and the unnormalised output `acc`:
+#
+# $$m' = \max(m, \text{rowmax}\,S_{\text{blk}}),\quad
+#   l' = l\,e^{m - m'} + \text{rowsum}\,e^{S_{\text{blk}} - m'},\quad
+#   acc' = acc\,e^{m - m'} + e^{S_{\text{blk}} - m'}\,V_{\text{blk}}.$$
+#
+# After the last block, `out = acc / l` is exactly `softmax(S) @ V`, and `m + log l` is the
+# row's logsumexp.
+
+# %% [markdown]
+# ### Exercise 6.4 — online_softmax_step (2 pts, ~10 min)
+#
+# One step of FlashAttention's inner loop. Shapes: `m, l: [..., S_q]`, `acc: [..., S_q, d]`,
+# `scores_block: [..., S_q, block]`, `v_block: [..., block, d]`. Return the new `(m, l, acc)`
+# with the same shapes and dtypes. Divide by `l` only at the very end, outside this step.
+
+# %% answer="online_softmax_step"
+def online_softmax_step(m, l, acc, scores_block, v_block):
+    """Fold one block of scores and values into the running (m, l, acc).
+
+    Starts from m = -inf, l = 0, acc = 0. Returns (m', l', acc').
+    Example: from the start, one block gives m' = rowmax(S), l' = rowsum(e^(S - m')),
+    acc' = e^(S - m') @ V, and acc' / l' = softmax(S) @ V.
+    """
+    ### BEGIN SOLUTION
+    m_new = torch.maximum(m, scores_block.amax(dim=-1))  # [..., S_q]
+    correction = torch.exp(m - m_new)  # e^(m - m'): 0 on the first block (m = -inf)
+    p = torch.exp(scores_block - m_new[..., None])  # [..., S_q, block]
+    l_new = l * correction + p.sum(dim=-1)
+    acc_new = acc * correction[..., None] + p @ v_block  # [..., S_q, d]
+    return m_new, l_new, acc_new
+    ### END SOLUTION
+
+
+# %%
+scores_demo = torch.randn(3, 8, device=device) * 3
+values_demo = torch.randn(8, 5, device=device)
+state = (torch.full((3,), float("-inf"), device=device), torch.zeros(3, device=device), torch.zeros(3, 5, device=device))
+for start in range(0, 8, 3):  # blocks of 3, 3 and 2 keys
+    state = online_softmax_step(*state, scores_demo[:, start:start + 3], values_demo[start:start + 3])
+m_demo, l_demo, acc_demo = state
+print("online, block by block vs softmax(S) @ V, max difference:",
+      float((acc_demo / l_demo[:, None] - torch.softmax(scores_demo, dim=-1) @ values_demo).abs().max()))
+
+# %% test="test_online_softmax_step" points=2
+"""online_softmax_step: the update of m, l and acc from -inf/0/0 and with a growing max; four steps equal softmax(S) @ V."""
+from attention_lab.checks.efficient_attention import check_online_softmax_step
+
+check_online_softmax_step(online_softmax_step)
+### BEGIN HIDDEN TESTS
+check_online_softmax_step(online_softmax_step, seed=6401)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **Find the bug.** Here is a draft of the step, as you may meet it. It runs, it is right on
+# the first block — and wrong as soon as there are two. Run the cell: what is missing?
+
+# %%
+def draft_online_step(m, l, acc, scores_block, v_block):
+    m_new = torch.maximum(m, scores_block.amax(dim=-1))
+    p = torch.exp(scores_block - m_new[..., None])
+    l_new = l * torch.exp(m - m_new) + p.sum(dim=-1)
+    return m_new, l_new, acc + p @ v_block
+
+
+for blocks in (1, 2):
+    state = (torch.full((3,), float("-inf"), device=device), torch.zeros(3, device=device),
+             torch.zeros(3, 5, device=device))
+    width = 8 // blocks
+    for start in range(0, 8, width):
+        state = draft_online_step(*state, scores_demo[:, start:start + width], values_demo[start:start + width])
+    error = float((state[2] / state[1][:, None] - torch.softmax(scores_demo, dim=-1) @ values_demo).abs().max())
+    print(f"{blocks} block(s) of {width} keys: max difference from softmax(S) @ V = {error:.2e}")
+
+# %% [markdown]
+# The draft rescales `l` but not `acc`. When a later block raises the max from `m` to `m'`, the
+# terms already in `acc` were weighted by `e^{S − m}` and must be multiplied by `e^{m − m'}`
+# like those in `l`; otherwise early keys get too much weight. (On one block there is nothing
+# to rescale, so a test with a single block would not see the bug.)
+#
+# ## 4. FlashAttention's forward pass, in PyTorch
+#
+# Now tile both sides: for each block of `block_q` queries, loop over blocks of `block_k` keys,
+# compute the `[block_q, block_k]` tile of scores, and fold it in with `online_softmax_step`.
+# Only one tile of scores exists at a time.
+#
+# ```
+# for each query block rows [q_start, q_end):
+#     m = −∞, l = 0, acc = 0                         # [B, H, bq], [B, H, bq], [B, H, bq, d]
+#     for each key block [k_start, k_end) that some row may see:
+#         S_blk = q_blk @ k_blkᵀ · scale              # [B, H, bq, bk]
+#         causal: S_blk[i, j] = −∞ where j > i + (S_k − S_q)   (global indices)
+#         m, l, acc = online_softmax_step(m, l, acc, S_blk, v_blk)
+#     out_blk = acc / l ;  lse_blk = m + log l
+# ```
+#
+# With `causal`, a key block whose *first* key is beyond the reach of the block's *last* query
+# (`k_start > q_end − 1 + S_k − S_q`) holds nothing any of these queries may see: **skip it**,
+# do not compute and mask it. That is where causal FlashAttention saves half the work. The
+# explorer shows which tiles a causal pass computes:
+
+# %%
+from attention_lab.widgets.efficient_attention import block_map_explorer
+
+block_map_explorer(seq_q=256, seq_k=256, block_q=64, block_k=64)
+
+# %% [markdown]
+# ### Exercise 6.5 — flash_attention_forward (4 pts, ~20 min)
+#
+# Write the tiled forward pass on top of your `online_softmax_step`. Return `(out, lse)`: `out`
+# `[B, H, S_q, d]` in q's dtype, and `lse` `[B, H, S_q]`, the natural-log logsumexp of each row
+# of *scaled, masked* scores (float32 or q's dtype). `scale` defaults to `1/sqrt(d)`. Compute in
+# at least float32 (`torch.promote_types(q.dtype, torch.float32)`), so float16 input is safe.
+# The last blocks may be shorter. The checks watch every operation your code runs: no tensor
+# may be as wide as all the keys (neither `[S_q, S_k]` nor `[block_q, S_k]`), and with `causal`
+# the number of tiles computed must drop to about half.
+
+# %% answer="flash_attention_forward"
+def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+    """Tiled exact attention with the online softmax; never builds an [S_q, S_k] tensor.
+
+    q: [B, H, S_q, d], k: [B, H, S_k, d], v: [B, H, S_k, d_v]
+    -> out [B, H, S_q, d_v] (q's dtype), lse [B, H, S_q] (logsumexp of the scaled, masked scores).
+    causal: query i sees keys j <= i + (S_k - S_q); key blocks no query of a block may see are skipped.
+    Example: out equals F.scaled_dot_product_attention(q, k, v), for any block sizes.
+    """
+    ### BEGIN SOLUTION
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compute = torch.promote_types(q.dtype, torch.float32)  # at least float32
+    q_c, k_c, v_c = q.to(compute), k.to(compute), v.to(compute)
+    offset = seq_k - seq_q  # causal: aligned bottom-right
+    outs, lses = [], []
+    for q_start in range(0, seq_q, block_q):
+        q_block = q_c[..., q_start:q_start + block_q, :] * scale  # [B, H, bq, d]
+        q_end = q_start + q_block.shape[-2]
+        m = torch.full(q_block.shape[:-1], float("-inf"), dtype=compute, device=q.device)  # [B, H, bq]
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*q_block.shape[:-1], v.shape[-1], dtype=compute, device=q.device)  # [B, H, bq, d_v]
+        k_stop = min(seq_k, q_end + offset) if causal else seq_k  # later keys: no query here may see them
+        for k_start in range(0, k_stop, block_k):
+            k_block = k_c[..., k_start:k_start + block_k, :]  # [B, H, bk, d]
+            scores = q_block @ k_block.transpose(-2, -1)  # [B, H, bq, bk]
+            if causal:
+                rows = torch.arange(q_start, q_end, device=q.device)[:, None]
+                cols = torch.arange(k_start, k_start + k_block.shape[-2], device=q.device)[None, :]
+                scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+            m, l, acc = online_softmax_step(m, l, acc, scores, v_c[..., k_start:k_start + block_k, :])
+        outs.append(acc / l[..., None])
+        lses.append(m + torch.log(l))
+    return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+    ### END SOLUTION
+
+
+# %%
+out_flash, lse_flash = flash_attention_forward(q_demo, k_demo, v_demo, block_q=16, block_k=32, causal=True)
+scaled_scores = (q_demo @ k_demo.transpose(-2, -1) / 4.0).masked_fill(~bottom_right, float("-inf"))
+print("out vs SDPA:", float((out_flash - reference_out).abs().max()),
+      "| lse vs torch.logsumexp:", float((lse_flash - torch.logsumexp(scaled_scores, dim=-1)).abs().max()))
+
+# %% test="test_flash_attention_forward" points=2
+"""flash_attention_forward: out equals SDPA, lse equals logsumexp (float64, then the device); ragged; causal; any blocks; halves merge with lse."""
+from attention_lab.checks.efficient_attention import check_flash_attention_forward
+
+check_flash_attention_forward(flash_attention_forward)
+### BEGIN HIDDEN TESTS
+check_flash_attention_forward(flash_attention_forward, seed=6501)
+### END HIDDEN TESTS
+
+# %% test="test_flash_attention_forward_memory" points=2
+"""flash_attention_forward: no intermediate as wide as all the keys; the causal pass skips future key blocks."""
+from attention_lab.checks.efficient_attention import check_flash_attention_forward_memory
+
+check_flash_attention_forward_memory(flash_attention_forward)
+### BEGIN HIDDEN TESTS
+check_flash_attention_forward_memory(flash_attention_forward, seed=6502)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 5. Why return `lse`: merging attention over two halves of the keys
+#
+# Split the keys in two halves, `A` and `B` (two GPUs, or two chunks of a long KV cache). Each
+# side computes its own attention `out_A, lse_A` and `out_B, lse_B`. The whole attention is
+#
+# $$\text{lse} = \log(e^{\text{lse}_A} + e^{\text{lse}_B}),\qquad
+#   \text{out} = e^{\text{lse}_A - \text{lse}}\,\text{out}_A + e^{\text{lse}_B - \text{lse}}\,\text{out}_B,$$
+#
+# exactly. This is how split-KV decoding (FlashDecoding) and ring attention combine partial
+# results, and why FlashAttention returns `lse` (its backward pass needs it too).
+
+# %%
+half = 35
+out_a, lse_a = flash_attention_forward(q_demo, k_demo[:, :, :half], v_demo[:, :, :half], block_q=16, block_k=16)
+out_b, lse_b = flash_attention_forward(q_demo, k_demo[:, :, half:], v_demo[:, :, half:], block_q=16, block_k=16)
+lse_all = torch.logaddexp(lse_a, lse_b)
+merged = torch.exp(lse_a - lse_all)[..., None] * out_a + torch.exp(lse_b - lse_all)[..., None] * out_b
+full_out = F.scaled_dot_product_attention(q_demo, k_demo, v_demo)
+print("merged halves vs attention over all keys:", float((merged - full_out).abs().max()))
+print("plain average of the halves vs all keys: ", float(((out_a + out_b) / 2 - full_out).abs().max()))
+
+# %% [markdown]
+# ### Exercise 6.6 — merging with lse, a written answer (2 pts, ~5 min)
+#
+# In two or three sentences: why is the plain average `(out_A + out_B) / 2` wrong, and what
+# does `e^{lse_A − lse}` measure? Write your answer in the cell below.
+
+# %% [markdown] manual="merge_with_lse" points=2
+# `out_A` is a softmax-weighted average over the keys of A only, normalised by A's own sum
+# `e^{lse_A} = Σ_{j∈A} e^{s_j}`; the true weights are normalised by the sum over *all* keys.
+# `e^{lse_A − lse} = Σ_{A} e^{s_j} / Σ_{all} e^{s_j}` is the share of the total softmax mass
+# that falls on A's keys, so the right combination weights each half by its share; the plain
+# average gives each half weight ½ whatever its scores, which is right only when both halves
+# carry equal mass.
+
+# %% [markdown]
+# ## 6. The same algorithm as a Triton kernel
+#
+# A GPU kernel in [Triton](https://triton-lang.org) is a Python function run by many
+# *programs* at once. Here program `(i, bh)` computes query rows `i·BLOCK_Q … i·BLOCK_Q +
+# BLOCK_Q − 1` of head `bh`: it loads its queries once, loops over key blocks, and keeps
+# `m_i`, `l_i` and `acc` in registers — the `[BLOCK_Q, BLOCK_K]` tile of scores never leaves
+# the chip. This is FlashAttention.
+#
+# **Where it runs.** On a CUDA GPU (Colab: *Runtime → Change runtime type → GPU*) the kernel is
+# compiled for the GPU. Without a GPU, the setup cell at the top of this notebook has set
+# `TRITON_INTERPRET=1` *before any kernel is defined* (Triton reads it when `@triton.jit`
+# runs): the kernel then runs in Triton's **interpreter** on CPU tensors, with NumPy, slowly but
+# with the same semantics. The interpreter is more lenient than the GPU compiler in two ways
+# the launcher guards against: it accepts blocks smaller than 16 in `tl.dot` (the GPU compiler
+# rejects them), and its bfloat16 `tl.dot` is wrong (so the CPU check uses float32 and float16).
+# Timing tools such as `triton.testing.do_bench` and `@triton.autotune` need a GPU.
+#
+# **Loads and stores.** `tl.load(pointers, mask=..., other=0.0)` reads a whole block; lanes
+# where `mask` is False read nothing and give `other`. A load **without** a mask past the end of
+# a tensor reads memory that is not yours: on a GPU it may crash, and in the interpreter it can
+# kill the notebook's kernel ("kernel restarting"). If that happens, restart, re-run from the
+# top, and add the mask. (Grading runs each notebook in its own process and survives a crashed
+# kernel: you lose this exercise's points, not the others'.)
+#
+# **Triton's vocabulary** for the loop: `tl.arange(0, N)` (a block of indices), `tl.load` /
+# `tl.store`, `tl.dot(a, b)` (a block matrix product, float32 accumulation), `tl.trans(k)`,
+# `tl.max(x, axis=1)`, `tl.sum(x, axis=1)`, `tl.maximum`, `tl.where(condition, a, b)`,
+# `tl.exp2`, `x[:, None]` / `x[None, :]` broadcasting, `p.to(v.dtype)`. Plain Python `for` loops
+# over `range(start, stop, step)` work, with `stop` a runtime value.
+
+# %%
+from attention_lab.triton_kernels import TRITON_AVAILABLE, interpreter_active, launch_flash_attention, tl, triton
+
+print("Triton available:", TRITON_AVAILABLE, "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
+
+# %% [markdown]
+# ### Exercise 6.7 — flash_attention_kernel (3 pts, ~25 min)
+#
+# The kernel's prologue (offsets, loading this program's queries, `m_i = −∞`, `l_i = 0`,
+# `acc = 0`) and epilogue (`acc / l_i`, `lse`, the masked stores) are given. Write the loop over
+# key blocks in between:
+#
+# 1. the loop bound: all keys, or with `CAUSAL` only up to the last key this block's last query
+#    may see, `k_stop = min(seq_k, (block_index + 1)·BLOCK_Q + seq_k − seq_q)`;
+# 2. for each `k_start`: offsets `offs_k = k_start + tl.arange(0, BLOCK_K)`; load the
+#    `[BLOCK_K, HEAD_DIM]` blocks of K and V with `mask=offs_k[:, None] < seq_k`;
+# 3. scores `s = tl.dot(q, tl.trans(k)) * qk_scale`, then `−inf` where the key is past `seq_k`
+#    (the masked load gave those keys 0, i.e. score 0, not −inf) and, with `CAUSAL`, where
+#    `offs_k > offs_q + seq_k − seq_q`;
+# 4. the online-softmax update of `m_i`, `l_i`, `acc`, with `tl.exp2` (the scores are in
+#    base-2 units: `qk_scale` includes `log2(e)`, as the epilogue assumes). Multiply
+#    `p.to(v.dtype)` by `v` with `tl.dot` (float16 inputs, float32 accumulation).
+
+# %% answer="flash_attention_kernel"
+@triton.jit
+def flash_attention_kernel(Q, K, V, Out, Lse,
+                           stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                           seq_q, seq_k, sm_scale,
+                           CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
+    """One program: BLOCK_Q query rows of one (batch, head); loop over key blocks.
+
+    Q, Out: [B·H, S_q, HEAD_DIM]; K, V: [B·H, S_k, HEAD_DIM]; Lse: [B·H, S_q] float32.
+    """
+    block_index = tl.program_id(0)  # which block of query rows
+    head_index = tl.program_id(1)  # which (batch, head)
+    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] query rows of this program
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
+                mask=offs_q[:, None] < seq_q, other=0.0)  # [BLOCK_Q, HEAD_DIM]
+    qk_scale = sm_scale * 1.4426950408889634  # × log2(e): scores in base-2 units, for tl.exp2
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)  # running max (base-2 units)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)  # running sum
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)  # unnormalised output
+    ### BEGIN SOLUTION
+    k_stop = seq_k
+    if CAUSAL:
+        k_stop = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + seq_k - seq_q)
+    for k_start in range(0, k_stop, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        key_ok = offs_k[:, None] < seq_k
+        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :], mask=key_ok, other=0.0)
+        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :], mask=key_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK_K]
+        visible = offs_k[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        correction = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * correction + tl.sum(p, axis=1)
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    ### END SOLUTION
+    # Epilogue (given): normalise once, lse back to natural log, store the rows that exist.
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # × ln 2
+    row_ok = offs_q < seq_q
+    tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)
+
+
+# %% [markdown]
+# The launcher is given: it makes q, k and v contiguous as `[B·H, S, d]`, allocates `out` and
+# `lse`, and launches a grid of `(ceil(S_q / block_q), B·H)` programs. Read it with
+# `launch_flash_attention??`.
+
+# %%
+def triton_flash_attention(q, k, v, causal=False):
+    """(out, lse) from your kernel: q [B, H, S_q, d], k and v [B, H, S_k, d]; d a power of two >= 16."""
+    return launch_flash_attention(flash_attention_kernel, q, k, v, causal=causal)
+
+
+if TRITON_AVAILABLE:
+    q_small, k_small, v_small = (torch.randn(1, 2, 64, 16, device=device) for _ in range(3))
+    out_triton, lse_triton = triton_flash_attention(q_small, k_small, v_small, causal=True)
+    out_torch, lse_torch = flash_attention_forward(q_small, k_small, v_small, causal=True)
+    print("Triton vs PyTorch flash: out", float((out_triton - out_torch).abs().max()),
+          "| lse", float((lse_triton - lse_torch).abs().max()))
+else:
+    print("Triton is not installed here: open this notebook on Colab to run the kernel.")
+
+# %% test="test_flash_attention_kernel" points=3
+"""flash_attention_kernel: equals SDPA and logsumexp in float32 and float16, ragged S, causal, several block sizes."""
+from attention_lab.checks.efficient_attention import check_flash_attention_kernel
+
+check_flash_attention_kernel(flash_attention_kernel)
+### BEGIN HIDDEN TESTS
+check_flash_attention_kernel(flash_attention_kernel, seed=6701, sizes="more")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 7. Measurements: time and memory against S
+#
+# Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention` and
+# `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU also your
+# Triton kernel, in float16). Peak memory is that of the tensors each call creates; on the CPU
+# it is followed tensor by tensor (SDPA's fused CPU kernel allocates its small buffers out of
+# sight). Ungraded; on the CPU it takes a few seconds.
+
+# %%
+from attention_lab.widgets.efficient_attention import attention_costs_view, measure_attention_costs
+
+
+def naive_attention(q, k, v):
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)  # [B, H, S, S]
+    return weights @ v
+
+
+contenders = {
+    "naive": naive_attention,
+    "chunked (128)": lambda q, k, v: chunked_attention(q, k, v, 128),
+    "flash, PyTorch (128)": lambda q, k, v: flash_attention_forward(q, k, v, 128, 128)[0],
+    "SDPA": F.scaled_dot_product_attention,
+}
+if device.type == "cuda":
+    contenders["flash, Triton"] = lambda q, k, v: triton_flash_attention(q, k, v)[0]
+    costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4, num_heads=16,
+                                    dtype=torch.float16, device=device, repeats=3)
+else:
+    costs = measure_attention_costs(contenders, [256, 512, 1024, 2048], num_heads=2, device=device)
+attention_costs_view(costs)
+
+# %% [markdown]
+# The naive table's memory grows like `S²` (×4 per doubling); chunked attention's like
+# `chunk · S`; the tiled pass's only like `S` (its output and its tiles). Their time still grows
+# like `S²`: FlashAttention does the same arithmetic, it just never writes the table to memory —
+# on a GPU that memory traffic, not the arithmetic, is what the naive version waits for, so the
+# fused kernel (SDPA's flash backend, or yours) is also faster. In Python on the CPU, the
+# PyTorch tiles pay an interpreter overhead per tile, which is why real kernels exist.
+#
+# ## What you built
+#
+# * `attention_matrix_bytes`: the `[S, S]` table outgrows the KV cache from a few thousand
+#   tokens on.
+# * `chunked_attention`: exact attention in `[chunk, S_k]` pieces.
+# * `streaming_logsumexp` and `online_softmax_step`: a running max and rescaled sums make the
+#   softmax a one-pass, block-by-block computation.
+# * `flash_attention_forward`: tiles of queries × keys, no `[S_q, S_k]` tensor, future blocks
+#   skipped, and `lse` — which merges partial results exactly.
+# * `flash_attention_kernel`: the same loop as a Triton kernel, checked by the interpreter on the
+#   CPU and run natively on a GPU.

@@ -1,0 +1,119 @@
+# Correct answers in another style: float32 internals cast back, einsum, -1e9 / finfo.min masks,
+# logaddexp of block logsumexps, while loops over [B·H, S, d] with bmm, natural exp in the kernel.
+
+# %% answer="attention_matrix_bytes"
+def attention_matrix_bytes(batch_size, num_heads, seq_len, bytes_per_element):
+    return math.prod((batch_size, num_heads, seq_len, seq_len, bytes_per_element))
+
+# %% answer="chunked_attention"
+def chunked_attention(q, k, v, chunk_size, causal=False):
+    n_q, n_k = q.size(-2), k.size(-2)
+    kf, vf = k.float(), v.float()
+    pieces = []
+    for first in range(0, n_q, chunk_size):
+        qc = q[:, :, first:first + chunk_size].float()
+        logits = torch.einsum("bhid,bhjd->bhij", qc, kf) / math.sqrt(q.size(-1))
+        if causal:
+            i = torch.arange(first, first + qc.size(-2), device=q.device).unsqueeze(1)
+            j = torch.arange(n_k, device=q.device).unsqueeze(0)
+            logits = logits.masked_fill(j - i > n_k - n_q, -1e9)
+        pieces.append(torch.einsum("bhij,bhjd->bhid", logits.softmax(dim=-1), vf))
+    return torch.cat(pieces, dim=2).to(q.dtype)
+
+# %% answer="streaming_logsumexp"
+def streaming_logsumexp(x, block_size):
+    total = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device)
+    for block in torch.split(x, block_size, dim=-1):
+        total = torch.logaddexp(total, torch.logsumexp(block, dim=-1))
+    return total
+
+# %% answer="online_softmax_step"
+def online_softmax_step(m, l, acc, scores_block, v_block):
+    dtype = acc.dtype
+    m32, l32, acc32 = m.float(), l.float(), acc.float()
+    s32 = scores_block.float()
+    m_next = torch.max(m32, s32.max(dim=-1).values)
+    rescale = torch.exp(m32 - m_next)
+    weights = torch.exp(s32 - m_next.unsqueeze(-1))
+    l32 = l32 * rescale + weights.sum(dim=-1)
+    acc32 = acc32 * rescale.unsqueeze(-1) + torch.einsum("...ij,...jd->...id", weights, v_block.float())
+    return m_next.to(dtype), l32.to(dtype), acc32.to(dtype)
+
+# %% answer="flash_attention_forward"
+def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+    b, h, n_q, _ = q.shape
+    n_k, d_v = k.shape[2], v.shape[-1]
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    q3 = q.reshape(b * h, n_q, -1).float()
+    k3 = k.reshape(b * h, n_k, -1).float()
+    v3 = v.reshape(b * h, n_k, d_v).float()
+    out = torch.empty(b * h, n_q, d_v, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b * h, n_q, dtype=torch.float32, device=q.device)
+    row = 0
+    while row < n_q:
+        q_tile = q3[:, row:row + block_q]
+        rows = q_tile.shape[1]
+        m = torch.full((b * h, rows), float("-inf"), device=q.device)
+        l = torch.zeros(b * h, rows, device=q.device)
+        acc = torch.zeros(b * h, rows, d_v, device=q.device)
+        last_visible = row + rows - 1 + (n_k - n_q)
+        col = 0
+        while col < n_k and (not causal or col <= last_visible):
+            s = torch.bmm(q_tile, k3[:, col:col + block_k].transpose(1, 2)) * scale
+            if causal:
+                i = torch.arange(row, row + rows, device=q.device)[:, None]
+                j = torch.arange(col, col + s.shape[-1], device=q.device)[None, :]
+                s = s.masked_fill(j > i + (n_k - n_q), torch.finfo(s.dtype).min)
+            m, l, acc = online_softmax_step(m, l, acc, s, v3[:, col:col + block_k])
+            col += block_k
+        out[:, row:row + rows] = acc / l[..., None]
+        lse[:, row:row + rows] = m + l.log()
+        row += block_q
+    return out.reshape(b, h, n_q, d_v).to(q.dtype), lse.reshape(b, h, n_q)
+
+# %% answer="flash_attention_kernel"
+@triton.jit
+def flash_attention_kernel(Q, K, V, Out, Lse,
+                           stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                           seq_q, seq_k, sm_scale,
+                           CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
+    """Natural exp inside; m_i is converted to base 2 for the given epilogue."""
+    block_index = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
+                mask=offs_q[:, None] < seq_q, other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    end = seq_k
+    if CAUSAL:
+        end = tl.minimum(end, block_index * BLOCK_Q + BLOCK_Q + seq_k - seq_q)
+    for start in range(0, end, BLOCK_K):
+        keys = start + tl.arange(0, BLOCK_K)
+        in_range = keys < seq_k
+        k = tl.load(K + head_index * stride_kh + keys[:, None] * stride_ks + offs_d[None, :],
+                    mask=in_range[:, None], other=0.0)
+        v = tl.load(V + head_index * stride_vh + keys[:, None] * stride_vs + offs_d[None, :],
+                    mask=in_range[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # natural units
+        allowed = in_range[None, :]
+        if CAUSAL:
+            allowed = allowed & (keys[None, :] - offs_q[:, None] <= seq_k - seq_q)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        scale_old = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * scale_old + tl.sum(p, axis=1)
+        acc = acc * scale_old[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    m_i = m_i * 1.4426950408889634  # the epilogue below expects base-2 units
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    row_ok = offs_q < seq_q
+    tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)

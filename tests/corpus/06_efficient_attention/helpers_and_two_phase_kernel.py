@@ -1,0 +1,149 @@
+# Correct answers in another style: helper functions with common names (`attention`, `softmax`),
+# -inf masks with torch.where, chunks from enumerate(split), in-place updates, a flash pass that
+# pads nothing and indexes tiles with slices of precomputed positions, and a kernel that splits
+# the causal loop in two phases (tiles below the diagonal without a mask, then the diagonal ones)
+# with a @triton.jit helper.
+
+# %% answer="attention_matrix_bytes"
+def attention_matrix_bytes(batch_size, num_heads, seq_len, bytes_per_element):
+    per_head = seq_len * seq_len * bytes_per_element
+    return per_head * num_heads * batch_size
+
+# %% answer="chunked_attention"
+def softmax(x, dim=-1):
+    shifted = x - x.amax(dim=dim, keepdim=True)
+    e = shifted.exp()
+    return e / e.sum(dim=dim, keepdim=True)
+
+
+def attention(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = torch.where(mask, scores, torch.full_like(scores, float("-inf")))
+    return softmax(scores) @ v
+
+
+def chunked_attention(q, k, v, chunk_size, causal=False):
+    offset = k.shape[-2] - q.shape[-2]
+    key_positions = torch.arange(k.shape[-2], device=q.device)
+    result = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    for index, rows in enumerate(q.split(chunk_size, dim=-2)):
+        start = index * chunk_size
+        mask = None
+        if causal:
+            query_positions = torch.arange(start, start + rows.shape[-2], device=q.device)
+            mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1) + offset
+        result[..., start:start + rows.shape[-2], :] = attention(rows, k, v, mask=mask)
+    return result
+
+# %% answer="streaming_logsumexp"
+def streaming_logsumexp(x, block_size):
+    shape = x.shape[:-1]
+    m = torch.full(shape, -math.inf, dtype=x.dtype, device=x.device)
+    s = torch.zeros(shape, dtype=x.dtype, device=x.device)
+    for start in range(0, x.shape[-1], block_size):
+        chunk = x[..., start:min(start + block_size, x.shape[-1])]
+        m_new = torch.maximum(m, chunk.max(dim=-1).values)
+        ok = torch.isfinite(m_new)
+        shift = torch.where(ok, m_new, torch.zeros_like(m_new))
+        s.mul_(torch.where(ok, torch.exp(m - shift), torch.zeros_like(s)))
+        s.add_(torch.exp(chunk - shift.unsqueeze(-1)).sum(dim=-1))
+        m = m_new
+    return torch.where(s > 0, m + torch.log(s), torch.full_like(s, -math.inf))
+
+# %% answer="online_softmax_step"
+def online_softmax_step(m, l, acc, scores_block, v_block):
+    new_max = torch.maximum(m, scores_block.max(-1).values)
+    decay = (m - new_max).exp()
+    weights = (scores_block - new_max[..., None]).exp()
+    acc = acc * decay[..., None]
+    acc += weights @ v_block
+    l = l * decay + weights.sum(-1)
+    return new_max, l, acc
+
+# %% answer="flash_attention_forward"
+def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+    *batch_heads, n_q, head_dim = q.shape
+    n_k = k.shape[-2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_pos = torch.arange(n_q, device=q.device) + (n_k - n_q)  # the last key each query may see
+    k_pos = torch.arange(n_k, device=q.device)
+    out = torch.zeros(*batch_heads, n_q, v.shape[-1], dtype=compute_dtype, device=q.device)
+    lse = torch.zeros(*batch_heads, n_q, dtype=compute_dtype, device=q.device)
+    for q0 in range(0, n_q, block_q):
+        q1 = min(q0 + block_q, n_q)
+        q_tile = q[..., q0:q1, :].to(compute_dtype)
+        m = torch.full((*batch_heads, q1 - q0), -math.inf, dtype=compute_dtype, device=q.device)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*batch_heads, q1 - q0, v.shape[-1], dtype=compute_dtype, device=q.device)
+        k_limit = min(n_k, int(q_pos[q1 - 1]) + 1) if causal else n_k
+        for k0 in range(0, k_limit, block_k):
+            k1 = min(k0 + block_k, n_k)
+            s = (q_tile @ k[..., k0:k1, :].to(compute_dtype).mT) * scale
+            if causal:
+                s = s.masked_fill(k_pos[k0:k1][None, :] > q_pos[q0:q1][:, None], -math.inf)
+            m, l, acc = online_softmax_step(m, l, acc, s, v[..., k0:k1, :].to(compute_dtype))
+        out[..., q0:q1, :] = acc / l.unsqueeze(-1)
+        lse[..., q0:q1] = m + torch.log(l)
+    return out.to(q.dtype), lse
+
+# %% answer="flash_attention_kernel"
+@triton.jit
+def _online_update(m_i, l_i, acc, s, v):
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    correction = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * correction + tl.sum(p, axis=1)
+    acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def flash_attention_kernel(Q, K, V, Out, Lse,
+                           stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                           seq_q, seq_k, sm_scale,
+                           CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
+    """Two phases: key tiles every query of the block may see in full, then the rest, masked."""
+    block_index = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
+                mask=offs_q[:, None] < seq_q, other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    offset = seq_k - seq_q
+    full_end = (seq_k // BLOCK_K) * BLOCK_K  # tiles entirely inside the keys
+    end = seq_k
+    if CAUSAL:
+        # keys every row of this block may see: j <= first row + offset
+        full_end = tl.minimum(full_end, tl.maximum(block_index * BLOCK_Q + offset + 1, 0) // BLOCK_K * BLOCK_K)
+        end = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + offset)
+    for start in range(0, full_end, BLOCK_K):  # phase 1: no mask needed
+        keys = start + tl.arange(0, BLOCK_K)
+        k = tl.load(K + head_index * stride_kh + keys[:, None] * stride_ks + offs_d[None, :])
+        v = tl.load(V + head_index * stride_vh + keys[:, None] * stride_vs + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        m_i, l_i, acc = _online_update(m_i, l_i, acc, s, v)
+    for start in range(full_end, end, BLOCK_K):  # phase 2: the diagonal and the ragged end
+        keys = start + tl.arange(0, BLOCK_K)
+        k = tl.load(K + head_index * stride_kh + keys[:, None] * stride_ks + offs_d[None, :],
+                    mask=keys[:, None] < seq_k, other=0.0)
+        v = tl.load(V + head_index * stride_vh + keys[:, None] * stride_vs + offs_d[None, :],
+                    mask=keys[:, None] < seq_k, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = keys[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= offs_q[:, None] + offset)
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _online_update(m_i, l_i, acc, s, v)
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    row_ok = offs_q < seq_q
+    tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)

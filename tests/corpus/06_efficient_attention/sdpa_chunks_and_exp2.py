@@ -1,0 +1,124 @@
+# Correct answers in another style: SDPA on each chunk with an explicit mask, exp2 with log2(e)
+# factors everywhere (natural-log results), einops, keyword calls, the Triton tutorial's kernel
+# (pointers advanced each step, a finite -1e6 for masked scores, tl.math.exp2).
+
+# %% answer="attention_matrix_bytes"
+def attention_matrix_bytes(batch_size, num_heads, seq_len, bytes_per_element):
+    elements = batch_size * num_heads * seq_len ** 2
+    return int(elements * bytes_per_element)
+
+# %% answer="chunked_attention"
+def chunked_attention(q, k, v, chunk_size, causal=False):
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    outputs = []
+    for chunk_index in range(math.ceil(seq_q / chunk_size)):
+        start = chunk_index * chunk_size
+        stop = min(start + chunk_size, seq_q)
+        mask = None
+        if causal:
+            query_pos = torch.arange(start, stop, device=q.device)
+            key_pos = torch.arange(seq_k, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None] + (seq_k - seq_q)
+        outputs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask))
+    return torch.cat(outputs, dim=2)
+
+# %% answer="streaming_logsumexp"
+def streaming_logsumexp(x, block_size):
+    log2e = 1.4426950408889634
+    running_max = x.new_full(x.shape[:-1], float("-inf"))
+    running_sum = x.new_zeros(x.shape[:-1])
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size] * log2e  # base-2 units
+        new_max = torch.maximum(running_max, block.amax(-1))
+        anchor = torch.nan_to_num(new_max, neginf=0.0)
+        running_sum = running_sum * torch.exp2(running_max - anchor) + torch.exp2(block - anchor[..., None]).sum(-1)
+        running_max = new_max
+    return (running_max + torch.log2(running_sum)) / log2e
+
+# %% answer="online_softmax_step"
+def online_softmax_step(m, l, acc, scores_block, v_block):
+    log2e = 1.4426950408889634
+    m_new = torch.maximum(m, torch.amax(scores_block, dim=-1))
+    alpha = torch.exp2((m - m_new) * log2e)
+    p = torch.exp2((scores_block - m_new.unsqueeze(-1)) * log2e)
+    return m_new, alpha * l + p.sum(-1), alpha.unsqueeze(-1) * acc + torch.matmul(p, v_block)
+
+# %% answer="flash_attention_forward"
+from einops import rearrange
+
+
+def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    sm_scale = q.shape[-1] ** -0.5 if scale is None else scale
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    out_blocks, lse_blocks = [], []
+    for q_index, q_blk in enumerate(q.to(dtype).split(block_q, dim=2)):
+        q_lo = q_index * block_q
+        q_hi = q_lo + q_blk.shape[2]
+        state = (q_blk.new_full(q_blk.shape[:-1], -math.inf), q_blk.new_zeros(q_blk.shape[:-1]),
+                 q_blk.new_zeros(*q_blk.shape[:-1], v.shape[-1]))
+        for k_lo in range(0, seq_k, block_k):
+            if causal and k_lo > q_hi - 1 + seq_k - seq_q:
+                break  # this and all later key blocks are in every query's future
+            k_blk = k[:, :, k_lo:k_lo + block_k].to(dtype)
+            v_blk = v[:, :, k_lo:k_lo + block_k].to(dtype)
+            s = rearrange(q_blk, "b h i d -> b h i d") @ rearrange(k_blk, "b h j d -> b h d j") * sm_scale
+            if causal:
+                keep = (torch.arange(k_lo, k_lo + k_blk.shape[2], device=q.device)[None, :]
+                        <= torch.arange(q_lo, q_hi, device=q.device)[:, None] + seq_k - seq_q)
+                s = torch.where(keep, s, torch.tensor(-math.inf, dtype=dtype, device=q.device))
+            state = online_softmax_step(m=state[0], l=state[1], acc=state[2], scores_block=s, v_block=v_blk)
+        m, l, acc = state
+        out_blocks.append(acc / l.unsqueeze(-1))
+        lse_blocks.append(m + l.log())
+    return torch.cat(out_blocks, dim=2).type_as(q), torch.cat(lse_blocks, dim=2)
+
+# %% answer="flash_attention_kernel"
+@triton.jit
+def flash_attention_kernel(Q, K, V, Out, Lse,
+                           stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                           seq_q, seq_k, sm_scale,
+                           CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
+    """The tutorial's loop: K and V pointers advanced by BLOCK_K rows each step."""
+    block_index = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
+                mask=offs_q[:, None] < seq_q, other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_K)
+    k_ptrs = K + head_index * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V + head_index * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    hi = seq_k
+    if CAUSAL:
+        hi = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + seq_k - seq_q)
+    for start_n in range(0, hi, BLOCK_K):
+        cols = start_n + offs_n
+        kv_mask = cols[:, None] < seq_k
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k))
+        keep = cols[None, :] < seq_k
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_q[:, None] + (seq_k - seq_q))
+        qk = tl.where(keep, qk * qk_scale, -1.0e6)
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_ij
+        k_ptrs += BLOCK_K * stride_ks
+        v_ptrs += BLOCK_K * stride_vs
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    row_ok = offs_q < seq_q
+    tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)

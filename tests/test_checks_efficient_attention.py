@@ -1,0 +1,622 @@
+"""Tests of notebook 06's checks (attention_lab.checks.efficient_attention), its Triton launcher and its widgets.
+
+For every exercise: correct answers written differently from the solution pass (float32
+internals on float64 input, -1e9 / finfo.min / -inf masks, einsum, exp2 with log2(e), keyword
+calls, other loop shapes); the classic mistakes are rejected with the hint that names them;
+every hint of the module is reached by some test here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # kernels below must be defined in interpreter mode (as the setup cell does)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from einops import rearrange  # noqa: E402
+
+from attention_lab import triton_kernels  # noqa: E402
+from attention_lab.checking import CheckFailure  # noqa: E402
+from attention_lab.checks import efficient_attention as checks  # noqa: E402
+from attention_lab.checks.efficient_attention import HINTS  # noqa: E402
+from attention_lab.triton_kernels import TRITON_AVAILABLE, tl, triton  # noqa: E402
+from attention_lab.widgets import efficient_attention as views  # noqa: E402
+
+CPU = {"device": "cpu", "quiet": True}
+NEG_INF = float("-inf")
+
+
+def rejects(check, answer, hint_key: str, *extra) -> str:
+    with pytest.raises(CheckFailure) as failure:
+        check(answer, *extra, **CPU)
+    message = str(failure.value)
+    assert HINTS[hint_key] in message, message
+    return message
+
+
+# --------------------------------------------------------------------------------------
+# attention_matrix_bytes
+# --------------------------------------------------------------------------------------
+
+
+def bytes_prod(batch_size, num_heads, seq_len, bytes_per_element):
+    return math.prod((batch_size, num_heads, seq_len, seq_len)) * bytes_per_element
+
+
+def test_attention_matrix_bytes_correct_answer_passes(capsys):
+    checks.check_attention_matrix_bytes(bytes_prod, device="cpu")
+    assert "✓ attention_matrix_bytes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda batch_size, num_heads, seq_len, bytes_per_element: batch_size * seq_len ** 2 * bytes_per_element, "bytes_heads"),
+    (lambda batch_size, num_heads, seq_len, bytes_per_element: num_heads * seq_len ** 2 * bytes_per_element, "bytes_batch"),
+    (lambda batch_size, num_heads, seq_len, bytes_per_element: batch_size * num_heads * seq_len * bytes_per_element, "bytes_square"),
+    (lambda batch_size, num_heads, seq_len, bytes_per_element: batch_size * num_heads * seq_len ** 2, "bytes_elements"),
+])
+def test_attention_matrix_bytes_mistakes_are_named(wrong, hint):
+    rejects(checks.check_attention_matrix_bytes, wrong, hint)
+
+
+def test_attention_matrix_bytes_must_be_an_int():
+    with pytest.raises(CheckFailure, match="should return an int"):
+        checks.check_attention_matrix_bytes(lambda batch_size, num_heads, seq_len, bytes_per_element:
+                                            float(bytes_prod(batch_size, num_heads, seq_len, bytes_per_element)), **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# chunked_attention
+# --------------------------------------------------------------------------------------
+
+
+def chunked_sdpa(q, k, v, chunk_size, causal=False):
+    # SDPA on each chunk with an explicit mask for the chunk's rows; float32 inside.
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    pieces = []
+    for start in range(0, seq_q, chunk_size):
+        rows = q[:, :, start:start + chunk_size].float()
+        mask = None
+        if causal:
+            i = torch.arange(start, start + rows.shape[2], device=q.device)
+            mask = torch.arange(seq_k, device=q.device)[None] <= i[:, None] + seq_k - seq_q
+        pieces.append(F.scaled_dot_product_attention(rows, k.float(), v.float(), attn_mask=mask))
+    return torch.cat(pieces, 2).to(q.dtype)
+
+
+def chunked_einsum(q, k, v, chunk_size, causal=False):
+    # einsum, a -1e9 additive mask, torch.split over the query axis.
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    out, start = [], 0
+    for rows in torch.split(q, chunk_size, dim=-2):
+        scores = torch.einsum("bhqd,bhkd->bhqk", rows, k) / math.sqrt(q.shape[-1])
+        if causal:
+            i = torch.arange(start, start + rows.shape[-2], device=q.device)[:, None]
+            j = torch.arange(seq_k, device=q.device)[None, :]
+            scores = scores + (j > i + (seq_k - seq_q)).to(scores.dtype) * -1e9
+        out.append(torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v))
+        start += rows.shape[-2]
+    return torch.cat(out, dim=-2)
+
+
+def make_chunked(bug):
+    def chunked(q, k, v, chunk_size, causal=False):
+        seq_q, seq_k = q.shape[-2], k.shape[-2]
+        scale = 1.0 if bug == "no_scale" else q.shape[-1] ** -0.5
+        stop = seq_q - chunk_size + 1 if bug == "last_chunk" else seq_q
+        full_mask = torch.ones(seq_q, seq_k, dtype=torch.bool).tril(seq_k - seq_q) if bug == "full_table" else None
+        outs = []
+        for start in range(0, stop, chunk_size):
+            rows = q[..., start:start + chunk_size, :]
+            if bug == "sdpa_is_causal":
+                outs.append(F.scaled_dot_product_attention(rows, k, v, is_causal=causal))
+                continue
+            scores = rows @ k.transpose(-1, -2) * scale
+            if causal:
+                first = {"chunk_rows": 0}.get(bug, start)
+                offset = 0 if bug == "top_left" else seq_k - seq_q
+                i = torch.arange(first, first + rows.shape[-2])[:, None]
+                j = torch.arange(seq_k)[None, :]
+                keep = j < i + offset if bug == "strict_mask" else j <= i + offset
+                if full_mask is not None:
+                    keep = full_mask[start:start + rows.shape[-2]]
+                scores = scores.masked_fill(~keep, NEG_INF)
+            outs.append(scores.softmax(-1) @ v)
+        return torch.cat(outs, dim=-2)
+    return chunked
+
+
+@pytest.mark.parametrize("answer", [chunked_sdpa, chunked_einsum, make_chunked(None)])
+def test_chunked_attention_correct_answers_pass(answer):
+    checks.check_chunked_attention(answer, **CPU)
+
+
+@pytest.mark.parametrize("bug", ["no_scale", "top_left", "strict_mask", "sdpa_is_causal", "chunk_rows", "last_chunk",
+                                 "full_table"])
+def test_chunked_attention_mistakes_are_named(bug):
+    message = rejects(checks.check_chunked_attention, make_chunked(bug), bug)
+    if bug == "full_table":
+        assert "[45, 70] tensor (with ones)" in message and "full_mask = torch.ones" in message, message
+
+
+def test_float32_internals_pass_with_a_note(capsys):
+    checks.check_chunked_attention(chunked_sdpa, device="cpu")
+    out = capsys.readouterr().out
+    assert "float32 accuracy on float64 input" in out and "✓ chunked_attention" in out
+
+
+# --------------------------------------------------------------------------------------
+# streaming_logsumexp
+# --------------------------------------------------------------------------------------
+
+
+def lse_logaddexp(x, block_size):
+    # logaddexp of per-block logsumexps: also one pass over blocks.
+    total = torch.full(x.shape[:-1], NEG_INF, dtype=x.dtype, device=x.device)
+    for block in x.split(block_size, dim=-1):
+        total = torch.logaddexp(total, torch.logsumexp(block, dim=-1))
+    return total
+
+
+def lse_exp2(x, block_size):
+    # exp2/log2 in float32, converted back to the natural log at the end.
+    y = x.float() * (1 / math.log(2))
+    m = y.new_full(y.shape[:-1], NEG_INF)
+    s = y.new_zeros(y.shape[:-1])
+    for start in range(0, y.shape[-1], block_size):
+        block = y[..., start:start + block_size]
+        new_m = torch.maximum(m, block.max(dim=-1).values)
+        safe = new_m.masked_fill(new_m == NEG_INF, 0.0)
+        s = s * torch.exp2(m - safe) + torch.exp2(block - safe.unsqueeze(-1)).sum(-1)
+        m = new_m
+    return ((m + torch.log2(s)) * math.log(2)).to(x.dtype)
+
+
+def make_streaming(bug):
+    def streaming(x, block_size):
+        m = torch.full(x.shape[:-1], NEG_INF, dtype=x.dtype)
+        s = torch.zeros(x.shape[:-1], dtype=x.dtype)
+        if bug == "overflow":
+            for start in range(0, x.shape[-1], block_size):
+                s = s + x[..., start:start + block_size].exp().sum(-1)
+            return s.log()
+        if bug == "two_passes":
+            m = x.amax(-1)
+        for start in range(0, x.shape[-1], block_size):
+            block = x[..., start:start + block_size]
+            new_m = m if bug == "two_passes" else torch.maximum(m, block.amax(-1))
+            safe = new_m if bug == "neg_inf_block" else torch.where(new_m == NEG_INF, torch.zeros_like(new_m), new_m)
+            rescale = 1.0 if bug == "sum_not_rescaled" else torch.exp(m - safe)
+            safe_m = torch.where(m == NEG_INF, torch.zeros_like(m), m) if bug == "two_passes" else safe
+            s = s * rescale + torch.exp(block - safe_m[..., None]).sum(-1)
+            m = new_m
+        result = m + torch.log(s)
+        return result / math.log(2) if bug == "log2" else result
+    return streaming
+
+
+@pytest.mark.parametrize("answer", [lse_logaddexp, lse_exp2, make_streaming(None)])
+def test_streaming_logsumexp_correct_answers_pass(answer):
+    checks.check_streaming_logsumexp(answer, **CPU)
+
+
+@pytest.mark.parametrize("bug", ["overflow", "sum_not_rescaled", "neg_inf_block", "two_passes", "log2"])
+def test_streaming_logsumexp_mistakes_are_named(bug):
+    message = rejects(checks.check_streaming_logsumexp, make_streaming(bug), bug)
+    if bug == "two_passes":
+        assert "amax() reduced a whole row" in message and "m = x.amax(-1)" in message, message
+
+
+# --------------------------------------------------------------------------------------
+# online_softmax_step
+# --------------------------------------------------------------------------------------
+
+
+def step_float32(m, l, acc, scores_block, v_block):
+    # Hugging Face style: float32 inside, back to the input dtype; in-place updates.
+    dtype = acc.dtype
+    m32, l32, acc32 = m.float(), l.float(), acc.float()
+    m_new = torch.max(m32, scores_block.float().max(dim=-1).values)
+    alpha = (m32 - m_new).exp()
+    p = (scores_block.float() - m_new.unsqueeze(-1)).exp()
+    l32.mul_(alpha).add_(p.sum(-1))
+    acc32.mul_(alpha.unsqueeze(-1)).add_(torch.einsum("...qk,...kd->...qd", p, v_block.float()))
+    return m_new.to(dtype), l32.to(dtype), acc32.to(dtype)
+
+
+def step_exp2(m, l, acc, scores_block, v_block):
+    # exp2 with explicit log2(e) factors (the Triton tutorial's arithmetic), natural units in and out.
+    log2e = 1.4426950408889634
+    m_new = torch.maximum(m, scores_block.amax(-1))
+    alpha = torch.exp2((m - m_new) * log2e)
+    p = torch.exp2((scores_block - m_new[..., None]) * log2e)
+    return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + p @ v_block
+
+
+def make_step(bug):
+    def step(m, l, acc, scores_block, v_block):
+        block_max = scores_block.amax(-1)
+        m_new = block_max if bug == "block_max_only" else torch.maximum(m, block_max)
+        alpha = torch.exp(m - m_new)
+        reference = m if bug == "old_max_in_exp" else m_new
+        p = torch.exp(scores_block - reference[..., None])
+        l_new = (l if bug == "no_rescale_l" else l * alpha) + p.sum(-1)
+        acc_new = (acc if bug == "no_rescale_acc" else acc * alpha[..., None]) + p @ v_block
+        if bug == "normalise_inside":
+            acc_new = acc_new / l_new[..., None]
+        return (m if bug == "stale_max" else m_new), l_new, acc_new
+    return step
+
+
+@pytest.mark.parametrize("answer", [step_float32, step_exp2, make_step(None)])
+def test_online_softmax_step_correct_answers_pass(answer):
+    checks.check_online_softmax_step(answer, **CPU)
+
+
+@pytest.mark.parametrize("bug", ["no_rescale_acc", "no_rescale_l", "stale_max", "old_max_in_exp", "block_max_only",
+                                 "normalise_inside"])
+def test_online_softmax_step_mistakes_are_named(bug):
+    rejects(checks.check_online_softmax_step, make_step(bug), bug)
+
+
+def test_online_softmax_step_must_return_three_tensors():
+    with pytest.raises(CheckFailure, match=r"should return the tuple \(m, l, acc\)"):
+        checks.check_online_softmax_step(lambda m, l, acc, scores_block, v_block: acc, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# flash_attention_forward
+# --------------------------------------------------------------------------------------
+
+
+def make_flash(bug=None, step=None, base2=False):
+    """A tiled pass; ``bug`` plants one classic mistake; ``base2`` computes with exp2 and log2(e)."""
+    step = step or make_step(None)
+
+    def flash(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+        seq_q, seq_k = q.shape[-2], k.shape[-2]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        work = torch.promote_types(q.dtype, torch.float32)
+        offset = 0 if bug == "top_left" else seq_k - seq_q
+        outs, lses = [], []
+        for q0 in range(0, seq_q, block_q):
+            qb = q[..., q0:q0 + block_q, :].to(work)
+            q1 = q0 + qb.shape[-2]
+            m = torch.full(qb.shape[:-1], NEG_INF, dtype=work)
+            l = torch.zeros_like(m)
+            acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=work)
+            unscaled = []  # only for the planted "lse of unscaled scores" mistake
+            stop = seq_k
+            if causal and bug != "future_blocks":
+                stop = min(seq_k, q1 + offset)
+                if bug == "skip_diagonal":
+                    stop = max(0, q0 + offset + 1 - block_k + 1)
+            for k0 in range(0, stop, block_k):
+                kb = k[..., k0:k0 + block_k, :].to(work)
+                s = torch.einsum("bhqd,bhkd->bhqk", qb, kb) * scale
+                if causal:
+                    i = torch.arange(q0, q1)[:, None]
+                    j = torch.arange(k0, k0 + kb.shape[-2])[None, :]
+                    keep = (j < i + offset) if bug == "strict_mask" else (j <= i + offset)
+                    s = s.masked_fill(~keep, NEG_INF)
+                unscaled.append(s / scale)
+                if base2:
+                    s = s * (1 / math.log(2))
+                m_new = torch.maximum(m, s.amax(-1))
+                p = torch.exp2(s - m_new[..., None]) if base2 else torch.exp(s - m_new[..., None])
+                alpha = torch.exp2(m - m_new) if base2 else torch.exp(m - m_new)
+                if base2:
+                    l = l * alpha + p.sum(-1)
+                    acc = acc * alpha[..., None] + p @ v[..., k0:k0 + block_k, :].to(work)
+                    m = m_new
+                else:
+                    m, l, acc = step(m, l, acc, s, v[..., k0:k0 + block_k, :].to(work))
+            outs.append(acc / l[..., None])
+            if base2:
+                lse = (m + torch.log2(l)) * math.log(2)
+            elif bug == "lse_log2":
+                lse = (m + torch.log(l)) / math.log(2)
+            elif bug == "lse_mixed":
+                lse = m + torch.log2(l)
+            elif bug == "lse_no_max":
+                lse = torch.log(l)
+            elif bug == "lse_unscaled":
+                lse = torch.logsumexp(torch.cat(unscaled, dim=-1), dim=-1)
+            else:
+                lse = m + torch.log(l)
+            lses.append(lse)
+        return torch.cat(outs, -2).to(q.dtype), torch.cat(lses, -1)
+    return flash
+
+
+def flash_rearranged(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+    # while loops, einops, finfo.min masking, lse returned as float32.
+    b, h, seq_q, d = q.shape
+    seq_k = k.shape[2]
+    scale = scale or 1 / math.sqrt(d)
+    q2, k2, v2 = (rearrange(t, "b h s d -> (b h) s d").double() for t in (q, k, v))
+    outs, lses = [], []
+    q0 = 0
+    while q0 < seq_q:
+        rows = q2[:, q0:q0 + block_q]
+        n = rows.shape[1]
+        m = torch.full((b * h, n), -torch.inf, dtype=torch.float64)
+        l = torch.zeros(b * h, n, dtype=torch.float64)
+        acc = torch.zeros(b * h, n, v.shape[-1], dtype=torch.float64)
+        k0 = 0
+        while k0 < seq_k and (not causal or k0 <= q0 + n - 1 + seq_k - seq_q):
+            s = torch.bmm(rows, k2[:, k0:k0 + block_k].transpose(1, 2)) * scale
+            if causal:
+                keep = (torch.arange(k0, k0 + s.shape[-1])[None, :]
+                        <= torch.arange(q0, q0 + n)[:, None] + seq_k - seq_q)
+                s = torch.where(keep, s, torch.finfo(s.dtype).min)
+            m, l, acc = make_step(None)(m, l, acc, s, v2[:, k0:k0 + block_k])
+            k0 += block_k
+        outs.append(acc / l[..., None])
+        lses.append(m + l.log())
+        q0 += block_q
+    out = rearrange(torch.cat(outs, 1), "(b h) s d -> b h s d", b=b).to(q.dtype)
+    return out, rearrange(torch.cat(lses, 1), "(b h) s -> b h s", b=b).float()
+
+
+@pytest.mark.parametrize("answer", [make_flash(), make_flash(step=step_float32), make_flash(base2=True), flash_rearranged])
+def test_flash_attention_forward_correct_answers_pass(answer):
+    checks.check_flash_attention_forward(answer, **CPU)
+    checks.check_flash_attention_forward_memory(answer, **CPU)
+
+
+@pytest.mark.parametrize("bug", ["top_left", "strict_mask", "skip_diagonal", "lse_log2", "lse_mixed", "lse_no_max",
+                                 "lse_unscaled"])
+def test_flash_attention_forward_mistakes_are_named(bug):
+    rejects(checks.check_flash_attention_forward, make_flash(bug), bug)
+
+
+@pytest.mark.parametrize("bug", ["no_rescale_acc", "no_rescale_l", "stale_max", "normalise_inside"])
+def test_flash_attention_forward_names_the_step_it_is_built_on(bug):
+    rejects(checks.check_flash_attention_forward, make_flash(step=make_step(bug)), bug)
+
+
+def test_flash_without_scale_is_named():
+    def unscaled(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+        return make_flash()(q, k, v, block_q, block_k, causal, scale=1.0)
+    rejects(checks.check_flash_attention_forward, unscaled, "no_scale")
+
+
+def test_flash_that_loses_a_ragged_block_is_named():
+    def loses_last_key_block(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+        usable = k.shape[-2] - k.shape[-2] % block_k or k.shape[-2]
+        return make_flash()(q, k[..., :usable, :], v[..., :usable, :], block_q, block_k, causal, scale)
+    message = rejects(checks.check_flash_attention_forward, loses_last_key_block, "block_dependent")
+    assert "block_q=16, block_k=32" in message, message
+
+
+def test_flash_with_a_wrong_merge_is_named():
+    def lse_off_by_a_constant(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+        out, lse = make_flash()(q, k, v, block_q, block_k, causal, scale)
+        return out, lse + (0.5 if k.shape[-2] == 23 else 0.0)  # only the second half of the merge test is wrong
+    rejects(checks.check_flash_attention_forward, lse_off_by_a_constant, "merge")
+
+
+def test_flash_that_masks_future_blocks_instead_of_skipping_them():
+    message = rejects(checks.check_flash_attention_forward_memory, make_flash("future_blocks"), "future_blocks")
+    assert "36 of the 36" not in message and "Only 21 of the 36 tiles" in message, message
+
+
+def test_flash_built_on_query_chunks_is_not_flash():
+    def chunk_rows(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+        return make_flash()(q, k, v, block_q, k.shape[-2], causal, scale)  # one key block: [block_q, S_k] scores
+    with pytest.raises(CheckFailure, match=r"built a \[1, 3, 16, 80\] tensor \(with einsum\)"):
+        checks.check_flash_attention_forward_memory(chunk_rows, **CPU)
+
+
+def test_flash_contract_messages():
+    with pytest.raises(CheckFailure, match=r"should return the tuple \(out, lse\)"):
+        checks.check_flash_attention_forward(lambda q, k, v, block_q=64, block_k=64, causal=False, scale=None:
+                                             F.scaled_dot_product_attention(q, k, v), **CPU)
+    with pytest.raises(CheckFailure, match="lse has one number per query row"):
+        checks.check_flash_attention_forward(
+            lambda q, k, v, block_q=64, block_k=64, causal=False, scale=None:
+            (lambda out, lse: (out, lse[..., None]))(*make_flash()(q, k, v, block_q, block_k, causal, scale)), **CPU)
+    with pytest.raises(CheckFailure, match=r"parameters \(q, k, v, block_q, block_k, causal, scale\)"):
+        checks.check_flash_attention_forward(lambda q, k, v, causal=False: None, **CPU)
+
+
+def test_the_emulated_loop_is_exact_without_a_bug():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=generator, dtype=torch.float64) for n in (29, 45, 45))
+    out, lse = checks.tiled_attention(q, k, v, causal=True, scale=0.3, block_q=8, block_k=16)
+    want_out, want_lse = checks.reference_attention(q, k, v, True, 0.3)
+    assert torch.allclose(out, want_out) and torch.allclose(lse, want_lse)
+
+
+# --------------------------------------------------------------------------------------
+# The Triton kernel (interpreter on the CPU)
+# --------------------------------------------------------------------------------------
+
+needs_triton = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed (no wheel on this platform)")
+# The kernels run where they were compiled for: the interpreter on the CPU, natively under `make gpu-check`.
+KERNEL = {"device": "cuda" if torch.cuda.is_available() else "cpu", "quiet": True}
+
+
+@triton.jit
+def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                   seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BUG: tl.constexpr = 0):
+    # A correct kernel written with natural exp (BUG=0), or with one planted mistake:
+    # 1 acc not rescaled, 2 exp on base-2 scores, 3 no boundary mask, 4 blank, 5 exp2 on natural scores.
+    pid_q, pid_h = tl.program_id(0), tl.program_id(1)
+    rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    cols_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :], mask=rows[:, None] < seq_q, other=0.0)
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    if BUG == 4:
+        raise NotImplementedError("Exercise 6.7: implement flash_attention_kernel")
+    hi = seq_k
+    if CAUSAL:
+        hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q + seq_k - seq_q)
+    for start in range(0, hi, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        k = tl.load(K + pid_h * stride_kh + cols[:, None] * stride_ks + cols_d[None, :], mask=cols[:, None] < seq_k, other=0.0)
+        v = tl.load(V + pid_h * stride_vh + cols[:, None] * stride_vs + cols_d[None, :], mask=cols[:, None] < seq_k, other=0.0)
+        s = tl.dot(q, tl.trans(k))
+        if BUG == 2:
+            s = s * sm_scale * 1.4426950408889634
+        else:
+            s = s * sm_scale
+        if BUG != 3:
+            s = tl.where(cols[None, :] < seq_k, s, float("-inf"))
+        if CAUSAL:
+            s = tl.where(cols[None, :] <= rows[:, None] + seq_k - seq_q, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if BUG == 5:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if BUG == 1:
+            acc = acc + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # The course's epilogue expects base-2 m_i: convert (m_i is natural here).
+    m_i = m_i * 1.4426950408889634
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    tl.store(Out + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :], acc.to(Out.dtype.element_ty),
+             mask=rows[:, None] < seq_q)
+    tl.store(Lse + pid_h * seq_q + rows, lse, mask=rows < seq_q)
+
+
+class Planted:
+    """The planted kernel with one BUG, launched like a student's kernel."""
+
+    def __init__(self, bug: int):
+        self.bug = bug
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: planted_kernel[grid](*args, BUG=self.bug, **kwargs)
+
+
+@needs_triton
+def test_kernel_correct_answer_passes(capsys):
+    checks.check_flash_attention_kernel(Planted(0), device=KERNEL["device"])
+    assert "✓ flash_attention_kernel" in capsys.readouterr().out
+
+
+@needs_triton
+@pytest.mark.parametrize("bug, hint", [(1, "no_rescale_acc"), (2, "exp_with_log2e"), (3, "kernel_boundary"),
+                                       (5, "exp2_unscaled")])
+def test_kernel_mistakes_are_named(bug, hint):
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_flash_attention_kernel(Planted(bug), **KERNEL)
+    assert HINTS[hint] in str(failure.value), str(failure.value)
+
+
+@needs_triton
+def test_kernel_blank_is_not_implemented_yet_not_a_crash():
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_flash_attention_kernel(Planted(4), **KERNEL)
+
+
+def test_kernel_check_without_triton_points_to_colab(monkeypatch):
+    monkeypatch.setattr(triton_kernels, "TRITON_AVAILABLE", False)
+    with pytest.raises(CheckFailure, match="Colab"):
+        checks.check_flash_attention_kernel(object(), **CPU)
+
+
+def test_stand_in_triton_defines_kernels_and_explains_at_launch():
+    stand_in, language = triton_kernels._MissingTriton("triton"), triton_kernels._MissingAttribute("triton.language")
+
+    @stand_in.jit
+    def kernel(X, N: language.constexpr):
+        pass
+
+    with pytest.raises(triton_kernels.TritonUnavailable, match="Colab"):
+        triton_kernels.launch_flash_attention(kernel, *(torch.zeros(1, 1, 16, 16) for _ in range(3)))
+
+
+@pytest.mark.parametrize("block_q, block_k, head_dim, dtype, phrase", [
+    (8, 16, 16, torch.float32, "block_q = 8: must be a power of two >= 16"),
+    (16, 24, 16, torch.float32, "block_k = 24"),
+    (16, 16, 8, torch.float32, "head_dim = 8"),
+    (16, 16, 16, torch.bfloat16, "bfloat16 tl.dot gives wrong results in Triton's interpreter"),
+])
+def test_launcher_rejects_what_a_gpu_would_reject(block_q, block_k, head_dim, dtype, phrase):
+    tensors = [torch.zeros(1, 1, 32, head_dim, dtype=dtype) for _ in range(3)]
+    with pytest.raises(ValueError, match=re_escape(phrase)):
+        triton_kernels.launch_flash_attention(Planted(0), *tensors, block_q=block_q, block_k=block_k)
+
+
+def re_escape(text: str) -> str:
+    import re
+    return re.escape(text)
+
+
+# --------------------------------------------------------------------------------------
+# Widgets and measurements
+# --------------------------------------------------------------------------------------
+
+
+def test_tile_states_skip_future_blocks_bottom_right():
+    states = views.tile_states(64, 64, 16, 16, causal=True)
+    assert (states == views.SKIPPED).sum() == 6 and (states == views.MASKED).sum() == 4
+    decoding = views.tile_states(16, 64, 16, 16, causal=True)  # the last query sees every key
+    assert (decoding != views.SKIPPED).all()
+    assert (views.tile_states(64, 64, 16, 16, causal=False) == views.FULL).all()
+
+
+def test_block_map_explorer_redraws_with_its_controls():
+    explorer = views.block_map_explorer(seq_q=64, seq_k=64, block_q=16, block_k=16)
+    assert explorer.figure.axes[0].get_title().startswith("10 of 16 tiles computed")
+    explorer.controls["causal"].value = False
+    assert explorer.figure.axes[0].get_title().startswith("16 of 16 tiles computed")
+
+
+def test_live_bytes_sees_the_score_table_and_not_the_tiles():
+    q = torch.randn(1, 1, 256, 16)
+    naive = views.peak_bytes(lambda: torch.softmax(q @ q.transpose(-1, -2), -1) @ q, torch.device("cpu"))
+    tiled = views.peak_bytes(lambda: make_flash()(q, q, q, 32, 32)[0], torch.device("cpu"))
+    assert naive >= 256 * 256 * 4 and tiled < 256 * 256 * 4 / 2, (naive, tiled)
+
+
+def test_measurements_are_plotted():
+    costs = views.measure_attention_costs({"naive": lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v,
+                                           "SDPA": F.scaled_dot_product_attention}, [32, 64], num_heads=1,
+                                          head_dim=8, progress=False)
+    assert len(costs["seconds"]["naive"]) == 2 and costs["bytes"]["naive"][1] > costs["bytes"]["naive"][0]
+    view = views.attention_costs_view(costs)
+    assert [ax.get_yscale() for ax in view.figure.axes] == ["log", "log"]
+    view.controls["log_scale"].value = False
+    assert [ax.get_yscale() for ax in view.figure.axes] == ["linear", "linear"]
+    assert {line.get_label() for line in view.figure.axes[0].lines} == {"naive", "SDPA"}
+
+
+# --------------------------------------------------------------------------------------
+# The course's setup and the GPU check
+# --------------------------------------------------------------------------------------
+
+
+def test_setup_selects_the_interpreter_without_a_gpu(monkeypatch):
+    from attention_lab import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(device.DEVICE_ENV_VAR, raising=False)
+    assert device.setup(verbose=False).type == "cpu"
+    assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_check_refuses_clearly_without_cuda(capsys):
+    from benchmarks import gpu_check
+
+    assert gpu_check.main([]) == 2
+    assert "needs a CUDA GPU, and there is none here" in capsys.readouterr().err
