@@ -10,7 +10,7 @@ JOBS ?= 2
 # Jupyter refuses to run as root unless told to (CI and containers run as root).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help setup lab release release-check test test-fast sandbox intake grade feedback export bench clean
+.PHONY: help setup lab release release-check test test-fast sandbox intake grade feedback export bench floors clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -58,6 +58,21 @@ export: setup ## write autograder/grades.csv and autograder/grades_by_question.c
 bench: setup ## measure notebook run time and autograde overhead (see benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
 	$(BIN)/python -m benchmarks.grading
+
+# The oldest versions pyproject.toml allows, in a scratch venv of their own (multi-GB: torch
+# from PyPI brings its CUDA libraries). FLOORS_PYTHON=python3.10 also tries the oldest Python.
+FLOORS_PYTHON ?= $(PYTHON)
+FLOORS_VENV ?= .venv-floors
+
+$(FLOORS_VENV)/.installed: pyproject.toml constraints.txt
+	$(FLOORS_PYTHON) -m venv --clear $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m benchmarks.floors constraints > $(FLOORS_VENV)/floors.txt
+	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS_VENV)/floors.txt -e ".[dev]"
+	touch $@
+
+floors: setup $(FLOORS_VENV)/.installed ## run the notebooks and check tests on the lowest supported versions (slow)
+	$(FLOORS_VENV)/bin/python -m benchmarks.floors run
 
 clean: ## remove generated grading folders (keeps .venv, course/ and submissions)
 	rm -rf autograder/source autograder/release autograder/autograded autograder/feedback autograder/gradebook.db \
