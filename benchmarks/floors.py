@@ -4,12 +4,12 @@
     python -m benchmarks.floors run           # inside the floors venv: notebooks + check tests
 
 `make floors` ties the two together: it creates `.venv-floors/` (with `FLOORS_PYTHON`,
-by default the same interpreter as `.venv`), installs the course there with every runtime
-dependency at the lower bound of its range in pyproject.toml (`numpy>=1.24` installs
-numpy 1.24.0) and the notebook and test tools at the versions pinned in constraints.txt
-(everything else as pip resolves it), then runs `run` in it. `run` executes every solution
-notebook in a fresh kernel and every `tests/test_checks_*.py`, and reports per notebook and
-per test file. A notebook fails the floors when a cell raises, when a check fails, when a
+by default the same interpreter as `.venv`; `FLOORS_PYTHON=python3.10` tries the oldest
+Python too), installs the course there with every runtime dependency at the lower bound of
+its range in pyproject.toml (`numpy>=1.24` installs numpy 1.24.0) and the notebook and test
+tools as pip resolves them beside those, then runs `run` in it. `run` executes every
+solution notebook in a fresh kernel and every `tests/test_checks_*.py`, and reports per
+notebook and per test file. A notebook fails the floors when a cell raises, when a check fails, when a
 cell prints to stderr (warnings: no course cell may print one), or when a figure comes out
 as its text form (`<Figure size 640x480 with 1 Axes>`) instead of a picture.
 
@@ -61,27 +61,15 @@ def floor_pins(requirements: list[str]) -> dict[str, str]:
     return pins
 
 
-def tested_pins(constraints_text: str) -> dict[str, str]:
-    """The ``name==version`` lines of constraints.txt."""
-    pins = {}
-    for line in constraints_text.splitlines():
-        if "==" in line and not line.lstrip().startswith("#"):
-            name, version = line.split("==", 1)
-            pins[_normalise(name)] = version.strip()
-    return pins
+def floors_constraints(pyproject_text: str) -> str:
+    """The runtime dependencies at their floors, as ``name==version`` lines.
 
-
-def floors_constraints(pyproject_text: str, constraints_text: str) -> str:
-    """Runtime dependencies at their floors; the dev extra's direct requirements at their pins."""
-    project = tomllib.loads(pyproject_text)["project"]
-    floors = floor_pins(project["dependencies"])
-    pins = tested_pins(constraints_text)
-    lines = [f"{name}=={version}" for name, version in floors.items()]
-    for requirement in project["optional-dependencies"]["dev"]:
-        name = _normalise(re.split(r"[<>=!~;\s\[]", requirement, maxsplit=1)[0])
-        if name not in floors and name in pins:
-            lines.append(f"{name}=={pins[name]}")
-    return "\n".join(lines) + "\n"
+    The tools (nbclient, ipykernel, pytest, ...) are left free: pip picks the newest that
+    installs beside the floors on this interpreter (on the interpreter .venv uses, that is
+    what constraints.txt pins; older Pythons get the newest release that supports them).
+    """
+    floors = floor_pins(tomllib.loads(pyproject_text)["project"]["dependencies"])
+    return "".join(f"{name}=={version}\n" for name, version in floors.items())
 
 
 @dataclass
@@ -197,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     runner.add_argument("assignments", nargs="*", help="default: every notebook")
     options = parser.parse_args(argv)
     if options.command == "constraints":
-        sys.stdout.write(floors_constraints((REPO_ROOT / "pyproject.toml").read_text(),
-                                            (REPO_ROOT / "constraints.txt").read_text()))
+        sys.stdout.write(floors_constraints((REPO_ROOT / "pyproject.toml").read_text()))
         return 0
     from autograder import release
 
