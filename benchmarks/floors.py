@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import subprocess
@@ -111,6 +112,7 @@ def run_notebooks(assignments: list[str]) -> list[NotebookOutcome]:
     from autograder import release
     from autograder.execute import execute_notebook
 
+    os.environ.pop("MPLBACKEND", None)  # kernels pick their backend as a student's would
     outcomes = []
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)

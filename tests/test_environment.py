@@ -11,9 +11,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 
+import pytest
 import yaml
 from packaging.requirements import Requirement
 
+from attention_lab.device import INLINE_BACKEND, show_figures_inline
 from tests.conftest import REPO_ROOT
 
 
@@ -76,3 +78,35 @@ def test_installed_versions_are_the_pinned_ones():
         name = _normalise(requirement.name)
         if requirement.marker is None or requirement.marker.evaluate():  # tomli: 3.10 only
             assert installed.get(name) == pins[name], name
+
+
+class _FakeKernelShell:
+    """Just enough of IPython's kernel shell: a kernel, and line magics that are recorded."""
+
+    kernel = object()
+
+    def __init__(self):
+        self.magics = []
+
+    def run_line_magic(self, name, line):
+        self.magics.append((name, line))
+
+
+@pytest.mark.parametrize("mplbackend, shell, activated", [
+    (None, _FakeKernelShell(), True),          # a Jupyter kernel left to its default backend
+    (INLINE_BACKEND, _FakeKernelShell(), True),  # what ipykernel itself puts in MPLBACKEND
+    ("Agg", _FakeKernelShell(), False),        # a backend the user chose is kept
+    (None, None, False),                       # plain Python: no IPython shell
+])
+def test_setup_activates_the_inline_backend_only_in_a_kernel_left_to_it(monkeypatch, mplbackend, shell, activated):
+    """With IPython 9 and Matplotlib < 3.9 the first figure shows as text unless this runs."""
+    import IPython
+
+    if mplbackend is None:
+        monkeypatch.delenv("MPLBACKEND", raising=False)
+    else:
+        monkeypatch.setenv("MPLBACKEND", mplbackend)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    show_figures_inline()
+    if shell is not None:
+        assert shell.magics == ([("matplotlib", "inline")] if activated else [])
