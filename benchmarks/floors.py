@@ -99,7 +99,7 @@ def notebook_problems(notebook) -> list[str]:
         for output in cell.get("outputs", []):
             if output.output_type == "error":
                 problems.append(f"{where}: {output.ename}: {output.evalue.splitlines()[0] if output.evalue else ''}")
-            elif output.output_type == "stream" and output.name == "stderr":
+            elif output.output_type == "stream" and output.name == "stderr" and output.text.strip():
                 problems.append(f"{where}: printed to stderr: {output.text.strip().splitlines()[0][:120]}")
             elif output.output_type in ("display_data", "execute_result"):
                 text = output.get("data", {}).get("text/plain", "")
