@@ -15,7 +15,7 @@ as its text form (`<Figure size 640x480 with 1 Axes>`) instead of a picture.
 
 It lives beside the benchmarks because, like them, it measures the course on an environment
 rather than testing the code, and is far too slow (a multi-GB install) for `make test`.
-Results go to benchmarks/results/floors.json.
+Results go to benchmarks/results/floors-py<X.Y>.json (one per Python tried).
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ def run(assignments: list[str], test_paths: list[Path]) -> int:
     RESULTS_DIR.mkdir(exist_ok=True)
     report = {"versions": versions, "notebooks": [asdict(n) for n in notebooks],
               "check_tests": [asdict(t) for t in tests], "failing": failed}
-    (RESULTS_DIR / "floors.json").write_text(json.dumps(report, indent=2) + "\n")
+    python = ".".join(platform.python_version_tuple()[:2])
+    (RESULTS_DIR / f"floors-py{python}.json").write_text(json.dumps(report, indent=2) + "\n")
     return 1 if failed else 0
 
 

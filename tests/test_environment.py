@@ -1,4 +1,6 @@
-"""The environment files agree: environment.yml mirrors pyproject.toml; constraints pin everything."""
+"""The environment: environment.yml mirrors pyproject.toml, constraints pin everything, `make floors`
+has a floor for every runtime dependency and reports what a student would see, and setup() shows
+figures inline on old Matplotlib."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 
+import nbformat
 import pytest
 import yaml
 from packaging.requirements import Requirement
 
 from attention_lab.device import INLINE_BACKEND, show_figures_inline
+from benchmarks.floors import floor_pins, floors_constraints, notebook_problems
 from tests.conftest import REPO_ROOT
 
 
@@ -110,3 +114,33 @@ def test_setup_activates_the_inline_backend_only_in_a_kernel_left_to_it(monkeypa
     show_figures_inline()
     if shell is not None:
         assert shell.magics == ([("matplotlib", "inline")] if activated else [])
+
+
+def test_every_runtime_dependency_has_a_floor_that_make_floors_installs():
+    """`make floors` installs each runtime dependency at its lower bound: each must have one."""
+    floors = dict(line.split("==") for line in floors_constraints((REPO_ROOT / "pyproject.toml").read_text()).split())
+    runtime = [Requirement(r) for r in _pyproject()["dependencies"]]
+    assert set(floors) == {_normalise(r.name) for r in runtime}
+    for requirement in runtime:
+        assert requirement.specifier.contains(floors[_normalise(requirement.name)]), requirement
+    with pytest.raises(ValueError, match="no plain lower bound"):
+        floor_pins(["numpy~=1.24"])
+
+
+def test_the_floors_report_flags_what_a_student_would_see_go_wrong():
+    figure_as_text = nbformat.v4.new_output("display_data", data={"text/plain": "<Figure size 640x480 with 3 Axes>"})
+    figure = nbformat.v4.new_output("display_data", data={"text/plain": "<Figure size 640x480 with 1 Axes>",
+                                                          "image/png": "iVBORw0KGgo="})
+    warning = nbformat.v4.new_output("stream", name="stderr", text="UserWarning: something is deprecated\n")
+    error = nbformat.v4.new_output("error", ename="ValueError", evalue="bad shape", traceback=[])
+    notebook = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(outputs=[figure]),
+        nbformat.v4.new_code_cell(outputs=[figure_as_text]),
+        nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output("stream", name="stderr", text="\n"), warning]),
+        nbformat.v4.new_code_cell(outputs=[error], metadata={"nbgrader": {"grade_id": "test_split_heads"}}),
+    ])
+    assert notebook_problems(notebook) == [
+        "cell 2: a figure came out as text: <Figure size 640x480 with 3 Axes>",
+        "cell 3: printed to stderr: UserWarning: something is deprecated",
+        "test_split_heads: ValueError: bad shape",
+    ]
