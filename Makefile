@@ -61,12 +61,12 @@ bench: setup ## measure notebook run time and autograde overhead (see benchmarks
 	$(BIN)/python -m benchmarks.notebooks
 	$(BIN)/python -m benchmarks.grading
 
-# The oldest versions pyproject.toml allows, in a scratch venv of their own (multi-GB: torch
+# The oldest versions pyproject.toml allows, in a scratch venv per Python (multi-GB: torch
 # from PyPI brings its CUDA libraries). FLOORS_PYTHON=python3.10 also tries the oldest Python.
 FLOORS_PYTHON ?= $(PYTHON)
-FLOORS_VENV ?= .venv-floors
+FLOORS_VENV ?= .venv-floors-$(shell $(FLOORS_PYTHON) -c 'import sys; print(*sys.version_info[:2], sep=".")')
 
-$(FLOORS_VENV)/.installed: pyproject.toml constraints.txt
+$(FLOORS_VENV)/.installed: pyproject.toml
 	$(FLOORS_PYTHON) -m venv --clear $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m benchmarks.floors constraints > $(FLOORS_VENV)/floors.txt

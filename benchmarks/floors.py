@@ -3,15 +3,16 @@
     python -m benchmarks.floors constraints   # the floors, as a pip constraints file
     python -m benchmarks.floors run           # inside the floors venv: notebooks + check tests
 
-`make floors` ties the two together: it creates `.venv-floors/` (with `FLOORS_PYTHON`,
-by default the same interpreter as `.venv`; `FLOORS_PYTHON=python3.10` tries the oldest
-Python too), installs the course there with every runtime dependency at the lower bound of
-its range in pyproject.toml (`numpy>=1.24` installs numpy 1.24.0) and the notebook and test
-tools as pip resolves them beside those, then runs `run` in it. `run` executes every
-solution notebook in a fresh kernel and every `tests/test_checks_*.py`, and reports per
-notebook and per test file. A notebook fails the floors when a cell raises, when a check fails, when a
-cell prints to stderr (warnings: no course cell may print one), or when a figure comes out
-as its text form (`<Figure size 640x480 with 1 Axes>`) instead of a picture.
+`make floors` ties the two together: it creates `.venv-floors-<X.Y>/` for `FLOORS_PYTHON`
+(by default the interpreter `.venv` is made with; `FLOORS_PYTHON=python3.10` tries the
+oldest Python too), installs the course there with every runtime dependency at the lower
+bound of its range in pyproject.toml (`numpy>=1.24` installs numpy 1.24.0) and the notebook
+and test tools as pip resolves them beside those, then runs `run` in it. `run` executes
+every solution notebook in a fresh kernel and every `tests/test_checks_*.py`, and reports
+per notebook and per test file. A notebook fails the floors when a cell raises, when a check
+fails, when a cell prints to stderr (warnings: no course cell may print one), or when a
+figure comes out as its text form (`<Figure size 640x480 with 1 Axes>`) instead of a
+picture.
 
 It lives beside the benchmarks because, like them, it measures the course on an environment
 rather than testing the code, and is far too slow (a multi-GB install) for `make test`.
