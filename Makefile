@@ -10,7 +10,7 @@ JOBS ?= 2
 # Jupyter refuses to run as root unless told to (CI and containers run as root).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help setup lab release release-check test test-fast sandbox intake grade feedback export bench floors clean
+.PHONY: help setup lab release release-check test test-fast sandbox intake grade feedback export bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -33,6 +33,22 @@ release: setup ## regenerate the student notebooks in course/ from solutions/
 
 release-check: setup ## fail if course/ is stale
 	$(BIN)/python -m autograder.release --check
+
+# The oldest versions pyproject.toml allows, in a scratch venv per Python (multi-GB: torch
+# from PyPI brings its CUDA libraries). FLOORS_PYTHON=python3.10 also tries the oldest Python.
+FLOORS_PYTHON ?= $(PYTHON)
+FLOORS_VENV ?= .venv-floors-$(shell $(FLOORS_PYTHON) -c 'import sys; print(*sys.version_info[:2], sep=".")')
+
+$(FLOORS_VENV)/.installed: pyproject.toml
+	$(FLOORS_PYTHON) -m venv --clear $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m benchmarks.floors constraints > $(FLOORS_VENV)/floors.txt
+	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS_VENV)/floors.txt -e ".[dev]"
+	touch $@
+
+.PHONY: floors
+floors: setup $(FLOORS_VENV)/.installed ## run the notebooks and check tests on the lowest supported versions (slow)
+	$(FLOORS_VENV)/bin/python -m benchmarks.floors run
 
 sandbox: ## install bubblewrap (isolates student code while grading) when it is missing
 	@command -v bwrap >/dev/null || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
@@ -60,21 +76,6 @@ export: setup ## write autograder/grades.csv and autograder/grades_by_question.c
 bench: setup ## measure notebook run time and autograde overhead (see benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
 	$(BIN)/python -m benchmarks.grading
-
-# The oldest versions pyproject.toml allows, in a scratch venv per Python (multi-GB: torch
-# from PyPI brings its CUDA libraries). FLOORS_PYTHON=python3.10 also tries the oldest Python.
-FLOORS_PYTHON ?= $(PYTHON)
-FLOORS_VENV ?= .venv-floors-$(shell $(FLOORS_PYTHON) -c 'import sys; print(*sys.version_info[:2], sep=".")')
-
-$(FLOORS_VENV)/.installed: pyproject.toml
-	$(FLOORS_PYTHON) -m venv --clear $(FLOORS_VENV)
-	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m benchmarks.floors constraints > $(FLOORS_VENV)/floors.txt
-	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS_VENV)/floors.txt -e ".[dev]"
-	touch $@
-
-floors: setup $(FLOORS_VENV)/.installed ## run the notebooks and check tests on the lowest supported versions (slow)
-	$(FLOORS_VENV)/bin/python -m benchmarks.floors run
 
 clean: ## remove generated grading folders (keeps .venv, course/ and submissions)
 	rm -rf autograder/source autograder/release autograder/autograded autograder/feedback autograder/gradebook.db \
