@@ -37,13 +37,15 @@ release-check: setup ## fail if course/ is stale
 # The oldest versions pyproject.toml allows, in a scratch venv per Python (multi-GB: torch
 # from PyPI brings its CUDA libraries). FLOORS_PYTHON=python3.10 also tries the oldest Python.
 FLOORS_PYTHON ?= $(PYTHON)
+# The extras `make setup` installs (EXTRAS, where set, adds notebook 06's Triton on Linux).
+FLOORS_EXTRAS = $(or $(EXTRAS),dev)
 FLOORS_VENV ?= .venv-floors-$(shell $(FLOORS_PYTHON) -c 'import sys; print(*sys.version_info[:2], sep=".")')
 
 $(FLOORS_VENV)/.installed: pyproject.toml
 	$(FLOORS_PYTHON) -m venv --clear $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m benchmarks.floors constraints > $(FLOORS_VENV)/floors.txt
-	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS_VENV)/floors.txt -e ".[dev]"
+	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS_VENV)/floors.txt -e ".[$(FLOORS_EXTRAS)]"
 	touch $@
 
 .PHONY: floors
