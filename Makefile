@@ -20,6 +20,8 @@ COMMA := ,
 EXTRAS := dev$(if $(filter Linux,$(shell uname -s)),$(COMMA)triton)
 
 $(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "make setup needs Python 3.11+" \
+	  "(the versions pinned in constraints.txt); $(PYTHON) is $$($(PYTHON) --version 2>&1): run again with PYTHON=<a Python 3.11 or newer>"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
@@ -45,6 +47,24 @@ release: setup ## regenerate the student notebooks in course/ from solutions/
 
 release-check: setup ## fail if course/ is stale
 	$(BIN)/python -m autograder.release --check
+
+# The oldest versions pyproject.toml allows, in a scratch venv per Python (multi-GB: torch
+# from PyPI brings its CUDA libraries). FLOORS_PYTHON=python3.10 also tries the oldest Python.
+FLOORS_PYTHON ?= $(PYTHON)
+# The extras `make setup` installs (EXTRAS, where set, adds notebook 06's Triton on Linux).
+FLOORS_EXTRAS = $(or $(EXTRAS),dev)
+FLOORS_VENV ?= .venv-floors-$(shell $(FLOORS_PYTHON) -c 'import sys; print(*sys.version_info[:2], sep=".")')
+
+$(FLOORS_VENV)/.installed: pyproject.toml
+	$(FLOORS_PYTHON) -m venv --clear $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m benchmarks.floors constraints > $(FLOORS_VENV)/floors.txt
+	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS_VENV)/floors.txt -e ".[$(FLOORS_EXTRAS)]"
+	touch $@
+
+.PHONY: floors
+floors: setup $(FLOORS_VENV)/.installed ## run the notebooks and check tests on the lowest supported versions (slow)
+	$(FLOORS_VENV)/bin/python -m benchmarks.floors run
 
 sandbox: ## install bubblewrap (isolates student code while grading) when it is missing
 	@command -v bwrap >/dev/null || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \

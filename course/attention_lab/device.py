@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 DEVICE_ENV_VAR = "ATTENTION_LAB_DEVICE"
+# The backend a Jupyter kernel sets in MPLBACKEND unless the user chose another one.
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 
 def pick_device(preferred: str | None = None) -> torch.device:
@@ -46,6 +48,26 @@ def describe_environment(device: torch.device) -> str:
     )
 
 
+def show_figures_inline() -> None:
+    """In a Jupyter kernel whose backend is the inline one, activate it now (``%matplotlib inline``).
+
+    IPython 9 with Matplotlib older than 3.9 activates the inline backend only after the
+    first figure has been shown, so that figure comes out as text
+    (``<Figure size 1000x200 with 10 Axes>``). Activating it before any figure fixes that;
+    on newer versions it changes nothing. A backend the user chose (MPLBACKEND=Agg, as the
+    tests set) is left alone, and so is a plain Python or terminal IPython session.
+    """
+    if os.environ.get("MPLBACKEND", INLINE_BACKEND) != INLINE_BACKEND:
+        return
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None and getattr(shell, "kernel", None) is not None:
+        shell.run_line_magic("matplotlib", "inline")
+
+
 def setup(seed: int = 0, preferred: str | None = None, verbose: bool = True) -> torch.device:
     """What the first cell of every notebook calls: pick the device, seed, print versions.
 
@@ -56,6 +78,7 @@ def setup(seed: int = 0, preferred: str | None = None, verbose: bool = True) -> 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     seed_everything(seed)
+    show_figures_inline()
     if verbose:
         print(describe_environment(device))
     return device
