@@ -155,13 +155,19 @@ def test_sinusoidal_positions_diagnoses_known_mistakes(answer, hint):
         checks.check_sinusoidal_positions(answer, **CPU)
 
 
+def sinusoidal_half_width(num_positions, dim, base=10000.0):
+    return sinusoidal_stacked(num_positions, dim, base)[:, 0::2]
+
+
 def test_sinusoidal_positions_contract():
     with pytest.raises(CheckFailure, match=r"should raise ValueError \(dim = 7 is odd"):
         checks.check_sinusoidal_positions(sinusoidal_no_odd_check, **CPU)
-    with pytest.raises(CheckFailure, match="should return torch.float32 .*got torch.float64"):
+    with pytest.raises(CheckFailure, match="(?s)should return torch.float32 .*got torch.float64.*dtype=torch.float32"):
         checks.check_sinusoidal_positions(sinusoidal_float64, **CPU)
     with pytest.raises(CheckFailure, match=r"(?s)should have shape \[6, 8\], got \[8, 6\].*one row per position"):
         checks.check_sinusoidal_positions(sinusoidal_transposed, **CPU)
+    with pytest.raises(CheckFailure, match=r"(?s)should have shape \[6, 8\], got \[6, 4\].*a sine and a cosine"):
+        checks.check_sinusoidal_positions(sinusoidal_half_width, **CPU)
     with pytest.raises(CheckFailure, match="should be a torch.Tensor, got ndarray"):
         checks.check_sinusoidal_positions(sinusoidal_numpy, **CPU)
     with pytest.raises(CheckFailure, match=r"take the parameters \(num_positions, dim, base\)"):
@@ -175,6 +181,14 @@ def test_positions_break_equivariance():
         checks.check_positions_break_equivariance(lambda n, d, base=10000.0: torch.ones(n, d), **CPU)
     with pytest.raises(CheckFailure, match="not implemented yet"):
         checks.check_positions_break_equivariance(_not_implemented, **CPU)
+
+
+def test_positions_break_equivariance_requires_the_sinusoidal_table():
+    """Any random table breaks the symmetry; the exercise asks for the sinusoidal one (issue: randn got the point)."""
+    with pytest.raises(CheckFailure, match="(?s)PE\\[p\\] \\. PE\\[p \\+ \\d+\\] differ.*depend only on the offset"):
+        checks.check_positions_break_equivariance(lambda n, d, base=10000.0: torch.randn(n, d), **CPU)
+    with pytest.raises(CheckFailure, match="interleaves"):  # offset-only, but not the table asked for
+        checks.check_positions_break_equivariance(sinusoidal_concatenated, **CPU)
 
 
 def _not_implemented(*args, **kwargs):
@@ -232,6 +246,40 @@ def fourier_variant(*, frequencies=None, store="buffer", order="coordinate", lay
     return Variant
 
 
+class FourierPiInForward(nn.Module):
+    """Correct, written another way: the buffer holds 2^k (float32) and forward multiplies by pi."""
+
+    def __init__(self, in_dim, num_frequencies):
+        super().__init__()
+        self.out_dim = in_dim * num_frequencies * 2
+        self.register_buffer("scales", 2.0 ** torch.arange(num_frequencies, dtype=torch.float32), persistent=False)
+
+    def forward(self, x):
+        angles = torch.pi * torch.einsum("...c,f->...cf", x, self.scales.to(x.dtype)).flatten(-2)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class FourierCatThenFlatten(FourierPow):
+    """The draft fixed in the other order: sin/cos concatenated per coordinate, flattened afterwards."""
+
+    def forward(self, x):
+        angles = x[..., None] * self.freqs  # [..., in_dim, F]
+        return torch.cat([angles.sin(), angles.cos()], dim=-1).flatten(-2)
+
+
+class FourierNoBuffer(nn.Module):
+    """The frequencies made again in every forward call: no buffer."""
+
+    def __init__(self, in_dim, num_frequencies):
+        super().__init__()
+        self.out_dim, self.num_frequencies = in_dim * 2 * num_frequencies, num_frequencies
+
+    def forward(self, x):
+        frequencies = 2.0 ** torch.arange(self.num_frequencies, dtype=x.dtype, device=x.device) * math.pi
+        angles = (x[..., None] * frequencies).flatten(-2)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
 class FourierNoFlatten(FourierPow):
     def forward(self, x):
         angles = x.unsqueeze(-1) * self.freqs
@@ -247,12 +295,16 @@ def test_fourier_features_accepts_a_correct_answer_written_differently():
     checks.check_fourier_features(FourierPow, **CPU)
     checks.check_fourier_features(FourierPow, seed=11, **CPU)
     checks.check_fourier_features(fourier_variant(), **CPU)
+    checks.check_fourier_features(FourierPiInForward, **CPU)
+    checks.check_fourier_features(FourierPiInForward, seed=4, **CPU)
 
 
 @pytest.mark.parametrize("answer, hint", [
     (fourier_variant(frequencies=lambda k: 2.0 ** k), "2\\^k; they are 2\\^k \\* pi"),
     (fourier_variant(frequencies=lambda k: torch.exp(k)), "the draft's exp"),
-    (fourier_variant(store="plain"), "plain tensor attribute .*register_buffer"),
+    (fourier_variant(store="plain"), "(?s)plain attribute \\(self.frequencies\\).*plain tensor attribute.*register_buffer"),
+    (FourierCatThenFlatten, "one \\[sin, cos\\] block per coordinate"),
+    (FourierNoBuffer, "has no buffer.*\n.*keep the frequencies in a buffer"),
     (fourier_variant(store="persistent"), "persistent=False"),
     (fourier_variant(store="parameter"), "nn.Parameter"),
     (fourier_variant(order="frequency"), "flattened in the wrong order"),
@@ -430,7 +482,7 @@ def test_psnr_diagnoses_known_mistakes(answer, hint):
 
 
 def test_psnr_contract():
-    with pytest.raises(CheckFailure, match="should return a Python float, got a tensor of shape"):
+    with pytest.raises(CheckFailure, match="(?s)should return a Python float, got a tensor of shape.*float\\(...\\) or .item"):
         checks.check_psnr(psnr_tensor, **CPU)
     with pytest.raises(CheckFailure, match=r"psnr\(x, x\) \(a perfect reconstruction\) raised ZeroDivisionError"):
         checks.check_psnr(psnr_no_inf, **CPU)
@@ -577,7 +629,8 @@ class LayerFloatMask(nn.Module):
 
 
 def layer_variant(*, post_norm=False, attn_residual=True, mlp_residual=True, convert_mask=True,
-                  activation=nn.GELU, eps=1e-6, batch_first=True, swap_norms=False, take_first=True):
+                  activation=nn.GELU, eps=1e-6, batch_first=True, swap_norms=False, take_first=True,
+                  need_weights=True):
     class Layer(LayerFloatMask):
         def __init__(self, embed_dim, num_heads, mlp_ratio=4.0):
             super().__init__(embed_dim, num_heads, mlp_ratio)
@@ -594,7 +647,7 @@ def layer_variant(*, post_norm=False, attn_residual=True, mlp_residual=True, con
                 x = norm1(x + self.attn(x, x, x, attn_mask=blocked)[0])
                 return norm2(x + self.mlp(x))
             h = norm1(x)
-            result = self.attn(h, h, h, attn_mask=blocked)
+            result = self.attn(h, h, h, attn_mask=blocked, need_weights=need_weights)
             attended = result[0] if take_first else result
             x = x + attended if attn_residual else attended
             m = self.mlp(norm2(x))
@@ -616,6 +669,7 @@ def test_transformer_layer_accepts_a_correct_answer_written_differently():
     (layer_variant(attn_residual=False), "residual connection around attention is missing"),
     (layer_variant(mlp_residual=False), "residual connection around the MLP is missing"),
     (layer_variant(convert_mask=False), "passed to nn.MultiheadAttention unconverted"),
+    (layer_variant(convert_mask=False, need_weights=False), "passed to nn.MultiheadAttention unconverted"),
     (layer_variant(swap_norms=True), "yours are swapped"),
     (layer_variant(activation=nn.ReLU), "ReLU instead of GELU"),
     (layer_variant(activation=lambda: nn.GELU(approximate="tanh")), "exact nn.GELU"),
@@ -631,7 +685,8 @@ def test_transformer_layer_diagnoses_known_mistakes(answer, hint):
 @pytest.mark.parametrize("answer, hint", [
     (layer_variant(post_norm=True), "post-norm layer"),
     (layer_variant(attn_residual=False, mlp_residual=False), "both residual connections are missing"),
-    (layer_variant(convert_mask=False), "passed to nn.MultiheadAttention unconverted"),
+    (layer_variant(convert_mask=False), "(?s)returned NaN.*passed to nn.MultiheadAttention unconverted"),
+    (layer_variant(convert_mask=False, need_weights=False), "(?s)no future token.*passed to nn.MultiheadAttention unconverted"),
 ])
 def test_transformer_layer_properties_diagnose_known_mistakes(answer, hint):
     with pytest.raises(CheckFailure, match=hint):
@@ -723,7 +778,7 @@ def test_transformer_accepts_a_correct_answer_written_differently():
 
 @pytest.mark.parametrize("answer, hint", [
     (stack_variant(shared=True), r"\[TransformerLayer\(\.\.\.\)\] \* n\) repeats one layer"),
-    (stack_variant(container="sequential"), "nn.Sequential: it cannot pass the mask"),
+    (stack_variant(container="sequential"), "(?s)is an nn.Sequential.*cannot pass the mask to every layer"),
     (stack_variant(container="list"), "plain Python list is not registered"),
     (stack_variant(final_norm=False), "final LayerNorm is missing"),
     (stack_variant(pass_mask=False), "the mask did not reach the layers"),
