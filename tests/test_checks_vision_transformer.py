@@ -552,6 +552,26 @@ class MiniViTPostNormBlocks(MiniViTAlt):
         self.blocks = nn.ModuleList(ViTBlockPostNorm(embed_dim, num_heads, mlp_ratio) for _ in range(depth))
 
 
+class MiniViTKeywordCalls(MiniViTAlt):
+    """Correct, timm-style: the blocks are called with keywords, block(x=x) (no positional argument)."""
+
+    def encode(self, x, return_attention):
+        attentions = []
+        for block in self.blocks:
+            if return_attention:
+                x, weights = block(x=x, return_attention=True)
+                attentions.append(weights)
+            else:
+                x = block(x=x)
+        return x, attentions
+
+
+def test_mini_vit_accepts_blocks_called_by_keyword():
+    """A hook that read args[0] crashed with IndexError on block(x=x)."""
+    checks.check_mini_vit(MiniViTKeywordCalls, **CPU)
+    checks.check_mini_vit_properties(MiniViTKeywordCalls, **CPU)
+
+
 def test_mini_vit_accepts_other_correct_answer_with_repeat():
     checks.check_mini_vit(MiniViTAlt, **CPU)
     checks.check_mini_vit_properties(MiniViTAlt, **CPU)
@@ -781,17 +801,52 @@ def train_sgd_tiny_lr(model, train_loader, epochs, lr, device):
     return losses
 
 
+def train_without_zero_grad(model, train_loader, epochs, lr, device):
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(epochs):
+        total = 0.0
+        for images, labels in train_loader:
+            loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+            loss.backward()
+            optimizer.step()
+            total += loss.item()
+        losses.append(total / len(train_loader))
+    return losses
+
+
+def train_model_zero_grad(model, train_loader, epochs, lr, device):
+    """Correct, written differently: model.zero_grad() after the step, a generator of batches."""
+    model = model.to(device)
+    model.train(True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    means = []
+    for _ in range(epochs):
+        losses = [0.0, 0]
+        for images, labels in ((i.to(device), t.to(device)) for i, t in train_loader):
+            loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            model.zero_grad()
+            losses = [losses[0] + loss.item() * len(labels), losses[1] + len(labels)]
+        means.append(losses[0] / losses[1])
+    return means
+
+
 def test_train_classifier_accepts_other_correct_answer():
+    checks.check_train_classifier(train_model_zero_grad, **CPU)
     checks.check_train_classifier(train_plain_adam, **CPU)
 
 
 @pytest.mark.parametrize("answer, match", [
-    (train_without_train_mode, r"Call model.train\(\)"),
+    (train_without_train_mode, r"call model.train\(\) before the training loop"),
     (train_without_step, r"call optimizer.step\(\)"),
     (train_returns_tensors, r"loss.item\(\)"),
     (train_one_batch_per_epoch, "Loop over every batch"),
     (train_per_step_losses, "should return a list of 3 floats"),
     (train_summed_loss, "mean cross-entropy per image"),
+    (train_without_zero_grad, r"(?s)gradients of the previous batch were still in .grad.*call optimizer.zero_grad\(\)"),
 ])
 def test_train_classifier_rejects_mistakes(answer, match):
     _rejects(checks.check_train_classifier, answer, match)
@@ -820,6 +875,60 @@ def test_outcome_rejects_a_model_that_cannot_learn_positions_or_content():
 
     with pytest.raises(CheckFailure, match="It should reach at least 90%"):
         checks.check_train_classifier_outcome(train_plain_adam, Blind, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# pool_tokens
+# --------------------------------------------------------------------------------------
+
+
+def pool_timm(tokens, pool="cls"):
+    """Correct, timm-style: global_pool 'avg' averages after the prefix tokens; 'token' reads token 0."""
+    num_prefix_tokens = 1
+    if pool == "mean":
+        return tokens[:, num_prefix_tokens:].mean(dim=1)
+    if pool == "cls":
+        return tokens[:, 0]
+    raise ValueError(f"unknown pool {pool!r}")
+
+
+def pool_einsum(tokens, pool="cls"):
+    """Correct, written differently: a weighting vector over the tokens and einsum."""
+    if pool not in ("cls", "mean"):
+        raise ValueError(f"pool must be 'cls' or 'mean', got {pool}")
+    seq_len = tokens.shape[1]
+    weights = torch.zeros(seq_len, dtype=tokens.dtype, device=tokens.device)
+    if pool == "cls":
+        weights[0] = 1.0
+    else:
+        weights[1:] = 1.0 / (seq_len - 1)
+    return torch.einsum("bsd,s->bd", tokens, weights)
+
+
+def _pool_wrong(mean, cls=lambda t: t[:, 0]):
+    def pool_tokens(tokens, pool="cls"):
+        if pool not in ("cls", "mean"):
+            raise ValueError(pool)
+        return cls(tokens) if pool == "cls" else mean(tokens)
+    return pool_tokens
+
+
+def test_pool_tokens_accepts_other_correct_answers():
+    checks.check_pool_tokens(pool_timm, **CPU)
+    checks.check_pool_tokens(pool_einsum, seed=3, **CPU)
+
+
+@pytest.mark.parametrize("answer, match", [
+    (_pool_wrong(lambda t: t.mean(dim=1)), "you included the class token"),
+    (_pool_wrong(lambda t: t[:, 1:].sum(dim=1)), "do not sum them"),
+    (_pool_wrong(lambda t: t[:, 1:].amax(dim=1)), "not their maximum"),
+    (_pool_wrong(lambda t: t[:, 1:].mean(dim=1), cls=lambda t: t[:, -1]), "the class token is token 0"),
+    (_pool_wrong(lambda t: t[:, 1:].mean(dim=1), cls=lambda t: t[:, :1]), r"an integer index drops the axis"),
+    (_pool_wrong(lambda t: t[:, 1:].mean(dim=-1)), "average over the tokens"),
+    (lambda tokens, pool="cls": tokens[:, 0] if pool == "cls" else tokens[:, 1:].mean(1), "should raise ValueError"),
+])
+def test_pool_tokens_rejects_mistakes(answer, match):
+    _rejects(checks.check_pool_tokens, answer, match)
 
 
 # --------------------------------------------------------------------------------------
@@ -955,9 +1064,66 @@ def rollout_in_place(attentions):
     return _grid(_rollout([a - eye for a in attentions]), attentions[0].shape[-1])
 
 
+def rollout_vit_explain(attentions):
+    """Correct, vit-explain's helper: torch.eye in float32 (its default), no dtype handling at all."""
+    result = torch.eye(attentions[0].size(-1))
+    with torch.no_grad():
+        for attention in attentions:
+            fused = attention.mean(axis=1)
+            identity = torch.eye(fused.size(-1))
+            a = (fused + 1.0 * identity) / 2
+            a = a / a.sum(dim=-1, keepdim=True)
+            result = torch.matmul(a, result)
+    mask = result[:, 0, 1:]
+    width = int(mask.size(-1) ** 0.5)
+    return mask.reshape(-1, width, width)
+
+
+def rollout_float32_inside(attentions):
+    """Correct: computes in float32 (x.float()) and casts back to the input's dtype."""
+    dtype = attentions[0].dtype
+    a = [attention.float().mean(1) for attention in attentions]
+    eye = torch.eye(a[0].shape[-1], device=a[0].device)
+    rollout = eye
+    for mixed in a:
+        mixed = (mixed + eye) / (mixed + eye).sum(-1, keepdim=True)
+        rollout = mixed @ rollout
+    grid = math.isqrt(a[0].shape[-1] - 1)
+    return rollout[:, 0, 1:].unflatten(-1, (grid, grid)).to(dtype)
+
+
+def rollout_float32_output(attentions):
+    return rollout_float32_inside(attentions).float()
+
+
+def rollout_with_cls(attentions):
+    full = _rollout(attentions)
+    return full[:, 0, :-1].reshape(full.shape[0], *_grid(full, full.shape[-1]).shape[1:])
+
+
+def rollout_column(attentions):
+    full = _rollout(attentions)
+    return full[:, 1:, 0].reshape(full.shape[0], *_grid(full, full.shape[-1]).shape[1:])
+
+
+def rollout_transposed(attentions):
+    return _grid(_rollout(attentions), attentions[0].shape[-1]).transpose(-2, -1)
+
+
 def test_attention_rollout_accepts_other_correct_answer():
     checks.check_attention_rollout(rollout_half_half, **CPU)
     checks.check_attention_rollout(rollout_half_half, seed=13, **CPU)
+
+
+@pytest.mark.parametrize("answer, note", [
+    (rollout_vit_explain, "mixes float32 and float64 and raises"),
+    (rollout_float32_inside, "computes in float32"),
+    (rollout_float32_output, "returns float32"),
+])
+def test_attention_rollout_accepts_float32_internals_with_a_note(answer, note, capsys):
+    """float64 attentions: a float32 torch.eye inside is normal (issue: vit-explain's rollout was rejected)."""
+    checks.check_attention_rollout(answer, **CPU)
+    assert note in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("answer, match", [
@@ -969,6 +1135,9 @@ def test_attention_rollout_accepts_other_correct_answer():
     (rollout_last_only, "you used only the last block"),
     (rollout_per_head, "average the heads first"),
     (rollout_in_place, "modified the attentions in place"),
+    (rollout_with_cls, r"you kept column 0 \(\[CLS\] to itself\)"),
+    (rollout_column, "you took column 0 of the rollout"),
+    (rollout_transposed, "the grid is transposed: patch n goes to row n // grid"),
 ])
 def test_attention_rollout_rejects_mistakes(answer, match):
     _rejects(checks.check_attention_rollout, answer, match)
