@@ -73,9 +73,9 @@ def _one_thread(device: torch.device) -> Iterator[None]:
 
 
 PERMUTATION_HINTS = {
-    "A": "Invariant would mean the outputs do not change at all. Look at the demo: they did change "
-         "(the first print says True) -- but how?",
-    "C": "The demo's second print says the outputs were shuffled in the same way as the tokens: "
+    "A": "Invariant would mean the outputs do not change at all. Run the experiment below your answer: they "
+         "did change (the first print says True) -- but how?",
+    "C": "The experiment's second print says the outputs were shuffled in the same way as the tokens: "
          "that is a very predictable change.",
 }
 
