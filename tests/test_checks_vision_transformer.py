@@ -1232,10 +1232,14 @@ def test_widget_controls_change_what_is_drawn():
                                images[3, 0].double())
     assert explorer.figure._suptitle.get_text().startswith("image 3")
 
+    assert not explorer.controls["block"].disabled
     explorer.controls["head"].value = "rollout (all blocks)"
     torch.testing.assert_close(_grid_panel(explorer), rollout_half_half(attentions)[3].double())
     assert "rollout" in explorer.figure._suptitle.get_text()
     assert len(explorer.figure.axes) == 3  # redrawn, not stacked
+    assert explorer.controls["block"].disabled  # rollout uses every block: no block to pick
+    explorer.controls["head"].value = "head 1"
+    assert not explorer.controls["block"].disabled
 
 
 def test_widget_has_a_static_png_fallback():
