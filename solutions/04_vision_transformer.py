@@ -378,7 +378,8 @@ for name, layer in (("defaults", default_layer), ("as a ViT block", vit_layer)):
 # `nn.TransformerEncoder(vit_layer, num_layers=depth)`, or your `ModuleList` of `ViTBlock`s.
 
 # %%
-seq2seq = nn.Transformer(d_model=64, nhead=4, num_encoder_layers=2, num_decoder_layers=2, device="meta")
+seq2seq = nn.Transformer(d_model=64, nhead=4, num_encoder_layers=2, num_decoder_layers=2, batch_first=True,
+                         device="meta")
 encoder_only = nn.TransformerEncoder(vit_layer, num_layers=2, enable_nested_tensor=False)
 print("nn.Transformer:        ", [name for name, _ in seq2seq.named_children()],
       "| decoder layers have", [name for name, _ in seq2seq.decoder.layers[0].named_children()][:3], "...")
@@ -477,7 +478,8 @@ class MiniViT(nn.Module):
 
 # %%
 vit = MiniViT(img_size=8, patch_size=2, in_channels=1, num_classes=10, embed_dim=64, depth=2, num_heads=4)
-logits, attentions = vit(digits.train_images[:3], return_attention=True)
+with torch.no_grad():
+    logits, attentions = vit(digits.train_images[:3], return_attention=True)
 print("logits:", tuple(logits.shape), "| attentions:", [tuple(a.shape) for a in attentions])
 print(f"parameters: {sum(p.numel() for p in vit.parameters()):,}")
 
@@ -819,13 +821,25 @@ plt.show()
 
 # %% [markdown]
 # **The graded outcome.** The check below trains a *fresh* MiniViT — your class — with *your*
-# `train_classifier`, under a fixed seed, with 4×4 patches, `D = 64`, 2 blocks of 4 heads,
-# batch 32, `lr = 1e-3`, 8 epochs, and measures the test accuracy itself. It must reach at least
-# 90% within 60 s of CPU time (a correct solution needs a small fraction of that; on a GPU, even
-# less).
+# `train_classifier`, under a fixed seed, and measures the test accuracy itself. Its
+# configuration differs from the demo above on purpose:
+#
+# * **4×4 patches** (a 2×2 grid, `S = 5` tokens) instead of 2×2: attention costs grow with
+#   `S²`, and the check runs every time anyone validates or grades the notebook, so it must
+#   take seconds. (The demo uses 2×2 patches because a 4×4 grid of attention is worth looking
+#   at; a 2×2 one is not.)
+# * **`lr = 1e-3`** instead of `3e-3`: the demo's rate relies on the solution's warm-up
+#   schedule, which is optional — a plain constant-rate AdamW or Adam loop must pass too.
+#
+# Correct loops land between 93.6% and 97.8% (measured over 6 seeds with the solution's
+# loop, plain Adam and plain AdamW; the spread comes from the constant learning rate and the
+# initialisation, which any correct answer may do its own way). The bar is therefore **90%**,
+# which every correct run clears with room, within 60 s of CPU time (a correct loop needs
+# about 5 s) — a test that your ViT *learns*, not a claim that it beats the logistic
+# regression above.
 
 # %% test="test_train_classifier_outcome" points=3
-"""train_classifier + MiniViT: a fresh MiniViT trained by your loop (fixed seed) reaches >= 90% test accuracy on the digits within the CPU budget."""
+"""train_classifier + MiniViT: a fresh MiniViT (4x4 patches) trained by your loop (fixed seed, lr 1e-3) reaches >= 90% test accuracy on the digits within the CPU budget."""
 from attention_lab.checks.vision_transformer import check_train_classifier_outcome
 
 check_train_classifier_outcome(train_classifier, MiniViT)
@@ -861,11 +875,12 @@ def cls_attention_map(attention, grid_size):
 
 # %%
 vit = trained_vit()
-_, attentions = vit(digits.test_images[:4].to(device), return_attention=True)
-maps = cls_attention_map(attentions[-1], grid_size=4)  # [4, H, 4, 4]
-print("last block:", tuple(attentions[-1].shape), "-> maps:", tuple(maps.shape))
+with torch.no_grad():
+    _, attentions = vit(digits.test_images[:4].to(device), return_attention=True)
+cls_maps = cls_attention_map(attentions[-1], grid_size=4)  # [4, H, 4, 4]
+print("last block:", tuple(attentions[-1].shape), "-> maps:", tuple(cls_maps.shape))
 print("first test image, head 0 of the last block:")
-print(maps[0, 0].detach().cpu().numpy().round(2))
+print(cls_maps[0, 0].cpu().numpy().round(2))
 
 # %% test="test_cls_attention_map" points=2
 """cls_attention_map: row 0 (the [CLS] query), columns 1..N, [B, H, grid, grid] in row-major patch order, every head kept."""
@@ -918,10 +933,11 @@ def attention_rollout(attentions):
 
 # %%
 vit = trained_vit()
-_, attentions = vit(digits.test_images[:4].to(device), return_attention=True)
-rollout = attention_rollout(attentions)
-print("rollout:", tuple(rollout.shape), "| first image:")
-print(rollout[0].detach().cpu().numpy().round(3))
+with torch.no_grad():
+    _, attentions = vit(digits.test_images[:4].to(device), return_attention=True)
+rollout_maps = attention_rollout(attentions)  # [4, 4, 4]
+print("rollout:", tuple(rollout_maps.shape), "| first image:")
+print(rollout_maps[0].cpu().numpy().round(3))
 
 # %% test="test_attention_rollout" points=3
 """attention_rollout: heads averaged, identity added, rows renormalised, Ã_L ... Ã_1 (later blocks on the left), [CLS] row on the patches as [B, grid, grid]."""

@@ -102,6 +102,11 @@ def sinusoidal_column_index(num_positions, dim, base=10000.0):
     return _table(n, d, base, lambda c: base ** (-2 * c / d))
 
 
+def sinusoidal_per_column(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return _table(n, d, base, lambda c: base ** (-c / d))
+
+
 def sinusoidal_half_exponent(num_positions, dim, base=10000.0):
     n, d = num_positions, dim
     return _table(n, d, base, lambda c: base ** (-(c // 2) / d))
@@ -146,6 +151,7 @@ def test_sinusoidal_positions_accepts_a_correct_answer_written_differently():
     (sinusoidal_concatenated, "interleaves"),
     (sinusoidal_swapped, "sine and cosine are swapped"),
     (sinusoidal_column_index, "column index"),
+    (sinusoidal_per_column, "must share one frequency"),
     (sinusoidal_half_exponent, "exponent is 2i/dim"),
     (sinusoidal_multiplied, "divide by it"),
     (sinusoidal_from_one, "positions start at 0"),
@@ -241,6 +247,8 @@ def fourier_variant(*, frequencies=None, store="buffer", order="coordinate", lay
                 angles = (self.frequencies.to(x)[:, None] * x[..., None, :]).flatten(-2)
             if layout == "interleaved":
                 return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)
+            if layout == "cos_first":
+                return torch.cat([angles.cos(), angles.sin()], dim=-1)
             return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
     return Variant
@@ -309,6 +317,8 @@ def test_fourier_features_accepts_a_correct_answer_written_differently():
     (fourier_variant(store="parameter"), "nn.Parameter"),
     (fourier_variant(order="frequency"), "flattened in the wrong order"),
     (fourier_variant(layout="interleaved"), "interleaved per angle"),
+    (fourier_variant(layout="cos_first"), "cos comes first"),
+    (fourier_variant(frequencies=lambda k: (k + 1) * math.pi), "grow linearly"),
     (fourier_variant(seed_slice=True), r"x\[\.\.\., None:\] is a full slice"),
     (fourier_variant(out_dim=lambda i, f: 2 * f), "in_dim coordinates x F frequencies x 2"),
     (fourier_variant(out_dim=lambda i, f: i * f), "a sine and a cosine"),
@@ -630,7 +640,7 @@ class LayerFloatMask(nn.Module):
 
 def layer_variant(*, post_norm=False, attn_residual=True, mlp_residual=True, convert_mask=True,
                   activation=nn.GELU, eps=1e-6, batch_first=True, swap_norms=False, take_first=True,
-                  need_weights=True):
+                  need_weights=True, kv_unnormalised=False):
     class Layer(LayerFloatMask):
         def __init__(self, embed_dim, num_heads, mlp_ratio=4.0):
             super().__init__(embed_dim, num_heads, mlp_ratio)
@@ -647,7 +657,8 @@ def layer_variant(*, post_norm=False, attn_residual=True, mlp_residual=True, con
                 x = norm1(x + self.attn(x, x, x, attn_mask=blocked)[0])
                 return norm2(x + self.mlp(x))
             h = norm1(x)
-            result = self.attn(h, h, h, attn_mask=blocked, need_weights=need_weights)
+            kv = x if kv_unnormalised else h
+            result = self.attn(h, kv, kv, attn_mask=blocked, need_weights=need_weights)
             attended = result[0] if take_first else result
             x = x + attended if attn_residual else attended
             m = self.mlp(norm2(x))
@@ -671,6 +682,7 @@ def test_transformer_layer_accepts_a_correct_answer_written_differently():
     (layer_variant(convert_mask=False), "passed to nn.MultiheadAttention unconverted"),
     (layer_variant(convert_mask=False, need_weights=False), "passed to nn.MultiheadAttention unconverted"),
     (layer_variant(swap_norms=True), "yours are swapped"),
+    (layer_variant(kv_unnormalised=True), "normalise once and use the result as query, key and value"),
     (layer_variant(activation=nn.ReLU), "ReLU instead of GELU"),
     (layer_variant(activation=lambda: nn.GELU(approximate="tanh")), "exact nn.GELU"),
     (layer_variant(eps=1e-5), "eps should be 1e-6, got 1e-05"),
@@ -881,3 +893,48 @@ def test_show_images_draws_one_panel_per_picture():
     np.testing.assert_allclose(axes[1].images[0].get_array(), rose * 0.5, rtol=1e-6)
     assert np.asarray(axes[2].images[0].get_array()).max() <= 1.0  # clipped for display
     assert widget._repr_mimebundle_()["image/png"]
+
+
+# --------------------------------------------------------------------------------------
+# The notebooks' own cells leave the student's helpers alone (notebooks 03 and 04)
+# --------------------------------------------------------------------------------------
+
+# Names that answers really give their helper functions (the Annotated Transformer's `attention`,
+# vit-explain's `rollout`, timm's `block`, ...). A demo cell that assigns one at top level
+# replaces the student's helper, and a later check of an answer that calls it fails far from
+# the cause. The corpus runs such answers through the notebooks; this catches it without a kernel.
+HELPER_NAMES = {"attention", "softmax", "rollout", "block", "layer", "patches", "heads", "predict", "rotate",
+                "mask", "split_heads", "merge_heads", "positions", "encode", "clones"}
+
+
+def _top_level_names(source: str) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.parse(source).body:
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.For, ast.With)):
+            targets = [node.target] if isinstance(node, ast.For) else [item.optional_vars for item in node.items]
+        for target in targets:
+            names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+@pytest.mark.parametrize("assignment", ["03_positions_and_blocks", "04_vision_transformer"])
+def test_demo_cells_do_not_rebind_helper_names(assignment):
+    from pathlib import Path
+
+    import jupytext
+
+    source = Path(__file__).parents[1] / "solutions" / f"{assignment}.py"
+    cells = jupytext.read(source, fmt="py:percent").cells
+    demo_code = [cell.source for cell in cells if cell.cell_type == "code"
+                 and "answer" not in cell.metadata and "test" not in cell.metadata]
+    # The source format marks cells `answer=` / `test=` in the header: jupytext keeps them as metadata.
+    assert len(demo_code) < len([cell for cell in cells if cell.cell_type == "code"])
+    clobbered = {name for code in demo_code for name in _top_level_names(code)} & HELPER_NAMES
+    assert not clobbered, f"{assignment}: demo cells rebind helper names {sorted(clobbered)}"

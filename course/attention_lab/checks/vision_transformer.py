@@ -946,6 +946,10 @@ def check_train_classifier(train_classifier: Callable, *, seed: int = 0, device:
 
 OUTCOME_CONFIG = dict(img_size=8, patch_size=4, in_channels=1, num_classes=10, embed_dim=64, depth=2, num_heads=4)
 OUTCOME_EPOCHS, OUTCOME_LR, OUTCOME_BATCH = 8, 1e-3, 32
+# Measured with this configuration over seeds 0-5 (CPU, one thread): the solution's AdamW +
+# OneCycle loop reaches 96.7-97.5%, plain Adam 96.1-97.2%, plain AdamW (constant lr) 93.6-97.8%;
+# 12 epochs do not narrow the spread (plain Adam 95.3-98.3%). A correct run lands >= 93.6%: the
+# bar leaves room for other correct initialisations. Logistic regression on the pixels: 95.3%.
 OUTCOME_ACCURACY, OUTCOME_CPU_SECONDS = 0.90, 60.0
 
 
