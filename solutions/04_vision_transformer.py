@@ -364,9 +364,10 @@ default_layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, batch_first=True
 vit_layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=4 * 64, dropout=0.0,
                                        activation="gelu", layer_norm_eps=1e-6, batch_first=True,
                                        norm_first=True)
-for name, layer in (("defaults", default_layer), ("as a ViT block", vit_layer)):
-    print(f"{name:>15}: norm_first={layer.norm_first}, activation={layer.activation.__name__}, "
-          f"MLP width={layer.linear1.out_features}, dropout={layer.dropout.p}, eps={layer.norm1.eps}")
+for name, encoder_layer in (("defaults", default_layer), ("as a ViT block", vit_layer)):
+    print(f"{name:>15}: norm_first={encoder_layer.norm_first}, activation={encoder_layer.activation.__name__}, "
+          f"MLP width={encoder_layer.linear1.out_features}, dropout={encoder_layer.dropout.p}, "
+          f"eps={encoder_layer.norm1.eps}")
 
 # %% [markdown]
 # **`nn.TransformerEncoder`, not `nn.Transformer`.** PyTorch has both. `nn.Transformer` is the

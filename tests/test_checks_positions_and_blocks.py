@@ -919,7 +919,7 @@ def _top_level_names(source: str) -> set[str]:
             names.add(node.name)
         elif isinstance(node, (ast.For, ast.With)):
             targets = [node.target] if isinstance(node, ast.For) else [item.optional_vars for item in node.items]
-        for target in targets:
+        for target in filter(None, targets):  # (a `with` without `as` binds nothing)
             names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
     return names
 
