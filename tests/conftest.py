@@ -1,8 +1,11 @@
-"""Shared fixtures: one fresh build of every notebook (source and student release) per test session."""
+"""Shared fixtures: one fresh build of every notebook (source and student release) per test
+session; and the hint-coverage gate (see tests/hint_coverage.py)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +13,14 @@ import pytest
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+from attention_lab.checking import HINT_LOG_ENV_VAR  # noqa: E402
 from autograder import release  # noqa: E402
+
+from tests import hint_coverage  # noqa: E402
+
+# Fail a whole-suite run when some hint in the package is never triggered by a test.
+# Off, the summary still lists those hints. Switch on by setting this to True.
+HINT_COVERAGE_ENFORCED = False
 
 REPO_ROOT = release.REPO_ROOT
 ASSIGNMENTS = release.assignment_names()
@@ -36,3 +46,54 @@ def fresh_build(tmp_path_factory) -> Build:
     build = Build(course_dir=root / "course", autograder_dir=root / "autograder")
     release.build(ASSIGNMENTS, build.course_dir, build.autograder_dir)
     return build
+
+
+# --------------------------------------------------------------------------------------
+# Hint coverage: every hint in the package appears in some test's failure message
+# --------------------------------------------------------------------------------------
+
+
+def _is_controller(config: pytest.Config) -> bool:
+    """The process that runs the session (not a pytest-xdist worker)."""
+    return not hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Workers and notebook kernels inherit this variable and log into the same folder.
+    if _is_controller(config):
+        folder = tempfile.mkdtemp(prefix="attention-lab-hint-log-")
+        config.stash[_HINT_LOG] = folder
+        os.environ[HINT_LOG_ENV_VAR] = folder
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if not _is_controller(config) or _HINT_LOG not in config.stash:
+        return
+    hints = hint_coverage.package_hints()
+    missing = hint_coverage.untriggered(hints, hint_coverage.read_messages(config.stash[_HINT_LOG]))
+    whole = hint_coverage.whole_suite_ran(config.option, config.args)
+    config.stash[_HINT_REPORT] = hint_coverage.report(missing, len(hints), whole, HINT_COVERAGE_ENFORCED,
+                                                      hint_coverage.modules_under_test(config.args))
+    if HINT_COVERAGE_ENFORCED and whole and missing and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    lines = config.stash.get(_HINT_REPORT, None)
+    if lines:
+        terminalreporter.write_sep("-", "hint coverage")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_HINT_LOG, None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.environ.get(HINT_LOG_ENV_VAR) == folder:
+            del os.environ[HINT_LOG_ENV_VAR]
+
+
+_HINT_LOG = pytest.StashKey[str]()
+_HINT_REPORT = pytest.StashKey[list]()

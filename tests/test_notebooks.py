@@ -91,20 +91,6 @@ def test_release_leaks_no_solution_and_no_hidden_test(assignment, fresh_build):
     assert not leaked, f"solution or hidden-test lines in the student notebook: {leaked}"
 
 
-def test_helper_package_contains_no_solution_line(fresh_build):
-    """The package ships to students (Colab installs it): no solution may be copied into it."""
-    package_lines = set()
-    for path in (REPO_ROOT / "course" / "attention_lab").rglob("*.py"):
-        package_lines |= {" ".join(line.split()) for line in path.read_text().splitlines()}
-    leaked = {}
-    for assignment in ASSIGNMENTS:
-        sources = "\n".join(cell.source for cell in _cells(fresh_build.source(assignment)))
-        for block in SOLUTION_BLOCK.findall(sources):
-            for line in _substantive_lines(block) & package_lines:
-                leaked.setdefault(assignment, []).append(line)
-    assert not leaked, f"solution lines found verbatim in course/attention_lab: {leaked}"
-
-
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_notebook_starts_with_title_badge_and_the_generated_setup_cell(assignment, fresh_build):
     cells = _cells(fresh_build.release(assignment))

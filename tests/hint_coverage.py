@@ -1,0 +1,178 @@
+"""Every hint in the helper package must be reachable: some test must see it in a failure message.
+
+Where hints live: every hint text is a value of a module-level dict named ``HINTS`` or
+``<SOMETHING>_HINTS`` in ``attention_lab.checking`` or a module of ``attention_lab.checks``
+(nested dicts, lists and tuples of strings count too). A hint may contain ``str.format``
+fields (``{d_head}``): they match any text.
+
+How the suite checks it: ``tests/conftest.py`` points ``ATTENTION_LAB_HINT_LOG`` at a fresh
+folder for the session; the check framework appends there every failure message a check (or
+``expect_*`` / ``diagnose`` called directly) produces, one file per process, so pytest-xdist
+workers and notebook kernels all contribute. When the whole suite ran, the summary lists the
+hints no failure message ever contained, with their module, dict and key; with the gate on
+(``HINT_COVERAGE_ENFORCED`` in conftest) the run then fails. A subset run (a few files,
+``-k``, ``-m``) is not judged: it prints a note listing the untriggered hints of the check
+modules whose ``tests/test_checks_<module>.py`` ran.
+
+To see which hints are untested: run the whole suite (``make test``), or just one notebook's
+check tests (``.venv/bin/python -m pytest tests/test_checks_mha_shapes.py``), and read the
+"hint coverage" section at the end of the summary.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import re
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Hint:
+    module: str  # attention_lab.checks.mha_shapes
+    table: str  # SPLIT_HEADS_HINTS
+    key: str  # 'reshape_only' (nested keys joined with '/')
+    text: str
+
+    def where(self) -> str:
+        return f"{self.module}.{self.table}[{self.key}]"
+
+
+def is_hint_table(name: str, value: Any) -> bool:
+    return (name == "HINTS" or name.endswith("_HINTS")) and isinstance(value, Mapping)
+
+
+def _strings(value: Any, key: str) -> Iterator[tuple[str, str]]:
+    """(key path, text) of every string inside a hint table's value."""
+    if isinstance(value, str):
+        yield key, value
+    elif isinstance(value, Mapping):
+        for inner_key, inner in value.items():
+            yield from _strings(inner, f"{key}/{inner_key!r}")
+    elif isinstance(value, (list, tuple)):
+        for index, inner in enumerate(value):
+            yield from _strings(inner, f"{key}/{index}")
+
+
+def hints_in(module_name: str, namespace: Mapping[str, Any]) -> list[Hint]:
+    """Every hint text in the hint tables of one module's namespace."""
+    hints = []
+    for table, value in namespace.items():
+        if is_hint_table(table, value):
+            for key, inner in value.items():
+                hints += [Hint(module_name, table, path, text) for path, text in _strings(inner, repr(key))]
+    return hints
+
+
+def package_hints() -> list[Hint]:
+    """The hints of ``attention_lab.checking`` and of every module of ``attention_lab.checks``."""
+    import attention_lab.checks
+
+    modules = ["attention_lab.checking"] + [f"attention_lab.checks.{info.name}"
+                                            for info in pkgutil.iter_modules(attention_lab.checks.__path__)]
+    hints = []
+    for name in modules:
+        hints += hints_in(name, vars(importlib.import_module(name)))
+    return hints
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def hint_pattern(text: str) -> re.Pattern:
+    """A regex for the hint as it appears in a message: format fields match anything."""
+    text = _normalise(text)
+    try:
+        parts = list(string.Formatter().parse(text))
+    except ValueError:  # unbalanced braces: not a format string, match it literally
+        return re.compile(re.escape(text))
+    pattern = ""
+    for literal, field, _spec, _conversion in parts:
+        pattern += re.escape(literal) + (".*?" if field is not None else "")
+    return re.compile(pattern, re.DOTALL)
+
+
+def read_messages(folder: Path | str) -> list[str]:
+    """Every failure message recorded in ``folder`` (all processes)."""
+    messages = []
+    for path in sorted(Path(folder).glob("failures-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                messages.append(json.loads(line))
+    return messages
+
+
+def untriggered(hints: Iterable[Hint], messages: Sequence[str]) -> list[Hint]:
+    """The hints that appear in none of ``messages``."""
+    corpus = "\n\x00\n".join(_normalise(message) for message in messages)
+    return [hint for hint in hints if not hint_pattern(hint.text).search(corpus)]
+
+
+def covers_every_check_test(args: Sequence[str], tests_dir: Path = TESTS_DIR) -> bool:
+    """Do the command-line paths ``args`` collect every ``tests/test_checks_*.py`` file whole?"""
+    wanted = {path.resolve() for path in tests_dir.glob("test_checks_*.py")}
+    covered = set()
+    for arg in args:
+        if "::" in arg:  # a single test or class: a subset
+            continue
+        path = Path(arg).resolve()
+        if path.is_dir():
+            covered |= {file for file in wanted if path in file.parents}
+        elif path in wanted:
+            covered.add(path)
+    return bool(wanted) and wanted <= covered
+
+
+def whole_suite_ran(option: Any, args: Sequence[str], tests_dir: Path = TESTS_DIR) -> bool:
+    """No test selection (-k, -m, --deselect, --lf, -x) and every check test file collected."""
+    selecting = (getattr(option, "keyword", ""), getattr(option, "markexpr", ""), getattr(option, "deselect", None),
+                 getattr(option, "lf", False), getattr(option, "exitfirst", False))
+    if any(selecting):
+        return False
+    return covers_every_check_test(args, tests_dir)
+
+
+def modules_under_test(args: Sequence[str], tests_dir: Path = TESTS_DIR) -> set[str]:
+    """The check modules whose test files ``args`` name, e.g. ``tests/test_checks_mha_shapes.py``
+    -> ``attention_lab.checks.mha_shapes`` (a folder names all of them)."""
+    files = set()
+    for arg in args:
+        path = Path(arg.split("::")[0]).resolve()
+        files |= set(path.glob("**/test_checks_*.py")) if path.is_dir() else {path}
+    return {f"attention_lab.checks.{file.stem.removeprefix('test_checks_')}" for file in files
+            if file.name.startswith("test_checks_") and file.suffix == ".py"}
+
+
+def report(missing: Sequence[Hint], total: int, whole: bool, enforced: bool, modules: Iterable[str] = ()) -> list[str]:
+    """The lines of the "hint coverage" section of the test summary.
+
+    A subset run is not judged; it lists the hints of ``modules`` (those whose test files ran)
+    that it did not trigger, so a contributor can work on one notebook's checks at a time.
+    """
+    if not whole:
+        lines = [f"hint coverage: not judged (only part of the suite ran); {total - len(missing)} of {total} "
+                 "hints appeared in a failure message in this run."]
+        modules = set(modules)
+        nearby = [hint for hint in missing if hint.module in modules]
+        if nearby:
+            lines.append(f"  not triggered by this run, in the check modules whose tests ran ({len(nearby)}):")
+            lines += [_hint_line(hint) for hint in nearby]
+        return lines
+    if not missing:
+        return [f"hint coverage: all {total} hints appeared in a failure message."]
+    verdict = "FAILED" if enforced else "(not enforced yet)"
+    lines = [f"hint coverage {verdict}: {len(missing)} of {total} hints never appeared in a failure message. "
+             "Add a test whose wrong answer triggers each, or remove the hint:"]
+    return lines + [_hint_line(hint) for hint in missing]
+
+
+def _hint_line(hint: Hint) -> str:
+    text = _normalise(hint.text)
+    return f"  {hint.where()}: {text[:100]}{'…' if len(text) > 100 else ''}"

@@ -1,0 +1,146 @@
+"""A failing check shows its message, not the helper package's traceback (in a notebook and in
+nbgrader's Validate), and keeps the frames of the student's own code when that code raised."""
+
+from __future__ import annotations
+
+import io
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from attention_lab.checking import CheckFailure, call_student
+
+SETUP = "import torch\nfrom attention_lab.checks.mha_shapes import check_split_heads"
+RAISES = ("def split_heads(x, num_heads):\n"
+          "    b, s, d = x.shape\n"
+          "    return x @ torch.zeros(3, 4, dtype=x.dtype)  # the student's bug\n")
+WRONG_NUMBERS = ("def split_heads(x, num_heads):\n"
+                 "    b, s, d = x.shape\n"
+                 "    if d % num_heads:\n"
+                 "        raise ValueError(f'D={d} is not divisible by H={num_heads}')\n"
+                 "    return x.reshape(b, num_heads, s, d // num_heads)\n")
+CHECK = "check_split_heads(split_heads, device='cpu')"
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_the_rendering_is_the_message_the_check_call_and_the_students_frames_only():
+    import linecache
+
+    import torch
+
+    # IPython keeps each cell's source in linecache under a name of its own; do the same.
+    for name, source in (("<answer cell>", RAISES), ("<test cell>", CHECK)):
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    namespace = {"torch": torch}
+    exec(compile(RAISES, "<answer cell>", "exec"), namespace)
+    exec(compile(SETUP, "<setup cell>", "exec"), namespace)
+    with pytest.raises(CheckFailure) as failure:
+        exec(compile(CHECK, "<test cell>", "exec"), namespace)
+    lines = failure.value._render_traceback_()
+    assert lines[0] == "In your notebook (most recent call last):"
+    # (this test's own frame comes first: to the framework, a test file is "the student's code")
+    start = lines.index('  File "<test cell>", line 1, in <module>')
+    assert lines[start:start + 5] == [
+        '  File "<test cell>", line 1, in <module>',
+        "    check_split_heads(split_heads, device='cpu')",
+        '  File "<answer cell>", line 3, in split_heads',
+        "    return x @ torch.zeros(3, 4, dtype=x.dtype)  # the student's bug",
+        "",
+    ]
+    assert not any("attention_lab" in line or "checking.py" in line or "torch/" in line for line in lines)
+    message_lines = lines[start + 5:]
+    assert _words(" ".join(message_lines)) == _words(f"CheckFailure: {failure.value}")
+    assert "raised RuntimeError: mat1 and mat2 shapes cannot be multiplied" in _words(" ".join(message_lines))
+    assert all(len(line) <= 83 for line in message_lines)  # nbgrader validate cuts longer lines (4-space indent, 87)
+
+
+def test_a_failure_without_a_cause_renders_as_its_message_lines_intact():
+    failure = CheckFailure("f(x) does not match g.\n  Likely mistake: " + "a very long hint " * 12)
+    lines = failure._render_traceback_()  # never raised: no frames at all
+    assert lines[0] == "CheckFailure: f(x) does not match g."
+    assert lines[1].startswith("  Likely mistake: a very long hint")
+    assert all(line.startswith("    ") for line in lines[2:])  # continuation lines keep the indent
+    assert _words(" ".join(lines)) == _words("CheckFailure: " + str(failure))
+
+
+def _notebook(*sources: str, nbgrader: bool = False) -> nbformat.NotebookNode:
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    for index, source in enumerate(sources):
+        cell = nbformat.v4.new_code_cell(source)
+        if nbgrader and source.startswith("check_"):
+            cell.metadata["nbgrader"] = {"grade": True, "grade_id": f"test_{index}", "locked": True,
+                                         "points": 1, "schema_version": 3, "solution": False, "task": False}
+        notebook.cells.append(cell)
+    return notebook
+
+
+def _error_output(cell) -> nbformat.NotebookNode:
+    errors = [output for output in cell.outputs if output.output_type == "error"]
+    assert len(errors) == 1, cell.outputs
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_in_a_notebook_the_traceback_is_the_message_and_the_students_frames(tmp_path):
+    notebook = _notebook(SETUP, RAISES, CHECK, WRONG_NUMBERS, CHECK)
+    NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    raised, wrong = _error_output(notebook.cells[2]), _error_output(notebook.cells[4])
+    for error in (raised, wrong):
+        assert error.ename == "CheckFailure"  # autograde and feedback still see what failed
+        assert not any("attention_lab" in line for line in error.traceback), error.traceback
+        assert _words(f"CheckFailure: {error.evalue}") in _words(" ".join(error.traceback))
+    assert "raised RuntimeError" in raised.evalue
+    assert raised.traceback[:6] == [
+        "In your notebook (most recent call last):",
+        "  Cell In[3], line 1, in <module>",  # the check call: the grader's feedback reads this line
+        "    check_split_heads(split_heads, device='cpu')",
+        "  Cell In[2], line 3, in split_heads",
+        "    return x @ torch.zeros(3, 4, dtype=x.dtype)  # the student's bug",
+        "",
+    ]
+    assert wrong.traceback[:4] == ["In your notebook (most recent call last):", "  Cell In[5], line 1, in <module>",
+                                   "    check_split_heads(split_heads, device='cpu')", ""]
+    assert wrong.traceback[4].startswith("CheckFailure: split_heads(x, num_heads=")
+    assert "Likely mistake: you reshaped straight to [B, H, S, d_head]" in wrong.evalue
+
+
+@pytest.mark.slow
+def test_the_graders_feedback_still_tells_a_visible_failure_from_a_hidden_one(tmp_path):
+    from autograder.feedback import explain
+
+    test_cell = CHECK + "\n### BEGIN HIDDEN TESTS\ncheck_split_heads(split_heads, seed=3, device='cpu')\n### END HIDDEN TESTS\n"
+    visible_fails = _notebook(SETUP, WRONG_NUMBERS, test_cell)
+    NotebookClient(visible_fails, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    error = _error_output(visible_fails.cells[2])
+    assert explain(error, test_cell).startswith("CheckFailure: split_heads(x, num_heads=")
+    hidden_only = test_cell.replace(CHECK, "pass")  # the visible line passes trivially; the hidden one fails
+    hidden_fails = _notebook(SETUP, WRONG_NUMBERS, hidden_only)
+    NotebookClient(hidden_fails, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert "passed the visible check but failed the hidden tests" in explain(_error_output(hidden_fails.cells[2]), hidden_only)
+
+
+@pytest.mark.slow
+def test_nbgrader_validate_shows_the_message_uncut(tmp_path):
+    from nbgrader.validator import Validator
+
+    path = tmp_path / "exercise.ipynb"
+    nbformat.write(_notebook(SETUP, WRONG_NUMBERS, CHECK, nbgrader=True), path)
+    validator = Validator()
+    results = validator.validate(str(path))
+    error = results["failed"][0]["raw_error"]
+    assert "attention_lab" not in error and "Traceback" not in error, error
+    assert "Likely mistake: you reshaped straight to [B, H, S, d_head]" in _words(error)
+    printed = io.StringIO()
+    validator.stream = printed
+    validator.validate_and_print(str(path))
+    error_part = printed.getvalue().split("The error was:")[1]
+    assert "..." not in error_part.replace("h*d_head ... (h+1)", ""), error_part  # no line cut off
+    assert "Likely mistake: you reshaped straight to" in error_part
