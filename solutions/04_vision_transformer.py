@@ -907,7 +907,10 @@ check_cls_attention_map(cls_attention_map, seed=4901, device="cpu")
 # 4. return the class token's row of `R` on the patches: `R[:, 0, 1:]` as `[B, grid, grid]`.
 #
 # `attentions` is the list your `MiniViT` returns (one `[B, H, S, S]` per block, first block
-# first); `grid = sqrt(S - 1)`.
+# first); `grid = sqrt(S - 1)`. Return the dtype you are given. The attentions of a MiniViT
+# are float32, so a `torch.eye(S)` in its default float32 is fine; the check also tries
+# float64 attentions and accepts float32 accuracy there, with a note (create the identity
+# with `dtype=a.dtype, device=a.device` and float64 stays float64).
 
 # %% answer="attention_rollout"
 def attention_rollout(attentions):

@@ -231,6 +231,13 @@ def conv_to_linear_channels_last(patch_embedding):
     return linear
 
 
+def conv_to_linear_transposed_grid(patch_embedding):
+    linear = conv_to_linear_clone(patch_embedding)
+    with torch.no_grad():
+        linear.weight.copy_(patch_embedding.proj.weight.transpose(2, 3).flatten(1))
+    return linear
+
+
 def conv_to_linear_no_bias(patch_embedding):
     conv = patch_embedding.proj
     linear = nn.Linear(conv.weight[0].numel(), conv.out_channels, bias=False).to(conv.weight)
@@ -273,6 +280,7 @@ def test_conv_to_linear_accepts_other_correct_answer():
     (conv_to_linear_shared, "shares memory with proj.weight"),
     (conv_to_linear_swapped, r"should return nn.Linear\(12, 5\) \(C\*P\*P in, D out\), got nn.Linear\(5, 12\)"),
     (conv_to_linear_float32, "should keep the input dtype torch.float64"),
+    (conv_to_linear_transposed_grid, r"two spatial axes swapped \(P_w, P_h\)"),
     (lambda patch_embedding: patch_embedding.proj.weight.flatten(1), r"should return an nn.Linear, got tensor of shape \[5, 12\]"),
 ])
 def test_conv_to_linear_rejects_mistakes(answer, match):
@@ -365,6 +373,14 @@ class ViTBlockNorm1Twice(ViTBlockAlt):
         return (y, weights) if return_attention else y
 
 
+class ViTBlockResidualFromNormed(ViTBlockAlt):
+    def forward(self, x, return_attention=False):
+        update, weights = self.attend(x)
+        y = self.norm1(x) + update
+        y = y + self.mlp(self.norm2(y))
+        return (y, weights) if return_attention else y
+
+
 class ViTBlockAveragedWeights(ViTBlockAlt):
     def forward(self, x, return_attention=False):
         h = self.norm1(x)
@@ -421,6 +437,7 @@ def test_vit_block_accepts_other_correct_answer():
     (ViTBlockNoAttentionResidual, "attention sublayer has no residual connection"),
     (ViTBlockNoMlpResidual, "MLP sublayer has no residual connection"),
     (ViTBlockNorm1Twice, "MLP reads norm2"),
+    (ViTBlockResidualFromNormed, r"add attn\(norm1\(x\)\) to x itself, not to norm1\(x\)"),
     (ViTBlockAveragedWeights, "average_attn_weights=False"),
     (ViTBlockNoWeights, "need_weights=True"),
     (ViTBlockAlwaysTuple, "return only x, not a tuple"),
@@ -865,6 +882,28 @@ def test_outcome_rejects_a_loop_that_does_not_learn():
     assert "It should reach at least 90%" in str(failure.value)
 
 
+def train_on_one_batch(model, train_loader, epochs, lr, device):
+    """Fits the first batch of every epoch many times: a low training loss, a model that has seen 32 images."""
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    images, labels = next(iter(train_loader))
+    losses = []
+    for _ in range(epochs):
+        for _ in range(10):
+            loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_outcome_names_a_loop_whose_loss_falls_but_accuracy_does_not():
+    with pytest.raises(CheckFailure, match="(?s)It should reach at least 90%.*training loss went down but the test "
+                                          "accuracy did not"):
+        checks.check_train_classifier_outcome(train_on_one_batch, MiniViTAlt, **CPU)
+
+
 def test_outcome_rejects_a_model_that_cannot_learn_positions_or_content():
     """A MiniViT whose head never sees the image cannot pass, however good the loop is."""
 
@@ -1117,13 +1156,14 @@ def test_attention_rollout_accepts_other_correct_answer():
 
 @pytest.mark.parametrize("answer, note", [
     (rollout_vit_explain, "mixes float32 and float64 and raises"),
-    (rollout_float32_inside, "computes in float32"),
+    (rollout_float32_inside, "accurate to float32 precision, not float64"),
     (rollout_float32_output, "returns float32"),
 ])
 def test_attention_rollout_accepts_float32_internals_with_a_note(answer, note, capsys):
     """float64 attentions: a float32 torch.eye inside is normal (issue: vit-explain's rollout was rejected)."""
-    checks.check_attention_rollout(answer, **CPU)
-    assert note in capsys.readouterr().out
+    checks.check_attention_rollout(answer, device="cpu")
+    printed = capsys.readouterr().out
+    assert "✓ attention_rollout" in printed and note in printed
 
 
 @pytest.mark.parametrize("answer, match", [

@@ -693,7 +693,8 @@ OUTCOME_LR = 1e-2
 OUTCOME_MARGIN_DB = 3.0
 
 
-@check("outcome: Fourier features beat raw coordinates on the rose by a clear PSNR margin ({device})")
+@check("outcome: Fourier features beat raw coordinates on the rose by a clear PSNR margin ({device})",
+       uses=("CoordinateMLP", "fit_image"))
 def check_fourier_beats_identity(FourierFeatures: Callable, CoordinateMLP: Callable, fit_image: Callable, *,
                                  seed: int = 0, device: torch.device | None = None) -> None:
     """Train CoordinateMLP on raw (x, y) and on FourierFeatures(2, 6), same seed and budget; compare PSNR.
@@ -941,7 +942,8 @@ def _compare_layer(layer: nn.Module, reference: nn.TransformerEncoderLayer, x: t
                  variants=_layer_variants(reference, x, mask))
 
 
-@check("TransformerLayer: attributes, and outputs equal nn.TransformerEncoderLayer (pre-norm, GELU, eps 1e-6) ({device})")
+@check("TransformerLayer: attributes, and outputs equal nn.TransformerEncoderLayer (pre-norm, GELU, eps 1e-6, "
+       "MLP int(mlp_ratio·D), no dropout, batch_first) ({device})")
 def check_transformer_layer(TransformerLayer: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """TransformerLayer: the contract's attributes, then numbers against PyTorch's layer with copied weights."""
     expect_signature(TransformerLayer, "TransformerLayer", ["embed_dim", "num_heads", "mlp_ratio"])
@@ -1038,7 +1040,8 @@ TRANSFORMER_HINTS = {
 }
 
 
-@check("Transformer: independent layers, final LayerNorm, mask passed on; equals PyTorch's stack ({device})")
+@check("Transformer: independent layers, final LayerNorm, mask passed on; equals PyTorch's stack ({device})",
+       uses=("TransformerLayer",))
 def check_transformer(Transformer: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """Transformer: ModuleList of independent layers + norm (eps 1e-6); numbers against a stack of PyTorch layers."""
     expect_signature(Transformer, "Transformer", ["embed_dim", "num_heads", "num_layers", "mlp_ratio"])
