@@ -938,3 +938,15 @@ def test_demo_cells_do_not_rebind_helper_names(assignment):
     assert len(demo_code) < len([cell for cell in cells if cell.cell_type == "code"])
     clobbered = {name for code in demo_code for name in _top_level_names(code)} & HELPER_NAMES
     assert not clobbered, f"{assignment}: demo cells rebind helper names {sorted(clobbered)}"
+
+
+def test_transformer_failure_names_the_students_failing_layer():
+    """Transformer uses TransformerLayer: a post-norm layer is named as the cause when Transformer's check fails."""
+    namespace = {"nn": nn, "TransformerLayer": layer_variant(post_norm=True), "Base": StackOfClones}
+    exec("class Transformer(Base):\n"
+         "    def __init__(self, embed_dim, num_heads, num_layers, mlp_ratio=4.0):\n"
+         "        super().__init__(embed_dim, num_heads, num_layers, mlp_ratio)\n"
+         "        self.layers = nn.ModuleList(TransformerLayer(embed_dim, num_heads, mlp_ratio) for _ in range(num_layers))\n",
+         namespace)
+    with pytest.raises(CheckFailure, match="(?s)uses your TransformerLayer, which fails its own check"):
+        checks.check_transformer(namespace["Transformer"], **CPU)

@@ -1306,3 +1306,24 @@ def test_training_before_a_check_is_not_mistaken_for_tampering():
     torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=4)
     checks.check_patch_embedding_parameter_count(lambda patch_size, in_channels, embed_dim:
                                                  embed_dim * (in_channels * patch_size ** 2 + 1), **CPU)
+
+
+def test_mini_vit_failure_names_the_students_failing_vit_block():
+    """MiniViT uses ViTBlock: a post-norm ViTBlock is named as the cause when MiniViT's check fails."""
+    namespace = {"nn": nn, "ViTBlockBase": ViTBlockAlt, "MiniViTBase": MiniViTAlt}
+    exec(  # a notebook namespace: the student's ViTBlock (wrong: post-norm) and a MiniViT built on it
+        "class ViTBlock(ViTBlockBase):\n"
+        "    def forward(self, x, return_attention=False):\n"
+        "        update, weights = self.attend(x)\n"
+        "        x = self.norm1(x + update)\n"
+        "        x = self.norm2(x + self.mlp(x))\n"
+        "        return (x, weights) if return_attention else x\n"
+        "class MiniViT(MiniViTBase):\n"
+        "    def __init__(self, img_size, patch_size, in_channels, num_classes, embed_dim, depth, num_heads,\n"
+        "                 mlp_ratio=4.0):\n"
+        "        super().__init__(img_size, patch_size, in_channels, num_classes, embed_dim, depth, num_heads,\n"
+        "                         mlp_ratio)\n"
+        "        self.blocks = nn.ModuleList(ViTBlock(embed_dim, num_heads, mlp_ratio) for _ in range(depth))\n",
+        namespace)
+    with pytest.raises(CheckFailure, match="(?s)uses your ViTBlock, which fails its own check"):
+        checks.check_mini_vit(namespace["MiniViT"], **CPU)
