@@ -516,7 +516,10 @@ def check_coordinate_mlp(CoordinateMLP: Callable, *, seed: int = 0, device: torc
 # --------------------------------------------------------------------------------------
 
 
-def _psnr_reference(pred: torch.Tensor, target: torch.Tensor, max_value: float = 1.0) -> float:
+def _psnr_reference(images: tuple[torch.Tensor, torch.Tensor], max_value: float = 1.0) -> float:
+    """PSNR of (pred, target) in float64. It takes the pair as one argument: the student package must not
+    ship a function with psnr's own contract (it would pass the check as an answer)."""
+    pred, target = images
     difference = (pred.detach().to("cpu", torch.float64) - target.detach().to("cpu", torch.float64)).flatten()
     mse = float(difference.dot(difference)) / difference.numel()
     return math.inf if mse == 0.0 else 10.0 * math.log10(max_value * max_value / mse)
@@ -569,7 +572,7 @@ def check_psnr(psnr: Callable, *, seed: int = 0, device: torch.device | None = N
             raise CheckFailure(f"{call} should return a Python float, got a {describe(result)}.\n"
                                f"  Likely mistake: {PSNR_HINTS['tensor']}")
         expect_true(isinstance(result, float), f"{call} should return a Python float, got {describe(result)}.")
-        expected = _psnr_reference(pred, target, max_value)
+        expected = _psnr_reference((pred, target), max_value)
         if not abs(result - expected) <= 1e-3:
             hint = next((h for value, h in _psnr_variants(pred, target, max_value) if abs(result - value) <= 1e-3), None)
             raise CheckFailure(f"{call} returned {result:.4f} dB, expected {expected:.4f} dB "
@@ -602,10 +605,12 @@ FIT_IMAGE_HINTS = {
 }
 
 
-def _reference_fit(model: nn.Module, coords: torch.Tensor, colors: torch.Tensor, steps: int, lr: float, *,
+def _reference_fit(problem: tuple[nn.Module, torch.Tensor, torch.Tensor], steps: int, lr: float, *,
                    optimizer: str = "adam", record: str = "before", zero_grad: bool = True,
                    reduction: str = "mean", fresh_optimizer: bool = False) -> list[float]:
-    """Full-batch training written out step by step; variants reproduce known mistakes."""
+    """Full-batch training of problem = (model, coords, colors) written out step by step; variants reproduce
+    known mistakes. (One argument for the three: the package must not ship fit_image's own contract.)"""
+    model, coords, colors = problem
     make = (lambda: torch.optim.SGD(model.parameters(), lr=lr)) if optimizer == "sgd" else \
         (lambda: torch.optim.Adam(model.parameters(), lr=lr))
     opt = make()
@@ -666,12 +671,12 @@ def check_fit_image(fit_image: Callable, *, seed: int = 0, device: torch.device 
                              ("no_zero_grad", {"zero_grad": False}), ("sum", {"reduction": "sum"}),
                              ("new_optimizer", {"fresh_optimizer": True})):
             variants.append(Variant(
-                lambda options=options: torch.tensor(_reference_fit(copy.deepcopy(initial), coords, colors, steps, lr, **options)),
+                lambda options=options: torch.tensor(_reference_fit((copy.deepcopy(initial), coords, colors), steps, lr, **options)),
                 FIT_IMAGE_HINTS[key]))
         variants.append(Variant(
-            lambda: torch.tensor(_reference_fit(copy.deepcopy(initial), coords, colors, steps, 1e-3)),
+            lambda: torch.tensor(_reference_fit((copy.deepcopy(initial), coords, colors), steps, 1e-3)),
             FIT_IMAGE_HINTS["default_lr"]))
-        expected = _reference_fit(reference, coords, colors, steps, lr)
+        expected = _reference_fit((reference, coords, colors), steps, lr)
         rtol, atol = (1e-6, 1e-9) if dtype == torch.float64 else (1e-4, 1e-6)
         expect_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
                      what=f"the losses returned by {call}", against="a reference full-batch Adam run on MSE",
@@ -731,7 +736,7 @@ def check_fourier_beats_identity(FourierFeatures: Callable, CoordinateMLP: Calla
         with torch.no_grad():
             prediction = call_student(model, coords, call=f"{model_call}(coords)")
         expect_tensor(prediction, what=f"{model_call}(coords)", shape=(coords.shape[0], 3))
-        scores[label] = _psnr_reference(prediction.clamp(0.0, 1.0), colors)
+        scores[label] = _psnr_reference((prediction.clamp(0.0, 1.0), colors))
         expect_true(math.isfinite(scores[label]) or scores[label] > 0,
                     f"training {model_call} gave a non-finite PSNR ({scores[label]}): look for NaN losses.")
     raw, fourier = scores["raw (x, y)"], scores["Fourier features"]
