@@ -769,7 +769,8 @@ print(f"test accuracy: {accuracy:.1%} on {len(digits.test_labels)} images it nev
 
 # %% [markdown]
 # **Is that good?** Compare with the simplest classifier there is: a logistic regression (one
-# linear layer and a softmax) on the 64 raw pixels, trained on the same split.
+# linear layer and a softmax) on the 64 raw pixels, trained on the same split — next to your
+# MiniViT's test accuracy above.
 
 # %%
 from sklearn.linear_model import LogisticRegression
@@ -777,7 +778,7 @@ from sklearn.linear_model import LogisticRegression
 pixels_train, pixels_test = digits.train_images.flatten(1).numpy(), digits.test_images.flatten(1).numpy()
 baseline = LogisticRegression(max_iter=5000).fit(pixels_train, digits.train_labels.numpy())
 baseline_accuracy = float((baseline.predict(pixels_test) == digits.test_labels.numpy()).mean())
-print(f"MiniViT: {accuracy:.1%} | logistic regression on the raw pixels: {baseline_accuracy:.1%}")
+print(f"logistic regression on the raw pixels: {baseline_accuracy:.1%} test accuracy (same split)")
 
 # %% [markdown]
 # About the same. That is the honest result, and it is expected: these digits are 8×8
