@@ -723,8 +723,8 @@ check_transformer(Transformer, seed=3901, device="cpu")
 # position by position. Attention is equivariant itself, and a composition of equivariant maps
 # is equivariant, so the whole layer (and a stack of them) is. Equivariance is what you want
 # for an input that is a *set*, with no natural order: a point cloud (the points of a 3-D scan),
-# the objects detected in an image, the atoms of a molecule, or DETR's object queries — any
-# order the data happens to be stored in must not change the answer for each element.
+# the objects detected in an image, the atoms of a molecule — the order the data happens to be
+# stored in must not change the answer for each element.
 
 # %% [markdown]
 # ## What you built
