@@ -6,7 +6,9 @@
 # permute along), fix it with the Transformer's sinusoidal position encoding, meet its
 # cousin the Fourier-feature encoding by teaching a small network to paint a rose, and
 # finally assemble the pre-norm Transformer layer and check it against PyTorch's own
-# `nn.TransformerEncoderLayer`. About 75 minutes.
+# `nn.TransformerEncoderLayer`.
+#
+# **23 points, about 78 minutes.**
 #
 # **Notation** (as in every notebook): `B` batch, `S` sequence length, `D` model width, `H`
 # heads. **Masks** are boolean with **True = may attend**; `nn.MultiheadAttention` uses the
@@ -27,29 +29,15 @@ torch.set_num_threads(1)
 # ## 1. Self-attention does not know the order of its tokens
 #
 # Take a sequence of `S` token vectors, run it through self-attention, then do the same with
-# the tokens shuffled. Nothing in `softmax(Q Kᵀ / sqrt(d_head)) V` refers to *where* a token
-# is: token `i`'s output depends on its own query and on the *set* of keys and values. So
-# shuffling the input only shuffles the output rows, the same way. Let us check with
-# PyTorch's `nn.MultiheadAttention`:
-
-# %%
-B, S, D, H = 1, 6, 16, 4
-attention = nn.MultiheadAttention(D, H, batch_first=True).to(device)
-tokens = torch.randn(B, S, D, device=device)           # [B, S, D]
-permutation = torch.tensor([3, 0, 5, 1, 4, 2], device=device)
-
-with torch.no_grad():
-    out, _ = attention(tokens, tokens, tokens)           # [B, S, D]
-    tokens_shuffled = tokens[:, permutation]             # the same tokens, new order
-    out_shuffled, _ = attention(tokens_shuffled, tokens_shuffled, tokens_shuffled)
-
-print("outputs changed by the shuffle?        ", not torch.allclose(out_shuffled, out, atol=1e-5))
-print("outputs shuffled the same way as input?", torch.allclose(out_shuffled, out[:, permutation], atol=1e-5))
+# the tokens shuffled. What happens to the outputs? Look at `softmax(Q Kᵀ / sqrt(d_head)) V`
+# and ask what, in it, refers to *where* a token sits.
 
 # %% [markdown]
 # ### Exercise 3.1 — permutation (1 pt, ~2 min)
 #
-# Which word describes what you just saw? Set `ANSWER_PERMUTATION` to `"A"`, `"B"` or `"C"`.
+# **Predict before you run anything.** Which word describes what shuffling the tokens does to
+# self-attention? Set `ANSWER_PERMUTATION` to `"A"`, `"B"` or `"C"`, then run the experiment
+# below your answer.
 #
 # * **A.** Self-attention is permutation-**invariant**: shuffling the tokens leaves every
 #   output unchanged.
@@ -62,6 +50,29 @@ ANSWER_PERMUTATION = None  # "A", "B" or "C"
 ### BEGIN SOLUTION
 ANSWER_PERMUTATION = "B"
 ### END SOLUTION
+
+# %% [markdown]
+# Now the experiment, with PyTorch's `nn.MultiheadAttention` (untrained: its weights are
+# random, which is all this needs):
+
+# %%
+B, S, D, H = 1, 6, 16, 4
+untrained_attention = nn.MultiheadAttention(D, H, batch_first=True).to(device)
+tokens = torch.randn(B, S, D, device=device)           # [B, S, D]
+permutation = torch.tensor([3, 0, 5, 1, 4, 2], device=device)
+
+with torch.no_grad():
+    out, _ = untrained_attention(tokens, tokens, tokens)  # [B, S, D]
+    tokens_shuffled = tokens[:, permutation]             # the same tokens, new order
+    out_shuffled, _ = untrained_attention(tokens_shuffled, tokens_shuffled, tokens_shuffled)
+
+print("outputs changed by the shuffle?        ", not torch.allclose(out_shuffled, out, atol=1e-5))
+print("outputs shuffled the same way as input?", torch.allclose(out_shuffled, out[:, permutation], atol=1e-5))
+
+# %% [markdown]
+# Token `i`'s output depends on its own query and on the *set* of keys and values; nothing in
+# the formula says where a token sits. So shuffling the input only shuffles the output rows,
+# the same way.
 
 # %% test="test_ANSWER_PERMUTATION" points=1
 """ANSWER_PERMUTATION: the right word for what shuffling the tokens does to self-attention."""
@@ -145,13 +156,13 @@ pe = sinusoidal_positions(S, D).to(device)              # [S, D], broadcast over
 with torch.no_grad():
     with_positions = tokens + pe
     shuffled_with_positions = tokens[:, permutation] + pe
-    out, _ = attention(with_positions, with_positions, with_positions)
-    out_shuffled, _ = attention(shuffled_with_positions, shuffled_with_positions, shuffled_with_positions)
+    out, _ = untrained_attention(with_positions, with_positions, with_positions)
+    out_shuffled, _ = untrained_attention(shuffled_with_positions, shuffled_with_positions, shuffled_with_positions)
 print("with positions, outputs shuffled the same way as input?",
       torch.allclose(out_shuffled, out[:, permutation], atol=1e-5))
 
 # %% test="test_sinusoidal_positions_equivariance" points=1
-"""sinusoidal_positions: attention is permutation-equivariant without positions and is not once they are added."""
+"""sinusoidal_positions: your table (offset-only dot products, the right values) makes attention stop being permutation-equivariant."""
 from attention_lab.checks.positions_and_blocks import check_positions_break_equivariance
 
 check_positions_break_equivariance(sinusoidal_positions)
@@ -173,26 +184,11 @@ from attention_lab.widgets.positions import positions_explorer
 positions_explorer(sinusoidal_positions, num_positions=64)
 
 # %% [markdown]
-# ### Fixed, learned, rotary
-#
-# | encoding | what it is | used in |
-# | --- | --- | --- |
-# | **sinusoidal (fixed)** | the table above, added to the token embeddings; nothing learned | the original Transformer |
-# | **learned absolute** | a trainable `[max_positions, D]` table (`nn.Parameter`), added the same way; cannot go beyond `max_positions` | BERT, GPT-2, ViT (notebook 04) |
-# | **rotary (RoPE)** | no vector is added: each query and key is *rotated*, pair by pair, by the angle `p · ω_i` (the same frequencies as above), so `q · k` depends only on the offset between their positions | Llama and most recent LLMs (notebook 05 builds it) |
-#
-# Sinusoidal and learned encodings are both **absolute**: each position gets its own vector
-# (the choice is fixed vs learned, not "sinusoidal vs absolute"); Vaswani et al. found the
-# two about equally good. RoPE encodes each absolute position as a rotation so that attention
-# scores see only *relative* offsets. None of them extrapolates well far beyond the
-# sequence lengths seen in training without extra tricks (for RoPE: position
-# interpolation, NTK scaling, YaRN).
-
-# %% [markdown]
 # ### Exercise 3.3 — which claim is right? (1 pt, ~3 min)
 #
 # A draft you may find online says several things about position encodings. Which one is
-# correct? Set `ANSWER_ENCODINGS` to `"A"`, `"B"`, `"C"` or `"D"`.
+# correct? Decide first, set `ANSWER_ENCODINGS` to `"A"`, `"B"`, `"C"` or `"D"`, then read the
+# comparison below your answer and run the check.
 #
 # * **A.** Sinusoidal encodings are better than absolute encodings because they are more
 #   interpretable.
@@ -208,6 +204,22 @@ ANSWER_ENCODINGS = None  # "A", "B", "C" or "D"
 ### BEGIN SOLUTION
 ANSWER_ENCODINGS = "B"
 ### END SOLUTION
+
+# %% [markdown]
+# ### Fixed, learned, rotary
+#
+# | encoding | what it is | used in |
+# | --- | --- | --- |
+# | **sinusoidal (fixed)** | the table above, added to the token embeddings; nothing learned | the original Transformer |
+# | **learned absolute** | a trainable `[max_positions, D]` table (`nn.Parameter`), added the same way; cannot go beyond `max_positions` | BERT, GPT-2, ViT (notebook 04) |
+# | **rotary (RoPE)** | no vector is added: each query and key is *rotated*, pair by pair, by the angle `p · ω_i` (the same frequencies as above), so `q · k` depends only on the offset between their positions | Llama and most recent LLMs (notebook 05 builds it) |
+#
+# Sinusoidal and learned encodings are both **absolute**: each position gets its own vector
+# (the choice is fixed vs learned, not "sinusoidal vs absolute"); Vaswani et al. found the
+# two about equally good. RoPE encodes each absolute position as a rotation so that attention
+# scores see only *relative* offsets. None of them extrapolates well far beyond the
+# sequence lengths seen in training without extra tricks (for RoPE: position
+# interpolation, NTK scaling, YaRN).
 
 # %% test="test_ANSWER_ENCODINGS" points=1
 """ANSWER_ENCODINGS: the one correct statement about fixed, learned and rotary encodings."""
@@ -260,7 +272,12 @@ show_images({"target": rose})
 # 1. `x[..., None:]` is a full slice (`None:` means "from the start"), not a new axis: it
 #    must be `x[..., None]`, giving `[..., in_dim, 1]` so that every coordinate is
 #    multiplied by every frequency.
-# 2. `.view(x.shape[:-2], -1)` is a `TypeError` (a tuple and an int); `.flatten(-2)` is meant.
+# 2. `.view(x.shape[:-2], -1)` is a `TypeError` (a tuple and an int); a flatten of the last two
+#    axes is meant. *Where* it goes decides the layout: flattened after the `cat`, as in the
+#    draft, every coordinate gets its own `[sines, cosines]` block. The contract of this
+#    notebook (below) flattens the *angles* first and then concatenates, so all sines come
+#    before all cosines. Both are valid encodings; the check accepts the contract's one and
+#    names the other.
 # 3. `self.freq` is a plain attribute: `.to(device)`, `.double()` and `state_dict` do not see
 #    it. Register it as a **buffer**: `self.register_buffer("frequencies", ..., persistent=False)`
 #    (non-persistent: it is computed from the constructor's arguments, so it need not be saved).
@@ -279,8 +296,11 @@ show_images({"target": rose})
 #    `x[..., 0]` first);
 # 3. return `cat(sin(angles), cos(angles))`: `[..., in_dim * 2 * F]`.
 #
-# Keep the frequencies in a non-persistent buffer and set `self.out_dim = in_dim * 2 * F`
-# (the network after the encoder needs it).
+# Mind the order: flatten, *then* take sin and cos and concatenate (the draft's
+# concatenate-then-flatten gives the other layout). Keep the frequencies in a non-persistent
+# buffer — `2^k · π`, or `2^k` with the `π` applied in `forward`: the check judges the output,
+# not how the buffer is stored — and set `self.out_dim = in_dim * 2 * F` (the network after
+# the encoder needs it).
 
 # %% answer="FourierFeatures"
 class FourierFeatures(nn.Module):
@@ -316,7 +336,7 @@ print("out_dim:", encoder.out_dim, "| buffers:", [name for name, _ in encoder.na
 print(tuple(coords.shape), "->", tuple(encoder.to(device)(coords).shape))
 
 # %% test="test_FourierFeatures" points=3
-"""FourierFeatures: out_dim, frequencies 2^k·pi in a non-persistent buffer, output layout, dtype and device."""
+"""FourierFeatures: out_dim, frequencies in a non-persistent buffer, outputs x·2^k·pi in the contract's layout, dtype and device."""
 from attention_lab.checks.positions_and_blocks import check_fourier_features
 
 check_fourier_features(FourierFeatures)
@@ -395,7 +415,8 @@ def psnr(pred, target, max_value=1.0):
 
     pred, target: tensors of the same shape. Returns a Python float (inf if they are equal).
 
-    Example: psnr(torch.zeros(4), torch.full((4,), 0.1)) == 20.0   (MSE = 0.01)
+    Example: psnr(torch.zeros(4), torch.full((4,), 0.1)) ≈ 20.0   (MSE = 0.01; in float32,
+    0.1 is not exact and the result is 19.9999997)
     """
     ### BEGIN SOLUTION
     mse = torch.mean((pred.detach() - target.detach()) ** 2).item()  # a score, not a loss: no gradient
@@ -418,7 +439,9 @@ check_psnr(psnr, seed=3601, device="cpu")
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 3.7 — fit_image (4 pts: 2 for the loop, 2 for the outcome; ~10 min)
+# ### Exercise 3.7 — fit_image (4 pts, ~10 min)
+#
+# (2 points for the loop, 2 for the outcome further down.)
 #
 # Train the model on every pixel at once (full batch): for each of `steps` steps, clear the
 # gradients, compute the mean squared error between `model(coords)` and `colors`,
@@ -507,7 +530,8 @@ check_fourier_beats_identity(FourierFeatures, CoordinateMLP, fit_image)
 #
 # The original 2017 layer was **post-norm**: `x = norm1(x + attn(x))`, which needs a careful
 # learning-rate warm-up to train deep. The MLP is `Linear(D, 4·D) → GELU → Linear(4·D, D)`,
-# and the norms use `eps = 1e-6` (as in ViT; `nn.LayerNorm`'s default is `1e-5`).
+# and the norms use `eps = 1e-6`, as in ViT (GPT-2 keeps `nn.LayerNorm`'s default `1e-5`: the
+# value is a per-model choice, and this course follows ViT).
 #
 # **Find the bug.** A draft of the layer, as you may meet it:
 #
@@ -532,14 +556,21 @@ check_fourier_beats_identity(FourierFeatures, CoordinateMLP, fit_image)
 # The pre-norm residual structure is right. But `MultiHeadAttn` is a hand-written class
 # (like notebook 01's `DraftMultiHeadAttention`): it accepts no `batch_first` (TypeError),
 # and it returns a **tensor**, so `[0]` silently takes batch element 0 and broadcasts it
-# over the whole batch. Only `nn.MultiheadAttention` returns `(output, weights)`. ReLU and
-# `eps = 1e-5` are not what a ViT/GPT-style block uses (GELU, `1e-6`), and there is no way to
-# pass a mask.
+# over the whole batch. Only `nn.MultiheadAttention` returns `(output, weights)`. ViT- and
+# GPT-style blocks use GELU, not ReLU; `eps = 1e-5` is GPT-2's value but not ViT's `1e-6`,
+# which this notebook's contract follows. And there is no way to pass a mask.
 # </details>
 #
 # **Masks, once more.** Our masks say True = may attend. `nn.MultiheadAttention`'s boolean
 # `attn_mask` says True = **blocked**. Your layer takes our convention and must convert:
 # `attn_mask=~mask`. Pass `need_weights=False` (you only need the output).
+#
+# **PyTorch's own layer.** `nn.TransformerEncoderLayer` computes exactly this layer — but only
+# with *all* of `norm_first=True, activation="gelu", layer_norm_eps=1e-6,
+# dim_feedforward=int(mlp_ratio·D), dropout=0.0, batch_first=True`. Its defaults are the 2017
+# translation model's: post-norm, ReLU, eps `1e-5`, a 2048-wide MLP whatever `D` is, dropout
+# 0.1, and `[S, B, D]` inputs. The check below copies your weights into one configured like
+# that and compares the outputs.
 
 # %% [markdown]
 # ### Exercise 3.8 — TransformerLayer (4 pts, ~15 min)
@@ -580,10 +611,11 @@ class TransformerLayer(nn.Module):
 
 
 # %%
-layer = TransformerLayer(D, H).to(device)
-causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
-print("out:", tuple(layer(tokens, causal).shape))
-print(f"parameters: {sum(p.numel() for p in layer.parameters()):,}")
+example_layer = TransformerLayer(D, H).to(device)
+causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()   # [S, S], True = may attend
+with torch.no_grad():
+    print("out:", tuple(example_layer(tokens, causal).shape))
+print(f"parameters: {sum(p.numel() for p in example_layer.parameters()):,}")
 
 # %% test="test_TransformerLayer" points=3
 """TransformerLayer: attributes, and outputs equal nn.TransformerEncoderLayer(norm_first=True, gelu, eps 1e-6) with copied weights."""
@@ -608,8 +640,11 @@ check_transformer_layer_properties(TransformerLayer, seed=3802, device="cpu")
 #
 # Stack `num_layers` **independent** layers in an `nn.ModuleList` called `layers` (an
 # `nn.Sequential` cannot pass the mask along), apply them in order with the same mask, then a
-# final `norm = nn.LayerNorm(D, eps=1e-6)` (pre-norm layers leave their output
-# un-normalised). Beware `nn.ModuleList([TransformerLayer(...)] * num_layers)`: that is one
+# final `norm = nn.LayerNorm(D, eps=1e-6)`. Why a final norm: in a pre-norm stack each layer
+# normalises only the *input of its sublayers*; the residual stream `x` itself is never
+# normalised — every layer adds to it, so its scale grows with depth — and whatever reads the
+# stack's output (a classifier head, the next-token projection) wants normalised features.
+# A post-norm stack needs none, its last operation already is a LayerNorm. Beware `nn.ModuleList([TransformerLayer(...)] * num_layers)`: that is one
 # layer repeated — the same weights `num_layers` times.
 #
 # Like PyTorch's `nn.TransformerEncoder`, this stack adds no positions: the caller adds them
@@ -642,16 +677,23 @@ class Transformer(nn.Module):
 
 
 # %% [markdown]
-# Now everything together: token vectors plus positions, through a causal two-layer stack.
-# With positions, shuffling the tokens no longer just shuffles the outputs.
+# Now everything together: token vectors plus positions, through a causal two-layer stack
+# (the causal mask of above, passed to every layer). Token `i` may read tokens `0 … i` only,
+# so changing the last token must leave every earlier output alone; and with positions,
+# shuffling the tokens no longer just shuffles the outputs.
 
 # %%
-model = Transformer(D, H, num_layers=2).to(device).eval()
-positions = sinusoidal_positions(S, D).to(device)
+causal_stack = Transformer(D, H, num_layers=2).to(device).eval()
+pe_table = sinusoidal_positions(S, D).to(device)      # [S, D]
+last_changed = tokens.clone()
+last_changed[:, -1] = torch.randn(D, device=device)
 with torch.no_grad():
-    out = model(tokens + positions)
-    out_shuffled = model(tokens[:, permutation] + positions)
+    out = causal_stack(tokens + pe_table, causal)
+    out_last_changed = causal_stack(last_changed + pe_table, causal)
+    out_shuffled = causal_stack(tokens[:, permutation] + pe_table, causal)
 print("out:", tuple(out.shape))
+print("changing the last token leaves the earlier outputs alone?",
+      torch.allclose(out_last_changed[:, :-1], out[:, :-1], atol=1e-5))
 print("with positions, outputs shuffled the same way as input?",
       torch.allclose(out_shuffled, out[:, permutation], atol=1e-5))
 
@@ -665,6 +707,26 @@ check_transformer(Transformer, seed=3901, device="cpu")
 ### END HIDDEN TESTS
 
 # %% [markdown]
+# ### Exercise 3.10 — written: what keeps the symmetry (2 pts, ~5 min)
+#
+# The properties check of exercise 3.8 confirmed that your layer, without positions and
+# without a mask, is permutation-**equivariant** — although it has far more in it than
+# attention. In the cell below, in three or four sentences: explain why the MLP sublayer, the
+# two LayerNorms and the residual connections do not break that symmetry; and name one kind
+# of input for which equivariance (no positions at all) is exactly what you want, and why.
+# This answer is graded by hand.
+
+# %% [markdown] manual="why_equivariance_survives" points=2
+# The LayerNorms and the MLP act on every token separately, with the same weights for every
+# token: applying them and then shuffling the tokens gives the same result as shuffling first.
+# The residual connections add each token's sublayer output to the same token's input, again
+# position by position. Attention is equivariant itself, and a composition of equivariant maps
+# is equivariant, so the whole layer (and a stack of them) is. Equivariance is what you want
+# for an input that is a *set*, with no natural order: a point cloud (the points of a 3-D scan),
+# the objects detected in an image, the atoms of a molecule — the order the data happens to be
+# stored in must not change the answer for each element.
+
+# %% [markdown]
 # ## What you built
 #
 # * Self-attention is permutation-**equivariant**; position encodings break the symmetry.
@@ -673,8 +735,10 @@ check_transformer(Transformer, seed=3901, device="cpu")
 # * `FourierFeatures` + `CoordinateMLP`: sines and cosines of coordinates at increasing
 #   frequencies let a small MLP draw fine detail; `psnr` measured how much better.
 # * `TransformerLayer` / `Transformer`: pre-norm residual blocks, equal to
-#   `nn.TransformerEncoderLayer(norm_first=True, activation="gelu", layer_norm_eps=1e-6)`
-#   — with the mask converted to PyTorch's True = blocked.
+#   `nn.TransformerEncoderLayer(D, H, dim_feedforward=int(mlp_ratio·D), dropout=0.0,
+#   activation="gelu", layer_norm_eps=1e-6, batch_first=True, norm_first=True)` (every one of
+#   those arguments matters) — with the mask converted to PyTorch's True = blocked — and a
+#   final LayerNorm for the un-normalised residual stream.
 #
 # Next: notebook 04 cuts images into patches and feeds them to these blocks (a Vision
 # Transformer).

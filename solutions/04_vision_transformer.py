@@ -6,8 +6,10 @@
 #
 # **image → patches → tokens → [CLS] + positions → encoder blocks → head → class scores**
 #
-# then train your ViT on real handwritten digits (on the CPU, in seconds) and look at where
-# its class token attends. About 90 minutes.
+# then train your ViT on real handwritten digits (on the CPU, in seconds), look at where
+# its class token attends, and see which tokens other vision tasks read.
+#
+# **29 points, about 126 minutes.**
 #
 # **Notation** (as in every notebook): `B` batch, `C` channels, `P` patch size, `N` number of
 # patches, `S = N + 1` tokens (the patches and one class token), `D` model width, `H` heads,
@@ -94,11 +96,11 @@ def patchify(images, patch_size):
 
 
 # %%
-patches = patchify(digits.train_images[:1], 2)  # [1, 16, 4]
-print("image", tuple(digits.train_images[:1].shape), "-> patches", tuple(patches.shape))
+digit_patches = patchify(digits.train_images[:1], 2)  # [1, 16, 4]
+print("image", tuple(digits.train_images[:1].shape), "-> patches", tuple(digit_patches.shape))
 figure, axes = plt.subplots(4, 4, figsize=(3, 3))
 for n, ax in enumerate(axes.flat):
-    ax.imshow(patches[0, n].reshape(2, 2), cmap="gray_r", vmin=0, vmax=1)
+    ax.imshow(digit_patches[0, n].reshape(2, 2), cmap="gray_r", vmin=0, vmax=1)
     ax.set_title(f"patch {n}", fontsize=7)
     ax.axis("off")
 plt.show()
@@ -172,9 +174,10 @@ class PatchEmbedding(nn.Module):
 
 
 # %%
-patch_embed = PatchEmbedding(img_size=8, patch_size=2, in_channels=1, embed_dim=64)
-tokens = patch_embed(digits.train_images[:5])
-print("num_patches:", patch_embed.num_patches, "| tokens:", tuple(tokens.shape))
+digit_embedding = PatchEmbedding(img_size=8, patch_size=2, in_channels=1, embed_dim=64)
+with torch.no_grad():
+    tokens = digit_embedding(digits.train_images[:5])
+print("num_patches:", digit_embedding.num_patches, "| tokens:", tuple(tokens.shape))
 
 # %% test="test_PatchEmbedding" points=2
 """PatchEmbedding: proj is Conv2d(kernel = stride = P), num_patches, [B, C, H, W] -> [B, N, D] in row-major order, the ValueError."""
@@ -223,11 +226,12 @@ def conv_to_linear(patch_embedding):
 
 
 # %%
-patch_embed = PatchEmbedding(img_size=8, patch_size=2, in_channels=1, embed_dim=64).double()
+digit_embedding64 = PatchEmbedding(img_size=8, patch_size=2, in_channels=1, embed_dim=64).double()
 images64 = digits.train_images[:5].double()
-linear = conv_to_linear(patch_embed)
-difference = (linear(patchify(images64, 2)) - patch_embed(images64)).abs().max()
-print("Linear on patches vs Conv2d, float64, max difference:", float(difference))
+patch_linear = conv_to_linear(digit_embedding64)
+with torch.no_grad():  # a comparison, not training: no gradients (and no autograd warning on .item())
+    difference = (patch_linear(patchify(images64, 2)) - digit_embedding64(images64)).abs().max().item()
+print("Linear on patches vs Conv2d, float64, max difference:", difference)
 
 # %% test="test_conv_to_linear" points=2
 """conv_to_linear: a new nn.Linear(C*P*P, D), weights copied in (C, P, P) order with the bias; Linear(patchify(x)) equals the Conv2d path."""
@@ -257,10 +261,10 @@ def patch_embedding_parameter_count(patch_size, in_channels, embed_dim):
 
 
 # %%
-count = patch_embedding_parameter_count(16, 3, 768)
-conv = nn.Conv2d(3, 768, kernel_size=16, stride=16, device="meta")  # meta: shapes only, no memory
-print(f"ViT-B/16 patch embedding: {count:,} parameters; Conv2d says "
-      f"{sum(p.numel() for p in conv.parameters()):,}")
+vit_b_count = patch_embedding_parameter_count(16, 3, 768)
+vit_b_conv = nn.Conv2d(3, 768, kernel_size=16, stride=16, device="meta")  # meta: shapes only, no memory
+print(f"ViT-B/16 patch embedding: {vit_b_count:,} parameters; Conv2d says "
+      f"{sum(p.numel() for p in vit_b_conv.parameters()):,}")
 
 # %% test="test_patch_embedding_parameter_count" points=1
 """patch_embedding_parameter_count: D*C*P*P weights + D biases, as nn.Conv2d counts them (590,592 for ViT-B/16)."""
@@ -332,9 +336,10 @@ class ViTBlock(nn.Module):
 
 
 # %%
-block = ViTBlock(embed_dim=64, num_heads=4)
+example_block = ViTBlock(embed_dim=64, num_heads=4)
 x = torch.randn(2, 17, 64)
-out, weights = block(x, return_attention=True)
+with torch.no_grad():
+    out, weights = example_block(x, return_attention=True)
 print("x:", tuple(x.shape), "-> out:", tuple(out.shape), "| weights:", tuple(weights.shape))
 print("each query's weights sum to 1:", torch.allclose(weights.sum(-1), torch.ones(2, 4, 17)))
 
@@ -359,9 +364,27 @@ default_layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, batch_first=True
 vit_layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=4 * 64, dropout=0.0,
                                        activation="gelu", layer_norm_eps=1e-6, batch_first=True,
                                        norm_first=True)
-for name, layer in (("defaults", default_layer), ("as a ViT block", vit_layer)):
-    print(f"{name:>15}: norm_first={layer.norm_first}, activation={layer.activation.__name__}, "
-          f"MLP width={layer.linear1.out_features}, dropout={layer.dropout.p}, eps={layer.norm1.eps}")
+for name, encoder_layer in (("defaults", default_layer), ("as a ViT block", vit_layer)):
+    print(f"{name:>15}: norm_first={encoder_layer.norm_first}, activation={encoder_layer.activation.__name__}, "
+          f"MLP width={encoder_layer.linear1.out_features}, dropout={encoder_layer.dropout.p}, "
+          f"eps={encoder_layer.norm1.eps}")
+
+# %% [markdown]
+# **`nn.TransformerEncoder`, not `nn.Transformer`.** PyTorch has both. `nn.Transformer` is the
+# whole 2017 translation model: an *encoder* stack that reads a source sequence and a *decoder*
+# stack that generates a target sequence while attending to the encoder's output
+# (cross-attention) — its `forward(src, tgt)` needs both. That fits sequence-to-sequence
+# tasks (translation, summarisation, captioning). A ViT classifier has no target sequence to
+# generate: it only *encodes* its tokens, so it is a stack of encoder layers —
+# `nn.TransformerEncoder(vit_layer, num_layers=depth)`, or your `ModuleList` of `ViTBlock`s.
+
+# %%
+seq2seq = nn.Transformer(d_model=64, nhead=4, num_encoder_layers=2, num_decoder_layers=2, batch_first=True,
+                         device="meta")
+encoder_only = nn.TransformerEncoder(vit_layer, num_layers=2, enable_nested_tensor=False)
+print("nn.Transformer:        ", [name for name, _ in seq2seq.named_children()],
+      "| decoder layers have", [name for name, _ in seq2seq.decoder.layers[0].named_children()][:3], "...")
+print("nn.TransformerEncoder: ", [name for name, _ in encoder_only.named_children()])
 
 # %% [markdown]
 # ## 4. The whole model: class token, positions, blocks, head
@@ -373,7 +396,7 @@ for name, layer in (("defaults", default_layer), ("as a ViT block", vit_layer)):
 # | prepend [CLS] | `cat([cls_token.expand(B, -1, -1), tokens], dim=1)` | `[B, 17, 64]` |
 # | add positions | `+ pos_embed` (`[1, 17, 64]`, broadcast over B) | `[B, 17, 64]` |
 # | encoder | `depth` × `ViTBlock` | `[B, 17, 64]` |
-# | final norm | `norm` (all tokens) | `[B, 17, 64]` |
+# | final norm | `norm` (all tokens; why, below) | `[B, 17, 64]` |
 # | read [CLS] | `x[:, 0]` | `[B, 64]` |
 # | head | `Linear(D, num_classes)` | `[B, 10]` |
 #
@@ -388,6 +411,10 @@ for name, layer in (("defaults", default_layer), ("as a ViT block", vit_layer)):
 #   images of the training size. For another size the grid of position vectors must be
 #   interpolated in 2-D; slicing `pos_embed[:, :S]` fails for a larger image and, for a
 #   smaller one, silently gives the patches the positions of a different grid.)
+# * **The final LayerNorm.** In a pre-norm block, `norm1` and `norm2` normalise only what goes
+#   *into* the sublayers; the residual stream `x` itself is never normalised — each block adds
+#   to it, so its scale drifts with depth. One last `norm` after the final block hands the head
+#   normalised features. (A post-norm stack ends with a LayerNorm anyway and needs none.)
 # * **Initialisation.** A common recipe (timm's ViT) draws `pos_embed` from a truncated
 #   normal with std 0.02 and `cls_token` with std 1e-6; zeros also train.
 
@@ -452,7 +479,8 @@ class MiniViT(nn.Module):
 
 # %%
 vit = MiniViT(img_size=8, patch_size=2, in_channels=1, num_classes=10, embed_dim=64, depth=2, num_heads=4)
-logits, attentions = vit(digits.train_images[:3], return_attention=True)
+with torch.no_grad():
+    logits, attentions = vit(digits.train_images[:3], return_attention=True)
 print("logits:", tuple(logits.shape), "| attentions:", [tuple(a.shape) for a in attentions])
 print(f"parameters: {sum(p.numel() for p in vit.parameters()):,}")
 
@@ -475,11 +503,32 @@ check_mini_vit_properties(MiniViT, seed=4602, device="cpu")
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 4.7 — `expand` or `repeat`? (1 pt, ~5 min)
+# ### Exercise 4.7 — written: why positions? (2 pts, ~5 min)
+#
+# The properties check above zeroed `pos_embed` and shuffled the patches of an image: the
+# logits did not move. A convolutional network (say, a ResNet) has no position embedding at
+# all, yet it does tell a "6" from a "9". In the cell below, in three or four sentences:
+# why does a ViT need position embeddings when a CNN does not? Name the property of each
+# architecture that decides it. This answer is graded by hand.
+
+# %% [markdown] manual="why_vit_needs_positions" points=2
+# Self-attention compares every token with every other through dot products that do not
+# depend on where the tokens are: without positions a ViT sees its patches as an unordered
+# *set* (permutation-equivariant blocks, and a class token that reads them all), so any
+# rearrangement of the patches gives the same prediction. A convolution is built on the pixel
+# grid: each output mixes only a small neighbourhood at fixed relative offsets (its kernel
+# taps), so the arrangement of pixels is in the computation itself — it is
+# translation-*equivariant*, not permutation-equivariant; stacked layers and padding at the
+# borders even let a CNN infer absolute position. A ViT has to be *told* where each patch
+# sits, by adding a position vector to its token.
+
+# %% [markdown]
+# ### Exercise 4.8 — `expand` or `repeat`? (1 pt, ~5 min)
 #
 # The class token is one parameter shared by every image. A popular explainer warns: *"if you
 # used `.repeat(B, 1, 1)` instead of `.expand(B, -1, -1)`, you would get B independent tokens
-# whose gradients are not shared."* Run the cell below, then choose:
+# whose gradients are not shared."* **Predict first**, then run the experiment below your
+# answer:
 #
 # * **A.** With `repeat`, `cls_token.grad` comes from only one image of the batch; with
 #   `expand` it is the sum over the batch.
@@ -489,25 +538,29 @@ check_mini_vit_properties(MiniViT, seed=4602, device="cpu")
 #
 # Set `ANSWER_EXPAND_REPEAT` to `"A"`, `"B"` or `"C"`.
 
-# %%
-cls_token = nn.Parameter(torch.randn(1, 1, 8))
-batch_tokens = torch.randn(4, 5, 8)
-gradients = {}
-for how in ("expand", "repeat"):
-    cls_token.grad = None
-    copies = cls_token.expand(4, -1, -1) if how == "expand" else cls_token.repeat(4, 1, 1)  # [4, 1, 8]
-    sequence = torch.cat([copies, batch_tokens], dim=1)  # [4, 6, 8]
-    (sequence.softmax(dim=1) * torch.arange(6.0).view(1, 6, 1)).sum().backward()
-    gradients[how] = cls_token.grad.clone()
-    print(f"{how:>6}: shares memory with cls_token: {copies.data_ptr() == cls_token.data_ptr()}, "
-          f"grad[:3] = {gradients[how].flatten()[:3].tolist()}")
-print("same gradient:", torch.allclose(gradients["expand"], gradients["repeat"]))
-
 # %% answer="ANSWER_EXPAND_REPEAT"
 ANSWER_EXPAND_REPEAT = None  # "A", "B" or "C"
 ### BEGIN SOLUTION
 ANSWER_EXPAND_REPEAT = "B"
 ### END SOLUTION
+
+# %% [markdown]
+# The experiment: one shared token, copied for a batch of 4 by `expand` and by `repeat`, the
+# same loss on top, and the gradient that reaches the parameter.
+
+# %%
+shared_token = nn.Parameter(torch.randn(1, 1, 8))
+batch_tokens = torch.randn(4, 5, 8)
+gradients = {}
+for how in ("expand", "repeat"):
+    shared_token.grad = None
+    copies = shared_token.expand(4, -1, -1) if how == "expand" else shared_token.repeat(4, 1, 1)  # [4, 1, 8]
+    sequence = torch.cat([copies, batch_tokens], dim=1)  # [4, 6, 8]
+    (sequence.softmax(dim=1) * torch.arange(6.0).view(1, 6, 1)).sum().backward()
+    gradients[how] = shared_token.grad.clone()
+    print(f"{how:>6}: shares memory with the parameter: {copies.data_ptr() == shared_token.data_ptr()}, "
+          f"grad[:3] = {gradients[how].flatten()[:3].tolist()}")
+print("same gradient:", torch.allclose(gradients["expand"], gradients["repeat"]))
 
 # %% test="test_ANSWER_EXPAND_REPEAT" points=1
 """ANSWER_EXPAND_REPEAT: which statement about expand vs repeat for the class token is right."""
@@ -526,21 +579,25 @@ check_answer_expand_repeat(ANSWER_EXPAND_REPEAT)
 
 # %%
 D, H = 64, 4
-mha = nn.MultiheadAttention(D, H, batch_first=True)
+example_mha = nn.MultiheadAttention(D, H, batch_first=True)
 x = torch.randn(2, 17, D)
-w_q, w_k, w_v = mha.in_proj_weight.chunk(3, dim=0)  # three [D, D] blocks, [out, in]
-b_q, b_k, b_v = mha.in_proj_bias.chunk(3)
-print("in_proj_weight:", tuple(mha.in_proj_weight.shape), "-> W_q, W_k, W_v:", tuple(w_q.shape))
+w_q, w_k, w_v = example_mha.in_proj_weight.detach().chunk(3, dim=0)  # three [D, D] blocks, [out, in]
+b_q, b_k, b_v = example_mha.in_proj_bias.detach().chunk(3)
+print("in_proj_weight:", tuple(example_mha.in_proj_weight.shape), "-> W_q, W_k, W_v:", tuple(w_q.shape))
 
 
-def heads(t):  # [B, S, D] -> [B, H, S, d_head]
+def to_heads_by_hand(t):  # [B, S, D] -> [B, H, S, d_head]
     return t.view(t.shape[0], t.shape[1], H, D // H).transpose(1, 2)
 
 
-q, k, v = heads(x @ w_q.T + b_q), heads(x @ w_k.T + b_k), heads(x @ w_v.T + b_v)
-by_hand = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // H), dim=-1) @ v  # [B, H, S, d_head]
-by_hand = mha.out_proj(by_hand.transpose(1, 2).reshape(2, 17, D))
-print("by hand == nn.MultiheadAttention:", torch.allclose(by_hand, mha(x, x, x)[0], atol=1e-6))
+with torch.no_grad():
+    q, k, v = (to_heads_by_hand(x @ w.T + b) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+    by_hand = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // H), dim=-1) @ v  # [B, H, S, d_head]
+    by_hand = example_mha.out_proj(by_hand.transpose(1, 2).reshape(2, 17, D))      # [B, S, D]
+    print("by hand == nn.MultiheadAttention:", torch.allclose(by_hand, example_mha(x, x, x)[0], atol=1e-6))
+# The same layout inside PyTorch's encoder layer (the explainer's example): D = 512 -> [3 * 512, 512].
+print("nn.TransformerEncoderLayer(512, 8).self_attn.in_proj_weight:",
+      tuple(nn.TransformerEncoderLayer(512, 8, device="meta").self_attn.in_proj_weight.shape))
 
 # %% [markdown]
 # Head `h` uses rows `h·d_head … (h+1)·d_head - 1` of `W_q`: a `[d_head, D]` block that reads
@@ -560,9 +617,10 @@ def attention_shape_table(embed_dim, num_heads, seq_len, batch=1):
     mha = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True, device="meta")
     w_q, w_k, w_v = mha.in_proj_weight.chunk(3, dim=0)
     x = torch.empty(batch, seq_len, embed_dim, device="meta")
-    q = x @ w_q.T  # (+ b_q, which changes no shape)
-    q_heads = q.view(batch, seq_len, num_heads, -1).transpose(1, 2)
-    scores = q_heads @ q_heads.transpose(-2, -1)
+    q, k = x @ w_q.T, x @ w_k.T  # (+ b_q, b_k, which change no shape)
+    q_heads = q.view(batch, seq_len, num_heads, -1).transpose(1, 2)  # [B, H, S, d_head]
+    k_heads = k.view(batch, seq_len, num_heads, -1).transpose(1, 2)
+    scores = q_heads @ k_heads.transpose(-2, -1)                     # [B, H, S, S]
     return {
         "in_proj_weight": tuple(mha.in_proj_weight.shape),
         "W_q (one block)": tuple(w_q.shape),
@@ -588,11 +646,24 @@ print(f"GPT-3 token embedding: {tuple(embedding.weight.shape)} = {embedding.weig
 # GPT-3 does not *reduce* the width of Q, K and V either: it splits its 12,288 features into 96
 # heads of 128. Models with grouped-query attention (Llama 2 70B and later, notebook 05) *do*
 # give K and V fewer heads than Q, which shrinks the KV cache.
+#
+# **Width and heads.** The heads split `D` into equal slices, so `D % H` must be 0 —
+# `nn.MultiheadAttention` refuses anything else. The standard ViTs keep `d_head = D / H` at 64
+# for Base and Large; Huge keeps 16 heads and so gets 80 (a sequence length of 257 at 224×224
+# with 14×14 patches). Why 64: a common, empirically good balance — each head wide enough to
+# carry a useful query–key match, and as many heads as the width allows; nothing forces it.
+
+# %%
+print(f"{'model':>9} | {'D':>5} | {'H':>3} | {'D % H':>5} | {'d_head':>6} | {'S at 224²':>9} | attention params per block")
+for name, width, num_heads, patch in (("ViT-B/16", 768, 12, 16), ("ViT-L/16", 1024, 16, 16), ("ViT-H/14", 1280, 16, 14)):
+    table = attention_shape_table(width, num_heads, seq_len=(224 // patch) ** 2 + 1)
+    print(f"{name:>9} | {width:>5} | {num_heads:>3} | {width % num_heads:>5} | {width // num_heads:>6} | "
+          f"{table['Q'][1]:>9} | {table['parameters']}")
 
 # %% [markdown]
 # ## 6. Training on real digits
 #
-# ### Exercise 4.8 — train_classifier (4 pts, ~15 min)
+# ### Exercise 4.9 — train_classifier (4 pts, ~15 min)
 #
 # `train_classifier(model, train_loader, epochs, lr, device) -> list[float]`: move the model to
 # `device` and put it in training mode (`model.train()`: it may arrive in evaluation mode);
@@ -679,7 +750,7 @@ def trained_vit():
 
 
 @torch.no_grad()
-def predict(model, images, batch_size=512):
+def predict_digits(model, images, batch_size=512):
     """Class predictions and probabilities of a trained classifier, in evaluation mode."""
     model.eval()
     device_of_model = next(model.parameters()).device
@@ -690,11 +761,37 @@ def predict(model, images, batch_size=512):
 
 # %%
 vit = trained_vit()
-predicted, _ = predict(vit, digits.test_images)
+predicted, _ = predict_digits(vit, digits.test_images)
 accuracy = (predicted == digits.test_labels).float().mean().item()
 print(f"trained in {_trained['seconds']:.1f} s | loss per epoch: "
       + " ".join(f"{loss:.2f}" for loss in _trained["losses"]))
 print(f"test accuracy: {accuracy:.1%} on {len(digits.test_labels)} images it never saw")
+
+# %% [markdown]
+# **Is that good?** Compare with the simplest classifier there is: a logistic regression (one
+# linear layer and a softmax) on the 64 raw pixels, trained on the same split — next to your
+# MiniViT's test accuracy above.
+
+# %%
+from sklearn.linear_model import LogisticRegression
+
+pixels_train, pixels_test = digits.train_images.flatten(1).numpy(), digits.test_images.flatten(1).numpy()
+baseline = LogisticRegression(max_iter=5000).fit(pixels_train, digits.train_labels.numpy())
+baseline_accuracy = float((baseline.predict(pixels_test) == digits.test_labels.numpy()).mean())
+print(f"logistic regression on the raw pixels: {baseline_accuracy:.1%} test accuracy (same split)")
+
+# %% [markdown]
+# About the same. That is the honest result, and it is expected: these digits are 8×8
+# pixels, centred and size-normalised, with 1,438 training images — a linear model already
+# separates them well, and there is nothing long-range for attention to find in 16 patches.
+# A ViT has *less* built-in knowledge of images than a CNN (no locality, no translation
+# equivariance: it must learn from data that neighbouring patches matter), so it pays off
+# only with large images and large data sets: trained on ImageNet alone (1.3 million images),
+# the original ViTs fell behind ResNets of similar size; pre-trained on 14 million
+# (ImageNet-21k) or 300 million images (JFT-300M), they matched or beat them (Dosovitskiy et
+# al., 2021). The digits are here
+# because they are real data that trains in seconds on any CPU: this notebook is about *how*
+# a ViT works, and the score only shows that yours does.
 
 # %% [markdown]
 # Which digits does it confuse? The confusion matrix counts, for every true class (row), how
@@ -702,7 +799,7 @@ print(f"test accuracy: {accuracy:.1%} on {len(digits.test_labels)} images it nev
 
 # %%
 vit = trained_vit()
-predicted, probabilities = predict(vit, digits.test_images)
+predicted, probabilities = predict_digits(vit, digits.test_images)
 confusion = torch.zeros(10, 10, dtype=torch.long)
 confusion.index_put_((digits.test_labels, predicted), torch.ones_like(predicted), accumulate=True)
 wrong = (predicted != digits.test_labels).nonzero().flatten()[:8]
@@ -726,13 +823,25 @@ plt.show()
 
 # %% [markdown]
 # **The graded outcome.** The check below trains a *fresh* MiniViT — your class — with *your*
-# `train_classifier`, under a fixed seed, with 4×4 patches, `D = 64`, 2 blocks of 4 heads,
-# batch 32, `lr = 1e-3`, 8 epochs, and measures the test accuracy itself. It must reach at least
-# 90% within 60 s of CPU time (a correct solution needs a small fraction of that; on a GPU, even
-# less).
+# `train_classifier`, under a fixed seed, and measures the test accuracy itself. Its
+# configuration differs from the demo above on purpose:
+#
+# * **4×4 patches** (a 2×2 grid, `S = 5` tokens) instead of 2×2: attention costs grow with
+#   `S²`, and the check runs every time anyone validates or grades the notebook, so it must
+#   take seconds. (The demo uses 2×2 patches because a 4×4 grid of attention is worth looking
+#   at; a 2×2 one is not.)
+# * **`lr = 1e-3`** instead of `3e-3`: the demo's rate relies on the solution's warm-up
+#   schedule, which is optional — a plain constant-rate AdamW or Adam loop must pass too.
+#
+# Correct loops land between 93.6% and 97.8% (measured over 6 seeds with the solution's
+# loop, plain Adam and plain AdamW; the spread comes from the constant learning rate and the
+# initialisation, which any correct answer may do its own way). The bar is therefore **90%**,
+# which every correct run clears with room, within 60 s of CPU time (a correct loop needs
+# about 5 s) — a test that your ViT *learns*, not a claim that it beats the logistic
+# regression above.
 
 # %% test="test_train_classifier_outcome" points=3
-"""train_classifier + MiniViT: a fresh MiniViT trained by your loop (fixed seed) reaches >= 90% test accuracy on the digits within the CPU budget."""
+"""train_classifier + MiniViT: a fresh MiniViT (4x4 patches) trained by your loop (fixed seed, lr 1e-3) reaches >= 90% test accuracy on the digits within the CPU budget."""
 from attention_lab.checks.vision_transformer import check_train_classifier_outcome
 
 check_train_classifier_outcome(train_classifier, MiniViT)
@@ -745,7 +854,7 @@ check_train_classifier_outcome(train_classifier, MiniViT)
 # fold back into the `grid × grid` image of patches.
 
 # %% [markdown]
-# ### Exercise 4.9 — cls_attention_map (2 pts, ~10 min)
+# ### Exercise 4.10 — cls_attention_map (2 pts, ~10 min)
 #
 # One block's attention `[B, H, S, S]` (with `S = grid² + 1`) → the class token's weights on
 # the patches, `[B, H, grid, grid]`: the query row 0, the key columns `1…S-1` (not column 0,
@@ -768,11 +877,12 @@ def cls_attention_map(attention, grid_size):
 
 # %%
 vit = trained_vit()
-_, attentions = vit(digits.test_images[:4].to(device), return_attention=True)
-maps = cls_attention_map(attentions[-1], grid_size=4)  # [4, H, 4, 4]
-print("last block:", tuple(attentions[-1].shape), "-> maps:", tuple(maps.shape))
+with torch.no_grad():
+    _, attentions = vit(digits.test_images[:4].to(device), return_attention=True)
+cls_maps = cls_attention_map(attentions[-1], grid_size=4)  # [4, H, 4, 4]
+print("last block:", tuple(attentions[-1].shape), "-> maps:", tuple(cls_maps.shape))
 print("first test image, head 0 of the last block:")
-print(maps[0, 0].detach().cpu().numpy().round(2))
+print(cls_maps[0, 0].cpu().numpy().round(2))
 
 # %% test="test_cls_attention_map" points=2
 """cls_attention_map: row 0 (the [CLS] query), columns 1..N, [B, H, grid, grid] in row-major patch order, every head kept."""
@@ -784,7 +894,7 @@ check_cls_attention_map(cls_attention_map, seed=4901, device="cpu")
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 4.10 — attention_rollout (3 pts, ~15 min)
+# ### Exercise 4.11 — attention_rollout (3 pts, ~15 min)
 #
 # One block's map ignores everything before it: in block 2 the "patch" tokens already mix
 # information from all patches. **Attention rollout** (Abnar & Zuidema, 2020) follows the
@@ -798,7 +908,10 @@ check_cls_attention_map(cls_attention_map, seed=4901, device="cpu")
 # 4. return the class token's row of `R` on the patches: `R[:, 0, 1:]` as `[B, grid, grid]`.
 #
 # `attentions` is the list your `MiniViT` returns (one `[B, H, S, S]` per block, first block
-# first); `grid = sqrt(S - 1)`.
+# first); `grid = sqrt(S - 1)`. Return the dtype you are given. The attentions of a MiniViT
+# are float32, so a `torch.eye(S)` in its default float32 is fine; the check also tries
+# float64 attentions and accepts float32 accuracy there, with a note (create the identity
+# with `dtype=a.dtype, device=a.device` and float64 stays float64).
 
 # %% answer="attention_rollout"
 def attention_rollout(attentions):
@@ -825,10 +938,11 @@ def attention_rollout(attentions):
 
 # %%
 vit = trained_vit()
-_, attentions = vit(digits.test_images[:4].to(device), return_attention=True)
-rollout = attention_rollout(attentions)
-print("rollout:", tuple(rollout.shape), "| first image:")
-print(rollout[0].detach().cpu().numpy().round(3))
+with torch.no_grad():
+    _, attentions = vit(digits.test_images[:4].to(device), return_attention=True)
+rollout_maps = attention_rollout(attentions)  # [4, 4, 4]
+print("rollout:", tuple(rollout_maps.shape), "| first image:")
+print(rollout_maps[0].cpu().numpy().round(3))
 
 # %% test="test_attention_rollout" points=3
 """attention_rollout: heads averaged, identity added, rows renormalised, Ã_L ... Ã_1 (later blocks on the left), [CLS] row on the patches as [B, grid, grid]."""
@@ -861,7 +975,84 @@ vit_attention_explorer(vit, digits.test_images[:32], digits.test_labels[:32], cl
 # and that the residual counts as much as attention). Treat these maps as a view of the
 # mechanism, and test any story they suggest — for example by masking the patches and watching
 # the prediction.
+
+# %% [markdown]
+# ## 8. Which tokens does a task read?
 #
+# Your MiniViT's head reads one token, the class token. Other tasks read other tokens of the
+# same encoder output `[B, N + 1, D]`:
+#
+# | task | reads | why | examples |
+# | --- | --- | --- | --- |
+# | image classification | the `[CLS]` token, **or** the average of the patch tokens (global average pooling) | one vector for the whole image | ViT, DeiT (CLS); MAE and BEiT fine-tuning, many timm models (average) |
+# | semantic segmentation | every patch token, folded back into the `grid × grid` layout | one prediction per pixel: a small decoder upsamples the patch grid | SETR, Segmenter |
+# | object detection | every patch token, as a feature map | boxes come from local features; learned *object queries* attend to them in a decoder | ViTDet (a ViT backbone); DETR attends over a *CNN's* features, not ViT patch tokens |
+# | masked image modelling | the patch tokens at the hidden positions | each predicts the pixels of its own masked patch; `[CLS]` plays no part in the loss | MAE, BEiT |
+# | image–text embedding | one global vector (often `[CLS]`), sometimes the patch tokens too | retrieval compares one image vector with one text vector; captioning and grounding attend to patch tokens | CLIP (global vector); BLIP, LLaVA (patch tokens) |
+# | dense features | every patch token | a descriptor per location, for keypoints, correspondence, depth | DINO / DINOv2 features |
+#
+# Two ways to make one vector out of the tokens, then: the class token, which learns through
+# attention what to collect, or **global average pooling** (GAP), the mean of the patch tokens
+# — no extra token needed, and as accurate in well-tuned ViTs. (The class token is left out of
+# the average; a model trained with GAP often has no class token at all.)
+
+# %% [markdown]
+# ### Exercise 4.12 — pool_tokens (2 pts, ~8 min)
+#
+# `pool_tokens(tokens, pool="cls")`: `tokens [B, S, D]` is the encoder's (normalised) output,
+# token 0 the class token, tokens `1 … S-1` the patches. Return `[B, D]`:
+#
+# * `pool="cls"`: the class token, `tokens[:, 0]`;
+# * `pool="mean"`: global average pooling, the mean of the **patch** tokens `1 … S-1`;
+# * anything else: raise a `ValueError` that names the value.
+
+# %% answer="pool_tokens"
+def pool_tokens(tokens, pool="cls"):
+    """One vector per image from a ViT's output tokens: the class token or the mean of the patch tokens.
+
+    tokens: [B, S, D], token 0 = [CLS]; pool: "cls" or "mean"  ->  [B, D]
+
+    Example: pool_tokens(torch.arange(6.0).view(1, 3, 2), "mean") == [[3.0, 4.0]]
+    Raises ValueError for any other pool.
+    """
+    ### BEGIN SOLUTION
+    if pool == "cls":
+        return tokens[:, 0]                    # [B, D]
+    if pool == "mean":
+        return tokens[:, 1:].mean(dim=1)       # [B, D], the class token left out
+    raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
+    ### END SOLUTION
+
+
+# %% [markdown]
+# Your trained MiniViT classifies from `pool_tokens(..., "cls")`: run its layers by hand up to
+# the final norm, pool, apply the head, and you get its logits back. The other pooling gives a
+# different vector — a model meant to classify from it is *trained* with it (timm:
+# `global_pool="avg"`); this head never saw such vectors.
+
+# %%
+vit = trained_vit()
+images = digits.test_images[:8].to(device)
+with torch.no_grad():
+    x = torch.cat([vit.cls_token.expand(len(images), -1, -1), vit.patch_embed(images)], dim=1) + vit.pos_embed
+    for vit_block in vit.blocks:
+        x = vit_block(x)
+    final_tokens = vit.norm(x)                                  # [8, 17, 64]
+    by_hand = vit.head(pool_tokens(final_tokens, "cls"))        # [8, 10]
+    print("head(pool_tokens(tokens, 'cls')) == vit(images):", torch.allclose(by_hand, vit(images), atol=1e-5))
+    print("CLS vector vs mean of the patch tokens, cosine similarity per image:",
+          F.cosine_similarity(pool_tokens(final_tokens, "cls"), pool_tokens(final_tokens, "mean")).cpu().numpy().round(2))
+
+# %% test="test_pool_tokens" points=2
+"""pool_tokens: 'cls' is token 0, 'mean' averages the patch tokens 1..S-1 (not the class token), [B, D], the ValueError."""
+from attention_lab.checks.vision_transformer import check_pool_tokens
+
+check_pool_tokens(pool_tokens)
+### BEGIN HIDDEN TESTS
+check_pool_tokens(pool_tokens, seed=4121, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
 # ## What you built
 #
 # * `patchify` and `PatchEmbedding`: an image becomes `N` tokens; a stride-`P` `Conv2d` *is* a
@@ -873,6 +1064,8 @@ vit_attention_explorer(vit, digits.test_images[:32], digits.test_labels[:32], cl
 # * `train_classifier`: a ViT that reads handwritten digits, trained on a CPU in seconds.
 # * `cls_attention_map` and `attention_rollout`: what the class token attends to — and why that
 #   is a view, not an explanation.
+# * `pool_tokens`: the class token or the average of the patch tokens — and which tokens
+#   segmentation, detection, masked image modelling and image–text models read instead.
 #
 # Next: notebook 05 opens up a modern language model's attention — grouped-query attention,
 # rotary positions, QK-norm and the KV cache.

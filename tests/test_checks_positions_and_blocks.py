@@ -102,6 +102,11 @@ def sinusoidal_column_index(num_positions, dim, base=10000.0):
     return _table(n, d, base, lambda c: base ** (-2 * c / d))
 
 
+def sinusoidal_per_column(num_positions, dim, base=10000.0):
+    n, d = num_positions, dim
+    return _table(n, d, base, lambda c: base ** (-c / d))
+
+
 def sinusoidal_half_exponent(num_positions, dim, base=10000.0):
     n, d = num_positions, dim
     return _table(n, d, base, lambda c: base ** (-(c // 2) / d))
@@ -146,6 +151,7 @@ def test_sinusoidal_positions_accepts_a_correct_answer_written_differently():
     (sinusoidal_concatenated, "interleaves"),
     (sinusoidal_swapped, "sine and cosine are swapped"),
     (sinusoidal_column_index, "column index"),
+    (sinusoidal_per_column, "must share one frequency"),
     (sinusoidal_half_exponent, "exponent is 2i/dim"),
     (sinusoidal_multiplied, "divide by it"),
     (sinusoidal_from_one, "positions start at 0"),
@@ -155,13 +161,19 @@ def test_sinusoidal_positions_diagnoses_known_mistakes(answer, hint):
         checks.check_sinusoidal_positions(answer, **CPU)
 
 
+def sinusoidal_half_width(num_positions, dim, base=10000.0):
+    return sinusoidal_stacked(num_positions, dim, base)[:, 0::2]
+
+
 def test_sinusoidal_positions_contract():
     with pytest.raises(CheckFailure, match=r"should raise ValueError \(dim = 7 is odd"):
         checks.check_sinusoidal_positions(sinusoidal_no_odd_check, **CPU)
-    with pytest.raises(CheckFailure, match="should return torch.float32 .*got torch.float64"):
+    with pytest.raises(CheckFailure, match="(?s)should return torch.float32 .*got torch.float64.*dtype=torch.float32"):
         checks.check_sinusoidal_positions(sinusoidal_float64, **CPU)
     with pytest.raises(CheckFailure, match=r"(?s)should have shape \[6, 8\], got \[8, 6\].*one row per position"):
         checks.check_sinusoidal_positions(sinusoidal_transposed, **CPU)
+    with pytest.raises(CheckFailure, match=r"(?s)should have shape \[6, 8\], got \[6, 4\].*a sine and a cosine"):
+        checks.check_sinusoidal_positions(sinusoidal_half_width, **CPU)
     with pytest.raises(CheckFailure, match="should be a torch.Tensor, got ndarray"):
         checks.check_sinusoidal_positions(sinusoidal_numpy, **CPU)
     with pytest.raises(CheckFailure, match=r"take the parameters \(num_positions, dim, base\)"):
@@ -175,6 +187,14 @@ def test_positions_break_equivariance():
         checks.check_positions_break_equivariance(lambda n, d, base=10000.0: torch.ones(n, d), **CPU)
     with pytest.raises(CheckFailure, match="not implemented yet"):
         checks.check_positions_break_equivariance(_not_implemented, **CPU)
+
+
+def test_positions_break_equivariance_requires_the_sinusoidal_table():
+    """Any random table breaks the symmetry; the exercise asks for the sinusoidal one (issue: randn got the point)."""
+    with pytest.raises(CheckFailure, match="(?s)PE\\[p\\] \\. PE\\[p \\+ \\d+\\] differ.*depend only on the offset"):
+        checks.check_positions_break_equivariance(lambda n, d, base=10000.0: torch.randn(n, d), **CPU)
+    with pytest.raises(CheckFailure, match="interleaves"):  # offset-only, but not the table asked for
+        checks.check_positions_break_equivariance(sinusoidal_concatenated, **CPU)
 
 
 def _not_implemented(*args, **kwargs):
@@ -227,9 +247,45 @@ def fourier_variant(*, frequencies=None, store="buffer", order="coordinate", lay
                 angles = (self.frequencies.to(x)[:, None] * x[..., None, :]).flatten(-2)
             if layout == "interleaved":
                 return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)
+            if layout == "cos_first":
+                return torch.cat([angles.cos(), angles.sin()], dim=-1)
             return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
     return Variant
+
+
+class FourierPiInForward(nn.Module):
+    """Correct, written another way: the buffer holds 2^k (float32) and forward multiplies by pi."""
+
+    def __init__(self, in_dim, num_frequencies):
+        super().__init__()
+        self.out_dim = in_dim * num_frequencies * 2
+        self.register_buffer("scales", 2.0 ** torch.arange(num_frequencies, dtype=torch.float32), persistent=False)
+
+    def forward(self, x):
+        angles = torch.pi * torch.einsum("...c,f->...cf", x, self.scales.to(x.dtype)).flatten(-2)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class FourierCatThenFlatten(FourierPow):
+    """The draft fixed in the other order: sin/cos concatenated per coordinate, flattened afterwards."""
+
+    def forward(self, x):
+        angles = x[..., None] * self.freqs  # [..., in_dim, F]
+        return torch.cat([angles.sin(), angles.cos()], dim=-1).flatten(-2)
+
+
+class FourierNoBuffer(nn.Module):
+    """The frequencies made again in every forward call: no buffer."""
+
+    def __init__(self, in_dim, num_frequencies):
+        super().__init__()
+        self.out_dim, self.num_frequencies = in_dim * 2 * num_frequencies, num_frequencies
+
+    def forward(self, x):
+        frequencies = 2.0 ** torch.arange(self.num_frequencies, dtype=x.dtype, device=x.device) * math.pi
+        angles = (x[..., None] * frequencies).flatten(-2)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
 
 class FourierNoFlatten(FourierPow):
@@ -247,16 +303,22 @@ def test_fourier_features_accepts_a_correct_answer_written_differently():
     checks.check_fourier_features(FourierPow, **CPU)
     checks.check_fourier_features(FourierPow, seed=11, **CPU)
     checks.check_fourier_features(fourier_variant(), **CPU)
+    checks.check_fourier_features(FourierPiInForward, **CPU)
+    checks.check_fourier_features(FourierPiInForward, seed=4, **CPU)
 
 
 @pytest.mark.parametrize("answer, hint", [
     (fourier_variant(frequencies=lambda k: 2.0 ** k), "2\\^k; they are 2\\^k \\* pi"),
     (fourier_variant(frequencies=lambda k: torch.exp(k)), "the draft's exp"),
-    (fourier_variant(store="plain"), "plain tensor attribute .*register_buffer"),
+    (fourier_variant(store="plain"), "(?s)plain attribute \\(self.frequencies\\).*plain tensor attribute.*register_buffer"),
+    (FourierCatThenFlatten, "one \\[sin, cos\\] block per coordinate"),
+    (FourierNoBuffer, "has no buffer.*\n.*keep the frequencies in a buffer"),
     (fourier_variant(store="persistent"), "persistent=False"),
     (fourier_variant(store="parameter"), "nn.Parameter"),
     (fourier_variant(order="frequency"), "flattened in the wrong order"),
     (fourier_variant(layout="interleaved"), "interleaved per angle"),
+    (fourier_variant(layout="cos_first"), "cos comes first"),
+    (fourier_variant(frequencies=lambda k: (k + 1) * math.pi), "grow linearly"),
     (fourier_variant(seed_slice=True), r"x\[\.\.\., None:\] is a full slice"),
     (fourier_variant(out_dim=lambda i, f: 2 * f), "in_dim coordinates x F frequencies x 2"),
     (fourier_variant(out_dim=lambda i, f: i * f), "a sine and a cosine"),
@@ -430,7 +492,7 @@ def test_psnr_diagnoses_known_mistakes(answer, hint):
 
 
 def test_psnr_contract():
-    with pytest.raises(CheckFailure, match="should return a Python float, got a tensor of shape"):
+    with pytest.raises(CheckFailure, match="(?s)should return a Python float, got a tensor of shape.*float\\(...\\) or .item"):
         checks.check_psnr(psnr_tensor, **CPU)
     with pytest.raises(CheckFailure, match=r"psnr\(x, x\) \(a perfect reconstruction\) raised ZeroDivisionError"):
         checks.check_psnr(psnr_no_inf, **CPU)
@@ -577,7 +639,8 @@ class LayerFloatMask(nn.Module):
 
 
 def layer_variant(*, post_norm=False, attn_residual=True, mlp_residual=True, convert_mask=True,
-                  activation=nn.GELU, eps=1e-6, batch_first=True, swap_norms=False, take_first=True):
+                  activation=nn.GELU, eps=1e-6, batch_first=True, swap_norms=False, take_first=True,
+                  need_weights=True, kv_unnormalised=False):
     class Layer(LayerFloatMask):
         def __init__(self, embed_dim, num_heads, mlp_ratio=4.0):
             super().__init__(embed_dim, num_heads, mlp_ratio)
@@ -594,7 +657,8 @@ def layer_variant(*, post_norm=False, attn_residual=True, mlp_residual=True, con
                 x = norm1(x + self.attn(x, x, x, attn_mask=blocked)[0])
                 return norm2(x + self.mlp(x))
             h = norm1(x)
-            result = self.attn(h, h, h, attn_mask=blocked)
+            kv = x if kv_unnormalised else h
+            result = self.attn(h, kv, kv, attn_mask=blocked, need_weights=need_weights)
             attended = result[0] if take_first else result
             x = x + attended if attn_residual else attended
             m = self.mlp(norm2(x))
@@ -616,7 +680,9 @@ def test_transformer_layer_accepts_a_correct_answer_written_differently():
     (layer_variant(attn_residual=False), "residual connection around attention is missing"),
     (layer_variant(mlp_residual=False), "residual connection around the MLP is missing"),
     (layer_variant(convert_mask=False), "passed to nn.MultiheadAttention unconverted"),
+    (layer_variant(convert_mask=False, need_weights=False), "passed to nn.MultiheadAttention unconverted"),
     (layer_variant(swap_norms=True), "yours are swapped"),
+    (layer_variant(kv_unnormalised=True), "normalise once and use the result as query, key and value"),
     (layer_variant(activation=nn.ReLU), "ReLU instead of GELU"),
     (layer_variant(activation=lambda: nn.GELU(approximate="tanh")), "exact nn.GELU"),
     (layer_variant(eps=1e-5), "eps should be 1e-6, got 1e-05"),
@@ -631,7 +697,8 @@ def test_transformer_layer_diagnoses_known_mistakes(answer, hint):
 @pytest.mark.parametrize("answer, hint", [
     (layer_variant(post_norm=True), "post-norm layer"),
     (layer_variant(attn_residual=False, mlp_residual=False), "both residual connections are missing"),
-    (layer_variant(convert_mask=False), "passed to nn.MultiheadAttention unconverted"),
+    (layer_variant(convert_mask=False), "(?s)returned NaN.*passed to nn.MultiheadAttention unconverted"),
+    (layer_variant(convert_mask=False, need_weights=False), "(?s)no future token.*passed to nn.MultiheadAttention unconverted"),
 ])
 def test_transformer_layer_properties_diagnose_known_mistakes(answer, hint):
     with pytest.raises(CheckFailure, match=hint):
@@ -723,7 +790,7 @@ def test_transformer_accepts_a_correct_answer_written_differently():
 
 @pytest.mark.parametrize("answer, hint", [
     (stack_variant(shared=True), r"\[TransformerLayer\(\.\.\.\)\] \* n\) repeats one layer"),
-    (stack_variant(container="sequential"), "nn.Sequential: it cannot pass the mask"),
+    (stack_variant(container="sequential"), "(?s)is an nn.Sequential.*cannot pass the mask to every layer"),
     (stack_variant(container="list"), "plain Python list is not registered"),
     (stack_variant(final_norm=False), "final LayerNorm is missing"),
     (stack_variant(pass_mask=False), "the mask did not reach the layers"),
@@ -826,3 +893,60 @@ def test_show_images_draws_one_panel_per_picture():
     np.testing.assert_allclose(axes[1].images[0].get_array(), rose * 0.5, rtol=1e-6)
     assert np.asarray(axes[2].images[0].get_array()).max() <= 1.0  # clipped for display
     assert widget._repr_mimebundle_()["image/png"]
+
+
+# --------------------------------------------------------------------------------------
+# The notebooks' own cells leave the student's helpers alone (notebooks 03 and 04)
+# --------------------------------------------------------------------------------------
+
+# Names that answers really give their helper functions (the Annotated Transformer's `attention`,
+# vit-explain's `rollout`, timm's `block`, ...). A demo cell that assigns one at top level
+# replaces the student's helper, and a later check of an answer that calls it fails far from
+# the cause. The corpus runs such answers through the notebooks; this catches it without a kernel.
+HELPER_NAMES = {"attention", "softmax", "rollout", "block", "layer", "patches", "heads", "predict", "rotate",
+                "mask", "split_heads", "merge_heads", "positions", "encode", "clones"}
+
+
+def _top_level_names(source: str) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.parse(source).body:
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.For, ast.With)):
+            targets = [node.target] if isinstance(node, ast.For) else [item.optional_vars for item in node.items]
+        for target in filter(None, targets):  # (a `with` without `as` binds nothing)
+            names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+@pytest.mark.parametrize("assignment", ["03_positions_and_blocks", "04_vision_transformer"])
+def test_demo_cells_do_not_rebind_helper_names(assignment):
+    from pathlib import Path
+
+    import jupytext
+
+    source = Path(__file__).parents[1] / "solutions" / f"{assignment}.py"
+    cells = jupytext.read(source, fmt="py:percent").cells
+    demo_code = [cell.source for cell in cells if cell.cell_type == "code"
+                 and "answer" not in cell.metadata and "test" not in cell.metadata]
+    # The source format marks cells `answer=` / `test=` in the header: jupytext keeps them as metadata.
+    assert len(demo_code) < len([cell for cell in cells if cell.cell_type == "code"])
+    clobbered = {name for code in demo_code for name in _top_level_names(code)} & HELPER_NAMES
+    assert not clobbered, f"{assignment}: demo cells rebind helper names {sorted(clobbered)}"
+
+
+def test_transformer_failure_names_the_students_failing_layer():
+    """Transformer uses TransformerLayer: a post-norm layer is named as the cause when Transformer's check fails."""
+    namespace = {"nn": nn, "TransformerLayer": layer_variant(post_norm=True), "Base": StackOfClones}
+    exec("class Transformer(Base):\n"
+         "    def __init__(self, embed_dim, num_heads, num_layers, mlp_ratio=4.0):\n"
+         "        super().__init__(embed_dim, num_heads, num_layers, mlp_ratio)\n"
+         "        self.layers = nn.ModuleList(TransformerLayer(embed_dim, num_heads, mlp_ratio) for _ in range(num_layers))\n",
+         namespace)
+    with pytest.raises(CheckFailure, match="(?s)uses your TransformerLayer, which fails its own check"):
+        checks.check_transformer(namespace["Transformer"], **CPU)

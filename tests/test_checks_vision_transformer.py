@@ -231,6 +231,13 @@ def conv_to_linear_channels_last(patch_embedding):
     return linear
 
 
+def conv_to_linear_transposed_grid(patch_embedding):
+    linear = conv_to_linear_clone(patch_embedding)
+    with torch.no_grad():
+        linear.weight.copy_(patch_embedding.proj.weight.transpose(2, 3).flatten(1))
+    return linear
+
+
 def conv_to_linear_no_bias(patch_embedding):
     conv = patch_embedding.proj
     linear = nn.Linear(conv.weight[0].numel(), conv.out_channels, bias=False).to(conv.weight)
@@ -273,6 +280,7 @@ def test_conv_to_linear_accepts_other_correct_answer():
     (conv_to_linear_shared, "shares memory with proj.weight"),
     (conv_to_linear_swapped, r"should return nn.Linear\(12, 5\) \(C\*P\*P in, D out\), got nn.Linear\(5, 12\)"),
     (conv_to_linear_float32, "should keep the input dtype torch.float64"),
+    (conv_to_linear_transposed_grid, r"two spatial axes swapped \(P_w, P_h\)"),
     (lambda patch_embedding: patch_embedding.proj.weight.flatten(1), r"should return an nn.Linear, got tensor of shape \[5, 12\]"),
 ])
 def test_conv_to_linear_rejects_mistakes(answer, match):
@@ -365,6 +373,14 @@ class ViTBlockNorm1Twice(ViTBlockAlt):
         return (y, weights) if return_attention else y
 
 
+class ViTBlockResidualFromNormed(ViTBlockAlt):
+    def forward(self, x, return_attention=False):
+        update, weights = self.attend(x)
+        y = self.norm1(x) + update
+        y = y + self.mlp(self.norm2(y))
+        return (y, weights) if return_attention else y
+
+
 class ViTBlockAveragedWeights(ViTBlockAlt):
     def forward(self, x, return_attention=False):
         h = self.norm1(x)
@@ -421,6 +437,7 @@ def test_vit_block_accepts_other_correct_answer():
     (ViTBlockNoAttentionResidual, "attention sublayer has no residual connection"),
     (ViTBlockNoMlpResidual, "MLP sublayer has no residual connection"),
     (ViTBlockNorm1Twice, "MLP reads norm2"),
+    (ViTBlockResidualFromNormed, r"add attn\(norm1\(x\)\) to x itself, not to norm1\(x\)"),
     (ViTBlockAveragedWeights, "average_attn_weights=False"),
     (ViTBlockNoWeights, "need_weights=True"),
     (ViTBlockAlwaysTuple, "return only x, not a tuple"),
@@ -550,6 +567,26 @@ class MiniViTPostNormBlocks(MiniViTAlt):
     def __init__(self, img_size, patch_size, in_channels, num_classes, embed_dim, depth, num_heads, mlp_ratio=4.0):
         super().__init__(img_size, patch_size, in_channels, num_classes, embed_dim, depth, num_heads, mlp_ratio)
         self.blocks = nn.ModuleList(ViTBlockPostNorm(embed_dim, num_heads, mlp_ratio) for _ in range(depth))
+
+
+class MiniViTKeywordCalls(MiniViTAlt):
+    """Correct, timm-style: the blocks are called with keywords, block(x=x) (no positional argument)."""
+
+    def encode(self, x, return_attention):
+        attentions = []
+        for block in self.blocks:
+            if return_attention:
+                x, weights = block(x=x, return_attention=True)
+                attentions.append(weights)
+            else:
+                x = block(x=x)
+        return x, attentions
+
+
+def test_mini_vit_accepts_blocks_called_by_keyword():
+    """A hook that read args[0] crashed with IndexError on block(x=x)."""
+    checks.check_mini_vit(MiniViTKeywordCalls, **CPU)
+    checks.check_mini_vit_properties(MiniViTKeywordCalls, **CPU)
 
 
 def test_mini_vit_accepts_other_correct_answer_with_repeat():
@@ -781,17 +818,52 @@ def train_sgd_tiny_lr(model, train_loader, epochs, lr, device):
     return losses
 
 
+def train_without_zero_grad(model, train_loader, epochs, lr, device):
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(epochs):
+        total = 0.0
+        for images, labels in train_loader:
+            loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+            loss.backward()
+            optimizer.step()
+            total += loss.item()
+        losses.append(total / len(train_loader))
+    return losses
+
+
+def train_model_zero_grad(model, train_loader, epochs, lr, device):
+    """Correct, written differently: model.zero_grad() after the step, a generator of batches."""
+    model = model.to(device)
+    model.train(True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    means = []
+    for _ in range(epochs):
+        losses = [0.0, 0]
+        for images, labels in ((i.to(device), t.to(device)) for i, t in train_loader):
+            loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            model.zero_grad()
+            losses = [losses[0] + loss.item() * len(labels), losses[1] + len(labels)]
+        means.append(losses[0] / losses[1])
+    return means
+
+
 def test_train_classifier_accepts_other_correct_answer():
+    checks.check_train_classifier(train_model_zero_grad, **CPU)
     checks.check_train_classifier(train_plain_adam, **CPU)
 
 
 @pytest.mark.parametrize("answer, match", [
-    (train_without_train_mode, r"Call model.train\(\)"),
+    (train_without_train_mode, r"call model.train\(\) before the training loop"),
     (train_without_step, r"call optimizer.step\(\)"),
     (train_returns_tensors, r"loss.item\(\)"),
     (train_one_batch_per_epoch, "Loop over every batch"),
     (train_per_step_losses, "should return a list of 3 floats"),
     (train_summed_loss, "mean cross-entropy per image"),
+    (train_without_zero_grad, r"(?s)gradients of the previous batch were still in .grad.*call optimizer.zero_grad\(\)"),
 ])
 def test_train_classifier_rejects_mistakes(answer, match):
     _rejects(checks.check_train_classifier, answer, match)
@@ -810,6 +882,28 @@ def test_outcome_rejects_a_loop_that_does_not_learn():
     assert "It should reach at least 90%" in str(failure.value)
 
 
+def train_on_one_batch(model, train_loader, epochs, lr, device):
+    """Fits the first batch of every epoch many times: a low training loss, a model that has seen 32 images."""
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    images, labels = next(iter(train_loader))
+    losses = []
+    for _ in range(epochs):
+        for _ in range(10):
+            loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_outcome_names_a_loop_whose_loss_falls_but_accuracy_does_not():
+    with pytest.raises(CheckFailure, match="(?s)It should reach at least 90%.*training loss went down but the test "
+                                          "accuracy did not"):
+        checks.check_train_classifier_outcome(train_on_one_batch, MiniViTAlt, **CPU)
+
+
 def test_outcome_rejects_a_model_that_cannot_learn_positions_or_content():
     """A MiniViT whose head never sees the image cannot pass, however good the loop is."""
 
@@ -820,6 +914,60 @@ def test_outcome_rejects_a_model_that_cannot_learn_positions_or_content():
 
     with pytest.raises(CheckFailure, match="It should reach at least 90%"):
         checks.check_train_classifier_outcome(train_plain_adam, Blind, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# pool_tokens
+# --------------------------------------------------------------------------------------
+
+
+def pool_timm(tokens, pool="cls"):
+    """Correct, timm-style: global_pool 'avg' averages after the prefix tokens; 'token' reads token 0."""
+    num_prefix_tokens = 1
+    if pool == "mean":
+        return tokens[:, num_prefix_tokens:].mean(dim=1)
+    if pool == "cls":
+        return tokens[:, 0]
+    raise ValueError(f"unknown pool {pool!r}")
+
+
+def pool_einsum(tokens, pool="cls"):
+    """Correct, written differently: a weighting vector over the tokens and einsum."""
+    if pool not in ("cls", "mean"):
+        raise ValueError(f"pool must be 'cls' or 'mean', got {pool}")
+    seq_len = tokens.shape[1]
+    weights = torch.zeros(seq_len, dtype=tokens.dtype, device=tokens.device)
+    if pool == "cls":
+        weights[0] = 1.0
+    else:
+        weights[1:] = 1.0 / (seq_len - 1)
+    return torch.einsum("bsd,s->bd", tokens, weights)
+
+
+def _pool_wrong(mean, cls=lambda t: t[:, 0]):
+    def pool_tokens(tokens, pool="cls"):
+        if pool not in ("cls", "mean"):
+            raise ValueError(pool)
+        return cls(tokens) if pool == "cls" else mean(tokens)
+    return pool_tokens
+
+
+def test_pool_tokens_accepts_other_correct_answers():
+    checks.check_pool_tokens(pool_timm, **CPU)
+    checks.check_pool_tokens(pool_einsum, seed=3, **CPU)
+
+
+@pytest.mark.parametrize("answer, match", [
+    (_pool_wrong(lambda t: t.mean(dim=1)), "you included the class token"),
+    (_pool_wrong(lambda t: t[:, 1:].sum(dim=1)), "do not sum them"),
+    (_pool_wrong(lambda t: t[:, 1:].amax(dim=1)), "not their maximum"),
+    (_pool_wrong(lambda t: t[:, 1:].mean(dim=1), cls=lambda t: t[:, -1]), "the class token is token 0"),
+    (_pool_wrong(lambda t: t[:, 1:].mean(dim=1), cls=lambda t: t[:, :1]), r"an integer index drops the axis"),
+    (_pool_wrong(lambda t: t[:, 1:].mean(dim=-1)), "average over the tokens"),
+    (lambda tokens, pool="cls": tokens[:, 0] if pool == "cls" else tokens[:, 1:].mean(1), "should raise ValueError"),
+])
+def test_pool_tokens_rejects_mistakes(answer, match):
+    _rejects(checks.check_pool_tokens, answer, match)
 
 
 # --------------------------------------------------------------------------------------
@@ -955,9 +1103,67 @@ def rollout_in_place(attentions):
     return _grid(_rollout([a - eye for a in attentions]), attentions[0].shape[-1])
 
 
+def rollout_vit_explain(attentions):
+    """Correct, vit-explain's helper: torch.eye in float32 (its default), no dtype handling at all."""
+    result = torch.eye(attentions[0].size(-1))
+    with torch.no_grad():
+        for attention in attentions:
+            fused = attention.mean(axis=1)
+            identity = torch.eye(fused.size(-1))
+            a = (fused + 1.0 * identity) / 2
+            a = a / a.sum(dim=-1, keepdim=True)
+            result = torch.matmul(a, result)
+    mask = result[:, 0, 1:]
+    width = int(mask.size(-1) ** 0.5)
+    return mask.reshape(-1, width, width)
+
+
+def rollout_float32_inside(attentions):
+    """Correct: computes in float32 (x.float()) and casts back to the input's dtype."""
+    dtype = attentions[0].dtype
+    a = [attention.float().mean(1) for attention in attentions]
+    eye = torch.eye(a[0].shape[-1], device=a[0].device)
+    rollout = eye
+    for mixed in a:
+        mixed = (mixed + eye) / (mixed + eye).sum(-1, keepdim=True)
+        rollout = mixed @ rollout
+    grid = math.isqrt(a[0].shape[-1] - 1)
+    return rollout[:, 0, 1:].unflatten(-1, (grid, grid)).to(dtype)
+
+
+def rollout_float32_output(attentions):
+    return rollout_float32_inside(attentions).float()
+
+
+def rollout_with_cls(attentions):
+    full = _rollout(attentions)
+    return full[:, 0, :-1].reshape(full.shape[0], *_grid(full, full.shape[-1]).shape[1:])
+
+
+def rollout_column(attentions):
+    full = _rollout(attentions)
+    return full[:, 1:, 0].reshape(full.shape[0], *_grid(full, full.shape[-1]).shape[1:])
+
+
+def rollout_transposed(attentions):
+    return _grid(_rollout(attentions), attentions[0].shape[-1]).transpose(-2, -1)
+
+
 def test_attention_rollout_accepts_other_correct_answer():
     checks.check_attention_rollout(rollout_half_half, **CPU)
     checks.check_attention_rollout(rollout_half_half, seed=13, **CPU)
+
+
+@pytest.mark.parametrize("answer, note", [
+    (rollout_vit_explain, "mixes float32 and float64 and raises"),
+    (rollout_float32_inside, "accurate to float32 precision, not float64"),
+    (rollout_float32_output, "returns float32"),
+])
+def test_attention_rollout_accepts_float32_internals_with_a_note(answer, note, capsys):
+    """float64 attentions: a float32 torch.eye inside is normal (issue: vit-explain's rollout was rejected)."""
+    checks.check_attention_rollout(answer, device="cpu")
+    printed = capsys.readouterr().out
+    assert "✓ attention_rollout" in printed and note in printed
 
 
 @pytest.mark.parametrize("answer, match", [
@@ -969,6 +1175,9 @@ def test_attention_rollout_accepts_other_correct_answer():
     (rollout_last_only, "you used only the last block"),
     (rollout_per_head, "average the heads first"),
     (rollout_in_place, "modified the attentions in place"),
+    (rollout_with_cls, r"you kept column 0 \(\[CLS\] to itself\)"),
+    (rollout_column, "you took column 0 of the rollout"),
+    (rollout_transposed, "the grid is transposed: patch n goes to row n // grid"),
 ])
 def test_attention_rollout_rejects_mistakes(answer, match):
     _rejects(checks.check_attention_rollout, answer, match)
@@ -1063,10 +1272,14 @@ def test_widget_controls_change_what_is_drawn():
                                images[3, 0].double())
     assert explorer.figure._suptitle.get_text().startswith("image 3")
 
+    assert not explorer.controls["block"].disabled
     explorer.controls["head"].value = "rollout (all blocks)"
     torch.testing.assert_close(_grid_panel(explorer), rollout_half_half(attentions)[3].double())
     assert "rollout" in explorer.figure._suptitle.get_text()
     assert len(explorer.figure.axes) == 3  # redrawn, not stacked
+    assert explorer.controls["block"].disabled  # rollout uses every block: no block to pick
+    explorer.controls["head"].value = "head 1"
+    assert not explorer.controls["block"].disabled
 
 
 def test_widget_has_a_static_png_fallback():
@@ -1093,3 +1306,24 @@ def test_training_before_a_check_is_not_mistaken_for_tampering():
     torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=4)
     checks.check_patch_embedding_parameter_count(lambda patch_size, in_channels, embed_dim:
                                                  embed_dim * (in_channels * patch_size ** 2 + 1), **CPU)
+
+
+def test_mini_vit_failure_names_the_students_failing_vit_block():
+    """MiniViT uses ViTBlock: a post-norm ViTBlock is named as the cause when MiniViT's check fails."""
+    namespace = {"nn": nn, "ViTBlockBase": ViTBlockAlt, "MiniViTBase": MiniViTAlt}
+    exec(  # a notebook namespace: the student's ViTBlock (wrong: post-norm) and a MiniViT built on it
+        "class ViTBlock(ViTBlockBase):\n"
+        "    def forward(self, x, return_attention=False):\n"
+        "        update, weights = self.attend(x)\n"
+        "        x = self.norm1(x + update)\n"
+        "        x = self.norm2(x + self.mlp(x))\n"
+        "        return (x, weights) if return_attention else x\n"
+        "class MiniViT(MiniViTBase):\n"
+        "    def __init__(self, img_size, patch_size, in_channels, num_classes, embed_dim, depth, num_heads,\n"
+        "                 mlp_ratio=4.0):\n"
+        "        super().__init__(img_size, patch_size, in_channels, num_classes, embed_dim, depth, num_heads,\n"
+        "                         mlp_ratio)\n"
+        "        self.blocks = nn.ModuleList(ViTBlock(embed_dim, num_heads, mlp_ratio) for _ in range(depth))\n",
+        namespace)
+    with pytest.raises(CheckFailure, match="(?s)uses your ViTBlock, which fails its own check"):
+        checks.check_mini_vit(namespace["MiniViT"], **CPU)

@@ -72,28 +72,33 @@ def _one_thread(device: torch.device) -> Iterator[None]:
 # --------------------------------------------------------------------------------------
 
 
+PERMUTATION_HINTS = {
+    "A": "Invariant would mean the outputs do not change at all. Run the experiment below your answer: they "
+         "did change (the first print says True) -- but how?",
+    "C": "The experiment's second print says the outputs were shuffled in the same way as the tokens: "
+         "that is a very predictable change.",
+}
+
+ENCODINGS_HINTS = {
+    "A": "Sinusoidal encodings *are* absolute encodings (one vector per position); the real choice is "
+         "fixed vs learned, and interpretability is not what separates them.",
+    "C": "RoPE does not extrapolate far beyond its training length by itself; models need tricks such as "
+         "position interpolation, NTK scaling or YaRN.",
+    "D": "RoPE adds nothing to the embeddings: it rotates queries and keys, pair by pair, by angles "
+         "proportional to the position.",
+}
+
+
 @check("ANSWER_PERMUTATION: self-attention is permutation-equivariant")
 def check_answer_permutation(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The word for 'shuffle the tokens, the outputs shuffle the same way'."""
-    expect_choice(answer, name="ANSWER_PERMUTATION", options="ABC", correct="B", hints={
-        "A": "Invariant would mean the outputs do not change at all. Look at the demo: they did change "
-             "(the first print says True) -- but how?",
-        "C": "The demo's second print says the outputs were shuffled in the same way as the tokens: "
-             "that is a very predictable change.",
-    })
+    expect_choice(answer, name="ANSWER_PERMUTATION", options="ABC", correct="B", hints=PERMUTATION_HINTS)
 
 
 @check("ANSWER_ENCODINGS: sinusoidal encodings are absolute, and about as good as learned ones")
 def check_answer_encodings(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The one correct statement among the draft's claims about position encodings."""
-    expect_choice(answer, name="ANSWER_ENCODINGS", options="ABCD", correct="B", hints={
-        "A": "Sinusoidal encodings *are* absolute encodings (one vector per position); the real choice is "
-             "fixed vs learned, and interpretability is not what separates them.",
-        "C": "RoPE does not extrapolate far beyond its training length by itself; models need tricks such as "
-             "position interpolation, NTK scaling or YaRN.",
-        "D": "RoPE adds nothing to the embeddings: it rotates queries and keys, pair by pair, by angles "
-             "proportional to the position.",
-    })
+    expect_choice(answer, name="ANSWER_ENCODINGS", options="ABCD", correct="B", hints=ENCODINGS_HINTS)
 
 
 # --------------------------------------------------------------------------------------
@@ -112,6 +117,13 @@ SINUSOIDAL_HINTS = {
     "multiplied": "you multiplied the position by base^(2i/dim); divide by it: the frequencies "
     "base^(-2i/dim) decrease from 1 down to about 1/base.",
     "from_one": "positions start at 0: the first row is [0, 1, 0, 1, ...] (sin 0, cos 0).",
+    "transposed": "the table is [num_positions, dim]: one row per position.",
+    "half_width": "each of the dim/2 frequencies gives two features, a sine and a cosine: the table has dim "
+    "columns.",
+    "dtype": "build the positions with dtype=torch.float32 (torch.arange gives integers by default, and "
+    "float64 is not the default dtype).",
+    "not_offset_only": "PE[p] . PE[q] must depend only on the offset p - q (every pair contributes "
+    "cos((p - q) * w_i)); a table of random or arbitrary vectors does not have that property.",
 }
 
 
@@ -156,12 +168,11 @@ def _call_sinusoidal(sinusoidal_positions: Callable, num_positions: int, dim: in
         call = f"sinusoidal_positions({num_positions}, {dim}, base={base:g})"
         pe = call_student(sinusoidal_positions, num_positions, dim, base=base, call=call)
     expect_tensor(pe, what=call, shape=(num_positions, dim),
-                  hints={(dim, num_positions): "the table is [num_positions, dim]: one row per position.",
-                         (num_positions, dim // 2): "each of the dim/2 frequencies gives two features, a sine "
-                         "and a cosine: the table has dim columns."})
+                  hints={(dim, num_positions): SINUSOIDAL_HINTS["transposed"],
+                         (num_positions, dim // 2): SINUSOIDAL_HINTS["half_width"]})
     expect_true(pe.dtype == torch.get_default_dtype(),
-                f"{call} should return {torch.get_default_dtype()} (the default dtype), got {pe.dtype}. "
-                "Build the positions with dtype=torch.float32 (torch.arange gives integers by default).")
+                f"{call} should return {torch.get_default_dtype()} (the default dtype), got {pe.dtype}.\n"
+                f"  Likely mistake: {SINUSOIDAL_HINTS['dtype']}")
     # float32 rounds the angle p * w by about p * 6e-8: the tolerance grows with the positions.
     expect_close(pe, _sinusoidal_table(num_positions, dim, base), what=call,
                  against="PE[p, 2i] = sin(p / base^(2i/dim)), PE[p, 2i+1] = cos(p / base^(2i/dim))",
@@ -191,10 +202,27 @@ def check_sinusoidal_positions(sinusoidal_positions: Callable, *, seed: int = 0,
                        why="dim = 7 is odd, and the features come in sin/cos pairs")
 
 
+def _expect_offset_only_dot_products(pe: torch.Tensor, call: str) -> None:
+    """PE[p] . PE[q] depends only on p - q: the Gram matrix is constant along every diagonal."""
+    gram = pe.detach().to("cpu", torch.float64) @ pe.detach().to("cpu", torch.float64).T  # [P, P]
+    num_positions = gram.shape[0]
+    scale = max(1.0, float(gram.abs().max()))
+    for offset in range(num_positions):
+        diagonal = torch.diagonal(gram, offset)
+        spread = float(diagonal.max() - diagonal.min())
+        if spread > 1e-3 * scale:
+            raise CheckFailure(f"{call}: the dot products PE[p] . PE[p + {offset}] differ from one p to another (by "
+                               f"up to {spread:.3g}).\n  Likely mistake: {SINUSOIDAL_HINTS['not_offset_only']}")
+
+
 @check("positions break the symmetry: attention is permutation-equivariant without them, not with them ({device})")
 def check_positions_break_equivariance(sinusoidal_positions: Callable, *, seed: int = 0,
                                        device: torch.device | None = None) -> None:
-    """Without positions, shuffled tokens give shuffled outputs; with your positions added, they do not."""
+    """Without positions, shuffled tokens give shuffled outputs; with your sinusoidal positions added, they do not.
+
+    The encodings must be the sinusoidal table itself (any random table would also break the symmetry):
+    its values, and the property that makes it useful, PE[p] . PE[q] depending only on p - q.
+    """
     generator = random_generator(seed)
     seq_len, embed_dim, num_heads = randint(4, 8, generator), 16, 4
     torch.manual_seed(seed)
@@ -215,11 +243,13 @@ def check_positions_break_equivariance(sinusoidal_positions: Callable, *, seed: 
     call = f"sinusoidal_positions({seq_len}, {embed_dim})"
     pe = call_student(sinusoidal_positions, seq_len, embed_dim, call=call)
     expect_tensor(pe, what=call, shape=(seq_len, embed_dim))
-    pe = pe.to(device=device, dtype=torch.float64)
     expect_true(bool(torch.isfinite(pe).all()), f"{call} contains NaN or inf.")
     expect_true(float((pe - pe[:1]).abs().max()) > 1e-3,
                 f"every row of {call} is the same vector: adding it cannot tell positions apart. "
                 "Row p must depend on p.")
+    _expect_offset_only_dot_products(pe, call)
+    _call_sinusoidal(sinusoidal_positions, seq_len, embed_dim, None)  # the values, with the known mistakes named
+    pe = pe.to(device=device, dtype=torch.float64)
     shuffled = attend(tokens[:, permutation] + pe)
     original = attend(tokens + pe)
     difference = float((shuffled - original[:, permutation]).abs().max())
@@ -245,7 +275,23 @@ FOURIER_HINTS = {
     "cos_first": "cos comes first; return torch.cat([sin(angles), cos(angles)], dim=-1).",
     "linear": "your frequencies grow linearly (k * pi); they double at each step: 2^k * pi.",
     "new_axis": "x[..., None:] is a full slice ('from the start'), not a new axis: use x[..., None] to get "
-    "[..., in_dim, 1] so every coordinate meets every frequency.",
+    "[..., in_dim, 1] so every coordinate meets every frequency (then flatten the last two axes with "
+    ".flatten(-2)).",
+    "cat_then_flatten": "you took sin and cos of the [..., in_dim, F] angles, concatenated them on the last "
+    "axis and flattened afterwards: that gives one [sin, cos] block per coordinate. The contract flattens the "
+    "angles first (angles.flatten(-2) -> [..., in_dim * F]) and then returns torch.cat([sin(angles), "
+    "cos(angles)], dim=-1): all sines, then all cosines.",
+    "not_flattened": "flatten the coordinate and frequency axes (angles.flatten(-2)) before taking sin and cos.",
+    "out_dim": "count in_dim coordinates x F frequencies x 2 features per angle (a sine and a cosine).",
+    "persistent": "the frequencies are a persistent buffer (they appear in state_dict). They are computed "
+    "from the constructor's arguments, so they need not be saved: self.register_buffer(name, ..., "
+    "persistent=False).",
+    "parameter": "the frequencies are an nn.Parameter, so the optimizer would change them. They are fixed: "
+    "store them with self.register_buffer(name, ..., persistent=False).",
+    "plain_attribute": "the frequencies are a plain tensor attribute, so module.to(device) and module.double() "
+    "do not move or convert them. Register them: self.register_buffer(name, ..., persistent=False).",
+    "no_buffer": "keep the frequencies in a buffer, made once in __init__: self.register_buffer(name, ..., "
+    "persistent=False) (so .to(device) moves them with the module).",
 }
 
 
@@ -263,6 +309,9 @@ def _fourier_reference(x: torch.Tensor, num_frequencies: int, *, frequency=lambd
         return torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).flatten(-2)
     if layout == "cos_first":
         return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+    if layout == "per_coordinate":  # cat on [..., in_dim, F], then flatten: [sin, cos] of coordinate 0, then 1 ...
+        per_coordinate = angles.unflatten(-1, (in_dim, num_frequencies))
+        return torch.cat([torch.sin(per_coordinate), torch.cos(per_coordinate)], dim=-1).flatten(-2)
     return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
 
 
@@ -272,6 +321,7 @@ def _fourier_variants(x: torch.Tensor, num_frequencies: int) -> list[Variant]:
         Variant(ref(frequency=lambda k: 2.0 ** k), FOURIER_HINTS["no_pi"]),
         Variant(ref(frequency=lambda k: math.exp(k)), FOURIER_HINTS["seed_frequencies"]),
         Variant(ref(order="frequency"), FOURIER_HINTS["frequency_major"]),
+        Variant(ref(layout="per_coordinate"), FOURIER_HINTS["cat_then_flatten"]),
         Variant(ref(layout="interleaved"), FOURIER_HINTS["interleaved"]),
         Variant(ref(layout="cos_first"), FOURIER_HINTS["cos_first"]),
         Variant(ref(frequency=lambda k: (k + 1) * math.pi), FOURIER_HINTS["linear"]),
@@ -279,43 +329,26 @@ def _fourier_variants(x: torch.Tensor, num_frequencies: int) -> list[Variant]:
     ]
 
 
-def _same_values(tensor: torch.Tensor, values: list[float]) -> bool:
-    flat = tensor.detach().to("cpu", torch.float64).flatten()
-    expected = torch.tensor(values, dtype=torch.float64)
-    return flat.shape == expected.shape and bool(torch.allclose(flat, expected, rtol=1e-6, atol=1e-9))
+def _check_frequency_storage(module: nn.Module, call: str) -> None:
+    """The frequencies live in a non-persistent buffer (moved by .to(), not saved), whatever it holds.
 
-
-def _check_frequency_buffer(module: nn.Module, num_frequencies: int, call: str) -> None:
-    """The frequencies 2^k·pi must live in a non-persistent buffer (moved by .to(), not saved)."""
-    wanted = [2.0 ** k * math.pi for k in range(num_frequencies)]
-    wrong = {
-        "no_pi": [2.0 ** k for k in range(num_frequencies)],
-        "seed_frequencies": [math.exp(k) for k in range(num_frequencies)],
-    }
-    for name, buffer in module.named_buffers():
-        if _same_values(buffer, wanted):
-            expect_true(name not in module.state_dict(),
-                        f"{call}: the frequencies are a persistent buffer ({name!r} appears in state_dict). They "
-                        "are computed from the constructor's arguments, so they need not be saved: "
-                        f"self.register_buffer({name!r}, ..., persistent=False).")
-            return
-        for key, values in wrong.items():
-            if _same_values(buffer, values):
-                raise CheckFailure(f"{call}: buffer {name!r} holds {[round(v, 3) for v in values]}.\n"
-                                   f"  Likely mistake: {FOURIER_HINTS[key]}")
-    for name, parameter in module.named_parameters():
-        if _same_values(parameter, wanted):
-            raise CheckFailure(f"{call}: the frequencies are an nn.Parameter ({name!r}), so the optimizer would "
-                               "change them. They are fixed: store them with self.register_buffer(..., "
-                               "persistent=False).")
+    Only *where* they are kept is checked here: 2^k * pi, or 2^k with the pi applied in forward, are
+    both right, and the values are judged by the outputs.
+    """
+    if any(True for _ in module.parameters()):
+        names = [name for name, _ in module.named_parameters()]
+        raise CheckFailure(f"{call} has learnable parameters {names}.\n  Likely mistake: {FOURIER_HINTS['parameter']}")
     plain = [name for name, value in vars(module).items() if isinstance(value, torch.Tensor)]
     if plain:
-        raise CheckFailure(f"{call}: the frequencies are a plain tensor attribute (self.{plain[0]}), so "
-                           "module.to(device) and module.double() do not move or convert them. Register them: "
-                           f"self.register_buffer({plain[0]!r}, ..., persistent=False).")
-    raise CheckFailure(f"{call} should keep its frequencies 2^k * pi (k = 0 ... {num_frequencies - 1}: "
-                       f"{[round(v, 3) for v in wanted]}) in a buffer (self.register_buffer(..., persistent=False)); "
-                       f"found buffers {[name for name, _ in module.named_buffers()]}.")
+        raise CheckFailure(f"{call} keeps a tensor in a plain attribute (self.{plain[0]}).\n"
+                           f"  Likely mistake: {FOURIER_HINTS['plain_attribute']}")
+    buffers = [name for name, _ in module.named_buffers()]
+    if not buffers:
+        raise CheckFailure(f"{call} has no buffer.\n  Likely mistake: {FOURIER_HINTS['no_buffer']}")
+    saved = [name for name in module.state_dict() if name in buffers]
+    if saved:
+        raise CheckFailure(f"{call}: buffer {saved[0]!r} appears in state_dict.\n"
+                           f"  Likely mistake: {FOURIER_HINTS['persistent']}")
 
 
 def _check_fourier_forward(module: nn.Module, x: torch.Tensor, num_frequencies: int, label: str) -> None:
@@ -325,14 +358,12 @@ def _check_fourier_forward(module: nn.Module, x: torch.Tensor, num_frequencies: 
         out = call_student(module, x, call=call)
     except CheckFailure as failure:
         if "must match the size of tensor" in str(failure) or "view(" in str(failure):
-            raise CheckFailure(f"{failure}\n  Likely mistake: {FOURIER_HINTS['new_axis']} (and flatten the last "
-                               "two axes with .flatten(-2))") from None
+            raise CheckFailure(f"{failure}\n  Likely mistake: {FOURIER_HINTS['new_axis']}") from None
         raise
     out_features = in_dim * 2 * num_frequencies
     expect_tensor(out, what=call, shape=(*x.shape[:-1], out_features), dtype=x.dtype, device=x.device,
                   hints={(*x.shape[:-1], 2 * num_frequencies): FOURIER_HINTS["new_axis"],
-                         (*x.shape[:-1], in_dim, 2 * num_frequencies): "flatten the coordinate and frequency axes "
-                         "(angles.flatten(-2)) before taking sin and cos."})
+                         (*x.shape[:-1], in_dim, 2 * num_frequencies): FOURIER_HINTS["not_flattened"]})
     # Frequencies made in float32 (the default) are rounded by ~6e-8 relative, and so are the angles,
     # which reach 2^(F-1)·pi: the tolerance follows the largest angle, in float64 too.
     largest_angle = 2.0 ** (num_frequencies - 1) * math.pi * max(1.0, float(x.abs().max()))
@@ -341,7 +372,7 @@ def _check_fourier_forward(module: nn.Module, x: torch.Tensor, num_frequencies: 
                  variants=_fourier_variants(x, num_frequencies), rtol=1e-5, atol=1e-6 + 2.5e-7 * largest_angle)
 
 
-@check("FourierFeatures: out_dim, frequencies 2^k·pi in a non-persistent buffer, layout, dtype and device ({device})")
+@check("FourierFeatures: out_dim, frequencies in a non-persistent buffer, output layout, dtype and device ({device})")
 def check_fourier_features(FourierFeatures: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """FourierFeatures: [..., in_dim] -> [..., in_dim*2F], sin block then cos block, buffer frequencies."""
     expect_signature(FourierFeatures, "FourierFeatures", ["in_dim", "num_frequencies"])
@@ -353,13 +384,12 @@ def check_fourier_features(FourierFeatures: Callable, *, seed: int = 0, device: 
         expect_true(isinstance(module, nn.Module), f"{label} should be an nn.Module, got {describe(module)}.")
         out_dim = getattr(module, "out_dim", None)
         expected_out_dim = in_dim * 2 * num_frequencies
-        hint = ""
-        if out_dim in (2 * num_frequencies, in_dim * num_frequencies):
-            hint = (" Count in_dim coordinates x F frequencies x 2 features per angle (a sine and a cosine).")
-        expect_true(isinstance(out_dim, int) and out_dim == expected_out_dim,
-                    f"{label}.out_dim should be the int in_dim * 2 * num_frequencies = {expected_out_dim}, "
-                    f"got {out_dim!r}.{hint}")
-        _check_frequency_buffer(module, num_frequencies, label)
+        message = (f"{label}.out_dim should be the int in_dim * 2 * num_frequencies = {expected_out_dim}, "
+                   f"got {out_dim!r}.")
+        if out_dim in (2 * num_frequencies, in_dim * num_frequencies) and out_dim != expected_out_dim:
+            message += f"\n  Likely mistake: {FOURIER_HINTS['out_dim']}"
+        expect_true(isinstance(out_dim, int) and out_dim == expected_out_dim, message)
+        _check_frequency_storage(module, label)
         for dtype in (torch.float64, torch.float32):
             # .to() moves and converts buffers: frequencies kept as a buffer follow the module.
             moved = module.to(device=device, dtype=dtype)
@@ -486,10 +516,25 @@ def check_coordinate_mlp(CoordinateMLP: Callable, *, seed: int = 0, device: torc
 # --------------------------------------------------------------------------------------
 
 
-def _psnr_reference(pred: torch.Tensor, target: torch.Tensor, max_value: float = 1.0) -> float:
+def _psnr_reference(images: tuple[torch.Tensor, torch.Tensor], max_value: float = 1.0) -> float:
+    """PSNR of (pred, target) in float64. It takes the pair as one argument: the student package must not
+    ship a function with psnr's own contract (it would pass the check as an answer)."""
+    pred, target = images
     difference = (pred.detach().to("cpu", torch.float64) - target.detach().to("cpu", torch.float64)).flatten()
     mse = float(difference.dot(difference)) / difference.numel()
     return math.inf if mse == 0.0 else 10.0 * math.log10(max_value * max_value / mse)
+
+
+PSNR_HINTS = {
+    "natural_log": "use log10 (decibels), not the natural log.",
+    "twenty_log": "20 * log10 goes with the root of the MSE: 20*log10(max/sqrt(MSE)) = 10*log10(max^2/MSE). "
+    "You used the MSE itself.",
+    "no_square": "square the peak value: 10 * log10(max_value**2 / MSE).",
+    "upside_down": "the ratio is upside down: 10 * log10(max_value**2 / MSE) (a better reconstruction has a "
+    "higher PSNR).",
+    "sum": "MSE is the *mean* of the squared errors over all pixels and channels, not their sum.",
+    "tensor": "convert the result to a Python float with float(...) or .item().",
+}
 
 
 def _psnr_variants(pred: torch.Tensor, target: torch.Tensor, max_value: float) -> list[tuple[float, str]]:
@@ -497,14 +542,11 @@ def _psnr_variants(pred: torch.Tensor, target: torch.Tensor, max_value: float) -
     mse = float((difference ** 2).mean())
     sse = float((difference ** 2).sum())
     return [
-        (10.0 * math.log(max_value ** 2 / mse), "use log10 (decibels), not the natural log."),
-        (20.0 * math.log10(max_value / mse), "20 * log10 goes with the root of the MSE: 20*log10(max/sqrt(MSE)) "
-                                             "= 10*log10(max^2/MSE). You used the MSE itself."),
-        (10.0 * math.log10(max_value / mse), "square the peak value: 10 * log10(max_value**2 / MSE)."),
-        (10.0 * math.log10(mse / max_value ** 2), "the ratio is upside down: 10 * log10(max_value**2 / MSE) "
-                                                  "(a better reconstruction has a higher PSNR)."),
-        (10.0 * math.log10(max_value ** 2 / sse), "MSE is the *mean* of the squared errors over all pixels and "
-                                                  "channels, not their sum."),
+        (10.0 * math.log(max_value ** 2 / mse), PSNR_HINTS["natural_log"]),
+        (20.0 * math.log10(max_value / mse), PSNR_HINTS["twenty_log"]),
+        (10.0 * math.log10(max_value / mse), PSNR_HINTS["no_square"]),
+        (10.0 * math.log10(mse / max_value ** 2), PSNR_HINTS["upside_down"]),
+        (10.0 * math.log10(max_value ** 2 / sse), PSNR_HINTS["sum"]),
     ]
 
 
@@ -527,10 +569,10 @@ def check_psnr(psnr: Callable, *, seed: int = 0, device: torch.device | None = N
         call = f"psnr(pred, target, max_value={max_value:g}) with {what} ({describe(pred)})"
         result = call_student(psnr, pred, target, max_value=max_value, call=call)
         if isinstance(result, torch.Tensor):
-            raise CheckFailure(f"{call} should return a Python float, got a {describe(result)}. Convert with float(...) "
-                               "or .item().")
+            raise CheckFailure(f"{call} should return a Python float, got a {describe(result)}.\n"
+                               f"  Likely mistake: {PSNR_HINTS['tensor']}")
         expect_true(isinstance(result, float), f"{call} should return a Python float, got {describe(result)}.")
-        expected = _psnr_reference(pred, target, max_value)
+        expected = _psnr_reference((pred, target), max_value)
         if not abs(result - expected) <= 1e-3:
             hint = next((h for value, h in _psnr_variants(pred, target, max_value) if abs(result - value) <= 1e-3), None)
             raise CheckFailure(f"{call} returned {result:.4f} dB, expected {expected:.4f} dB "
@@ -563,10 +605,12 @@ FIT_IMAGE_HINTS = {
 }
 
 
-def _reference_fit(model: nn.Module, coords: torch.Tensor, colors: torch.Tensor, steps: int, lr: float, *,
+def _reference_fit(problem: tuple[nn.Module, torch.Tensor, torch.Tensor], steps: int, lr: float, *,
                    optimizer: str = "adam", record: str = "before", zero_grad: bool = True,
                    reduction: str = "mean", fresh_optimizer: bool = False) -> list[float]:
-    """Full-batch training written out step by step; variants reproduce known mistakes."""
+    """Full-batch training of problem = (model, coords, colors) written out step by step; variants reproduce
+    known mistakes. (One argument for the three: the package must not ship fit_image's own contract.)"""
+    model, coords, colors = problem
     make = (lambda: torch.optim.SGD(model.parameters(), lr=lr)) if optimizer == "sgd" else \
         (lambda: torch.optim.Adam(model.parameters(), lr=lr))
     opt = make()
@@ -627,12 +671,12 @@ def check_fit_image(fit_image: Callable, *, seed: int = 0, device: torch.device 
                              ("no_zero_grad", {"zero_grad": False}), ("sum", {"reduction": "sum"}),
                              ("new_optimizer", {"fresh_optimizer": True})):
             variants.append(Variant(
-                lambda options=options: torch.tensor(_reference_fit(copy.deepcopy(initial), coords, colors, steps, lr, **options)),
+                lambda options=options: torch.tensor(_reference_fit((copy.deepcopy(initial), coords, colors), steps, lr, **options)),
                 FIT_IMAGE_HINTS[key]))
         variants.append(Variant(
-            lambda: torch.tensor(_reference_fit(copy.deepcopy(initial), coords, colors, steps, 1e-3)),
+            lambda: torch.tensor(_reference_fit((copy.deepcopy(initial), coords, colors), steps, 1e-3)),
             FIT_IMAGE_HINTS["default_lr"]))
-        expected = _reference_fit(reference, coords, colors, steps, lr)
+        expected = _reference_fit((reference, coords, colors), steps, lr)
         rtol, atol = (1e-6, 1e-9) if dtype == torch.float64 else (1e-4, 1e-6)
         expect_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
                      what=f"the losses returned by {call}", against="a reference full-batch Adam run on MSE",
@@ -654,7 +698,8 @@ OUTCOME_LR = 1e-2
 OUTCOME_MARGIN_DB = 3.0
 
 
-@check("outcome: Fourier features beat raw coordinates on the rose by a clear PSNR margin ({device})")
+@check("outcome: Fourier features beat raw coordinates on the rose by a clear PSNR margin ({device})",
+       uses=("CoordinateMLP", "fit_image"))
 def check_fourier_beats_identity(FourierFeatures: Callable, CoordinateMLP: Callable, fit_image: Callable, *,
                                  seed: int = 0, device: torch.device | None = None) -> None:
     """Train CoordinateMLP on raw (x, y) and on FourierFeatures(2, 6), same seed and budget; compare PSNR.
@@ -691,7 +736,7 @@ def check_fourier_beats_identity(FourierFeatures: Callable, CoordinateMLP: Calla
         with torch.no_grad():
             prediction = call_student(model, coords, call=f"{model_call}(coords)")
         expect_tensor(prediction, what=f"{model_call}(coords)", shape=(coords.shape[0], 3))
-        scores[label] = _psnr_reference(prediction.clamp(0.0, 1.0), colors)
+        scores[label] = _psnr_reference((prediction.clamp(0.0, 1.0), colors))
         expect_true(math.isfinite(scores[label]) or scores[label] > 0,
                     f"training {model_call} gave a non-finite PSNR ({scores[label]}): look for NaN losses.")
     raw, fourier = scores["raw (x, y)"], scores["Fourier features"]
@@ -725,6 +770,7 @@ LAYER_HINTS = {
     "kv_unnormalised": "normalise once and use the result as query, key and value: h = norm1(x); "
     "self.attn(h, h, h).",
     "tuple": "nn.MultiheadAttention returns a tuple (output, weights): take [0] before adding it to x.",
+    "relu": "ReLU instead of GELU. ViT- and GPT-style blocks use nn.GELU() between the two Linear layers.",
 }
 
 
@@ -769,8 +815,7 @@ def _check_layer_attributes(layer: nn.Module, embed_dim: int, num_heads: int, ml
                     f"got {linear}.")
         expect_true(linear.bias is not None, f"{call}.mlp[{index}] should have a bias.")
     if isinstance(activation, nn.ReLU):
-        raise CheckFailure(f"{call}.mlp[1] is nn.ReLU.\n  Likely mistake: ReLU instead of GELU. ViT- and GPT-style "
-                           "blocks use nn.GELU() between the two Linear layers.")
+        raise CheckFailure(f"{call}.mlp[1] is nn.ReLU.\n  Likely mistake: {LAYER_HINTS['relu']}")
     expect_true(isinstance(activation, nn.GELU), f"{call}.mlp[1] should be nn.GELU(), got {activation}.")
     expect_true(activation.approximate == "none",
                 f"{call}.mlp[1] should be the exact nn.GELU() (approximate='none', as in "
@@ -791,18 +836,25 @@ def _randomise(module: nn.Module, generator: torch.Generator) -> None:
 def _reference_layer(layer: nn.Module, embed_dim: int, num_heads: int, mlp_ratio: float) -> nn.TransformerEncoderLayer:
     """nn.TransformerEncoderLayer (pre-norm, GELU, eps 1e-6, no dropout) holding the student's weights, float64 CPU.
 
-    In eval mode, like the student's layers in these checks: PyTorch's inference path turns a
-    fully masked row into NaN (as an unconverted mask does), its training path does not.
+    The correct masks of these checks never block a whole row, so the reference computes the same
+    function in any mode; the known mistakes that do (an unconverted mask) are reproduced in every
+    form PyTorch gives them, see ``_manual_layer``.
     """
     return torch_encoder_layer_like(layer, embed_dim, num_heads, _layer_hidden(embed_dim, mlp_ratio),
-                                    device="cpu", dtype=torch.float64).eval()
+                                    device="cpu", dtype=torch.float64)
 
 
 def _manual_layer(reference: nn.TransformerEncoderLayer, x: torch.Tensor, mask: torch.Tensor | None, *,
                   post_norm: bool = False, attn_residual: bool = True, mlp_residual: bool = True,
                   flip_mask: bool = False, ignore_mask: bool = False, swap_norms: bool = False,
-                  kv_unnormalised: bool = False) -> torch.Tensor | None:
-    """The layer written out with PyTorch's modules, with switches for the known mistakes (float64, CPU)."""
+                  kv_unnormalised: bool = False, need_weights: bool = False) -> torch.Tensor | None:
+    """The layer written out with PyTorch's modules, with switches for the known mistakes (float64, CPU).
+
+    A query whose keys are all blocked (what an unconverted causal mask does to the last row) comes
+    out of nn.MultiheadAttention as zeros in training mode with need_weights=False, and as NaN with
+    need_weights=True or in evaluation mode: ``need_weights`` picks which of the two to reproduce
+    (``reference`` is in training mode).
+    """
     x = x.detach().to("cpu", torch.float64)
     norm1, norm2 = (reference.norm2, reference.norm1) if swap_norms else (reference.norm1, reference.norm2)
     blocked = None
@@ -812,7 +864,7 @@ def _manual_layer(reference: nn.TransformerEncoderLayer, x: torch.Tensor, mask: 
 
     def attn(h: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         kv = source if kv_unnormalised else h
-        return reference.self_attn(h, kv, kv, attn_mask=blocked, need_weights=False)[0]
+        return reference.self_attn(h, kv, kv, attn_mask=blocked, need_weights=need_weights)[0]
 
     def mlp(h: torch.Tensor) -> torch.Tensor:
         return reference.linear2(F.gelu(reference.linear1(h)))
@@ -827,6 +879,13 @@ def _manual_layer(reference: nn.TransformerEncoderLayer, x: torch.Tensor, mask: 
         return x + m if mlp_residual else m
 
 
+def _mask_variants(manual: Callable[..., Callable[[], torch.Tensor | None]]) -> list[Variant]:
+    """An unconverted mask (zeros or NaN on fully blocked rows, see _manual_layer) and an ignored one."""
+    return [Variant(manual(flip_mask=True), LAYER_HINTS["mask_not_converted"]),
+            Variant(manual(flip_mask=True, need_weights=True), LAYER_HINTS["mask_not_converted"]),
+            Variant(manual(ignore_mask=True), LAYER_HINTS["mask_ignored"])]
+
+
 def _layer_variants(reference: nn.TransformerEncoderLayer, x: torch.Tensor, mask: torch.Tensor | None) -> list[Variant]:
     manual = lambda **kw: (lambda: _manual_layer(reference, x, mask, **kw))  # noqa: E731
     variants = [
@@ -838,8 +897,7 @@ def _layer_variants(reference: nn.TransformerEncoderLayer, x: torch.Tensor, mask
         Variant(manual(kv_unnormalised=True), LAYER_HINTS["kv_unnormalised"]),
     ]
     if mask is not None:
-        variants += [Variant(manual(flip_mask=True), LAYER_HINTS["mask_not_converted"]),
-                     Variant(manual(ignore_mask=True), LAYER_HINTS["mask_ignored"])]
+        variants += _mask_variants(manual)
     return variants
 
 
@@ -889,7 +947,8 @@ def _compare_layer(layer: nn.Module, reference: nn.TransformerEncoderLayer, x: t
                  variants=_layer_variants(reference, x, mask))
 
 
-@check("TransformerLayer: attributes, and outputs equal nn.TransformerEncoderLayer (pre-norm, GELU, eps 1e-6) ({device})")
+@check("TransformerLayer: attributes, and outputs equal nn.TransformerEncoderLayer (pre-norm, GELU, eps 1e-6, "
+       "MLP int(mlp_ratio·D), no dropout, batch_first) ({device})")
 def check_transformer_layer(TransformerLayer: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """TransformerLayer: the contract's attributes, then numbers against PyTorch's layer with copied weights."""
     expect_signature(TransformerLayer, "TransformerLayer", ["embed_dim", "num_heads", "mlp_ratio"])
@@ -959,8 +1018,8 @@ def check_transformer_layer_properties(TransformerLayer: Callable, *, seed: int 
         expect_close(after[:, :-1], before[:, :-1], what=f"{label}(x, causal mask) after changing only the last token",
                      against="the outputs of the earlier tokens before the change (a causal mask lets no future "
                              "token influence the past)",
-                     variants=[Variant(lambda: _manual_layer(reference, changed, causal, ignore_mask=True)[:, :-1],
-                                       LAYER_HINTS["mask_ignored"])])
+                     variants=[Variant(lambda v=v: v.output()[:, :-1], v.hint) for v in
+                               _mask_variants(lambda **kw: (lambda: _manual_layer(reference, changed, causal, **kw)))])
         alone = _call_layer(layer, x[:, :1], None, label)
         expect_close(before[:, :1], alone, what=f"{label}(x, causal mask)[:, 0]",
                      against=f"{label}(x[:, :1]) (the first token sees only itself under a causal mask)")
@@ -979,12 +1038,15 @@ TRANSFORMER_HINTS = {
     "layer (and its weights) n times. Build a new layer each time: [TransformerLayer(...) for _ in range(n)].",
     "no_final_norm": "the final LayerNorm is missing: return self.norm(x) after the last layer.",
     "mask_ignored": "the mask did not reach the layers: call layer(x, mask) for every layer.",
+    "sequential": "an nn.Sequential cannot pass the mask to every layer (it calls each with one argument). "
+    "Use nn.ModuleList and loop over it in forward.",
     "layer_wrong": "a single layer of your Transformer does not match nn.TransformerEncoderLayer: make "
     "test_TransformerLayer pass first.",
 }
 
 
-@check("Transformer: independent layers, final LayerNorm, mask passed on; equals PyTorch's stack ({device})")
+@check("Transformer: independent layers, final LayerNorm, mask passed on; equals PyTorch's stack ({device})",
+       uses=("TransformerLayer",))
 def check_transformer(Transformer: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """Transformer: ModuleList of independent layers + norm (eps 1e-6); numbers against a stack of PyTorch layers."""
     expect_signature(Transformer, "Transformer", ["embed_dim", "num_heads", "num_layers", "mlp_ratio"])
@@ -1001,8 +1063,7 @@ def check_transformer(Transformer: Callable, *, seed: int = 0, device: torch.dev
         expect_true(isinstance(model, nn.Module), f"{label} should be an nn.Module, got {describe(model)}.")
         layers = getattr(model, "layers", None)
         if isinstance(layers, nn.Sequential):
-            raise CheckFailure(f"{label}.layers is an nn.Sequential: it cannot pass the mask to every layer. "
-                               "Use nn.ModuleList and loop over it in forward.")
+            raise CheckFailure(f"{label}.layers is an nn.Sequential.\n  Likely mistake: {TRANSFORMER_HINTS['sequential']}")
         expect_true(isinstance(layers, nn.ModuleList),
                     f"{label}.layers should be an nn.ModuleList of {num_layers} layers, got {describe(layers)} "
                     "(a plain Python list is not registered: its weights would be invisible to .to() and the optimizer).")

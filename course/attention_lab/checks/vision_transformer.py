@@ -36,9 +36,8 @@ from attention_lab.checking import (
     random_generator,
     shape_str,
 )
+from attention_lab.checking import _add_note as add_note  # a note printed after the check's success line
 from attention_lab.checks.encoder_reference import torch_encoder_layer_like
-
-
 
 
 # --------------------------------------------------------------------------------------
@@ -301,7 +300,7 @@ def check_conv_to_linear(conv_to_linear: Callable, *, seed: int = 0, device: tor
                                Variant(conv.weight.detach().transpose(2, 3).reshape(embed_dim, -1),
                                        CONV_TO_LINEAR_HINTS["transposed_grid"])])
         if bias:
-            expect_true(linear.bias is not None, f"{call}: the Linear has no bias. Likely mistake: {CONV_TO_LINEAR_HINTS['no_bias']}")
+            expect_true(linear.bias is not None, f"{call}: the Linear has no bias.\n  Likely mistake: {CONV_TO_LINEAR_HINTS['no_bias']}")
             expect_close(linear.bias, conv.bias, what=f"the bias of {call}", against="proj.bias",
                          variants=[Variant(torch.zeros_like(conv.bias), CONV_TO_LINEAR_HINTS["no_bias"])])
         images = randn(3, channels, 2 * patch_size, 3 * patch_size, generator=generator, dtype=dtype, device=device)
@@ -321,6 +320,15 @@ def check_conv_to_linear(conv_to_linear: Callable, *, seed: int = 0, device: tor
 # --------------------------------------------------------------------------------------
 
 
+PARAMETER_COUNT_HINTS = {
+    "no_bias": "you counted the weights D*C*P*P but forgot the bias: Conv2d (like nn.Linear) adds one bias per "
+    "output channel, D more.",
+    "no_channels": "each kernel covers all C input channels: D*C*P*P weights.",
+    "one_patch": "that is the size of one flattened patch; the layer maps it to D outputs: D*C*P*P weights + D "
+    "biases.",
+}
+
+
 @check("patch_embedding_parameter_count: D*C*P*P weights + D biases, as nn.Conv2d counts them")
 def check_patch_embedding_parameter_count(patch_embedding_parameter_count: Callable, *, seed: int = 0,
                                           device: torch.device | None = None) -> None:
@@ -337,16 +345,14 @@ def check_patch_embedding_parameter_count(patch_embedding_parameter_count: Calla
         expected = sum(p.numel() for p in conv.parameters())
         expect_true(isinstance(count, int) and not isinstance(count, bool),
                     f"{call} should return an int, got {describe(count)}.")
-        hint = ""
+        if count == expected:
+            continue
         weights = embed_dim * channels * patch_size * patch_size
-        if count == weights and weights != expected:
-            hint = (" You counted the weights D*C*P*P but forgot the bias: Conv2d (like nn.Linear) adds "
-                    "one bias per output channel, D more.")
-        elif count == embed_dim * patch_size * patch_size + embed_dim and channels > 1:
-            hint = " Each kernel covers all C input channels: D*C*P*P weights."
-        elif count == channels * patch_size * patch_size:
-            hint = " That is the size of one flattened patch; the layer maps it to D outputs: D*C*P*P weights + D biases."
-        expect_true(count == expected, f"{call} should be {expected:,}, got {count!r}.{hint}")
+        key = ("no_bias" if count == weights else
+               "no_channels" if count == embed_dim * patch_size * patch_size + embed_dim else
+               "one_patch" if count == channels * patch_size * patch_size else None)
+        hint = f"\n  Likely mistake: {PARAMETER_COUNT_HINTS[key]}" if key else ""
+        raise CheckFailure(f"{call} should be {expected:,}, got {count!r}.{hint}")
 
 
 # --------------------------------------------------------------------------------------
@@ -363,6 +369,7 @@ VIT_BLOCK_HINTS = {
     "averaged": "these are the weights averaged over the heads ([B, S, S]). Return one matrix per head: "
     "call attn(..., need_weights=True, average_attn_weights=False) to get [B, H, S, S].",
     "tuple_always": "with return_attention=False, forward should return only x, not a tuple.",
+    "weights_none": "nn.MultiheadAttention returns None for the weights unless you pass need_weights=True.",
 }
 
 
@@ -462,8 +469,8 @@ def _check_block_forward(block: nn.Module, x: torch.Tensor, label: str, embed_di
     result = call_student(block, x, return_attention=True, call=call_weights)
     expect_true(isinstance(result, tuple) and len(result) == 2,
                 f"{call_weights} should return (x, weights), got {describe(result)}.")
-    expect_true(result[1] is not None, f"{call_weights} returned weights None. Likely mistake: nn.MultiheadAttention "
-                "returns None for the weights unless you pass need_weights=True.")
+    expect_true(result[1] is not None, f"{call_weights} returned weights None.\n"
+                f"  Likely mistake: {VIT_BLOCK_HINTS['weights_none']}")
     expect_close(result[0], expected, what=call_weights + " -> x", against="the output without return_attention")
     weights = expect_tensor(result[1], what=call_weights + " -> weights", shape=(batch, num_heads, seq_len, seq_len),
                             dtype=x.dtype, device=x.device,
@@ -525,6 +532,10 @@ MINI_VIT_HINTS = {
     "then add the whole pos_embed to all S tokens.",
     "no_final_norm": "the final LayerNorm (norm) is missing: apply it after the last block, before the head.",
     "averaged": "these are the weights averaged over the heads. Each block's attention should be per head: [B, H, S, S].",
+    "pos_no_cls_row": "there are N + 1 tokens: the class token has a position too (position 0).",
+    "head_reads_patches": "the head should read only the class token, x[:, 0].",
+    "cls_detached": "use the parameter itself in forward (self.cls_token.expand(B, -1, -1)), not .data, .detach() "
+    "or a copy made in __init__.",
 }
 
 
@@ -593,7 +604,7 @@ def _build_mini_vit(MiniViT: Callable, config: dict, generator: torch.Generator,
                     f"{describe(value)}.")
         hint = ""
         if name == "pos_embed" and tuple(value.shape) == (1, num_patches, embed_dim):
-            hint = " There are N + 1 tokens: the class token has a position too (position 0)."
+            hint = f"\n  Likely mistake: {MINI_VIT_HINTS['pos_no_cls_row']}"
         expect_true(tuple(value.shape) == shape, f"{label}.{name} should have shape {shape_str(shape)}, got "
                     f"{shape_str(value.shape)}.{hint}")
     blocks = getattr(model, "blocks", None)
@@ -658,7 +669,8 @@ MINI_VIT_CONFIGS = (
 )
 
 
-@check("MiniViT: attributes; logits and per-block attention equal a ViT built from PyTorch modules ({device})")
+@check("MiniViT: attributes; logits and per-block attention equal a ViT built from PyTorch modules ({device})",
+       uses=("PatchEmbedding", "ViTBlock"))
 def check_mini_vit(MiniViT: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """MiniViT: contract, numbers against Conv2d + nn.TransformerEncoderLayer + LayerNorm + head on token 0."""
     expect_signature(MiniViT, "MiniViT", ["img_size", "patch_size", "in_channels", "num_classes", "embed_dim",
@@ -673,9 +685,23 @@ def check_mini_vit(MiniViT: Callable, *, seed: int = 0, device: torch.device | N
         _check_mini_vit_forward(model, config, label, hidden, images)
 
 
+def _first_tensor_argument(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The token tensor a block was called with, positionally (block(x)) or by keyword (block(x=x))."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
 def _capture_first_block_input(model: nn.Module, images: torch.Tensor, label: str) -> torch.Tensor:
     captured = []
-    handle = model.blocks[0].register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+
+    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tokens = _first_tensor_argument(args, kwargs)
+        if tokens is not None:
+            captured.append(tokens.detach())
+
+    handle = model.blocks[0].register_forward_pre_hook(record, with_kwargs=True)
     try:
         with torch.no_grad():
             call_student(model, images, call=f"{label}(images)")
@@ -705,7 +731,7 @@ def _gradient_of_last_block_output(model: nn.Module, images: torch.Tensor, label
 
 
 @check("MiniViT properties: CLS is token 0 and alone feeds the head; permuting patches matters only through "
-       "pos_embed; cls_token gets the summed gradient ({device})")
+       "pos_embed; cls_token gets the summed gradient ({device})", uses=("PatchEmbedding", "ViTBlock"))
 def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """MiniViT: properties that hold whatever the blocks compute."""
     expect_signature(MiniViT, "MiniViT", ["img_size", "patch_size", "in_channels", "num_classes", "embed_dim",
@@ -736,10 +762,10 @@ def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch
     gradient = _gradient_of_last_block_output(model, images, label)
     reads_cls = bool(gradient[:, 0].abs().amax() > 0)
     reads_patches = float(gradient[:, 1:].abs().amax())
-    expect_true(reads_cls, f"the logits of {label} do not depend on token 0 after the last block. Likely mistake: "
-                f"{MINI_VIT_HINTS['read_last']}")
+    expect_true(reads_cls, f"the logits of {label} do not depend on token 0 after the last block.\n"
+                f"  Likely mistake: {MINI_VIT_HINTS['read_last']}")
     expect_true(reads_patches == 0.0, f"the logits of {label} depend on the patch tokens after the last block "
-                f"(gradient up to {reads_patches:.3g}). The head should read only the class token, x[:, 0].")
+                f"(gradient up to {reads_patches:.3g}).\n  Likely mistake: {MINI_VIT_HINTS['head_reads_patches']}")
 
     # 3. Without positions, shuffling the patches cannot change the class token; with them, it must.
     permutation = torch.randperm(num_patches, generator=generator)
@@ -760,7 +786,7 @@ def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch
         permuted = call_student(model, shuffled, call=f"{label}(images with shuffled patches)")
     change = float((plain - permuted).abs().max())
     expect_true(change > 1e-6, f"with a random pos_embed, shuffling the patches should change the logits of {label}, "
-                f"but they changed by only {change:.3g}. Likely mistake: {MINI_VIT_HINTS['no_pos']}")
+                f"but they changed by only {change:.3g}.\n  Likely mistake: {MINI_VIT_HINTS['no_pos']}")
 
     # 4. The shared class token's gradient is the sum of the per-image gradients (expand and repeat alike).
     model.zero_grad(set_to_none=True)
@@ -768,8 +794,7 @@ def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch
     outputs.sum().backward()
     batch_gradient = model.cls_token.grad
     expect_true(batch_gradient is not None, f"after {label}(images).sum().backward(), cls_token.grad is None: the "
-                "class token is not connected to the logits. Use the parameter itself in forward "
-                "(self.cls_token.expand(B, -1, -1)), not .data, .detach() or a copy made in __init__.")
+                f"class token is not connected to the logits.\n  Likely mistake: {MINI_VIT_HINTS['cls_detached']}")
     batch_gradient = batch_gradient.clone()
     summed = torch.zeros_like(batch_gradient)
     for index in range(batch):
@@ -797,6 +822,14 @@ def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch
 # --------------------------------------------------------------------------------------
 
 
+EXPAND_REPEAT_HINTS = {
+    "A": "Run the experiment below your answer: both gradients are identical. Every copy made by repeat is "
+    "computed from the parameter, so autograd sends each copy's gradient back and adds them up.",
+    "C": "Neither averages: autograd adds up the gradients of all uses of a tensor. The experiment below your "
+    "answer prints the same gradient for both.",
+}
+
+
 @check("ANSWER_EXPAND_REPEAT: right -- expand and repeat give the same gradient; repeat only costs memory")
 def check_answer_expand_repeat(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The multiple-choice answer about expand vs repeat for the class token."""
@@ -815,12 +848,7 @@ def check_answer_expand_repeat(answer: Any, *, seed: int = 0, device: torch.devi
         correct = "C"  # expand would average
     else:
         correct = "A"  # independent, unshared gradients
-    expect_choice(answer, name="ANSWER_EXPAND_REPEAT", options="ABC", correct=correct, hints={
-        "A": "Look at the demo's output: both gradients are identical. Every copy made by repeat is computed "
-        "from the parameter, so autograd sends each copy's gradient back and adds them up.",
-        "C": "Neither averages: autograd adds up the gradients of all uses of a tensor. The demo prints the "
-        "same gradient for both.",
-    })
+    expect_choice(answer, name="ANSWER_EXPAND_REPEAT", options="ABC", correct=correct, hints=EXPAND_REPEAT_HINTS)
 
 
 # --------------------------------------------------------------------------------------
@@ -828,13 +856,38 @@ def check_answer_expand_repeat(answer: Any, *, seed: int = 0, device: torch.devi
 # --------------------------------------------------------------------------------------
 
 
+TRAIN_HINTS = {
+    "eval_mode": "call model.train() before the training loop (the model may come in evaluation mode).",
+    "no_step": "call optimizer.step() after loss.backward().",
+    "no_zero_grad": "the gradients accumulate from batch to batch: call optimizer.zero_grad() (or "
+    "model.zero_grad()) before every loss.backward(). Without it each step follows the sum of all earlier "
+    "gradients.",
+    "tensor_losses": "return Python floats: loss.item() (this also frees the graph of every step).",
+    "loss_scale": "report the mean cross-entropy per image (F.cross_entropy's default mean), averaged over the "
+    "epoch's batches.",
+    "not_learning": "the training loss barely went down: check optimizer.zero_grad(), loss.backward() and "
+    "optimizer.step() in every batch, and use torch.optim.AdamW (or Adam) with the given lr.",
+    "not_generalising": "the training loss went down but the test accuracy did not: check MiniViT (run its "
+    "checks) and that the loop moves both images and labels to the device and trains on every batch.",
+}
+
+
 class _ModeRecorder(nn.Module):
-    """A linear digit classifier that records, for every forward pass, whether it was in training mode."""
+    """A linear digit classifier that records, for every forward pass, whether it was in training mode,
+    and for every backward pass whether gradients from an earlier step were still there."""
 
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(64, 10)
         self.calls: list[tuple[bool, bool]] = []
+        self.stale_gradients: list[bool] = []
+        # A tensor hook runs before the new gradient is added to .grad: .grad is then what is left of
+        # earlier backward passes, None or zero after zero_grad().
+        self.linear.weight.register_hook(self._record_leftover_gradient)
+
+    def _record_leftover_gradient(self, gradient: torch.Tensor) -> None:
+        leftover = self.linear.weight.grad
+        self.stale_gradients.append(leftover is not None and bool(leftover.abs().sum() > 0))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         self.calls.append((self.training, torch.is_grad_enabled()))
@@ -846,8 +899,8 @@ def _float_list(losses: Any, call: str, epochs: int) -> list[float]:
                 f"{call} should return a list of {epochs} floats (the mean loss of each epoch), got {describe(losses)}.")
     for index, value in enumerate(losses):
         if isinstance(value, torch.Tensor):
-            raise CheckFailure(f"{call} returned a tensor at position {index} ({describe(value)}). Return Python "
-                               "floats: loss.item() (this also frees the graph of every step).")
+            raise CheckFailure(f"{call} returned a tensor at position {index} ({describe(value)}).\n"
+                               f"  Likely mistake: {TRAIN_HINTS['tensor_losses']}")
         expect_true(isinstance(value, (float, int)) and not isinstance(value, bool) and math.isfinite(value),
                     f"{call}: the loss of epoch {index} should be a finite float, got {value!r}.")
     return [float(value) for value in losses]
@@ -879,23 +932,30 @@ def check_train_classifier(train_classifier: Callable, *, seed: int = 0, device:
     expect_true(len(training_steps) >= epochs * len(loader),
                 f"{call} ran {len(training_steps)} forward passes with gradients; {epochs} epochs of "
                 f"{len(loader)} batches need {epochs * len(loader)}. Loop over every batch of the loader in every epoch.")
-    expect_true(all(training_steps), f"{call} ran forward passes in evaluation mode. Call model.train() before "
-                "the training loop (the model may come in evaluation mode).")
+    expect_true(all(training_steps), f"{call} ran forward passes in evaluation mode.\n"
+                f"  Likely mistake: {TRAIN_HINTS['eval_mode']}")
     expect_true(not torch.equal(model.linear.weight.detach().cpu(), before),
-                f"{call} did not change the model's parameters: call optimizer.step() after loss.backward().")
+                f"{call} did not change the model's parameters.\n  Likely mistake: {TRAIN_HINTS['no_step']}")
+    stale = sum(model.stale_gradients)
+    expect_true(stale == 0, f"{call}: in {stale} of {len(model.stale_gradients)} backward passes, the gradients of "
+                f"the previous batch were still in .grad.\n  Likely mistake: {TRAIN_HINTS['no_zero_grad']}")
     expect_true(losses[-1] < losses[0], f"{call}: the loss should go down, but the epochs gave "
-                f"{[round(v, 4) for v in losses]}. Check optimizer.zero_grad() before backward() and the learning rate.")
+                f"{[round(v, 4) for v in losses]}. Check the learning rate and that every batch takes an optimizer step.")
     expect_true(losses[0] < 2 * math.log(10) + 1.0, f"{call}: the first epoch's mean loss {losses[0]:.3g} is far "
-                "above a fresh 10-class model's ~2.3. Report the mean cross-entropy per image (F.cross_entropy's "
-                "default mean), averaged over the epoch's batches.")
+                f"above a fresh 10-class model's ~2.3.\n  Likely mistake: {TRAIN_HINTS['loss_scale']}")
 
 
 OUTCOME_CONFIG = dict(img_size=8, patch_size=4, in_channels=1, num_classes=10, embed_dim=64, depth=2, num_heads=4)
 OUTCOME_EPOCHS, OUTCOME_LR, OUTCOME_BATCH = 8, 1e-3, 32
+# Measured with this configuration over seeds 0-5 (CPU, one thread): the solution's AdamW +
+# OneCycle loop reaches 96.7-97.5%, plain Adam 96.1-97.2%, plain AdamW (constant lr) 93.6-97.8%;
+# 12 epochs do not narrow the spread (plain Adam 95.3-98.3%). A correct run lands >= 93.6%: the
+# bar leaves room for other correct initialisations. Logistic regression on the pixels: 95.3%.
 OUTCOME_ACCURACY, OUTCOME_CPU_SECONDS = 0.90, 60.0
 
 
-@check("train_classifier + MiniViT: >= 90% test accuracy on the digits within 60 s of CPU time ({device})")
+@check("train_classifier + MiniViT: >= 90% test accuracy on the digits within 60 s of CPU time ({device})",
+       uses=("MiniViT",))
 def check_train_classifier_outcome(train_classifier: Callable, MiniViT: Callable, *, seed: int = 0,
                                    device: torch.device | None = None) -> None:
     """Train a fresh MiniViT with the student's loop under a fixed seed; measure the test accuracy here."""
@@ -926,18 +986,68 @@ def check_train_classifier_outcome(train_classifier: Callable, MiniViT: Callable
     summary = (f"{call}: test accuracy {accuracy:.1%} on {len(split.test_labels)} held-out digits, "
                f"loss per epoch {[round(v, 3) for v in losses]}, {cpu_seconds:.1f} s of CPU time")
     if accuracy < OUTCOME_ACCURACY:
-        if losses[-1] > 1.0:
-            hint = ("the training loss barely went down: check optimizer.zero_grad(), loss.backward() and "
-                    "optimizer.step() in every batch, and use torch.optim.AdamW (or Adam) with the given lr.")
-        else:
-            hint = ("the training loss went down but the test accuracy did not: check MiniViT (run its checks) "
-                    "and that the loop moves both images and labels to the device and trains on every batch.")
+        hint = TRAIN_HINTS["not_learning"] if losses[-1] > 1.0 else TRAIN_HINTS["not_generalising"]
         raise CheckFailure(f"{summary}. It should reach at least {OUTCOME_ACCURACY:.0%}.\n  Likely mistake: {hint}")
     expect_true(cpu_seconds <= OUTCOME_CPU_SECONDS,
                 f"{summary}. Accurate, but training should take at most {OUTCOME_CPU_SECONDS:.0f} s of CPU time: "
                 "avoid work in every step that is not needed (evaluating the whole data set, printing, "
                 "per-image Python loops).")
     print(f"  test accuracy {accuracy:.1%} after {OUTCOME_EPOCHS} epochs ({cpu_seconds:.1f} s of CPU time)")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: pool_tokens (which tokens a classifier reads)
+# --------------------------------------------------------------------------------------
+
+POOL_HINTS = {
+    "mean_with_cls": "global average pooling averages the *patch* tokens, tokens[:, 1:]; you included the class "
+    "token (token 0) in the mean.",
+    "sum": "average the patch tokens (mean over dim 1), do not sum them.",
+    "cls_last": "the class token is token 0, tokens[:, 0], not the last token.",
+    "keepdim": "return [B, D]: tokens[:, 0] (an integer index drops the axis), not tokens[:, :1].",
+    "mean_features": "average over the tokens (dim=1), not over the features.",
+    "max": "global *average* pooling: the mean of the patch tokens, not their maximum.",
+}
+
+
+def _check_pool_once(pool_tokens: Callable, tokens: torch.Tensor, pool: str) -> None:
+    batch, seq_len, embed_dim = tokens.shape
+    call = f"pool_tokens(tokens, pool={pool!r}) with tokens a {describe(tokens)}"
+    before = tokens.clone()
+    out = call_student(pool_tokens, tokens, pool=pool, call=call)
+    expect_true(torch.equal(tokens, before), f"{call} modified the tokens in place; return a new tensor.")
+    hints = {(batch, 1, embed_dim): POOL_HINTS["keepdim"], (batch, seq_len): POOL_HINTS["mean_features"],
+             (batch, seq_len - 1): POOL_HINTS["mean_features"]}
+    expect_tensor(out, what=call, shape=(batch, embed_dim), dtype=tokens.dtype, device=tokens.device, hints=hints)
+    patches = [tokens[:, index] for index in range(1, seq_len)]  # each [B, D]
+    average = sum(patches[1:], patches[0]) / len(patches)
+    expected = tokens[:, 0] if pool == "cls" else average
+    against = ("tokens[:, 0], the class token" if pool == "cls" else
+               "the average of the patch tokens 1 ... S-1 (the class token left out)")
+    expect_close(out, expected, what=call, against=against,
+                 variants=[Variant(lambda: tokens.mean(dim=1), POOL_HINTS["mean_with_cls"]),
+                           Variant(lambda: tokens[:, 1:].sum(dim=1), POOL_HINTS["sum"]),
+                           Variant(lambda: tokens[:, 1:].amax(dim=1), POOL_HINTS["max"]),
+                           Variant(lambda: tokens[:, -1], POOL_HINTS["cls_last"])])
+
+
+@check("pool_tokens: 'cls' reads token 0, 'mean' averages the patch tokens 1..S-1, ValueError otherwise ({device})")
+def check_pool_tokens(pool_tokens: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """pool_tokens: [B, S, D] -> [B, D] for both poolings, several sizes and dtypes, non-contiguous input."""
+    expect_signature(pool_tokens, "pool_tokens", ["tokens", "pool"])
+    generator = random_generator(seed)
+    cases = [(2, 17, 8, torch.float64), (3, 5, 4, torch.float32), (1, 2, 3, torch.float64)]
+    cases += [(randint(1, 4, generator), randint(2, 10, generator), randint(1, 9, generator), torch.float64)]
+    for batch, seq_len, embed_dim, dtype in cases:
+        tokens = randn(batch, seq_len, embed_dim, generator=generator, dtype=dtype, device=device)
+        for pool in ("cls", "mean"):
+            _check_pool_once(pool_tokens, tokens, pool)
+    # A view that is not contiguous, as a slice of a bigger activation can be.
+    wide = randn(2, 9, 12, generator=generator, device=device)
+    for pool in ("cls", "mean"):
+        _check_pool_once(pool_tokens, wide[:, :, ::2], pool)
+    expect_value_error(pool_tokens, wide, pool="max", call="pool_tokens(tokens, pool='max')",
+                       why="'max' is not one of 'cls' and 'mean'", must_mention=("max",))
 
 
 # --------------------------------------------------------------------------------------
@@ -1053,47 +1163,81 @@ def _cls_row(full: torch.Tensor, grid: int) -> torch.Tensor:
     return full[:, 0, 1:].reshape(full.shape[0], grid, grid)
 
 
+# The attentions a MiniViT returns are float32; the check also tries float64 ones. A rollout that
+# computes in float32 (torch.eye's default dtype, or vit-explain's .float()) is right for them: it
+# passes on float64 attentions too -- with expect_close's note when it casts back to float64, with
+# this note when it returns float32 or cannot take float64 at all.
+ROLLOUT_FLOAT32_NOTE = ("  note: on float64 attentions your attention_rollout {what}; that is fine for the float32 "
+                        "attentions a MiniViT returns (torch.eye(S, dtype=a.dtype, device=a.device) would keep float64).")
+
+
+def _is_dtype_mismatch(error: BaseException | None) -> bool:
+    """A RuntimeError from mixing float32 and float64 (e.g. float32 eye @ float64 attention)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("dtype" in text or "scalar type" in text) and "double" in text
+
+
+def _rollout_variants(attentions: Sequence[torch.Tensor], full: torch.Tensor, grid: int) -> list[Variant]:
+    batch = full.shape[0]
+    rollout = lambda **kw: (lambda: _cls_row(_rollout_by_loops(attentions, **kw), grid))  # noqa: E731
+    return [Variant(rollout(order="later_right"), ROLLOUT_HINTS["reversed"]),
+            Variant(rollout(identity=False), ROLLOUT_HINTS["no_identity"]),
+            Variant(rollout(renormalise=False), ROLLOUT_HINTS["no_renormalise"]),
+            Variant(rollout(heads="sum"), ROLLOUT_HINTS["sum_heads"]),
+            Variant(rollout(heads="max"), ROLLOUT_HINTS["max_heads"]),
+            Variant(rollout(only_last=True), ROLLOUT_HINTS["last_only"]),
+            Variant(lambda: full[:, 0, :-1].reshape(batch, grid, grid), ROLLOUT_HINTS["with_cls"]),
+            Variant(lambda: full[:, 1:, 0].reshape(batch, grid, grid), ROLLOUT_HINTS["column"]),
+            Variant(lambda: _cls_row(full, grid).transpose(-2, -1), ROLLOUT_HINTS["column_major"])]
+
+
 def _check_rollout_once(attention_rollout: Callable, attentions: Sequence[torch.Tensor], grid: int) -> None:
     batch, heads, seq_len, _ = attentions[0].shape
+    dtype, device = attentions[0].dtype, attentions[0].device
     kind = "list" if isinstance(attentions, list) else "tuple"
     call = (f"attention_rollout(attentions) with a {kind} of {len(attentions)} "
             f"{describe(attentions[0]).replace('tensor of shape', 'tensors of shape')}")
     before = [a.clone() for a in attentions]
-    out = call_student(attention_rollout, attentions, call=call)
+    try:
+        out = call_student(attention_rollout, attentions, call=call)
+    except CheckFailure as failure:
+        if dtype == torch.float64 and _is_dtype_mismatch(failure.__cause__):
+            add_note(ROLLOUT_FLOAT32_NOTE.format(what="mixes float32 and float64 and raises"))
+            return
+        raise
     expect_true(all(torch.equal(a, b) for a, b in zip(attentions, before)),
                 f"{call} modified the attentions in place; compute new tensors instead (e.g. a = a + I, not a += I).")
-    dtype, device = attentions[0].dtype, attentions[0].device
-    expect_tensor(out, what=call, shape=(batch, grid, grid), dtype=dtype, device=device,
-                  hints={(batch, heads, grid, grid): ROLLOUT_HINTS["per_head"]})
+    float32_inside = dtype == torch.float64 and isinstance(out, torch.Tensor) and out.dtype == torch.float32
+    expect_tensor(out, what=call, shape=(batch, grid, grid), dtype=torch.float32 if float32_inside else dtype,
+                  device=device, hints={(batch, heads, grid, grid): ROLLOUT_HINTS["per_head"]})
     full = _rollout_by_loops(attentions)
-    variants = [Variant(lambda: _cls_row(_rollout_by_loops(attentions, order="later_right"), grid), ROLLOUT_HINTS["reversed"]),
-                Variant(lambda: _cls_row(_rollout_by_loops(attentions, identity=False), grid), ROLLOUT_HINTS["no_identity"]),
-                Variant(lambda: _cls_row(_rollout_by_loops(attentions, renormalise=False), grid), ROLLOUT_HINTS["no_renormalise"]),
-                Variant(lambda: _cls_row(_rollout_by_loops(attentions, heads="sum"), grid), ROLLOUT_HINTS["sum_heads"]),
-                Variant(lambda: _cls_row(_rollout_by_loops(attentions, heads="max"), grid), ROLLOUT_HINTS["max_heads"]),
-                Variant(lambda: _cls_row(_rollout_by_loops(attentions, only_last=True), grid), ROLLOUT_HINTS["last_only"]),
-                Variant(lambda: full[:, 0, :-1].reshape(batch, grid, grid), ROLLOUT_HINTS["with_cls"]),
-                Variant(lambda: full[:, 1:, 0].reshape(batch, grid, grid), ROLLOUT_HINTS["column"]),
-                Variant(lambda: _cls_row(full, grid).transpose(-2, -1), ROLLOUT_HINTS["column_major"])]
-    expect_close(out, _cls_row(full, grid), what=call,
-                 against="the [CLS] row, patch columns, of Ã_L ··· Ã_1 with Ã = rownormalise(mean over heads + I)",
-                 variants=variants)
+    compare = dict(what=call, against="the [CLS] row, patch columns, of Ã_L ··· Ã_1 with Ã = rownormalise(mean over "
+                   "heads + I)", variants=_rollout_variants(attentions, full, grid))
+    expect_close(out, _cls_row(full, grid), **compare)
+    if float32_inside:
+        add_note(ROLLOUT_FLOAT32_NOTE.format(what="returns float32"))
 
 
 @check("attention_rollout: heads averaged, + identity, rows renormalised, Ã_L ··· Ã_1, [CLS] row as [B, grid, grid] ({device})")
 def check_attention_rollout(attention_rollout: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """attention_rollout: against an explicit per-image loop; diagnoses order, identity, renormalisation, heads."""
+    """attention_rollout: against an explicit per-image loop; diagnoses order, identity, renormalisation, heads.
+
+    Mostly float32 attentions, as a MiniViT returns them; float64 ones too, accepted at float32 accuracy.
+    """
     expect_signature(attention_rollout, "attention_rollout", ["attentions"])
     generator = random_generator(seed)
-    _check_rollout_once(attention_rollout, [_random_attention(2, 3, 17, generator, device=device) for _ in range(3)], 4)
-    _check_rollout_once(attention_rollout, tuple(_random_attention(2, 2, 10, generator, torch.float32, device)
+    float32 = torch.float32
+    _check_rollout_once(attention_rollout, [_random_attention(2, 3, 17, generator, float32, device) for _ in range(3)], 4)
+    _check_rollout_once(attention_rollout, tuple(_random_attention(2, 2, 10, generator, float32, device)
                                                  for _ in range(2)), 3)
-    _check_rollout_once(attention_rollout, [_random_attention(1, 4, 5, generator, device=device)], 2)  # one block
+    _check_rollout_once(attention_rollout, [_random_attention(1, 4, 5, generator, float32, device)], 2)  # one block
+    _check_rollout_once(attention_rollout, [_random_attention(2, 3, 10, generator, torch.float64, device)
+                                            for _ in range(3)], 3)
     for _ in range(3):
         grid = randint(1, 4, generator)
         batch, heads, depth = randint(1, 3, generator), randint(1, 4, generator), randint(1, 4, generator)
-        _check_rollout_once(attention_rollout, [_random_attention(batch, heads, grid * grid + 1, generator, device=device)
-                                                for _ in range(depth)], grid)
+        _check_rollout_once(attention_rollout, [_random_attention(batch, heads, grid * grid + 1, generator, float32,
+                                                                  device) for _ in range(depth)], grid)
 
 
 freeze_module(__name__)

@@ -89,7 +89,7 @@ def vit_attention_explorer(model: torch.nn.Module, images: torch.Tensor, labels:
     ``model(images, return_attention=True)`` must return ``(logits, [one [B, H, S, S] per block])``
     with ``S = grid² + 1`` (token 0 = [CLS]). Controls: ``image`` (index into ``images``),
     ``block`` (0-based), ``head`` (``"head h"``, ``"mean of heads"`` or ``"rollout (all blocks)"``,
-    which ignores the block).
+    which uses every block: the block control is disabled while it is chosen).
     """
     model.eval()
     parameter = next(model.parameters())
@@ -126,6 +126,10 @@ def vit_attention_explorer(model: torch.nn.Module, images: torch.Tensor, labels:
         "head": widgets.Dropdown(options=[MEAN_OF_HEADS] + [f"head {h}" for h in range(num_heads)] + [ROLLOUT],
                                  value=MEAN_OF_HEADS, description="head"),
     }
+    # Rollout runs through every block: the block control means nothing then, so it is disabled.
+    controls["block"].disabled = controls["head"].value == ROLLOUT
+    controls["head"].observe(lambda change: setattr(controls["block"], "disabled", change["new"] == ROLLOUT),
+                             names="value")
     return LiveFigure(draw, controls, figsize=(8.5, 3.8))
 
 

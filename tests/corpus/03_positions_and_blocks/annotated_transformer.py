@@ -1,0 +1,108 @@
+# Correct answers in the style of the Annotated Transformer and d2l: exp/log frequencies written
+# into a zero table, a module-level `attention` helper the layer calls, float32 buffers, lower-case
+# letters for the questions, zero_grad(set_to_none=True), no progress bar.
+
+# %% answer="ANSWER_PERMUTATION"
+ANSWER_PERMUTATION = "b"
+
+# %% answer="sinusoidal_positions"
+def sinusoidal_positions(num_positions, dim, base=10000.0):
+    if dim % 2 == 1:
+        raise ValueError("dim must be even, got dim=%d" % dim)
+    pe = torch.zeros(num_positions, dim)
+    position = torch.arange(0, num_positions).unsqueeze(1)
+    div_term = torch.exp(torch.arange(0, dim, 2) * -(math.log(base) / dim))
+    pe[:, 0::2] = torch.sin(position * div_term)
+    pe[:, 1::2] = torch.cos(position * div_term)
+    return pe
+
+# %% answer="ANSWER_ENCODINGS"
+ANSWER_ENCODINGS = " b "
+
+# %% answer="FourierFeatures"
+class FourierFeatures(nn.Module):
+    def __init__(self, in_dim, num_frequencies):
+        super().__init__()
+        self.out_dim = 2 * in_dim * num_frequencies
+        frequencies = math.pi * torch.pow(2.0, torch.arange(num_frequencies, dtype=torch.float32))
+        self.register_buffer("freq_bands", frequencies, persistent=False)
+
+    def forward(self, x):
+        angles = torch.einsum("...c,f->...cf", x, self.freq_bands.to(x.dtype))
+        angles = angles.reshape(*angles.shape[:-2], -1)
+        return torch.cat((torch.sin(angles), torch.cos(angles)), dim=-1)
+
+# %% answer="CoordinateMLP"
+class CoordinateMLP(nn.Module):
+    def __init__(self, encoder=None, hidden=256):
+        super().__init__()
+        self.encoder = encoder if encoder is not None else nn.Identity()
+        d_in = 2 if encoder is None else encoder.out_dim
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden // 2)
+        self.fc3 = nn.Linear(hidden // 2, hidden // 4)
+        self.out = nn.Linear(hidden // 4, 3)
+
+    def forward(self, coords):
+        h = self.encoder(coords)
+        h = F.relu(self.fc1(h))
+        h = F.relu(self.fc2(h))
+        h = F.relu(self.fc3(h))
+        return self.out(h)
+
+# %% answer="psnr"
+def psnr(pred, target, max_value=1.0):
+    with torch.no_grad():
+        mse = F.mse_loss(pred.double(), target.double()).item()
+    return float("inf") if mse == 0 else 20 * math.log10(max_value) - 10 * math.log10(mse)
+
+# %% answer="fit_image"
+def fit_image(model, coords, colors, steps, lr):
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    history = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = ((model(coords) - colors) ** 2).mean()
+        loss.backward()
+        history.append(loss.item())
+        optimizer.step()
+    return history
+
+# %% answer="TransformerLayer"
+def attention(attn, x, mask=None):
+    """Self-attention through nn.MultiheadAttention, with a mask in our convention (True = may attend)."""
+    return attn(x, x, x, attn_mask=None if mask is None else ~mask, need_weights=False)[0]
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, embed_dim, num_heads, mlp_ratio=4.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.attn = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(embed_dim, eps=1e-6)
+        d_ff = int(mlp_ratio * embed_dim)
+        self.mlp = nn.Sequential(nn.Linear(embed_dim, d_ff), nn.GELU(), nn.Linear(d_ff, embed_dim))
+
+    def forward(self, x, mask=None):
+        x = x + attention(self.attn, self.norm1(x), mask)
+        return x + self.mlp(self.norm2(x))
+
+# %% answer="Transformer"
+import copy
+
+
+def clones(module, n):
+    """n independent deep copies (the Annotated Transformer's helper)."""
+    return nn.ModuleList([copy.deepcopy(module) for _ in range(n)])
+
+
+class Transformer(nn.Module):
+    def __init__(self, embed_dim, num_heads, num_layers, mlp_ratio=4.0):
+        super().__init__()
+        self.layers = clones(TransformerLayer(embed_dim, num_heads, mlp_ratio), num_layers)
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+
+    def forward(self, x, mask=None):
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x)

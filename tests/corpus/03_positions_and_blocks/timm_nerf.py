@@ -1,0 +1,117 @@
+# Correct answers in the style of timm and NeRF code: a float32 buffer of 2^k with pi applied in
+# forward, keyword calls (layer(x=x, mask=mask)), an additive float mask with the dtype's finite
+# minimum, a fused helper named `block`, psnr as -10·log10(MSE), a tqdm bar with its own options.
+
+# %% answer="ANSWER_PERMUTATION"
+ANSWER_PERMUTATION = "B"  # equivariant: shuffled in, shuffled out
+
+# %% answer="sinusoidal_positions"
+def sinusoidal_positions(num_positions, dim, base=10000.0):
+    if dim % 2:
+        raise ValueError(f"sinusoidal_positions needs an even dim, got {dim}")
+    omega = 1.0 / base ** (torch.arange(dim // 2, dtype=torch.float32) * 2 / dim)   # [D/2]
+    angles = torch.arange(num_positions, dtype=torch.float32)[:, None] * omega[None]  # [P, D/2]
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)               # interleaved
+
+# %% answer="ANSWER_ENCODINGS"
+ANSWER_ENCODINGS = "B"
+
+# %% answer="FourierFeatures"
+class FourierFeatures(nn.Module):
+    """NeRF-style: the buffer holds 2^k; pi is applied in forward."""
+
+    def __init__(self, in_dim, num_frequencies):
+        super().__init__()
+        self.in_dim, self.num_frequencies = in_dim, num_frequencies
+        self.out_dim = in_dim * num_frequencies * 2
+        self.register_buffer("scales", 2.0 ** torch.linspace(0, num_frequencies - 1, num_frequencies),
+                             persistent=False)
+
+    def forward(self, x):
+        scaled = (x.unsqueeze(-1) * self.scales).flatten(start_dim=-2)   # [..., in_dim * F]
+        angles = torch.pi * scaled
+        return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+
+# %% answer="CoordinateMLP"
+class CoordinateMLP(nn.Module):
+    def __init__(self, encoder=None, hidden=256):
+        super().__init__()
+        self.encoder = encoder
+        widths = [2 if encoder is None else encoder.out_dim, hidden, hidden // 2, hidden // 4]
+        layers = []
+        for fan_in, fan_out in zip(widths[:-1], widths[1:]):
+            layers += [nn.Linear(fan_in, fan_out), nn.ReLU(inplace=True)]
+        layers.append(nn.Linear(widths[-1], 3))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, coords):
+        if self.encoder is not None:
+            coords = self.encoder(coords)
+        return self.net(coords)
+
+# %% answer="psnr"
+def psnr(pred, target, max_value=1.0):
+    mse = torch.mean((pred.detach().float() - target.detach().float()) ** 2)
+    if mse == 0:
+        return math.inf
+    return float(-10.0 * torch.log10(mse / max_value ** 2))
+
+# %% answer="fit_image"
+from tqdm.auto import trange
+
+
+def fit_image(model, coords, colors, steps, lr, progress=True):
+    optimizer = torch.optim.Adam(params=model.parameters(), lr=lr)
+    losses = []
+    with trange(steps, disable=not progress, leave=False) as bar:
+        for _ in bar:
+            prediction = model(coords)
+            loss = F.mse_loss(prediction, colors, reduction="mean")
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach().item())
+    return losses
+
+# %% answer="TransformerLayer"
+class TransformerLayer(nn.Module):
+    def __init__(self, embed_dim, num_heads, mlp_ratio=4.0):
+        super().__init__()
+        mlp_hidden_dim = int(embed_dim * mlp_ratio)
+        self.norm1 = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.attn = nn.MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True, batch_first=True)
+        self.norm2 = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(embed_dim, mlp_hidden_dim),
+            nn.GELU(),
+            nn.Linear(mlp_hidden_dim, embed_dim),
+        )
+
+    def forward(self, x, mask=None):
+        attn_mask = None
+        if mask is not None:  # additive: 0 where allowed, the dtype's finite minimum where blocked
+            attn_mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device)
+            attn_mask = attn_mask.masked_fill(mask.logical_not(), torch.finfo(x.dtype).min)
+        h = self.norm1(x)
+        x = x + self.attn(query=h, key=h, value=h, attn_mask=attn_mask, need_weights=False)[0]
+        x = x + self.mlp(self.norm2(x))
+        return x
+
+# %% answer="Transformer"
+def block(layer, x, mask):
+    """One layer, called by keyword (timm style)."""
+    return layer(x=x, mask=mask)
+
+
+class Transformer(nn.Module):
+    def __init__(self, embed_dim, num_heads, num_layers, mlp_ratio=4.0):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(num_layers):
+            self.layers.append(TransformerLayer(embed_dim, num_heads, mlp_ratio=mlp_ratio))
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+
+    def forward(self, x, mask=None):
+        for layer in self.layers:
+            x = block(layer, x, mask)
+        return self.norm(x)
