@@ -161,7 +161,138 @@ def test_expect_close_uses_the_tolerance_of_the_answers_dtype():
     slightly_off = expected + 1e-6
     expect_close(slightly_off.float(), expected, what="f", against="g")  # within float32's budget
     with pytest.raises(CheckFailure):
-        expect_close(slightly_off, expected, what="f", against="g")  # outside float64's
+        expect_close(slightly_off, expected, what="f", against="g", float64_internals=True)  # outside float64's
+
+
+# --------------------------------------------------------------------------------------
+# Precision policy: float32 internals on float64 input
+# --------------------------------------------------------------------------------------
+
+
+def _rms_norm_in_float32(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm idiom: compute in float32, cast back to the input's dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
+
+
+def _rms_norm_reference(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _float64_input() -> torch.Tensor:
+    return torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+
+def test_float32_internals_on_float64_input_pass_with_one_note_per_check(capsys):
+    x = _float64_input()
+    answer = _rms_norm_in_float32(x)
+    assert answer.dtype == torch.float64
+    assert not torch.allclose(answer, _rms_norm_reference(x), rtol=1e-7, atol=1e-9)  # really float32-accurate only
+
+    @check("rms demo ({device})")
+    def check_rms(rms, *, seed=0, device=None):
+        for _ in range(3):  # three comparisons, one note
+            expect_close(rms(x), _rms_norm_reference(x), what="rms(x)", against="the reference")
+
+    check_rms(_rms_norm_in_float32, device="cpu")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "✓ rms demo (cpu)"
+    assert len(lines) == 2 and lines[1].startswith("  note: rms(x) is accurate to float32 precision"), lines
+    assert "fine here" in lines[1]
+    check_rms(_rms_norm_in_float32, device="cpu", quiet=True)
+    assert capsys.readouterr().out == ""
+    check_rms(_rms_norm_reference, device="cpu")  # float64 all the way: no note
+    assert capsys.readouterr().out == "✓ rms demo (cpu)\n"
+
+
+def test_float64_internals_rejects_the_downcast_and_names_it():
+    x = _float64_input()
+    with pytest.raises(CheckFailure) as failure:
+        expect_close(_rms_norm_in_float32(x), _rms_norm_reference(x), what="rms(x)", against="the reference",
+                     float64_internals=True)
+    message = str(failure.value)
+    assert "only to float32 precision, not float64" in message
+    assert "Likely mistake: " + checking.HINTS["downcast"] in message
+    assert ".type_as(x)" in message and "keep float64" in message
+    expect_close(_rms_norm_reference(x), _rms_norm_reference(x), what="rms(x)", against="the reference",
+                 float64_internals=True)
+
+
+def test_precision_policy_applies_to_numpy_float64_output_too(capsys):
+    x = _float64_input().numpy()
+    reference = x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True))
+    via_float32 = (x.astype(np.float32) / np.sqrt(np.mean(x.astype(np.float32) ** 2, axis=-1, keepdims=True))).astype(np.float64)
+    assert not np.allclose(via_float32, reference, rtol=1e-7, atol=1e-9)
+    expect_close(via_float32, reference, what="f(x)", against="g")
+    assert "accurate to float32 precision" in capsys.readouterr().out
+    with pytest.raises(CheckFailure, match="only to float32 precision"):
+        expect_close(via_float32, reference, what="f(x)", against="g", float64_internals=True)
+
+
+def test_precision_leniency_never_lets_a_wrong_float64_answer_through():
+    x = _float64_input()
+    wrong = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)  # L2 instead of RMS: off by far more than 1e-1
+    with pytest.raises(CheckFailure, match="does not match the reference") as failure:
+        expect_close(wrong, _rms_norm_reference(x), what="rms(x)", against="the reference",
+                     variants=[Variant(wrong.clone(), "sum instead of mean")])
+    assert "Likely mistake: sum instead of mean" in str(failure.value)
+    # An explicit float32 budget for this comparison (e.g. angles that grow with position) is honoured.
+    slightly_off = _rms_norm_reference(x) + 5e-4
+    with pytest.raises(CheckFailure):
+        expect_close(slightly_off, _rms_norm_reference(x), what="rms(x)", against="the reference")
+    expect_close(slightly_off, _rms_norm_reference(x), what="rms(x)", against="the reference",
+                 float32_tolerance=(0.0, 1e-3))
+
+
+# --------------------------------------------------------------------------------------
+# Numbers in messages
+# --------------------------------------------------------------------------------------
+
+
+def test_failure_shows_enough_digits_to_see_the_difference_and_the_relative_error():
+    expected = torch.tensor([0.03706965], dtype=torch.float64)
+    actual = torch.tensor([0.03706972], dtype=torch.float64)
+    with pytest.raises(CheckFailure) as failure:
+        expect_close(actual, expected, what="w", against="the reference", rtol=1e-7, atol=1e-9, float64_internals=True)
+    assert "only to float32 precision" in str(failure.value)  # 7e-8 off: float32-accurate
+    far = torch.tensor([0.0370697 + 3e-4], dtype=torch.float64)
+    with pytest.raises(CheckFailure) as failure:
+        expect_close(far.float(), expected, what="w", against="the reference")
+    message = str(failure.value)
+    assert ("got 0.0373697, expected 0.0370697 (difference 0.0003, relative 0.0081; "
+            "tolerance atol=1e-05, rtol=0.0001)") in message, message
+
+
+def test_value_comparison_uses_the_fewest_digits_that_tell_the_values_apart():
+    assert checking._value_comparison(0.03706972, 0.03706965, 1e-7, 1e-9) == (
+        "got 0.03706972, expected 0.03706965 (difference 7e-08, relative 1.9e-06; tolerance atol=1e-09, rtol=1e-07)")
+    assert checking._value_comparison(5.5, 5.0, 1e-7, 1e-9).startswith("got 5.5, expected 5 (difference 0.5, relative 0.1;")
+    assert checking._value_comparison(1.0, 0.0, 0, 1e-5) == "got 1, expected 0 (difference 1; tolerance atol=1e-05, rtol=0)"
+    assert checking._value_comparison(float("nan"), 1.0, 0, 1e-5) == "got nan, expected 1 (tolerance atol=1e-05, rtol=0)"
+
+
+# --------------------------------------------------------------------------------------
+# Diagnosis never names a variant that equals the right answer on this input
+# --------------------------------------------------------------------------------------
+
+
+def test_diagnosis_skips_variants_that_coincide_with_the_reference():
+    expected = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    # Outside the tolerance (0.2 > 0.05 * 3), but inside the 10x looser band used to match variants.
+    slightly_wrong = torch.tensor([1.0, 2.0, 3.2], dtype=torch.float64)
+    # "cache ignored" equals the truth on this input (nothing cached yet): it says nothing about the answer.
+    coincides = Variant(expected.clone(), "cache ignored")
+    assert checking.diagnose(slightly_wrong, [coincides], rtol=0.05, atol=0.0) == "cache ignored"  # without expected
+    assert checking.diagnose(slightly_wrong, [coincides], rtol=0.05, atol=0.0, expected=expected) is None
+    with pytest.raises(CheckFailure) as failure:
+        expect_close(slightly_wrong, expected, what="f", against="g", rtol=0.05, atol=0.0, variants=[coincides])
+    assert "Likely mistake" not in str(failure.value)
+    # A variant that differs from the truth is still named after a coinciding one is skipped.
+    wrong = torch.tensor([1.0, 2.0, 6.0], dtype=torch.float64)
+    with pytest.raises(CheckFailure) as failure:
+        expect_close(wrong, expected, what="f", against="g", rtol=0.05, atol=0.0,
+                     variants=[coincides, Variant(wrong.clone(), "last value doubled")])
+    assert "Likely mistake: last value doubled" in str(failure.value)
 
 
 def test_expect_signature_requires_the_contract_parameter_names():
@@ -318,6 +449,111 @@ def test_check_wrapper_pins_numerics_while_the_check_runs():
     finally:
         torch.set_float32_matmul_precision("highest")
     assert seen == {"tf32": False, "precision": "highest"}
+
+
+# --------------------------------------------------------------------------------------
+# Dependencies: a failure names the student's earlier answer it is built on, if that is wrong
+# --------------------------------------------------------------------------------------
+
+_HELPERS = {
+    "right": ("def split_heads(x, num_heads):\n"
+              "    if x.shape[-1] % num_heads:\n"
+              "        raise ValueError(f'D={x.shape[-1]} is not divisible by H={num_heads}')\n"
+              "    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)\n"),
+    "wrong": ("def split_heads(x, num_heads):\n"  # the classic: reshape without the transpose
+              "    if x.shape[-1] % num_heads:\n"
+              "        raise ValueError(f'D={x.shape[-1]} is not divisible by H={num_heads}')\n"
+              "    b, s, d = x.shape\n"
+              "    return x.reshape(b, num_heads, s, d // num_heads)\n"),
+}
+# The answer uses the notebook's split_heads; a wrong helper makes it wrong.
+_HEAD_MEANS = ("def head_means(x, num_heads):\n"
+               "    return split_heads(x, num_heads).mean(dim=-1)\n")
+_HEAD_MEANS_CLASS = ("class HeadMeans:\n"
+                     "    def __call__(self, x, num_heads):\n"
+                     "        return split_heads(x, num_heads).mean(dim=-1)\n")
+
+
+@check("head_means ({device})", uses=("split_heads", "merge_heads"))
+def check_head_means(head_means, *, seed=0, device=None):
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    expected = x.unflatten(-1, (4, 2)).transpose(1, 2).mean(-1)  # [B, H, S]
+    got = call_student(head_means, x, 4, call="head_means(x, 4)")
+    expect_close(got, expected, what="head_means(x, 4)", against="the mean of each head's features")
+
+
+def _notebook(*cells: str) -> dict:
+    """Run cells as a notebook would: one global namespace of its own."""
+    namespace = {"__name__": "__main__"}
+    for cell in cells:
+        exec(cell, namespace)
+    return namespace
+
+
+def test_a_failure_names_the_students_helper_that_fails_its_own_check():
+    notebook = _notebook(_HELPERS["wrong"], _HEAD_MEANS)
+    with pytest.raises(CheckFailure) as failure:
+        check_head_means(notebook["head_means"], device="cpu", quiet=True)
+    message = str(failure.value)
+    assert message.startswith("head_means(x, 4) does not match the mean of each head's features")
+    assert "Note: this exercise uses your split_heads, which fails its own check (split_heads(x" in message
+    assert message.endswith("Fix split_heads first.")
+    assert "merge_heads" not in message  # not defined in this notebook: nothing said
+
+
+def test_a_class_answer_finds_the_helpers_of_its_own_notebook():
+    notebook = _notebook(_HELPERS["wrong"], _HEAD_MEANS_CLASS)
+    with pytest.raises(CheckFailure, match="uses your split_heads, which fails its own check"):
+        check_head_means(notebook["HeadMeans"](), device="cpu", quiet=True)
+    with pytest.raises(CheckFailure, match="uses your split_heads, which fails its own check"):
+        check_head_means(notebook["HeadMeans"], device="cpu", quiet=True)  # the class itself
+
+
+def test_no_note_when_the_helper_is_right_or_missing_or_the_answer_is_blank():
+    right_helper = _notebook(_HELPERS["right"], "def head_means(x, num_heads):\n    return split_heads(x, num_heads).sum(-1)\n")
+    with pytest.raises(CheckFailure) as failure:
+        check_head_means(right_helper["head_means"], device="cpu", quiet=True)
+    assert "Note:" not in str(failure.value)
+    no_helper = _notebook("def head_means(x, num_heads):\n    return x.reshape(2, 4, 3, 2).mean(-1)\n")
+    with pytest.raises(CheckFailure) as failure:
+        check_head_means(no_helper["head_means"], device="cpu", quiet=True)
+    assert "Note:" not in str(failure.value)
+    blank = _notebook(_HELPERS["wrong"], "def head_means(x, num_heads):\n    raise NotImplementedError('Exercise')\n")
+    with pytest.raises(CheckFailure) as failure:
+        check_head_means(blank["head_means"], device="cpu", quiet=True)
+    assert "not implemented yet" in str(failure.value) and "Note:" not in str(failure.value)
+    check_head_means(_notebook(_HELPERS["right"], _HEAD_MEANS)["head_means"], device="cpu", quiet=True)  # passes
+
+
+def test_dependency_checks_do_not_recurse():
+    """A helper whose own check uses the failing answer must not start an endless chain."""
+    runs = []
+
+    @check("ping ({device})", uses=("pong",))
+    def check_ping(ping, *, seed=0, device=None):
+        runs.append("ping")
+        raise CheckFailure("ping is wrong")
+
+    @check("pong ({device})", uses=("ping",))
+    def check_pong(pong, *, seed=0, device=None):
+        runs.append("pong")
+        raise CheckFailure("pong is wrong")
+
+    notebook = _notebook("def ping():\n    return pong()\n", "def pong():\n    return ping()\n")
+    with pytest.raises(CheckFailure) as failure:
+        check_ping(notebook["ping"], device="cpu", quiet=True)
+    assert runs == ["ping", "pong"]
+    assert str(failure.value) == "ping is wrong\nNote: this exercise uses your pong, which fails its own check (pong is wrong). Fix pong first."
+
+
+def test_checks_are_registered_by_the_name_of_the_answer_they_take():
+    from attention_lab.checks import mha_shapes
+
+    registry = checking.registered_checks()
+    assert mha_shapes.check_split_heads in registry["split_heads"]
+    assert check_head_means in registry["head_means"] and check_head_means.uses == ("split_heads", "merge_heads")
+    with pytest.raises(TypeError, match="sequence of names"):
+        check("x", uses="split_heads")
 
 
 def test_reference_sdpa_is_the_untampered_builtin():

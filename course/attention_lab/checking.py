@@ -17,7 +17,22 @@ Every check runs inside :func:`check`'s wrapper, which
   (``torch.allclose = lambda *a: True``, ``F.scaled_dot_product_attention = mine``, ...):
   it restores the original and fails with a message saying so;
 * pins the numerics (TF32 off, SDPA on the math backend) so CPU and CUDA give one verdict;
-* prints one line on success.
+* prints one line on success;
+* when it fails, checks quietly the student's earlier answers this exercise uses (``uses=``)
+  and names any that fails its own check.
+
+How precise an answer must be (what the student reads in the notebooks):
+
+* An answer is compared with a float64 reference, within a tolerance that depends on the
+  dtype it returns and the device it ran on (:func:`tolerance`): float32 answers get
+  float32's tolerance, float64 answers float64's.
+* Many good implementations compute in float32 inside even when given float64 input
+  (``x.float() ... .type_as(x)``, a softmax in float32). Unless an exercise says otherwise,
+  that is accepted: a float64 answer that is only float32-accurate passes, with a one-line
+  note saying so. An exercise whose text asks to keep float64 throughout (``apply_rope``)
+  fails such an answer, with a hint naming the downcast.
+* Wrong answers (a missing scale, the wrong axis, ...) are off by 0.1 or more: far outside
+  every tolerance, so this leniency never lets a mistake through.
 
 Check modules are frozen with :func:`freeze_module`, so an answer cell cannot replace a
 check either; test cells import the check they call, so rebinding the global name in the
@@ -30,10 +45,12 @@ import builtins
 import contextlib
 import functools
 import inspect
+import json
 import math
+import os
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -64,11 +81,26 @@ __all__ = [
     "random_generator",
     "verify_untampered",
     "freeze_module",
+    "diagnose",
+    "registered_checks",
+    "HINT_LOG_ENV_VAR",
 ]
 
 
 class CheckFailure(AssertionError):
     """A check found a problem in the student's answer. The message says what and why."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        _record_outside_checks(str(self))
+
+
+# Hints the framework itself gives (check modules keep theirs in dicts named *HINTS too).
+HINTS = {
+    "downcast": "your code computes in float32 somewhere (`.float()`, `dtype=torch.float32`, a float32 "
+                "table ...) and casts back (`.type_as(x)`, `.to(x.dtype)`): that loses float64 precision. "
+                "This exercise asks you to keep float64: compute in the input's dtype throughout.",
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -524,9 +556,9 @@ class Variant:
 
 
 def _as_float64_tensor(value: Any) -> torch.Tensor:
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.asarray(value, dtype=np.float64))
-    return value.detach().to(device="cpu", dtype=torch.float64)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device="cpu", dtype=torch.float64)
+    return torch.from_numpy(np.asarray(value, dtype=np.float64))
 
 
 def _close_mask(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
@@ -536,17 +568,60 @@ def _close_mask(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol:
     return near | both_inf | both_nan
 
 
-def diagnose(actual: Any, variants: Sequence[Variant], rtol: float, atol: float) -> str | None:
-    """The hint of the first known wrong variant that the output matches, if any."""
+def _all_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> bool:
+    return actual.shape == expected.shape and bool(_close_mask(actual, expected, rtol, atol).all())
+
+
+def _largest_finite_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    difference = (actual - expected).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    return float(difference.max()) if difference.numel() else 0.0
+
+
+def diagnose(actual: Any, variants: Sequence[Variant], rtol: float, atol: float, expected: Any = None) -> str | None:
+    """The hint of the first known wrong variant that the output matches, if any.
+
+    A variant that coincides with ``expected`` on this input (e.g. "cache ignored" when
+    nothing is cached yet) says nothing about the answer, so it is never named.
+    """
     got = _as_float64_tensor(actual)
+    want = None if expected is None else _as_float64_tensor(expected)
     for variant in variants:
         output = variant.output() if callable(variant.output) else variant.output
         if output is None:
             continue
         candidate = _as_float64_tensor(output)
-        if candidate.shape == got.shape and bool(_close_mask(got, candidate, rtol * 10, atol * 10).all()):
+        if want is not None and _all_close(candidate, want, rtol * 10, atol * 10):
+            continue  # indistinguishable from the right answer here
+        if _all_close(got, candidate, rtol * 10, atol * 10):
+            _record_outside_checks(variant.hint)
             return variant.hint
     return None
+
+
+def _is_float64(dtype: Any) -> bool:
+    return dtype in (torch.float64, np.dtype("float64"))
+
+
+def _format_pair(got: float, want: float) -> tuple[str, str]:
+    """``got`` and ``want`` with just enough significant digits (at least 6) to tell them apart."""
+    if math.isfinite(got) and math.isfinite(want) and got != want:
+        for digits in range(6, 18):
+            got_text, want_text = f"{got:.{digits}g}", f"{want:.{digits}g}"
+            if got_text != want_text:
+                return got_text, want_text
+        return repr(got), repr(want)
+    return f"{got:.6g}", f"{want:.6g}"
+
+
+def _value_comparison(got: float, want: float, rtol: float, atol: float) -> str:
+    """``got 0.03706972, expected 0.03706965 (difference 7e-08, relative 1.9e-06; tolerance ...)``."""
+    got_text, want_text = _format_pair(got, want)
+    tolerance_text = f"tolerance atol={atol:g}, rtol={rtol:g}"
+    if not (math.isfinite(got) and math.isfinite(want)):
+        return f"got {got_text}, expected {want_text} ({tolerance_text})"
+    difference = abs(got - want)
+    relative = f", relative {difference / abs(want):.2g}" if want != 0 else ""
+    return f"got {got_text}, expected {want_text} (difference {difference:.2g}{relative}; {tolerance_text})"
 
 
 def expect_close(
@@ -558,17 +633,28 @@ def expect_close(
     variants: Sequence[Variant] = (),
     rtol: float | None = None,
     atol: float | None = None,
+    float64_internals: bool = False,
+    float32_tolerance: tuple[float, float] | None = None,
 ) -> float:
     """Values of ``actual`` must match ``expected`` within the tolerance of actual's dtype/device.
 
     ``expected`` is computed in float64. On failure the message gives the largest error,
-    where it is, both values there, the tolerance, and -- if the output matches a known
-    wrong variant -- the likely mistake. Returns the largest absolute error.
+    where it is, both values there with the difference and relative error, the tolerance,
+    and -- if the output matches a known wrong variant -- the likely mistake. Returns the
+    largest absolute error.
+
+    Precision policy for float64 answers (tensors and NumPy arrays alike): an answer that
+    misses float64's tolerance but meets float32's (``float32_tolerance``, by default
+    :func:`tolerance` of float32 on actual's device, never tighter than ``rtol``/``atol``)
+    computed in float32 inside. With ``float64_internals=False`` that is accepted with a
+    one-line note; with ``float64_internals=True`` (the exercise asks to keep float64) it
+    fails with a hint naming the downcast.
     """
     if isinstance(actual, torch.Tensor):
-        default_rtol, default_atol = tolerance(actual.dtype, actual.device)
+        dtype, device = actual.dtype, actual.device
     else:
-        default_rtol, default_atol = tolerance(np.asarray(actual).dtype)
+        dtype, device = np.asarray(actual).dtype, torch.device("cpu")
+    default_rtol, default_atol = tolerance(dtype, device)
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
     got = _as_float64_tensor(actual)
@@ -576,21 +662,31 @@ def expect_close(
     if got.shape != want.shape:
         raise CheckFailure(f"{what} should have shape {shape_str(want.shape)}, got {shape_str(got.shape)}.")
     close = _close_mask(got, want, rtol, atol)
-    error = torch.where(close, torch.zeros_like(got), (got - want).abs().nan_to_num(math.inf))
     if bool(close.all()):
-        finite = (got - want).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
-        return float(finite.max()) if finite.numel() else 0.0
+        return _largest_finite_difference(got, want)
+    if _is_float64(dtype):
+        rtol32, atol32 = float32_tolerance or tolerance(torch.float32, device)
+        if _all_close(got, want, max(rtol32, rtol), max(atol32, atol)):
+            largest = _largest_finite_difference(got, want)
+            if float64_internals:
+                raise CheckFailure(
+                    f"{what} matches {against} only to float32 precision, not float64 (largest difference "
+                    f"{largest:.2g}; tolerance atol={atol:g}, rtol={rtol:g}).\n  Likely mistake: {HINTS['downcast']}"
+                )
+            _add_note(f"  note: {what} is accurate to float32 precision, not float64 (largest difference "
+                      f"{largest:.2g}) on float64 input: your code computes in float32 inside. That is fine here.")
+            return largest
+    error = torch.where(close, torch.zeros_like(got), (got - want).abs().nan_to_num(math.inf))
     flat_index = int(torch.argmax(error.flatten()))
     index = tuple(int(i) for i in np.unravel_index(flat_index, tuple(got.shape))) if got.dim() else ()
     bad_count = int((~close).sum())
     message = (
         f"{what} does not match {against}: {bad_count} of {got.numel()} values are off.\n"
-        f"  Largest error at index {index}: got {float(got[index]):.6g}, expected {float(want[index]):.6g} "
-        f"(tolerance: atol={atol:g}, rtol={rtol:g})."
+        f"  Largest error at index {index}: {_value_comparison(float(got[index]), float(want[index]), rtol, atol)}."
     )
     if torch.isnan(got).any() and not torch.isnan(want).any():
         message += "\n  Your output contains NaN: look for 0/0 (e.g. a softmax row that is entirely masked or overflowed)."
-    hint = diagnose(actual, variants, rtol, atol)
+    hint = diagnose(actual, variants, rtol, atol, expected=want)
     if hint:
         message += f"\n  Likely mistake: {hint}"
     raise CheckFailure(message)
@@ -630,23 +726,171 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return pick_device() if device is None else torch.device(device)
 
 
-def check(summary: str) -> Callable[[Callable], Callable]:
+@dataclass
+class _CheckCall:
+    """One running check: its notes are printed after its success line."""
+
+    quiet: bool
+    notes: list[str] = field(default_factory=list)
+
+
+# The checks running now, outermost first (a check may call another one, quietly).
+_ACTIVE_CHECKS: list[_CheckCall] = []
+# Every check by the name of the student's object it checks (its first parameter), e.g.
+# "split_heads" -> [check_split_heads]: how a failing check finds the checks of what it uses.
+_REGISTRY: dict[str, list[Callable]] = {}
+
+
+def _add_note(note: str) -> None:
+    """Print ``note`` after the running check's success line (once per check), or now outside a check."""
+    if not _ACTIVE_CHECKS:
+        print(note)
+        return
+    call = _ACTIVE_CHECKS[0]
+    if not call.notes:
+        call.notes.append(note)
+
+
+def registered_checks() -> dict[str, tuple[Callable, ...]]:
+    """Every check defined with :func:`check` so far, by the name of the answer it checks."""
+    return {name: tuple(checks) for name, checks in _REGISTRY.items()}
+
+
+def _answer_parameters(function: Callable) -> list[str]:
+    """The required positional parameters of a check: the student's objects it takes."""
+    return [p.name for p in inspect.signature(function).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+
+
+def _student_namespace(answer: Any) -> Mapping[str, Any] | None:
+    """The global namespace the student's answer was defined in (a notebook's is ``__main__``).
+
+    A function carries it as ``__globals__``; a class through its methods (this also works
+    for code run with ``exec`` in a namespace of its own), else its module.
+    """
+    answer = getattr(answer, "func", answer)  # functools.partial
+    namespace = getattr(answer, "__globals__", None)
+    if isinstance(namespace, dict):
+        return namespace
+    cls = answer if isinstance(answer, type) else type(answer)
+    for member in vars(cls).values():
+        namespace = getattr(getattr(member, "__func__", member), "__globals__", None)
+        if isinstance(namespace, dict):
+            return namespace
+    module = sys.modules.get(getattr(cls, "__module__", None) or "")
+    return vars(module) if module is not None else None
+
+
+def _check_of(name: str, near_module: str) -> Callable | None:
+    """The single-answer check registered for ``name``, preferring one from ``near_module``."""
+    candidates = [c for c in _REGISTRY.get(name, ()) if c.answer_count == 1]
+    same_module = [c for c in candidates if c.__module__ == near_module]
+    return (same_module or candidates or [None])[0]
+
+
+_DEPENDENCY_RUN = [False]  # True while the checks of an answer's dependencies run (no recursion)
+
+
+def _dependency_notes(answer: Any, uses: Sequence[str], near_module: str, device: torch.device) -> list[str]:
+    """For each helper in ``uses`` that the student defined and that fails its own check, one note."""
+    namespace = _student_namespace(answer)
+    if namespace is None or _DEPENDENCY_RUN[0]:
+        return []
+    notes = []
+    _DEPENDENCY_RUN[0] = True
+    try:
+        for name in uses:
+            helper, helper_check = namespace.get(name), _check_of(name, near_module)
+            if helper is None or helper is answer or helper_check is None:
+                continue  # not defined (the student may not use it) or nothing to check it with
+            try:
+                helper_check(helper, device=device, quiet=True)
+            except CheckFailure as failure:
+                first_line = str(failure).splitlines()[0] if str(failure) else ""
+                notes.append(f"Note: this exercise uses your {name}, which fails its own check "
+                             f"({first_line}). Fix {name} first.")
+            except Exception:  # a crash inside the helper's check is not this exercise's business
+                continue
+    finally:
+        _DEPENDENCY_RUN[0] = False
+    return notes
+
+
+def check(summary: str, uses: Sequence[str] = ()) -> Callable[[Callable], Callable]:
     """Decorator for a check function ``check_<name>(answer, *, seed=0, device=None, ...)``.
 
     ``summary`` is the line printed when every layer passes; it may use the check's
     keyword arguments, e.g. ``"split_heads: shapes, values and round trip ({device})"``.
+
+    ``uses`` names the earlier answers this exercise is usually built on, e.g.
+    ``uses=("split_heads", "merge_heads")``. When the check fails, the student's own objects
+    of those names (looked up where the answer was defined) are checked quietly, and each
+    that fails its own check is named at the end of the message. A name the student did not
+    define is skipped.
     """
+    if isinstance(uses, str):
+        raise TypeError(f"check(uses=...) takes a sequence of names, e.g. uses=({uses!r},), not a string")
 
     def decorate(function: Callable) -> Callable:
+        answers = _answer_parameters(function)
+        if not answers:
+            raise TypeError(f"{function.__name__} must take the student's answer as its first parameter")
+
         @functools.wraps(function)
         def wrapper(answer: Any, *args: Any, quiet: bool = False, **kwargs: Any) -> None:
-            verify_untampered()
+            call = _CheckCall(quiet=quiet)
+            outermost = not _ACTIVE_CHECKS
+            _ACTIVE_CHECKS.append(call)
             kwargs["device"] = resolve_device(kwargs.get("device"))
-            with pinned_numerics(), torch.random.fork_rng(devices=[]):
-                function(answer, *args, **kwargs)
+            try:
+                verify_untampered()
+                with pinned_numerics(), torch.random.fork_rng(devices=[]):
+                    function(answer, *args, **kwargs)
+            except CheckFailure as failure:
+                if uses and not getattr(failure, "dependencies_checked", False) and "not implemented yet" not in str(failure):
+                    failure.dependencies_checked = True
+                    notes = _dependency_notes(answer, uses, function.__module__, kwargs["device"])
+                    if notes:
+                        failure.args = ("\n".join([str(failure), *notes]),)
+                if outermost:
+                    _record_failure(str(failure))
+                raise
+            finally:
+                _ACTIVE_CHECKS.pop()
             if not quiet:
                 print("✓ " + summary.format(**{**kwargs, "device": kwargs["device"].type}))
+                for note in call.notes:
+                    print(note)
 
+        wrapper.exercise = answers[0]
+        wrapper.answer_count = len(answers)
+        wrapper.uses = tuple(uses)
+        _REGISTRY.setdefault(answers[0], []).append(wrapper)
         return wrapper
 
     return decorate
+
+
+# --------------------------------------------------------------------------------------
+# Recording failure messages (for the test suite's hint coverage)
+# --------------------------------------------------------------------------------------
+
+# When this environment variable names a folder, every failure message a check shows is
+# appended to a file of this process there (one JSON string a line). The test suite sets it
+# to find hints no test ever triggers; students never set it.
+HINT_LOG_ENV_VAR = "ATTENTION_LAB_HINT_LOG"
+
+
+def _record_failure(message: str) -> None:
+    folder = os.environ.get(HINT_LOG_ENV_VAR)
+    if not folder:
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"failures-{os.getpid()}.jsonl"), "a", encoding="utf-8") as log:
+        log.write(json.dumps(message) + "\n")
+
+
+def _record_outside_checks(message: str) -> None:
+    """Record a message produced outside any check (a test calling expect_* or diagnose directly)."""
+    if not _ACTIVE_CHECKS:
+        _record_failure(message)
