@@ -8,6 +8,7 @@ are deliberately written another way than the solution notebook.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -339,7 +340,7 @@ WRONG_ATTENTION = {
     "naive_softmax": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, softmax=softmax_naive),
                       "softmax overflowed"),
     "np_sqrt": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, scale=1 / np.sqrt(Q.shape[-1])),
-                r"keep the input dtype float32[\s\S]*math.sqrt"),
+                r"keep the input dtype float32[\s\S]*float32 in, float32 out[\s\S]*math.sqrt"),
     "only_out": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask)[0], "should return a tuple"),
     "torch": (lambda Q, K, V, mask=None: tuple(
         t.numpy() for t in _torch_attention(torch.from_numpy(Q), torch.from_numpy(K), torch.from_numpy(V))), "NumPy only"),
@@ -595,7 +596,7 @@ def test_answer_scaling_accepts_the_supported_statement():
 
 @pytest.mark.parametrize("letter", ["A", "C", "D"])
 def test_answer_scaling_rejects_wrong_choices_without_revealing_the_answer(letter):
-    with pytest.raises(CheckFailure, match="is not right. Wrong choice: re-read the plot") as failure:
+    with pytest.raises(CheckFailure, match="is not right. " + re.escape(checks.SCALING_HINTS[letter])) as failure:
         checks.check_answer_scaling(letter, **CPU)
     assert "B" not in str(failure.value).replace("ANSWER_SCALING", "")
 
@@ -684,3 +685,37 @@ def test_variance_explorer_scaling_keeps_the_spread_and_the_softmax_fixed_across
 def test_variance_explorer_sliders_update_on_release():
     explorer = variance_explorer(variance_by_sampling)
     assert explorer.controls["sigma"].continuous_update is False
+
+
+# --------------------------------------------------------------------------------------
+# Mistakes named on other axes and shapes
+# --------------------------------------------------------------------------------------
+
+
+def softmax_max_put_back_last(x, axis=-1):
+    e = np.exp(x - np.max(x, axis=axis)[..., None])  # right for the last axis only
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def softmax_sum_over_last_axis(x, axis=-1):
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (softmax_max_put_back_last, "no_keepdims"),
+    (softmax_sum_over_last_axis, "sum_axis"),
+])
+def test_np_softmax_names_axis_mistakes_on_other_axes(wrong, hint):
+    with pytest.raises(CheckFailure, match=re.escape(checks.SOFTMAX_HINTS[hint])):
+        checks.check_np_softmax(wrong, **CPU)
+
+
+def test_np_attention_names_elementwise_scores_by_their_shape():
+    def elementwise(Q, K, V, mask=None):
+        weights = _reference_softmax(Q * K / math.sqrt(Q.shape[-1]))  # Q * K, not Q @ Kᵀ
+        return weights @ V.swapaxes(-1, -2) @ V, weights
+
+    with pytest.raises(CheckFailure, match=r"-> weights should have shape \[2, 2, 6, 6\], got \[2, 2, 6, 2\][\s\S]*"
+                       + re.escape(checks.ATTENTION_HINTS["no_transpose"])):
+        checks.check_np_attention(elementwise, **CPU)

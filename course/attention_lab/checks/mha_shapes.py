@@ -133,8 +133,8 @@ EINOPS_HINTS = {
     "no_rearrange": "split_heads_einops should be written with einops.rearrange (e.g. rearrange(x, "
     "'b s (h d) -> b h s d', h=num_heads)), but it never called it.",
     "rearrange_not_splitting": "einops.rearrange must do the split itself: call it on the [B, S, D] input "
-    "with a pattern that splits the feature axis, (h d). Your rearrange calls only {calls}, so the heads "
-    "are split by something else (split_heads, view, reshape...).",
+    "with a pattern that splits the feature axis, \"b s (h d) -> ...\". Here the heads are split by "
+    "something else (split_heads, view, reshape...) and rearrange only moves axes around.",
 }
 
 
@@ -172,7 +172,8 @@ def check_split_heads_einops(split_heads_einops: Callable, *, seed: int = 0,
     # The split is einops' when one rearrange takes the 3-D input and returns the 4-D heads.
     splitting = [call for call in calls if call[0] == tuple(x.shape) and len(call[1]) == 4]
     described = ", ".join(f"{shape_str(before)} -> {shape_str(after)}" for before, after in calls)
-    expect_true(bool(splitting), EINOPS_HINTS["rearrange_not_splitting"].format(calls=described))
+    expect_true(bool(splitting), f"split_heads_einops(x, num_heads=3) with x of shape {shape_str(x.shape)} calls "
+                f"einops.rearrange only as {described}.\n  Likely mistake: {EINOPS_HINTS['rearrange_not_splitting']}")
     _check_split_heads(split_heads_einops, seed=seed, device=device, name="split_heads_einops")
 
 
@@ -247,9 +248,6 @@ def _attention_variants(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | N
         Variant(lambda: _reference_weights(q, k, attn_mask=mask, scale=1.0), ATTENTION_HINTS["no_scale"]),
         Variant(lambda: _reference_weights(q, k, attn_mask=mask, scale=1.0 / d_head), ATTENTION_HINTS["scale_by_d"]),
     ]
-    if q.shape[-2] == k.shape[-2] == d_head:  # square: q @ k (no transpose) has the right shape
-        variants.append(Variant(lambda: torch.softmax(_with_minus_inf_fill(q @ k / math.sqrt(d_head), mask), dim=-1),
-                                ATTENTION_HINTS["no_transpose"]))
     if mask is None:
         variants.append(Variant(lambda: torch.softmax(scores / math.sqrt(d_head), dim=-2), ATTENTION_HINTS["wrong_axis"]))
     else:
@@ -362,7 +360,8 @@ def check_attention_weights(attention_weights: Callable, *, seed: int = 0, devic
         _check_weights(weights, q, k, mask, call)
 
 
-@check("scaled_dot_product_attention: outputs and weights match F.scaled_dot_product_attention ({device})")
+@check("scaled_dot_product_attention: outputs and weights match F.scaled_dot_product_attention ({device})",
+       uses=("attention_weights",))
 def check_scaled_dot_product_attention(scaled_dot_product_attention: Callable, *, seed: int = 0,
                                        device: torch.device | None = None) -> None:
     """scaled_dot_product_attention: (out [..., S_q, d_v], weights), equal to PyTorch's SDPA, from scratch."""
@@ -476,7 +475,8 @@ def _check_mhsa_forward(module: nn.Module, x: torch.Tensor, mask, num_heads: int
                  against="nn.MultiheadAttention's per-head weights (average_attn_weights=False)")
 
 
-@check("MultiHeadSelfAttention: attributes, output and weights match nn.MultiheadAttention; equivariance and causality ({device})")
+@check("MultiHeadSelfAttention: attributes, output and weights match nn.MultiheadAttention; equivariance and causality ({device})",
+       uses=("split_heads", "merge_heads", "attention_weights", "scaled_dot_product_attention"))
 def check_multi_head_self_attention(MultiHeadSelfAttention: Callable, *, seed: int = 0,
                                     device: torch.device | None = None) -> None:
     """MultiHeadSelfAttention: contract, numbers against nn.MultiheadAttention, properties, from scratch."""
@@ -519,7 +519,8 @@ LOAD_HINTS = {
 }
 
 
-@check("load_torch_mha_weights: parameters copied from in_proj_weight/bias and out_proj; outputs then match ({device})")
+@check("load_torch_mha_weights: parameters copied from in_proj_weight/bias and out_proj; outputs then match ({device})",
+       uses=("MultiHeadSelfAttention",))
 def check_load_torch_mha_weights(load_torch_mha_weights: Callable, MultiHeadSelfAttention: Callable, *,
                                  seed: int = 0, device: torch.device | None = None) -> None:
     """load_torch_mha_weights: copies stacked q;k;v weights into q/k/v_linear; module then equals nn.MultiheadAttention."""
