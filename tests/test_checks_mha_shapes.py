@@ -8,6 +8,7 @@ solution notebook, so the checks are shown to test behaviour, not spelling.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -540,3 +541,13 @@ def test_no_reference_in_the_check_module_is_a_working_answer():
         for check in single_answer:
             with pytest.raises(Exception):
                 check(candidate, **CPU)
+
+
+def test_answer_draft_bug_accepts_the_missing_scale_and_names_what_to_reread():
+    checks.check_answer_draft_bug(" a ", **CPU)
+    for letter, hint in checks.DRAFT_BUG_HINTS.items():
+        with pytest.raises(CheckFailure, match=re.escape(hint)) as failure:
+            checks.check_answer_draft_bug(letter, **CPU)
+        assert "A" not in str(failure.value).replace("ANSWER_DRAFT_BUG", "")  # never names the right letter
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_answer_draft_bug(None, **CPU)

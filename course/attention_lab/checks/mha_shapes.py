@@ -19,6 +19,7 @@ from attention_lab.checking import (
     call_student,
     check,
     describe,
+    expect_choice,
     expect_close,
     expect_signature,
     expect_tensor,
@@ -645,6 +646,24 @@ def check_mha_parameter_count(mha_parameter_count: Callable, *, seed: int = 0, d
                 hint = PARAMETER_COUNT_HINTS["one_bias"]
             expect_true(count == expected, f"{call} should be {expected:,}, got {count!r}."
                         + (f"\n  Likely mistake: {hint}" if hint else ""))
+
+
+# --------------------------------------------------------------------------------------
+# The find-the-bug question on the einops draft
+# --------------------------------------------------------------------------------------
+
+DRAFT_BUG_HINTS = {
+    "B": "look at the softmax's dim=-1 in the draft: the last axis of 'b h m n' is n, the keys.",
+    "C": "in \"b s (h d)\" h varies slowest, so head h takes features h*d ... (h+1)*d - 1: "
+    "the same split as your split_heads.",
+    "D": "read the last line of forward again: what does self.out_proj do there?",
+}
+
+
+@check("ANSWER_DRAFT_BUG: right choice")
+def check_answer_draft_bug(answer, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """The draft computes softmax(q k^T) v: attention with scale 1.0, not 1/sqrt(d_head)."""
+    expect_choice(answer, name="ANSWER_DRAFT_BUG", options="ABCD", correct="A", hints=DRAFT_BUG_HINTS)
 
 
 freeze_module(__name__)

@@ -783,42 +783,40 @@ def check_dot_product_variance(dot_product_variance: Callable, *, seed: int = 0,
 CHOICES = ("A", "B", "C", "D")
 SCALING_QUESTION_NAME = "ANSWER_SCALING"
 SCALING_HINTS = {
-    "A": "look at the raw-score curve: does its largest weight stay put as d_head grows?",
-    "C": "look at the scaled curve: does it rise with d_head, or stay about level?",
-    "D": "look at the scaled curve's height: is its largest weight near 1/16?",
+    "A": "compare the 1/d_head curve with the 1/sqrt(d_head) curve at d_head = 1024: are they level with each other?",
+    "B": "at d_head = 1024, is the 1/d_head curve's largest weight near 1, like the raw scores'?",
+    "D": "at d_head = 4, is the 1/d_head curve's largest weight near 1?",
 }
 
 
 def peakedness_curves(d_heads: Sequence[int] = (4, 16, 64, 256, 1024), seq_len: int = 16, num_queries: int = 200,
                       seed: int = 0) -> dict[str, np.ndarray]:
-    """Mean max softmax weight per row for q, k with iid N(0, 1) entries, scaled by 1 and by 1/sqrt(d)."""
+    """Mean max softmax weight per row for q, k with iid N(0, 1) entries, scaled by 1, 1/sqrt(d) and 1/d."""
     rng = _rng(seed)
-    unscaled, scaled = [], []
+    curves: dict[str, list[float]] = {"unscaled": [], "scaled": [], "by_d": []}
     for d_head in d_heads:
         q = rng.standard_normal((num_queries, 1, d_head))
         k = rng.standard_normal((num_queries, seq_len, d_head))  # fresh keys for every query
         scores = torch.from_numpy((q * k).sum(-1))  # [num_queries, seq_len]
-        unscaled.append(float(torch.softmax(scores, -1).amax(-1).mean()))
-        scaled.append(float(torch.softmax(scores / math.sqrt(d_head), -1).amax(-1).mean()))
-    return {"d_head": np.array(d_heads), "unscaled": np.array(unscaled), "scaled": np.array(scaled),
+        for name, factor in (("unscaled", 1.0), ("scaled", 1 / math.sqrt(d_head)), ("by_d", 1 / d_head)):
+            curves[name].append(float(torch.softmax(scores * factor, -1).amax(-1).mean()))
+    return {"d_head": np.array(d_heads), **{name: np.array(values) for name, values in curves.items()},
             "uniform": np.full(len(d_heads), 1.0 / seq_len)}
 
 
 def _statements(curves: dict[str, np.ndarray]) -> dict[str, bool]:
-    """Which of the notebook's four statements the measured curves support."""
-    unscaled, scaled, uniform = curves["unscaled"], curves["scaled"], curves["uniform"][0]
-    unscaled_rise = unscaled[-1] - unscaled[0]
-    scaled_rise = scaled[-1] - scaled[0]
-    flat = 0.08
+    """Which of the notebook's four statements about the 1/d_head scaling the measured curves support."""
+    by_d, scaled, uniform = curves["by_d"], curves["scaled"], curves["uniform"][0]
+    flattens = bool(abs(by_d[-1] - uniform) < 0.02 and np.all(np.diff(by_d) < 0))
     return {
-        # A: unscaled rows stay equally soft; scaling is what makes them peaked.
-        "A": bool(abs(unscaled_rise) < flat and scaled_rise > 0.2),
-        # B: unscaled rows become one-hot as d_head grows; scaled rows stay about equally peaked.
-        "B": bool(unscaled_rise > 0.3 and unscaled[-1] > 0.9 and np.ptp(scaled) < flat),
-        # C: both curves rise; scaling only delays the rise.
-        "C": bool(unscaled_rise > 0.2 and scaled_rise > 0.2),
-        # D: with scaling the rows flatten to uniform for large d_head.
-        "D": bool(abs(scaled[-1] - uniform) < 0.02),
+        # A: 1/d keeps the rows as peaked as 1/sqrt(d) for every width.
+        "A": bool(np.all(np.abs(by_d - scaled) < 0.05)),
+        # B: 1/d makes the rows one-hot as d_head grows.
+        "B": bool(by_d[-1] > 0.9),
+        # C: 1/d flattens the rows towards uniform as d_head grows.
+        "C": flattens and not bool(by_d[0] > 0.9),
+        # D: one-hot at small d_head, uniform at large.
+        "D": flattens and bool(by_d[0] > 0.9),
     }
 
 
