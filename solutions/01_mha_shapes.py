@@ -587,6 +587,9 @@ check_mha_parameter_count(mha_parameter_count, seed=1901)
 # run anything yet) and decide what is wrong:
 
 # %%
+from einops import rearrange
+
+
 class DraftMultiHeadAttention(nn.Module):
     def __init__(self, embed_dim, num_heads):
         super().__init__()
