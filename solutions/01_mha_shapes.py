@@ -220,7 +220,8 @@ check_split_heads_einops(split_heads_einops, seed=1301, device="cpu")
 #
 # `softmax(q @ kᵀ / sqrt(d_head))` over the keys, for inputs `[..., S_q, d_head]` and
 # `[..., S_k, d_head]` (any number of leading axes). `mask` is `None` or boolean,
-# broadcastable to `[..., S_q, S_k]`, **True = may attend**. From scratch: do not call
+# broadcastable to `[..., S_q, S_k]`, **True = may attend**; every query row the check gives
+# you may attend to at least one key. From scratch: do not call
 # `F.scaled_dot_product_attention` (the check compares you with it).
 
 # %% answer="attention_weights"
@@ -305,6 +306,7 @@ def scaled_dot_product_attention(q, k, v, mask=None):
 
 
 # %%
+Q_heads = split_heads(Q, H).detach()
 V_heads = split_heads(torch.randn(B, S, D, device=device), H)
 out, _ = scaled_dot_product_attention(Q_heads, Q_heads, V_heads, causal)
 reference = F.scaled_dot_product_attention(Q_heads, Q_heads, V_heads, attn_mask=causal)
@@ -330,7 +332,7 @@ check_scaled_dot_product_attention(scaled_dot_product_attention, seed=1501, devi
 # %%
 keep = torch.ones(S, S, dtype=torch.bool, device=device)
 keep[-1] = False  # the last query may attend to nothing (e.g. a padding token)
-q_row, v_row = Q_heads[:1, :1], V_heads[:1, :1]  # [1, 1, S, d_head]
+q_row, v_row = torch.randn(2, 1, 1, S, D // H, device=device)  # one head: [1, 1, S, d_head] each
 scores_demo = q_row @ q_row.transpose(-2, -1) / math.sqrt(q_row.shape[-1])
 for label, fill in (("-inf fill", float("-inf")), ("finfo.min fill", torch.finfo(scores_demo.dtype).min)):
     filled = scores_demo.masked_fill(~keep, fill)
@@ -341,8 +343,8 @@ print(f"{'mean of v':>15}:", v_row[0, 0].mean(0).round(decimals=3))
 
 # %% [markdown]
 # * **`-inf`** gives NaN, and NaN spreads: through the next matmul into every later layer, and
-#   into the gradients. Your `attention_weights` does this too — correctly, for this course's
-#   contract, since every row it is given has a key to attend to.
+#   into the gradients. Your `attention_weights` does this too — which is fine for this course's
+#   contract: every row the checks give it has a key to attend to.
 # * **`torch.finfo(dtype).min`** (or `-1e9`, as in many codebases) keeps everything finite: the
 #   row's scores are all equal, so the softmax is uniform and the output is the **mean of all
 #   values** — harmless garbage that the loss then ignores. Hugging Face models mask this way.

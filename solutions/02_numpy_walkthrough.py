@@ -261,6 +261,8 @@ print("entry (i=2, j=4) is one dot product:", np.isclose(raw_scores[0, 0, 2, 4],
 # (QK-norm) use a fixed or learned temperature instead.
 
 # %%
+Q, K = np_split_heads(X @ W_q, H), np_split_heads(X @ W_k, H)
+raw_scores = Q @ K.transpose(0, 1, 3, 2)  # (B, H, S, S), as above
 scaled_scores = raw_scores / math.sqrt(d_head)  # a Python float keeps the array's dtype
 print("scaled scores, batch 0, head 0:\n", scaled_scores[0, 0].round(2))
 

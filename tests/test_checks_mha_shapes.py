@@ -551,3 +551,16 @@ def test_answer_draft_bug_accepts_the_missing_scale_and_names_what_to_reread():
         assert "A" not in str(failure.value).replace("ANSWER_DRAFT_BUG", "")  # never names the right letter
     with pytest.raises(CheckFailure, match="not implemented yet"):
         checks.check_answer_draft_bug(None, **CPU)
+
+
+def test_attention_weights_accepts_hugging_face_eager_softmax_in_float32(capsys):
+    """HF's eager attention: softmax in float32, cast back. On float64 input that is float32-accurate: accepted, with a note."""
+    def eager(q, k, mask=None):
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        if mask is not None:
+            scores = scores + torch.zeros_like(scores).masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+
+    checks.check_attention_weights(eager, device="cpu")
+    printed = capsys.readouterr().out
+    assert printed.startswith("✓ attention_weights") and "float32 precision" in printed

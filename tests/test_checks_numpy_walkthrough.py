@@ -719,3 +719,20 @@ def test_np_attention_names_elementwise_scores_by_their_shape():
     with pytest.raises(CheckFailure, match=r"-> weights should have shape \[2, 2, 6, 6\], got \[2, 2, 6, 2\][\s\S]*"
                        + re.escape(checks.ATTENTION_HINTS["no_transpose"])):
         checks.check_np_attention(elementwise, **CPU)
+
+
+def test_no_function_of_the_check_module_or_the_widget_is_a_working_answer():
+    """Nothing importable from the package answers an exercise of notebook 02."""
+    import inspect
+
+    from attention_lab.widgets import numpy_scores
+
+    candidates = [obj for module in (checks, numpy_scores) for name, obj in vars(module).items()
+                  if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("check_")]
+    all_checks = [checks.check_row_times_matrix, checks.check_np_split_heads, checks.check_np_merge_heads,
+                  checks.check_np_softmax, checks.check_np_attention, checks.check_np_multi_head_attention,
+                  checks.check_dot_product_variance]
+    for candidate in candidates:
+        for check in all_checks:
+            with pytest.raises(Exception):
+                check(candidate, **CPU)

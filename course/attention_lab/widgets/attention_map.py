@@ -81,14 +81,14 @@ def attention_explorer(attention_weights: Callable, tokens: Sequence[str], *, nu
     def draw(figure: Figure, head: str, causal: bool, d_head: int, scaling: str, factor: float) -> None:
         figure.set_layout_engine("constrained")  # titles, labels and colour bar never overlap
         shown = list(range(num_heads)) if head == "all" else [int(head)]
-        grid = figure.add_gridspec(1, len(shown) + 2)
+        grid = figure.add_gridspec(1, len(shown) + 1, width_ratios=[1.0] * len(shown) + [1.6])
         map_axes = [figure.add_subplot(grid[0, i]) for i in range(len(shown))]
         weights = weights_for(d_head, scaling, factor, causal)
         title = (f"d_head = {d_head}, scores {scaling}, × {factor:.2f}: mean row entropy "
                  f"{mean_row_entropy(weights[shown]):.2f} nats (uniform: {math.log(seq_len):.2f}), "
                  f"mean largest weight {float(weights[shown].amax(-1).mean()):.2f}")
         plot_attention_heads(figure, weights, tokens, shown, title, axes=map_axes)
-        curve_ax = figure.add_subplot(grid[0, len(shown):])
+        curve_ax = figure.add_subplot(grid[0, len(shown)])
         for mode, style in ((SCALED, "o-"), (RAW, "s--")):
             entropies = [mean_row_entropy(weights_for(d, mode, factor, causal, curve_samples)) for d in d_heads]
             curve_ax.plot(list(d_heads), entropies, style, label=f"scores {mode}")
