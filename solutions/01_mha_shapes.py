@@ -142,11 +142,13 @@ check_merge_heads(merge_heads)
 check_merge_heads(merge_heads, seed=1201, device="cpu")
 ### END HIDDEN TESTS
 
-# %% [markdown] manual="why_contiguous" points=1
+# %% [markdown]
 # **Written question (1 pt).** `split_heads` ends with a `permute` and needs no copy, but
 # `merge_heads` cannot use `.view` after its `transpose`. Explain in two or three sentences why
-# the first is free and the second is not, and what `.contiguous()` costs.
-#
+# the first is free and the second is not, and what `.contiguous()` costs. Write your answer in
+# the cell below.
+
+# %% [markdown] manual="why_contiguous" points=1
 # *Model answer.* `view` and `permute` only change the shape and the strides, never the data:
 # splitting the last axis of a contiguous `[B, S, D]` into `[B, S, H, d_head]` is always
 # expressible with strides, and `permute` just reorders them. Merging `H` and `d_head` after
@@ -348,7 +350,7 @@ print(f"{'mean of v':>15}:", v_row[0, 0].mean(0).round(decimals=3))
 # * **`torch.finfo(dtype).min`** (or `-1e9`, as in many codebases) keeps everything finite: the
 #   row's scores are all equal, so the softmax is uniform and the output is the **mean of all
 #   values** — harmless garbage that the loss then ignores. Hugging Face models mask this way.
-#   (Do not use `-1e9` in float16: it overflows to `-inf`; `finfo(dtype).min` is always safe.)
+#   (In float16, `-1e9` rounds to `-inf` and the NaN is back; `finfo(dtype).min` is finite in every dtype.)
 # * **`F.scaled_dot_product_attention`** (PyTorch 2.5 and later) returns **zeros** for a row whose
 #   boolean mask is all False. `nn.MultiheadAttention` still gives NaN there.
 #
@@ -585,8 +587,8 @@ check_mha_parameter_count(mha_parameter_count, seed=1901)
 # ### Exercise 1.10 — what is wrong with this draft? (1 pt, ~5 min)
 #
 # Here is a compact einops version of multi-head attention from a draft you may meet online.
-# It runs and its shapes are right — and it is not the attention of the paper. Read it (do not
-# run anything yet) and decide what is wrong:
+# It runs and its shapes are right — and it is not the attention of the paper. Read it (running
+# the cell only defines the class) and decide what is wrong:
 
 # %%
 from einops import rearrange

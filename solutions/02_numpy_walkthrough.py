@@ -319,13 +319,14 @@ from attention_lab.widgets.numpy_scores import variance_explorer
 
 variance_explorer(dot_product_variance)
 
-# %% [markdown] manual="scaling_assumes_unit_variance" points=2
+# %% [markdown]
 # **Written question (2 pts).** Dividing by `sqrt(d_head)` turns `Var(q · k) = d · σ⁴` into
 # `σ⁴`. (a) With `σ = 2`, what is the variance of the scaled scores, and what does the softmax
 # over 16 keys look like (use the explorer)? (b) So what does the factor `1/sqrt(d_head)`
 # guarantee, and what does it not? What in a real Transformer keeps the entries of `q` and `k`
-# near unit variance — or replaces the factor altogether?
-#
+# near unit variance — or replaces the factor altogether? Write your answer in the cell below.
+
+# %% [markdown] manual="scaling_assumes_unit_variance" points=2
 # *Model answer.* (a) `σ⁴ = 16`, a standard deviation of 4: the largest of 16 weights averages
 # about 0.73 — the rows are close to one-hot even though the scale is the "right" one, whatever
 # `d_head` is. (b) The factor only guarantees that the spread of the scores does not grow with

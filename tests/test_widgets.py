@@ -123,3 +123,22 @@ def test_live_figure_redraws_on_every_control_change():
     assert calls == [1, 4]
     assert len(live.figure.axes) == 1  # cleared before each redraw
     assert list(live.figure.axes[0].lines[0].get_ydata()) == [0, 4]
+
+
+def test_the_numbers_notebook_01_quotes_from_the_explorer():
+    """01's text quotes the explorer's mean largest weight; keep the sentences true."""
+    import re
+
+    widget = attention_explorer(reference_weights, ["the", "cat", "sat", "on", "the", "mat"])
+
+    def largest_weight(**settings):
+        for name, value in settings.items():
+            widget.controls[name].value = value
+        return float(re.search(r"mean largest weight ([0-9.]+)", widget.figure._suptitle.get_text()).group(1))
+
+    scaled = [largest_weight(d_head=d) for d in (4, 64, 1024)]
+    assert all(0.35 <= value <= 0.45 for value in scaled), scaled  # "about 0.4 for every d_head"
+    assert largest_weight(factor=10.0) == pytest.approx(0.9, abs=0.06)  # "at 10× ... about 0.9"
+    widget.controls["factor"].value = 1.0
+    raw = [largest_weight(scaling="none (raw q·k)", d_head=d) for d in (4, 64, 256)]
+    assert raw[0] == pytest.approx(0.55, abs=0.03) and raw[1] == pytest.approx(0.88, abs=0.03) and raw[2] > 0.95, raw
