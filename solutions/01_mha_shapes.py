@@ -93,7 +93,8 @@ check_split_heads(split_heads, seed=1102)
 # %% [markdown]
 # ### Exercise 1.2 — merge_heads (2 pts, ~8 min)
 #
-# The inverse: `[B, H, S, d_head] -> [B, S, H, d_head] -> [B, S, H * d_head]`.
+# The inverse: `[B, H, S, d_head] -> [B, S, H, d_head] -> [B, S, H * d_head]`. One point for
+# the function, one for a written question after its check.
 #
 # Careful with the last step. Run the cell below: the obvious `.view` fails on a permuted tensor.
 

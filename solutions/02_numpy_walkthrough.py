@@ -269,7 +269,7 @@ print("scaled scores, batch 0, head 0:\n", scaled_scores[0, 0].round(2))
 # %% [markdown]
 # ### Exercise 2.4 — dot_product_variance (5 pts, ~18 min)
 #
-# Measure it. Draw `n_samples` pairs `(q, k)` of vectors of `d_head` entries, all independent
+# Three points for the measurement below, two for a written question after its check. Measure it. Draw `n_samples` pairs `(q, k)` of vectors of `d_head` entries, all independent
 # `N(0, σ²)`, and return the empirical variance of their dot products as a float. Draw every
 # number from the generator `rng` you are given (`rng.normal(0.0, sigma, size=...)` — note
 # that its `scale` is the standard deviation `σ`, not the variance): then a seeded `rng` gives
