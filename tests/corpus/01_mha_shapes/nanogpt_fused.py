@@ -33,7 +33,7 @@ def attention_weights(q, k, mask=None):
 def scaled_dot_product_attention(q, k, v, mask=None):
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
     if mask is not None:
-        att = att.masked_fill(mask.logical_not(), float("-inf"))
+        att.masked_fill_(mask.logical_not(), float("-inf"))  # in place, on the fresh score tensor
     att = F.softmax(att, dim=-1)
     y = att @ v
     return y, att
