@@ -260,10 +260,10 @@ def _attention_variants(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | N
     return variants
 
 
-def _matmul_error(left_shape, right_shape) -> str | None:
-    """The message PyTorch raises for ``left @ right`` on these shapes (None if it works)."""
+def _matmul_error(left_shape, right_shape, device: torch.device) -> str | None:
+    """The message PyTorch raises for ``left @ right`` on these shapes and this device (None if it works)."""
     try:
-        torch.empty(left_shape) @ torch.empty(right_shape)
+        torch.empty(left_shape, device=device) @ torch.empty(right_shape, device=device)
     except RuntimeError as error:
         return str(error)
     return None
@@ -279,7 +279,8 @@ def _call_attention(fn: Callable, *args, call: str, scores_shapes: tuple, **kwar
         return call_student(fn, *args, call=call, forbidden=ATTENTION_BUILTINS, **kwargs)
     except CheckFailure as failure:
         cause = failure.__cause__
-        untransposed = _matmul_error(*scores_shapes)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        untransposed = _matmul_error(*scores_shapes, device)
         if isinstance(cause, RuntimeError) and untransposed is not None and str(cause) == untransposed:
             raise CheckFailure(f"{failure}\n  Likely mistake: {ATTENTION_HINTS['no_transpose']}") from cause
         raise
