@@ -27,7 +27,7 @@ from autograder.release import REPO_ROOT, build_source, course_repository, write
 pytestmark = pytest.mark.slow
 
 ASSIGNMENT = "01_mha_shapes"
-FULL = 18.0
+FULL = 19.0  # the autograded points of 01 (its 20 minus the 1-point written answer, graded by hand)
 LAST = "mha_parameter_count"          # answer cell of the last exercise (1 point)
 LAST_TEST = "test_mha_parameter_count"
 REAL_GRADEBOOK = REPO_ROOT / "autograder" / "gradebook.db"
