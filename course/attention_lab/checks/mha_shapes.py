@@ -603,15 +603,15 @@ def check_mha_shapes(mha_shapes: Callable, *, seed: int = 0, device: torch.devic
         extra = [key for key in table if key not in SHAPE_KEYS]
         expect_true(not missing and not extra, f"{call} should have exactly the keys {list(SHAPE_KEYS)}; "
                     f"missing {missing}, unexpected {extra}.")
-        # The shapes, read off a real forward pass through PyTorch's modules on the meta device
-        # (no memory, no arithmetic), not typed in.
-        x = torch.zeros(B, S, D, device="meta")
-        q = nn.Linear(D, D, device="meta")(x)
+        # The shapes, read off a real forward pass through PyTorch's modules (not typed in). On
+        # the CPU: the meta device would cost a few seconds of one-time setup in the notebook.
+        x = torch.zeros(B, S, D)
+        q = nn.Linear(D, D)(x)
         q_heads = torch.stack(q.tensor_split(H, dim=-1), dim=1)
         scores = q_heads @ q_heads.transpose(-2, -1)
         context_heads = torch.softmax(scores, dim=-1) @ q_heads
         context = torch.cat(context_heads.unbind(1), dim=-1)
-        traced = (x, q, q_heads, scores, scores, context_heads, context, nn.Linear(D, D, device="meta")(context))
+        traced = (x, q, q_heads, scores, scores, context_heads, context, nn.Linear(D, D)(context))
         expected = {key: tuple(value.shape) for key, value in zip(SHAPE_KEYS, traced)}
         for key in SHAPE_KEYS:
             value = table[key]
