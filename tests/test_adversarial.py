@@ -283,7 +283,7 @@ def test_nothing_is_lost(graded):
     assert rows == scores(root)
     with open(graded["by_question_csv"], encoding="utf-8") as handle:
         questions = list(csv.DictReader(handle))
-    assert len(questions) == 9 * len(students)
+    assert len(questions) == 11 * len(students)  # 01's ten test cells and its written answer
     per_student = {}
     for row in questions:
         per_student[row["student"]] = per_student.get(row["student"], 0) + float(row["score"])
@@ -306,7 +306,7 @@ def test_feedback_never_shows_hidden_tests_tracebacks_or_output(graded):
         assert "Traceback" not in text and "BEGIN HIDDEN" not in text and "xxxxxxxxxx" not in text
         assert "all good" not in text
     blank = (root / "feedback" / "blank" / ASSIGNMENT / f"{ASSIGNMENT}.html").read_text(encoding="utf-8")
-    assert "not implemented yet" in blank and "0 / 18" in blank
+    assert "not implemented yet" in blank and "0 / 20" in blank
     osexit = (root / "feedback" / "osexit" / ASSIGNMENT / f"{ASSIGNMENT}.html").read_text(encoding="utf-8")
     assert "stopped the Python kernel" in osexit
 

@@ -35,7 +35,8 @@ def plot_score_spread(figure: Figure, scores: np.ndarray, sorted_weights: np.nda
     """Left: histogram of ``scores`` with the normal density of ``predicted_variance``.
     Right: ``sorted_weights (num_keys,)``, the mean softmax weight of the largest, second largest, ... key.
     """
-    hist_ax, weight_ax = figure.subplots(1, 2)
+    hist_ax, weight_ax = figure.subplots(1, 2, gridspec_kw=dict(left=0.07, right=0.98, bottom=0.14, top=0.88,
+                                                                 wspace=0.22))
     spread = max(4.0 * math.sqrt(predicted_variance), float(np.abs(scores).max(initial=1e-9)))
     hist_ax.hist(scores, bins=60, range=(-spread, spread), density=True, color="tab:blue", alpha=0.6,
                  label="sampled scores")
@@ -63,7 +64,6 @@ def variance_explorer(dot_product_variance: Callable, *, d_heads=(1, 4, 16, 64, 
     """
 
     def draw(figure: Figure, d_head: int, sigma: float, scaling: str) -> None:
-        figure.set_layout_engine("constrained")
         rng = np.random.default_rng(seed)
         factor = 1 / math.sqrt(d_head) if scaling == SCALED else 1.0
         q = rng.normal(0.0, sigma, size=(num_samples, d_head))
