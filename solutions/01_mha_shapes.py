@@ -3,7 +3,9 @@
 #
 # You will build multi-head self-attention from `nn.Linear`, `view`, `permute`, `matmul`
 # and `softmax`, one shape at a time, and prove that it computes exactly what PyTorch's
-# `nn.MultiheadAttention` computes. About an hour.
+# `nn.MultiheadAttention` computes.
+#
+# **20 points, about 86 minutes.**
 #
 # **Notation** (used in every notebook): `B` batch, `S` sequence length (tokens), `D` model
 # width, `H` heads, `d_head = D // H`. Shapes are written `[B, H, S, d_head]`.
@@ -89,14 +91,30 @@ check_split_heads(split_heads, seed=1102)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 1.2 — merge_heads (1 pt, ~5 min)
+# ### Exercise 1.2 — merge_heads (2 pts, ~8 min)
 #
-# The inverse: `[B, H, S, d_head] -> [B, S, H, d_head] -> [B, S, H * d_head]`.
+# The inverse: `[B, H, S, d_head] -> [B, S, H, d_head] -> [B, S, H * d_head]`. One point for
+# the function, one for a written question after its check.
 #
-# After `permute`, the tensor's memory is no longer in row-major order for its new shape, so
-# `.view` refuses to flatten it. Either call `.contiguous()` first (it copies **only if** the
-# tensor is not already contiguous — after a `permute` it usually is not), or use `.reshape`,
-# which does the same thing for you.
+# Careful with the last step. Run the cell below: the obvious `.view` fails on a permuted tensor.
+
+# %%
+context_heads = torch.randn(B, H, S, D // H)  # like attention's output: laid out as [B, H, S, d_head]
+heads_back = context_heads.transpose(1, 2)  # [B, S, H, d_head]: the same memory, strides swapped
+try:
+    heads_back.view(B, S, D)
+except RuntimeError as error:
+    print("view refuses:", str(error).split(".")[0] + ".")
+print("contiguous?", heads_back.is_contiguous(), "| after .contiguous():", heads_back.contiguous().is_contiguous())
+print("reshape works:", tuple(heads_back.reshape(B, S, D).shape))
+# Undoing split_heads' own permute is a case where .view works: the memory is Q's, in order.
+print("split_heads(Q, H).transpose(1, 2) contiguous?", split_heads(Q, H).transpose(1, 2).is_contiguous())
+
+# %% [markdown]
+# After `permute`/`transpose`, the tensor's memory is no longer laid out in row-major order for
+# its new shape, so `.view` cannot flatten it. Either call `.contiguous()` first (it copies
+# **only if** the tensor is not already contiguous — after a `permute` it usually is not), or
+# use `.reshape`, which does the same thing for you.
 
 # %% answer="merge_heads"
 def merge_heads(x):
@@ -126,12 +144,34 @@ check_merge_heads(merge_heads, seed=1201, device="cpu")
 ### END HIDDEN TESTS
 
 # %% [markdown]
+# **Written question (1 pt).** `split_heads` ends with a `permute` and needs no copy, but
+# `merge_heads` cannot use `.view` after its `transpose`. Explain in two or three sentences why
+# the first is free and the second is not, and what `.contiguous()` costs. Write your answer in
+# the cell below.
+
+# %% [markdown] manual="why_contiguous" points=1
+# *Model answer.* `view` and `permute` only change the shape and the strides, never the data:
+# splitting the last axis of a contiguous `[B, S, D]` into `[B, S, H, d_head]` is always
+# expressible with strides, and `permute` just reorders them. Merging `H` and `d_head` after
+# the transpose would need one stride to step through features of different heads that are not
+# next to each other in memory (head `h+1` of the same token is `S·d_head` elements away in the
+# `[B, H, S, d_head]` layout), which no single stride can do — so the elements must be copied
+# into a new contiguous block. `.contiguous()` (or `.reshape`, which calls it when needed)
+# makes that one copy of `B·S·D` numbers; on an already contiguous tensor it costs nothing.
+
+# %% [markdown]
 # ### Exercise 1.3 — split_heads_einops (1 pt, ~5 min)
 #
 # [einops](https://einops.rocks) writes the same reshuffle as a sentence:
 # `"b s (h d) -> b h s d"` says "the last axis is h groups of d; put h before s". The
 # grouping `(h d)` means `h` varies slowest, exactly as in `split_heads`. Write it with
-# `einops.rearrange`.
+# `einops.rearrange`: the rearrange itself must do the split (the check notices a
+# `split_heads` call dressed up with a rearrange that changes nothing).
+#
+# The contract is `split_heads`' contract, **including the `ValueError`** that names `D` and `H`
+# when `D` is not divisible by `H`. einops does complain on its own, but with an `EinopsError`,
+# a subclass of `RuntimeError`, not `ValueError`: code that catches `ValueError` for bad shapes
+# would miss it. Check divisibility yourself first.
 
 # %% answer="split_heads_einops"
 from einops import rearrange
@@ -174,14 +214,17 @@ check_split_heads_einops(split_heads_einops, seed=1301, device="cpu")
 #
 # The **softmax** runs over the keys (the last axis), so each query's weights sum to 1. A
 # **mask** sets the scores of forbidden keys to `-inf` before the softmax, which gives them
-# weight exactly 0.
+# weight exactly 0 (`exp(-inf) = 0`). Two masks you will meet everywhere: the **causal** mask
+# (query `i` may attend to keys `0…i`, for text generation) and the **padding** mask (a batch
+# holds sequences of different lengths, padded to one `S`; no query may attend to a padding key).
 
 # %% [markdown]
 # ### Exercise 1.4 — attention_weights (3 pts, ~15 min)
 #
 # `softmax(q @ kᵀ / sqrt(d_head))` over the keys, for inputs `[..., S_q, d_head]` and
 # `[..., S_k, d_head]` (any number of leading axes). `mask` is `None` or boolean,
-# broadcastable to `[..., S_q, S_k]`, **True = may attend**. From scratch: do not call
+# broadcastable to `[..., S_q, S_k]`, **True = may attend**; every query row the check gives
+# you may attend to at least one key. From scratch: do not call
 # `F.scaled_dot_product_attention` (the check compares you with it).
 
 # %% answer="attention_weights"
@@ -204,12 +247,12 @@ def attention_weights(q, k, mask=None):
 
 
 # %%
-Q_heads = split_heads(Q, H)  # [B, H, S, d_head]
+Q_heads = split_heads(Q, H).detach()  # [B, H, S, d_head]; detached: we only look at numbers here
 causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
 print(causal.int())
-weights = attention_weights(Q_heads, Q_heads, causal)
-print("weights:", tuple(weights.shape), "| head 0, batch 0:")
-print(weights[0, 0].round(decimals=2))
+demo_weights = attention_weights(Q_heads, Q_heads, causal)
+print("weights:", tuple(demo_weights.shape), "| head 0, batch 0:")
+print(demo_weights[0, 0].round(decimals=2))
 
 # %% test="test_attention_weights" points=3
 """attention_weights: shape [..., S_q, S_k], matches PyTorch, rows sum to 1, masked weights exactly 0, from scratch."""
@@ -222,26 +265,33 @@ check_attention_weights(attention_weights, seed=1402)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# **Look at it.** The explorer below runs *your* `attention_weights` on four heads of random
-# queries and keys for a short sentence. Switch heads, toggle the causal mask, and drag the
-# scale: at `1/sqrt(d_head)` the rows are soft; multiply the scale by 10 and every row
-# collapses onto one key — the saturated softmax that the scaling prevents.
+# **Look at it: why `1/sqrt(d_head)`.** The explorer runs *your* `attention_weights` on four
+# heads of random queries and keys (entries of mean 0, variance 1) for a six-word sentence.
+# Pick `d_head`, and switch the scaling between `÷ sqrt(d_head)` and none. The panel on the
+# right is the mean row entropy against `d_head` (log 6 ≈ 1.79 nats = uniform weights, 0 =
+# one-hot rows):
+#
+# * **without** the scaling the entropy falls as `d_head` grows — the mean largest weight goes
+#   from about 0.55 at `d_head = 4` to 0.88 at 64 and over 0.95 at 256: nearly every row has
+#   put almost all its weight on one key, and a saturated softmax passes back almost no gradient;
+# * **with** it the entropy stays about level (mean largest weight about 0.4 for every `d_head`).
+#
+# The `× factor` slider multiplies the scores on top: at 10× with the scaling on, the mean
+# largest weight is about 0.9 — most rows are nearly one-hot, a few still split their weight.
 
 # %%
 from attention_lab.widgets import attention_explorer
 
 tokens = ["the", "cat", "sat", "on", "the", "mat"]
-generator = torch.Generator().manual_seed(0)
-demo_q = torch.randn(4, len(tokens), 16, generator=generator)
-demo_k = torch.randn(4, len(tokens), 16, generator=generator)
-attention_explorer(attention_weights, demo_q, demo_k, tokens)
+attention_explorer(attention_weights, tokens)
 
 # %% [markdown]
-# ### Exercise 1.5 — scaled_dot_product_attention (2 pts, ~5 min)
+# ### Exercise 1.5 — scaled_dot_product_attention (2 pts, ~10 min)
 #
 # The weighted sum of the values: `out = weights @ v`, `[..., S_q, S_k] @ [..., S_k, d_v]
-# -> [..., S_q, d_v]`. Return `(out, weights)`. It must equal
-# `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)` — without calling it.
+# -> [..., S_q, d_v]`. Return `(out, weights)`. On every query row that may attend to at least
+# one key it must equal `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)` — without
+# calling it. (A row that may attend to nothing is the subject of the next section.)
 
 # %% answer="scaled_dot_product_attention"
 def scaled_dot_product_attention(q, k, v, mask=None):
@@ -259,7 +309,7 @@ def scaled_dot_product_attention(q, k, v, mask=None):
 
 
 # %%
-Q_heads = split_heads(Q, H)
+Q_heads = split_heads(Q, H).detach()
 V_heads = split_heads(torch.randn(B, S, D, device=device), H)
 out, _ = scaled_dot_product_attention(Q_heads, Q_heads, V_heads, causal)
 reference = F.scaled_dot_product_attention(Q_heads, Q_heads, V_heads, attn_mask=causal)
@@ -273,6 +323,40 @@ check_scaled_dot_product_attention(scaled_dot_product_attention)
 ### BEGIN HIDDEN TESTS
 check_scaled_dot_product_attention(scaled_dot_product_attention, seed=1501, device="cpu")
 ### END HIDDEN TESTS
+
+# %% [markdown]
+# ### A query with nothing to attend to
+#
+# Padding makes it happen: pad a batch's short sequence with two tokens, build the padding mask
+# as a `[B, 1, S, S]` "query and key are both real" mask, and the padding *queries* are left
+# with no key at all. Their scores are all `-inf`, and the softmax computes `exp(-inf) / Σ exp(-inf)
+# = 0 / 0 = NaN`. Three recipes, three answers:
+
+# %%
+keep = torch.ones(S, S, dtype=torch.bool, device=device)
+keep[-1] = False  # the last query may attend to nothing (e.g. a padding token)
+q_row, v_row = torch.randn(2, 1, 1, S, D // H, device=device)  # one head: [1, 1, S, d_head] each
+scores_demo = q_row @ q_row.transpose(-2, -1) / math.sqrt(q_row.shape[-1])
+for label, fill in (("-inf fill", float("-inf")), ("finfo.min fill", torch.finfo(scores_demo.dtype).min)):
+    filled = scores_demo.masked_fill(~keep, fill)
+    print(f"{label:>15}: last row of out =", (torch.softmax(filled, dim=-1) @ v_row)[0, 0, -1].round(decimals=3))
+sdpa_row = F.scaled_dot_product_attention(q_row, q_row, v_row, attn_mask=keep)[0, 0, -1]
+print(f"{'PyTorch SDPA':>15}: last row of out =", sdpa_row.round(decimals=3))
+print(f"{'mean of v':>15}:", v_row[0, 0].mean(0).round(decimals=3))
+
+# %% [markdown]
+# * **`-inf`** gives NaN, and NaN spreads: through the next matmul into every later layer, and
+#   into the gradients. Your `attention_weights` does this too — which is fine for this course's
+#   contract: every row the checks give it has a key to attend to.
+# * **`torch.finfo(dtype).min`** (or `-1e9`, as in many codebases) keeps everything finite: the
+#   row's scores are all equal, so the softmax is uniform and the output is the **mean of all
+#   values** — harmless garbage that the loss then ignores. Hugging Face models mask this way.
+#   (In float16, `-1e9` rounds to `-inf` and the NaN is back; `finfo(dtype).min` is finite in every dtype.)
+# * **`F.scaled_dot_product_attention`** (PyTorch 2.5 and later) returns **zeros** for a row whose
+#   boolean mask is all False. `nn.MultiheadAttention` still gives NaN there.
+#
+# None of the three is "right": the padding positions' outputs are meaningless and must be
+# masked out of the loss. What matters is that they are finite, so they cannot poison the rest.
 
 # %% [markdown]
 # ## 3. The whole module
@@ -336,9 +420,10 @@ class MultiHeadSelfAttention(nn.Module):
 
 
 # %%
-attention = MultiHeadSelfAttention(D, H).to(device)
-out, weights = attention(x, causal, return_weights=True)
-print("out:", tuple(out.shape), "weights:", tuple(weights.shape))
+demo_layer = MultiHeadSelfAttention(D, H).to(device)
+with torch.no_grad():  # only looking at shapes: no autograd graph needed
+    out, demo_weights = demo_layer(x, causal, return_weights=True)
+print("out:", tuple(out.shape), "weights:", tuple(demo_weights.shape))
 
 # %% test="test_MultiHeadSelfAttention" points=4
 """MultiHeadSelfAttention: attributes, output and per-head weights equal nn.MultiheadAttention's; equivariance; causality."""
@@ -352,16 +437,25 @@ check_multi_head_self_attention(MultiHeadSelfAttention, seed=1601, device="cpu")
 # %% [markdown]
 # ## 4. Where PyTorch keeps Q, K and V
 #
-# `nn.MultiheadAttention` (and so `nn.TransformerEncoderLayer`, and a ViT) stores the three
-# projections stacked in **one** parameter, `in_proj_weight` of shape `[3·D, D]`: rows
-# `0…D-1` are `W_q`, then `W_k`, then `W_v`, each in `nn.Linear`'s `[out, in]` layout — it
-# computes `Q = x @ W_qᵀ + b_q`, not `x @ W_q` — with the biases stacked the same way in
-# `in_proj_bias`. The output projection is an ordinary `nn.Linear` called `out_proj`.
+# `nn.MultiheadAttention` stores the three projections stacked in **one** parameter,
+# `in_proj_weight` of shape `[3·D, D]`: rows `0…D-1` are `W_q`, then `W_k`, then `W_v`, each in
+# `nn.Linear`'s `[out, in]` layout — it computes `Q = x @ W_qᵀ + b_q`, not `x @ W_q` — with the
+# biases stacked the same way in `in_proj_bias`. The output projection is an ordinary
+# `nn.Linear` called `out_proj`.
+#
+# Everything built on `nn.MultiheadAttention` inherits this layout: `nn.TransformerEncoderLayer`
+# (its `self_attn`), and ViTs that use it, such as torchvision's `vit_b_16`. Others write their
+# own: timm's ViT has one `qkv = nn.Linear(D, 3·D)` whose weight is stacked q; k; v in the same
+# order, Hugging Face's ViT has three separate `query`, `key`, `value` Linears. Always read the
+# code before copying weights.
 
 # %%
 torch_mha = nn.MultiheadAttention(D, H, batch_first=True)
 print("in_proj_weight:", tuple(torch_mha.in_proj_weight.shape), "| in_proj_bias:", tuple(torch_mha.in_proj_bias.shape),
       "| out_proj.weight:", tuple(torch_mha.out_proj.weight.shape))
+encoder_layer = nn.TransformerEncoderLayer(d_model=512, nhead=8)
+print("nn.TransformerEncoderLayer(512, 8).self_attn.in_proj_weight:", tuple(encoder_layer.self_attn.in_proj_weight.shape),
+      "= [3·512, 512]")
 
 # %% [markdown]
 # ### Exercise 1.7 — load_torch_mha_weights (2 pts, ~10 min)
@@ -400,8 +494,9 @@ def load_torch_mha_weights(module, torch_mha):
 mine = MultiHeadSelfAttention(D, H)
 load_torch_mha_weights(mine, torch_mha)
 x_cpu = x.cpu()
-theirs, _ = torch_mha(x_cpu, x_cpu, x_cpu, attn_mask=~causal.cpu())  # their mask: True = blocked
-print("max difference:", float((mine(x_cpu, causal.cpu()) - theirs).abs().max()))
+with torch.no_grad():
+    theirs, _ = torch_mha(x_cpu, x_cpu, x_cpu, attn_mask=~causal.cpu())  # their mask: True = blocked
+    print("max difference:", float((mine(x_cpu, causal.cpu()) - theirs).abs().max()))
 
 # %% test="test_load_torch_mha_weights" points=2
 """load_torch_mha_weights: copies (not shares) in_proj_weight/bias blocks and out_proj; the module then equals nn.MultiheadAttention."""
@@ -490,11 +585,16 @@ check_mha_parameter_count(mha_parameter_count, seed=1901)
 # %% [markdown]
 # ## 6. Find the bug
 #
+# ### Exercise 1.10 — what is wrong with this draft? (1 pt, ~5 min)
+#
 # Here is a compact einops version of multi-head attention from a draft you may meet online.
-# It runs, its shapes are right — and it is not the attention of the paper. Run the cell.
-# What is missing?
+# It runs and its shapes are right — and it is not the attention of the paper. Read it (running
+# the cell only defines the class) and decide what is wrong:
 
 # %%
+from einops import rearrange
+
+
 class DraftMultiHeadAttention(nn.Module):
     def __init__(self, embed_dim, num_heads):
         super().__init__()
@@ -513,19 +613,48 @@ class DraftMultiHeadAttention(nn.Module):
         result = torch.einsum("b h m n, b h n d -> b h m d", attn, r_v)
         return self.out_proj(rearrange(result, "b h m d -> b m (h d)"))
 
+# %% [markdown]
+# * **A.** It never divides the scores by `sqrt(d_head)`.
+# * **B.** Its softmax runs over the queries instead of the keys.
+# * **C.** `"b m (h d)"` gives each head every `H`-th feature instead of a block of `d_head`.
+# * **D.** It has no output projection: the heads are never mixed.
+#
+# Set `ANSWER_DRAFT_BUG` to the letter, as a string. The cell after the check shows the evidence.
 
+# %% answer="ANSWER_DRAFT_BUG"
+ANSWER_DRAFT_BUG = None  # your choice: "A", "B", "C" or "D"
+### BEGIN SOLUTION
+ANSWER_DRAFT_BUG = "A"
+### END SOLUTION
+
+# %% test="test_ANSWER_DRAFT_BUG" points=1
+"""ANSWER_DRAFT_BUG: what the einops draft gets wrong."""
+from attention_lab.checks.mha_shapes import check_answer_draft_bug
+
+check_answer_draft_bug(ANSWER_DRAFT_BUG)
+### BEGIN HIDDEN TESTS
+check_answer_draft_bug(ANSWER_DRAFT_BUG, seed=11001)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# The evidence: the draft's output equals PyTorch's SDPA (on the draft's own projections) with
+# one scale and not the other.
+
+# %%
 draft = DraftMultiHeadAttention(D, H)
 x_cpu = torch.randn(B, S, D)
-q_, k_, v_ = (rearrange(linear(x_cpu), "b s (h d) -> b h s d", h=H)
-              for linear in (draft.in_proj_q, draft.in_proj_k, draft.in_proj_v))
-for scale in (1 / math.sqrt(D // H), 1.0):
-    expected = draft.out_proj(rearrange(F.scaled_dot_product_attention(q_, k_, v_, scale=scale), "b h s d -> b s (h d)"))
-    print(f"draft equals SDPA with scale={scale:.3f}:", torch.allclose(draft(x_cpu, x_cpu, x_cpu), expected, atol=1e-6))
+with torch.no_grad():
+    draft_q, draft_k, draft_v = (rearrange(linear(x_cpu), "b s (h d) -> b h s d", h=H)
+                                 for linear in (draft.in_proj_q, draft.in_proj_k, draft.in_proj_v))
+    for scale in (1 / math.sqrt(D // H), 1.0):
+        context = F.scaled_dot_product_attention(draft_q, draft_k, draft_v, scale=scale)
+        expected = draft.out_proj(rearrange(context, "b h s d -> b s (h d)"))
+        print(f"draft equals SDPA with scale={scale:.3f}:", torch.allclose(draft(x_cpu, x_cpu, x_cpu), expected, atol=1e-6))
 
 # %% [markdown]
 # The draft never divides the scores by `sqrt(d_head)`: it computes attention with scale
-# 1.0. With `d_head = 64` its scores are 8× too large and its softmax saturates (drag the
-# explorer's scale slider to see what that does). One more detail: a module built this way
+# 1.0. With `d_head = 64` its scores are 8× too large and its softmax saturates (set the
+# explorer's scaling to "none" to see what that does). One more detail: a module built this way
 # returns a tensor, so code written for `nn.MultiheadAttention` that takes `[0]` of its result
 # would silently take batch element 0 instead of the output.
 #
@@ -534,7 +663,7 @@ for scale in (1 / math.sqrt(D // H), 1.0):
 # * `split_heads` / `merge_heads`: `view` + `permute`, and why `.contiguous()`/`.reshape` is
 #   needed after a permute.
 # * `attention_weights` / `scaled_dot_product_attention`: equal to PyTorch's SDPA, masks with
-#   True = may attend.
+#   True = may attend — and what each recipe does to a row with nothing to attend to.
 # * `MultiHeadSelfAttention`: equal to `nn.MultiheadAttention` once the weights are loaded —
 #   with the stacked `in_proj_weight` in `[out, in]` layout and the opposite mask polarity.
 #

@@ -5,15 +5,22 @@
 # hand in **NumPy**, on a configuration small enough to print whole — `B = 2` sequences of
 # `S = 6` tokens with `D = 4` features, split into `H = 2` heads of `d_head = 2` — and look at
 # every intermediate array. Then you measure *why* the scores are divided by `sqrt(d_head)`.
-# About an hour.
+#
+# **22 points, about 85 minutes.**
 #
 # **Notation** (as in every notebook): `B` batch, `S` sequence length, `D` model width, `H`
 # heads, `d_head = D // H`. The walkthrough this notebook grew from calls the feature width
 # `N`; we call it `D`.
 #
-# **Rules of this notebook.** Your answers use **NumPy only** (no torch, not even "compute in
-# torch and convert back": the checks notice and say so). The checks compare your arrays with
-# PyTorch in float64. Masks are boolean with **True = may attend**.
+# **Rules of this notebook.**
+#
+# * Your answers use **NumPy only** (no torch, not even "compute in torch and convert back":
+#   the checks notice and say so). The checks compare your arrays with PyTorch in float64.
+# * **float32 in, float32 out**: every answer returns arrays of its input's dtype, as NumPy and
+#   PyTorch functions do. Watch the one trap: NumPy 2 keeps a float32 array float32 when it
+#   meets a Python float (`x / math.sqrt(d)`), but a NumPy float64 scalar promotes it
+#   (`x / np.sqrt(d)` is float64). Use `math.sqrt`, or cast back with `.astype(x.dtype)`.
+# * Masks are boolean with **True = may attend**.
 
 # %%
 import math
@@ -229,10 +236,10 @@ check_np_merge_heads(np_merge_heads, seed=2301)
 # %%
 Q = np_split_heads(X @ W_q, H)  # (B, H, S, d_head)
 K = np_split_heads(X @ W_k, H)
-scores = Q @ K.transpose(0, 1, 3, 2)  # (B, H, S, d_head) @ (B, H, d_head, S) -> (B, H, S, S)
-print("scores:", scores.shape)
-print("batch 0, head 0:\n", scores[0, 0].round(2))
-print("entry (i=2, j=4) is one dot product:", np.isclose(scores[0, 0, 2, 4], Q[0, 0, 2] @ K[0, 0, 4]))
+raw_scores = Q @ K.transpose(0, 1, 3, 2)  # (B, H, S, d_head) @ (B, H, d_head, S) -> (B, H, S, S)
+print("scores:", raw_scores.shape)
+print("batch 0, head 0:\n", raw_scores[0, 0].round(2))
+print("entry (i=2, j=4) is one dot product:", np.isclose(raw_scores[0, 0, 2, 4], Q[0, 0, 2] @ K[0, 0, 4]))
 
 # %% [markdown]
 # ## 6. Why divide by `sqrt(d_head)`? The variance argument, done right
@@ -244,8 +251,9 @@ print("entry (i=2, j=4) is one dot product:", np.isclose(scores[0, 0, 2, 4], Q[0
 #
 # so **`Var(q · k) = d · σ⁴`**. (The walkthrough writes `d · σ²`; that holds only when `σ = 1`.)
 # Dividing the scores by `sqrt(d)` divides the variance by `d`: the scaled scores have variance
-# `σ⁴` whatever the head width. That is the point of the factor — the spread of the scores no
-# longer grows with `d_head` — and it is exactly 1 only for unit-variance queries and keys.
+# `σ⁴` whatever the head width. That is the point of the factor: the spread of the scores no
+# longer grows with `d_head`. (What it does *not* promise is the subject of a written question
+# after the next exercise.)
 #
 # Is `1/sqrt(d_head)` "the only mathematically correct factor"? No: it is the one that keeps the
 # variance constant under this independence assumption. Other choices are in use — μP
@@ -254,14 +262,14 @@ print("entry (i=2, j=4) is one dot product:", np.isclose(scores[0, 0, 2, 4], Q[0
 
 # %%
 Q, K = np_split_heads(X @ W_q, H), np_split_heads(X @ W_k, H)
-scores = Q @ K.transpose(0, 1, 3, 2)  # (B, H, S, S), as above
-scaled_scores = scores / math.sqrt(d_head)  # a Python float keeps the array's dtype
+raw_scores = Q @ K.transpose(0, 1, 3, 2)  # (B, H, S, S), as above
+scaled_scores = raw_scores / math.sqrt(d_head)  # a Python float keeps the array's dtype
 print("scaled scores, batch 0, head 0:\n", scaled_scores[0, 0].round(2))
 
 # %% [markdown]
-# ### Exercise 2.4 — dot_product_variance (3 pts, ~10 min)
+# ### Exercise 2.4 — dot_product_variance (5 pts, ~18 min)
 #
-# Measure it. Draw `n_samples` pairs `(q, k)` of vectors of `d_head` entries, all independent
+# Three points for the measurement below, two for a written question after its check. Measure it. Draw `n_samples` pairs `(q, k)` of vectors of `d_head` entries, all independent
 # `N(0, σ²)`, and return the empirical variance of their dot products as a float. Draw every
 # number from the generator `rng` you are given (`rng.normal(0.0, sigma, size=...)` — note
 # that its `scale` is the standard deviation `σ`, not the variance): then a seeded `rng` gives
@@ -301,6 +309,36 @@ check_dot_product_variance(dot_product_variance, seed=2401)
 ### END HIDDEN TESTS
 
 # %% [markdown]
+# **Look at it.** Vary `d_head`, the entries' standard deviation `σ` and the scaling. Left: the
+# scores of 4000 random pairs, with the variance *your* `dot_product_variance` measures and the
+# prediction. Right: what the softmax makes of 16 such scores — the mean weight of the largest,
+# second largest, … key (uniform is 1/16 each).
+
+# %%
+from attention_lab.widgets.numpy_scores import variance_explorer
+
+variance_explorer(dot_product_variance)
+
+# %% [markdown]
+# **Written question (2 pts).** Dividing by `sqrt(d_head)` turns `Var(q · k) = d · σ⁴` into
+# `σ⁴`. (a) With `σ = 2`, what is the variance of the scaled scores, and what does the softmax
+# over 16 keys look like (use the explorer)? (b) So what does the factor `1/sqrt(d_head)`
+# guarantee, and what does it not? What in a real Transformer keeps the entries of `q` and `k`
+# near unit variance — or replaces the factor altogether? Write your answer in the cell below.
+
+# %% [markdown] manual="scaling_assumes_unit_variance" points=2
+# *Model answer.* (a) `σ⁴ = 16`, a standard deviation of 4: the largest of 16 weights averages
+# about 0.73 — the rows are close to one-hot even though the scale is the "right" one, whatever
+# `d_head` is. (b) The factor only guarantees that the spread of the scores does not grow with
+# `d_head`; it normalises the variance to 1 **only** when the entries of `q` and `k` have unit
+# variance. Nothing in the factor itself controls `σ`: LayerNorm before the projections and an
+# initialisation of the weights with standard deviation about `1/sqrt(D)` keep the entries of order
+# 1 at the start of training, but training can grow them. Models that normalise `q` and `k`
+# (QK-norm) fix their scale directly and use a fixed or learned temperature instead; μP scales
+# by `1/d_head`. `1/sqrt(d_head)` is a convention resting on the unit-variance assumption, not
+# the only correct factor.
+
+# %% [markdown]
 # ## 7. Softmax, without overflow
 #
 # The softmax turns each row of scores into weights that are positive and sum to 1:
@@ -319,17 +357,22 @@ print("the same shifted by -1000:", naive_softmax(np.array([0.0, -1.0, -2.0])))
 # %% [markdown]
 # Adding a constant `c` to every entry of a row does not change its softmax (the factor
 # `exp(c)` cancels). So subtract each row's **own** maximum first: the largest exponent is then
-# `exp(0) = 1`, nothing overflows, and the sum is at least 1, so nothing divides by 0.
+# `exp(0) = 1`, nothing overflows, and the sum is at least 1, so nothing divides by 0 — as long
+# as the row has at least one finite entry.
 #
 # Two traps: one maximum for the whole array is not enough (a row far below it underflows to
 # all zeros, 0/0), and the reductions must keep their axis (`keepdims=True`) to broadcast back.
-# A `-inf` entry (a masked position) simply gets `exp(-inf) = 0`.
+# A `-inf` entry (a masked position) simply gets `exp(-inf) = 0`. A row that is **all** `-inf`
+# (a query with nothing to attend to, e.g. a padding token) has maximum `-inf`, and
+# `-inf - (-inf)` is NaN: no softmax formula can give it a meaning. The next section says what
+# libraries do about it.
 #
 # ### Exercise 2.5 — np_softmax (3 pts, ~10 min)
 #
-# A numerically stable softmax over `axis` (default: the last). Same shape and dtype as `x`;
-# do not modify `x` in place. It must be right at inputs like 1000, on rows of very different
-# scales, with `-inf` on part of a row, and along any axis.
+# A numerically stable softmax over `axis` (default: the last). Same shape and dtype as `x`
+# (float32 in, float32 out); do not modify `x` in place. It must be right at inputs like 1000,
+# on rows of very different scales, with `-inf` on part of a row, and along any axis. Every row
+# the check gives you has at least one finite entry.
 
 # %% answer="np_softmax"
 def np_softmax(x, axis=-1):
@@ -370,12 +413,21 @@ check_np_softmax(np_softmax, seed=2501)
 # `(B, H, S, S) @ (B, H, S, d_head) -> (B, H, S, d_head)`: each output row is a weighted
 # average of the value rows.
 #
-# ### Exercise 2.6 — np_attention (3 pts, ~10 min)
+# ### Exercise 2.6 — np_attention (3 pts, ~12 min)
 #
 # Scaled dot-product attention on `(B, H, S, d)` arrays: return `(out, weights)`. `mask` is
 # `None` or boolean, broadcastable to `(B, H, S_q, S_k)`, **True = may attend**: set the scores
 # where it is False to `-inf` before the softmax (`np.where`). Use your `np_softmax`. The check
-# compares you with `F.scaled_dot_product_attention`.
+# compares you with `F.scaled_dot_product_attention`, on masks that leave every query at least
+# one key. **float32 in, float32 out**: both arrays you return have `Q`'s dtype (divide by
+# `math.sqrt(d)`, not `np.sqrt(d)`).
+#
+# What about a query whose mask row is all False? Your `-inf` recipe gives NaN there.
+# `F.scaled_dot_product_attention` (PyTorch 2.5 and later) returns zeros for such a row;
+# filling with the dtype's most negative finite number, `np.finfo(scores.dtype).min` (or `-1e9`,
+# common in real code), gives uniform weights — the mean of the values. None of these outputs
+# means anything (they are masked out of the loss later); being finite is what matters, so a
+# NaN cannot spread into the rest of the batch.
 
 # %% answer="np_attention"
 def np_attention(Q, K, V, mask=None):
@@ -398,9 +450,9 @@ def np_attention(Q, K, V, mask=None):
 
 # %%
 Q, K, V = (np_split_heads(X @ W, H) for W in (W_q, W_k, W_v))  # (B, H, S, d_head) each
-context, weights = np_attention(Q, K, V)
-print("weights:", weights.shape, "| context:", context.shape)
-print("batch 0, head 0 (each row sums to 1):\n", weights[0, 0].round(2))
+context, head_weights = np_attention(Q, K, V)
+print("weights:", head_weights.shape, "| context:", context.shape)
+print("batch 0, head 0 (each row sums to 1):\n", head_weights[0, 0].round(2))
 causal = np.tril(np.ones((S, S), dtype=bool))
 _, causal_weights = np_attention(Q, K, V, causal)
 print("with a causal mask:\n", causal_weights[0, 0].round(2))
@@ -415,18 +467,6 @@ check_np_attention(np_attention, seed=2601)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# **Look at it.** Pick a sequence `b` and a head `h` and see its `6 × 6` scaled scores next to
-# its weights, computed with *your* `np_softmax`. Drag the scale: at `1/sqrt(d_head) ≈ 0.71`
-# you see the model as defined; at 10× that every row collapses onto one key; near 0 every
-# row becomes uniform (`1/6`).
-
-# %%
-from attention_lab.widgets.numpy_scores import scores_explorer
-
-Q, K = np_split_heads(X @ W_q, H), np_split_heads(X @ W_k, H)
-scores_explorer(Q, K, softmax=np_softmax)
-
-# %% [markdown]
 # ## 9. Concatenate — and project
 #
 # Merging the heads gives `(B, S, D)` again: each token's output is its `H` heads' context
@@ -438,8 +478,9 @@ scores_explorer(Q, K, softmax=np_softmax)
 # ### Exercise 2.7 — np_multi_head_attention (4 pts, ~15 min)
 #
 # The whole layer: project (`X @ W_q` etc., weights `(in, out)`), split, attend (with the
-# mask), merge, project with `W_o`. Returns `(B, S, D)`. The check loads your four matrices
-# into `nn.MultiheadAttention` — transposed, since PyTorch stores `(out, in)` — and compares.
+# mask), merge, project with `W_o`. Returns `(B, S, D)`, in `X`'s dtype (float32 in, float32
+# out). The check loads your four matrices into `nn.MultiheadAttention` — transposed, since
+# PyTorch stores `(out, in)` — and compares.
 
 # %% answer="np_multi_head_attention"
 def np_multi_head_attention(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
@@ -484,34 +525,54 @@ check_np_multi_head_attention(np_multi_head_attention, seed=2701)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ## 10. Experiment: how peaked is the softmax, with and without the scale?
+# ## 10. Experiment: why `1/sqrt(d_head)` and not `1/d_head`?
 #
 # Random queries and keys with unit-variance entries, 16 keys per query, for growing `d_head`.
-# For each width we measure how peaked the weights are: the **largest weight** of a row
-# (1/16 = uniform, 1 = one-hot) and its **entropy** (log 16 ≈ 2.77 nats = uniform, 0 = one-hot),
-# averaged over 200 queries — once on the raw scores `q · k`, once on `q · k / sqrt(d_head)`.
+# For each width we measure how peaked the weights are — the **largest weight** of a row (1/16 =
+# uniform, 1 = one-hot), averaged over 200 queries — and how much gradient the softmax passes
+# back: the size (Frobenius norm) of its Jacobian `∂weights/∂scores = diag(p) − p pᵀ`, which is
+# 0 for a one-hot row. Three scalings: none (raw `q · k`), `1/sqrt(d_head)`, and `1/d_head`.
+#
+# ### Exercise 2.8 — predict, then measure (2 pts, ~5 min)
+#
+# Before you run the experiment: dividing by `d_head` shrinks the scores' variance to
+# `σ⁴ / d_head`. What will the `1/d_head` curve of the largest weight do as `d_head` grows?
+#
+# * **A.** It stays level with the `1/sqrt(d_head)` curve: both factors keep the rows equally peaked.
+# * **B.** It rises towards 1 (one-hot rows), like the raw scores.
+# * **C.** It falls towards 1/16: the rows flatten towards uniform weights.
+# * **D.** It is near 1 for small `d_head` and falls to 1/16 for large `d_head`.
+#
+# Set `ANSWER_SCALING` to your prediction, as a string (e.g. `ANSWER_SCALING = "A"`), then run
+# the experiment below and check it.
+
+# %% answer="ANSWER_SCALING"
+ANSWER_SCALING = None  # your prediction: "A", "B", "C" or "D"
+### BEGIN SOLUTION
+ANSWER_SCALING = "C"
+### END SOLUTION
 
 # %%
 def peakedness(d, scale, num_keys=16, num_queries=200, seed=0):
+    """(mean largest weight, mean softmax Jacobian norm) of rows of num_keys random scores."""
     generator = np.random.default_rng(seed)
     q = generator.standard_normal((num_queries, 1, d))
     k = generator.standard_normal((num_queries, num_keys, d))  # fresh keys for every query
-    weights = np_softmax(scale * np.sum(q * k, axis=-1), axis=-1)  # (num_queries, num_keys)
-    entropy = -np.sum(weights * np.log(np.clip(weights, 1e-300, None)), axis=-1)
-    return weights.max(axis=-1).mean(), entropy.mean()
+    p = np_softmax(scale * np.sum(q * k, axis=-1), axis=-1)  # (num_queries, num_keys)
+    jacobian = np.eye(num_keys) * p[:, :, None] - p[:, :, None] * p[:, None, :]  # diag(p) - p pᵀ
+    return p.max(axis=-1).mean(), np.linalg.norm(jacobian, axis=(-2, -1)).mean()
 
 
 widths = [4, 16, 64, 256, 1024]
-raw = np.array([peakedness(d, 1.0) for d in widths])
-scaled = np.array([peakedness(d, 1 / math.sqrt(d)) for d in widths])
-
-fig, (ax_max, ax_entropy) = plt.subplots(1, 2, figsize=(10, 3.5))
-for curve, label in ((raw, "raw scores q·k"), (scaled, "scaled q·k / sqrt(d_head)")):
+scalings = {"raw q·k": lambda d: 1.0, "q·k / sqrt(d_head)": lambda d: 1 / math.sqrt(d),
+            "q·k / d_head": lambda d: 1 / d}
+fig, (ax_max, ax_grad) = plt.subplots(1, 2, figsize=(10, 3.5))
+for label, factor in scalings.items():
+    curve = np.array([peakedness(d, factor(d)) for d in widths])
     ax_max.plot(widths, curve[:, 0], "o-", label=label)
-    ax_entropy.plot(widths, curve[:, 1], "o-", label=label)
+    ax_grad.plot(widths, curve[:, 1], "o-", label=label)
 ax_max.axhline(1 / 16, color="gray", linestyle=":", label="uniform (1/16)")
-ax_entropy.axhline(math.log(16), color="gray", linestyle=":", label="uniform (log 16)")
-for ax, name in ((ax_max, "mean max weight"), (ax_entropy, "mean entropy (nats)")):
+for ax, name in ((ax_max, "mean largest weight"), (ax_grad, "mean softmax Jacobian norm")):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("d_head")
     ax.set_ylabel(name)
@@ -519,37 +580,23 @@ for ax, name in ((ax_max, "mean max weight"), (ax_entropy, "mean entropy (nats)"
 fig.tight_layout()
 plt.show()
 
-# %% [markdown]
-# ### Exercise 2.8 — which is right? (2 pts, ~5 min)
-#
-# Read the plot. Which statement does it support?
-#
-# * **A.** Without scaling the rows stay equally soft for every `d_head`; dividing by
-#   `sqrt(d_head)` is what makes them peaked.
-# * **B.** Without scaling the rows get more and more peaked (max weight towards 1, entropy
-#   towards 0) as `d_head` grows; with `1/sqrt(d_head)` they stay about equally peaked for
-#   every `d_head`.
-# * **C.** Both curves get more peaked as `d_head` grows; the scaling only delays it by a
-#   constant factor.
-# * **D.** With `1/sqrt(d_head)` the rows flatten towards uniform weights (max weight `1/16`)
-#   as `d_head` grows.
-#
-# Set `ANSWER_SCALING` to the letter, as a string (e.g. `ANSWER_SCALING = "A"`).
-
-# %% answer="ANSWER_SCALING"
-ANSWER_SCALING = None  # your choice: "A", "B", "C" or "D"
-### BEGIN SOLUTION
-ANSWER_SCALING = "B"
-### END SOLUTION
-
 # %% test="test_ANSWER_SCALING" points=2
-"""ANSWER_SCALING: the statement that the peakedness experiment supports (the check re-runs the experiment)."""
+"""ANSWER_SCALING: what the 1/d_head scaling does as d_head grows (the check re-runs the experiment)."""
 from attention_lab.checks.numpy_walkthrough import check_answer_scaling
 
 check_answer_scaling(ANSWER_SCALING)
 ### BEGIN HIDDEN TESTS
 check_answer_scaling(ANSWER_SCALING, seed=2801)
 ### END HIDDEN TESTS
+
+# %% [markdown]
+# The raw scores' rows go one-hot and their Jacobian — the gradient the softmax passes back —
+# falls towards 0: the **vanishing gradient** the scaling prevents. For independent unit-variance
+# entries `1/d_head` over-corrects: its scores shrink towards 0, every row tends to uniform
+# weights, and attention stops distinguishing keys (its Jacobian stays large, but a uniform row
+# says nothing about which key matters). `1/sqrt(d_head)` keeps both curves level. (μP's
+# `1/d_head` rests on another assumption: that after training `q` and `k` are correlated, so
+# `q · k` grows like `d_head` rather than `sqrt(d_head)`.)
 
 # %% [markdown]
 # ## What you built

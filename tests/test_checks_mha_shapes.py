@@ -8,6 +8,7 @@ solution notebook, so the checks are shown to test behaviour, not spelling.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -417,3 +418,149 @@ def test_mha_parameter_count_accepts_and_rejects():
         checks.check_mha_parameter_count(lambda D, bias=True: 4 * D * D, **CPU)
     with pytest.raises(CheckFailure, match="should return an int"):
         checks.check_mha_parameter_count(lambda D, bias=True: float(4 * D * D + 4 * D * bias), **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# Closing the loopholes and naming the mistakes (issue: checks that say what matters)
+# --------------------------------------------------------------------------------------
+
+
+def test_split_heads_einops_accepts_rearrange_then_transpose():
+    def rearrange_then_transpose(x, num_heads):
+        if x.shape[-1] % num_heads:
+            raise ValueError(f"D={x.shape[-1]} is not divisible by H={num_heads}")
+        return rearrange(x, "b s (h d) -> b s h d", h=num_heads).transpose(1, 2)
+
+    checks.check_split_heads_einops(rearrange_then_transpose, **CPU)
+
+
+def test_split_heads_einops_rejects_split_heads_plus_a_trivial_rearrange():
+    def trivial_rearrange_after(x, num_heads):
+        return rearrange(split_heads_unflatten(x, num_heads), "b h s d -> b h s d")
+
+    def trivial_rearrange_before(x, num_heads):
+        return split_heads_unflatten(rearrange(x, "b s d -> b s d"), num_heads)
+
+    for cheat in (trivial_rearrange_after, trivial_rearrange_before):
+        with pytest.raises(CheckFailure, match="einops.rearrange must do the split itself"):
+            checks.check_split_heads_einops(cheat, **CPU)
+
+
+def weights_untransposed(q, k, mask=None):
+    scores = q @ k / math.sqrt(q.shape[-1])  # forgot k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1)
+
+
+def test_attention_weights_names_the_missing_transpose_when_q_at_k_raises():
+    with pytest.raises(CheckFailure, match=r"raised RuntimeError[\s\S]*Likely mistake: use k.transpose\(-2, -1\)"):
+        checks.check_attention_weights(weights_untransposed, **CPU)
+
+
+def test_scaled_dot_product_attention_names_the_missing_transpose_and_the_transposed_weights():
+    def untransposed(q, k, v, mask=None):
+        weights = weights_untransposed(q, k, mask)
+        return weights @ v, weights
+
+    with pytest.raises(CheckFailure, match=r"Likely mistake: use k.transpose"):
+        checks.check_scaled_dot_product_attention(untransposed, **CPU)
+
+    def weights_transposed(q, k, v, mask=None):
+        weights = weights_einsum(q, k, mask)
+        return weights.transpose(-2, -1) @ v if q.shape[-2] == k.shape[-2] else weights @ v, weights
+
+    with pytest.raises(CheckFailure, match=r"not its transpose"):
+        checks.check_scaled_dot_product_attention(weights_transposed, **CPU)
+
+
+def test_multi_head_self_attention_names_a_wrong_helper_it_uses():
+    """A module built on a wrong split_heads fails, and the message says to fix split_heads first."""
+    namespace = {"torch": torch, "nn": nn, "math": math}
+    exec(  # the student's notebook: a wrong split_heads (no permute is caught by shape) used by the module
+        "def split_heads(x, num_heads):\n"
+        "    b, s, d = x.shape\n"
+        "    return x.reshape(b, num_heads, s, d // num_heads)\n"
+        "class MultiHeadSelfAttention(nn.Module):\n"
+        "    def __init__(self, embed_dim, num_heads, bias=True):\n"
+        "        super().__init__()\n"
+        "        self.num_heads = num_heads\n"
+        "        self.q_linear, self.k_linear, self.v_linear, self.out_linear = (\n"
+        "            nn.Linear(embed_dim, embed_dim, bias=bias) for _ in range(4))\n"
+        "    def forward(self, x, mask=None, return_weights=False):\n"
+        "        q, k, v = (split_heads(f(x), self.num_heads) for f in (self.q_linear, self.k_linear, self.v_linear))\n"
+        "        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])\n"
+        "        if mask is not None:\n"
+        "            scores = scores.masked_fill(~mask, float('-inf'))\n"
+        "        weights = scores.softmax(-1)\n"
+        "        out = self.out_linear((weights @ v).transpose(1, 2).flatten(2))\n"
+        "        return (out, weights) if return_weights else out\n",
+        namespace)
+    with pytest.raises(CheckFailure, match=r"uses your split_heads, which fails its own check[\s\S]*Fix split_heads first"):
+        checks.check_multi_head_self_attention(namespace["MultiHeadSelfAttention"], **CPU)
+
+
+def test_multi_head_self_attention_names_the_missing_transpose():
+    class Untransposed(SelfAttentionEinsum):
+        def forward(self, x, mask=None, return_weights=False):
+            q, k, v = (rearrange(f(x), "b s (h d) -> b h s d", h=self.num_heads)
+                       for f in (self.q_linear, self.k_linear, self.v_linear))
+            weights = weights_untransposed(q, k, mask)
+            out = self.out_linear(rearrange(weights @ v, "b h s d -> b s (h d)"))
+            return (out, weights) if return_weights else out
+
+    with pytest.raises(CheckFailure, match=r"Likely mistake: use k.transpose"):
+        checks.check_multi_head_self_attention(Untransposed, **CPU)
+
+
+def test_mha_shapes_names_heads_left_behind_the_sequence_axis():
+    def heads_not_moved(B, S, D, H):
+        table = shapes_by_tracing(B, S, D, H)
+        table["q_heads"] = (B, S, H, D // H)
+        return table
+
+    with pytest.raises(CheckFailure, match=r"Likely mistake: after the permute the head axis comes before"):
+        checks.check_mha_shapes(heads_not_moved, **CPU)
+
+
+def test_mha_parameter_count_names_a_single_bias():
+    with pytest.raises(CheckFailure, match="its own D biases: 4·D, not D"):
+        checks.check_mha_parameter_count(lambda D, bias=True: 4 * D * D + D * bias, **CPU)
+
+
+def test_no_reference_in_the_check_module_is_a_working_answer():
+    """Every function the check module defines fails every check of notebook 01 (nothing to import)."""
+    import inspect
+
+    candidates = [obj for name, obj in vars(checks).items()
+                  if inspect.isfunction(obj) and obj.__module__ == checks.__name__ and not name.startswith("check_")]
+    single_answer = [checks.check_split_heads, checks.check_merge_heads, checks.check_split_heads_einops,
+                     checks.check_attention_weights, checks.check_scaled_dot_product_attention,
+                     checks.check_multi_head_self_attention, checks.check_mha_shapes, checks.check_mha_parameter_count]
+    for candidate in candidates:
+        for check in single_answer:
+            with pytest.raises(Exception):
+                check(candidate, **CPU)
+
+
+def test_answer_draft_bug_accepts_the_missing_scale_and_names_what_to_reread():
+    checks.check_answer_draft_bug(" a ", **CPU)
+    for letter, hint in checks.DRAFT_BUG_HINTS.items():
+        with pytest.raises(CheckFailure, match=re.escape(hint)) as failure:
+            checks.check_answer_draft_bug(letter, **CPU)
+        assert "A" not in str(failure.value).replace("ANSWER_DRAFT_BUG", "")  # never names the right letter
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_answer_draft_bug(None, **CPU)
+
+
+def test_attention_weights_accepts_hugging_face_eager_softmax_in_float32(capsys):
+    """HF's eager attention: softmax in float32, cast back. On float64 input that is float32-accurate: accepted, with a note."""
+    def eager(q, k, mask=None):
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        if mask is not None:
+            scores = scores + torch.zeros_like(scores).masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+
+    checks.check_attention_weights(eager, device="cpu")
+    printed = capsys.readouterr().out
+    assert printed.startswith("✓ attention_weights") and "float32 precision" in printed

@@ -8,6 +8,7 @@ are deliberately written another way than the solution notebook.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from attention_lab.checking import CheckFailure
 from attention_lab.checks import numpy_walkthrough as checks
-from attention_lab.widgets.numpy_scores import plot_scores_and_weights, scores_explorer, stable_softmax
+from attention_lab.widgets.numpy_scores import RAW, SCALED, variance_explorer
 
 CPU = {"device": "cpu", "quiet": True}
 # NumPy 2 promotes a float32 array times a NumPy float64 scalar (1 / np.sqrt(d)) to float64;
@@ -342,7 +343,7 @@ WRONG_ATTENTION = {
     "naive_softmax": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, softmax=softmax_naive),
                       "softmax overflowed"),
     "np_sqrt": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, scale=1 / np.sqrt(Q.shape[-1])),
-                r"keep the input dtype float32[\s\S]*math.sqrt"),
+                r"keep the input dtype float32[\s\S]*float32 in, float32 out[\s\S]*math.sqrt"),
     "only_out": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask)[0], "should return a tuple"),
     "torch": (lambda Q, K, V, mask=None: tuple(
         t.numpy() for t in _torch_attention(torch.from_numpy(Q), torch.from_numpy(K), torch.from_numpy(V))), "NumPy only"),
@@ -597,16 +598,16 @@ def test_dot_product_variance_check_leaves_the_global_numpy_stream_alone():
 
 def test_answer_scaling_accepts_the_supported_statement():
     supported = [letter for letter, holds in checks._statements(checks.peakedness_curves()).items() if holds]
-    assert supported == ["B"]
-    checks.check_answer_scaling("B", **CPU)
-    checks.check_answer_scaling(" b ", seed=5, **CPU)
+    assert supported == ["C"]
+    checks.check_answer_scaling("C", **CPU)
+    checks.check_answer_scaling(" c ", seed=5, **CPU)
 
 
-@pytest.mark.parametrize("letter", ["A", "C", "D"])
+@pytest.mark.parametrize("letter", ["A", "B", "D"])
 def test_answer_scaling_rejects_wrong_choices_without_revealing_the_answer(letter):
-    with pytest.raises(CheckFailure, match="is not right. Wrong choice: re-read the plot") as failure:
+    with pytest.raises(CheckFailure, match="is not right. " + re.escape(checks.SCALING_HINTS[letter])) as failure:
         checks.check_answer_scaling(letter, **CPU)
-    assert "B" not in str(failure.value).replace("ANSWER_SCALING", "")
+    assert "C" not in str(failure.value).replace("ANSWER_SCALING", "")
 
 
 @pytest.mark.parametrize("answer, phrase", [
@@ -640,63 +641,107 @@ def test_check_module_is_frozen():
 # --------------------------------------------------------------------------------------
 
 
-def _demo_qk():
-    rng = np.random.default_rng(0)
-    return rng.standard_normal((2, 2, 6, 2)), rng.standard_normal((2, 2, 6, 2))
+def variance_by_sampling(d_head, sigma, n_samples, rng):
+    q = rng.normal(0.0, sigma, size=(n_samples, d_head))
+    k = rng.normal(0.0, sigma, size=(n_samples, d_head))
+    return float(np.einsum("nd,nd->n", q, k).var())
 
 
-def _images(explorer):
-    image_axes = [ax for ax in explorer.figure.axes if ax.images and ax.get_title()]
-    assert len(image_axes) == 2, [ax.get_title() for ax in explorer.figure.axes]
-    scores_ax, weights_ax = image_axes
-    return np.asarray(scores_ax.images[0].get_array()), np.asarray(weights_ax.images[0].get_array())
+def _histogram_and_bars(explorer):
+    hist_ax, weight_ax = explorer.figure.axes[:2]
+    return hist_ax, np.array([bar.get_height() for bar in weight_ax.patches])
 
 
-def test_scores_explorer_draws_scores_next_to_their_softmax():
-    Q, K = _demo_qk()
-    explorer = scores_explorer(Q, K)
-    assert set(explorer.controls) == {"b", "h", "scale"}
-    assert len(explorer.figure.axes) == 4  # two heatmaps, two colorbars
-    scores, weights = _images(explorer)
-    expected_scores = Q[0, 0] @ K[0, 0].T / math.sqrt(2)
-    np.testing.assert_allclose(scores, expected_scores)
-    np.testing.assert_allclose(weights, _reference_softmax(expected_scores))
-    np.testing.assert_allclose(weights.sum(-1), 1.0)
-
-
-def test_scores_explorer_follows_batch_head_and_scale():
-    Q, K = _demo_qk()
-    explorer = scores_explorer(Q, K)
-    explorer.controls["b"].value = 1
-    explorer.controls["h"].value = 1
-    scores, _ = _images(explorer)
-    np.testing.assert_allclose(scores, Q[1, 1] @ K[1, 1].T / math.sqrt(2))
-    _, soft = _images(explorer)
-    explorer.controls["scale"].value = 20.0
-    scores, sharp = _images(explorer)
-    np.testing.assert_allclose(scores, 20.0 * (Q[1, 1] @ K[1, 1].T), rtol=1e-12)
-    assert sharp.max(-1).mean() > soft.max(-1).mean()  # a larger scale sharpens every row
-    assert any("scale = 20.000" in text.get_text() for text in explorer.figure.texts)  # the suptitle
-
-
-def test_scores_explorer_uses_the_given_softmax_and_rejects_bad_shapes():
-    Q, K = _demo_qk()
+def test_variance_explorer_shows_the_students_measurement_and_the_prediction():
     calls = []
 
-    def my_softmax(x, axis=-1):
-        calls.append((x.shape, axis))
-        return stable_softmax(x, axis)
+    def recording(d_head, sigma, n_samples, rng):
+        calls.append((d_head, sigma))
+        return variance_by_sampling(d_head, sigma, n_samples, rng)
 
-    scores_explorer(Q, K, softmax=my_softmax)
-    assert calls == [((6, 6), -1)]
-    with pytest.raises(ValueError, match=r"\(B, H, S, d_head\)"):
-        scores_explorer(Q[0], K[0])
+    explorer = variance_explorer(recording)
+    assert set(explorer.controls) == {"d_head", "sigma", "scaling"}
+    assert calls == [(64, 1.0)]
+    title = explorer.figure._suptitle.get_text()
+    assert "predicted σ⁴ = 1;" in title
+    explorer.controls["sigma"].value = 2.0
+    assert "predicted σ⁴ = 16;" in explorer.figure._suptitle.get_text()
+    explorer.controls["scaling"].value = RAW
+    assert "predicted d·σ⁴ = 1.02e+03" in explorer.figure._suptitle.get_text()
+    assert calls[-1] == (64, 2.0)
 
 
-def test_plot_scores_and_weights_annotates_small_matrices():
-    from matplotlib.figure import Figure
+def test_variance_explorer_scaling_keeps_the_spread_and_the_softmax_fixed_across_widths():
+    explorer = variance_explorer(variance_by_sampling)
+    peaks = {}
+    for scaling in (SCALED, RAW):
+        explorer.controls["scaling"].value = scaling
+        for d_head in (4, 1024):
+            explorer.controls["d_head"].value = d_head
+            hist_ax, bars = _histogram_and_bars(explorer)
+            assert len(bars) == 16 and abs(bars.sum() - 1.0) < 1e-9  # mean sorted weights of 16 keys
+            assert np.all(np.diff(bars) <= 1e-12)  # sorted, largest first
+            peaks[scaling, d_head] = bars[0]
+    # Scaled: about equally peaked for every width; raw: one-hot at d_head = 1024.
+    assert abs(peaks[SCALED, 4] - peaks[SCALED, 1024]) < 0.1
+    assert peaks[RAW, 1024] > 0.95 > peaks[RAW, 4]
+    # σ = 2 and scaled: variance 16, the softmax is far from uniform although the scale is "right".
+    explorer.controls["scaling"].value = SCALED
+    explorer.controls["sigma"].value = 2.0
+    assert _histogram_and_bars(explorer)[1][0] > 0.6
 
-    figure = Figure()
-    scores = np.arange(9.0).reshape(3, 3)
-    plot_scores_and_weights(figure, scores, _reference_softmax(scores), title="t")
-    assert len(figure.axes[0].texts) == 9 and len(figure.axes[1].texts) == 9
+
+def test_variance_explorer_sliders_update_on_release():
+    explorer = variance_explorer(variance_by_sampling)
+    assert explorer.controls["sigma"].continuous_update is False
+
+
+# --------------------------------------------------------------------------------------
+# Mistakes named on other axes and shapes
+# --------------------------------------------------------------------------------------
+
+
+def softmax_max_put_back_last(x, axis=-1):
+    e = np.exp(x - np.max(x, axis=axis)[..., None])  # right for the last axis only
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def softmax_sum_over_last_axis(x, axis=-1):
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (softmax_max_put_back_last, "no_keepdims"),
+    (softmax_sum_over_last_axis, "sum_axis"),
+])
+def test_np_softmax_names_axis_mistakes_on_other_axes(wrong, hint):
+    with pytest.raises(CheckFailure, match=re.escape(checks.SOFTMAX_HINTS[hint])):
+        checks.check_np_softmax(wrong, **CPU)
+
+
+def test_np_attention_names_elementwise_scores_by_their_shape():
+    def elementwise(Q, K, V, mask=None):
+        weights = _reference_softmax(Q * K / math.sqrt(Q.shape[-1]))  # Q * K, not Q @ Kᵀ
+        return weights @ V.swapaxes(-1, -2) @ V, weights
+
+    with pytest.raises(CheckFailure, match=r"-> weights should have shape \[2, 2, 6, 6\], got \[2, 2, 6, 2\][\s\S]*"
+                       + re.escape(checks.ATTENTION_HINTS["no_transpose"])):
+        checks.check_np_attention(elementwise, **CPU)
+
+
+def test_no_function_of_the_check_module_or_the_widget_is_a_working_answer():
+    """Nothing importable from the package answers an exercise of notebook 02."""
+    import inspect
+
+    from attention_lab.widgets import numpy_scores
+
+    candidates = [obj for module in (checks, numpy_scores) for name, obj in vars(module).items()
+                  if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("check_")]
+    all_checks = [checks.check_row_times_matrix, checks.check_np_split_heads, checks.check_np_merge_heads,
+                  checks.check_np_softmax, checks.check_np_attention, checks.check_np_multi_head_attention,
+                  checks.check_dot_product_variance]
+    for candidate in candidates:
+        for check in all_checks:
+            with pytest.raises(Exception):
+                check(candidate, **CPU)

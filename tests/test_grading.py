@@ -60,7 +60,8 @@ def test_plain_nbgrader_autograde_gives_full_marks_and_zero(course_root):
     assert result.returncode == 0, result.stderr[-3000:]
     with gradebook.open_gradebook(course_root) as gb:
         scores = {s.student.id: (s.score, s.max_score) for s in gb.find_assignment(ASSIGNMENT).submissions}
-    assert scores == {"solver": (18.0, 18.0), "blank": (0.0, 18.0)}
+    # 20 points, of which the 1-point written answer waits for a hand grade (it counts 0 until then).
+    assert scores == {"solver": (19.0, 20.0), "blank": (0.0, 20.0)}
 
 
 def test_discovery_skips_unknown_assignments_and_empty_folders(course_root):

@@ -19,51 +19,86 @@ def reference_weights(q, k, mask=None):
     return scores.softmax(-1)
 
 
+TOKENS = ["a", "b", "c", "d", "e"]
+
+
 @pytest.fixture
 def explorer():
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 5, 16, generator=generator)
-    k = torch.randn(3, 5, 16, generator=generator)
-    return attention_explorer(reference_weights, q, k, ["a", "b", "c", "d", "e"]), q, k
+    calls = []
+
+    def recording_weights(q, k, mask=None):
+        calls.append((q.clone(), k.clone(), mask))
+        return reference_weights(q, k, mask)
+
+    return attention_explorer(recording_weights, TOKENS, num_heads=3, d_heads=(4, 16, 256)), calls
 
 
 def heatmaps(figure):
     return [ax for ax in figure.axes if ax.images and ax.get_title().startswith("head")]
 
 
+def entropy_axes(figure):
+    return next(ax for ax in figure.axes if ax.get_xlabel() == "d_head")
+
+
 def test_explorer_draws_one_heatmap_per_head_with_the_student_weights(explorer):
-    widget, q, k = explorer
+    widget, calls = explorer
     maps = heatmaps(widget.figure)
     assert [ax.get_title() for ax in maps] == ["head 0", "head 1", "head 2"]
+    q, k, mask = calls[0]  # the heads shown come first
+    assert q.shape == (3, 5, 16) and mask is None
     np.testing.assert_allclose(maps[1].images[0].get_array(), reference_weights(q, k)[1].numpy(), rtol=1e-6)
 
 
+def test_only_the_first_map_carries_the_query_labels(explorer):
+    widget, _calls = explorer
+    maps = heatmaps(widget.figure)
+    assert maps[0].get_ylabel() == "query"
+    assert [label.get_text() for label in maps[0].get_yticklabels()] == TOKENS
+    for ax in maps[1:]:
+        assert ax.get_ylabel() == "" and all(label.get_text() == "" for label in ax.get_yticklabels())
+
+
 def test_head_selector_shows_a_single_head(explorer):
-    widget, q, k = explorer
+    widget, calls = explorer
     widget.controls["head"].value = "2"
     maps = heatmaps(widget.figure)
     assert [ax.get_title() for ax in maps] == ["head 2"]
+    q, k, _mask = calls[-1 - 2 * 3 - 1]  # the heads shown, before the two curves of 3 widths and the marker
     np.testing.assert_allclose(maps[0].images[0].get_array(), reference_weights(q, k)[2].numpy(), rtol=1e-6)
 
 
 def test_causal_toggle_zeroes_the_upper_triangle(explorer):
-    widget, _q, _k = explorer
+    widget, _calls = explorer
     widget.controls["causal"].value = True
     drawn = np.asarray(heatmaps(widget.figure)[0].images[0].get_array())
     assert np.all(np.triu(drawn, 1) == 0) and np.allclose(drawn.sum(-1), 1.0)
 
 
-def test_scale_slider_sharpens_the_softmax(explorer):
-    widget, _q, _k = explorer
+def test_factor_slider_sharpens_the_softmax(explorer):
+    widget, _calls = explorer
     soft = np.asarray(heatmaps(widget.figure)[0].images[0].get_array()).max(-1).mean()
-    widget.controls["scale"].value = 10 * widget.controls["scale"].value
+    widget.controls["factor"].value = 10.0
     sharp = np.asarray(heatmaps(widget.figure)[0].images[0].get_array()).max(-1).mean()
     assert sharp > soft + 0.2
-    assert "scale = 2.500" in widget.figure._suptitle.get_text()
+    assert "× 10.00" in widget.figure._suptitle.get_text()
+
+
+def test_without_scaling_the_entropy_falls_as_d_head_grows(explorer):
+    widget, calls = explorer
+    scaled, raw = (line.get_ydata() for line in entropy_axes(widget.figure).lines[:2])
+    assert raw[0] > raw[-1] + 0.5  # raw q·k: ever more peaked rows as d_head grows
+    assert abs(scaled[0] - scaled[-1]) < 0.3  # divided by sqrt(d_head): about constant
+    widget.controls["scaling"].value = "none (raw q·k)"
+    widget.controls["d_head"].value = 256
+    q, _k, _mask = calls[-1]
+    assert q.shape[-1] == 256
+    marker = entropy_axes(widget.figure).lines[2]
+    assert list(marker.get_xdata()) == [256] and abs(marker.get_ydata()[0] - raw[-1]) < 1e-9
 
 
 def test_display_offers_the_live_widget_and_a_static_png(explorer):
-    widget, _q, _k = explorer
+    widget, _calls = explorer
     bundle = widget._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
     png = base64.b64decode(bundle["image/png"])
@@ -83,7 +118,27 @@ def test_live_figure_redraws_on_every_control_change():
         figure.add_subplot().plot([0, 1], [0, level])
 
     live = LiveFigure(draw, {"level": ipywidgets.IntSlider(value=1, min=0, max=5)})
+    assert live.controls["level"].continuous_update is False  # one redraw on release, not one per step
     live.controls["level"].value = 4
     assert calls == [1, 4]
     assert len(live.figure.axes) == 1  # cleared before each redraw
     assert list(live.figure.axes[0].lines[0].get_ydata()) == [0, 4]
+
+
+def test_the_numbers_notebook_01_quotes_from_the_explorer():
+    """01's text quotes the explorer's mean largest weight; keep the sentences true."""
+    import re
+
+    widget = attention_explorer(reference_weights, ["the", "cat", "sat", "on", "the", "mat"])
+
+    def largest_weight(**settings):
+        for name, value in settings.items():
+            widget.controls[name].value = value
+        return float(re.search(r"mean largest weight ([0-9.]+)", widget.figure._suptitle.get_text()).group(1))
+
+    scaled = [largest_weight(d_head=d) for d in (4, 64, 1024)]
+    assert all(0.35 <= value <= 0.45 for value in scaled), scaled  # "about 0.4 for every d_head"
+    assert largest_weight(factor=10.0) == pytest.approx(0.9, abs=0.06)  # "at 10× ... about 0.9"
+    widget.controls["factor"].value = 1.0
+    raw = [largest_weight(scaling="none (raw q·k)", d_head=d) for d in (4, 64, 256)]
+    assert raw[0] == pytest.approx(0.55, abs=0.03) and raw[1] == pytest.approx(0.88, abs=0.03) and raw[2] > 0.95, raw

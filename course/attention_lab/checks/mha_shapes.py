@@ -19,6 +19,7 @@ from attention_lab.checking import (
     call_student,
     check,
     describe,
+    expect_choice,
     expect_close,
     expect_signature,
     expect_tensor,
@@ -36,41 +37,27 @@ ATTENTION_BUILTINS = ("scaled_dot_product_attention", "multi_head_attention_forw
 
 # --------------------------------------------------------------------------------------
 # References (definitions, not the idiomatic answers)
+#
+# No reference here has an exercise's contract, so none can be imported as an answer: head
+# splits and merges are written inline with torch's own tensor_split / unbind, the weights come
+# from SDPA (which the from-scratch guard forbids to a student) under a different signature.
 # --------------------------------------------------------------------------------------
 
 
-def _heads_by_slicing(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Head h holds features h*d ... (h+1)*d - 1 of every token: [B, S, D] -> [B, H, S, d]."""
-    d_head = x.shape[-1] // num_heads
-    return torch.stack([x[..., h * d_head:(h + 1) * d_head] for h in range(num_heads)], dim=1)
-
-
-def _concatenate_heads(x: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, d] -> [B, S, H*d] by concatenating the heads' features."""
-    return torch.cat([x[:, h] for h in range(x.shape[1])], dim=-1)
-
-
-def _weights_via_sdpa(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None):
+def _reference_weights(query: torch.Tensor, key: torch.Tensor, *, attn_mask: torch.Tensor | None,
+                       scale: float | None = None) -> torch.Tensor:
     """Attention weights from PyTorch: SDPA with V = identity returns the weight matrix itself."""
-    s_k = k.shape[-2]
-    identity = torch.eye(s_k, dtype=q.dtype, device=q.device).expand(*k.shape[:-2], s_k, s_k)
-    return reference_sdpa(q, k, identity, attn_mask=mask, scale=scale)
+    s_k = key.shape[-2]
+    identity = torch.eye(s_k, dtype=query.dtype, device=query.device).expand(*key.shape[:-2], s_k, s_k)
+    return reference_sdpa(query, key, identity, attn_mask=attn_mask, scale=scale)
 
 
-def _softmax_rows(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return torch.softmax(scores, dim=dim)
-
-
-def _naive_attention(q, k, v, keep: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Attention as a student writes it (-inf fill): a row with nothing to keep becomes NaN.
-
-    Used for wrong variants, e.g. a flipped causal mask, whose last row blocks every key:
-    the student's output then has NaN exactly there, and so does this variant.
+def _with_minus_inf_fill(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Scores with -inf where ``keep`` is False, as a student writes it (a row with nothing to keep
+    becomes NaN after the softmax). Used for wrong variants, e.g. a flipped causal mask, whose last
+    row blocks every key: the student's output then has NaN exactly there, and so does the variant.
     """
-    scores = (q @ k.transpose(-2, -1)) * scale
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    return scores if keep is None else scores.masked_fill(~keep, float("-inf"))
 
 
 def _mask_description(mask: torch.Tensor | None) -> str:
@@ -108,7 +95,8 @@ def _check_split_heads_once(split_heads: Callable, x: torch.Tensor, num_heads: i
     out = call_student(split_heads, x, num_heads, call=call)
     expect_tensor(out, what=call, shape=(b, num_heads, s, d_head), dtype=x.dtype, device=x.device,
                   hints={(b, s, num_heads, d_head): SPLIT_HEADS_HINTS["view_no_permute"]})
-    expect_close(out, _heads_by_slicing(x, num_heads), what=call,
+    # Head h = features h*d_head ... (h+1)*d_head - 1: H consecutive chunks, stacked on a new axis 1.
+    expect_close(out, torch.stack(x.tensor_split(num_heads, dim=-1), dim=1), what=call,
                  against="head h = features h*d_head ... (h+1)*d_head - 1 of every token",
                  variants=_split_heads_variants(x, num_heads))
     return out
@@ -142,28 +130,51 @@ def check_split_heads(split_heads: Callable, *, seed: int = 0, device: torch.dev
     _check_split_heads(split_heads, seed=seed, device=device, name="split_heads")
 
 
-@check("split_heads_einops: written with einops.rearrange, same result as split_heads ({device})")
-def check_split_heads_einops(split_heads_einops: Callable, *, seed: int = 0,
-                             device: torch.device | None = None) -> None:
-    """split_heads_einops: the same contract as split_heads, and it really uses einops.rearrange."""
+EINOPS_HINTS = {
+    "no_rearrange": "split_heads_einops should be written with einops.rearrange (e.g. rearrange(x, "
+    "'b s (h d) -> b h s d', h=num_heads)), but it never called it.",
+    "rearrange_not_splitting": "einops.rearrange must do the split itself: call it on the [B, S, D] input "
+    "with a pattern that splits the feature axis, \"b s (h d) -> ...\". Here the heads are split by "
+    "something else (split_heads, view, reshape...) and rearrange only moves axes around.",
+}
+
+
+def _rearrange_calls(split_heads_einops: Callable, x: torch.Tensor, num_heads: int) -> list[tuple]:
+    """(input shape, output shape) of every einops.rearrange call made by ``split_heads_einops(x, num_heads)``."""
     import einops.einops as einops_module
 
     calls = []
     original_reduce = einops_module.reduce
 
-    def counting_reduce(tensor, pattern, reduction, **axes_lengths):
-        calls.append(reduction)
-        return original_reduce(tensor, pattern, reduction, **axes_lengths)
+    def recording_reduce(tensor, pattern, reduction, **axes_lengths):
+        result = original_reduce(tensor, pattern, reduction, **axes_lengths)
+        if reduction == "rearrange":
+            calls.append((tuple(getattr(tensor, "shape", ())), tuple(getattr(result, "shape", ()))))
+        return result
 
     # rearrange() looks up einops.einops.reduce at call time, however it was imported.
-    vars(einops_module)["reduce"] = counting_reduce
+    vars(einops_module)["reduce"] = recording_reduce
     try:
-        call_student(split_heads_einops, randn(1, 2, 4, generator=random_generator(seed), device=device), 2,
-                     call="split_heads_einops(x, num_heads=2)")
+        call_student(split_heads_einops, x, num_heads, call=f"split_heads_einops(x, num_heads={num_heads}) "
+                     f"with x a {describe(x)}")
     finally:
         vars(einops_module)["reduce"] = original_reduce
-    expect_true("rearrange" in calls, "split_heads_einops should be written with einops.rearrange "
-                "(e.g. rearrange(x, 'b s (h d) -> b h s d', h=num_heads)), but it never called it.")
+    return calls
+
+
+@check("split_heads_einops: written with einops.rearrange, same result as split_heads ({device})")
+def check_split_heads_einops(split_heads_einops: Callable, *, seed: int = 0,
+                             device: torch.device | None = None) -> None:
+    """split_heads_einops: the same contract as split_heads, and einops.rearrange does the split."""
+    expect_signature(split_heads_einops, "split_heads_einops", ["x", "num_heads"])
+    x = randn(2, 5, 12, generator=random_generator(seed), device=device)
+    calls = _rearrange_calls(split_heads_einops, x, 3)
+    expect_true(bool(calls), EINOPS_HINTS["no_rearrange"])
+    # The split is einops' when one rearrange takes the 3-D input and returns the 4-D heads.
+    splitting = [call for call in calls if call[0] == tuple(x.shape) and len(call[1]) == 4]
+    described = ", ".join(f"{shape_str(before)} -> {shape_str(after)}" for before, after in calls)
+    expect_true(bool(splitting), f"split_heads_einops(x, num_heads=3) with x of shape {shape_str(x.shape)} calls "
+                f"einops.rearrange only as {described}.\n  Likely mistake: {EINOPS_HINTS['rearrange_not_splitting']}")
     _check_split_heads(split_heads_einops, seed=seed, device=device, name="split_heads_einops")
 
 
@@ -186,10 +197,11 @@ def _check_merge_heads_once(merge_heads: Callable, x: torch.Tensor) -> None:
         out = call_student(merge_heads, x, call=call)
     except CheckFailure as failure:
         if "view size is not compatible" in str(failure):
-            raise CheckFailure(f"{failure}\n  Likely mistake: {MERGE_HEADS_HINTS['not_contiguous']}") from None
+            raise CheckFailure(f"{failure}\n  Likely mistake: {MERGE_HEADS_HINTS['not_contiguous']}") from failure.__cause__
         raise
     expect_tensor(out, what=call, shape=(b, s, h * d), dtype=x.dtype, device=x.device)
-    expect_close(out, _concatenate_heads(x), what=call, against="the heads' features concatenated per token",
+    # Each token's H head vectors side by side: unbind the head axis, concatenate on features.
+    expect_close(out, torch.cat(x.unbind(1), dim=-1), what=call, against="the heads' features concatenated per token",
                  variants=[Variant(lambda: x.reshape(b, s, h * d), MERGE_HEADS_HINTS["reshape_only"])])
 
 
@@ -226,6 +238,7 @@ ATTENTION_HINTS = {
     "True means 'may attend'. Fill the positions where the mask is False with -inf.",
     "no_transpose": "use k.transpose(-2, -1): the scores are q @ k^T, one row per query and one column per key.",
     "mask_ignored": "the mask was ignored: positions where mask is False must get weight exactly 0.",
+    "weights_transposed": "multiply weights @ v (weights [S_q, S_k] times v [S_k, d_v]), not its transpose.",
 }
 
 
@@ -233,19 +246,44 @@ def _attention_variants(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | N
     d_head = q.shape[-1]
     scores = q @ k.transpose(-2, -1)
     variants = [
-        Variant(lambda: _weights_via_sdpa(q, k, mask, scale=1.0), ATTENTION_HINTS["no_scale"]),
-        Variant(lambda: _weights_via_sdpa(q, k, mask, scale=1.0 / d_head), ATTENTION_HINTS["scale_by_d"]),
+        Variant(lambda: _reference_weights(q, k, attn_mask=mask, scale=1.0), ATTENTION_HINTS["no_scale"]),
+        Variant(lambda: _reference_weights(q, k, attn_mask=mask, scale=1.0 / d_head), ATTENTION_HINTS["scale_by_d"]),
     ]
     if mask is None:
-        variants.append(Variant(lambda: _softmax_rows(scores / math.sqrt(d_head), dim=-2), ATTENTION_HINTS["wrong_axis"]))
+        variants.append(Variant(lambda: torch.softmax(scores / math.sqrt(d_head), dim=-2), ATTENTION_HINTS["wrong_axis"]))
     else:
-        variants.append(Variant(lambda: _weights_via_sdpa(q, k, None), ATTENTION_HINTS["mask_ignored"]))
-        identity = torch.eye(k.shape[-2], dtype=q.dtype, device=q.device)
-        variants.append(Variant(lambda: _naive_attention(q, k, identity, ~mask, d_head ** -0.5),
+        variants.append(Variant(lambda: _reference_weights(q, k, attn_mask=None), ATTENTION_HINTS["mask_ignored"]))
+        variants.append(Variant(lambda: torch.softmax(_with_minus_inf_fill(scores / math.sqrt(d_head), ~mask), dim=-1),
                                 ATTENTION_HINTS["mask_flipped"]))
-        masked_scores = (scores / math.sqrt(d_head)).masked_fill(~mask, float("-inf"))
-        variants.append(Variant(lambda: _softmax_rows(masked_scores, dim=-2).nan_to_num(0.0), ATTENTION_HINTS["wrong_axis"]))
+        masked_scores = _with_minus_inf_fill(scores / math.sqrt(d_head), mask)
+        variants.append(Variant(lambda: torch.softmax(masked_scores, dim=-2).nan_to_num(0.0), ATTENTION_HINTS["wrong_axis"]))
     return variants
+
+
+def _matmul_error(left_shape, right_shape, device: torch.device) -> str | None:
+    """The message PyTorch raises for ``left @ right`` on these shapes and this device (None if it works)."""
+    try:
+        torch.empty(left_shape, device=device) @ torch.empty(right_shape, device=device)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def _call_attention(fn: Callable, *args, call: str, scores_shapes: tuple, **kwargs):
+    """call_student, naming the missing transpose when the answer's ``q @ k`` raised.
+
+    ``scores_shapes`` is (q's shape, k's shape) of the scores the answer computes: q @ k on them
+    raises the very RuntimeError the answer raised when it forgot k.transpose(-2, -1).
+    """
+    try:
+        return call_student(fn, *args, call=call, forbidden=ATTENTION_BUILTINS, **kwargs)
+    except CheckFailure as failure:
+        cause = failure.__cause__
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        untransposed = _matmul_error(*scores_shapes, device)
+        if isinstance(cause, RuntimeError) and untransposed is not None and str(cause) == untransposed:
+            raise CheckFailure(f"{failure}\n  Likely mistake: {ATTENTION_HINTS['no_transpose']}") from cause
+        raise
 
 
 def _causal(s: int, device: torch.device) -> torch.Tensor:
@@ -253,7 +291,11 @@ def _causal(s: int, device: torch.device) -> torch.Tensor:
 
 
 def _attention_cases(generator: torch.Generator, device: torch.device):
-    """(q, k, v, mask) cases: float64 and float32, 3-D and 4-D, masks of several broadcast shapes."""
+    """(q, k, v, mask) cases: float64 and float32, 3-D and 4-D, masks of several broadcast shapes.
+
+    Every query keeps at least one key: what a fully masked row should give is a convention
+    (SDPA returns zeros, the -inf recipe NaN, a finite fill the mean of v), not part of the exercise.
+    """
     yield (randn(2, 3, 5, 8, generator=generator, device=device, dtype=torch.float64),
            randn(2, 3, 5, 8, generator=generator, device=device, dtype=torch.float64),
            randn(2, 3, 5, 6, generator=generator, device=device, dtype=torch.float64), None)
@@ -270,6 +312,9 @@ def _attention_cases(generator: torch.Generator, device: torch.device):
     yield (randn(2, 3, 4, 8, generator=generator, device=device),
            randn(2, 3, 5, 8, generator=generator, device=device),
            randn(2, 3, 5, 8, generator=generator, device=device), padding)
+    # Square S == d_head, where q @ k without the transpose still has the right shape.
+    yield (randn(2, 2, 4, 4, generator=generator, device=device), randn(2, 2, 4, 4, generator=generator, device=device),
+           randn(2, 2, 4, 4, generator=generator, device=device), None)
     # 3-D inputs (no head axis) and a single token.
     yield (randn(3, 4, 8, generator=generator, device=device), randn(3, 4, 8, generator=generator, device=device),
            randn(3, 4, 2, generator=generator, device=device), None)
@@ -281,7 +326,7 @@ def _check_weights(weights: torch.Tensor, q, k, mask, call: str) -> None:
     expected_shape = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
     expect_tensor(weights, what=call, shape=expected_shape, dtype=q.dtype, device=q.device,
                   hints={(*expected_shape[:-2], q.shape[-2], q.shape[-1]): ATTENTION_HINTS["no_transpose"]})
-    expect_close(weights, _weights_via_sdpa(q, k, mask), what=call,
+    expect_close(weights, _reference_weights(q, k, attn_mask=mask), what=call,
                  against="softmax(q @ k^T / sqrt(d_head)) from F.scaled_dot_product_attention",
                  variants=_attention_variants(q, k, mask))
     # Properties: every row sums to 1; masked positions get exactly zero weight.
@@ -304,7 +349,7 @@ def check_attention_weights(attention_weights: Callable, *, seed: int = 0, devic
     generator = random_generator(seed)
     for q, k, _v, mask in _attention_cases(generator, device):
         call = f"attention_weights(q, k, mask) with q a {describe(q)}, k of shape {shape_str(k.shape)}, {_mask_description(mask)}"
-        weights = call_student(attention_weights, q, k, mask, call=call, forbidden=ATTENTION_BUILTINS)
+        weights = _call_attention(attention_weights, q, k, mask, call=call, scores_shapes=(q.shape, k.shape))
         _check_weights(weights, q, k, mask, call)
     # Random sizes, causal: no query may put weight on a later key.
     for _ in range(6):
@@ -313,11 +358,12 @@ def check_attention_weights(attention_weights: Callable, *, seed: int = 0, devic
         q, k = (randn(b, h, s, d, generator=generator, device=device) for _ in range(2))
         mask = _causal(s, device)
         call = f"attention_weights(q, k, causal mask) with q, k of shape {shape_str(q.shape)}"
-        _check_weights(call_student(attention_weights, q, k, mask, call=call, forbidden=ATTENTION_BUILTINS),
-                       q, k, mask, call)
+        weights = _call_attention(attention_weights, q, k, mask, call=call, scores_shapes=(q.shape, k.shape))
+        _check_weights(weights, q, k, mask, call)
 
 
-@check("scaled_dot_product_attention: outputs and weights match F.scaled_dot_product_attention ({device})")
+@check("scaled_dot_product_attention: outputs and weights match F.scaled_dot_product_attention ({device})",
+       uses=("attention_weights",))
 def check_scaled_dot_product_attention(scaled_dot_product_attention: Callable, *, seed: int = 0,
                                        device: torch.device | None = None) -> None:
     """scaled_dot_product_attention: (out [..., S_q, d_v], weights), equal to PyTorch's SDPA, from scratch."""
@@ -326,7 +372,7 @@ def check_scaled_dot_product_attention(scaled_dot_product_attention: Callable, *
     for q, k, v, mask in _attention_cases(generator, device):
         call = (f"scaled_dot_product_attention(q, k, v, mask) with q a {describe(q)}, k {shape_str(k.shape)}, "
                 f"v {shape_str(v.shape)}, {_mask_description(mask)}")
-        result = call_student(scaled_dot_product_attention, q, k, v, mask, call=call, forbidden=ATTENTION_BUILTINS)
+        result = _call_attention(scaled_dot_product_attention, q, k, v, mask, call=call, scores_shapes=(q.shape, k.shape))
         expect_true(isinstance(result, tuple) and len(result) == 2,
                     f"{call} should return a tuple (out, weights), got {describe(result)}.")
         out, weights = result
@@ -337,7 +383,7 @@ def check_scaled_dot_product_attention(scaled_dot_product_attention: Callable, *
                      against="F.scaled_dot_product_attention",
                      variants=[Variant(lambda: reference_sdpa(q, k, v, attn_mask=mask, scale=1.0), ATTENTION_HINTS["no_scale"]),
                                Variant(lambda: (weights.transpose(-2, -1) @ v) if q.shape[-2] == k.shape[-2] else None,
-                                       "multiply weights @ v (weights [S_q, S_k] times v [S_k, d_v]), not its transpose.")])
+                                       ATTENTION_HINTS["weights_transposed"])])
 
 
 # --------------------------------------------------------------------------------------
@@ -349,6 +395,7 @@ MHSA_HINTS = {
     "no_scale": "no 1/sqrt(d_head) scaling in the scores (d_head = embed_dim // num_heads, not embed_dim).",
     "scale_by_model_width": "you scaled by 1/sqrt(embed_dim); the scale is 1/sqrt(d_head) = 1/sqrt(embed_dim // num_heads).",
     "mask_flipped": "mask polarity flipped: True means 'may attend'.",
+    "averaged_weights": "return the weights of every head, [B, H, S, S]; do not average over heads.",
 }
 
 
@@ -376,11 +423,14 @@ def _mhsa_variants(module: nn.Module, x: torch.Tensor, mask, num_heads: int) -> 
     d_head = d_model // num_heads
 
     def manual(scale: float, use_out: bool = True, flip: bool = False):
-        q, k, v = (_heads_by_slicing(linear(x), num_heads) for linear in (module.q_linear, module.k_linear, module.v_linear))
+        q, k, v = (torch.stack(linear(x).tensor_split(num_heads, dim=-1), dim=1)  # [B, H, S, d_head]
+                   for linear in (module.q_linear, module.k_linear, module.v_linear))
         if flip:
-            context = _concatenate_heads(_naive_attention(q, k, v, ~mask, scale))
+            weights = torch.softmax(_with_minus_inf_fill((q @ k.transpose(-2, -1)) * scale, ~mask), dim=-1)
+            heads = weights @ v
         else:
-            context = _concatenate_heads(reference_sdpa(q, k, v, attn_mask=mask, scale=scale))
+            heads = reference_sdpa(q, k, v, attn_mask=mask, scale=scale)
+        context = torch.cat(heads.unbind(1), dim=-1)  # [B, S, D]
         return module.out_linear(context) if use_out else context
 
     variants = [
@@ -412,7 +462,8 @@ def _check_mhsa_forward(module: nn.Module, x: torch.Tensor, mask, num_heads: int
     reference = _torch_mha_like(module, d_model, num_heads, module.q_linear.bias is not None)
     expected_out, expected_weights = _torch_mha_reference(reference, x, mask)
     call = f"{label}(x{', mask' if mask is not None else ''}) with x a {describe(x)}, {_mask_description(mask)}"
-    out = call_student(module, x, mask, call=call, forbidden=ATTENTION_BUILTINS)
+    heads_shape = (b, num_heads, s, d_model // num_heads)
+    out = _call_attention(module, x, mask, call=call, scores_shapes=(heads_shape, heads_shape))
     expect_tensor(out, what=call, shape=(b, s, d_model), dtype=x.dtype, device=x.device)
     expect_close(out, expected_out, what=call, against="nn.MultiheadAttention with the same weights",
                  variants=_mhsa_variants(module, x, mask, num_heads))
@@ -421,12 +472,13 @@ def _check_mhsa_forward(module: nn.Module, x: torch.Tensor, mask, num_heads: int
     expect_true(isinstance(result, tuple) and len(result) == 2,
                 f"{call_weights} should return (out, weights), got {describe(result)}.")
     expect_tensor(result[1], what=call_weights + " -> weights", shape=(b, num_heads, s, s), dtype=x.dtype, device=x.device,
-                  hints={(b, s, s): "return the weights of every head, [B, H, S, S]; do not average over heads."})
+                  hints={(b, s, s): MHSA_HINTS["averaged_weights"]})
     expect_close(result[1], expected_weights, what=call_weights + " -> weights",
                  against="nn.MultiheadAttention's per-head weights (average_attn_weights=False)")
 
 
-@check("MultiHeadSelfAttention: attributes, output and weights match nn.MultiheadAttention; equivariance and causality ({device})")
+@check("MultiHeadSelfAttention: attributes, output and weights match nn.MultiheadAttention; equivariance and causality ({device})",
+       uses=("split_heads", "merge_heads", "attention_weights", "scaled_dot_product_attention"))
 def check_multi_head_self_attention(MultiHeadSelfAttention: Callable, *, seed: int = 0,
                                     device: torch.device | None = None) -> None:
     """MultiHeadSelfAttention: contract, numbers against nn.MultiheadAttention, properties, from scratch."""
@@ -459,7 +511,18 @@ def check_multi_head_self_attention(MultiHeadSelfAttention: Callable, *, seed: i
                      against="the outputs of the earlier tokens (a causal mask lets no future token influence the past)")
 
 
-@check("load_torch_mha_weights: parameters copied from in_proj_weight/bias and out_proj; outputs then match ({device})")
+LOAD_HINTS = {
+    "transposed": "nn.Linear stores weight as [out, in] like in_proj_weight: copy the block as it is, do not transpose it.",
+    "wrong_block": "wrong block of in_proj_weight: rows are stacked in the order q, k, v.",
+    "not_parameter": "copy into the existing parameter with .copy_() under torch.no_grad(), instead of "
+    "replacing it with a plain tensor.",
+    "shares_memory": "changing one changes the other. Copy the values (param.copy_(...)) instead of assigning "
+    "a slice.",
+}
+
+
+@check("load_torch_mha_weights: parameters copied from in_proj_weight/bias and out_proj; outputs then match ({device})",
+       uses=("MultiHeadSelfAttention",))
 def check_load_torch_mha_weights(load_torch_mha_weights: Callable, MultiHeadSelfAttention: Callable, *,
                                  seed: int = 0, device: torch.device | None = None) -> None:
     """load_torch_mha_weights: copies stacked q;k;v weights into q/k/v_linear; module then equals nn.MultiheadAttention."""
@@ -481,13 +544,13 @@ def check_load_torch_mha_weights(load_torch_mha_weights: Callable, MultiHeadSelf
         for index, name in enumerate(names):
             layer = getattr(module, name)
             expect_true(isinstance(layer.weight, nn.Parameter), f"after {call}, module.{name}.weight should still be "
-                        "an nn.Parameter: copy into it with .copy_() under torch.no_grad().")
+                        f"an nn.Parameter.\n  Likely mistake: {LOAD_HINTS['not_parameter']}")
             block = stacked_weight[index * embed_dim:(index + 1) * embed_dim]
             others = [stacked_weight[j * embed_dim:(j + 1) * embed_dim] for j in range(3) if j != index]
             expect_close(layer.weight, block, what=f"module.{name}.weight after {call}",
                          against=f"rows {index * embed_dim}..{(index + 1) * embed_dim - 1} of in_proj_weight (stacked q; k; v)",
-                         variants=[Variant(block.T, "nn.Linear stores weight as [out, in] like in_proj_weight: copy the block as it is, do not transpose it.")]
-                         + [Variant(o, "wrong block of in_proj_weight: rows are stacked in the order q, k, v.") for o in others])
+                         variants=[Variant(block.T, LOAD_HINTS["transposed"])]
+                         + [Variant(other, LOAD_HINTS["wrong_block"]) for other in others])
             if bias:
                 expect_close(layer.bias, torch_mha.in_proj_bias[index * embed_dim:(index + 1) * embed_dim],
                              what=f"module.{name}.bias after {call}", against="the matching slice of in_proj_bias")
@@ -496,8 +559,8 @@ def check_load_torch_mha_weights(load_torch_mha_weights: Callable, MultiHeadSelf
         with torch.no_grad():
             torch_mha.in_proj_weight.add_(1.0)
         expect_true(not torch.equal(module.q_linear.weight, torch_mha.in_proj_weight[:embed_dim]),
-                    f"after {call}, module.q_linear.weight shares memory with torch_mha.in_proj_weight: changing one "
-                    "changes the other. Copy the values (param.copy_(...)) instead of assigning a slice.")
+                    f"after {call}, module.q_linear.weight shares memory with torch_mha.in_proj_weight.\n"
+                    f"  Likely mistake: {LOAD_HINTS['shares_memory']}")
         with torch.no_grad():
             torch_mha.in_proj_weight.sub_(1.0)
         x = randn(2, 4, embed_dim, generator=generator, device=device)
@@ -513,19 +576,15 @@ def check_load_torch_mha_weights(load_torch_mha_weights: Callable, MultiHeadSelf
 
 SHAPE_KEYS = ("input", "q", "q_heads", "scores", "weights", "context_heads", "context", "output")
 
-
-def _traced_shapes(B: int, S: int, D: int, H: int) -> dict[str, tuple[int, ...]]:
-    """The shapes, read off a real forward pass through PyTorch's modules (not typed in)."""
-    x = torch.zeros(B, S, D)
-    q = nn.Linear(D, D)(x)
-    q_heads = _heads_by_slicing(q, H)
-    scores = q_heads @ q_heads.transpose(-2, -1)
-    weights = torch.softmax(scores, dim=-1)
-    context_heads = weights @ q_heads
-    context = _concatenate_heads(context_heads)
-    output = nn.Linear(D, D)(context)
-    values = (x, q, q_heads, scores, weights, context_heads, context, output)
-    return {key: tuple(value.shape) for key, value in zip(SHAPE_KEYS, values)}
+SHAPES_HINTS = {
+    "scores_like_heads": "scores compare every query with every key: the last two axes are [S, S].",
+    "heads_not_moved": "after the permute the head axis comes before the sequence axis: [B, H, S, d_head].",
+}
+PARAMETER_COUNT_HINTS = {
+    "no_out_projection": "you counted W_q, W_k and W_v but not the output projection W_o.",
+    "no_biases": "with bias=True each of the four projections also has D biases.",
+    "one_bias": "each of the four projections has its own D biases: 4·D, not D.",
+}
 
 
 @check("mha_shapes: the shape table matches a real forward pass")
@@ -544,17 +603,27 @@ def check_mha_shapes(mha_shapes: Callable, *, seed: int = 0, device: torch.devic
         extra = [key for key in table if key not in SHAPE_KEYS]
         expect_true(not missing and not extra, f"{call} should have exactly the keys {list(SHAPE_KEYS)}; "
                     f"missing {missing}, unexpected {extra}.")
-        expected = _traced_shapes(B, S, D, H)
+        # The shapes, read off a real forward pass through PyTorch's modules (not typed in). On
+        # the CPU: the meta device would cost a few seconds of one-time setup in the notebook.
+        x = torch.zeros(B, S, D)
+        q = nn.Linear(D, D)(x)
+        q_heads = torch.stack(q.tensor_split(H, dim=-1), dim=1)
+        scores = q_heads @ q_heads.transpose(-2, -1)
+        context_heads = torch.softmax(scores, dim=-1) @ q_heads
+        context = torch.cat(context_heads.unbind(1), dim=-1)
+        traced = (x, q, q_heads, scores, scores, context_heads, context, nn.Linear(D, D)(context))
+        expected = {key: tuple(value.shape) for key, value in zip(SHAPE_KEYS, traced)}
         for key in SHAPE_KEYS:
             value = table[key]
             expect_true(isinstance(value, tuple) and all(isinstance(n, int) for n in value),
                         f"{call}[{key!r}] should be a tuple of ints like {expected[key]}, got {value!r}.")
             hint = ""
             if key in ("scores", "weights") and value == (B, H, S, D // H):
-                hint = " Scores compare every query with every key: the last two axes are [S, S]."
+                hint = SHAPES_HINTS["scores_like_heads"]
             elif key in ("q_heads", "context_heads") and value == (B, S, H, D // H):
-                hint = " After the permute the head axis comes before the sequence axis."
-            expect_true(tuple(value) == expected[key], f"{call}[{key!r}] should be {expected[key]}, got {tuple(value)}.{hint}")
+                hint = SHAPES_HINTS["heads_not_moved"]
+            expect_true(tuple(value) == expected[key], f"{call}[{key!r}] should be {expected[key]}, got {tuple(value)}."
+                        + (f"\n  Likely mistake: {hint}" if hint else ""))
 
 
 @check("mha_parameter_count: 4·D² weights (+ 4·D biases), as nn.MultiheadAttention counts them")
@@ -571,12 +640,31 @@ def check_mha_parameter_count(mha_parameter_count: Callable, *, seed: int = 0, d
                         f"{call} should return an int, got {describe(count)}.")
             hint = ""
             if count == 3 * D * D + (3 * D if bias else 0):
-                hint = " You counted W_q, W_k and W_v but not the output projection W_o."
+                hint = PARAMETER_COUNT_HINTS["no_out_projection"]
             elif bias and count == 4 * D * D:
-                hint = " With bias=True each of the four projections also has D biases."
+                hint = PARAMETER_COUNT_HINTS["no_biases"]
             elif bias and count == 4 * D * D + D:
-                hint = " Each of the four projections has its own D biases: 4·D, not D."
-            expect_true(count == expected, f"{call} should be {expected:,}, got {count!r}.{hint}")
+                hint = PARAMETER_COUNT_HINTS["one_bias"]
+            expect_true(count == expected, f"{call} should be {expected:,}, got {count!r}."
+                        + (f"\n  Likely mistake: {hint}" if hint else ""))
+
+
+# --------------------------------------------------------------------------------------
+# The find-the-bug question on the einops draft
+# --------------------------------------------------------------------------------------
+
+DRAFT_BUG_HINTS = {
+    "B": "look at the softmax's dim=-1 in the draft: the last axis of 'b h m n' is n, the keys.",
+    "C": "in \"b s (h d)\" h varies slowest, so head h takes features h*d ... (h+1)*d - 1: "
+    "the same split as your split_heads.",
+    "D": "read the last line of forward again: what does self.out_proj do there?",
+}
+
+
+@check("ANSWER_DRAFT_BUG: right choice")
+def check_answer_draft_bug(answer, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """The draft computes softmax(q k^T) v: attention with scale 1.0, not 1/sqrt(d_head)."""
+    expect_choice(answer, name="ANSWER_DRAFT_BUG", options="ABCD", correct="A", hints=DRAFT_BUG_HINTS)
 
 
 freeze_module(__name__)

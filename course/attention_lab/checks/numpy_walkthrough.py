@@ -71,18 +71,26 @@ def _call(fn: Callable, *args: Any, call: str, **kwargs: Any) -> Any:
         if "not implemented yet" in text or "Likely mistake" in text or "NumPy only" in text:
             raise
         if "remapped shapes" in text or ("matmul" in text and "mismatch" in text):  # raised by @
-            raise CheckFailure(text + "\n  Likely mistake: a transpose. Q @ Kᵀ needs K with only its last two "
-                               "axes swapped (np.swapaxes(K, -1, -2) or K.transpose(0, 1, 3, 2)); K.T reverses "
-                               "all four axes.") from None
+            raise CheckFailure(f"{text}\n  Likely mistake: {ERROR_HINTS['matmul_shapes']}") from failure.__cause__
         if "could not be broadcast" in text:
-            raise CheckFailure(text + "\n  Likely mistake: a reduction lost its axis. Keep it for broadcasting "
-                               "with keepdims=True (e.g. np.max(x, axis=axis, keepdims=True)).") from None
+            raise CheckFailure(f"{text}\n  Likely mistake: {ERROR_HINTS['lost_axis']}") from failure.__cause__
         raise
 
 
-DTYPE_HINT = ("NumPy 2 keeps a float32 array float32 when it meets a Python float, but a NumPy float64 "
-              "scalar promotes it: divide by math.sqrt(d) (a Python float), not np.sqrt(d), and create new "
-              "arrays with dtype=x.dtype.")
+ERROR_HINTS = {
+    "matmul_shapes": "a transpose. Q @ Kᵀ needs K with only its last two axes swapped (np.swapaxes(K, -1, -2) "
+    "or K.transpose(0, 1, 3, 2)); K.T reverses all four axes.",
+    "lost_axis": "a reduction lost its axis. Keep it for broadcasting with keepdims=True (e.g. "
+    "np.max(x, axis=axis, keepdims=True)).",
+}
+# The notebook's rule: an answer returns the dtype it was given (float32 in, float32 out).
+DTYPE_HINTS = {
+    "promoted": "the rule of this notebook is float32 in, float32 out. NumPy 2 keeps a float32 array float32 "
+    "when it meets a Python float, but a NumPy float64 scalar such as np.sqrt(d) promotes it to float64: "
+    "divide by math.sqrt(d) (a Python float) or cast back with .astype(Q.dtype), and create new arrays "
+    "with dtype=x.dtype.",
+}
+DTYPE_HINT = DTYPE_HINTS["promoted"]
 
 
 def _expect_unchanged(before: np.ndarray, after: np.ndarray, call: str, name: str) -> None:
@@ -270,10 +278,6 @@ SOFTMAX_HINTS = {
 }
 
 
-def _softmax_reference(x: np.ndarray, axis: int) -> torch.Tensor:
-    return torch.softmax(_t(x), dim=axis)
-
-
 def _softmax_variants(x: np.ndarray, axis: int) -> list[Variant]:
     def naive():
         with np.errstate(all="ignore"):
@@ -285,13 +289,15 @@ def _softmax_variants(x: np.ndarray, axis: int) -> list[Variant]:
             e = np.exp(x.astype(np.float64) - np.max(x))
             return e / e.sum(axis=axis, keepdims=True)
 
-    def no_keepdims():
+    def no_keepdims(reinsert_last: bool):
+        """The row maxima without keepdims, broadcast as they come or re-added as the last axis
+        (``np.max(x, axis=axis)[..., None]``, right only for the last axis)."""
         if x.ndim < 2:
             return None
         with np.errstate(all="ignore"):
             m = np.max(x, axis=axis)
             try:
-                e = np.exp(x.astype(np.float64) - m)
+                e = np.exp(x.astype(np.float64) - (m[..., None] if reinsert_last else m))
                 return e / e.sum(axis=axis, keepdims=True)
             except ValueError:
                 return None
@@ -306,8 +312,10 @@ def _softmax_variants(x: np.ndarray, axis: int) -> list[Variant]:
 
     variants = [Variant(naive, SOFTMAX_HINTS["no_max"]), Variant(global_max, SOFTMAX_HINTS["global_max"])]
     if axis % x.ndim != x.ndim - 1:
-        variants.append(Variant(lambda: _softmax_reference(x, -1), SOFTMAX_HINTS["ignores_axis"]))
-    variants += [Variant(no_keepdims, SOFTMAX_HINTS["no_keepdims"]), Variant(sum_other_axis, SOFTMAX_HINTS["sum_axis"])]
+        variants.append(Variant(lambda: torch.softmax(_t(x), dim=-1), SOFTMAX_HINTS["ignores_axis"]))
+    variants += [Variant(lambda: no_keepdims(False), SOFTMAX_HINTS["no_keepdims"]),
+                 Variant(lambda: no_keepdims(True), SOFTMAX_HINTS["no_keepdims"]),
+                 Variant(sum_other_axis, SOFTMAX_HINTS["sum_axis"])]
     return variants
 
 
@@ -319,7 +327,7 @@ def _check_softmax_once(np_softmax: Callable, x: np.ndarray, axis: int | None, l
     out = expect_array(out, what=call, shape=x.shape, dtype=x.dtype, dtype_hint=DTYPE_HINT)
     _expect_unchanged(before, x, call, "x")
     axis = -1 if axis is None else axis
-    expected = _softmax_reference(x, axis)
+    expected = torch.softmax(_t(x), dim=axis)
     variants = _softmax_variants(x, axis)
     if np.isnan(out).any():
         # Both a missing and a global max give NaN rows; a global max only where rows differ in scale.
@@ -358,10 +366,11 @@ def check_np_softmax(np_softmax: Callable, *, seed: int = 0, device: torch.devic
     out = _check_softmax_once(np_softmax, masked, -1, "containing -inf on part of two rows")
     expect_true(bool((out[np.isneginf(masked)] == 0).all()),
                 "np_softmax(x) with -inf entries: their weights should be exactly 0.")
-    # A non-default axis, on a 2-D array (columns) and on a 3-D array (the middle axis).
+    # A non-default axis: on a square 3-D array first (where maxima put back on the wrong axis
+    # still broadcast, so the mistake can be named), then columns of a 2-D array, the middle axis.
+    _check_softmax_once(np_softmax, _normal(rng, 3, 4, 4) + 500.0, -2, "of shape [3, 4, 4] + 500, axis -2")
     _check_softmax_once(np_softmax, _normal(rng, 4, 3), 0, "of shape [4, 3], softmax over columns")
     _check_softmax_once(np_softmax, _normal(rng, 2, 5, 3, scale=3.0), 1, "of shape [2, 5, 3], the middle axis")
-    _check_softmax_once(np_softmax, _normal(rng, 3, 4, 4) + 500.0, -2, "of shape [3, 4, 4] + 500, axis -2")
     _check_softmax_once(np_softmax, _normal(rng, 7), 0, "of shape [7]")
     # Properties: shift invariance per row, positive weights summing to 1.
     for _ in range(4):
@@ -475,7 +484,8 @@ def _check_attention_once(np_attention: Callable, Q, K, V, mask, label: str) -> 
                                f"scores to -inf before the softmax), found {float(np.abs(leaked).max()):.3g}.")
 
 
-@check("np_attention: (out, weights) equal F.scaled_dot_product_attention, with masks and large scores")
+@check("np_attention: (out, weights) equal F.scaled_dot_product_attention, with masks and large scores",
+       uses=("np_softmax",))
 def check_np_attention(np_attention: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """np_attention: softmax(Q Kᵀ / sqrt(d_head)) V on (B, H, S, d) arrays, boolean masks True = may attend."""
     expect_signature(np_attention, "np_attention", ["Q", "K", "V", "mask"])
@@ -613,7 +623,8 @@ def _mha_weights(rng, d_model, dtype=np.float64):
     return tuple(_normal(rng, d_model, d_model, dtype=dtype, scale=1 / math.sqrt(d_model)) for _ in range(4))
 
 
-@check("np_multi_head_attention: equals nn.MultiheadAttention with the same weights, incl. W_o; equivariance and causality")
+@check("np_multi_head_attention: equals nn.MultiheadAttention with the same weights, incl. W_o; equivariance and causality",
+       uses=("np_split_heads", "np_merge_heads", "np_attention", "np_softmax"))
 def check_np_multi_head_attention(np_multi_head_attention: Callable, *, seed: int = 0,
                                   device: torch.device | None = None) -> None:
     """np_multi_head_attention: projections (X @ W, W (in, out)), split, attention, merge, output projection."""
@@ -771,38 +782,41 @@ def check_dot_product_variance(dot_product_variance: Callable, *, seed: int = 0,
 
 CHOICES = ("A", "B", "C", "D")
 SCALING_QUESTION_NAME = "ANSWER_SCALING"
+SCALING_HINTS = {
+    "A": "compare the 1/d_head curve with the 1/sqrt(d_head) curve at d_head = 1024: are they level with each other?",
+    "B": "at d_head = 1024, is the 1/d_head curve's largest weight near 1, like the raw scores'?",
+    "D": "at d_head = 4, is the 1/d_head curve's largest weight near 1?",
+}
 
 
 def peakedness_curves(d_heads: Sequence[int] = (4, 16, 64, 256, 1024), seq_len: int = 16, num_queries: int = 200,
                       seed: int = 0) -> dict[str, np.ndarray]:
-    """Mean max softmax weight per row for q, k with iid N(0, 1) entries, scaled by 1 and by 1/sqrt(d)."""
+    """Mean max softmax weight per row for q, k with iid N(0, 1) entries, scaled by 1, 1/sqrt(d) and 1/d."""
     rng = _rng(seed)
-    unscaled, scaled = [], []
+    curves: dict[str, list[float]] = {"unscaled": [], "scaled": [], "by_d": []}
     for d_head in d_heads:
         q = rng.standard_normal((num_queries, 1, d_head))
         k = rng.standard_normal((num_queries, seq_len, d_head))  # fresh keys for every query
         scores = torch.from_numpy((q * k).sum(-1))  # [num_queries, seq_len]
-        unscaled.append(float(torch.softmax(scores, -1).amax(-1).mean()))
-        scaled.append(float(torch.softmax(scores / math.sqrt(d_head), -1).amax(-1).mean()))
-    return {"d_head": np.array(d_heads), "unscaled": np.array(unscaled), "scaled": np.array(scaled),
+        for name, factor in (("unscaled", 1.0), ("scaled", 1 / math.sqrt(d_head)), ("by_d", 1 / d_head)):
+            curves[name].append(float(torch.softmax(scores * factor, -1).amax(-1).mean()))
+    return {"d_head": np.array(d_heads), **{name: np.array(values) for name, values in curves.items()},
             "uniform": np.full(len(d_heads), 1.0 / seq_len)}
 
 
 def _statements(curves: dict[str, np.ndarray]) -> dict[str, bool]:
-    """Which of the notebook's four statements the measured curves support."""
-    unscaled, scaled, uniform = curves["unscaled"], curves["scaled"], curves["uniform"][0]
-    unscaled_rise = unscaled[-1] - unscaled[0]
-    scaled_rise = scaled[-1] - scaled[0]
-    flat = 0.08
+    """Which of the notebook's four statements about the 1/d_head scaling the measured curves support."""
+    by_d, scaled, uniform = curves["by_d"], curves["scaled"], curves["uniform"][0]
+    flattens = bool(abs(by_d[-1] - uniform) < 0.02 and np.all(np.diff(by_d) < 0))
     return {
-        # A: unscaled rows stay equally soft; scaling is what makes them peaked.
-        "A": bool(abs(unscaled_rise) < flat and scaled_rise > 0.2),
-        # B: unscaled rows become one-hot as d_head grows; scaled rows stay about equally peaked.
-        "B": bool(unscaled_rise > 0.3 and unscaled[-1] > 0.9 and np.ptp(scaled) < flat),
-        # C: both curves rise; scaling only delays the rise.
-        "C": bool(unscaled_rise > 0.2 and scaled_rise > 0.2),
-        # D: with scaling the rows flatten to uniform for large d_head.
-        "D": bool(abs(scaled[-1] - uniform) < 0.02),
+        # A: 1/d keeps the rows as peaked as 1/sqrt(d) for every width.
+        "A": bool(np.all(np.abs(by_d - scaled) < 0.05)),
+        # B: 1/d makes the rows one-hot as d_head grows.
+        "B": bool(by_d[-1] > 0.9),
+        # C: 1/d flattens the rows towards uniform as d_head grows.
+        "C": flattens and not bool(by_d[0] > 0.9),
+        # D: one-hot at small d_head, uniform at large.
+        "D": flattens and bool(by_d[0] > 0.9),
     }
 
 
@@ -813,7 +827,7 @@ def check_answer_scaling(answer: Any, *, seed: int = 0, device: torch.device | N
     if len(supported) != 1:  # the experiment itself went wrong: say so rather than grade at random
         raise RuntimeError(f"the peakedness experiment supports {supported}; please report this to the course staff")
     expect_choice(answer, name=SCALING_QUESTION_NAME, options="".join(CHOICES), correct=supported[0],
-                  hints=dict.fromkeys(CHOICES, "Wrong choice: re-read the plot."))
+                  hints=SCALING_HINTS)
 
 
 freeze_module(__name__)

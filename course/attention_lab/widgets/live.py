@@ -20,7 +20,8 @@ def figure_png(figure: Figure) -> bytes:
 class LiveFigure:
     """Controls whose values are passed to ``draw(figure, **values)`` on every change.
 
-    * ``controls`` -- name -> ipywidget; setting ``controls[name].value`` redraws.
+    * ``controls`` -- name -> ipywidget; setting ``controls[name].value`` redraws. Sliders and
+      text boxes report a new value only when released (``continuous_update=False``).
     * ``figure`` -- the matplotlib Figure as last drawn (tests inspect its axes).
     * Displayed, it offers the live widget *and* a PNG of the figure: JupyterLab and Colab
       render the widget; renderers without a widget manager fall back to the PNG.
@@ -34,6 +35,10 @@ class LiveFigure:
         self._image = widgets.Image(format="png")
         self.widget = widgets.VBox([widgets.HBox(list(self.controls.values())), self._image])
         for control in self.controls.values():
+            # Redraw once, when a slider is released: dragging would otherwise queue one
+            # redraw per intermediate value and the figure would lag seconds behind.
+            if control.has_trait("continuous_update"):
+                control.continuous_update = False
             control.observe(self._on_change, names="value")
         self.redraw()
 

@@ -1,9 +1,16 @@
-"""Scores next to weights (notebook 02): pick (b, h), drag the scale, watch the softmax sharpen.
+"""The spread of the scores and what it does to the softmax (notebook 02, after exercise 2.4).
 
-``plot_scores_and_weights`` is the pure drawing function; ``scores_explorer`` wraps it in a
-:class:`~attention_lab.widgets.live.LiveFigure` with a batch and a head selector and a scale
-slider. Everything is NumPy: the inputs are the notebook's ``Q, K`` arrays of shape
-``(B, H, S, d_head)``, and the softmax can be the student's own ``np_softmax``.
+``variance_explorer`` varies ``d_head``, the entries' standard deviation σ and the scaling,
+and shows two things side by side:
+
+* left: a histogram of the scores q·k (raw, or divided by sqrt(d_head)) for independent
+  N(0, σ²) entries, with the student's own ``dot_product_variance`` measurement and the
+  prediction d·σ⁴ (scaled: σ⁴);
+* right: the softmax weights of one query over 16 keys, sorted, averaged over many queries:
+  flat when the scores are narrow, one-hot when they are wide.
+
+Dividing by sqrt(d_head) keeps the left panel's width fixed as d_head grows -- but only at
+σ = 1 is that width 1; at σ = 2 the scaled scores still have variance 16.
 """
 
 from __future__ import annotations
@@ -13,85 +20,68 @@ from typing import Callable
 
 import ipywidgets as widgets
 import numpy as np
+import torch
 from matplotlib.figure import Figure
 
 from attention_lab.widgets.live import LiveFigure
 
-
-def stable_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Softmax that subtracts each row's max (used when no softmax is passed in)."""
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
+SCALED = "÷ sqrt(d_head)"
+RAW = "none (raw q·k)"
+NUM_KEYS = 16
 
 
-def _annotate(ax, matrix: np.ndarray, fmt: str, dark: Callable[[float], bool]) -> None:
-    """Write each value in its cell (only for small matrices, where it stays readable)."""
-    rows, columns = matrix.shape
-    if rows > 8 or columns > 8:
-        return
-    for i in range(rows):
-        for j in range(columns):
-            value = float(matrix[i, j])
-            ax.text(j, i, format(value, fmt), ha="center", va="center", fontsize=7,
-                    color="white" if dark(value) else "black")
-
-
-def plot_scores_and_weights(figure: Figure, scores: np.ndarray, weights: np.ndarray, title: str = "") -> None:
-    """Draw ``scores (S_q, S_k)`` (scaled, before the softmax) next to ``weights (S_q, S_k)``.
-
-    Left: the scaled scores on a diverging colour scale centred at 0. Right: the weights on a
-    fixed [0, 1] scale, so a sharper softmax shows as brighter single cells.
+def plot_score_spread(figure: Figure, scores: np.ndarray, sorted_weights: np.ndarray, predicted_variance: float,
+                      title: str = "") -> None:
+    """Left: histogram of ``scores`` with the normal density of ``predicted_variance``.
+    Right: ``sorted_weights (num_keys,)``, the mean softmax weight of the largest, second largest, ... key.
     """
-    scores = np.asarray(scores, dtype=np.float64)
-    weights = np.asarray(weights, dtype=np.float64)
-    score_ax, weight_ax = figure.subplots(1, 2)
-    limit = float(np.max(np.abs(scores[np.isfinite(scores)]), initial=1e-12))
-    score_image = score_ax.imshow(scores, cmap="RdBu_r", vmin=-limit, vmax=limit)
-    score_ax.set_title("scaled scores  scale · Q Kᵀ")
-    _annotate(score_ax, scores, ".1f", dark=lambda value: abs(value) > 0.6 * limit)
-    weight_image = weight_ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0)
-    weight_ax.set_title("weights  softmax(rows)")
-    _annotate(weight_ax, weights, ".2f", dark=lambda value: value < 0.6)
-    for ax in (score_ax, weight_ax):
-        ax.set_xlabel("key position")
-        ax.set_ylabel("query position")
-        ax.set_xticks(range(scores.shape[1]))
-        ax.set_yticks(range(scores.shape[0]))
-    figure.colorbar(score_image, ax=score_ax, shrink=0.8)
-    figure.colorbar(weight_image, ax=weight_ax, shrink=0.8)
+    hist_ax, weight_ax = figure.subplots(1, 2, gridspec_kw=dict(left=0.07, right=0.98, bottom=0.14, top=0.88,
+                                                                 wspace=0.22))
+    spread = max(4.0 * math.sqrt(predicted_variance), float(np.abs(scores).max(initial=1e-9)))
+    hist_ax.hist(scores, bins=60, range=(-spread, spread), density=True, color="tab:blue", alpha=0.6,
+                 label="sampled scores")
+    grid = np.linspace(-spread, spread, 400)
+    density = np.exp(-grid ** 2 / (2 * predicted_variance)) / math.sqrt(2 * math.pi * predicted_variance)
+    hist_ax.plot(grid, density, color="black", label=f"normal, variance {predicted_variance:.3g}")
+    hist_ax.set_xlabel("score")
+    hist_ax.set_ylabel("density")
+    hist_ax.legend(fontsize=7)
+    ranks = np.arange(1, len(sorted_weights) + 1)
+    weight_ax.bar(ranks, sorted_weights, color="tab:orange")
+    weight_ax.axhline(1 / len(sorted_weights), color="gray", linestyle=":", label="uniform")
+    weight_ax.set_ylim(0, 1)
+    weight_ax.set_xlabel("key, by rank of its weight")
+    weight_ax.set_ylabel("mean softmax weight")
+    weight_ax.legend(fontsize=7)
     if title:
-        figure.suptitle(title, fontsize=10)
+        figure.suptitle(title, fontsize=9)
 
 
-def scores_explorer(Q: np.ndarray, K: np.ndarray, softmax: Callable | None = None) -> LiveFigure:
-    """Explore the attention scores and weights of ``Q, K (B, H, S, d_head)`` one (b, h) at a time.
-
-    ``softmax(x, axis=-1)`` turns the scaled scores into weights; pass your ``np_softmax``
-    to see your own function at work (default: a stable reference softmax). The scale
-    slider multiplies ``Q Kᵀ``: at ``1/sqrt(d_head)`` you see the real model; larger scales
-    saturate every row into one-hot weights, smaller ones flatten them towards uniform.
+def variance_explorer(dot_product_variance: Callable, *, d_heads=(1, 4, 16, 64, 256, 1024),
+                      num_samples: int = 4000, seed: int = 0) -> LiveFigure:
+    """Explore the scores' variance d·σ⁴ and the softmax it produces; your ``dot_product_variance``
+    (exercise 2.4) measures the variance shown in the title.
     """
-    Q = np.asarray(Q)
-    K = np.asarray(K)
-    if Q.ndim != 4 or K.ndim != 4:
-        raise ValueError(f"Q and K should have shape (B, H, S, d_head), got {Q.shape} and {K.shape}")
-    softmax = softmax or stable_softmax
-    batch, num_heads, seq_len, d_head = Q.shape
-    default = 1.0 / math.sqrt(d_head)
-    raw_scores = Q @ np.swapaxes(K, -1, -2)  # (B, H, S_q, S_k), computed once
 
-    def draw(figure: Figure, b: int, h: int, scale: float) -> None:
-        scores = scale * raw_scores[b, h]
-        weights = softmax(scores, axis=-1)
-        peak = float(np.mean(np.max(weights, axis=-1)))
-        title = (f"b = {b}, h = {h}, scale = {scale:.3f} (1/sqrt(d_head) = {default:.3f}): "
-                 f"mean max weight {peak:.2f} (uniform: {1 / raw_scores.shape[-1]:.2f}, one-hot: 1)")
-        plot_scores_and_weights(figure, scores, weights, title)
+    def draw(figure: Figure, d_head: int, sigma: float, scaling: str) -> None:
+        rng = np.random.default_rng(seed)
+        factor = 1 / math.sqrt(d_head) if scaling == SCALED else 1.0
+        q = rng.normal(0.0, sigma, size=(num_samples, d_head))
+        k = rng.normal(0.0, sigma, size=(num_samples, d_head))
+        scores = factor * np.sum(q * k, axis=-1)  # (num_samples,)
+        # One query against NUM_KEYS keys per row: num_samples // NUM_KEYS softmax rows.
+        rows = torch.from_numpy(scores[: num_samples // NUM_KEYS * NUM_KEYS].reshape(-1, NUM_KEYS))
+        sorted_weights = torch.softmax(rows, dim=-1).sort(dim=-1, descending=True).values.mean(0).numpy()
+        measured = factor ** 2 * float(dot_product_variance(d_head, sigma, num_samples, np.random.default_rng(seed)))
+        predicted = factor ** 2 * d_head * sigma ** 4
+        title = (f"d_head = {d_head}, σ = {sigma:g}, scores {scaling}: variance measured by your "
+                 f"dot_product_variance {measured:.3g}, predicted {'σ⁴' if scaling == SCALED else 'd·σ⁴'} = "
+                 f"{predicted:.3g}; largest weight {sorted_weights[0]:.2f} on average")
+        plot_score_spread(figure, scores, sorted_weights, predicted, title)
 
     controls = {
-        "b": widgets.Dropdown(options=list(range(batch)), value=0, description="batch b"),
-        "h": widgets.Dropdown(options=list(range(num_heads)), value=0, description="head h"),
-        "scale": widgets.FloatLogSlider(value=default, base=10, min=-2, max=1.5, step=0.05, description="scale",
-                                        readout_format=".3f"),
+        "d_head": widgets.Dropdown(options=list(d_heads), value=d_heads[min(3, len(d_heads) - 1)], description="d_head"),
+        "sigma": widgets.FloatSlider(value=1.0, min=0.25, max=3.0, step=0.25, description="σ"),
+        "scaling": widgets.Dropdown(options=[SCALED, RAW], value=SCALED, description="scaling"),
     }
-    return LiveFigure(draw, controls, figsize=(10.0, 4.2))
+    return LiveFigure(draw, controls, figsize=(10.0, 3.8))

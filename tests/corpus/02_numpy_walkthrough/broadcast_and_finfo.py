@@ -1,0 +1,49 @@
+# Correct answers in another style: broadcasting instead of loops, split/concatenate for heads,
+# np.finfo(dtype).min masks, a helper named `softmax`, einsum projections, `* d ** -0.5`.
+
+# %% answer="row_times_matrix"
+def row_times_matrix(x_row, W):
+    return np.sum(x_row[:, None] * W, axis=0)  # column j: sum_i x_row[i] * W[i, j]
+
+# %% answer="np_split_heads"
+def np_split_heads(t, num_heads):
+    if t.shape[-1] % num_heads:
+        raise ValueError(f"cannot split D={t.shape[-1]} into num_heads={num_heads} equal heads")
+    return np.stack(np.split(t, num_heads, axis=-1), axis=1)
+
+# %% answer="np_merge_heads"
+def np_merge_heads(t):
+    return np.concatenate([t[:, h] for h in range(t.shape[1])], axis=-1)
+
+# %% answer="dot_product_variance"
+def dot_product_variance(d_head, sigma, n_samples, rng):
+    q = rng.normal(0.0, sigma, (n_samples, d_head))
+    k = rng.normal(0.0, sigma, (n_samples, d_head))
+    return float(np.einsum("nd,nd->n", q, k).var())
+
+# %% answer="np_softmax"
+def np_softmax(x, axis=-1):
+    z = np.exp(x - x.max(axis=axis, keepdims=True))
+    return z / z.sum(axis=axis, keepdims=True)
+
+# %% answer="np_attention"
+def softmax(x, axis=-1):
+    z = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return z / np.sum(z, axis=axis, keepdims=True)
+
+
+def np_attention(Q, K, V, mask=None):
+    scores = np.einsum("bhqd,bhkd->bhqk", Q, K) * Q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = np.where(mask, scores, np.finfo(scores.dtype).min)
+    weights = softmax(scores)
+    return np.einsum("bhqk,bhkd->bhqd", weights, V), weights
+
+# %% answer="np_multi_head_attention"
+def np_multi_head_attention(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
+    project = lambda W: np_split_heads(np.einsum("bsd,de->bse", X, W), num_heads)
+    context, _ = np_attention(project(W_q), project(W_k), project(W_v), mask)
+    return np.einsum("bsd,de->bse", np_merge_heads(context), W_o)
+
+# %% answer="ANSWER_SCALING"
+ANSWER_SCALING = "C"
