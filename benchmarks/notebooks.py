@@ -4,7 +4,7 @@
 
 Builds the instructor notebooks into a scratch folder, runs each one (a fresh kernel per
 run, so imports count, as they do for a student), and prints the median time against the
-budget of DESIGN.md / the notebook's issue. Results go to benchmarks/results/notebooks.json.
+budget below. Results go to benchmarks/results/notebooks.json.
 Timings are reported, never asserted: they depend on the machine and on what else runs.
 """
 
@@ -25,13 +25,15 @@ from autograder.execute import execute_notebook
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-# Seconds on 2 CPU cores (DESIGN.md: each notebook <= 60 s, the course <= 3 min).
+# Seconds on 2 CPU cores: no notebook over 60 s (06 with Triton's interpreter included), the
+# course within 3 min; notebooks that ran well below that keep a tighter budget of their own.
 BUDGETS = {
     "01_mha_shapes": 20,
     "02_numpy_walkthrough": 10,
     "03_positions_and_blocks": 40,
-    "04_vision_transformer": 90,
+    "04_vision_transformer": 60,
     "05_llama_attention": 30,
+    "06_efficient_attention": 60,
 }
 COURSE_BUDGET = 180
 

@@ -1,4 +1,4 @@
-"""The course's fixed contracts (a copy of CURRICULUM.md's names: notebooks, checks and the
+"""The course's fixed contracts: the names of every notebook's answers (notebooks, checks and the
 grading pipeline rely on them, so a rename must fail a test)."""
 
 CONTRACTS: dict[str, tuple[str, ...]] = {

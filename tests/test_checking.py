@@ -30,7 +30,7 @@ from attention_lab.checking import (
 )
 
 # --------------------------------------------------------------------------------------
-# Device-independent verdicts (argued on the CPU; the CUDA run is in the closing note)
+# Device-independent verdicts (argued on the CPU; `make gpu-check` runs the checks on CUDA)
 # --------------------------------------------------------------------------------------
 
 
