@@ -146,7 +146,12 @@ def test_chunked_attention_mistakes_are_named(bug):
 def test_float32_internals_pass_with_a_note(capsys):
     checks.check_chunked_attention(chunked_sdpa, device="cpu")
     out = capsys.readouterr().out
-    assert "float32 accuracy on float64 input" in out and "✓ chunked_attention" in out
+    assert "✓ chunked_attention" in out and out.count("accurate to float32 precision, not float64") == 1, out
+
+
+def test_float64_internals_print_no_note(capsys):
+    checks.check_chunked_attention(make_chunked(None), device="cpu")
+    assert "note:" not in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------------------
