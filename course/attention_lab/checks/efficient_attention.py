@@ -358,8 +358,11 @@ def _watched_call(fn: Callable, *args: Any, call: str, watch: OperationWatch, **
 # --------------------------------------------------------------------------------------
 
 
-def _matrix_bytes_reference(batch_size: int, num_heads: int, seq_len: int, bytes_per_element: int) -> int:
-    """Allocate the score table on the meta device (no memory) and count its bytes."""
+def _matrix_bytes_reference(case: tuple[int, int, int, int]) -> int:
+    """Allocate the score table of ``(batch_size, num_heads, seq_len, bytes_per_element)`` on the meta
+    device (no memory) and count its bytes. It takes the case as one tuple, so that it is no answer
+    to the exercise a student could import from here."""
+    batch_size, num_heads, seq_len, bytes_per_element = case
     dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[bytes_per_element]
     table = torch.empty(batch_size, num_heads, seq_len, seq_len, dtype=dtype, device="meta")
     return table.numel() * table.element_size()
@@ -380,7 +383,7 @@ def check_attention_matrix_bytes(attention_matrix_bytes: Callable, *, seed: int 
         batch, heads, seq_len, size = case
         call = "attention_matrix_bytes(" + ", ".join(f"{n}={v}" for n, v in zip(parameters, case)) + ")"
         got = call_student(attention_matrix_bytes, *case, call=call)
-        expected = _matrix_bytes_reference(*case)
+        expected = _matrix_bytes_reference(case)
         expect_true(isinstance(got, int) and not isinstance(got, bool),
                     f"{call} should return an int (a number of bytes), got {describe(got)}.")
         hint = ""
