@@ -8,8 +8,10 @@ every hint of the module is reached by some test here.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import textwrap
 
 import torch
 
@@ -146,7 +148,12 @@ def test_chunked_attention_mistakes_are_named(bug):
 def test_float32_internals_pass_with_a_note(capsys):
     checks.check_chunked_attention(chunked_sdpa, device="cpu")
     out = capsys.readouterr().out
-    assert "float32 accuracy on float64 input" in out and "✓ chunked_attention" in out
+    assert "✓ chunked_attention" in out and out.count("accurate to float32 precision, not float64") == 1, out
+
+
+def test_float64_internals_print_no_note(capsys):
+    checks.check_chunked_attention(make_chunked(None), device="cpu")
+    assert "note:" not in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------------------
@@ -378,6 +385,66 @@ def test_flash_attention_forward_mistakes_are_named(bug):
 @pytest.mark.parametrize("bug", ["no_rescale_acc", "no_rescale_l", "stale_max", "normalise_inside"])
 def test_flash_attention_forward_names_the_step_it_is_built_on(bug):
     rejects(checks.check_flash_attention_forward, make_flash(step=make_step(bug)), bug)
+
+
+def flash_in_a_notebook(step_bug=None, flash_bug=None) -> dict:
+    """A notebook's namespace: its own online_softmax_step and a flash_attention_forward that calls it by name."""
+    namespace = {"make_flash": make_flash, "online_softmax_step": make_step(step_bug)}
+    exec(textwrap.dedent(f"""
+        def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+            return make_flash({flash_bug!r}, step=online_softmax_step)(q, k, v, block_q, block_k, causal, scale)
+    """), namespace)
+    return namespace
+
+
+def test_flash_names_the_failing_online_softmax_step_it_uses():
+    flash = flash_in_a_notebook(step_bug="no_rescale_acc")["flash_attention_forward"]
+    message = rejects(checks.check_flash_attention_forward, flash, "no_rescale_acc")
+    assert "uses your online_softmax_step, which fails its own check" in message, message
+    assert "Fix online_softmax_step first" in message, message
+
+
+def test_flash_does_not_blame_a_correct_online_softmax_step():
+    flash = flash_in_a_notebook(flash_bug="top_left")["flash_attention_forward"]
+    message = rejects(checks.check_flash_attention_forward, flash, "top_left")
+    assert "online_softmax_step" not in message, message
+
+
+def in_float32(answer):
+    """The same answer computed in float32 inside, given and returning float64 (``x.float() ... .to(x.dtype)``)."""
+    @functools.wraps(answer)  # keeps the signature the check asks for
+    def float32_inside(*args, **kwargs):
+        dtype = args[0].dtype
+        args = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+        result = answer(*args, **kwargs)
+        if isinstance(result, tuple):
+            return tuple(t.to(dtype) for t in result)
+        return result.to(dtype)
+    return float32_inside
+
+
+@pytest.mark.parametrize("bug", ["no_rescale_acc", "normalise_inside", "top_left", "lse_log2"])
+def test_flash_mistakes_are_named_with_float32_internals(bug):
+    """The float32 leniency does not hide a mistake, nor its hint, when the wrong answer computes in float32."""
+    answer = make_flash(step=make_step(bug)) if bug in ("no_rescale_acc", "normalise_inside") else make_flash(bug)
+    rejects(checks.check_flash_attention_forward, in_float32(answer), bug)
+
+
+@pytest.mark.parametrize("bug", ["no_rescale_l", "old_max_in_exp", "stale_max"])
+def test_online_softmax_step_mistakes_are_named_with_float32_internals(bug):
+    rejects(checks.check_online_softmax_step, in_float32(make_step(bug)), bug)
+
+
+@pytest.mark.parametrize("bug", ["top_left", "chunk_rows"])
+def test_chunked_attention_mistakes_are_named_with_float32_internals(bug):
+    rejects(checks.check_chunked_attention, in_float32(make_chunked(bug)), bug)
+
+
+def test_correct_answers_with_float32_internals_pass_with_one_note(capsys):
+    checks.check_flash_attention_forward(in_float32(make_flash()), device="cpu")
+    checks.check_online_softmax_step(in_float32(make_step(None)), device="cpu")
+    out = capsys.readouterr().out
+    assert out.count("accurate to float32 precision, not float64") == 2, out
 
 
 def test_flash_without_scale_is_named():

@@ -16,8 +16,9 @@ The checks prove the algorithm, not only the numbers:
   of ``acc`` or ``l``, normalising inside the loop, a stale max, the diagonal block skipped,
   top-left alignment, log2 ``lse`` ...) names the mistake a wrong output matches.
 
-Precision policy: a float64 input may be computed with float32 internals (the contract asks
-for *at least* float32); such an answer passes with a one-line note.
+Precision: the framework's policy (:func:`attention_lab.checking.expect_close`): a float64
+input may be computed with float32 internals (the contract asks for *at least* float32); such
+an answer passes with a one-line note.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from attention_lab.checking import (
     call_student,
     check,
     describe,
+    diagnose,
     expect_close,
     expect_signature,
     expect_tensor,
@@ -242,36 +244,29 @@ def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: in
 
 
 # --------------------------------------------------------------------------------------
-# Precision policy: float32 internals on float64 input pass, with a note
+# Naming the mistake of a float64 answer computed in float32 inside
 # --------------------------------------------------------------------------------------
 
 
-def expect_close_policy(actual: torch.Tensor, expected: torch.Tensor, *, what: str, against: str,
-                        variants: Sequence[Variant] = (), tolerance_of: torch.Tensor | None = None,
-                        notes: list[str] | None = None) -> None:
-    """``expect_close``, where a float64 answer may have float32 accuracy (noted, not failed).
+def expect_close_diagnosed(actual: torch.Tensor, expected: torch.Tensor, *, what: str, against: str,
+                           variants: Sequence[Variant] = (), **tolerances: float) -> None:
+    """``expect_close``, also naming the mistake of a wrong float64 answer computed in float32 inside.
 
-    ``tolerance_of``: the tensor whose dtype/device sets the tolerance (default ``actual``).
+    ``expect_close`` names a variant the answer matches within ten times the tolerance of the
+    answer's dtype. A wrong answer computed in float32 on float64 input (accepted when right)
+    matches its float64 variant only to float32 precision, so it would lose its hint.
     """
-    basis = actual if tolerance_of is None else tolerance_of
-    rtol, atol = tolerance(basis.dtype, basis.device)
-    if basis.dtype == torch.float64:
-        try:
-            expect_close(actual, expected, what=what, against=against, rtol=rtol, atol=atol)
-            return
-        except CheckFailure:
-            rtol, atol = tolerance(torch.float32, basis.device)
-            expect_close(actual, expected, what=what, against=against, variants=variants, rtol=rtol, atol=atol)
-            if notes is not None and not notes:
-                notes.append(f"note: {what} has float32 accuracy on float64 input (your code computes in float32 "
-                             "internally); accepted, since the exercise asks for at least float32.")
-            return
-    expect_close(actual, expected, what=what, against=against, variants=variants, rtol=rtol, atol=atol)
-
-
-def _print_notes(notes: list[str]) -> None:
-    for note in notes:
-        print(note)
+    try:
+        expect_close(actual, expected, what=what, against=against, variants=variants, **tolerances)
+    except CheckFailure as failure:
+        if "Likely mistake" in str(failure) or not variants or actual.dtype != torch.float64:
+            raise
+        rtol, atol = tolerance(torch.float32, actual.device)
+        hint = diagnose(actual, variants, max(rtol, tolerances.get("rtol", 0.0)),
+                        max(atol, tolerances.get("atol", 0.0)), expected=expected)
+        if hint is None:
+            raise
+        raise CheckFailure(f"{failure}\n  Likely mistake: {hint}") from None
 
 
 # --------------------------------------------------------------------------------------
@@ -363,8 +358,11 @@ def _watched_call(fn: Callable, *args: Any, call: str, watch: OperationWatch, **
 # --------------------------------------------------------------------------------------
 
 
-def _matrix_bytes_reference(batch_size: int, num_heads: int, seq_len: int, bytes_per_element: int) -> int:
-    """Allocate the score table on the meta device (no memory) and count its bytes."""
+def _matrix_bytes_reference(case: tuple[int, int, int, int]) -> int:
+    """Allocate the score table of ``(batch_size, num_heads, seq_len, bytes_per_element)`` on the meta
+    device (no memory) and count its bytes. It takes the case as one tuple, so that it is no answer
+    to the exercise a student could import from here."""
+    batch_size, num_heads, seq_len, bytes_per_element = case
     dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[bytes_per_element]
     table = torch.empty(batch_size, num_heads, seq_len, seq_len, dtype=dtype, device="meta")
     return table.numel() * table.element_size()
@@ -385,7 +383,7 @@ def check_attention_matrix_bytes(attention_matrix_bytes: Callable, *, seed: int 
         batch, heads, seq_len, size = case
         call = "attention_matrix_bytes(" + ", ".join(f"{n}={v}" for n, v in zip(parameters, case)) + ")"
         got = call_student(attention_matrix_bytes, *case, call=call)
-        expected = _matrix_bytes_reference(*case)
+        expected = _matrix_bytes_reference(case)
         expect_true(isinstance(got, int) and not isinstance(got, bool),
                     f"{call} should return an int (a number of bytes), got {describe(got)}.")
         hint = ""
@@ -432,8 +430,7 @@ def _chunked_variants(q, k, v, causal: bool, chunk_size: int) -> list[Variant]:
     return variants
 
 
-def _chunked_case(chunked_attention, shape_q, seq_k, chunk_size, causal, generator, device, dtype,
-                  notes: list[str]) -> None:
+def _chunked_case(chunked_attention, shape_q, seq_k, chunk_size, causal, generator, device, dtype) -> None:
     batch, heads, seq_q, head_dim = shape_q
     q = randn(batch, heads, seq_q, head_dim, generator=generator, dtype=dtype, device=device)
     k = randn(batch, heads, seq_k, head_dim, generator=generator, dtype=dtype, device=device)
@@ -445,8 +442,8 @@ def _chunked_case(chunked_attention, shape_q, seq_k, chunk_size, causal, generat
     expect_tensor(out, what=call, shape=q.shape, dtype=dtype, device=device,
                   hints={(batch, heads, short, head_dim): HINTS["last_chunk"]} if short and short != seq_q else None)
     expected = reference_attention(q, k, v, causal)[0]
-    expect_close_policy(out, expected, what=call, against="F.scaled_dot_product_attention (float64)",
-                        variants=_chunked_variants(q, k, v, causal, chunk_size), notes=notes)
+    expect_close_diagnosed(out, expected, what=call, against="F.scaled_dot_product_attention (float64)",
+                           variants=_chunked_variants(q, k, v, causal, chunk_size))
 
 
 def _wide_table(seq_q: int, seq_k: int) -> Callable[[tuple[int, ...]], bool]:
@@ -465,15 +462,14 @@ def check_chunked_attention(chunked_attention: Callable, *, seed: int = 0, devic
     """chunked_attention equals SDPA (float64, then the device), with any chunk size; never builds [S_q, S_k]."""
     expect_signature(chunked_attention, "chunked_attention", ["q", "k", "v", "chunk_size", "causal"])
     generator = random_generator(seed)
-    notes: list[str] = []
     cpu = torch.device("cpu")
     seq_q = randint(33, 47, generator)
     for causal in (False, True):
         _chunked_case(chunked_attention, (2, 3, seq_q, 8), seq_q + randint(0, 20, generator), 16, causal,
-                      generator, cpu, torch.float64, notes)
-    _chunked_case(chunked_attention, (1, 2, 10, 8), 10, 64, True, generator, cpu, torch.float64, notes)  # one chunk
-    _chunked_case(chunked_attention, (1, 2, 9, 4), 9, 1, True, generator, cpu, torch.float64, notes)  # rows one by one
-    _chunked_case(chunked_attention, (2, 2, 40, 16), 56, 12, True, generator, device, torch.float32, notes)
+                      generator, cpu, torch.float64)
+    _chunked_case(chunked_attention, (1, 2, 10, 8), 10, 64, True, generator, cpu, torch.float64)  # one chunk
+    _chunked_case(chunked_attention, (1, 2, 9, 4), 9, 1, True, generator, cpu, torch.float64)  # rows one by one
+    _chunked_case(chunked_attention, (2, 2, 40, 16), 56, 12, True, generator, device, torch.float32)
     # Memory: no intermediate is the whole [S_q, S_k] table (chunks are [chunk, S_k]).
     for causal, (seq_q, seq_k) in ((False, (45, 70)), (True, (45, 70)), (True, (48, 48))):
         q = randn(1, 2, seq_q, 8, generator=generator)
@@ -484,7 +480,6 @@ def check_chunked_attention(chunked_attention: Callable, *, seed: int = 0, devic
         _watched_call(chunked_attention, q, k, v, 16, causal=causal, call=call, watch=watch)
         _expect_no_table(watch, call, "the whole score table (or mask) at once, which chunking exists to avoid",
                          HINTS["full_table"])
-    _print_notes(notes)
 
 
 # --------------------------------------------------------------------------------------
@@ -509,7 +504,7 @@ def _lse_stream_variants(x: torch.Tensor, block_size: int) -> list[Variant]:
             Variant(lambda: torch.log2(torch.exp(x64).sum(-1)), HINTS["log2"])]
 
 
-def _streaming_case(streaming_logsumexp, x: torch.Tensor, block_size: int, label: str, notes: list[str],
+def _streaming_case(streaming_logsumexp, x: torch.Tensor, block_size: int, label: str,
                     watch_rows: bool) -> None:
     call = f"streaming_logsumexp(x, block_size={block_size}) with x {label} {shape_str(x.shape)}"
     width = x.shape[-1]
@@ -527,8 +522,8 @@ def _streaming_case(streaming_logsumexp, x: torch.Tensor, block_size: int, label
     if bool((~torch.isfinite(got) & finite).any()):
         raise CheckFailure(f"{call} returned inf or NaN where torch.logsumexp is finite.\n  Likely mistake: "
                            + HINTS["overflow"])
-    expect_close_policy(out, expected, what=call, against="torch.logsumexp (float64)",
-                        variants=_lse_stream_variants(x, block_size), notes=notes)
+    expect_close_diagnosed(out, expected, what=call, against="torch.logsumexp (float64)",
+                           variants=_lse_stream_variants(x, block_size))
     if watch is not None and watch.row_read is not None:
         operation, line = watch.row_read
         raise CheckFailure(f"{call}: {operation}() reduced a whole row of x{line}, but a streaming logsumexp reads x "
@@ -541,24 +536,22 @@ def check_streaming_logsumexp(streaming_logsumexp: Callable, *, seed: int = 0,
     """streaming_logsumexp equals torch.logsumexp, reads x block by block, survives ±1000 and -inf."""
     expect_signature(streaming_logsumexp, "streaming_logsumexp", ["x", "block_size"])
     generator = random_generator(seed)
-    notes: list[str] = []
     width = randint(45, 60, generator)
     x = randn(3, 4, width, generator=generator) * 3
-    _streaming_case(streaming_logsumexp, x, 8, "of", notes, watch_rows=True)
+    _streaming_case(streaming_logsumexp, x, 8, "of", watch_rows=True)
     # The max grows block after block (increasing rows): the sum must be rescaled each time.
     rising = torch.linspace(-5.0, 5.0, width, dtype=torch.float64).expand(2, width) + randn(2, width, generator=generator) * 0.1
-    _streaming_case(streaming_logsumexp, rising, 7, "rising along each row,", notes, watch_rows=True)
+    _streaming_case(streaming_logsumexp, rising, 7, "rising along each row,", watch_rows=True)
     big = torch.stack([x[0, 0] + 1000.0, x[0, 1] - 1000.0])
-    _streaming_case(streaming_logsumexp, big, 8, "around +1000 and -1000,", notes, watch_rows=False)
+    _streaming_case(streaming_logsumexp, big, 8, "around +1000 and -1000,", watch_rows=False)
     masked = x[0, :3].clone()
     masked[0, :16] = -math.inf  # two whole blocks of -inf first: the running max is still -inf
     masked[1, 5::3] = -math.inf
     masked[2] = -math.inf  # a row with nothing: -inf, as torch.logsumexp gives
-    _streaming_case(streaming_logsumexp, masked, 8, "with -inf entries,", notes, watch_rows=False)
-    _streaming_case(streaming_logsumexp, x[1, 1], 64, "(one block),", notes, watch_rows=False)
-    _streaming_case(streaming_logsumexp, x.to(device=device, dtype=torch.float32), 16, "float32", notes,
+    _streaming_case(streaming_logsumexp, masked, 8, "with -inf entries,", watch_rows=False)
+    _streaming_case(streaming_logsumexp, x[1, 1], 64, "(one block),", watch_rows=False)
+    _streaming_case(streaming_logsumexp, x.to(device=device, dtype=torch.float32), 16, "float32",
                     watch_rows=False)
-    _print_notes(notes)
 
 
 # --------------------------------------------------------------------------------------
@@ -596,7 +589,7 @@ def _step_variants(m, l, acc, scores, v, part: int) -> list[Variant]:
             Variant(acc * alpha[..., None] + p_old @ v, HINTS["old_max_in_exp"])]
 
 
-def _step_case(online_softmax_step, m, l, acc, scores, v, label: str, notes: list[str]) -> tuple:
+def _step_case(online_softmax_step, m, l, acc, scores, v, label: str) -> tuple:
     call = (f"online_softmax_step(m, l, acc, scores_block, v_block) with {label}: m, l {shape_str(m.shape)}, "
             f"acc {shape_str(acc.shape)}, scores_block {shape_str(scores.shape)}, v_block {shape_str(v.shape)}")
     expected = _step_reference(m, l, acc, scores, v)
@@ -607,8 +600,8 @@ def _step_case(online_softmax_step, m, l, acc, scores, v, label: str, notes: lis
     names = ("m'", "l'", "acc'")
     for index, (got, want, like) in enumerate(zip(result, expected, (m, l, acc))):
         expect_tensor(got, what=f"{names[index]} from {call}", shape=like.shape, dtype=like.dtype, device=like.device)
-        expect_close_policy(got, want, what=f"{names[index]} from {call}", against="the update formula (float64)",
-                            variants=variants[index], notes=notes)
+        expect_close_diagnosed(got, want, what=f"{names[index]} from {call}",
+                               against="the update formula (float64)", variants=variants[index])
     return tuple(result)
 
 
@@ -618,7 +611,6 @@ def check_online_softmax_step(online_softmax_step: Callable, *, seed: int = 0,
     """online_softmax_step: one update from -inf/0/0, a later one with a growing max, and a chain of them."""
     expect_signature(online_softmax_step, "online_softmax_step", ["m", "l", "acc", "scores_block", "v_block"])
     generator = random_generator(seed)
-    notes: list[str] = []
     batch, heads, rows, width, d_v = 2, 3, 5, 4, 6
 
     def start(dtype=torch.float64, dev: Any = "cpu"):
@@ -630,23 +622,21 @@ def check_online_softmax_step(online_softmax_step: Callable, *, seed: int = 0,
     scores[2] = scores[2] + 4.0  # a block whose scores exceed the running max: everything must be rescaled
     scores[3][..., 1] = -math.inf  # masked keys
     values = [randn(batch, heads, width, d_v, generator=generator) for _ in range(4)]
-    state = _step_case(online_softmax_step, *start(), scores[0], values[0], "the first block (m = -inf, l = 0, acc = 0)",
-                       notes)
+    state = _step_case(online_softmax_step, *start(), scores[0], values[0], "the first block (m = -inf, l = 0, acc = 0)")
     state = tuple(t.detach().to(torch.float64) for t in state)
     for index in (1, 2, 3):
         state = _step_case(online_softmax_step, *state, scores[index], values[index],
-                           f"block {index} (the max {'grows' if index == 2 else 'may change'})", notes)
+                           f"block {index} (the max {'grows' if index == 2 else 'may change'})")
         state = tuple(t.detach().to(torch.float64) for t in state)
     m, l, acc = state
     all_scores, all_values = torch.cat(scores, dim=-1), torch.cat(values, dim=-2)
     expected = torch.softmax(all_scores, dim=-1) @ all_values
-    expect_close_policy(acc / l[..., None], expected, what="acc / l after four steps",
-                        against="softmax(all scores) @ V (float64)", tolerance_of=acc, notes=notes)
+    expect_close(acc / l[..., None], expected, what="acc / l after four steps",
+                 against="softmax(all scores) @ V (float64)")
     # On the device, in float32.
     m32, l32, acc32 = start(torch.float32, device)
     _step_case(online_softmax_step, m32, l32, acc32, scores[0].to(device, torch.float32),
-               values[0].to(device, torch.float32), "float32 on the device", notes)
-    _print_notes(notes)
+               values[0].to(device, torch.float32), "float32 on the device")
 
 
 # --------------------------------------------------------------------------------------
@@ -693,22 +683,34 @@ def _call_flash(flash_attention_forward, q, k, v, block_q, block_k, causal, scal
     return out, lse, call
 
 
-def _flash_case(flash_attention_forward, q, k, v, block_q, block_k, causal, notes, scale=None) -> tuple:
+def _lse_tolerance(out: torch.Tensor, lse: torch.Tensor) -> tuple[float, float]:
+    """``(rtol, atol)`` for ``lse``: the looser of out's and its own.
+
+    lse comes from the same pass as out, so it is as precise as out (float16 out: float16's
+    tolerance); it may also be float32 next to a float64 out (the usual dtype of lse).
+    """
+    (out_rtol, out_atol), (own_rtol, own_atol) = tolerance(out.dtype, out.device), tolerance(lse.dtype, lse.device)
+    return max(out_rtol, own_rtol), max(out_atol, own_atol)
+
+
+def _flash_case(flash_attention_forward, q, k, v, block_q, block_k, causal, scale=None) -> tuple:
     out, lse, call = _call_flash(flash_attention_forward, q, k, v, block_q, block_k, causal, scale)
     used_scale = q.shape[-1] ** -0.5 if scale is None else scale
     want_out, want_lse = reference_attention(q, k, v, causal, used_scale)
     blocks = (64, 64) if block_q is None else (block_q, block_k)
     try:
-        expect_close_policy(out, want_out, what=f"out from {call}", against="F.scaled_dot_product_attention (float64)",
-                            variants=_out_variants(q, k, v, causal, used_scale, *blocks), notes=notes)
+        expect_close_diagnosed(out, want_out, what=f"out from {call}",
+                               against="F.scaled_dot_product_attention (float64)",
+                               variants=_out_variants(q, k, v, causal, used_scale, *blocks))
     except CheckFailure as failure:
         ragged = q.shape[-2] % blocks[0] or k.shape[-2] % blocks[1]
         if not ragged or "Likely mistake" in str(failure):
             raise
         raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['block_dependent']}") from None
-    expect_close_policy(lse, want_lse, what=f"lse from {call}", against="torch.logsumexp of the scaled, masked "
-                        "scores (float64)", variants=_lse_variants(q, k, causal, used_scale), tolerance_of=out,
-                        notes=notes)
+    lse_rtol, lse_atol = _lse_tolerance(out, lse)
+    expect_close_diagnosed(lse, want_lse, what=f"lse from {call}",
+                           against="torch.logsumexp of the scaled, masked scores (float64)",
+                           variants=_lse_variants(q, k, causal, used_scale), rtol=lse_rtol, atol=lse_atol)
     return out, lse
 
 
@@ -719,30 +721,30 @@ def _merge_halves(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tenso
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
 
 
-@check("flash_attention_forward: out equals SDPA and lse equals logsumexp (float64, then the device); ragged S; causal bottom-right; any block sizes; halves merge exactly with lse ({device})")
+@check("flash_attention_forward: out equals SDPA and lse equals logsumexp (float64, then the device); ragged S; causal bottom-right; any block sizes; halves merge exactly with lse ({device})",
+       uses=("online_softmax_step",))
 def check_flash_attention_forward(flash_attention_forward: Callable, *, seed: int = 0,
                                   device: torch.device | None = None) -> None:
     """flash_attention_forward: numbers, ragged blocks, causal, block-size independence, split-KV merge."""
     expect_signature(flash_attention_forward, "flash_attention_forward",
                      ["q", "k", "v", "block_q", "block_k", "causal", "scale"])
     generator = random_generator(seed)
-    notes: list[str] = []
     seq = randint(40, 48, generator)
     # float64 ground truth: a multiple of the blocks, then ragged, then causal (square and decoding-shaped).
-    _flash_case(flash_attention_forward, *_qkv(generator, 2, 3, 32, 32, 8), 16, 16, False, notes)
-    _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq - 3, seq + 9, 8), 16, 32, False, notes)
-    _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, seq, seq, 8), 16, 16, True, notes)
-    _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, 29, seq, 8), 8, 16, True, notes)
-    _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, 21, 21, 8, d_v=6), 8, 8, False, notes, scale=0.3)
-    _flash_case(flash_attention_forward, *_qkv(generator, 1, 1, 100, 100, 8), None, None, True, notes)  # defaults
+    _flash_case(flash_attention_forward, *_qkv(generator, 2, 3, 32, 32, 8), 16, 16, False)
+    _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq - 3, seq + 9, 8), 16, 32, False)
+    _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, seq, seq, 8), 16, 16, True)
+    _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, 29, seq, 8), 8, 16, True)
+    _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, 21, 21, 8, d_v=6), 8, 8, False, scale=0.3)
+    _flash_case(flash_attention_forward, *_qkv(generator, 1, 1, 100, 100, 8), None, None, True)  # defaults
     # Independent of the block sizes (including a block larger than the sequence).
     q, k, v = _qkv(generator, 1, 2, 37, 53, 8)
     reference = reference_attention(q, k, v, True)[0]
     for block_q, block_k in ((16, 16), (8, 32), (32, 8), (5, 7), (64, 64)):
         out, _, call = _call_flash(flash_attention_forward, q, k, v, block_q, block_k, True)
         try:
-            expect_close_policy(out, reference, what=f"out from {call}", against="SDPA (float64)",
-                                variants=_out_variants(q, k, v, True, 8 ** -0.5, block_q, block_k), notes=notes)
+            expect_close_diagnosed(out, reference, what=f"out from {call}", against="SDPA (float64)",
+                                   variants=_out_variants(q, k, v, True, 8 ** -0.5, block_q, block_k))
         except CheckFailure as failure:
             message = str(failure)
             if "Likely mistake" not in message:
@@ -755,18 +757,17 @@ def check_flash_attention_forward(flash_attention_forward: Callable, *, seed: in
     out_b, lse_b, _ = _call_flash(flash_attention_forward, q, k[:, :, half:], v[:, :, half:], 8, 8, False)
     merged, merged_lse = _merge_halves(out_a, lse_a, out_b, lse_b)
     try:
-        expect_close_policy(merged, reference_attention(q, k, v)[0],
-                            what="the two halves of the keys (0..16 and 17..39) merged with their lse",
-                            against="attention over all 40 keys (float64)", tolerance_of=out_a, notes=notes)
+        expect_close(merged, reference_attention(q, k, v)[0],
+                     what="the two halves of the keys (0..16 and 17..39) merged with their lse",
+                     against="attention over all 40 keys (float64)")
     except CheckFailure as failure:
         raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['merge']}") from None
     # On the device: float32 (and float16 on a GPU), computed in at least float32.
     _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq, seq + 5, 16, dtype=torch.float32, device=device),
-                16, 16, True, notes)
+                16, 16, True)
     if device.type == "cuda":
         _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq, seq, 16, dtype=torch.float16, device=device),
-                    16, 16, True, notes)
-    _print_notes(notes)
+                    16, 16, True)
 
 
 def _score_products(watch: OperationWatch, block: int) -> int:
