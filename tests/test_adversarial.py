@@ -224,7 +224,7 @@ def test_tampering_with_checks_is_undone_and_reported(graded):
     rebinds = outcome(graded, "rebinds")
     assert any(i["kind"] == "tampering" and "attention_lab.checks.mha_shapes" in i["detail"]
                for i in rebinds.incidents), rebinds.incidents
-    failed = {t["grade_id"]: t for t in rebinds.tests if not t["passed"]}
+    failed = {t["grade_id"]: t for t in rebinds.tests if not t["passed"] and not t["manual"]}
     assert set(failed) == {LAST_TEST}
 
 

@@ -657,3 +657,18 @@ def test_comparisons_accept_read_only_arrays_and_complex_values_without_a_warnin
         with pytest.raises(CheckFailure, match=r"2 of 6 values are off"):  # the imaginary parts are compared too
             expect_close(table.conj().resolve_conj(), table, what="table", against="exp(i p)")
     assert tolerance(torch.complex64) == tolerance(torch.float32)
+
+
+def test_a_wrong_float64_answer_computed_in_float32_keeps_its_hint():
+    """The precision policy accepts float32 internals on float64 input, so a *wrong* answer
+    written that way is matched to its known mistake at float32's precision too."""
+    generator = checking.random_generator(0)
+    scores = checking.randn(4, 6, generator=generator)
+    expected = torch.softmax(scores, dim=-1)
+    wrong_axis = torch.softmax(scores, dim=0)
+    # float32 internals over a longer computation: off by a few 1e-6 relative, like float32 sums
+    computed_in_float32 = wrong_axis * (1 + 5e-6)
+    assert not torch.allclose(computed_in_float32, wrong_axis, rtol=1e-6, atol=1e-8)  # float64's band misses it
+    with pytest.raises(CheckFailure, match="Likely mistake: softmax over the wrong axis"):
+        expect_close(computed_in_float32, expected, what="weights", against="softmax",
+                     variants=[Variant(wrong_axis, "softmax over the wrong axis")])

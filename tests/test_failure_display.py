@@ -112,19 +112,29 @@ def test_in_a_notebook_the_traceback_is_the_message_and_the_students_frames(tmp_
 
 @pytest.mark.slow
 def test_the_graders_feedback_still_tells_a_visible_failure_from_a_hidden_one(tmp_path):
+    """The rendered failure keeps what feedback reads: a visible check's message, and the
+    HiddenTestFailure the grader's source raises when only the hidden block fails."""
+    from autograder import results
     from autograder.feedback import explain
+    from autograder.release import mark_hidden_tests
+
+    def run(test_source: str) -> results.GradedCell:
+        notebook = _notebook(SETUP, WRONG_NUMBERS, mark_hidden_tests(test_source))
+        notebook.cells[2].metadata["nbgrader"] = {"grade": True, "grade_id": "test_split_heads", "locked": True,
+                                                  "points": 1, "schema_version": 3, "solution": False, "task": False}
+        NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
+                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+        [cell] = results.graded_cells(notebook)
+        return cell
 
     test_cell = CHECK + "\n### BEGIN HIDDEN TESTS\ncheck_split_heads(split_heads, seed=3, device='cpu')\n### END HIDDEN TESTS\n"
-    visible_fails = _notebook(SETUP, WRONG_NUMBERS, test_cell)
-    NotebookClient(visible_fails, timeout=300, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
-    error = _error_output(visible_fails.cells[2])
-    assert explain(error, test_cell).startswith("CheckFailure: split_heads(x, num_heads=")
+    visible = run(test_cell)
+    assert not visible.hidden_failure
+    assert explain(visible, test_cell).startswith("CheckFailure: split_heads(x, num_heads=")
     hidden_only = test_cell.replace(CHECK, "pass")  # the visible line passes trivially; the hidden one fails
-    hidden_fails = _notebook(SETUP, WRONG_NUMBERS, hidden_only)
-    NotebookClient(hidden_fails, timeout=300, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
-    assert "passed the visible check but failed the hidden tests" in explain(_error_output(hidden_fails.cells[2]), hidden_only)
+    hidden = run(hidden_only)
+    assert hidden.hidden_failure
+    assert "passed the visible check but failed the hidden tests" in explain(hidden, hidden_only)
 
 
 @pytest.mark.slow

@@ -747,9 +747,12 @@ def expect_close(
     close = _close_mask(got, want, rtol, atol)
     if bool(close.all()):
         return _largest_finite_difference(got, want)
+    diagnose_rtol, diagnose_atol = rtol, atol
     if _is_float64(dtype):
         rtol32, atol32 = float32_tolerance or tolerance(torch.float32, device)
-        if _all_close(got, want, max(rtol32, rtol), max(atol32, atol)):
+        # A wrong answer computed in float32 inside matches its known mistake only to float32 precision.
+        diagnose_rtol, diagnose_atol = max(rtol32, rtol), max(atol32, atol)
+        if _all_close(got, want, diagnose_rtol, diagnose_atol):
             largest = _largest_finite_difference(got, want)
             if float64_internals:
                 raise CheckFailure(
@@ -769,7 +772,7 @@ def expect_close(
     )
     if torch.isnan(got).any() and not torch.isnan(want).any():
         message += "\n  Your output contains NaN: look for 0/0 (e.g. a softmax row that is entirely masked or overflowed)."
-    hint = diagnose(actual, variants, rtol, atol, expected=want)
+    hint = diagnose(actual, variants, diagnose_rtol, diagnose_atol, expected=want)
     if hint:
         message += f"\n  Likely mistake: {hint}"
     raise CheckFailure(message)

@@ -38,7 +38,6 @@ from attention_lab.checking import (
     call_student,
     check,
     describe,
-    diagnose,
     expect_close,
     expect_signature,
     expect_tensor,
@@ -244,32 +243,6 @@ def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: in
 
 
 # --------------------------------------------------------------------------------------
-# Naming the mistake of a float64 answer computed in float32 inside
-# --------------------------------------------------------------------------------------
-
-
-def expect_close_diagnosed(actual: torch.Tensor, expected: torch.Tensor, *, what: str, against: str,
-                           variants: Sequence[Variant] = (), **tolerances: float) -> None:
-    """``expect_close``, also naming the mistake of a wrong float64 answer computed in float32 inside.
-
-    ``expect_close`` names a variant the answer matches within ten times the tolerance of the
-    answer's dtype. A wrong answer computed in float32 on float64 input (accepted when right)
-    matches its float64 variant only to float32 precision, so it would lose its hint.
-    """
-    try:
-        expect_close(actual, expected, what=what, against=against, variants=variants, **tolerances)
-    except CheckFailure as failure:
-        if "Likely mistake" in str(failure) or not variants or actual.dtype != torch.float64:
-            raise
-        rtol, atol = tolerance(torch.float32, actual.device)
-        hint = diagnose(actual, variants, max(rtol, tolerances.get("rtol", 0.0)),
-                        max(atol, tolerances.get("atol", 0.0)), expected=expected)
-        if hint is None:
-            raise
-        raise CheckFailure(f"{failure}\n  Likely mistake: {hint}") from None
-
-
-# --------------------------------------------------------------------------------------
 # Watching every operation: tables as wide as the keys, block products, full-row passes
 # --------------------------------------------------------------------------------------
 
@@ -442,7 +415,7 @@ def _chunked_case(chunked_attention, shape_q, seq_k, chunk_size, causal, generat
     expect_tensor(out, what=call, shape=q.shape, dtype=dtype, device=device,
                   hints={(batch, heads, short, head_dim): HINTS["last_chunk"]} if short and short != seq_q else None)
     expected = reference_attention(q, k, v, causal)[0]
-    expect_close_diagnosed(out, expected, what=call, against="F.scaled_dot_product_attention (float64)",
+    expect_close(out, expected, what=call, against="F.scaled_dot_product_attention (float64)",
                            variants=_chunked_variants(q, k, v, causal, chunk_size))
 
 
@@ -522,7 +495,7 @@ def _streaming_case(streaming_logsumexp, x: torch.Tensor, block_size: int, label
     if bool((~torch.isfinite(got) & finite).any()):
         raise CheckFailure(f"{call} returned inf or NaN where torch.logsumexp is finite.\n  Likely mistake: "
                            + HINTS["overflow"])
-    expect_close_diagnosed(out, expected, what=call, against="torch.logsumexp (float64)",
+    expect_close(out, expected, what=call, against="torch.logsumexp (float64)",
                            variants=_lse_stream_variants(x, block_size))
     if watch is not None and watch.row_read is not None:
         operation, line = watch.row_read
@@ -600,7 +573,7 @@ def _step_case(online_softmax_step, m, l, acc, scores, v, label: str) -> tuple:
     names = ("m'", "l'", "acc'")
     for index, (got, want, like) in enumerate(zip(result, expected, (m, l, acc))):
         expect_tensor(got, what=f"{names[index]} from {call}", shape=like.shape, dtype=like.dtype, device=like.device)
-        expect_close_diagnosed(got, want, what=f"{names[index]} from {call}",
+        expect_close(got, want, what=f"{names[index]} from {call}",
                                against="the update formula (float64)", variants=variants[index])
     return tuple(result)
 
@@ -699,7 +672,7 @@ def _flash_case(flash_attention_forward, q, k, v, block_q, block_k, causal, scal
     want_out, want_lse = reference_attention(q, k, v, causal, used_scale)
     blocks = (64, 64) if block_q is None else (block_q, block_k)
     try:
-        expect_close_diagnosed(out, want_out, what=f"out from {call}",
+        expect_close(out, want_out, what=f"out from {call}",
                                against="F.scaled_dot_product_attention (float64)",
                                variants=_out_variants(q, k, v, causal, used_scale, *blocks))
     except CheckFailure as failure:
@@ -708,7 +681,7 @@ def _flash_case(flash_attention_forward, q, k, v, block_q, block_k, causal, scal
             raise
         raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['block_dependent']}") from None
     lse_rtol, lse_atol = _lse_tolerance(out, lse)
-    expect_close_diagnosed(lse, want_lse, what=f"lse from {call}",
+    expect_close(lse, want_lse, what=f"lse from {call}",
                            against="torch.logsumexp of the scaled, masked scores (float64)",
                            variants=_lse_variants(q, k, causal, used_scale), rtol=lse_rtol, atol=lse_atol)
     return out, lse
@@ -743,7 +716,7 @@ def check_flash_attention_forward(flash_attention_forward: Callable, *, seed: in
     for block_q, block_k in ((16, 16), (8, 32), (32, 8), (5, 7), (64, 64)):
         out, _, call = _call_flash(flash_attention_forward, q, k, v, block_q, block_k, True)
         try:
-            expect_close_diagnosed(out, reference, what=f"out from {call}", against="SDPA (float64)",
+            expect_close(out, reference, what=f"out from {call}", against="SDPA (float64)",
                                    variants=_out_variants(q, k, v, True, 8 ** -0.5, block_q, block_k))
         except CheckFailure as failure:
             message = str(failure)
