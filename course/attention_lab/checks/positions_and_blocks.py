@@ -9,17 +9,17 @@ layer_norm_eps=1e-6)`` with copied weights), computed in float64 on the CPU at c
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from attention_lab.checking import (
+    one_cpu_thread,
     CheckFailure,
     Variant,
     call_student,
@@ -50,21 +50,6 @@ def _accepts(fn: Callable, parameter: str) -> bool:
         return parameter in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-
-
-@contextlib.contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
-    """Train tiny models on one CPU thread: as fast as two for these sizes, and immune to
-    the thread oversubscription of a grading machine that runs several notebooks at once."""
-    if device.type != "cpu":
-        yield
-        return
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 # --------------------------------------------------------------------------------------
@@ -729,7 +714,7 @@ def check_fourier_beats_identity(FourierFeatures: Callable, CoordinateMLP: Calla
                 module.reset_parameters()
         model = model.to(device)
         call = f"fit_image({model_call}, coords, colors, steps={OUTCOME_STEPS}, lr={OUTCOME_LR})"
-        with _one_thread(device):
+        with one_cpu_thread(device):
             losses = call_student(fit_image, model, coords, colors, OUTCOME_STEPS, OUTCOME_LR, call=call,
                                   **_progress_off(fit_image))
         _expect_losses(losses, OUTCOME_STEPS, call)

@@ -9,16 +9,17 @@ computed in float64 at check time. Nothing is hard-coded but the contract's numb
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from attention_lab.checking import (
+    add_note,
+    one_cpu_thread,
     CheckFailure,
     Variant,
     call_student,
@@ -36,7 +37,6 @@ from attention_lab.checking import (
     random_generator,
     shape_str,
 )
-from attention_lab.checking import _add_note as add_note  # a note printed after the check's success line
 from attention_lab.checks.encoder_reference import torch_encoder_layer_like
 
 
@@ -99,17 +99,6 @@ def _jitter_parameters(module: nn.Module, generator: torch.Generator, scale: flo
     for parameter in module.parameters():
         noise = randn(*parameter.shape, generator=generator, dtype=parameter.dtype, device=parameter.device)
         parameter.add_(scale * noise)
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Tiny matrices run fastest on one thread, and two processes grading in parallel do not fight."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 # --------------------------------------------------------------------------------------
@@ -923,7 +912,7 @@ def check_train_classifier(train_classifier: Callable, *, seed: int = 0, device:
     before = model.linear.weight.detach().clone()
     epochs = 3
     call = f"train_classifier(model, train_loader, epochs={epochs}, lr=0.01, device={str(device)!r})"
-    with _one_thread():
+    with one_cpu_thread(device):
         losses = call_student(train_classifier, model, loader, epochs, 0.01, device, call=call)
     losses = _float_list(losses, call, epochs)
     expect_true(model.linear.weight.device.type == torch.device(device).type,
@@ -972,7 +961,7 @@ def check_train_classifier_outcome(train_classifier: Callable, MiniViT: Callable
     expect_true(isinstance(model, nn.Module), f"{label} should be an nn.Module, got {describe(model)}.")
     call = (f"train_classifier({label}, train_loader, epochs={OUTCOME_EPOCHS}, lr={OUTCOME_LR}, "
             f"device={str(device)!r}) with batches of {OUTCOME_BATCH}")
-    with _one_thread():
+    with one_cpu_thread(device):
         start = time.process_time()
         losses = call_student(train_classifier, model, train_loader, OUTCOME_EPOCHS, OUTCOME_LR, device, call=call)
         cpu_seconds = time.process_time() - start
