@@ -317,6 +317,83 @@ def test_call_student_turns_errors_into_messages_that_name_the_call():
         call_student(buggy, torch.zeros(2, 2), call="f(x)")
 
 
+def test_call_student_names_the_dtype_rule_when_float32_meets_float64():
+    def float32_weight(x):  # an answer that builds a float32 tensor inside a float64 computation
+        return x @ torch.ones(x.shape[-1], 2)
+
+    def float32_layer_norm(x):
+        return F.layer_norm(x, x.shape[-1:], torch.ones(x.shape[-1]))
+
+    def float32_module(x):
+        return nn.Linear(x.shape[-1], 2)(x)
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for answer in (float32_weight, float32_layer_norm, float32_module):
+        with pytest.raises(CheckFailure, match=r"raised RuntimeError[\s\S]*Likely mistake: your code mixes float32 "
+                                               r"and float64[\s\S]*keep the input's dtype") as failure:
+            call_student(answer, x, call="f(x)")
+        assert isinstance(failure.value.__cause__, RuntimeError)  # the original error stays the cause
+    with pytest.raises(CheckFailure) as failure:  # a shape error is not a dtype error
+        call_student(lambda x: x @ torch.ones(5, 2, dtype=torch.float64), x, call="f(x)")
+    assert "float32" not in str(failure.value)
+
+
+def test_expect_tensor_names_the_dtype_rule_and_why_the_checks_use_float64():
+    with pytest.raises(CheckFailure, match=r"got torch.float32.\n  The rule of every notebook: an answer returns the "
+                                           r"dtype it was given[\s\S]*float32 rounding would hide"):
+        expect_tensor(torch.zeros(3), what="f(x)", dtype=torch.float64)
+
+
+def test_expect_array_starts_its_dtype_hint_with_a_capital():
+    with pytest.raises(CheckFailure, match=r"got float64. Keep float32: no np.float64"):
+        expect_array(np.zeros(3), what="f(x)", dtype=np.float32, dtype_hint="keep float32: no np.float64")
+
+
+@pytest.mark.parametrize("answer, operation", [
+    (lambda q, k: (q.mul_(2.0), q @ k.T)[1], r"`q \*= ...` \(or `q.mul_\(...\)`\)"),
+    (lambda q, k: (q.__imul__(2.0), q @ k.T)[1], r"`q \*= ...`"),
+    (lambda q, k: (k.masked_fill_(k > 0, 0.0), q @ k.T)[1], r"`k.masked_fill_\(...\)` changed k in place"),
+    (lambda q, k: (k.__iadd__(1.0), q @ k.T)[1], r"`k \+= ...`"),
+    (lambda q, k: (q.__setitem__((0, 0), 1.0), q @ k.T)[1], r"`q\[...\] = ...`"),
+    (lambda q, k: (torch.exp(q, out=q), q @ k.T)[1], r"`out=q` in exp"),
+    (lambda q, k: (q[:, :1].mul_(3.0), q @ k.T)[1], r"`q \*= ...`"),  # through a view of q
+])
+def test_call_student_fails_an_answer_that_changes_its_input_in_place(answer, operation):
+    def f(q, k):
+        return answer(q, k)
+
+    q, k = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(CheckFailure, match=r"f\(q, k\) changed its input [qk] in place[\s\S]*Likely mistake: "
+                                           + operation) as failure:
+        call_student(f, q, k, call="f(q, k)")
+    assert "modified its input in place" in str(failure.value)
+
+
+def test_call_student_checks_arrays_and_tensors_inside_tuples_and_can_be_told_not_to():
+    def scale_array(x):
+        x *= 2.0
+        return x
+
+    with pytest.raises(CheckFailure, match=r"changed its input x in place[\s\S]*`np.exp\(x, out=x\)`"):
+        call_student(scale_array, np.ones(3), call="f(x)")
+
+    def bump_second(pair):
+        pair[1].add_(1.0)
+        return pair[0]
+
+    with pytest.raises(CheckFailure, match=r"changed its input pair\[1\] in place[\s\S]*`pair\[1\] \+= ...`"):
+        call_student(bump_second, (torch.zeros(2), torch.zeros(2)), call="f(pair)")
+    state = torch.zeros(2)
+    assert call_student(bump_second, (state, state.clone()), call="f(pair)", inputs_unchanged=False) is state
+
+    def fresh(x):  # in-place work on a tensor of its own is fine, NaN inputs too
+        y = x.clone()
+        y.mul_(2.0)
+        return y
+
+    call_student(fresh, torch.tensor([1.0, float("nan")]), call="f(x)")
+
+
 # --------------------------------------------------------------------------------------
 # From-scratch guard
 # --------------------------------------------------------------------------------------
@@ -505,8 +582,51 @@ def test_a_class_answer_finds_the_helpers_of_its_own_notebook():
     notebook = _notebook(_HELPERS["wrong"], _HEAD_MEANS_CLASS)
     with pytest.raises(CheckFailure, match="uses your split_heads, which fails its own check"):
         check_head_means(notebook["HeadMeans"](), device="cpu", quiet=True)
+    with pytest.raises(CheckFailure) as failure:  # the class itself: HeadMeans(x, 4) fails before any helper runs
+        check_head_means(notebook["HeadMeans"], device="cpu", quiet=True)
+    assert "raised TypeError" in str(failure.value) and "Note:" not in str(failure.value)
+
+
+def test_no_note_about_a_helper_the_answer_never_called():
+    """A self-contained answer that fails is not told to fix a wrong helper it does not use."""
+    notebook = _notebook(_HELPERS["wrong"], "def head_means(x, num_heads):\n"
+                                            "    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2).sum(-1)\n")
+    with pytest.raises(CheckFailure) as failure:
+        check_head_means(notebook["head_means"], device="cpu", quiet=True)
+    assert "does not match" in str(failure.value) and "Note:" not in str(failure.value)
+    # A class answer (an nn.Module) that calls the wrong helper from its forward is told; one that does not, is not.
+    module_cells = ("class HeadMeans(nn.Module):\n"
+                    "    def forward(self, x, num_heads):\n"
+                    "        return {body}\n")
+    calls_helper = _notebook("import torch.nn as nn\n", _HELPERS["wrong"],
+                             module_cells.format(body="split_heads(x, num_heads).mean(-1)"))
     with pytest.raises(CheckFailure, match="uses your split_heads, which fails its own check"):
-        check_head_means(notebook["HeadMeans"], device="cpu", quiet=True)  # the class itself
+        check_head_means(calls_helper["HeadMeans"](), device="cpu", quiet=True)
+    self_contained = _notebook("import torch.nn as nn\n", _HELPERS["wrong"],
+                               module_cells.format(body="x.unflatten(-1, (num_heads, -1)).transpose(1, 2).sum(-1)"))
+    with pytest.raises(CheckFailure) as failure:
+        check_head_means(self_contained["HeadMeans"](), device="cpu", quiet=True)
+    assert "Note:" not in str(failure.value)
+
+
+def test_call_tracing_restores_the_previous_profiler():
+    import sys
+
+    seen = []
+
+    def profiler(frame, event, arg):
+        if event == "call":
+            seen.append(frame.f_code.co_name)
+
+    notebook = _notebook(_HELPERS["wrong"], _HEAD_MEANS)
+    sys.setprofile(profiler)
+    try:
+        with pytest.raises(CheckFailure, match="Fix split_heads first"):
+            check_head_means(notebook["head_means"], device="cpu", quiet=True)
+        assert sys.getprofile() is profiler
+    finally:
+        sys.setprofile(None)
+    assert "split_heads" in seen  # the notebook's own profiler still saw the calls
 
 
 def test_no_note_when_the_helper_is_right_or_missing_or_the_answer_is_blank():
@@ -532,14 +652,17 @@ def test_dependency_checks_do_not_recurse():
     @check("ping ({device})", uses=("pong",))
     def check_ping(ping, *, seed=0, device=None):
         runs.append("ping")
+        ping()  # calls pong, which calls ping
         raise CheckFailure("ping is wrong")
 
     @check("pong ({device})", uses=("ping",))
     def check_pong(pong, *, seed=0, device=None):
         runs.append("pong")
+        pong()
         raise CheckFailure("pong is wrong")
 
-    notebook = _notebook("def ping():\n    return pong()\n", "def pong():\n    return ping()\n")
+    notebook = _notebook("def ping(n=2):\n    return pong(n - 1) if n > 0 else 0\n",
+                         "def pong(n=2):\n    return ping(n - 1) if n > 0 else 0\n")
     with pytest.raises(CheckFailure) as failure:
         check_ping(notebook["ping"], device="cpu", quiet=True)
     assert runs == ["ping", "pong"]

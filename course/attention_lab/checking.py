@@ -122,6 +122,18 @@ class CheckFailure(AssertionError):
 
 # Hints the framework itself gives (check modules keep theirs in dicts named *HINTS too).
 HINTS = {
+    "keep_dtype": "The rule of every notebook: an answer returns the dtype it was given (float64 in, "
+                  "float64 out). The checks use float64 because it shows errors that float32 rounding "
+                  "would hide. Do not call .float()/.double() on the result; compute in the input's dtype.",
+    "mixed_dtype": "your code mixes float32 and float64 in one operation (a tensor or module made in "
+                   "float32, e.g. `.float()`, `dtype=torch.float32`, `torch.tensor(...)` of Python floats "
+                   "cast with `.float()`, or an nn.Linear/LayerNorm created inside forward). The rule of "
+                   "every notebook: keep the input's dtype (the checks call your code in float64), so "
+                   "create new tensors with dtype=x.dtype, device=x.device.",
+    "input_changed": "{operation} changed {name} in place, and an answer that modified its input in place "
+                     "breaks its caller, who still needs the original (this check compares your output with "
+                     "the inputs it gave you). Compute a new tensor instead: `q = q * scale`, not `q *= scale`; "
+                     "`masked_fill`, not `masked_fill_`.",
     "downcast": "your code computes in float32 somewhere (`.float()`, `dtype=torch.float32`, a float32 "
                 "table ...) and casts back (`.type_as(x)`, `.to(x.dtype)`): that loses float64 precision. "
                 "This exercise asks you to keep float64: compute in the input's dtype throughout.",
@@ -440,11 +452,32 @@ class _Tripwire(TorchFunctionMode):
         self.forbidden = tuple(forbidden)
         self.exercise = exercise
         self.any_torch = any_torch
+        self.watched: set[int] = set()  # storages of the caller's tensors (see watch_in_place)
+        self.in_place: dict[int, str] = {}  # storage -> first in-place operation on it
+
+    def watch_in_place(self, storages: set[int]) -> None:
+        """Record the first in-place operation (``mul_``, ``__setitem__``, ``out=``) on these storages."""
+        self.watched = storages
+
+    def _record_in_place(self, short: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        targets = []
+        if (short.endswith("_") and not short.startswith("_")) or short == "__setitem__":
+            targets.append((args[0] if args else None, short))
+        out = kwargs.get("out")
+        for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+            targets.append((tensor, f"out={short}"))
+        for tensor, operation in targets:
+            if isinstance(tensor, torch.Tensor):
+                key = _storage_key(tensor)
+                if key in self.watched:
+                    self.in_place.setdefault(key, operation)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _torch_function_name(func)
         short = name.rsplit(".", 1)[-1]
+        if self.watched:
+            self._record_in_place(short, args, kwargs)
         if self.any_torch:
             raise CheckFailure(
                 f"{self.exercise} must be written with NumPy only, but your code called "
@@ -476,23 +509,129 @@ def from_scratch(exercise: str, forbidden: Sequence[str] = (), numpy_only: bool 
 # --------------------------------------------------------------------------------------
 
 
+def _argument_names(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """(name, value) of every argument of a call, named as ``fn``'s signature names them."""
+    try:
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return [(f"argument {index + 1}", value) for index, value in enumerate(args)] + list(kwargs.items())
+    named = []
+    for name, value in bound.items():
+        if isinstance(value, tuple) and name in inspect.signature(fn).parameters and \
+                inspect.signature(fn).parameters[name].kind == inspect.Parameter.VAR_POSITIONAL:
+            named += [(f"{name}[{index}]", item) for index, item in enumerate(value)]
+        elif isinstance(value, dict) and inspect.signature(fn).parameters[name].kind == inspect.Parameter.VAR_KEYWORD:
+            named += list(value.items())
+        else:
+            named.append((name, value))
+    return named
+
+
+def _input_snapshots(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(name, the argument, a copy of it) for every tensor or ndarray argument, and every tensor or
+    ndarray inside a tuple argument (``x``, ``attentions[1]``)."""
+    snapshots = []
+    for name, value in _argument_names(fn, args, kwargs):
+        items = [(f"{name}[{index}]", item) for index, item in enumerate(value)] if isinstance(value, tuple) else [(name, value)]
+        for item_name, item in items:
+            if isinstance(item, torch.Tensor) and item.layout == torch.strided and not item.is_meta:
+                snapshots.append((item_name, item, item.detach().clone()))
+            elif isinstance(item, np.ndarray):
+                snapshots.append((item_name, item, item.copy()))
+    return snapshots
+
+
+def _unchanged(current: Any, before: Any) -> bool:
+    if isinstance(current, np.ndarray):
+        return current.shape == before.shape and current.dtype == before.dtype and \
+            bool(np.array_equal(current, before, equal_nan=current.dtype.kind in "fc"))
+    current = current.detach()
+    if current.shape != before.shape or current.dtype != before.dtype:
+        return False
+    if current.is_floating_point() or current.is_complex():
+        return bool(((current == before) | (torch.isnan(current) & torch.isnan(before))).all())
+    return bool(torch.equal(current, before))
+
+
+# How an in-place tensor operation reads in a message (``q *= s`` reaches PyTorch as ``mul_``).
+_IN_PLACE_SPELLING = {
+    "mul_": "`{name} *= ...` (or `{name}.mul_(...)`)",
+    "add_": "`{name} += ...` (or `{name}.add_(...)`)",
+    "sub_": "`{name} -= ...` (or `{name}.sub_(...)`)",
+    "div_": "`{name} /= ...` (or `{name}.div_(...)`)",
+    "__setitem__": "`{name}[...] = ...`",
+}
+
+
+def _in_place_operation(name: str, operation: str | None, is_array: bool) -> str:
+    if operation is None:
+        if is_array:
+            return f"An in-place operation (`{name} -= ...`, `{name} *= ...`, `np.exp({name}, out={name})`, `{name}[...] = ...`)"
+        return f"An in-place operation (`{name} *= ...`, `{name}.mul_(...)`, `{name}.masked_fill_(...)`, `{name}[...] = ...`)"
+    if operation.startswith("out="):
+        return f"`out={name}` in {operation[4:]}(...)"
+    return _IN_PLACE_SPELLING.get(operation, f"`{name}.{operation}(...)`").format(name=name)
+
+
+def _expect_inputs_unchanged(snapshots: Sequence[tuple[str, Any, Any]], in_place: Mapping[int, str], call: str) -> None:
+    """Fail, naming the argument and the in-place operation, when the call changed one of its inputs."""
+    for name, current, before in snapshots:
+        if _unchanged(current, before):
+            continue
+        operation = None
+        if isinstance(current, torch.Tensor):
+            operation = in_place.get(_storage_key(current))
+        spelled = _in_place_operation(name.split("[")[0] if operation is None else name, operation,
+                                      isinstance(current, np.ndarray))
+        raise CheckFailure(f"{call} changed its input {name} in place: the caller's {name} is no longer what "
+                           f"it passed.\n  Likely mistake: " + HINTS["input_changed"].format(operation=spelled, name=name))
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # a tensor without storage (meta, a functional wrapper)
+        return None
+
+
+def _is_mixed_dtype_error(error: BaseException) -> bool:
+    """PyTorch's complaint about float32 meeting float64 in one operation."""
+    text = str(error).lower()
+    if not isinstance(error, RuntimeError):
+        return False
+    if "mixed dtype" in text or "expected scalar type" in text:
+        return True
+    return ("dtype" in text or "scalar type" in text) and any(
+        word in text for word in ("double", "float64")) and any(word in text for word in ("float", "half"))
+
+
 def call_student(
     fn: Callable,
     *args: Any,
     call: str,
     forbidden: Sequence[str] = (),
     numpy_only: bool = False,
+    inputs_unchanged: bool = True,
     **kwargs: Any,
 ) -> Any:
     """Call the student's ``fn``; turn any exception into a message that names the call.
 
     ``call`` is how the call reads in the message, e.g. ``"split_heads(x, num_heads=4)
     with x of shape [2, 5, 32]"``.
+
+    With ``inputs_unchanged`` (the default), a call that changes one of its tensor or ndarray
+    arguments (or one inside a tuple argument) in place fails, naming the argument and the in-place
+    operation -- before any check compares numbers computed from inputs that are no longer what
+    they were. A crash from mixing float32 and float64 names the keep-the-input's-dtype rule.
     """
     exercise = getattr(fn, "__name__", None) or type(fn).__name__
+    snapshots = _input_snapshots(fn, args, kwargs) if inputs_unchanged else []
+    tripwire = _Tripwire(forbidden, exercise, numpy_only)
+    if snapshots:
+        tripwire.watch_in_place({_storage_key(t) for _, t, _ in snapshots if isinstance(t, torch.Tensor)} - {None})
     try:
-        with from_scratch(exercise, forbidden, numpy_only):
-            return fn(*args, **kwargs)
+        with tripwire:
+            result = fn(*args, **kwargs)
     except CheckFailure:
         raise
     except NotImplementedError as error:
@@ -500,7 +639,12 @@ def call_student(
             f"{call}: not implemented yet ({error}). Replace `raise NotImplementedError` with your code."
         ) from None
     except Exception as error:  # any other bug in the answer: say where it broke
-        raise CheckFailure(f"{call} raised {type(error).__name__}: {error}") from error
+        message = f"{call} raised {type(error).__name__}: {error}"
+        if _is_mixed_dtype_error(error):
+            message += f"\n  Likely mistake: {HINTS['mixed_dtype']}"
+        raise CheckFailure(message) from error
+    _expect_inputs_unchanged(snapshots, tripwire.in_place, call)
+    return result
 
 
 # --------------------------------------------------------------------------------------
@@ -554,8 +698,7 @@ def expect_tensor(
         raise CheckFailure(message)
     if dtype is not None and value.dtype != dtype:
         raise CheckFailure(
-            f"{what} should keep the input dtype {dtype}, got {value.dtype}. "
-            "Do not call .float()/.double() on the result; compute in the input's dtype."
+            f"{what} should keep the input dtype {dtype}, got {value.dtype}.\n  {HINTS['keep_dtype']}"
         )
     if device is not None and value.device.type != torch.device(device).type:
         raise CheckFailure(
@@ -586,6 +729,8 @@ def expect_array(value: Any, *, what: str, shape: Sequence[int] | None = None, d
             message += " (same number of elements: check the order of axes, not only the count)"
         raise CheckFailure(message)
     if dtype is not None and value.dtype != np.dtype(dtype):
+        dtype_hint = dtype_hint.strip()
+        dtype_hint = dtype_hint[:1].upper() + dtype_hint[1:]  # a sentence after a full stop starts upper-case
         raise CheckFailure(f"{what} should keep the input dtype {np.dtype(dtype)}, got {value.dtype}. {dtype_hint}".rstrip())
     return value
 
@@ -894,11 +1039,84 @@ def _check_of(name: str, near_module: str) -> Callable | None:
 _DEPENDENCY_RUN = [False]  # True while the checks of an answer's dependencies run (no recursion)
 
 
-def _dependency_notes(answer: Any, uses: Sequence[str], near_module: str, device: torch.device) -> list[str]:
-    """For each helper in ``uses`` that the student defined and that fails its own check, one note."""
+def _helper_codes(helper: Any) -> frozenset[types.CodeType] | None:
+    """The code objects that run when the student's ``helper`` is called: a function's own code, a
+    class's methods (its own and those of its student-written bases). None when there is nothing to
+    trace (a builtin, a partial of one): such a helper counts as called."""
+    helper = getattr(helper, "func", helper)  # functools.partial
+    code = getattr(helper, "__code__", None)
+    if isinstance(code, types.CodeType):
+        return frozenset({code})
+    cls = helper if isinstance(helper, type) else type(helper)
+    codes = set()
+    for klass in cls.__mro__:
+        if (klass.__module__ or "").split(".")[0] in ("torch", "builtins", "numpy"):
+            continue
+        for member in vars(klass).values():
+            member = getattr(member, "__func__", member)  # staticmethod, classmethod
+            for function in (member, getattr(member, "fget", None)):  # property
+                code = getattr(function, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    codes.add(code)
+    return frozenset(codes) or None
+
+
+class _CallTracer:
+    """Which of the student's helpers ran while a check ran (``sys.setprofile``, code-object
+    matching; the previous profiler, if any, is restored). A failing check names a helper that
+    fails its own check only when the answer really called it: a self-contained answer is never
+    told to fix a helper it does not use."""
+
+    def __init__(self, codes: Mapping[types.CodeType, str]):
+        self.codes = codes
+        self.called: set[str] = set()
+        self._previous: Any = None
+
+    def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            name = self.codes.get(frame.f_code)
+            if name is not None:
+                self.called.add(name)
+        if self._previous is not None:
+            self._previous(frame, event, arg)
+
+    def __enter__(self) -> "_CallTracer":
+        self._previous = sys.getprofile()
+        if self.codes:
+            sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.codes:
+            sys.setprofile(self._previous)
+
+
+def _traced_helpers(answer: Any, uses: Sequence[str]) -> tuple[dict[types.CodeType, str], set[str]]:
+    """(code object -> helper name to trace, helpers that cannot be traced) for the helpers in ``uses``
+    that the student defined next to ``answer``."""
+    namespace = _student_namespace(answer) if uses and not _DEPENDENCY_RUN[0] else None
+    codes: dict[types.CodeType, str] = {}
+    untraceable: set[str] = set()
+    for name in uses if namespace is not None else ():
+        helper = namespace.get(name)
+        if helper is None or helper is answer:
+            continue
+        helper_codes = _helper_codes(helper)
+        if helper_codes is None:
+            untraceable.add(name)
+        else:
+            codes.update(dict.fromkeys(helper_codes, name))
+    return codes, untraceable
+
+
+def _dependency_notes(answer: Any, uses: Sequence[str], near_module: str, device: torch.device,
+                      called: Iterable[str] | None = None) -> list[str]:
+    """For each helper in ``uses`` that the student defined, that the answer called during the check
+    (``called``; None: do not filter) and that fails its own check, one note."""
     namespace = _student_namespace(answer)
     if namespace is None or _DEPENDENCY_RUN[0]:
         return []
+    called = None if called is None else set(called)
     notes = []
     _DEPENDENCY_RUN[0] = True
     try:
@@ -906,6 +1124,8 @@ def _dependency_notes(answer: Any, uses: Sequence[str], near_module: str, device
             helper, helper_check = namespace.get(name), _check_of(name, near_module)
             if helper is None or helper is answer or helper_check is None:
                 continue  # not defined (the student may not use it) or nothing to check it with
+            if called is not None and name not in called:
+                continue  # defined, but this answer never called it: not its problem
             try:
                 helper_check(helper, device=device, quiet=True)
             except CheckFailure as failure:
@@ -926,10 +1146,11 @@ def check(summary: str, uses: Sequence[str] = ()) -> Callable[[Callable], Callab
     keyword arguments, e.g. ``"split_heads: shapes, values and round trip ({device})"``.
 
     ``uses`` names the earlier answers this exercise is usually built on, e.g.
-    ``uses=("split_heads", "merge_heads")``. When the check fails, the student's own objects
-    of those names (looked up where the answer was defined) are checked quietly, and each
-    that fails its own check is named at the end of the message. A name the student did not
-    define is skipped.
+    ``uses=("split_heads", "merge_heads")``. While the check runs, calls to the student's own
+    objects of those names (looked up where the answer was defined) are traced; when the check
+    fails, each of them that the answer called is checked quietly, and each that fails its own
+    check is named at the end of the message. A name the student did not define, or did not
+    call, is skipped.
     """
     if isinstance(uses, str):
         raise TypeError(f"check(uses=...) takes a sequence of names, e.g. uses=({uses!r},), not a string")
@@ -945,14 +1166,17 @@ def check(summary: str, uses: Sequence[str] = ()) -> Callable[[Callable], Callab
             outermost = not _ACTIVE_CHECKS
             _ACTIVE_CHECKS.append(call)
             kwargs["device"] = resolve_device(kwargs.get("device"))
+            codes, untraceable = _traced_helpers(answer, uses)
+            tracer = _CallTracer(codes)
             try:
                 verify_untampered()
-                with pinned_numerics(), torch.random.fork_rng(devices=[]):
+                with pinned_numerics(), torch.random.fork_rng(devices=[]), tracer:
                     function(answer, *args, **kwargs)
             except CheckFailure as failure:
                 if uses and not getattr(failure, "dependencies_checked", False) and "not implemented yet" not in str(failure):
                     failure.dependencies_checked = True
-                    notes = _dependency_notes(answer, uses, function.__module__, kwargs["device"])
+                    notes = _dependency_notes(answer, uses, function.__module__, kwargs["device"],
+                                              called=tracer.called | untraceable)
                     if notes:
                         failure.args = ("\n".join([str(failure), *notes]),)
                 if outermost:
