@@ -108,7 +108,7 @@ def test_split_heads_einops_requires_rearrange():
         return rearrange(x, "b s (h d) -> b h s d", h=num_heads)
 
     checks.check_split_heads_einops(with_einops, **CPU)
-    with pytest.raises(CheckFailure, match="never called it"):
+    with pytest.raises(CheckFailure, match="never called einops"):
         checks.check_split_heads_einops(split_heads_unflatten, **CPU)
 
     def einops_wrong_grouping(x, num_heads):
@@ -442,8 +442,56 @@ def test_split_heads_einops_rejects_split_heads_plus_a_trivial_rearrange():
         return split_heads_unflatten(rearrange(x, "b s d -> b s d"), num_heads)
 
     for cheat in (trivial_rearrange_after, trivial_rearrange_before):
-        with pytest.raises(CheckFailure, match="einops.rearrange must do the split itself"):
+        with pytest.raises(CheckFailure, match="einops must do the split itself"):
             checks.check_split_heads_einops(cheat, **CPU)
+
+
+def _einops_layer_split(x, num_heads):
+    from einops.layers.torch import Rearrange
+
+    if x.shape[-1] % num_heads:
+        raise ValueError(f"D={x.shape[-1]} is not divisible by H={num_heads}")
+    return Rearrange("b s (h d) -> b h s d", h=num_heads)(x)
+
+
+def _einops_repeat_split(x, num_heads):
+    import einops
+
+    if x.shape[-1] % num_heads:
+        raise ValueError(f"D={x.shape[-1]} is not divisible by H={num_heads}")
+    return einops.repeat(x, "b s (h d) -> b h s d", h=num_heads)  # repeat with nothing to repeat
+
+
+def _einops_module_attribute_split(x, num_heads):
+    import einops.einops
+
+    if x.shape[-1] % num_heads:
+        raise ValueError(f"D={x.shape[-1]} is not divisible by H={num_heads}")
+    return einops.einops.rearrange(x, "b s (h d) -> b h s d", h=num_heads)
+
+
+@pytest.mark.parametrize("answer", [_einops_layer_split, _einops_repeat_split, _einops_module_attribute_split])
+def test_split_heads_einops_accepts_every_einops_entry_point(answer):
+    checks.check_split_heads_einops(answer, **CPU)
+
+
+def test_split_heads_einops_rejects_einops_that_does_not_split():
+    import einops
+
+    def pack_then_split_heads(x, num_heads):
+        packed, _ = einops.pack([x], "b s *")
+        return split_heads_unflatten(packed, num_heads)
+
+    def layer_never_applied(x, num_heads):
+        from einops.layers.torch import Rearrange
+
+        Rearrange("b s (h d) -> b h s d", h=num_heads)
+        return split_heads_unflatten(x, num_heads)
+
+    with pytest.raises(CheckFailure, match=r"calls einops only as pack[\s\S]*einops must do the split itself"):
+        checks.check_split_heads_einops(pack_then_split_heads, **CPU)
+    with pytest.raises(CheckFailure, match=r"only as a layer that it never applies"):
+        checks.check_split_heads_einops(layer_never_applied, **CPU)
 
 
 def weights_untransposed(q, k, mask=None):

@@ -131,50 +131,68 @@ def check_split_heads(split_heads: Callable, *, seed: int = 0, device: torch.dev
 
 
 EINOPS_HINTS = {
-    "no_rearrange": "split_heads_einops should be written with einops.rearrange (e.g. rearrange(x, "
-    "'b s (h d) -> b h s d', h=num_heads)), but it never called it.",
-    "rearrange_not_splitting": "einops.rearrange must do the split itself: call it on the [B, S, D] input "
-    "with a pattern that splits the feature axis, \"b s (h d) -> ...\". Here the heads are split by "
-    "something else (split_heads, view, reshape...) and rearrange only moves axes around.",
+    "no_rearrange": "split_heads_einops should be written with einops (e.g. rearrange(x, "
+    "'b s (h d) -> b h s d', h=num_heads), or the layer einops.layers.torch.Rearrange), but it never called einops.",
+    "rearrange_not_splitting": "einops must do the split itself: call rearrange (or a Rearrange layer) on the "
+    "[B, S, D] input with a pattern that splits the feature axis, \"b s (h d) -> ...\". Here the heads are split by "
+    "something else (split_heads, view, reshape...) and einops only moves axes around.",
 }
 
 
-def _rearrange_calls(split_heads_einops: Callable, x: torch.Tensor, num_heads: int) -> list[tuple]:
-    """(input shape, output shape) of every einops.rearrange call made by ``split_heads_einops(x, num_heads)``."""
-    import einops.einops as einops_module
+def _einops_calls(split_heads_einops: Callable, x: torch.Tensor, num_heads: int) -> list[tuple]:
+    """(entry point, input shape, output shape) of every call into einops made by
+    ``split_heads_einops(x, num_heads)``.
 
-    calls = []
-    original_reduce = einops_module.reduce
+    Any entry point counts, however it was imported: the functions (rearrange, reduce, repeat,
+    einsum, pack, unpack), the layers (einops.layers.torch.Rearrange, Reduce, EinMix). A call is
+    seen by what runs: a Python frame in einops' own files entered from a frame outside them.
+    """
+    import os
+    import sys
 
-    def recording_reduce(tensor, pattern, reduction, **axes_lengths):
-        result = original_reduce(tensor, pattern, reduction, **axes_lengths)
-        if reduction == "rearrange":
-            calls.append((tuple(getattr(tensor, "shape", ())), tuple(getattr(result, "shape", ()))))
-        return result
+    import einops
 
-    # rearrange() looks up einops.einops.reduce at call time, however it was imported.
-    vars(einops_module)["reduce"] = recording_reduce
+    root = os.path.dirname(os.path.abspath(einops.__file__)) + os.sep
+    calls, open_calls = [], {}
+    previous = sys.getprofile()
+
+    def in_einops(frame) -> bool:
+        return frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root)
+
+    def profile(frame, event, arg):
+        if event in ("call", "return") and in_einops(frame) and not in_einops(frame.f_back):
+            if event == "call":
+                tensor = next((v for v in frame.f_locals.values() if isinstance(v, torch.Tensor)), None)
+                open_calls[id(frame)] = (frame.f_code.co_name, tuple(tensor.shape) if tensor is not None else ())
+            elif id(frame) in open_calls:
+                name, before = open_calls.pop(id(frame))
+                calls.append((name, before, tuple(arg.shape) if isinstance(arg, torch.Tensor) else ()))
+        if previous is not None:
+            previous(frame, event, arg)
+
+    sys.setprofile(profile)
     try:
         call_student(split_heads_einops, x, num_heads, call=f"split_heads_einops(x, num_heads={num_heads}) "
                      f"with x a {describe(x)}")
     finally:
-        vars(einops_module)["reduce"] = original_reduce
+        sys.setprofile(previous)
     return calls
 
 
-@check("split_heads_einops: written with einops.rearrange, same result as split_heads ({device})")
+@check("split_heads_einops: written with einops, same result as split_heads ({device})")
 def check_split_heads_einops(split_heads_einops: Callable, *, seed: int = 0,
                              device: torch.device | None = None) -> None:
-    """split_heads_einops: the same contract as split_heads, and einops.rearrange does the split."""
+    """split_heads_einops: the same contract as split_heads, and einops does the split."""
     expect_signature(split_heads_einops, "split_heads_einops", ["x", "num_heads"])
     x = randn(2, 5, 12, generator=random_generator(seed), device=device)
-    calls = _rearrange_calls(split_heads_einops, x, 3)
+    calls = _einops_calls(split_heads_einops, x, 3)
     expect_true(bool(calls), EINOPS_HINTS["no_rearrange"])
-    # The split is einops' when one rearrange takes the 3-D input and returns the 4-D heads.
-    splitting = [call for call in calls if call[0] == tuple(x.shape) and len(call[1]) == 4]
-    described = ", ".join(f"{shape_str(before)} -> {shape_str(after)}" for before, after in calls)
+    # The split is einops' when one einops call takes the 3-D input and returns the 4-D heads.
+    splitting = [call for call in calls if call[1] == tuple(x.shape) and len(call[2]) == 4]
+    described = ", ".join(f"{name} {shape_str(before)} -> {shape_str(after)}" if before or after else name
+                          for name, before, after in calls if name != "__init__") or "a layer that it never applies"
     expect_true(bool(splitting), f"split_heads_einops(x, num_heads=3) with x of shape {shape_str(x.shape)} calls "
-                f"einops.rearrange only as {described}.\n  Likely mistake: {EINOPS_HINTS['rearrange_not_splitting']}")
+                f"einops only as {described}.\n  Likely mistake: {EINOPS_HINTS['rearrange_not_splitting']}")
     _check_split_heads(split_heads_einops, seed=seed, device=device, name="split_heads_einops")
 
 
