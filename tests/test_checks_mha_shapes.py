@@ -366,58 +366,89 @@ def test_load_torch_mha_weights_blames_the_module_when_only_the_module_is_wrong(
 
 
 # --------------------------------------------------------------------------------------
-# mha_shapes / mha_parameter_count
+# attention_layer_flops and the crossover question
 # --------------------------------------------------------------------------------------
 
 
-def shapes_by_tracing(B, S, D, H):
-    x = torch.zeros(B, S, D)
-    heads = x.unflatten(-1, (H, D // H)).transpose(1, 2)
-    scores = heads @ heads.transpose(-1, -2)
-    rows = [x, x, heads, scores, scores, heads, x, x]
-    return {key: tuple(int(n) for n in t.shape) for key, t in zip(checks.SHAPE_KEYS, rows)}
+def flops_by_products(batch_size, seq_len, d_model):
+    """A correct answer written as a list of matrix products, 2·m·k·n each."""
+    def product(m, k, n):
+        return 2 * m * k * n
+
+    tokens = batch_size * seq_len
+    projections = 4 * product(tokens, d_model, d_model)
+    attention = batch_size * (product(seq_len, d_model, seq_len) + product(seq_len, seq_len, d_model))
+    return {"attention": attention, "projections": projections}
 
 
-def test_mha_shapes_accepts_and_rejects():
-    checks.check_mha_shapes(shapes_by_tracing, **CPU)
-
-    def scores_like_heads(B, S, D, H):
-        table = shapes_by_tracing(B, S, D, H)
-        table["scores"] = table["q_heads"]
-        return table
-
-    with pytest.raises(CheckFailure, match="last two axes are \\[S, S\\]"):
-        checks.check_mha_shapes(scores_like_heads, **CPU)
-
-    def torch_sizes(B, S, D, H):
-        return {key: list(value) for key, value in shapes_by_tracing(B, S, D, H).items()}
-
-    with pytest.raises(CheckFailure, match="should be a tuple of ints"):
-        checks.check_mha_shapes(torch_sizes, **CPU)
-
-    def missing_row(B, S, D, H):
-        table = shapes_by_tracing(B, S, D, H)
-        del table["context"]
-        return table
-
-    with pytest.raises(CheckFailure, match=r"missing \['context'\]"):
-        checks.check_mha_shapes(missing_row, **CPU)
-
-    def hard_coded_vit(B, S, D, H):
-        return shapes_by_tracing(2, 197, 768, 12)
-
-    with pytest.raises(CheckFailure, match="should be"):
-        checks.check_mha_shapes(hard_coded_vit, **CPU)
+def _flops(projections, attention):
+    return lambda batch_size, seq_len, d_model: {
+        "projections": projections(batch_size, seq_len, d_model), "attention": attention(batch_size, seq_len, d_model)}
 
 
-def test_mha_parameter_count_accepts_and_rejects():
-    checks.check_mha_parameter_count(lambda D, bias=True: 4 * D * (D + bool(bias)), **CPU)
-    with pytest.raises(CheckFailure, match="not the output projection"):
-        checks.check_mha_parameter_count(lambda D, bias=True: 3 * D * D + 3 * D * bias, **CPU)
-    with pytest.raises(CheckFailure, match="also has D biases"):
-        checks.check_mha_parameter_count(lambda D, bias=True: 4 * D * D, **CPU)
-    with pytest.raises(CheckFailure, match="should return an int"):
-        checks.check_mha_parameter_count(lambda D, bias=True: float(4 * D * D + 4 * D * bias), **CPU)
+_P = lambda b, s, d: 8 * b * s * d * d  # noqa: E731
+_A = lambda b, s, d: 4 * b * s * s * d  # noqa: E731
+
+
+def test_attention_layer_flops_is_measured_on_the_students_own_module(capsys):
+    checks.check_attention_layer_flops(flops_by_products, SelfAttentionEinsum, device="cpu")
+    printed = capsys.readouterr().out
+    assert printed.startswith("✓ attention_layer_flops") and "note:" not in printed
+
+
+@pytest.mark.parametrize("module, why", [
+    (None, "no MultiHeadSelfAttention is defined"),
+    (variant(use_out=False), "FLOPs in q/k/v/out_linear and"),
+    (variant(builtin=True), "from-scratch"),
+])
+def test_attention_layer_flops_falls_back_to_a_reference_layer_and_says_so(module, why, capsys):
+    checks.check_attention_layer_flops(flops_by_products, module, device="cpu")
+    printed = capsys.readouterr().out
+    assert "could not be measured" in printed and why in printed and "reference layer" in printed
+
+
+def test_attention_layer_flops_finds_the_module_in_the_students_notebook(capsys):
+    namespace = {"nn": nn, "torch": torch, "SelfAttentionEinsum": SelfAttentionEinsum}
+    exec("MultiHeadSelfAttention = SelfAttentionEinsum\n"
+         "def attention_layer_flops(batch_size, seq_len, d_model):\n"
+         "    return {'projections': 8 * batch_size * seq_len * d_model ** 2,\n"
+         "            'attention': 4 * batch_size * seq_len ** 2 * d_model}\n", namespace)
+    checks.check_attention_layer_flops(namespace["attention_layer_flops"], device="cpu")
+    assert "note:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (_flops(lambda b, s, d: 4 * b * s * d * d, lambda b, s, d: 2 * b * s * s * d), "a multiply-add counts as 2 FLOPs"),
+    (_flops(lambda b, s, d: 2 * b * s * d * d, _A), "you counted one projection"),
+    (_flops(lambda b, s, d: 6 * b * s * d * d, _A), "you left out the output projection"),
+    (_flops(_P, lambda b, s, d: 4 * b * s * d), "grows with S², not S"),
+    (_flops(_P, lambda b, s, d: 2 * b * s * s * d), "but not weights @ V"),
+    (_flops(lambda b, s, d: 8 * s * d * d, lambda b, s, d: 4 * s * s * d), "multiply by batch_size"),
+    (_flops(_A, _P), "the two entries are swapped"),
+    (_flops(_P, lambda b, s, d: 4 * b * s * s * d + 5 * b * s * s), "counts matrix products only"),
+    (_flops(lambda b, s, d: float(8 * b * s * d * d), _A), "should be an int"),
+    (lambda batch_size, seq_len, d_model: {"proj": 1, "attention": 2}, r"missing \['projections'\]"),
+    (lambda batch_size, seq_len, d_model: (1, 2), "should return a dict"),
+])
+def test_attention_layer_flops_names_the_mistake(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_attention_layer_flops(wrong, SelfAttentionEinsum, **CPU)
+
+
+def test_attention_layer_flops_rejects_numbers_typed_in_for_one_size():
+    def hard_coded_vit(batch_size, seq_len, d_model):
+        return flops_by_products(8, 197, 768)
+
+    with pytest.raises(CheckFailure, match="does not match FlopCounterMode's count"):
+        checks.check_attention_layer_flops(hard_coded_vit, SelfAttentionEinsum, **CPU)
+
+
+def test_attention_crossover_accepts_two_d_and_names_what_to_compare():
+    checks.check_answer_attention_crossover("d", **CPU)
+    for letter, hint in checks.CROSSOVER_HINTS.items():
+        with pytest.raises(CheckFailure, match=re.escape(hint)) as failure:
+            checks.check_answer_attention_crossover(letter, **CPU)
+        assert '"D"' not in str(failure.value).split("is not right")[-1]
 
 
 # --------------------------------------------------------------------------------------
@@ -561,21 +592,6 @@ def test_multi_head_self_attention_names_the_missing_transpose():
         checks.check_multi_head_self_attention(Untransposed, **CPU)
 
 
-def test_mha_shapes_names_heads_left_behind_the_sequence_axis():
-    def heads_not_moved(B, S, D, H):
-        table = shapes_by_tracing(B, S, D, H)
-        table["q_heads"] = (B, S, H, D // H)
-        return table
-
-    with pytest.raises(CheckFailure, match=r"Likely mistake: after the permute the head axis comes before"):
-        checks.check_mha_shapes(heads_not_moved, **CPU)
-
-
-def test_mha_parameter_count_names_a_single_bias():
-    with pytest.raises(CheckFailure, match="its own D biases: 4·D, not D"):
-        checks.check_mha_parameter_count(lambda D, bias=True: 4 * D * D + D * bias, **CPU)
-
-
 def test_no_reference_in_the_check_module_is_a_working_answer():
     """Every function the check module defines fails every check of notebook 01 (nothing to import)."""
     import inspect
@@ -584,19 +600,19 @@ def test_no_reference_in_the_check_module_is_a_working_answer():
                   if inspect.isfunction(obj) and obj.__module__ == checks.__name__ and not name.startswith("check_")]
     single_answer = [checks.check_split_heads, checks.check_merge_heads, checks.check_split_heads_einops,
                      checks.check_attention_weights, checks.check_scaled_dot_product_attention,
-                     checks.check_multi_head_self_attention, checks.check_mha_shapes, checks.check_mha_parameter_count]
+                     checks.check_multi_head_self_attention, checks.check_attention_layer_flops]
     for candidate in candidates:
         for check in single_answer:
             with pytest.raises(Exception):
                 check(candidate, **CPU)
 
 
-def test_answer_draft_bug_accepts_the_missing_scale_and_names_what_to_reread():
-    checks.check_answer_draft_bug(" a ", **CPU)
+def test_answer_draft_bug_accepts_the_peakier_prediction_and_names_what_to_reread():
+    checks.check_answer_draft_bug(" b ", **CPU)
     for letter, hint in checks.DRAFT_BUG_HINTS.items():
         with pytest.raises(CheckFailure, match=re.escape(hint)) as failure:
             checks.check_answer_draft_bug(letter, **CPU)
-        assert "A" not in str(failure.value).replace("ANSWER_DRAFT_BUG", "")  # never names the right letter
+        assert '"B"' not in str(failure.value).split("is not right")[-1]  # never names the right letter
     with pytest.raises(CheckFailure, match="not implemented yet"):
         checks.check_answer_draft_bug(None, **CPU)
 

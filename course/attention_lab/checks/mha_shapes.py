@@ -8,7 +8,7 @@ idiomatic answer (slicing instead of view/permute), computed in float64 at check
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -589,100 +589,202 @@ def check_load_torch_mha_weights(load_torch_mha_weights: Callable, MultiHeadSelf
 
 
 # --------------------------------------------------------------------------------------
-# Exercises: the shape table and the parameter count
+# Exercise: attention_layer_flops (what one layer costs), and the crossover question
 # --------------------------------------------------------------------------------------
 
-SHAPE_KEYS = ("input", "q", "q_heads", "scores", "weights", "context_heads", "context", "output")
-
-SHAPES_HINTS = {
-    "scores_like_heads": "scores compare every query with every key: the last two axes are [S, S].",
-    "heads_not_moved": "after the permute the head axis comes before the sequence axis: [B, H, S, d_head].",
+FLOPS_HINTS = {
+    "multiply_add_once": "a multiply-add counts as 2 FLOPs (one multiply, one add), as FlopCounterMode counts "
+    "them: an [m, k] @ [k, n] product costs 2·m·k·n, not m·k·n.",
+    "one_projection": "you counted one projection; the layer has four [D, D] projections: Q, K, V and the output.",
+    "three_projections": "you left out the output projection: Q, K, V and out_linear make four [D, D] products.",
+    "linear_in_s": "the attention part grows with S², not S: Q @ Kᵀ compares every query with every key "
+    "([S, d_head] @ [d_head, S] per head), and weights @ V is [S, S] @ [S, d_head].",
+    "only_scores": "you counted Q @ Kᵀ but not weights @ V, which costs as much again.",
+    "no_batch": "every sequence of the batch costs the same again: multiply by batch_size.",
+    "swapped": "the two entries are swapped: 'projections' grows with D², 'attention' with S².",
+    "softmax_counted": "FlopCounterMode counts matrix products only: the scaling, the mask and the softmax "
+    "(a few operations per score) are not in its count. Count the products alone.",
 }
-PARAMETER_COUNT_HINTS = {
-    "no_out_projection": "you counted W_q, W_k and W_v but not the output projection W_o.",
-    "no_biases": "with bias=True each of the four projections also has D biases.",
-    "one_bias": "each of the four projections has its own D biases: 4·D, not D.",
-}
+FLOPS_KEYS = ("projections", "attention")
+_PROJECTIONS = ("q_linear", "k_linear", "v_linear", "out_linear")
 
 
-@check("mha_shapes: the shape table matches a real forward pass")
-def check_mha_shapes(mha_shapes: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """mha_shapes: a dict of tuples with the seed's eight rows, for any B, S, D, H."""
-    expect_signature(mha_shapes, "mha_shapes", ["B", "S", "D", "H"])
+class _CountedLayer(nn.Module):
+    """What FlopCounterMode measures when the student's own module cannot be measured: one fused
+    [D, 3D] projection (as many FLOPs as three [D, D] ones), heads cut with tensor_split, scores and
+    weighted sum written with einsum. Not the exercise's contract (no q_linear ..., forward(x) only)."""
+
+    def __init__(self, width: int, heads: int, device) -> None:
+        super().__init__()
+        self.fused = nn.Linear(width, 3 * width, device=device)
+        self.mixer = nn.Linear(width, width, device=device)
+        self.heads = heads
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        parts = [torch.stack(part.tensor_split(self.heads, dim=-1), dim=1)
+                 for part in self.fused(tokens).tensor_split(3, dim=-1)]
+        scores = torch.einsum("bhqd,bhkd->bhqk", parts[0], parts[1]) * parts[0].shape[-1] ** -0.5
+        mixed = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), parts[2])
+        return self.mixer(torch.cat(mixed.unbind(1), dim=-1))
+
+
+def _counted(module: Callable, x: torch.Tensor, projection_names: Sequence[str], call: str | None) -> dict:
+    """FlopCounterMode's count of one forward pass, split into the projections (the FLOPs inside the
+    submodules named ``projection_names``) and the rest (attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        if call is None:
+            module(x)
+        else:
+            call_student(module, x, call=call, forbidden=ATTENTION_BUILTINS)
+    total = counter.get_total_flops()
+    projections = sum(flops for name, operations in counter.get_flop_counts().items()
+                      if name.rsplit(".", 1)[-1] in projection_names for flops in operations.values())
+    return {"projections": int(projections), "attention": int(total - projections)}
+
+
+def _reference_count(b: int, s: int, d: int, heads: int) -> dict:
+    """The count on _CountedLayer, on the meta device (shapes only: any size costs nothing)."""
+    layer = _CountedLayer(d, heads, device="meta")
+    return _counted(layer, torch.empty(b, s, d, device="meta"), ("fused", "mixer"), None)
+
+
+def _students_count(MultiHeadSelfAttention: Callable | None, case: tuple, heads: int, reference: dict) -> tuple:
+    """(count, why not) on the student's own module: (None, reason) when it cannot be measured or
+    does other work than a multi-head attention layer."""
+    batch_size, seq_len, d_model = case
+    if MultiHeadSelfAttention is None:
+        return None, "no MultiHeadSelfAttention is defined in this notebook"
+    label = f"MultiHeadSelfAttention({d_model}, {heads})"
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            module = call_student(MultiHeadSelfAttention, d_model, heads, call=label)
+        x = torch.randn(batch_size, seq_len, d_model, generator=random_generator(seq_len))
+        count = _counted(module, x, _PROJECTIONS, call=f"{label}(x) with x of shape {shape_str(x.shape)}")
+    except CheckFailure as failure:
+        return None, str(failure).splitlines()[0]
+    except Exception as error:  # e.g. not an nn.Module at all
+        return None, f"{label} raised {type(error).__name__}: {error}"
+    if count != reference:
+        return None, (f"it counts {count['projections']:,} FLOPs in q/k/v/out_linear and {count['attention']:,} "
+                      f"elsewhere, not the layer's {reference['projections']:,} and {reference['attention']:,}")
+    return count, ""
+
+
+def _flops_hint(got: dict, case: tuple) -> str:
+    b, s, d = case
+    projections, attention = 8 * b * s * d * d, 4 * b * s * s * d
+    p, a = got["projections"], got["attention"]
+    if (p, a) == (attention, projections) and p != a:
+        return FLOPS_HINTS["swapped"]
+    if b > 1 and (p * b, a * b) == (projections, attention):
+        return FLOPS_HINTS["no_batch"]
+    if 2 * p == projections and 2 * a == attention:
+        return FLOPS_HINTS["multiply_add_once"]
+    if p == projections:
+        if a * s == attention:
+            return FLOPS_HINTS["linear_in_s"]
+        if 2 * a == attention:
+            return FLOPS_HINTS["only_scores"]
+        if a > attention and (a - attention) % (b * s * s) == 0 and a - attention < attention:
+            return FLOPS_HINTS["softmax_counted"]
+    if a == attention:
+        if p * 4 == projections or p * 8 == projections:
+            return FLOPS_HINTS["one_projection"]
+        if p * 4 == projections * 3:
+            return FLOPS_HINTS["three_projections"]
+    if 2 * p * 4 == projections or 2 * p * 8 == projections:
+        return FLOPS_HINTS["one_projection"]
+    return ""
+
+
+@check("attention_layer_flops: the FLOPs that FlopCounterMode counts on a multi-head attention layer ({device})")
+def check_attention_layer_flops(attention_layer_flops: Callable, MultiHeadSelfAttention: Callable | None = None, *,
+                                seed: int = 0, device: torch.device | None = None) -> None:
+    """attention_layer_flops(batch_size, seq_len, d_model) -> {"projections", "attention"}, against
+    torch.utils.flop_counter.FlopCounterMode run on the student's own MultiHeadSelfAttention (a reference
+    layer when theirs cannot be measured; the note says so)."""
+    from attention_lab.checking import _student_namespace, add_note
+
+    expect_signature(attention_layer_flops, "attention_layer_flops", ["batch_size", "seq_len", "d_model"])
+    if MultiHeadSelfAttention is None:
+        MultiHeadSelfAttention = (_student_namespace(attention_layer_flops) or {}).get("MultiHeadSelfAttention")
     generator = random_generator(seed)
-    cases = [(2, 197, 768, 12), (8, 5, 16, 4)] + [
-        (randint(1, 9, generator), randint(1, 50, generator), 0, randint(1, 12, generator)) for _ in range(5)]
-    for B, S, D, H in cases:
-        D = D or H * randint(1, 16, generator)
-        call = f"mha_shapes(B={B}, S={S}, D={D}, H={H})"
-        table = call_student(mha_shapes, B, S, D, H, call=call)
-        expect_true(isinstance(table, dict), f"{call} should return a dict, got {describe(table)}.")
-        missing = [key for key in SHAPE_KEYS if key not in table]
-        extra = [key for key in table if key not in SHAPE_KEYS]
-        expect_true(not missing and not extra, f"{call} should have exactly the keys {list(SHAPE_KEYS)}; "
+    # Small layers are measured on the student's own module; real sizes (ViT-B, GPT-2) on a reference
+    # layer on the meta device, which has shapes and no numbers.
+    measured_cases = [(3, 7, 16, 4), (1, 9, 12, 3), (randint(2, 4, generator), randint(3, 40, generator), 8, 2)]
+    real_cases = [(8, 197, 768, 12), (1, 1024, 768, 12), (randint(1, 9, generator), randint(1, 4096, generator), 64, 4)]
+    fallback = None
+    for batch_size, seq_len, d_model, heads in measured_cases + real_cases:
+        case = (batch_size, seq_len, d_model)
+        expected = _reference_count(*case, heads)
+        source = "a reference layer"
+        if (batch_size, seq_len, d_model, heads) in measured_cases:
+            students, why_not = _students_count(MultiHeadSelfAttention, case, heads, expected)
+            if students is not None:
+                expected, source = students, "your MultiHeadSelfAttention"
+            elif fallback is None:
+                fallback = why_not
+        call = f"attention_layer_flops(batch_size={batch_size}, seq_len={seq_len}, d_model={d_model})"
+        got = call_student(attention_layer_flops, batch_size, seq_len, d_model, call=call)
+        expect_true(isinstance(got, dict), f"{call} should return a dict with the keys {list(FLOPS_KEYS)}, "
+                    f"got {describe(got)}.")
+        missing, extra = [k for k in FLOPS_KEYS if k not in got], [k for k in got if k not in FLOPS_KEYS]
+        expect_true(not missing and not extra, f"{call} should have exactly the keys {list(FLOPS_KEYS)}; "
                     f"missing {missing}, unexpected {extra}.")
-        # The shapes, read off a real forward pass through PyTorch's modules (not typed in). On
-        # the CPU: the meta device would cost a few seconds of one-time setup in the notebook.
-        x = torch.zeros(B, S, D)
-        q = nn.Linear(D, D)(x)
-        q_heads = torch.stack(q.tensor_split(H, dim=-1), dim=1)
-        scores = q_heads @ q_heads.transpose(-2, -1)
-        context_heads = torch.softmax(scores, dim=-1) @ q_heads
-        context = torch.cat(context_heads.unbind(1), dim=-1)
-        traced = (x, q, q_heads, scores, scores, context_heads, context, nn.Linear(D, D)(context))
-        expected = {key: tuple(value.shape) for key, value in zip(SHAPE_KEYS, traced)}
-        for key in SHAPE_KEYS:
-            value = table[key]
-            expect_true(isinstance(value, tuple) and all(isinstance(n, int) for n in value),
-                        f"{call}[{key!r}] should be a tuple of ints like {expected[key]}, got {value!r}.")
-            hint = ""
-            if key in ("scores", "weights") and value == (B, H, S, D // H):
-                hint = SHAPES_HINTS["scores_like_heads"]
-            elif key in ("q_heads", "context_heads") and value == (B, S, H, D // H):
-                hint = SHAPES_HINTS["heads_not_moved"]
-            expect_true(tuple(value) == expected[key], f"{call}[{key!r}] should be {expected[key]}, got {tuple(value)}."
-                        + (f"\n  Likely mistake: {hint}" if hint else ""))
+        for key in FLOPS_KEYS:
+            value = got[key]
+            expect_true(isinstance(value, int) and not isinstance(value, bool),
+                        f"{call}[{key!r}] should be an int (a count of FLOPs), got {describe(value)}. "
+                        "Integer arithmetic keeps it exact: no `/`, no `math.pow`.")
+        if got != expected:
+            hint = _flops_hint(got, case)
+            wrong = [key for key in FLOPS_KEYS if got[key] != expected[key]]
+            raise CheckFailure(
+                f"{call} does not match FlopCounterMode's count on {source} (B={batch_size}, S={seq_len}, "
+                f"D={d_model}, H={heads}): "
+                + "; ".join(f"{key} should be {expected[key]:,}, got {got[key]:,}" for key in wrong) + "."
+                + (f"\n  Likely mistake: {hint}" if hint else ""))
+    if fallback is not None:
+        add_note(f"  note: your MultiHeadSelfAttention could not be measured ({fallback}), so the small "
+                 "cases were counted on a reference layer instead. Fix MultiHeadSelfAttention to see your own "
+                 "module counted.")
 
 
-@check("mha_parameter_count: 4·D² weights (+ 4·D biases), as nn.MultiheadAttention counts them")
-def check_mha_parameter_count(mha_parameter_count: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """mha_parameter_count: equals the number of parameters of nn.MultiheadAttention(D, H, bias=...)."""
-    expect_signature(mha_parameter_count, "mha_parameter_count", ["D", "bias"])
-    generator = random_generator(seed)
-    for D in (768, 16, 1, randint(2, 300, generator)):
-        for bias in (True, False):
-            call = f"mha_parameter_count({D}, bias={bias})"
-            count = call_student(mha_parameter_count, D, bias=bias, call=call)
-            expected = sum(p.numel() for p in nn.MultiheadAttention(D, 1, bias=bias, device="meta").parameters())
-            expect_true(isinstance(count, int) and not isinstance(count, bool),
-                        f"{call} should return an int, got {describe(count)}.")
-            hint = ""
-            if count == 3 * D * D + (3 * D if bias else 0):
-                hint = PARAMETER_COUNT_HINTS["no_out_projection"]
-            elif bias and count == 4 * D * D:
-                hint = PARAMETER_COUNT_HINTS["no_biases"]
-            elif bias and count == 4 * D * D + D:
-                hint = PARAMETER_COUNT_HINTS["one_bias"]
-            expect_true(count == expected, f"{call} should be {expected:,}, got {count!r}."
-                        + (f"\n  Likely mistake: {hint}" if hint else ""))
+CROSSOVER_HINTS = {
+    "A": "write both counts for one sequence and compare them: divide 4·B·S²·D and 8·B·S·D² by 4·B·S·D.",
+    "B": "D/2 would be the answer if attention had as many products as the projections; compare the two "
+    "counts of your attention_layer_flops term by term.",
+    "C": "at S = D one Q @ Kᵀ costs as much as one projection, but there are four projections and only two "
+    "attention products.",
+}
+
+
+@check("ANSWER_ATTENTION_CROSSOVER: right choice")
+def check_answer_attention_crossover(answer, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """4·B·S²·D > 8·B·S·D² exactly when S > 2·D (1536 for D = 768)."""
+    expect_choice(answer, name="ANSWER_ATTENTION_CROSSOVER", options="ABCD", correct="D", hints=CROSSOVER_HINTS)
 
 
 # --------------------------------------------------------------------------------------
-# The find-the-bug question on the einops draft
+# The predict-first question on the einops draft
 # --------------------------------------------------------------------------------------
 
 DRAFT_BUG_HINTS = {
-    "B": "look at the softmax's dim=-1 in the draft: the last axis of 'b h m n' is n, the keys.",
-    "C": "in \"b s (h d)\" h varies slowest, so head h takes features h*d ... (h+1)*d - 1: "
-    "the same split as your split_heads.",
+    "A": "compare the draft's scores with q @ kᵀ / sqrt(d_head), line by line: is every step there?",
+    "C": "which way does the draft's missing step move the scores: towards larger or smaller magnitudes? "
+    "Then: what does the softmax do with larger scores?",
     "D": "read the last line of forward again: what does self.out_proj do there?",
 }
 
 
-@check("ANSWER_DRAFT_BUG: right choice")
+@check("ANSWER_DRAFT_BUG: right prediction")
 def check_answer_draft_bug(answer, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """The draft computes softmax(q k^T) v: attention with scale 1.0, not 1/sqrt(d_head)."""
-    expect_choice(answer, name="ANSWER_DRAFT_BUG", options="ABCD", correct="A", hints=DRAFT_BUG_HINTS)
+    """The draft computes softmax(q k^T) v: scale 1.0, not 1/sqrt(d_head), so at d_head = 64 its scores
+    are 8x too large and its weights much peakier than the correct layer's."""
+    expect_choice(answer, name="ANSWER_DRAFT_BUG", options="ABCD", correct="B", hints=DRAFT_BUG_HINTS)
 
 
 freeze_module(__name__)
