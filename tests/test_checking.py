@@ -344,8 +344,8 @@ def test_expect_tensor_names_the_dtype_rule_and_why_the_checks_use_float64():
         expect_tensor(torch.zeros(3), what="f(x)", dtype=torch.float64)
 
 
-def test_expect_array_starts_its_dtype_hint_with_a_capital():
-    with pytest.raises(CheckFailure, match=r"got float64. Keep float32: no np.float64"):
+def test_expect_array_gives_its_dtype_hint_a_line_of_its_own():
+    with pytest.raises(CheckFailure, match=r"got float64.\n  Likely mistake: keep float32: no np.float64"):
         expect_array(np.zeros(3), what="f(x)", dtype=np.float32, dtype_hint="keep float32: no np.float64")
 
 
@@ -363,7 +363,7 @@ def test_call_student_fails_an_answer_that_changes_its_input_in_place(answer, op
         return answer(q, k)
 
     q, k = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
-    with pytest.raises(CheckFailure, match=r"f\(q, k\) changed its input [qk] in place[\s\S]*Likely mistake: "
+    with pytest.raises(CheckFailure, match=r"f\(q, k\): your code changed its input [qk] in place[\s\S]*Likely mistake: "
                                            + operation) as failure:
         call_student(f, q, k, call="f(q, k)")
     assert "modified its input in place" in str(failure.value)

@@ -189,6 +189,46 @@ def weights_calling_sdpa(q, k, mask=None):
     return F.scaled_dot_product_attention(q, k, identity, attn_mask=mask)
 
 
+def weights_zero_fill(q, k, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, 0.0)  # 0, not -inf: exp(0) = 1
+    return scores.softmax(-1)
+
+
+def weights_transpose_first_axes(q, k, mask=None):
+    scores = q @ k.transpose(0, 1) / math.sqrt(q.shape[-1])  # the wrong pair of axes
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1)
+
+
+def test_attention_weights_names_a_zero_fill_and_the_wrong_pair_of_axes():
+    with pytest.raises(CheckFailure, match=r"Likely mistake: the masked scores were set to 0, not -inf"):
+        checks.check_attention_weights(weights_zero_fill, **CPU)
+    with pytest.raises(CheckFailure, match=r"raised RuntimeError[\s\S]*Likely mistake: k.transpose\(0, 1\) swaps"):
+        checks.check_attention_weights(weights_transpose_first_axes, **CPU)
+
+
+def test_the_wrong_pair_of_axes_is_named_when_it_runs_too():
+    """q [S, S, d] with k [S, S, d]: q @ k.transpose(0, 1) has no shape error, only wrong numbers."""
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(4, 4, 4, generator=generator, dtype=torch.float64) for _ in range(2))
+    with pytest.raises(CheckFailure, match=r"Likely mistake: k.transpose\(0, 1\) swaps"):
+        checks._check_weights(weights_transpose_first_axes(q, k), q, k, None, "attention_weights(q, k)")
+
+
+def test_scaled_dot_product_attention_names_scores_times_v():
+    def scores_times_v(q, k, v, mask=None):
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores @ v, scores.softmax(-1)
+
+    with pytest.raises(CheckFailure, match=r"Likely mistake: out = weights @ v: you multiplied the scores"):
+        checks.check_scaled_dot_product_attention(scores_times_v, **CPU)
+
+
 def test_attention_weights_accepts_einsum_with_finite_fill():
     checks.check_attention_weights(weights_einsum, **CPU)
 
@@ -251,17 +291,24 @@ class SelfAttentionEinsum(nn.Module):
     """A correct answer written another way: einsum and rearrange, softmax with a finite fill."""
 
     def __init__(self, embed_dim, num_heads, bias=True, scale_width=None, use_out=True, flip_mask=False,
-                 builtin=False, average_heads=False):
+                 builtin=False, average_heads=False, drop_mask=False, reshape_split=None, values_from="v_linear"):
         super().__init__()
         self.q_linear, self.k_linear, self.v_linear, self.out_linear = (
             nn.Linear(embed_dim, embed_dim, bias=bias) for _ in range(4))
         self.num_heads = num_heads
         self.scale_width = scale_width
         self.use_out, self.flip_mask, self.builtin, self.average_heads = use_out, flip_mask, builtin, average_heads
+        self.drop_mask, self.reshape_split, self.values_from = drop_mask, reshape_split, values_from
 
     def forward(self, x, mask=None, return_weights=False):
-        q, k, v = (rearrange(f(x), "b s (h d) -> b h s d", h=self.num_heads)
-                   for f in (self.q_linear, self.k_linear, self.v_linear))
+        if self.drop_mask:
+            mask = None
+        b, s, d = x.shape
+        projections = (self.q_linear, self.k_linear, getattr(self, self.values_from))
+        if self.reshape_split:  # heads cut by a reshape that does not move the head axis
+            q, k, v = (f(x).reshape(b, self.num_heads, s, d // self.num_heads) for f in projections)
+        else:
+            q, k, v = (rearrange(f(x), "b s (h d) -> b h s d", h=self.num_heads) for f in projections)
         if self.builtin:
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             weights = None
@@ -272,7 +319,10 @@ class SelfAttentionEinsum(nn.Module):
                 scores = scores.masked_fill(mask if self.flip_mask else ~mask, float("-inf"))
             weights = scores.softmax(-1)
             context = weights @ v
-        merged = rearrange(context, "b h s d -> b s (h d)")
+        if self.reshape_split == "reshape back":
+            merged = context.reshape(b, s, d)
+        else:
+            merged = rearrange(context, "b h s d -> b s (h d)")
         out = self.out_linear(merged) if self.use_out else merged
         if return_weights:
             return out, (weights.mean(1) if self.average_heads else weights)
@@ -294,6 +344,11 @@ def test_multi_head_self_attention_accepts_a_correct_module():
     (variant(flip_mask=True), "mask polarity flipped"),
     (variant(builtin=True), "from-scratch"),
     (variant(average_heads=True), "do not average over heads"),
+    (variant(drop_mask=True), "the mask was not applied"),
+    (variant(reshape_split="transpose back"), "cut by reshaping \\[B, S, D\\] straight to \\[B, H, S, d_head\\]"),
+    (variant(reshape_split="reshape back"), "cut by reshaping \\[B, S, D\\] straight to \\[B, H, S, d_head\\]"),
+    (variant(values_from="k_linear"), "the values must come from v_linear"),
+    (variant(values_from="q_linear"), "the values must come from v_linear"),
 ])
 def test_multi_head_self_attention_rejects_known_mistakes(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -628,3 +683,93 @@ def test_attention_weights_accepts_hugging_face_eager_softmax_in_float32(capsys)
     checks.check_attention_weights(eager, device="cpu")
     printed = capsys.readouterr().out
     assert printed.startswith("✓ attention_weights") and "float32 precision" in printed
+
+
+# --------------------------------------------------------------------------------------
+# Inputs changed in place, and the keep-the-input's-dtype rule (framework behaviour, met in 01)
+# --------------------------------------------------------------------------------------
+
+
+def weights_scaling_q_in_place(q, k, mask=None):
+    q *= q.shape[-1] ** -0.5  # changes the caller's q
+    scores = q @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1)
+
+
+def weights_masking_k_in_place(q, k, mask=None):
+    k.mul_(1.0 / math.sqrt(q.shape[-1]))
+    return weights_no_scale(q, k, mask)
+
+
+def test_an_in_place_scale_is_named_as_such_not_as_a_missing_scale():
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_attention_weights(weights_scaling_q_in_place, **CPU)
+    message = str(failure.value)
+    assert "changed its input q in place" in message and "`q *= ...`" in message
+    assert "no 1/sqrt" not in message
+    with pytest.raises(CheckFailure, match=r"changed its input k in place[\s\S]*`k \*= ...` \(or `k.mul_\(...\)`\)"):
+        checks.check_attention_weights(weights_masking_k_in_place, **CPU)
+
+    def sdpa_in_place(q, k, v, mask=None):
+        weights = weights_einsum(q, k, mask)
+        return v.copy_(weights @ v) if weights.shape[-1] == v.shape[-2] == weights.shape[-2] else weights @ v, weights
+
+    with pytest.raises(CheckFailure, match=r"changed its input v in place[\s\S]*`v.copy_\(...\)`"):
+        checks.check_scaled_dot_product_attention(sdpa_in_place, **CPU)
+
+
+def test_a_module_that_changes_its_input_in_place_is_told_so():
+    class AddsInPlace(SelfAttentionEinsum):
+        def forward(self, x, mask=None, return_weights=False):
+            result = super().forward(x, mask, return_weights)
+            x += 0.0 * x + 1.0  # a residual written in place on the caller's tensor
+            return result
+
+    with pytest.raises(CheckFailure, match=r"changed its input x in place[\s\S]*`x \+= ...`"):
+        checks.check_multi_head_self_attention(AddsInPlace, **CPU)
+
+
+def test_dtype_failures_in_01_name_the_rule():
+    def weights_in_float32(q, k, mask=None):
+        return weights_einsum(q.float(), k.float(), mask)
+
+    with pytest.raises(CheckFailure, match=r"should keep the input dtype torch.float64, got torch.float32[\s\S]*"
+                                           r"The rule of every notebook"):
+        checks.check_attention_weights(weights_in_float32, **CPU)
+
+    class CastsToFloat32(SelfAttentionEinsum):
+        def forward(self, x, mask=None, return_weights=False):
+            return super().forward(x.float(), mask, return_weights)  # float32 into float64 layers: a crash
+
+    with pytest.raises(CheckFailure, match=r"raised RuntimeError[\s\S]*Likely mistake: your code mixes float32 and "
+                                           r"float64[\s\S]*keep the input's dtype"):
+        checks.check_multi_head_self_attention(CastsToFloat32, **CPU)
+
+
+def test_a_self_contained_module_is_not_told_to_fix_a_helper_it_never_calls():
+    namespace = {"torch": torch, "nn": nn, "math": math, "rearrange": rearrange}
+    exec(  # a wrong split_heads in the notebook, and a module that never calls it (and forgets the scale)
+        "def split_heads(x, num_heads):\n"
+        "    b, s, d = x.shape\n"
+        "    return x.reshape(b, num_heads, s, d // num_heads)\n"
+        "class MultiHeadSelfAttention(nn.Module):\n"
+        "    def __init__(self, embed_dim, num_heads, bias=True):\n"
+        "        super().__init__()\n"
+        "        self.num_heads = num_heads\n"
+        "        self.q_linear, self.k_linear, self.v_linear, self.out_linear = (\n"
+        "            nn.Linear(embed_dim, embed_dim, bias=bias) for _ in range(4))\n"
+        "    def forward(self, x, mask=None, return_weights=False):\n"
+        "        q, k, v = (rearrange(f(x), 'b s (h d) -> b h s d', h=self.num_heads)\n"
+        "                   for f in (self.q_linear, self.k_linear, self.v_linear))\n"
+        "        scores = q @ k.transpose(-2, -1)\n"
+        "        if mask is not None:\n"
+        "            scores = scores.masked_fill(~mask, float('-inf'))\n"
+        "        weights = scores.softmax(-1)\n"
+        "        out = self.out_linear(rearrange(weights @ v, 'b h s d -> b s (h d)'))\n"
+        "        return (out, weights) if return_weights else out\n",
+        namespace)
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_multi_head_self_attention(namespace["MultiHeadSelfAttention"], **CPU)
+    assert "no 1/sqrt(d_head) scaling" in str(failure.value) and "Note:" not in str(failure.value)

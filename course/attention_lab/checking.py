@@ -511,16 +511,17 @@ def from_scratch(exercise: str, forbidden: Sequence[str] = (), numpy_only: bool 
 
 def _argument_names(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """(name, value) of every argument of a call, named as ``fn``'s signature names them."""
-    try:
-        bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+    try:  # a module is called through forward: its parameters name the arguments
+        signature = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+        bound = signature.bind_partial(*args, **kwargs).arguments
     except (TypeError, ValueError):
         return [(f"argument {index + 1}", value) for index, value in enumerate(args)] + list(kwargs.items())
     named = []
     for name, value in bound.items():
-        if isinstance(value, tuple) and name in inspect.signature(fn).parameters and \
-                inspect.signature(fn).parameters[name].kind == inspect.Parameter.VAR_POSITIONAL:
+        kind = signature.parameters[name].kind
+        if kind == inspect.Parameter.VAR_POSITIONAL:
             named += [(f"{name}[{index}]", item) for index, item in enumerate(value)]
-        elif isinstance(value, dict) and inspect.signature(fn).parameters[name].kind == inspect.Parameter.VAR_KEYWORD:
+        elif kind == inspect.Parameter.VAR_KEYWORD:
             named += list(value.items())
         else:
             named.append((name, value))
@@ -583,8 +584,9 @@ def _expect_inputs_unchanged(snapshots: Sequence[tuple[str, Any, Any]], in_place
             operation = in_place.get(_storage_key(current))
         spelled = _in_place_operation(name.split("[")[0] if operation is None else name, operation,
                                       isinstance(current, np.ndarray))
-        raise CheckFailure(f"{call} changed its input {name} in place: the caller's {name} is no longer what "
-                           f"it passed.\n  Likely mistake: " + HINTS["input_changed"].format(operation=spelled, name=name))
+        raise CheckFailure(f"{call}: your code changed its input {name} in place, so the caller's {name} is no "
+                           f"longer what it passed.\n  Likely mistake: "
+                           + HINTS["input_changed"].format(operation=spelled, name=name))
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
@@ -712,7 +714,8 @@ def expect_array(value: Any, *, what: str, shape: Sequence[int] | None = None, d
                  hints: Mapping[tuple[int, ...], str] | None = None, dtype_hint: str = "") -> np.ndarray:
     """Contract of a returned NumPy array: an ndarray (not a tensor), exact shape, dtype.
 
-    ``dtype_hint`` is appended when the dtype is wrong (e.g. how float32 became float64).
+    ``dtype_hint`` is given, on a "Likely mistake:" line of its own, when the dtype is wrong (e.g. how
+    float32 became float64).
     """
     if isinstance(value, torch.Tensor):
         raise CheckFailure(f"{what} should return a NumPy ndarray, got a torch tensor ({describe(value)}). "
@@ -729,9 +732,9 @@ def expect_array(value: Any, *, what: str, shape: Sequence[int] | None = None, d
             message += " (same number of elements: check the order of axes, not only the count)"
         raise CheckFailure(message)
     if dtype is not None and value.dtype != np.dtype(dtype):
-        dtype_hint = dtype_hint.strip()
-        dtype_hint = dtype_hint[:1].upper() + dtype_hint[1:]  # a sentence after a full stop starts upper-case
-        raise CheckFailure(f"{what} should keep the input dtype {np.dtype(dtype)}, got {value.dtype}. {dtype_hint}".rstrip())
+        dtype_hint = dtype_hint.strip()  # on a line of its own: a hint may start lower-case
+        raise CheckFailure(f"{what} should keep the input dtype {np.dtype(dtype)}, got {value.dtype}."
+                           + (f"\n  Likely mistake: {dtype_hint}" if dtype_hint else ""))
     return value
 
 

@@ -257,6 +257,12 @@ ATTENTION_HINTS = {
     "no_transpose": "use k.transpose(-2, -1): the scores are q @ k^T, one row per query and one column per key.",
     "mask_ignored": "the mask was ignored: positions where mask is False must get weight exactly 0.",
     "weights_transposed": "multiply weights @ v (weights [S_q, S_k] times v [S_k, d_v]), not its transpose.",
+    "zero_fill": "the masked scores were set to 0, not -inf. exp(0) = 1, so a masked key still gets weight: "
+    "fill with float('-inf') (or torch.finfo(scores.dtype).min) before the softmax.",
+    "transpose_wrong_axes": "k.transpose(0, 1) swaps the batch (or head) axis with the next one; the scores need the "
+    "last two axes of k swapped: k.transpose(-2, -1) (or k.mT).",
+    "scores_times_v": "out = weights @ v: you multiplied the scores (before the softmax) by v. Take the softmax "
+    "first, then use its weights.",
 }
 
 
@@ -275,7 +281,21 @@ def _attention_variants(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | N
                                 ATTENTION_HINTS["mask_flipped"]))
         masked_scores = _with_minus_inf_fill(scores / math.sqrt(d_head), mask)
         variants.append(Variant(lambda: torch.softmax(masked_scores, dim=-2).nan_to_num(0.0), ATTENTION_HINTS["wrong_axis"]))
+        variants.append(Variant(lambda: torch.softmax((scores / math.sqrt(d_head)).masked_fill(~mask, 0.0), dim=-1),
+                                ATTENTION_HINTS["zero_fill"]))
+    if k.dim() >= 3:
+        variants.append(Variant(lambda: _swapped_weights(q, k, mask), ATTENTION_HINTS["transpose_wrong_axes"]))
     return variants
+
+
+def _swapped_weights(q: torch.Tensor, k: torch.Tensor, mask) -> torch.Tensor | None:
+    """The weights of an answer that wrote k.transpose(0, 1) where k.transpose(-2, -1) belongs, when that
+    runs at all (None when it raises)."""
+    try:
+        scores = q @ k.transpose(0, 1) / math.sqrt(q.shape[-1])
+        return torch.softmax(_with_minus_inf_fill(scores, mask), dim=-1)
+    except RuntimeError:
+        return None
 
 
 def _matmul_error(left_shape, right_shape, device: torch.device) -> str | None:
@@ -288,19 +308,24 @@ def _matmul_error(left_shape, right_shape, device: torch.device) -> str | None:
 
 
 def _call_attention(fn: Callable, *args, call: str, scores_shapes: tuple, **kwargs):
-    """call_student, naming the missing transpose when the answer's ``q @ k`` raised.
+    """call_student, naming the missing or misplaced transpose when the answer's scores raised.
 
     ``scores_shapes`` is (q's shape, k's shape) of the scores the answer computes: q @ k on them
-    raises the very RuntimeError the answer raised when it forgot k.transpose(-2, -1).
+    raises the very RuntimeError the answer raised when it forgot k.transpose(-2, -1), and
+    q @ k.transpose(0, 1) the one it raised when it swapped the wrong axes.
     """
     try:
         return call_student(fn, *args, call=call, forbidden=ATTENTION_BUILTINS, **kwargs)
     except CheckFailure as failure:
         cause = failure.__cause__
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        untransposed = _matmul_error(*scores_shapes, device)
-        if isinstance(cause, RuntimeError) and untransposed is not None and str(cause) == untransposed:
-            raise CheckFailure(f"{failure}\n  Likely mistake: {ATTENTION_HINTS['no_transpose']}") from cause
+        q_shape, k_shape = scores_shapes
+        swapped = (k_shape[1], k_shape[0], *k_shape[2:]) if len(k_shape) >= 3 else None
+        # The answer's own RuntimeError, reproduced on empty tensors of the same shapes, names the mistake.
+        for right, hint in ((k_shape, "no_transpose"), (swapped, "transpose_wrong_axes")):
+            error = None if right is None else _matmul_error(q_shape, right, device)
+            if isinstance(cause, RuntimeError) and error is not None and str(cause) == error:
+                raise CheckFailure(f"{failure}\n  Likely mistake: {ATTENTION_HINTS[hint]}") from cause
         raise
 
 
@@ -401,7 +426,9 @@ def check_scaled_dot_product_attention(scaled_dot_product_attention: Callable, *
                      against="F.scaled_dot_product_attention",
                      variants=[Variant(lambda: reference_sdpa(q, k, v, attn_mask=mask, scale=1.0), ATTENTION_HINTS["no_scale"]),
                                Variant(lambda: (weights.transpose(-2, -1) @ v) if q.shape[-2] == k.shape[-2] else None,
-                                       ATTENTION_HINTS["weights_transposed"])])
+                                       ATTENTION_HINTS["weights_transposed"]),
+                               Variant(lambda: _with_minus_inf_fill(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), mask) @ v,
+                                       ATTENTION_HINTS["scores_times_v"])])
 
 
 # --------------------------------------------------------------------------------------
@@ -414,6 +441,13 @@ MHSA_HINTS = {
     "scale_by_model_width": "you scaled by 1/sqrt(embed_dim); the scale is 1/sqrt(d_head) = 1/sqrt(embed_dim // num_heads).",
     "mask_flipped": "mask polarity flipped: True means 'may attend'.",
     "averaged_weights": "return the weights of every head, [B, H, S, S]; do not average over heads.",
+    "mask_dropped": "the mask was not applied: forward(x, mask) must pass mask on to the attention weights "
+    "(positions where it is False get weight 0).",
+    "split_without_moving_heads": "your heads are cut by reshaping [B, S, D] straight to [B, H, S, d_head]. The shape "
+    "is right but each 'head' then mixes features of several tokens: view as [B, S, H, d_head] first, then move "
+    "the head axis with .transpose(1, 2) (as split_heads does).",
+    "values_wrong_projection": "the values must come from v_linear: your V equals another projection's output "
+    "(q_linear or k_linear). Check v = self.v_linear(x).",
 }
 
 
@@ -440,24 +474,38 @@ def _mhsa_variants(module: nn.Module, x: torch.Tensor, mask, num_heads: int) -> 
     d_model = x.shape[-1]
     d_head = d_model // num_heads
 
-    def manual(scale: float, use_out: bool = True, flip: bool = False):
-        q, k, v = (torch.stack(linear(x).tensor_split(num_heads, dim=-1), dim=1)  # [B, H, S, d_head]
-                   for linear in (module.q_linear, module.k_linear, module.v_linear))
+    def manual(scale: float, use_out: bool = True, flip: bool = False, use_mask: bool = True,
+               scrambled_split: bool = False, scrambled_merge: bool = False, values=None):
+        b, s, _ = x.shape
+        projections = (module.q_linear, module.k_linear, values or module.v_linear)
+        if scrambled_split:  # [B, S, D] -> [B, H, S, d_head] by reshape alone
+            q, k, v = (linear(x).reshape(b, num_heads, s, d_head) for linear in projections)
+        else:
+            q, k, v = (torch.stack(linear(x).tensor_split(num_heads, dim=-1), dim=1)  # [B, H, S, d_head]
+                       for linear in projections)
         if flip:
             weights = torch.softmax(_with_minus_inf_fill((q @ k.transpose(-2, -1)) * scale, ~mask), dim=-1)
             heads = weights @ v
         else:
-            heads = reference_sdpa(q, k, v, attn_mask=mask, scale=scale)
-        context = torch.cat(heads.unbind(1), dim=-1)  # [B, S, D]
+            heads = reference_sdpa(q, k, v, attn_mask=mask if use_mask else None, scale=scale)
+        context = heads.reshape(b, s, d_model) if scrambled_merge else torch.cat(heads.unbind(1), dim=-1)  # [B, S, D]
         return module.out_linear(context) if use_out else context
 
+    right_scale = 1 / math.sqrt(d_head)
     variants = [
-        Variant(lambda: manual(1 / math.sqrt(d_head), use_out=False), MHSA_HINTS["no_out_linear"]),
+        Variant(lambda: manual(right_scale, use_out=False), MHSA_HINTS["no_out_linear"]),
         Variant(lambda: manual(1.0), MHSA_HINTS["no_scale"]),
         Variant(lambda: manual(1 / math.sqrt(d_model)), MHSA_HINTS["scale_by_model_width"]),
+        Variant(lambda: manual(right_scale, values=module.k_linear), MHSA_HINTS["values_wrong_projection"]),
+        Variant(lambda: manual(right_scale, values=module.q_linear), MHSA_HINTS["values_wrong_projection"]),
     ]
+    if num_heads > 1:
+        for merge in (False, True):  # merged back correctly, or by the inverse reshape
+            variants.append(Variant(lambda merge=merge: manual(right_scale, scrambled_split=True, scrambled_merge=merge),
+                                    MHSA_HINTS["split_without_moving_heads"]))
     if mask is not None:
-        variants.append(Variant(lambda: manual(1 / math.sqrt(d_head), flip=True), MHSA_HINTS["mask_flipped"]))
+        variants.append(Variant(lambda: manual(right_scale, flip=True), MHSA_HINTS["mask_flipped"]))
+        variants.append(Variant(lambda: manual(right_scale, use_mask=False), MHSA_HINTS["mask_dropped"]))
     return variants
 
 
@@ -754,10 +802,10 @@ def check_attention_layer_flops(attention_layer_flops: Callable, MultiHeadSelfAt
 
 
 CROSSOVER_HINTS = {
-    "A": "write both counts for one sequence and compare them: divide 4·B·S²·D and 8·B·S·D² by 4·B·S·D.",
+    "A": "Write both counts for one sequence and compare them: divide 4·B·S²·D and 8·B·S·D² by 4·B·S·D.",
     "B": "D/2 would be the answer if attention had as many products as the projections; compare the two "
     "counts of your attention_layer_flops term by term.",
-    "C": "at S = D one Q @ Kᵀ costs as much as one projection, but there are four projections and only two "
+    "C": "At S = D one Q @ Kᵀ costs as much as one projection, but there are four projections and only two "
     "attention products.",
 }
 
@@ -773,10 +821,10 @@ def check_answer_attention_crossover(answer, *, seed: int = 0, device: torch.dev
 # --------------------------------------------------------------------------------------
 
 DRAFT_BUG_HINTS = {
-    "A": "compare the draft's scores with q @ kᵀ / sqrt(d_head), line by line: is every step there?",
-    "C": "which way does the draft's missing step move the scores: towards larger or smaller magnitudes? "
+    "A": "Compare the draft's scores with q @ kᵀ / sqrt(d_head), line by line: is every step there?",
+    "C": "Which way does the draft's missing step move the scores: towards larger or smaller magnitudes? "
     "Then: what does the softmax do with larger scores?",
-    "D": "read the last line of forward again: what does self.out_proj do there?",
+    "D": "Read the last line of forward again: what does self.out_proj do there?",
 }
 
 
