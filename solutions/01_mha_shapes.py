@@ -5,7 +5,7 @@
 # and `softmax`, one shape at a time, and prove that it computes exactly what PyTorch's
 # `nn.MultiheadAttention` computes.
 #
-# **20 points, about 86 minutes.**
+# **20 points, about 91 minutes.**
 #
 # **Notation** (used in every notebook): `B` batch, `S` sequence length (tokens), `D` model
 # width, `H` heads, `d_head = D // H`. Shapes are written `[B, H, S, d_head]`.
@@ -13,6 +13,11 @@
 # **Masks** are boolean with **True = may attend** (the convention of
 # `F.scaled_dot_product_attention`). Careful: `nn.MultiheadAttention` uses the opposite
 # meaning (True = blocked); exercise 1.7 meets it.
+#
+# **Dtypes: keep the input's dtype.** Every function returns the dtype it was given (float64
+# in, float64 out) and creates new tensors with `dtype=x.dtype, device=x.device`. The checks
+# call your code in float64 as well as float32: float64's rounding errors are about 10⁹ times
+# smaller, so a wrong line cannot hide behind them.
 #
 # After each exercise, run the check cell below it: it tells you, with shapes and numbers,
 # whether your answer is right and what you most likely got wrong.
@@ -38,7 +43,8 @@ x = torch.randn(B, S, D, device=device)
 q_linear = nn.Linear(D, D).to(device)
 Q = q_linear(x)
 print("x:", tuple(x.shape), "-> Q:", tuple(Q.shape))
-print("nn.Linear stores its weight as [out, in]:", tuple(q_linear.weight.shape), "so Q = x @ W.T + b")
+print("nn.Linear stores its weight as [out, in]:", tuple(q_linear.weight.shape),
+      "so Q = x @ W.T + b")
 assert torch.allclose(Q, x @ q_linear.weight.T + q_linear.bias, atol=1e-6)
 
 # %% [markdown]
@@ -76,12 +82,8 @@ def split_heads(x, num_heads):
     ### END SOLUTION
 
 
-# %%
-Q_heads = split_heads(Q, H)
-print("Q:", tuple(Q.shape), "-> Q_heads:", tuple(Q_heads.shape))
-
 # %% test="test_split_heads" points=2
-"""split_heads: [B, S, D] -> [B, H, S, D//H], values, edge cases (H=1, S=1, non-contiguous) and the ValueError."""
+"""split_heads: [B, S, D] -> [B, H, S, D//H], values, edge cases and the ValueError."""
 from attention_lab.checks.mha_shapes import check_split_heads
 
 check_split_heads(split_heads)
@@ -89,6 +91,10 @@ check_split_heads(split_heads)
 check_split_heads(split_heads, seed=1101, device="cpu")
 check_split_heads(split_heads, seed=1102)
 ### END HIDDEN TESTS
+
+# %%
+Q_heads = split_heads(Q, H)
+print("Q:", tuple(Q.shape), "-> Q_heads:", tuple(Q_heads.shape))
 
 # %% [markdown]
 # ### Exercise 1.2 — merge_heads (2 pts, ~8 min)
@@ -99,16 +105,19 @@ check_split_heads(split_heads, seed=1102)
 # Careful with the last step. Run the cell below: the obvious `.view` fails on a permuted tensor.
 
 # %%
-context_heads = torch.randn(B, H, S, D // H)  # like attention's output: laid out as [B, H, S, d_head]
+# Like attention's output: a fresh tensor laid out as [B, H, S, d_head] (head by head in memory).
+context_heads = torch.randn(B, H, S, D // H)
 heads_back = context_heads.transpose(1, 2)  # [B, S, H, d_head]: the same memory, strides swapped
 try:
     heads_back.view(B, S, D)
 except RuntimeError as error:
     print("view refuses:", str(error).split(".")[0] + ".")
-print("contiguous?", heads_back.is_contiguous(), "| after .contiguous():", heads_back.contiguous().is_contiguous())
+print("contiguous?", heads_back.is_contiguous(),
+      "| after .contiguous():", heads_back.contiguous().is_contiguous())
 print("reshape works:", tuple(heads_back.reshape(B, S, D).shape))
 # Undoing split_heads' own permute is a case where .view works: the memory is Q's, in order.
-print("split_heads(Q, H).transpose(1, 2) contiguous?", split_heads(Q, H).transpose(1, 2).is_contiguous())
+print("split_heads(Q, H).transpose(1, 2) contiguous?",
+      split_heads(Q, H).transpose(1, 2).is_contiguous())
 
 # %% [markdown]
 # After `permute`/`transpose`, the tensor's memory is no longer laid out in row-major order for
@@ -130,10 +139,6 @@ def merge_heads(x):
     ### END SOLUTION
 
 
-# %%
-print("round trip exact:", torch.equal(merge_heads(split_heads(Q, H)), Q))
-print("is split_heads(Q) contiguous?", split_heads(Q, H).is_contiguous())
-
 # %% test="test_merge_heads" points=1
 """merge_heads: [B, H, S, d] -> [B, S, H*d], accepts permuted input, inverts split_heads."""
 from attention_lab.checks.mha_shapes import check_merge_heads
@@ -143,21 +148,26 @@ check_merge_heads(merge_heads)
 check_merge_heads(merge_heads, seed=1201, device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+print("round trip exact:", torch.equal(merge_heads(split_heads(Q, H)), Q))
+print("is split_heads(Q) contiguous?", split_heads(Q, H).is_contiguous())
+
 # %% [markdown]
-# **Written question (1 pt).** `split_heads` ends with a `permute` and needs no copy, but
-# `merge_heads` cannot use `.view` after its `transpose`. Explain in two or three sentences why
-# the first is free and the second is not, and what `.contiguous()` costs. Write your answer in
-# the cell below.
+# **Written question (1 pt).** The demo above shows both cases: `.view(B, S, D)` refuses the
+# transposed `context_heads` (a tensor laid out as `[B, H, S, d_head]`, like attention's
+# output), yet `split_heads(Q, H).transpose(1, 2)` is contiguous, so `.view` would work on it.
+# Explain in two or three sentences what makes the difference (where do a token's features lie
+# in memory in each case?), and what `.contiguous()` costs. Write your answer in the cell below.
 
 # %% [markdown] manual="why_contiguous" points=1
-# *Model answer.* `view` and `permute` only change the shape and the strides, never the data:
-# splitting the last axis of a contiguous `[B, S, D]` into `[B, S, H, d_head]` is always
-# expressible with strides, and `permute` just reorders them. Merging `H` and `d_head` after
-# the transpose would need one stride to step through features of different heads that are not
-# next to each other in memory (head `h+1` of the same token is `S·d_head` elements away in the
-# `[B, H, S, d_head]` layout), which no single stride can do — so the elements must be copied
-# into a new contiguous block. `.contiguous()` (or `.reshape`, which calls it when needed)
-# makes that one copy of `B·S·D` numbers; on an already contiguous tensor it costs nothing.
+# *Model answer.* `view`, `permute` and `transpose` only change the shape and the strides,
+# never the data. `split_heads(Q, H)` is a permuted view of `Q`, whose memory holds each
+# token's `D` features side by side; transposing it back restores exactly that layout, so
+# merging `H` and `d_head` is one stride again. `context_heads` was created as `[B, H, S,
+# d_head]`: head `h+1` of the same token lies `S·d_head` elements after head `h`, so after the
+# transpose no single stride steps through one token's features, and the elements must be
+# copied into a new block. `.contiguous()` (or `.reshape`, which calls it when needed) makes
+# that one copy of `B·S·D` numbers; on an already contiguous tensor it costs nothing.
 
 # %% [markdown]
 # ### Exercise 1.3 — split_heads_einops (1 pt, ~5 min)
@@ -165,8 +175,8 @@ check_merge_heads(merge_heads, seed=1201, device="cpu")
 # [einops](https://einops.rocks) writes the same reshuffle as a sentence:
 # `"b s (h d) -> b h s d"` says "the last axis is h groups of d; put h before s". The
 # grouping `(h d)` means `h` varies slowest, exactly as in `split_heads`. Write it with
-# `einops.rearrange`: the rearrange itself must do the split (the check notices a
-# `split_heads` call dressed up with a rearrange that changes nothing).
+# `einops.rearrange` (or its layer, `einops.layers.torch.Rearrange`): einops itself must do the
+# split (the check notices a `split_heads` call dressed up with a rearrange that changes nothing).
 #
 # The contract is `split_heads`' contract, **including the `ValueError`** that names `D` and `H`
 # when `D` is not divisible by `H`. einops does complain on its own, but with an `EinopsError`,
@@ -246,16 +256,8 @@ def attention_weights(q, k, mask=None):
     ### END SOLUTION
 
 
-# %%
-Q_heads = split_heads(Q, H).detach()  # [B, H, S, d_head]; detached: we only look at numbers here
-causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
-print(causal.int())
-demo_weights = attention_weights(Q_heads, Q_heads, causal)
-print("weights:", tuple(demo_weights.shape), "| head 0, batch 0:")
-print(demo_weights[0, 0].round(decimals=2))
-
 # %% test="test_attention_weights" points=3
-"""attention_weights: shape [..., S_q, S_k], matches PyTorch, rows sum to 1, masked weights exactly 0, from scratch."""
+"""attention_weights: [..., S_q, S_k], equals PyTorch, rows sum to 1, masked weights 0."""
 from attention_lab.checks.mha_shapes import check_attention_weights
 
 check_attention_weights(attention_weights)
@@ -263,6 +265,14 @@ check_attention_weights(attention_weights)
 check_attention_weights(attention_weights, seed=1401, device="cpu")
 check_attention_weights(attention_weights, seed=1402)
 ### END HIDDEN TESTS
+
+# %%
+Q_heads = split_heads(Q, H).detach()  # [B, H, S, d_head]; detached: we only look at numbers here
+causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+print(causal.int())
+demo_weights = attention_weights(Q_heads, Q_heads, causal)
+print("weights:", tuple(demo_weights.shape), "| head 0, batch 0:")
+print(demo_weights[0, 0].round(decimals=2))
 
 # %% [markdown]
 # **Look at it: why `1/sqrt(d_head)`.** The explorer runs *your* `attention_weights` on four
@@ -308,15 +318,8 @@ def scaled_dot_product_attention(q, k, v, mask=None):
     ### END SOLUTION
 
 
-# %%
-Q_heads = split_heads(Q, H).detach()
-V_heads = split_heads(torch.randn(B, S, D, device=device), H)
-out, _ = scaled_dot_product_attention(Q_heads, Q_heads, V_heads, causal)
-reference = F.scaled_dot_product_attention(Q_heads, Q_heads, V_heads, attn_mask=causal)
-print("out:", tuple(out.shape), "| max difference from PyTorch:", float((out - reference).abs().max()))
-
 # %% test="test_scaled_dot_product_attention" points=2
-"""scaled_dot_product_attention: (out, weights) equal to F.scaled_dot_product_attention, with and without masks, from scratch."""
+"""scaled_dot_product_attention: (out, weights) equal to F.scaled_dot_product_attention's."""
 from attention_lab.checks.mha_shapes import check_scaled_dot_product_attention
 
 check_scaled_dot_product_attention(scaled_dot_product_attention)
@@ -324,22 +327,46 @@ check_scaled_dot_product_attention(scaled_dot_product_attention)
 check_scaled_dot_product_attention(scaled_dot_product_attention, seed=1501, device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+Q_heads = split_heads(Q, H).detach()
+V_heads = split_heads(torch.randn(B, S, D, device=device), H)
+out, _ = scaled_dot_product_attention(Q_heads, Q_heads, V_heads, causal)
+reference = F.scaled_dot_product_attention(Q_heads, Q_heads, V_heads, attn_mask=causal)
+print("out:", tuple(out.shape), "| max difference from PyTorch:",
+      float((out - reference).abs().max()))
+
 # %% [markdown]
-# ### A query with nothing to attend to
+# ### Padding, and a query with nothing to attend to
 #
-# Padding makes it happen: pad a batch's short sequence with two tokens, build the padding mask
-# as a `[B, 1, S, S]` "query and key are both real" mask, and the padding *queries* are left
-# with no key at all. Their scores are all `-inf`, and the softmax computes `exp(-inf) / Σ exp(-inf)
-# = 0 / 0 = NaN`. Three recipes, three answers:
+# A batch holds sequences of different lengths, padded to one `S`. The **padding mask** says
+# which keys are real: `[B, 1, 1, S]`, broadcast over heads and queries, so every query may
+# attend to every real key of its own sequence (and to nothing else):
+
+# %%
+lengths = torch.tensor([S, S - 2], device=device)  # sequence 1 ends with two padding tokens
+real = torch.arange(S, device=device) < lengths[:, None]  # [B, S]: True for a real token
+key_padding = real[:, None, None, :]  # [B, 1, 1, S]
+print("key padding mask, per sequence:\n", key_padding[:, 0, 0].int())
+q_pad = torch.randn(B, H, S, D // H, device=device)
+padded_weights = attention_weights(q_pad, q_pad, key_padding)  # [B, H, S, S]
+print("sequence 1, head 0: the two padding keys get weight 0\n",
+      padded_weights[1, 0].round(decimals=2))
+
+# %% [markdown]
+# Combine it with a "query is real too" condition (`[B, 1, S, S]`), as some codebases do, and
+# the padding *queries* are left with no key at all. Their scores are all `-inf`, and the
+# softmax computes `exp(-inf) / Σ exp(-inf) = 0 / 0 = NaN`. Three recipes, three answers:
 
 # %%
 keep = torch.ones(S, S, dtype=torch.bool, device=device)
 keep[-1] = False  # the last query may attend to nothing (e.g. a padding token)
 q_row, v_row = torch.randn(2, 1, 1, S, D // H, device=device)  # one head: [1, 1, S, d_head] each
 scores_demo = q_row @ q_row.transpose(-2, -1) / math.sqrt(q_row.shape[-1])
-for label, fill in (("-inf fill", float("-inf")), ("finfo.min fill", torch.finfo(scores_demo.dtype).min)):
+for label, fill in (("-inf fill", float("-inf")),
+                    ("finfo.min fill", torch.finfo(scores_demo.dtype).min)):
     filled = scores_demo.masked_fill(~keep, fill)
-    print(f"{label:>15}: last row of out =", (torch.softmax(filled, dim=-1) @ v_row)[0, 0, -1].round(decimals=3))
+    last_row = (torch.softmax(filled, dim=-1) @ v_row)[0, 0, -1]
+    print(f"{label:>15}: last row of out =", last_row.round(decimals=3))
 sdpa_row = F.scaled_dot_product_attention(q_row, q_row, v_row, attn_mask=keep)[0, 0, -1]
 print(f"{'PyTorch SDPA':>15}: last row of out =", sdpa_row.round(decimals=3))
 print(f"{'mean of v':>15}:", v_row[0, 0].mean(0).round(decimals=3))
@@ -351,12 +378,46 @@ print(f"{'mean of v':>15}:", v_row[0, 0].mean(0).round(decimals=3))
 # * **`torch.finfo(dtype).min`** (or `-1e9`, as in many codebases) keeps everything finite: the
 #   row's scores are all equal, so the softmax is uniform and the output is the **mean of all
 #   values** — harmless garbage that the loss then ignores. Hugging Face models mask this way.
-#   (In float16, `-1e9` rounds to `-inf` and the NaN is back; `finfo(dtype).min` is finite in every dtype.)
+#   `-1e9` is not a float16 number, though: the cell below shows what it does there.
+#   `finfo(dtype).min` is finite in every dtype.
 # * **`F.scaled_dot_product_attention`** (PyTorch 2.5 and later) returns **zeros** for a row whose
-#   boolean mask is all False. `nn.MultiheadAttention` still gives NaN there.
+#   boolean mask is all False.
 #
 # None of the three is "right": the padding positions' outputs are meaningless and must be
 # masked out of the loss. What matters is that they are finite, so they cannot poison the rest.
+#
+# Three more ways a row goes wrong, run below. `nn.MultiheadAttention` (its mask: True =
+# blocked) gives NaN or zeros for the same row depending on the path it takes; in PyTorch 2.13
+# on a CPU: NaN with `need_weights=True` (it computes the weights with its own softmax) and on
+# its inference fast path (eval mode, no autograd), zeros otherwise (it hands the work to SDPA).
+# A **+inf** score (an overflow upstream) defeats even the "stable" softmax: it subtracts the
+# row's maximum, `inf - inf = NaN`, and the whole row is NaN.
+
+# %%
+mha = nn.MultiheadAttention(D, H, batch_first=True).to(device)
+x_row = torch.randn(1, S, D, device=device)
+paths = ((True, True, False), (True, True, True), (False, False, False))
+for training, autograd, need_weights in paths:
+    mha.train(training)
+    with torch.set_grad_enabled(autograd):
+        row = mha(x_row, x_row, x_row, attn_mask=~keep, need_weights=need_weights)[0][0, -1]
+    print(f"nn.MultiheadAttention, train={training!s:>5}, autograd={autograd!s:>5}, "
+          f"need_weights={need_weights!s:>5}: last row", row.detach()[:3].round(decimals=3))
+half_scores = scores_demo.half()
+try:
+    half_scores.masked_fill(~keep, -1e9)
+except RuntimeError as error:
+    print("float16 masked_fill(-1e9) raises:", error)
+print("float16 + a -1e9 mask converted to float16:", torch.tensor(-1e9).half())
+print("softmax of [1, +inf, 2]:", torch.softmax(torch.tensor([1.0, float("inf"), 2.0]), dim=-1))
+
+# %% [markdown]
+# **Dropout on the weights.** When training, many models drop attention *weights*: after the
+# softmax, before `weights @ v`, each weight is zeroed with probability `p` and the survivors
+# are scaled by `1/(1-p)` (a row then no longer sums to 1). `nn.MultiheadAttention(dropout=p)`
+# does it inside; `F.scaled_dot_product_attention` takes `dropout_p` as an argument because
+# its fused kernels never hand you the weights to drop. Pass `dropout_p=p` only in training,
+# `0.0` in evaluation. This course's functions have no dropout.
 
 # %% [markdown]
 # ## 3. The whole module
@@ -419,20 +480,20 @@ class MultiHeadSelfAttention(nn.Module):
         ### END SOLUTION
 
 
-# %%
-demo_layer = MultiHeadSelfAttention(D, H).to(device)
-with torch.no_grad():  # only looking at shapes: no autograd graph needed
-    out, demo_weights = demo_layer(x, causal, return_weights=True)
-print("out:", tuple(out.shape), "weights:", tuple(demo_weights.shape))
-
 # %% test="test_MultiHeadSelfAttention" points=4
-"""MultiHeadSelfAttention: attributes, output and per-head weights equal nn.MultiheadAttention's; equivariance; causality."""
+"""MultiHeadSelfAttention: attributes, outputs and weights equal nn.MultiheadAttention's."""
 from attention_lab.checks.mha_shapes import check_multi_head_self_attention
 
 check_multi_head_self_attention(MultiHeadSelfAttention)
 ### BEGIN HIDDEN TESTS
 check_multi_head_self_attention(MultiHeadSelfAttention, seed=1601, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+demo_layer = MultiHeadSelfAttention(D, H).to(device)
+with torch.no_grad():  # only looking at shapes: no autograd graph needed
+    out, demo_weights = demo_layer(x, causal, return_weights=True)
+print("out:", tuple(out.shape), "weights:", tuple(demo_weights.shape))
 
 # %% [markdown]
 # ## 4. Where PyTorch keeps Q, K and V
@@ -447,15 +508,21 @@ check_multi_head_self_attention(MultiHeadSelfAttention, seed=1601, device="cpu")
 # (its `self_attn`), and ViTs that use it, such as torchvision's `vit_b_16`. Others write their
 # own: timm's ViT has one `qkv = nn.Linear(D, 3·D)` whose weight is stacked q; k; v in the same
 # order, Hugging Face's ViT has three separate `query`, `key`, `value` Linears. Always read the
-# code before copying weights.
+# code before copying weights. And even `nn.MultiheadAttention` stacks only when it can: with
+# `kdim` or `vdim` different from `embed_dim` the three matrices have different shapes, so
+# `in_proj_weight` is `None` and they live in `q_proj_weight`, `k_proj_weight`, `v_proj_weight`.
 
 # %%
 torch_mha = nn.MultiheadAttention(D, H, batch_first=True)
-print("in_proj_weight:", tuple(torch_mha.in_proj_weight.shape), "| in_proj_bias:", tuple(torch_mha.in_proj_bias.shape),
+print("in_proj_weight:", tuple(torch_mha.in_proj_weight.shape),
+      "| in_proj_bias:", tuple(torch_mha.in_proj_bias.shape),
       "| out_proj.weight:", tuple(torch_mha.out_proj.weight.shape))
 encoder_layer = nn.TransformerEncoderLayer(d_model=512, nhead=8)
-print("nn.TransformerEncoderLayer(512, 8).self_attn.in_proj_weight:", tuple(encoder_layer.self_attn.in_proj_weight.shape),
-      "= [3·512, 512]")
+print("nn.TransformerEncoderLayer(512, 8).self_attn.in_proj_weight:",
+      tuple(encoder_layer.self_attn.in_proj_weight.shape), "= [3·512, 512]")
+cross = nn.MultiheadAttention(D, H, kdim=4, vdim=6, batch_first=True)
+print("with kdim=4, vdim=6: in_proj_weight is", cross.in_proj_weight,
+      "| k_proj_weight:", tuple(cross.k_proj_weight.shape))
 
 # %% [markdown]
 # ### Exercise 1.7 — load_torch_mha_weights (2 pts, ~10 min)
@@ -490,106 +557,146 @@ def load_torch_mha_weights(module, torch_mha):
     ### END SOLUTION
 
 
+# %% test="test_load_torch_mha_weights" points=2
+"""load_torch_mha_weights: copies (not shares) the blocks; the module then equals PyTorch's."""
+from attention_lab.checks.mha_shapes import check_load_torch_mha_weights
+
+check_load_torch_mha_weights(load_torch_mha_weights, MultiHeadSelfAttention)
+### BEGIN HIDDEN TESTS
+check_load_torch_mha_weights(load_torch_mha_weights, MultiHeadSelfAttention, seed=1701,
+                             device="cpu")
+### END HIDDEN TESTS
+
 # %%
 mine = MultiHeadSelfAttention(D, H)
 load_torch_mha_weights(mine, torch_mha)
 x_cpu = x.cpu()
 with torch.no_grad():
-    theirs, _ = torch_mha(x_cpu, x_cpu, x_cpu, attn_mask=~causal.cpu())  # their mask: True = blocked
+    # their mask: True = blocked
+    theirs, _ = torch_mha(x_cpu, x_cpu, x_cpu, attn_mask=~causal.cpu())
     print("max difference:", float((mine(x_cpu, causal.cpu()) - theirs).abs().max()))
 
-# %% test="test_load_torch_mha_weights" points=2
-"""load_torch_mha_weights: copies (not shares) in_proj_weight/bias blocks and out_proj; the module then equals nn.MultiheadAttention."""
-from attention_lab.checks.mha_shapes import check_load_torch_mha_weights
+# %% [markdown]
+# ## 5. What one layer costs
+#
+# For ViT-B/16 on a 224×224 image (196 patches + 1 class token, `D = 768`, `H = 12`) and a
+# batch of 8, the table of section 3 reads: `x`, `Q`, the context and the output are
+# `[8, 197, 768]`; the heads `[8, 12, 197, 64]`; the scores and weights `[8, 12, 197, 197]`.
+# The layer's parameters are four `[D, D]` matrices and four bias vectors of `D`:
+# `4·768² + 4·768 = 2,362,368`, whatever `H` is — more heads means narrower heads, not more
+# weights:
 
-check_load_torch_mha_weights(load_torch_mha_weights, MultiHeadSelfAttention)
-### BEGIN HIDDEN TESTS
-check_load_torch_mha_weights(load_torch_mha_weights, MultiHeadSelfAttention, seed=1701, device="cpu")
-### END HIDDEN TESTS
+# %%
+for heads in (12, 1):
+    count = sum(p.numel() for p in nn.MultiheadAttention(768, heads).parameters())
+    print(f"nn.MultiheadAttention(768, {heads:>2}): {count:,} parameters")
 
 # %% [markdown]
-# ## 5. Shapes and sizes, in general
+# Parameters say how much the layer stores; **FLOPs** (floating-point operations) say how much
+# it computes. Nearly all of attention's work is matrix products. An `[m, k] @ [k, n]` product
+# computes `m·n` dot products of length `k`: `m·k·n` multiply-adds, and a multiply-add counts
+# as **2 FLOPs** (one multiply, one add). That is how PyTorch's own counter,
+# `torch.utils.flop_counter.FlopCounterMode`, counts them; it ignores the cheap elementwise
+# work (bias, scaling, mask, softmax).
 #
-# ### Exercise 1.8 — mha_shapes (2 pts, ~5 min)
+# ### Exercise 1.8 — attention_layer_flops (2 pts, ~10 min)
 #
-# Write the shape table of section 3 as a function of `B, S, D, H`: a dict with the keys
-# `input, q, q_heads, scores, weights, context_heads, context, output`, each a tuple of
-# ints. Then read it for ViT-B/16 on a 224×224 image: 196 patches + 1 class token, `D = 768`,
-# `H = 12`.
+# Count the FLOPs of one forward pass of your `MultiHeadSelfAttention` for a batch of
+# `batch_size` sequences of `seq_len` tokens of width `d_model`, split in two:
+#
+# * `"projections"`: the four projections (`q_linear`, `k_linear`, `v_linear`, `out_linear`);
+# * `"attention"`: the two products of attention itself (the scores, and the weighted sum of
+#   the values), over all heads.
+#
+# Return a dict of two ints. Work out the shapes of each product from the table of section 3
+# (does the number of heads matter?). The check runs `FlopCounterMode` on your own module and
+# compares.
 
-# %% answer="mha_shapes"
-def mha_shapes(B, S, D, H):
-    """The shapes of multi-head self-attention, as tuples.
+# %% answer="attention_layer_flops"
+def attention_layer_flops(batch_size, seq_len, d_model):
+    """FLOPs of one multi-head self-attention forward pass, as FlopCounterMode counts them.
 
-    Example: mha_shapes(2, 197, 768, 12)["scores"] == (2, 12, 197, 197)
+    returns {"projections": int, "attention": int}
+
+    Example: attention_layer_flops(1, 1, 1)["projections"] == 8 (four 1x1 products, 2 FLOPs each)
     """
     ### BEGIN SOLUTION
-    d_head = D // H
-    return {
-        "input": (B, S, D),
-        "q": (B, S, D),
-        "q_heads": (B, H, S, d_head),
-        "scores": (B, H, S, S),
-        "weights": (B, H, S, S),
-        "context_heads": (B, H, S, d_head),
-        "context": (B, S, D),
-        "output": (B, S, D),
-    }
+    tokens = batch_size * seq_len
+    projections = 4 * 2 * tokens * d_model * d_model  # four [B·S, D] @ [D, D] products
+    # per head: [S, d_head] @ [d_head, S] and [S, S] @ [S, d_head]; H · d_head = D
+    attention = 2 * 2 * batch_size * seq_len * seq_len * d_model
+    return {"projections": projections, "attention": attention}
     ### END SOLUTION
 
 
-# %%
-for step, shape in mha_shapes(B=8, S=197, D=768, H=12).items():
-    print(f"{step:>14}: {shape}")
+# %% test="test_attention_layer_flops" points=2
+"""attention_layer_flops: equals FlopCounterMode's count on your MultiHeadSelfAttention."""
+from attention_lab.checks.mha_shapes import check_attention_layer_flops
 
-# %% test="test_mha_shapes" points=2
-"""mha_shapes: eight rows, tuples of ints, equal to the shapes of a real forward pass for any B, S, D, H."""
-from attention_lab.checks.mha_shapes import check_mha_shapes
-
-check_mha_shapes(mha_shapes)
+check_attention_layer_flops(attention_layer_flops, MultiHeadSelfAttention)
 ### BEGIN HIDDEN TESTS
-check_mha_shapes(mha_shapes, seed=1801)
+check_attention_layer_flops(attention_layer_flops, MultiHeadSelfAttention, seed=1801,
+                            device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+from torch.utils.flop_counter import FlopCounterMode
+
+layer = MultiHeadSelfAttention(64, 4)
+with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    layer(torch.randn(2, 50, 64))
+print(f"FlopCounterMode on your layer: {counter.get_total_flops():,} FLOPs")
+print("attention_layer_flops(2, 50, 64):", attention_layer_flops(2, 50, 64))
+
 # %% [markdown]
-# ### Exercise 1.9 — mha_parameter_count (1 pt, ~3 min)
+# ### Exercise 1.9 — predict first: when does attention cost more? (1 pt, ~3 min)
 #
-# How many parameters does a multi-head attention layer of width `D` have? Four `[D, D]`
-# matrices (`W_q, W_k, W_v, W_o`) plus, with `bias=True`, four bias vectors of `D`. Note
-# that the count does not depend on `H`: more heads means narrower heads, not more weights.
+# Answer **before** you run the cell after the check. The projections grow with `S`, attention
+# with `S²`, so for long enough sequences attention costs more. For a layer of width
+# `D = 768` (GPT-2 small, ViT-B), from which sequence length on does the attention part
+# cost more FLOPs than the four projections?
+#
+# * **A.** `S > 96`
+# * **B.** `S > 384`
+# * **C.** `S > 768`
+# * **D.** `S > 1536`
+#
+# Set `ANSWER_ATTENTION_CROSSOVER` to the letter, as a string.
 
-# %% answer="mha_parameter_count"
-def mha_parameter_count(D, bias=True):
-    """Number of parameters of multi-head attention of width D.
+# %% answer="ANSWER_ATTENTION_CROSSOVER"
+ANSWER_ATTENTION_CROSSOVER = None  # your prediction: "A", "B", "C" or "D"
+### BEGIN SOLUTION
+ANSWER_ATTENTION_CROSSOVER = "D"
+### END SOLUTION
 
-    Example: mha_parameter_count(768) == 2_362_368  (ViT-B: 4·768² + 4·768)
-    """
-    ### BEGIN SOLUTION
-    return 4 * D * D + (4 * D if bias else 0)
-    ### END SOLUTION
+# %% test="test_ANSWER_ATTENTION_CROSSOVER" points=1
+"""ANSWER_ATTENTION_CROSSOVER: the sequence length where attention overtakes the projections."""
+from attention_lab.checks.mha_shapes import check_answer_attention_crossover
 
-
-# %%
-print(f"ViT-B attention layer: {mha_parameter_count(768):,} parameters")
-print(f"nn.MultiheadAttention(768, 12): {sum(p.numel() for p in nn.MultiheadAttention(768, 12).parameters()):,}")
-
-# %% test="test_mha_parameter_count" points=1
-"""mha_parameter_count: equals the parameter count of nn.MultiheadAttention(D, H, bias=...)."""
-from attention_lab.checks.mha_shapes import check_mha_parameter_count
-
-check_mha_parameter_count(mha_parameter_count)
+check_answer_attention_crossover(ANSWER_ATTENTION_CROSSOVER)
 ### BEGIN HIDDEN TESTS
-check_mha_parameter_count(mha_parameter_count, seed=1901)
+check_answer_attention_crossover(ANSWER_ATTENTION_CROSSOVER, seed=1901)
 ### END HIDDEN TESTS
 
+# %%
+for seq_len in (197, 1024, 1536, 1537, 4096, 32768):
+    flops = attention_layer_flops(1, seq_len, 768)
+    print(f"S = {seq_len:>5}: attention / projections = "
+          f"{flops['attention'] / flops['projections']:.3f}")
+
 # %% [markdown]
+# `4·B·S²·D > 8·B·S·D²` exactly when `S > 2·D`: 1536 for `D = 768`. A ViT-B image (197
+# tokens) and GPT-2's full context (1024) are still dominated by the projections; at 32k tokens
+# attention costs over 20 times as much, and its `[S, S]` scores also fill the memory. Notebook
+# 06 is about that wall.
+#
 # ## 6. Find the bug
 #
-# ### Exercise 1.10 — what is wrong with this draft? (1 pt, ~5 min)
+# ### Exercise 1.10 — predict what the draft does (1 pt, ~5 min)
 #
 # Here is a compact einops version of multi-head attention from a draft you may meet online.
 # It runs and its shapes are right — and it is not the attention of the paper. Read it (running
-# the cell only defines the class) and decide what is wrong:
+# the cell only defines the class):
 
 # %%
 from einops import rearrange
@@ -614,21 +721,25 @@ class DraftMultiHeadAttention(nn.Module):
         return self.out_proj(rearrange(result, "b h m d -> b m (h d)"))
 
 # %% [markdown]
-# * **A.** It never divides the scores by `sqrt(d_head)`.
-# * **B.** Its softmax runs over the queries instead of the keys.
-# * **C.** `"b m (h d)"` gives each head every `H`-th feature instead of a block of `d_head`.
-# * **D.** It has no output projection: the heads are never mixed.
+# Predict, before running anything: the draft and a correct layer with the **same weights**
+# see the same six random tokens, with `embed_dim = 512` and 8 heads (`d_head = 64`). Compared
+# with the correct layer's attention weights, the draft's are:
+#
+# * **A.** identical: the two layers compute the same function.
+# * **B.** much peakier: most rows put most of their weight on a single key.
+# * **C.** flatter: closer to uniform.
+# * **D.** identical; only the output differs, because the heads are never mixed.
 #
 # Set `ANSWER_DRAFT_BUG` to the letter, as a string. The cell after the check shows the evidence.
 
 # %% answer="ANSWER_DRAFT_BUG"
-ANSWER_DRAFT_BUG = None  # your choice: "A", "B", "C" or "D"
+ANSWER_DRAFT_BUG = None  # your prediction: "A", "B", "C" or "D"
 ### BEGIN SOLUTION
-ANSWER_DRAFT_BUG = "A"
+ANSWER_DRAFT_BUG = "B"
 ### END SOLUTION
 
 # %% test="test_ANSWER_DRAFT_BUG" points=1
-"""ANSWER_DRAFT_BUG: what the einops draft gets wrong."""
+"""ANSWER_DRAFT_BUG: how the einops draft's attention differs from the paper's."""
 from attention_lab.checks.mha_shapes import check_answer_draft_bug
 
 check_answer_draft_bug(ANSWER_DRAFT_BUG)
@@ -637,19 +748,24 @@ check_answer_draft_bug(ANSWER_DRAFT_BUG, seed=11001)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# The evidence: the draft's output equals PyTorch's SDPA (on the draft's own projections) with
-# one scale and not the other.
+# The evidence: the largest weight of each row, averaged (1/6 ≈ 0.17 would be uniform), and the
+# draft's output against PyTorch's SDPA (on the draft's own projections) with either scale.
 
 # %%
-draft = DraftMultiHeadAttention(D, H)
-x_cpu = torch.randn(B, S, D)
+draft = DraftMultiHeadAttention(512, 8)
+x_cpu = torch.randn(4, 6, 512)
 with torch.no_grad():
-    draft_q, draft_k, draft_v = (rearrange(linear(x_cpu), "b s (h d) -> b h s d", h=H)
+    draft_q, draft_k, draft_v = (rearrange(linear(x_cpu), "b s (h d) -> b h s d", h=8)
                                  for linear in (draft.in_proj_q, draft.in_proj_k, draft.in_proj_v))
-    for scale in (1 / math.sqrt(D // H), 1.0):
+    raw_scores = draft_q @ draft_k.transpose(-2, -1)
+    for label, scores in (("draft (scale 1)", raw_scores),
+                          ("correct (1/sqrt(64))", raw_scores / 8)):
+        print(f"{label:>21}: mean largest weight {scores.softmax(-1).amax(-1).mean():.2f}")
+    for scale in (1 / math.sqrt(64), 1.0):
         context = F.scaled_dot_product_attention(draft_q, draft_k, draft_v, scale=scale)
         expected = draft.out_proj(rearrange(context, "b h s d -> b s (h d)"))
-        print(f"draft equals SDPA with scale={scale:.3f}:", torch.allclose(draft(x_cpu, x_cpu, x_cpu), expected, atol=1e-6))
+        same = torch.allclose(draft(x_cpu, x_cpu, x_cpu), expected, atol=1e-5)
+        print(f"draft equals SDPA with scale={scale:.3f}:", same)
 
 # %% [markdown]
 # The draft never divides the scores by `sqrt(d_head)`: it computes attention with scale
@@ -666,5 +782,7 @@ with torch.no_grad():
 #   True = may attend — and what each recipe does to a row with nothing to attend to.
 # * `MultiHeadSelfAttention`: equal to `nn.MultiheadAttention` once the weights are loaded —
 #   with the stacked `in_proj_weight` in `[out, in]` layout and the opposite mask polarity.
+# * `attention_layer_flops`: `8·B·S·D²` for the projections, `4·B·S²·D` for attention, and
+#   where the second overtakes the first.
 #
 # Next: notebook 02 does the same maths by hand in NumPy.

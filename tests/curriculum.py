@@ -4,8 +4,7 @@ grading pipeline rely on them, so a rename must fail a test)."""
 CONTRACTS: dict[str, tuple[str, ...]] = {
     "01_mha_shapes": (
         "split_heads", "merge_heads", "attention_weights", "scaled_dot_product_attention",
-        "MultiHeadSelfAttention", "load_torch_mha_weights", "mha_shapes", "mha_parameter_count",
-        "split_heads_einops",
+        "MultiHeadSelfAttention", "load_torch_mha_weights", "split_heads_einops", "attention_layer_flops",
     ),
     "02_numpy_walkthrough": (
         "row_times_matrix", "np_split_heads", "np_merge_heads", "np_softmax", "np_attention",

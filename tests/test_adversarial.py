@@ -34,8 +34,8 @@ ASSIGNMENT = "01_mha_shapes"
 GRADED_CELLS = results.graded_cells(build_source(ASSIGNMENT, course_repository()))
 FULL = sum(c.points for c in GRADED_CELLS if not c.manual)      # what autograding can give
 POSSIBLE = sum(c.points for c in GRADED_CELLS)                  # written answers included
-LAST = "mha_parameter_count"          # answer cell of the last exercise (1 point)
-LAST_TEST = "test_mha_parameter_count"
+LAST = "split_heads_einops"           # answer cell of a 1-point exercise nothing else uses
+LAST_TEST = "test_split_heads_einops"
 REAL_GRADEBOOK = COURSE_ROOT / "gradebook.db"
 
 
@@ -112,7 +112,7 @@ def graded(tmp_path_factory):
     sub["Zoë Ångström Núñez"] = ("Copy of 01_mha_shapes.ipynb", solved, FULL)
     sub["blank"] = ("01_mha_shapes.ipynb", blank, 0.0)
     # an infinite loop in an answer: its demo cell and its test time out; 2 points lost
-    sub["loop"] = ("01_mha_shapes (1).ipynb", with_answer(solved, "mha_shapes", body="while True:\n    pass"), FULL - 2)
+    sub["loop"] = ("01_mha_shapes (1).ipynb", with_answer(solved, "attention_layer_flops", body="while True:\n    pass"), FULL - 2)
     # ... and one that ignores the interrupt: the kernel is restarted without that cell
     sub["stubborn"] = ("01_MHA_shapes.ipynb", with_answer(solved, LAST, body=(
         "import time\nwhile True:\n    try:\n        time.sleep(0.05)\n    except BaseException:\n        pass")), FULL - 1)
@@ -133,9 +133,9 @@ def graded(tmp_path_factory):
     sub["rebinds"] = ("01_mha_shapes.ipynb", with_answer(solved, LAST, body="return 0", prefix=(
         "import sys, types, torch, builtins\n"
         "fake = types.ModuleType('attention_lab.checks.mha_shapes')\n"
-        "fake.check_mha_parameter_count = lambda *a, **k: print('all good')\n"
+        "fake.check_split_heads_einops = lambda *a, **k: print('all good')\n"
         "sys.modules['attention_lab.checks.mha_shapes'] = fake\n"
-        "check_mha_parameter_count = fake.check_mha_parameter_count\n"
+        "check_split_heads_einops = fake.check_split_heads_einops\n"
         "torch.allclose = lambda *a, **k: True\n")), FULL - 1)
     attack = (
         "import os, socket\n"

@@ -720,9 +720,9 @@ def test_the_snapshot_is_taken_by_the_setup_cell_before_any_answer_cell():
     program = ("import attention_lab, sys, torch\n"
                "assert 'attention_lab.checking' in sys.modules\n"
                "torch.allclose = lambda *a, **k: True\n"
-               "from attention_lab.checks.mha_shapes import check_mha_parameter_count\n"
+               "from attention_lab.checks.mha_shapes import check_answer_draft_bug\n"
                "try:\n"
-               "    check_mha_parameter_count(lambda D, bias=True: 4 * D * D + 4 * D * bias, device='cpu')\n"
+               "    check_answer_draft_bug('B', device='cpu')\n"
                "except AssertionError as failure:\n"
                "    print('caught:', failure)\n")
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)

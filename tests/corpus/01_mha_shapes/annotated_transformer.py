@@ -74,22 +74,19 @@ def load_torch_mha_weights(module, torch_mha):
     if module.out_linear.bias is not None:
         module.out_linear.bias.data[:] = torch_mha.out_proj.bias.data
 
-# %% answer="mha_shapes"
-def mha_shapes(B, S, D, H):
-    d_k = D // H
-    shapes = {}
-    shapes["input"] = shapes["q"] = (B, S, D)
-    shapes["q_heads"] = (B, H, S, d_k)
-    shapes["scores"] = shapes["weights"] = (B, H, S, S)
-    shapes["context_heads"] = (B, H, S, d_k)
-    shapes["context"] = shapes["output"] = (B, S, D)
-    return shapes
+# %% answer="attention_layer_flops"
+def attention_layer_flops(batch_size, seq_len, d_model):
+    def matmul_flops(rows, inner, cols):  # one multiply and one add per term
+        return 2 * rows * inner * cols
 
-# %% answer="mha_parameter_count"
-def mha_parameter_count(D, bias=True):
-    weights = 4 * D ** 2
-    biases = 4 * D if bias else 0
-    return weights + biases
+    tokens = batch_size * seq_len
+    projections = sum(matmul_flops(tokens, d_model, d_model) for _ in ("q", "k", "v", "out"))
+    scores = batch_size * matmul_flops(seq_len, d_model, seq_len)  # summed over heads: H * d_k = D
+    weighted_values = batch_size * matmul_flops(seq_len, seq_len, d_model)
+    return {"projections": projections, "attention": scores + weighted_values}
+
+# %% answer="ANSWER_ATTENTION_CROSSOVER"
+ANSWER_ATTENTION_CROSSOVER = "D"
 
 # %% answer="ANSWER_DRAFT_BUG"
-ANSWER_DRAFT_BUG = "A"
+ANSWER_DRAFT_BUG = "B"

@@ -1,6 +1,6 @@
 # Correct answers in the style of nanoGPT/minGPT: one fused q|k|v projection split with .split,
 # (B, T, nh, hs) views, float32 internal compute cast back with .type_as, unflatten, -inf masks
-# through torch.where, meta-device tracing for the shape table.
+# through torch.where, PaLM-style FLOP accounting for a fused c_attn.
 
 # %% answer="split_heads"
 def split_heads(x, num_heads):
@@ -79,19 +79,18 @@ def load_torch_mha_weights(module, torch_mha):
             layer.bias.copy_(b)
         module.out_linear.bias.copy_(torch_mha.out_proj.bias)
 
-# %% answer="mha_shapes"
-def mha_shapes(B, S, D, H):
-    x = torch.empty(B, S, D, device="meta")  # trace the shapes without computing anything
-    q_heads = x.unflatten(-1, (H, D // H)).transpose(1, 2)
-    scores = q_heads @ q_heads.transpose(-2, -1)
-    context_heads = scores @ q_heads
-    steps = [x, x, q_heads, scores, scores, context_heads, x, x]
-    names = ["input", "q", "q_heads", "scores", "weights", "context_heads", "context", "output"]
-    return {name: tuple(step.shape) for name, step in zip(names, steps)}
+# %% answer="attention_layer_flops"
+def attention_layer_flops(batch_size, seq_len, d_model):
+    # PaLM-style accounting: 2 FLOPs per multiply-add; c_attn is one fused [C, 3C] matmul, c_proj [C, C]
+    B, T, C = batch_size, seq_len, d_model
+    c_attn = 2 * B * T * C * 3 * C
+    c_proj = 2 * B * T * C * C
+    att = 2 * B * T * T * C  # q @ k.transpose(-2, -1), all heads
+    y = 2 * B * T * T * C  # att @ v
+    return dict(projections=c_attn + c_proj, attention=att + y)
 
-# %% answer="mha_parameter_count"
-def mha_parameter_count(D, bias=True):
-    return 4 * D * D + 4 * D * int(bias)
+# %% answer="ANSWER_ATTENTION_CROSSOVER"
+ANSWER_ATTENTION_CROSSOVER = " d "
 
 # %% answer="ANSWER_DRAFT_BUG"
-ANSWER_DRAFT_BUG = " A "
+ANSWER_DRAFT_BUG = " B "

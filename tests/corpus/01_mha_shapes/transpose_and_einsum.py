@@ -68,17 +68,23 @@ def load_torch_mha_weights(module, torch_mha):
         layer.load_state_dict(block)  # copies into the existing parameters
     module.out_linear.load_state_dict(torch_mha.out_proj.state_dict())
 
-# %% answer="mha_shapes"
-def mha_shapes(B, S, D, H):
-    heads = (B, H, S, D // H)
-    square = (B, H, S, S)
-    tokens = (B, S, D)
-    return dict(input=tokens, q=tokens, q_heads=heads, scores=square, weights=square,
-                context_heads=heads, context=tokens, output=tokens)
+# %% answer="attention_layer_flops"
+import math
 
-# %% answer="mha_parameter_count"
-def mha_parameter_count(D, bias=True):
-    return 4 * (D * D + (D if bias else 0))
+
+def attention_layer_flops(batch_size, seq_len, d_model):
+    # count the multiply-adds of each einsum from its index sizes, then 2 FLOPs each
+    sizes = {"b": batch_size, "s": seq_len, "t": seq_len, "d": d_model, "e": d_model}
+    macs = {
+        "bsd,de->bse (x4)": 4 * math.prod(sizes[i] for i in "bsde"),
+        "bsd,btd->bst": math.prod(sizes[i] for i in "bstd"),
+        "bst,btd->bsd": math.prod(sizes[i] for i in "bstd"),
+    }
+    projections = 2 * macs["bsd,de->bse (x4)"]
+    return {"projections": projections, "attention": 2 * (macs["bsd,btd->bst"] + macs["bst,btd->bsd"])}
+
+# %% answer="ANSWER_ATTENTION_CROSSOVER"
+ANSWER_ATTENTION_CROSSOVER = "d"
 
 # %% answer="ANSWER_DRAFT_BUG"
-ANSWER_DRAFT_BUG = "a"
+ANSWER_DRAFT_BUG = "b"
