@@ -389,13 +389,14 @@ print(f"{'mean of v':>15}:", v_row[0, 0].mean(0).round(decimals=3))
 # Three more ways a row goes wrong, run below. `nn.MultiheadAttention` (its mask: True =
 # blocked) gives NaN or zeros for the same row depending on the path it takes; in PyTorch 2.13
 # on a CPU: NaN with `need_weights=True` (it computes the weights with its own softmax) and on
-# its inference fast path (eval mode, no autograd), zeros otherwise (it hands the work to SDPA).
+# its fused inference fast path (eval mode, no autograd, and sizes the fused kernel accepts:
+# `embed_dim = 16` does, 12 does not), zeros when it hands the work to SDPA.
 # A **+inf** score (an overflow upstream) defeats even the "stable" softmax: it subtracts the
 # row's maximum, `inf - inf = NaN`, and the whole row is NaN.
 
 # %%
-mha = nn.MultiheadAttention(D, H, batch_first=True).to(device)
-x_row = torch.randn(1, S, D, device=device)
+mha = nn.MultiheadAttention(16, 4, batch_first=True).to(device)  # sizes its fast path accepts
+x_row = torch.randn(1, S, 16, device=device)
 paths = ((True, True, False), (True, True, True), (False, False, False))
 for training, autograd, need_weights in paths:
     mha.train(training)
