@@ -795,3 +795,10 @@ def test_a_wrong_float64_answer_computed_in_float32_keeps_its_hint():
     with pytest.raises(CheckFailure, match="Likely mistake: softmax over the wrong axis"):
         expect_close(computed_in_float32, expected, what="weights", against="softmax",
                      variants=[Variant(wrong_axis, "softmax over the wrong axis")])
+
+
+def test_a_plural_subject_gets_a_plural_verb():
+    with pytest.raises(CheckFailure, match=r"^the losses returned by f\(\) do not match a reference run: "):
+        expect_close([1.0, 2.0], [1.0, 3.0], what="the losses returned by f()", against="a reference run")
+    with pytest.raises(CheckFailure, match=r"^the class token does not match"):
+        expect_close([1.0], [2.0], what="the class token", against="x")

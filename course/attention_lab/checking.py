@@ -872,6 +872,14 @@ def describe_difference(got: float, want: float, rtol: float, atol: float) -> st
     return f"got {got_text}, expected {want_text} (difference {difference:.2g}{relative}; {tolerance_text})"
 
 
+def _do_not_match(what: str) -> str:
+    """"does not match", or "do not match" after a plural subject ("the losses returned by ...")."""
+    words = what.split()
+    plural = len(words) >= 2 and words[0].lower() in ("the", "your") and words[1].endswith("s") \
+        and not words[1].endswith(("ss", "'s"))
+    return "do not match" if plural else "does not match"
+
+
 def expect_close(
     actual: Any,
     expected: Any,
@@ -932,7 +940,7 @@ def expect_close(
     index = tuple(int(i) for i in np.unravel_index(flat_index, tuple(got.shape))) if got.dim() else ()
     bad_count = int((~close).sum())
     message = (
-        f"{what} does not match {against}: {bad_count} of {got.numel()} values are off.\n"
+        f"{what} {_do_not_match(what)} {against}: {bad_count} of {got.numel()} values are off.\n"
         f"  Largest error at index {index}: {describe_difference(float(got[index]), float(want[index]), rtol, atol)}."
     )
     if torch.isnan(got).any() and not torch.isnan(want).any():
