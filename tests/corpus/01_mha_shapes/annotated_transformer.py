@@ -14,13 +14,15 @@ def merge_heads(x):
     return x.transpose(1, 2).contiguous().view(nbatches, -1, h * d_k)
 
 # %% answer="split_heads_einops"
-import einops
+from einops.layers.torch import Rearrange
 
 
 def split_heads_einops(x, num_heads):
+    # einops' layer form, as in nn.Sequential models: built for this head count, then applied
     if x.size(-1) % num_heads != 0:
         raise ValueError("d_model=%d must be a multiple of h=%d" % (x.size(-1), num_heads))
-    return einops.rearrange(x, "batch seq (heads d_k) -> batch heads seq d_k", heads=num_heads)
+    to_heads = Rearrange("batch seq (heads d_k) -> batch heads seq d_k", heads=num_heads)
+    return to_heads(x)
 
 # %% answer="attention_weights"
 def attention(query, key, value, mask=None):
