@@ -19,7 +19,15 @@ Every check runs inside :func:`check`'s wrapper, which
 * pins the numerics (TF32 off, SDPA on the math backend) so CPU and CUDA give one verdict;
 * prints one line on success;
 * when it fails, checks quietly the student's earlier answers this exercise uses (``uses=``)
-  and names any that fails its own check.
+  and that the answer really called while the check ran (traced), and names any that fails
+  its own check.
+
+Every call of the student's code goes through :func:`call_student`, which
+
+* turns an exception into a message that names the call (and, for float32 meeting float64,
+  the keep-the-input's-dtype rule);
+* fails an answer that changed one of its tensor or array inputs in place, naming the input
+  and the in-place operation, before any number computed from that input is compared.
 
 How precise an answer must be (what the student reads in the notebooks):
 
