@@ -748,7 +748,7 @@ def _flops_hint(got: dict, case: tuple) -> str:
     return ""
 
 
-@check("attention_layer_flops: the FLOPs that FlopCounterMode counts on a multi-head attention layer ({device})")
+@check("attention_layer_flops: the FLOPs that FlopCounterMode counts on a multi-head attention layer")
 def check_attention_layer_flops(attention_layer_flops: Callable, MultiHeadSelfAttention: Callable | None = None, *,
                                 seed: int = 0, device: torch.device | None = None) -> None:
     """attention_layer_flops(batch_size, seq_len, d_model) -> {"projections", "attention"}, against
