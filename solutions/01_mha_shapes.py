@@ -16,8 +16,8 @@
 #
 # **Dtypes: keep the input's dtype.** Every function returns the dtype it was given (float64
 # in, float64 out) and creates new tensors with `dtype=x.dtype, device=x.device`. The checks
-# call your code in float64 as well as float32: float64's rounding errors are about 10⁹ times
-# smaller, so a wrong line cannot hide behind them.
+# call your code in float64 as well as float32: float64 rounds about 500 million times more
+# finely (2·10⁻¹⁶ against 1·10⁻⁷), so a wrong line cannot hide behind rounding errors.
 #
 # After each exercise, run the check cell below it: it tells you, with shapes and numbers,
 # whether your answer is right and what you most likely got wrong.
