@@ -386,6 +386,19 @@ def test_call_student_checks_arrays_and_tensors_inside_tuples_and_can_be_told_no
     state = torch.zeros(2)
     assert call_student(bump_second, (state, state.clone()), call="f(pair)", inputs_unchanged=False) is state
 
+    def accumulate(total, increment):  # updated in place and handed back in its own position: the exercise decides
+        total.add_(increment)
+        return total, increment.sum()
+
+    assert call_student(accumulate, state, torch.ones(2), call="f(total, increment)")[0] is state
+
+    def moved_to_another_position(total, increment):
+        increment.mul_(2.0)
+        return increment, total
+
+    with pytest.raises(CheckFailure, match=r"changed its input increment in place"):
+        call_student(moved_to_another_position, torch.zeros(2), torch.ones(2), call="f(total, increment)")
+
     def fresh(x):  # in-place work on a tensor of its own is fine, NaN inputs too
         y = x.clone()
         y.mul_(2.0)

@@ -582,10 +582,28 @@ def _in_place_operation(name: str, operation: str | None, is_array: bool) -> str
     return _IN_PLACE_SPELLING.get(operation, f"`{name}.{operation}(...)`").format(name=name)
 
 
-def _expect_inputs_unchanged(snapshots: Sequence[tuple[str, Any, Any]], in_place: Mapping[int, str], call: str) -> None:
-    """Fail, naming the argument and the in-place operation, when the call changed one of its inputs."""
+def _same_memory(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return _storage_key(a) is not None and _storage_key(a) == _storage_key(b)
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.shares_memory(a, b))
+    return False
+
+
+def _handed_back(args: Sequence[Any], result: Any) -> set[int]:
+    """Positions i where the answer returned its i-th argument (its memory) as the i-th element of its
+    result: an accumulator updated in place and handed back (``acc.mul_(alpha); return m, l, acc``).
+    Whether that is allowed is the exercise's contract, so the exercise's own check decides."""
+    returned = list(result) if isinstance(result, (tuple, list)) else [result]
+    return {i for i, (argument, value) in enumerate(zip(args, returned)) if _same_memory(argument, value)}
+
+
+def _expect_inputs_unchanged(snapshots: Sequence[tuple[str, Any, Any]], in_place: Mapping[int, str], call: str,
+                             handed_back: Sequence[Any] = ()) -> None:
+    """Fail, naming the argument and the in-place operation, when the call changed one of its inputs
+    (other than those in ``handed_back``)."""
     for name, current, before in snapshots:
-        if _unchanged(current, before):
+        if _unchanged(current, before) or any(current is value for value in handed_back):
             continue
         operation = None
         if isinstance(current, torch.Tensor):
@@ -632,7 +650,10 @@ def call_student(
     With ``inputs_unchanged`` (the default), a call that changes one of its tensor or ndarray
     arguments (or one inside a tuple argument) in place fails, naming the argument and the in-place
     operation -- before any check compares numbers computed from inputs that are no longer what
-    they were. A crash from mixing float32 and float64 names the keep-the-input's-dtype rule.
+    they were. One exception: an argument updated in place and returned in its own position (an
+    accumulator, ``f(m, l, acc) -> (m, l, acc)``) is left to the exercise's own check, which knows
+    whether its contract allows that. A crash from mixing float32 and float64 names the
+    keep-the-input's-dtype rule.
     """
     exercise = getattr(fn, "__name__", None) or type(fn).__name__
     snapshots = _input_snapshots(fn, args, kwargs) if inputs_unchanged else []
@@ -653,7 +674,8 @@ def call_student(
         if _is_mixed_dtype_error(error):
             message += f"\n  Likely mistake: {HINTS['mixed_dtype']}"
         raise CheckFailure(message) from error
-    _expect_inputs_unchanged(snapshots, tripwire.in_place, call)
+    _expect_inputs_unchanged(snapshots, tripwire.in_place, call,
+                             handed_back=[args[i] for i in _handed_back(args, result)] if snapshots else ())
     return result
 
 
