@@ -81,6 +81,51 @@ def row_default_dtype(x_row, W):
     return out
 
 
+def row_asarray_matmul(x_row, W):
+    return np.asarray(x_row) @ np.asarray(W)  # plain arrays: the runtime guard cannot see this @
+
+
+def row_asarray_dot(x_row, W):
+    return np.dot(np.asarray(x_row), np.asarray(W))
+
+
+def row_asarray_inner(x_row, W):
+    return np.inner(np.asarray(x_row), np.asarray(W).T)
+
+
+def row_asarray_matmul_function(x_row, W):
+    return np.matmul(np.array(x_row), np.array(W))
+
+
+def row_loop_with_dot(x_row, W):
+    x = np.asarray(x_row)
+    return np.array([x.dot(np.asarray(W)[:, j]) for j in range(W.shape[1])])
+
+
+def row_w_index_swapped(x_row, W):
+    out = np.zeros(W.shape[1], dtype=W.dtype)
+    for j in range(W.shape[1]):
+        for i in range(W.shape[0]):
+            out[j] += x_row[i] * W[j, i]  # W[j, i] instead of W[i, j]
+    return out
+
+
+def row_ranges_swapped(x_row, W):
+    out = np.zeros(W.shape[1], dtype=W.dtype)
+    for j in range(W.shape[0]):  # j over the rows, i over the columns: right only when square
+        for i in range(W.shape[1]):
+            out[j] += x_row[i] * W[i, j]
+    return out
+
+
+def row_off_by_one(x_row, W):
+    out = np.zeros(W.shape[1], dtype=W.dtype)
+    for j in range(W.shape[1]):
+        for i in range(W.shape[0]):
+            out[j] += x_row[i] * W[i, j + 1]  # off by one
+    return out
+
+
 def row_via_torch(x_row, W):
     return (torch.from_numpy(np.asarray(x_row)) @ torch.from_numpy(np.asarray(W))).numpy()
 
@@ -89,17 +134,38 @@ def row_returns_list(x_row, W):
     return [sum(x_row[i] * W[i, j] for i in range(W.shape[0])) for j in range(W.shape[1])]
 
 
+def row_one_loop_elementwise(x_row, W):
+    return np.array([np.sum(x_row * W[:, j]) for j in range(W.shape[1])], dtype=np.result_type(x_row, W))
+
+
+def row_sum_of_scaled_rows(x_row, W):
+    total = np.zeros(W.shape[1], dtype=np.result_type(x_row, W))
+    for i in range(W.shape[0]):
+        total = total + x_row[i] * W[i]  # out = Σ_i x_row[i] · (row i of W)
+    return total
+
+
 def test_row_times_matrix_accepts_correct_answers_written_differently():
     checks.check_row_times_matrix(row_generator_sum, **CPU)
-    checks.check_row_times_matrix(row_broadcast_sum, seed=3, **CPU)
+    checks.check_row_times_matrix(row_one_loop_elementwise, seed=3, **CPU)
+    checks.check_row_times_matrix(row_sum_of_scaled_rows, seed=4, **CPU)
 
 
 @pytest.mark.parametrize("wrong, phrase", [
     (row_uses_matmul, r"should write the sums itself[\s\S]*np.matmul"),
     (row_uses_dot, r"should write the sums itself[\s\S]*np.dot"),
     (row_uses_einsum, r"should write the sums itself[\s\S]*np.einsum"),
+    (row_asarray_matmul, r"should write the sums itself[\s\S]*calls @ \(in row_asarray_matmul, line \d+\)"),
+    (row_asarray_dot, r"should write the sums itself[\s\S]*np.dot \(in row_asarray_dot"),
+    (row_asarray_inner, r"should write the sums itself[\s\S]*np.inner"),
+    (row_asarray_matmul_function, r"should write the sums itself[\s\S]*np.matmul"),
+    (row_loop_with_dot, r"should write the sums itself[\s\S]*x.dot"),
+    (row_broadcast_sum, "has no loop" + r"[\s\S]*" + re.escape(checks.ROW_HINTS["no_loop"])),
+    (row_w_index_swapped, r"raised IndexError[\s\S]*" + re.escape(checks.ROW_HINTS["index_transposed"])),
+    (row_ranges_swapped, r"raised IndexError[\s\S]*" + re.escape(checks.ROW_HINTS["loop_ranges"])),
+    (row_off_by_one, r"raised IndexError[\s\S]*" + re.escape(checks.ROW_HINTS["index_error"])),
     (row_indices_swapped, r"should have shape \[3\], got \[4\][\s\S]*one per column"),
-    (row_default_dtype, "should keep the input dtype float32, got float64"),
+    (row_default_dtype, "should keep the input dtype float32, got float64. " + re.escape(checks.DTYPE_HINTS["row"])),
     (row_via_torch, "NumPy only"),
     (row_returns_list, "should return a NumPy ndarray of shape"),
 ])
@@ -166,6 +232,12 @@ def split_silent(t, num_heads):
     return t[..., : d * num_heads].reshape(b, s, num_heads, d).transpose(0, 2, 1, 3)
 
 
+def split_sequence_axis(t, num_heads):
+    if t.shape[-1] % num_heads:
+        raise ValueError(f"width {t.shape[-1]} cannot be split into {num_heads} heads")
+    return np.stack(np.split(t, num_heads, axis=1), axis=1)  # splits the tokens, not the features
+
+
 def split_float32(t, num_heads):
     return split_by_np_split(t, num_heads).astype(np.float32)
 
@@ -186,7 +258,9 @@ def test_np_split_heads_accepts_a_correct_answer_written_differently():
     (split_strided, "every H-th feature"),
     (split_vague_error, "should name 10 and 4"),
     (split_silent, "should raise ValueError"),
-    (split_float32, "should keep the input dtype float64, got float32"),
+    (split_float32, "should keep the input dtype float64, got float32. " + re.escape(checks.DTYPE_HINTS["heads"])),
+    (split_sequence_axis, r"should have shape \[2, 2, 6, 2\], got \[2, 2, 3, 4\][\s\S]*"
+     + re.escape(checks.SPLIT_HINTS["sequence_axis"])),
     (split_via_torch, "NumPy only"),
 ])
 def test_np_split_heads_rejects_known_mistakes(wrong, phrase):
@@ -214,6 +288,10 @@ def merge_in_place_transpose(t):
     return merged
 
 
+def merge_float64(t):
+    return merge_by_concatenate(t).astype(np.float64)
+
+
 def test_np_merge_heads_accepts_and_rejects():
     checks.check_np_merge_heads(merge_by_concatenate, **CPU)
     with pytest.raises(CheckFailure, match="Move the head axis back"):
@@ -222,6 +300,8 @@ def test_np_merge_heads_accepts_and_rejects():
         checks.check_np_merge_heads(merge_forgets_to_flatten, **CPU)
     with pytest.raises(CheckFailure, match="raised AttributeError"):
         checks.check_np_merge_heads(merge_in_place_transpose, **CPU)
+    with pytest.raises(CheckFailure, match="got float64. " + re.escape(checks.DTYPE_HINTS["heads"])):
+        checks.check_np_merge_heads(merge_float64, **CPU)
 
 
 # --------------------------------------------------------------------------------------
@@ -269,6 +349,24 @@ def softmax_always_float64(x, axis=-1):
     return _reference_softmax(x.astype(np.float64), axis)
 
 
+def softmax_scipy(x, axis=-1):
+    import scipy.special
+
+    return scipy.special.softmax(x, axis=axis)
+
+
+def softmax_scipy_logsumexp(x, axis=-1):
+    from scipy.special import logsumexp
+
+    return np.exp(x - logsumexp(x, axis=axis, keepdims=True))
+
+
+def softmax_max_other_axis(x, axis=-1):
+    other = 0 if axis % x.ndim != 0 else -1
+    e = np.exp(x - np.max(x, axis=other, keepdims=True))  # the max over the wrong axis
+    return e / e.sum(axis=axis, keepdims=True)
+
+
 def softmax_via_torch(x, axis=-1):
     return torch.softmax(torch.from_numpy(x), dim=axis).numpy()
 
@@ -285,8 +383,12 @@ def test_np_softmax_accepts_a_correct_answer_written_differently():
     (softmax_no_keepdims, "keepdims=True"),
     (softmax_min_shift, r"returned NaN[\s\S]*not its minimum"),
     (softmax_in_place, "changed its input x in place"),
-    (softmax_always_float64, "should keep the input dtype float32, got float64"),
-    (softmax_via_torch, "NumPy only"),
+    (softmax_always_float64, "should keep the input dtype float32, got float64. "
+     + re.escape(checks.DTYPE_HINTS["softmax"])),
+    (softmax_scipy, r"should compute the softmax itself[\s\S]*calls scipy.special.softmax \(in softmax_scipy"),
+    (softmax_scipy_logsumexp, r"should compute the softmax itself[\s\S]*calls logsumexp"),
+    (softmax_max_other_axis, re.escape(checks.SOFTMAX_HINTS["max_axis"])),
+    (softmax_via_torch, r"calls torch.softmax[\s\S]*NumPy only"),
 ])
 def test_np_softmax_rejects_known_mistakes(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -343,7 +445,7 @@ WRONG_ATTENTION = {
     "naive_softmax": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, softmax=softmax_naive),
                       "softmax overflowed"),
     "np_sqrt": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, scale=1 / np.sqrt(Q.shape[-1])),
-                r"keep the input dtype float32[\s\S]*float32 in, float32 out[\s\S]*math.sqrt"),
+                r"keep the input dtype float32, got float64. NumPy 2 keeps[\s\S]*math.sqrt[\s\S]*float32 in, float32 out"),
     "only_out": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask)[0], "should return a tuple"),
     "torch": (lambda Q, K, V, mask=None: tuple(
         t.numpy() for t in _torch_attention(torch.from_numpy(Q), torch.from_numpy(K), torch.from_numpy(V))), "NumPy only"),
@@ -520,6 +622,17 @@ def variance_self_dot(d_head, sigma, n_samples, rng):
     return float(np.var(np.sum(q * q, axis=-1)))
 
 
+def variance_of_q_alone(d_head, sigma, n_samples, rng):
+    q = rng.normal(0.0, sigma, size=(n_samples, d_head))
+    rng.normal(0.0, sigma, size=(n_samples, d_head))  # k, drawn and never used
+    return float(np.var(q))
+
+
+def variance_summed_over_samples(d_head, sigma, n_samples, rng):
+    q, k = (rng.normal(0.0, sigma, size=(n_samples, d_head)) for _ in range(2))
+    return float(np.var(np.sum(q * k, axis=0)))  # one sum per feature, over the samples
+
+
 def variance_formula(d_head, sigma, n_samples, rng):
     return d_head * sigma**4
 
@@ -561,6 +674,8 @@ def test_dot_product_variance_accepts_a_correct_answer_written_differently():
     (variance_scaled_scores, r"close to σ⁴ \(no factor d\)"),
     (variance_self_dot, r"2·d·σ⁴[\s\S]*independently of q"),
     (variance_formula, r"did not draw from the rng[\s\S]*returned the formula"),
+    (variance_of_q_alone, re.escape(checks.VARIANCE_HINTS["entries"])),
+    (variance_summed_over_samples, re.escape(checks.VARIANCE_HINTS["sample_axis"])),
     (variance_global_rng, r"did not draw from the rng it was given: it used np.random's global generator"),
     (variance_own_rng, r"did not draw from the rng it was given: it used a generator of your own"),
     (variance_mixed_rng, "as well as from rng"),
@@ -740,7 +855,8 @@ def test_no_function_of_the_check_module_or_the_widget_is_a_working_answer():
                   if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("check_")]
     all_checks = [checks.check_row_times_matrix, checks.check_np_split_heads, checks.check_np_merge_heads,
                   checks.check_np_softmax, checks.check_np_attention, checks.check_np_multi_head_attention,
-                  checks.check_dot_product_variance]
+                  checks.check_dot_product_variance, checks.check_softmax_backward,
+                  checks.check_np_attention_backward]
     for candidate in candidates:
         for check in all_checks:
             with pytest.raises(Exception):
