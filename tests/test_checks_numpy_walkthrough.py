@@ -861,3 +861,251 @@ def test_no_function_of_the_check_module_or_the_widget_is_a_working_answer():
         for check in all_checks:
             with pytest.raises(Exception):
                 check(candidate, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# softmax_backward
+# --------------------------------------------------------------------------------------
+
+
+def backward_expanded(p, dp, axis=-1):
+    weighted = p * dp
+    return weighted - p * np.sum(weighted, axis=axis, keepdims=True)
+
+
+def backward_by_rows(p, dp, axis=-1):
+    p_last, dp_last = np.moveaxis(p, axis, -1), np.moveaxis(dp, axis, -1)
+    out = np.empty_like(p_last)
+    for index in np.ndindex(p_last.shape[:-1]):  # one row at a time, never a matrix
+        row, upstream = p_last[index], dp_last[index]
+        out[index] = row * (upstream - row @ upstream)
+    return np.moveaxis(out, -1, axis)
+
+
+def _wrong_backward(formula):
+    def softmax_backward(p, dp, axis=-1):
+        return formula(p, dp, axis).astype(p.dtype)
+    return softmax_backward
+
+
+def _row_dot(p, dp, axis):
+    return np.sum(p * dp, axis=axis, keepdims=True)
+
+
+def backward_jacobian(p, dp, axis=-1):
+    p_last, dp_last = np.moveaxis(p, axis, -1), np.moveaxis(dp, axis, -1)
+    eye = np.eye(p_last.shape[-1], dtype=p.dtype)
+    jacobian = p_last[..., :, None] * eye - p_last[..., :, None] * p_last[..., None, :]  # [..., n, n]
+    return np.moveaxis(np.einsum("...ij,...i->...j", jacobian, dp_last), -1, axis)
+
+
+def backward_jacobian_per_row(p, dp, axis=-1):
+    p_last, dp_last = np.moveaxis(p, axis, -1), np.moveaxis(dp, axis, -1)
+    out = np.empty_like(p_last)
+    for index in np.ndindex(p_last.shape[:-1]):
+        row = p_last[index]
+        out[index] = (np.diag(row) - np.outer(row, row)) @ dp_last[index]
+    return np.moveaxis(out, -1, axis)
+
+
+def backward_in_place(p, dp, axis=-1):
+    dp -= np.sum(p * dp, axis=axis, keepdims=True)
+    return p * dp
+
+
+def backward_float64(p, dp, axis=-1):
+    return backward_expanded(p.astype(np.float64), dp.astype(np.float64), axis)
+
+
+def backward_via_torch(p, dp, axis=-1):
+    P, dP = torch.from_numpy(p), torch.from_numpy(dp)
+    return (P * (dP - (P * dP).sum(axis, keepdim=True))).numpy()
+
+
+WRONG_SOFTMAX_BACKWARD = {
+    "no_rowsum": _wrong_backward(lambda p, dp, axis: p * dp),
+    "diagonal_only": _wrong_backward(lambda p, dp, axis: p * (1 - p) * dp),
+    "unweighted_sum": _wrong_backward(lambda p, dp, axis: p * (dp - np.sum(dp, axis=axis, keepdims=True))),
+    "no_outer_p": _wrong_backward(lambda p, dp, axis: dp - _row_dot(p, dp, axis)),
+    "sign": _wrong_backward(lambda p, dp, axis: p * (_row_dot(p, dp, axis) - dp)),
+    "mean": _wrong_backward(lambda p, dp, axis: p * (dp - np.mean(p * dp, axis=axis, keepdims=True))),
+    "sum_axis": _wrong_backward(lambda p, dp, axis: p * (dp - np.sum(p * dp))),
+    "ignores_axis": _wrong_backward(lambda p, dp, axis: p * (dp - _row_dot(p, dp, -1))),
+    "jacobian": backward_jacobian,
+}
+
+
+def test_softmax_backward_accepts_correct_answers_written_differently():
+    checks.check_softmax_backward(backward_expanded, **CPU)
+    checks.check_softmax_backward(backward_by_rows, seed=2901, **CPU)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_SOFTMAX_BACKWARD))
+def test_softmax_backward_names_known_mistakes(name):
+    with pytest.raises(CheckFailure, match=re.escape(checks.SOFTMAX_BACKWARD_HINTS[name])):
+        checks.check_softmax_backward(WRONG_SOFTMAX_BACKWARD[name], **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (backward_jacobian, r"held \d+\.\d MB at once[\s\S]*\[n, n\] Jacobian \(n = 512"),
+    (backward_jacobian_per_row, r"held \d+\.\d MB at once[\s\S]*diag\(p\) − p pᵀ"),
+    (backward_in_place, "changed its input dp in place"),
+    (backward_float64, "should keep the input dtype float32, got float64. " + re.escape(checks.DTYPE_HINTS["softmax"])),
+    (backward_via_torch, "NumPy only"),
+    (lambda p, grad, axis=-1: backward_expanded(p, grad, axis), r"should take the parameters \(p, dp, axis\)"),
+])
+def test_softmax_backward_rejects_other_mistakes(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_softmax_backward(wrong, **CPU)
+
+
+def test_softmax_backward_memory_measure_sees_what_an_answer_holds():
+    small, small_peak = checks._peak_allocation(lambda: np.ones((4, 512)) * 2.0)
+    big, big_peak = checks._peak_allocation(lambda: np.ones((4, 512, 512)).sum())
+    assert small.shape == (4, 512) and 4 * 512 * 8 <= small_peak < 512 * 512 * 8 // 4
+    assert float(big) == 4 * 512 * 512 and big_peak >= 4 * 512 * 512 * 8
+
+
+# --------------------------------------------------------------------------------------
+# np_attention_backward
+# --------------------------------------------------------------------------------------
+
+
+def _attention_backward(Q, K, V, dout, mask=None, *, rowsum="weighted", grad_scale=None, scale_dv=False,
+                        transpose=None, use_mask=True, fully_masked="zero", forward_scale=True, leak=False,
+                        fill=-np.inf):
+    """A NumPy backward with one deliberate change (the correct one with the defaults)."""
+    d = Q.shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    scores = Q @ np.swapaxes(K, -1, -2) * (scale if forward_scale else 1.0)
+    any_key = None
+    if mask is not None and use_mask:
+        any_key = np.any(mask, axis=-1, keepdims=True)
+        scores = np.where(mask, scores, fill)
+        if fully_masked != "nan":
+            scores = np.where(any_key, scores, 0.0)
+    with np.errstate(all="ignore"):
+        P = _reference_softmax(scores)
+    if any_key is not None and fully_masked == "zero":
+        P = np.where(any_key, P, 0.0)
+    dV = (P @ dout) if transpose == "dv" else np.swapaxes(P, -1, -2) @ dout
+    dP = dout @ np.swapaxes(V, -1, -2)
+    if transpose == "dp":
+        dP = np.swapaxes(dP, -1, -2)
+    total = {"weighted": np.sum(dP * P, axis=-1, keepdims=True), "none": 0.0,
+             "unweighted": np.sum(dP, axis=-1, keepdims=True), "axis": np.sum(dP * P, axis=-2, keepdims=True)}[rowsum]
+    dS = (dP - total) if leak else P * (dP - total)
+    factor = scale if grad_scale is None else grad_scale(d)
+    dQ = (np.swapaxes(dS, -1, -2) if transpose == "dq" else dS) @ K * factor
+    dK = (dS if transpose == "dk" else np.swapaxes(dS, -1, -2)) @ Q * factor
+    if transpose == "dk_shape":
+        dK = np.swapaxes(dK, -1, -2)
+    if scale_dv:
+        dV = dV * scale
+    return dQ.astype(Q.dtype), dK.astype(Q.dtype), dV.astype(Q.dtype)
+
+
+def attention_backward_einsum(Q, K, V, dout, mask=None):
+    scale = 1 / math.sqrt(Q.shape[-1])
+    scores = np.einsum("bhqd,bhkd->bhqk", Q, K) * scale
+    if mask is not None:
+        scores = np.where(mask, scores, -1e9)
+    P = softmax_logsumexp(scores)
+    if mask is not None:
+        P = P * np.any(mask, axis=-1, keepdims=True)
+    out = np.einsum("bhqk,bhkv->bhqv", P, V)
+    dP = np.einsum("bhqv,bhkv->bhqk", dout, V)
+    dS = P * (dP - np.sum(dout * out, axis=-1, keepdims=True)) * scale  # FlashAttention's rowsum(dO ∘ O)
+    return (np.einsum("bhqk,bhkd->bhqd", dS, K), np.einsum("bhqk,bhqd->bhkd", dS, Q),
+            np.einsum("bhqk,bhqv->bhkv", P, dout))
+
+
+WRONG_ATTENTION_BACKWARD = {
+    "no_rowsum": dict(rowsum="none"),
+    "rowsum_unweighted": dict(rowsum="unweighted"),
+    "rowsum_axis": dict(rowsum="axis"),
+    "no_scale": dict(grad_scale=lambda d: 1.0),
+    "scale_by_d": dict(grad_scale=lambda d: 1.0 / d),
+    "scale_dv": dict(scale_dv=True),
+    "forward_no_scale": dict(forward_scale=False),
+    "dv_transposed": dict(transpose="dv"),
+    "dp_transposed": dict(transpose="dp"),
+    "dq_transposed": dict(transpose="dq"),
+    "dk_transposed": dict(transpose="dk"),
+    "mask_ignored": dict(use_mask=False),
+    "no_outer_p": dict(leak=True),
+    "masked_leak": dict(fill=-5.0),  # a fill not far enough below the scores: masked weights are not 0
+    "fully_masked_nan": dict(fully_masked="nan"),
+    "fully_masked_sends": dict(fully_masked="uniform", fill=-1e9),
+    "matmul_shapes": dict(transpose="dk_shape"),
+}
+
+
+def test_np_attention_backward_accepts_correct_answers_written_differently():
+    checks.check_np_attention_backward(_attention_backward, **CPU)
+    checks.check_np_attention_backward(attention_backward_einsum, **CPU)
+    checks.check_np_attention_backward(attention_backward_einsum, seed=3001, **CPU)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_ATTENTION_BACKWARD))
+def test_np_attention_backward_names_known_mistakes(name):
+    options = WRONG_ATTENTION_BACKWARD[name]
+
+    def np_attention_backward(Q, K, V, dout, mask=None):
+        return _attention_backward(Q, K, V, dout, mask, **options)
+
+    with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_BACKWARD_HINTS[name])):
+        checks.check_np_attention_backward(np_attention_backward, **CPU)
+
+
+def test_np_attention_backward_names_a_transposed_product_that_does_not_fit():
+    def wrong(Q, K, V, dout, mask=None):
+        dQ, dK, dV = _attention_backward(Q, K, V, dout, mask)
+        P = _reference_softmax(Q @ np.swapaxes(K, -1, -2) / math.sqrt(Q.shape[-1]))
+        return dQ, dK, P.T @ dout  # .T reverses all four axes
+
+    with pytest.raises(CheckFailure, match=r"raised ValueError[\s\S]*"
+                       + re.escape(checks.ATTENTION_BACKWARD_HINTS["matmul_shapes"])):
+        checks.check_np_attention_backward(wrong, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (lambda Q, K, V, dout, mask=None: _attention_backward(Q, K, V, dout, mask)[:2], r"should return a tuple \(dQ, dK, dV\)"),
+    (lambda Q, K, V, dout, mask=None: tuple(g.astype(np.float64) for g in _attention_backward(Q, K, V, dout, mask)),
+     "got float64. " + re.escape(checks.DTYPE_HINTS["scaled"])),
+    (lambda Q, K, V, dout, mask=None: tuple(torch.from_numpy(g).numpy() for g in (torch.from_numpy(Q).numpy(),) * 3),
+     "NumPy only"),
+    (lambda Q, K, V, grad_out, mask=None: None, r"should take the parameters \(Q, K, V, dout, mask\)"),
+])
+def test_np_attention_backward_rejects_wrong_returns(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_np_attention_backward(wrong, **CPU)
+
+
+def test_np_attention_backward_leaves_its_inputs_alone():
+    def scales_in_place(Q, K, V, dout, mask=None):
+        Q *= 1.0  # harmless, but then:
+        dout -= dout.mean()
+        return _attention_backward(Q, K, V, dout, mask)
+
+    with pytest.raises(CheckFailure, match="changed its input dout in place"):
+        checks.check_np_attention_backward(scales_in_place, **CPU)
+
+
+def test_the_notebooks_gradient_claims_hold():
+    """Section 10: with 1/d_head the gradient reaching q falls like 1/sqrt(d_head) although the
+    softmax's own Jacobian stays large; with 1/sqrt(d_head) it stays level; raw scores starve it."""
+    def norms(d, scale, seed=0, num_keys=16, num_queries=200):
+        rng = np.random.default_rng(seed)
+        q = torch.from_numpy(rng.standard_normal((num_queries, 1, d))).requires_grad_(True)
+        k = torch.from_numpy(rng.standard_normal((num_queries, num_keys, d)))
+        jacobians = [torch.autograd.functional.jacobian(lambda row: torch.softmax(scale * (k[i] @ row), -1), q[i, 0])
+                     for i in range(num_queries)]
+        return float(np.median([float(j.norm()) for j in jacobians]))
+
+    by_d = [norms(d, 1 / d) for d in (4, 64, 1024)]
+    by_sqrt = [norms(d, 1 / math.sqrt(d)) for d in (4, 64, 1024)]
+    raw = [norms(d, 1.0) for d in (4, 1024)]
+    assert by_d[0] / by_d[1] == pytest.approx(4, rel=0.2) and by_d[1] / by_d[2] == pytest.approx(4, rel=0.2)
+    assert max(by_sqrt) / min(by_sqrt) < 1.2
+    assert raw[1] < 0.01 * raw[0]

@@ -1113,9 +1113,12 @@ ATTENTION_BACKWARD_HINTS = {
     "scores of key j with every query) times the queries.",
     "mask_ignored": "the backward ignored the mask: recompute the weights with the same mask as the forward "
     "(masked scores -inf, weights 0), or gradient flows into masked entries.",
-    "masked_leak": "gradient flowed into masked entries: keys that no query may attend to got a nonzero "
-    "dK or dV. A masked weight is 0, and the softmax's backward multiplies by the weight, so nothing flows "
-    "back through a masked score.",
+    "masked_leak": "gradient flowed into masked entries: with a gradient on one query only, the keys that "
+    "this query may not attend to got a nonzero dK or dV. A masked weight must be exactly 0 (score -inf, "
+    "or a fill like -1e9 far below every score), and the softmax's backward multiplies by the weight, so "
+    "nothing flows back through a masked score.",
+    "no_outer_p": "the softmax's backward multiplies the whole bracket by P: dS = P · (dP − Σ_j dP_ij · P_ij). "
+    "Without that factor, gradient flows even through weights that are 0 (masked entries).",
     "fully_masked_nan": "a query whose mask row is all False has weights NaN (-inf everywhere, 0/0), and "
     "the backward sums over the queries (Pᵀ @ dout): one NaN row makes NaN of every key's gradient. Set "
     "the weights of such rows to 0 before using them.",
@@ -1140,7 +1143,7 @@ def _attention_gradients(Q, K, V, dout, mask) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _manual_attention_backward(Q, K, V, dout, mask, *, rowsum="weighted", grad_scale="sqrt", scale_dv=False,
-                               transpose=None, use_mask=True, fully_masked="zero", forward_scale=True):
+                               transpose=None, use_mask=True, fully_masked="zero", forward_scale=True, outer_p=True):
     """The backward written out in PyTorch (float64), with one deliberate change, for diagnosis."""
     q, k, v, do = _t(Q), _t(K), _t(V), _t(dout)
     d = q.shape[-1]
@@ -1160,7 +1163,7 @@ def _manual_attention_backward(Q, K, V, dout, mask, *, rowsum="weighted", grad_s
         dp = dp.transpose(-2, -1)
     total = {"weighted": (dp * p).sum(-1, keepdim=True), "none": 0.0, "unweighted": dp.sum(-1, keepdim=True),
              "axis": (dp * p).sum(-2, keepdim=True)}[rowsum]
-    ds = p * (dp - total)
+    ds = p * (dp - total) if outer_p else dp - total
     factor = {"sqrt": 1 / math.sqrt(d), "none": 1.0, "d": 1 / d}[grad_scale]
     dq = (ds.transpose(-2, -1) if transpose == "dq" else ds) @ k * factor
     dk = (ds if transpose == "dk" else ds.transpose(-2, -1)) @ q * factor
@@ -1175,7 +1178,7 @@ def _attention_backward_variants(Q, K, V, dout, mask) -> list[tuple[Callable[[],
     options: list[tuple[dict, str]] = [
         (dict(rowsum="none"), "no_rowsum"), (dict(rowsum="unweighted"), "rowsum_unweighted"),
         (dict(grad_scale="none"), "no_scale"), (dict(grad_scale="d"), "scale_by_d"), (dict(scale_dv=True), "scale_dv"),
-        (dict(forward_scale=False), "forward_no_scale"),
+        (dict(forward_scale=False), "forward_no_scale"), (dict(outer_p=False), "no_outer_p"),
     ]
     if s_q == s_k:
         options += [(dict(rowsum="axis"), "rowsum_axis"), (dict(transpose="dv"), "dv_transposed"),
@@ -1232,20 +1235,29 @@ def _check_attention_backward_once(np_attention_backward: Callable, Q, K, V, dou
                          variants=[Variant(lambda compute=compute, i=index: compute()[i], hint)
                                    for compute, hint in variants])
         except CheckFailure as failure:
-            if "Likely mistake" not in str(failure) and index > 0 and allowed is not None and not fully_masked:
-                _expect_no_leak(grads[index], allowed, f"{call} -> {names[index]}")
+            if "Likely mistake" not in str(failure) and allowed is not None:
+                _expect_no_leak(np_attention_backward, Q, K, V, dout, mask, allowed, call)
             raise
 
 
-def _expect_no_leak(grad: np.ndarray, allowed: np.ndarray, what: str) -> None:
-    """Keys that no query may attend to influence nothing: their dK and dV are 0."""
-    unreachable = ~allowed.any(-2)  # (B, H, S_k)
-    if not unreachable.any():
+def _expect_no_leak(np_attention_backward: Callable, Q, K, V, dout, mask, allowed: np.ndarray, call: str) -> None:
+    """With a gradient on one query only, the keys that query may not attend to get dK = dV = 0."""
+    masked_per_query = (~allowed).sum(axis=(0, 1, 3)) * allowed.any(-1).all(axis=(0, 1))  # skip fully masked
+    query = int(np.argmax(masked_per_query))
+    if masked_per_query[query] == 0:
         return
-    leak = float(np.abs(grad[unreachable]).max())
-    if leak > tolerance(grad.dtype)[1]:
-        raise CheckFailure(f"{what}: keys that every query is masked from should get a gradient of exactly 0, "
-                           f"found {leak:.3g}.\n  Likely mistake: {ATTENTION_BACKWARD_HINTS['masked_leak']}")
+    probe = np.zeros_like(dout)
+    probe[..., query, :] = dout[..., query, :]
+    with np.errstate(all="ignore"):
+        grads = _call(np_attention_backward, Q, K, V, probe, mask, call=call)
+    hidden = ~allowed[:, :, query, :]  # (B, H, S_k): the keys this query may not see
+    for grad, name in zip(grads[1:], ("dK", "dV")):
+        grad = np.asarray(grad)
+        leak = float(np.nan_to_num(np.abs(grad[hidden]), nan=np.inf).max())
+        if leak > tolerance(grad.dtype)[1]:
+            raise CheckFailure(f"{call} with dout nonzero on query {query} only -> {name}: the keys query {query} is "
+                               f"masked from should get exactly 0, found {leak:.3g}.\n  Likely mistake: "
+                               f"{ATTENTION_BACKWARD_HINTS['masked_leak']}")
 
 
 @check("np_attention_backward: dQ, dK, dV equal torch.autograd, with masks, fully masked rows and large scores",
