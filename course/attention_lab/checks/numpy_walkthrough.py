@@ -1122,9 +1122,8 @@ ATTENTION_BACKWARD_HINTS = {
     "fully_masked_nan": "a query whose mask row is all False has weights NaN (-inf everywhere, 0/0), and "
     "the backward sums over the queries (Pᵀ @ dout): one NaN row makes NaN of every key's gradient. Set "
     "the weights of such rows to 0 before using them.",
-    "fully_masked_sends": "a query whose mask row is all False sent gradient back (a finite fill such as "
-    "-1e9 or np.finfo(...).min gives it uniform weights). Its output means nothing and is masked out of "
-    "the loss, so the convention is weights 0: it adds nothing to dQ, dK or dV.",
+    "fully_masked_sends": "a query whose mask row is all False sent gradient back (a fill such as -1e9 "
+    "gives it uniform weights). The convention: its weights are 0, it adds nothing to dQ, dK or dV.",
     "matmul_shapes": "a product with the wrong transpose. Follow the shapes: every gradient has the shape "
     "of its array (dQ like Q, dK like K, dV like V), and for C = A @ B, dA = dC @ Bᵀ and dB = Aᵀ @ dC "
     "(np.swapaxes(A, -1, -2) transposes the last two axes).",
