@@ -1109,3 +1109,37 @@ def test_the_notebooks_gradient_claims_hold():
     assert by_d[0] / by_d[1] == pytest.approx(4, rel=0.2) and by_d[1] / by_d[2] == pytest.approx(4, rel=0.2)
     assert max(by_sqrt) / min(by_sqrt) < 1.2
     assert raw[1] < 0.01 * raw[0]
+
+
+# --------------------------------------------------------------------------------------
+# The notebook around the checks
+# --------------------------------------------------------------------------------------
+
+
+def _notebook_02_cells():
+    from pathlib import Path
+
+    import jupytext
+
+    source = Path(__file__).resolve().parents[1] / "solutions" / "02_numpy_walkthrough.py"
+    return jupytext.read(source, fmt="py:percent").cells
+
+
+def test_no_demo_cell_runs_between_an_answer_and_its_check():
+    """A student reads the check's message before any demo can crash on the mistake."""
+    pending = None  # the answer whose check has not run yet
+    for cell in _notebook_02_cells():
+        if cell.cell_type != "code":
+            continue
+        if "answer" in cell.metadata:
+            pending = cell.metadata["answer"]
+        elif "test" in cell.metadata:
+            pending = None
+        elif pending is not None and pending != "ANSWER_SCALING":  # the experiment is run before the answer's check
+            raise AssertionError(f"a demo cell runs after the answer {pending} but before its check:\n{cell.source[:200]}")
+
+
+def test_no_code_line_is_longer_than_100_characters():
+    long = [line for cell in _notebook_02_cells() if cell.cell_type == "code"
+            for line in cell.source.splitlines() if len(line) > 100]
+    assert not long, long
