@@ -214,3 +214,29 @@ def test_a_class_answer_is_read_through_its_methods():
 
     assert [use.function for use in find_uses(Layer, **MATMUL)] == ["project"]
     assert [use.function for use in find_uses(Layer(), **MATMUL)] == ["project"]
+
+
+def test_a_library_imported_only_inside_the_answer_is_still_found():
+    """Targets resolve without importing anything new; an import inside the answer is followed."""
+    import subprocess
+    import sys
+
+    program = '''
+import sys
+from attention_lab.code_inspection import find_uses
+
+def answer(x, axis=-1):
+    from scipy.special import softmax
+    return softmax(x, axis=axis)
+
+def plain(x, axis=-1):
+    return x
+
+assert "scipy" not in sys.modules
+assert find_uses(plain, functions=("scipy.special.softmax",)) == []
+assert "scipy" not in sys.modules, "reading code that does not use scipy imported it"
+assert [u.target for u in find_uses(answer, functions=("scipy.special.softmax",))] == ["scipy.special.softmax"]
+print("ok")
+'''
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr

@@ -38,6 +38,7 @@ import dis
 import functools
 import importlib
 import inspect
+import sys
 import textwrap
 import types
 from dataclasses import dataclass, field
@@ -412,8 +413,29 @@ def _facts_from_bytecode(function: types.FunctionType) -> _Facts:
 # --------------------------------------------------------------------------------------
 
 
+def _loaded(path: str) -> Any:
+    """The object a dotted path names if its module is already imported, else _UNRESOLVED.
+
+    Never imports: code that uses a library has imported it (or will, by a local import that
+    reading its code resolves), so a library nobody imported cannot be in use -- and a check
+    should not pay for importing scipy to learn that.
+    """
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is None:
+            continue
+        obj = module
+        for part in parts[cut:]:
+            obj = getattr(obj, part, _UNRESOLVED)
+            if obj is _UNRESOLVED:
+                return _UNRESOLVED
+        return obj
+    return _UNRESOLVED
+
+
 def _targets(functions: Iterable[str]) -> list[tuple[str, Any]]:
-    return [(name, _import(name)) for name in functions]
+    return [(name, _loaded(name)) for name in functions]
 
 
 def _textual_match(written: str, target: str) -> bool:
@@ -440,6 +462,7 @@ def find_uses(answer: Any, *, functions: Iterable[str] = (), methods: Iterable[s
     The answer itself may be one of ``functions`` (``np_softmax = scipy.special.softmax``).
     Uses are listed in the order the code is read, the answer's own code first.
     """
+    walked = list(_walk(answer, follow_helpers))  # first: reading may import what the code imports
     targets = _targets(functions)
     methods, operators = set(methods), set(operators)
     uses: list[Use] = []
@@ -448,7 +471,7 @@ def find_uses(answer: Any, *, functions: Iterable[str] = (), methods: Iterable[s
     for path, target in targets:
         if _same(bare, target):
             uses.append(Use(name, path, name, None))
-    for function, facts in _walk(answer, follow_helpers):
+    for function, facts in walked:
         where = function.__name__
         for written, obj, line in facts.references:
             for path, target in targets:
