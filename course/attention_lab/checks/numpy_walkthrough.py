@@ -14,6 +14,7 @@ the references copy transposes.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import numbers
 import tracemalloc
@@ -36,6 +37,7 @@ from attention_lab.checking import (
     expect_true,
     expect_value_error,
     freeze_module,
+    one_cpu_thread,
     reference_sdpa,
     shape_str,
     tolerance,
@@ -80,6 +82,18 @@ def _call(fn: Callable, *args: Any, call: str, matmul_hint: str | None = None, *
         if "could not be broadcast" in text:
             raise CheckFailure(f"{text}\n  Likely mistake: {ERROR_HINTS['lost_axis']}") from failure.__cause__
         raise
+
+
+def _one_thread(function: Callable) -> Callable:
+    """Run a check on one CPU thread: its arrays are tiny, and PyTorch's thread pool costs more
+    than it saves on them (tens of milliseconds a call on a busy machine, microseconds on one)."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, device: torch.device | None = None, **kwargs: Any) -> None:
+        with one_cpu_thread(device if device is not None else "cpu"):
+            return function(*args, device=device, **kwargs)
+
+    return wrapper
 
 
 ERROR_HINTS = {
@@ -218,6 +232,7 @@ def _check_row_once(row_times_matrix: Callable, x_row: np.ndarray, W: np.ndarray
 
 
 @check("row_times_matrix: explicit sums equal x_row @ W, square and non-square W")
+@_one_thread
 def check_row_times_matrix(row_times_matrix: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """row_times_matrix: one (N,) @ (N, M) product written as sums, equal to x_row @ W."""
     expect_signature(row_times_matrix, "row_times_matrix", ["x_row", "W"])
@@ -288,6 +303,7 @@ def _check_split_once(np_split_heads: Callable, t: np.ndarray, num_heads: int) -
 
 
 @check("np_split_heads: (B, S, D) -> (B, H, S, D//H), values, edge cases and the D % H error")
+@_one_thread
 def check_np_split_heads(np_split_heads: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """np_split_heads: (B, S, D) -> (B, H, S, D//H), head h = features h*d ... (h+1)*d - 1."""
     expect_signature(np_split_heads, "np_split_heads", ["t", "num_heads"])
@@ -317,6 +333,7 @@ def _check_merge_once(np_merge_heads: Callable, t: np.ndarray) -> None:
 
 
 @check("np_merge_heads: (B, H, S, d) -> (B, S, H*d), values and the round trip with the split")
+@_one_thread
 def check_np_merge_heads(np_merge_heads: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """np_merge_heads: (B, H, S, d) -> (B, S, H*d), the inverse of np_split_heads."""
     expect_signature(np_merge_heads, "np_merge_heads", ["t"])
@@ -448,6 +465,7 @@ def _expect_no_softmax_shortcut(np_softmax: Callable) -> None:
 
 
 @check("np_softmax: stable at 1000, rows of different scales, -inf entries, any axis")
+@_one_thread
 def check_np_softmax(np_softmax: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """np_softmax: equals torch.softmax where naive code breaks (overflow, underflow, -inf, other axes)."""
     expect_signature(np_softmax, "np_softmax", ["x", "axis"])
@@ -590,6 +608,7 @@ def _check_attention_once(np_attention: Callable, Q, K, V, mask, label: str) -> 
 
 @check("np_attention: (out, weights) equal F.scaled_dot_product_attention, with masks and large scores",
        uses=("np_softmax",))
+@_one_thread
 def check_np_attention(np_attention: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """np_attention: softmax(Q Kᵀ / sqrt(d_head)) V on (B, H, S, d) arrays, boolean masks True = may attend."""
     expect_signature(np_attention, "np_attention", ["Q", "K", "V", "mask"])
@@ -729,6 +748,7 @@ def _mha_weights(rng, d_model, dtype=np.float64):
 
 @check("np_multi_head_attention: equals nn.MultiheadAttention with the same weights, incl. W_o; equivariance and causality",
        uses=("np_split_heads", "np_merge_heads", "np_attention", "np_softmax"))
+@_one_thread
 def check_np_multi_head_attention(np_multi_head_attention: Callable, *, seed: int = 0,
                                   device: torch.device | None = None) -> None:
     """np_multi_head_attention: projections (X @ W, W (in, out)), split, attention, merge, output projection."""
@@ -856,6 +876,7 @@ def _diagnose_variance(value: float, d_head: int, sigma: float, n_samples: int) 
 
 
 @check("dot_product_variance: measures d·σ⁴ within the sampling error, from the rng it is given")
+@_one_thread
 def check_dot_product_variance(dot_product_variance: Callable, *, seed: int = 0,
                                device: torch.device | None = None) -> None:
     """dot_product_variance: empirical Var(q·k) for iid N(0, σ²) entries ≈ d_head·σ⁴, reproducible from rng."""
@@ -932,6 +953,7 @@ def _statements(curves: dict[str, np.ndarray]) -> dict[str, bool]:
 
 
 @check("ANSWER_SCALING: right choice")
+@_one_thread
 def check_answer_scaling(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The multiple-choice question: the check re-runs the experiment and accepts the one statement it supports."""
     supported = [letter for letter, holds in _statements(peakedness_curves(seed=seed)).items() if holds]
@@ -1054,6 +1076,7 @@ def _check_softmax_backward_once(softmax_backward: Callable, scores: torch.Tenso
 
 
 @check("softmax_backward: equals torch.autograd along any axis, masked weights pass no gradient, no [n, n] Jacobian")
+@_one_thread
 def check_softmax_backward(softmax_backward: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """softmax_backward: the vector-Jacobian product p · (dp − Σ dp·p) of a softmax, against torch.autograd."""
     expect_signature(softmax_backward, "softmax_backward", ["p", "dp", "axis"])
@@ -1261,6 +1284,7 @@ def _expect_no_leak(np_attention_backward: Callable, Q, K, V, dout, mask, allowe
 
 @check("np_attention_backward: dQ, dK, dV equal torch.autograd, with masks, fully masked rows and large scores",
        uses=("softmax_backward", "np_softmax", "np_attention"))
+@_one_thread
 def check_np_attention_backward(np_attention_backward: Callable, *, seed: int = 0,
                                 device: torch.device | None = None) -> None:
     """np_attention_backward: the gradients of np_attention's out with respect to Q, K and V."""
