@@ -721,8 +721,8 @@ for n in (512, 4096, 32768):
 # weight: no gradient flows into a masked score, so a key that no query may see gets `dK = 0`
 # and `dV = 0`.
 #
-# **Fully masked rows.** A query whose mask row is all False (a padding token) has no keys. Your
-# `np_attention` gives it NaN weights (`-inf` everywhere, 0/0); PyTorch gives it zeros; a `-1e9`
+# **Fully masked rows.** A query whose mask row is all False (a padding token) has no keys. The
+# `-inf` recipe of `np_attention` gives it NaN weights (0/0); PyTorch gives it zeros; a `-1e9`
 # fill gives it the mean of the values. As section 8 said, its output means nothing and is masked
 # out of the loss, so real training sends it `dout = 0`. The backward makes that a rule, whatever
 # `dout` says: **a fully masked query has weights 0 and sends no gradient** — its row of `dQ` is 0,
@@ -733,7 +733,8 @@ for n in (512, 4096, 32768):
 #
 # **What the backward keeps from the forward.** `dV` and the softmax's backward need `P`: `S_q × S_k`
 # numbers per head. Either the forward keeps `P` — at `B = 8`, `H = 32`, `S = 4096` in bfloat16
-# that is 8.6 GB for *one* layer, more than the weights of a 7B model's layer many times over — or
+# that is 8.6 GB for *one* layer, about twenty times the bfloat16 weights of one layer of a
+# 7-billion-parameter model (0.4 GB) — or
 # the backward recomputes `P` from `Q`, `K` and one number per query saved by the forward (the
 # log-sum-exp of its scores, `B·H·S` numbers). Your function recomputes it, since it gets
 # `Q, K, V, dout` only. **FlashAttention** (notebook 06) does the same, tile by tile, so that no
