@@ -98,7 +98,8 @@ def test_find_uses_sees_every_spelling_of_a_matrix_product(answer, written, line
     assert uses[0].written == written
     function = _helper if answer is through_a_helper else answer
     assert uses[0].line == function.__code__.co_firstlineno + line_offset
-    assert uses[0].describe() == f"{written} (in {function.__name__}, line {uses[0].line})"
+    alias = {"contract": "numpy.einsum, ", "matmul_alias": "numpy.matmul, "}.get(written, "")
+    assert uses[0].describe() == f"{written} ({alias}in {function.__name__}, line {uses[0].line})"
 
 
 def test_find_uses_names_what_an_alias_is():

@@ -62,9 +62,12 @@ class Use:
     line: int | None  # line number (in the notebook cell or file that defines the function), if known
 
     def describe(self) -> str:
-        """``np.dot (in row_times_matrix, line 4)`` -- how a message names it."""
+        """``np.dot (in row_times_matrix, line 4)``, or ``sm (scipy.special.softmax, in f, line 2)``
+        when the code calls it by another name -- how a message names it."""
         where = f"in {self.function}, line {self.line}" if self.line else f"in {self.function}"
-        return f"{self.written} ({where})"
+        alias = self.written not in (self.target, self.target.lstrip(".")) and not self.target.startswith(".") \
+            and not _textual_match(self.written, self.target)
+        return f"{self.written} ({self.target}, {where})" if alias else f"{self.written} ({where})"
 
 
 @dataclass
