@@ -932,6 +932,7 @@ WRONG_SOFTMAX_BACKWARD = {
     "sum_axis": _wrong_backward(lambda p, dp, axis: p * (dp - np.sum(p * dp))),
     "ignores_axis": _wrong_backward(lambda p, dp, axis: p * (dp - _row_dot(p, dp, -1))),
     "jacobian": backward_jacobian,
+    "softmax_again": _wrong_backward(lambda p, dp, axis: backward_expanded(_reference_softmax(p, axis), dp, axis)),
 }
 
 

@@ -982,6 +982,8 @@ SOFTMAX_BACKWARD_HINTS = {
     "axis, with keepdims=True, one value per row.",
     "ignores_axis": "the backward ran over the last axis although a different axis was asked for: use the "
     "axis argument in the sum.",
+    "softmax_again": "you applied the softmax to p again. p is already the softmax's output (the weights): "
+    "the backward uses it as it is.",
     "jacobian": "you built the [n, n] Jacobian diag(p) − p pᵀ of every row. The vector-Jacobian product "
     "never needs it: Σ_i dp_i · ∂p_i/∂s_j collapses to one dot product per row, so the backward of a softmax "
     "costs as much memory as its forward.",
@@ -1020,6 +1022,9 @@ def _softmax_backward_variants(p: np.ndarray, dp: np.ndarray, axis: int) -> list
         Variant(lambda: P * (dP - (dP * P).mean(axis, keepdim=True)), SOFTMAX_BACKWARD_HINTS["mean"]),
         Variant(lambda: P * (dP - (dP * P).sum()), SOFTMAX_BACKWARD_HINTS["sum_axis"]),
     ]
+    twice = torch.softmax(P, dim=axis)
+    variants.append(Variant(lambda: twice * (dP - (dP * twice).sum(axis, keepdim=True)),
+                            SOFTMAX_BACKWARD_HINTS["softmax_again"]))
     variants += [Variant(lambda other=other: P * (dP - (dP * P).sum(other, keepdim=True)), SOFTMAX_BACKWARD_HINTS["sum_axis"])
                  for other in range(p.ndim) if other != axis % p.ndim]
     if axis % p.ndim != p.ndim - 1:
