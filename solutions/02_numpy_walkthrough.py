@@ -4,9 +4,11 @@
 # Notebook 01 built multi-head attention from PyTorch modules. Here you do the same maths by
 # hand in **NumPy**, on a configuration small enough to print whole — `B = 2` sequences of
 # `S = 6` tokens with `D = 4` features, split into `H = 2` heads of `d_head = 2` — and look at
-# every intermediate array. Then you measure *why* the scores are divided by `sqrt(d_head)`.
+# every intermediate array. Then you measure *why* the scores are divided by `sqrt(d_head)`, and
+# finally write the **backward pass** by hand: the gradients that training needs, and what they
+# cost in memory.
 #
-# **22 points, about 85 minutes.**
+# **30 points, about 122 minutes.**
 #
 # **Notation** (as in every notebook): `B` batch, `S` sequence length, `D` model width, `H`
 # heads, `d_head = D // H`. The walkthrough this notebook grew from calls the feature width
@@ -96,9 +98,11 @@ print("token (b=0, s=0):", X[0, 0], "@ W_q =", Q_total[0, 0])
 #
 # Write one row-times-matrix product **as explicit sums**: loops over `j` (output features)
 # and `i` (input features). `x_row` has shape `(N,)`, `W` has shape `(N, M)`; return shape
-# `(M,)`, in the inputs' dtype. Do not use `@`, `np.dot`, `np.matmul` or `np.einsum` here: the
-# exercise is what they do inside. The check uses weights that are **not square**, where
-# mixing up `i` and `j` cannot hide.
+# `(M,)`, in the inputs' dtype. Do not use `@`, `np.dot`, `np.matmul` or `np.einsum` here, nor
+# a product of whole arrays summed at once (`np.sum(x_row[:, None] * W, axis=0)` is `@` in
+# disguise): the exercise is what they do inside, and the check reads your code to see that it
+# loops. The check uses weights that are **not square**, where mixing up `i` and `j` cannot
+# hide: it names the mix-up.
 
 # %% answer="row_times_matrix"
 def row_times_matrix(x_row, W):
@@ -121,15 +125,8 @@ def row_times_matrix(x_row, W):
     ### END SOLUTION
 
 
-# %%
-# Every (b, s) of the batched product is one row_times_matrix.
-by_hand = np.array([[row_times_matrix(X[b, s], W_q) for s in range(S)] for b in range(B)])  # [B, S, D]
-print("all B·S rows equal X @ W_q:", np.allclose(by_hand, X @ W_q))
-W_narrow = rng.standard_normal((D, 3))  # (in=4, out=3): not square
-print("non-square:", row_times_matrix(X[0, 0], W_narrow), "vs", X[0, 0] @ W_narrow)
-
 # %% test="test_row_times_matrix" points=2
-"""row_times_matrix: explicit sums (no @), equal to x_row @ W for square and non-square W, dtype kept."""
+"""row_times_matrix: loops (no @), equal to x_row @ W for square and non-square W, dtype kept."""
 from attention_lab.checks.numpy_walkthrough import check_row_times_matrix
 
 check_row_times_matrix(row_times_matrix)
@@ -137,6 +134,14 @@ check_row_times_matrix(row_times_matrix)
 check_row_times_matrix(row_times_matrix, seed=2101)
 check_row_times_matrix(row_times_matrix, seed=2102)
 ### END HIDDEN TESTS
+
+# %%
+# Every (b, s) of the batched product is one row_times_matrix.
+by_hand = np.array([[row_times_matrix(X[b, s], W_q) for s in range(S)]
+                    for b in range(B)])  # [B, S, D]
+print("all B·S rows equal X @ W_q:", np.allclose(by_hand, X @ W_q))
+W_narrow = rng.standard_normal((D, 3))  # (in=4, out=3): not square
+print("non-square:", row_times_matrix(X[0, 0], W_narrow), "vs", X[0, 0] @ W_narrow)
 
 # %% [markdown]
 # ## 4. Heads: split and merge
@@ -173,19 +178,19 @@ def np_split_heads(t, num_heads):
     ### END SOLUTION
 
 
-# %%
-Q = np_split_heads(X @ W_q, H)  # (B, H, S, d_head)
-print("Q:", Q.shape)
-print("head 1 of token 0 (sequence 0):", Q[0, 1, 0], "= features 2..3 of", (X @ W_q)[0, 0])
-
 # %% test="test_np_split_heads" points=2
-"""np_split_heads: (B, S, D) -> (B, H, S, D//H) with the right numbers, edge cases, and the ValueError."""
+"""np_split_heads: (B, S, D) -> (B, H, S, D//H): numbers, edge cases, the ValueError."""
 from attention_lab.checks.numpy_walkthrough import check_np_split_heads
 
 check_np_split_heads(np_split_heads)
 ### BEGIN HIDDEN TESTS
 check_np_split_heads(np_split_heads, seed=2201)
 ### END HIDDEN TESTS
+
+# %%
+Q = np_split_heads(X @ W_q, H)  # (B, H, S, d_head)
+print("Q:", Q.shape)
+print("head 1 of token 0 (sequence 0):", Q[0, 1, 0], "= features 2..3 of", (X @ W_q)[0, 0])
 
 # %% [markdown]
 # ### Exercise 2.3 — np_merge_heads (1 pt, ~5 min)
@@ -207,17 +212,17 @@ def np_merge_heads(t):
     ### END SOLUTION
 
 
-# %%
-print("round trip exact:", np.array_equal(np_merge_heads(np_split_heads(X, H)), X))
-
 # %% test="test_np_merge_heads" points=1
-"""np_merge_heads: (B, H, S, d) -> (B, S, H*d), accepts a transposed view, inverts np_split_heads."""
+"""np_merge_heads: (B, H, S, d) -> (B, S, H*d), on a transposed view too; inverts the split."""
 from attention_lab.checks.numpy_walkthrough import check_np_merge_heads
 
 check_np_merge_heads(np_merge_heads)
 ### BEGIN HIDDEN TESTS
 check_np_merge_heads(np_merge_heads, seed=2301)
 ### END HIDDEN TESTS
+
+# %%
+print("round trip exact:", np.array_equal(np_merge_heads(np_split_heads(X, H)), X))
 
 # %% [markdown]
 # ## 5. Raw scores, and why `K` is transposed
@@ -236,10 +241,12 @@ check_np_merge_heads(np_merge_heads, seed=2301)
 # %%
 Q = np_split_heads(X @ W_q, H)  # (B, H, S, d_head)
 K = np_split_heads(X @ W_k, H)
-raw_scores = Q @ K.transpose(0, 1, 3, 2)  # (B, H, S, d_head) @ (B, H, d_head, S) -> (B, H, S, S)
+# (B, H, S, d_head) @ (B, H, d_head, S) -> (B, H, S, S)
+raw_scores = Q @ K.transpose(0, 1, 3, 2)
 print("scores:", raw_scores.shape)
 print("batch 0, head 0:\n", raw_scores[0, 0].round(2))
-print("entry (i=2, j=4) is one dot product:", np.isclose(raw_scores[0, 0, 2, 4], Q[0, 0, 2] @ K[0, 0, 4]))
+one_dot_product = Q[0, 0, 2] @ K[0, 0, 4]
+print("entry (i=2, j=4) is one dot product:", np.isclose(raw_scores[0, 0, 2, 4], one_dot_product))
 
 # %% [markdown]
 # ## 6. Why divide by `sqrt(d_head)`? The variance argument, done right
@@ -256,9 +263,12 @@ print("entry (i=2, j=4) is one dot product:", np.isclose(raw_scores[0, 0, 2, 4],
 # after the next exercise.)
 #
 # Is `1/sqrt(d_head)` "the only mathematically correct factor"? No: it is the one that keeps the
-# variance constant under this independence assumption. Other choices are in use — μP
-# (maximal-update parametrisation) scales by `1/d_head`, and models that normalise `q` and `k`
-# (QK-norm) use a fixed or learned temperature instead.
+# variance constant under this independence assumption. Other choices are in use: μP
+# (maximal-update parametrisation) scales by `1/d_head`, with an initialisation of its own.
+# Models with **QK-norm** (an RMSNorm on `q` and `k`: ViT-22B, OLMo 2, Qwen3) keep
+# `head_dim**-0.5`: the norm fixes the entries' scale, so the variance argument holds again. Only
+# **cosine attention** (`q` and `k` divided by their length, so every score lies in `[-1, 1]`:
+# Swin V2) replaces the factor, by a learned temperature.
 
 # %%
 Q, K = np_split_heads(X @ W_q, H), np_split_heads(X @ W_k, H)
@@ -269,7 +279,8 @@ print("scaled scores, batch 0, head 0:\n", scaled_scores[0, 0].round(2))
 # %% [markdown]
 # ### Exercise 2.4 — dot_product_variance (5 pts, ~18 min)
 #
-# Three points for the measurement below, two for a written question after its check. Measure it. Draw `n_samples` pairs `(q, k)` of vectors of `d_head` entries, all independent
+# Three points for the measurement below, two for a written question after its check.
+# Measure it. Draw `n_samples` pairs `(q, k)` of vectors of `d_head` entries, all independent
 # `N(0, σ²)`, and return the empirical variance of their dot products as a float. Draw every
 # number from the generator `rng` you are given (`rng.normal(0.0, sigma, size=...)` — note
 # that its `scale` is the standard deviation `σ`, not the variance): then a seeded `rng` gives
@@ -292,21 +303,21 @@ def dot_product_variance(d_head, sigma, n_samples, rng):
     ### END SOLUTION
 
 
-# %%
-print(f"{'d_head':>6} {'σ':>4} {'measured':>10} {'d·σ²':>8} {'d·σ⁴':>8}")
-for sigma in (1.0, 2.0):
-    for d in (1, 4, 16, 64):
-        measured = dot_product_variance(d, sigma, 20_000, np.random.default_rng(0))
-        print(f"{d:>6} {sigma:>4} {measured:>10.1f} {d * sigma**2:>8.0f} {d * sigma**4:>8.0f}")
-
 # %% test="test_dot_product_variance" points=3
-"""dot_product_variance: d·σ⁴ within the sampling error of n_samples, reproducible from the given rng."""
+"""dot_product_variance: d·σ⁴ within the sampling error, reproducible from the given rng."""
 from attention_lab.checks.numpy_walkthrough import check_dot_product_variance
 
 check_dot_product_variance(dot_product_variance)
 ### BEGIN HIDDEN TESTS
 check_dot_product_variance(dot_product_variance, seed=2401)
 ### END HIDDEN TESTS
+
+# %%
+print(f"{'d_head':>6} {'σ':>4} {'measured':>10} {'d·σ²':>8} {'d·σ⁴':>8}")
+for sigma in (1.0, 2.0):
+    for d in (1, 4, 16, 64):
+        measured = dot_product_variance(d, sigma, 20_000, np.random.default_rng(0))
+        print(f"{d:>6} {sigma:>4} {measured:>10.1f} {d * sigma**2:>8.0f} {d * sigma**4:>8.0f}")
 
 # %% [markdown]
 # **Look at it.** Vary `d_head`, the entries' standard deviation `σ` and the scaling. Left: the
@@ -333,10 +344,11 @@ variance_explorer(dot_product_variance)
 # `d_head`; it normalises the variance to 1 **only** when the entries of `q` and `k` have unit
 # variance. Nothing in the factor itself controls `σ`: LayerNorm before the projections and an
 # initialisation of the weights with standard deviation about `1/sqrt(D)` keep the entries of order
-# 1 at the start of training, but training can grow them. Models that normalise `q` and `k`
-# (QK-norm) fix their scale directly and use a fixed or learned temperature instead; μP scales
-# by `1/d_head`. `1/sqrt(d_head)` is a convention resting on the unit-variance assumption, not
-# the only correct factor.
+# 1 at the start of training, but training can grow them. QK-norm (an RMSNorm on `q` and `k`)
+# fixes their scale directly and keeps `1/sqrt(d_head)`; only cosine attention (unit-length `q`
+# and `k`) replaces the factor, by a learned temperature; μP scales by `1/d_head`.
+# `1/sqrt(d_head)` is a convention resting on the unit-variance assumption, not the only correct
+# factor.
 
 # %% [markdown]
 # ## 7. Softmax, without overflow
@@ -367,12 +379,19 @@ print("the same shifted by -1000:", naive_softmax(np.array([0.0, -1.0, -2.0])))
 # `-inf - (-inf)` is NaN: no softmax formula can give it a meaning. The next section says what
 # libraries do about it.
 #
+# The shift protects against large *finite* scores only. A `+inf` score (an overflow upstream, a
+# bad fill value) breaks it: the row's maximum is `+inf`, and `+inf - (+inf)` is NaN, so the whole
+# row becomes NaN — and a NaN in the weights spreads to every output that reads them. The demo
+# after the check shows it.
+#
 # ### Exercise 2.5 — np_softmax (3 pts, ~10 min)
 #
 # A numerically stable softmax over `axis` (default: the last). Same shape and dtype as `x`
 # (float32 in, float32 out); do not modify `x` in place. It must be right at inputs like 1000,
 # on rows of very different scales, with `-inf` on part of a row, and along any axis. Every row
-# the check gives you has at least one finite entry.
+# the check gives you has at least one finite entry. Write it with `np.max`, `np.exp` and
+# `np.sum`: `scipy.special.softmax` (or `logsumexp`) would do the stable shift for you, and the
+# check says so.
 
 # %% answer="np_softmax"
 def np_softmax(x, axis=-1):
@@ -389,20 +408,24 @@ def np_softmax(x, axis=-1):
     ### END SOLUTION
 
 
-# %%
-print("near 1000:", np_softmax(np.array([1000.0, 999.0, 998.0])).round(3))
-print("two rows, very different scales:\n", np_softmax(np.array([[0.0, 1.0, 2.0], [-1000.0, -999.0, -998.0]])).round(3))
-print("-inf on part of a row:", np_softmax(np.array([1.0, -np.inf, 1.0])))
-print("over axis 0 (columns sum to 1):", np_softmax(np.array([[1.0, 2.0], [3.0, 4.0]]), axis=0).sum(axis=0))
-
 # %% test="test_np_softmax" points=3
-"""np_softmax: equals torch.softmax at 1000, on rows of different scales, with -inf entries and on other axes."""
+"""np_softmax: equals torch.softmax at 1000, on rows of different scales, -inf, other axes."""
 from attention_lab.checks.numpy_walkthrough import check_np_softmax
 
 check_np_softmax(np_softmax)
 ### BEGIN HIDDEN TESTS
 check_np_softmax(np_softmax, seed=2501)
 ### END HIDDEN TESTS
+
+# %%
+print("near 1000:", np_softmax(np.array([1000.0, 999.0, 998.0])).round(3))
+two_scales = np.array([[0.0, 1.0, 2.0], [-1000.0, -999.0, -998.0]])
+print("two rows, very different scales:\n", np_softmax(two_scales).round(3))
+print("-inf on part of a row:", np_softmax(np.array([1.0, -np.inf, 1.0])))
+columns = np_softmax(np.array([[1.0, 2.0], [3.0, 4.0]]), axis=0)
+print("over axis 0 (columns sum to 1):", columns.sum(axis=0))
+with np.errstate(invalid="ignore"):  # inf - inf: NumPy warns, then returns NaN
+    print("+inf in a row (max = inf, inf - inf = nan):", np_softmax(np.array([1.0, np.inf, 2.0])))
 
 # %% [markdown]
 # ## 8. Weights, and the weighted sum of values
@@ -433,10 +456,12 @@ check_np_softmax(np_softmax, seed=2501)
 def np_attention(Q, K, V, mask=None):
     """softmax(Q Kᵀ / sqrt(d_head)) V, with an optional boolean mask (True = may attend).
 
-    Q: (B, H, S_q, d), K: (B, H, S_k, d), V: (B, H, S_k, d_v), mask broadcastable to (B, H, S_q, S_k)
+    Q: (B, H, S_q, d), K: (B, H, S_k, d), V: (B, H, S_k, d_v),
+    mask: bool, broadcastable to (B, H, S_q, S_k)
     returns (out (B, H, S_q, d_v), weights (B, H, S_q, S_k)); masked weights are exactly 0.
 
-    Example: with a causal mask np.tril(np.ones((S, S), dtype=bool)), weights[..., i, j] == 0 for j > i.
+    Example: with a causal mask np.tril(np.ones((S, S), dtype=bool)),
+    weights[..., i, j] == 0 for j > i.
     """
     ### BEGIN SOLUTION
     d = Q.shape[-1]
@@ -448,6 +473,15 @@ def np_attention(Q, K, V, mask=None):
     ### END SOLUTION
 
 
+# %% test="test_np_attention" points=3
+"""np_attention: (out, weights) equal F.scaled_dot_product_attention, with masks, large scores."""
+from attention_lab.checks.numpy_walkthrough import check_np_attention
+
+check_np_attention(np_attention)
+### BEGIN HIDDEN TESTS
+check_np_attention(np_attention, seed=2601)
+### END HIDDEN TESTS
+
 # %%
 Q, K, V = (np_split_heads(X @ W, H) for W in (W_q, W_k, W_v))  # (B, H, S, d_head) each
 context, head_weights = np_attention(Q, K, V)
@@ -456,15 +490,6 @@ print("batch 0, head 0 (each row sums to 1):\n", head_weights[0, 0].round(2))
 causal = np.tril(np.ones((S, S), dtype=bool))
 _, causal_weights = np_attention(Q, K, V, causal)
 print("with a causal mask:\n", causal_weights[0, 0].round(2))
-
-# %% test="test_np_attention" points=3
-"""np_attention: (out, weights) equal F.scaled_dot_product_attention, masks (True = may attend), large scores."""
-from attention_lab.checks.numpy_walkthrough import check_np_attention
-
-check_np_attention(np_attention)
-### BEGIN HIDDEN TESTS
-check_np_attention(np_attention, seed=2601)
-### END HIDDEN TESTS
 
 # %% [markdown]
 # ## 9. Concatenate — and project
@@ -486,7 +511,8 @@ check_np_attention(np_attention, seed=2601)
 def np_multi_head_attention(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
     """Multi-head self-attention in NumPy, weights in (in, out) layout.
 
-    X: (B, S, D); W_q, W_k, W_v, W_o: (D, D); mask: bool, broadcastable to (B, H, S, S), True = may attend
+    X: (B, S, D); W_q, W_k, W_v, W_o: (D, D);
+    mask: bool, broadcastable to (B, H, S, S), True = may attend
     returns (B, S, D) = merge(attention(split(X @ W_q), split(X @ W_k), split(X @ W_v))) @ W_o
 
     Example: np_multi_head_attention(X, W_q, W_k, W_v, W_o, 2).shape == X.shape
@@ -500,23 +526,8 @@ def np_multi_head_attention(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
     ### END SOLUTION
 
 
-# %%
-causal = np.tril(np.ones((S, S), dtype=bool))  # True = may attend
-out = np_multi_head_attention(X, W_q, W_k, W_v, W_o, H, causal)
-print("out:", out.shape)
-
-# The same layer in PyTorch: nn.MultiheadAttention stores (out, in) weights, so copy transposes.
-torch_mha = torch.nn.MultiheadAttention(D, H, bias=False, batch_first=True, dtype=torch.float64)
-with torch.no_grad():
-    torch_mha.in_proj_weight.copy_(torch.from_numpy(np.concatenate([W_q.T, W_k.T, W_v.T])))  # stacked q; k; v
-    torch_mha.out_proj.weight.copy_(torch.from_numpy(W_o.T))
-X_torch = torch.from_numpy(X)
-blocked = torch.from_numpy(~causal)  # careful: nn.MultiheadAttention's mask means True = blocked
-theirs, _ = torch_mha(X_torch, X_torch, X_torch, attn_mask=blocked)
-print("max difference from nn.MultiheadAttention:", float(np.abs(out - theirs.detach().numpy()).max()))
-
 # %% test="test_np_multi_head_attention" points=4
-"""np_multi_head_attention: equals nn.MultiheadAttention with the same (transposed) weights, W_o included; equivariance, causality."""
+"""np_multi_head_attention: equals nn.MultiheadAttention holding the same weights, W_o included."""
 from attention_lab.checks.numpy_walkthrough import check_np_multi_head_attention
 
 check_np_multi_head_attention(np_multi_head_attention)
@@ -524,14 +535,33 @@ check_np_multi_head_attention(np_multi_head_attention)
 check_np_multi_head_attention(np_multi_head_attention, seed=2701)
 ### END HIDDEN TESTS
 
+# %%
+causal = np.tril(np.ones((S, S), dtype=bool))  # True = may attend
+out = np_multi_head_attention(X, W_q, W_k, W_v, W_o, H, causal)
+print("out:", out.shape)
+
+# The same layer in PyTorch: nn.MultiheadAttention stores (out, in) weights, so copy transposes.
+torch_mha = torch.nn.MultiheadAttention(D, H, bias=False, batch_first=True, dtype=torch.float64)
+stacked_qkv = np.concatenate([W_q.T, W_k.T, W_v.T])  # stacked q; k; v, each (out, in)
+with torch.no_grad():
+    torch_mha.in_proj_weight.copy_(torch.from_numpy(stacked_qkv))
+    torch_mha.out_proj.weight.copy_(torch.from_numpy(W_o.T))
+X_torch = torch.from_numpy(X)
+blocked = torch.from_numpy(~causal)  # careful: nn.MultiheadAttention's mask means True = blocked
+theirs, _ = torch_mha(X_torch, X_torch, X_torch, attn_mask=blocked)
+difference = float(np.abs(out - theirs.detach().numpy()).max())
+print("max difference from nn.MultiheadAttention:", difference)
+
 # %% [markdown]
 # ## 10. Experiment: why `1/sqrt(d_head)` and not `1/d_head`?
 #
 # Random queries and keys with unit-variance entries, 16 keys per query, for growing `d_head`.
 # For each width we measure how peaked the weights are — the **largest weight** of a row (1/16 =
-# uniform, 1 = one-hot), averaged over 200 queries — and how much gradient the softmax passes
-# back: the size (Frobenius norm) of its Jacobian `∂weights/∂scores = diag(p) − p pᵀ`, which is
-# 0 for a one-hot row. Three scalings: none (raw `q · k`), `1/sqrt(d_head)`, and `1/d_head`.
+# uniform, 1 = one-hot), averaged over 200 queries — and how much gradient reaches the query:
+# the size (Frobenius norm) of `∂weights/∂q`, for a typical query (the median over 200). By the
+# chain rule through the scores `s = scale · K q`, it is the softmax's Jacobian
+# `∂p/∂s = diag(p) − p pᵀ` (0 for a one-hot row) times `∂s/∂q = scale · K`. Three scalings:
+# none (raw `q · k`), `1/sqrt(d_head)`, and `1/d_head`.
 #
 # ### Exercise 2.8 — predict, then measure (2 pts, ~5 min)
 #
@@ -554,25 +584,33 @@ ANSWER_SCALING = "C"
 
 # %%
 def peakedness(d, scale, num_keys=16, num_queries=200, seed=0):
-    """(mean largest weight, mean softmax Jacobian norm) of rows of num_keys random scores."""
+    """(mean largest weight, median |∂p/∂q|, median |∂p/∂s|) of rows of num_keys scores."""
     generator = np.random.default_rng(seed)
     q = generator.standard_normal((num_queries, 1, d))
     k = generator.standard_normal((num_queries, num_keys, d))  # fresh keys for every query
     p = np_softmax(scale * np.sum(q * k, axis=-1), axis=-1)  # (num_queries, num_keys)
-    jacobian = np.eye(num_keys) * p[:, :, None] - p[:, :, None] * p[:, None, :]  # diag(p) - p pᵀ
-    return p.max(axis=-1).mean(), np.linalg.norm(jacobian, axis=(-2, -1)).mean()
+    eye = np.eye(num_keys)
+    jacobian = eye * p[:, :, None] - p[:, :, None] * p[:, None, :]  # ∂p/∂s = diag(p) - p pᵀ
+    to_query = jacobian @ (scale * k)  # ∂p/∂q = ∂p/∂s · ∂s/∂q: (queries, keys, d)
+    norm_q = np.median(np.linalg.norm(to_query, axis=(-2, -1)))
+    norm_s = np.median(np.linalg.norm(jacobian, axis=(-2, -1)))
+    return p.max(axis=-1).mean(), norm_q, norm_s
 
 
 widths = [4, 16, 64, 256, 1024]
 scalings = {"raw q·k": lambda d: 1.0, "q·k / sqrt(d_head)": lambda d: 1 / math.sqrt(d),
             "q·k / d_head": lambda d: 1 / d}
 fig, (ax_max, ax_grad) = plt.subplots(1, 2, figsize=(10, 3.5))
+print(f"{'scaling':>20} {'d_head':>6} {'largest weight':>14} {'|∂p/∂q|':>9} {'|∂p/∂s|':>9}")
 for label, factor in scalings.items():
     curve = np.array([peakedness(d, factor(d)) for d in widths])
     ax_max.plot(widths, curve[:, 0], "o-", label=label)
     ax_grad.plot(widths, curve[:, 1], "o-", label=label)
+    for d, (largest, norm_q, norm_s) in zip(widths, curve):
+        print(f"{label:>20} {d:>6} {largest:>14.3f} {norm_q:>9.2g} {norm_s:>9.2g}")
 ax_max.axhline(1 / 16, color="gray", linestyle=":", label="uniform (1/16)")
-for ax, name in ((ax_max, "mean largest weight"), (ax_grad, "mean softmax Jacobian norm")):
+ax_grad.set_yscale("log")
+for ax, name in ((ax_max, "mean largest weight"), (ax_grad, "median |∂weights/∂q|")):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("d_head")
     ax.set_ylabel(name)
@@ -581,7 +619,7 @@ fig.tight_layout()
 plt.show()
 
 # %% test="test_ANSWER_SCALING" points=2
-"""ANSWER_SCALING: what the 1/d_head scaling does as d_head grows (the check re-runs the experiment)."""
+"""ANSWER_SCALING: what 1/d_head does as d_head grows (the check re-runs the experiment)."""
 from attention_lab.checks.numpy_walkthrough import check_answer_scaling
 
 check_answer_scaling(ANSWER_SCALING)
@@ -590,13 +628,185 @@ check_answer_scaling(ANSWER_SCALING, seed=2801)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# The raw scores' rows go one-hot and their Jacobian — the gradient the softmax passes back —
-# falls towards 0: the **vanishing gradient** the scaling prevents. For independent unit-variance
-# entries `1/d_head` over-corrects: its scores shrink towards 0, every row tends to uniform
-# weights, and attention stops distinguishing keys (its Jacobian stays large, but a uniform row
-# says nothing about which key matters). `1/sqrt(d_head)` keeps both curves level. (μP's
-# `1/d_head` rests on another assumption: that after training `q` and `k` are correlated, so
+# The raw scores' rows go one-hot, and the gradient reaching a typical query collapses (by
+# orders of magnitude at `d_head = 1024`): the **vanishing gradient** the scaling prevents. For
+# independent unit-variance entries `1/d_head` over-corrects: its scores shrink towards 0, every
+# row tends to uniform weights, and attention stops distinguishing keys. It starves the gradient
+# too: the softmax's own Jacobian `∂p/∂s` stays large for a near-uniform row (the last column of
+# the table), but the factor `1/d_head` multiplies everything that flows back to `q` and `k`
+# through the scores, so `|∂p/∂q|` falls like `1/sqrt(d_head)` (÷ 2 each time `d_head` grows 4×).
+# `1/sqrt(d_head)` keeps both curves level. (μP's `1/d_head` rests on other assumptions: its own
+# initialisation and learning rates, and `q`, `k` that become correlated in training, so that
 # `q · k` grows like `d_head` rather than `sqrt(d_head)`.)
+
+# %% [markdown]
+# ## 11. The backward pass, by hand
+#
+# Training needs the gradient of a loss `L` with respect to `Q`, `K` and `V`. Autograd computes
+# it for you; here you write it, because *what the backward pass needs from the forward pass*
+# is the whole story of memory-efficient attention (notebook 06).
+#
+# Notation: for an array `A` of the forward pass, `dA` is `∂L/∂A`, an array of `A`'s shape. The
+# backward of a step `y = f(x)` receives `dy` and returns `dx`, with
+# `dx_j = Σ_i dy_i · ∂y_i/∂x_j`: a **vector-Jacobian product**. It never needs the Jacobian
+# `∂y/∂x` as a matrix, only its product with `dy`.
+#
+# ### The softmax
+#
+# For one row, `p = softmax(s)` over `n` entries has the Jacobian the experiment above built:
+# `∂p_i/∂s_j = p_i (δ_ij − p_j)`, that is `diag(p) − p pᵀ` — every weight depends on every score
+# of its row, through the shared sum. Work out `ds_j = Σ_i dp_i · ∂p_i/∂s_j` on paper: the sum
+# over `i` splits into the diagonal term and one sum that is the same for every `j`. What you get
+# costs one dot product per row, `O(n)` memory, where the Jacobian costs `n²` — for a row of
+# 4096 keys, 16.8 million numbers, for every query of every head.
+#
+# Notice what it needs: only the softmax's **output** `p` (and `dp`), not the scores.
+#
+# ### Exercise 2.9 — softmax_backward (3 pts, ~12 min)
+#
+# Given `p = softmax(s, axis)` and `dp = ∂L/∂p` (same shape), return `ds = ∂L/∂s`, same shape
+# and dtype (float32 in, float32 out), along any `axis`. Do not build the `[n, n]` Jacobian: the
+# check gives you rows of 512 entries and measures the memory your code holds at once. Weights
+# that are exactly 0 (masked keys) must pass exactly 0 to their scores.
+
+# %% answer="softmax_backward"
+def softmax_backward(p, dp, axis=-1):
+    """Backward of the softmax: ds = ∂L/∂s from p = softmax(s, axis) and dp = ∂L/∂p.
+
+    p, dp: same shape  ->  ds: same shape and dtype; along `axis`, without the [n, n] Jacobian.
+
+    Example: for p = np.array([0.5, 0.5]) and dp = np.array([1.0, 0.0]), ds = [0.25, -0.25].
+    """
+    ### BEGIN SOLUTION
+    row_dot = np.sum(dp * p, axis=axis, keepdims=True)  # Σ_i dp_i p_i, one per row
+    return p * (dp - row_dot)
+    ### END SOLUTION
+
+
+# %% test="test_softmax_backward" points=3
+"""softmax_backward: equals torch.autograd along any axis, masked weights get 0, no Jacobian."""
+from attention_lab.checks.numpy_walkthrough import check_softmax_backward
+
+check_softmax_backward(softmax_backward)
+### BEGIN HIDDEN TESTS
+check_softmax_backward(softmax_backward, seed=2901)
+### END HIDDEN TESTS
+
+# %%
+# Your backward against autograd, on one row; and what the Jacobian would cost.
+scores = np.array([2.0, 1.0, -1.0, 0.5])
+upstream = np.array([0.3, -1.0, 2.0, 0.0])  # some dL/dp
+scores_torch = torch.tensor(scores, requires_grad=True)
+loss = (torch.softmax(scores_torch, -1) * torch.tensor(upstream)).sum()  # L = Σ p · dp
+(autograd_ds,) = torch.autograd.grad(loss, scores_torch)
+print("yours:   ", softmax_backward(np_softmax(scores), upstream).round(4))
+print("autograd:", autograd_ds.numpy().round(4))
+for n in (512, 4096, 32768):
+    print(f"one row of {n:>5} keys: Jacobian {n * n * 4 / 2**20:>8.1f} MB in float32, "
+          f"the VJP needs {n * 4 / 2**10:>6.1f} kB")
+
+# %% [markdown]
+# ### Attention
+#
+# Per head, the forward pass is `S = Q Kᵀ / sqrt(d)`, then masked scores set to `-inf`,
+# `P = softmax(S)` over the keys, `out = P V`. The backward runs the same steps in reverse, given
+# `dout`. Two rules are all you need:
+#
+# * **A product** `C = A @ B` sends back `dA = dC @ Bᵀ` and `dB = Aᵀ @ dC`. (Check it on the
+#   shapes: each gradient has the shape of its array.)
+# * **The softmax** sends back your `softmax_backward`.
+#
+# Where does the scale `1/sqrt(d)` go? Where are the masked scores? Think about which arrays
+# each step touched. A masked weight is exactly 0, and the softmax's backward multiplies by the
+# weight: no gradient flows into a masked score, so a key that no query may see gets `dK = 0`
+# and `dV = 0`.
+#
+# **Fully masked rows.** A query whose mask row is all False (a padding token) has no keys. The
+# `-inf` recipe of `np_attention` gives it NaN weights (0/0); PyTorch gives it zeros; a `-1e9`
+# fill gives it the mean of the values. As section 8 said, its output means nothing and is masked
+# out of the loss, so real training sends it `dout = 0`. The backward makes that a rule, whatever
+# `dout` says: **a fully masked query has weights 0 and sends no gradient** — its row of `dQ` is 0,
+# and it adds nothing to `dK` or `dV`. That is what autograd gives for
+# `F.scaled_dot_product_attention`, which the check compares with. Beware the NaN: the backward
+# sums over the queries (`dV` collects every query that read a key), so one NaN row of `P` would
+# make NaN of every key's gradient.
+#
+# **What the backward keeps from the forward.** `dV` and the softmax's backward need `P`: `S_q × S_k`
+# numbers per head. Either the forward keeps `P` — at `B = 8`, `H = 32`, `S = 4096` in bfloat16
+# that is 8.6 GB for *one* layer, about twenty times the bfloat16 weights of one layer of a
+# 7-billion-parameter model (0.4 GB) — or
+# the backward recomputes `P` from `Q`, `K` and one number per query saved by the forward (the
+# log-sum-exp of its scores, `B·H·S` numbers). Your function recomputes it, since it gets
+# `Q, K, V, dout` only. **FlashAttention** (notebook 06) does the same, tile by tile, so that no
+# `S × S` array ever exists; it also replaces `Σ_j dP_ij · P_ij` by `Σ_c dout_ic · out_ic`, the
+# same number (work out why: `out_i = Σ_j P_ij V_j`), computed from arrays the forward saved.
+#
+# ### Exercise 2.10 — np_attention_backward (5 pts, ~25 min)
+#
+# The gradients of `np_attention`'s `out` with respect to `Q`, `K` and `V`: given `dout` of
+# `out`'s shape `(B, H, S_q, d_v)` and the same `mask` as the forward (or `None`), return
+# `(dQ, dK, dV)`, shaped like `Q`, `K`, `V`, in `Q`'s dtype. NumPy only; use your `np_softmax` and
+# `softmax_backward`. The check compares with `torch.autograd` through
+# `F.scaled_dot_product_attention` in float64: with and without masks, fully masked rows
+# included, at large scores.
+
+# %% answer="np_attention_backward"
+def np_attention_backward(Q, K, V, dout, mask=None):
+    """Gradients of out = softmax(Q Kᵀ / sqrt(d) [masked]) V with respect to Q, K and V.
+
+    Q: (B, H, S_q, d), K: (B, H, S_k, d), V: (B, H, S_k, d_v), dout: (B, H, S_q, d_v),
+    mask: None or bool broadcastable to (B, H, S_q, S_k), True = may attend.
+    returns (dQ, dK, dV), shaped like Q, K, V, in Q's dtype. A fully masked query sends nothing.
+
+    Example: with dout = np.ones_like(out), dV[..., j, :] is the total weight key j receives.
+    """
+    ### BEGIN SOLUTION
+    scale = 1.0 / math.sqrt(Q.shape[-1])
+    scores = Q @ np.swapaxes(K, -1, -2) * scale  # (B, H, S_q, S_k), recomputed as in the forward
+    if mask is not None:
+        any_key = np.any(mask, axis=-1, keepdims=True)  # False for a fully masked query
+        scores = np.where(mask, scores, -np.inf)
+        scores = np.where(any_key, scores, 0.0)  # no -inf-only rows: no NaN
+    P = np_softmax(scores, axis=-1)
+    if mask is not None:
+        P = np.where(any_key, P, 0.0).astype(Q.dtype)  # a fully masked query: weights 0
+    dV = np.swapaxes(P, -1, -2) @ dout  # out = P V
+    dP = dout @ np.swapaxes(V, -1, -2)
+    dS = softmax_backward(P, dP, axis=-1) * scale  # the scale sits inside the scores
+    dQ = dS @ K
+    dK = np.swapaxes(dS, -1, -2) @ Q
+    return dQ, dK, dV
+    ### END SOLUTION
+
+
+# %% test="test_np_attention_backward" points=5
+"""np_attention_backward: dQ, dK, dV equal torch.autograd, with masks and fully masked rows."""
+from attention_lab.checks.numpy_walkthrough import check_np_attention_backward
+
+check_np_attention_backward(np_attention_backward)
+### BEGIN HIDDEN TESTS
+check_np_attention_backward(np_attention_backward, seed=3001)
+### END HIDDEN TESTS
+
+# %%
+# Finite differences: nudge one entry of Q, K or V and watch the loss L = Σ out · dout move.
+Q, K, V = (np_split_heads(X @ W, H) for W in (W_q, W_k, W_v))  # (B, H, S, d_head) each
+causal = np.tril(np.ones((S, S), dtype=bool))
+dout = np.random.default_rng(7).standard_normal((B, H, S, d_head))
+gradients = dict(zip("QKV", np_attention_backward(Q, K, V, dout, causal)))
+loss = np.sum(np_attention(Q, K, V, causal)[0] * dout)
+step = 1e-6
+for name, index in (("Q", (0, 1, 3, 0)), ("K", (1, 0, 2, 1)), ("V", (0, 0, 4, 1))):
+    arrays = {"Q": Q.copy(), "K": K.copy(), "V": V.copy()}
+    arrays[name][index] += step
+    nudged_out, _ = np_attention(arrays["Q"], arrays["K"], arrays["V"], causal)
+    slope = (np.sum(nudged_out * dout) - loss) / step
+    print(f"∂L/∂{name}{list(index)}: yours {gradients[name][index]:+.6f}, "
+          f"finite difference {slope:+.6f}")
+batch, heads, length = 8, 32, 4096
+print(f"P for B={batch}, H={heads}, S={length} in bfloat16: "
+      f"{batch * heads * length * length * 2 / 1e9:.1f} GB; one log-sum-exp per query instead: "
+      f"{batch * heads * length * 4 / 1e6:.1f} MB")
 
 # %% [markdown]
 # ## What you built
@@ -612,7 +822,12 @@ check_answer_scaling(ANSWER_SCALING, seed=2801)
 # | context | **weights** `@ V` | `(2, 2, 6, 2)` |
 # | merge | `np_merge_heads` (transpose + reshape) | `(2, 6, 4)` |
 # | output projection | `@ W_o` | `(2, 6, 4)` = `(B, S, D)` |
+# | backward: `dV` | `Pᵀ @ dout` | `(2, 2, 6, 2)` |
+# | backward: `dS` | `softmax_backward(P, dout @ Vᵀ)`, 0 where masked | `(2, 2, 6, 6)` |
+# | backward: `dQ`, `dK` | `dS @ K`, `dSᵀ @ Q`, each `/ sqrt(d_head)` | `(2, 2, 6, 2)` each |
 #
 # You wrote every step in NumPy and matched `nn.MultiheadAttention` to float64 precision —
 # after transposing the weights into PyTorch's `(out, in)` layout and flipping the mask's
-# meaning. Next: positions and the Transformer block (notebook 03).
+# meaning — then its gradients, and saw that the backward needs the `S × S` weights again:
+# notebook 06's FlashAttention recomputes them instead of storing them. Next: positions and the
+# Transformer block (notebook 03).

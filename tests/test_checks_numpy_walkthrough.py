@@ -81,6 +81,51 @@ def row_default_dtype(x_row, W):
     return out
 
 
+def row_asarray_matmul(x_row, W):
+    return np.asarray(x_row) @ np.asarray(W)  # plain arrays: the runtime guard cannot see this @
+
+
+def row_asarray_dot(x_row, W):
+    return np.dot(np.asarray(x_row), np.asarray(W))
+
+
+def row_asarray_inner(x_row, W):
+    return np.inner(np.asarray(x_row), np.asarray(W).T)
+
+
+def row_asarray_matmul_function(x_row, W):
+    return np.matmul(np.array(x_row), np.array(W))
+
+
+def row_loop_with_dot(x_row, W):
+    x = np.asarray(x_row)
+    return np.array([x.dot(np.asarray(W)[:, j]) for j in range(W.shape[1])])
+
+
+def row_w_index_swapped(x_row, W):
+    out = np.zeros(W.shape[1], dtype=W.dtype)
+    for j in range(W.shape[1]):
+        for i in range(W.shape[0]):
+            out[j] += x_row[i] * W[j, i]  # W[j, i] instead of W[i, j]
+    return out
+
+
+def row_ranges_swapped(x_row, W):
+    out = np.zeros(W.shape[1], dtype=W.dtype)
+    for j in range(W.shape[0]):  # j over the rows, i over the columns: right only when square
+        for i in range(W.shape[1]):
+            out[j] += x_row[i] * W[i, j]
+    return out
+
+
+def row_off_by_one(x_row, W):
+    out = np.zeros(W.shape[1], dtype=W.dtype)
+    for j in range(W.shape[1]):
+        for i in range(W.shape[0]):
+            out[j] += x_row[i] * W[i, j + 1]  # off by one
+    return out
+
+
 def row_via_torch(x_row, W):
     return (torch.from_numpy(np.asarray(x_row)) @ torch.from_numpy(np.asarray(W))).numpy()
 
@@ -89,17 +134,38 @@ def row_returns_list(x_row, W):
     return [sum(x_row[i] * W[i, j] for i in range(W.shape[0])) for j in range(W.shape[1])]
 
 
+def row_one_loop_elementwise(x_row, W):
+    return np.array([np.sum(x_row * W[:, j]) for j in range(W.shape[1])], dtype=np.result_type(x_row, W))
+
+
+def row_sum_of_scaled_rows(x_row, W):
+    total = np.zeros(W.shape[1], dtype=np.result_type(x_row, W))
+    for i in range(W.shape[0]):
+        total = total + x_row[i] * W[i]  # out = Σ_i x_row[i] · (row i of W)
+    return total
+
+
 def test_row_times_matrix_accepts_correct_answers_written_differently():
     checks.check_row_times_matrix(row_generator_sum, **CPU)
-    checks.check_row_times_matrix(row_broadcast_sum, seed=3, **CPU)
+    checks.check_row_times_matrix(row_one_loop_elementwise, seed=3, **CPU)
+    checks.check_row_times_matrix(row_sum_of_scaled_rows, seed=4, **CPU)
 
 
 @pytest.mark.parametrize("wrong, phrase", [
     (row_uses_matmul, r"should write the sums itself[\s\S]*np.matmul"),
     (row_uses_dot, r"should write the sums itself[\s\S]*np.dot"),
     (row_uses_einsum, r"should write the sums itself[\s\S]*np.einsum"),
+    (row_asarray_matmul, r"should write the sums itself[\s\S]*calls @ \(in row_asarray_matmul, line \d+\)"),
+    (row_asarray_dot, r"should write the sums itself[\s\S]*np.dot \(in row_asarray_dot"),
+    (row_asarray_inner, r"should write the sums itself[\s\S]*np.inner"),
+    (row_asarray_matmul_function, r"should write the sums itself[\s\S]*np.matmul"),
+    (row_loop_with_dot, r"should write the sums itself[\s\S]*x.dot"),
+    (row_broadcast_sum, "has no loop" + r"[\s\S]*" + re.escape(checks.ROW_HINTS["no_loop"])),
+    (row_w_index_swapped, r"raised IndexError[\s\S]*" + re.escape(checks.ROW_HINTS["index_transposed"])),
+    (row_ranges_swapped, r"raised IndexError[\s\S]*" + re.escape(checks.ROW_HINTS["loop_ranges"])),
+    (row_off_by_one, r"raised IndexError[\s\S]*" + re.escape(checks.ROW_HINTS["index_error"])),
     (row_indices_swapped, r"should have shape \[3\], got \[4\][\s\S]*one per column"),
-    (row_default_dtype, "should keep the input dtype float32, got float64"),
+    (row_default_dtype, "should keep the input dtype float32, got float64. " + re.escape(checks.DTYPE_HINTS["row"])),
     (row_via_torch, "NumPy only"),
     (row_returns_list, "should return a NumPy ndarray of shape"),
 ])
@@ -166,6 +232,12 @@ def split_silent(t, num_heads):
     return t[..., : d * num_heads].reshape(b, s, num_heads, d).transpose(0, 2, 1, 3)
 
 
+def split_sequence_axis(t, num_heads):
+    if t.shape[-1] % num_heads:
+        raise ValueError(f"width {t.shape[-1]} cannot be split into {num_heads} heads")
+    return np.stack(np.split(t, num_heads, axis=1), axis=1)  # splits the tokens, not the features
+
+
 def split_float32(t, num_heads):
     return split_by_np_split(t, num_heads).astype(np.float32)
 
@@ -186,7 +258,9 @@ def test_np_split_heads_accepts_a_correct_answer_written_differently():
     (split_strided, "every H-th feature"),
     (split_vague_error, "should name 10 and 4"),
     (split_silent, "should raise ValueError"),
-    (split_float32, "should keep the input dtype float64, got float32"),
+    (split_float32, "should keep the input dtype float64, got float32. " + re.escape(checks.DTYPE_HINTS["heads"])),
+    (split_sequence_axis, r"should have shape \[2, 2, 6, 2\], got \[2, 2, 3, 4\][\s\S]*"
+     + re.escape(checks.SPLIT_HINTS["sequence_axis"])),
     (split_via_torch, "NumPy only"),
 ])
 def test_np_split_heads_rejects_known_mistakes(wrong, phrase):
@@ -214,6 +288,10 @@ def merge_in_place_transpose(t):
     return merged
 
 
+def merge_float64(t):
+    return merge_by_concatenate(t).astype(np.float64)
+
+
 def test_np_merge_heads_accepts_and_rejects():
     checks.check_np_merge_heads(merge_by_concatenate, **CPU)
     with pytest.raises(CheckFailure, match="Move the head axis back"):
@@ -222,6 +300,8 @@ def test_np_merge_heads_accepts_and_rejects():
         checks.check_np_merge_heads(merge_forgets_to_flatten, **CPU)
     with pytest.raises(CheckFailure, match="raised AttributeError"):
         checks.check_np_merge_heads(merge_in_place_transpose, **CPU)
+    with pytest.raises(CheckFailure, match="got float64. " + re.escape(checks.DTYPE_HINTS["heads"])):
+        checks.check_np_merge_heads(merge_float64, **CPU)
 
 
 # --------------------------------------------------------------------------------------
@@ -269,6 +349,24 @@ def softmax_always_float64(x, axis=-1):
     return _reference_softmax(x.astype(np.float64), axis)
 
 
+def softmax_scipy(x, axis=-1):
+    import scipy.special
+
+    return scipy.special.softmax(x, axis=axis)
+
+
+def softmax_scipy_logsumexp(x, axis=-1):
+    from scipy.special import logsumexp
+
+    return np.exp(x - logsumexp(x, axis=axis, keepdims=True))
+
+
+def softmax_max_other_axis(x, axis=-1):
+    other = 0 if axis % x.ndim != 0 else -1
+    e = np.exp(x - np.max(x, axis=other, keepdims=True))  # the max over the wrong axis
+    return e / e.sum(axis=axis, keepdims=True)
+
+
 def softmax_via_torch(x, axis=-1):
     return torch.softmax(torch.from_numpy(x), dim=axis).numpy()
 
@@ -285,8 +383,12 @@ def test_np_softmax_accepts_a_correct_answer_written_differently():
     (softmax_no_keepdims, "keepdims=True"),
     (softmax_min_shift, r"returned NaN[\s\S]*not its minimum"),
     (softmax_in_place, "changed its input x in place"),
-    (softmax_always_float64, "should keep the input dtype float32, got float64"),
-    (softmax_via_torch, "NumPy only"),
+    (softmax_always_float64, "should keep the input dtype float32, got float64. "
+     + re.escape(checks.DTYPE_HINTS["softmax"])),
+    (softmax_scipy, r"should compute the softmax itself[\s\S]*calls scipy.special.softmax \(in softmax_scipy"),
+    (softmax_scipy_logsumexp, r"should compute the softmax itself[\s\S]*calls logsumexp"),
+    (softmax_max_other_axis, re.escape(checks.SOFTMAX_HINTS["max_axis"])),
+    (softmax_via_torch, r"calls torch.softmax[\s\S]*NumPy only"),
 ])
 def test_np_softmax_rejects_known_mistakes(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -343,7 +445,7 @@ WRONG_ATTENTION = {
     "naive_softmax": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, softmax=softmax_naive),
                       "softmax overflowed"),
     "np_sqrt": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, scale=1 / np.sqrt(Q.shape[-1])),
-                r"keep the input dtype float32[\s\S]*float32 in, float32 out[\s\S]*math.sqrt"),
+                r"keep the input dtype float32, got float64. NumPy 2 keeps[\s\S]*math.sqrt[\s\S]*float32 in, float32 out"),
     "only_out": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask)[0], "should return a tuple"),
     "torch": (lambda Q, K, V, mask=None: tuple(
         t.numpy() for t in _torch_attention(torch.from_numpy(Q), torch.from_numpy(K), torch.from_numpy(V))), "NumPy only"),
@@ -520,6 +622,17 @@ def variance_self_dot(d_head, sigma, n_samples, rng):
     return float(np.var(np.sum(q * q, axis=-1)))
 
 
+def variance_of_q_alone(d_head, sigma, n_samples, rng):
+    q = rng.normal(0.0, sigma, size=(n_samples, d_head))
+    rng.normal(0.0, sigma, size=(n_samples, d_head))  # k, drawn and never used
+    return float(np.var(q))
+
+
+def variance_summed_over_samples(d_head, sigma, n_samples, rng):
+    q, k = (rng.normal(0.0, sigma, size=(n_samples, d_head)) for _ in range(2))
+    return float(np.var(np.sum(q * k, axis=0)))  # one sum per feature, over the samples
+
+
 def variance_formula(d_head, sigma, n_samples, rng):
     return d_head * sigma**4
 
@@ -561,6 +674,8 @@ def test_dot_product_variance_accepts_a_correct_answer_written_differently():
     (variance_scaled_scores, r"close to σ⁴ \(no factor d\)"),
     (variance_self_dot, r"2·d·σ⁴[\s\S]*independently of q"),
     (variance_formula, r"did not draw from the rng[\s\S]*returned the formula"),
+    (variance_of_q_alone, re.escape(checks.VARIANCE_HINTS["entries"])),
+    (variance_summed_over_samples, re.escape(checks.VARIANCE_HINTS["sample_axis"])),
     (variance_global_rng, r"did not draw from the rng it was given: it used np.random's global generator"),
     (variance_own_rng, r"did not draw from the rng it was given: it used a generator of your own"),
     (variance_mixed_rng, "as well as from rng"),
@@ -740,8 +855,292 @@ def test_no_function_of_the_check_module_or_the_widget_is_a_working_answer():
                   if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("check_")]
     all_checks = [checks.check_row_times_matrix, checks.check_np_split_heads, checks.check_np_merge_heads,
                   checks.check_np_softmax, checks.check_np_attention, checks.check_np_multi_head_attention,
-                  checks.check_dot_product_variance]
+                  checks.check_dot_product_variance, checks.check_softmax_backward,
+                  checks.check_np_attention_backward]
     for candidate in candidates:
         for check in all_checks:
             with pytest.raises(Exception):
                 check(candidate, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# softmax_backward
+# --------------------------------------------------------------------------------------
+
+
+def backward_expanded(p, dp, axis=-1):
+    weighted = p * dp
+    return weighted - p * np.sum(weighted, axis=axis, keepdims=True)
+
+
+def backward_by_rows(p, dp, axis=-1):
+    p_last, dp_last = np.moveaxis(p, axis, -1), np.moveaxis(dp, axis, -1)
+    out = np.empty_like(p_last)
+    for index in np.ndindex(p_last.shape[:-1]):  # one row at a time, never a matrix
+        row, upstream = p_last[index], dp_last[index]
+        out[index] = row * (upstream - row @ upstream)
+    return np.moveaxis(out, -1, axis)
+
+
+def _wrong_backward(formula):
+    def softmax_backward(p, dp, axis=-1):
+        return formula(p, dp, axis).astype(p.dtype)
+    return softmax_backward
+
+
+def _row_dot(p, dp, axis):
+    return np.sum(p * dp, axis=axis, keepdims=True)
+
+
+def backward_jacobian(p, dp, axis=-1):
+    p_last, dp_last = np.moveaxis(p, axis, -1), np.moveaxis(dp, axis, -1)
+    eye = np.eye(p_last.shape[-1], dtype=p.dtype)
+    jacobian = p_last[..., :, None] * eye - p_last[..., :, None] * p_last[..., None, :]  # [..., n, n]
+    return np.moveaxis(np.einsum("...ij,...i->...j", jacobian, dp_last), -1, axis)
+
+
+def backward_jacobian_per_row(p, dp, axis=-1):
+    p_last, dp_last = np.moveaxis(p, axis, -1), np.moveaxis(dp, axis, -1)
+    out = np.empty_like(p_last)
+    for index in np.ndindex(p_last.shape[:-1]):
+        row = p_last[index]
+        out[index] = (np.diag(row) - np.outer(row, row)) @ dp_last[index]
+    return np.moveaxis(out, -1, axis)
+
+
+def backward_in_place(p, dp, axis=-1):
+    dp -= np.sum(p * dp, axis=axis, keepdims=True)
+    return p * dp
+
+
+def backward_float64(p, dp, axis=-1):
+    return backward_expanded(p.astype(np.float64), dp.astype(np.float64), axis)
+
+
+def backward_via_torch(p, dp, axis=-1):
+    P, dP = torch.from_numpy(p), torch.from_numpy(dp)
+    return (P * (dP - (P * dP).sum(axis, keepdim=True))).numpy()
+
+
+WRONG_SOFTMAX_BACKWARD = {
+    "no_rowsum": _wrong_backward(lambda p, dp, axis: p * dp),
+    "diagonal_only": _wrong_backward(lambda p, dp, axis: p * (1 - p) * dp),
+    "unweighted_sum": _wrong_backward(lambda p, dp, axis: p * (dp - np.sum(dp, axis=axis, keepdims=True))),
+    "no_outer_p": _wrong_backward(lambda p, dp, axis: dp - _row_dot(p, dp, axis)),
+    "sign": _wrong_backward(lambda p, dp, axis: p * (_row_dot(p, dp, axis) - dp)),
+    "mean": _wrong_backward(lambda p, dp, axis: p * (dp - np.mean(p * dp, axis=axis, keepdims=True))),
+    "sum_axis": _wrong_backward(lambda p, dp, axis: p * (dp - np.sum(p * dp))),
+    "ignores_axis": _wrong_backward(lambda p, dp, axis: p * (dp - _row_dot(p, dp, -1))),
+    "jacobian": backward_jacobian,
+    "softmax_again": _wrong_backward(lambda p, dp, axis: backward_expanded(_reference_softmax(p, axis), dp, axis)),
+}
+
+
+def test_softmax_backward_accepts_correct_answers_written_differently():
+    checks.check_softmax_backward(backward_expanded, **CPU)
+    checks.check_softmax_backward(backward_by_rows, seed=2901, **CPU)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_SOFTMAX_BACKWARD))
+def test_softmax_backward_names_known_mistakes(name):
+    with pytest.raises(CheckFailure, match=re.escape(checks.SOFTMAX_BACKWARD_HINTS[name])):
+        checks.check_softmax_backward(WRONG_SOFTMAX_BACKWARD[name], **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (backward_jacobian, r"held \d+\.\d MB at once[\s\S]*\[n, n\] Jacobian \(n = 512"),
+    (backward_jacobian_per_row, r"held \d+\.\d MB at once[\s\S]*diag\(p\) − p pᵀ"),
+    (backward_in_place, "changed its input dp in place"),
+    (backward_float64, "should keep the input dtype float32, got float64. " + re.escape(checks.DTYPE_HINTS["softmax"])),
+    (backward_via_torch, "NumPy only"),
+    (lambda p, grad, axis=-1: backward_expanded(p, grad, axis), r"should take the parameters \(p, dp, axis\)"),
+])
+def test_softmax_backward_rejects_other_mistakes(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_softmax_backward(wrong, **CPU)
+
+
+def test_softmax_backward_memory_measure_sees_what_an_answer_holds():
+    small, small_peak = checks._peak_allocation(lambda: np.ones((4, 512)) * 2.0)
+    big, big_peak = checks._peak_allocation(lambda: np.ones((4, 512, 512)).sum())
+    assert small.shape == (4, 512) and 4 * 512 * 8 <= small_peak < 512 * 512 * 8 // 4
+    assert float(big) == 4 * 512 * 512 and big_peak >= 4 * 512 * 512 * 8
+
+
+# --------------------------------------------------------------------------------------
+# np_attention_backward
+# --------------------------------------------------------------------------------------
+
+
+def _attention_backward(Q, K, V, dout, mask=None, *, rowsum="weighted", grad_scale=None, scale_dv=False,
+                        transpose=None, use_mask=True, fully_masked="zero", forward_scale=True, leak=False,
+                        fill=-np.inf):
+    """A NumPy backward with one deliberate change (the correct one with the defaults)."""
+    d = Q.shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    scores = Q @ np.swapaxes(K, -1, -2) * (scale if forward_scale else 1.0)
+    any_key = None
+    if mask is not None and use_mask:
+        any_key = np.any(mask, axis=-1, keepdims=True)
+        scores = np.where(mask, scores, fill)
+        if fully_masked != "nan":
+            scores = np.where(any_key, scores, 0.0)
+    with np.errstate(all="ignore"):
+        P = _reference_softmax(scores)
+    if any_key is not None and fully_masked == "zero":
+        P = np.where(any_key, P, 0.0)
+    dV = (P @ dout) if transpose == "dv" else np.swapaxes(P, -1, -2) @ dout
+    dP = dout @ np.swapaxes(V, -1, -2)
+    if transpose == "dp":
+        dP = np.swapaxes(dP, -1, -2)
+    total = {"weighted": np.sum(dP * P, axis=-1, keepdims=True), "none": 0.0,
+             "unweighted": np.sum(dP, axis=-1, keepdims=True), "axis": np.sum(dP * P, axis=-2, keepdims=True)}[rowsum]
+    dS = (dP - total) if leak else P * (dP - total)
+    factor = scale if grad_scale is None else grad_scale(d)
+    dQ = (np.swapaxes(dS, -1, -2) if transpose == "dq" else dS) @ K * factor
+    dK = (dS if transpose == "dk" else np.swapaxes(dS, -1, -2)) @ Q * factor
+    if transpose == "dk_shape":
+        dK = np.swapaxes(dK, -1, -2)
+    if scale_dv:
+        dV = dV * scale
+    return dQ.astype(Q.dtype), dK.astype(Q.dtype), dV.astype(Q.dtype)
+
+
+def attention_backward_einsum(Q, K, V, dout, mask=None):
+    scale = 1 / math.sqrt(Q.shape[-1])
+    scores = np.einsum("bhqd,bhkd->bhqk", Q, K) * scale
+    if mask is not None:
+        scores = np.where(mask, scores, -1e9)
+    P = softmax_logsumexp(scores)
+    if mask is not None:
+        P = P * np.any(mask, axis=-1, keepdims=True)
+    out = np.einsum("bhqk,bhkv->bhqv", P, V)
+    dP = np.einsum("bhqv,bhkv->bhqk", dout, V)
+    dS = P * (dP - np.sum(dout * out, axis=-1, keepdims=True)) * scale  # FlashAttention's rowsum(dO ∘ O)
+    return (np.einsum("bhqk,bhkd->bhqd", dS, K), np.einsum("bhqk,bhqd->bhkd", dS, Q),
+            np.einsum("bhqk,bhqv->bhkv", P, dout))
+
+
+WRONG_ATTENTION_BACKWARD = {
+    "no_rowsum": dict(rowsum="none"),
+    "rowsum_unweighted": dict(rowsum="unweighted"),
+    "rowsum_axis": dict(rowsum="axis"),
+    "no_scale": dict(grad_scale=lambda d: 1.0),
+    "scale_by_d": dict(grad_scale=lambda d: 1.0 / d),
+    "scale_dv": dict(scale_dv=True),
+    "forward_no_scale": dict(forward_scale=False),
+    "dv_transposed": dict(transpose="dv"),
+    "dp_transposed": dict(transpose="dp"),
+    "dq_transposed": dict(transpose="dq"),
+    "dk_transposed": dict(transpose="dk"),
+    "mask_ignored": dict(use_mask=False),
+    "no_outer_p": dict(leak=True),
+    "masked_leak": dict(fill=-5.0),  # a fill not far enough below the scores: masked weights are not 0
+    "fully_masked_nan": dict(fully_masked="nan"),
+    "fully_masked_sends": dict(fully_masked="uniform", fill=-1e9),
+    "matmul_shapes": dict(transpose="dk_shape"),
+}
+
+
+def test_np_attention_backward_accepts_correct_answers_written_differently():
+    checks.check_np_attention_backward(_attention_backward, **CPU)
+    checks.check_np_attention_backward(attention_backward_einsum, **CPU)
+    checks.check_np_attention_backward(attention_backward_einsum, seed=3001, **CPU)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_ATTENTION_BACKWARD))
+def test_np_attention_backward_names_known_mistakes(name):
+    options = WRONG_ATTENTION_BACKWARD[name]
+
+    def np_attention_backward(Q, K, V, dout, mask=None):
+        return _attention_backward(Q, K, V, dout, mask, **options)
+
+    with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_BACKWARD_HINTS[name])):
+        checks.check_np_attention_backward(np_attention_backward, **CPU)
+
+
+def test_np_attention_backward_names_a_transposed_product_that_does_not_fit():
+    def wrong(Q, K, V, dout, mask=None):
+        dQ, dK, dV = _attention_backward(Q, K, V, dout, mask)
+        P = _reference_softmax(Q @ np.swapaxes(K, -1, -2) / math.sqrt(Q.shape[-1]))
+        return dQ, dK, P.T @ dout  # .T reverses all four axes
+
+    with pytest.raises(CheckFailure, match=r"raised ValueError[\s\S]*"
+                       + re.escape(checks.ATTENTION_BACKWARD_HINTS["matmul_shapes"])):
+        checks.check_np_attention_backward(wrong, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (lambda Q, K, V, dout, mask=None: _attention_backward(Q, K, V, dout, mask)[:2], r"should return a tuple \(dQ, dK, dV\)"),
+    (lambda Q, K, V, dout, mask=None: tuple(g.astype(np.float64) for g in _attention_backward(Q, K, V, dout, mask)),
+     "got float64. " + re.escape(checks.DTYPE_HINTS["scaled"])),
+    (lambda Q, K, V, dout, mask=None: tuple(torch.from_numpy(g).numpy() for g in (torch.from_numpy(Q).numpy(),) * 3),
+     "NumPy only"),
+    (lambda Q, K, V, grad_out, mask=None: None, r"should take the parameters \(Q, K, V, dout, mask\)"),
+])
+def test_np_attention_backward_rejects_wrong_returns(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_np_attention_backward(wrong, **CPU)
+
+
+def test_np_attention_backward_leaves_its_inputs_alone():
+    def scales_in_place(Q, K, V, dout, mask=None):
+        Q *= 1.0  # harmless, but then:
+        dout -= dout.mean()
+        return _attention_backward(Q, K, V, dout, mask)
+
+    with pytest.raises(CheckFailure, match="changed its input dout in place"):
+        checks.check_np_attention_backward(scales_in_place, **CPU)
+
+
+def test_the_notebooks_gradient_claims_hold():
+    """Section 10: with 1/d_head the gradient reaching q falls like 1/sqrt(d_head) although the
+    softmax's own Jacobian stays large; with 1/sqrt(d_head) it stays level; raw scores starve it."""
+    def norms(d, scale, seed=0, num_keys=16, num_queries=200):
+        rng = np.random.default_rng(seed)
+        q = torch.from_numpy(rng.standard_normal((num_queries, 1, d))).requires_grad_(True)
+        k = torch.from_numpy(rng.standard_normal((num_queries, num_keys, d)))
+        jacobians = [torch.autograd.functional.jacobian(lambda row: torch.softmax(scale * (k[i] @ row), -1), q[i, 0])
+                     for i in range(num_queries)]
+        return float(np.median([float(j.norm()) for j in jacobians]))
+
+    by_d = [norms(d, 1 / d) for d in (4, 64, 1024)]
+    by_sqrt = [norms(d, 1 / math.sqrt(d)) for d in (4, 64, 1024)]
+    raw = [norms(d, 1.0) for d in (4, 1024)]
+    assert by_d[0] / by_d[1] == pytest.approx(4, rel=0.2) and by_d[1] / by_d[2] == pytest.approx(4, rel=0.2)
+    assert max(by_sqrt) / min(by_sqrt) < 1.2
+    assert raw[1] < 0.01 * raw[0]
+
+
+# --------------------------------------------------------------------------------------
+# The notebook around the checks
+# --------------------------------------------------------------------------------------
+
+
+def _notebook_02_cells():
+    from pathlib import Path
+
+    import jupytext
+
+    source = Path(__file__).resolve().parents[1] / "solutions" / "02_numpy_walkthrough.py"
+    return jupytext.read(source, fmt="py:percent").cells
+
+
+def test_no_demo_cell_runs_between_an_answer_and_its_check():
+    """A student reads the check's message before any demo can crash on the mistake."""
+    pending = None  # the answer whose check has not run yet
+    for cell in _notebook_02_cells():
+        if cell.cell_type != "code":
+            continue
+        if "answer" in cell.metadata:
+            pending = cell.metadata["answer"]
+        elif "test" in cell.metadata:
+            pending = None
+        elif pending is not None and pending != "ANSWER_SCALING":  # the experiment is run before the answer's check
+            raise AssertionError(f"a demo cell runs after the answer {pending} but before its check:\n{cell.source[:200]}")
+
+
+def test_no_code_line_is_longer_than_100_characters():
+    long = [line for cell in _notebook_02_cells() if cell.cell_type == "code"
+            for line in cell.source.splitlines() if len(line) > 100]
+    assert not long, long

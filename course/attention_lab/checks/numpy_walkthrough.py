@@ -14,8 +14,10 @@ the references copy transposes.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import numbers
+import tracemalloc
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -35,9 +37,12 @@ from attention_lab.checking import (
     expect_true,
     expect_value_error,
     freeze_module,
+    one_cpu_thread,
     reference_sdpa,
     shape_str,
+    tolerance,
 )
+from attention_lab.code_inspection import find_uses, has_loop
 
 # --------------------------------------------------------------------------------------
 # Shared helpers
@@ -62,8 +67,9 @@ def _array(value: Any) -> str:
     return describe(value) if not isinstance(value, np.ndarray) else f"array of shape {shape_str(value.shape)} ({value.dtype})"
 
 
-def _call(fn: Callable, *args: Any, call: str, **kwargs: Any) -> Any:
-    """call_student with NumPy only, and a hint for the broadcasting errors NumPy raises."""
+def _call(fn: Callable, *args: Any, call: str, matmul_hint: str | None = None, **kwargs: Any) -> Any:
+    """call_student with NumPy only, and a hint for the broadcasting errors NumPy raises
+    (``matmul_hint`` replaces the one for a product of mismatched shapes)."""
     try:
         return call_student(fn, *args, call=call, numpy_only=True, **kwargs)
     except CheckFailure as failure:
@@ -71,10 +77,23 @@ def _call(fn: Callable, *args: Any, call: str, **kwargs: Any) -> Any:
         if "not implemented yet" in text or "Likely mistake" in text or "NumPy only" in text:
             raise
         if "remapped shapes" in text or ("matmul" in text and "mismatch" in text):  # raised by @
-            raise CheckFailure(f"{text}\n  Likely mistake: {ERROR_HINTS['matmul_shapes']}") from failure.__cause__
+            hint = matmul_hint or ERROR_HINTS["matmul_shapes"]
+            raise CheckFailure(f"{text}\n  Likely mistake: {hint}") from failure.__cause__
         if "could not be broadcast" in text:
             raise CheckFailure(f"{text}\n  Likely mistake: {ERROR_HINTS['lost_axis']}") from failure.__cause__
         raise
+
+
+def _one_thread(function: Callable) -> Callable:
+    """Run a check on one CPU thread: its arrays are tiny, and PyTorch's thread pool costs more
+    than it saves on them (tens of milliseconds a call on a busy machine, microseconds on one)."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, device: torch.device | None = None, **kwargs: Any) -> None:
+        with one_cpu_thread(device if device is not None else "cpu"):
+            return function(*args, device=device, **kwargs)
+
+    return wrapper
 
 
 ERROR_HINTS = {
@@ -84,13 +103,19 @@ ERROR_HINTS = {
     "np.max(x, axis=axis, keepdims=True)).",
 }
 # The notebook's rule: an answer returns the dtype it was given (float32 in, float32 out).
+# Each message leads with the cause that fits its exercise, then states the rule.
+_DTYPE_RULE = " The rule of this notebook: float32 in, float32 out."
 DTYPE_HINTS = {
-    "promoted": "the rule of this notebook is float32 in, float32 out. NumPy 2 keeps a float32 array float32 "
-    "when it meets a Python float, but a NumPy float64 scalar such as np.sqrt(d) promotes it to float64: "
-    "divide by math.sqrt(d) (a Python float) or cast back with .astype(Q.dtype), and create new arrays "
-    "with dtype=x.dtype.",
+    "row": "Create the output with the inputs' dtype, np.zeros(M, dtype=np.result_type(x_row, W)): "
+    "np.zeros(M) alone is float64 whatever the inputs." + _DTYPE_RULE,
+    "heads": "Reshape, transpose and concatenate keep the dtype: look for a conversion (.astype(...), "
+    "np.array(..., dtype=...)) or a new array created without dtype=t.dtype." + _DTYPE_RULE,
+    "softmax": "np.max, np.exp, np.sum and arithmetic between arrays keep float32: look for a conversion "
+    "(.astype(np.float64), dtype=float) or a new array created without the input's dtype." + _DTYPE_RULE,
+    "scaled": "NumPy 2 keeps a float32 array float32 when it meets a Python float, but a NumPy float64 "
+    "scalar such as np.sqrt(d) promotes it to float64: divide by math.sqrt(d) (a Python float) or cast "
+    "back with .astype(Q.dtype), and create new arrays with dtype=Q.dtype." + _DTYPE_RULE,
 }
-DTYPE_HINT = DTYPE_HINTS["promoted"]
 
 
 def _expect_unchanged(before: np.ndarray, after: np.ndarray, call: str, name: str) -> None:
@@ -131,15 +156,59 @@ class _ExplicitSumsOnly(np.ndarray):
 _MATRIX_UFUNCS = {"matmul", "vecdot", "matvec", "vecmat"}
 _MATRIX_FUNCTIONS = {"dot", "einsum", "inner", "tensordot", "vdot", "multi_dot", "matmul", "vecdot"}
 _MATMUL_USED = ("row_times_matrix should write the sums itself -- out[j] = Σ_i x_row[i] · W[i, j], with loops "
-                "(or np.sum of elementwise products) -- but it called {name}. The point of the exercise is "
-                "what @ does inside; you will use @ everywhere after it.")
+                "over j and i -- but it calls {name}. The point of the exercise is what @ does inside; you will "
+                "use @ everywhere after it.")
+# What reading the answer's code looks for (the array guard above cannot see an answer that first
+# converts its input, np.asarray(x_row) @ W).
+_ROW_SHORTCUTS = {
+    "functions": tuple(f"numpy.{name}" for name in ("dot", "matmul", "einsum", "inner", "tensordot", "vdot", "vecdot",
+                                                     "matvec", "vecmat", "linalg.multi_dot", "linalg.matmul",
+                                                     "linalg.vecdot", "linalg.tensordot")),
+    "methods": ("dot",),
+    "operators": ("@",),
+}
 
 ROW_HINTS = {
     "transposed": "you computed Σ_j W[i, j] · x_row[j] (that is W @ x_row = x_row @ Wᵀ). Output j is "
     "Σ_i x_row[i] · W[i, j]: x_row runs down column j of W.",
     "wrong_length": "your output has one entry per row of W; it needs one per column: "
     "for j in range(W.shape[1]): out[j] = Σ_i x_row[i] · W[i, j].",
+    "no_loop": "row_times_matrix computes the whole product at once, with no loop: a sum of elementwise "
+    "products of whole arrays (np.sum(x_row[:, None] * W, axis=0)) is @ in disguise. Write the sums: for "
+    "each output j, add up x_row[i] · W[i, j] over i, in a loop (or a comprehension).",
+    "index_transposed": "you indexed W[j, i]. W has shape (N, M): its rows are the input features i and "
+    "its columns the output features j, so out[j] = Σ_i x_row[i] · W[i, j]. On a square W the swap "
+    "computes x_row @ Wᵀ; on this one it runs off the end of W.",
+    "loop_ranges": "your loops' ranges are swapped: i runs over the N rows of W (range(W.shape[0])) and j "
+    "over its M columns (range(W.shape[1])). They only agree when W is square.",
+    "index_error": "an index ran past the end of an array. W has shape (N, M): i runs over range(N) (the "
+    "entries of x_row, the rows of W) and j over range(M) (the columns of W, the entries of the output).",
 }
+
+
+def _expect_no_matmul_shortcut(row_times_matrix: Callable) -> None:
+    """Read the answer's code: no matrix product in any spelling, and a loop somewhere."""
+    uses = find_uses(row_times_matrix, **_ROW_SHORTCUTS)
+    if uses:
+        raise CheckFailure(_MATMUL_USED.format(name=uses[0].describe()))
+    if not has_loop(row_times_matrix):
+        raise CheckFailure(f"row_times_matrix has no loop.\n  Likely mistake: {ROW_HINTS['no_loop']}")
+
+
+def _diagnose_index_error(row_times_matrix: Callable, x_row: np.ndarray, W: np.ndarray) -> str:
+    """An IndexError on a non-square W: run the answer on a square W to see which mix-up it is."""
+    n = W.shape[0]
+    square = np.arange(1.0, n * n + 1.0).reshape(n, n) / n  # distinct entries: every mix-up shows
+    try:
+        out = np.asarray(row_times_matrix(x_row.view(_ExplicitSumsOnly), square.view(_ExplicitSumsOnly)),
+                         dtype=np.float64)
+    except Exception:
+        return ROW_HINTS["index_error"]
+    if out.shape == (n,) and np.allclose(out, square @ x_row):
+        return ROW_HINTS["index_transposed"]
+    if out.shape == (n,) and np.allclose(out, x_row @ square):
+        return ROW_HINTS["loop_ranges"]
+    return ROW_HINTS["index_error"]
 
 
 def _check_row_once(row_times_matrix: Callable, x_row: np.ndarray, W: np.ndarray) -> None:
@@ -147,22 +216,33 @@ def _check_row_once(row_times_matrix: Callable, x_row: np.ndarray, W: np.ndarray
     call = f"row_times_matrix(x_row, W) with x_row {_array(x_row)}, W {_array(W)}"
     guarded_x = x_row.view(_ExplicitSumsOnly)
     guarded_W = W.view(_ExplicitSumsOnly)
-    out = _call(row_times_matrix, guarded_x, guarded_W, call=call)
+    try:
+        out = _call(row_times_matrix, guarded_x, guarded_W, call=call)
+    except CheckFailure as failure:
+        if isinstance(failure.__cause__, IndexError) and n != m and "Likely mistake" not in str(failure):
+            hint = _diagnose_index_error(row_times_matrix, x_row, W)
+            raise CheckFailure(f"{failure}\n  Likely mistake: {hint}") from failure.__cause__
+        raise
     hints = {(n,): ROW_HINTS["wrong_length"]} if n != m else {}
-    out = expect_array(out, what=call, shape=(m,), dtype=np.result_type(x_row, W), hints=hints, dtype_hint=DTYPE_HINT)
+    out = expect_array(out, what=call, shape=(m,), dtype=np.result_type(x_row, W), hints=hints,
+                       dtype_hint=DTYPE_HINTS["row"])
     expected = _t(x_row) @ _t(W)
     variants = [Variant(lambda: _t(W) @ _t(x_row), ROW_HINTS["transposed"])] if n == m else []
     expect_close(out, expected, what=call, against="x_row @ W (PyTorch, float64)", variants=variants)
 
 
 @check("row_times_matrix: explicit sums equal x_row @ W, square and non-square W")
+@_one_thread
 def check_row_times_matrix(row_times_matrix: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """row_times_matrix: one (N,) @ (N, M) product written as sums, equal to x_row @ W."""
     expect_signature(row_times_matrix, "row_times_matrix", ["x_row", "W"])
     rng = _rng(seed)
     # Non-square first: (N,) @ (N, M) with N != M is where index mix-ups show.
-    for n, m, dtype in ((4, 3, np.float64), (3, 5, np.float64), (4, 4, np.float64), (5, 2, np.float32), (1, 1, np.float64)):
+    for index, (n, m, dtype) in enumerate(((4, 3, np.float64), (3, 5, np.float64), (4, 4, np.float64),
+                                           (5, 2, np.float32), (1, 1, np.float64))):
         _check_row_once(row_times_matrix, _normal(rng, n, dtype=dtype), _normal(rng, n, m, dtype=dtype))
+        if index == 0:  # it runs (a blank is "not implemented yet"): now read how it computes
+            _expect_no_matmul_shortcut(row_times_matrix)
     for _ in range(3):
         n, m = (int(v) for v in rng.integers(1, 7, size=2))
         _check_row_once(row_times_matrix, _normal(rng, n), _normal(rng, n, m))
@@ -178,6 +258,9 @@ SPLIT_HINTS = {
     "reshape_only": "you reshaped straight to (B, H, S, d_head). The shape is right but the numbers are "
     "scrambled: reshape reads memory in order, so 'heads' would cut across tokens. Reshape to "
     "(B, S, H, d_head) first (split the feature axis), then transpose(0, 2, 1, 3).",
+    "sequence_axis": "you split the sequence axis into heads (np.split(t, num_heads, axis=1)): each "
+    "'head' got a block of tokens with all their features. Heads split the features, the last axis: "
+    "np.split(t, num_heads, axis=-1), or reshape to (B, S, H, d_head) and transpose.",
     "strided": "your heads take every H-th feature (reshape to (B, S, d_head, H)); head h must take the "
     "contiguous block of features h*d_head ... (h+1)*d_head - 1.",
 }
@@ -185,6 +268,15 @@ MERGE_HINTS = {
     "reshape_only": "you reshaped (B, H, S, d) straight to (B, S, H*d). Move the head axis back next to "
     "the features first: .transpose(0, 2, 1, 3), then reshape.",
 }
+
+
+def _split_shape_hints(b: int, s: int, n: int, num_heads: int) -> dict[tuple[int, ...], str]:
+    """Wrong shapes that name their mistake: the head axis not moved, or the tokens split instead."""
+    hints = {}
+    if s % num_heads == 0:
+        hints[(b, num_heads, s // num_heads, n)] = SPLIT_HINTS["sequence_axis"]
+    hints[(b, s, num_heads, n // num_heads)] = SPLIT_HINTS["no_transpose"]  # wins where both shapes coincide
+    return hints
 
 
 def _split_reference(t: np.ndarray, num_heads: int) -> torch.Tensor:
@@ -201,7 +293,7 @@ def _check_split_once(np_split_heads: Callable, t: np.ndarray, num_heads: int) -
     before = t.copy()
     out = _call(np_split_heads, t, num_heads, call=call)
     out = expect_array(out, what=call, shape=(b, num_heads, s, d_head), dtype=t.dtype,
-                          hints={(b, s, num_heads, d_head): SPLIT_HINTS["no_transpose"]}, dtype_hint=DTYPE_HINT)
+                          hints=_split_shape_hints(b, s, n, num_heads), dtype_hint=DTYPE_HINTS["heads"])
     _expect_unchanged(before, t, call, "t")
     expect_close(out, _split_reference(t, num_heads), what=call,
                  against="head h = features h*d_head ... (h+1)*d_head - 1 of every token",
@@ -211,6 +303,7 @@ def _check_split_once(np_split_heads: Callable, t: np.ndarray, num_heads: int) -
 
 
 @check("np_split_heads: (B, S, D) -> (B, H, S, D//H), values, edge cases and the D % H error")
+@_one_thread
 def check_np_split_heads(np_split_heads: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """np_split_heads: (B, S, D) -> (B, H, S, D//H), head h = features h*d ... (h+1)*d - 1."""
     expect_signature(np_split_heads, "np_split_heads", ["t", "num_heads"])
@@ -232,7 +325,7 @@ def _check_merge_once(np_merge_heads: Callable, t: np.ndarray) -> None:
     call = f"np_merge_heads(t) with t {_array(t)}"
     before = t.copy()
     out = _call(np_merge_heads, t, call=call)
-    out = expect_array(out, what=call, shape=(b, s, h * d), dtype=t.dtype, dtype_hint=DTYPE_HINT)
+    out = expect_array(out, what=call, shape=(b, s, h * d), dtype=t.dtype, dtype_hint=DTYPE_HINTS["heads"])
     _expect_unchanged(before, t, call, "t")
     expected = torch.cat([_t(t)[:, head] for head in range(h)], dim=-1)
     expect_close(out, expected, what=call, against="the heads' features concatenated per token",
@@ -240,6 +333,7 @@ def _check_merge_once(np_merge_heads: Callable, t: np.ndarray) -> None:
 
 
 @check("np_merge_heads: (B, H, S, d) -> (B, S, H*d), values and the round trip with the split")
+@_one_thread
 def check_np_merge_heads(np_merge_heads: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """np_merge_heads: (B, H, S, d) -> (B, S, H*d), the inverse of np_split_heads."""
     expect_signature(np_merge_heads, "np_merge_heads", ["t"])
@@ -272,6 +366,9 @@ SOFTMAX_HINTS = {
     "no_keepdims": "the row maxima were broadcast against the wrong axis. Keep the reduced axis: "
     "np.max(x, axis=axis, keepdims=True), and the same for the sum.",
     "sum_axis": "the normalising sum ran over the wrong axis: e / e.sum(axis=axis, keepdims=True).",
+    "max_axis": "the maximum was taken over the wrong axis. Subtracting a constant leaves a softmax "
+    "unchanged only if it is the same for the whole row: subtract each row's own maximum, along the "
+    "softmax's axis, np.max(x, axis=axis, keepdims=True).",
     "nan": "np.exp of a huge or infinite number, or 0/0: subtract each row's own maximum "
     "(np.max(x, axis=axis, keepdims=True)) -- not its minimum, not one maximum for the whole array -- "
     "before np.exp.",
@@ -310,7 +407,14 @@ def _softmax_variants(x: np.ndarray, axis: int) -> list[Variant]:
             e = np.exp(x.astype(np.float64) - np.max(x, axis=axis, keepdims=True))
             return e / e.sum(axis=other, keepdims=True)
 
+    def max_over(other: int):
+        with np.errstate(all="ignore"):
+            e = np.exp(x.astype(np.float64) - np.max(x, axis=other, keepdims=True))
+            return e / e.sum(axis=axis, keepdims=True)
+
     variants = [Variant(naive, SOFTMAX_HINTS["no_max"]), Variant(global_max, SOFTMAX_HINTS["global_max"])]
+    variants += [Variant(lambda other=other: max_over(other), SOFTMAX_HINTS["max_axis"])
+                 for other in range(x.ndim) if other != axis % x.ndim]
     if axis % x.ndim != x.ndim - 1:
         variants.append(Variant(lambda: torch.softmax(_t(x), dim=-1), SOFTMAX_HINTS["ignores_axis"]))
     variants += [Variant(lambda: no_keepdims(False), SOFTMAX_HINTS["no_keepdims"]),
@@ -324,7 +428,7 @@ def _check_softmax_once(np_softmax: Callable, x: np.ndarray, axis: int | None, l
     before = x.copy()
     with np.errstate(all="ignore"):  # a naive answer's overflow warnings would drown the message
         out = _call(np_softmax, x, call=call) if axis is None else _call(np_softmax, x, axis=axis, call=call)
-    out = expect_array(out, what=call, shape=x.shape, dtype=x.dtype, dtype_hint=DTYPE_HINT)
+    out = expect_array(out, what=call, shape=x.shape, dtype=x.dtype, dtype_hint=DTYPE_HINTS["softmax"])
     _expect_unchanged(before, x, call, "x")
     axis = -1 if axis is None else axis
     expected = torch.softmax(_t(x), dim=axis)
@@ -344,10 +448,28 @@ def _same(a: np.ndarray, b: np.ndarray | None) -> bool:
     return b is not None and a.shape == b.shape and bool(np.array_equal(np.isnan(a), np.isnan(b)))
 
 
+# Library functions that do the exercise's work (the stable shift included) in one call.
+_SOFTMAX_SHORTCUTS = ("scipy.special.softmax", "scipy.special.log_softmax", "scipy.special.logsumexp",
+                      "torch.softmax", "torch.log_softmax", "torch.special.softmax", "torch.special.log_softmax",
+                      "torch.nn.functional.softmax", "torch.nn.functional.log_softmax", "torch.logsumexp")
+_SOFTMAX_SHORTCUT_USED = ("np_softmax should compute the softmax itself -- subtract each row's maximum, then "
+                          "np.exp, then divide by the sum -- but it calls {name}, which does all of that for you "
+                          "(the stable shift included). The point of the exercise is how that is done.")
+
+
+def _expect_no_softmax_shortcut(np_softmax: Callable) -> None:
+    uses = find_uses(np_softmax, functions=_SOFTMAX_SHORTCUTS)
+    if uses:
+        extra = " (And this notebook is NumPy only.)" if uses[0].target.startswith("torch") else ""
+        raise CheckFailure(_SOFTMAX_SHORTCUT_USED.format(name=uses[0].describe()) + extra)
+
+
 @check("np_softmax: stable at 1000, rows of different scales, -inf entries, any axis")
+@_one_thread
 def check_np_softmax(np_softmax: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """np_softmax: equals torch.softmax where naive code breaks (overflow, underflow, -inf, other axes)."""
     expect_signature(np_softmax, "np_softmax", ["x", "axis"])
+    _expect_no_softmax_shortcut(np_softmax)
     rng = _rng(seed)
     # Ordinary numbers first, so a plain bug is not reported as a stability problem.
     _check_softmax_once(np_softmax, _normal(rng, 3, 5), None, "of shape [3, 5] (ordinary values, default axis)")
@@ -463,8 +585,8 @@ def _check_attention_once(np_attention: Callable, Q, K, V, mask, label: str) -> 
     expect_true(isinstance(result, tuple) and len(result) == 2, f"{call} should return a tuple (out, weights), got {describe(result)}.")
     out, weights = result
     weights = expect_array(weights, what=call + " -> weights", shape=(b, h, s_q, s_k), dtype=Q.dtype,
-                              hints={(b, h, s_q, d): ATTENTION_HINTS["no_transpose"]} if d != s_k else None, dtype_hint=DTYPE_HINT)
-    out = expect_array(out, what=call + " -> out", shape=(b, h, s_q, d_v), dtype=Q.dtype, dtype_hint=DTYPE_HINT)
+                              hints={(b, h, s_q, d): ATTENTION_HINTS["no_transpose"]} if d != s_k else None, dtype_hint=DTYPE_HINTS["scaled"])
+    out = expect_array(out, what=call + " -> out", shape=(b, h, s_q, d_v), dtype=Q.dtype, dtype_hint=DTYPE_HINTS["scaled"])
     for before, after, name in zip(inputs, (Q, K, V), "QKV"):
         _expect_unchanged(before, after, call, name)
     q, k, v = _t(Q), _t(K), _t(V)
@@ -486,6 +608,7 @@ def _check_attention_once(np_attention: Callable, Q, K, V, mask, label: str) -> 
 
 @check("np_attention: (out, weights) equal F.scaled_dot_product_attention, with masks and large scores",
        uses=("np_softmax",))
+@_one_thread
 def check_np_attention(np_attention: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """np_attention: softmax(Q Kᵀ / sqrt(d_head)) V on (B, H, S, d) arrays, boolean masks True = may attend."""
     expect_signature(np_attention, "np_attention", ["Q", "K", "V", "mask"])
@@ -523,9 +646,9 @@ def check_np_attention(np_attention: Callable, *, seed: int = 0, device: torch.d
 
 MHA_HINTS = {
     "no_out": "the output projection is missing: after merging the heads, multiply by W_o. "
-    "Concatenating the heads is not the end (the seed forgot this step too).",
+    "Concatenating the heads is not the end (the walkthrough this notebook grew from forgot this step too).",
     "layout": "you used the weights in (out, in) layout (X @ W.T, as nn.Linear stores them). Here the "
-    "weights are (in, out), as in the seed: Q = X @ W_q, and out = merged @ W_o.",
+    "weights are (in, out), as the notebook writes them: Q = X @ W_q, and out = merged @ W_o.",
     "layout_qkv": "you used W_q, W_k, W_v in (out, in) layout (X @ W.T). Here they are (in, out): Q = X @ W_q.",
     "layout_out": "you used W_o in (out, in) layout (merged @ W_o.T). Here it is (in, out): merged @ W_o.",
     "no_scale": "no 1/sqrt(d_head) scaling in the scores (d_head = D // num_heads).",
@@ -602,7 +725,7 @@ def _check_mha_once(np_multi_head_attention: Callable, X, weights, num_heads: in
     with np.errstate(all="ignore"):
         out = _call(np_multi_head_attention, X, *weights, num_heads, mask, call=call)
     out = expect_array(out, what=call, shape=(b, s, d_model), dtype=X.dtype,
-                          hints={(b, num_heads, s, d_model // num_heads): MHA_HINTS["merge"] + " (and apply W_o)"}, dtype_hint=DTYPE_HINT)
+                          hints={(b, num_heads, s, d_model // num_heads): MHA_HINTS["merge"] + " (and apply W_o)"}, dtype_hint=DTYPE_HINTS["scaled"])
     for before, after, name in zip(inputs, (X, *weights), ("X", "W_q", "W_k", "W_v", "W_o")):
         _expect_unchanged(before, after, call, name)
     if np.isnan(out).any():
@@ -625,6 +748,7 @@ def _mha_weights(rng, d_model, dtype=np.float64):
 
 @check("np_multi_head_attention: equals nn.MultiheadAttention with the same weights, incl. W_o; equivariance and causality",
        uses=("np_split_heads", "np_merge_heads", "np_attention", "np_softmax"))
+@_one_thread
 def check_np_multi_head_attention(np_multi_head_attention: Callable, *, seed: int = 0,
                                   device: torch.device | None = None) -> None:
     """np_multi_head_attention: projections (X @ W, W (in, out)), split, attention, merge, output projection."""
@@ -681,6 +805,10 @@ VARIANCE_HINTS = {
     "no_sum": "your estimate is close to σ⁴ (no factor d): either you divided by sqrt(d_head) (measure the raw "
     "q·k) or you took the variance of single products q_i·k_i instead of their sum over d_head.",
     "self_dot": "your estimate is close to 2·d·σ⁴, the variance of q·q: draw k independently of q.",
+    "entries": "your estimate is close to σ², the variance of single entries of q (or k): measure the "
+    "variance of the dot products q·k = Σ_i q_i·k_i, one per sample, not of the vectors' entries.",
+    "sample_axis": "your estimate is close to n_samples·σ⁴: the dot products summed over the samples (axis 0) "
+    "instead of over the d_head features. Sum over the last axis: np.sum(q * k, axis=-1).",
     "formula": "you returned the formula, not a measurement: draw n_samples pairs (q, k) with the rng you "
     "are given and measure the variance of their dot products.",
 }
@@ -727,24 +855,28 @@ def _same_global_state(a, b) -> bool:
     return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
 
 
-def _diagnose_variance(value: float, d_head: int, sigma: float) -> str | None:
+def _diagnose_variance(value: float, d_head: int, sigma: float, n_samples: int) -> str | None:
     s2, s4 = sigma ** 2, sigma ** 4
+    # (value of the mistake, hint, relative window). A wrong estimator has its own sampling noise: ~25%
+    # is generous and still unambiguous for the sizes the check uses (d = 64, σ = 2 separates these
+    # values by factors of 2 or more); a sum over the samples leaves only d_head values to measure.
     alternatives = [
-        (d_head * s2, "sigma_squared"),
-        (d_head * s4 * s4, "sigma_eighth"),
-        (math.sqrt(d_head) * s2, "std"),
-        (s4, "no_sum"),
-        (2 * d_head * s4, "self_dot"),
+        (d_head * s2, "sigma_squared", 0.25),
+        (d_head * s4 * s4, "sigma_eighth", 0.25),
+        (math.sqrt(d_head) * s2, "std", 0.25),
+        (s4, "no_sum", 0.25),
+        (2 * d_head * s4, "self_dot", 0.25),
+        (s2, "entries", 0.25),
+        (n_samples * s4, "sample_axis", 0.6),
     ]
-    for alternative, key in alternatives:
-        # A wrong estimator has its own sampling noise: allow ~25% relative, generous and still unambiguous
-        # for the sizes the check uses (d = 64, σ = 2 separates these values by factors of 2 or more).
-        if abs(alternative - d_head * s4) > 0.5 * d_head * s4 and abs(value - alternative) <= 0.25 * alternative:
+    for alternative, key, window in alternatives:
+        if abs(alternative - d_head * s4) > 0.5 * d_head * s4 and abs(value - alternative) <= window * alternative:
             return VARIANCE_HINTS[key]
     return None
 
 
 @check("dot_product_variance: measures d·σ⁴ within the sampling error, from the rng it is given")
+@_one_thread
 def check_dot_product_variance(dot_product_variance: Callable, *, seed: int = 0,
                                device: torch.device | None = None) -> None:
     """dot_product_variance: empirical Var(q·k) for iid N(0, σ²) entries ≈ d_head·σ⁴, reproducible from rng."""
@@ -765,7 +897,7 @@ def check_dot_product_variance(dot_product_variance: Callable, *, seed: int = 0,
         if not abs(value - expected) <= tolerance:
             message = (f"{call} returned {value:.6g}, expected d_head·σ⁴ = {d_head}·{sigma:g}⁴ = {expected:.6g} "
                        f"within ±{tolerance:.3g} (five standard errors of a variance measured on {n_samples} samples).")
-            hint = _diagnose_variance(value, d_head, sigma)
+            hint = _diagnose_variance(value, d_head, sigma, n_samples)
             if hint:
                 message += f"\n  Likely mistake: {hint}"
             raise CheckFailure(message)
@@ -821,6 +953,7 @@ def _statements(curves: dict[str, np.ndarray]) -> dict[str, bool]:
 
 
 @check("ANSWER_SCALING: right choice")
+@_one_thread
 def check_answer_scaling(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The multiple-choice question: the check re-runs the experiment and accepts the one statement it supports."""
     supported = [letter for letter, holds in _statements(peakedness_curves(seed=seed)).items() if holds]
@@ -828,6 +961,365 @@ def check_answer_scaling(answer: Any, *, seed: int = 0, device: torch.device | N
         raise RuntimeError(f"the peakedness experiment supports {supported}; please report this to the course staff")
     expect_choice(answer, name=SCALING_QUESTION_NAME, options="".join(CHOICES), correct=supported[0],
                   hints=SCALING_HINTS)
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: softmax_backward
+# --------------------------------------------------------------------------------------
+
+SOFTMAX_BACKWARD_HINTS = {
+    "no_rowsum": "you returned p · dp: the term − Σ_j dp_j · p_j is missing. Every weight depends on every "
+    "score of its row (they share the normalising sum), so ds = p · (dp − Σ_j dp_j · p_j), the sum taken "
+    "along axis with keepdims=True.",
+    "diagonal_only": "you returned p · (1 − p) · dp: only the diagonal of the Jacobian, as if each weight "
+    "depended on its own score alone. The off-diagonal entries −p_i · p_j contribute too.",
+    "unweighted_sum": "the sum must be weighted by p: Σ_j dp_j · p_j (one dot product per row), not Σ_j dp_j.",
+    "no_outer_p": "the whole bracket is multiplied by p: without that factor a weight of 0 (a masked key) "
+    "would still pass gradient to its score.",
+    "sign": "the sign is flipped: ds = p · (dp − Σ_j dp_j · p_j), not p · (Σ_j dp_j · p_j − dp).",
+    "mean": "Σ_j dp_j · p_j is a sum (np.sum), not a mean.",
+    "sum_axis": "the sum Σ_j dp_j · p_j ran over the wrong axis (or over the whole array): take it along "
+    "axis, with keepdims=True, one value per row.",
+    "ignores_axis": "the backward ran over the last axis although a different axis was asked for: use the "
+    "axis argument in the sum.",
+    "softmax_again": "you applied the softmax to p again. p is already the softmax's output (the weights): "
+    "the backward uses it as it is.",
+    "jacobian": "you built the [n, n] Jacobian diag(p) − p pᵀ of every row. The vector-Jacobian product "
+    "never needs it: Σ_i dp_i · ∂p_i/∂s_j collapses to one dot product per row, so the backward of a softmax "
+    "costs as much memory as its forward.",
+}
+
+
+def _softmax_inputs(rng: np.random.Generator, shape: Sequence[int], axis: int, dtype=np.float64, scale: float = 1.0,
+                    masked: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """(scores, p = softmax(scores) in dtype, dp in dtype); masked scores are -inf, so p is exactly 0 there."""
+    scores = _normal(rng, *shape, scale=scale)
+    if masked is not None:
+        scores[masked] = -np.inf
+    s = torch.from_numpy(scores)
+    p = torch.softmax(s, dim=axis).numpy().astype(dtype)
+    return s, p, _normal(rng, *shape, dtype=dtype)
+
+
+def _softmax_vjp(scores: torch.Tensor, dp: np.ndarray, axis: int) -> torch.Tensor:
+    """The gradient of softmax(scores) along axis, with upstream dp: torch.autograd in float64."""
+    s = scores.clone().requires_grad_(True)
+    # The gradient of Σ softmax(s) · dp is the vector-Jacobian product (a scalar loss: autograd.grad
+    # with grad_outputs would import sympy, seconds of a notebook's run time).
+    (grad,) = torch.autograd.grad((torch.softmax(s, dim=axis) * _t(dp)).sum(), s)
+    return grad
+
+
+def _softmax_backward_variants(p: np.ndarray, dp: np.ndarray, axis: int) -> list[Variant]:
+    P, dP = _t(p), _t(dp)
+    dot = (dP * P).sum(axis, keepdim=True)
+    variants = [
+        Variant(lambda: P * dP, SOFTMAX_BACKWARD_HINTS["no_rowsum"]),
+        Variant(lambda: P * (1 - P) * dP, SOFTMAX_BACKWARD_HINTS["diagonal_only"]),
+        Variant(lambda: P * (dP - dP.sum(axis, keepdim=True)), SOFTMAX_BACKWARD_HINTS["unweighted_sum"]),
+        Variant(lambda: dP - dot, SOFTMAX_BACKWARD_HINTS["no_outer_p"]),
+        Variant(lambda: P * (dot - dP), SOFTMAX_BACKWARD_HINTS["sign"]),
+        Variant(lambda: P * (dP - (dP * P).mean(axis, keepdim=True)), SOFTMAX_BACKWARD_HINTS["mean"]),
+        Variant(lambda: P * (dP - (dP * P).sum()), SOFTMAX_BACKWARD_HINTS["sum_axis"]),
+    ]
+    twice = torch.softmax(P, dim=axis)
+    variants.append(Variant(lambda: twice * (dP - (dP * twice).sum(axis, keepdim=True)),
+                            SOFTMAX_BACKWARD_HINTS["softmax_again"]))
+    variants += [Variant(lambda other=other: P * (dP - (dP * P).sum(other, keepdim=True)), SOFTMAX_BACKWARD_HINTS["sum_axis"])
+                 for other in range(p.ndim) if other != axis % p.ndim]
+    if axis % p.ndim != p.ndim - 1:
+        variants.insert(0, Variant(lambda: P * (dP - (dP * P).sum(-1, keepdim=True)), SOFTMAX_BACKWARD_HINTS["ignores_axis"]))
+    return variants
+
+
+def _peak_allocation(function: Callable[[], Any]) -> tuple[Any, int]:
+    """(function(), the most memory it held at once beyond what was held before, in bytes).
+
+    NumPy reports its array buffers to tracemalloc, so this sees every intermediate array
+    however it was made (np.eye, np.einsum, broadcasting, a loop over rows).
+    """
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        result = function()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+    return result, max(peak - before, 0)
+
+
+def _check_softmax_backward_once(softmax_backward: Callable, scores: torch.Tensor, p: np.ndarray, dp: np.ndarray,
+                                 axis: int | None, label: str, measure: bool = False) -> np.ndarray:
+    call = f"softmax_backward(p, dp{'' if axis is None else f', axis={axis}'}) with p and dp {label}"
+    inputs = (p.copy(), dp.copy())
+    kwargs = {} if axis is None else {"axis": axis}
+    with np.errstate(all="ignore"):
+        if measure:
+            ds, peak = _peak_allocation(lambda: _call(softmax_backward, p, dp, call=call, **kwargs))
+        else:
+            ds = _call(softmax_backward, p, dp, call=call, **kwargs)
+    ds = expect_array(ds, what=call, shape=p.shape, dtype=p.dtype, dtype_hint=DTYPE_HINTS["softmax"])
+    for before, after, name in zip(inputs, (p, dp), ("p", "dp")):
+        _expect_unchanged(before, after, call, name)
+    axis = -1 if axis is None else axis
+    expect_close(ds, _softmax_vjp(scores, dp, axis), what=call,
+                 against=f"torch.autograd through torch.softmax(scores, dim={axis}) (float64)",
+                 variants=_softmax_backward_variants(p, dp, axis))
+    if measure:
+        n = p.shape[axis]
+        jacobian_bytes = n * n * p.dtype.itemsize  # one row's Jacobian
+        if peak > jacobian_bytes // 4:
+            raise CheckFailure(
+                f"{call} held {peak / 2**20:.1f} MB at once, for inputs of {p.nbytes / 2**10:.0f} kB each: the "
+                f"size of an [n, n] Jacobian (n = {n}: {jacobian_bytes / 2**20:.1f} MB per row).\n"
+                f"  Likely mistake: {SOFTMAX_BACKWARD_HINTS['jacobian']}")
+    return ds
+
+
+@check("softmax_backward: equals torch.autograd along any axis, masked weights pass no gradient, no [n, n] Jacobian")
+@_one_thread
+def check_softmax_backward(softmax_backward: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """softmax_backward: the vector-Jacobian product p · (dp − Σ dp·p) of a softmax, against torch.autograd."""
+    expect_signature(softmax_backward, "softmax_backward", ["p", "dp", "axis"])
+    rng = _rng(seed)
+    _check_softmax_backward_once(softmax_backward, *_softmax_inputs(rng, (3, 5), -1), None,
+                                 "of shape [3, 5] (default axis)")
+    # Rows of 512 keys: the check measures the memory the answer holds at once.
+    _check_softmax_backward_once(softmax_backward, *_softmax_inputs(rng, (4, 512), -1, scale=3.0), -1,
+                                 "of shape [4, 512]", measure=True)
+    _check_softmax_backward_once(softmax_backward, *_softmax_inputs(rng, (2, 2, 6, 6), -1, np.float32), -1,
+                                 "float32 attention weights [2, 2, 6, 6]")
+    # Masked keys: their weight is exactly 0, and so must be the gradient reaching their score.
+    masked = np.zeros((3, 6), dtype=bool)
+    masked[0, 4:] = masked[1, :2] = masked[2, 1] = True
+    scores, p, dp = _softmax_inputs(rng, (3, 6), -1, masked=masked)
+    ds = _check_softmax_backward_once(softmax_backward, scores, p, dp, -1, "of shape [3, 6] with masked (zero) weights")
+    expect_true(bool((ds[masked] == 0).all()),
+                f"softmax_backward(p, dp) with weights exactly 0 (masked keys): the gradient reaching their "
+                f"scores should be exactly 0, found {float(np.abs(ds[masked]).max()):.3g}.\n  Likely mistake: "
+                f"{SOFTMAX_BACKWARD_HINTS['no_outer_p']}")
+    # Other axes: columns of a 2-D array, axis -2 of a 3-D one, the middle axis; a single row.
+    _check_softmax_backward_once(softmax_backward, *_softmax_inputs(rng, (4, 3), 0), 0, "of shape [4, 3], axis 0")
+    _check_softmax_backward_once(softmax_backward, *_softmax_inputs(rng, (3, 4, 4), -2), -2, "of shape [3, 4, 4], axis -2")
+    _check_softmax_backward_once(softmax_backward, *_softmax_inputs(rng, (2, 5, 3), 1, np.float32, scale=2.0), 1,
+                                 "float32 of shape [2, 5, 3], the middle axis")
+    _check_softmax_backward_once(softmax_backward, *_softmax_inputs(rng, (7,), 0), 0, "of shape [7]")
+    for _ in range(3):
+        shape = tuple(int(v) for v in rng.integers(1, 6, size=int(rng.integers(1, 4))))
+        axis = int(rng.integers(-len(shape), len(shape)))
+        _check_softmax_backward_once(softmax_backward, *_softmax_inputs(rng, shape, axis, scale=2.0), axis,
+                                     f"random of shape {shape_str(shape)}")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: np_attention_backward
+# --------------------------------------------------------------------------------------
+
+ATTENTION_BACKWARD_HINTS = {
+    "no_rowsum": "the softmax's backward lost its − Σ_j dP_ij · P_ij term: dS = P · (dP − Σ_j dP_ij · P_ij) "
+    "along the keys (your softmax_backward(P, dP)), not P · dP.",
+    "rowsum_unweighted": "Σ_j dP_ij · P_ij must be weighted by P (one dot product per query), not Σ_j dP_ij.",
+    "rowsum_axis": "the sum Σ_j dP_ij · P_ij runs over the keys (the last axis), one value per query.",
+    "no_scale": "dQ and dK miss the factor 1/sqrt(d): the scores are (Q @ Kᵀ) / sqrt(d), so the gradient "
+    "reaching Q and K through them carries the same factor.",
+    "scale_by_d": "dQ and dK carry 1/d; the factor is the forward's own, 1/sqrt(d), once.",
+    "scale_dv": "dV is scaled by 1/sqrt(d), but the scale sits inside the scores: V is not scaled, and "
+    "neither is its gradient.",
+    "forward_no_scale": "the weights were recomputed without the 1/sqrt(d) scale: the backward must use "
+    "exactly the forward's weights, softmax(Q @ Kᵀ / sqrt(d)) with the mask.",
+    "dv_transposed": "dV is P @ dout, a transposed product: dV has V's shape (keys × d_v), and key j collects "
+    "the gradient of every query that read it, weighted by P[i, j].",
+    "dp_transposed": "dP (queries × keys, the shape of P) came out transposed: build it from dout and V so "
+    "that entry (i, j) is dout[i] · V[j].",
+    "dq_transposed": "dQ is computed from dSᵀ, a transposed product: query i's gradient collects row i of "
+    "dS (its own scores) times the keys.",
+    "dk_transposed": "dK is computed from dS rather than dSᵀ: key j's gradient collects column j of dS (the "
+    "scores of key j with every query) times the queries.",
+    "mask_ignored": "the backward ignored the mask: recompute the weights with the same mask as the forward "
+    "(masked scores -inf, weights 0), or gradient flows into masked entries.",
+    "masked_leak": "gradient flowed into masked entries: with a gradient on one query only, the keys that "
+    "this query may not attend to got a nonzero dK or dV. A masked weight must be exactly 0 (score -inf, "
+    "or a fill like -1e9 far below every score), and the softmax's backward multiplies by the weight, so "
+    "nothing flows back through a masked score.",
+    "no_outer_p": "the softmax's backward multiplies the whole bracket by P: dS = P · (dP − Σ_j dP_ij · P_ij). "
+    "Without that factor, gradient flows even through weights that are 0 (masked entries).",
+    "fully_masked_nan": "a query whose mask row is all False has weights NaN (-inf everywhere, 0/0), and "
+    "the backward sums over the queries (Pᵀ @ dout): one NaN row makes NaN of every key's gradient. Set "
+    "the weights of such rows to 0 before using them.",
+    "fully_masked_sends": "a query whose mask row is all False sent gradient back (a fill such as -1e9 "
+    "gives it uniform weights). The convention: its weights are 0, it adds nothing to dQ, dK or dV.",
+    "matmul_shapes": "a product with the wrong transpose. Follow the shapes: every gradient has the shape "
+    "of its array (dQ like Q, dK like K, dV like V), and for C = A @ B, dA = dC @ Bᵀ and dB = Aᵀ @ dC "
+    "(np.swapaxes(A, -1, -2) transposes the last two axes).",
+}
+
+
+def _attention_gradients(Q, K, V, dout, mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of F.scaled_dot_product_attention (math backend) by torch.autograd, in float64.
+
+    A fully masked query row outputs zeros there (PyTorch >= 2.5), so it sends no gradient.
+    """
+    q, k, v = (_t(a).requires_grad_(True) for a in (Q, K, V))
+    m = None if mask is None else torch.from_numpy(np.array(mask, dtype=bool))
+    out = reference_sdpa(q, k, v, attn_mask=m)
+    return torch.autograd.grad((out * _t(dout)).sum(), (q, k, v))  # a scalar loss: see _softmax_vjp
+
+
+def _manual_attention_backward(Q, K, V, dout, mask, *, rowsum="weighted", grad_scale="sqrt", scale_dv=False,
+                               transpose=None, use_mask=True, fully_masked="zero", forward_scale=True, outer_p=True):
+    """The backward written out in PyTorch (float64), with one deliberate change, for diagnosis."""
+    q, k, v, do = _t(Q), _t(K), _t(V), _t(dout)
+    d = q.shape[-1]
+    scores = q @ k.transpose(-2, -1) / (math.sqrt(d) if forward_scale else 1.0)
+    if mask is not None and use_mask:
+        allowed = torch.from_numpy(np.array(mask, dtype=bool)).expand(scores.shape)
+        any_allowed = allowed.any(-1, keepdim=True)
+        scores = torch.where(any_allowed, scores.masked_fill(~allowed, -math.inf), 0.0)  # full rows: uniform
+        p = torch.softmax(scores, dim=-1)
+        if fully_masked == "zero":
+            p = p * any_allowed
+    else:
+        p = torch.softmax(scores, dim=-1)
+    dv = (p @ do) if transpose == "dv" else p.transpose(-2, -1) @ do
+    dp = do @ v.transpose(-2, -1)
+    if transpose == "dp":
+        dp = dp.transpose(-2, -1)
+    total = {"weighted": (dp * p).sum(-1, keepdim=True), "none": 0.0, "unweighted": dp.sum(-1, keepdim=True),
+             "axis": (dp * p).sum(-2, keepdim=True)}[rowsum]
+    ds = p * (dp - total) if outer_p else dp - total
+    factor = {"sqrt": 1 / math.sqrt(d), "none": 1.0, "d": 1 / d}[grad_scale]
+    dq = (ds.transpose(-2, -1) if transpose == "dq" else ds) @ k * factor
+    dk = (ds if transpose == "dk" else ds.transpose(-2, -1)) @ q * factor
+    if scale_dv:
+        dv = dv / math.sqrt(d)
+    return dq, dk, dv
+
+
+def _attention_backward_variants(Q, K, V, dout, mask) -> list[tuple[Callable[[], Any], str]]:
+    """(lazy (dQ, dK, dV) of a known mistake, its hint)."""
+    s_q, s_k, d_v = Q.shape[-2], K.shape[-2], V.shape[-1]
+    options: list[tuple[dict, str]] = [
+        (dict(rowsum="none"), "no_rowsum"), (dict(rowsum="unweighted"), "rowsum_unweighted"),
+        (dict(grad_scale="none"), "no_scale"), (dict(grad_scale="d"), "scale_by_d"), (dict(scale_dv=True), "scale_dv"),
+        (dict(forward_scale=False), "forward_no_scale"), (dict(outer_p=False), "no_outer_p"),
+    ]
+    if s_q == s_k:
+        options += [(dict(rowsum="axis"), "rowsum_axis"), (dict(transpose="dv"), "dv_transposed"),
+                    (dict(transpose="dq"), "dq_transposed"), (dict(transpose="dk"), "dk_transposed"),
+                    (dict(transpose="dp"), "dp_transposed")]
+    if mask is not None:
+        options += [(dict(use_mask=False), "mask_ignored"), (dict(fully_masked="uniform"), "fully_masked_sends")]
+
+    def lazy(kwargs):
+        cache: list = []
+
+        def compute():
+            if not cache:
+                cache.append(_manual_attention_backward(Q, K, V, dout, mask, **kwargs))
+            return cache[0]
+        return compute
+
+    return [(lazy(kwargs), ATTENTION_BACKWARD_HINTS[key]) for kwargs, key in options]
+
+
+def _check_attention_backward_once(np_attention_backward: Callable, Q, K, V, dout, mask, label: str) -> None:
+    b, h, s_q, d = Q.shape
+    s_k, d_v = K.shape[-2], V.shape[-1]
+    mask_text = "no mask" if mask is None else f"a boolean mask of shape {shape_str(mask.shape)}"
+    call = (f"np_attention_backward(Q, K, V, dout, mask) with Q {_array(Q)}, K {shape_str(K.shape)}, "
+            f"V {shape_str(V.shape)}, {mask_text}{label}")
+    inputs = [np.array(a, copy=True) for a in (Q, K, V, dout)] + ([] if mask is None else [np.array(mask, copy=True)])
+    with np.errstate(all="ignore"):
+        result = _call(np_attention_backward, Q, K, V, dout, mask, call=call,
+                       matmul_hint=ATTENTION_BACKWARD_HINTS["matmul_shapes"])
+    expect_true(isinstance(result, (tuple, list)) and len(result) == 3,
+                f"{call} should return a tuple (dQ, dK, dV), got {describe(result)}.")
+    names = ("dQ", "dK", "dV")
+    shape_hints = {"dK": {(b, h, d, s_k): ATTENTION_BACKWARD_HINTS["matmul_shapes"]},
+                   "dV": {(b, h, d_v, s_k): ATTENTION_BACKWARD_HINTS["matmul_shapes"]}}
+    grads = [expect_array(g, what=f"{call} -> {name}", shape=like.shape, dtype=Q.dtype,
+                          hints=shape_hints.get(name), dtype_hint=DTYPE_HINTS["scaled"])
+             for g, name, like in zip(result, names, (Q, K, V))]
+    for before, after, name in zip(inputs, (Q, K, V, dout, mask), ("Q", "K", "V", "dout", "mask")):
+        _expect_unchanged(before, after, call, name)
+    expected = _attention_gradients(Q, K, V, dout, mask)
+    allowed = None if mask is None else np.broadcast_to(np.asarray(mask, dtype=bool), (b, h, s_q, s_k))
+    fully_masked = allowed is not None and bool((~allowed.any(-1)).any())
+    for grad, name in zip(grads, names):
+        if np.isnan(grad).any():
+            hint = ATTENTION_BACKWARD_HINTS["fully_masked_nan"] if fully_masked else ATTENTION_HINTS["overflow"]
+            raise CheckFailure(f"{call} -> {name} contains NaN where torch.autograd gives finite gradients.\n"
+                               f"  Likely mistake: {hint}")
+    variants = _attention_backward_variants(Q, K, V, dout, mask)
+    for index in (2, 0, 1):  # dV first: it needs only the weights; then dQ and dK
+        try:
+            expect_close(grads[index], expected[index], what=f"{call} -> {names[index]}",
+                         against=f"{names[index]} from torch.autograd through F.scaled_dot_product_attention (float64)",
+                         variants=[Variant(lambda compute=compute, i=index: compute()[i], hint)
+                                   for compute, hint in variants])
+        except CheckFailure as failure:
+            if "Likely mistake" not in str(failure) and allowed is not None:
+                _expect_no_leak(np_attention_backward, Q, K, V, dout, mask, allowed, call)
+            raise
+
+
+def _expect_no_leak(np_attention_backward: Callable, Q, K, V, dout, mask, allowed: np.ndarray, call: str) -> None:
+    """With a gradient on one query only, the keys that query may not attend to get dK = dV = 0."""
+    masked_per_query = (~allowed).sum(axis=(0, 1, 3)) * allowed.any(-1).all(axis=(0, 1))  # skip fully masked
+    query = int(np.argmax(masked_per_query))
+    if masked_per_query[query] == 0:
+        return
+    probe = np.zeros_like(dout)
+    probe[..., query, :] = dout[..., query, :]
+    with np.errstate(all="ignore"):
+        grads = _call(np_attention_backward, Q, K, V, probe, mask, call=call)
+    hidden = ~allowed[:, :, query, :]  # (B, H, S_k): the keys this query may not see
+    for grad, name in zip(grads[1:], ("dK", "dV")):
+        grad = np.asarray(grad)
+        leak = float(np.nan_to_num(np.abs(grad[hidden]), nan=np.inf).max())
+        if leak > tolerance(grad.dtype)[1]:
+            raise CheckFailure(f"{call} with dout nonzero on query {query} only -> {name}: the keys query {query} is "
+                               f"masked from should get exactly 0, found {leak:.3g}.\n  Likely mistake: "
+                               f"{ATTENTION_BACKWARD_HINTS['masked_leak']}")
+
+
+@check("np_attention_backward: dQ, dK, dV equal torch.autograd, with masks, fully masked rows and large scores",
+       uses=("softmax_backward", "np_softmax", "np_attention"))
+@_one_thread
+def check_np_attention_backward(np_attention_backward: Callable, *, seed: int = 0,
+                                device: torch.device | None = None) -> None:
+    """np_attention_backward: the gradients of np_attention's out with respect to Q, K and V."""
+    expect_signature(np_attention_backward, "np_attention_backward", ["Q", "K", "V", "dout", "mask"])
+    rng = _rng(seed)
+
+    def case(b, h, s_q, s_k, d, d_v, mask=None, label="", dtype=np.float64, scale=1.0):
+        Q, K = _normal(rng, b, h, s_q, d, dtype=dtype, scale=scale), _normal(rng, b, h, s_k, d, dtype=dtype, scale=scale)
+        V, dout = _normal(rng, b, h, s_k, d_v, dtype=dtype), _normal(rng, b, h, s_q, d_v, dtype=dtype)
+        _check_attention_backward_once(np_attention_backward, Q, K, V, dout, mask, label)
+
+    causal = np.tril(np.ones((6, 6), dtype=bool))
+    case(2, 2, 6, 6, 2, 2)  # the notebook's configuration
+    case(2, 2, 6, 6, 2, 2, causal, " (causal)")
+    case(2, 3, 4, 5, 8, 3, dtype=np.float32)  # cross-attention sizes, float32, d_v != d
+    padding = np.ones((2, 1, 1, 5), dtype=bool)
+    padding[1, ..., 3:] = False  # the last two keys of the second sequence are padding
+    case(2, 2, 4, 5, 4, 4, padding, " (padding)")
+    # Fully masked rows: padding queries that may attend to nothing, and one such row in a (S_q, S_k) mask.
+    queries_and_keys = np.ones((2, 1, 5, 6), dtype=bool)
+    queries_and_keys[1, :, 3:, :] = False
+    queries_and_keys[1, :, :, 4:] = False
+    case(2, 2, 5, 6, 4, 3, queries_and_keys, " (padding queries: fully masked rows)")
+    one_row = np.tril(np.ones((5, 5), dtype=bool), -1)  # strictly causal: query 0 sees nothing
+    case(1, 2, 5, 5, 3, 3, one_row, " (strictly causal: query 0 is fully masked)", dtype=np.float32)
+    case(1, 2, 6, 6, 8, 8, causal, " (large scores)", scale=30.0)  # a naive softmax overflows
+    for _ in range(3):
+        b, h, s, d = (int(v) for v in rng.integers(1, 5, size=4))
+        mask = rng.random((s, s)) < 0.6
+        case(b, h, s, s, d, int(rng.integers(1, 5)), mask, " (random mask)")
 
 
 freeze_module(__name__)

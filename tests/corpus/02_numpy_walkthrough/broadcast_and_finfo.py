@@ -1,9 +1,13 @@
-# Correct answers in another style: broadcasting instead of loops, split/concatenate for heads,
-# np.finfo(dtype).min masks, a helper named `softmax`, einsum projections, `* d ** -0.5`.
+# Correct answers in another style: one loop with an elementwise sum, split/concatenate for heads,
+# np.finfo(dtype).min masks, a helper named `softmax`, einsum projections, `* d ** -0.5`; a backward
+# with the expanded softmax formula and FlashAttention's rowsum(dout * out).
 
 # %% answer="row_times_matrix"
 def row_times_matrix(x_row, W):
-    return np.sum(x_row[:, None] * W, axis=0)  # column j: sum_i x_row[i] * W[i, j]
+    columns = []
+    for j in range(W.shape[1]):  # one loop, over the outputs; the sum over i is elementwise
+        columns.append(np.sum(x_row * W[:, j]))
+    return np.array(columns, dtype=np.result_type(x_row, W))
 
 # %% answer="np_split_heads"
 def np_split_heads(t, num_heads):
@@ -47,3 +51,26 @@ def np_multi_head_attention(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
 
 # %% answer="ANSWER_SCALING"
 ANSWER_SCALING = "C"
+
+# %% answer="softmax_backward"
+def softmax_backward(p, dp, axis=-1):
+    weighted = p * dp
+    return weighted - p * weighted.sum(axis=axis, keepdims=True)
+
+# %% answer="np_attention_backward"
+def np_attention_backward(Q, K, V, dout, mask=None):
+    scale = Q.shape[-1] ** -0.5
+    scores = np.einsum("bhqd,bhkd->bhqk", Q, K) * scale
+    if mask is not None:
+        scores = np.where(mask, scores, np.finfo(scores.dtype).min)
+    weights = softmax(scores)
+    if mask is not None:
+        weights = weights * np.any(mask, axis=-1, keepdims=True)  # a query with no keys: weights 0
+    out = np.einsum("bhqk,bhkd->bhqd", weights, V)
+    d_weights = np.einsum("bhqd,bhkd->bhqk", dout, V)
+    row = np.einsum("bhqd,bhqd->bhq", dout, out)[..., None]  # = sum_k d_weights * weights
+    d_scores = weights * (d_weights - row) * scale
+    dQ = np.einsum("bhqk,bhkd->bhqd", d_scores, K)
+    dK = np.einsum("bhqk,bhqd->bhkd", d_scores, Q)
+    dV = np.einsum("bhqk,bhqd->bhkd", weights, dout)
+    return dQ, dK, dV

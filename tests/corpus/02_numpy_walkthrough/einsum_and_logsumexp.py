@@ -1,5 +1,6 @@
 # Correct answers with einsum-free loops for the row, moveaxis for heads, a log-sum-exp softmax,
-# -inf masks, keyword calls of the earlier answers, and a variance from a list of dot products.
+# -inf masks, keyword calls of the earlier answers, and a variance from a list of dot products; a
+# backward that reuses np_attention's weights (NaN rows zeroed) and calls softmax_backward by keyword.
 
 # %% answer="row_times_matrix"
 def row_times_matrix(x_row, W):
@@ -47,3 +48,20 @@ def np_multi_head_attention(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
 
 # %% answer="ANSWER_SCALING"
 ANSWER_SCALING = "c"
+
+# %% answer="softmax_backward"
+def softmax_backward(p, dp, axis=-1):
+    p_last, dp_last = np.moveaxis(p, axis, -1), np.moveaxis(dp, axis, -1)
+    row_dot = np.einsum("...i,...i->...", p_last, dp_last)[..., None]
+    return np.moveaxis(p_last * (dp_last - row_dot), -1, axis)
+
+# %% answer="np_attention_backward"
+def np_attention_backward(Q, K, V, dout, mask=None):
+    with np.errstate(invalid="ignore"):  # a fully masked query: 0/0 in the forward
+        _out, weights = np_attention(Q=Q, K=K, V=V, mask=mask)
+    weights = np.nan_to_num(weights, nan=0.0)  # ... sends nothing back
+    d_weights = np.einsum("...qv,...kv->...qk", dout, V)
+    d_scores = softmax_backward(p=weights, dp=d_weights, axis=-1) / math.sqrt(Q.shape[-1])
+    return (np.einsum("...qk,...kd->...qd", d_scores, K),
+            np.einsum("...qk,...qd->...kd", d_scores, Q),
+            np.einsum("...qk,...qv->...kv", weights, dout))

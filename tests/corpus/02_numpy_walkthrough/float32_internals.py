@@ -1,6 +1,7 @@
 # Correct answers that compute in float32 inside and cast back (as mixed-precision code does),
 # swapaxes/reshape with -1, -1e9 masks, an in-place softmax on a fresh array, one draw of both q
-# and k, E[z²] - E[z]² for the variance.
+# and k, E[z²] - E[z]² for the variance; a backward in float32 with -1e9 masks and loops over the
+# heads.
 
 # %% answer="row_times_matrix"
 def row_times_matrix(x_row, W):
@@ -59,3 +60,28 @@ def np_multi_head_attention(X, W_q, W_k, W_v, W_o, num_heads, mask=None):
 
 # %% answer="ANSWER_SCALING"
 ANSWER_SCALING = " c "
+
+# %% answer="softmax_backward"
+def softmax_backward(p, dp, axis=-1):
+    p32, dp32 = p.astype(np.float32), dp.astype(np.float32)  # mixed precision: float32 inside
+    total = np.sum(p32 * dp32, axis=axis, keepdims=True)
+    return (p32 * (dp32 - total)).astype(p.dtype)
+
+# %% answer="np_attention_backward"
+def np_attention_backward(Q, K, V, dout, mask=None):
+    B, H, S_q, d = Q.shape
+    shape = (B, H, S_q, K.shape[2])
+    allowed = np.ones(shape, dtype=bool) if mask is None else np.broadcast_to(mask, shape)
+    dQ, dK, dV = np.zeros_like(Q), np.zeros_like(K), np.zeros_like(V)
+    for b in range(B):
+        for h in range(H):
+            scores = (Q[b, h] @ K[b, h].T) / math.sqrt(d)
+            scores = np.where(allowed[b, h], scores, -1e9)
+            weights = np_softmax(scores.astype(np.float32), axis=-1).astype(Q.dtype)
+            weights[~allowed[b, h].any(axis=-1)] = 0.0  # rows with no key: uniform under -1e9, so zero them
+            d_weights = dout[b, h] @ V[b, h].T
+            d_scores = softmax_backward(weights, d_weights) / math.sqrt(d)
+            dQ[b, h] = d_scores @ K[b, h]
+            dK[b, h] = d_scores.T @ Q[b, h]
+            dV[b, h] = weights.T @ dout[b, h]
+    return dQ, dK, dV

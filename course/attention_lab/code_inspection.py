@@ -1,0 +1,507 @@
+"""Reading an answer's own code: what it calls, which operators it uses, whether it loops.
+
+Some exercises exist to make the student *write* a thing: a matrix product as explicit sums,
+a numerically stable softmax. Calling the library function that does it passes every
+numerical test, so a check has to look at the code itself. Watching calls at run time
+(an array subclass that refuses ``@``, a torch function mode) misses an answer that first
+converts its input (``np.asarray(x) @ W``) or calls a library written in NumPy
+(``scipy.special.softmax``); reading the code does not.
+
+How the code is read:
+
+* **From its source**, with :func:`inspect.getsource` and :mod:`ast` (this works for functions
+  defined in notebook cells too: IPython keeps every cell's source). Names are resolved the
+  way Python resolves them when the answer runs: imports inside the function, then its
+  closure, its module's globals (a notebook's namespace), the builtins. So ``np.dot``,
+  ``numpy.dot``, ``from numpy import dot as d; d(...)`` and ``mm = np.matmul`` at top level are
+  all recognised as ``numpy.dot`` / ``numpy.matmul``.
+* **From its bytecode** when the source is unavailable (code built with ``exec``, a lambda
+  whose line holds other code, a source file edited since): the same facts, read from
+  :func:`dis.get_instructions`.
+
+Helpers are followed: a function the answer calls that was defined in the same namespace (a
+notebook helper) is read too, a few levels deep, so moving the shortcut into a helper does
+not hide it.
+
+Example::
+
+    uses = find_uses(answer, functions=("numpy.dot", "numpy.matmul"), methods=("dot",), operators=("@",))
+    if uses:
+        raise CheckFailure(f"... but it uses {uses[0].describe()} ...")
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import dis
+import functools
+import importlib
+import inspect
+import sys
+import textwrap
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+__all__ = ["Use", "find_uses", "has_loop", "answer_functions", "source_available"]
+
+# Short names students use for modules; used only when a name cannot be resolved at all.
+_COMMON_ALIASES = {"np": "numpy", "sp": "scipy", "F": "torch.nn.functional", "nn": "torch.nn"}
+# How deep helpers are followed (the answer itself is depth 0).
+_HELPER_DEPTH = 3
+
+
+@dataclass(frozen=True)
+class Use:
+    """One place where the answer uses something a check looks for."""
+
+    written: str  # as the code writes it: "np.dot", "@", "x_row.dot", "softmax"
+    target: str  # what it is: "numpy.dot", "@", ".dot"
+    function: str  # the function of the answer (or its helper) it is in
+    line: int | None  # line number (in the notebook cell or file that defines the function), if known
+
+    def describe(self) -> str:
+        """``np.dot (in row_times_matrix, line 4)``, or ``sm (scipy.special.softmax, in f, line 2)``
+        when the code calls it by another name -- how a message names it."""
+        where = f"in {self.function}, line {self.line}" if self.line else f"in {self.function}"
+        alias = self.written not in (self.target, self.target.lstrip(".")) and not self.target.startswith(".") \
+            and not _textual_match(self.written, self.target)
+        return f"{self.written} ({self.target}, {where})" if alias else f"{self.written} ({where})"
+
+
+@dataclass
+class _Facts:
+    """What one function's code does, read from its source or its bytecode."""
+
+    function: str
+    references: list[tuple[str, Any, int | None]] = field(default_factory=list)  # (written, object or _UNRESOLVED, line)
+    methods: list[tuple[str, str, int | None]] = field(default_factory=list)  # (written, attribute, line)
+    operators: list[tuple[str, int | None]] = field(default_factory=list)  # ("@", line)
+    loops: int = 0
+
+
+_UNRESOLVED = object()
+
+
+# --------------------------------------------------------------------------------------
+# Which functions make up an answer
+# --------------------------------------------------------------------------------------
+
+
+def _unwrap(answer: Any) -> Any:
+    while True:
+        if isinstance(answer, functools.partial):
+            answer = answer.func
+        elif isinstance(answer, (types.MethodType, staticmethod, classmethod)):
+            answer = answer.__func__
+        elif hasattr(answer, "__wrapped__") and isinstance(answer, types.FunctionType):
+            answer = answer.__wrapped__
+        else:
+            return answer
+
+
+def _own_functions(answer: Any) -> list[types.FunctionType]:
+    """The Python functions an answer object consists of: itself, or a class's own methods."""
+    answer = _unwrap(answer)
+    if isinstance(answer, types.FunctionType):
+        return [answer]
+    cls = answer if isinstance(answer, type) else type(answer)
+    functions = []
+    for klass in cls.__mro__:
+        if (getattr(klass, "__module__", None) or "builtins").split(".")[0] in _LIBRARY_ROOTS:
+            continue  # object, nn.Module, ndarray ...: not the student's code
+        for member in vars(klass).values():
+            member = _unwrap(member)
+            if isinstance(member, property):
+                member = member.fget
+            if isinstance(member, types.FunctionType):
+                functions.append(member)
+    return functions
+
+
+_LIBRARY_ROOTS = {"builtins", "numpy", "torch", "scipy", "functools", "einops", "typing", "abc"}
+
+
+def answer_functions(answer: Any, *, follow_helpers: bool = True) -> list[types.FunctionType]:
+    """The answer's functions, then (with ``follow_helpers``) the helpers they call that live in
+    the same namespace (notebook helpers), a few levels deep, each once."""
+    return [function for function, _facts in _walk(answer, follow_helpers)]
+
+
+def _facts_of(function: types.FunctionType) -> _Facts:
+    """What the function does, from its source if possible, else from its bytecode. Reading code
+    never fails a check: anything unexpected reads as "nothing found" (checks that need more, such
+    as a loop, only ask after the answer ran)."""
+    try:
+        facts = _facts_from_source(function)
+    except Exception:
+        facts = None
+    if facts is None:
+        try:
+            facts = _facts_from_bytecode(function)
+        except Exception:
+            facts = _Facts(getattr(function, "__name__", "?"))
+    return facts
+
+
+def _walk(answer: Any, follow_helpers: bool) -> Iterator[tuple[types.FunctionType, _Facts]]:
+    todo = [(function, 0) for function in _own_functions(answer)]
+    namespaces = {id(function.__globals__) for function, _ in todo}
+    seen: set[int] = set()
+    while todo:
+        function, depth = todo.pop(0)
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        facts = _facts_of(function)
+        yield function, facts
+        if not follow_helpers or depth >= _HELPER_DEPTH:
+            continue
+        for _written, obj, _line in facts.references:
+            for helper in _own_functions(obj) if _is_helper(obj, namespaces) else ():
+                todo.append((helper, depth + 1))
+
+
+def _is_helper(obj: Any, namespaces: set[int]) -> bool:
+    """A function or class the student defined next to the answer (same global namespace)."""
+    obj = _unwrap(obj)
+    if isinstance(obj, types.FunctionType):
+        return id(obj.__globals__) in namespaces
+    if isinstance(obj, type):
+        return any(id(f.__globals__) in namespaces for f in _own_functions(obj))
+    return False
+
+
+# --------------------------------------------------------------------------------------
+# Resolving names the way Python does when the answer runs
+# --------------------------------------------------------------------------------------
+
+
+def _import(path: str) -> Any:
+    """The object a dotted path names (``numpy.linalg.norm``), or _UNRESOLVED."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except Exception:
+            continue
+        for part in parts[cut:]:
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                return _UNRESOLVED
+        return obj
+    return _UNRESOLVED
+
+
+class _Scope:
+    """Where a function's names come from: local imports, locals, closure, globals, builtins."""
+
+    def __init__(self, function: types.FunctionType, local_imports: dict[str, str]):
+        self.function = function
+        self.local_imports = local_imports
+        code = function.__code__
+        self.locals = set(code.co_varnames) | set(code.co_cellvars)
+        self.closure = {}
+        if function.__closure__:
+            for name, cell in zip(code.co_freevars, function.__closure__):
+                try:
+                    self.closure[name] = cell.cell_contents
+                except ValueError:  # an empty cell
+                    pass
+
+    def resolve(self, chain: list[str]) -> Any:
+        root, attributes = chain[0], chain[1:]
+        if root in self.local_imports:
+            obj = _import(self.local_imports[root])
+        elif root in self.locals:
+            return _UNRESOLVED
+        elif root in self.closure:
+            obj = self.closure[root]
+        elif root in self.function.__globals__:
+            obj = self.function.__globals__[root]
+        elif hasattr(builtins, root):
+            obj = getattr(builtins, root)
+        else:
+            return _UNRESOLVED
+        for attribute in attributes:
+            try:
+                obj = getattr(obj, attribute)
+            except Exception:
+                return _UNRESOLVED
+        return obj
+
+    def is_local(self, root: str) -> bool:
+        return root not in self.local_imports and (root in self.locals or root not in self.closure
+                                                   and root not in self.function.__globals__
+                                                   and not hasattr(builtins, root))
+
+
+def _record(facts: _Facts, scope: _Scope, chain: list[str], line: int | None) -> None:
+    written = ".".join(chain)
+    obj = scope.resolve(chain)
+    if obj is not _UNRESOLVED:
+        facts.references.append((written, obj, line))
+        return
+    if len(chain) > 1 and scope.is_local(chain[0]):  # x_row.dot: a method of a local value
+        facts.methods.append((written, chain[-1], line))
+    if len(chain) > 1:  # a module under a name we cannot see: keep the written text
+        facts.references.append((written, _UNRESOLVED, line))
+
+
+# --------------------------------------------------------------------------------------
+# Reading the source
+# --------------------------------------------------------------------------------------
+
+
+def _source_tree(function: types.FunctionType) -> tuple[ast.AST, int] | None:
+    """The function's def node and the line offset to add to its line numbers, or None."""
+    if function.__name__ == "<lambda>":
+        return None  # a lambda's line may hold other code: the bytecode is unambiguous
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function.__name__:
+            return node, function.__code__.co_firstlineno - 1
+    return None
+
+
+def _chain(node: ast.AST) -> list[str] | None:
+    """``np.linalg.norm`` -> ["np", "linalg", "norm"]; None for anything but names and attributes."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return [node.id, *reversed(parts)]
+    return None
+
+
+def _facts_from_source(function: types.FunctionType) -> _Facts | None:
+    found = _source_tree(function)
+    if found is None:
+        return None
+    tree, offset = found
+    local_imports: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    local_imports[alias.asname] = alias.name
+                else:
+                    root = alias.name.split(".")[0]
+                    local_imports[root] = root
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                local_imports[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    scope = _Scope(function, local_imports)
+    facts = _Facts(function.__name__)
+    inner_attributes: set[int] = set()  # Attribute nodes that are part of a longer chain
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", None)
+        line = None if line is None else line + offset
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            inner_attributes.add(id(node.value))
+        if isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, ast.MatMult):
+            facts.operators.append(("@", line))
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp,
+                             ast.GeneratorExp)):
+            facts.loops += 1
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and id(node) not in inner_attributes and isinstance(node.ctx, ast.Load):
+            chain = _chain(node)
+            if chain is not None:
+                _record(facts, scope, chain, node.lineno + offset)
+            else:  # x[0].dot(...), f().dot: a method of a computed value
+                facts.methods.append((f"….{node.attr}", node.attr, node.lineno + offset))
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            obj = scope.resolve([node.id])
+            if obj is not _UNRESOLVED:
+                facts.references.append((node.id, obj, node.lineno + offset))
+    facts.loops += sum(1 for _w, obj, _l in facts.references if obj is map or obj is functools.reduce)
+    return facts
+
+
+# --------------------------------------------------------------------------------------
+# Reading the bytecode (when there is no source)
+# --------------------------------------------------------------------------------------
+
+_ROOT_LOADS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_FAST", "LOAD_CLASSDEREF", "LOAD_FAST_CHECK",
+               "LOAD_FAST_AND_CLEAR", "LOAD_FAST_BORROW"}
+_ATTRIBUTE_LOADS = {"LOAD_ATTR", "LOAD_METHOD"}
+_STORES = {"STORE_FAST", "STORE_NAME", "STORE_DEREF", "STORE_GLOBAL"}
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _instructions_with_lines(code: types.CodeType) -> Iterator[tuple[dis.Instruction, int | None]]:
+    line = None
+    for instruction in dis.get_instructions(code):
+        positions = getattr(instruction, "positions", None)
+        if positions is not None and positions.lineno is not None:
+            line = positions.lineno
+        elif instruction.starts_line not in (None, False, True):
+            line = instruction.starts_line
+        yield instruction, line
+
+
+def _facts_from_bytecode(function: types.FunctionType) -> _Facts:
+    facts = _Facts(function.__name__)
+    codes = list(_code_objects(function.__code__))
+    # Imports inside the function: `import numpy as np`, `from scipy.special import softmax`.
+    local_imports: dict[str, str] = {}
+    for code in codes:
+        constant, module, from_list, pending = None, None, None, None
+        for instruction in dis.get_instructions(code):
+            opname = instruction.opname
+            if opname == "LOAD_CONST":
+                constant = instruction.argval
+                continue
+            if opname == "IMPORT_NAME":
+                module, from_list, pending = instruction.argval, constant, instruction.argval
+            elif opname == "IMPORT_FROM" and module:
+                # `from a import b` reads a.b; `import a.b as c` walks down to a.b the same way.
+                pending = f"{module}.{instruction.argval}" if from_list else module
+            elif opname in _STORES and pending:
+                name, top = instruction.argval, module.split(".")[0]
+                local_imports[name] = top if (pending == module and not from_list and name == top) else pending
+                pending = None
+            elif opname not in ("POP_TOP", "SWAP", "COPY", "NOP", "CACHE", "ROT_TWO"):
+                module, pending = None, None
+            constant = None
+    scope = _Scope(function, local_imports)
+    for code in codes:
+        chain: list[str] = []
+        chain_line = None
+        start_offsets = []
+        for instruction, line in _instructions_with_lines(code):
+            opname = instruction.opname
+            if opname in _ATTRIBUTE_LOADS and chain:
+                chain.append(str(instruction.argval))
+                continue
+            if chain:
+                _record(facts, scope, chain, chain_line)
+                chain = []
+            if opname in _ROOT_LOADS and isinstance(instruction.argval, str):
+                root = instruction.argval
+                if code is not function.__code__ and opname in ("LOAD_FAST", "LOAD_DEREF") and root not in scope.locals:
+                    scope.locals.add(root)  # a comprehension's own variable
+                chain, chain_line = [root], line
+            if opname in ("BINARY_MATRIX_MULTIPLY", "INPLACE_MATRIX_MULTIPLY") or (
+                    opname == "BINARY_OP" and instruction.argrepr in ("@", "@=")):
+                facts.operators.append(("@", line))
+            if opname == "FOR_ITER":
+                facts.loops += 1
+            elif "JUMP" in opname and isinstance(instruction.argval, int) and instruction.argval < instruction.offset:
+                start_offsets.append(instruction.argval)  # a jump back: the end of a loop's body
+        if chain:
+            _record(facts, scope, chain, chain_line)
+        if start_offsets and not any(i.opname == "FOR_ITER" for i in dis.get_instructions(code)):
+            facts.loops += 1  # a while loop
+    facts.loops += sum(1 for _w, obj, _l in facts.references if obj is map or obj is functools.reduce)
+    return facts
+
+
+# --------------------------------------------------------------------------------------
+# What checks ask
+# --------------------------------------------------------------------------------------
+
+
+def _loaded(path: str) -> Any:
+    """The object a dotted path names if its module is already imported, else _UNRESOLVED.
+
+    Never imports: code that uses a library has imported it (or will, by a local import that
+    reading its code resolves), so a library nobody imported cannot be in use -- and a check
+    should not pay for importing scipy to learn that.
+    """
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is None:
+            continue
+        obj = module
+        for part in parts[cut:]:
+            obj = getattr(obj, part, _UNRESOLVED)
+            if obj is _UNRESOLVED:
+                return _UNRESOLVED
+        return obj
+    return _UNRESOLVED
+
+
+def _targets(functions: Iterable[str]) -> list[tuple[str, Any]]:
+    return [(name, _loaded(name)) for name in functions]
+
+
+def _textual_match(written: str, target: str) -> bool:
+    root, _, rest = written.partition(".")
+    expanded = f"{_COMMON_ALIASES.get(root, root)}.{rest}" if rest else written
+    return expanded == target
+
+
+def _same(obj: Any, target: Any) -> bool:
+    if target is _UNRESOLVED:
+        return False
+    return obj is target
+
+
+def find_uses(answer: Any, *, functions: Iterable[str] = (), methods: Iterable[str] = (),
+              operators: Iterable[str] = (), follow_helpers: bool = True) -> list[Use]:
+    """Every place where the answer (and its helpers) uses one of the things named.
+
+    ``functions``: dotted paths of callables (``"numpy.dot"``, ``"scipy.special.softmax"``),
+    matched by identity after resolving the code's names, so any alias counts.
+    ``methods``: attribute names called on values (``"dot"`` finds ``x_row.dot(W)``).
+    ``operators``: ``"@"`` (the matrix-multiplication operator, also ``@=``).
+
+    The answer itself may be one of ``functions`` (``np_softmax = scipy.special.softmax``).
+    Uses are listed in the order the code is read, the answer's own code first.
+    """
+    walked = list(_walk(answer, follow_helpers))  # first: reading may import what the code imports
+    targets = _targets(functions)
+    methods, operators = set(methods), set(operators)
+    uses: list[Use] = []
+    bare = _unwrap(answer)
+    name = getattr(bare, "__name__", type(bare).__name__)
+    for path, target in targets:
+        if _same(bare, target):
+            uses.append(Use(name, path, name, None))
+    for function, facts in walked:
+        where = function.__name__
+        for written, obj, line in facts.references:
+            for path, target in targets:
+                if (_same(obj, target) if obj is not _UNRESOLVED else _textual_match(written, path)):
+                    uses.append(Use(written, path, where, line))
+        for written, attribute, line in facts.methods:
+            if attribute in methods:
+                uses.append(Use(written, f".{attribute}", where, line))
+        for operator, line in facts.operators:
+            if operator in operators:
+                uses.append(Use(operator, operator, where, line))
+    unique, seen = [], set()
+    for use in uses:
+        if (use.target, use.function, use.line) not in seen:
+            seen.add((use.target, use.function, use.line))
+            unique.append(use)
+    return unique
+
+
+def has_loop(answer: Any, *, follow_helpers: bool = True) -> bool:
+    """Whether the answer (or a helper it calls) loops: ``for``, ``while``, a comprehension or
+    generator, ``map`` or ``functools.reduce``. An answer with no Python code at all (a
+    builtin) does not."""
+    return any(facts.loops for _function, facts in _walk(answer, follow_helpers))
+
+
+def source_available(function: Callable) -> bool:
+    """Whether :func:`find_uses` reads this function from its source (else from bytecode)."""
+    function = _unwrap(function)
+    return isinstance(function, types.FunctionType) and _source_tree(function) is not None
