@@ -877,16 +877,16 @@ check_answer_no_positions(ANSWER_NO_POSITIONS)
 #
 # A complete model around your `Transformer`:
 #
-# 1. `self.token_embedding = nn.Embedding(vocab_size, embed_dim)`: a learned vector per token
-#    id, **not** scaled (`nn.Embedding` starts at N(0, 1), the scale of the table's entries;
+# 1. `token_embedding`: an `nn.Embedding` with a learned `embed_dim` vector per token id,
+#    **not** scaled (`nn.Embedding` starts at N(0, 1), the scale of the table's entries;
 #    the sqrt(D) of Vaswani et al. is for embeddings that start small).
 # 2. positions, by the `positions` argument: `"sinusoidal"` — `sinusoidal_positions(max_len,
 #    embed_dim)` kept as a buffer (`register_buffer(..., persistent=False)`: fixed, but it
 #    moves with `.to()`); `"learned"` — a trainable `[max_len, embed_dim]` table
 #    (`nn.Parameter`, e.g. `0.02 * torch.randn(...)`, or `nn.Embedding(max_len, embed_dim)`);
 #    `"none"` — nothing. Anything else raises a `ValueError` naming it.
-# 3. `self.transformer = Transformer(embed_dim, num_heads, num_layers)` — yours.
-# 4. `self.head = nn.Linear(embed_dim, vocab_size)`: one logit per token id.
+# 3. `transformer`: your `Transformer` with `embed_dim`, `num_heads` and `num_layers`.
+# 4. `head`: an `nn.Linear` from `embed_dim` to one logit per token id.
 #
 # `forward(tokens [B, S] (long), mask=None)`: add the rows `0 … S-1` of the table to the
 # token vectors (`S` may be smaller than `max_len`), run the Transformer with the mask, apply
@@ -957,16 +957,16 @@ def previous_token_batch(batch_size, generator):
 
 def train_order_model(model, attend_mask=None, steps=200, batch_size=32, lr=1e-2, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    adam = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
         batch, targets = previous_token_batch(batch_size, generator)
         logits = model(batch.to(device), attend_mask)                 # [B, S, V]
         loss = F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten(),
                                ignore_index=IGNORE)
-        optimizer.zero_grad()
+        adam.zero_grad()
         loss.backward()
-        optimizer.step()
+        adam.step()
     return model.eval()
 
 
@@ -1023,6 +1023,8 @@ check_order_transformer_outcome(OrderTransformer)
 # %%
 from attention_lab.widgets.trained_heads import trained_heads_explorer
 
+if not trained:  # the training cell stopped before any model was trained
+    raise NotImplementedError("Exercise 3.13: implement OrderTransformer, then run the training cell")
 examples, _ = previous_token_batch(8, torch.Generator().manual_seed(7))
 trained_heads_explorer(trained, examples, masks_used)
 
