@@ -1389,7 +1389,13 @@ def check_order_transformer(OrderTransformer: Callable, *, seed: int = 0, device
         elif learned is not None:
             hint = ORDER_HINTS["sinusoidal_parameter"] if positions == "sinusoidal" else ORDER_HINTS["positions_for_none"]
             raise CheckFailure(f"{label} has a trainable [{max_len}, {embed_dim}] parameter.\n  Likely mistake: {hint}")
+        # Random weights, but a frozen parameter (a fixed table stored MAE-style, requires_grad=False) keeps its values.
+        frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
         _randomise(model, generator)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name in frozen:
+                    parameter.copy_(frozen[name])
         for dtype in (torch.float64, torch.float32):
             model = model.to(device=device, dtype=dtype)
             for seq_len in (max_len, max_len - 2):

@@ -39,8 +39,14 @@ def attention_maps(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor | 
     """Per layer, the attention weights of every head, ``[B, H, S, S]`` (rows: queries), for ``model(tokens, mask)``."""
     layers = attention_layers(model)
     inputs: dict[int, torch.Tensor] = {}
-    hooks = [layer.register_forward_pre_hook(lambda module, args, index=index: inputs.__setitem__(index, args[0]))
-             for index, layer in enumerate(layers)]
+
+    def catch(index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            # The layer's input, however it was passed: layer(x, mask), layer(x=x), layer(x, mask=mask).
+            inputs[index] = args[0] if args else kwargs.get("x", next(iter(kwargs.values()), None))
+        return hook
+
+    hooks = [layer.register_forward_pre_hook(catch(index), with_kwargs=True) for index, layer in enumerate(layers)]
     try:
         with torch.no_grad():
             model(tokens, mask)
