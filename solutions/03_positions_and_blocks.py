@@ -140,7 +140,7 @@ def sinusoidal_positions(num_positions, dim, base=10000.0):
 
 
 # %% test="test_sinusoidal_positions" points=3
-"""sinusoidal_positions: [P, D] interleaved sin/cos at base^(-2i/D), odd-dim error; breaks equivariance."""
+"""sinusoidal_positions: [P, D] interleaved sin/cos, odd-dim error; positions break equivariance."""
 from attention_lab.checks.positions_and_blocks import (
     check_positions_break_equivariance, check_sinusoidal_positions)
 
@@ -250,7 +250,7 @@ def pe_shift_matrix(offset, dim, base=10000.0):
 
 
 # %% test="test_pe_shift_matrix" points=3
-"""pe_shift_matrix: [D, D] block rotations with PE[p + k] == M @ PE[p] for every p; odd-dim error."""
+"""pe_shift_matrix: [D, D] block rotations, PE[p + k] == M @ PE[p] for every p; odd-dim error."""
 from attention_lab.checks.positions_and_blocks import check_pe_shift_matrix
 
 check_pe_shift_matrix(pe_shift_matrix)
@@ -274,14 +274,15 @@ projection_k = torch.randn(16, 16, dtype=torch.float64) / 4.0
 
 
 def spread_along_offsets(scores):
-    """Largest (max - min) over every diagonal of scores [P, P]: 0 if it depends on the offset only."""
+    """Largest (max - min) along a diagonal of scores [P, P]: 0 if only the offset matters."""
     return max(float(d.max() - d.min()) for d in (scores.diagonal(o) for o in range(-31, 32)))
 
 
 raw = table @ table.T                                             # PE[p] . PE[q]
 projected = (table @ projection_q.T) @ (table @ projection_k.T).T   # (W_q PE[p]) . (W_k PE[q])
-print(f"raw PE . PE:           scores at one offset differ by up to {spread_along_offsets(raw):.1e}")
-print(f"after W_q and W_k:     scores at one offset differ by up to {spread_along_offsets(projected):.2f}")
+print(f"raw PE . PE:       scores at one offset differ by up to {spread_along_offsets(raw):.1e}")
+print(f"after W_q and W_k: scores at one offset differ by up to "
+      f"{spread_along_offsets(projected):.2f}")
 
 # %% [markdown]
 # The raw dot products depend on the offset only (up to rounding); after the projections
@@ -396,7 +397,7 @@ class FourierFeatures(nn.Module):
         self.in_dim = in_dim
         self.num_frequencies = num_frequencies
         self.out_dim = in_dim * 2 * num_frequencies
-        frequencies = 2.0 ** torch.arange(num_frequencies) * math.pi          # [F]: pi, 2pi, 4pi, ...
+        frequencies = 2.0 ** torch.arange(num_frequencies) * math.pi    # [F]: pi, 2pi, 4pi, ...
         self.register_buffer("frequencies", frequencies, persistent=False)
         ### END SOLUTION
 
@@ -409,7 +410,7 @@ class FourierFeatures(nn.Module):
 
 
 # %% test="test_FourierFeatures" points=2
-"""FourierFeatures: out_dim, frequencies in a non-persistent buffer, x·2^k·pi in the contract's layout."""
+"""FourierFeatures: out_dim, frequencies in a non-persistent buffer, x·2^k·pi, the layout."""
 from attention_lab.checks.positions_and_blocks import check_fourier_features
 
 check_fourier_features(FourierFeatures)
@@ -468,7 +469,7 @@ class CoordinateMLP(nn.Module):
 
 
 # %% test="test_CoordinateMLP" points=1
-"""CoordinateMLP: layer widths follow the encoder's out_dim and hidden; forward is the Linear/ReLU stack."""
+"""CoordinateMLP: widths follow the encoder's out_dim and hidden; forward: the Linear/ReLU stack."""
 from attention_lab.checks.positions_and_blocks import check_coordinate_mlp
 
 check_coordinate_mlp(CoordinateMLP)
@@ -498,7 +499,8 @@ def psnr(pred, target, max_value=1.0):
     0.1 is not exact and the result is 19.9999997)
     """
     ### BEGIN SOLUTION
-    mse = torch.mean((pred.detach() - target.detach()) ** 2).item()  # a score, not a loss: no gradient
+    # A score, not a loss: no gradient.
+    mse = torch.mean((pred.detach() - target.detach()) ** 2).item()
     if mse == 0.0:
         return float("inf")
     return 10.0 * math.log10(max_value ** 2 / mse)
@@ -557,7 +559,7 @@ def fit_image(model, coords, colors, steps, lr, progress=True):
 
 
 # %% test="test_fit_image" points=1
-"""fit_image: the losses and final weights equal a reference full-batch Adam run on the same model."""
+"""fit_image: the losses and final weights equal a reference full-batch Adam run."""
 from attention_lab.checks.positions_and_blocks import check_fit_image
 
 check_fit_image(fit_image)
@@ -683,7 +685,8 @@ class TransformerLayer(nn.Module):
         self.norm1 = nn.LayerNorm(embed_dim, eps=1e-6)
         self.attn = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)
         self.norm2 = nn.LayerNorm(embed_dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(embed_dim, hidden), nn.GELU(), nn.Linear(hidden, embed_dim))
+        self.mlp = nn.Sequential(nn.Linear(embed_dim, hidden), nn.GELU(),
+                                 nn.Linear(hidden, embed_dim))
         ### END SOLUTION
 
     def forward(self, x, mask=None):
@@ -706,7 +709,7 @@ check_transformer_layer(TransformerLayer, seed=3801, device="cpu")
 ### END HIDDEN TESTS
 
 # %% test="test_TransformerLayer_properties" points=1
-"""TransformerLayer: zero sublayers give the identity; no future leak; equivariant without positions."""
+"""TransformerLayer: zero sublayers give the identity; no future leak; equivariant, no positions."""
 from attention_lab.checks.positions_and_blocks import check_transformer_layer_properties
 
 check_transformer_layer_properties(TransformerLayer)
@@ -763,7 +766,7 @@ class Transformer(nn.Module):
 
 
 # %% test="test_Transformer" points=2
-"""Transformer: independent layers in a ModuleList, final LayerNorm eps 1e-6, mask to every layer."""
+"""Transformer: independent layers in a ModuleList, final LayerNorm eps 1e-6, mask to each layer."""
 from attention_lab.checks.positions_and_blocks import check_transformer
 
 check_transformer(Transformer)
@@ -1024,7 +1027,7 @@ check_order_transformer_outcome(OrderTransformer)
 from attention_lab.widgets.trained_heads import trained_heads_explorer
 
 if not trained:  # the training cell stopped before any model was trained
-    raise NotImplementedError("Exercise 3.13: implement OrderTransformer, then run the training cell")
+    raise NotImplementedError("Exercise 3.13: implement OrderTransformer, then train (cell above)")
 examples, _ = previous_token_batch(8, torch.Generator().manual_seed(7))
 trained_heads_explorer(trained, examples, masks_used)
 
