@@ -1054,8 +1054,9 @@ trained_heads_explorer(trained, examples, masks_used)
 # ## What you built
 #
 # * Self-attention is permutation-**equivariant**; position encodings break the symmetry.
-# * `sinusoidal_positions`: the Transformer's fixed, absolute encoding, whose dot products
-#   depend only on the offset between positions (the idea RoPE builds on in notebook 05).
+# * `sinusoidal_positions`: the Transformer's fixed, absolute encoding, whose raw dot products
+#   depend only on the offset between positions — not once `W_q` and `W_k` project them,
+#   which is why RoPE (notebook 05) rotates after the projections.
 # * `FourierFeatures` + `CoordinateMLP`: sines and cosines of coordinates at increasing
 #   frequencies let a small MLP draw fine detail; `psnr` measured how much better.
 # * `TransformerLayer` / `Transformer`: pre-norm residual blocks, equal to

@@ -417,7 +417,8 @@ def test_fourier_features_diagnoses_known_mistakes(answer, hint):
 def test_fourier_features_contract():
     with pytest.raises(CheckFailure, match=r"(?s)should have shape \[4, 3, 24\], got \[4, 3, 2, 12\].*flatten"):
         checks.check_fourier_features(FourierNoFlatten, **CPU)
-    with pytest.raises(CheckFailure, match="should keep the input dtype torch.float64, got torch.float32"):
+    with pytest.raises(CheckFailure, match="should keep the input dtype torch.float64, got torch.float32. The rule "
+                                           "of this notebook: keep the input's dtype"):
         checks.check_fourier_features(FourierFloat32Output, **CPU)
     with pytest.raises(CheckFailure, match="should be an nn.Module"):
         checks.check_fourier_features(lambda in_dim, num_frequencies: "not a module", **CPU)

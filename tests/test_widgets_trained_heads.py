@@ -91,3 +91,25 @@ def test_explorer_draws_what_its_controls_select():
         assert int(control.layout.width.rstrip("px")) >= 200 and control.description
     assert widget.controls["example"].continuous_update is False
     assert widget._repr_mimebundle_()["image/png"]
+
+
+def test_attention_maps_catch_layers_called_by_keyword():
+    """timm-style stacks call layer(x=x, mask=mask): the maps are the same as for positional calls."""
+    model = _model("none", 3)
+    stack = model.parts["h"]
+
+    class KeywordStack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers, self.norm = stack.layers, stack.norm
+
+        def forward(self, x, mask=None):
+            for layer in self.layers:
+                x = layer(x=x, mask=mask)
+            return self.norm(x)
+
+    tokens, _ = checks.previous_token_batch(2, torch.Generator().manual_seed(4))
+    expected = attention_maps(model, tokens)
+    model.parts["h"] = KeywordStack()
+    for got, want in zip(attention_maps(model, tokens), expected):
+        torch.testing.assert_close(got, want)

@@ -57,6 +57,11 @@ def _is_dtype_crash(text: str) -> bool:
     return "mixed dtype" in text or "scalar type" in text or "same dtype" in text
 
 
+def _expect_input_dtype(out: torch.Tensor, dtype: torch.dtype, call: str) -> None:
+    expect_true(out.dtype == dtype, f"{call} should keep the input dtype {dtype}, got {out.dtype}. {DTYPE_RULE} "
+                "Do not call .float() or .double() on the result.")
+
+
 def _accepts(fn: Callable, parameter: str) -> bool:
     try:
         return parameter in inspect.signature(fn).parameters
@@ -371,9 +376,10 @@ def _check_fourier_forward(module: nn.Module, x: torch.Tensor, num_frequencies: 
             raise CheckFailure(f"{failure}\n  Likely mistake: {FOURIER_HINTS['new_axis']}") from None
         raise
     out_features = in_dim * 2 * num_frequencies
-    expect_tensor(out, what=call, shape=(*x.shape[:-1], out_features), dtype=x.dtype, device=x.device,
+    expect_tensor(out, what=call, shape=(*x.shape[:-1], out_features), device=x.device,
                   hints={(*x.shape[:-1], 2 * num_frequencies): FOURIER_HINTS["new_axis"],
                          (*x.shape[:-1], in_dim, 2 * num_frequencies): FOURIER_HINTS["not_flattened"]})
+    _expect_input_dtype(out, x.dtype, call)
     # Frequencies made in float32 (the default) are rounded by ~6e-8 relative, and so are the angles,
     # which reach 2^(F-1)·pi: the tolerance follows the largest angle, in float64 too.
     largest_angle = 2.0 ** (num_frequencies - 1) * math.pi * max(1.0, float(x.abs().max()))
@@ -480,7 +486,8 @@ def _check_mlp_forward(model: nn.Module, encoder: nn.Module | None, linears: lis
         if "cannot be multiplied" in message:
             raise CheckFailure(f"{message}\n  Likely mistake: {COORDINATE_MLP_HINTS['width_mismatch']}") from None
         raise
-    expect_tensor(out, what=call, shape=(*coords.shape[:-1], 3), dtype=coords.dtype, device=coords.device)
+    expect_tensor(out, what=call, shape=(*coords.shape[:-1], 3), device=coords.device)
+    _expect_input_dtype(out, coords.dtype, call)
     features = coords if encoder is None else encoder(coords)
     expect_close(out, _mlp_reference(linears, features), what=call,
                  against="encoder, then Linear -> ReLU -> Linear -> ReLU -> Linear -> ReLU -> Linear",
@@ -925,8 +932,7 @@ def _call_layer(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None, la
             raise CheckFailure(f"{failure}\n  Likely mistake: {LAYER_HINTS['dtype_crash']} {DTYPE_RULE}") from None
         raise
     expect_tensor(out, what=call, shape=x.shape, device=x.device)
-    expect_true(out.dtype == x.dtype, f"{call} should keep the input dtype {x.dtype}, got {out.dtype}. "
-                f"{DTYPE_RULE} Do not call .float() or .double() inside the layer.")
+    _expect_input_dtype(out, x.dtype, call)
     return out
 
 
@@ -1129,8 +1135,7 @@ def check_transformer(Transformer: Callable, *, seed: int = 0, device: torch.dev
                                            f"{DTYPE_RULE}") from None
                     raise
                 expect_tensor(out, what=call, shape=x.shape, device=x.device)
-                expect_true(out.dtype == x.dtype, f"{call} should keep the input dtype {x.dtype}, got {out.dtype}. "
-                            f"{DTYPE_RULE}")
+                _expect_input_dtype(out, x.dtype, call)
 
                 def stack(use_mask: bool = True, final_norm: bool = True) -> torch.Tensor:
                     h = x.detach().to("cpu", torch.float64)
