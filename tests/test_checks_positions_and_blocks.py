@@ -1017,6 +1017,24 @@ def test_order_transformer_diagnoses_known_mistakes(answer, hint):
         checks.check_order_transformer(answer, **CPU)
 
 
+class OrderPositionsByToken(OrderNanoGPT):
+    """A real mistake: the learned positions looked up with the token ids, wpe(tokens)."""
+
+    def forward(self, tokens, mask=None):
+        x = self.parts["wte"](tokens)
+        if self.kind == "learned":
+            x = x + self.parts["wpe"](tokens)
+        elif self.kind == "sinusoidal":
+            x = x + sinusoidal_stacked(tokens.size(1), x.size(-1)).to(x)
+        return self.lm_head(self.parts["h"](x, mask=mask))
+
+
+def test_order_transformer_names_positions_looked_up_by_token():
+    # Token ids past max_len crash the lookup (the check's vocabularies are larger than max_len).
+    with pytest.raises(CheckFailure, match="(?s)IndexError: index out of range.*indexed with the token ids"):
+        checks.check_order_transformer(OrderPositionsByToken, **CPU)
+
+
 def test_order_transformer_contract():
     with pytest.raises(CheckFailure, match="take the parameters \\(vocab_size, embed_dim, num_heads, num_layers, "
                                            "max_len, positions\\)"):

@@ -1280,6 +1280,8 @@ ORDER_HINTS = {
     "fixed. Register it with self.register_buffer(name, table, persistent=False) (or compute it in forward).",
     "not_sliced": "the whole [max_len, D] table was added to a sequence of S < max_len tokens: add the rows "
     "of positions 0 ... S-1, PE[:S].",
+    "by_token": "the position table was indexed with the token ids (pos_embedding(tokens)); index it with the "
+    "positions 0 ... S-1: pos_embedding(torch.arange(S, device=tokens.device)), or table[:S].",
     "not_transformer": "it must run your Transformer (exercise 3.10) as a submodule: "
     "self.transformer = Transformer(embed_dim, num_heads, num_layers).",
     "dtype": DTYPE_RULE,
@@ -1359,6 +1361,8 @@ def _call_order(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor | Non
         if _is_dtype_crash(text):
             raise CheckFailure(f"{text}\n  Likely mistake: something in your model computes in another dtype "
                                f"than the module's. {DTYPE_RULE}") from None
+        if "index out of range" in text:
+            raise CheckFailure(f"{text}\n  Likely mistake: {ORDER_HINTS['by_token']}") from None
         if tokens.shape[1] < max_len and ("size of tensor" in text or "must match" in text):
             raise CheckFailure(f"{text}\n  Likely mistake: {ORDER_HINTS['not_sliced']}") from None
         raise
@@ -1427,6 +1431,9 @@ def check_order_transformer(OrderTransformer: Callable, *, seed: int = 0, device
                     variants = [Variant(lambda: compose(after=True), ORDER_HINTS["positions_after"]),
                                 Variant(lambda: compose(scale=math.sqrt(embed_dim)), ORDER_HINTS["embedding_scaled"]),
                                 Variant(lambda: compose(use_embedding=False), ORDER_HINTS["embedding_missing"])]
+                    if positions == "learned" and int(tokens.max()) < max_len:
+                        by_token = learned.detach().reshape(max_len, embed_dim).to(device, dtype)[tokens]
+                        variants.append(Variant(lambda: compose(add=by_token), ORDER_HINTS["by_token"]))
                     if positions != "none":
                         variants.append(Variant(lambda: compose(add=0.0),
                                                 ORDER_HINTS["positions_missing"].format(positions=positions)))
