@@ -1002,7 +1002,7 @@ def test_order_transformer_accepts_a_correct_answer_written_differently():
     (order_variant(pass_mask=False), "the mask did not reach the Transformer"),
     (order_variant(learned_store="plain"), "(?s)no trainable \\[9, 16\\] position table.*not a Parameter"),
     (order_variant(learned_store="buffer"), "(?s)no trainable \\[9, 16\\] position table.*not a Parameter"),
-    (order_variant(sinusoidal_store="parameter"), "sinusoidal table is a Parameter"),
+    (order_variant(sinusoidal_store="parameter"), "(?s)holds the sinusoidal table as a trainable.*is a Parameter"),
     (order_variant(slice_table=False), "add the rows of positions 0 ... S-1"),
     (order_variant(sinusoidal_adds=False), "no positions were added, although positions='sinusoidal'"),
     (order_variant(none_adds=True), "positions='none' must add no position table"),
@@ -1033,6 +1033,33 @@ def test_order_transformer_names_positions_looked_up_by_token():
     # Token ids past max_len crash the lookup (the check's vocabularies are larger than max_len).
     with pytest.raises(CheckFailure, match="(?s)IndexError: index out of range.*indexed with the token ids"):
         checks.check_order_transformer(OrderPositionsByToken, **CPU)
+
+
+def test_order_transformer_accepts_an_unused_table_and_names_a_used_one_for_none():
+    """A table created in every mode (timm style) is fine for 'none' when it is not added."""
+    class TableAlways(OrderNanoGPT):
+        def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len, positions="sinusoidal"):
+            super().__init__(vocab_size, embed_dim, num_heads, num_layers, max_len, positions)
+            self.pos_embed = nn.Parameter(0.02 * torch.randn(1, max_len, embed_dim))
+
+        def forward(self, tokens, mask=None):
+            x = self.parts["wte"](tokens)
+            if self.kind != "none":
+                x = x + (self.pos_embed[:, : tokens.size(1)] if self.kind == "learned"
+                         else sinusoidal_stacked(tokens.size(1), x.size(-1)).to(x))
+            return self.lm_head(self.parts["h"](x, mask))
+
+    checks.check_order_transformer(TableAlways, **CPU)
+
+    class AddsItForNone(TableAlways):
+        def forward(self, tokens, mask=None):
+            x = self.parts["wte"](tokens)
+            x = x + (sinusoidal_stacked(tokens.size(1), x.size(-1)).to(x) if self.kind == "sinusoidal"
+                     else self.pos_embed[:, : tokens.size(1)])
+            return self.lm_head(self.parts["h"](x, mask))
+
+    with pytest.raises(CheckFailure, match="positions='none' must add no position table"):
+        checks.check_order_transformer(AddsItForNone, **CPU)
 
 
 def test_order_transformer_contract():

@@ -1395,9 +1395,12 @@ def check_order_transformer(OrderTransformer: Callable, *, seed: int = 0, device
                                    f"parameters.\n  Likely mistake: {ORDER_HINTS['not_parameter']}")
             expect_true(learned is not None, f"{label} should hold a trainable position table of shape "
                         f"[{max_len}, {embed_dim}] (nn.Parameter or nn.Embedding({max_len}, {embed_dim})); found none.")
-        elif learned is not None:
-            hint = ORDER_HINTS["sinusoidal_parameter"] if positions == "sinusoidal" else ORDER_HINTS["positions_for_none"]
-            raise CheckFailure(f"{label} has a trainable [{max_len}, {embed_dim}] parameter.\n  Likely mistake: {hint}")
+        elif learned is not None and positions == "sinusoidal" and torch.allclose(
+                learned.detach().reshape(max_len, embed_dim).to("cpu", torch.float64),
+                _sinusoidal_table(max_len, embed_dim, 10000.0), atol=1e-4):
+            # (A trainable table that is *not* the sinusoidal one is judged by the numbers below.)
+            raise CheckFailure(f"{label} holds the sinusoidal table as a trainable [{max_len}, {embed_dim}] "
+                               f"parameter.\n  Likely mistake: {ORDER_HINTS['sinusoidal_parameter']}")
         # Random weights, but a frozen parameter (a fixed table stored MAE-style, requires_grad=False) keeps its values.
         frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
         _randomise(model, generator)
@@ -1439,6 +1442,9 @@ def check_order_transformer(OrderTransformer: Callable, *, seed: int = 0, device
                                                 ORDER_HINTS["positions_missing"].format(positions=positions)))
                     else:
                         variants.append(Variant(lambda: compose(add=sinusoid), ORDER_HINTS["positions_for_none"]))
+                        if learned is not None:  # a table kept for 'none' too is fine, as long as it is not added
+                            unused = learned.detach().reshape(max_len, embed_dim)[:seq_len].to(device, dtype)
+                            variants.append(Variant(lambda: compose(add=unused), ORDER_HINTS["positions_for_none"]))
                     if mask is not None:
                         variants.append(Variant(lambda: compose(use_mask=False), ORDER_HINTS["mask_ignored"]))
                     mask_text = "no mask" if mask is None else "a causal mask"
