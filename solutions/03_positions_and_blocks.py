@@ -179,7 +179,8 @@ print("with positions, outputs shuffled the same way as input?",
 # `p`. It peaks at `p = p₀` and depends only on the offset `p - p₀`, because
 # `sin(a)sin(b) + cos(a)cos(b) = cos(a - b)`: every pair contributes `cos((p - p₀) ω_i)`.
 # Drag `p₀` — the curve slides but keeps its shape. Change the base and the width to see how
-# the frequencies spread.
+# the frequencies spread. (This holds for the raw table; after exercise 3.4 you will see what
+# attention's learned projections do to it.)
 
 # %%
 from attention_lab.widgets.positions import positions_explorer
@@ -191,7 +192,7 @@ positions_explorer(sinusoidal_positions, num_positions=64)
 #
 # **Predict before you build it.** Fix an offset `k` (say `k = 3`). Is there one matrix `M`
 # such that `PE[p + k] = M @ PE[p]` for *every* position `p`? Set `ANSWER_SHIFT` to `"A"`,
-# `"B"` or `"C"`; the next exercise builds the answer and its check tells you.
+# `"B"` or `"C"`, then build the matrix (if there is one) in the next exercise.
 #
 # * **A.** No: the entries of `PE[p]` are sines of `p · ω_i`, so moving by `k` is a
 #   non-linear change that a single matrix cannot make for every `p`; `M` would have to
