@@ -5,14 +5,19 @@
 # them sits. In this notebook you will *see* that (permute the tokens and the outputs just
 # permute along), fix it with the Transformer's sinusoidal position encoding, meet its
 # cousin the Fourier-feature encoding by teaching a small network to paint a rose, and
-# finally assemble the pre-norm Transformer layer and check it against PyTorch's own
-# `nn.TransformerEncoderLayer`.
+# assemble the pre-norm Transformer layer and check it against PyTorch's own
+# `nn.TransformerEncoderLayer`. Finally you train a small Transformer on a task that needs
+# order, with and without positions, and look inside its trained heads.
 #
-# **23 points, about 78 minutes.**
+# **29 points, about 119 minutes.**
 #
 # **Notation** (as in every notebook): `B` batch, `S` sequence length, `D` model width, `H`
 # heads. **Masks** are boolean with **True = may attend**; `nn.MultiheadAttention` uses the
-# opposite meaning (True = blocked), which matters in exercise 3.8.
+# opposite meaning (True = blocked), which matters in exercise 3.9.
+#
+# **Dtypes.** Keep the input's dtype: float64 in, float64 out. The checks run your modules in
+# float64, where rounding is far too small to hide a mistake; nothing inside may cast to
+# float32 (exercise 3.9 says more).
 
 # %%
 import math
@@ -66,8 +71,10 @@ with torch.no_grad():
     tokens_shuffled = tokens[:, permutation]             # the same tokens, new order
     out_shuffled, _ = untrained_attention(tokens_shuffled, tokens_shuffled, tokens_shuffled)
 
-print("outputs changed by the shuffle?        ", not torch.allclose(out_shuffled, out, atol=1e-5))
-print("outputs shuffled the same way as input?", torch.allclose(out_shuffled, out[:, permutation], atol=1e-5))
+print("outputs changed by the shuffle?        ",
+      not torch.allclose(out_shuffled, out, atol=1e-5))
+print("outputs shuffled the same way as input?",
+      torch.allclose(out_shuffled, out[:, permutation], atol=1e-5))
 
 # %% [markdown]
 # Token `i`'s output depends on its own query and on the *set* of keys and values; nothing in
@@ -132,19 +139,23 @@ def sinusoidal_positions(num_positions, dim, base=10000.0):
     ### END SOLUTION
 
 
+# %% test="test_sinusoidal_positions" points=3
+"""sinusoidal_positions: [P, D] interleaved sin/cos, odd-dim error; positions break equivariance."""
+from attention_lab.checks.positions_and_blocks import (
+    check_positions_break_equivariance, check_sinusoidal_positions)
+
+check_sinusoidal_positions(sinusoidal_positions)
+check_positions_break_equivariance(sinusoidal_positions)
+### BEGIN HIDDEN TESTS
+check_sinusoidal_positions(sinusoidal_positions, seed=3201, device="cpu")
+check_positions_break_equivariance(sinusoidal_positions, seed=3202, device="cpu")
+### END HIDDEN TESTS
+
 # %%
 pe = sinusoidal_positions(50, 16)
 print("PE:", tuple(pe.shape), "| PE[1, :4] =", pe[1, :4].tolist())
-print("every row has norm sqrt(D/2):", torch.allclose(pe.norm(dim=-1), torch.full((50,), math.sqrt(8.0))))
-
-# %% test="test_sinusoidal_positions" points=2
-"""sinusoidal_positions: shape [P, D], interleaved sin/cos at frequencies base^(-2i/D), the odd-dim error."""
-from attention_lab.checks.positions_and_blocks import check_sinusoidal_positions
-
-check_sinusoidal_positions(sinusoidal_positions)
-### BEGIN HIDDEN TESTS
-check_sinusoidal_positions(sinusoidal_positions, seed=3201, device="cpu")
-### END HIDDEN TESTS
+print("every row has norm sqrt(D/2):",
+      torch.allclose(pe.norm(dim=-1), torch.full((50,), math.sqrt(8.0))))
 
 # %% [markdown]
 # Now add your encodings to the tokens of section 1 and shuffle again. The positions stay
@@ -157,18 +168,10 @@ with torch.no_grad():
     with_positions = tokens + pe
     shuffled_with_positions = tokens[:, permutation] + pe
     out, _ = untrained_attention(with_positions, with_positions, with_positions)
-    out_shuffled, _ = untrained_attention(shuffled_with_positions, shuffled_with_positions, shuffled_with_positions)
+    out_shuffled, _ = untrained_attention(
+        shuffled_with_positions, shuffled_with_positions, shuffled_with_positions)
 print("with positions, outputs shuffled the same way as input?",
       torch.allclose(out_shuffled, out[:, permutation], atol=1e-5))
-
-# %% test="test_sinusoidal_positions_equivariance" points=1
-"""sinusoidal_positions: your table (offset-only dot products, the right values) makes attention stop being permutation-equivariant."""
-from attention_lab.checks.positions_and_blocks import check_positions_break_equivariance
-
-check_positions_break_equivariance(sinusoidal_positions)
-### BEGIN HIDDEN TESTS
-check_positions_break_equivariance(sinusoidal_positions, seed=3202, device="cpu")
-### END HIDDEN TESTS
 
 # %% [markdown]
 # **Look at it.** Left: the table as a heatmap (a row per position); the first columns
@@ -176,7 +179,8 @@ check_positions_break_equivariance(sinusoidal_positions, seed=3202, device="cpu"
 # `p`. It peaks at `p = p₀` and depends only on the offset `p - p₀`, because
 # `sin(a)sin(b) + cos(a)cos(b) = cos(a - b)`: every pair contributes `cos((p - p₀) ω_i)`.
 # Drag `p₀` — the curve slides but keeps its shape. Change the base and the width to see how
-# the frequencies spread.
+# the frequencies spread. (This holds for the raw table; after exercise 3.4 you will see what
+# attention's learned projections do to it.)
 
 # %%
 from attention_lab.widgets.positions import positions_explorer
@@ -184,26 +188,109 @@ from attention_lab.widgets.positions import positions_explorer
 positions_explorer(sinusoidal_positions, num_positions=64)
 
 # %% [markdown]
-# ### Exercise 3.3 — which claim is right? (1 pt, ~3 min)
+# ### Exercise 3.3 — predict: one matrix for every position? (1 pt, ~3 min)
 #
-# A draft you may find online says several things about position encodings. Which one is
-# correct? Decide first, set `ANSWER_ENCODINGS` to `"A"`, `"B"`, `"C"` or `"D"`, then read the
-# comparison below your answer and run the check.
+# **Predict before you build it.** Fix an offset `k` (say `k = 3`). Is there one matrix `M`
+# such that `PE[p + k] = M @ PE[p]` for *every* position `p`? Set `ANSWER_SHIFT` to `"A"`,
+# `"B"` or `"C"`, then build the matrix (if there is one) in the next exercise.
 #
-# * **A.** Sinusoidal encodings are better than absolute encodings because they are more
-#   interpretable.
-# * **B.** Sinusoidal encodings are absolute (a fixed vector per position); the original
-#   Transformer paper found them about as good as learned position embeddings.
-# * **C.** RoPE extrapolates to sequences far longer than those seen in training, with no
-#   extra tricks needed.
-# * **D.** RoPE adds a sinusoidal vector to each token embedding, like the original
-#   Transformer.
+# * **A.** No: the entries of `PE[p]` are sines of `p · ω_i`, so moving by `k` is a
+#   non-linear change that a single matrix cannot make for every `p`; `M` would have to
+#   depend on `p` too.
+# * **B.** Yes: one matrix per offset `k`, the same for every `p`.
+# * **C.** Only when `k · ω_i` is a multiple of `2π` for every frequency, i.e. for no
+#   practical `k` but 0.
 
-# %% answer="ANSWER_ENCODINGS"
-ANSWER_ENCODINGS = None  # "A", "B", "C" or "D"
+# %% answer="ANSWER_SHIFT"
+ANSWER_SHIFT = None  # "A", "B" or "C"
 ### BEGIN SOLUTION
-ANSWER_ENCODINGS = "B"
+ANSWER_SHIFT = "B"
 ### END SOLUTION
+
+# %% test="test_ANSWER_SHIFT" points=1
+"""ANSWER_SHIFT: a fixed matrix moves every sinusoidal encoding by the same offset."""
+from attention_lab.checks.positions_and_blocks import check_answer_shift
+
+check_answer_shift(ANSWER_SHIFT)
+
+# %% [markdown]
+# ### Exercise 3.4 — pe_shift_matrix (3 pts, ~15 min)
+#
+# Work it out on one pair of features: pair `i` of `PE[p]` is `(sin(p ω_i), cos(p ω_i))`, and
+# pair `i` of `PE[p + k]` is `(sin((p + k) ω_i), cos((p + k) ω_i))`. Expand both with the
+# angle-addition formulas: the result is a fixed `2 × 2` matrix (it depends on `k ω_i`, not on
+# `p`) applied to the pair of `PE[p]`. Put one such block per pair on the diagonal of a
+# `[dim, dim]` matrix of zeros, where `sinusoidal_positions` keeps that pair (its layout:
+# features `2i` and `2i + 1`). Return it in float32 (the default dtype, like the table); an
+# odd `dim` raises a `ValueError` naming `dim`. A negative offset moves the positions back.
+
+# %% answer="pe_shift_matrix"
+def pe_shift_matrix(offset, dim, base=10000.0):
+    """The matrix that moves a sinusoidal encoding by `offset` positions.
+
+    returns: [dim, dim] (float32), block-diagonal with one 2x2 rotation per feature pair, such
+    that sinusoidal_positions(P, dim)[p + offset] == pe_shift_matrix(offset, dim) @ PE[p].
+
+    Example: pe_shift_matrix(0, 4) is the 4x4 identity.
+    Raises ValueError if dim is odd.
+    """
+    ### BEGIN SOLUTION
+    if dim % 2 != 0:
+        raise ValueError(f"dim = {dim} must be even (features come in sin/cos pairs)")
+    frequencies = base ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)   # [D/2]
+    angles = offset * frequencies                                                  # [D/2]
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    even = torch.arange(0, dim, 2)                                                 # sines
+    matrix = torch.zeros(dim, dim)
+    matrix[even, even] = cos            # sin(a + b) = sin a cos b + cos a sin b
+    matrix[even, even + 1] = sin
+    matrix[even + 1, even] = -sin       # cos(a + b) = cos a cos b - sin a sin b
+    matrix[even + 1, even + 1] = cos
+    return matrix
+    ### END SOLUTION
+
+
+# %% test="test_pe_shift_matrix" points=3
+"""pe_shift_matrix: [D, D] block rotations, PE[p + k] == M @ PE[p] for every p; odd-dim error."""
+from attention_lab.checks.positions_and_blocks import check_pe_shift_matrix
+
+check_pe_shift_matrix(pe_shift_matrix)
+### BEGIN HIDDEN TESTS
+check_pe_shift_matrix(pe_shift_matrix, seed=3401, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# A rotation keeps lengths and angles, so `PE[p + k] · PE[q + k] = PE[p] · PE[q]`: moving
+# both positions by the same amount changes no dot product, which is why `PE[p₀] · PE[p]`
+# depends only on `p - p₀`. But attention never compares raw encodings: it compares
+# `q = W_q x` with `k = W_k x`, learned projections. Then the score of two positions is
+# `PE[p]ᵀ W_qᵀ W_k PE[q]`, and the rotations no longer cancel (`W_qᵀ W_k` does not commute
+# with them). Measure it: for each offset, how much do the scores of all pairs at that
+# offset differ?
+
+# %%
+table = sinusoidal_positions(32, 16).double()                     # [P, D]
+projection_q = torch.randn(16, 16, dtype=torch.float64) / 4.0     # stand-ins for W_q, W_k
+projection_k = torch.randn(16, 16, dtype=torch.float64) / 4.0
+
+
+def spread_along_offsets(scores):
+    """Largest (max - min) along a diagonal of scores [P, P]: 0 if only the offset matters."""
+    return max(float(d.max() - d.min()) for d in (scores.diagonal(o) for o in range(-31, 32)))
+
+
+raw = table @ table.T                                             # PE[p] . PE[q]
+projected = (table @ projection_q.T) @ (table @ projection_k.T).T   # (W_q PE[p]) . (W_k PE[q])
+print(f"raw PE . PE:       scores at one offset differ by up to {spread_along_offsets(raw):.1e}")
+print(f"after W_q and W_k: scores at one offset differ by up to "
+      f"{spread_along_offsets(projected):.2f}")
+
+# %% [markdown]
+# The raw dot products depend on the offset only (up to rounding); after the projections
+# they depend on the absolute positions too. This is why **RoPE** (notebook 05) does not add
+# anything to the input: it rotates `q` and `k` *after* the projections, by `R(p ω)`, so that
+# the score `(R_p q) · (R_{p'} k) = qᵀ R_{p' - p} k` depends on the offset alone, whatever
+# `W_q` and `W_k` learned.
 
 # %% [markdown]
 # ### Fixed, learned, rotary
@@ -220,12 +307,6 @@ ANSWER_ENCODINGS = "B"
 # scores see only *relative* offsets. None of them extrapolates well far beyond the
 # sequence lengths seen in training without extra tricks (for RoPE: position
 # interpolation, NTK scaling, YaRN).
-
-# %% test="test_ANSWER_ENCODINGS" points=1
-"""ANSWER_ENCODINGS: the one correct statement about fixed, learned and rotary encodings."""
-from attention_lab.checks.positions_and_blocks import check_answer_encodings
-
-check_answer_encodings(ANSWER_ENCODINGS)
 
 # %% [markdown]
 # ## 3. The rose: Fourier features of coordinates
@@ -286,7 +367,7 @@ show_images({"target": rose})
 # </details>
 
 # %% [markdown]
-# ### Exercise 3.4 — FourierFeatures (3 pts, ~15 min)
+# ### Exercise 3.5 — FourierFeatures (2 pts, ~15 min)
 #
 # For coordinates `x [..., in_dim]` and `F = num_frequencies`:
 #
@@ -317,7 +398,7 @@ class FourierFeatures(nn.Module):
         self.in_dim = in_dim
         self.num_frequencies = num_frequencies
         self.out_dim = in_dim * 2 * num_frequencies
-        frequencies = 2.0 ** torch.arange(num_frequencies) * math.pi          # [F]: pi, 2pi, 4pi, ...
+        frequencies = 2.0 ** torch.arange(num_frequencies) * math.pi    # [F]: pi, 2pi, 4pi, ...
         self.register_buffer("frequencies", frequencies, persistent=False)
         ### END SOLUTION
 
@@ -329,14 +410,8 @@ class FourierFeatures(nn.Module):
         ### END SOLUTION
 
 
-# %%
-encoder = FourierFeatures(2, 6)
-print("out_dim:", encoder.out_dim, "| buffers:", [name for name, _ in encoder.named_buffers()],
-      "| in state_dict:", list(encoder.state_dict()))
-print(tuple(coords.shape), "->", tuple(encoder.to(device)(coords).shape))
-
-# %% test="test_FourierFeatures" points=3
-"""FourierFeatures: out_dim, frequencies in a non-persistent buffer, outputs x·2^k·pi in the contract's layout, dtype and device."""
+# %% test="test_FourierFeatures" points=2
+"""FourierFeatures: out_dim, frequencies in a non-persistent buffer, x·2^k·pi, the layout."""
 from attention_lab.checks.positions_and_blocks import check_fourier_features
 
 check_fourier_features(FourierFeatures)
@@ -344,8 +419,14 @@ check_fourier_features(FourierFeatures)
 check_fourier_features(FourierFeatures, seed=3401, device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+encoder = FourierFeatures(2, 6)
+print("out_dim:", encoder.out_dim, "| buffers:", [name for name, _ in encoder.named_buffers()],
+      "| in state_dict:", list(encoder.state_dict()))
+print(tuple(coords.shape), "->", tuple(encoder.to(device)(coords).shape))
+
 # %% [markdown]
-# ### Exercise 3.5 — CoordinateMLP (2 pts, ~10 min)
+# ### Exercise 3.6 — CoordinateMLP (1 pt, ~8 min)
 #
 # The draft's "Rose" network, fixed. `encoder` is `None` (the network sees the raw `(x, y)`,
 # 2 features) or a module with an `out_dim` attribute (the network sees `out_dim` features).
@@ -388,11 +469,8 @@ class CoordinateMLP(nn.Module):
         ### END SOLUTION
 
 
-# %%
-print(CoordinateMLP(FourierFeatures(2, 6), hidden=64))
-
-# %% test="test_CoordinateMLP" points=2
-"""CoordinateMLP: layer widths follow the encoder's out_dim and hidden; forward equals Linear/ReLU stack."""
+# %% test="test_CoordinateMLP" points=1
+"""CoordinateMLP: widths follow the encoder's out_dim and hidden; forward: the Linear/ReLU stack."""
 from attention_lab.checks.positions_and_blocks import check_coordinate_mlp
 
 check_coordinate_mlp(CoordinateMLP)
@@ -400,8 +478,11 @@ check_coordinate_mlp(CoordinateMLP)
 check_coordinate_mlp(CoordinateMLP, seed=3501, device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+print(CoordinateMLP(FourierFeatures(2, 6), hidden=64))
+
 # %% [markdown]
-# ### Exercise 3.6 — psnr (1 pt, ~3 min)
+# ### Exercise 3.7 — psnr (1 pt, ~3 min)
 #
 # The **peak signal-to-noise ratio** in decibels, the usual score of a reconstruction:
 # `PSNR = 10 · log10(max_value² / MSE)`, with `MSE` the mean squared error over all pixels
@@ -419,18 +500,16 @@ def psnr(pred, target, max_value=1.0):
     0.1 is not exact and the result is 19.9999997)
     """
     ### BEGIN SOLUTION
-    mse = torch.mean((pred.detach() - target.detach()) ** 2).item()  # a score, not a loss: no gradient
+    # A score, not a loss: no gradient.
+    mse = torch.mean((pred.detach() - target.detach()) ** 2).item()
     if mse == 0.0:
         return float("inf")
     return 10.0 * math.log10(max_value ** 2 / mse)
     ### END SOLUTION
 
 
-# %%
-print(f"PSNR of a grey guess: {psnr(torch.full_like(colors, 0.5), colors):.2f} dB")
-
 # %% test="test_psnr" points=1
-"""psnr: 10·log10(max²/MSE) as a Python float, for several images and max values; inf for a perfect match."""
+"""psnr: 10·log10(max²/MSE) as a Python float, for several images and max values; inf if equal."""
 from attention_lab.checks.positions_and_blocks import check_psnr
 
 check_psnr(psnr)
@@ -438,10 +517,13 @@ check_psnr(psnr)
 check_psnr(psnr, seed=3601, device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+print(f"PSNR of a grey guess: {psnr(torch.full_like(colors, 0.5), colors):.2f} dB")
+
 # %% [markdown]
-# ### Exercise 3.7 — fit_image (4 pts, ~10 min)
+# ### Exercise 3.8 — fit_image (2 pts, ~10 min)
 #
-# (2 points for the loop, 2 for the outcome further down.)
+# (1 point for the loop, 1 for the outcome further down.)
 #
 # Train the model on every pixel at once (full batch): for each of `steps` steps, clear the
 # gradients, compute the mean squared error between `model(coords)` and `colors`,
@@ -477,8 +559,8 @@ def fit_image(model, coords, colors, steps, lr, progress=True):
     ### END SOLUTION
 
 
-# %% test="test_fit_image" points=2
-"""fit_image: the losses and final weights equal a reference full-batch Adam run on the same model."""
+# %% test="test_fit_image" points=1
+"""fit_image: the losses and final weights equal a reference full-batch Adam run."""
 from attention_lab.checks.positions_and_blocks import check_fit_image
 
 check_fit_image(fit_image)
@@ -509,8 +591,8 @@ show_images({"target": rose, **reconstructions})
 # itself (seeded, 200 steps, with your classes and your `fit_image`) and asks for a clear
 # margin.
 
-# %% test="test_fit_image_outcome" points=2
-"""Outcome: with your FourierFeatures, CoordinateMLP and fit_image, Fourier features beat raw coordinates by >= 3 dB PSNR."""
+# %% test="test_fit_image_outcome" points=1
+"""Outcome: with your FourierFeatures, CoordinateMLP and fit_image, Fourier beats raw by >= 3 dB."""
 from attention_lab.checks.positions_and_blocks import check_fourier_beats_identity
 
 check_fourier_beats_identity(FourierFeatures, CoordinateMLP, fit_image)
@@ -573,13 +655,20 @@ check_fourier_beats_identity(FourierFeatures, CoordinateMLP, fit_image)
 # that and compares the outputs.
 
 # %% [markdown]
-# ### Exercise 3.8 — TransformerLayer (4 pts, ~15 min)
+# ### Exercise 3.9 — TransformerLayer (4 pts, ~15 min)
 #
 # Attributes (the names are the contract; the check copies them into PyTorch's layer):
 # `norm1`, `norm2`: `nn.LayerNorm(D, eps=1e-6)`; `attn`: `nn.MultiheadAttention(D, H,
 # batch_first=True)`; `mlp`: `nn.Sequential(nn.Linear(D, hidden), nn.GELU(), nn.Linear(hidden,
 # D))` with `hidden = int(mlp_ratio * D)`. `forward(x [B, S, D], mask=None)`: `mask` is `None`
 # or boolean `[S, S]`, True = may attend; returns `[B, S, D]`.
+#
+# **The dtype rule** (this is where the notebook first enforces it): keep the input's dtype,
+# float64 in, float64 out. The checks build your layer, call `.double()` on it and feed it
+# float64 tensors: in float64, rounding errors are about 1e-16, so any difference from
+# PyTorch's layer is a real mistake, not noise. So never cast inside the layer: a
+# `self.norm1(x.float())` meets float64 LayerNorm weights and crashes with
+# `RuntimeError: mixed dtype`, and a `.float()` on the output returns the wrong dtype.
 
 # %% answer="TransformerLayer"
 class TransformerLayer(nn.Module):
@@ -597,7 +686,8 @@ class TransformerLayer(nn.Module):
         self.norm1 = nn.LayerNorm(embed_dim, eps=1e-6)
         self.attn = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)
         self.norm2 = nn.LayerNorm(embed_dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(embed_dim, hidden), nn.GELU(), nn.Linear(hidden, embed_dim))
+        self.mlp = nn.Sequential(nn.Linear(embed_dim, hidden), nn.GELU(),
+                                 nn.Linear(hidden, embed_dim))
         ### END SOLUTION
 
     def forward(self, x, mask=None):
@@ -610,15 +700,8 @@ class TransformerLayer(nn.Module):
         ### END SOLUTION
 
 
-# %%
-example_layer = TransformerLayer(D, H).to(device)
-causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()   # [S, S], True = may attend
-with torch.no_grad():
-    print("out:", tuple(example_layer(tokens, causal).shape))
-print(f"parameters: {sum(p.numel() for p in example_layer.parameters()):,}")
-
 # %% test="test_TransformerLayer" points=3
-"""TransformerLayer: attributes, and outputs equal nn.TransformerEncoderLayer(norm_first=True, gelu, eps 1e-6) with copied weights."""
+"""TransformerLayer: attributes; equals nn.TransformerEncoderLayer(norm_first, gelu, eps 1e-6)."""
 from attention_lab.checks.positions_and_blocks import check_transformer_layer
 
 check_transformer_layer(TransformerLayer)
@@ -627,7 +710,7 @@ check_transformer_layer(TransformerLayer, seed=3801, device="cpu")
 ### END HIDDEN TESTS
 
 # %% test="test_TransformerLayer_properties" points=1
-"""TransformerLayer: zero sublayers give the identity; a causal mask stops the future leaking; equivariance without positions."""
+"""TransformerLayer: zero sublayers give the identity; no future leak; equivariant, no positions."""
 from attention_lab.checks.positions_and_blocks import check_transformer_layer_properties
 
 check_transformer_layer_properties(TransformerLayer)
@@ -635,8 +718,15 @@ check_transformer_layer_properties(TransformerLayer)
 check_transformer_layer_properties(TransformerLayer, seed=3802, device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+example_layer = TransformerLayer(D, H).to(device)
+causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()   # [S, S], True = may attend
+with torch.no_grad():
+    print("out:", tuple(example_layer(tokens, causal).shape))
+print(f"parameters: {sum(p.numel() for p in example_layer.parameters()):,}")
+
 # %% [markdown]
-# ### Exercise 3.9 — Transformer (2 pts, ~5 min)
+# ### Exercise 3.10 — Transformer (2 pts, ~5 min)
 #
 # Stack `num_layers` **independent** layers in an `nn.ModuleList` called `layers` (an
 # `nn.Sequential` cannot pass the mask along), apply them in order with the same mask, then a
@@ -676,29 +766,8 @@ class Transformer(nn.Module):
         ### END SOLUTION
 
 
-# %% [markdown]
-# Now everything together: token vectors plus positions, through a causal two-layer stack
-# (the causal mask of above, passed to every layer). Token `i` may read tokens `0 … i` only,
-# so changing the last token must leave every earlier output alone; and with positions,
-# shuffling the tokens no longer just shuffles the outputs.
-
-# %%
-causal_stack = Transformer(D, H, num_layers=2).to(device).eval()
-pe_table = sinusoidal_positions(S, D).to(device)      # [S, D]
-last_changed = tokens.clone()
-last_changed[:, -1] = torch.randn(D, device=device)
-with torch.no_grad():
-    out = causal_stack(tokens + pe_table, causal)
-    out_last_changed = causal_stack(last_changed + pe_table, causal)
-    out_shuffled = causal_stack(tokens[:, permutation] + pe_table, causal)
-print("out:", tuple(out.shape))
-print("changing the last token leaves the earlier outputs alone?",
-      torch.allclose(out_last_changed[:, :-1], out[:, :-1], atol=1e-5))
-print("with positions, outputs shuffled the same way as input?",
-      torch.allclose(out_shuffled, out[:, permutation], atol=1e-5))
-
 # %% test="test_Transformer" points=2
-"""Transformer: independent layers in a ModuleList, final LayerNorm eps 1e-6, mask passed to every layer; equals PyTorch's stack."""
+"""Transformer: independent layers in a ModuleList, final LayerNorm eps 1e-6, mask to each layer."""
 from attention_lab.checks.positions_and_blocks import check_transformer
 
 check_transformer(Transformer)
@@ -707,9 +776,46 @@ check_transformer(Transformer, seed=3901, device="cpu")
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 3.10 — written: what keeps the symmetry (2 pts, ~5 min)
+# Now everything together: token vectors through a two-layer stack, shuffled and not. Who
+# breaks the symmetry — the positions, or the mask? Try each alone:
+
+# %%
+stack = Transformer(D, H, num_layers=2).to(device).eval()
+pe_table = sinusoidal_positions(S, D).to(device)      # [S, D]
+
+
+def shuffle_commutes(positions, mask):
+    """Does shuffling the tokens only shuffle the outputs?"""
+    with torch.no_grad():
+        out = stack(tokens + positions, mask)
+        out_shuffled = stack(tokens[:, permutation] + positions, mask)
+    return torch.allclose(out_shuffled, out[:, permutation], atol=1e-5)
+
+
+no_positions = torch.zeros_like(pe_table)
+print("no positions, no mask:     shuffle only shuffles the outputs?",
+      shuffle_commutes(no_positions, None))
+print("positions, no mask:        shuffle only shuffles the outputs?",
+      shuffle_commutes(pe_table, None))
+print("no positions, causal mask: shuffle only shuffles the outputs?",
+      shuffle_commutes(no_positions, causal))
+last_changed = tokens.clone()
+last_changed[:, -1] = torch.randn(D, device=device)
+with torch.no_grad():
+    out, out_last_changed = stack(tokens, causal), stack(last_changed, causal)
+print("causal mask: changing the last token leaves the earlier outputs alone?",
+      torch.allclose(out_last_changed[:, :-1], out[:, :-1], atol=1e-5))
+
+# %% [markdown]
+# The positions break the symmetry — and so does the causal mask *on its own*, with no
+# positions at all: token `i` sees tokens `0 … i` only, so which tokens it sees depends on
+# where it sits. A causal model without any position encoding ("NoPE") therefore still
+# knows something about order. Section 5 measures how much.
+
+# %% [markdown]
+# ### Exercise 3.11 — written: what keeps the symmetry (2 pts, ~5 min)
 #
-# The properties check of exercise 3.8 confirmed that your layer, without positions and
+# The properties check of exercise 3.9 confirmed that your layer, without positions and
 # without a mask, is permutation-**equivariant** — although it has far more in it than
 # attention. In the cell below, in three or four sentences: explain why the MLP sublayer, the
 # two LayerNorms and the residual connections do not break that symmetry; and name one kind
@@ -727,11 +833,231 @@ check_transformer(Transformer, seed=3901, device="cpu")
 # stored in must not change the answer for each element.
 
 # %% [markdown]
+# ## 5. Attention that learns: what positions add, and what the mask alone gives
+#
+# Time to train. The task needs order and nothing else: each sequence holds `S = 8`
+# **different** tokens out of a vocabulary of 16, in random order, and at every position
+# `i ≥ 1` the model must output the token at position `i - 1` — the **previous token**
+# (position 0 has none and is not scored). Every token appears once, so *which* tokens are in
+# the sequence says nothing about the answer: only *where* they sit does.
+
+# %% [markdown]
+# ### Exercise 3.12 — predict: no positions, no mask (1 pt, ~3 min)
+#
+# **Predict before you train.** A Transformer with **no** position encoding and **no** mask
+# is trained on this task as long as you like. What token accuracy can it reach? Set
+# `ANSWER_NO_POSITIONS` to `"A"`, `"B"` or `"C"`.
+#
+# * **A.** Close to 1, like a model with positions: attention compares every token with every
+#   other, so with enough training it finds the previous one.
+# * **B.** About 1/2: it can learn to rule out half of the candidates.
+# * **C.** About 1/7, and never more, however long it trains.
+
+# %% answer="ANSWER_NO_POSITIONS"
+ANSWER_NO_POSITIONS = None  # "A", "B" or "C"
+### BEGIN SOLUTION
+ANSWER_NO_POSITIONS = "C"
+### END SOLUTION
+
+# %% test="test_ANSWER_NO_POSITIONS" points=1
+"""ANSWER_NO_POSITIONS: without positions or a mask, no model beats 1/(S-1) on this task."""
+from attention_lab.checks.positions_and_blocks import check_answer_no_positions
+
+check_answer_no_positions(ANSWER_NO_POSITIONS)
+
+# %% [markdown]
+# **The ceiling.** Without positions and without a mask the whole model is
+# permutation-equivariant (exercise 3.11), so its output at position `i` can depend only on
+# the token `x_i` there and on the *set* of tokens in the sequence — the same set for every
+# position. Given `x_i` and the set, each of the other `S - 1` tokens is equally likely to be
+# the one before it (the orders are random). So whatever it learned, its guess is right with
+# probability `1/(S - 1) = 1/7 ≈ 0.143`. Training longer cannot help: the information is not
+# in its input.
+
+# %% [markdown]
+# ### Exercise 3.13 — OrderTransformer (4 pts, ~20 min)
+#
+# (2 points for the module, 2 for what it learns further down.)
+#
+# A complete model around your `Transformer`:
+#
+# 1. `token_embedding`: an `nn.Embedding` with a learned `embed_dim` vector per token id,
+#    **not** scaled (`nn.Embedding` starts at N(0, 1), the scale of the table's entries;
+#    the sqrt(D) of Vaswani et al. is for embeddings that start small).
+# 2. positions, by the `positions` argument: `"sinusoidal"` — `sinusoidal_positions(max_len,
+#    embed_dim)` kept as a buffer (`register_buffer(..., persistent=False)`: fixed, but it
+#    moves with `.to()`); `"learned"` — a trainable `[max_len, embed_dim]` table
+#    (`nn.Parameter`, e.g. `0.02 * torch.randn(...)`, or `nn.Embedding(max_len, embed_dim)`);
+#    `"none"` — nothing. Anything else raises a `ValueError` naming it.
+# 3. `transformer`: your `Transformer` with `embed_dim`, `num_heads` and `num_layers`.
+# 4. `head`: an `nn.Linear` from `embed_dim` to one logit per token id.
+#
+# `forward(tokens [B, S] (long), mask=None)`: add the rows `0 … S-1` of the table to the
+# token vectors (`S` may be smaller than `max_len`), run the Transformer with the mask, apply
+# the head: logits `[B, S, vocab_size]`, in the module's dtype.
+
+# %% answer="OrderTransformer"
+class OrderTransformer(nn.Module):
+    """Token embedding + positions + your Transformer + a linear head.
+
+    forward(tokens [B, S] long, mask bool [S, S] or None) -> logits [B, S, vocab_size]
+    positions: "sinusoidal", "learned" or "none".
+
+    Example: OrderTransformer(16, 32, 2, 2, max_len=8)(torch.randint(16, (4, 8))).shape
+             == (4, 8, 16)
+    """
+
+    def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len,
+                 positions="sinusoidal"):
+        super().__init__()
+        ### BEGIN SOLUTION
+        if positions not in ("sinusoidal", "learned", "none"):
+            raise ValueError(f"positions = {positions!r}: use 'sinusoidal', 'learned' or 'none'")
+        self.token_embedding = nn.Embedding(vocab_size, embed_dim)
+        if positions == "sinusoidal":
+            table = sinusoidal_positions(max_len, embed_dim)                  # [max_len, D]
+            self.register_buffer("position_table", table, persistent=False)
+        elif positions == "learned":
+            self.position_table = nn.Parameter(0.02 * torch.randn(max_len, embed_dim))
+        else:
+            self.position_table = None
+        self.transformer = Transformer(embed_dim, num_heads, num_layers)
+        self.head = nn.Linear(embed_dim, vocab_size)
+        ### END SOLUTION
+
+    def forward(self, tokens, mask=None):
+        ### BEGIN SOLUTION
+        x = self.token_embedding(tokens)                                     # [B, S, D]
+        if self.position_table is not None:
+            x = x + self.position_table[: tokens.shape[1]]                   # rows 0 ... S-1
+        return self.head(self.transformer(x, mask))                          # [B, S, V]
+        ### END SOLUTION
+
+
+# %% test="test_OrderTransformer" points=2
+"""OrderTransformer: its parts; each positions variant equals head(transformer(embed + PE[:S]))."""
+from attention_lab.checks.positions_and_blocks import check_order_transformer
+
+check_order_transformer(OrderTransformer)
+### BEGIN HIDDEN TESTS
+check_order_transformer(OrderTransformer, seed=3131, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **The training loop** (given; the check below runs the same one). Adam, 200 steps of 32
+# fresh sequences, cross-entropy on positions `1 … S-1` (`ignore_index` skips position 0).
+
+# %%
+VOCAB, SEQ_LEN, IGNORE = 16, 8, -100
+
+
+def previous_token_batch(batch_size, generator):
+    """tokens [B, S]: distinct ids per row; targets [B, S]: the previous token, -100 at 0."""
+    tokens = torch.rand(batch_size, VOCAB, generator=generator).argsort(dim=-1)[:, :SEQ_LEN]
+    targets = torch.full_like(tokens, IGNORE)
+    targets[:, 1:] = tokens[:, :-1]
+    return tokens, targets
+
+
+def train_order_model(model, attend_mask=None, steps=200, batch_size=32, lr=1e-2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    adam = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        batch, targets = previous_token_batch(batch_size, generator)
+        logits = model(batch.to(device), attend_mask)                 # [B, S, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten(),
+                               ignore_index=IGNORE)
+        adam.zero_grad()
+        loss.backward()
+        adam.step()
+    return model.eval()
+
+
+def token_accuracy(model, attend_mask=None, num_sequences=500, seed=1234):
+    """Accuracy on fresh sequences, and per position 1 ... S-1."""
+    batch, targets = previous_token_batch(num_sequences, torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        predictions = model(batch.to(device), attend_mask).argmax(dim=-1).cpu()
+    correct = (predictions == targets)[:, 1:].float()                 # [N, S-1]
+    return float(correct.mean()), correct.mean(dim=0)
+
+
+# %% [markdown]
+# Four models, same seed and budget: sinusoidal positions, learned positions, no positions,
+# and no positions with a causal mask (a few seconds each).
+
+# %%
+causal_order = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool, device=device).tril()
+experiments = {"sinusoidal": ("sinusoidal", None), "learned": ("learned", None),
+               "no positions": ("none", None), "no positions, causal": ("none", causal_order)}
+trained, masks_used = {}, {}
+for name, (kind, attend_mask) in experiments.items():
+    torch.manual_seed(0)
+    model = OrderTransformer(VOCAB, 32, 2, 2, SEQ_LEN, positions=kind).to(device)
+    trained[name] = train_order_model(model, attend_mask)
+    masks_used[name] = attend_mask
+    accuracy, per_position = token_accuracy(trained[name], attend_mask)
+    print(f"{name:22s} token accuracy {accuracy:.3f}   per position 1..7:",
+          " ".join(f"{a:.2f}" for a in per_position.tolist()))
+print(f"ceiling without positions or mask: 1/(S-1) = {1 / (SEQ_LEN - 1):.3f}")
+
+# %% test="test_OrderTransformer_outcome" points=2
+"""Outcome: trained, your OrderTransformer reaches >= 0.9 with positions and <= 1/(S-1) without."""
+from attention_lab.checks.positions_and_blocks import check_order_transformer_outcome
+
+check_order_transformer_outcome(OrderTransformer)
+
+# %% [markdown]
+# **What the mask alone gives.** Both position encodings solve the task; no positions stays
+# at the ceiling. The causal model without positions (NoPE) does far better than the
+# ceiling, often nearly as well as with positions. Part of that is free: at position `i` it
+# sees only tokens `0 … i`, so even picking at random among the `i` earlier ones would score
+# `1/i`, on average `(1 + 1/2 + … + 1/7) / 7 ≈ 0.37`. The rest it *learns*: the mask makes a
+# token's view depend on where it sits (a head that spreads its attention evenly averages
+# over `i + 1` tokens, a signal that shrinks with `i`), and the layers after it can turn
+# that into positions (Haviv et al., 2022, found the same in causal language models without
+# any position encoding). Positions are not the only source of order in a Transformer: a
+# causal mask is one too — which is why the closing demo of section 4 tried each alone.
+#
+# **Look inside.** Each map below is one head of one layer (rows: queries, columns: keys)
+# on one test sequence; the labels are `position:token`. Switch between the models and the
+# sequences.
+
+# %%
+from attention_lab.widgets.trained_heads import trained_heads_explorer
+
+if not trained:  # the training cell stopped before any model was trained
+    raise NotImplementedError("Exercise 3.13: implement OrderTransformer, then train (cell above)")
+examples, _ = previous_token_batch(8, torch.Generator().manual_seed(7))
+trained_heads_explorer(trained, examples, masks_used)
+
+# %% [markdown]
+# ### Exercise 3.14 — written: what does one head do? (2 pts, ~5 min)
+#
+# In the model with sinusoidal positions, find a head whose map is a diagonal stripe. In
+# three or four sentences: what does that head do for each query token; why does the task
+# need it; how do the positions let it do the same thing at every position (think of
+# `pe_shift_matrix`); and what does it do at position 0? This answer is graded by hand.
+
+# %% [markdown] manual="what_one_head_does" points=2
+# The stripe just below the diagonal is a **previous-token head**: the query at position `i`
+# puts almost all its weight on the key at position `i - 1`, so the head copies that token's
+# vector into position `i`'s residual stream, where the linear head reads it out — exactly
+# the answer the task asks for, which no single token knows by itself. It can do this at
+# every position because `PE[i - 1] = pe_shift_matrix(-1, D) @ PE[i]` with the same matrix
+# for every `i`: the query and key projections can learn to match "my position, shifted
+# back by one" once, and it holds everywhere. Position 0 has no previous token (and no
+# target), so its row spreads over other keys (often the last position or itself): what it
+# picks there is never scored.
+
+# %% [markdown]
 # ## What you built
 #
 # * Self-attention is permutation-**equivariant**; position encodings break the symmetry.
-# * `sinusoidal_positions`: the Transformer's fixed, absolute encoding, whose dot products
-#   depend only on the offset between positions (the idea RoPE builds on in notebook 05).
+# * `sinusoidal_positions`: the Transformer's fixed, absolute encoding, whose raw dot products
+#   depend only on the offset between positions — not once `W_q` and `W_k` project them,
+#   which is why RoPE (notebook 05) rotates after the projections.
 # * `FourierFeatures` + `CoordinateMLP`: sines and cosines of coordinates at increasing
 #   frequencies let a small MLP draw fine detail; `psnr` measured how much better.
 # * `TransformerLayer` / `Transformer`: pre-norm residual blocks, equal to
@@ -739,6 +1065,11 @@ check_transformer(Transformer, seed=3901, device="cpu")
 #   activation="gelu", layer_norm_eps=1e-6, batch_first=True, norm_first=True)` (every one of
 #   those arguments matters) — with the mask converted to PyTorch's True = blocked — and a
 #   final LayerNorm for the un-normalised residual stream.
+# * `pe_shift_matrix`: a shift of a sinusoidal encoding is a fixed rotation; projections break
+#   the offset-only property of the raw table, which is why RoPE rotates after them.
+# * `OrderTransformer`: trained on a task that needs order, it learns with positions (a
+#   previous-token head), stays at the 1/(S-1) ceiling without them, and gets much of the
+#   way with a causal mask alone.
 #
 # Next: notebook 04 cuts images into patches and feeds them to these blocks (a Vision
 # Transformer).

@@ -44,16 +44,24 @@ def test_answer_permutation():
         checks.check_answer_permutation("equivariant", **CPU)
 
 
-def test_answer_encodings():
-    checks.check_answer_encodings("B", **CPU)
+def test_answer_shift():
+    checks.check_answer_shift("B", **CPU)
     with pytest.raises(CheckFailure, match="not implemented yet"):
-        checks.check_answer_encodings(None, **CPU)
-    with pytest.raises(CheckFailure, match="are.* absolute"):
-        checks.check_answer_encodings("A", **CPU)
-    with pytest.raises(CheckFailure, match="YaRN"):
-        checks.check_answer_encodings("C", **CPU)
-    with pytest.raises(CheckFailure, match="rotates queries and keys"):
-        checks.check_answer_encodings("D", **CPU)
+        checks.check_answer_shift(None, **CPU)
+    with pytest.raises(CheckFailure, match="angle-addition formulas: both are sums"):
+        checks.check_answer_shift("A", **CPU)
+    with pytest.raises(CheckFailure, match="multiple of 2 pi would make the matrix the identity"):
+        checks.check_answer_shift("C", **CPU)
+
+
+def test_answer_no_positions():
+    checks.check_answer_no_positions("c", **CPU)
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_answer_no_positions(None, **CPU)
+    with pytest.raises(CheckFailure, match="Which of them came just before is not in its input"):
+        checks.check_answer_no_positions("A", **CPU)
+    with pytest.raises(CheckFailure, match="rule out half of the candidates"):
+        checks.check_answer_no_positions("B", **CPU)
 
 
 # --------------------------------------------------------------------------------------
@@ -202,6 +210,84 @@ def _not_implemented(*args, **kwargs):
 
 
 # --------------------------------------------------------------------------------------
+# pe_shift_matrix
+# --------------------------------------------------------------------------------------
+
+
+def shift_block_diag(offset, dim, base=10000.0):
+    """Correct, written another way: torch.block_diag of 2x2 rotations built from exp/log frequencies."""
+    if dim % 2:
+        raise ValueError(f"odd dim {dim}")
+    frequencies = torch.exp(-math.log(base) * torch.arange(0, dim, 2).float() / dim)
+    blocks = [torch.tensor([[math.cos(offset * w), math.sin(offset * w)],
+                            [-math.sin(offset * w), math.cos(offset * w)]]) for w in frequencies.tolist()]
+    return torch.block_diag(*blocks)
+
+
+def shift_from_table(offset, dim, base=10000.0):
+    """Correct, written another way: rotation blocks read off the sinusoidal table of the offset itself."""
+    if dim % 2:
+        raise ValueError(f"dim must be even, got {dim}")
+    row = sinusoidal_stacked(abs(offset) + 1, dim, base)[abs(offset)]
+    sin, cos = row[0::2] * (1 if offset >= 0 else -1), row[1::2]
+    matrix = torch.zeros(dim, dim)
+    for i in range(dim // 2):
+        matrix[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.stack([torch.stack([cos[i], sin[i]]),
+                                                                 torch.stack([-sin[i], cos[i]])])
+    return matrix
+
+
+def shift_variant(*, sign=1.0, layout="interleaved", column_frequency=False, exponent=2.0, use_offset=True,
+                  dtype=torch.float32, check_odd=True):
+    def pe_shift_matrix(offset, dim, base=10000.0):
+        if check_odd and dim % 2:
+            raise ValueError(f"dim = {dim} is odd")
+        matrix = torch.zeros(dim, dim, dtype=dtype)
+        half = dim // 2
+        for i in range(half):
+            a, b = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, i + half)
+            angle_a = (offset if use_offset else 1) * base ** (-exponent * (a if column_frequency else i) / dim)
+            angle_b = (offset if use_offset else 1) * base ** (-exponent * (b if column_frequency else i) / dim)
+            matrix[a, a], matrix[a, b] = math.cos(angle_a), sign * math.sin(angle_a)
+            matrix[b, a], matrix[b, b] = -sign * math.sin(angle_b), math.cos(angle_b)
+        return matrix
+    return pe_shift_matrix
+
+
+def test_pe_shift_matrix_accepts_a_correct_answer_written_differently():
+    checks.check_pe_shift_matrix(shift_block_diag, **CPU)
+    checks.check_pe_shift_matrix(shift_from_table, seed=4, **CPU)
+    checks.check_pe_shift_matrix(shift_variant(), seed=5, **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (shift_variant(sign=-1.0), r"turn the wrong way: they move PE\[p\] to PE\[p - offset\]"),
+    (shift_variant(layout="half"), "pair feature i with feature i \\+ dim/2"),
+    (shift_variant(column_frequency=True), "used the column index c in the exponent"),
+    (shift_variant(exponent=1.0), "the exponent is 2i/dim, not i/dim"),
+    (shift_variant(exponent=-2.0), "you multiplied by base\\^\\(2i/dim\\)"),
+    (shift_variant(use_offset=False), "does not grow with the offset"),
+    (shift_variant(dtype=torch.float64), "(?s)should return torch.float32.*default dtype"),
+    (shift_variant(check_odd=False), r"pe_shift_matrix\(2, 7\) should raise ValueError"),
+])
+def test_pe_shift_matrix_diagnoses_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure, match=hint):
+        checks.check_pe_shift_matrix(answer, **CPU)
+
+
+def test_pe_shift_matrix_is_checked_for_every_position():
+    """A matrix right for the first positions only (a rotation block zeroed for the slowest pair) is caught
+    by the every-p comparison, which names the position row."""
+    def slow_pair_dropped(offset, dim, base=10000.0):
+        matrix = shift_block_diag(offset, dim, base)
+        matrix[-2:, -2:] = torch.eye(2)
+        return matrix
+
+    with pytest.raises(CheckFailure, match=r"@ PE\[p\] for every p = 0 \.\.\. 23 .* does not match PE\[p \+ 3\]"):
+        checks.check_pe_shift_matrix(slow_pair_dropped, **CPU)
+
+
+# --------------------------------------------------------------------------------------
 # FourierFeatures
 # --------------------------------------------------------------------------------------
 
@@ -331,7 +417,8 @@ def test_fourier_features_diagnoses_known_mistakes(answer, hint):
 def test_fourier_features_contract():
     with pytest.raises(CheckFailure, match=r"(?s)should have shape \[4, 3, 24\], got \[4, 3, 2, 12\].*flatten"):
         checks.check_fourier_features(FourierNoFlatten, **CPU)
-    with pytest.raises(CheckFailure, match="should keep the input dtype torch.float64, got torch.float32"):
+    with pytest.raises(CheckFailure, match="should keep the input dtype torch.float64, got torch.float32. The rule "
+                                           "of this notebook: keep the input's dtype"):
         checks.check_fourier_features(FourierFloat32Output, **CPU)
     with pytest.raises(CheckFailure, match="should be an nn.Module"):
         checks.check_fourier_features(lambda in_dim, num_frequencies: "not a module", **CPU)
@@ -736,7 +823,8 @@ def test_transformer_layer_contract():
         def forward(self, x, mask=None):
             return super().forward(x, mask).float()
 
-    with pytest.raises(CheckFailure, match="should keep the input dtype torch.float64, got torch.float32"):
+    with pytest.raises(CheckFailure, match="should keep the input dtype torch.float64, got torch.float32. The rule "
+                                           "of this notebook: keep the input's dtype"):
         checks.check_transformer_layer(Float32Output, **CPU)
 
 
@@ -818,6 +906,265 @@ def test_transformer_contract():
     with pytest.raises(CheckFailure, match="should hold 3 layers, got 2"):
         checks.check_transformer(lambda embed_dim, num_heads, num_layers, mlp_ratio=4.0:
                                  StackOfClones(embed_dim, num_heads, 2, mlp_ratio), **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# OrderTransformer
+# --------------------------------------------------------------------------------------
+
+
+class OrderNanoGPT(nn.Module):
+    """Correct, written another way (nanoGPT's names): wte/wpe, nn.Embedding for learned positions, the
+    sinusoidal table computed in forward, an nn.ModuleDict around the stack, keyword mask."""
+
+    def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len, positions="sinusoidal"):
+        super().__init__()
+        if positions not in {"sinusoidal", "learned", "none"}:
+            raise ValueError(f"unknown positions {positions}")
+        self.kind = positions
+        self.parts = nn.ModuleDict({"wte": nn.Embedding(vocab_size, embed_dim),
+                                    "h": StackOfClones(embed_dim, num_heads, num_layers)})
+        if positions == "learned":
+            self.parts["wpe"] = nn.Embedding(max_len, embed_dim)
+        self.lm_head = nn.Linear(embed_dim, vocab_size)
+
+    def forward(self, tokens, mask=None):
+        seq_len = tokens.size(1)
+        x = self.parts["wte"](tokens)
+        if self.kind == "learned":
+            x = x + self.parts["wpe"](torch.arange(seq_len, device=tokens.device))
+        elif self.kind == "sinusoidal":
+            x = x + sinusoidal_stacked(seq_len, x.size(-1)).to(x)
+        return self.lm_head(self.parts["h"](x, mask=mask))
+
+
+def order_variant(*, after=False, scaled=False, embed=True, pass_mask=True, learned_store="parameter",
+                  sinusoidal_store="buffer", slice_table=True, none_adds=False, sinusoidal_adds=True,
+                  check_name=True, cast_float=False, cast_logits=False):
+    class Order(nn.Module):
+        def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len, positions="sinusoidal"):
+            super().__init__()
+            if check_name and positions not in ("sinusoidal", "learned", "none"):
+                raise ValueError(f"positions={positions!r}")
+            self.kind = positions
+            self.token_embedding = nn.Embedding(vocab_size, embed_dim)
+            table = sinusoidal_stacked(max_len, embed_dim)
+            if positions == "learned":
+                learned = 0.02 * torch.randn(max_len, embed_dim)
+                if learned_store == "parameter":
+                    self.table = nn.Parameter(learned)
+                elif learned_store == "buffer":
+                    self.register_buffer("table", learned)
+                else:
+                    self.table = learned
+            elif positions == "sinusoidal" or none_adds:
+                if sinusoidal_store == "parameter":
+                    self.table = nn.Parameter(table)
+                else:
+                    self.register_buffer("table", table, persistent=False)
+            else:
+                self.table = None
+            self.transformer = StackOfClones(embed_dim, num_heads, num_layers)
+            self.head = nn.Linear(embed_dim, vocab_size)
+            self.scale = math.sqrt(embed_dim) if scaled else 1.0
+
+        def forward(self, tokens, mask=None):
+            x = self.token_embedding(tokens) * self.scale
+            if not embed:
+                x = torch.zeros_like(x)
+            if cast_float:
+                x = x.float()
+            table = self.table
+            if table is not None and (self.kind != "sinusoidal" or sinusoidal_adds):
+                table = table[: tokens.shape[1]] if slice_table else table
+            else:
+                table = None
+            m = mask if pass_mask else None
+            if table is not None and not after:
+                x = x + table
+            h = self.transformer(x, m)
+            if table is not None and after:
+                h = h + table
+            return self.head(h).float() if cast_logits else self.head(h)
+
+    return Order
+
+
+def test_order_transformer_accepts_a_correct_answer_written_differently():
+    checks.check_order_transformer(OrderNanoGPT, **CPU)
+    checks.check_order_transformer(order_variant(), seed=3, **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (order_variant(after=True), "positions were added to the Transformer's output"),
+    (order_variant(scaled=True), "multiplied by sqrt\\(D\\)"),
+    (order_variant(embed=False), "the token embedding is missing"),
+    (order_variant(pass_mask=False), "the mask did not reach the Transformer"),
+    (order_variant(learned_store="plain"), "(?s)no trainable \\[9, 16\\] position table.*not a Parameter"),
+    (order_variant(learned_store="buffer"), "(?s)no trainable \\[9, 16\\] position table.*not a Parameter"),
+    (order_variant(sinusoidal_store="parameter"), "(?s)holds the sinusoidal table as a trainable.*is a Parameter"),
+    (order_variant(slice_table=False), "add the rows of positions 0 ... S-1"),
+    (order_variant(sinusoidal_adds=False), "no positions were added, although positions='sinusoidal'"),
+    (order_variant(none_adds=True), "positions='none' must add no position table"),
+    (order_variant(check_name=False), "positions='rope'\\) should raise ValueError"),
+    (order_variant(cast_logits=True), "should return logits in the module's dtype torch.float64, got "
+                                      "torch.float32. The rule of this notebook: keep the input's dtype"),
+    (order_variant(cast_float=True), "(?s)mixed dtype.*Likely mistake: something in your model computes in another "
+                                     "dtype than the module's. The rule of this notebook"),
+])
+def test_order_transformer_diagnoses_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure, match=hint):
+        checks.check_order_transformer(answer, **CPU)
+
+
+class OrderPositionsByToken(OrderNanoGPT):
+    """A real mistake: the learned positions looked up with the token ids, wpe(tokens)."""
+
+    def forward(self, tokens, mask=None):
+        x = self.parts["wte"](tokens)
+        if self.kind == "learned":
+            x = x + self.parts["wpe"](tokens)
+        elif self.kind == "sinusoidal":
+            x = x + sinusoidal_stacked(tokens.size(1), x.size(-1)).to(x)
+        return self.lm_head(self.parts["h"](x, mask=mask))
+
+
+def test_order_transformer_names_positions_looked_up_by_token():
+    # Token ids past max_len crash the lookup (the check's vocabularies are larger than max_len).
+    with pytest.raises(CheckFailure, match="(?s)IndexError: index out of range.*indexed with the token ids"):
+        checks.check_order_transformer(OrderPositionsByToken, **CPU)
+
+
+def test_order_transformer_accepts_an_unused_table_and_names_a_used_one_for_none():
+    """A table created in every mode (timm style) is fine for 'none' when it is not added."""
+    class TableAlways(OrderNanoGPT):
+        def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len, positions="sinusoidal"):
+            super().__init__(vocab_size, embed_dim, num_heads, num_layers, max_len, positions)
+            self.pos_embed = nn.Parameter(0.02 * torch.randn(1, max_len, embed_dim))
+
+        def forward(self, tokens, mask=None):
+            x = self.parts["wte"](tokens)
+            if self.kind != "none":
+                x = x + (self.pos_embed[:, : tokens.size(1)] if self.kind == "learned"
+                         else sinusoidal_stacked(tokens.size(1), x.size(-1)).to(x))
+            return self.lm_head(self.parts["h"](x, mask))
+
+    checks.check_order_transformer(TableAlways, **CPU)
+
+    class AddsItForNone(TableAlways):
+        def forward(self, tokens, mask=None):
+            x = self.parts["wte"](tokens)
+            x = x + (sinusoidal_stacked(tokens.size(1), x.size(-1)).to(x) if self.kind == "sinusoidal"
+                     else self.pos_embed[:, : tokens.size(1)])
+            return self.lm_head(self.parts["h"](x, mask))
+
+    with pytest.raises(CheckFailure, match="positions='none' must add no position table"):
+        checks.check_order_transformer(AddsItForNone, **CPU)
+
+
+def test_order_transformer_contract():
+    with pytest.raises(CheckFailure, match="take the parameters \\(vocab_size, embed_dim, num_heads, num_layers, "
+                                           "max_len, positions\\)"):
+        checks.check_order_transformer(lambda vocab_size, embed_dim, num_heads, num_layers, max_len: None, **CPU)
+
+    class NoHead(OrderNanoGPT):
+        def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len, positions="sinusoidal"):
+            super().__init__(vocab_size, embed_dim, num_heads, num_layers, max_len, positions)
+            self.lm_head = nn.Identity()
+
+    with pytest.raises(CheckFailure, match="should end with a linear head, nn.Linear\\(16, 11\\)"):
+        checks.check_order_transformer(NoHead, **CPU)
+
+    class OneHot(OrderNanoGPT):
+        def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len, positions="sinusoidal"):
+            super().__init__(vocab_size, embed_dim, num_heads, num_layers, max_len, positions)
+            self.parts["wte"] = nn.Linear(vocab_size, embed_dim)
+
+    with pytest.raises(CheckFailure, match="(?s)should hold the token embedding.*token embedding is missing"):
+        checks.check_order_transformer(OneHot, **CPU)
+
+
+def test_order_transformer_must_run_the_students_transformer():
+    """An answer that builds its own stack although the notebook defines Transformer is told to use it."""
+    namespace = {"nn": nn, "Transformer": StackOfClones, "Base": OrderNanoGPT, "StackOfClones": StackOfClones}
+    exec("class Own(nn.Module):\n"
+         "    def __init__(self, embed_dim, num_heads, num_layers):\n"
+         "        super().__init__()\n"
+         "        self.layers = nn.ModuleList(StackOfClones(embed_dim, num_heads, 1).layers\n"
+         "                                    for _ in range(num_layers))\n"
+         "    def forward(self, x, mask=None):\n"
+         "        for layer in self.layers:\n"
+         "            x = layer(x, mask)\n"
+         "        return x\n"
+         "class OrderTransformer(Base):\n"
+         "    def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len, positions='sinusoidal'):\n"
+         "        super().__init__(vocab_size, embed_dim, num_heads, num_layers, max_len, positions)\n"
+         "        self.parts['h'] = Own(embed_dim, num_heads, num_layers)\n",
+         namespace)
+    with pytest.raises(CheckFailure, match="holds no instance of your Transformer"):
+        checks.check_order_transformer(namespace["OrderTransformer"], **CPU)
+
+
+def test_order_task_batches_hold_distinct_tokens_and_the_previous_one_as_target():
+    tokens, targets = checks.previous_token_batch(50, torch.Generator().manual_seed(0))
+    assert tokens.shape == targets.shape == (50, checks.ORDER_LENGTH)
+    assert all(len(set(row)) == checks.ORDER_LENGTH for row in tokens.tolist())
+    assert (targets[:, 0] == -100).all() and (targets[:, 1:] == tokens[:, :-1]).all()
+
+
+@pytest.mark.slow
+def test_order_outcome_passes_with_positions_and_catches_a_model_that_ignores_them(capsys):
+    checks.check_order_transformer_outcome(order_variant(), device="cpu")
+    assert "with sinusoidal positions" in capsys.readouterr().out
+    with pytest.raises(CheckFailure, match="with sinusoidal positions, your OrderTransformer reached a token "
+                                           "accuracy of 0\\.[0-5]"):
+        checks.check_order_transformer_outcome(order_variant(sinusoidal_adds=False), **CPU)
+
+
+@pytest.mark.slow
+def test_order_outcome_catches_positions_that_leak_into_none():
+    with pytest.raises(CheckFailure, match="above the ceiling 1/\\(S-1\\) = 0.143"):
+        checks.check_order_transformer_outcome(order_variant(none_adds=True), **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# The dtype rule: a layer that computes in float32 inside
+# --------------------------------------------------------------------------------------
+
+
+class LayerNormInFloat32(LayerFloatMask):
+    """A real mistake: LayerNorm fed x.float() (as in mixed-precision code) meets float64 weights."""
+
+    def forward(self, x, mask=None):
+        blocked = None if mask is None else ~mask
+        h = self.norm1(x.float()).to(x.dtype)
+        x = x + self.attn(h, h, h, attn_mask=blocked, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+def test_a_layernorm_cast_to_float32_names_the_dtype_rule():
+    with pytest.raises(CheckFailure, match="(?s)mixed dtype.*Likely mistake: part of your layer computes in another "
+                                           "dtype.*keep the input's dtype \\(float64 in, float64 out\\)"):
+        checks.check_transformer_layer(LayerNormInFloat32, **CPU)
+
+    class Stack(StackOfClones):
+        def __init__(self, embed_dim, num_heads, num_layers, mlp_ratio=4.0):
+            super().__init__(embed_dim, num_heads, num_layers, mlp_ratio)
+
+        def forward(self, x, mask=None):
+            return super().forward(x, mask).float()
+
+    with pytest.raises(CheckFailure, match="should keep the input dtype torch.float64, got torch.float32. The rule"):
+        checks.check_transformer(Stack, **CPU)
+
+    class FinalNormInFloat32(StackOfClones):
+        def forward(self, x, mask=None):
+            for layer in self.layers:
+                x = layer(x, mask)
+            return self.norm(x.float()).to(x.dtype)
+
+    with pytest.raises(CheckFailure, match="(?s)mixed dtype.*keep the input's dtype"):
+        checks.check_transformer(FinalNormInFloat32, **CPU)
 
 
 # --------------------------------------------------------------------------------------

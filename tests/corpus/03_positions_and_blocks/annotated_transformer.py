@@ -16,8 +16,19 @@ def sinusoidal_positions(num_positions, dim, base=10000.0):
     pe[:, 1::2] = torch.cos(position * div_term)
     return pe
 
-# %% answer="ANSWER_ENCODINGS"
-ANSWER_ENCODINGS = " b "
+# %% answer="ANSWER_SHIFT"
+ANSWER_SHIFT = " b "
+
+# %% answer="pe_shift_matrix"
+def pe_shift_matrix(offset, dim, base=10000.0):
+    if dim % 2 == 1:
+        raise ValueError("dim must be even, got dim=%d" % dim)
+    div_term = torch.exp(torch.arange(0, dim, 2) * -(math.log(base) / dim))
+    blocks = []
+    for w in div_term:
+        c, s = math.cos(offset * w.item()), math.sin(offset * w.item())
+        blocks.append(torch.tensor([[c, s], [-s, c]]))
+    return torch.block_diag(*blocks)
 
 # %% answer="FourierFeatures"
 class FourierFeatures(nn.Module):
@@ -106,3 +117,54 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, mask)
         return self.norm(x)
+
+# %% answer="ANSWER_NO_POSITIONS"
+ANSWER_NO_POSITIONS = "c"
+
+# %% answer="OrderTransformer"
+class Embeddings(nn.Module):
+    """The Annotated Transformer's lookup table, without its sqrt(d_model) factor (the contract adds the
+    embedding unscaled)."""
+
+    def __init__(self, d_model, vocab):
+        super().__init__()
+        self.lut = nn.Embedding(vocab, d_model)
+
+    def forward(self, x):
+        return self.lut(x)
+
+
+class PositionalEncoding(nn.Module):
+    """Adds a [1, max_len, d_model] buffer; dropout 0 so the output is deterministic."""
+
+    def __init__(self, d_model, max_len):
+        super().__init__()
+        self.register_buffer("pe", sinusoidal_positions(max_len, d_model).unsqueeze(0), persistent=False)
+
+    def forward(self, x):
+        return x + self.pe[:, : x.size(1)].requires_grad_(False)
+
+
+class LearnedPositions(nn.Module):
+    def __init__(self, d_model, max_len):
+        super().__init__()
+        self.pe = nn.Parameter(torch.randn(1, max_len, d_model) * 0.02)
+
+    def forward(self, x):
+        return x + self.pe[:, : x.size(1)]
+
+
+class OrderTransformer(nn.Module):
+    def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len, positions="sinusoidal"):
+        super().__init__()
+        encodings = {"sinusoidal": lambda: PositionalEncoding(embed_dim, max_len),
+                     "learned": lambda: LearnedPositions(embed_dim, max_len),
+                     "none": nn.Identity}
+        if positions not in encodings:
+            raise ValueError("positions must be sinusoidal, learned or none, got %s" % positions)
+        self.src_embed = nn.Sequential(Embeddings(embed_dim, vocab_size), encodings[positions]())
+        self.encoder = Transformer(embed_dim, num_heads, num_layers)
+        self.generator = nn.Linear(embed_dim, vocab_size)
+
+    def forward(self, tokens, mask=None):
+        return self.generator(self.encoder(self.src_embed(tokens), mask))

@@ -19,8 +19,23 @@ def sinusoidal_positions(num_positions, dim, base=10000.0):
     table = rearrange([angles.sin(), angles.cos()], "two p half -> p (half two)")
     return table.float()                                                     # the default dtype
 
-# %% answer="ANSWER_ENCODINGS"
-ANSWER_ENCODINGS = "B"
+# %% answer="ANSWER_SHIFT"
+ANSWER_SHIFT = "B"
+
+# %% answer="pe_shift_matrix"
+import numpy as np
+
+
+def pe_shift_matrix(offset, dim, base=10000.0):
+    """Built in NumPy (float64), returned in the default dtype; one np.ix_ write per pair."""
+    if dim % 2:
+        raise ValueError(f"pe_shift_matrix needs an even dim, got {dim}")
+    matrix = np.zeros((dim, dim))
+    for i, w in enumerate(np.power(base, -np.arange(0, dim, 2) / dim)):
+        angle = offset * w
+        matrix[np.ix_([2 * i, 2 * i + 1], [2 * i, 2 * i + 1])] = [[np.cos(angle), np.sin(angle)],
+                                                                  [-np.sin(angle), np.cos(angle)]]
+    return torch.from_numpy(matrix).to(torch.get_default_dtype())
 
 # %% answer="FourierFeatures"
 from einops import rearrange
@@ -114,3 +129,38 @@ class Transformer(nn.Module):
         for index in range(len(self.layers)):
             out = self.layers[index](out, mask=mask)
         return self.norm(out)
+
+# %% answer="ANSWER_NO_POSITIONS"
+ANSWER_NO_POSITIONS = "C"
+
+# %% answer="OrderTransformer"
+from einops import rearrange
+
+
+class OrderTransformer(nn.Module):
+    """Positions kept as [1, max_len, D] (a batch axis first, made with rearrange), learned ones initialised
+    in place with nn.init.normal_, attributes named embed / pos / blocks / out."""
+
+    def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len, positions="sinusoidal"):
+        super().__init__()
+        self.mode = positions
+        self.embed = nn.Embedding(vocab_size, embed_dim)
+        if positions == "learned":
+            self.pos = nn.Parameter(rearrange(torch.zeros(max_len, embed_dim), "s d -> 1 s d"))
+            nn.init.normal_(self.pos, std=0.02)
+        elif positions == "sinusoidal":
+            self.register_buffer("pos", rearrange(sinusoidal_positions(max_len, embed_dim), "s d -> 1 s d"),
+                                 persistent=False)
+        elif positions == "none":
+            self.pos = None
+        else:
+            raise ValueError(f"unknown positions: {positions}")
+        self.blocks = Transformer(embed_dim, num_heads, num_layers)
+        self.out = nn.Linear(embed_dim, vocab_size)
+
+    def forward(self, tokens, mask=None):
+        b, s = tokens.shape
+        h = self.embed(tokens)                                   # [b, s, d]
+        if self.pos is not None:
+            h = h + self.pos[:, :s]
+        return self.out(self.blocks(h, mask))

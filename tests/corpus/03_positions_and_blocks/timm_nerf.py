@@ -13,8 +13,18 @@ def sinusoidal_positions(num_positions, dim, base=10000.0):
     angles = torch.arange(num_positions, dtype=torch.float32)[:, None] * omega[None]  # [P, D/2]
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)               # interleaved
 
-# %% answer="ANSWER_ENCODINGS"
-ANSWER_ENCODINGS = "B"
+# %% answer="ANSWER_SHIFT"
+ANSWER_SHIFT = "B"  # a rotation per pair
+
+# %% answer="pe_shift_matrix"
+def pe_shift_matrix(offset, dim, base=10000.0):
+    """Each 2x2 block is the sinusoidal pair of the offset itself: rows (cos, sin) and (-sin, cos)."""
+    if dim % 2:
+        raise ValueError(f"dim={dim}: must be even")
+    omega = 1.0 / base ** (torch.arange(dim // 2, dtype=torch.float64) * 2 / dim)
+    cos, sin = torch.cos(offset * omega), torch.sin(offset * omega)
+    blocks = torch.stack([torch.stack([cos, sin], -1), torch.stack([-sin, cos], -1)], -2)   # [D/2, 2, 2]
+    return torch.block_diag(*blocks.float())
 
 # %% answer="FourierFeatures"
 class FourierFeatures(nn.Module):
@@ -115,3 +125,31 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = block(layer, x, mask)
         return self.norm(x)
+
+# %% answer="ANSWER_NO_POSITIONS"
+ANSWER_NO_POSITIONS = "C"  # 1/(S-1)
+
+# %% answer="OrderTransformer"
+class OrderTransformer(nn.Module):
+    """timm / MAE style: pos_embed a Parameter [1, max_len, D] in every mode, frozen (requires_grad=False)
+    and filled with the sin-cos table when fixed, truncated-normal when learned, zeros (unused) for none."""
+
+    def __init__(self, vocab_size, embed_dim, num_heads, num_layers, max_len, positions="sinusoidal"):
+        super().__init__()
+        if positions not in ("sinusoidal", "learned", "none"):
+            raise ValueError(f"positions={positions!r} is not one of 'sinusoidal', 'learned', 'none'")
+        self.use_pos = positions != "none"
+        self.tok_embed = nn.Embedding(vocab_size, embed_dim)
+        if positions == "learned":
+            self.pos_embed = nn.Parameter(torch.zeros(1, max_len, embed_dim))
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        elif positions == "sinusoidal":
+            self.pos_embed = nn.Parameter(sinusoidal_positions(max_len, embed_dim)[None], requires_grad=False)
+        self.blocks = Transformer(embed_dim, num_heads, num_layers)
+        self.head = nn.Linear(embed_dim, vocab_size)
+
+    def forward(self, tokens, mask=None):
+        x = self.tok_embed(tokens)
+        if self.use_pos:
+            x = x + self.pos_embed[:, : tokens.shape[1], :]
+        return self.head(self.blocks(x=x, mask=mask))
