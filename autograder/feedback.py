@@ -100,7 +100,7 @@ def test_rows(autograded: Path, source: Path, grades: dict[str, dict],
             first_line = test_source.strip().splitlines()[0] if test_source.strip() else cell.grade_id
             row["checks"] = first_line.strip().strip('"').strip("'")
         if cell.grade_id in pending:
-            row.update(state="pending", score=None, message="waits for grading by hand")
+            row.update(state="pending", score=None, message="awaiting grading by hand")
         elif cell.manual:
             row.update(state="graded by hand", message=f"graded by hand: {score:g} / {max_score:g}")
         elif by_hand:
@@ -132,7 +132,7 @@ def render(student: str, assignment: str, notebook: str, rows: list[dict], notes
         score += f" ({total:g} minus a late penalty of {late_penalty:g})"
     if waiting:
         score += (f" <b class='incomplete'>(incomplete: {waiting} answer{'s' if waiting > 1 else ''} "
-                  "still wait for grading by hand)</b>")
+                  "still waiting for grading by hand)</b>")
     body = [f"<h1>{esc(title)}</h1>", f"<p>Student: <b>{esc(student)}</b>. Score: {score}</p>"]
     if late:
         body.append(f"<p class='late'>{esc(late)}</p>")
