@@ -82,7 +82,8 @@ class PipelineHandler(BaseApiHandler):
         return str(Path(self.coursedir.root).resolve())
 
     def reply(self, result: dict) -> None:
-        self.set_header("Content-Type", "application/json")
+        # a JSON string with Tornado's default content type, as nbgrader's own handlers reply:
+        # Formgrader's pages JSON.parse the text (an application/json reply would reach them parsed)
         self.write(json.dumps(result))
 
 
