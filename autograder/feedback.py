@@ -196,10 +196,56 @@ def _late(submission) -> tuple[float, str]:
     return penalty, f"Submitted {when} after the due date" + (f": late penalty {penalty:g} points." if penalty else ".")
 
 
+def failure_in_plain_words(error: str) -> str:
+    """Why the grader could not grade a submission, for the student (the log stays with the instructor)."""
+    if "could not start" in error:
+        return "the Python kernel could not start on the grading machine (not your fault)"
+    if "notebook-timeout" in error:
+        return "it ran past the time limit for the whole notebook"
+    if "attempts" in error or "was skipped and the kernel still failed" in error:
+        return "it stopped or hung the Python kernel again after the grader skipped the cells that did"
+    return "the grader failed on it"
+
+
+def write_not_graded(root: Path, students: list[str] | None = None,
+                     assignments: list[str] | None = None) -> list[Path]:
+    """A page for each submission the last grading run could not grade (and that has no grade):
+    it says so in plain words, so a student is never left with an old page or none."""
+    try:
+        report = json.loads((root / "reports" / "grading_report.json").read_text())
+    except (OSError, ValueError):
+        return []
+    written = []
+    for outcome in report.get("submissions", []):
+        student, assignment = outcome.get("student"), outcome.get("assignment")
+        if outcome.get("status") != "failed" or (students and student not in students) or (
+                assignments and assignment not in assignments):
+            continue
+        if (root / "autograded" / student / assignment).is_dir():
+            continue  # graded earlier: its page stands, from that grade
+        what = {"kernel_died": "stopped the Python kernel", "kernel_unresponsive": "hung the Python kernel",
+                "notebook_timeout": "was running when the notebook reached its time limit",
+                "timeout": "ran past the time limit and was interrupted"}
+        notes = list(dict.fromkeys(f"{results.where(i)} {what[i['kind']]}." for i in outcome.get("incidents", [])
+                                   if i.get("kind") in what))
+        esc = html.escape
+        body = (f"<h1>{esc(assignment)}</h1><p>Student: <b>{esc(student)}</b>.</p>"
+                f"<p class='not-graded'><b>Not graded yet:</b> the grader could not grade this submission: "
+                f"{esc(failure_in_plain_words(outcome.get('error', '')))}. Your instructor has been told and will "
+                "look at it.</p>" + ("<ul class='incidents'>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>"
+                                     if notes else ""))
+        target = root / "feedback" / student / assignment / f"{assignment}.html"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{esc(assignment)} feedback"
+                          f"</title></head><body>{body}</body></html>\n", encoding="utf-8")
+        written.append(target)
+    return written
+
+
 def write_feedback(root: Path = COURSE_ROOT, students: list[str] | None = None,
                    assignments: list[str] | None = None) -> list[Path]:
     """Feedback pages of every graded submission (or only those of ``students`` / ``assignments``)."""
-    written = []
+    written = write_not_graded(root, students, assignments)
     if not (root / "gradebook.db").exists():
         return written
     with gradebook.open_gradebook(root) as gb:

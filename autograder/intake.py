@@ -148,7 +148,7 @@ def resolve_student(entry: "Entry", folder: str, roster, add_unknown: bool, lms_
     known, how = roster.find(student, lms_user_id)
     if known:
         if how:
-            entry.reasons.append(f"student {how}")
+            entry.reasons.append(how)
         return known.id
     if add_unknown:
         roster.add(student)

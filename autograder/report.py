@@ -276,6 +276,7 @@ def figures(data: dict, folder: Path) -> list[str]:
     top = data["max_score"] or 1
     axis.hist(scores, bins=min(20, max(5, int(top))), range=(0, top), color="#4a7ab5", edgecolor="white")
     axis.set(xlabel="total score", ylabel="students", title=f"{data['assignment']}: total scores")
+    axis.yaxis.get_major_locator().set_params(integer=True)
     figure.tight_layout()
     figure.savefig(folder / "scores.png", metadata={"Software": None})
     plt.close(figure)

@@ -112,7 +112,7 @@ class Roster:
         if lms_user_id:
             matches = [s for s in self.students if s.lms_user_id and s.lms_user_id == lms_user_id]
             if len(matches) == 1:
-                return matches[0], f"LMS user id {lms_user_id}"
+                return matches[0], f"LMS user id {lms_user_id} is {matches[0].id!r} in the roster"
         key = fold(name)
         matches = [s for s in self.students if key and key in s.keys()]
         if len(matches) == 1:

@@ -115,3 +115,17 @@ def test_grades_csv_tells_not_submitted_from_zero_and_marks_incomplete_totals(co
     assert (table["cy"]["status"], table["cy"]["score"], table["cy"]["manual_grading_pending"]) == ("not submitted", "", "")
     assert (table["ann"]["status"], table["bob"]["status"]) == ("incomplete", "complete")
     assert table["bob"]["lms_user_id"] == "lms-bob" and float(table["bob"]["late_submission_penalty"]) == 1.0
+
+
+def test_a_submission_that_could_not_be_graded_gets_a_page_saying_so(tmp_path):
+    root = tmp_path / "course_root"
+    (root / "reports").mkdir(parents=True)
+    (root / "reports" / "grading_report.json").write_text(json.dumps({"submissions": [
+        {"student": "dee", "assignment": ASSIGNMENT, "status": "failed", "error": "gave up after 6 attempts",
+         "incidents": [{"kind": "kernel_died", "notebook": ASSIGNMENT, "cell": 7, "grade_id": "split_heads"}]},
+        {"student": "eve", "assignment": ASSIGNMENT, "status": "graded"}]}))
+    (page,) = feedback.write_feedback(root)
+    text = page.read_text()
+    assert page == root / "feedback" / "dee" / ASSIGNMENT / f"{ASSIGNMENT}.html"
+    assert "Not graded yet" in text and "stopped or hung the Python kernel again" in text
+    assert "split_heads stopped the Python kernel" in text and "attempts" not in text
