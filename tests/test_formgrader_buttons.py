@@ -88,6 +88,7 @@ def test_formgrader_shows_the_rosters_names(formgrader):
     (f"formgrader/api/assignment/{TINY}/collect", "make intake"),
     (f"formgrader/api/assignment/{TINY}/release_feedback", "send them through"),
     (f"formgrader/api/assignment/{TINY}/bob/release_feedback", "send them through"),
+    (f"formgrader/api/submission/{TINY}/nobody/autograde", "make intake"),
 ])
 def test_buttons_that_would_fork_the_pipeline_are_refused_with_what_to_run(formgrader, graded, route, expected):
     def state():

@@ -92,6 +92,12 @@ class AutogradeHandler(PipelineHandler):
     @check_xsrf
     @check_notebook_dir
     async def post(self, assignment_id, student_id):
+        folder = Path(self.root) / "submitted" / student_id / assignment_id
+        if not folder.is_dir():
+            self.reply({"success": False, "log": "", "error": (
+                f"no submission in {folder}: submissions come in through `make intake SUBMISSIONS=<folder>` "
+                "(a withdrawn one is under archive/withdrawn/)")})
+            return
         self.reply(await run_pipeline(pipeline_command(
             "grade", self.root, "--student", student_id, "--assignment", assignment_id, "--force", "--jobs", "1")))
 
