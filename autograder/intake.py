@@ -54,7 +54,7 @@ from pathlib import Path
 import nbformat
 
 from autograder.release import assignment_names, released_notebook
-from autograder.roster import ROSTER_FILE, Roster
+from autograder.roster import ROSTER_FILE, Roster, fold
 from autograder.settings import COURSE_DIR, COURSE_ROOT
 
 IGNORED = {".DS_Store", "Thumbs.db", "desktop.ini"}
@@ -137,13 +137,25 @@ def lms_name(name: str) -> dict | None:
     return None
 
 
-def resolve_student(entry: "Entry", folder: str, roster, add_unknown: bool, lms_user_id: str = "") -> str | None:
-    """The student id a folder (or LMS export name) stands for; None (entry refused) when unknown."""
+def resolve_student(entry: "Entry", folder: str, roster, add_unknown: bool, lms_user_id: str = "",
+                    seen: dict[str, str] | None = None) -> str | None:
+    """The student id a folder (or LMS export name) stands for; None (entry refused) when unknown.
+
+    Without a roster, ``seen`` (folded name -> student folder already filed or taken in this
+    run) catches ``Bob/`` beside ``bob/``."""
     student, problem = clean_student_id(folder)
     if problem:
         entry.reasons.append(problem)
         return None
     if roster is None:
+        other = (seen or {}).get(fold(student))
+        if other is not None and other != student and not add_unknown:
+            entry.reasons.append(f"student folder {student!r} differs from {other!r} only in case, accents or "
+                                 "separators: the same student? Rename the folder, or run intake with --add-unknown "
+                                 "to keep both (a roster, `make roster`, settles names)")
+            return None
+        if seen is not None:
+            seen.setdefault(fold(student), student)
         return student
     known, how = roster.find(student, lms_user_id)
     if known:
@@ -366,6 +378,9 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
     if roster is None:
         roster = Roster.of_course(root)
     roster_size = len(roster.students) if roster else 0
+    seen: dict[str, str] = {}  # without a roster: folded name -> the spelling filed
+    if roster is None and (root / "submitted").is_dir():
+        seen = {fold(p.name): p.name for p in sorted((root / "submitted").iterdir()) if p.is_dir()}
     entries: list[Entry] = []
     chosen: dict[tuple[str, str], tuple[float, Entry, object]] = {}
     for path in sorted(submissions.rglob("*")):
@@ -394,7 +409,7 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
                 filename = lms["file"]
             student = resolve_student(entry, lms["name"], roster, add_unknown, lms["lms"])
         else:
-            student = resolve_student(entry, relative.parts[0], roster, add_unknown)
+            student = resolve_student(entry, relative.parts[0], roster, add_unknown, seen=seen)
         entry.student = student or (lms["name"] if lms else relative.parts[0])
         if student is None:
             continue

@@ -181,3 +181,14 @@ def test_import_fills_the_names_formgrader_shows_and_deadlines_set_the_due_date(
     with gradebook.open_gradebook(course) as gb:
         assert gb.find_assignment(ASSIGNMENT).duedate == datetime.datetime(2026, 3, 1, 16, 0)
         assert gb.find_assignment("02_x").duedate == datetime.datetime(2026, 3, 8, 23, 59, 59)
+
+
+def test_without_a_roster_a_folder_differing_only_in_case_is_refused(tmp_path):
+    root = tmp_path / "course_root"
+    (root / "submitted" / "bob" / ASSIGNMENT).mkdir(parents=True)
+    entries = run(downloads(tmp_path, {"Bob/01_mha_shapes.ipynb": release(), "ana/01_mha_shapes.ipynb": release()}), root)
+    assert entries["Bob/01_mha_shapes.ipynb"].status == "refused"
+    assert "'Bob' differs from 'bob' only in case" in " ".join(entries["Bob/01_mha_shapes.ipynb"].reasons)
+    assert entries["ana/01_mha_shapes.ipynb"].status == "accepted"
+    entries = run(downloads(tmp_path / "again", {"Bob/01_mha_shapes.ipynb": release()}), root, add_unknown=True)
+    assert entries["Bob/01_mha_shapes.ipynb"].status == "accepted"
