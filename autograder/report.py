@@ -4,7 +4,8 @@
     python -m autograder.report --assignment 01_mha_shapes
 
 Writes ``reports/class/<assignment>/index.html`` (with ``figures/*.png`` and the same numbers
-in ``report.json``) in the course root, per assignment that has submissions:
+in ``report.json``) in the course root, per assignment that has submissions, and
+``reports/class/index.html`` linking them:
 
 * the score distribution, overall and per question; mean, median and a **discrimination
   index** per question (the mean score, as a fraction of the question's points, of the top
@@ -369,6 +370,12 @@ def write_reports(root: Path = COURSE_ROOT, assignments: list[str] | None = None
             (folder / "report.json").write_text(json.dumps(data, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
             (folder / "index.html").write_text(render(data, images), encoding="utf-8")
             written.append(folder / "index.html")
+    if written:
+        links = "".join(f"<li><a href='{html.escape(p.parent.name)}/index.html'>{html.escape(p.parent.name)}</a></li>"
+                        for p in sorted((root / "reports" / "class").glob("*/index.html")))
+        (root / "reports" / "class" / "index.html").write_text(
+            "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Class reports</title></head><body>"
+            f"<h1>Class reports</h1><ul>{links}</ul></body></html>\n", encoding="utf-8")
     return written
 
 
