@@ -4,8 +4,9 @@
   frequent mistake is named with its count, the copied pair is flagged;
 * a feedback page (tests/test_feedback.py) shows a hand-graded 0, the TA's comment and the
   time limit in plain words;
-* in Formgrader (tests/test_formgrader_buttons.py), the roster's names are shown and clicking
-  *Generate Feedback* for a submission runs the pipeline's feedback.
+* in Formgrader (tests/test_formgrader_buttons.py), clicking *Generate* says to use
+  `make release`; the roster's names are shown; clicking *Generate Feedback* for a submission
+  runs the pipeline's feedback.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ def test_formgraders_buttons_in_the_browser(formgrader, graded, browser, screens
     page = browser.new_page()
     page.goto(formgrader.url("formgrader"))  # logs in (the token becomes a cookie for Formgrader's API calls)
     page.locator("table").get_by_text(TINY, exact=True).wait_for()
+    # Manage Assignments: Generate says to use `make release`, and generates nothing
+    source = (graded / "source" / TINY / f"{TINY}.ipynb").stat().st_mtime_ns
+    page.locator("table tbody tr").filter(has_text=TINY).locator("td.assign a").click()
+    refusal = page.locator("#error-modal")
+    refusal.get_by_text("make release").first.wait_for()
+    screenshots.take(page, "generate-refused")
+    assert (graded / "source" / TINY / f"{TINY}.ipynb").stat().st_mtime_ns == source
     page.goto(formgrader.url(f"formgrader/manage_submissions/{TINY}"))
     row = page.locator("table tbody tr").filter(has_text="Babbage")
     row.wait_for()

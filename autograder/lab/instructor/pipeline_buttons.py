@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from jupyter_server.utils import url_path_join
@@ -116,7 +117,8 @@ def refusing(action: str):
         @web.authenticated
         @check_xsrf
         def post(self, *args):
-            self.reply({"success": False, "log": "", "error": REFUSALS[action]})
+            # Formgrader shows it in a <pre> that does not wrap: lines of a readable width
+            self.reply({"success": False, "log": "", "error": textwrap.fill(REFUSALS[action], 90, break_long_words=False, break_on_hyphens=False)})
 
     RefusedHandler.__name__ = f"Refused{action.title().replace('_', '')}Handler"
     return RefusedHandler
