@@ -27,8 +27,9 @@ are only read.  Submissions are matched against the release, the student noteboo
 * **LMS exports as they come**: Canvas's flat folder (``lastfirst[_LATE]_<user id>_<submission
   id>_<file>``) and Moodle's (``Full Name_<id>_assignsubmission_file_``) are read, the student
   found through the roster's ``lms_user_id`` (or name).
-* **Submission times**: the file's modification time (unzip an LMS export keeping its times) goes to nbgrader's
-  ``submitted/<student>/<assignment>/timestamp.txt`` (UTC), which its late penalty reads.
+* **Submission times**: the file's modification time (unzip an LMS export keeping its
+  times) goes to nbgrader's ``submitted/<student>/<assignment>/timestamp.txt`` (UTC), which
+  its late penalty reads.
 * **History**: a resubmission replaces the one graded, and the earlier one is kept in
   ``archive/submitted/<student>/<assignment>/<its time>/``.
 
