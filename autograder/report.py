@@ -384,8 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=COURSE_ROOT)
     parser.add_argument("--assignment", action="append", help="only this assignment (repeatable)")
     options = parser.parse_args(argv)
-    for path in write_reports(options.root, options.assignment):
+    written = write_reports(options.root, options.assignment)
+    for path in written:
         print(f"wrote {path}")
+    if not written:
+        print("no submissions in the gradebook yet: run `make intake SUBMISSIONS=<folder>` and `make grade` first")
     return 0
 
 
