@@ -8,9 +8,6 @@ known wrong answers (no kernel: the checks run here, on the wrong functions).
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import nbformat
 import pytest
@@ -87,7 +84,6 @@ def executed_notebook(student: str) -> nbformat.NotebookNode:
 def generated_class(tmp_path_factory):
     root = tmp_path_factory.mktemp("class-report") / "course_root"
     write_notebook(build_source(ASSIGNMENT, course_repository()), root / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb")
-    os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]
     run_nbgrader("generate_assignment", ASSIGNMENT, "--force", "--log-level=ERROR", root=root, capture=True)
     with gradebook.open_gradebook(root) as gb:
         for student, mistakes in MISTAKES.items():
