@@ -11,6 +11,7 @@ JOBS ?= 2
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: help setup lab formgrader release release-check test test-fast sandbox browser intake grade feedback export bench gpu-check clean
+.PHONY: roster deadlines withdraw report
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -82,7 +83,19 @@ test-fast: setup ## the suite without the slow notebook/nbgrader tests
 
 intake: setup ## file SUBMISSIONS=<dir> (<student>/<file>) under autograder/course_root/submitted/, with a report
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder>"; exit 2; }
-	$(BIN)/python -m autograder.intake "$(SUBMISSIONS)"
+	$(BIN)/python -m autograder.intake "$(SUBMISSIONS)" $(if $(ADD_UNKNOWN),--add-unknown)
+
+roster: setup ## import ROSTER=<csv> (id,first_name,last_name,email,lms_user_id): intake checks names against it
+	@test -n "$(ROSTER)" || { echo "usage: make roster ROSTER=<csv>"; exit 2; }
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.roster import "$(ROSTER)"
+
+DEADLINES ?= deadlines.csv
+deadlines: setup ## set each assignment's due date in the gradebook from DEADLINES=<csv> (assignment,duedate)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.roster deadlines "$(DEADLINES)"
+
+withdraw: setup ## take out one wrongly filed submission: STUDENT=<id> ASSIGNMENT=<name> (archived, not deleted)
+	@test -n "$(STUDENT)" -a -n "$(ASSIGNMENT)" || { echo "usage: make withdraw STUDENT=<id> ASSIGNMENT=<name>"; exit 2; }
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.roster withdraw --student "$(STUDENT)" --assignment "$(ASSIGNMENT)"
 
 grade: setup sandbox ## autograde new/changed submissions, JOBS students at a time (FORCE=1 regrades all)
 	$(BIN)/python -m autograder.grade --jobs $(JOBS) $(if $(FORCE),--force)
@@ -92,6 +105,9 @@ feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/
 
 export: setup ## write grades.csv and grades_by_question.csv in autograder/course_root/
 	$(BIN)/python -m autograder.export
+
+report: setup ## the class report per assignment: autograder/course_root/reports/class/<assignment>/index.html
+	$(BIN)/python -m autograder.report
 
 bench: setup ## measure notebook run time, autograde overhead and attention kernels (see benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks

@@ -3,9 +3,11 @@
     python -m autograder.export          # make export
 
 * ``autograder/course_root/grades.csv``: one row per student and assignment, written by
-  ``nbgrader export`` (nbgrader's own CSV: raw_score, late penalty, score, max_score, ...),
-  plus a column ``manual_grading_pending``: ``yes`` while a written answer of that
-  submission still awaits grading by hand (in Formgrader).
+  ``nbgrader export`` (nbgrader's own CSV: due date, submission time, raw_score, late
+  penalty, score, max_score, ...), plus ``manual_grading_pending`` (``yes`` while a written
+  answer of that submission still awaits grading by hand, in Formgrader), ``status``
+  (``not submitted`` -- its scores are left empty, never 0 --, ``incomplete`` while hand
+  grading is pending, ``complete``) and ``lms_user_id`` (from the roster, for the LMS upload).
 * ``autograder/course_root/grades_by_question.csv``: student, assignment, notebook,
   grade_id, score, max_score, manual_grading_pending, one row per graded cell.
 
@@ -49,21 +51,33 @@ def export_by_question(root: Path, path: Path) -> int:
     return len(rows)
 
 
+STATUS = "status"
+LMS_ID = "lms_user_id"
+
+
 def add_pending_column(root: Path, path: Path) -> None:
-    """Append ``manual_grading_pending`` to each row of nbgrader's own grades.csv."""
+    """Complete nbgrader's own grades.csv: ``manual_grading_pending`` (yes / no), ``status``
+    (``not submitted``, ``incomplete``: a written answer waits for a hand grade, or ``complete``)
+    and the roster's ``lms_user_id``. A student who submitted nothing gets empty scores, not 0."""
     with gradebook.open_gradebook(root) as gb:
         pending = {(s.student.id, a.name): s.needs_manual_grade for a in gb.assignments for s in a.submissions}
+        lms = {s.id: s.lms_user_id or "" for s in gb.students}
     with open(path, newline="", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
     if not rows:
         return
     with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=[*rows[0].keys(), PENDING])
+        writer = csv.DictWriter(handle, fieldnames=[*rows[0].keys(), PENDING, STATUS, LMS_ID])
         writer.writeheader()
         for row in rows:
-            submitted = (row["student_id"], row["assignment"]) in pending
-            waiting = pending.get((row["student_id"], row["assignment"]), False)
-            writer.writerow({**row, PENDING: _yes_no(waiting) if submitted else ""})
+            key = (row["student_id"], row["assignment"])
+            submitted = key in pending
+            waiting = pending.get(key, False)
+            if not submitted:
+                row.update(raw_score="", late_submission_penalty="", score="")
+            status = "not submitted" if not submitted else ("incomplete" if waiting else "complete")
+            writer.writerow({**row, PENDING: _yes_no(waiting) if submitted else "", STATUS: status,
+                             LMS_ID: lms.get(row["student_id"], "")})
 
 
 def export(root: Path = COURSE_ROOT) -> tuple[Path, Path]:

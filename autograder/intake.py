@@ -20,9 +20,22 @@ are only read.  Submissions are matched against the release, the student noteboo
   notebook is refused, with the reason.
 * Invalid JSON, empty files, non-notebooks, unknown files: refused, with the reason.
 * If a student has several files for one assignment, the newest is taken.
+* **The roster** (``roster.csv`` in the course root, ``make roster``): a student folder not in
+  it is refused, with the closest roster names suggested (``alcie`` -> ``alice (Alice
+  Liddell)``), unless ``--add-unknown``; a folder that names a student by another spelling
+  (case, accents, ``lastfirst``, e-mail, LMS user id) is filed under the roster's id.
+* **LMS exports as they come**: Canvas's flat folder (``lastfirst[_LATE]_<user id>_<submission
+  id>_<file>``) and Moodle's (``Full Name_<id>_assignsubmission_file_``) are read, the student
+  found through the roster's ``lms_user_id`` (or name).
+* **Submission times**: the file's modification time (unzip an LMS export keeping its
+  times) goes to nbgrader's ``submitted/<student>/<assignment>/timestamp.txt`` (UTC), which
+  its late penalty reads.
+* **History**: a resubmission replaces the one graded, and the earlier one is kept in
+  ``archive/submitted/<student>/<assignment>/<its time>/``.
 
-The report (``reports/intake_report.{md,json}`` in the course root) lists every file as
-accepted / repaired / refused with its reasons. Exit status 0 unless the folder is missing.
+The report (``reports/intake_report.{md,json}`` in the course root, this run; every run's in
+``reports/intake/``, listed in ``reports/intake_history.md``) lists every file as accepted /
+repaired / refused with its reasons. Exit status 0 unless the folder is missing.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import copy
 import datetime
 import json
 import re
+import shutil
 import sys
 import unicodedata
 from dataclasses import asdict, dataclass, field
@@ -41,6 +55,7 @@ from pathlib import Path
 import nbformat
 
 from autograder.release import assignment_names, released_notebook
+from autograder.roster import ROSTER_FILE, Roster, fold
 from autograder.settings import COURSE_DIR, COURSE_ROOT
 
 IGNORED = {".DS_Store", "Thumbs.db", "desktop.ini"}
@@ -57,6 +72,7 @@ class Entry:
     assignment: str | None = None
     destination: str | None = None
     reasons: list[str] = field(default_factory=list)
+    submitted_at: str | None = None   # what timestamp.txt says (the file's time, UTC)
 
 
 @dataclass
@@ -104,6 +120,58 @@ def clean_student_id(name: str) -> tuple[str | None, str | None]:
     if FORBIDDEN_IN_ID.search(student) or student in {".", ".."}:
         return None, f"student folder name {name!r} contains characters nbgrader cannot use (/ \\ * ? [ ])"
     return student, None
+
+
+# Canvas: ``lastfirst[_LATE]_<user id>_<submission id>_<file>``; Moodle: ``Full Name_<id>_assignsubmission_file_[<file>]``
+CANVAS = re.compile(r"^(?P<name>[^_]+?)(?P<late>_late)?_(?P<lms>\d+)_(?P<sub>\d+)_(?P<file>.+)$", re.IGNORECASE)
+MOODLE = re.compile(r"^(?P<name>.+?)_(?P<lms>\d+)_assignsubmission_(?:file|onlinetext)_(?P<file>.*)$", re.IGNORECASE)
+
+
+def lms_name(name: str) -> dict | None:
+    """{name, lms, file, late, kind} of a file (Canvas) or folder (Moodle) named by an LMS export."""
+    for kind, pattern in (("Moodle", MOODLE), ("Canvas", CANVAS)):
+        match = pattern.match(name)
+        if match:
+            found = match.groupdict()
+            return {"name": found["name"], "lms": found["lms"], "file": found["file"],
+                    "late": bool(found.get("late")), "kind": kind}
+    return None
+
+
+def resolve_student(entry: "Entry", folder: str, roster, add_unknown: bool, lms_user_id: str = "",
+                    seen: dict[str, str] | None = None) -> str | None:
+    """The student id a folder (or LMS export name) stands for; None (entry refused) when unknown.
+
+    Without a roster, ``seen`` (folded name -> student folder already filed or taken in this
+    run) catches ``Bob/`` beside ``bob/``."""
+    student, problem = clean_student_id(folder)
+    if problem:
+        entry.reasons.append(problem)
+        return None
+    if roster is None:
+        other = (seen or {}).get(fold(student))
+        if other is not None and other != student and not add_unknown:
+            entry.reasons.append(f"student folder {student!r} differs from {other!r} only in case, accents or "
+                                 "separators: the same student? Rename the folder, or run intake with --add-unknown "
+                                 "to keep both (a roster, `make roster`, settles names)")
+            return None
+        if seen is not None:
+            seen.setdefault(fold(student), student)
+        return student
+    known, how = roster.find(student, lms_user_id)
+    if known:
+        if how:
+            entry.reasons.append(how)
+        return known.id
+    if add_unknown:
+        roster.add(student)
+        entry.reasons.append(f"{student!r} is not in the roster: added (--add-unknown)")
+        return student
+    suggestions = roster.suggest(student)
+    entry.reasons.append(f"student {student!r} is not in the roster" + (
+        f"; did you mean {' or '.join(suggestions)}?" if suggestions else "") +
+        " Rename the folder, or run intake with --add-unknown (make intake ADD_UNKNOWN=1) to add them")
+    return None
 
 
 # --------------------------------------------------------------------------------------
@@ -280,10 +348,40 @@ def read_notebook(path: Path):
     return notebook, None
 
 
+def _timestamp(mtime: float) -> str:
+    """nbgrader's timestamp.txt format (UTC)."""
+    moment = datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+
+
+def archive_previous(folder: Path, root: Path) -> Path:
+    """Keep an earlier submission: ``archive/submitted/<student>/<assignment>/<its time>/``."""
+    stamp_file = folder / "timestamp.txt"
+    stamp = (stamp_file.read_text().strip() if stamp_file.exists() else
+             _timestamp(max(p.stat().st_mtime for p in folder.iterdir())))
+    name = re.sub(r"[^0-9T]", "", stamp.replace(" ", "T"))[:15] or "earlier"
+    relative = folder.relative_to(root / "submitted")
+    target = root / "archive" / "submitted" / relative / name
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = target.with_name(f"{name}-{suffix}")
+    shutil.copytree(folder, target)
+    return target
+
+
 def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURSE_DIR,
-           assignments: list[str] | None = None) -> list[Entry]:
+           assignments: list[str] | None = None, roster=None, add_unknown: bool = False) -> list[Entry]:
+    """File every submission of ``submissions``; ``roster``: the course's (roster.csv of the
+    course root) when not given, checked against unless ``add_unknown``."""
     assignments = assignments or assignment_names()
     releases = load_releases(course_dir, assignments)
+    if roster is None:
+        roster = Roster.of_course(root)
+    roster_size = len(roster.students) if roster else 0
+    seen: dict[str, str] = {}  # without a roster: folded name -> the spelling filed
+    if roster is None and (root / "submitted").is_dir():
+        seen = {fold(p.name): p.name for p in sorted((root / "submitted").iterdir()) if p.is_dir()}
     entries: list[Entry] = []
     chosen: dict[tuple[str, str], tuple[float, Entry, object]] = {}
     for path in sorted(submissions.rglob("*")):
@@ -294,13 +392,27 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
             continue
         entry = Entry(str(relative), None, "refused")
         entries.append(entry)
-        if len(relative.parts) < 2:
-            entry.reasons.append("not inside a student folder (expected <student>/<file>)")
+        filename = path.name
+        lms = lms_name(relative.parts[0])
+        if len(relative.parts) < 2 and not lms:
+            entry.reasons.append("not inside a student folder (expected <student>/<file>, "
+                                 "or an LMS export's lastfirst_<id>_<id>_<file>)")
             continue
-        student, problem = clean_student_id(relative.parts[0])
-        entry.student = student or relative.parts[0]
-        if problem:
-            entry.reasons.append(problem)
+        if lms:
+            entry.reasons.append(f"{lms['kind']} export: {lms['name']}, LMS user id {lms['lms']}"
+                                 + (" (marked late)" if lms["late"] else ""))
+            if roster is None:
+                entry.student = lms["name"]
+                entry.reasons.append("an LMS export needs the roster to know its students "
+                                     "(make roster ROSTER=<csv> with their lms_user_id)")
+                continue
+            if len(relative.parts) < 2:
+                filename = lms["file"]
+            student = resolve_student(entry, lms["name"], roster, add_unknown, lms["lms"])
+        else:
+            student = resolve_student(entry, relative.parts[0], roster, add_unknown, seen=seen)
+        entry.student = student or (lms["name"] if lms else relative.parts[0])
+        if student is None:
             continue
         if path.suffix.lower() != ".ipynb":
             entry.reasons.append(f"not a notebook ({path.suffix or 'no extension'}): unknown file")
@@ -309,7 +421,7 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
         if problem:
             entry.reasons.append(problem)
             continue
-        by_name = assignment_from_name(path.name, assignments)
+        by_name = assignment_from_name(filename, assignments)
         scores = {a: content_match(notebook, r) for a, r in releases.items()}
         best = max(scores, key=scores.get) if scores else None
         if best is None or scores[best] < MIN_CONTENT_MATCH:
@@ -323,8 +435,8 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
         assignment = by_name if by_name and scores.get(by_name, 0) >= MIN_CONTENT_MATCH else best
         if not by_name:
             entry.reasons.append(f"recognised by its content as {assignment}")
-        elif normalise_name(path.stem) != assignment.lower() or path.name != f"{assignment}.ipynb":
-            entry.reasons.append(f"file name {path.name!r} taken as {assignment}")
+        elif normalise_name(Path(filename).stem) != assignment.lower() or filename != f"{assignment}.ipynb":
+            entry.reasons.append(f"file name {filename!r} taken as {assignment}")
         repaired, notes, refusal = repair(notebook, releases[assignment])
         entry.assignment = assignment
         if refusal:
@@ -342,37 +454,62 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
             if newer is other:
                 continue
         chosen[key] = (mtime, entry, repaired)
-    for (student, assignment), (_, entry, notebook) in chosen.items():
+    for (student, assignment), (mtime, entry, notebook) in chosen.items():
         folder = root / "submitted" / student / assignment
         target = folder / f"{assignment}.ipynb"
         text = json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
         entry.destination = str(target.relative_to(root))
+        entry.submitted_at = _timestamp(mtime)
         if target.exists() and target.read_text(encoding="utf-8") == text:
             entry.reasons.append("already in place, unchanged")
             continue
-        folder.mkdir(parents=True, exist_ok=True)
         if target.exists():
-            entry.reasons.append("replaces the previous submission")
+            kept = archive_previous(folder, root)
+            entry.reasons.append(f"replaces the previous submission (kept in {kept.relative_to(root)})")
+            for old in folder.glob("*.ipynb"):
+                old.unlink()
+        folder.mkdir(parents=True, exist_ok=True)
         target.write_text(text, encoding="utf-8")
+        (folder / "timestamp.txt").write_text(entry.submitted_at + "\n")
+    if roster is not None and add_unknown and len(roster.students) > roster_size:
+        roster.write(root / ROSTER_FILE)
     return entries
 
 
 def write_report(entries: list[Entry], root: Path, submissions: Path) -> Path:
+    """``reports/intake_report.{md,json}`` (this run) and a copy of each under ``reports/intake/``
+    named by its time: earlier runs' reports are kept, and ``reports/intake_history.md`` lists them all."""
     folder = root / "reports"
-    folder.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().isoformat(timespec="seconds")
-    (folder / "intake_report.json").write_text(json.dumps(
-        {"generated": stamp, "submissions": str(submissions), "files": [asdict(e) for e in entries]},
-        indent=1, ensure_ascii=False))
+    history = folder / "intake"
+    history.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now()
+    stamp = now.isoformat(timespec="seconds")
+    name = now.strftime("%Y%m%dT%H%M%S")
+    suffix = 1
+    while (history / f"{name}.md").exists():
+        suffix += 1
+        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{suffix}"
+    data = json.dumps({"generated": stamp, "submissions": str(submissions), "files": [asdict(e) for e in entries]},
+                      indent=1, ensure_ascii=False)
     counts = {s: sum(e.status == s for e in entries) for s in ("accepted", "repaired", "refused")}
-    lines = [f"# Intake report ({stamp})", "", f"From `{submissions}`: "
-             + ", ".join(f"{n} {s}" for s, n in counts.items()), "",
-             "| file | student | status | assignment | reasons |", "|---|---|---|---|---|"]
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
+    lines = [f"# Intake report ({stamp})", "", f"From `{submissions}`: " + summary, "",
+             "| file | student | status | assignment | submitted (UTC) | reasons |", "|---|---|---|---|---|---|"]
     for e in sorted(entries, key=lambda e: (e.status != "refused", e.source)):
         reasons = "; ".join(e.reasons).replace("|", "/")
-        lines.append(f"| {e.source} | {e.student or '-'} | {e.status} | {e.assignment or '-'} | {reasons} |")
+        lines.append(f"| {e.source} | {e.student or '-'} | {e.status} | {e.assignment or '-'} | "
+                     f"{(e.submitted_at or '-').replace(' UTC', '')} | {reasons} |")
+    text = "\n".join(lines) + "\n"
+    (folder / "intake_report.json").write_text(data)
+    (history / f"{name}.json").write_text(data)
+    (history / f"{name}.md").write_text(text)
     path = folder / "intake_report.md"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(text)
+    index = folder / "intake_history.md"
+    if not index.exists():
+        index.write_text("# Intake runs (newest last)\n\n")
+    with open(index, "a", encoding="utf-8") as handle:
+        handle.write(f"- {stamp}: `{submissions}`: {summary} ([report](intake/{name}.md))\n")
     return path
 
 
@@ -381,11 +518,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("submissions", type=Path, help="folder laid out as <student>/<file>")
     parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="course root (default: autograder/course_root/)")
     parser.add_argument("--course", type=Path, default=COURSE_DIR, help="the student release notebooks")
+    parser.add_argument("--add-unknown", action="store_true",
+                        help="accept students missing from the roster (and add them to it)")
     options = parser.parse_args(argv)
     if not options.submissions.is_dir():
         print(f"{options.submissions}: no such folder (make intake SUBMISSIONS=<folder>)")
         return 2
-    entries = intake(options.submissions, options.root, options.course)
+    roster = Roster.of_course(options.root)
+    if roster is None:
+        print(f"no roster ({options.root / ROSTER_FILE}): student folder names are taken as they are; "
+              "`make roster ROSTER=<csv>` checks them")
+    entries = intake(options.submissions, options.root, options.course, roster=roster,
+                     add_unknown=options.add_unknown)
     report = write_report(entries, options.root, options.submissions)
     for entry in entries:
         where = f" -> {entry.destination}" if entry.destination else ""

@@ -24,11 +24,12 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
-import re
-import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+# One reading of "this hint is in this message", shared with the class report's mistake counts.
+from attention_lab.hint_catalog import _normalise, hint_pattern
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -80,23 +81,6 @@ def package_hints() -> list[Hint]:
     for name in modules:
         hints += hints_in(name, vars(importlib.import_module(name)))
     return hints
-
-
-def _normalise(text: str) -> str:
-    return " ".join(text.split())
-
-
-def hint_pattern(text: str) -> re.Pattern:
-    """A regex for the hint as it appears in a message: format fields match anything."""
-    text = _normalise(text)
-    try:
-        parts = list(string.Formatter().parse(text))
-    except ValueError:  # unbalanced braces: not a format string, match it literally
-        return re.compile(re.escape(text))
-    pattern = ""
-    for literal, field, _spec, _conversion in parts:
-        pattern += re.escape(literal) + (".*?" if field is not None else "")
-    return re.compile(pattern, re.DOTALL)
 
 
 def read_messages(folder: Path | str) -> list[str]:

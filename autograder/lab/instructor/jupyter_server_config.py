@@ -6,7 +6,13 @@ JUPYTER_CONFIG_PATH (the Makefile puts autograder/ there). The exchange (Assignm
 Course List) is off: submissions come in through `make intake`, not through an exchange folder.
 """
 
+import sys
 from pathlib import Path
+
+# The repository, for the extension below (autograder/ is not an installed package).
+REPOSITORY = Path(__file__).resolve().parents[3]
+if str(REPOSITORY) not in sys.path:
+    sys.path.insert(0, str(REPOSITORY))
 
 c = get_config()  # noqa: F821 -- provided by Jupyter when it loads this file
 
@@ -17,8 +23,12 @@ EXCHANGE = Path.cwd() / "exchange"  # `make formgrader` runs in the course root
 EXCHANGE.mkdir(exist_ok=True)
 c.Exchange.root = str(EXCHANGE)
 
+# Formgrader's Autograde / Generate Feedback go through the pipeline (sandbox, one gradebook
+# writer, no hidden test shown); Generate / Release / Collect / Release Feedback are off, with
+# what to run instead: autograder/lab/instructor/pipeline_buttons.py.
 c.ServerApp.jpserver_extensions = {
     "nbgrader.server_extensions.formgrader": True,
+    "autograder.lab.instructor.pipeline_buttons": True,
     "nbgrader.server_extensions.validate_assignment": True,
     "nbgrader.server_extensions.assignment_list": False,
     "nbgrader.server_extensions.course_list": False,

@@ -1,0 +1,143 @@
+"""Formgrader's own buttons, driven through its HTTP API as its pages do (`make formgrader`):
+
+* Generate Feedback writes the pipeline's feedback page (the real state of each question, the
+  grade and comment a TA typed in Formgrader), never the autograded notebook with its hidden tests;
+* Autograde grades through `python -m autograder.grade` (sandbox, one writer of the gradebook),
+  keeping the other students' hand grades;
+* Generate, Release, Collect and Release Feedback are refused with what to run instead;
+* the roster's names reach Formgrader's student list.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from autograder import gradebook, release, roster
+from autograder.release import mark_hidden_tests
+from tests.lab_servers import running_lab
+from tests.test_browser import TINY, pipeline, tiny_source, tiny_submission
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("formgrader_buttons")]
+
+HIDDEN = "assert double(21) == 42, 'the grader keeps this secret'"
+TA_COMMENT = "Your reasoning is missing: say why 2x = x + x."
+
+
+def hidden_source() -> nbformat.NotebookNode:
+    """The tiny assignment, its test cell with a hidden block (as the grader builds it)."""
+    source = tiny_source()
+    test = source.cells[2]
+    test.source = mark_hidden_tests(test.source + f"\n{release.HIDDEN_BEGIN}\n{HIDDEN}\n{release.HIDDEN_END}")
+    return source
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("formgrader-buttons") / "course_root"
+    source = hidden_source()
+    release.write_notebook(source, root / "source" / TINY / f"{TINY}.ipynb")
+    plain = tiny_source()  # what students have: no hidden block
+    for student, body, written in (("ada", "return 2 * x", "Because 2x = x + x."), ("bob", "return x + 1", "No idea.")):
+        release.write_notebook(tiny_submission(plain, body, written), root / "submitted" / student / TINY / f"{TINY}.ipynb")
+    (root / "nbgrader_config.py").write_text(f"c = get_config()\nc.CourseDirectory.root = {str(root)!r}\n")
+    classlist = root.parent / "class.csv"
+    classlist.write_text("id,first_name,last_name,email,lms_user_id\nada,Ada,Lovelace,ada@x.org,1\nbob,Bob,Babbage,,2\n")
+    roster.import_roster(classlist, root)
+    pipeline("grade", root, "--jobs", "1")
+    pipeline("feedback", root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def formgrader(graded, tmp_path_factory):
+    with running_lab("formgrader", graded, tmp_path_factory.mktemp("formgrader-buttons-lab")) as server:
+        yield server
+
+
+def call(server, method: str, path: str, body: dict | None = None):
+    data = json.dumps(body).encode() if body is not None else (b"" if method != "GET" else None)
+    request = urllib.request.Request(server.url(path), data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=1200) as response:
+        return json.loads(response.read().decode())
+
+
+def submitted_notebook_id(server, student: str) -> str:
+    rows = call(server, "GET", f"formgrader/api/submitted_notebooks/{TINY}/{TINY}")
+    return next(row["id"] for row in rows if row["student"] == student)
+
+
+def every_file_text(folder: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(folder.rglob("*")) if p.is_file())
+
+
+def test_formgrader_shows_the_rosters_names(formgrader):
+    students = {s["id"]: s for s in call(formgrader, "GET", "formgrader/api/students")}
+    assert (students["ada"]["first_name"], students["ada"]["last_name"]) == ("Ada", "Lovelace")
+    assert students["bob"]["last_name"] == "Babbage"
+
+
+@pytest.mark.parametrize("route, expected", [
+    (f"formgrader/api/assignment/{TINY}/assign", "make release"),
+    (f"formgrader/api/assignment/{TINY}/release", "no exchange"),
+    (f"formgrader/api/assignment/{TINY}/collect", "make intake"),
+    (f"formgrader/api/assignment/{TINY}/release_feedback", "send them through"),
+    (f"formgrader/api/assignment/{TINY}/bob/release_feedback", "send them through"),
+    (f"formgrader/api/submission/{TINY}/nobody/autograde", "make intake"),
+])
+def test_buttons_that_would_fork_the_pipeline_are_refused_with_what_to_run(formgrader, graded, route, expected):
+    def state():
+        return {p: p.stat().st_mtime_ns for name in ("source", "release", "exchange", "submitted", "feedback")
+                for p in (graded / name).rglob("*")}
+
+    before = state()
+    reply = call(formgrader, "POST", route)
+    assert reply["success"] is False and expected in reply["error"], reply
+    assert state() == before
+
+
+def test_generate_feedback_shows_the_hand_grade_and_comment_and_no_hidden_test(formgrader, graded):
+    notebook = submitted_notebook_id(formgrader, "bob")
+    grades = {g["name"]: g for g in call(formgrader, "GET", f"formgrader/api/grades?submission_id={notebook}")}
+    call(formgrader, "PUT", f"formgrader/api/grade/{grades['why_double']['id']}", {"manual_score": 0, "extra_credit": 0})
+    comments = {c["name"]: c for c in call(formgrader, "GET", f"formgrader/api/comments?submission_id={notebook}")}
+    call(formgrader, "PUT", f"formgrader/api/comment/{comments['why_double']['id']}", {"manual_comment": TA_COMMENT})
+
+    reply = call(formgrader, "POST", f"formgrader/api/assignment/{TINY}/bob/generate_feedback")
+    assert reply["success"] is True, reply
+    page = (graded / "feedback" / "bob" / TINY / f"{TINY}.html").read_text()
+    assert "graded by hand: 0 / 2" in page and TA_COMMENT in page
+    assert "data-state='failed'" in page and "likely mistake: adding 1 instead of doubling" in page
+    everything = every_file_text(graded / "feedback")
+    assert "keeps this secret" not in everything and "double(21)" not in everything
+    assert "BEGIN HIDDEN" not in everything and not list((graded / "feedback").rglob("*.ipynb"))
+
+    reply = call(formgrader, "POST", f"formgrader/api/assignment/{TINY}/generate_feedback")  # the whole class
+    assert reply["success"] is True, reply
+    ada = (graded / "feedback" / "ada" / TINY / f"{TINY}.html").read_text()
+    assert "data-state='pending'" in ada and "incomplete" in ada  # her written answer is not graded yet
+    assert "keeps this secret" not in every_file_text(graded / "feedback")
+
+
+def test_autograde_goes_through_the_pipeline_and_keeps_other_hand_grades(formgrader, graded):
+    record = graded / "autograded" / "ada" / TINY / ".grading.json"
+    before = record.stat().st_mtime_ns
+    bob_notebook = submitted_notebook_id(formgrader, "bob")
+    bob_grades = {g["name"]: g for g in call(formgrader, "GET", f"formgrader/api/grades?submission_id={bob_notebook}")}
+    call(formgrader, "PUT", f"formgrader/api/grade/{bob_grades['test_double']['id']}", {"manual_score": 1, "extra_credit": 0})
+
+    reply = call(formgrader, "POST", f"formgrader/api/submission/{TINY}/ada/autograde")
+    assert reply["success"] is True, reply
+    assert "python -m autograder.grade" in reply["log"] and "graded 1" in reply["log"], reply["log"]
+    assert record.stat().st_mtime_ns != before  # written by the pipeline's merge, the gradebook's one writer
+    report = json.loads((graded / "reports" / "grading_report.json").read_text())
+    assert [(s["student"], s["status"]) for s in report["submissions"]] == [("ada", "graded")]
+    with gradebook.open_gradebook(graded) as gb:
+        assert gb.find_grade("test_double", TINY, TINY, "bob").manual_score == 1
+        assert gb.find_submission(TINY, "ada").score == 1.0
+

@@ -1,0 +1,194 @@
+"""The roster (intake checks student folders against it), LMS exports, submission times, history,
+due dates and withdrawing a wrongly filed submission -- no kernels, fast."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from autograder import gradebook, intake, roster
+from autograder.release import REPO_ROOT
+
+ASSIGNMENT = "01_mha_shapes"
+ROSTER = """id,first_name,last_name,email,lms_user_id
+alice,Alice,Liddell,alice@uni.example,12345
+bob,Bob,Builder,bob@uni.example,23456
+nunez,Ana,Núñez,ana.nunez@uni.example,34567
+"""
+
+
+def release():
+    return nbformat.read(REPO_ROOT / "course" / f"{ASSIGNMENT}.ipynb", as_version=4)
+
+
+@pytest.fixture
+def course(tmp_path):
+    root = tmp_path / "course_root"
+    root.mkdir()
+    (root / roster.ROSTER_FILE).write_text(ROSTER)
+    return root
+
+
+def downloads(tmp_path: Path, files: dict[str, object], mtime: float | None = None) -> Path:
+    folder = tmp_path / "downloads"
+    for name, content in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(content, str(path)) if not isinstance(content, str) else path.write_text(content)
+        if mtime is not None:
+            os.utime(path, (mtime, mtime))
+    return folder
+
+
+def run(folder: Path, root: Path, **options):
+    entries = intake.intake(folder, root, REPO_ROOT / "course", assignments=[ASSIGNMENT], **options)
+    return {e.source: e for e in entries}
+
+
+def test_roster_reads_nbgraders_format_and_a_single_name_column(tmp_path):
+    path = tmp_path / "r.csv"
+    path.write_text("id,name,email,lms_id\nada,Ada King Lovelace,ada@x.org,99\n")
+    (student,) = roster.Roster.read(path).students
+    assert (student.id, student.first_name, student.last_name, student.lms_user_id) == ("ada", "Ada King", "Lovelace", "99")
+    path.write_text(ROSTER)
+    assert [s.id for s in roster.Roster.read(path).students] == ["alice", "bob", "nunez"]
+    path.write_text("id,first_name\nx,1\nx,2\n")
+    with pytest.raises(SystemExit, match="appear twice: x"):
+        roster.Roster.read(path)
+
+
+def test_a_misspelt_student_folder_is_refused_with_the_closest_names(tmp_path, course):
+    entries = run(downloads(tmp_path, {"alcie/01_mha_shapes.ipynb": release()}), course)
+    entry = entries["alcie/01_mha_shapes.ipynb"]
+    assert entry.status == "refused"
+    assert "'alcie' is not in the roster; did you mean alice (Alice Liddell)?" in " ".join(entry.reasons)
+    assert not (course / "submitted").exists()
+
+
+def test_add_unknown_accepts_and_adds_to_the_roster(tmp_path, course):
+    entries = run(downloads(tmp_path, {"zoe/01_mha_shapes.ipynb": release()}), course, add_unknown=True)
+    assert entries["zoe/01_mha_shapes.ipynb"].status == "accepted"
+    assert (course / "submitted" / "zoe" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").exists()
+    assert "zoe" in roster.Roster.of_course(course).by_id
+
+
+def test_other_spellings_of_a_roster_student_are_filed_under_their_id(tmp_path, course):
+    entries = run(downloads(tmp_path, {"Bob/01_mha_shapes.ipynb": release(),
+                                       "Ana Nunez/01_mha_shapes.ipynb": release()}), course)
+    assert entries["Bob/01_mha_shapes.ipynb"].student == "bob"
+    assert entries["Ana Nunez/01_mha_shapes.ipynb"].student == "nunez"
+    assert sorted(p.name for p in (course / "submitted").iterdir()) == ["bob", "nunez"]
+
+
+def test_without_a_roster_folders_are_taken_as_they_are(tmp_path):
+    root = tmp_path / "course_root"
+    entries = run(downloads(tmp_path, {"anyone/01_mha_shapes.ipynb": release()}), root)
+    assert entries["anyone/01_mha_shapes.ipynb"].status == "accepted"
+
+
+def test_a_canvas_flat_export_is_mapped_through_the_lms_user_id(tmp_path, course):
+    folder = downloads(tmp_path, {"liddellalice_12345_777_01_mha_shapes.ipynb": release(),
+                                  "builderbob_LATE_23456_778_Copy of 01_mha_shapes-1.ipynb": release(),
+                                  "strangerx_99999_779_01_mha_shapes.ipynb": release()})
+    entries = run(folder, course)
+    assert entries["liddellalice_12345_777_01_mha_shapes.ipynb"].student == "alice"
+    late = entries["builderbob_LATE_23456_778_Copy of 01_mha_shapes-1.ipynb"]
+    assert late.student == "bob" and late.status == "accepted" and "marked late" in " ".join(late.reasons)
+    assert entries["strangerx_99999_779_01_mha_shapes.ipynb"].status == "refused"
+    assert sorted(p.name for p in (course / "submitted").iterdir()) == ["alice", "bob"]
+
+
+def test_a_moodle_export_folder_is_mapped(tmp_path, course):
+    folder = downloads(tmp_path, {"Ana Núñez_34567_assignsubmission_file_/01_mha_shapes.ipynb": release()})
+    entries = run(folder, course)
+    assert next(iter(entries.values())).student == "nunez"
+
+
+def test_submission_time_goes_to_nbgraders_timestamp_file(tmp_path, course):
+    when = datetime.datetime(2026, 3, 1, 17, 30, tzinfo=datetime.timezone.utc).timestamp()
+    run(downloads(tmp_path, {"alice/01_mha_shapes.ipynb": release()}, mtime=when), course)
+    stamp = (course / "submitted" / "alice" / ASSIGNMENT / "timestamp.txt").read_text().strip()
+    assert stamp == "2026-03-01 17:30:00.000000 UTC"
+    from nbgrader.utils import parse_utc  # nbgrader reads it back as the same time
+    assert parse_utc(stamp) == datetime.datetime(2026, 3, 1, 17, 30)
+
+
+def test_a_resubmission_keeps_the_earlier_one_and_reports_accumulate(tmp_path, course):
+    first = release()
+    run(downloads(tmp_path / "one", {"alice/01_mha_shapes.ipynb": first}, mtime=1_700_000_000), course)
+    intake.write_report([], course, tmp_path / "one")
+    second = release()
+    second.cells[-1].source += "\n# changed"
+    entries = run(downloads(tmp_path / "two", {"alice/01_mha_shapes.ipynb": second}, mtime=1_700_100_000), course)
+    intake.write_report(list(entries.values()), course, tmp_path / "two")
+    assert "kept in archive/submitted/alice/01_mha_shapes/" in " ".join(entries["alice/01_mha_shapes.ipynb"].reasons)
+    (kept,) = (course / "archive" / "submitted" / "alice" / ASSIGNMENT).iterdir()
+    assert nbformat.read(kept / f"{ASSIGNMENT}.ipynb", as_version=4).cells[-1].source == first.cells[-1].source
+    current = course / "submitted" / "alice" / ASSIGNMENT
+    assert nbformat.read(current / f"{ASSIGNMENT}.ipynb", as_version=4).cells[-1].source.endswith("# changed")
+    assert sorted(p.name for p in current.iterdir()) == [f"{ASSIGNMENT}.ipynb", "timestamp.txt"]
+    assert len(list((course / "reports" / "intake").glob("*.json"))) == 2
+    assert (course / "reports" / "intake_history.md").read_text().count("([report](intake/") == 2
+
+
+@pytest.fixture
+def venv_on_path(monkeypatch):
+    """nbgrader runs `alembic` from PATH when it creates a gradebook."""
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+
+
+def test_withdraw_takes_out_one_submission_and_nothing_else(tmp_path, course, venv_on_path):
+    for student in ("alice", "bob"):
+        for name in ("autograded", "feedback", "submitted"):
+            folder = course / name / student / ASSIGNMENT
+            folder.mkdir(parents=True)
+            (folder / "x.txt").write_text(f"{name} of {student}")
+    with gradebook.open_gradebook(course) as gb:
+        gb.add_assignment(ASSIGNMENT)
+        for student in ("alice", "bob"):
+            gb.add_student(student)
+            gb.add_submission(ASSIGNMENT, student)
+    others = {p: p.read_bytes() for p in course.rglob("*") if p.is_file() and "alice" not in p.parts
+              and p.name != "gradebook.db"}
+    done = roster.withdraw("alice", ASSIGNMENT, course)
+    assert len(done) == 4, done
+    assert not (course / "submitted" / "alice").exists() and not (course / "autograded" / "alice" / ASSIGNMENT).exists()
+    (archived,) = (course / "archive" / "withdrawn" / "alice" / ASSIGNMENT).iterdir()
+    assert (archived / "x.txt").read_text() == "submitted of alice"
+    assert {p: p.read_bytes() for p in others} == others
+    with gradebook.open_gradebook(course) as gb:
+        assert [s.student.id for s in gb.find_assignment(ASSIGNMENT).submissions] == ["bob"]
+        assert {s.id for s in gb.students} == {"alice", "bob"}
+    with pytest.raises(SystemExit, match="nothing to withdraw"):
+        roster.withdraw("alice", ASSIGNMENT, course)
+
+
+def test_import_fills_the_names_formgrader_shows_and_deadlines_set_the_due_date(tmp_path, course, venv_on_path):
+    source = tmp_path / "class.csv"
+    source.write_text(ROSTER)
+    roster.import_roster(source, course)
+    with gradebook.open_gradebook(course) as gb:
+        alice = gb.find_student("alice")
+        assert (alice.first_name, alice.last_name, alice.lms_user_id) == ("Alice", "Liddell", "12345")
+    deadlines = tmp_path / "deadlines.csv"
+    deadlines.write_text(f"assignment,duedate\n{ASSIGNMENT},2026-03-01T17:00+01:00\n02_x,2026-03-08\n")
+    roster.set_deadlines(roster.read_deadlines(deadlines), course)
+    with gradebook.open_gradebook(course) as gb:
+        assert gb.find_assignment(ASSIGNMENT).duedate == datetime.datetime(2026, 3, 1, 16, 0)
+        assert gb.find_assignment("02_x").duedate == datetime.datetime(2026, 3, 8, 23, 59, 59)
+
+
+def test_without_a_roster_a_folder_differing_only_in_case_is_refused(tmp_path):
+    root = tmp_path / "course_root"
+    (root / "submitted" / "bob" / ASSIGNMENT).mkdir(parents=True)
+    entries = run(downloads(tmp_path, {"Bob/01_mha_shapes.ipynb": release(), "ana/01_mha_shapes.ipynb": release()}), root)
+    assert entries["Bob/01_mha_shapes.ipynb"].status == "refused"
+    assert "'Bob' differs from 'bob' only in case" in " ".join(entries["Bob/01_mha_shapes.ipynb"].reasons)
+    assert entries["ana/01_mha_shapes.ipynb"].status == "accepted"
+    entries = run(downloads(tmp_path / "again", {"Bob/01_mha_shapes.ipynb": release()}), root, add_unknown=True)
+    assert entries["Bob/01_mha_shapes.ipynb"].status == "accepted"
