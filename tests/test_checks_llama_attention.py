@@ -525,7 +525,7 @@ def rotate_half_rope_meta_pairs(x, cos, sin):
 
 
 @pytest.mark.parametrize("wrong, phrase", [
-    (lambda x, cos, sin: x * cos[:, None].type_as(x) - good_rotate_half(x) * sin[:, None].type_as(x), "rotate_half sign"),
+    (lambda x, cos, sin: x * cos[:, None].type_as(x) - good_rotate_half(x) * sin[:, None].type_as(x), "pairs turn the wrong way"),
     (lambda x, cos, sin: x * cos + good_rotate_half(x) * sin, "add the head axis"),
     (lambda x, cos, sin: x * cos[:, None] + good_rotate_half(x) * sin[:, None], "cast cos and sin to x.dtype"),
     (rotate_half_rope_meta_pairs, "wrong pairing layout: the rotate_half layout pairs feature j"),

@@ -851,9 +851,55 @@ def train_model_zero_grad(model, train_loader, epochs, lr, device):
     return means
 
 
+def _loop(optimizer="adamw", bookkeeping="mean", lr_factor=1.0, evaluate_after_epoch=False):
+    """A training loop with one choice varied; the defaults make a correct plain AdamW loop."""
+    def train_classifier(model, train_loader, epochs, lr, device):
+        model.to(device).train()
+        params, rate = model.parameters(), lr * lr_factor
+        optimizers = {"adamw": lambda: torch.optim.AdamW(params, lr=rate),
+                      "sgd": lambda: torch.optim.SGD(params, lr=rate),
+                      "sgd_momentum": lambda: torch.optim.SGD(params, lr=rate, momentum=0.9)}
+        opt = optimizers[optimizer]()
+        history, total, count = [], 0.0, 0
+        for _ in range(epochs):
+            if bookkeeping != "not_reset":
+                total, count = 0.0, 0
+            for images, labels in train_loader:
+                loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                total, count = total + loss.item() * len(labels), count + len(labels)
+            if evaluate_after_epoch:  # correct too: the loss of the whole training set after the epoch
+                model.eval()
+                with torch.no_grad():
+                    summed = sum(F.cross_entropy(model(i.to(device)), t.to(device), reduction="sum").item()
+                                 for i, t in train_loader)
+                history.append(summed / len(train_loader.dataset))
+                model.train()
+            else:
+                history.append(loss.item() if bookkeeping == "last_batch" else total / count)
+        return history
+    return train_classifier
+
+
 def test_train_classifier_accepts_other_correct_answer():
     checks.check_train_classifier(train_model_zero_grad, **CPU)
     checks.check_train_classifier(train_plain_adam, **CPU)
+    checks.check_train_classifier(_loop(), **CPU)  # gradient clipping, loss weighted per image
+    checks.check_train_classifier(_loop(evaluate_after_epoch=True), **CPU)
+
+
+@pytest.mark.parametrize("answer, match", [
+    (_loop(bookkeeping="last_batch"), r"(?s)recomputed from what your model was given.*loss of the epoch's last "
+                                      r"batch only"),
+    (_loop(bookkeeping="not_reset"), "running total is not reset at the start of each epoch"),
+    (_loop(optimizer="sgd"), r"(?s)not Adam or AdamW.*plain torch.optim.SGD"),
+    (_loop(optimizer="sgd_momentum"), r"(?s)not Adam or AdamW.*plain torch.optim.SGD"),
+])
+def test_train_classifier_names_bookkeeping_and_optimizer_mistakes(answer, match):
+    _rejects(checks.check_train_classifier, answer, match)
 
 
 @pytest.mark.parametrize("answer, match", [
@@ -878,8 +924,15 @@ def test_outcome_accepts_plain_adam_loop_and_the_alternative_model(capsys):
 
 def test_outcome_rejects_a_loop_that_does_not_learn():
     with pytest.raises(CheckFailure, match="barely went down") as failure:
-        checks.check_train_classifier_outcome(train_sgd_tiny_lr, MiniViTAlt, **CPU)
+        checks.check_train_classifier_outcome(_loop(lr_factor=1e-3), MiniViTAlt, **CPU)
     assert "It should reach at least 90%" in str(failure.value)
+
+
+def test_outcome_names_the_optimizer_when_plain_sgd_does_not_learn():
+    with pytest.raises(CheckFailure, match=r"(?s)It should reach at least 90%.*train_classifier fails its own check "
+                                          r"\(test_train_classifier\): the first update moved each weight in "
+                                          r"proportion to its gradient"):
+        checks.check_train_classifier_outcome(train_sgd_tiny_lr, MiniViTAlt, **CPU)
 
 
 def train_on_one_batch(model, train_loader, epochs, lr, device):
