@@ -149,6 +149,12 @@ class Llama(nn.Module):
         self.k_proj = nn.Linear(hidden, out_kv, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, out_kv, bias=config.attention_bias)
         self.o_proj = nn.Linear(out_q, hidden, bias=config.attention_bias)
+        if "o_proj_square" in self.bugs:  # Linear(D, D): right only when H·head_dim == hidden_size
+            self.o_proj = nn.Linear(hidden, hidden, bias=config.attention_bias)
+        if "o_proj_swapped" in self.bugs:
+            self.o_proj = nn.Linear(hidden, out_q, bias=config.attention_bias)
+        if "kv_with_h_heads" in self.bugs and out_q != hidden:  # (where H·d == D it is the square mistake)
+            self.k_proj = nn.Linear(hidden, out_q, bias=config.attention_bias)
         if "meta_table" in self.bugs:  # not a bug: Meta's float32 angles, complex64 table
             self.table = good_rope_frequencies(d, config.max_position_embeddings, config.rope_theta)
         else:
@@ -186,6 +192,10 @@ class Llama(nn.Module):
         k = self.k_proj(hidden_states).unflatten(-1, (h_kv, d)).transpose(1, 2)
         v = self.v_proj(hidden_states).unflatten(-1, (h_kv, d)).transpose(1, 2)
         q, k = self.rope(q, position_ids), self.rope(k, position_ids)
+        if "rope_conjugate" in bugs:  # rotated by -angle: the conjugate table
+            table = self.table.conj()
+            q, k = (good_apply_rope(t, table, position_ids) for t in (self.q_proj(hidden_states).unflatten(
+                -1, (h, d)).transpose(1, 2), self.k_proj(hidden_states).unflatten(-1, (h_kv, d)).transpose(1, 2)))
         if "rope_on_v" in bugs:
             v = self.rope(v, position_ids)
         if (c.use_qk_norm and "no_qk_norm" not in bugs) or "always_qk_norm" in bugs:
@@ -310,7 +320,7 @@ def test_causal_mask_correct_answer_passes():
     (lambda seq_len, device=None: torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril(-1), "diagonal must be True"),
     (lambda seq_len, device=None: torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(), "upper triangle"),
     (lambda seq_len, device=None: torch.full((seq_len, seq_len), -math.inf, device=device).triu(1),
-     "(?s)should be a boolean mask.*not the seed.s float mask"),
+     "(?s)should be a boolean mask.*not the study notes' float mask"),
     (lambda seq_len, device=None: torch.ones(1, seq_len, seq_len, dtype=torch.bool, device=device).tril(), r"shape \[5, 5\], got \[1, 5, 5\]"),
 ])
 def test_causal_mask_mistakes_are_named(wrong, phrase):
@@ -358,6 +368,8 @@ def seed_rope_calculation(head_dim, max_positions, base=10000.0):
     (_frequencies(factor=1.0), "the exponent has a factor 2"),
     (_frequencies(sign=1.0), "the frequencies must decrease"),
     (_frequencies(swap=True), "cos and sin are swapped"),
+    (lambda head_dim, max_positions, base=10000.0: _frequencies()(head_dim, max_positions, base).conj(),
+     r"exp\(-i·p·θ_j\), the conjugate"),
     (_frequencies(fixed_base=10000.0), "use the base argument"),
     (seed_rope_calculation, r"one entry per \*pair\*"),
     (lambda head_dim, max_positions, base=10000.0: torch.outer(torch.arange(max_positions).double(), base ** (-torch.arange(0, head_dim, 2).double() / head_dim)),
@@ -716,6 +728,12 @@ def test_llama_attention_correct_answer_passes():
     ("merge_hidden", "raised RuntimeError"),
     ("no_scale", "the scores are not scaled"),
     ("always_tuple", "should return the output tensor alone"),
+    ("rope_conjugate", "RoPE turns q and k the wrong way"),
+    ("o_proj_square", r"(?s)head_dim=8, .*o_proj.weight should be \[24, 32\].*got \[24, 24\].*o_proj maps the merged "
+                      r"heads, num_heads·head_dim features, back to hidden_size"),
+    ("o_proj_swapped", r"(?s)o_proj.weight should be \[24, 32\].*the arguments are swapped"),
+    ("kv_with_h_heads", r"(?s)k_proj.weight should be \[16, 24\].*got \[32, 24\].*num_key_value_heads heads, not "
+                        r"num_attention_heads"),
 ])
 def test_llama_attention_mistakes_are_named(bug, phrase):
     with pytest.raises(CheckFailure, match=phrase):

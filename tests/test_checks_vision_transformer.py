@@ -269,6 +269,25 @@ def conv_to_linear_float32(patch_embedding):
     return conv_to_linear_clone(patch_embedding).float()
 
 
+def conv_to_linear_bias_always(patch_embedding):
+    """Copies the bias whether or not the convolution has one."""
+    conv = patch_embedding.proj
+    linear = nn.Linear(conv.weight[0].numel(), conv.out_channels).to(conv.weight)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.reshape(conv.out_channels, -1))
+        linear.bias.copy_(conv.bias)
+    return linear
+
+
+def conv_to_linear_bias_attribute(patch_embedding):
+    """Creates the Linear without a bias when there is none, then clones the (missing) bias anyway."""
+    conv = patch_embedding.proj
+    linear = nn.Linear(conv.weight[0].numel(), conv.out_channels, bias=conv.bias is not None).to(conv.weight)
+    linear.weight = nn.Parameter(conv.weight.detach().reshape(conv.out_channels, -1).clone())
+    linear.bias = nn.Parameter(conv.bias.detach().clone())
+    return linear
+
+
 def test_conv_to_linear_accepts_other_correct_answer():
     checks.check_conv_to_linear(conv_to_linear_clone, **CPU)
 
@@ -281,6 +300,9 @@ def test_conv_to_linear_accepts_other_correct_answer():
     (conv_to_linear_swapped, r"should return nn.Linear\(12, 5\) \(C\*P\*P in, D out\), got nn.Linear\(5, 12\)"),
     (conv_to_linear_float32, "should keep the input dtype torch.float64"),
     (conv_to_linear_transposed_grid, r"two spatial axes swapped \(P_w, P_h\)"),
+    (conv_to_linear_bias_always, r"(?s)bias=False.*raised TypeError.*this convolution has no bias \(bias=False\), "
+                                 r"so proj.bias is None"),
+    (conv_to_linear_bias_attribute, r"(?s)raised AttributeError.*so proj.bias is None"),
     (lambda patch_embedding: patch_embedding.proj.weight.flatten(1), r"should return an nn.Linear, got tensor of shape \[5, 12\]"),
 ])
 def test_conv_to_linear_rejects_mistakes(answer, match):
@@ -675,8 +697,13 @@ def test_mini_vit_numbers_match_torch_transformer_encoder_layer():
 def test_expand_repeat_answer():
     checks.check_answer_expand_repeat("B", **CPU)
     checks.check_answer_expand_repeat(" b ", **CPU)
-    _rejects(checks.check_answer_expand_repeat, "A", "both gradients are identical")
-    _rejects(checks.check_answer_expand_repeat, "C", "Neither averages")
+    _rejects(checks.check_answer_expand_repeat, "A", "still connected to the parameter in autograd's graph")
+    _rejects(checks.check_answer_expand_repeat, "C", "compare the sizes of the two gradients")
+    for wrong in "AC":  # a hint, not the answer: the message neither names B nor states what B says
+        with pytest.raises(CheckFailure) as failure:
+            checks.check_answer_expand_repeat(wrong, **CPU)
+        text = str(failure.value)
+        assert '"B"' not in text and "same gradient" not in text and "adds them up" not in text, text
     _rejects(checks.check_answer_expand_repeat, "D", "should be one of the strings")
     _rejects(checks.check_answer_expand_repeat, None, "not implemented yet")
 
@@ -1017,6 +1044,9 @@ def test_pool_tokens_accepts_other_correct_answers():
     (_pool_wrong(lambda t: t[:, 1:].mean(dim=1), cls=lambda t: t[:, -1]), "the class token is token 0"),
     (_pool_wrong(lambda t: t[:, 1:].mean(dim=1), cls=lambda t: t[:, :1]), r"an integer index drops the axis"),
     (_pool_wrong(lambda t: t[:, 1:].mean(dim=-1)), "average over the tokens"),
+    (_pool_wrong(lambda t: t[:, -1]), r"pool='mean' returned the last token"),
+    (_pool_wrong(lambda t: t[:, 0]), r"pool='mean' returned the class token"),
+    (_pool_wrong(lambda t: t[:, 1:-1].mean(dim=1)), r"leaves out the last patch token"),
     (lambda tokens, pool="cls": tokens[:, 0] if pool == "cls" else tokens[:, 1:].mean(1), "should raise ValueError"),
 ])
 def test_pool_tokens_rejects_mistakes(answer, match):

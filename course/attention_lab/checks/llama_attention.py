@@ -398,7 +398,7 @@ def check_rope_frequencies(rope_frequencies: Callable, *, seed: int = 0, device:
             raise CheckFailure(f"{call} should return a complex tensor, got {describe(table)}.{_likely('not_complex')}")
         expect_tensor(table, what=call, shape=(max_positions, head_dim // 2),
                       hints={(max_positions, head_dim): HINTS["duplicated_table"]})
-        real = torch.view_as_real(table)  # [P, d/2, 2]: (cos, sin)
+        real = torch.view_as_real(table.resolve_conj())  # [P, d/2, 2]: (cos, sin); a lazy .conj() resolved
         expected = torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128))
         variants = [
             Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128, factor=1.0)),
