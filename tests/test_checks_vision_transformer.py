@@ -92,6 +92,18 @@ def patchify_view(images, patch_size):
     return blocks.view(b, -1, c * patch_size * patch_size)  # fails: permuted memory
 
 
+def patchify_unfold_channels_in_front(images, patch_size):
+    _require_divisible(images, patch_size)
+    b, c, h, w = images.shape
+    grid = images.unfold(2, patch_size, patch_size).unfold(3, patch_size, patch_size)  # [B, C, h, w, P, P]
+    return grid.reshape(b, (h // patch_size) * (w // patch_size), c * patch_size * patch_size)
+
+
+def patchify_columns_within_patch(images, patch_size):
+    _require_divisible(images, patch_size)
+    return rearrange(images, "b c (h p) (w q) -> b (h w) (c q p)", p=patch_size, q=patch_size)
+
+
 def test_patchify_accepts_other_correct_answers():
     checks.check_patchify(patchify_unfold, **CPU)
     checks.check_patchify(patchify_einops, seed=3, **CPU)
@@ -100,6 +112,8 @@ def test_patchify_accepts_other_correct_answers():
 @pytest.mark.parametrize("answer, match", [
     (patchify_channels_last, r"\(C, P, P\) order"),
     (patchify_column_major, "row-major order"),
+    (patchify_unfold_channels_in_front, "the channel axis was not moved"),
+    (patchify_columns_within_patch, r"flattened column by column \(its two P axes swapped\)"),
     (patchify_plain_reshape, "cuts rows of pixels"),
     (patchify_unfold_no_transpose, r"F.unfold returns \[B, C\*P\*P, N\]"),
     (patchify_no_error, "should raise ValueError"),
@@ -224,6 +238,14 @@ def conv_to_linear_clone(patch_embedding):
     return linear
 
 
+def conv_to_linear_from(patch_embedding, flatten):
+    """conv_to_linear_clone with the weight flattened by ``flatten``."""
+    linear = conv_to_linear_clone(patch_embedding)
+    with torch.no_grad():
+        linear.weight.copy_(flatten(patch_embedding.proj.weight))
+    return linear
+
+
 def conv_to_linear_channels_last(patch_embedding):
     linear = conv_to_linear_clone(patch_embedding)
     with torch.no_grad():
@@ -300,6 +322,8 @@ def test_conv_to_linear_accepts_other_correct_answer():
     (conv_to_linear_swapped, r"should return nn.Linear\(12, 5\) \(C\*P\*P in, D out\), got nn.Linear\(5, 12\)"),
     (conv_to_linear_float32, "should keep the input dtype torch.float64"),
     (conv_to_linear_transposed_grid, r"two spatial axes swapped \(P_w, P_h\)"),
+    (lambda patch_embedding: conv_to_linear_from(patch_embedding, lambda w: w.reshape(-1, w.shape[0]).T),
+     r"each row mixes the kernels of several output channels"),
     (conv_to_linear_bias_always, r"(?s)bias=False.*raised TypeError.*this convolution has no bias \(bias=False\), "
                                  r"so proj.bias is None"),
     (conv_to_linear_bias_attribute, r"(?s)raised AttributeError.*so proj.bias is None"),
@@ -324,6 +348,8 @@ def test_parameter_count_accepts_other_correct_answer():
     (lambda patch_size, in_channels, embed_dim: embed_dim * in_channels * patch_size ** 2, "forgot the bias"),
     (lambda patch_size, in_channels, embed_dim: embed_dim * patch_size ** 2 + embed_dim, "all C input channels"),
     (lambda patch_size, in_channels, embed_dim: in_channels * patch_size ** 2, "size of one flattened patch"),
+    (lambda patch_size, in_channels, embed_dim: embed_dim * in_channels * patch_size ** 2 + in_channels,
+     r"one number per \*output\* channel"),
     (lambda patch_size, in_channels, embed_dim: float(embed_dim * (in_channels * patch_size ** 2 + 1)), "should return an int"),
 ])
 def test_parameter_count_rejects_mistakes(answer, match):
@@ -1249,6 +1275,17 @@ def test_attention_rollout_accepts_float32_internals_with_a_note(answer, note, c
     assert "✓ attention_rollout" in printed and note in printed
 
 
+def rollout_columns_renormalised(attentions):
+    batch, _, seq_len, _ = attentions[0].shape
+    eye = torch.eye(seq_len, dtype=attentions[0].dtype)
+    result = eye.expand(batch, seq_len, seq_len)
+    for attention in attentions:
+        mixed = attention.mean(dim=1) + eye
+        result = (mixed / mixed.sum(dim=-2, keepdim=True)) @ result
+    grid = math.isqrt(seq_len - 1)
+    return result[:, 0, 1:].reshape(batch, grid, grid)
+
+
 @pytest.mark.parametrize("answer, match", [
     (rollout_reversed, "the product is in the wrong order"),
     (rollout_no_identity, "the residual connection is missing"),
@@ -1261,6 +1298,7 @@ def test_attention_rollout_accepts_float32_internals_with_a_note(answer, note, c
     (rollout_with_cls, r"you kept column 0 \(\[CLS\] to itself\)"),
     (rollout_column, "you took column 0 of the rollout"),
     (rollout_transposed, "the grid is transposed: patch n goes to row n // grid"),
+    (rollout_columns_renormalised, r"each column was renormalised"),
 ])
 def test_attention_rollout_rejects_mistakes(answer, match):
     _rejects(checks.check_attention_rollout, answer, match)

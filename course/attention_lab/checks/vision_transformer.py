@@ -114,6 +114,11 @@ PATCHIFY_HINTS = {
     "plain_reshape": "a plain reshape of the image to [B, N, C*P*P] cuts rows of pixels, not square patches. "
     "View the image as [B, C, H/P, P, W/P, P], permute, then reshape.",
     "unfold_axes": "F.unfold returns [B, C*P*P, N] (patches in the columns): transpose(1, 2) to get [B, N, C*P*P].",
+    "channels_not_moved": "the channel axis was not moved. Cutting the grid (e.g. images.unfold(2, P, P).unfold(3, "
+    "P, P)) gives [B, C, H/P, W/P, P, P], with C still in front of the grid axes, so a reshape to [B, N, C*P*P] "
+    "mixes channels and patches. Permute C next to the two P axes first: [B, H/P, W/P, C, P, P].",
+    "patch_transposed": "each patch is flattened column by column (its two P axes swapped). Flatten it row by "
+    "row, like block.reshape(-1) of a [C, P, P] block: the pixel row axis before the pixel column axis.",
 }
 
 
@@ -129,6 +134,11 @@ def _check_patchify_once(patchify: Callable, images: torch.Tensor, patch_size: i
         Variant(lambda: _patches_channels_last(images, patch_size), PATCHIFY_HINTS["channels_last"]),
         Variant(lambda: _patches_column_major(images, patch_size), PATCHIFY_HINTS["column_major"]),
         Variant(lambda: images.reshape(batch, num_patches, patch_dim), PATCHIFY_HINTS["plain_reshape"]),
+        Variant(lambda: images.unfold(2, patch_size, patch_size).unfold(3, patch_size, patch_size)
+                .reshape(batch, num_patches, patch_dim), PATCHIFY_HINTS["channels_not_moved"]),
+        Variant(lambda: images.reshape(batch, channels, height // patch_size, patch_size, width // patch_size,
+                                       patch_size).permute(0, 2, 4, 1, 5, 3).reshape(batch, num_patches, patch_dim),
+                PATCHIFY_HINTS["patch_transposed"]),
     ]
     if patch_dim == num_patches:
         variants.append(Variant(lambda: F.unfold(images, patch_size, stride=patch_size), PATCHIFY_HINTS["unfold_axes"]))
@@ -254,6 +264,9 @@ CONV_TO_LINEAR_HINTS = {
     "no_bias": "the Linear's bias is missing (or zero): copy proj.bias too; the patch embedding has D biases.",
     "bias_none": "this convolution has no bias (bias=False), so proj.bias is None. Create the Linear with "
     "bias=proj.bias is not None, and copy the bias only when there is one.",
+    "reshape_then_transpose": "proj.weight.reshape(-1, D).T reads the [D, C, P, P] weight in memory order into "
+    "rows of D numbers, so each row mixes the kernels of several output channels. The first axis is already D: "
+    "proj.weight.reshape(D, -1) keeps each output channel's kernel in its own row.",
     "shares_memory": "the Linear's weight shares memory with proj.weight (a reshape is a view): changing one "
     "changes the other. Copy the values: linear.weight.copy_(...) under torch.no_grad(), or .clone().",
 }
@@ -294,7 +307,9 @@ def check_conv_to_linear(conv_to_linear: Callable, *, seed: int = 0, device: tor
                      variants=[Variant(conv.weight.detach().permute(0, 2, 3, 1).reshape(embed_dim, -1),
                                        CONV_TO_LINEAR_HINTS["channels_last"]),
                                Variant(conv.weight.detach().transpose(2, 3).reshape(embed_dim, -1),
-                                       CONV_TO_LINEAR_HINTS["transposed_grid"])])
+                                       CONV_TO_LINEAR_HINTS["transposed_grid"]),
+                               Variant(conv.weight.detach().reshape(-1, embed_dim).T,
+                                       CONV_TO_LINEAR_HINTS["reshape_then_transpose"])])
         if bias:
             expect_true(linear.bias is not None, f"{call}: the Linear has no bias.\n  Likely mistake: {CONV_TO_LINEAR_HINTS['no_bias']}")
             expect_close(linear.bias, conv.bias, what=f"the bias of {call}", against="proj.bias",
@@ -320,6 +335,8 @@ PARAMETER_COUNT_HINTS = {
     "no_bias": "you counted the weights D*C*P*P but forgot the bias: Conv2d (like nn.Linear) adds one bias per "
     "output channel, D more.",
     "no_channels": "each kernel covers all C input channels: D*C*P*P weights.",
+    "bias_per_input_channel": "the bias has one number per *output* channel (D of them), not per input "
+    "channel (C): D*C*P*P + D.",
     "one_patch": "that is the size of one flattened patch; the layer maps it to D outputs: D*C*P*P weights + D "
     "biases.",
 }
@@ -346,7 +363,8 @@ def check_patch_embedding_parameter_count(patch_embedding_parameter_count: Calla
         weights = embed_dim * channels * patch_size * patch_size
         key = ("no_bias" if count == weights else
                "no_channels" if count == embed_dim * patch_size * patch_size + embed_dim else
-               "one_patch" if count == channels * patch_size * patch_size else None)
+               "one_patch" if count == channels * patch_size * patch_size else
+               "bias_per_input_channel" if count == weights + channels else None)
         hint = f"\n  Likely mistake: {PARAMETER_COUNT_HINTS[key]}" if key else ""
         raise CheckFailure(f"{call} should be {expected:,}, got {count!r}.{hint}")
 
@@ -1264,6 +1282,8 @@ def check_cls_attention_map(cls_attention_map: Callable, *, seed: int = 0, devic
 # --------------------------------------------------------------------------------------
 
 ROLLOUT_HINTS = {
+    "columns_renormalised": "each column was renormalised (a sum over dim=-2). Renormalise every *row*: "
+    "mixed / mixed.sum(dim=-1, keepdim=True), so each token's weights over the tokens it draws on sum to 1.",
     "reversed": "the product is in the wrong order. Later blocks go on the left: R = Ã_L ··· Ã_2 · Ã_1, i.e. "
     "rollout = mixed @ rollout for each block in order (not rollout @ mixed).",
     "no_identity": "the residual connection is missing: add the identity to each block's head-averaged "
@@ -1281,7 +1301,7 @@ ROLLOUT_HINTS = {
 
 
 def _rollout_by_loops(attentions: Sequence[torch.Tensor], *, order: str = "later_left", identity: bool = True,
-                      renormalise: bool = True, heads: str = "mean", only_last: bool = False) -> torch.Tensor:
+                      renormalise: bool | str = True, heads: str = "mean", only_last: bool = False) -> torch.Tensor:
     """Rollout of every image, one matrix at a time, in float64: [B, S, S] (the full matrix)."""
     batch, seq_len = attentions[0].shape[0], attentions[0].shape[-1]
     eye = torch.eye(seq_len, dtype=torch.float64)
@@ -1299,7 +1319,9 @@ def _rollout_by_loops(attentions: Sequence[torch.Tensor], *, order: str = "later
                 mixed = per_head.amax(dim=0)
             if identity:
                 mixed = mixed + eye
-            if renormalise:
+            if renormalise == "columns":
+                mixed = mixed / mixed.sum(dim=0, keepdim=True)
+            elif renormalise:
                 mixed = mixed / mixed.sum(dim=1, keepdim=True)
             rollout = mixed @ rollout if order == "later_left" else rollout @ mixed
         results.append(rollout)
@@ -1330,6 +1352,7 @@ def _rollout_variants(attentions: Sequence[torch.Tensor], full: torch.Tensor, gr
     return [Variant(rollout(order="later_right"), ROLLOUT_HINTS["reversed"]),
             Variant(rollout(identity=False), ROLLOUT_HINTS["no_identity"]),
             Variant(rollout(renormalise=False), ROLLOUT_HINTS["no_renormalise"]),
+            Variant(rollout(renormalise="columns"), ROLLOUT_HINTS["columns_renormalised"]),
             Variant(rollout(heads="sum"), ROLLOUT_HINTS["sum_heads"]),
             Variant(rollout(heads="max"), ROLLOUT_HINTS["max_heads"]),
             Variant(rollout(only_last=True), ROLLOUT_HINTS["last_only"]),
