@@ -483,6 +483,7 @@ def test_rotate_half_correct_answer_passes():
     (lambda x: torch.cat([x[..., x.shape[-1] // 2:], -x[..., : x.shape[-1] // 2]], -1), "rotate_half sign"),
     (lambda x: torch.cat([x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], -1), "must negate the second half"),
     (lambda x: torch.stack([-x[..., 1::2], x[..., 0::2]], -1).flatten(-2), "works on the two halves"),
+    (lambda x: torch.cat([-x[..., 1::2], x[..., 0::2]], -1), "works on the two halves"),
     (lambda x: good_rotate_half(x).float(), "returned float32, but x is float64"),
 ])
 def test_rotate_half_mistakes_are_named(wrong, phrase):
@@ -564,6 +565,7 @@ def inverse_permutation(head_dim):
 @pytest.mark.parametrize("wrong, phrase", [
     (inverse_permutation, "that is the inverse permutation"),
     (lambda head_dim: torch.arange(0, head_dim, 2).repeat(2), "not even a permutation"),
+    (lambda head_dim: torch.cat([torch.arange(1, head_dim, 2), torch.arange(0, head_dim, 2)]), "the order is reversed"),
     (lambda head_dim: good_permutation(head_dim).int(), "should be a LongTensor"),
     (lambda head_dim: good_permutation(head_dim).tolist(), "should be a torch.Tensor, got list"),
 ])
@@ -613,6 +615,8 @@ def test_qk_norm_in_float32_inside_passes_with_a_note(norm, capsys):
      "from-scratch exercise.*rms_norm"),
     (lambda x, eps: good_qk_norm(x, eps).float(), "returned float32, but x is float64"),
     (lambda x, eps: x.pow(2).mean(-1, keepdim=True).sqrt(), "return the normalised x, not the norm"),
+    (lambda x, eps: (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + eps),
+     r"that is LayerNorm \(the mean subtracted"),
 ])
 def test_qk_norm_mistakes_are_named(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -882,6 +886,9 @@ def _lower_right(fill=None, diagonal_shift=0, upper=False, top_left=False, check
     (lambda q_len, kv_len, device=None: ~good_lower_right(q_len, kv_len, device), "polarity flipped"),
     (_lower_right(diagonal_shift=-1), "the diagonal must be True"),
     (_lower_right(upper=True), "that is the upper triangle"),
+    (lambda q_len, kv_len, device=None: (good_lower_right(q_len, kv_len, device)
+                                         if q_len > kv_len else torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+                                         .tril(q_len - kv_len)), "the diagonal is shifted the wrong way"),
     (_lower_right(fill=-math.inf), "should be a boolean mask"),
     (_lower_right(check_lengths=False), r"causal_mask_lower_right\(3, 2\) should raise ValueError"),
     (lambda q_len, kv_len, device=None: good_lower_right(q_len, kv_len).to("meta") if device is not None
@@ -922,6 +929,8 @@ def test_kv_cache_bytes_correct_answer_passes():
 @pytest.mark.parametrize("wrong, phrase", [
     (lambda L, h, d, s, b, e: L * h * d * s * b * e, r"keys \*and\* values"),
     (lambda L, h, d, s, b, e: 2 * h * d * s * b * e, "multiply by num_layers"),
+    (lambda L, h, d, s, b, e: 8 * good_kv_cache_bytes(L, h, d, s, b, e), "no factor 8 for bits"),
+    (lambda L, h, d, s, b, e: 2 * L * h * d * s * e, "multiply by batch_size"),
     (lambda L, h, d, s, b, e: float(good_kv_cache_bytes(L, h, d, s, b, e)), "should return an int"),
 ])
 def test_kv_cache_bytes_mistakes_are_named(wrong, phrase):

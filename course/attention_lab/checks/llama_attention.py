@@ -56,6 +56,9 @@ HINTS = {
     "mask_top_left": "that is the top-left alignment of is_causal=True: query i sees keys 0 … i. The queries are "
     "the *last* q_len of the kv_len tokens, so query i is token kv_len - q_len + i and sees keys 0 … "
     "kv_len - q_len + i: tril(diagonal=kv_len - q_len).",
+    "mask_offset_sign": "the diagonal is shifted the wrong way: tril(diagonal=q_len - kv_len) hides even more "
+    "keys. The queries come *after* the kv_len - q_len earlier tokens, so shift it up: "
+    "tril(diagonal=kv_len - q_len).",
     # RoPE frequencies and layouts
     "not_complex": "build the complex numbers with torch.polar(torch.ones_like(angles), angles) (one unit complex "
     "number cos φ + i·sin φ per position and pair).",
@@ -105,6 +108,13 @@ HINTS = {
     "inverse_permutation": "that is the inverse permutation: x[..., perm] puts feature perm[i] at place i: first "
     "the first element of every pair (0, 2, 4, ...), then the second (1, 3, 5, ...).",
     # QK norm
+    "layer_norm": "that is LayerNorm (the mean subtracted, divided by the standard deviation). RMS "
+    "normalisation does not centre: x * rsqrt(mean(x²) + eps), with no mean subtracted.",
+    "odd_first": "the order is reversed: the first element of every pair (the even features 0, 2, 4, ...) comes "
+    "first, then the second elements (1, 3, 5, ...).",
+    "bytes_bits": "that is 8 times too much: the answer is in bytes, and bytes_per_element is already in bytes "
+    "(2 for 16-bit numbers), with no factor 8 for bits.",
+    "bytes_no_batch": "every sequence of the batch has its own keys and values: multiply by batch_size.",
     "l2": "that is L2 normalisation (output norm 1), but qk_norm is RMS normalisation: divide by "
     "sqrt(mean(x²) + eps), so the output's norm is sqrt(head_dim), not 1.",
     "eps_outside": "eps placement: eps goes inside the square root, x * rsqrt(mean(x²) + eps), not "
@@ -346,7 +356,8 @@ def _expect_mask(mask: torch.Tensor, call: str, q_len: int, kv_len: int) -> None
     if torch.equal(mask, expected):
         return
     known = [(~expected, "mask_polarity"), (key < query + offset, "mask_diagonal"),
-             (key >= query + offset, "mask_upper"), (key <= query, "mask_top_left")]
+             (key >= query + offset, "mask_upper"), (key <= query, "mask_top_left"),
+             (key <= query - offset, "mask_offset_sign")]
     hint_name = next((name for wrong, name in known if torch.equal(mask, wrong)), None)
     rows = "\n".join("    " + " ".join("1" if v else "0" for v in row[:16]) for row in mask.int().tolist()[:6])
     rule = "key <= query" if offset == 0 else f"key j <= query i + {offset}"
@@ -556,7 +567,8 @@ def check_rotate_half(rotate_half: Callable, *, seed: int = 0, device: torch.dev
         expect_close(out, _rotate_half_reference(x), what=call, against="cat(-x2, x1) of the halves x1, x2",
                      variants=[Variant(torch.cat([x2, -x1], dim=-1), HINTS["rotate_half_sign"]),
                                Variant(torch.cat([x2, x1], dim=-1), HINTS["rotate_half_no_negation"]),
-                               Variant(torch.stack([-odd, even], dim=-1).flatten(-2), HINTS["rotate_half_adjacent"])])
+                               Variant(torch.stack([-odd, even], dim=-1).flatten(-2), HINTS["rotate_half_adjacent"]),
+                               Variant(torch.cat([-odd, even], dim=-1), HINTS["rotate_half_adjacent"])])
     twice = call_student(rotate_half, call_student(rotate_half, cases[0], call="rotate_half(x)"), call="rotate_half(rotate_half(x))")
     expect_close(twice, -cases[0].double(), what="rotate_half(rotate_half(x))", against="-x (two quarter turns)")
 
@@ -673,6 +685,8 @@ def check_interleave_to_half_permutation(interleave_to_half_permutation: Callabl
             hint = ""
             if torch.equal(got, inverse):
                 hint = _likely("inverse_permutation")
+            elif torch.equal(got, expected.roll(head_dim // 2)):
+                hint = _likely("odd_first")
             elif not torch.equal(got.sort().values, torch.arange(head_dim)):
                 hint = _likely("not_a_permutation")
             shown = got.tolist()[:16]
@@ -717,6 +731,7 @@ def _qk_norm_variants(x: torch.Tensor, eps: float) -> list[Variant]:
         Variant(lambda: x64 * torch.rsqrt(x64.pow(2).sum(-1, keepdim=True) + eps), HINTS["l2"]),
         Variant(lambda: x64 / (mean_square.sqrt() + eps), HINTS["eps_outside"]),
         Variant(lambda: x64 / mean_square.sqrt(), HINTS["eps_ignored"]),
+        Variant(lambda: F.layer_norm(x64, (x64.shape[-1],), eps=eps), HINTS["layer_norm"]),
     ]
     if x.dim() >= 2 and x.shape[-2] > 1:
         variants.append(Variant(lambda: x64 * torch.rsqrt(x64.pow(2).mean(-2, keepdim=True) + eps), HINTS["norm_axis"]))
@@ -1245,6 +1260,10 @@ def check_kv_cache_bytes(kv_cache_bytes: Callable, *, seed: int = 0, device: tor
             hint = _likely("bytes_keys_only")
         elif case[0] > 1 and got * case[0] == expected:
             hint = _likely("bytes_one_layer")
+        elif got == 8 * expected:
+            hint = _likely("bytes_bits")
+        elif case[4] > 1 and got * case[4] == expected:
+            hint = _likely("bytes_no_batch")
         expect_true(got == expected, f"{call} should be {expected:,} bytes, got {got:,}.{hint}")
 
 
