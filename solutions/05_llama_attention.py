@@ -11,7 +11,9 @@
 # * **rotary position embeddings (RoPE)** — positions enter by *rotating* q and k (all of the
 #   above);
 # * **QK norm** — q and k are normalised before their dot product. Only *some* models do
-#   this: Qwen3, OLMo 2 and Gemma 3 (each with a learned per-feature weight), and Llama 4 —
+#   this, each with a learned per-feature weight: Qwen3 and Gemma 3 normalise every head's q
+#   and k on its own (an RMSNorm over `head_dim`), OLMo 2 the whole projected q and k before
+#   they are split into heads (an RMSNorm over all `H·d_head` features). And Llama 4 —
 #   with a caveat: Llama 4 Scout uses a weightless norm, only on its RoPE layers (every fourth
 #   layer has neither RoPE nor QK norm), and Llama 4 Maverick uses none. Llama 3, Mistral and
 #   Qwen2 do not normalise q and k at all;
@@ -112,15 +114,6 @@ class LlamaAttentionConfig:
         ### END SOLUTION
 
 
-# %%
-config = LlamaAttentionConfig()
-print(config)
-print("query heads per KV head, n_rep =", config.num_attention_heads // config.num_key_value_heads)
-try:
-    LlamaAttentionConfig(num_attention_heads=6)
-except ValueError as error:
-    print("ValueError:", error)
-
 # %% test="test_LlamaAttentionConfig" points=1
 """LlamaAttentionConfig: the nine fields and defaults; ValueError for H % H_kv != 0 or odd head_dim; head_dim independent of hidden_size."""
 from attention_lab.checks.llama_attention import check_llama_attention_config
@@ -129,6 +122,15 @@ check_llama_attention_config(LlamaAttentionConfig)
 ### BEGIN HIDDEN TESTS
 check_llama_attention_config(LlamaAttentionConfig, seed=5101)
 ### END HIDDEN TESTS
+
+# %%
+config = LlamaAttentionConfig()
+print(config)
+print("query heads per KV head, n_rep =", config.num_attention_heads // config.num_key_value_heads)
+try:
+    LlamaAttentionConfig(num_attention_heads=6)
+except ValueError as error:
+    print("ValueError:", error)
 
 # %% [markdown]
 # ## 2. Projections with grouped-query shapes
@@ -207,9 +209,6 @@ def causal_mask(seq_len, device=None):
     ### END SOLUTION
 
 
-# %%
-print(causal_mask(5).int())
-
 # %% test="test_causal_mask" points=1
 """causal_mask: [S, S] bool, True on and below the diagonal, on the requested device."""
 from attention_lab.checks.llama_attention import check_causal_mask
@@ -218,6 +217,9 @@ check_causal_mask(causal_mask)
 ### BEGIN HIDDEN TESTS
 check_causal_mask(causal_mask, seed=5201, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+print(causal_mask(5).int())
 
 # %% [markdown]
 # ## 4. RoPE, the Meta way: pairs as complex numbers
@@ -266,11 +268,6 @@ def rope_frequencies(head_dim, max_positions, base=10000.0):
     ### END SOLUTION
 
 
-# %%
-freqs_cis = rope_frequencies(d_head, 256, rope_theta)
-print("freqs_cis:", tuple(freqs_cis.shape), freqs_cis.dtype)
-print("θ_j (the angles at position 1):", torch.angle(freqs_cis[1]).tolist())
-
 # %% test="test_rope_frequencies" points=2
 """rope_frequencies: [P, head_dim/2] complex, exp(i·p·θ_j) with θ_j = base^(-2j/head_dim)."""
 from attention_lab.checks.llama_attention import check_rope_frequencies
@@ -279,6 +276,11 @@ check_rope_frequencies(rope_frequencies)
 ### BEGIN HIDDEN TESTS
 check_rope_frequencies(rope_frequencies, seed=5301)
 ### END HIDDEN TESTS
+
+# %%
+freqs_cis = rope_frequencies(d_head, 256, rope_theta)
+print("freqs_cis:", tuple(freqs_cis.shape), freqs_cis.dtype)
+print("θ_j (the angles at position 1):", torch.angle(freqs_cis[1]).tolist())
 
 # %% [markdown]
 # ### Exercise 5.4 — apply_rope (3 pts, ~15 min)
@@ -318,12 +320,6 @@ def apply_rope(x, freqs_cis, position_ids):
     ### END SOLUTION
 
 
-# %%
-q_rot = apply_rope(q, rope_frequencies(d_head, 64), position_ids)
-print("q_rot:", tuple(q_rot.shape), "| norms kept:", torch.allclose(q_rot.norm(dim=-1), q.norm(dim=-1), atol=1e-5))
-x64 = torch.randn(1, 1, 3, 8, dtype=torch.float64, device=device)
-print("float64 in ->", apply_rope(x64, rope_frequencies(8, 8), torch.arange(3, device=device)[None]).dtype, "out")
-
 # %% test="test_apply_rope" points=3
 """apply_rope: Meta-layout rotation at position_ids; dtype kept; norm preservation; q·k depends only on the offset."""
 from attention_lab.checks.llama_attention import check_apply_rope
@@ -333,6 +329,12 @@ check_apply_rope(apply_rope)
 check_apply_rope(apply_rope, seed=5401, device="cpu")
 check_apply_rope(apply_rope, seed=5402)
 ### END HIDDEN TESTS
+
+# %%
+q_rot = apply_rope(q, rope_frequencies(d_head, 64), position_ids)
+print("q_rot:", tuple(q_rot.shape), "| norms kept:", torch.allclose(q_rot.norm(dim=-1), q.norm(dim=-1), atol=1e-5))
+x64 = torch.randn(1, 1, 3, 8, dtype=torch.float64, device=device)
+print("float64 in ->", apply_rope(x64, rope_frequencies(8, 8), torch.arange(3, device=device)[None]).dtype, "out")
 
 # %% [markdown]
 # **Look at it.** The explorer runs your `rope_frequencies` and `apply_rope` on a random head
@@ -377,9 +379,6 @@ def rotate_half(x):
     ### END SOLUTION
 
 
-# %%
-print(rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])))
-
 # %% test="test_rotate_half" points=1
 """rotate_half: cat(-x2, x1) of the two halves; shape and dtype kept."""
 from attention_lab.checks.llama_attention import check_rotate_half
@@ -388,6 +387,9 @@ check_rotate_half(rotate_half)
 ### BEGIN HIDDEN TESTS
 check_rotate_half(rotate_half, seed=5501, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+print(rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])))
 
 # %% [markdown]
 # ### Exercise 5.6 — rope_cos_sin (2 pts, ~8 min)
@@ -415,10 +417,6 @@ def rope_cos_sin(head_dim, position_ids, base=10000.0):
     ### END SOLUTION
 
 
-# %%
-cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
-print("cos, sin:", tuple(cos_table.shape), cos_table.dtype, "| cos at position 1:", cos_table[0, 1].round(decimals=3).tolist())
-
 # %% test="test_rope_cos_sin" points=2
 """rope_cos_sin: (cos, sin) of cat(angles, angles) at position_ids, [B, S, head_dim]."""
 from attention_lab.checks.llama_attention import check_rope_cos_sin
@@ -427,6 +425,10 @@ check_rope_cos_sin(rope_cos_sin)
 ### BEGIN HIDDEN TESTS
 check_rope_cos_sin(rope_cos_sin, seed=5601, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
+print("cos, sin:", tuple(cos_table.shape), cos_table.dtype, "| cos at position 1:", cos_table[0, 1].round(decimals=3).tolist())
 
 # %% [markdown]
 # ### Exercise 5.7 — apply_rope_rotate_half (2 pts, ~5 min)
@@ -450,12 +452,6 @@ def apply_rope_rotate_half(x, cos, sin):
     ### END SOLUTION
 
 
-# %%
-cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
-q_meta = apply_rope(q, rope_frequencies(d_head, 64), position_ids)
-q_half = apply_rope_rotate_half(q, cos_table, sin_table)
-print("same input, two layouts: max difference", float((q_meta - q_half).abs().max()))
-
 # %% test="test_apply_rope_rotate_half" points=2
 """apply_rope_rotate_half: x*cos + rotate_half(x)*sin over [B, H, S, d]; dtype kept."""
 from attention_lab.checks.llama_attention import check_apply_rope_rotate_half
@@ -465,35 +461,54 @@ check_apply_rope_rotate_half(apply_rope_rotate_half)
 check_apply_rope_rotate_half(apply_rope_rotate_half, seed=5701, device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
+q_meta = apply_rope(q, rope_frequencies(d_head, 64), position_ids)
+q_half = apply_rope_rotate_half(q, cos_table, sin_table)
+print("same input, two layouts: max difference", float((q_meta - q_half).abs().max()))
+
 # %% [markdown]
 # ## 6. The two layouts are the same maths in a different feature order
 #
 # On the same input they disagree (the cell above: a difference of order 1). But they rotate
 # the same *kind* of pairs with the same angles; only *which* features form pair `j` differs:
-# `(2j, 2j+1)` for Meta, `(j, j + d/2)` for Hugging Face. Reorder the features so that the
-# first elements of all pairs come first, then the second elements — `[0, 2, 4, …, 1, 3, 5, …]`
-# — and the Meta pairs land exactly where rotate_half expects them:
+# `(2j, 2j+1)` for Meta, `(j, j + d/2)` for Hugging Face. So some reordering `π` of the
+# features moves every Meta pair to the places where rotate_half expects a pair, and then:
 #
 # $$\text{apply\_rope}(x)[\dots, \pi] = \text{apply\_rope\_rotate\_half}(x[\dots, \pi]).$$
 
 # %% [markdown]
 # ### Exercise 5.8 — interleave_to_half_permutation (2 pts, ~5 min)
 #
-# Return the permutation `π = [0, 2, 4, …, head_dim-2, 1, 3, 5, …, head_dim-1]` as a LongTensor.
+# Find `π` and return it as a LongTensor `[head_dim]`. Indexing `x[..., π]` puts feature `π[i]`
+# at place `i`. Ask, for each place of the rotate_half layout, which Meta feature must land
+# there: place `j` (for `j < d/2`) holds the *first* element of rotate_half's pair `j`, place
+# `j + d/2` its *second* element — and Meta's pair `j` is features `(2j, 2j+1)`. Write out `π`
+# for `head_dim = 4` on paper first, then build it for any even `head_dim` (with
+# `torch.arange`; no loop needed).
 
 # %% answer="interleave_to_half_permutation"
 def interleave_to_half_permutation(head_dim):
     """The feature order under which Meta RoPE and rotate_half RoPE agree.
 
-    returns: LongTensor [head_dim] = [0, 2, 4, ..., 1, 3, 5, ...], so that
+    returns: LongTensor perm [head_dim] such that
     apply_rope(x, ...)[..., perm] == apply_rope_rotate_half(x[..., perm], ...).
 
-    Example: interleave_to_half_permutation(6) == [0, 2, 4, 1, 3, 5]
+    Example: interleave_to_half_permutation(2) == [0, 1] (one pair: the layouts coincide).
     """
     ### BEGIN SOLUTION
     return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
     ### END SOLUTION
 
+
+# %% test="test_interleave_to_half_permutation" points=2
+"""interleave_to_half_permutation: the layouts agree under it, on x and on W_q/W_k rows."""
+from attention_lab.checks.llama_attention import check_interleave_to_half_permutation
+
+check_interleave_to_half_permutation(interleave_to_half_permutation)
+### BEGIN HIDDEN TESTS
+check_interleave_to_half_permutation(interleave_to_half_permutation, seed=5801, device="cpu")
+### END HIDDEN TESTS
 
 # %%
 perm = interleave_to_half_permutation(d_head).to(device)
@@ -501,15 +516,6 @@ cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
 meta_then_permute = apply_rope(q, rope_frequencies(d_head, 64), position_ids)[..., perm]
 permute_then_half = apply_rope_rotate_half(q[..., perm], cos_table, sin_table)
 print("perm:", perm.tolist(), "| max difference after permuting:", float((meta_then_permute - permute_then_half).abs().max()))
-
-# %% test="test_interleave_to_half_permutation" points=2
-"""interleave_to_half_permutation: [0, 2, 4, ..., 1, 3, 5, ...]; the layouts agree under it, on x and on W_q/W_k rows."""
-from attention_lab.checks.llama_attention import check_interleave_to_half_permutation
-
-check_interleave_to_half_permutation(interleave_to_half_permutation)
-### BEGIN HIDDEN TESTS
-check_interleave_to_half_permutation(interleave_to_half_permutation, seed=5801, device="cpu")
-### END HIDDEN TESTS
 
 # %% [markdown]
 # **How real checkpoints are converted.** Nobody permutes activations at run time. The
@@ -585,14 +591,6 @@ def qk_norm(x, eps):
     ### END SOLUTION
 
 
-# %%
-q_normed = qk_norm(q, rms_norm_eps)
-print("norm of each normed q (sqrt(8) = 2.828):", q_normed.norm(dim=-1)[0, 0, :4].tolist())
-rope_table = rope_frequencies(d_head, 64)
-norm_after = qk_norm(apply_rope(q, rope_table, position_ids), rms_norm_eps)
-norm_before = apply_rope(qk_norm(q, rms_norm_eps), rope_table, position_ids)
-print("norm before RoPE vs after RoPE, max difference:", float((norm_after - norm_before).abs().max()))
-
 # %% test="test_qk_norm" points=2
 """qk_norm: x·rsqrt(mean(x²) + eps) over the last axis, equal to weightless F.rms_norm; norm sqrt(d); from scratch."""
 from attention_lab.checks.llama_attention import check_qk_norm
@@ -601,6 +599,14 @@ check_qk_norm(qk_norm)
 ### BEGIN HIDDEN TESTS
 check_qk_norm(qk_norm, seed=5901, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+q_normed = qk_norm(q, rms_norm_eps)
+print("norm of each normed q (sqrt(8) = 2.828):", q_normed.norm(dim=-1)[0, 0, :4].tolist())
+rope_table = rope_frequencies(d_head, 64)
+norm_after = qk_norm(apply_rope(q, rope_table, position_ids), rms_norm_eps)
+norm_before = apply_rope(qk_norm(q, rms_norm_eps), rope_table, position_ids)
+print("norm before RoPE vs after RoPE, max difference:", float((norm_after - norm_before).abs().max()))
 
 # %% [markdown]
 # ## 8. Grouped-query attention: `repeat_kv`
@@ -634,10 +640,6 @@ def repeat_kv(x, n_rep):
     ### END SOLUTION
 
 
-# %%
-heads = torch.arange(3.0).view(1, 3, 1, 1)  # KV heads 0, 1, 2 (one number each)
-print("repeat_kv:", repeat_kv(heads, 2).flatten().tolist(), "  (tiled would be", heads.repeat(1, 2, 1, 1).flatten().tolist(), ")")
-
 # %% test="test_repeat_kv" points=2
 """repeat_kv: [B, H_kv, S, d] -> [B, H_kv*n_rep, S, d], head h = KV head h // n_rep; n_rep = 1; MQA."""
 from attention_lab.checks.llama_attention import check_repeat_kv
@@ -646,6 +648,10 @@ check_repeat_kv(repeat_kv)
 ### BEGIN HIDDEN TESTS
 check_repeat_kv(repeat_kv, seed=6001, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+heads = torch.arange(3.0).view(1, 3, 1, 1)  # KV heads 0, 1, 2 (one number each)
+print("repeat_kv:", repeat_kv(heads, 2).flatten().tolist(), "  (tiled would be", heads.repeat(1, 2, 1, 1).flatten().tolist(), ")")
 
 # %% [markdown]
 # **Look at it.** Which KV head does each query head read? The map runs *your* `repeat_kv` on KV
@@ -717,12 +723,6 @@ class KVCache:
         ### END SOLUTION
 
 
-# %%
-demo_cache = KVCache()
-for new_tokens in (3, 1, 1):
-    k_all, v_all = demo_cache.update(torch.randn(B, H_kv, new_tokens, d_head), torch.randn(B, H_kv, new_tokens, d_head))
-    print(f"appended {new_tokens}: seq_len {demo_cache.seq_len}, k_all {tuple(k_all.shape)}")
-
 # %% test="test_KVCache" points=2
 """KVCache: starts empty; update appends along the sequence axis and returns all K/V; instances independent."""
 from attention_lab.checks.llama_attention import check_kv_cache
@@ -731,6 +731,12 @@ check_kv_cache(KVCache)
 ### BEGIN HIDDEN TESTS
 check_kv_cache(KVCache, seed=6101, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+demo_cache = KVCache()
+for new_tokens in (3, 1, 1):
+    k_all, v_all = demo_cache.update(torch.randn(B, H_kv, new_tokens, d_head), torch.randn(B, H_kv, new_tokens, d_head))
+    print(f"appended {new_tokens}: seq_len {demo_cache.seq_len}, k_all {tuple(k_all.shape)}")
 
 # %% [markdown]
 # ## 10. `LlamaAttention`, from scratch
@@ -828,11 +834,6 @@ class LlamaAttention(nn.Module):
         ### END SOLUTION
 
 
-# %%
-demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
-with torch.no_grad():
-    print("out:", tuple(demo_layer(hidden_states).shape))
-
 # %% test="test_LlamaAttention" points=4
 """LlamaAttention: equals SDPA(is_causal=True, enable_gqa=True) on the same q/k/v + o_proj; H_kv == H is plain MHA; no future leak; from scratch."""
 from attention_lab.checks.llama_attention import check_llama_attention
@@ -841,6 +842,11 @@ check_llama_attention(LlamaAttention)
 ### BEGIN HIDDEN TESTS
 check_llama_attention(LlamaAttention, seed=6201, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
+with torch.no_grad():
+    print("out:", tuple(demo_layer(hidden_states).shape))
 
 # %% [markdown]
 # **Check it yourself against PyTorch.** Feed the same projected, rotated, normed q/k/v to
@@ -965,8 +971,11 @@ print("preallocated cache: max difference from the full pass:", float((torch.cat
 
 # %% [markdown]
 # Engines also call a fused kernel — `F.scaled_dot_product_attention` or FlashAttention —
-# rather than writing the softmax out, and here is a trap. `is_causal=True` builds the causal
-# mask **aligned to the top left**: query `i` sees keys `0 … i`. That is right only when the
+# rather than writing the softmax out, and here is a trap: the libraries do not agree on what
+# "causal" means when there are fewer queries than keys. PyTorch's SDPA with `is_causal=True`
+# builds the causal mask **aligned to the top left**: query `i` sees keys `0 … i`.
+# (flash-attn's `flash_attn_func(..., causal=True)` did the same before its version 2.1 and
+# aligns to the bottom right since then.) That is right only when the
 # queries and keys are the same tokens (`q_len == kv_len`). In a decoding step, the single new
 # query is the *last* of `kv_len` tokens and must see all of them; with `is_causal=True` it sees
 # key 0 only, and nothing fails — the output is just wrong:
@@ -1012,12 +1021,6 @@ def causal_mask_lower_right(q_len, kv_len, device=None):
     ### END SOLUTION
 
 
-# %%
-print(causal_mask_lower_right(2, 5).int())
-with torch.no_grad():
-    fixed = F.scaled_dot_product_attention(q_new, k_all, v_all, attn_mask=causal_mask_lower_right(1, 6, device))
-print("with the lower-right mask vs the right answer:", float((fixed - sees_everything).abs().max()))
-
 # %% test="test_causal_mask_lower_right" points=2
 """causal_mask_lower_right: [q_len, kv_len] bool, True where j <= i + kv_len - q_len; a chunk of queries then equals the full causal pass; ValueError for q_len > kv_len."""
 from attention_lab.checks.llama_attention import check_causal_mask_lower_right
@@ -1027,29 +1030,48 @@ check_causal_mask_lower_right(causal_mask_lower_right)
 check_causal_mask_lower_right(causal_mask_lower_right, seed=6351, device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+print(causal_mask_lower_right(2, 5).int())
+with torch.no_grad():
+    fixed = F.scaled_dot_product_attention(q_new, k_all, v_all, attn_mask=causal_mask_lower_right(1, 6, device))
+print("with the lower-right mask vs the right answer:", float((fixed - sees_everything).abs().max()))
+
 # %% [markdown]
 # ## 12. What GQA saves: the size of the KV cache
 #
-# Every layer caches one key and one value vector of `head_dim` numbers per KV head and token:
-#
-# $$\text{bytes} = 2 \cdot L \cdot H_{kv} \cdot d_{head} \cdot S \cdot B \cdot \text{bytes per element}.$$
+# What does the cache hold? Go through section 9 again: at every layer, for every token of every
+# sequence in the batch, the keys and the values that `LlamaAttention` hands to
+# `kv_cache.update` — one vector of `head_dim` numbers per *KV* head (not per query head: GQA
+# caches the shared heads only), each number stored in `bytes_per_element` bytes.
 #
 # The cache grows with the context length and the batch, and for long contexts it, not the
 # weights, is what fills the GPU. GQA divides it by `n_rep`.
 
 # %% [markdown]
 # ### Exercise 5.14 — kv_cache_bytes (1 pt, ~3 min)
+#
+# Count the bytes of everything the cache holds, from the description above: multiply up what
+# one cached number is repeated over.
 
 # %% answer="kv_cache_bytes"
 def kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element):
     """Bytes of a KV cache: keys and values for every layer, KV head, token and sequence.
 
-    Example: kv_cache_bytes(1, 1, 4, 10, 1, 2) == 160  (2 · 4 · 10 · 2)
+    Example: kv_cache_bytes(1, 1, 4, 10, 1, 2) == 160
     """
     ### BEGIN SOLUTION
     return 2 * num_layers * num_kv_heads * head_dim * seq_len * batch_size * bytes_per_element
     ### END SOLUTION
 
+
+# %% test="test_kv_cache_bytes" points=1
+"""kv_cache_bytes: the bytes of every layer's cached keys and values, as an int."""
+from attention_lab.checks.llama_attention import check_kv_cache_bytes
+
+check_kv_cache_bytes(kv_cache_bytes)
+### BEGIN HIDDEN TESTS
+check_kv_cache_bytes(kv_cache_bytes, seed=6401)
+### END HIDDEN TESTS
 
 # %% [markdown]
 # Two published configurations (their `config.json` on the Hugging Face Hub,
@@ -1073,22 +1095,54 @@ for name, shape in models.items():
     print(f"{name}: {per_token / 2**10:.0f} KiB per token | 4,096 tokens: {one_sequence / GiB:.1f} GiB "
           f"| 32 sequences of 4,096: {batch_32 / GiB:.0f} GiB")
 
-# %% test="test_kv_cache_bytes" points=1
-"""kv_cache_bytes: 2·L·H_kv·head_dim·S·B·bytes, as an int."""
-from attention_lab.checks.llama_attention import check_kv_cache_bytes
-
-check_kv_cache_bytes(kv_cache_bytes)
-### BEGIN HIDDEN TESTS
-check_kv_cache_bytes(kv_cache_bytes, seed=6401)
-### END HIDDEN TESTS
-
 # %% [markdown]
 # With the same 32 layers of 32 query heads of 128, Llama-3-8B's cache is a quarter of
 # Llama-2-7B's: 128 KiB instead of 512 KiB per token; at Llama-2's full context of 4,096 tokens,
 # 0.5 GiB instead of 2 GiB per sequence, and for a batch of 32 such sequences 16 GiB instead of
-# 64 GiB — several times the model's own weights (6.7 billion parameters × 2 bytes ≈ 12.5 GiB).
-# That is the point of GQA — at a small cost in quality, since four query heads now share each
-# key/value head.
+# 64 GiB. How does that compare with the weights? Count them from the same configs (plus each
+# model's MLP width and vocabulary; the input embedding and the output head are separate
+# matrices in both), and — since a decoding step reads every weight once (shared by the whole
+# batch) and every sequence's whole cache — compare the bytes one step reads with 8 KV heads and
+# with 32:
+
+# %%
+def decoder_parameters(layers, hidden, heads, kv_heads, head_dim, mlp_width, vocab):
+    """Weights of a Llama-style decoder: attention, a gated MLP (3 matrices), 2 RMSNorms per layer."""
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+    per_layer = attention + 3 * hidden * mlp_width + 2 * hidden
+    return layers * per_layer + hidden + 2 * vocab * hidden  # + final norm, embedding, output head
+
+
+llama2 = dict(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, mlp_width=11008, vocab=32000)
+llama3 = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp_width=14336, vocab=128256)
+llama3_mha = {**llama3, "kv_heads": 32}  # the same model with one KV head per query head
+cache_args = dict(seq_len=4096, bytes_per_element=2)
+for name, cfg in (("Llama-2-7B (MHA)", llama2), ("Llama-3-8B (GQA)", llama3)):
+    weight_bytes = 2 * decoder_parameters(**cfg)
+    cache = kv_cache_bytes(cfg["layers"], cfg["kv_heads"], cfg["head_dim"], batch_size=32, **cache_args)
+    print(f"{name}: weights {weight_bytes / GiB:.1f} GiB; cache of 32 × 4,096 tokens "
+          f"{cache / GiB:.0f} GiB = {cache / weight_bytes:.2f} × the weights")
+
+
+def bytes_read_per_step(cfg, batch_size):
+    """Weights (all but the input embedding, of which one row per sequence is read) + every cache."""
+    weights = 2 * (decoder_parameters(**cfg) - cfg["vocab"] * cfg["hidden"])
+    cache = kv_cache_bytes(cfg["layers"], cfg["kv_heads"], cfg["head_dim"], batch_size=batch_size, **cache_args)
+    return weights + cache
+
+
+for batch_size in (1, 32):
+    gqa, mha = bytes_read_per_step(llama3, batch_size), bytes_read_per_step(llama3_mha, batch_size)
+    print(f"Llama-3-8B, one decoding step at 4,096 tokens, batch {batch_size:>2}: reads {gqa / GiB:.1f} GiB "
+          f"with 8 KV heads, {mha / GiB:.1f} GiB with 32: {mha / gqa:.2f}× less traffic, not 4×")
+
+# %% [markdown]
+# Llama-2-7B's 64 GiB of cache is five times its own weights; Llama-3-8B's 16 GiB is about as
+# much as its weights. And the 4× smaller cache does *not* make a decoding step read 4× fewer
+# bytes: the weights are read at every step too, so with one sequence the saving is about 1.2×,
+# and it grows towards 4× only as the batch and the context make the cache dominate (about 2.6×
+# at 32 sequences of 4,096 tokens). That is the point of GQA — more and longer sequences per GPU
+# at a small cost in quality, since four query heads now share each key/value head.
 
 # %% [markdown]
 # ### Exercise 5.15 — what GQA saves, in your words (2 pts, ~5 min)
@@ -1108,10 +1162,12 @@ check_kv_cache_bytes(kv_cache_bytes, seed=6401)
 # The KV cache, by contrast, holds *only* keys and values, `2 · L · H_kv · d · S · B` numbers,
 # so it scales with `H_kv` and shrinks by `n_rep = 4`. It also grows with the context length and
 # the batch while the weights do not: at 32 sequences of 4,096 tokens it is 64 GiB with 32 KV
-# heads (16 GiB with 8), several times the ≈ 15 GiB of 16-bit weights. What fits on the GPU —
-# how many sequences, how long — is set by the cache; and each decoding step reads the whole
-# cache from memory, so a 4× smaller cache is also about 4× less memory traffic per generated
-# token.
+# heads and 16 GiB with 8 — about as much as the ≈ 15 GiB of 16-bit weights, and the gap widens
+# with every longer context or larger batch. What fits on the GPU — how many sequences, how long
+# — is set by the cache. Each decoding step reads all the weights and every sequence's whole
+# cache, so the smaller cache also cuts the memory traffic per step, by much less than 4× for a
+# single sequence (≈ 1.2×: the weights dominate) and approaching 4× as the cache grows
+# (≈ 2.6× at 32 × 4,096 tokens).
 
 # %% [markdown]
 # ## What you built
