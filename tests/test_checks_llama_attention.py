@@ -563,9 +563,9 @@ def inverse_permutation(head_dim):
 
 
 @pytest.mark.parametrize("wrong, phrase", [
-    (inverse_permutation, "that is the inverse permutation"),
+    (inverse_permutation, r"that is the inverse permutation. x\[..., perm\] \*reads\*"),
     (lambda head_dim: torch.arange(0, head_dim, 2).repeat(2), "not even a permutation"),
-    (lambda head_dim: torch.cat([torch.arange(1, head_dim, 2), torch.arange(0, head_dim, 2)]), "the order is reversed"),
+    (lambda head_dim: torch.cat([torch.arange(1, head_dim, 2), torch.arange(0, head_dim, 2)]), "the two halves are swapped"),
     (lambda head_dim: good_permutation(head_dim).int(), "should be a LongTensor"),
     (lambda head_dim: good_permutation(head_dim).tolist(), "should be a torch.Tensor, got list"),
 ])

@@ -105,13 +105,13 @@ HINTS = {
     "rotate_half_adjacent": "rotate_half works on the two halves (j, j + d/2), not on adjacent pairs.",
     "cos_sin_width": "the rotate_half tables have head_dim columns: cat((angles, angles), dim=-1).",
     "not_a_permutation": "it is not even a permutation of 0 … head_dim - 1.",
-    "inverse_permutation": "that is the inverse permutation: x[..., perm] puts feature perm[i] at place i: first "
-    "the first element of every pair (0, 2, 4, ...), then the second (1, 3, 5, ...).",
+    "inverse_permutation": "that is the inverse permutation. x[..., perm] *reads* feature perm[i] into place i; "
+    "your list says where each feature goes to instead.",
     # QK norm
     "layer_norm": "that is LayerNorm (the mean subtracted, divided by the standard deviation). RMS "
     "normalisation does not centre: x * rsqrt(mean(x²) + eps), with no mean subtracted.",
-    "odd_first": "the order is reversed: the first element of every pair (the even features 0, 2, 4, ...) comes "
-    "first, then the second elements (1, 3, 5, ...).",
+    "odd_first": "the two halves are swapped: the first half of the places holds the *first* elements of the "
+    "pairs, the second half their second elements.",
     "bytes_bits": "that is 8 times too much: the answer is in bytes, and bytes_per_element is already in bytes "
     "(2 for 16-bit numbers), with no factor 8 for bits.",
     "bytes_no_batch": "every sequence of the batch has its own keys and values: multiply by batch_size.",
@@ -690,8 +690,14 @@ def check_interleave_to_half_permutation(interleave_to_half_permutation: Callabl
             elif not torch.equal(got.sort().values, torch.arange(head_dim)):
                 hint = _likely("not_a_permutation")
             shown = got.tolist()[:16]
-            raise CheckFailure(f"{call} should be {expected.tolist()[:16]}{' ...' if head_dim > 16 else ''}, "
-                               f"got {shown}{' ...' if head_dim > 16 else ''}.{hint}")
+            # Say where it goes wrong, not the whole answer (deriving it is the exercise).
+            place = int((got != expected).nonzero()[0]) if got.shape == expected.shape else 0
+            pair, which = (place, "first") if place < head_dim // 2 else (place - head_dim // 2, "second")
+            raise CheckFailure(
+                f"{call} returned {shown}{' ...' if head_dim > 16 else ''}: not the order under which the two "
+                f"layouts agree. Place {place} holds feature {shown[place] if place < len(shown) else '?'}, but "
+                f"rotate_half keeps the {which} element of its pair {pair} at place {place}, and Meta's pair "
+                f"{pair} is features ({2 * pair}, {2 * pair + 1}).{hint}")
     # The point of it: the layouts agree after permuting features, or rows of W_q and W_k per head.
     head_dim, heads, hidden = 8, 3, 12
     perm = call_student(interleave_to_half_permutation, head_dim, call="interleave_to_half_permutation(8)").to(device)
