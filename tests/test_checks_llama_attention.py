@@ -191,6 +191,8 @@ class Llama(nn.Module):
         q = self.q_proj(hidden_states).unflatten(-1, (h, d)).transpose(1, 2)
         k = self.k_proj(hidden_states).unflatten(-1, (h_kv, d)).transpose(1, 2)
         v = self.v_proj(hidden_states).unflatten(-1, (h_kv, d)).transpose(1, 2)
+        if "split_reshape" in bugs:  # [B, S, H*d] reshaped straight to [B, H, S, d]
+            q = self.q_proj(hidden_states).reshape(b, h, s, d)
         q, k = self.rope(q, position_ids), self.rope(k, position_ids)
         if "rope_conjugate" in bugs:  # rotated by -angle: the conjugate table
             table = self.table.conj()
@@ -220,9 +222,13 @@ class Llama(nn.Module):
             if "no_mask" not in bugs and not ("mask_only_prefill" in bugs and past > 0):
                 scores = scores.masked_fill(blocked, -math.inf)
             weights = scores.float().softmax(-1).to(scores.dtype) if "softmax_float32" in bugs else scores.softmax(-1)
+            if "softmax_queries" in bugs:
+                weights = scores.softmax(-2).nan_to_num(0.0)
             context = torch.einsum("bhqk,bhkd->bhqd", weights, v)
         merged_width = c.hidden_size if "merge_hidden" in bugs else h * d
         out = context.transpose(1, 2).reshape(b, s, merged_width)
+        if "merge_reshape" in bugs:
+            out = context.reshape(b, s, merged_width)
         if "no_o_proj" not in bugs:
             out = self.o_proj(out)
         if "off_in_float32" in bugs and out.dtype == torch.float32:  # a small error no known mistake explains
@@ -733,6 +739,9 @@ def test_llama_attention_correct_answer_passes():
     ("no_scale", "the scores are not scaled"),
     ("always_tuple", "should return the output tensor alone"),
     ("rope_conjugate", "RoPE turns q and k the wrong way"),
+    ("split_reshape", r"split with a reshape straight to \[B, heads, S, head_dim\]"),
+    ("merge_reshape", r"merged with a reshape of \[B, H, S, head_dim\] straight to"),
+    ("softmax_queries", r"the softmax runs over the queries \(dim=-2\)"),
     ("o_proj_square", r"(?s)head_dim=8, .*o_proj.weight should be \[24, 32\].*got \[24, 24\].*o_proj maps the merged "
                       r"heads, num_heads·head_dim features, back to hidden_size"),
     ("o_proj_swapped", r"(?s)o_proj.weight should be \[24, 32\].*the arguments are swapped"),

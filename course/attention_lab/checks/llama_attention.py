@@ -138,6 +138,13 @@ HINTS = {
     "swapped.",
     "kv_heads": "k_proj and v_proj have num_key_value_heads heads, not num_attention_heads: "
     "nn.Linear(hidden_size, num_key_value_heads * head_dim).",
+    "split_no_transpose": "the heads are split with a reshape straight to [B, heads, S, head_dim]: that cuts "
+    "the projection's memory into blocks that mix tokens. View it as [B, S, heads, head_dim] first, then "
+    "transpose(1, 2).",
+    "merge_no_transpose": "the heads are merged with a reshape of [B, H, S, head_dim] straight to [B, S, H·head_dim], "
+    "which mixes tokens: transpose(1, 2) back to [B, S, H, head_dim] first, then reshape.",
+    "softmax_queries": "the softmax runs over the queries (dim=-2): each query's weights over the keys must sum "
+    "to 1, so softmax over the last axis (dim=-1).",
     "no_o_proj": "the output projection is missing: apply self.o_proj to the merged heads.",
     "rope_on_v": "RoPE applied to V: rotate only the queries and keys (positions enter through q·k); the values "
     "are not rotated.",
@@ -933,7 +940,8 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
                      n_new: int | None = None, *, mask: str = "causal", layout: str = "interleaved",
                      repeat: str = "consecutive", rope_on_v: bool = False, o_proj: bool = True,
                      scale: float | None = None, norm: str | None = None, eps: float | None = None,
-                     angle_sign: float = 1.0) -> torch.Tensor:
+                     angle_sign: float = 1.0, split: str = "transpose", merge: str = "transpose",
+                     softmax_axis: int = -1) -> torch.Tensor:
     """LlamaAttention's output for the last n_new tokens of x [B, T, hidden] (earlier ones cached).
 
     q/k/v from the module's projections, RoPE as pair rotations, QK norm from F.rms_norm, attention from
@@ -945,9 +953,14 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
     positions = positions.to("cpu")
     b, t, _ = x.shape
     n_new = t if n_new is None else n_new
-    q = F.linear(x[:, t - n_new:], *_linear64(module.q_proj)).view(b, n_new, h, d).transpose(1, 2)  # [B, H, n, d]
-    k = F.linear(x, *_linear64(module.k_proj)).view(b, t, h_kv, d).transpose(1, 2)  # [B, H_kv, T, d]
-    v = F.linear(x, *_linear64(module.v_proj)).view(b, t, h_kv, d).transpose(1, 2)
+    q = F.linear(x[:, t - n_new:], *_linear64(module.q_proj))  # [B, n, H*d]
+    k, v = F.linear(x, *_linear64(module.k_proj)), F.linear(x, *_linear64(module.v_proj))  # [B, T, H_kv*d]
+    # split="reshape" (all three) or "reshape_q": heads cut in memory order, the sequence axis never moved.
+    q = q.reshape(b, h, n_new, d) if split != "transpose" else q.view(b, n_new, h, d).transpose(1, 2)  # [B, H, n, d]
+    if split == "reshape":
+        k, v = k.reshape(b, h_kv, t, d), v.reshape(b, h_kv, t, d)
+    else:
+        k, v = k.view(b, t, h_kv, d).transpose(1, 2), v.view(b, t, h_kv, d).transpose(1, 2)  # [B, H_kv, T, d]
     q = _rope_reference(q, positions[:, t - n_new:], config.rope_theta, layout, angle_sign)
     k = _rope_reference(k, positions, config.rope_theta, layout, angle_sign)
     if rope_on_v:
@@ -964,7 +977,13 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
         k, v = k[:, :, t - n_new:], v[:, :, t - n_new:]
     keys = k.shape[-2]
     enable_gqa = k.shape[1] != h
-    if mask == "causal" and keys == n_new:
+    if softmax_axis != -1:  # written out: SDPA has no softmax over the queries
+        k_all = k.repeat_interleave(h // k.shape[1], dim=1)
+        v_all = v.repeat_interleave(h // v.shape[1], dim=1)
+        scores = q @ k_all.transpose(-2, -1) * (1 / math.sqrt(d) if scale is None else scale)
+        allowed = torch.arange(keys)[None, :] <= torch.arange(n_new)[:, None] + (keys - n_new)
+        out = scores.masked_fill(~allowed, -math.inf).softmax(dim=softmax_axis).nan_to_num(0.0) @ v_all
+    elif mask == "causal" and keys == n_new:
         out = reference_sdpa(q, k, v, is_causal=True, enable_gqa=enable_gqa, scale=scale)
     else:
         query_index = torch.arange(n_new)[:, None]
@@ -974,7 +993,7 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
                      "none": None,
                      "new_only": key_index <= query_index}[mask]
         out = reference_sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, scale=scale)
-    out = out.transpose(1, 2).reshape(b, n_new, h * d)  # [B, n, H*d]
+    out = out.reshape(b, n_new, h * d) if merge == "reshape" else out.transpose(1, 2).reshape(b, n_new, h * d)
     if o_proj:
         return F.linear(out, *_linear64(module.o_proj))
     return out if h * d == config.hidden_size else None
@@ -1001,6 +1020,10 @@ def _llama_variants(module, config, x, positions, n_new=None, chunk_positions=No
         variant(HINTS["no_scale"], scale=1.0),
         variant(HINTS["pairing_half"], layout="half"),
         variant(HINTS["rope_conjugate"], angle_sign=-1.0),
+        variant(HINTS["split_no_transpose"], split="reshape"),
+        variant(HINTS["split_no_transpose"], split="reshape_q"),
+        variant(HINTS["merge_no_transpose"], merge="reshape"),
+        variant(HINTS["softmax_queries"], softmax_axis=-2),
     ]
     if h_kv > 1 and h > h_kv:
         variants.append(variant(HINTS["tiled"], repeat="tiled"))
