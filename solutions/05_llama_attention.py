@@ -11,10 +11,10 @@
 # * **rotary position embeddings (RoPE)** — positions enter by *rotating* q and k (all of the
 #   above);
 # * **QK norm** — q and k are normalised before their dot product. Only *some* models do
-#   this, each with a learned per-feature weight: Qwen3 and Gemma 3 normalise every head's q
-#   and k on its own (an RMSNorm over `head_dim`), OLMo 2 the whole projected q and k before
-#   they are split into heads (an RMSNorm over all `H·d_head` features). And Llama 4 —
-#   with a caveat: Llama 4 Scout uses a weightless norm, only on its RoPE layers (every fourth
+#   this. Qwen3 and Gemma 3 normalise every head's q and k on its own (an RMSNorm over
+#   `head_dim` with a learned weight); OLMo 2 normalises the whole projected q and k before they
+#   are split into heads (an RMSNorm over all `H·d_head` features, also with a learned weight);
+#   and Llama 4 — with a caveat: Llama 4 Scout uses a weightless norm, only on its RoPE layers (every fourth
 #   layer has neither RoPE nor QK norm), and Llama 4 Maverick uses none. Llama 3, Mistral and
 #   Qwen2 do not normalise q and k at all;
 # * **the KV cache** — when generating, keys and values of past tokens are kept, not recomputed.
