@@ -11,8 +11,10 @@
 # * **rotary position embeddings (RoPE)** — positions enter by *rotating* q and k (all of the
 #   above);
 # * **QK norm** — q and k are normalised before their dot product. Only *some* models do
-#   this: Qwen3, OLMo 2 and Gemma 3 (each with a learned per-feature weight), and Llama 4 —
-#   with a caveat: Llama 4 Scout uses a weightless norm, only on its RoPE layers (every fourth
+#   this. Qwen3 and Gemma 3 normalise every head's q and k on its own (an RMSNorm over
+#   `head_dim` with a learned weight); OLMo 2 normalises the whole projected q and k before they
+#   are split into heads (an RMSNorm over all `H·d_head` features, also with a learned weight);
+#   and Llama 4 — with a caveat: Llama 4 Scout uses a weightless norm, only on its RoPE layers (every fourth
 #   layer has neither RoPE nor QK norm), and Llama 4 Maverick uses none. Llama 3, Mistral and
 #   Qwen2 do not normalise q and k at all;
 # * **the KV cache** — when generating, keys and values of past tokens are kept, not recomputed.
@@ -104,13 +106,23 @@ class LlamaAttentionConfig:
     def __post_init__(self):
         ### BEGIN SOLUTION
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(f"num_attention_heads = {self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads = {self.num_key_value_heads}: each KV head serves a whole "
-                             "group of query heads")
+            raise ValueError(f"num_attention_heads = {self.num_attention_heads} must be a multiple "
+                             f"of num_key_value_heads = {self.num_key_value_heads}: each KV head "
+                             "serves a whole group of query heads")
         if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim = {self.head_dim} must be even: RoPE rotates pairs of features")
+            raise ValueError(f"head_dim = {self.head_dim} must be even: RoPE rotates pairs of "
+                             "features")
         ### END SOLUTION
 
+
+# %% test="test_LlamaAttentionConfig" points=1
+"""LlamaAttentionConfig: nine fields, defaults; ValueError for H % H_kv or odd head_dim."""
+from attention_lab.checks.llama_attention import check_llama_attention_config
+
+check_llama_attention_config(LlamaAttentionConfig)
+### BEGIN HIDDEN TESTS
+check_llama_attention_config(LlamaAttentionConfig, seed=5101)
+### END HIDDEN TESTS
 
 # %%
 config = LlamaAttentionConfig()
@@ -120,15 +132,6 @@ try:
     LlamaAttentionConfig(num_attention_heads=6)
 except ValueError as error:
     print("ValueError:", error)
-
-# %% test="test_LlamaAttentionConfig" points=1
-"""LlamaAttentionConfig: the nine fields and defaults; ValueError for H % H_kv != 0 or odd head_dim; head_dim independent of hidden_size."""
-from attention_lab.checks.llama_attention import check_llama_attention_config
-
-check_llama_attention_config(LlamaAttentionConfig)
-### BEGIN HIDDEN TESTS
-check_llama_attention_config(LlamaAttentionConfig, seed=5101)
-### END HIDDEN TESTS
 
 # %% [markdown]
 # ## 2. Projections with grouped-query shapes
@@ -153,7 +156,8 @@ with torch.no_grad():  # no training in this notebook's demos
     k = k_proj(hidden_states).view(B, S, H_kv, d_head).transpose(1, 2)  # [B, H_kv, S, d_head]
     v = v_proj(hidden_states).view(B, S, H_kv, d_head).transpose(1, 2)  # [B, H_kv, S, d_head]
 print("q:", tuple(q.shape), " k:", tuple(k.shape), " v:", tuple(v.shape))
-print("W_q:", tuple(q_proj.weight.shape), " W_k:", tuple(k_proj.weight.shape), "(nn.Linear stores [out, in])")
+print("W_q:", tuple(q_proj.weight.shape), " W_k:", tuple(k_proj.weight.shape),
+      "(nn.Linear stores [out, in])")
 
 # %% [markdown]
 # ## 3. The causal mask
@@ -175,10 +179,14 @@ print("W_q:", tuple(q_proj.weight.shape), " W_k:", tuple(k_proj.weight.shape), "
 # %%
 row_scores = torch.tensor([[0.5, -1.0, 2.0]])  # one query, three keys
 nothing_allowed = torch.zeros(1, 3, dtype=torch.bool)  # a padded query: no key may be attended
-print("masked_fill(-inf):      ", torch.softmax(row_scores.masked_fill(~nothing_allowed, float("-inf")), dim=-1))
-print("masked_fill(finfo.min): ", torch.softmax(row_scores.masked_fill(~nothing_allowed, torch.finfo(row_scores.dtype).min), dim=-1))
+most_negative = torch.finfo(row_scores.dtype).min
+print("masked_fill(-inf):      ",
+      torch.softmax(row_scores.masked_fill(~nothing_allowed, float("-inf")), dim=-1))
+print("masked_fill(finfo.min): ",
+      torch.softmax(row_scores.masked_fill(~nothing_allowed, most_negative), dim=-1))
 one_head = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)  # q, k, v
-print("SDPA with a boolean mask, output:", F.scaled_dot_product_attention(*one_head, attn_mask=nothing_allowed))
+print("SDPA with a boolean mask, output:",
+      F.scaled_dot_product_attention(*one_head, attn_mask=nothing_allowed))
 
 # %% [markdown]
 # Three answers to one question. `-inf` gives NaN. The dtype's most negative finite number,
@@ -207,9 +215,6 @@ def causal_mask(seq_len, device=None):
     ### END SOLUTION
 
 
-# %%
-print(causal_mask(5).int())
-
 # %% test="test_causal_mask" points=1
 """causal_mask: [S, S] bool, True on and below the diagonal, on the requested device."""
 from attention_lab.checks.llama_attention import check_causal_mask
@@ -218,6 +223,9 @@ check_causal_mask(causal_mask)
 ### BEGIN HIDDEN TESTS
 check_causal_mask(causal_mask, seed=5201, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+print(causal_mask(5).int())
 
 # %% [markdown]
 # ## 4. RoPE, the Meta way: pairs as complex numbers
@@ -255,7 +263,8 @@ def rope_frequencies(head_dim, max_positions, base=10000.0):
     returns: complex Tensor [max_positions, head_dim // 2], entry [p, j] = exp(i · p · θ_j)
     with θ_j = base ** (-2j / head_dim).
 
-    Example: rope_frequencies(4, 3)[2, 0] == exp(2i) (θ_0 = 1); rope_frequencies(4, 3)[0] is all ones.
+    Example: rope_frequencies(4, 3)[2, 0] == exp(2i) (θ_0 = 1);
+    rope_frequencies(4, 3)[0] is all ones.
     """
     ### BEGIN SOLUTION
     pair_features = torch.arange(0, head_dim, 2, dtype=torch.float64)  # 2j = 0, 2, 4, ...
@@ -266,11 +275,6 @@ def rope_frequencies(head_dim, max_positions, base=10000.0):
     ### END SOLUTION
 
 
-# %%
-freqs_cis = rope_frequencies(d_head, 256, rope_theta)
-print("freqs_cis:", tuple(freqs_cis.shape), freqs_cis.dtype)
-print("θ_j (the angles at position 1):", torch.angle(freqs_cis[1]).tolist())
-
 # %% test="test_rope_frequencies" points=2
 """rope_frequencies: [P, head_dim/2] complex, exp(i·p·θ_j) with θ_j = base^(-2j/head_dim)."""
 from attention_lab.checks.llama_attention import check_rope_frequencies
@@ -279,6 +283,11 @@ check_rope_frequencies(rope_frequencies)
 ### BEGIN HIDDEN TESTS
 check_rope_frequencies(rope_frequencies, seed=5301)
 ### END HIDDEN TESTS
+
+# %%
+freqs_cis = rope_frequencies(d_head, 256, rope_theta)
+print("freqs_cis:", tuple(freqs_cis.shape), freqs_cis.dtype)
+print("θ_j (the angles at position 1):", torch.angle(freqs_cis[1]).tolist())
 
 # %% [markdown]
 # ### Exercise 5.4 — apply_rope (3 pts, ~15 min)
@@ -318,14 +327,8 @@ def apply_rope(x, freqs_cis, position_ids):
     ### END SOLUTION
 
 
-# %%
-q_rot = apply_rope(q, rope_frequencies(d_head, 64), position_ids)
-print("q_rot:", tuple(q_rot.shape), "| norms kept:", torch.allclose(q_rot.norm(dim=-1), q.norm(dim=-1), atol=1e-5))
-x64 = torch.randn(1, 1, 3, 8, dtype=torch.float64, device=device)
-print("float64 in ->", apply_rope(x64, rope_frequencies(8, 8), torch.arange(3, device=device)[None]).dtype, "out")
-
 # %% test="test_apply_rope" points=3
-"""apply_rope: Meta-layout rotation at position_ids; dtype kept; norm preservation; q·k depends only on the offset."""
+"""apply_rope: Meta layout at position_ids; dtype and norms kept; q·k depends on the offset."""
 from attention_lab.checks.llama_attention import check_apply_rope
 
 check_apply_rope(apply_rope)
@@ -333,6 +336,14 @@ check_apply_rope(apply_rope)
 check_apply_rope(apply_rope, seed=5401, device="cpu")
 check_apply_rope(apply_rope, seed=5402)
 ### END HIDDEN TESTS
+
+# %%
+q_rot = apply_rope(q, rope_frequencies(d_head, 64), position_ids)
+print("q_rot:", tuple(q_rot.shape),
+      "| norms kept:", torch.allclose(q_rot.norm(dim=-1), q.norm(dim=-1), atol=1e-5))
+x64 = torch.randn(1, 1, 3, 8, dtype=torch.float64, device=device)
+x64_rotated = apply_rope(x64, rope_frequencies(8, 8), torch.arange(3, device=device)[None])
+print("float64 in ->", x64_rotated.dtype, "out")
 
 # %% [markdown]
 # **Look at it.** The explorer runs your `rope_frequencies` and `apply_rope` on a random head
@@ -365,7 +376,7 @@ rope_explorer(apply_rope, rope_frequencies, head_dim=8)
 
 # %% answer="rotate_half"
 def rotate_half(x):
-    """Quarter turn of every (j, j + d/2) pair: (x1, x2) -> (-x2, x1), x1 and x2 the halves of the last axis.
+    """Quarter turn of every (j, j + d/2) pair: (x1, x2) -> (-x2, x1), x1, x2 the last axis' halves.
 
     x: [..., d]  ->  [..., d]
 
@@ -377,9 +388,6 @@ def rotate_half(x):
     ### END SOLUTION
 
 
-# %%
-print(rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])))
-
 # %% test="test_rotate_half" points=1
 """rotate_half: cat(-x2, x1) of the two halves; shape and dtype kept."""
 from attention_lab.checks.llama_attention import check_rotate_half
@@ -388,6 +396,9 @@ check_rotate_half(rotate_half)
 ### BEGIN HIDDEN TESTS
 check_rotate_half(rotate_half, seed=5501, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+print(rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])))
 
 # %% [markdown]
 # ### Exercise 5.6 — rope_cos_sin (2 pts, ~8 min)
@@ -415,10 +426,6 @@ def rope_cos_sin(head_dim, position_ids, base=10000.0):
     ### END SOLUTION
 
 
-# %%
-cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
-print("cos, sin:", tuple(cos_table.shape), cos_table.dtype, "| cos at position 1:", cos_table[0, 1].round(decimals=3).tolist())
-
 # %% test="test_rope_cos_sin" points=2
 """rope_cos_sin: (cos, sin) of cat(angles, angles) at position_ids, [B, S, head_dim]."""
 from attention_lab.checks.llama_attention import check_rope_cos_sin
@@ -427,6 +434,11 @@ check_rope_cos_sin(rope_cos_sin)
 ### BEGIN HIDDEN TESTS
 check_rope_cos_sin(rope_cos_sin, seed=5601, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
+print("cos, sin:", tuple(cos_table.shape), cos_table.dtype,
+      "| cos at position 1:", cos_table[0, 1].round(decimals=3).tolist())
 
 # %% [markdown]
 # ### Exercise 5.7 — apply_rope_rotate_half (2 pts, ~5 min)
@@ -450,12 +462,6 @@ def apply_rope_rotate_half(x, cos, sin):
     ### END SOLUTION
 
 
-# %%
-cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
-q_meta = apply_rope(q, rope_frequencies(d_head, 64), position_ids)
-q_half = apply_rope_rotate_half(q, cos_table, sin_table)
-print("same input, two layouts: max difference", float((q_meta - q_half).abs().max()))
-
 # %% test="test_apply_rope_rotate_half" points=2
 """apply_rope_rotate_half: x*cos + rotate_half(x)*sin over [B, H, S, d]; dtype kept."""
 from attention_lab.checks.llama_attention import check_apply_rope_rotate_half
@@ -465,51 +471,62 @@ check_apply_rope_rotate_half(apply_rope_rotate_half)
 check_apply_rope_rotate_half(apply_rope_rotate_half, seed=5701, device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
+q_meta = apply_rope(q, rope_frequencies(d_head, 64), position_ids)
+q_half = apply_rope_rotate_half(q, cos_table, sin_table)
+print("same input, two layouts: max difference", float((q_meta - q_half).abs().max()))
+
 # %% [markdown]
 # ## 6. The two layouts are the same maths in a different feature order
 #
 # On the same input they disagree (the cell above: a difference of order 1). But they rotate
 # the same *kind* of pairs with the same angles; only *which* features form pair `j` differs:
-# `(2j, 2j+1)` for Meta, `(j, j + d/2)` for Hugging Face. Reorder the features so that the
-# first elements of all pairs come first, then the second elements — `[0, 2, 4, …, 1, 3, 5, …]`
-# — and the Meta pairs land exactly where rotate_half expects them:
+# `(2j, 2j+1)` for Meta, `(j, j + d/2)` for Hugging Face. So some reordering `π` of the
+# features moves every Meta pair to the places where rotate_half expects a pair, and then:
 #
 # $$\text{apply\_rope}(x)[\dots, \pi] = \text{apply\_rope\_rotate\_half}(x[\dots, \pi]).$$
 
 # %% [markdown]
 # ### Exercise 5.8 — interleave_to_half_permutation (2 pts, ~5 min)
 #
-# Return the permutation `π = [0, 2, 4, …, head_dim-2, 1, 3, 5, …, head_dim-1]` as a LongTensor.
+# Find `π` and return it as a LongTensor `[head_dim]`. Indexing `x[..., π]` puts feature `π[i]`
+# at place `i`. Ask, for each place of the rotate_half layout, which Meta feature must land
+# there: place `j` (for `j < d/2`) holds the *first* element of rotate_half's pair `j`, place
+# `j + d/2` its *second* element — and Meta's pair `j` is features `(2j, 2j+1)`. Write out `π`
+# for `head_dim = 4` on paper first, then build it for any even `head_dim` (with
+# `torch.arange`; no loop needed).
 
 # %% answer="interleave_to_half_permutation"
 def interleave_to_half_permutation(head_dim):
     """The feature order under which Meta RoPE and rotate_half RoPE agree.
 
-    returns: LongTensor [head_dim] = [0, 2, 4, ..., 1, 3, 5, ...], so that
+    returns: LongTensor perm [head_dim] such that
     apply_rope(x, ...)[..., perm] == apply_rope_rotate_half(x[..., perm], ...).
 
-    Example: interleave_to_half_permutation(6) == [0, 2, 4, 1, 3, 5]
+    Example: interleave_to_half_permutation(2) == [0, 1] (one pair: the layouts coincide).
     """
     ### BEGIN SOLUTION
     return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
     ### END SOLUTION
 
 
-# %%
-perm = interleave_to_half_permutation(d_head).to(device)
-cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
-meta_then_permute = apply_rope(q, rope_frequencies(d_head, 64), position_ids)[..., perm]
-permute_then_half = apply_rope_rotate_half(q[..., perm], cos_table, sin_table)
-print("perm:", perm.tolist(), "| max difference after permuting:", float((meta_then_permute - permute_then_half).abs().max()))
-
 # %% test="test_interleave_to_half_permutation" points=2
-"""interleave_to_half_permutation: [0, 2, 4, ..., 1, 3, 5, ...]; the layouts agree under it, on x and on W_q/W_k rows."""
+"""interleave_to_half_permutation: the layouts agree under it, on x and on W_q/W_k rows."""
 from attention_lab.checks.llama_attention import check_interleave_to_half_permutation
 
 check_interleave_to_half_permutation(interleave_to_half_permutation)
 ### BEGIN HIDDEN TESTS
 check_interleave_to_half_permutation(interleave_to_half_permutation, seed=5801, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+perm = interleave_to_half_permutation(d_head).to(device)
+cos_table, sin_table = rope_cos_sin(d_head, position_ids, rope_theta)
+meta_then_permute = apply_rope(q, rope_frequencies(d_head, 64), position_ids)[..., perm]
+permute_then_half = apply_rope_rotate_half(q[..., perm], cos_table, sin_table)
+print("perm:", perm.tolist(), "| max difference after permuting:",
+      float((meta_then_permute - permute_then_half).abs().max()))
 
 # %% [markdown]
 # **How real checkpoints are converted.** Nobody permutes activations at run time. The
@@ -535,7 +552,8 @@ def rows_permuted_per_head(weight, num_heads):
 with torch.no_grad():
     q_meta = q_proj(hidden_states).view(B, S, H, d_head).transpose(1, 2)
     k_meta = k_proj(hidden_states).view(B, S, H_kv, d_head).transpose(1, 2)
-    W_q_hf, W_k_hf = rows_permuted_per_head(q_proj.weight, H), rows_permuted_per_head(k_proj.weight, H_kv)
+    W_q_hf = rows_permuted_per_head(q_proj.weight, H)
+    W_k_hf = rows_permuted_per_head(k_proj.weight, H_kv)
     q_hf = (hidden_states @ W_q_hf.T).view(B, S, H, d_head).transpose(1, 2)
     k_hf = (hidden_states @ W_k_hf.T).view(B, S, H_kv, d_head).transpose(1, 2)
     # Query head h reads KV head h // n_rep (section 8): heads 0, 4, 8, 12 read KV heads 0, 1, 2, 3.
@@ -544,7 +562,8 @@ with torch.no_grad():
                    @ apply_rope(k_meta, meta_table, position_ids).transpose(-2, -1))
     scores_hf = (apply_rope_rotate_half(q_hf[:, first_of_each_group], cos_table, sin_table)
                  @ apply_rope_rotate_half(k_hf, cos_table, sin_table).transpose(-2, -1))
-print("scores of query heads 0, 4, 8, 12 with their KV heads, Meta weights + Meta RoPE vs permuted weights + rotate_half RoPE:",
+print("scores of query heads 0, 4, 8, 12 with their KV heads,\n"
+      "Meta weights + Meta RoPE vs permuted weights + rotate_half RoPE:",
       float((scores_meta - scores_hf).abs().max()))
 
 # %% [markdown]
@@ -578,12 +597,22 @@ def qk_norm(x, eps):
 
     x: [..., d]  ->  [..., d], x / sqrt(mean(x²) + eps); for |x| >> eps the output has norm sqrt(d).
 
-    Example: qk_norm(torch.tensor([3., 4.]), 0.0) == [0.8485, 1.1314] (RMS 3.5355; norm sqrt(2), not 1).
+    Example: qk_norm(torch.tensor([3., 4.]), 0.0) == [0.8485, 1.1314]
+    (RMS 3.5355; norm sqrt(2), not 1).
     """
     ### BEGIN SOLUTION
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     ### END SOLUTION
 
+
+# %% test="test_qk_norm" points=2
+"""qk_norm: x·rsqrt(mean(x²) + eps) over the last axis (weightless RMSNorm); from scratch."""
+from attention_lab.checks.llama_attention import check_qk_norm
+
+check_qk_norm(qk_norm)
+### BEGIN HIDDEN TESTS
+check_qk_norm(qk_norm, seed=5901, device="cpu")
+### END HIDDEN TESTS
 
 # %%
 q_normed = qk_norm(q, rms_norm_eps)
@@ -591,16 +620,8 @@ print("norm of each normed q (sqrt(8) = 2.828):", q_normed.norm(dim=-1)[0, 0, :4
 rope_table = rope_frequencies(d_head, 64)
 norm_after = qk_norm(apply_rope(q, rope_table, position_ids), rms_norm_eps)
 norm_before = apply_rope(qk_norm(q, rms_norm_eps), rope_table, position_ids)
-print("norm before RoPE vs after RoPE, max difference:", float((norm_after - norm_before).abs().max()))
-
-# %% test="test_qk_norm" points=2
-"""qk_norm: x·rsqrt(mean(x²) + eps) over the last axis, equal to weightless F.rms_norm; norm sqrt(d); from scratch."""
-from attention_lab.checks.llama_attention import check_qk_norm
-
-check_qk_norm(qk_norm)
-### BEGIN HIDDEN TESTS
-check_qk_norm(qk_norm, seed=5901, device="cpu")
-### END HIDDEN TESTS
+print("norm before RoPE vs after RoPE, max difference:",
+      float((norm_after - norm_before).abs().max()))
 
 # %% [markdown]
 # ## 8. Grouped-query attention: `repeat_kv`
@@ -629,23 +650,25 @@ def repeat_kv(x, n_rep):
     batch, num_kv_heads, seq_len, head_dim = x.shape
     if n_rep == 1:
         return x
-    x = x[:, :, None].expand(batch, num_kv_heads, n_rep, seq_len, head_dim)  # [B, H_kv, n_rep, S, d], a view
+    # [B, H_kv, n_rep, S, d], a view: no copy
+    x = x[:, :, None].expand(batch, num_kv_heads, n_rep, seq_len, head_dim)
     return x.reshape(batch, num_kv_heads * n_rep, seq_len, head_dim)
     ### END SOLUTION
 
 
-# %%
-heads = torch.arange(3.0).view(1, 3, 1, 1)  # KV heads 0, 1, 2 (one number each)
-print("repeat_kv:", repeat_kv(heads, 2).flatten().tolist(), "  (tiled would be", heads.repeat(1, 2, 1, 1).flatten().tolist(), ")")
-
 # %% test="test_repeat_kv" points=2
-"""repeat_kv: [B, H_kv, S, d] -> [B, H_kv*n_rep, S, d], head h = KV head h // n_rep; n_rep = 1; MQA."""
+"""repeat_kv: [B, H_kv*n_rep, S, d], head h = KV head h // n_rep; n_rep = 1; MQA."""
 from attention_lab.checks.llama_attention import check_repeat_kv
 
 check_repeat_kv(repeat_kv)
 ### BEGIN HIDDEN TESTS
 check_repeat_kv(repeat_kv, seed=6001, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+heads = torch.arange(3.0).view(1, 3, 1, 1)  # KV heads 0, 1, 2 (one number each)
+print("repeat_kv:", repeat_kv(heads, 2).flatten().tolist(),
+      "  (tiled would be", heads.repeat(1, 2, 1, 1).flatten().tolist(), ")")
 
 # %% [markdown]
 # **Look at it.** Which KV head does each query head read? The map runs *your* `repeat_kv` on KV
@@ -717,20 +740,22 @@ class KVCache:
         ### END SOLUTION
 
 
-# %%
-demo_cache = KVCache()
-for new_tokens in (3, 1, 1):
-    k_all, v_all = demo_cache.update(torch.randn(B, H_kv, new_tokens, d_head), torch.randn(B, H_kv, new_tokens, d_head))
-    print(f"appended {new_tokens}: seq_len {demo_cache.seq_len}, k_all {tuple(k_all.shape)}")
-
 # %% test="test_KVCache" points=2
-"""KVCache: starts empty; update appends along the sequence axis and returns all K/V; instances independent."""
+"""KVCache: starts empty; update appends along the sequence axis, returns all K/V; independent."""
 from attention_lab.checks.llama_attention import check_kv_cache
 
 check_kv_cache(KVCache)
 ### BEGIN HIDDEN TESTS
 check_kv_cache(KVCache, seed=6101, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+demo_cache = KVCache()
+for new_tokens in (3, 1, 1):
+    new_k = torch.randn(B, H_kv, new_tokens, d_head)
+    new_v = torch.randn(B, H_kv, new_tokens, d_head)
+    k_all, v_all = demo_cache.update(new_k, new_v)
+    print(f"appended {new_tokens}: seq_len {demo_cache.seq_len}, k_all {tuple(k_all.shape)}")
 
 # %% [markdown]
 # ## 10. `LlamaAttention`, from scratch
@@ -782,8 +807,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         ### BEGIN SOLUTION
         if config.num_attention_heads % config.num_key_value_heads != 0:
-            raise ValueError(f"num_attention_heads = {config.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads = {config.num_key_value_heads}")
+            raise ValueError(f"num_attention_heads = {config.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads = {config.num_key_value_heads}")
         self.config = config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -795,7 +820,8 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         # A plain attribute, not a buffer: Module.to(dtype) would cast a complex buffer to real.
-        self.freqs_cis = rope_frequencies(self.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.freqs_cis = rope_frequencies(self.head_dim, config.max_position_embeddings,
+                                          config.rope_theta)
         ### END SOLUTION
 
     def forward(self, hidden_states, position_ids=None, kv_cache=None):
@@ -804,10 +830,12 @@ class LlamaAttention(nn.Module):
         device = hidden_states.device
         past = 0 if kv_cache is None else kv_cache.seq_len  # tokens already cached
         if position_ids is None:
-            position_ids = (past + torch.arange(seq_len, device=device)).expand(batch, seq_len)  # [B, S]
-        q = self.q_proj(hidden_states).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            positions = past + torch.arange(seq_len, device=device)
+            position_ids = positions.expand(batch, seq_len)  # [B, S]
+        d, h, h_kv = self.head_dim, self.num_heads, self.num_kv_heads
+        q = self.q_proj(hidden_states).view(batch, seq_len, h, d).transpose(1, 2)  # [B, H, S, d]
+        k = self.k_proj(hidden_states).view(batch, seq_len, h_kv, d).transpose(1, 2)  # H_kv heads
+        v = self.v_proj(hidden_states).view(batch, seq_len, h_kv, d).transpose(1, 2)
         q = apply_rope(q, self.freqs_cis, position_ids)  # [B, H, S, d]; V is not rotated
         k = apply_rope(k, self.freqs_cis, position_ids)  # [B, H_kv, S, d]
         if self.config.use_qk_norm:
@@ -818,29 +846,30 @@ class LlamaAttention(nn.Module):
         k = repeat_kv(k, self.n_rep)  # [B, H, past + S, d]
         v = repeat_kv(v, self.n_rep)
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # [B, H, S, past + S]
-        mask = causal_mask(past + seq_len, device=device)[past:]  # [S, past + S]: new token i is token past + i
+        # [S, past + S]: new token i is token past + i
+        mask = causal_mask(past + seq_len, device=device)[past:]
         scores = scores.masked_fill(~mask, float("-inf"))
         softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
         weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
-        context = (weights @ v).transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim)
+        context = (weights @ v).transpose(1, 2).reshape(batch, seq_len, h * d)  # [B, S, H·d]
         out = self.o_proj(context)  # [B, S, D]
         return out if kv_cache is None else (out, kv_cache)
         ### END SOLUTION
 
 
-# %%
-demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
-with torch.no_grad():
-    print("out:", tuple(demo_layer(hidden_states).shape))
-
 # %% test="test_LlamaAttention" points=4
-"""LlamaAttention: equals SDPA(is_causal=True, enable_gqa=True) on the same q/k/v + o_proj; H_kv == H is plain MHA; no future leak; from scratch."""
+"""LlamaAttention: equals SDPA on the same q/k/v + o_proj; H_kv == H is MHA; from scratch."""
 from attention_lab.checks.llama_attention import check_llama_attention
 
 check_llama_attention(LlamaAttention)
 ### BEGIN HIDDEN TESTS
 check_llama_attention(LlamaAttention, seed=6201, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
+with torch.no_grad():
+    print("out:", tuple(demo_layer(hidden_states).shape))
 
 # %% [markdown]
 # **Check it yourself against PyTorch.** Feed the same projected, rotated, normed q/k/v to
@@ -852,10 +881,13 @@ demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
 x = torch.randn(B, S, hidden_size, device=device)
 ids = torch.arange(S, device=device).expand(B, S)
 with torch.no_grad():
-    q_ = qk_norm(apply_rope(demo_layer.q_proj(x).view(B, S, H, d_head).transpose(1, 2), rope_frequencies(d_head, 64), ids), rms_norm_eps)
-    k_ = qk_norm(apply_rope(demo_layer.k_proj(x).view(B, S, H_kv, d_head).transpose(1, 2), rope_frequencies(d_head, 64), ids), rms_norm_eps)
+    table = rope_frequencies(d_head, 64)
+    q_ = demo_layer.q_proj(x).view(B, S, H, d_head).transpose(1, 2)
+    k_ = demo_layer.k_proj(x).view(B, S, H_kv, d_head).transpose(1, 2)
+    q_ = qk_norm(apply_rope(q_, table, ids), rms_norm_eps)
+    k_ = qk_norm(apply_rope(k_, table, ids), rms_norm_eps)
     v_ = demo_layer.v_proj(x).view(B, S, H_kv, d_head).transpose(1, 2)
-    core = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)  # [B, H, S, d]
+    core = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)  # [B,H,S,d]
     reference = demo_layer.o_proj(core.transpose(1, 2).reshape(B, S, H * d_head))
     print("max difference from PyTorch's SDPA:", float((demo_layer(x) - reference).abs().max()))
 
@@ -871,17 +903,20 @@ from attention_lab.widgets.rope import kv_group_heatmaps
 
 
 def llama_attention_weights(module, cfg, hidden_states):
-    """The per-head attention weights [B, H, S, S] of `module` built from config `cfg` (no cache), from your functions."""
+    """The per-head attention weights [B, H, S, S] of `module` built from config `cfg` (no cache),
+    computed with your functions."""
     num_sequences, length, _ = hidden_states.shape
     ids = torch.arange(length, device=hidden_states.device).expand(num_sequences, length)
     table = rope_frequencies(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-    q = module.q_proj(hidden_states).view(num_sequences, length, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-    k = module.k_proj(hidden_states).view(num_sequences, length, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = module.q_proj(hidden_states).view(num_sequences, length, heads, d).transpose(1, 2)
+    k = module.k_proj(hidden_states).view(num_sequences, length, kv_heads, d).transpose(1, 2)
     q, k = apply_rope(q, table, ids), apply_rope(k, table, ids)
     if cfg.use_qk_norm:
         q, k = qk_norm(q, cfg.rms_norm_eps), qk_norm(k, cfg.rms_norm_eps)
     k = repeat_kv(k, cfg.num_attention_heads // cfg.num_key_value_heads)
-    scores = (q @ k.transpose(-2, -1) / math.sqrt(cfg.head_dim)).masked_fill(~causal_mask(length, hidden_states.device), float("-inf"))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(cfg.head_dim)
+    scores = scores.masked_fill(~causal_mask(length, hidden_states.device), float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 
@@ -890,7 +925,8 @@ torch.manual_seed(0)
 demo_config = LlamaAttentionConfig()
 demo_attention = LlamaAttention(demo_config).to(device)
 with torch.no_grad():
-    demo_weights = llama_attention_weights(demo_attention, demo_config, torch.randn(1, len(tokens), hidden_size, device=device) * 3)
+    demo_input = torch.randn(1, len(tokens), hidden_size, device=device) * 3
+    demo_weights = llama_attention_weights(demo_attention, demo_config, demo_input)
 kv_group_heatmaps(demo_weights[0], demo_config.num_key_value_heads, tokens)
 
 # %% [markdown]
@@ -910,10 +946,11 @@ with torch.no_grad():
     for t in range(5, 8):  # then one token at a time
         step, demo_cache = demo_layer(sequence[:, t:t + 1], kv_cache=demo_cache)
         steps.append(step)
-print("cached tokens:", demo_cache.seq_len, "| max difference from the full pass:", float((torch.cat(steps, dim=1) - full).abs().max()))
+print("cached tokens:", demo_cache.seq_len, "| max difference from the full pass:",
+      float((torch.cat(steps, dim=1) - full).abs().max()))
 
 # %% test="test_LlamaAttention_kv_cache" points=3
-"""LlamaAttention with a KV cache: prefill + token-by-token and chunked decoding equal one full causal pass; positions continue; new tokens see the cache."""
+"""LlamaAttention with a KV cache: prefill then token-by-token or chunks equal one causal pass."""
 from attention_lab.checks.llama_attention import check_llama_attention_kv_cache
 
 check_llama_attention_kv_cache(LlamaAttention, KVCache)
@@ -938,8 +975,10 @@ check_llama_attention_kv_cache(LlamaAttention, KVCache, seed=6301, device="cpu")
 class PreallocatedKVCache:
     """A KV cache allocated once; update writes the new keys/values at cache_position in place."""
 
-    def __init__(self, batch_size, num_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
-        self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+    def __init__(self, batch_size, num_kv_heads, max_len, head_dim, dtype=torch.float32,
+                 device=None):
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.filled = 0  # positions 0 ... filled - 1 hold real tokens
 
@@ -948,7 +987,8 @@ class PreallocatedKVCache:
         return self.filled
 
     def update(self, k, v):
-        cache_position = torch.arange(self.filled, self.filled + k.shape[2], device=k.device)  # where the new tokens go
+        # Where the new tokens go:
+        cache_position = torch.arange(self.filled, self.filled + k.shape[2], device=k.device)
         self.keys.index_copy_(2, cache_position, k)  # [B, H_kv, max_len, d], written in place
         self.values.index_copy_(2, cache_position, v)
         self.filled += k.shape[2]
@@ -960,13 +1000,18 @@ with torch.no_grad():
     full = demo_layer(sequence)  # one causal pass over the 8 tokens of the cell above
     static_cache = PreallocatedKVCache(1, H_kv, 16, d_head, device=device)  # room for 16 tokens
     prefill, static_cache = demo_layer(sequence[:, :5], kv_cache=static_cache)
-    steps = [prefill] + [demo_layer(sequence[:, t:t + 1], kv_cache=static_cache)[0] for t in range(5, 8)]
-print("preallocated cache: max difference from the full pass:", float((torch.cat(steps, dim=1) - full).abs().max()))
+    steps = [prefill] + [demo_layer(sequence[:, t:t + 1], kv_cache=static_cache)[0]
+                         for t in range(5, 8)]
+print("preallocated cache: max difference from the full pass:",
+      float((torch.cat(steps, dim=1) - full).abs().max()))
 
 # %% [markdown]
 # Engines also call a fused kernel — `F.scaled_dot_product_attention` or FlashAttention —
-# rather than writing the softmax out, and here is a trap. `is_causal=True` builds the causal
-# mask **aligned to the top left**: query `i` sees keys `0 … i`. That is right only when the
+# rather than writing the softmax out, and here is a trap: the libraries do not agree on what
+# "causal" means when there are fewer queries than keys. PyTorch's SDPA with `is_causal=True`
+# builds the causal mask **aligned to the top left**: query `i` sees keys `0 … i`.
+# (flash-attn's `flash_attn_func(..., causal=True)` did the same before its version 2.1 and
+# aligns to the bottom right since then.) That is right only when the
 # queries and keys are the same tokens (`q_len == kv_len`). In a decoding step, the single new
 # query is the *last* of `kv_len` tokens and must see all of them; with `is_causal=True` it sees
 # key 0 only, and nothing fails — the output is just wrong:
@@ -974,9 +1019,11 @@ print("preallocated cache: max difference from the full pass:", float((torch.cat
 # %%
 with torch.no_grad():
     q_new = torch.randn(1, H, 1, d_head, device=device)  # one new query (the 6th token) ...
-    k_all, v_all = torch.randn(1, H, 6, d_head, device=device), torch.randn(1, H, 6, d_head, device=device)  # ... 6 keys
+    k_all = torch.randn(1, H, 6, d_head, device=device)  # ... 6 keys
+    v_all = torch.randn(1, H, 6, d_head, device=device)
     top_left = F.scaled_dot_product_attention(q_new, k_all, v_all, is_causal=True)
-    sees_everything = F.scaled_dot_product_attention(q_new, k_all, v_all)  # the last token may see all 6 keys
+    # The last token may see all 6 keys:
+    sees_everything = F.scaled_dot_product_attention(q_new, k_all, v_all)
     sees_key_0 = F.scaled_dot_product_attention(q_new, k_all[:, :, :1], v_all[:, :, :1])
 print("is_causal=True vs the right answer:", float((top_left - sees_everything).abs().max()),
       "| vs attending to key 0 only:", float((top_left - sees_key_0).abs().max()))
@@ -1006,20 +1053,15 @@ def causal_mask_lower_right(q_len, kv_len, device=None):
     """
     ### BEGIN SOLUTION
     if q_len > kv_len:
-        raise ValueError(f"q_len = {q_len} queries cannot be the last tokens of only kv_len = {kv_len} keys")
+        raise ValueError(f"q_len = {q_len} queries cannot be the last tokens of only "
+                         f"kv_len = {kv_len} keys")
     offset = kv_len - q_len  # tokens before the first query
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=offset)
     ### END SOLUTION
 
 
-# %%
-print(causal_mask_lower_right(2, 5).int())
-with torch.no_grad():
-    fixed = F.scaled_dot_product_attention(q_new, k_all, v_all, attn_mask=causal_mask_lower_right(1, 6, device))
-print("with the lower-right mask vs the right answer:", float((fixed - sees_everything).abs().max()))
-
 # %% test="test_causal_mask_lower_right" points=2
-"""causal_mask_lower_right: [q_len, kv_len] bool, True where j <= i + kv_len - q_len; a chunk of queries then equals the full causal pass; ValueError for q_len > kv_len."""
+"""causal_mask_lower_right: True where j <= i + kv_len - q_len; chunks = one pass; ValueError."""
 from attention_lab.checks.llama_attention import check_causal_mask_lower_right
 
 check_causal_mask_lower_right(causal_mask_lower_right)
@@ -1027,29 +1069,50 @@ check_causal_mask_lower_right(causal_mask_lower_right)
 check_causal_mask_lower_right(causal_mask_lower_right, seed=6351, device="cpu")
 ### END HIDDEN TESTS
 
+# %%
+print(causal_mask_lower_right(2, 5).int())
+with torch.no_grad():
+    fixed = F.scaled_dot_product_attention(q_new, k_all, v_all,
+                                           attn_mask=causal_mask_lower_right(1, 6, device))
+print("with the lower-right mask vs the right answer:",
+      float((fixed - sees_everything).abs().max()))
+
 # %% [markdown]
 # ## 12. What GQA saves: the size of the KV cache
 #
-# Every layer caches one key and one value vector of `head_dim` numbers per KV head and token:
-#
-# $$\text{bytes} = 2 \cdot L \cdot H_{kv} \cdot d_{head} \cdot S \cdot B \cdot \text{bytes per element}.$$
+# What does the cache hold? Go through section 9 again: at every layer, for every token of every
+# sequence in the batch, the keys and the values that `LlamaAttention` hands to
+# `kv_cache.update` — one vector of `head_dim` numbers per *KV* head (not per query head: GQA
+# caches the shared heads only), each number stored in `bytes_per_element` bytes.
 #
 # The cache grows with the context length and the batch, and for long contexts it, not the
 # weights, is what fills the GPU. GQA divides it by `n_rep`.
 
 # %% [markdown]
 # ### Exercise 5.14 — kv_cache_bytes (1 pt, ~3 min)
+#
+# Count the bytes of everything the cache holds, from the description above: multiply up what
+# one cached number is repeated over.
 
 # %% answer="kv_cache_bytes"
 def kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element):
     """Bytes of a KV cache: keys and values for every layer, KV head, token and sequence.
 
-    Example: kv_cache_bytes(1, 1, 4, 10, 1, 2) == 160  (2 · 4 · 10 · 2)
+    Example: kv_cache_bytes(1, 1, 4, 10, 1, 2) == 160
     """
     ### BEGIN SOLUTION
     return 2 * num_layers * num_kv_heads * head_dim * seq_len * batch_size * bytes_per_element
     ### END SOLUTION
 
+
+# %% test="test_kv_cache_bytes" points=1
+"""kv_cache_bytes: the bytes of every layer's cached keys and values, as an int."""
+from attention_lab.checks.llama_attention import check_kv_cache_bytes
+
+check_kv_cache_bytes(kv_cache_bytes)
+### BEGIN HIDDEN TESTS
+check_kv_cache_bytes(kv_cache_bytes, seed=6401)
+### END HIDDEN TESTS
 
 # %% [markdown]
 # Two published configurations (their `config.json` on the Hugging Face Hub,
@@ -1070,25 +1133,63 @@ for name, shape in models.items():
     per_token = kv_cache_bytes(**shape, seq_len=1, batch_size=1, bytes_per_element=2)
     one_sequence = kv_cache_bytes(**shape, seq_len=4096, batch_size=1, bytes_per_element=2)
     batch_32 = kv_cache_bytes(**shape, seq_len=4096, batch_size=32, bytes_per_element=2)
-    print(f"{name}: {per_token / 2**10:.0f} KiB per token | 4,096 tokens: {one_sequence / GiB:.1f} GiB "
+    print(f"{name}: {per_token / 2**10:.0f} KiB per token "
+          f"| 4,096 tokens: {one_sequence / GiB:.1f} GiB "
           f"| 32 sequences of 4,096: {batch_32 / GiB:.0f} GiB")
-
-# %% test="test_kv_cache_bytes" points=1
-"""kv_cache_bytes: 2·L·H_kv·head_dim·S·B·bytes, as an int."""
-from attention_lab.checks.llama_attention import check_kv_cache_bytes
-
-check_kv_cache_bytes(kv_cache_bytes)
-### BEGIN HIDDEN TESTS
-check_kv_cache_bytes(kv_cache_bytes, seed=6401)
-### END HIDDEN TESTS
 
 # %% [markdown]
 # With the same 32 layers of 32 query heads of 128, Llama-3-8B's cache is a quarter of
 # Llama-2-7B's: 128 KiB instead of 512 KiB per token; at Llama-2's full context of 4,096 tokens,
 # 0.5 GiB instead of 2 GiB per sequence, and for a batch of 32 such sequences 16 GiB instead of
-# 64 GiB — several times the model's own weights (6.7 billion parameters × 2 bytes ≈ 12.5 GiB).
-# That is the point of GQA — at a small cost in quality, since four query heads now share each
-# key/value head.
+# 64 GiB. How does that compare with the weights? Count them from the same configs (plus each
+# model's MLP width and vocabulary; the input embedding and the output head are separate
+# matrices in both), and — since a decoding step reads every weight once (shared by the whole
+# batch) and every sequence's whole cache — compare the bytes one step reads with 8 KV heads and
+# with 32:
+
+# %%
+def decoder_parameters(layers, hidden, heads, kv_heads, head_dim, mlp_width, vocab):
+    """Weights of a Llama-style decoder: attention, gated MLP (3 matrices), 2 RMSNorms a layer."""
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+    per_layer = attention + 3 * hidden * mlp_width + 2 * hidden
+    return layers * per_layer + hidden + 2 * vocab * hidden  # + final norm, embedding, output head
+
+
+llama2 = dict(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, mlp_width=11008,
+              vocab=32000)
+llama3 = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp_width=14336,
+              vocab=128256)
+llama3_mha = {**llama3, "kv_heads": 32}  # the same model with one KV head per query head
+cache_args = dict(seq_len=4096, bytes_per_element=2)
+for name, cfg in (("Llama-2-7B (MHA)", llama2), ("Llama-3-8B (GQA)", llama3)):
+    weight_bytes = 2 * decoder_parameters(**cfg)
+    cache = kv_cache_bytes(cfg["layers"], cfg["kv_heads"], cfg["head_dim"], batch_size=32,
+                           **cache_args)
+    print(f"{name}: weights {weight_bytes / GiB:.1f} GiB; cache of 32 × 4,096 tokens "
+          f"{cache / GiB:.0f} GiB = {cache / weight_bytes:.2f} × the weights")
+
+
+def bytes_read_per_step(cfg, batch_size):
+    """Weights (all but the input embedding: one row per sequence is read) + every cache."""
+    weights = 2 * (decoder_parameters(**cfg) - cfg["vocab"] * cfg["hidden"])
+    cache = kv_cache_bytes(cfg["layers"], cfg["kv_heads"], cfg["head_dim"], batch_size=batch_size,
+                           **cache_args)
+    return weights + cache
+
+
+for batch_size in (1, 32):
+    gqa, mha = bytes_read_per_step(llama3, batch_size), bytes_read_per_step(llama3_mha, batch_size)
+    print(f"Llama-3-8B, one decoding step at 4,096 tokens, batch {batch_size:>2}: "
+          f"reads {gqa / GiB:.1f} GiB "
+          f"with 8 KV heads, {mha / GiB:.1f} GiB with 32: {mha / gqa:.2f}× less traffic, not 4×")
+
+# %% [markdown]
+# Llama-2-7B's 64 GiB of cache is five times its own weights; Llama-3-8B's 16 GiB is about as
+# much as its weights. And the 4× smaller cache does *not* make a decoding step read 4× fewer
+# bytes: the weights are read at every step too, so with one sequence the saving is about 1.2×,
+# and it grows towards 4× only as the batch and the context make the cache dominate (about 2.6×
+# at 32 sequences of 4,096 tokens). That is the point of GQA — more and longer sequences per GPU
+# at a small cost in quality, since four query heads now share each key/value head.
 
 # %% [markdown]
 # ### Exercise 5.15 — what GQA saves, in your words (2 pts, ~5 min)
@@ -1108,10 +1209,12 @@ check_kv_cache_bytes(kv_cache_bytes, seed=6401)
 # The KV cache, by contrast, holds *only* keys and values, `2 · L · H_kv · d · S · B` numbers,
 # so it scales with `H_kv` and shrinks by `n_rep = 4`. It also grows with the context length and
 # the batch while the weights do not: at 32 sequences of 4,096 tokens it is 64 GiB with 32 KV
-# heads (16 GiB with 8), several times the ≈ 15 GiB of 16-bit weights. What fits on the GPU —
-# how many sequences, how long — is set by the cache; and each decoding step reads the whole
-# cache from memory, so a 4× smaller cache is also about 4× less memory traffic per generated
-# token.
+# heads and 16 GiB with 8 — about as much as the ≈ 15 GiB of 16-bit weights, and the gap widens
+# with every longer context or larger batch. What fits on the GPU — how many sequences, how long
+# — is set by the cache. Each decoding step reads all the weights and every sequence's whole
+# cache, so the smaller cache also cuts the memory traffic per step, by much less than 4× for a
+# single sequence (≈ 1.2×: the weights dominate) and approaching 4× as the cache grows
+# (≈ 2.6× at 32 × 4,096 tokens).
 
 # %% [markdown]
 # ## What you built

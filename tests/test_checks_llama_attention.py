@@ -149,6 +149,12 @@ class Llama(nn.Module):
         self.k_proj = nn.Linear(hidden, out_kv, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, out_kv, bias=config.attention_bias)
         self.o_proj = nn.Linear(out_q, hidden, bias=config.attention_bias)
+        if "o_proj_square" in self.bugs:  # Linear(D, D): right only when H·head_dim == hidden_size
+            self.o_proj = nn.Linear(hidden, hidden, bias=config.attention_bias)
+        if "o_proj_swapped" in self.bugs:
+            self.o_proj = nn.Linear(hidden, out_q, bias=config.attention_bias)
+        if "kv_with_h_heads" in self.bugs and out_q != hidden:  # (where H·d == D it is the square mistake)
+            self.k_proj = nn.Linear(hidden, out_q, bias=config.attention_bias)
         if "meta_table" in self.bugs:  # not a bug: Meta's float32 angles, complex64 table
             self.table = good_rope_frequencies(d, config.max_position_embeddings, config.rope_theta)
         else:
@@ -185,7 +191,13 @@ class Llama(nn.Module):
         q = self.q_proj(hidden_states).unflatten(-1, (h, d)).transpose(1, 2)
         k = self.k_proj(hidden_states).unflatten(-1, (h_kv, d)).transpose(1, 2)
         v = self.v_proj(hidden_states).unflatten(-1, (h_kv, d)).transpose(1, 2)
+        if "split_reshape" in bugs:  # [B, S, H*d] reshaped straight to [B, H, S, d]
+            q = self.q_proj(hidden_states).reshape(b, h, s, d)
         q, k = self.rope(q, position_ids), self.rope(k, position_ids)
+        if "rope_conjugate" in bugs:  # rotated by -angle: the conjugate table
+            table = self.table.conj()
+            q, k = (good_apply_rope(t, table, position_ids) for t in (self.q_proj(hidden_states).unflatten(
+                -1, (h, d)).transpose(1, 2), self.k_proj(hidden_states).unflatten(-1, (h_kv, d)).transpose(1, 2)))
         if "rope_on_v" in bugs:
             v = self.rope(v, position_ids)
         if (c.use_qk_norm and "no_qk_norm" not in bugs) or "always_qk_norm" in bugs:
@@ -210,9 +222,13 @@ class Llama(nn.Module):
             if "no_mask" not in bugs and not ("mask_only_prefill" in bugs and past > 0):
                 scores = scores.masked_fill(blocked, -math.inf)
             weights = scores.float().softmax(-1).to(scores.dtype) if "softmax_float32" in bugs else scores.softmax(-1)
+            if "softmax_queries" in bugs:
+                weights = scores.softmax(-2).nan_to_num(0.0)
             context = torch.einsum("bhqk,bhkd->bhqd", weights, v)
         merged_width = c.hidden_size if "merge_hidden" in bugs else h * d
         out = context.transpose(1, 2).reshape(b, s, merged_width)
+        if "merge_reshape" in bugs:
+            out = context.reshape(b, s, merged_width)
         if "no_o_proj" not in bugs:
             out = self.o_proj(out)
         if "off_in_float32" in bugs and out.dtype == torch.float32:  # a small error no known mistake explains
@@ -310,7 +326,7 @@ def test_causal_mask_correct_answer_passes():
     (lambda seq_len, device=None: torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril(-1), "diagonal must be True"),
     (lambda seq_len, device=None: torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(), "upper triangle"),
     (lambda seq_len, device=None: torch.full((seq_len, seq_len), -math.inf, device=device).triu(1),
-     "(?s)should be a boolean mask.*not the seed.s float mask"),
+     "(?s)should be a boolean mask.*not the study notes' float mask"),
     (lambda seq_len, device=None: torch.ones(1, seq_len, seq_len, dtype=torch.bool, device=device).tril(), r"shape \[5, 5\], got \[1, 5, 5\]"),
 ])
 def test_causal_mask_mistakes_are_named(wrong, phrase):
@@ -358,6 +374,8 @@ def seed_rope_calculation(head_dim, max_positions, base=10000.0):
     (_frequencies(factor=1.0), "the exponent has a factor 2"),
     (_frequencies(sign=1.0), "the frequencies must decrease"),
     (_frequencies(swap=True), "cos and sin are swapped"),
+    (lambda head_dim, max_positions, base=10000.0: _frequencies()(head_dim, max_positions, base).conj(),
+     r"exp\(-i·p·θ_j\), the conjugate"),
     (_frequencies(fixed_base=10000.0), "use the base argument"),
     (seed_rope_calculation, r"one entry per \*pair\*"),
     (lambda head_dim, max_positions, base=10000.0: torch.outer(torch.arange(max_positions).double(), base ** (-torch.arange(0, head_dim, 2).double() / head_dim)),
@@ -471,6 +489,7 @@ def test_rotate_half_correct_answer_passes():
     (lambda x: torch.cat([x[..., x.shape[-1] // 2:], -x[..., : x.shape[-1] // 2]], -1), "rotate_half sign"),
     (lambda x: torch.cat([x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], -1), "must negate the second half"),
     (lambda x: torch.stack([-x[..., 1::2], x[..., 0::2]], -1).flatten(-2), "works on the two halves"),
+    (lambda x: torch.cat([-x[..., 1::2], x[..., 0::2]], -1), "works on the two halves"),
     (lambda x: good_rotate_half(x).float(), "returned float32, but x is float64"),
 ])
 def test_rotate_half_mistakes_are_named(wrong, phrase):
@@ -525,7 +544,7 @@ def rotate_half_rope_meta_pairs(x, cos, sin):
 
 
 @pytest.mark.parametrize("wrong, phrase", [
-    (lambda x, cos, sin: x * cos[:, None].type_as(x) - good_rotate_half(x) * sin[:, None].type_as(x), "rotate_half sign"),
+    (lambda x, cos, sin: x * cos[:, None].type_as(x) - good_rotate_half(x) * sin[:, None].type_as(x), "pairs turn the wrong way"),
     (lambda x, cos, sin: x * cos + good_rotate_half(x) * sin, "add the head axis"),
     (lambda x, cos, sin: x * cos[:, None] + good_rotate_half(x) * sin[:, None], "cast cos and sin to x.dtype"),
     (rotate_half_rope_meta_pairs, "wrong pairing layout: the rotate_half layout pairs feature j"),
@@ -550,8 +569,9 @@ def inverse_permutation(head_dim):
 
 
 @pytest.mark.parametrize("wrong, phrase", [
-    (inverse_permutation, "that is the inverse permutation"),
+    (inverse_permutation, r"that is the inverse permutation. x\[..., perm\] \*reads\*"),
     (lambda head_dim: torch.arange(0, head_dim, 2).repeat(2), "not even a permutation"),
+    (lambda head_dim: torch.cat([torch.arange(1, head_dim, 2), torch.arange(0, head_dim, 2)]), "the two halves are swapped"),
     (lambda head_dim: good_permutation(head_dim).int(), "should be a LongTensor"),
     (lambda head_dim: good_permutation(head_dim).tolist(), "should be a torch.Tensor, got list"),
 ])
@@ -601,6 +621,8 @@ def test_qk_norm_in_float32_inside_passes_with_a_note(norm, capsys):
      "from-scratch exercise.*rms_norm"),
     (lambda x, eps: good_qk_norm(x, eps).float(), "returned float32, but x is float64"),
     (lambda x, eps: x.pow(2).mean(-1, keepdim=True).sqrt(), "return the normalised x, not the norm"),
+    (lambda x, eps: (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + eps),
+     r"that is LayerNorm \(the mean subtracted"),
 ])
 def test_qk_norm_mistakes_are_named(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -716,6 +738,15 @@ def test_llama_attention_correct_answer_passes():
     ("merge_hidden", "raised RuntimeError"),
     ("no_scale", "the scores are not scaled"),
     ("always_tuple", "should return the output tensor alone"),
+    ("rope_conjugate", "RoPE turns q and k the wrong way"),
+    ("split_reshape", r"split with a reshape straight to \[B, heads, S, head_dim\]"),
+    ("merge_reshape", r"merged with a reshape of \[B, H, S, head_dim\] straight to"),
+    ("softmax_queries", r"the softmax runs over the queries \(dim=-2\)"),
+    ("o_proj_square", r"(?s)head_dim=8, .*o_proj.weight should be \[24, 32\].*got \[24, 24\].*o_proj maps the merged "
+                      r"heads, num_heads·head_dim features, back to hidden_size"),
+    ("o_proj_swapped", r"(?s)o_proj.weight should be \[24, 32\].*the arguments are swapped"),
+    ("kv_with_h_heads", r"(?s)k_proj.weight should be \[16, 24\].*got \[32, 24\].*num_key_value_heads heads, not "
+                        r"num_attention_heads"),
 ])
 def test_llama_attention_mistakes_are_named(bug, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -864,6 +895,9 @@ def _lower_right(fill=None, diagonal_shift=0, upper=False, top_left=False, check
     (lambda q_len, kv_len, device=None: ~good_lower_right(q_len, kv_len, device), "polarity flipped"),
     (_lower_right(diagonal_shift=-1), "the diagonal must be True"),
     (_lower_right(upper=True), "that is the upper triangle"),
+    (lambda q_len, kv_len, device=None: (good_lower_right(q_len, kv_len, device)
+                                         if q_len > kv_len else torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+                                         .tril(q_len - kv_len)), "the diagonal is shifted the wrong way"),
     (_lower_right(fill=-math.inf), "should be a boolean mask"),
     (_lower_right(check_lengths=False), r"causal_mask_lower_right\(3, 2\) should raise ValueError"),
     (lambda q_len, kv_len, device=None: good_lower_right(q_len, kv_len).to("meta") if device is not None
@@ -904,6 +938,8 @@ def test_kv_cache_bytes_correct_answer_passes():
 @pytest.mark.parametrize("wrong, phrase", [
     (lambda L, h, d, s, b, e: L * h * d * s * b * e, r"keys \*and\* values"),
     (lambda L, h, d, s, b, e: 2 * h * d * s * b * e, "multiply by num_layers"),
+    (lambda L, h, d, s, b, e: 8 * good_kv_cache_bytes(L, h, d, s, b, e), "no factor 8 for bits"),
+    (lambda L, h, d, s, b, e: 2 * L * h * d * s * e, "multiply by batch_size"),
     (lambda L, h, d, s, b, e: float(good_kv_cache_bytes(L, h, d, s, b, e)), "should return an int"),
 ])
 def test_kv_cache_bytes_mistakes_are_named(wrong, phrase):

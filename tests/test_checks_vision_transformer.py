@@ -92,6 +92,18 @@ def patchify_view(images, patch_size):
     return blocks.view(b, -1, c * patch_size * patch_size)  # fails: permuted memory
 
 
+def patchify_unfold_channels_in_front(images, patch_size):
+    _require_divisible(images, patch_size)
+    b, c, h, w = images.shape
+    grid = images.unfold(2, patch_size, patch_size).unfold(3, patch_size, patch_size)  # [B, C, h, w, P, P]
+    return grid.reshape(b, (h // patch_size) * (w // patch_size), c * patch_size * patch_size)
+
+
+def patchify_columns_within_patch(images, patch_size):
+    _require_divisible(images, patch_size)
+    return rearrange(images, "b c (h p) (w q) -> b (h w) (c q p)", p=patch_size, q=patch_size)
+
+
 def test_patchify_accepts_other_correct_answers():
     checks.check_patchify(patchify_unfold, **CPU)
     checks.check_patchify(patchify_einops, seed=3, **CPU)
@@ -100,6 +112,8 @@ def test_patchify_accepts_other_correct_answers():
 @pytest.mark.parametrize("answer, match", [
     (patchify_channels_last, r"\(C, P, P\) order"),
     (patchify_column_major, "row-major order"),
+    (patchify_unfold_channels_in_front, "the channel axis was not moved"),
+    (patchify_columns_within_patch, r"flattened column by column \(its two P axes swapped\)"),
     (patchify_plain_reshape, "cuts rows of pixels"),
     (patchify_unfold_no_transpose, r"F.unfold returns \[B, C\*P\*P, N\]"),
     (patchify_no_error, "should raise ValueError"),
@@ -224,6 +238,14 @@ def conv_to_linear_clone(patch_embedding):
     return linear
 
 
+def conv_to_linear_from(patch_embedding, flatten):
+    """conv_to_linear_clone with the weight flattened by ``flatten``."""
+    linear = conv_to_linear_clone(patch_embedding)
+    with torch.no_grad():
+        linear.weight.copy_(flatten(patch_embedding.proj.weight))
+    return linear
+
+
 def conv_to_linear_channels_last(patch_embedding):
     linear = conv_to_linear_clone(patch_embedding)
     with torch.no_grad():
@@ -269,6 +291,25 @@ def conv_to_linear_float32(patch_embedding):
     return conv_to_linear_clone(patch_embedding).float()
 
 
+def conv_to_linear_bias_always(patch_embedding):
+    """Copies the bias whether or not the convolution has one."""
+    conv = patch_embedding.proj
+    linear = nn.Linear(conv.weight[0].numel(), conv.out_channels).to(conv.weight)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.reshape(conv.out_channels, -1))
+        linear.bias.copy_(conv.bias)
+    return linear
+
+
+def conv_to_linear_bias_attribute(patch_embedding):
+    """Creates the Linear without a bias when there is none, then clones the (missing) bias anyway."""
+    conv = patch_embedding.proj
+    linear = nn.Linear(conv.weight[0].numel(), conv.out_channels, bias=conv.bias is not None).to(conv.weight)
+    linear.weight = nn.Parameter(conv.weight.detach().reshape(conv.out_channels, -1).clone())
+    linear.bias = nn.Parameter(conv.bias.detach().clone())
+    return linear
+
+
 def test_conv_to_linear_accepts_other_correct_answer():
     checks.check_conv_to_linear(conv_to_linear_clone, **CPU)
 
@@ -281,6 +322,11 @@ def test_conv_to_linear_accepts_other_correct_answer():
     (conv_to_linear_swapped, r"should return nn.Linear\(12, 5\) \(C\*P\*P in, D out\), got nn.Linear\(5, 12\)"),
     (conv_to_linear_float32, "should keep the input dtype torch.float64"),
     (conv_to_linear_transposed_grid, r"two spatial axes swapped \(P_w, P_h\)"),
+    (lambda patch_embedding: conv_to_linear_from(patch_embedding, lambda w: w.reshape(-1, w.shape[0]).T),
+     r"each row mixes the kernels of several output channels"),
+    (conv_to_linear_bias_always, r"(?s)bias=False.*raised TypeError.*this convolution has no bias \(bias=False\), "
+                                 r"so proj.bias is None"),
+    (conv_to_linear_bias_attribute, r"(?s)raised AttributeError.*so proj.bias is None"),
     (lambda patch_embedding: patch_embedding.proj.weight.flatten(1), r"should return an nn.Linear, got tensor of shape \[5, 12\]"),
 ])
 def test_conv_to_linear_rejects_mistakes(answer, match):
@@ -302,6 +348,8 @@ def test_parameter_count_accepts_other_correct_answer():
     (lambda patch_size, in_channels, embed_dim: embed_dim * in_channels * patch_size ** 2, "forgot the bias"),
     (lambda patch_size, in_channels, embed_dim: embed_dim * patch_size ** 2 + embed_dim, "all C input channels"),
     (lambda patch_size, in_channels, embed_dim: in_channels * patch_size ** 2, "size of one flattened patch"),
+    (lambda patch_size, in_channels, embed_dim: embed_dim * in_channels * patch_size ** 2 + in_channels,
+     r"one number per \*output\* channel"),
     (lambda patch_size, in_channels, embed_dim: float(embed_dim * (in_channels * patch_size ** 2 + 1)), "should return an int"),
 ])
 def test_parameter_count_rejects_mistakes(answer, match):
@@ -675,8 +723,13 @@ def test_mini_vit_numbers_match_torch_transformer_encoder_layer():
 def test_expand_repeat_answer():
     checks.check_answer_expand_repeat("B", **CPU)
     checks.check_answer_expand_repeat(" b ", **CPU)
-    _rejects(checks.check_answer_expand_repeat, "A", "both gradients are identical")
-    _rejects(checks.check_answer_expand_repeat, "C", "Neither averages")
+    _rejects(checks.check_answer_expand_repeat, "A", "still connected to the parameter in autograd's graph")
+    _rejects(checks.check_answer_expand_repeat, "C", "compare the sizes of the two gradients")
+    for wrong in "AC":  # a hint, not the answer: the message neither names B nor states what B says
+        with pytest.raises(CheckFailure) as failure:
+            checks.check_answer_expand_repeat(wrong, **CPU)
+        text = str(failure.value)
+        assert '"B"' not in text and "same gradient" not in text and "adds them up" not in text, text
     _rejects(checks.check_answer_expand_repeat, "D", "should be one of the strings")
     _rejects(checks.check_answer_expand_repeat, None, "not implemented yet")
 
@@ -851,9 +904,55 @@ def train_model_zero_grad(model, train_loader, epochs, lr, device):
     return means
 
 
+def _loop(optimizer="adamw", bookkeeping="mean", lr_factor=1.0, evaluate_after_epoch=False):
+    """A training loop with one choice varied; the defaults make a correct plain AdamW loop."""
+    def train_classifier(model, train_loader, epochs, lr, device):
+        model.to(device).train()
+        params, rate = model.parameters(), lr * lr_factor
+        optimizers = {"adamw": lambda: torch.optim.AdamW(params, lr=rate),
+                      "sgd": lambda: torch.optim.SGD(params, lr=rate),
+                      "sgd_momentum": lambda: torch.optim.SGD(params, lr=rate, momentum=0.9)}
+        opt = optimizers[optimizer]()
+        history, total, count = [], 0.0, 0
+        for _ in range(epochs):
+            if bookkeeping != "not_reset":
+                total, count = 0.0, 0
+            for images, labels in train_loader:
+                loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                total, count = total + loss.item() * len(labels), count + len(labels)
+            if evaluate_after_epoch:  # correct too: the loss of the whole training set after the epoch
+                model.eval()
+                with torch.no_grad():
+                    summed = sum(F.cross_entropy(model(i.to(device)), t.to(device), reduction="sum").item()
+                                 for i, t in train_loader)
+                history.append(summed / len(train_loader.dataset))
+                model.train()
+            else:
+                history.append(loss.item() if bookkeeping == "last_batch" else total / count)
+        return history
+    return train_classifier
+
+
 def test_train_classifier_accepts_other_correct_answer():
     checks.check_train_classifier(train_model_zero_grad, **CPU)
     checks.check_train_classifier(train_plain_adam, **CPU)
+    checks.check_train_classifier(_loop(), **CPU)  # gradient clipping, loss weighted per image
+    checks.check_train_classifier(_loop(evaluate_after_epoch=True), **CPU)
+
+
+@pytest.mark.parametrize("answer, match", [
+    (_loop(bookkeeping="last_batch"), r"(?s)recomputed from what your model was given.*loss of the epoch's last "
+                                      r"batch only"),
+    (_loop(bookkeeping="not_reset"), "running total is not reset at the start of each epoch"),
+    (_loop(optimizer="sgd"), r"(?s)not Adam or AdamW.*plain torch.optim.SGD"),
+    (_loop(optimizer="sgd_momentum"), r"(?s)not Adam or AdamW.*plain torch.optim.SGD"),
+])
+def test_train_classifier_names_bookkeeping_and_optimizer_mistakes(answer, match):
+    _rejects(checks.check_train_classifier, answer, match)
 
 
 @pytest.mark.parametrize("answer, match", [
@@ -878,8 +977,15 @@ def test_outcome_accepts_plain_adam_loop_and_the_alternative_model(capsys):
 
 def test_outcome_rejects_a_loop_that_does_not_learn():
     with pytest.raises(CheckFailure, match="barely went down") as failure:
-        checks.check_train_classifier_outcome(train_sgd_tiny_lr, MiniViTAlt, **CPU)
+        checks.check_train_classifier_outcome(_loop(lr_factor=1e-3), MiniViTAlt, **CPU)
     assert "It should reach at least 90%" in str(failure.value)
+
+
+def test_outcome_names_the_optimizer_when_plain_sgd_does_not_learn():
+    with pytest.raises(CheckFailure, match=r"(?s)It should reach at least 90%.*train_classifier fails its own check "
+                                          r"\(test_train_classifier\): the first update moved each weight in "
+                                          r"proportion to its gradient"):
+        checks.check_train_classifier_outcome(train_sgd_tiny_lr, MiniViTAlt, **CPU)
 
 
 def train_on_one_batch(model, train_loader, epochs, lr, device):
@@ -964,6 +1070,9 @@ def test_pool_tokens_accepts_other_correct_answers():
     (_pool_wrong(lambda t: t[:, 1:].mean(dim=1), cls=lambda t: t[:, -1]), "the class token is token 0"),
     (_pool_wrong(lambda t: t[:, 1:].mean(dim=1), cls=lambda t: t[:, :1]), r"an integer index drops the axis"),
     (_pool_wrong(lambda t: t[:, 1:].mean(dim=-1)), "average over the tokens"),
+    (_pool_wrong(lambda t: t[:, -1]), r"pool='mean' returned the last token"),
+    (_pool_wrong(lambda t: t[:, 0]), r"pool='mean' returned the class token"),
+    (_pool_wrong(lambda t: t[:, 1:-1].mean(dim=1)), r"leaves out the last patch token"),
     (lambda tokens, pool="cls": tokens[:, 0] if pool == "cls" else tokens[:, 1:].mean(1), "should raise ValueError"),
 ])
 def test_pool_tokens_rejects_mistakes(answer, match):
@@ -1166,6 +1275,17 @@ def test_attention_rollout_accepts_float32_internals_with_a_note(answer, note, c
     assert "✓ attention_rollout" in printed and note in printed
 
 
+def rollout_columns_renormalised(attentions):
+    batch, _, seq_len, _ = attentions[0].shape
+    eye = torch.eye(seq_len, dtype=attentions[0].dtype)
+    result = eye.expand(batch, seq_len, seq_len)
+    for attention in attentions:
+        mixed = attention.mean(dim=1) + eye
+        result = (mixed / mixed.sum(dim=-2, keepdim=True)) @ result
+    grid = math.isqrt(seq_len - 1)
+    return result[:, 0, 1:].reshape(batch, grid, grid)
+
+
 @pytest.mark.parametrize("answer, match", [
     (rollout_reversed, "the product is in the wrong order"),
     (rollout_no_identity, "the residual connection is missing"),
@@ -1178,6 +1298,7 @@ def test_attention_rollout_accepts_float32_internals_with_a_note(answer, note, c
     (rollout_with_cls, r"you kept column 0 \(\[CLS\] to itself\)"),
     (rollout_column, "you took column 0 of the rollout"),
     (rollout_transposed, "the grid is transposed: patch n goes to row n // grid"),
+    (rollout_columns_renormalised, r"each column was renormalised"),
 ])
 def test_attention_rollout_rejects_mistakes(answer, match):
     _rejects(checks.check_attention_rollout, answer, match)

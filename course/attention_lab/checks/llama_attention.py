@@ -51,20 +51,23 @@ HINTS = {
     "mask_polarity": "polarity flipped: True means 'may attend' (the past and the token itself).",
     "mask_diagonal": "the diagonal must be True: each token may attend to itself.",
     "mask_upper": "that is the upper triangle: a query may see the keys at or *before* it (tril, not triu).",
-    "mask_not_boolean": "masks in this course are boolean (True = may attend), not the seed's float mask of 0 and "
-    "-inf.",
+    "mask_not_boolean": "masks in this course are boolean (True = may attend), not the study notes' float mask "
+    "of 0 and -inf.",
     "mask_top_left": "that is the top-left alignment of is_causal=True: query i sees keys 0 … i. The queries are "
     "the *last* q_len of the kv_len tokens, so query i is token kv_len - q_len + i and sees keys 0 … "
     "kv_len - q_len + i: tril(diagonal=kv_len - q_len).",
+    "mask_offset_sign": "the diagonal is shifted the wrong way: tril(diagonal=q_len - kv_len) hides even more "
+    "keys. The queries come *after* the kv_len - q_len earlier tokens, so shift it up: "
+    "tril(diagonal=kv_len - q_len).",
     # RoPE frequencies and layouts
     "not_complex": "build the complex numbers with torch.polar(torch.ones_like(angles), angles) (one unit complex "
     "number cos φ + i·sin φ per position and pair).",
     "factor_two": "θ_j = base^(-2j/head_dim): the exponent has a factor 2 (j counts pairs, 2j is the "
-    "feature index). torch.arange(0, head_dim, 2) / head_dim gives 2j/head_dim directly.",
+    "feature index); torch.arange(0, head_dim, 2) / head_dim gives 2j/head_dim directly.",
     "positive_exponent": "the frequencies must decrease: θ_j = base^(-2j/head_dim) = 1 / base^(2j/head_dim), "
     "not base^(+2j/head_dim).",
     "cos_sin_swapped": "cos and sin are swapped: exp(iφ) = cos φ + i·sin φ (real part cos, imaginary part sin).",
-    "duplicated_table": "the complex table has one entry per *pair*: [max_positions, head_dim // 2]. The seed's "
+    "duplicated_table": "the complex table has one entry per *pair*: [max_positions, head_dim // 2]. The notes' "
     "torch.cat((freqs, freqs)) belongs to the rotate_half layout (and its [..., :d/2] slice just undoes it).",
     "base_ignored": "use the base argument (config.rope_theta), not a hard-coded 10000.",
     "pairing_half": "wrong pairing layout: the Meta layout rotates adjacent features (2j, 2j+1) as one complex "
@@ -78,11 +81,18 @@ HINTS = {
     "[B, S, head_dim/2]; add the head axis ([:, None]) rather than using one row for the whole batch.",
     "negative_angle": "you rotate by -angle (the conjugate): multiply by freqs_cis = exp(+i·p·θ), i.e. "
     "(a, b) -> (a·cos - b·sin, a·sin + b·cos).",
-    "downcast": "do not convert to float32 (the seed's xq.float()): it silently downcasts float64. Compute in "
+    "downcast": "do not convert to float32 (the notes' xq.float()): it silently downcasts float64. Compute in "
     "torch.promote_types(x.dtype, torch.float32) (float64 stays float64; half precision goes up to float32) "
     "and return .to(x.dtype).",
     "rotate_half_sign": "rotate_half sign: rotate_half(x) = cat(-x2, x1) with x1, x2 the two halves, so that "
     "x*cos + rotate_half(x)*sin rotates each pair (x1_j, x2_j) by +angle.",
+    "rope_conjugate_half": "the pairs turn the wrong way (by -angle, the conjugate rotation). With "
+    "rotate_half(x) = cat(-x2, x1), the rotation by +angle is x*cos + rotate_half(x)*sin: a minus before the sin "
+    "term turns each pair backwards.",
+    "conjugate_table": "the table holds exp(-i·p·θ_j), the conjugate: its sines have the wrong sign, so every pair "
+    "would turn backwards; torch.polar(torch.ones_like(angles), angles) gives exp(+i·p·θ_j).",
+    "rope_conjugate": "RoPE turns q and k the wrong way (by -position·θ_j: the conjugate table, freqs_cis.conj(), "
+    "or a minus before the sin term). Each pair must turn by +position·θ_j, as apply_rope does.",
     "rotate_half_no_negation": "rotate_half must negate the second half: cat(-x2, x1), not cat(x2, x1).",
     "head_axis": "cos and sin are [B, S, head_dim] while x is [B, H, S, head_dim]: add the head axis "
     "(cos[:, None], or cos.unsqueeze(1)) so one rotation is shared by all heads.",
@@ -95,10 +105,17 @@ HINTS = {
     "rotate_half_adjacent": "rotate_half works on the two halves (j, j + d/2), not on adjacent pairs.",
     "cos_sin_width": "the rotate_half tables have head_dim columns: cat((angles, angles), dim=-1).",
     "not_a_permutation": "it is not even a permutation of 0 … head_dim - 1.",
-    "inverse_permutation": "that is the inverse permutation. x[..., perm] puts feature perm[i] at place i: first "
-    "the first element of every pair (0, 2, 4, ...), then the second (1, 3, 5, ...).",
+    "inverse_permutation": "that is the inverse permutation. x[..., perm] *reads* feature perm[i] into place i; "
+    "your list says where each feature goes to instead.",
     # QK norm
-    "l2": "that is L2 normalisation (output norm 1). qk_norm is RMS normalisation: divide by "
+    "layer_norm": "that is LayerNorm (the mean subtracted, divided by the standard deviation). RMS "
+    "normalisation does not centre: x * rsqrt(mean(x²) + eps), with no mean subtracted.",
+    "odd_first": "the two halves are swapped: the first half of the places holds the *first* elements of the "
+    "pairs, the second half their second elements.",
+    "bytes_bits": "that is 8 times too much: the answer is in bytes, and bytes_per_element is already in bytes "
+    "(2 for 16-bit numbers), with no factor 8 for bits.",
+    "bytes_no_batch": "every sequence of the batch has its own keys and values: multiply by batch_size.",
+    "l2": "that is L2 normalisation (output norm 1), but qk_norm is RMS normalisation: divide by "
     "sqrt(mean(x²) + eps), so the output's norm is sqrt(head_dim), not 1.",
     "eps_outside": "eps placement: eps goes inside the square root, x * rsqrt(mean(x²) + eps), not "
     "x / (sqrt(mean(x²)) + eps).",
@@ -107,13 +124,27 @@ HINTS = {
     "norm_returned": "return the normalised x, not the norm itself.",
     # GQA
     "tiled": "tiled KV repeat: query head h uses KV head h // n_rep, so each KV head is repeated n_rep times "
-    "*consecutively* (k0, k0, k0, k1, k1, k1, ...). x.repeat(1, n_rep, 1, 1) tiles (k0, k1, ..., k0, k1, ...). "
+    "*consecutively* (k0, k0, k0, k1, k1, k1, ...), while x.repeat(1, n_rep, 1, 1) tiles (k0, k1, ..., k0, k1, ...). "
     "Use x[:, :, None].expand(...).reshape(...) or repeat_interleave(n_rep, dim=1).",
     "repeat_sequence_axis": "repeat along the head axis (dim 1), not the sequence axis.",
     "repeat_not_merged": "merge the (H_kv, n_rep) axes into one: .reshape(B, H_kv * n_rep, S, d).",
     # LlamaAttention
     "square_projections": "the projections' width is heads × head_dim, not hidden_size (head_dim is independent "
     "of hidden_size).",
+    "o_proj_square": "o_proj maps the merged heads, num_heads·head_dim features, back to hidden_size: "
+    "nn.Linear(num_heads * head_dim, hidden_size). Here num_heads·head_dim is not hidden_size (head_dim is a "
+    "field of its own), so Linear(hidden_size, hidden_size) does not fit.",
+    "linear_in_out": "nn.Linear(in_features, out_features) stores its weight as [out, in]: the arguments are "
+    "swapped.",
+    "kv_heads": "k_proj and v_proj have num_key_value_heads heads, not num_attention_heads: "
+    "nn.Linear(hidden_size, num_key_value_heads * head_dim).",
+    "split_no_transpose": "the heads are split with a reshape straight to [B, heads, S, head_dim]: that cuts "
+    "the projection's memory into blocks that mix tokens. View it as [B, S, heads, head_dim] first, then "
+    "transpose(1, 2).",
+    "merge_no_transpose": "the heads are merged with a reshape of [B, H, S, head_dim] straight to [B, S, H·head_dim], "
+    "which mixes tokens: transpose(1, 2) back to [B, S, H, head_dim] first, then reshape.",
+    "softmax_queries": "the softmax runs over the queries (dim=-2): each query's weights over the keys must sum "
+    "to 1, so softmax over the last axis (dim=-1).",
     "no_o_proj": "the output projection is missing: apply self.o_proj to the merged heads.",
     "rope_on_v": "RoPE applied to V: rotate only the queries and keys (positions enter through q·k); the values "
     "are not rotated.",
@@ -123,7 +154,7 @@ HINTS = {
     "no_scale": "the scores are not scaled: divide q @ kᵀ by sqrt(head_dim).",
     "qk_norm_missing": "QK norm is missing: with config.use_qk_norm, apply qk_norm to q and k (after RoPE).",
     "qk_norm_unwanted": "QK norm must be skipped when config.use_qk_norm is False.",
-    "eps_config": "use config.rms_norm_eps as qk_norm's eps (the seed's SimpleL2Norm used its own 1e-6).",
+    "eps_config": "use config.rms_norm_eps as qk_norm's eps (the notes' SimpleL2Norm used its own 1e-6).",
     # KV cache
     "cache_offset": "missing cache offset: new tokens continue the positions of the cached ones, "
     "position_ids = kv_cache.seq_len + arange(S) (read seq_len *before* updating the cache).",
@@ -332,7 +363,8 @@ def _expect_mask(mask: torch.Tensor, call: str, q_len: int, kv_len: int) -> None
     if torch.equal(mask, expected):
         return
     known = [(~expected, "mask_polarity"), (key < query + offset, "mask_diagonal"),
-             (key >= query + offset, "mask_upper"), (key <= query, "mask_top_left")]
+             (key >= query + offset, "mask_upper"), (key <= query, "mask_top_left"),
+             (key <= query - offset, "mask_offset_sign")]
     hint_name = next((name for wrong, name in known if torch.equal(mask, wrong)), None)
     rows = "\n".join("    " + " ".join("1" if v else "0" for v in row[:16]) for row in mask.int().tolist()[:6])
     rule = "key <= query" if offset == 0 else f"key j <= query i + {offset}"
@@ -384,7 +416,7 @@ def check_rope_frequencies(rope_frequencies: Callable, *, seed: int = 0, device:
             raise CheckFailure(f"{call} should return a complex tensor, got {describe(table)}.{_likely('not_complex')}")
         expect_tensor(table, what=call, shape=(max_positions, head_dim // 2),
                       hints={(max_positions, head_dim): HINTS["duplicated_table"]})
-        real = torch.view_as_real(table)  # [P, d/2, 2]: (cos, sin)
+        real = torch.view_as_real(table.resolve_conj())  # [P, d/2, 2]: (cos, sin); a lazy .conj() resolved
         expected = torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128))
         variants = [
             Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128, factor=1.0)),
@@ -392,6 +424,7 @@ def check_rope_frequencies(rope_frequencies: Callable, *, seed: int = 0, device:
             Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, base, dtype=torch.complex128, sign=1.0)),
                     HINTS["positive_exponent"]),
             Variant(lambda: expected.flip(-1), HINTS["cos_sin_swapped"]),
+            Variant(lambda: expected * torch.tensor([1.0, -1.0], dtype=torch.float64), HINTS["conjugate_table"]),
         ]
         if base != 10000.0:
             variants.append(Variant(lambda: torch.view_as_real(_complex_table(head_dim, max_positions, 10000.0, dtype=torch.complex128)),
@@ -415,7 +448,7 @@ def _rope_variants(x, position_ids, base, layout, rope_fn: Callable) -> list[Var
         Variant(lambda: rope_fn(x, position_ids, other, 1.0),
                 HINTS["pairing_half"] if layout == "interleaved" else HINTS["pairing_interleaved"]),
         Variant(lambda: rope_fn(x, position_ids, layout, -1.0),
-                HINTS["negative_angle"] if layout == "interleaved" else HINTS["rotate_half_sign"]),
+                HINTS["negative_angle"] if layout == "interleaved" else HINTS["rope_conjugate_half"]),
     ]
     if not torch.equal(position_ids, arange):
         variants.append(Variant(lambda: rope_fn(x, arange, layout, 1.0), HINTS["positions_ignored"]))
@@ -444,7 +477,7 @@ def _check_apply_rope_once(apply_rope: Callable, x: torch.Tensor, table: torch.T
     rtol, atol = tolerance(x.dtype, x.device)
     atol = max(atol, _angle_atol(x.dtype, max_position, float(x.abs().max())))
     expect_true(torch.equal(x, x_before), f"{call} changed x in place; return a new tensor instead.")
-    # The exercise asks to keep float64 throughout: float32 internals (the seed's xq.float()) fail here.
+    # The exercise asks to keep float64 throughout: float32 internals (the notes' xq.float()) fail here.
     expect_close(out, _rope_reference(x, position_ids, base), what=call,
                  against="each pair (x[2j], x[2j+1]) rotated by the angle position·θ_j",
                  variants=_rope_variants(x, position_ids, base, "interleaved",
@@ -462,7 +495,7 @@ def check_apply_rope(apply_rope: Callable, *, seed: int = 0, device: torch.devic
     table64 = _complex_table(8, 64, base, dtype=torch.complex128, device=device)
     table32 = _complex_table(8, 64, base, dtype=torch.complex64, device=device)
     positions = torch.tensor([[3, 4, 5, 6, 7], [0, 2, 4, 6, 8]], device=device)
-    # float64 first: it must stay float64 (the seed's .float() would downcast it).
+    # float64 first: it must stay float64 (the notes' .float() would downcast it).
     _check_apply_rope_once(apply_rope, randn(2, 3, 5, 8, generator=generator, device=device), table64, positions, base)
     positions = torch.tensor([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]], device=device)
     _check_apply_rope_once(apply_rope, randn(2, 4, 6, 8, generator=generator, dtype=torch.float32, device=device),
@@ -541,7 +574,8 @@ def check_rotate_half(rotate_half: Callable, *, seed: int = 0, device: torch.dev
         expect_close(out, _rotate_half_reference(x), what=call, against="cat(-x2, x1) of the halves x1, x2",
                      variants=[Variant(torch.cat([x2, -x1], dim=-1), HINTS["rotate_half_sign"]),
                                Variant(torch.cat([x2, x1], dim=-1), HINTS["rotate_half_no_negation"]),
-                               Variant(torch.stack([-odd, even], dim=-1).flatten(-2), HINTS["rotate_half_adjacent"])])
+                               Variant(torch.stack([-odd, even], dim=-1).flatten(-2), HINTS["rotate_half_adjacent"]),
+                               Variant(torch.cat([-odd, even], dim=-1), HINTS["rotate_half_adjacent"])])
     twice = call_student(rotate_half, call_student(rotate_half, cases[0], call="rotate_half(x)"), call="rotate_half(rotate_half(x))")
     expect_close(twice, -cases[0].double(), what="rotate_half(rotate_half(x))", against="-x (two quarter turns)")
 
@@ -658,11 +692,19 @@ def check_interleave_to_half_permutation(interleave_to_half_permutation: Callabl
             hint = ""
             if torch.equal(got, inverse):
                 hint = _likely("inverse_permutation")
+            elif torch.equal(got, expected.roll(head_dim // 2)):
+                hint = _likely("odd_first")
             elif not torch.equal(got.sort().values, torch.arange(head_dim)):
                 hint = _likely("not_a_permutation")
             shown = got.tolist()[:16]
-            raise CheckFailure(f"{call} should be {expected.tolist()[:16]}{' ...' if head_dim > 16 else ''}, "
-                               f"got {shown}{' ...' if head_dim > 16 else ''}.{hint}")
+            # Say where it goes wrong, not the whole answer (deriving it is the exercise).
+            place = int((got != expected).nonzero()[0]) if got.shape == expected.shape else 0
+            pair, which = (place, "first") if place < head_dim // 2 else (place - head_dim // 2, "second")
+            raise CheckFailure(
+                f"{call} returned {shown}{' ...' if head_dim > 16 else ''}: not the order under which the two "
+                f"layouts agree. Place {place} holds feature {shown[place] if place < len(shown) else '?'}, but "
+                f"rotate_half keeps the {which} element of its pair {pair} at place {place}, and Meta's pair "
+                f"{pair} is features ({2 * pair}, {2 * pair + 1}).{hint}")
     # The point of it: the layouts agree after permuting features, or rows of W_q and W_k per head.
     head_dim, heads, hidden = 8, 3, 12
     perm = call_student(interleave_to_half_permutation, head_dim, call="interleave_to_half_permutation(8)").to(device)
@@ -702,6 +744,7 @@ def _qk_norm_variants(x: torch.Tensor, eps: float) -> list[Variant]:
         Variant(lambda: x64 * torch.rsqrt(x64.pow(2).sum(-1, keepdim=True) + eps), HINTS["l2"]),
         Variant(lambda: x64 / (mean_square.sqrt() + eps), HINTS["eps_outside"]),
         Variant(lambda: x64 / mean_square.sqrt(), HINTS["eps_ignored"]),
+        Variant(lambda: F.layer_norm(x64, (x64.shape[-1],), eps=eps), HINTS["layer_norm"]),
     ]
     if x.dim() >= 2 and x.shape[-2] > 1:
         variants.append(Variant(lambda: x64 * torch.rsqrt(x64.pow(2).mean(-2, keepdim=True) + eps), HINTS["norm_axis"]))
@@ -835,10 +878,31 @@ def check_kv_cache(KVCache: Callable, *, seed: int = 0, device: torch.device | N
 # --------------------------------------------------------------------------------------
 
 
+_SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
 def _config_text(config: _Config) -> str:
-    changed = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
-               if getattr(config, f.name) != f.default]
-    return "LlamaAttention(config" + (" with " + ", ".join(changed) if changed else "") + ")"
+    """The config as the message shows it: the four sizes that set the shapes always, the rest if changed."""
+    shown = [f"{name}={getattr(config, name)!r}" for name in _SHAPE_FIELDS]
+    shown += [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
+              if f.name not in _SHAPE_FIELDS and getattr(config, f.name) != f.default]
+    return "LlamaAttention(config with " + ", ".join(shown) + ")"
+
+
+def _projection_hint(name: str, got: tuple, config: _Config) -> str:
+    """The likely mistake behind a projection of the wrong shape, or ""."""
+    h, h_kv, d, hidden = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+    heads = h if name in ("q_proj", "o_proj") else h_kv
+    if name == "o_proj" and got == (hidden, hidden):
+        return _likely("o_proj_square")
+    if name != "o_proj" and got == (hidden, hidden):
+        return _likely("square_projections")
+    swapped = (h * d, hidden) if name == "o_proj" else (hidden, heads * d)
+    if got == swapped:
+        return _likely("linear_in_out")
+    if name in ("k_proj", "v_proj") and got == (h * d, hidden):
+        return _likely("kv_heads")
+    return ""
 
 
 def _build_llama(cls: Callable, config: _Config, device: torch.device, dtype: torch.dtype,
@@ -851,9 +915,7 @@ def _build_llama(cls: Callable, config: _Config, device: torch.device, dtype: to
     for name, shape in shapes.items():
         layer = getattr(module, name, None)
         expect_true(isinstance(layer, nn.Linear), f"{label} should have an attribute {name} that is an nn.Linear, got {describe(layer)}.")
-        hint = ""
-        if name != "o_proj" and tuple(layer.weight.shape) == (hidden, hidden):
-            hint = _likely("square_projections")
+        hint = _projection_hint(name, tuple(layer.weight.shape), config)
         expect_true(tuple(layer.weight.shape) == shape,
                     f"{label}.{name}.weight should be {shape_str(shape)} (nn.Linear stores [out, in]), got "
                     f"{shape_str(layer.weight.shape)}.{hint}")
@@ -877,7 +939,9 @@ def _linear64(layer: nn.Linear):
 def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positions: torch.Tensor,
                      n_new: int | None = None, *, mask: str = "causal", layout: str = "interleaved",
                      repeat: str = "consecutive", rope_on_v: bool = False, o_proj: bool = True,
-                     scale: float | None = None, norm: str | None = None, eps: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, norm: str | None = None, eps: float | None = None,
+                     angle_sign: float = 1.0, split: str = "transpose", merge: str = "transpose",
+                     softmax_axis: int = -1) -> torch.Tensor:
     """LlamaAttention's output for the last n_new tokens of x [B, T, hidden] (earlier ones cached).
 
     q/k/v from the module's projections, RoPE as pair rotations, QK norm from F.rms_norm, attention from
@@ -889,13 +953,18 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
     positions = positions.to("cpu")
     b, t, _ = x.shape
     n_new = t if n_new is None else n_new
-    q = F.linear(x[:, t - n_new:], *_linear64(module.q_proj)).view(b, n_new, h, d).transpose(1, 2)  # [B, H, n, d]
-    k = F.linear(x, *_linear64(module.k_proj)).view(b, t, h_kv, d).transpose(1, 2)  # [B, H_kv, T, d]
-    v = F.linear(x, *_linear64(module.v_proj)).view(b, t, h_kv, d).transpose(1, 2)
-    q = _rope_reference(q, positions[:, t - n_new:], config.rope_theta, layout)
-    k = _rope_reference(k, positions, config.rope_theta, layout)
+    q = F.linear(x[:, t - n_new:], *_linear64(module.q_proj))  # [B, n, H*d]
+    k, v = F.linear(x, *_linear64(module.k_proj)), F.linear(x, *_linear64(module.v_proj))  # [B, T, H_kv*d]
+    # split="reshape" (all three) or "reshape_q": heads cut in memory order, the sequence axis never moved.
+    q = q.reshape(b, h, n_new, d) if split != "transpose" else q.view(b, n_new, h, d).transpose(1, 2)  # [B, H, n, d]
+    if split == "reshape":
+        k, v = k.reshape(b, h_kv, t, d), v.reshape(b, h_kv, t, d)
+    else:
+        k, v = k.view(b, t, h_kv, d).transpose(1, 2), v.view(b, t, h_kv, d).transpose(1, 2)  # [B, H_kv, T, d]
+    q = _rope_reference(q, positions[:, t - n_new:], config.rope_theta, layout, angle_sign)
+    k = _rope_reference(k, positions, config.rope_theta, layout, angle_sign)
     if rope_on_v:
-        v = _rope_reference(v, positions, config.rope_theta, layout)
+        v = _rope_reference(v, positions, config.rope_theta, layout, angle_sign)
     norm = norm or ("rms" if config.use_qk_norm else "none")
     eps = config.rms_norm_eps if eps is None else eps
     if norm == "rms":
@@ -908,7 +977,13 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
         k, v = k[:, :, t - n_new:], v[:, :, t - n_new:]
     keys = k.shape[-2]
     enable_gqa = k.shape[1] != h
-    if mask == "causal" and keys == n_new:
+    if softmax_axis != -1:  # written out: SDPA has no softmax over the queries
+        k_all = k.repeat_interleave(h // k.shape[1], dim=1)
+        v_all = v.repeat_interleave(h // v.shape[1], dim=1)
+        scores = q @ k_all.transpose(-2, -1) * (1 / math.sqrt(d) if scale is None else scale)
+        allowed = torch.arange(keys)[None, :] <= torch.arange(n_new)[:, None] + (keys - n_new)
+        out = scores.masked_fill(~allowed, -math.inf).softmax(dim=softmax_axis).nan_to_num(0.0) @ v_all
+    elif mask == "causal" and keys == n_new:
         out = reference_sdpa(q, k, v, is_causal=True, enable_gqa=enable_gqa, scale=scale)
     else:
         query_index = torch.arange(n_new)[:, None]
@@ -918,7 +993,7 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
                      "none": None,
                      "new_only": key_index <= query_index}[mask]
         out = reference_sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, scale=scale)
-    out = out.transpose(1, 2).reshape(b, n_new, h * d)  # [B, n, H*d]
+    out = out.reshape(b, n_new, h * d) if merge == "reshape" else out.transpose(1, 2).reshape(b, n_new, h * d)
     if o_proj:
         return F.linear(out, *_linear64(module.o_proj))
     return out if h * d == config.hidden_size else None
@@ -944,6 +1019,11 @@ def _llama_variants(module, config, x, positions, n_new=None, chunk_positions=No
         variant(HINTS["scale_hidden"], scale=1 / math.sqrt(config.hidden_size)),
         variant(HINTS["no_scale"], scale=1.0),
         variant(HINTS["pairing_half"], layout="half"),
+        variant(HINTS["rope_conjugate"], angle_sign=-1.0),
+        variant(HINTS["split_no_transpose"], split="reshape"),
+        variant(HINTS["split_no_transpose"], split="reshape_q"),
+        variant(HINTS["merge_no_transpose"], merge="reshape"),
+        variant(HINTS["softmax_queries"], softmax_axis=-2),
     ]
     if h_kv > 1 and h > h_kv:
         variants.append(variant(HINTS["tiled"], repeat="tiled"))
@@ -1209,6 +1289,10 @@ def check_kv_cache_bytes(kv_cache_bytes: Callable, *, seed: int = 0, device: tor
             hint = _likely("bytes_keys_only")
         elif case[0] > 1 and got * case[0] == expected:
             hint = _likely("bytes_one_layer")
+        elif got == 8 * expected:
+            hint = _likely("bytes_bits")
+        elif case[4] > 1 and got * case[4] == expected:
+            hint = _likely("bytes_no_batch")
         expect_true(got == expected, f"{call} should be {expected:,} bytes, got {got:,}.{hint}")
 
 

@@ -114,6 +114,11 @@ PATCHIFY_HINTS = {
     "plain_reshape": "a plain reshape of the image to [B, N, C*P*P] cuts rows of pixels, not square patches. "
     "View the image as [B, C, H/P, P, W/P, P], permute, then reshape.",
     "unfold_axes": "F.unfold returns [B, C*P*P, N] (patches in the columns): transpose(1, 2) to get [B, N, C*P*P].",
+    "channels_not_moved": "the channel axis was not moved. Cutting the grid (e.g. images.unfold(2, P, P).unfold(3, "
+    "P, P)) gives [B, C, H/P, W/P, P, P], with C still in front of the grid axes, so a reshape to [B, N, C*P*P] "
+    "mixes channels and patches. Permute C next to the two P axes first: [B, H/P, W/P, C, P, P].",
+    "patch_transposed": "each patch is flattened column by column (its two P axes swapped). Flatten it row by "
+    "row, like block.reshape(-1) of a [C, P, P] block: the pixel row axis before the pixel column axis.",
 }
 
 
@@ -129,6 +134,11 @@ def _check_patchify_once(patchify: Callable, images: torch.Tensor, patch_size: i
         Variant(lambda: _patches_channels_last(images, patch_size), PATCHIFY_HINTS["channels_last"]),
         Variant(lambda: _patches_column_major(images, patch_size), PATCHIFY_HINTS["column_major"]),
         Variant(lambda: images.reshape(batch, num_patches, patch_dim), PATCHIFY_HINTS["plain_reshape"]),
+        Variant(lambda: images.unfold(2, patch_size, patch_size).unfold(3, patch_size, patch_size)
+                .reshape(batch, num_patches, patch_dim), PATCHIFY_HINTS["channels_not_moved"]),
+        Variant(lambda: images.reshape(batch, channels, height // patch_size, patch_size, width // patch_size,
+                                       patch_size).permute(0, 2, 4, 1, 5, 3).reshape(batch, num_patches, patch_dim),
+                PATCHIFY_HINTS["patch_transposed"]),
     ]
     if patch_dim == num_patches:
         variants.append(Variant(lambda: F.unfold(images, patch_size, stride=patch_size), PATCHIFY_HINTS["unfold_axes"]))
@@ -167,7 +177,7 @@ PATCH_EMBEDDING_HINTS = {
     "Finish with .transpose(1, 2) to get tokens [B, N, D].",
     "reshape_not_transpose": "you reshaped the [B, D, N] convolution output to [B, N, D]. The shape is "
     "right but tokens are scrambled: reshape reads memory in order. Use .transpose(1, 2).",
-    "column_major": "your tokens are in column-major patch order. conv(x).flatten(2) already gives "
+    "column_major": "your tokens are in column-major patch order, but conv(x).flatten(2) already gives "
     "row-major order: do not transpose the grid axes.",
 }
 
@@ -247,11 +257,16 @@ class _ReferencePatchEmbedding(nn.Module):
 
 
 CONV_TO_LINEAR_HINTS = {
-    "channels_last": "your weight is flattened in (P, P, C) order. patchify flattens each patch in "
+    "channels_last": "your weight is flattened in (P, P, C) order, but patchify flattens each patch in "
     "(C, P, P) order, so flatten the kernel the same way: proj.weight.reshape(D, -1).",
     "transposed_grid": "your weight flattens each kernel with its two spatial axes swapped (P_w, P_h). "
     "Keep the kernel's own order: proj.weight.reshape(D, -1).",
     "no_bias": "the Linear's bias is missing (or zero): copy proj.bias too; the patch embedding has D biases.",
+    "bias_none": "this convolution has no bias (bias=False), so proj.bias is None. Create the Linear with "
+    "bias=proj.bias is not None, and copy the bias only when there is one.",
+    "reshape_then_transpose": "proj.weight.reshape(-1, D).T reads the [D, C, P, P] weight in memory order into "
+    "rows of D numbers, so each row mixes the kernels of several output channels. The first axis is already D: "
+    "proj.weight.reshape(D, -1) keeps each output channel's kernel in its own row.",
     "shares_memory": "the Linear's weight shares memory with proj.weight (a reshape is a view): changing one "
     "changes the other. Copy the values: linear.weight.copy_(...) under torch.no_grad(), or .clone().",
 }
@@ -272,7 +287,12 @@ def check_conv_to_linear(conv_to_linear: Callable, *, seed: int = 0, device: tor
         patch_dim = channels * patch_size * patch_size
         call = (f"conv_to_linear(patch_embedding) with proj = Conv2d({channels}, {embed_dim}, kernel_size={patch_size}, "
                 f"stride={patch_size}, bias={bias}) in {str(dtype).replace('torch.', '')}")
-        linear = call_student(conv_to_linear, reference, call=call)
+        try:
+            linear = call_student(conv_to_linear, reference, call=call)
+        except CheckFailure as failure:
+            if not bias and "NoneType" in str(failure):
+                raise CheckFailure(f"{failure}\n  Likely mistake: {CONV_TO_LINEAR_HINTS['bias_none']}") from None
+            raise
         expect_true(isinstance(linear, nn.Linear), f"{call} should return an nn.Linear, got {describe(linear)}.")
         expect_true(linear.in_features == patch_dim and linear.out_features == embed_dim,
                     f"{call} should return nn.Linear({patch_dim}, {embed_dim}) (C*P*P in, D out), got "
@@ -287,7 +307,9 @@ def check_conv_to_linear(conv_to_linear: Callable, *, seed: int = 0, device: tor
                      variants=[Variant(conv.weight.detach().permute(0, 2, 3, 1).reshape(embed_dim, -1),
                                        CONV_TO_LINEAR_HINTS["channels_last"]),
                                Variant(conv.weight.detach().transpose(2, 3).reshape(embed_dim, -1),
-                                       CONV_TO_LINEAR_HINTS["transposed_grid"])])
+                                       CONV_TO_LINEAR_HINTS["transposed_grid"]),
+                               Variant(conv.weight.detach().reshape(-1, embed_dim).T,
+                                       CONV_TO_LINEAR_HINTS["reshape_then_transpose"])])
         if bias:
             expect_true(linear.bias is not None, f"{call}: the Linear has no bias.\n  Likely mistake: {CONV_TO_LINEAR_HINTS['no_bias']}")
             expect_close(linear.bias, conv.bias, what=f"the bias of {call}", against="proj.bias",
@@ -313,6 +335,8 @@ PARAMETER_COUNT_HINTS = {
     "no_bias": "you counted the weights D*C*P*P but forgot the bias: Conv2d (like nn.Linear) adds one bias per "
     "output channel, D more.",
     "no_channels": "each kernel covers all C input channels: D*C*P*P weights.",
+    "bias_per_input_channel": "the bias has one number per *output* channel (D of them), not per input "
+    "channel (C): D*C*P*P + D.",
     "one_patch": "that is the size of one flattened patch; the layer maps it to D outputs: D*C*P*P weights + D "
     "biases.",
 }
@@ -339,7 +363,8 @@ def check_patch_embedding_parameter_count(patch_embedding_parameter_count: Calla
         weights = embed_dim * channels * patch_size * patch_size
         key = ("no_bias" if count == weights else
                "no_channels" if count == embed_dim * patch_size * patch_size + embed_dim else
-               "one_patch" if count == channels * patch_size * patch_size else None)
+               "one_patch" if count == channels * patch_size * patch_size else
+               "bias_per_input_channel" if count == weights + channels else None)
         hint = f"\n  Likely mistake: {PARAMETER_COUNT_HINTS[key]}" if key else ""
         raise CheckFailure(f"{call} should be {expected:,}, got {count!r}.{hint}")
 
@@ -812,10 +837,10 @@ def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch
 
 
 EXPAND_REPEAT_HINTS = {
-    "A": "Run the experiment below your answer: both gradients are identical. Every copy made by repeat is "
-    "computed from the parameter, so autograd sends each copy's gradient back and adds them up.",
-    "C": "Neither averages: autograd adds up the gradients of all uses of a tensor. The experiment below your "
-    "answer prints the same gradient for both.",
+    "A": "Run the experiment below your answer and compare the two gradients it prints. Then ask yourself "
+    "whether a copy made by repeat is still connected to the parameter in autograd's graph.",
+    "C": "Run the experiment below your answer and compare the sizes of the two gradients it prints. What does "
+    "autograd do with the gradients of several uses of one tensor?",
 }
 
 
@@ -854,6 +879,13 @@ TRAIN_HINTS = {
     "tensor_losses": "return Python floats: loss.item() (this also frees the graph of every step).",
     "loss_scale": "report the mean cross-entropy per image (F.cross_entropy's default mean), averaged over the "
     "epoch's batches.",
+    "last_batch": "each number is the loss of the epoch's last batch only. Add up the loss of every batch "
+    "(loss.item()) during the epoch and return their mean.",
+    "not_reset": "the running total is not reset at the start of each epoch, so later epochs average over "
+    "all the batches so far. Start the sum (and the count) again at 0 in every epoch.",
+    "plain_sgd": "the first update moved each weight in proportion to its gradient, which is what plain "
+    "torch.optim.SGD does. The exercise asks for torch.optim.AdamW (or Adam): it scales every weight's step "
+    "by that weight's own gradient history, which transformers need.",
     "not_learning": "the training loss barely went down: check optimizer.zero_grad(), loss.backward() and "
     "optimizer.step() in every batch, and use torch.optim.AdamW (or Adam) with the given lr.",
     "not_generalising": "the training loss went down but the test accuracy did not: check MiniViT (run its "
@@ -862,14 +894,25 @@ TRAIN_HINTS = {
 
 
 class _ModeRecorder(nn.Module):
-    """A linear digit classifier that records, for every forward pass, whether it was in training mode,
-    and for every backward pass whether gradients from an earlier step were still there."""
+    """A linear digit classifier that records what a training loop does with it.
 
-    def __init__(self):
+    For every forward pass: whether it ran in training mode and with gradients, and the true
+    cross-entropy of that batch (the labels are looked up from the images, which are unique),
+    so the check can recompute each epoch's mean loss. For every backward pass: whether
+    gradients from an earlier step were still there. Also the weights before the first steps
+    and the first gradient, to tell an Adam-type update from a plain SGD one.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
         super().__init__()
         self.linear = nn.Linear(64, 10)
         self.calls: list[tuple[bool, bool]] = []
+        self.batches: list[tuple[bool, float, int]] = []  # (with gradients, mean cross-entropy, batch size)
+        self.weights_seen: list[torch.Tensor] = []  # weights at the first few training forward passes
+        self.first_gradient: torch.Tensor | None = None
         self.stale_gradients: list[bool] = []
+        self._images = images.flatten(1)
+        self._labels = labels
         # A tensor hook runs before the new gradient is added to .grad: .grad is then what is left of
         # earlier backward passes, None or zero after zero_grad().
         self.linear.weight.register_hook(self._record_leftover_gradient)
@@ -877,10 +920,40 @@ class _ModeRecorder(nn.Module):
     def _record_leftover_gradient(self, gradient: torch.Tensor) -> None:
         leftover = self.linear.weight.grad
         self.stale_gradients.append(leftover is not None and bool(leftover.abs().sum() > 0))
+        if self.first_gradient is None:
+            self.first_gradient = gradient.detach().cpu().clone()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        self.calls.append((self.training, torch.is_grad_enabled()))
-        return self.linear(images.flatten(1))
+        grad = torch.is_grad_enabled()
+        self.calls.append((self.training, grad))
+        logits = self.linear(images.flatten(1))
+        with torch.no_grad():
+            flat = images.detach().flatten(1).cpu().to(self._images.dtype)
+            match = (flat[:, None, :] == self._images[None]).all(dim=-1)  # [batch, dataset]
+            if bool(match.any(dim=1).all()):
+                labels = self._labels[match.double().argmax(dim=1)]
+                loss = F.cross_entropy(logits.detach().cpu().double(), labels).item()
+                self.batches.append((grad, loss, len(labels)))
+        if grad and len(self.weights_seen) < 8:
+            self.weights_seen.append(self.linear.weight.detach().cpu().clone())
+        return logits
+
+
+def _unique_digits(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` training digits with no two images alike, in a seeded random order."""
+    from attention_lab.datasets import load_digits_tensors
+
+    split = load_digits_tensors()
+    seen, chosen = set(), []
+    for index in torch.randperm(len(split.train_labels), generator=random_generator(seed)).tolist():
+        key = split.train_images[index].numpy().tobytes()
+        if key not in seen:
+            seen.add(key)
+            chosen.append(index)
+        if len(chosen) == count:
+            break
+    chosen = torch.tensor(chosen)
+    return split.train_images[chosen], split.train_labels[chosen]
 
 
 def _float_list(losses: Any, call: str, epochs: int) -> list[float]:
@@ -895,20 +968,74 @@ def _float_list(losses: Any, call: str, epochs: int) -> list[float]:
     return [float(value) for value in losses]
 
 
-@check("train_classifier: trains in place in training mode, one float per epoch, the loss goes down ({device})")
-def check_train_classifier(train_classifier: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """train_classifier on a small linear model: contract, training mode, every batch used, loss decreasing."""
+def _is_plain_sgd_update(model: _ModeRecorder) -> bool:
+    """True when the first optimizer step moved every weight by a fixed multiple of its gradient.
+
+    Adam and AdamW divide each gradient by its own running size, so their first step is about
+    ``lr`` for every weight with a real gradient; SGD's (with or without momentum) is ``lr·g``.
+    """
+    gradient = model.first_gradient
+    if gradient is None or len(model.weights_seen) < 2:
+        return False
+    first = model.weights_seen[0]
+    moved = next((w for w in model.weights_seen[1:] if not torch.equal(w, first)), None)
+    if moved is None:
+        return False
+    step = (moved - first).double().flatten()
+    gradient = gradient.double().flatten()
+    strong = gradient.abs() > 0.05 * gradient.abs().max()
+    if int(strong.sum()) < 10:
+        return False
+    sizes = step[strong].abs()
+    uniform = float(sizes.quantile(0.9)) < 2.0 * float(sizes.quantile(0.1))
+    along_gradient = float(F.cosine_similarity(step, -gradient, dim=0)) > 0.99
+    return along_gradient and not uniform
+
+
+def _expected_epoch_losses(model: _ModeRecorder, epochs: int, batches_per_epoch: int) -> dict[str, list[float]] | None:
+    """What the loop should have returned, and the known wrong bookkeepings, from the recorded batches.
+
+    None when the forward passes do not split into ``epochs`` epochs of ``batches_per_epoch``
+    training batches (the earlier checks name that).
+    """
+    events = model.batches
+    training = [index for index, (grad, _, _) in enumerate(events) if grad]
+    if len(training) != epochs * batches_per_epoch:
+        return None
+    means, last, cumulative, summed, re_evaluated = [], [], [], [], []
+    for epoch in range(epochs):
+        rows = [events[index] for index in training[epoch * batches_per_epoch:(epoch + 1) * batches_per_epoch]]
+        images = sum(n for _, _, n in rows)
+        means.append(sum(loss * n for _, loss, n in rows) / images)
+        last.append(rows[-1][1])
+        so_far = [events[index] for index in training[:(epoch + 1) * batches_per_epoch]]
+        cumulative.append(sum(loss * n for _, loss, n in so_far) / sum(n for _, _, n in so_far))
+        summed.append(sum(loss for _, loss, _ in rows))
+        # Evaluation passes (no gradients) after this epoch's training: a loop may report those instead.
+        after = training[(epoch + 1) * batches_per_epoch - 1]
+        until = training[(epoch + 1) * batches_per_epoch] if epoch + 1 < epochs else len(events)
+        evaluation = [events[index] for index in range(after + 1, until)]
+        evaluated = sum(n for _, _, n in evaluation)
+        re_evaluated.append(sum(loss * n for _, loss, n in evaluation) / evaluated if evaluated else math.nan)
+    return {"mean": means, "re_evaluated": re_evaluated, "last_batch": last, "not_reset": cumulative,
+            "loss_scale": summed}
+
+
+def _matches(got: Sequence[float], want: Sequence[float]) -> bool:
+    return all(math.isfinite(w) and abs(g - w) <= 1e-4 + 1e-3 * abs(w) for g, w in zip(got, want))
+
+
+def _check_training_loop(train_classifier: Callable, seed: int, device) -> None:
+    """train_classifier on a small linear model: contract, training mode, every batch used, the optimizer,
+    each epoch's mean loss recomputed from what the model saw."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from attention_lab.datasets import load_digits_tensors
-
-    expect_signature(train_classifier, "train_classifier", ["model", "train_loader", "epochs", "lr", "device"])
     torch.manual_seed(seed)
-    split = load_digits_tensors()
-    subset = torch.randperm(len(split.train_labels), generator=random_generator(seed))[:320]
-    loader = DataLoader(TensorDataset(split.train_images[subset], split.train_labels[subset]), batch_size=64,
-                        shuffle=True, generator=random_generator(seed))
-    model = _ModeRecorder().eval()  # it may arrive in evaluation mode, e.g. after an evaluation
+    images, labels = _unique_digits(320, seed)
+    batch_size = 64  # 320 images: five equal batches, so the mean per image is the mean per batch
+    loader = DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=True,
+                        generator=random_generator(seed))
+    model = _ModeRecorder(images, labels).eval()  # it may arrive in evaluation mode, e.g. after an evaluation
     before = model.linear.weight.detach().clone()
     epochs = 3
     call = f"train_classifier(model, train_loader, epochs={epochs}, lr=0.01, device={str(device)!r})"
@@ -928,10 +1055,43 @@ def check_train_classifier(train_classifier: Callable, *, seed: int = 0, device:
     stale = sum(model.stale_gradients)
     expect_true(stale == 0, f"{call}: in {stale} of {len(model.stale_gradients)} backward passes, the gradients of "
                 f"the previous batch were still in .grad.\n  Likely mistake: {TRAIN_HINTS['no_zero_grad']}")
+    expect_true(not _is_plain_sgd_update(model), f"{call}: the optimizer is not Adam or AdamW.\n"
+                f"  Likely mistake: {TRAIN_HINTS['plain_sgd']}")
+    expected = _expected_epoch_losses(model, epochs, len(loader))
+    if expected is not None and not (_matches(losses, expected["mean"]) or _matches(losses, expected["re_evaluated"])):
+        shown = [round(v, 4) for v in losses]
+        want = [round(v, 4) for v in expected["mean"]]
+        message = (f"{call} returned the losses {shown}; the mean cross-entropy of each epoch's batches, "
+                   f"recomputed from what your model was given, is {want}.")
+        key = next((key for key in ("last_batch", "not_reset", "loss_scale") if _matches(losses, expected[key])), None)
+        if key is None and losses[0] > 2 * math.log(10) + 1.0:
+            key = "loss_scale"
+        raise CheckFailure(message + (f"\n  Likely mistake: {TRAIN_HINTS[key]}" if key else ""))
     expect_true(losses[-1] < losses[0], f"{call}: the loss should go down, but the epochs gave "
                 f"{[round(v, 4) for v in losses]}. Check the learning rate and that every batch takes an optimizer step.")
     expect_true(losses[0] < 2 * math.log(10) + 1.0, f"{call}: the first epoch's mean loss {losses[0]:.3g} is far "
                 f"above a fresh 10-class model's ~2.3.\n  Likely mistake: {TRAIN_HINTS['loss_scale']}")
+
+
+@check("train_classifier: trains in place in training mode with AdamW, each epoch's mean loss, the loss goes down "
+       "({device})")
+def check_train_classifier(train_classifier: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """train_classifier on a small linear model: contract, training mode, every batch used, AdamW, each epoch's
+    mean loss (recomputed), loss decreasing."""
+    expect_signature(train_classifier, "train_classifier", ["model", "train_loader", "epochs", "lr", "device"])
+    _check_training_loop(train_classifier, seed, device)
+
+
+def _loop_diagnosis(train_classifier: Callable, seed: int, device) -> str | None:
+    """Why the loop fails its own check (the likely mistake, or the first line), or None if it passes."""
+    try:
+        _check_training_loop(train_classifier, seed, device)
+    except CheckFailure as failure:
+        text = str(failure)
+        if "Likely mistake: " in text:
+            return text.split("Likely mistake: ", 1)[1].strip()
+        return text.splitlines()[0]
+    return None
 
 
 OUTCOME_CONFIG = dict(img_size=8, patch_size=4, in_channels=1, num_classes=10, embed_dim=64, depth=2, num_heads=4)
@@ -975,7 +1135,11 @@ def check_train_classifier_outcome(train_classifier: Callable, MiniViT: Callable
     summary = (f"{call}: test accuracy {accuracy:.1%} on {len(split.test_labels)} held-out digits, "
                f"loss per epoch {[round(v, 3) for v in losses]}, {cpu_seconds:.1f} s of CPU time")
     if accuracy < OUTCOME_ACCURACY:
-        hint = TRAIN_HINTS["not_learning"] if losses[-1] > 1.0 else TRAIN_HINTS["not_generalising"]
+        cause = _loop_diagnosis(train_classifier, seed, device)
+        if cause is not None:
+            hint = f"train_classifier fails its own check (test_train_classifier): {cause}"
+        else:
+            hint = TRAIN_HINTS["not_learning"] if losses[-1] > 1.0 else TRAIN_HINTS["not_generalising"]
         raise CheckFailure(f"{summary}. It should reach at least {OUTCOME_ACCURACY:.0%}.\n  Likely mistake: {hint}")
     expect_true(cpu_seconds <= OUTCOME_CPU_SECONDS,
                 f"{summary}. Accurate, but training should take at most {OUTCOME_CPU_SECONDS:.0f} s of CPU time: "
@@ -993,6 +1157,12 @@ POOL_HINTS = {
     "token (token 0) in the mean.",
     "sum": "average the patch tokens (mean over dim 1), do not sum them.",
     "cls_last": "the class token is token 0, tokens[:, 0], not the last token.",
+    "mean_last": "pool='mean' returned the last token. Global average pooling is the mean of all the patch "
+    "tokens, tokens[:, 1:].mean(dim=1), not one token.",
+    "mean_first": "pool='mean' returned the class token (token 0). Global average pooling is the mean of the "
+    "patch tokens, tokens[:, 1:].mean(dim=1).",
+    "mean_without_last": "the mean leaves out the last patch token: tokens[:, 1:] runs to the end; "
+    "tokens[:, 1:-1] stops one short.",
     "keepdim": "return [B, D]: tokens[:, 0] (an integer index drops the axis), not tokens[:, :1].",
     "mean_features": "average over the tokens (dim=1), not over the features.",
     "max": "global *average* pooling: the mean of the patch tokens, not their maximum.",
@@ -1013,11 +1183,17 @@ def _check_pool_once(pool_tokens: Callable, tokens: torch.Tensor, pool: str) -> 
     expected = tokens[:, 0] if pool == "cls" else average
     against = ("tokens[:, 0], the class token" if pool == "cls" else
                "the average of the patch tokens 1 ... S-1 (the class token left out)")
-    expect_close(out, expected, what=call, against=against,
-                 variants=[Variant(lambda: tokens.mean(dim=1), POOL_HINTS["mean_with_cls"]),
-                           Variant(lambda: tokens[:, 1:].sum(dim=1), POOL_HINTS["sum"]),
-                           Variant(lambda: tokens[:, 1:].amax(dim=1), POOL_HINTS["max"]),
-                           Variant(lambda: tokens[:, -1], POOL_HINTS["cls_last"])])
+    if pool == "cls":
+        variants = [Variant(lambda: tokens[:, -1], POOL_HINTS["cls_last"])]
+    else:
+        variants = [Variant(lambda: tokens.mean(dim=1), POOL_HINTS["mean_with_cls"]),
+                    Variant(lambda: tokens[:, 1:].sum(dim=1), POOL_HINTS["sum"]),
+                    Variant(lambda: tokens[:, 1:].amax(dim=1), POOL_HINTS["max"]),
+                    Variant(lambda: tokens[:, -1], POOL_HINTS["mean_last"]),
+                    Variant(lambda: tokens[:, 0], POOL_HINTS["mean_first"])]
+        if seq_len > 2:
+            variants.append(Variant(lambda: tokens[:, 1:-1].mean(dim=1), POOL_HINTS["mean_without_last"]))
+    expect_close(out, expected, what=call, against=against, variants=variants)
 
 
 @check("pool_tokens: 'cls' reads token 0, 'mean' averages the patch tokens 1..S-1, ValueError otherwise ({device})")
@@ -1106,6 +1282,8 @@ def check_cls_attention_map(cls_attention_map: Callable, *, seed: int = 0, devic
 # --------------------------------------------------------------------------------------
 
 ROLLOUT_HINTS = {
+    "columns_renormalised": "each column was renormalised (a sum over dim=-2). Renormalise every *row*: "
+    "mixed / mixed.sum(dim=-1, keepdim=True), so each token's weights over the tokens it draws on sum to 1.",
     "reversed": "the product is in the wrong order. Later blocks go on the left: R = Ã_L ··· Ã_2 · Ã_1, i.e. "
     "rollout = mixed @ rollout for each block in order (not rollout @ mixed).",
     "no_identity": "the residual connection is missing: add the identity to each block's head-averaged "
@@ -1123,7 +1301,7 @@ ROLLOUT_HINTS = {
 
 
 def _rollout_by_loops(attentions: Sequence[torch.Tensor], *, order: str = "later_left", identity: bool = True,
-                      renormalise: bool = True, heads: str = "mean", only_last: bool = False) -> torch.Tensor:
+                      renormalise: bool | str = True, heads: str = "mean", only_last: bool = False) -> torch.Tensor:
     """Rollout of every image, one matrix at a time, in float64: [B, S, S] (the full matrix)."""
     batch, seq_len = attentions[0].shape[0], attentions[0].shape[-1]
     eye = torch.eye(seq_len, dtype=torch.float64)
@@ -1141,7 +1319,9 @@ def _rollout_by_loops(attentions: Sequence[torch.Tensor], *, order: str = "later
                 mixed = per_head.amax(dim=0)
             if identity:
                 mixed = mixed + eye
-            if renormalise:
+            if renormalise == "columns":
+                mixed = mixed / mixed.sum(dim=0, keepdim=True)
+            elif renormalise:
                 mixed = mixed / mixed.sum(dim=1, keepdim=True)
             rollout = mixed @ rollout if order == "later_left" else rollout @ mixed
         results.append(rollout)
@@ -1172,6 +1352,7 @@ def _rollout_variants(attentions: Sequence[torch.Tensor], full: torch.Tensor, gr
     return [Variant(rollout(order="later_right"), ROLLOUT_HINTS["reversed"]),
             Variant(rollout(identity=False), ROLLOUT_HINTS["no_identity"]),
             Variant(rollout(renormalise=False), ROLLOUT_HINTS["no_renormalise"]),
+            Variant(rollout(renormalise="columns"), ROLLOUT_HINTS["columns_renormalised"]),
             Variant(rollout(heads="sum"), ROLLOUT_HINTS["sum_heads"]),
             Variant(rollout(heads="max"), ROLLOUT_HINTS["max_heads"]),
             Variant(rollout(only_last=True), ROLLOUT_HINTS["last_only"]),
