@@ -209,6 +209,9 @@ class Llama(nn.Module):
         total = k.shape[2]
         if "tiled" in bugs:
             k, v = k.repeat(1, h // h_kv, 1, 1), v.repeat(1, h // h_kv, 1, 1)
+        elif "own_repeat_kv" in bugs:  # the notebook's own repeat_kv, looked up where the class was defined
+            repeat = self.forward.__globals__.get("repeat_kv", good_repeat_kv)
+            k, v = repeat(k, h // h_kv), repeat(v, h // h_kv)
         else:
             k, v = good_repeat_kv(k, h // h_kv), good_repeat_kv(v, h // h_kv)
         if "sdpa" in bugs:
@@ -847,7 +850,10 @@ def test_llama_attention_names_the_failing_part_it_uses():
 
         class LlamaAttention(Llama):
             def __init__(self, config):
-                super().__init__(config, ("tiled",))
+                super().__init__(config, ("own_repeat_kv",))
+
+            def forward(self, hidden_states, position_ids=None, kv_cache=None):
+                return Llama.forward(self, hidden_states, position_ids, kv_cache)
     """), namespace)
     with pytest.raises(CheckFailure, match="(?s)tiled KV repeat.*uses your repeat_kv, which fails its own check"):
         checks.check_llama_attention(namespace["LlamaAttention"], device=CPU, quiet=True)
