@@ -165,7 +165,7 @@ def test_row_times_matrix_accepts_correct_answers_written_differently():
     (row_ranges_swapped, r"raised IndexError[\s\S]*" + re.escape(checks.ROW_HINTS["loop_ranges"])),
     (row_off_by_one, r"raised IndexError[\s\S]*" + re.escape(checks.ROW_HINTS["index_error"])),
     (row_indices_swapped, r"should have shape \[3\], got \[4\][\s\S]*one per column"),
-    (row_default_dtype, "should keep the input dtype float32, got float64. " + re.escape(checks.DTYPE_HINTS["row"])),
+    (row_default_dtype, "should keep the input dtype float32, got float64\\.\\n  Likely mistake: " + re.escape(checks.DTYPE_HINTS["row"])),
     (row_via_torch, "NumPy only"),
     (row_returns_list, "should return a NumPy ndarray of shape"),
 ])
@@ -258,7 +258,7 @@ def test_np_split_heads_accepts_a_correct_answer_written_differently():
     (split_strided, "every H-th feature"),
     (split_vague_error, "should name 10 and 4"),
     (split_silent, "should raise ValueError"),
-    (split_float32, "should keep the input dtype float64, got float32. " + re.escape(checks.DTYPE_HINTS["heads"])),
+    (split_float32, "should keep the input dtype float64, got float32\\.\\n  Likely mistake: " + re.escape(checks.DTYPE_HINTS["heads"])),
     (split_sequence_axis, r"should have shape \[2, 2, 6, 2\], got \[2, 2, 3, 4\][\s\S]*"
      + re.escape(checks.SPLIT_HINTS["sequence_axis"])),
     (split_via_torch, "NumPy only"),
@@ -300,7 +300,7 @@ def test_np_merge_heads_accepts_and_rejects():
         checks.check_np_merge_heads(merge_forgets_to_flatten, **CPU)
     with pytest.raises(CheckFailure, match="raised AttributeError"):
         checks.check_np_merge_heads(merge_in_place_transpose, **CPU)
-    with pytest.raises(CheckFailure, match="got float64. " + re.escape(checks.DTYPE_HINTS["heads"])):
+    with pytest.raises(CheckFailure, match="got float64\\.\\n  Likely mistake: " + re.escape(checks.DTYPE_HINTS["heads"])):
         checks.check_np_merge_heads(merge_float64, **CPU)
 
 
@@ -383,7 +383,7 @@ def test_np_softmax_accepts_a_correct_answer_written_differently():
     (softmax_no_keepdims, "keepdims=True"),
     (softmax_min_shift, r"returned NaN[\s\S]*not its minimum"),
     (softmax_in_place, "changed its input x in place"),
-    (softmax_always_float64, "should keep the input dtype float32, got float64. "
+    (softmax_always_float64, "should keep the input dtype float32, got float64\\.\\n  Likely mistake: "
      + re.escape(checks.DTYPE_HINTS["softmax"])),
     (softmax_scipy, r"should compute the softmax itself[\s\S]*calls scipy.special.softmax \(in softmax_scipy"),
     (softmax_scipy_logsumexp, r"should compute the softmax itself[\s\S]*calls logsumexp"),
@@ -445,7 +445,7 @@ WRONG_ATTENTION = {
     "naive_softmax": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, softmax=softmax_naive),
                       "softmax overflowed"),
     "np_sqrt": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask, scale=1 / np.sqrt(Q.shape[-1])),
-                r"keep the input dtype float32, got float64. NumPy 2 keeps[\s\S]*math.sqrt[\s\S]*float32 in, float32 out"),
+                r"keep the input dtype float32, got float64\.\n  Likely mistake: NumPy 2 keeps[\s\S]*math.sqrt[\s\S]*float32 in, float32 out"),
     "only_out": (lambda Q, K, V, mask=None: _attention_with(Q, K, V, mask)[0], "should return a tuple"),
     "torch": (lambda Q, K, V, mask=None: tuple(
         t.numpy() for t in _torch_attention(torch.from_numpy(Q), torch.from_numpy(K), torch.from_numpy(V))), "NumPy only"),
@@ -951,7 +951,7 @@ def test_softmax_backward_names_known_mistakes(name):
     (backward_jacobian, r"held \d+\.\d MB at once[\s\S]*\[n, n\] Jacobian \(n = 512"),
     (backward_jacobian_per_row, r"held \d+\.\d MB at once[\s\S]*diag\(p\) − p pᵀ"),
     (backward_in_place, "changed its input dp in place"),
-    (backward_float64, "should keep the input dtype float32, got float64. " + re.escape(checks.DTYPE_HINTS["softmax"])),
+    (backward_float64, "should keep the input dtype float32, got float64\\.\\n  Likely mistake: " + re.escape(checks.DTYPE_HINTS["softmax"])),
     (backward_via_torch, "NumPy only"),
     (lambda p, grad, axis=-1: backward_expanded(p, grad, axis), r"should take the parameters \(p, dp, axis\)"),
 ])
@@ -1073,7 +1073,7 @@ def test_np_attention_backward_names_a_transposed_product_that_does_not_fit():
 @pytest.mark.parametrize("wrong, phrase", [
     (lambda Q, K, V, dout, mask=None: _attention_backward(Q, K, V, dout, mask)[:2], r"should return a tuple \(dQ, dK, dV\)"),
     (lambda Q, K, V, dout, mask=None: tuple(g.astype(np.float64) for g in _attention_backward(Q, K, V, dout, mask)),
-     "got float64. " + re.escape(checks.DTYPE_HINTS["scaled"])),
+     "got float64\\.\\n  Likely mistake: " + re.escape(checks.DTYPE_HINTS["scaled"])),
     (lambda Q, K, V, dout, mask=None: tuple(torch.from_numpy(g).numpy() for g in (torch.from_numpy(Q).numpy(),) * 3),
      "NumPy only"),
     (lambda Q, K, V, grad_out, mask=None: None, r"should take the parameters \(Q, K, V, dout, mask\)"),
