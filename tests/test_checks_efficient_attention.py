@@ -302,6 +302,10 @@ def make_flash(bug=None, step=None, base2=False):
                 stop = min(seq_k, q1 + offset)
                 if bug == "skip_diagonal":
                     stop = max(0, q0 + offset + 1 - block_k + 1)
+                elif bug == "bound_no_offset":
+                    stop = min(seq_k, q1)
+                elif bug == "bound_inclusive":
+                    stop = min(seq_k, q1 - 1 + offset)
             for k0 in range(0, stop, block_k):
                 kb = k[..., k0:k0 + block_k, :].to(work)
                 s = torch.einsum("bhqd,bhkd->bhqk", qb, kb) * scale
@@ -377,7 +381,7 @@ def test_flash_attention_forward_correct_answers_pass(answer):
 
 
 @pytest.mark.parametrize("bug", ["top_left", "strict_mask", "skip_diagonal", "lse_log2", "lse_mixed", "lse_no_max",
-                                 "lse_unscaled"])
+                                 "lse_unscaled", "bound_no_offset", "bound_inclusive"])
 def test_flash_attention_forward_mistakes_are_named(bug):
     rejects(checks.check_flash_attention_forward, make_flash(bug), bug)
 
@@ -514,11 +518,18 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
                    seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BUG: tl.constexpr = 0):
     # A correct kernel written with natural exp (BUG=0), or with one planted mistake:
-    # 1 acc not rescaled, 2 exp on base-2 scores, 3 no boundary mask, 4 blank, 5 exp2 on natural scores.
+    # 1 acc not rescaled, 2 exp on base-2 scores, 3 no boundary mask, 4 blank, 5 exp2 on natural scores,
+    # 6 K loaded without a mask, 7 V without a mask, 8 Q without a mask, 9 the causal loop visits every key block,
+    # 10 the causal bound forgets S_k - S_q, 11 the last visible key used as an exclusive stop,
+    # 12 acc normalised inside the loop.
     pid_q, pid_h = tl.program_id(0), tl.program_id(1)
     rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     cols_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :], mask=rows[:, None] < seq_q, other=0.0)
+    q_ptrs = Q + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :]
+    if BUG == 8:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=rows[:, None] < seq_q, other=0.0)
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
@@ -526,11 +537,24 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
         raise NotImplementedError("Exercise 6.7: implement flash_attention_kernel")
     hi = seq_k
     if CAUSAL:
-        hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q + seq_k - seq_q)
+        if BUG == 10:
+            hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q)
+        elif BUG == 11:
+            hi = tl.minimum(seq_k, tl.minimum(seq_q, (pid_q + 1) * BLOCK_Q) - 1 + seq_k - seq_q)
+        elif BUG != 9:
+            hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q + seq_k - seq_q)
     for start in range(0, hi, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        k = tl.load(K + pid_h * stride_kh + cols[:, None] * stride_ks + cols_d[None, :], mask=cols[:, None] < seq_k, other=0.0)
-        v = tl.load(V + pid_h * stride_vh + cols[:, None] * stride_vs + cols_d[None, :], mask=cols[:, None] < seq_k, other=0.0)
+        k_ptrs = K + pid_h * stride_kh + cols[:, None] * stride_ks + cols_d[None, :]
+        v_ptrs = V + pid_h * stride_vh + cols[:, None] * stride_vs + cols_d[None, :]
+        if BUG == 6:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=cols[:, None] < seq_k, other=0.0)
+        if BUG == 7:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=cols[:, None] < seq_k, other=0.0)
         s = tl.dot(q, tl.trans(k))
         if BUG == 2:
             s = s * sm_scale * 1.4426950408889634
@@ -552,6 +576,8 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
             acc = acc + tl.dot(p.to(v.dtype), v)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if BUG == 12:
+            acc = acc / l_i[:, None]
         m_i = m_new
     # The course's epilogue expects base-2 m_i: convert (m_i is natural here).
     m_i = m_i * 1.4426950408889634
@@ -580,11 +606,41 @@ def test_kernel_correct_answer_passes(capsys):
 
 @needs_triton
 @pytest.mark.parametrize("bug, hint", [(1, "no_rescale_acc"), (2, "exp_with_log2e"), (3, "kernel_boundary"),
-                                       (5, "exp2_unscaled")])
+                                       (5, "exp2_unscaled"), (6, "unmasked_load"), (7, "unmasked_load"),
+                                       (8, "unmasked_load"), (9, "kernel_future_blocks"), (10, "bound_no_offset"),
+                                       (11, "bound_inclusive"), (12, "normalise_inside")])
 def test_kernel_mistakes_are_named(bug, hint):
     with pytest.raises(CheckFailure) as failure:
         checks.check_flash_attention_kernel(Planted(bug), **KERNEL)
     assert HINTS[hint] in str(failure.value), str(failure.value)
+
+
+@needs_triton
+def test_an_unmasked_load_fails_every_time():
+    # The rows after each head's last row hold NaN in every case, so the result is certain (issue: it used to
+    # depend on whatever memory followed the launcher's tensors). Unmasked K, then V: 100 runs, 100 failures.
+    failures = 0
+    for run in range(100):
+        with pytest.raises(CheckFailure) as failure:
+            checks.check_flash_attention_kernel(Planted(6 + run % 2), seed=run, **KERNEL)
+        assert HINTS["unmasked_load"] in str(failure.value) or HINTS["nan_past_end"] in str(failure.value)
+        failures += 1
+    assert failures == 100
+
+
+@needs_triton
+def test_an_unmasked_load_shows_as_nan_where_loads_are_not_watched(monkeypatch):
+    # Natively on a GPU the loads cannot be watched: the NaN rows after the tensors still name the mistake.
+    monkeypatch.setattr(triton_kernels.LoadWatch, "__enter__", lambda self: self)
+    rejects(checks.check_flash_attention_kernel, Planted(7), "nan_past_end")
+
+
+def test_poisoned_rows_are_a_view_with_nan_after_each_head():
+    x = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)
+    view = triton_kernels.poisoned_rows(x, 4)
+    assert torch.equal(view, x) and view.stride() == (14, 2, 1)
+    storage = torch.as_strided(view, (2, 7, 2), (14, 2, 1))
+    assert storage[:, 3:].isnan().all()
 
 
 @needs_triton

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["triton", "tl", "TRITON_AVAILABLE", "TritonUnavailable", "launch_flash_attention",
-           "interpreter_active", "MIN_BLOCK"]
+           "interpreter_active", "MIN_BLOCK", "poisoned_rows", "LoadWatch"]
 
 # tl.dot needs every dimension >= 16 on a GPU; the interpreter would accept less.
 MIN_BLOCK = 16
@@ -114,14 +114,30 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
                          "the CPU (bfloat16 works on a GPU)")
 
 
+def poisoned_rows(x3: torch.Tensor, extra: int) -> torch.Tensor:
+    """``x3`` ``[N, S, d]`` as a view into a ``[N, S + extra, d]`` buffer whose ``extra`` rows after
+    each head's last row hold NaN: a load without a mask past row ``S - 1`` reads NaN, never
+    the next head's rows or memory that is not the tensor's (on a GPU too)."""
+    if extra <= 0:
+        return x3.contiguous()
+    buffer = torch.full((x3.shape[0], x3.shape[1] + extra, x3.shape[2]), float("nan"), dtype=x3.dtype,
+                        device=x3.device)
+    buffer[:, :x3.shape[1]] = x3
+    return buffer[:, :x3.shape[1]]
+
+
 def launch_flash_attention(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                           block_q: int = 32, block_k: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                           block_q: int = 32, block_k: int = 32, poison: int = 0,
+                           watch: "LoadWatch | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``kernel`` (the student's ``flash_attention_kernel``) on q, k, v: ``(out, lse)``.
 
-    q ``[B, H, S_q, d]``, k and v ``[B, H, S_k, d]``. Each is made contiguous and seen as
-    ``[B·H, S, d]``; the grid is ``(ceil(S_q / block_q), B·H)``: program ``(i, bh)`` computes
-    rows ``i·block_q …`` of head ``bh``. ``out`` has q's dtype; ``lse`` is float32
-    ``[B, H, S_q]`` (natural log).
+    q ``[B, H, S_q, d]``, k and v ``[B, H, S_k, d]``. Each is seen as ``[B·H, S, d]`` (rows of a
+    head ``stride_*s`` apart, heads ``stride_*h`` apart); the grid is
+    ``(ceil(S_q / block_q), B·H)``: program ``(i, bh)`` computes rows ``i·block_q …`` of head
+    ``bh``. ``out`` has q's dtype; ``lse`` is float32 ``[B, H, S_q]`` (natural log).
+    ``poison``: the checks put that many rows of NaN after each head's rows of q, k and v, so
+    that a ``tl.load`` without a mask shows as NaN instead of reading whatever memory follows;
+    ``watch``, a :class:`LoadWatch`, sees every load of q, k and v (in the interpreter only).
     """
     if isinstance(kernel, _MissingKernel):
         raise TritonUnavailable(TRITON_MISSING)
@@ -132,23 +148,125 @@ def launch_flash_attention(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: tor
                            "the setup cell at the top of the notebook, then the kernel's cell again.")
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
-    q3 = q.reshape(batch * heads, seq_q, head_dim).contiguous()  # [B·H, S_q, d]
-    k3 = k.reshape(batch * heads, seq_k, head_dim).contiguous()  # [B·H, S_k, d]
-    v3 = v.reshape(batch * heads, seq_k, head_dim).contiguous()  # [B·H, S_k, d]
-    out = torch.empty_like(q3)
+    q3 = poisoned_rows(q.reshape(batch * heads, seq_q, head_dim), poison)  # [B·H, S_q, d]
+    k3 = poisoned_rows(k.reshape(batch * heads, seq_k, head_dim), poison)  # [B·H, S_k, d]
+    v3 = poisoned_rows(v.reshape(batch * heads, seq_k, head_dim), poison)  # [B·H, S_k, d]
+    out = torch.empty_strided(q3.shape, q3.stride(), dtype=q.dtype, device=q.device)  # stored with q3's strides
     lse = torch.empty(batch * heads, seq_q, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(seq_q, block_q), batch * heads)
+    if watch is None:
+        watch = LoadWatch({})
+    watch.add("Q", q3, seq_q)
+    watch.add("K", k3, seq_k)
+    watch.add("V", v3, seq_k)
     try:
-        kernel[grid](
-            q3, k3, v3, out, lse,
-            q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
-            seq_q, seq_k, head_dim ** -0.5,
-            CAUSAL=bool(causal), BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=head_dim,
-        )
+        with watch:
+            kernel[grid](
+                q3, k3, v3, out, lse,
+                q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
+                seq_q, seq_k, head_dim ** -0.5,
+                CAUSAL=bool(causal), BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=head_dim,
+            )
     except Exception as error:  # the blank's NotImplementedError arrives wrapped by the interpreter/compiler
         text = f"{type(error).__name__}: {error}"
         if "NotImplementedError" in text:
             stub = re.search(r"NotImplementedError\(['\"](.*?)['\"]\)", text)
             raise NotImplementedError(stub.group(1) if stub else "the kernel is not written yet") from None
         raise
-    return out.view(batch, heads, seq_q, head_dim), lse.view(batch, heads, seq_q)
+    return out.reshape(batch, heads, seq_q, head_dim), lse.view(batch, heads, seq_q)
+
+
+# --------------------------------------------------------------------------------------
+# What a kernel reads, seen from Triton's interpreter (the checks' second pair of eyes)
+# --------------------------------------------------------------------------------------
+
+
+class LoadWatch:
+    """Under Triton's interpreter, records every ``tl.load`` a kernel makes into named tensors.
+
+    ``regions``: name -> ``(tensor, rows)``, a ``[N, S_pad, d]``-strided view whose first
+    ``rows`` rows of each head are the tensor's data (what :func:`poisoned_rows` builds; the
+    padding is its storage after each head). For each load that reads a region:
+
+    * ``beyond[name]``: the first load whose enabled lanes read a row ``>= rows`` (a load
+      without a mask, or with a wrong one), as ``(program, student line)``;
+    * ``blocks[name]``: the set of ``(program, first row read)`` of loads with an enabled
+      lane inside the data -- for K, the key blocks each program visited.
+
+    Only the interpreter can be watched (it runs each load in Python); natively
+    :attr:`active` is False and nothing is recorded. Used as a context manager.
+    """
+
+    def __init__(self, regions: dict[str, tuple[torch.Tensor, int]] | None = None):
+        self.regions: dict[str, tuple[int, int, int, int, int]] = {}
+        self.beyond: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.blocks: dict[str, set] = {}
+        self.active = False
+        self._builder: Any = None
+        for name, (tensor, rows) in (regions or {}).items():
+            self.add(name, tensor, rows)
+
+    def add(self, name: str, tensor: torch.Tensor, rows: int) -> None:
+        """Watch ``tensor`` (``[N, S_pad, d]``-strided, its first ``rows`` rows per head are data)."""
+        start = tensor.data_ptr()
+        size = tensor.element_size()
+        head_stride, row_stride = tensor.stride(0) * size, tensor.stride(1) * size
+        self.regions[name] = (start, start + tensor.shape[0] * head_stride, head_stride, row_stride, rows)
+        self.blocks[name] = set()
+
+    def __enter__(self) -> "LoadWatch":
+        if not (self.regions and TRITON_AVAILABLE and interpreter_active()):
+            return self
+        try:
+            from triton.runtime import interpreter
+        except ImportError:  # an interpreter of another shape: watch nothing
+            return self
+        builder = getattr(interpreter, "interpreter_builder", None)
+        if builder is None or not hasattr(builder, "create_masked_load"):
+            return self
+        original = builder.create_masked_load
+
+        def create_masked_load(ptrs, mask, other, *args: Any, **kwargs: Any) -> Any:
+            self._record(builder, ptrs.data, mask.data)
+            return original(ptrs, mask, other, *args, **kwargs)
+
+        builder.create_masked_load = create_masked_load
+        self._builder, self.active = builder, True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._builder is not None:
+            del self._builder.create_masked_load  # the class's method again
+            self._builder = None
+
+    def _record(self, builder: Any, pointers: Any, mask: Any) -> None:
+        import numpy as np
+
+        addresses = np.asarray(pointers).astype(np.int64).ravel()
+        enabled = np.broadcast_to(np.asarray(mask, dtype=bool), np.asarray(pointers).shape).ravel()
+        addresses = addresses[enabled]
+        if addresses.size == 0:
+            return
+        program = tuple(int(i) for i in (builder.grid_idx or ()))
+        for name, (start, end, head_stride, row_stride, rows) in self.regions.items():
+            inside = (addresses >= start) & (addresses < end)
+            if not inside.any():
+                continue
+            row = ((addresses[inside] - start) % head_stride) // row_stride
+            if name not in self.beyond and (row >= rows).any():
+                self.beyond[name] = (program, _kernel_line())
+            in_data = row[row < rows]
+            if in_data.size:
+                self.blocks[name].add((program, int(in_data.min())))
+
+
+def _kernel_line() -> str:
+    """The innermost line of the running kernel (not Triton's, not the course's), as written."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()):
+        name = frame.filename.replace("\\", "/")
+        if any(part in name for part in ("/triton/", "/attention_lab/", "/numpy/", "<frozen")):
+            continue
+        return (frame.line or "").strip()
+    return ""

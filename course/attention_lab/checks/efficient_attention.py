@@ -115,11 +115,27 @@ HINTS = {
     "not tl.exp.",
     "block_dependent": "the result changes with the block sizes: some block's keys or queries are lost or "
     "counted twice (look at the last, shorter block: slices q[..., start:start + block, :] stop at the end).",
+    "bound_no_offset": "the causal loop bound forgets the offset S_k - S_q: it stops at the query block's own "
+    "last index, so the S_k - S_q keys after it that its queries may see (many blocks when S_k is much larger "
+    "than S_q, as in decoding) are never visited. The last key the block may see is q_end - 1 + (S_k - S_q).",
+    "bound_inclusive": "the causal loop bound is one key short: q_end - 1 + (S_k - S_q) is the last key the block "
+    "may see (inclusive), but range(start, stop, step) stops before `stop`, so the key block that starts exactly "
+    "at that key is dropped. The stop is one past the last key: q_end + (S_k - S_q).",
     "future_blocks": "with causal=True the loop still computes every key block: stop the key loop at the last "
     "block any query of this query block may see (start_k <= q_end - 1 + S_k - S_q), and mask only inside it.",
     "merge": "two halves of the keys merged with their lse do not give the whole attention: lse must be the "
     "natural-log logsumexp of exactly the scores each half's softmax used.",
     # Triton kernel
+    "unmasked_load": "a tl.load without a mask (or with a mask that lets rows past the end through) reads memory "
+    "after the tensor: here the check put NaN there; on a GPU it is another tensor's data or an illegal address "
+    "that can crash the notebook's kernel. Give every load of a block that may run past the end "
+    "mask=offs[:, None] < seq (seq_k for K and V, seq_q for Q) and other=0.0.",
+    "nan_past_end": "NaN in out where attention is finite: the rows after the last query, key and value hold NaN "
+    "in this check, so a tl.load without a mask (or with one that lets rows past the end through) read them. "
+    "Mask every load of K, V and Q with the row index < seq_k (seq_q for Q), other=0.0.",
+    "kernel_future_blocks": "with CAUSAL the loop still visits key blocks that no query of the program may see "
+    "(all masked, wasted work: the saving of causal FlashAttention is skipping them). Stop the loop after the "
+    "block that holds the last key the program's last query may see (its index + S_k - S_q).",
     "kernel_boundary": "keys beyond S_k are not masked: a masked tl.load returns `other` (0) for them, which "
     "gives them score 0, not -inf. Set their scores to -inf with tl.where(offs_k[None, :] < seq_k, s, "
     "float('-inf')).",
@@ -189,6 +205,12 @@ def tiled_attention(q, k, v, *, causal: bool, scale: float, block_q: int, block_
                 break
             if causal and bug == "skip_diagonal" and k_start + block_k - 1 > q_start + offset:
                 break
+            if causal and bug == "bound_no_offset" and k_start >= q_start + block_q:
+                break  # range(0, (i + 1)·block_q, block_k): the offset S_k - S_q forgotten
+            if causal and bug == "bound_no_offset_clamped" and k_start >= rows[-1, 0] + 1:
+                break  # range(0, q_end, block_k), q_end clamped to S_q: the same, on a ragged last block
+            if causal and bug == "bound_inclusive" and k_start >= rows[-1, 0] + offset:
+                break  # range(0, q_end - 1 + offset, block_k): the last key used as an exclusive stop
             scores = q_block @ k[..., k_start:k_start + block_k, :].transpose(-1, -2) * scale
             if causal:
                 cols = torch.arange(k_start, k_start + scores.shape[-1])[None, :]
@@ -233,6 +255,10 @@ def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: in
 
     variants = [Variant(tiled(bug), HINTS[bug]) for bug in ("no_rescale_acc", "no_rescale_l", "normalise_inside",
                                                               "stale_max")]
+    if causal:  # loop bounds first: a bound short by S_k - S_q keys can coincide with "one block too early"
+        variants += [Variant(tiled("bound_no_offset"), HINTS["bound_no_offset"]),
+                     Variant(tiled("bound_no_offset_clamped"), HINTS["bound_no_offset"]),
+                     Variant(tiled("bound_inclusive"), HINTS["bound_inclusive"])]
     variants.append(Variant(tiled("normalise_inside_twice"), HINTS["normalise_inside"]))  # and divided by l again
     if causal:
         variants += [Variant(tiled(bug), HINTS[bug]) for bug in ("skip_diagonal", "top_left", "strict_mask")]
@@ -708,6 +734,7 @@ def check_flash_attention_forward(flash_attention_forward: Callable, *, seed: in
     _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq - 3, seq + 9, 8), 16, 32, False)
     _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, seq, seq, 8), 16, 16, True)
     _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, 29, seq, 8), 8, 16, True)
+    _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, 33, 33, 8), 16, 16, True)  # last block: 1 row
     _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, 21, 21, 8, d_v=6), 8, 8, False, scale=0.3)
     _flash_case(flash_attention_forward, *_qkv(generator, 1, 1, 100, 100, 8), None, None, True)  # defaults
     # Independent of the block sizes (including a block larger than the sequence).
@@ -819,16 +846,32 @@ def _kernel_tolerance_basis(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Rows of NaN after each head's rows of q, k and v in every kernel case (two of the largest blocks): a load
+# without a mask reads them, on the CPU and on a GPU alike, whatever memory happens to follow the tensors.
+POISON_ROWS = 64
+
+
+def _visited_blocks_needed(seq_q: int, seq_k: int, block_q: int, block_k: int, heads: int) -> int:
+    """Key blocks a causal kernel must visit: per query block, those that hold a key its last query sees."""
+    needed = 0
+    for q_start in range(0, seq_q, block_q):
+        stop = min(seq_k, min(seq_q, q_start + block_q) + seq_k - seq_q)
+        needed += max(0, math.ceil(stop / block_k))
+    return needed * heads
+
+
 def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, device, generator) -> None:
-    from attention_lab.triton_kernels import TritonUnavailable
+    from attention_lab.triton_kernels import LoadWatch, TritonUnavailable
 
     batch, heads, seq_q, seq_k, head_dim = shape
     q, k, v = _qkv(generator, batch, heads, seq_q, seq_k, head_dim, dtype=dtype, device=device)
     call = (f"your kernel via launch_flash_attention(flash_attention_kernel, q, k, v, causal={causal}, "
             f"block_q={block_q}, block_k={block_k}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)} "
             f"({str(dtype).replace('torch.', '')}, {device.type})")
+    watch = LoadWatch()
     try:
-        out, lse = launcher(kernel, q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+        out, lse = launcher(kernel, q, k, v, causal=causal, block_q=block_q, block_k=block_k, poison=POISON_ROWS,
+                            watch=watch)
     except TritonUnavailable as error:
         raise CheckFailure(str(error)) from None
     except NotImplementedError as error:
@@ -836,14 +879,36 @@ def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, devic
     except Exception as error:
         text = str(error).strip()
         raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
-    basis = _kernel_tolerance_basis(out)
+    # The interpreter saw every load: one that reads past the last row is named, whatever it did to the numbers.
+    lengths = {"Q": ("seq_q", seq_q), "K": ("seq_k", seq_k), "V": ("seq_k", seq_k)}
+    for name in ("K", "V", "Q"):
+        if name in watch.beyond:
+            program, line = watch.beyond[name]
+            where = f" (your line: `{line}`)" if line else ""
+            length_name, length = lengths[name]
+            raise CheckFailure(f"{call}: program {program} loaded rows of {name} at or past row {length_name} = "
+                               f"{length}{where}, which {name} does not have.\n  Likely mistake: "
+                               f"{HINTS['unmasked_load']}")
     want_out, want_lse = reference_attention(q, k, v, causal)
+    if bool((torch.isnan(out.detach().cpu()) & ~torch.isnan(want_out)).any()):
+        raise CheckFailure(f"out from {call} holds NaN where attention is finite.\n  Likely mistake: "
+                           f"{HINTS['nan_past_end']}")
+    basis = _kernel_tolerance_basis(out)
     expect_close(out, want_out, what=f"out from {call}", against="F.scaled_dot_product_attention (float64)",
                  variants=_kernel_variants(q, k, v, causal, block_q, block_k),
                  rtol=tolerance(basis.dtype, device)[0], atol=tolerance(basis.dtype, device)[1])
     lse_rtol, lse_atol = tolerance(torch.float32 if basis.dtype == torch.float32 else torch.float16, device)
     expect_close(lse, want_lse, what=f"lse from {call}", against="torch.logsumexp of the scaled, masked scores",
                  variants=_lse_variants(q, k, causal, q.shape[-1] ** -0.5), rtol=lse_rtol, atol=lse_atol)
+    # Work (seen by the interpreter): a causal kernel skips the key blocks no query of a program may see.
+    if causal and watch.active:
+        visited = len(watch.blocks["K"])
+        needed = _visited_blocks_needed(seq_q, seq_k, block_q, block_k, batch * heads)
+        every = math.ceil(seq_q / block_q) * math.ceil(seq_k / block_k) * batch * heads
+        expect_true(visited <= needed,
+                    f"{call} loaded {visited} blocks of K over all programs ({every} would be every block); only "
+                    f"{needed} hold a key that some query of their program may see.\n  Likely mistake: "
+                    f"{HINTS['kernel_future_blocks']}")
 
 
 @check("flash_attention_kernel: equals SDPA and logsumexp in float32 and float16, ragged and causal, any block sizes ({device})")
@@ -856,15 +921,17 @@ def check_flash_attention_kernel(flash_attention_kernel: Any, *, seed: int = 0, 
     if not TRITON_AVAILABLE:
         raise CheckFailure(TRITON_MISSING)
     generator = random_generator(seed)
-    # (B, H, S_q, S_k, d), causal, block_q, block_k, dtype. The interpreter costs ~0.3 s a case.
+    # (B, H, S_q, S_k, d), causal, block_q, block_k, dtype. The interpreter costs ~0.3 s a case. Every length is
+    # a multiple of no block (the last blocks are ragged, and the rows after them hold NaN).
     cases = [
-        ((1, 2, 64, 64, 16), True, 32, 32, torch.float32),
-        ((1, 1, 45, 77, 16), False, 16, 32, torch.float32),  # ragged: S not a multiple of the blocks
-        ((1, 1, 40, 72, 16), True, 32, 16, torch.float32),  # ragged, causal, bottom-right
-        ((1, 2, 48, 48, 32), True, 16, 16, torch.float16),
+        ((1, 1, 45, 77, 16), False, 16, 32, torch.float32),
+        ((1, 2, 61, 61, 16), True, 32, 32, torch.float32),
+        ((1, 1, 33, 65, 16), True, 32, 16, torch.float32),  # causal bottom-right: offset 32, ends on a block start
+        ((1, 2, 47, 47, 32), True, 16, 16, torch.float16),
     ]
     if sizes == "more":  # the hidden test: longer and other shapes
-        cases = [((1, 1, 256, 256, 16), True, 32, 32, torch.float32),
+        cases = [((1, 1, 21, 83, 16), True, 16, 16, torch.float32),
+                 ((1, 1, 250, 250, 16), True, 32, 32, torch.float32),
                  ((2, 1, 100, 130, 32), False, 32, 16, torch.float16),
                  ((1, 2, 33, 50, 16), True, 16, 16, torch.float32)]
     for shape, causal, block_q, block_k, dtype in cases:
