@@ -505,6 +505,139 @@ def test_the_emulated_loop_is_exact_without_a_bug():
 
 
 # --------------------------------------------------------------------------------------
+# flash_attention_backward and FlashAttention
+# --------------------------------------------------------------------------------------
+
+
+def make_backward(bug=None, queries_outside=False, work=None):
+    """A tiled backward pass (FlashAttention-2's order: key blocks outside; ``queries_outside``: the other order);
+    ``bug`` plants one classic mistake; ``work`` forces the compute dtype (float32 inside on float64 input)."""
+
+    def backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+        seq_q, seq_k = q.shape[-2], k.shape[-2]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        dtype = work or torch.promote_types(q.dtype, torch.float32)
+        q_, k_, v_, o_, do_, lse_ = (t.to(dtype) for t in (q, k, v, out, dout, lse))
+        offset = 0 if bug == "top_left" else seq_k - seq_q
+        delta = (do_ * (do_ if bug == "D_dout" else o_)).sum(-1)
+        if bug == "no_D":
+            delta = torch.zeros_like(delta)
+        dq, dk, dv = torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
+        tiles = [(q0, k0) for k0 in range(0, seq_k, block_k) for q0 in range(0, seq_q, block_q)]
+        if queries_outside:
+            tiles.sort()
+        for q0, k0 in tiles:
+            q1, k1 = min(seq_q, q0 + block_q), min(seq_k, k0 + block_k)
+            if causal and bug != "future_blocks" and k0 > q1 - 1 + seq_k - seq_q:
+                continue
+            s = torch.einsum("bhqd,bhkd->bhqk", q_[..., q0:q1, :], k_[..., k0:k1, :]) * scale
+            if causal and bug != "no_mask":
+                keep = torch.arange(k0, k1)[None, :] <= torch.arange(q0, q1)[:, None] + offset
+                s = s.masked_fill(~keep, NEG_INF)
+            if bug == "no_lse":
+                p = s.exp()
+            elif bug == "tile_softmax":
+                p = torch.softmax(s, -1).nan_to_num(0.0)
+            else:
+                p = torch.exp(s - lse_[..., q0:q1, None])
+            dp = do_[..., q0:q1, :] @ v_[..., k0:k1, :].mT
+            ds = p * (dp - delta[..., q0:q1, None])
+            factor = 1.0 if bug == "no_scale" else scale
+            dv[..., k0:k1, :] += (p if bug == "P_not_transposed" else p.mT) @ do_[..., q0:q1, :]
+            dq[..., q0:q1, :] += factor * ds @ k_[..., k0:k1, :]
+            dk[..., k0:k1, :] += factor * (ds if bug == "dS_not_transposed" else ds.mT) @ q_[..., q0:q1, :]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return backward
+
+
+@pytest.mark.parametrize("answer", [make_backward(), make_backward(queries_outside=True),
+                                    make_backward(work=torch.float32)])
+def test_flash_attention_backward_correct_answers_pass(answer):
+    checks.check_flash_attention_backward(answer, **CPU)
+    checks.check_flash_attention_backward_memory(answer, **CPU)
+
+
+@pytest.mark.parametrize("bug, hint", [("D_dout", "bwd_D_dout"), ("no_D", "bwd_no_D"), ("no_scale", "bwd_no_scale"),
+                                       ("no_lse", "bwd_no_lse"), ("tile_softmax", "bwd_tile_softmax"),
+                                       ("dS_not_transposed", "bwd_dS_not_transposed"),
+                                       ("P_not_transposed", "bwd_P_not_transposed"), ("no_mask", "bwd_no_mask"),
+                                       ("top_left", "bwd_top_left")])
+def test_flash_attention_backward_mistakes_are_named(bug, hint):
+    rejects(checks.check_flash_attention_backward, make_backward(bug), hint)
+
+
+def test_flash_attention_backward_mistakes_are_named_with_float32_internals():
+    rejects(checks.check_flash_attention_backward, make_backward("no_D", work=torch.float32), "bwd_no_D")
+
+
+def test_flash_attention_backward_that_computes_every_tile():
+    rejects(checks.check_flash_attention_backward_memory, make_backward("future_blocks"), "bwd_future_blocks")
+
+
+def test_flash_attention_backward_through_the_whole_table_is_not_flash():
+    def dense(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        p = torch.exp(q @ k.mT * scale - lse[..., None])  # [S_q, S_k]
+        dp = dout @ v.mT
+        ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+        return scale * ds @ k, scale * ds.mT @ q, p.mT @ dout
+
+    with pytest.raises(CheckFailure, match=r"built a \[1, 3, 48, 80\] tensor"):
+        checks.check_flash_attention_backward_memory(dense, **CPU)
+
+
+def make_function(save="right", grads=4):
+    forward, backward = make_flash(), make_backward()
+
+    class FlashAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, causal=False):
+            out, lse = forward(q, k, v, causal=causal)
+            if save == "P":
+                ctx.save_for_backward(q, k, v, out, lse, torch.softmax(q @ k.mT, -1))
+            elif save == "attribute":
+                ctx.save_for_backward(q, k, v, out, lse)
+                ctx.weights = torch.softmax(q @ k.mT, -1)
+            elif save == "no_lse":
+                ctx.save_for_backward(q, k, v, out)
+            else:
+                ctx.save_for_backward(q, k, v, out, lse)
+            ctx.causal = causal
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out = ctx.saved_tensors[:4]
+            lse = ctx.saved_tensors[4] if save != "no_lse" else torch.logsumexp(q @ k.mT * q.shape[-1] ** -0.5, -1)
+            dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal)
+            return (dq, dk, dv, None)[:grads]
+
+    return FlashAttention
+
+
+def test_flash_attention_function_passes_gradcheck(capsys):
+    checks.check_flash_attention_function(make_function(), device="cpu")
+    assert "✓ FlashAttention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("save", ["P", "attribute", "no_lse"])
+def test_flash_attention_function_that_saves_other_tensors_is_named(save):
+    rejects(checks.check_flash_attention_function, make_function(save=save), "bwd_saved")
+
+
+def test_flash_attention_function_with_too_few_gradients_is_named():
+    rejects(checks.check_flash_attention_function, make_function(grads=3), "bwd_gradients")
+
+
+def test_the_emulated_backward_is_exact_without_a_bug():
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 2, n, 8, generator=generator, dtype=torch.float64) for n in (21, 30, 30, 21))
+    got = checks.tiled_backward(q, k, v, dout, causal=True, scale=0.3, block_q=8, block_k=16)
+    for a, b in zip(got, checks.reference_gradients(q, k, v, dout, True, 0.3)):
+        assert torch.allclose(a, b)
+
+
+# --------------------------------------------------------------------------------------
 # The Triton kernel (interpreter on the CPU)
 # --------------------------------------------------------------------------------------
 

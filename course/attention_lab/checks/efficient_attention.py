@@ -125,6 +125,29 @@ HINTS = {
     "block any query of this query block may see (start_k <= q_end - 1 + S_k - S_q), and mask only inside it.",
     "merge": "two halves of the keys merged with their lse do not give the whole attention: lse must be the "
     "natural-log logsumexp of exactly the scores each half's softmax used.",
+    # flash attention backward
+    "bwd_D_dout": "D uses dout twice: D = rowsum(dout ∘ out) (the output, not the gradient again). D_i = Σ_j P_ij "
+    "dP_ij is the softmax's Jacobian term, and Σ_j P_ij (dO_i · v_j) = dO_i · out_i.",
+    "bwd_no_D": "dS = P ∘ dP is missing the softmax's correction: dS = P ∘ (dP - D) with D = rowsum(dout ∘ out), one "
+    "number per query row (the rowsum(dP ∘ P) term of the softmax's backward, computed from out).",
+    "bwd_no_scale": "dQ and dK miss the scale: the scores are scale · q kᵀ, so dQ += scale · dS K and "
+    "dK += scale · dSᵀ Q.",
+    "bwd_no_lse": "P is not normalised: recompute it as P = exp(scale · q kᵀ - lse) with the saved lse of each "
+    "query row (exp(S) alone is the unnormalised numerator; a softmax of one tile normalises over that tile only).",
+    "bwd_tile_softmax": "P is a softmax over one tile of keys: each row's weights must be normalised over *all* its "
+    "keys, which is what the saved lse gives without seeing them: P = exp(scale · q kᵀ - lse).",
+    "bwd_dS_not_transposed": "dK needs dSᵀ: dK_blk += scale · dS_tileᵀ @ Q_blk (dS is [queries, keys]; dK is per key).",
+    "bwd_P_not_transposed": "dV needs Pᵀ: dV_blk += P_tileᵀ @ dO_blk (P is [queries, keys]; dV is per key).",
+    "bwd_no_mask": "the causal mask is missing in the backward pass: P recomputed on a tile that holds the diagonal "
+    "must be 0 where key j > i + (S_k - S_q), as in the forward pass (exp(-inf - lse) = 0).",
+    "bwd_top_left": "the causal mask of the backward pass is aligned top-left: query i sees keys j <= i + (S_k - S_q), "
+    "as in the forward pass.",
+    "bwd_future_blocks": "with causal=True the backward pass still computes every tile: skip the (query block, key "
+    "block) tiles whose first key is beyond the reach of the block's last query, as the forward pass does.",
+    "bwd_saved": "save exactly q, k, v, out and lse with ctx.save_for_backward(q, k, v, out, lse): the backward pass "
+    "recomputes P from them, which is the point of FlashAttention (no [S_q, S_k] tensor is kept between the passes).",
+    "bwd_gradients": "backward returns one gradient per input of forward, in order: (dq, dk, dv, None) -- None for "
+    "causal, which is not a tensor.",
     # Triton kernel
     "unmasked_load": "a tl.load without a mask (or with a mask that lets rows past the end through) reads memory "
     "after the tensor: here the check put NaN there; on a GPU it is another tensor's data or an illegal address "
@@ -817,6 +840,274 @@ def check_flash_attention_forward_memory(flash_attention_forward: Callable, *, s
                     f"computed {counts[True]} [{block}, {block}] products of q and k blocks, as many as the non-causal "
                     f"pass ({counts[False]}). Only {visited} of the {blocks ** 2} tiles hold a key that some query of "
                     f"the tile may see.\n  Likely mistake: {HINTS['future_blocks']}")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: flash_attention_backward, and the autograd Function built on it
+# --------------------------------------------------------------------------------------
+
+
+def reference_gradients(q, k, v, dout, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)`` of SDPA (math backend) in float64, by torch.autograd."""
+    q64, k64, v64, do64 = (t.requires_grad_(True) if i < 3 else t for i, t in enumerate(_f64(q, k, v, dout)))
+    mask = causal_keep(q.shape[-2], k.shape[-2]) if causal else None
+    with torch.enable_grad():
+        out = reference_sdpa(q64, k64, v64, attn_mask=mask, scale=scale)
+        return torch.autograd.grad(out, (q64, k64, v64), do64)
+
+
+def tiled_backward(q, k, v, dout, *, causal: bool, scale: float, block_q: int, block_k: int,
+                   bug: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """FlashAttention-2's backward loop in float64 with one known ``bug`` (or none); None where the bug
+    cannot run on these shapes (a transposed product of tiles that are not square)."""
+    q, k, v, dout = _f64(q, k, v, dout)
+    seq_q, seq_k = q.size(2), k.size(2)
+    offset = 0 if bug == "top_left" else seq_k - seq_q
+    out, lse = reference_attention(q, k, v, causal, scale)
+    delta = (dout * (dout if bug == "D_dout" else out)).sum(-1)
+    if bug == "no_D":
+        delta = torch.zeros_like(delta)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for k_start in range(0, seq_k, block_k):
+        k_blk, v_blk = k[..., k_start:k_start + block_k, :], v[..., k_start:k_start + block_k, :]
+        k_end = k_start + k_blk.size(2)
+        for q_start in range(0, seq_q, block_q):
+            q_end = min(seq_q, q_start + block_q)
+            if causal and k_start > q_end - 1 + seq_k - seq_q:
+                continue
+            q_blk, do_blk = q[..., q_start:q_end, :], dout[..., q_start:q_end, :]
+            s = q_blk @ k_blk.transpose(-1, -2) * scale
+            if causal and bug != "no_mask":
+                rows = torch.arange(q_start, q_end)[:, None]
+                cols = torch.arange(k_start, k_end)[None, :]
+                s = s.masked_fill(cols > rows + offset, -math.inf)
+            if bug == "no_lse":
+                p = torch.exp(s)
+            elif bug == "tile_softmax":
+                p = torch.softmax(s, -1).nan_to_num(0.0)
+            else:
+                p = torch.exp(s - lse[..., q_start:q_end, None])
+            dp = do_blk @ v_blk.transpose(-1, -2)
+            ds = p * (dp - delta[..., q_start:q_end, None])
+            factor = 1.0 if bug == "no_scale" else scale
+            transposed = {"P_not_transposed": p, "dS_not_transposed": ds}.get(bug)
+            if transposed is not None and transposed.size(-1) != transposed.size(-2):
+                return None
+            dv[..., k_start:k_end, :] += (p if bug == "P_not_transposed" else p.transpose(-1, -2)) @ do_blk
+            dq[..., q_start:q_end, :] += factor * ds @ k_blk
+            dk[..., k_start:k_end, :] += factor * (ds if bug == "dS_not_transposed" else ds.transpose(-1, -2)) @ q_blk
+    return dq, dk, dv
+
+
+_BACKWARD_BUGS = {"D_dout": "bwd_D_dout", "no_D": "bwd_no_D", "no_scale": "bwd_no_scale", "no_lse": "bwd_no_lse",
+                  "tile_softmax": "bwd_tile_softmax", "dS_not_transposed": "bwd_dS_not_transposed",
+                  "P_not_transposed": "bwd_P_not_transposed", "no_mask": "bwd_no_mask", "top_left": "bwd_top_left"}
+
+
+def _backward_variants(q, k, v, dout, causal, scale, block_q, block_k) -> list[list[Variant]]:
+    """Per gradient (dq, dk, dv): the known wrong ones, each computed once, lazily."""
+    cache: dict[str, Any] = {}
+
+    def part(bug: str, index: int) -> Callable[[], torch.Tensor | None]:
+        def run() -> torch.Tensor | None:
+            if bug not in cache:
+                cache[bug] = tiled_backward(q, k, v, dout, causal=causal, scale=scale, block_q=block_q,
+                                            block_k=block_k, bug=bug)
+            return None if cache[bug] is None else cache[bug][index]
+        return run
+
+    bugs = [bug for bug in _BACKWARD_BUGS if causal or bug not in ("no_mask", "top_left")]
+    return [[Variant(part(bug, index), HINTS[_BACKWARD_BUGS[bug]]) for bug in bugs] for index in range(3)]
+
+
+def _backward_call_text(q, k, block_q, block_k, causal, scale) -> str:
+    blocks = "" if block_q is None else f"block_q={block_q}, block_k={block_k}, "
+    scale_text = "" if scale is None else f", scale={scale}"
+    return (f"flash_attention_backward(q, k, v, out, lse, dout, {blocks}causal={causal}{scale_text}) with q "
+            f"{shape_str(q.shape)}, k and v {shape_str(k.shape)} ({str(q.dtype).replace('torch.', '')}, "
+            f"{q.device.type})")
+
+
+def _backward_inputs(generator, shape, causal, dtype=torch.float64, device: Any = "cpu", scale=None):
+    batch, heads, seq_q, seq_k, head_dim = shape
+    q, k, v = _qkv(generator, batch, heads, seq_q, seq_k, head_dim, dtype=dtype, device=device)
+    dout = randn(batch, heads, seq_q, head_dim, generator=generator, dtype=dtype, device=device)
+    used = head_dim ** -0.5 if scale is None else scale
+    out, lse = reference_attention(q, k, v, causal, used)
+    return q, k, v, out.to(device, dtype), lse.to(device, torch.float32 if dtype != torch.float64 else dtype), dout
+
+
+def _call_backward(flash_attention_backward, inputs, block_q, block_k, causal, scale=None,
+                   watch: OperationWatch | None = None) -> tuple[tuple[torch.Tensor, ...], str]:
+    q, k, v, out, lse, dout = inputs
+    call = _backward_call_text(q, k, block_q, block_k, causal, scale)
+    kwargs: dict[str, Any] = {"causal": causal}
+    if block_q is not None:
+        kwargs.update(block_q=block_q, block_k=block_k)
+    if scale is not None:
+        kwargs["scale"] = scale
+    args = tuple(t.clone() for t in inputs)
+    if watch is None:
+        result = call_student(flash_attention_backward, *args, call=call, **kwargs)
+    else:
+        result = _watched_call(flash_attention_backward, *args, call=call, watch=watch, **kwargs)
+    expect_true(isinstance(result, (tuple, list)) and len(result) == 3,
+                f"{call} should return the tuple (dq, dk, dv), got {describe(result)}.")
+    for name, got, like in zip(("dq", "dk", "dv"), result, (q, k, v)):
+        expect_tensor(got, what=f"{name} from {call}", shape=like.shape, dtype=like.dtype, device=like.device)
+    return tuple(result), call
+
+
+def _backward_case(flash_attention_backward, generator, shape, block_q, block_k, causal, scale=None,
+                   dtype=torch.float64, device: Any = "cpu") -> None:
+    inputs = _backward_inputs(generator, shape, causal, dtype, device, scale)
+    grads, call = _call_backward(flash_attention_backward, inputs, block_q, block_k, causal, scale)
+    q, k, v, _, _, dout = inputs
+    used = q.shape[-1] ** -0.5 if scale is None else scale
+    want = reference_gradients(q, k, v, dout, causal, used)
+    blocks = (64, 64) if block_q is None else (block_q, block_k)
+    variants = _backward_variants(q, k, v, dout, causal, used, *blocks)
+    for name, got, expected, wrong in zip(("dq", "dk", "dv"), grads, want, variants):
+        expect_close(got, expected, what=f"{name} from {call}", against="torch.autograd through SDPA (float64)",
+                     variants=wrong)
+
+
+@check("flash_attention_backward: dq, dk, dv equal autograd through SDPA (float64, then the device); ragged; causal bottom-right; any blocks ({device})",
+       uses=("flash_attention_forward",))
+def check_flash_attention_backward(flash_attention_backward: Callable, *, seed: int = 0,
+                                   device: torch.device | None = None) -> None:
+    """flash_attention_backward: gradients against autograd, the classic mistakes named."""
+    expect_signature(flash_attention_backward, "flash_attention_backward",
+                     ["q", "k", "v", "out", "lse", "dout", "block_q", "block_k", "causal", "scale"])
+    generator = random_generator(seed)
+    seq = randint(33, 41, generator)
+    _backward_case(flash_attention_backward, generator, (2, 2, 32, 32, 8), 16, 16, False)
+    _backward_case(flash_attention_backward, generator, (1, 2, seq, seq + 11, 8), 16, 16, False)
+    _backward_case(flash_attention_backward, generator, (1, 2, seq, seq, 8), 16, 16, True)
+    _backward_case(flash_attention_backward, generator, (2, 1, 21, seq, 8), 8, 16, True)
+    _backward_case(flash_attention_backward, generator, (1, 1, 19, 27, 4), 8, 8, False, scale=0.4)
+    _backward_case(flash_attention_backward, generator, (1, 1, 70, 70, 8), None, None, True)  # default blocks
+    _backward_case(flash_attention_backward, generator, (1, 2, seq, seq + 5, 16), 16, 16, True,
+                   dtype=torch.float32, device=device)
+
+
+@check("flash_attention_backward: never builds a tensor as wide as all the keys; the causal pass skips future tiles")
+def check_flash_attention_backward_memory(flash_attention_backward: Callable, *, seed: int = 0,
+                                          device: torch.device | None = None) -> None:
+    """Every operation watched: no [S_q, S_k] table nor a row block of it; causal computes ~half the tiles."""
+    generator = random_generator(seed)
+    head_dim, heads = 8, 3
+    narrow = (1, head_dim, heads)
+    for causal, (seq_q, seq_k) in ((False, (48, 80)), (True, (48, 80))):
+        inputs = _backward_inputs(generator, (1, heads, seq_q, seq_k, head_dim), causal)
+
+        def is_wide(shape: tuple[int, ...], seq_q=seq_q, seq_k=seq_k) -> bool:
+            if len(shape) < 2:
+                return False
+            rows, cols = shape[-2:]
+            return ((rows, cols) in ((seq_q, seq_k), (seq_k, seq_q))
+                    or (cols == seq_k and rows not in narrow) or (rows == seq_k and cols not in narrow)
+                    or (cols == seq_q and rows not in narrow) or (rows == seq_q and cols not in narrow))
+
+        watch = OperationWatch(is_wide=is_wide)
+        _, call = _call_backward(flash_attention_backward, inputs, 16, 16, causal, watch=watch)
+        _expect_no_table(watch, call, "a table of scores or probabilities against all the keys (or all the queries). "
+                         "The backward pass recomputes one [block_q, block_k] tile of P at a time from q, k and lse",
+                         "loop over key blocks and query blocks; per tile recompute P = exp(scale · q kᵀ - lse), "
+                         "and accumulate dV, dK (per key block) and dQ (per query block).")
+    seq, block = 96, 16
+    inputs = {causal: _backward_inputs(generator, (1, 2, seq, seq, head_dim), causal) for causal in (False, True)}
+    counts = {}
+    for causal in (False, True):
+        watch = OperationWatch()
+        _call_backward(flash_attention_backward, inputs[causal], block, block, causal, watch=watch)
+        counts[causal] = _score_products(watch, block)
+    blocks = seq // block
+    visited = blocks * (blocks + 1) // 2
+    if counts[False] > 0:
+        allowed = counts[False] * (visited + blocks) / blocks ** 2
+        expect_true(counts[True] <= allowed,
+                    f"flash_attention_backward(..., block_q={block}, block_k={block}, causal=True) with S = {seq} "
+                    f"computed {counts[True]} [{block}, {block}] tile products, as many as the non-causal pass "
+                    f"({counts[False]}). Only {visited} of the {blocks ** 2} tiles hold a key that some query of the "
+                    f"tile may see.\n  Likely mistake: {HINTS['bwd_future_blocks']}")
+
+
+def _saved_by(output: torch.Tensor) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """What a custom Function's backward will see: its saved tensors, and tensors kept as ctx attributes."""
+    node = output.grad_fn
+    saved = list(getattr(node, "saved_tensors", ()) or ())
+    attributes = {name: value for name, value in vars(node).items() if isinstance(value, torch.Tensor)} \
+        if hasattr(node, "__dict__") else {}
+    return saved, attributes
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.detach(), b.detach()))
+
+
+@check("FlashAttention: forward saves only q, k, v, out and lse; gradients equal autograd through SDPA; torch.autograd.gradcheck passes in float64",
+       uses=("flash_attention_forward", "flash_attention_backward"))
+def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """FlashAttention.apply(q, k, v, causal): what it saves, its gradients, gradcheck."""
+    expect_true(isinstance(FlashAttention, type) and issubclass(FlashAttention, torch.autograd.Function),
+                f"FlashAttention should be a subclass of torch.autograd.Function, got {describe(FlashAttention)}.")
+    generator = random_generator(seed)
+    for causal, (seq_q, seq_k) in ((False, (20, 28)), (True, (24, 24)), (True, (13, 30))):
+        q, k, v = (t.requires_grad_(True) for t in _qkv(generator, 1, 2, seq_q, seq_k, 8))
+        dout = randn(1, 2, seq_q, 8, generator=generator)
+        call = f"FlashAttention.apply(q, k, v, {causal}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)}"
+        with torch.enable_grad():
+            out = call_student(FlashAttention.apply, q, k, v, causal, call=call)
+        expect_tensor(out, what=f"out from {call}", shape=q.shape, dtype=q.dtype, device=q.device)
+        expect_close(out, reference_attention(q, k, v, causal)[0], what=f"out from {call}",
+                     against="F.scaled_dot_product_attention (float64)")
+        expect_true(out.grad_fn is not None and hasattr(out.grad_fn, "saved_tensors"),
+                    f"out from {call} has no backward of FlashAttention (grad_fn {out.grad_fn}): forward must return "
+                    "the output tensor it computed, and apply (not forward) must be called.")
+        saved, attributes = _saved_by(out)
+        want_lse = reference_attention(q, k, v, causal)[1]
+        named = []
+        for tensor in saved:
+            match = [name for name, like in (("q", q), ("k", k), ("v", v), ("out", out)) if _same(tensor, like)]
+            if not match and tensor.shape == want_lse.shape:
+                close = torch.allclose(tensor.detach().to(torch.float64), want_lse, rtol=1e-4, atol=1e-5)
+                match = ["lse"] if close else []
+            named.append(match[0] if match else shape_str(tensor.shape))
+        kept = [f"ctx.{name} {shape_str(t.shape)}" for name, t in attributes.items()
+                if not any(t is x for x in (q, k, v, out))]
+        expect_true(sorted(named) == sorted(["q", "k", "v", "out", "lse"]) and not kept,
+                    f"{call}: forward saved {', '.join(named) or 'nothing'} with save_for_backward"
+                    + (f" and kept {', '.join(kept)}" if kept else "")
+                    + f"; expected exactly q, k, v, out and lse [{seq_q} values per head].\n  Likely mistake: "
+                    + HINTS["bwd_saved"])
+        try:
+            with torch.enable_grad():
+                grads = torch.autograd.grad(out, (q, k, v), dout)
+        except RuntimeError as error:
+            text = str(error)
+            hint = HINTS["bwd_gradients"] if "incorrect number of gradients" in text or "expected shape" in text else ""
+            raise CheckFailure(f"the backward of {call} raised RuntimeError: {text}"
+                               + (f"\n  Likely mistake: {hint}" if hint else "")) from None
+        except CheckFailure:
+            raise
+        except Exception as error:
+            raise CheckFailure(f"the backward of {call} raised {type(error).__name__}: {error}") from None
+        want = reference_gradients(q, k, v, dout, causal, 8 ** -0.5)
+        for name, got, expected in zip(("dq", "dk", "dv"), grads, want):
+            expect_close(got, expected, what=f"{name} from the backward of {call}",
+                         against="torch.autograd through SDPA (float64)")
+    # torch.autograd.gradcheck in float64 (fast mode: random directions, a few seconds at most).
+    q, k, v = (t.requires_grad_(True) for t in _qkv(generator, 1, 1, 6, 9, 4))
+    for causal in (False, True):
+        try:
+            ok = torch.autograd.gradcheck(lambda a, b, c, causal=causal: FlashAttention.apply(a, b, c, causal),
+                                          (q, k, v), fast_mode=True, raise_exception=True)
+        except Exception as error:
+            text = str(error).strip().splitlines()
+            raise CheckFailure(f"torch.autograd.gradcheck(FlashAttention.apply, (q, k, v, causal={causal})) in float64 "
+                               f"with q [1, 1, 6, 4], k and v [1, 1, 9, 4] failed: {' '.join(text[:3])[:400]}") from None
+        expect_true(bool(ok), f"torch.autograd.gradcheck(FlashAttention.apply, causal={causal}) failed.")
 
 
 # --------------------------------------------------------------------------------------
