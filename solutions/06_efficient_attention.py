@@ -7,7 +7,7 @@
 # and end with the same algorithm as a Triton GPU kernel, which is checked on the CPU by
 # Triton's interpreter and runs natively on a CUDA GPU (Colab).
 #
-# **16 points, about 83 minutes.**
+# **22 points, about 118 minutes.**
 #
 # **Notation**: `B` batch, `H` heads, `S_q` query tokens, `S_k` key/value tokens, `d` the
 # per-head width. q is `[B, H, S_q, d]`, k and v are `[B, H, S_k, d]`. **Masks** are boolean
@@ -290,6 +290,11 @@ for blocks in (1, 2):
 # compute the `[block_q, block_k]` tile of scores, and fold it in with `online_softmax_step`.
 # Only one tile of scores exists at a time.
 #
+# Queries outside, keys inside is **FlashAttention-2**'s order (Dao, 2023): each query block's
+# `m`, `l` and `acc` stay in registers until its output is written once. The first
+# FlashAttention (Dao et al., 2022) looped over key blocks outside and queries inside, so it
+# read and rewrote every query block's partial output (and `m`, `l`) once per key block.
+#
 # ```
 # for each query block rows [q_start, q_end):
 #     m = −∞, l = 0, acc = 0                         # [B, H, bq], [B, H, bq], [B, H, bq, d]
@@ -553,7 +558,193 @@ check_flash_attention_kernel(flash_attention_kernel, seed=6701, sizes="more")
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ## 7. Measurements: time and memory against S
+# ## 7. The backward pass
+#
+# Training needs `dQ, dK, dV` from `dO = ∂loss/∂out`. Autograd through the naive attention keeps
+# the `[S_q, S_k]` weights `P` between the passes: exactly the table the forward pass avoided.
+# FlashAttention keeps only `q, k, v, out` and the `lse` of each row, and *recomputes* `P`,
+# one tile at a time, in the backward pass.
+#
+# **Derive it.** With `S = scale · q kᵀ`, `P = softmax(S)` row by row and `out = P V`:
+#
+# * `out` is linear in `V` and in `P`: `dV = Pᵀ dO` and `dP = dO Vᵀ`.
+# * The softmax's vector-Jacobian product (notebook 02): `dS_ij = P_ij (dP_ij − Σ_l P_il dP_il)`.
+#   The row sum `Σ_l P_il dP_il = Σ_l P_il (dO_i · v_l) = dO_i · out_i`: call it `D_i`. It needs
+#   no row of `P` at all — one dot product per query row, computed before the loop.
+# * `S` is linear in `q` and `k`, times `scale`: `dQ = scale · dS K`, `dK = scale · dSᵀ Q`.
+# * `P_ij = exp(S_ij − lse_i)`: the saved `lse` normalises a tile of `P` without the rest of
+#   its row.
+#
+# Every formula is per tile: a `(query block, key block)` tile of `P` and `dS` contributes to
+# `dV` and `dK` of its keys and to `dQ` of its queries. FlashAttention-2 puts the loop over
+# **key blocks outside** (each program owns the `dK, dV` of one key block and accumulates
+# them in registers) and the query blocks inside; `dQ` is accumulated across key blocks.
+
+# %% [markdown]
+# ### Exercise 6.8 — flash_attention_backward (4 pts, ~25 min)
+#
+# Write the tiled backward pass. Inputs: q, k, v, the forward's `out` and `lse`, and `dout`
+# (`[B, H, S_q, d_v]`). Return `(dq, dk, dv)` with the shapes and dtype of q, k and v. Compute
+# in at least float32. No tensor may be as wide as all the keys or all the queries (the check
+# watches every operation), and with `causal` the tiles no query may see are skipped, as in
+# the forward pass (the mask inside a diagonal tile is the forward's: bottom-right).
+
+# %% answer="flash_attention_backward"
+def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+    """dq, dk, dv of attention from the saved out and lse; P recomputed tile by tile.
+
+    q: [B, H, S_q, d], k: [B, H, S_k, d], v: [B, H, S_k, d_v], out and dout: [B, H, S_q, d_v],
+    lse: [B, H, S_q] -> (dq, dk, dv) shaped and typed like q, k, v.
+    Example: equals torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), dout).
+    """
+    ### BEGIN SOLUTION
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q_c, k_c, v_c, out_c, dout_c = (t.to(compute) for t in (q, k, v, out, dout))
+    lse_c = lse.to(compute)
+    delta = (dout_c * out_c).sum(dim=-1)  # D = rowsum(dO ∘ O): [B, H, S_q]
+    dq, dk, dv = torch.zeros_like(q_c), torch.zeros_like(k_c), torch.zeros_like(v_c)
+    offset = seq_k - seq_q
+    for k_start in range(0, seq_k, block_k):  # FlashAttention-2: key blocks outside
+        k_end = min(seq_k, k_start + block_k)
+        k_blk, v_blk = k_c[..., k_start:k_end, :], v_c[..., k_start:k_end, :]
+        for q_start in range(0, seq_q, block_q):
+            q_end = min(seq_q, q_start + block_q)
+            if causal and k_start > q_end - 1 + offset:
+                continue  # no query of this block sees any key of this block
+            q_blk, do_blk = q_c[..., q_start:q_end, :], dout_c[..., q_start:q_end, :]
+            scores = q_blk @ k_blk.transpose(-2, -1) * scale  # [B, H, bq, bk]
+            if causal:
+                rows = torch.arange(q_start, q_end, device=q.device)[:, None]
+                cols = torch.arange(k_start, k_end, device=q.device)[None, :]
+                scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+            p = torch.exp(scores - lse_c[..., q_start:q_end, None])  # the tile of P, normalised by lse
+            dv[..., k_start:k_end, :] += p.transpose(-2, -1) @ do_blk
+            dp = do_blk @ v_blk.transpose(-2, -1)
+            ds = p * (dp - delta[..., q_start:q_end, None])
+            dq[..., q_start:q_end, :] += scale * ds @ k_blk
+            dk[..., k_start:k_end, :] += scale * ds.transpose(-2, -1) @ q_blk
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    ### END SOLUTION
+
+
+# %% test="test_flash_attention_backward" points=3
+"""flash_attention_backward: dq, dk, dv equal autograd through SDPA; ragged; causal; any blocks."""
+from attention_lab.checks.efficient_attention import check_flash_attention_backward
+
+check_flash_attention_backward(flash_attention_backward)
+### BEGIN HIDDEN TESTS
+check_flash_attention_backward(flash_attention_backward, seed=6801)
+### END HIDDEN TESTS
+
+# %% test="test_flash_attention_backward_memory" points=1
+"""flash_attention_backward: no tensor as wide as all the keys; causal skips the future tiles."""
+from attention_lab.checks.efficient_attention import check_flash_attention_backward_memory
+
+check_flash_attention_backward_memory(flash_attention_backward)
+### BEGIN HIDDEN TESTS
+check_flash_attention_backward_memory(flash_attention_backward, seed=6802)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.9 — FlashAttention, an autograd Function (2 pts, ~10 min)
+#
+# Wrap both passes in a `torch.autograd.Function`: `forward(ctx, q, k, v, causal=False)` runs
+# your `flash_attention_forward`, keeps **only** what the backward pass needs (the check
+# inspects what your `forward` saved: q, k, v, out and lse, with `ctx.save_for_backward`) and
+# returns `out`; `backward(ctx, dout)` returns one gradient per input of `forward`. The check
+# also runs `torch.autograd.gradcheck` on it in float64.
+
+# %% answer="FlashAttention"
+class FlashAttention(torch.autograd.Function):
+    """Attention whose backward pass recomputes P from the saved lse: FlashAttention.apply(q, k, v, causal)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        ### BEGIN SOLUTION
+        out, lse = flash_attention_forward(q, k, v, causal=causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal = causal
+        return out
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, dout):
+        ### BEGIN SOLUTION
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_backward(q, k, v, out, lse, dout, causal=ctx.causal)
+        return dq, dk, dv, None  # no gradient for causal
+        ### END SOLUTION
+
+
+def flash_attention(q, k, v, causal=False):
+    """Differentiable FlashAttention: out [B, H, S_q, d_v]."""
+    return FlashAttention.apply(q, k, v, causal)
+
+
+# %% test="test_flash_attention_function" points=2
+"""FlashAttention: saves only q, k, v, out, lse; gradients equal autograd through SDPA; gradcheck."""
+from attention_lab.checks.efficient_attention import check_flash_attention_function
+
+check_flash_attention_function(FlashAttention)
+### BEGIN HIDDEN TESTS
+check_flash_attention_function(FlashAttention, seed=6901)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **Train with it.** Two copies of the same small causal attention model, trained on the same
+# batches: one calls your `flash_attention`, the other `F.scaled_dot_product_attention`. If your
+# backward pass is right, the two loss curves are the same curve (up to float32 rounding).
+
+# %%
+import copy
+
+import matplotlib.pyplot as plt
+
+
+class TinyCausalModel(torch.nn.Module):
+    def __init__(self, attend, width=32, heads=2):
+        super().__init__()
+        self.attend, self.heads = attend, heads
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):  # x: [B, S, width]
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return self.proj(self.attend(q, k, v).transpose(1, 2).flatten(2))
+
+
+def train_losses(model, steps=30, seed=0):
+    data = torch.Generator().manual_seed(seed)
+    optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 24, 32, generator=data).to(device)
+        target = x.cumsum(dim=1) / torch.arange(1, 25, device=device)[:, None]  # the running mean: causal
+        loss = F.mse_loss(model(x), target)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        losses.append(loss.item())
+    return losses
+
+
+torch.manual_seed(0)
+sdpa_model = TinyCausalModel(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)).to(device)
+flash_model = copy.deepcopy(sdpa_model)
+flash_model.attend = lambda q, k, v: flash_attention(q, k, v, causal=True)
+with_sdpa, with_flash = train_losses(sdpa_model), train_losses(flash_model)
+figure, axis = plt.subplots(figsize=(6, 3))
+axis.plot(with_sdpa, label="SDPA", linewidth=3, alpha=0.5)
+axis.plot(with_flash, "--", label="your FlashAttention")
+axis.set(xlabel="step", ylabel="MSE loss", yscale="log", title="the same training, two attentions")
+axis.legend()
+plt.show()
+print("largest difference between the two loss curves:",
+      f"{max(abs(a - b) for a, b in zip(with_sdpa, with_flash)):.1e}")
+
+# %% [markdown]
+# ## 8. Measurements: time and memory against S
 #
 # Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention` and
 # `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU also your
@@ -603,3 +794,5 @@ attention_costs_view(costs)
 #   skipped, and `lse` — which merges partial results exactly.
 # * `flash_attention_kernel`: the same loop as a Triton kernel, checked by the interpreter on the
 #   CPU and run natively on a GPU.
+# * `flash_attention_backward` and `FlashAttention`: the backward pass from `q, k, v, out, lse`
+#   alone — `P` recomputed per tile, `D = rowsum(dO ∘ O)` — and training that matches SDPA's.

@@ -117,3 +117,54 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
     tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)
+
+# %% answer="flash_attention_backward"
+def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+    # float32 inside, einsum, queries outside (FlashAttention-1's order), dK/dV in lists of blocks.
+    n_q, n_k = q.size(-2), k.size(-2)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    qf, kf, vf, of, dof = q.float(), k.float(), v.float(), out.float(), dout.float()
+    lsef = lse.float()
+    d_row = torch.einsum("bhqd,bhqd->bhq", dof, of)
+    dk_blocks = [torch.zeros_like(kf[..., s:s + block_k, :]) for s in range(0, n_k, block_k)]
+    dv_blocks = [torch.zeros_like(vf[..., s:s + block_k, :]) for s in range(0, n_k, block_k)]
+    dq_blocks = []
+    for qs in range(0, n_q, block_q):
+        qe = min(n_q, qs + block_q)
+        dq_blk = torch.zeros_like(qf[..., qs:qe, :])
+        for index, ks in enumerate(range(0, n_k, block_k)):
+            if causal and ks > qe - 1 + n_k - n_q:
+                break
+            ke = min(n_k, ks + block_k)
+            s = torch.einsum("bhqd,bhkd->bhqk", qf[..., qs:qe, :], kf[..., ks:ke, :]) * scale
+            if causal:
+                hidden = torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None] + n_k - n_q
+                s = s.masked_fill(hidden.to(s.device), -1e9)
+            p = torch.exp(s - lsef[..., qs:qe, None])
+            dv_blocks[index] += torch.einsum("bhqk,bhqd->bhkd", p, dof[..., qs:qe, :])
+            dp = torch.einsum("bhqd,bhkd->bhqk", dof[..., qs:qe, :], vf[..., ks:ke, :])
+            ds = p * (dp - d_row[..., qs:qe, None]) * scale
+            dq_blk += torch.einsum("bhqk,bhkd->bhqd", ds, kf[..., ks:ke, :])
+            dk_blocks[index] += torch.einsum("bhqk,bhqd->bhkd", ds, qf[..., qs:qe, :])
+        dq_blocks.append(dq_blk)
+    return (torch.cat(dq_blocks, -2).to(q.dtype), torch.cat(dk_blocks, -2).to(k.dtype),
+            torch.cat(dv_blocks, -2).to(v.dtype))
+
+# %% answer="FlashAttention"
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        out, lse = flash_attention_forward(q, k, v, 32, 32, causal)
+        ctx.causal = bool(causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = flash_attention_backward(q, k, v, out, lse, grad_out, 32, 32, ctx.causal)
+        return (*grads, None)
+
+
+def flash_attention(q, k, v, causal=False):
+    return FlashAttention.apply(q, k, v, causal)

@@ -147,3 +147,63 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
     tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)
+
+# %% answer="flash_attention_backward"
+def tile_probabilities(q_tile, k_tile, lse_rows, scale, hidden=None):
+    scores = q_tile @ k_tile.mT * scale
+    if hidden is not None:
+        scores = torch.where(hidden, torch.full_like(scores, -math.inf), scores)
+    return (scores - lse_rows.unsqueeze(-1)).exp()
+
+
+def softmax_backward(p, dp, delta):
+    return p * (dp - delta.unsqueeze(-1))
+
+
+def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+    *batch_heads, n_q, head_dim = q.shape
+    n_k = k.shape[-2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v, out, dout, lse = (t.to(dt) for t in (q, k, v, out, dout, lse))
+    q_pos = torch.arange(n_q, device=q.device) + (n_k - n_q)  # the last key each query may see
+    k_pos = torch.arange(n_k, device=q.device)
+    delta = torch.sum(dout * out, dim=-1)
+    dq = torch.zeros_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    for k0 in range(0, n_k, block_k):
+        k1 = min(k0 + block_k, n_k)
+        dk_acc = torch.zeros_like(k[..., k0:k1, :])
+        dv_acc = torch.zeros_like(v[..., k0:k1, :])
+        first_q = max(0, k0 - (n_k - n_q)) if causal else 0  # earlier queries see none of these keys
+        for q0 in range((first_q // block_q) * block_q, n_q, block_q):
+            q1 = min(q0 + block_q, n_q)
+            hidden = (k_pos[k0:k1][None, :] > q_pos[q0:q1][:, None]) if causal else None
+            p = tile_probabilities(q[..., q0:q1, :], k[..., k0:k1, :], lse[..., q0:q1], scale, hidden)
+            dv_acc += p.mT @ dout[..., q0:q1, :]
+            ds = softmax_backward(p, dout[..., q0:q1, :] @ v[..., k0:k1, :].mT, delta[..., q0:q1])
+            dq[..., q0:q1, :] += ds @ k[..., k0:k1, :] * scale
+            dk_acc += ds.mT @ q[..., q0:q1, :] * scale
+        dk[..., k0:k1, :] = dk_acc
+        dv[..., k0:k1, :] = dv_acc
+    return tuple(t.to(dtype) for t, dtype in zip((dq, dk, dv), dtypes))
+
+# %% answer="FlashAttention"
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        result, logsumexp = flash_attention_forward(q, k, v, causal=causal)
+        ctx.mark_non_differentiable(logsumexp)
+        ctx.save_for_backward(q, k, v, result, logsumexp)
+        ctx.is_causal = causal
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        return (*flash_attention_backward(*saved, grad.contiguous(), causal=ctx.is_causal), None)
+
+
+def flash_attention(q, k, v, causal=False):
+    return FlashAttention.apply(q, k, v, causal)

@@ -122,3 +122,59 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
     tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)
+
+# %% answer="flash_attention_backward"
+def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+    # exp2 with log2(e) factors, einops to [B·H, S, d], keyword calls, torch.where for the mask,
+    # index_add_ for dQ, a helper for one tile.
+    LOG2E = 1.0 / math.log(2.0)
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    sm_scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    flat = [rearrange(t, "b h s d -> (b h) s d").to(dtype) for t in (q, k, v, out, dout)]
+    q2, k2, v2, o2, do2 = flat
+    lse2 = rearrange(lse, "b h s -> (b h) s").to(dtype) * LOG2E
+    delta = (do2 * o2).sum(dim=-1, keepdim=True)
+    dq2, dk2, dv2 = torch.zeros_like(q2), torch.zeros_like(k2), torch.zeros_like(v2)
+
+    def tile(qs, qe, ks, ke):
+        s2 = torch.bmm(q2[:, qs:qe], k2[:, ks:ke].transpose(1, 2)) * (sm_scale * LOG2E)
+        if causal:
+            keep = torch.arange(ks, ke)[None, :] <= torch.arange(qs, qe)[:, None] + (n_k - n_q)
+            s2 = torch.where(keep.to(s2.device), s2, torch.full_like(s2, float("-inf")))
+        return torch.exp2(s2 - lse2[:, qs:qe, None])
+
+    for ks in range(0, n_k, block_k):
+        ke = min(ks + block_k, n_k)
+        for qs in range(0, n_q, block_q):
+            qe = min(qs + block_q, n_q)
+            if causal and ks >= qe + n_k - n_q:
+                continue
+            p = tile(qs, qe, ks, ke)
+            dv2[:, ks:ke] += torch.bmm(p.transpose(1, 2), do2[:, qs:qe])
+            ds = p * (torch.bmm(do2[:, qs:qe], v2[:, ks:ke].transpose(1, 2)) - delta[:, qs:qe])
+            dq2.index_add_(1, torch.arange(qs, qe, device=q.device), sm_scale * torch.bmm(ds, k2[:, ks:ke]))
+            dk2[:, ks:ke] += sm_scale * torch.bmm(ds.transpose(1, 2), q2[:, qs:qe])
+    unflat = [rearrange(t, "(b h) s d -> b h s d", b=b) for t in (dq2, dk2, dv2)]
+    return unflat[0].to(q.dtype), unflat[1].to(k.dtype), unflat[2].to(v.dtype)
+
+# %% answer="FlashAttention"
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, causal=False):
+        output, logsumexp = flash_attention_forward(query, key, value, block_q=16, block_k=16, causal=causal)
+        ctx.save_for_backward(query, key, value, output, logsumexp)
+        ctx.causal = causal
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, output, logsumexp = ctx.saved_tensors
+        d_query, d_key, d_value = flash_attention_backward(
+            query, key, value, output, logsumexp, grad_output, block_q=16, block_k=16, causal=ctx.causal)
+        return d_query, d_key, d_value, None
+
+
+def flash_attention(q, k, v, causal=False):
+    return FlashAttention.apply(q, k, v, causal)
