@@ -683,7 +683,7 @@ def flash_attention(q, k, v, causal=False):
     return FlashAttention.apply(q, k, v, causal)
 
 
-# %% test="test_flash_attention_function" points=2
+# %% test="test_FlashAttention" points=2
 """FlashAttention: saves only q, k, v, out, lse; gradients equal autograd through SDPA; gradcheck."""
 from attention_lab.checks.efficient_attention import check_flash_attention_function
 
