@@ -67,9 +67,11 @@ check_attention_matrix_bytes(attention_matrix_bytes, seed=6101)
 GiB = 2**30
 layers, query_heads, kv_heads, head_size = 32, 32, 8, 128
 for context in (8192, 131072):
-    table = attention_matrix_bytes(batch_size=1, num_heads=query_heads, seq_len=context, bytes_per_element=2)
+    table = attention_matrix_bytes(batch_size=1, num_heads=query_heads, seq_len=context,
+                                   bytes_per_element=2)
     kv_cache = 2 * layers * kv_heads * head_size * context * 1 * 2  # notebook 05's kv_cache_bytes
-    print(f"S = {context:>7,}: score table of ONE layer {table / GiB:>8,.0f} GiB | KV cache of all 32 layers "
+    print(f"S = {context:>7,}: score table of ONE layer {table / GiB:>8,.0f} GiB | "
+          f"KV cache of all 32 layers "
           f"{kv_cache / GiB:>5,.0f} GiB")
 
 # %% [markdown]
@@ -115,7 +117,8 @@ def chunked_attention(q, k, v, chunk_size, causal=False):
         q_chunk = q[..., start:start + chunk_size, :]  # [B, H, c, d] (c < chunk_size at the end)
         scores = q_chunk @ k.transpose(-2, -1) * scale  # [B, H, c, S_k]
         if causal:
-            rows = torch.arange(start, start + q_chunk.shape[-2], device=q.device)[:, None]  # global query index
+            # the global query index of each row of the chunk
+            rows = torch.arange(start, start + q_chunk.shape[-2], device=q.device)[:, None]
             cols = torch.arange(seq_k, device=q.device)[None, :]
             scores = scores.masked_fill(cols > rows + (seq_k - seq_q), float("-inf"))
         outputs.append(torch.softmax(scores, dim=-1) @ v)  # [B, H, c, d]
@@ -123,16 +126,9 @@ def chunked_attention(q, k, v, chunk_size, causal=False):
     ### END SOLUTION
 
 
-# %%
-q_demo = torch.randn(1, 2, 50, 16, device=device)
-k_demo, v_demo = torch.randn(1, 2, 70, 16, device=device), torch.randn(1, 2, 70, 16, device=device)
-bottom_right = torch.ones(50, 70, dtype=torch.bool, device=device).tril(diagonal=70 - 50)
-reference_out = F.scaled_dot_product_attention(q_demo, k_demo, v_demo, attn_mask=bottom_right)
-print("chunked (chunk 16, causal) vs SDPA, max difference:",
-      float((chunked_attention(q_demo, k_demo, v_demo, 16, causal=True) - reference_out).abs().max()))
-
 # %% test="test_chunked_attention" points=2
-"""chunked_attention: equals SDPA (float64, then the device), ragged last chunk, causal bottom-right; never builds [S_q, S_k]."""
+"""chunked_attention: equals SDPA (float64, then the device), ragged last chunk,
+causal bottom-right; never builds [S_q, S_k]."""
 from attention_lab.checks.efficient_attention import check_chunked_attention
 
 check_chunked_attention(chunked_attention)
@@ -140,6 +136,15 @@ check_chunked_attention(chunked_attention)
 check_chunked_attention(chunked_attention, seed=6201)
 check_chunked_attention(chunked_attention, seed=6202, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+q_demo = torch.randn(1, 2, 50, 16, device=device)
+k_demo, v_demo = torch.randn(1, 2, 70, 16, device=device), torch.randn(1, 2, 70, 16, device=device)
+bottom_right = torch.ones(50, 70, dtype=torch.bool, device=device).tril(diagonal=70 - 50)
+reference_out = F.scaled_dot_product_attention(q_demo, k_demo, v_demo, attn_mask=bottom_right)
+print("chunked (chunk 16, causal) vs SDPA, max difference:",
+      float((chunked_attention(q_demo, k_demo, v_demo, 16, causal=True) - reference_out)
+            .abs().max()))
 
 # %% [markdown]
 # Chunking cuts the memory to `chunk/S` of the table, but each chunk still holds scores
@@ -181,25 +186,29 @@ def streaming_logsumexp(x, block_size):
     for start in range(0, x.shape[-1], block_size):
         block = x[..., start:start + block_size]
         m_new = torch.maximum(m, block.amax(dim=-1))
-        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # -inf rows: avoid -inf - -inf
+        # rows still at -inf: exponentiate with 0, never -inf - -inf
+        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         s = s * torch.exp(m - safe) + torch.exp(block - safe[..., None]).sum(dim=-1)
         m = m_new
     return m + torch.log(s)
     ### END SOLUTION
 
 
-# %%
-row = torch.tensor([[1000.0, 999.0, -5.0, 1001.0], [float("-inf"), 0.0, 0.0, float("-inf")]], device=device)
-print("streaming:", streaming_logsumexp(row, 2).tolist(), "| torch.logsumexp:", torch.logsumexp(row, dim=-1).tolist())
-
 # %% test="test_streaming_logsumexp" points=2
-"""streaming_logsumexp: equals torch.logsumexp; one pass over blocks; no overflow at ±1000; -inf entries allowed."""
+"""streaming_logsumexp: equals torch.logsumexp; one pass over blocks; no overflow at ±1000;
+-inf entries allowed."""
 from attention_lab.checks.efficient_attention import check_streaming_logsumexp
 
 check_streaming_logsumexp(streaming_logsumexp)
 ### BEGIN HIDDEN TESTS
 check_streaming_logsumexp(streaming_logsumexp, seed=6301)
 ### END HIDDEN TESTS
+
+# %%
+row = torch.tensor([[1000.0, 999.0, -5.0, 1001.0], [float("-inf"), 0.0, 0.0, float("-inf")]],
+                   device=device)
+print("streaming:", streaming_logsumexp(row, 2).tolist(),
+      "| torch.logsumexp:", torch.logsumexp(row, dim=-1).tolist())
 
 # %% [markdown]
 # The same trick carries the softmax-weighted sum of the values. For a block of scores
@@ -238,24 +247,28 @@ def online_softmax_step(m, l, acc, scores_block, v_block):
     ### END SOLUTION
 
 
-# %%
-scores_demo = torch.randn(3, 8, device=device) * 3
-values_demo = torch.randn(8, 5, device=device)
-state = (torch.full((3,), float("-inf"), device=device), torch.zeros(3, device=device), torch.zeros(3, 5, device=device))
-for start in range(0, 8, 3):  # blocks of 3, 3 and 2 keys
-    state = online_softmax_step(*state, scores_demo[:, start:start + 3], values_demo[start:start + 3])
-m_demo, l_demo, acc_demo = state
-print("online, block by block vs softmax(S) @ V, max difference:",
-      float((acc_demo / l_demo[:, None] - torch.softmax(scores_demo, dim=-1) @ values_demo).abs().max()))
-
 # %% test="test_online_softmax_step" points=2
-"""online_softmax_step: the update of m, l and acc from -inf/0/0 and with a growing max; four steps equal softmax(S) @ V."""
+"""online_softmax_step: the update of m, l and acc from -inf/0/0 and with a growing max;
+four steps equal softmax(S) @ V."""
 from attention_lab.checks.efficient_attention import check_online_softmax_step
 
 check_online_softmax_step(online_softmax_step)
 ### BEGIN HIDDEN TESTS
 check_online_softmax_step(online_softmax_step, seed=6401)
 ### END HIDDEN TESTS
+
+# %%
+scores_demo = torch.randn(3, 8, device=device) * 3
+values_demo = torch.randn(8, 5, device=device)
+state = (torch.full((3,), float("-inf"), device=device), torch.zeros(3, device=device),
+         torch.zeros(3, 5, device=device))
+for start in range(0, 8, 3):  # blocks of 3, 3 and 2 keys
+    state = online_softmax_step(*state, scores_demo[:, start:start + 3],
+                                values_demo[start:start + 3])
+m_demo, l_demo, acc_demo = state
+print("online, block by block vs softmax(S) @ V, max difference:",
+      float((acc_demo / l_demo[:, None] - torch.softmax(scores_demo, dim=-1) @ values_demo)
+            .abs().max()))
 
 # %% [markdown]
 # **Find the bug.** Here is a draft of the step, as you may meet it. It runs, it is right on
@@ -274,8 +287,10 @@ for blocks in (1, 2):
              torch.zeros(3, 5, device=device))
     width = 8 // blocks
     for start in range(0, 8, width):
-        state = draft_online_step(*state, scores_demo[:, start:start + width], values_demo[start:start + width])
-    error = float((state[2] / state[1][:, None] - torch.softmax(scores_demo, dim=-1) @ values_demo).abs().max())
+        state = draft_online_step(*state, scores_demo[:, start:start + width],
+                                  values_demo[start:start + width])
+    reference = torch.softmax(scores_demo, dim=-1) @ values_demo
+    error = float((state[2] / state[1][:, None] - reference).abs().max())
     print(f"{blocks} block(s) of {width} keys: max difference from softmax(S) @ V = {error:.2e}")
 
 # %% [markdown]
@@ -332,7 +347,8 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
 
     q: [B, H, S_q, d], k: [B, H, S_k, d], v: [B, H, S_k, d_v]
     -> out [B, H, S_q, d_v] (q's dtype), lse [B, H, S_q] (logsumexp of the scaled, masked scores).
-    causal: query i sees keys j <= i + (S_k - S_q); key blocks no query of a block may see are skipped.
+    causal: query i sees keys j <= i + (S_k - S_q); key blocks no query of a block may see
+    are skipped.
     Example: out equals F.scaled_dot_product_attention(q, k, v), for any block sizes.
     """
     ### BEGIN SOLUTION
@@ -345,10 +361,13 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
     for q_start in range(0, seq_q, block_q):
         q_block = q_c[..., q_start:q_start + block_q, :] * scale  # [B, H, bq, d]
         q_end = q_start + q_block.shape[-2]
-        m = torch.full(q_block.shape[:-1], float("-inf"), dtype=compute, device=q.device)  # [B, H, bq]
+        m = torch.full(q_block.shape[:-1], float("-inf"), dtype=compute,
+                       device=q.device)  # [B, H, bq]
         l = torch.zeros_like(m)
-        acc = torch.zeros(*q_block.shape[:-1], v.shape[-1], dtype=compute, device=q.device)  # [B, H, bq, d_v]
-        k_stop = min(seq_k, q_end + offset) if causal else seq_k  # later keys: no query here may see them
+        acc = torch.zeros(*q_block.shape[:-1], v.shape[-1], dtype=compute,
+                          device=q.device)  # [B, H, bq, d_v]
+        # causal: the keys after q_end - 1 + offset are seen by no query of this block
+        k_stop = min(seq_k, q_end + offset) if causal else seq_k
         for k_start in range(0, k_stop, block_k):
             k_block = k_c[..., k_start:k_start + block_k, :]  # [B, H, bk, d]
             scores = q_block @ k_block.transpose(-2, -1)  # [B, H, bq, bk]
@@ -356,21 +375,17 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
                 rows = torch.arange(q_start, q_end, device=q.device)[:, None]
                 cols = torch.arange(k_start, k_start + k_block.shape[-2], device=q.device)[None, :]
                 scores = scores.masked_fill(cols > rows + offset, float("-inf"))
-            m, l, acc = online_softmax_step(m, l, acc, scores, v_c[..., k_start:k_start + block_k, :])
+            v_block = v_c[..., k_start:k_start + block_k, :]
+            m, l, acc = online_softmax_step(m, l, acc, scores, v_block)
         outs.append(acc / l[..., None])
         lses.append(m + torch.log(l))
     return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
     ### END SOLUTION
 
 
-# %%
-out_flash, lse_flash = flash_attention_forward(q_demo, k_demo, v_demo, block_q=16, block_k=32, causal=True)
-scaled_scores = (q_demo @ k_demo.transpose(-2, -1) / 4.0).masked_fill(~bottom_right, float("-inf"))
-print("out vs SDPA:", float((out_flash - reference_out).abs().max()),
-      "| lse vs torch.logsumexp:", float((lse_flash - torch.logsumexp(scaled_scores, dim=-1)).abs().max()))
-
 # %% test="test_flash_attention_forward" points=2
-"""flash_attention_forward: out equals SDPA, lse equals logsumexp (float64, then the device); ragged; causal; any blocks; halves merge with lse."""
+"""flash_attention_forward: out equals SDPA, lse equals logsumexp (float64, then the device);
+ragged; causal; any blocks; halves merge with lse."""
 from attention_lab.checks.efficient_attention import check_flash_attention_forward
 
 check_flash_attention_forward(flash_attention_forward)
@@ -379,13 +394,22 @@ check_flash_attention_forward(flash_attention_forward, seed=6501)
 ### END HIDDEN TESTS
 
 # %% test="test_flash_attention_forward_memory" points=2
-"""flash_attention_forward: no intermediate as wide as all the keys; the causal pass skips future key blocks."""
+"""flash_attention_forward: no intermediate as wide as all the keys; the causal pass skips
+future key blocks."""
 from attention_lab.checks.efficient_attention import check_flash_attention_forward_memory
 
 check_flash_attention_forward_memory(flash_attention_forward)
 ### BEGIN HIDDEN TESTS
 check_flash_attention_forward_memory(flash_attention_forward, seed=6502)
 ### END HIDDEN TESTS
+
+# %%
+out_flash, lse_flash = flash_attention_forward(q_demo, k_demo, v_demo, block_q=16, block_k=32,
+                                               causal=True)
+scaled_scores = (q_demo @ k_demo.transpose(-2, -1) / 4.0).masked_fill(~bottom_right, float("-inf"))
+print("out vs SDPA:", float((out_flash - reference_out).abs().max()),
+      "| lse vs torch.logsumexp:",
+      float((lse_flash - torch.logsumexp(scaled_scores, dim=-1)).abs().max()))
 
 # %% [markdown]
 # ## 5. Why return `lse`: merging attention over two halves of the keys
@@ -401,13 +425,17 @@ check_flash_attention_forward_memory(flash_attention_forward, seed=6502)
 
 # %%
 half = 35
-out_a, lse_a = flash_attention_forward(q_demo, k_demo[:, :, :half], v_demo[:, :, :half], block_q=16, block_k=16)
-out_b, lse_b = flash_attention_forward(q_demo, k_demo[:, :, half:], v_demo[:, :, half:], block_q=16, block_k=16)
+out_a, lse_a = flash_attention_forward(q_demo, k_demo[:, :, :half], v_demo[:, :, :half],
+                                       block_q=16, block_k=16)
+out_b, lse_b = flash_attention_forward(q_demo, k_demo[:, :, half:], v_demo[:, :, half:],
+                                       block_q=16, block_k=16)
 lse_all = torch.logaddexp(lse_a, lse_b)
-merged = torch.exp(lse_a - lse_all)[..., None] * out_a + torch.exp(lse_b - lse_all)[..., None] * out_b
+share_a, share_b = torch.exp(lse_a - lse_all)[..., None], torch.exp(lse_b - lse_all)[..., None]
+merged = share_a * out_a + share_b * out_b
 full_out = F.scaled_dot_product_attention(q_demo, k_demo, v_demo)
 print("merged halves vs attention over all keys:", float((merged - full_out).abs().max()))
-print("plain average of the halves vs all keys: ", float(((out_a + out_b) / 2 - full_out).abs().max()))
+print("plain average of the halves vs all keys: ",
+      float(((out_a + out_b) / 2 - full_out).abs().max()))
 
 # %% [markdown]
 # ### Exercise 6.6 — merging with lse, a written answer (2 pts, ~5 min)
@@ -455,9 +483,11 @@ print("plain average of the halves vs all keys: ", float(((out_a + out_b) / 2 - 
 # over `range(start, stop, step)` work, with `stop` a runtime value.
 
 # %%
-from attention_lab.triton_kernels import TRITON_AVAILABLE, interpreter_active, launch_flash_attention, tl, triton
+from attention_lab.triton_kernels import (TRITON_AVAILABLE, interpreter_active,
+                                          launch_flash_attention, tl, triton)
 
-print("Triton available:", TRITON_AVAILABLE, "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
+print("Triton available:", TRITON_AVAILABLE,
+      "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
 
 # %% [markdown]
 # ### Exercise 6.7 — flash_attention_kernel (3 pts, ~25 min)
@@ -505,8 +535,10 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
     for k_start in range(0, k_stop, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         key_ok = offs_k[:, None] < seq_k
-        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :], mask=key_ok, other=0.0)
-        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :], mask=key_ok, other=0.0)
+        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                    mask=key_ok, other=0.0)
+        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                    mask=key_ok, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK_K]
         visible = offs_k[None, :] < seq_k
         if CAUSAL:
@@ -529,16 +561,33 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
 
 
 # %% [markdown]
-# The launcher is given: it makes q, k and v contiguous as `[B·H, S, d]`, allocates `out` and
-# `lse`, and launches a grid of `(ceil(S_q / block_q), B·H)` programs. Read it with
-# `launch_flash_attention??`.
+# The launcher is given: it sees q, k and v as `[B·H, S, d]` (row `s` of head `bh` at
+# `bh·stride_h + s·stride_s`), allocates `out` and `lse`, and launches a grid of
+# `(ceil(S_q / block_q), B·H)` programs. Read it with `launch_flash_attention??`. The check
+# runs your kernel on lengths that are multiples of no block, with rows of NaN stored right
+# after each head's last row of q, k and v: a load without a mask reads them, and Triton's
+# interpreter tells the check which load it was.
 
 # %%
 def triton_flash_attention(q, k, v, causal=False):
-    """(out, lse) from your kernel: q [B, H, S_q, d], k and v [B, H, S_k, d]; d a power of two >= 16."""
+    """(out, lse) from your kernel: q [B, H, S_q, d], k and v [B, H, S_k, d].
+
+    d must be a power of two >= 16.
+    """
     return launch_flash_attention(flash_attention_kernel, q, k, v, causal=causal)
 
 
+# %% test="test_flash_attention_kernel" points=3
+"""flash_attention_kernel: equals SDPA and logsumexp in float32 and float16, ragged S, causal,
+several block sizes; no load past the end; causal skips future key blocks."""
+from attention_lab.checks.efficient_attention import check_flash_attention_kernel
+
+check_flash_attention_kernel(flash_attention_kernel)
+### BEGIN HIDDEN TESTS
+check_flash_attention_kernel(flash_attention_kernel, seed=6701, sizes="more")
+### END HIDDEN TESTS
+
+# %%
 if TRITON_AVAILABLE:
     q_small, k_small, v_small = (torch.randn(1, 2, 64, 16, device=device) for _ in range(3))
     out_triton, lse_triton = triton_flash_attention(q_small, k_small, v_small, causal=True)
@@ -547,15 +596,6 @@ if TRITON_AVAILABLE:
           "| lse", float((lse_triton - lse_torch).abs().max()))
 else:
     print("Triton is not installed here: open this notebook on Colab to run the kernel.")
-
-# %% test="test_flash_attention_kernel" points=3
-"""flash_attention_kernel: equals SDPA and logsumexp in float32 and float16, ragged S, causal, several block sizes."""
-from attention_lab.checks.efficient_attention import check_flash_attention_kernel
-
-check_flash_attention_kernel(flash_attention_kernel)
-### BEGIN HIDDEN TESTS
-check_flash_attention_kernel(flash_attention_kernel, seed=6701, sizes="more")
-### END HIDDEN TESTS
 
 # %% [markdown]
 # ## 7. The backward pass
@@ -590,7 +630,8 @@ check_flash_attention_kernel(flash_attention_kernel, seed=6701, sizes="more")
 # the forward pass (the mask inside a diagonal tile is the forward's: bottom-right).
 
 # %% answer="flash_attention_backward"
-def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False,
+                             scale=None):
     """dq, dk, dv of attention from the saved out and lse; P recomputed tile by tile.
 
     q: [B, H, S_q, d], k: [B, H, S_k, d], v: [B, H, S_k, d_v], out and dout: [B, H, S_q, d_v],
@@ -619,7 +660,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, ca
                 rows = torch.arange(q_start, q_end, device=q.device)[:, None]
                 cols = torch.arange(k_start, k_end, device=q.device)[None, :]
                 scores = scores.masked_fill(cols > rows + offset, float("-inf"))
-            p = torch.exp(scores - lse_c[..., q_start:q_end, None])  # the tile of P, normalised by lse
+            # the tile of P, normalised by the saved lse
+            p = torch.exp(scores - lse_c[..., q_start:q_end, None])
             dv[..., k_start:k_end, :] += p.transpose(-2, -1) @ do_blk
             dp = do_blk @ v_blk.transpose(-2, -1)
             ds = p * (dp - delta[..., q_start:q_end, None])
@@ -658,7 +700,10 @@ check_flash_attention_backward_memory(flash_attention_backward, seed=6802)
 
 # %% answer="FlashAttention"
 class FlashAttention(torch.autograd.Function):
-    """Attention whose backward pass recomputes P from the saved lse: FlashAttention.apply(q, k, v, causal)."""
+    """Attention whose backward pass recomputes P from the saved lse.
+
+    Usage: FlashAttention.apply(q, k, v, causal).
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False):
@@ -684,7 +729,8 @@ def flash_attention(q, k, v, causal=False):
 
 
 # %% test="test_FlashAttention" points=2
-"""FlashAttention: saves only q, k, v, out, lse; gradients equal autograd through SDPA; gradcheck."""
+"""FlashAttention: saves only q, k, v, out, lse; gradients equal autograd through SDPA;
+gradcheck."""
 from attention_lab.checks.efficient_attention import check_flash_attention_function
 
 check_flash_attention_function(FlashAttention)
@@ -710,7 +756,8 @@ class TinyCausalModel(torch.nn.Module):
         self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
 
     def forward(self, x):  # x: [B, S, width]
-        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, -1))
         return self.proj(self.attend(q, k, v).transpose(1, 2).flatten(2))
 
 
@@ -720,7 +767,8 @@ def train_losses(model, steps=30, seed=0):
     losses = []
     for _ in range(steps):
         x = torch.randn(8, 24, 32, generator=data).to(device)
-        target = x.cumsum(dim=1) / torch.arange(1, 25, device=device)[:, None]  # the running mean: causal
+        # the running mean of the tokens so far: a causal task
+        target = x.cumsum(dim=1) / torch.arange(1, 25, device=device)[:, None]
         loss = F.mse_loss(model(x), target)
         optimiser.zero_grad()
         loss.backward()
@@ -730,7 +778,8 @@ def train_losses(model, steps=30, seed=0):
 
 
 torch.manual_seed(0)
-sdpa_model = TinyCausalModel(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)).to(device)
+sdpa_model = TinyCausalModel(
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)).to(device)
 flash_model = copy.deepcopy(sdpa_model)
 flash_model.attend = lambda q, k, v: flash_attention(q, k, v, causal=True)
 with_sdpa, with_flash = train_losses(sdpa_model), train_losses(flash_model)
@@ -757,7 +806,8 @@ from attention_lab.widgets.efficient_attention import attention_costs_view, meas
 
 
 def naive_attention(q, k, v):
-    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)  # [B, H, S, S]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [B, H, S, S]
+    weights = torch.softmax(scores, dim=-1)
     return weights @ v
 
 
@@ -769,7 +819,8 @@ contenders = {
 }
 if device.type == "cuda":
     contenders["flash, Triton"] = lambda q, k, v: triton_flash_attention(q, k, v)[0]
-    costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4, num_heads=16,
+    costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4,
+                                    num_heads=16,
                                     dtype=torch.float16, device=device, repeats=3)
 else:
     costs = measure_attention_costs(contenders, [256, 512, 1024, 2048], num_heads=2, device=device)

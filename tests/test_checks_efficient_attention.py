@@ -876,3 +876,34 @@ def test_gpu_check_refuses_clearly_without_cuda(capsys):
 
     assert gpu_check.main([]) == 2
     assert "needs a CUDA GPU, and there is none here" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# The notebook's cells
+# --------------------------------------------------------------------------------------
+
+
+def _solution_cells():
+    import jupytext
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "solutions" / "06_efficient_attention.py"
+    return jupytext.read(path, fmt="py:percent").cells
+
+
+def test_no_code_line_of_notebook_06_is_longer_than_100_characters():
+    long = [(index, line) for index, cell in enumerate(_solution_cells()) if cell.cell_type == "code"
+            for line in cell.source.splitlines() if len(line) > 100]
+    assert not long, long
+
+
+def test_no_demo_of_notebook_06_runs_an_answer_before_its_check():
+    cells = _solution_cells()
+    for index, cell in enumerate(cells):
+        name = cell.metadata.get("answer")
+        if not name:
+            continue
+        test = next(i for i in range(index, len(cells)) if cells[i].metadata.get("test", "").startswith(f"test_{name}"))
+        early = [cells[i].source[:60] for i in range(index + 1, test)
+                 if cells[i].cell_type == "code" and f"{name}(" in cells[i].source]
+        assert not early, f"{name}: a demo runs it before its check: {early}"
