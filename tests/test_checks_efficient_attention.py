@@ -848,11 +848,35 @@ def test_measurements_are_plotted():
                                            "SDPA": F.scaled_dot_product_attention}, [32, 64], num_heads=1,
                                           head_dim=8, progress=False)
     assert len(costs["seconds"]["naive"]) == 2 and costs["bytes"]["naive"][1] > costs["bytes"]["naive"][0]
+    assert all(low <= median <= high for (low, high), median in zip(costs["spread"]["naive"], costs["seconds"]["naive"]))
     view = views.attention_costs_view(costs)
     assert [ax.get_yscale() for ax in view.figure.axes] == ["log", "log"]
+    labels = view.figure.axes[1].get_legend_handles_labels()[1]
+    assert labels[0].startswith("naive (slope ") and labels[1].startswith("SDPA (slope "), labels
     view.controls["log_scale"].value = False
     assert [ax.get_yscale() for ax in view.figure.axes] == ["linear", "linear"]
-    assert {line.get_label() for line in view.figure.axes[0].lines} == {"naive", "SDPA"}
+    assert set(view.figure.axes[0].get_legend_handles_labels()[1]) == {"naive", "SDPA"}
+
+
+def test_fitted_slope_reads_the_growth_and_timings_take_a_warm_up():
+    assert views.fitted_slope([64, 128, 256], [1.0, 4.0, 16.0]) == pytest.approx(2.0)
+    assert math.isnan(views.fitted_slope([64, 128], [math.nan, 1.0]))
+    calls = []
+    times = views.run_times(lambda: calls.append(1), torch.device("cpu"), repeats=3)
+    assert len(times) == 3 and len(calls) == 4  # one warm-up, three timed
+
+
+def test_achieved_tflops_against_a_peak():
+    results = {"seq_lens": [1024], "seconds": {"naive": [0.001]}, "shape": (1, 1, 64)}
+    text = views.achieved_tflops_text(results, peak_tflops=100.0)
+    assert "naive 0.268 (0.27%)" in text, text
+
+
+def test_naive_attention_moves_more_bytes_per_flop_than_tiled():
+    traffic = views.attention_traffic(4096, 64, 2, block_q=128)
+    (flops, naive), (_, tiled) = traffic["naive"], traffic["tiled"]
+    # naive: about d/2 FLOPs per byte, far below any GPU's balance (> 150); tiled: about block_q
+    assert 25 < flops / naive < 40 and flops / tiled > 3 * flops / naive
 
 
 # --------------------------------------------------------------------------------------
