@@ -793,16 +793,53 @@ print("largest difference between the two loss curves:",
       f"{max(abs(a - b) for a, b in zip(with_sdpa, with_flash)):.1e}")
 
 # %% [markdown]
-# ## 8. Measurements: time and memory against S
+# ## 8. What attention costs: FLOPs, bytes, and the clock
 #
-# Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention` and
-# `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU also your
-# Triton kernel, in float16). Peak memory is that of the tensors each call creates; on the CPU
-# it is followed tensor by tensor (SDPA's fused CPU kernel allocates its small buffers out of
-# sight). Ungraded; on the CPU it takes a few seconds.
+# **Count before you measure.** For one head with `S_q = S_k = S` and width `d`, the two matrix
+# products `q kᵀ` and `P v` are `S²·d` multiply-adds each: `4·S²·d` FLOPs, naive or tiled. What
+# differs is the memory traffic (in elements; multiply by 2 bytes in float16):
+#
+# * naive: read q and k (`2·S·d`), **write the `S²` scores, read them and write `P` (`2·S²`),
+#   read `P`** and v (`S² + S·d`), write out (`S·d`): about `4·S²` elements;
+# * tiled: read q and write out once (`2·S·d`); read k and v once **per query block**
+#   (`2·S·d · S/block_q`); the tiles never leave the chip.
+#
+# Their *arithmetic intensity*, FLOPs per byte, decides what bounds them: a GPU that does `F`
+# FLOP/s and moves `W` bytes/s waits for memory whenever a kernel does fewer than `F / W` FLOPs
+# per byte (an H100: ~989 TFLOP/s in float16 over ~3.35 TB/s, about 300; an A100: ~156; a T4:
+# ~200). **Predict** before running the cell: at `d = 64`, which of the two is memory-bound?
 
 # %%
-from attention_lab.widgets.efficient_attention import attention_costs_view, measure_attention_costs
+from attention_lab.widgets.efficient_attention import attention_traffic
+
+for seq_len in (1024, 4096, 16384):
+    traffic = attention_traffic(seq_len, head_dim=64, bytes_per_element=2, block_q=128)
+    print(f"S = {seq_len:>6}: " + " | ".join(
+        f"{name}: {flops / 1e9:6.2f} GFLOP, {moved / 2**20:8.1f} MiB, "
+        f"{flops / moved:5.0f} FLOP/byte" for name, (flops, moved) in traffic.items()))
+
+# %% [markdown]
+# The naive pass does about `d/2` = 32 FLOPs per byte at any `S`: far below every GPU's
+# balance, so it runs at the speed of its memory traffic — and its traffic grows like `S²`.
+# The tiled pass does about `block_q` FLOPs per byte (bigger query blocks, fewer re-reads of k
+# and v): four times the naive intensity here, close to an A100's balance, and in practice
+# higher, since many re-reads of k and v are served by the GPU's L2 cache rather than its
+# memory. Same FLOPs, several times fewer bytes: that is FlashAttention's speed-up.
+#
+# **Measure.** Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention`
+# and `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU also
+# your Triton kernel, in float16). Each time is the median of three runs after a warm-up run
+# (the first call pays for allocations and, on a GPU, kernel set-up); the bars go from the
+# fastest run to the slowest. Peak memory is that of the tensors each call creates; on the CPU
+# it is followed tensor by tensor (SDPA's fused CPU kernel allocates its small buffers out of
+# sight). Both panels are log-log, so growth like `S^p` is a straight line of slope `p`: the
+# legend gives each line's fitted slope. On a GPU the plot also prints the achieved TFLOP/s
+# (`4·B·H·S²·d` over the median time) against the card's peak. Ungraded; a few seconds on the
+# CPU.
+
+# %%
+from attention_lab.widgets.efficient_attention import (attention_costs_view, gpu_peak_tflops,
+                                                      measure_attention_costs)
 
 
 def naive_attention(q, k, v):
@@ -820,19 +857,23 @@ contenders = {
 if device.type == "cuda":
     contenders["flash, Triton"] = lambda q, k, v: triton_flash_attention(q, k, v)[0]
     costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4,
-                                    num_heads=16,
-                                    dtype=torch.float16, device=device, repeats=3)
+                                    num_heads=16, dtype=torch.float16, device=device)
 else:
     costs = measure_attention_costs(contenders, [256, 512, 1024, 2048], num_heads=2, device=device)
-attention_costs_view(costs)
+attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
 
 # %% [markdown]
-# The naive table's memory grows like `S²` (×4 per doubling); chunked attention's like
-# `chunk · S`; the tiled pass's only like `S` (its output and its tiles). Their time still grows
-# like `S²`: FlashAttention does the same arithmetic, it just never writes the table to memory —
-# on a GPU that memory traffic, not the arithmetic, is what the naive version waits for, so the
-# fused kernel (SDPA's flash backend, or yours) is also faster. In Python on the CPU, the
-# PyTorch tiles pay an interpreter overhead per tile, which is why real kernels exist.
+# **What to expect.** Memory: the naive table's slope is about 2 (×4 per doubling of `S`);
+# chunked attention's and the tiled pass's about 1 (`chunk · S`, and the output plus its
+# tiles). Time: every exact method does the same `4·S²·d` FLOPs, so at large `S` every time
+# line tends to slope 2 — FlashAttention does not do less arithmetic, it moves fewer bytes.
+# **CPU and GPU differ**: a CPU has caches large enough for small tables and no separate
+# "on-chip" tile memory to exploit, and Python pays a fixed overhead per tile, so on the CPU
+# the PyTorch tiles are the slowest line and small `S` shows slopes below 2 (overheads, not
+# arithmetic, dominate). On a GPU the naive version waits for its `S²` traffic and runs out of
+# memory first, while the fused kernels (SDPA's flash backend, or yours) are faster and reach a
+# larger share of the card's peak. A loaded machine adds noise: look at the spread bars before
+# reading a slope.
 #
 # ## What you built
 #
