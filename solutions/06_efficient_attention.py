@@ -7,7 +7,7 @@
 # and end with the same algorithm as a Triton GPU kernel, which is checked on the CPU by
 # Triton's interpreter and runs natively on a CUDA GPU (Colab).
 #
-# **22 points, about 118 minutes.**
+# **25 points, about 141 minutes.**
 #
 # **Notation**: `B` batch, `H` heads, `S_q` query tokens, `S_k` key/value tokens, `d` the
 # per-head width. q is `[B, H, S_q, d]`, k and v are `[B, H, S_k, d]`. **Masks** are boolean
@@ -484,28 +484,134 @@ print("plain average of the halves vs all keys: ",
 
 # %%
 from attention_lab.triton_kernels import (TRITON_AVAILABLE, interpreter_active,
-                                          launch_flash_attention, tl, triton)
+                                          launch_flash_attention, launch_matmul, launch_row_softmax,
+                                          launch_scale, tl, triton)
 
 print("Triton available:", TRITON_AVAILABLE,
       "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
 
 # %% [markdown]
-# ### Exercise 6.7 — flash_attention_kernel (3 pts, ~25 min)
+# ### Warm-up: three small kernels before FlashAttention's
+#
+# Each exercise below is one idea the FlashAttention kernel needs, on its own. Their launchers
+# are given (read them with `launch_scale??` and the like); the checks run each kernel on
+# lengths that are multiples of no block, with NaN stored right after every input, and name a
+# load or a store that goes past the end.
+
+# %% [markdown]
+# ### Exercise 6.7 — scale_kernel: a masked load and store (1 pt, ~5 min)
+#
+# `out = alpha · x` for a 1-D `x` of `n` elements. Program `i` handles elements
+# `i·BLOCK … i·BLOCK + BLOCK − 1`; the last program's block runs past `n`. Its lanes past the
+# end must neither read `x` nor write `out`.
+
+# %% answer="scale_kernel"
+@triton.jit
+def scale_kernel(X, Out, n, alpha, BLOCK: tl.constexpr):
+    """Out[i] = alpha · X[i] for i < n; one program per BLOCK elements."""
+    ### BEGIN SOLUTION
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    x = tl.load(X + offsets, mask=inside, other=0.0)
+    tl.store(Out + offsets, alpha * x, mask=inside)
+    ### END SOLUTION
+
+
+# %% test="test_scale_kernel" points=1
+"""scale_kernel: alpha · x, masked loads and stores, any length."""
+from attention_lab.checks.efficient_attention import check_scale_kernel
+
+check_scale_kernel(scale_kernel)
+### BEGIN HIDDEN TESTS
+check_scale_kernel(scale_kernel, seed=6711)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.8 — matmul_kernel: a tiled matrix product (1 pt, ~10 min)
+#
+# `C = A @ B` with `A [M, K]`, `B [K, N]`. Program `(i, j)` owns the `[BLOCK_M, BLOCK_N]` block
+# of `C` at rows `i·BLOCK_M …` and columns `j·BLOCK_N …`: it walks along `K` one `BLOCK_K` slice
+# at a time, multiplies a block of `A` by a block of `B` with `tl.dot`, and accumulates in
+# float32. An element of `A` at `(r, c)` is at `A + r·stride_am + c·stride_ak`. Any of `M`, `N`
+# and `K` may stop in the middle of a block.
+
+# %% answer="matmul_kernel"
+@triton.jit
+def matmul_kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                  stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[i-block, j-block] = Σ over K-slices of A[i-block, slice] @ B[slice, j-block] (float32)."""
+    ### BEGIN SOLUTION
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        a = tl.load(A + rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        b = tl.load(B + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc += tl.dot(a, b)
+    tl.store(C + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    ### END SOLUTION
+
+
+# %% test="test_matmul_kernel" points=1
+"""matmul_kernel: a tiled A @ B with a float32 accumulator; ragged M, N and K."""
+from attention_lab.checks.efficient_attention import check_matmul_kernel
+
+check_matmul_kernel(matmul_kernel)
+### BEGIN HIDDEN TESTS
+check_matmul_kernel(matmul_kernel, seed=6811)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.9 — row_softmax_kernel: a softmax in registers (1 pt, ~8 min)
+#
+# One program per row of `x [rows, n_cols]`; `BLOCK` is the next power of two `≥ n_cols`, so
+# the whole row fits in one block. Make it stable for scores around ±1000, and think about what
+# the lanes past `n_cols` must hold so that they change neither the max nor the sum.
+
+# %% answer="row_softmax_kernel"
+@triton.jit
+def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    """Out[r] = softmax(X[r]) for the row r = program_id(0)."""
+    ### BEGIN SOLUTION
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+    ### END SOLUTION
+
+
+# %% test="test_row_softmax_kernel" points=1
+"""row_softmax_kernel: the softmax of each row, stable at ±1000, any row length."""
+from attention_lab.checks.efficient_attention import check_row_softmax_kernel
+
+check_row_softmax_kernel(row_softmax_kernel)
+### BEGIN HIDDEN TESTS
+check_row_softmax_kernel(row_softmax_kernel, seed=6911)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.10 — flash_attention_kernel (3 pts, ~25 min)
 #
 # The kernel's prologue (offsets, loading this program's queries, `m_i = −∞`, `l_i = 0`,
 # `acc = 0`) and epilogue (`acc / l_i`, `lse`, the masked stores) are given. Write the loop over
-# key blocks in between:
+# key blocks in between; everything it needs, you have written once already:
 #
-# 1. the loop bound: all keys, or with `CAUSAL` only up to the last key this block's last query
-#    may see, `k_stop = min(seq_k, (block_index + 1)·BLOCK_Q + seq_k − seq_q)`;
-# 2. for each `k_start`: offsets `offs_k = k_start + tl.arange(0, BLOCK_K)`; load the
-#    `[BLOCK_K, HEAD_DIM]` blocks of K and V with `mask=offs_k[:, None] < seq_k`;
-# 3. scores `s = tl.dot(q, tl.trans(k)) * qk_scale`, then `−inf` where the key is past `seq_k`
-#    (the masked load gave those keys 0, i.e. score 0, not −inf) and, with `CAUSAL`, where
-#    `offs_k > offs_q + seq_k − seq_q`;
-# 4. the online-softmax update of `m_i`, `l_i`, `acc`, with `tl.exp2` (the scores are in
-#    base-2 units: `qk_scale` includes `log2(e)`, as the epilogue assumes). Multiply
-#    `p.to(v.dtype)` by `v` with `tl.dot` (float16 inputs, float32 accumulation).
+# * **which key blocks**: all of them, or with `CAUSAL` only those that hold a key some query
+#   of this program may see (6.5's loop bound, with this program's rows; mind that `range`'s
+#   stop is exclusive);
+# * **the blocks of K and V**: masked loads, as in 6.7 — the last block runs past `seq_k`;
+# * **the tile of scores**: a `tl.dot` as in 6.8, times `qk_scale`. A key that does not exist
+#   (past `seq_k`) or, with `CAUSAL`, lies in a query's future (6.2's rule, bottom-right) must
+#   get no weight: what score gives weight 0?
+# * **the online-softmax update** of `m_i`, `l_i` and `acc` (6.4), in registers. The scores
+#   are in base-2 units (`qk_scale` includes `log2(e)`, as the epilogue assumes), so use
+#   `tl.exp2`; give `tl.dot` `p.to(v.dtype)` and `v` (float32 accumulation).
 
 # %% answer="flash_attention_kernel"
 @triton.jit
@@ -621,7 +727,7 @@ else:
 # them in registers) and the query blocks inside; `dQ` is accumulated across key blocks.
 
 # %% [markdown]
-# ### Exercise 6.8 — flash_attention_backward (4 pts, ~25 min)
+# ### Exercise 6.11 — flash_attention_backward (4 pts, ~25 min)
 #
 # Write the tiled backward pass. Inputs: q, k, v, the forward's `out` and `lse`, and `dout`
 # (`[B, H, S_q, d_v]`). Return `(dq, dk, dv)` with the shapes and dtype of q, k and v. Compute
@@ -690,7 +796,7 @@ check_flash_attention_backward_memory(flash_attention_backward, seed=6802)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 6.9 — FlashAttention, an autograd Function (2 pts, ~10 min)
+# ### Exercise 6.12 — FlashAttention, an autograd Function (2 pts, ~10 min)
 #
 # Wrap both passes in a `torch.autograd.Function`: `forward(ctx, q, k, v, causal=False)` runs
 # your `flash_attention_forward`, keeps **only** what the backward pass needs (the check

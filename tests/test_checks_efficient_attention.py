@@ -667,7 +667,7 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
     if BUG == 4:
-        raise NotImplementedError("Exercise 6.7: implement flash_attention_kernel")
+        raise NotImplementedError("Exercise 6.10: implement flash_attention_kernel")
     hi = seq_k
     if CAUSAL:
         if BUG == 10:
@@ -780,6 +780,94 @@ def test_poisoned_rows_are_a_view_with_nan_after_each_head():
 def test_kernel_blank_is_not_implemented_yet_not_a_crash():
     with pytest.raises(CheckFailure, match="not implemented yet"):
         checks.check_flash_attention_kernel(Planted(4), **KERNEL)
+
+
+@triton.jit
+def planted_scale(X, Out, n, alpha, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
+    # 0 correct, 1 load without a mask, 2 store without a mask
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if BUG == 1:
+        x = tl.load(X + offsets)
+    else:
+        x = tl.load(X + offsets, mask=offsets < n, other=0.0)
+    if BUG == 2:
+        tl.store(Out + offsets, x * alpha)
+    else:
+        tl.store(Out + offsets, x * alpha, mask=offsets < n)
+
+
+@triton.jit
+def planted_matmul(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BUG: tl.constexpr = 0):
+    # 0 correct (pointers advanced each step), 1 the K tail not masked, 2 only the first K block
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = B + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    stop = K
+    if BUG == 2:
+        stop = BLOCK_K
+    for k0 in range(0, stop, BLOCK_K):
+        if BUG == 1:
+            a = tl.load(a_ptrs, mask=rm[:, None] < M, other=0.0)
+            b = tl.load(b_ptrs, mask=rn[None, :] < N, other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
+            b = tl.load(b_ptrs, mask=(k0 + rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def planted_softmax(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
+    # 0 correct (exp2 with log2(e)), 1 masked lanes loaded as 0, 2 no max subtracted, 3 load without a mask
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    if BUG == 1:
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=0.0)
+    elif BUG == 3:
+        x = tl.load(X + row * stride_x + cols)
+    else:
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+    if BUG != 2:
+        x = x - tl.max(x, axis=0)
+    e = tl.exp2(x * 1.4426950408889634)
+    tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+
+
+class PlantedLadder:
+    def __init__(self, kernel, bug: int):
+        self.kernel, self.bug = kernel, bug
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, BUG=self.bug, **kwargs)
+
+
+@needs_triton
+def test_warm_up_kernels_pass_when_right(capsys):
+    checks.check_scale_kernel(PlantedLadder(planted_scale, 0), device=KERNEL["device"])
+    checks.check_matmul_kernel(PlantedLadder(planted_matmul, 0), device=KERNEL["device"])
+    checks.check_row_softmax_kernel(PlantedLadder(planted_softmax, 0), device=KERNEL["device"])
+    out = capsys.readouterr().out
+    assert "✓ scale_kernel" in out and "✓ matmul_kernel" in out and "✓ row_softmax_kernel" in out
+
+
+@needs_triton
+@pytest.mark.parametrize("check, kernel, bug, hint", [
+    ("check_scale_kernel", planted_scale, 1, "ladder_unmasked_load"),
+    ("check_scale_kernel", planted_scale, 2, "ladder_unmasked_store"),
+    ("check_matmul_kernel", planted_matmul, 1, "ladder_unmasked_load"),
+    ("check_matmul_kernel", planted_matmul, 2, "matmul_one_k_block"),
+    ("check_row_softmax_kernel", planted_softmax, 1, "softmax_other_zero"),
+    ("check_row_softmax_kernel", planted_softmax, 2, "softmax_no_max"),
+    ("check_row_softmax_kernel", planted_softmax, 3, "ladder_unmasked_load"),
+])
+def test_warm_up_kernel_mistakes_are_named(check, kernel, bug, hint):
+    rejects(getattr(checks, check), PlantedLadder(kernel, bug), hint)
 
 
 def test_kernel_check_without_triton_points_to_colab(monkeypatch):

@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["triton", "tl", "TRITON_AVAILABLE", "TritonUnavailable", "launch_flash_attention",
-           "interpreter_active", "MIN_BLOCK", "poisoned_rows", "LoadWatch"]
+           "interpreter_active", "MIN_BLOCK", "poisoned_rows", "LoadWatch", "launch_scale", "launch_matmul",
+           "launch_row_softmax"]
 
 # tl.dot needs every dimension >= 16 on a GPU; the interpreter would accept less.
 MIN_BLOCK = 16
@@ -177,6 +178,97 @@ def launch_flash_attention(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 # --------------------------------------------------------------------------------------
+# The warm-up kernels' launchers: a masked load and store, a tiled matmul, a row softmax
+# --------------------------------------------------------------------------------------
+
+
+def _check_kernel(kernel: Any, *tensors: torch.Tensor) -> None:
+    if isinstance(kernel, _MissingKernel):
+        raise TritonUnavailable(TRITON_MISSING)
+    if tensors[0].device.type == "cpu" and _compiled_for_gpu(kernel):
+        raise RuntimeError("this kernel was compiled for a GPU, but the tensors are on the CPU: run the setup cell "
+                           "at the top of the notebook (it sets TRITON_INTERPRET=1), then the kernel's cell again.")
+
+
+def _padded(x: torch.Tensor, rows: int, cols: int, fill: float) -> torch.Tensor:
+    """``x`` [R, C] as a view into a [R + rows, C + cols] buffer filled with ``fill`` around it."""
+    buffer = torch.full((x.shape[0] + rows, x.shape[1] + cols), fill, dtype=x.dtype, device=x.device)
+    buffer[:x.shape[0], :x.shape[1]] = x
+    return buffer[:x.shape[0], :x.shape[1]]
+
+
+def _run(kernel: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> None:
+    try:
+        kernel[grid](*args, **constants)
+    except Exception as error:
+        text = f"{type(error).__name__}: {error}"
+        if "NotImplementedError" in text:
+            stub = re.search(r"NotImplementedError\(['\"](.*?)['\"]\)", text)
+            raise NotImplementedError(stub.group(1) if stub else "the kernel is not written yet") from None
+        raise
+
+
+def launch_scale(kernel: Any, x: torch.Tensor, alpha: float, block: int = 64, poison: int = 0,
+                 watch: "LoadWatch | None" = None) -> torch.Tensor:
+    """``alpha * x`` for a 1-D ``x`` by ``kernel(X, Out, n, alpha, BLOCK)``, one program per ``block``
+    elements: a grid of ``ceil(n / block)`` programs. ``poison``: NaN after ``x`` and a sentinel after
+    ``out`` (the checks see loads and stores past the end)."""
+    _check_kernel(kernel, x)
+    n = x.shape[0]
+    x_view = _padded(x.reshape(n, 1).T, 0, poison, float("nan"))  # [1, n] in a [1, n + poison] buffer
+    out = _padded(torch.empty(1, n, dtype=x.dtype, device=x.device), 0, poison, 12345.0)
+    if watch is not None:
+        size = x.element_size()
+        watch.add_region("x", x_view.data_ptr(), (n + poison) * size, size, n, 1, 1)
+    with watch or LoadWatch():
+        _run(kernel, (triton.cdiv(n, block),), x_view, out, n, alpha, BLOCK=block)
+    if poison and bool((torch.as_strided(out, (poison,), (1,), out.storage_offset() + n) != 12345.0).any()):
+        raise StoreOutOfBounds("out")
+    return out[0].clone()
+
+
+class StoreOutOfBounds(RuntimeError):
+    """A kernel wrote past the end of an output (the launcher's sentinel after it changed)."""
+
+
+def launch_matmul(kernel: Any, a: torch.Tensor, b: torch.Tensor, block_m: int = 16, block_n: int = 16,
+                  block_k: int = 16, poison: int = 0, watch: "LoadWatch | None" = None) -> torch.Tensor:
+    """``a @ b`` (``[M, K] @ [K, N]``) by ``kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk,
+    stride_bn, stride_cm, stride_cn, BLOCK_M, BLOCK_N, BLOCK_K)``: program ``(i, j)`` computes the
+    ``[BLOCK_M, BLOCK_N]`` block of C at rows ``i·BLOCK_M``, columns ``j·BLOCK_N``; C is float32."""
+    _check_kernel(kernel, a, b)
+    m, k = a.shape
+    n = b.shape[1]
+    a_view = _padded(a, poison, poison, float("nan"))
+    b_view = _padded(b, poison, poison, float("nan"))
+    c = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    if watch is not None:
+        watch.add("A", a_view, k, padded_heads=m + poison)
+        watch.add("B", b_view, n, padded_heads=k + poison)
+    with watch or LoadWatch():
+        _run(kernel, (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), a_view, b_view, c, m, n, k,
+             a_view.stride(0), a_view.stride(1), b_view.stride(0), b_view.stride(1), c.stride(0), c.stride(1),
+             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return c
+
+
+def launch_row_softmax(kernel: Any, x: torch.Tensor, poison: int = 0,
+                       watch: "LoadWatch | None" = None) -> torch.Tensor:
+    """``softmax(x, dim=-1)`` of a 2-D ``x`` by ``kernel(X, Out, n_cols, stride_x, stride_out, BLOCK)``:
+    one program per row, ``BLOCK`` the next power of two >= n_cols."""
+    _check_kernel(kernel, x)
+    rows, cols = x.shape
+    x_view = _padded(x, poison, poison, float("nan"))
+    out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    if watch is not None:
+        watch.add("x", x_view, cols, padded_heads=rows + poison)
+    with watch or LoadWatch():
+        _run(kernel, (rows,), x_view, out, cols, x_view.stride(0), out.stride(0),
+             BLOCK=triton.next_power_of_2(cols))
+    return out
+
+
+# --------------------------------------------------------------------------------------
 # What a kernel reads, seen from Triton's interpreter (the checks' second pair of eyes)
 # --------------------------------------------------------------------------------------
 
@@ -206,12 +298,21 @@ class LoadWatch:
         for name, (tensor, rows) in (regions or {}).items():
             self.add(name, tensor, rows)
 
-    def add(self, name: str, tensor: torch.Tensor, rows: int) -> None:
-        """Watch ``tensor`` (``[N, S_pad, d]``-strided, its first ``rows`` rows per head are data)."""
-        start = tensor.data_ptr()
+    def add(self, name: str, tensor: torch.Tensor, rows: int, padded_heads: int | None = None) -> None:
+        """Watch ``tensor`` (``[N, S_pad, d]``-strided, its first ``rows`` rows per head are data).
+
+        ``padded_heads``: the buffer holds that many heads (>= N), the ones past N being padding too.
+        """
         size = tensor.element_size()
-        head_stride, row_stride = tensor.stride(0) * size, tensor.stride(1) * size
-        self.regions[name] = (start, start + tensor.shape[0] * head_stride, head_stride, row_stride, rows)
+        heads = tensor.shape[0]
+        self.add_region(name, tensor.data_ptr(), tensor.stride(0) * size, tensor.stride(1) * size, rows, heads,
+                        max(heads, padded_heads or heads))
+
+    def add_region(self, name: str, start: int, head_stride: int, row_stride: int, rows: int, heads: int,
+                   padded_heads: int) -> None:
+        """Watch the bytes from ``start``: ``padded_heads`` heads ``head_stride`` apart, rows ``row_stride``
+        apart in each; rows ``>= rows`` and heads ``>= heads`` are past the end."""
+        self.regions[name] = (start, start + padded_heads * head_stride, head_stride, row_stride, rows, heads)
         self.blocks[name] = set()
 
     def __enter__(self) -> "LoadWatch":
@@ -248,14 +349,15 @@ class LoadWatch:
         if addresses.size == 0:
             return
         program = tuple(int(i) for i in (builder.grid_idx or ()))
-        for name, (start, end, head_stride, row_stride, rows) in self.regions.items():
+        for name, (start, end, head_stride, row_stride, rows, heads) in self.regions.items():
             inside = (addresses >= start) & (addresses < end)
             if not inside.any():
                 continue
             row = ((addresses[inside] - start) % head_stride) // row_stride
-            if name not in self.beyond and (row >= rows).any():
+            head = (addresses[inside] - start) // head_stride
+            if name not in self.beyond and ((row >= rows) | (head >= heads)).any():
                 self.beyond[name] = (program, _kernel_line())
-            in_data = row[row < rows]
+            in_data = row[(row < rows) & (head < heads)]
             if in_data.size:
                 self.blocks[name].add((program, int(in_data.min())))
 

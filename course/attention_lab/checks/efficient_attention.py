@@ -148,6 +148,18 @@ HINTS = {
     "recomputes P from them, which is the point of FlashAttention (no [S_q, S_k] tensor is kept between the passes).",
     "bwd_gradients": "backward returns one gradient per input of forward, in order: (dq, dk, dv, None) -- None for "
     "causal, which is not a tensor.",
+    # the warm-up kernels
+    "ladder_unmasked_load": "a tl.load without a mask (or with one that lets lanes past the end through) reads "
+    "memory after the tensor: here the check put NaN there; on a GPU it may crash the kernel. Load with "
+    "mask=offs < n (one condition per axis that can run past the end), other=... for the lanes left out.",
+    "ladder_unmasked_store": "a tl.store without a mask writes past the end of out, into memory that is not "
+    "yours (here the check's sentinel changed; on a GPU another tensor's data, or a crash). Store with the "
+    "same mask as the load, offs < n.",
+    "matmul_one_k_block": "only the first BLOCK_K columns of A (rows of B) are used: loop over K in steps of BLOCK_K, "
+    "accumulating tl.dot(a_block, b_block) into a float32 [BLOCK_M, BLOCK_N] accumulator.",
+    "softmax_other_zero": "the lanes past n_cols were loaded as 0 (other=0.0, or no other): they take part in the max "
+    "and add e^(0 - max) to the sum. Load them as other=float('-inf'), so that e^(-inf) = 0.",
+    "softmax_no_max": "the row softmax overflows (inf/NaN) on large scores: subtract the row's max before tl.exp.",
     # Triton kernel
     "unmasked_load": "a tl.load without a mask (or with a mask that lets rows past the end through) reads memory "
     "after the tensor: here the check put NaN there; on a GPU it is another tensor's data or an illegal address "
@@ -1114,6 +1126,95 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
             raise CheckFailure(f"torch.autograd.gradcheck(FlashAttention.apply, (q, k, v, causal={causal})) in float64 "
                                f"with q [1, 1, 6, 4], k and v [1, 1, 9, 4] failed: {' '.join(text[:3])[:400]}") from None
         expect_true(bool(ok), f"torch.autograd.gradcheck(FlashAttention.apply, causal={causal}) failed.")
+
+
+# --------------------------------------------------------------------------------------
+# The warm-up kernels: a masked load and store, a tiled matmul, a row softmax
+# --------------------------------------------------------------------------------------
+
+
+def _ladder_launch(call: str, launcher: Callable, kernel: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Launch a warm-up kernel with NaN after its inputs and a watch on its loads; name what went wrong."""
+    from attention_lab.triton_kernels import (TRITON_AVAILABLE, TRITON_MISSING, LoadWatch, StoreOutOfBounds,
+                                              TritonUnavailable)
+
+    if not TRITON_AVAILABLE:
+        raise CheckFailure(TRITON_MISSING)
+    watch = LoadWatch()
+    try:
+        result = launcher(kernel, *args, poison=POISON_ROWS, watch=watch, **kwargs)
+    except TritonUnavailable as error:
+        raise CheckFailure(str(error)) from None
+    except NotImplementedError as error:
+        raise CheckFailure(f"{call}: not implemented yet ({error}). Write the kernel.") from None
+    except StoreOutOfBounds:
+        raise CheckFailure(f"{call} wrote past the end of out.\n  Likely mistake: {HINTS['ladder_unmasked_store']}") \
+            from None
+    except Exception as error:
+        text = str(error).strip()
+        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
+    for name, (program, line) in watch.beyond.items():
+        where = f" (your line: `{line}`)" if line else ""
+        raise CheckFailure(f"{call}: program {program} loaded elements of {name} past its end{where}.\n"
+                           f"  Likely mistake: {HINTS['ladder_unmasked_load']}")
+    return result
+
+
+@check("scale_kernel: alpha · x with masked loads and stores, any length ({device})")
+def check_scale_kernel(scale_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """The first warm-up: a 1-D masked load and store, on lengths that are multiples of no block."""
+    from attention_lab.triton_kernels import launch_scale
+
+    generator = random_generator(seed)
+    for n, block in ((100, 32), (randint(17, 63, generator), 16), (16, 16)):
+        x = randn(n, generator=generator, dtype=torch.float32, device=device)
+        call = f"your scale_kernel via launch_scale(scale_kernel, x, alpha=2.5, block={block}) with x [{n}]"
+        out = _ladder_launch(call, launch_scale, scale_kernel, x, 2.5, block=block)
+        expect_close(out, 2.5 * x.double(), what=f"out from {call}", against="2.5 · x")
+
+
+@check("matmul_kernel: a tiled A @ B with a float32 accumulator, ragged M, N and K ({device})")
+def check_matmul_kernel(matmul_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """The second warm-up: blocks of C, a loop over K, masks on every ragged edge."""
+    from attention_lab.triton_kernels import launch_matmul
+
+    generator = random_generator(seed)
+    for (m, k, n), dtype in (((40, 50, 24), torch.float32), ((33, 70, 47), torch.float16), ((16, 16, 16), torch.float32)):
+        a = randn(m, k, generator=generator, dtype=dtype, device=device)
+        b = randn(k, n, generator=generator, dtype=dtype, device=device)
+        call = (f"your matmul_kernel via launch_matmul(matmul_kernel, a, b, block_m=16, block_n=16, block_k=16) "
+                f"with a [{m}, {k}] and b [{k}, {n}] ({str(dtype).replace('torch.', '')})")
+        c = _ladder_launch(call, launch_matmul, matmul_kernel, a, b)
+        a64, b64 = _f64(a, b)
+        variants = [Variant(lambda a64=a64, b64=b64: a64[:, :16] @ b64[:16], HINTS["matmul_one_k_block"])]
+        rtol, atol = tolerance(torch.float16 if dtype == torch.float16 or c.device.type == "cuda" else dtype, c.device)
+        expect_close(c, a64 @ b64, what=f"C from {call}", against="a @ b (float64)", variants=variants,
+                     rtol=rtol * 10, atol=atol * 10)
+
+
+@check("row_softmax_kernel: softmax of each row, stable at ±1000, any row length ({device})")
+def check_row_softmax_kernel(row_softmax_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """The third warm-up: one program per row, masked lanes at -inf, the max subtracted."""
+    from attention_lab.triton_kernels import launch_row_softmax
+
+    generator = random_generator(seed)
+    cols = randint(33, 60, generator)
+    x = randn(5, cols, generator=generator, dtype=torch.float32, device=device) * 3
+    x[1] += 1000.0  # a row that overflows e^x without the max subtracted
+    x[2] -= 1000.0
+    for label, values in (("of", x[[0, 3, 4]]), ("around ±1000,", x), ("(one block exactly)", x[:, :32])):
+        call = (f"your row_softmax_kernel via launch_row_softmax(row_softmax_kernel, x) with x {label} "
+                f"{shape_str(values.shape)}")
+        out = _ladder_launch(call, launch_row_softmax, row_softmax_kernel, values.contiguous())
+        x64 = _f64(values)[0]
+        block = 1 << (values.shape[1] - 1).bit_length()
+        padded = torch.cat([x64, torch.zeros(x64.shape[0], block - x64.shape[1], dtype=torch.float64)], -1)
+        with_zeros = torch.exp(x64 - padded.amax(-1, keepdim=True))
+        with_zeros = with_zeros / torch.exp(padded - padded.amax(-1, keepdim=True)).sum(-1, keepdim=True)
+        if bool((~torch.isfinite(out.cpu())).any()):
+            raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {HINTS['softmax_no_max']}")
+        expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
+                     variants=[Variant(with_zeros, HINTS["softmax_other_zero"])])
 
 
 # --------------------------------------------------------------------------------------
