@@ -207,3 +207,51 @@ class FlashAttention(torch.autograd.Function):
 
 def flash_attention(q, k, v, causal=False):
     return FlashAttention.apply(q, k, v, causal)
+
+# %% answer="scale_kernel"
+@triton.jit
+def _block_offsets(BLOCK: tl.constexpr):
+    return tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
+def scale_kernel(X, Out, n, alpha, BLOCK: tl.constexpr):
+    offs = _block_offsets(BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0)
+    y = tl.where(offs < n, x * alpha, 0.0)
+    tl.store(Out + offs, y, mask=offs < n)
+
+# %% answer="matmul_kernel"
+@triton.jit
+def _load_tile(base, rows, cols, n_rows, n_cols, stride_r, stride_c):
+    return tl.load(base + rows[:, None] * stride_r + cols[None, :] * stride_c,
+                   mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+
+
+@triton.jit
+def matmul_kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        inner = start + tl.arange(0, BLOCK_K)
+        total += tl.dot(_load_tile(A, rows, inner, M, K, stride_am, stride_ak),
+                        _load_tile(B, inner, cols, K, N, stride_bk, stride_bn))
+    tl.store(C + rows[:, None] * stride_cm + cols[None, :] * stride_cn, total,
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+# %% answer="row_softmax_kernel"
+@triton.jit
+def _stable_exp(x):
+    return tl.exp(x - tl.max(x, axis=0))
+
+
+@triton.jit
+def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    scores = tl.load(X + tl.program_id(0) * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    weights = _stable_exp(scores)
+    weights = weights / tl.sum(weights, axis=0)
+    tl.store(Out + tl.program_id(0) * stride_out + cols, weights, mask=mask)

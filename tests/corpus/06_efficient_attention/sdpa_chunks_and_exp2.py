@@ -178,3 +178,43 @@ class FlashAttention(torch.autograd.Function):
 
 def flash_attention(q, k, v, causal=False):
     return FlashAttention.apply(q, k, v, causal)
+
+# %% answer="scale_kernel"
+@triton.jit
+def scale_kernel(X, Out, n, alpha, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    keep = pid * BLOCK + lanes < n
+    ptr_in = X + pid * BLOCK + lanes
+    tl.store(Out + pid * BLOCK + lanes, tl.load(ptr_in, mask=keep, other=0.0) * alpha, mask=keep)
+
+# %% answer="matmul_kernel"
+@triton.jit
+def matmul_kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # float32 products of each block (inputs upcast), accumulated with +=, a while-style loop
+    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k0 = 0
+    while k0 < K:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a_blk = tl.load(A + i[:, None] * stride_am + kk[None, :] * stride_ak,
+                        mask=(i[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
+        b_blk = tl.load(B + kk[:, None] * stride_bk + j[None, :] * stride_bn,
+                        mask=(kk[:, None] < K) & (j[None, :] < N), other=0.0).to(tl.float32)
+        acc += tl.dot(a_blk, b_blk)
+        k0 += BLOCK_K
+    tl.store(C + i[:, None] * stride_cm + j[None, :] * stride_cn, acc, mask=(i[:, None] < M) & (j[None, :] < N))
+
+# %% answer="row_softmax_kernel"
+@triton.jit
+def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    # exp2 with log2(e), the masked lanes zeroed after the exponential instead of loaded as -inf
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    valid = c < n_cols
+    x = tl.load(X + r * stride_x + c, mask=valid, other=-1.0e30)
+    m = tl.max(tl.where(valid, x, -1.0e30), axis=0)
+    p = tl.where(valid, tl.exp2((x - m) * 1.4426950408889634), 0.0)
+    tl.store(Out + r * stride_out + c, p / tl.sum(p, axis=0), mask=valid)
