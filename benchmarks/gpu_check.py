@@ -104,6 +104,15 @@ def check_kernel_natively() -> dict:
         except AssertionError as failure:
             report["ok"] = False
             report["checks"].append(f"{sizes}: FAILED: {failure}")
+    from attention_lab.checks import efficient_attention as checks
+
+    for name in ("scale_kernel", "matmul_kernel", "row_softmax_kernel"):  # the warm-up kernels, compiled
+        try:
+            getattr(checks, f"check_{name}")(namespace[name], device="cuda")
+            report["checks"].append(f"{name}: passed")
+        except AssertionError as failure:
+            report["ok"] = False
+            report["checks"].append(f"{name}: FAILED: {failure}")
     import triton.testing
 
     torch.backends.cuda.matmul.allow_tf32 = False

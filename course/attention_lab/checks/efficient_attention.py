@@ -1185,6 +1185,8 @@ def check_matmul_kernel(matmul_kernel: Any, *, seed: int = 0, device: torch.devi
         call = (f"your matmul_kernel via launch_matmul(matmul_kernel, a, b, block_m=16, block_n=16, block_k=16) "
                 f"with a [{m}, {k}] and b [{k}, {n}] ({str(dtype).replace('torch.', '')})")
         c = _ladder_launch(call, launch_matmul, matmul_kernel, a, b)
+        if bool(torch.isnan(c.cpu()).any()):  # A and B are finite: the NaN was read after their ends
+            raise CheckFailure(f"C from {call} holds NaN.\n  Likely mistake: {HINTS['ladder_unmasked_load']}")
         a64, b64 = _f64(a, b)
         variants = [Variant(lambda a64=a64, b64=b64: a64[:, :16] @ b64[:16], HINTS["matmul_one_k_block"])]
         rtol, atol = tolerance(torch.float16 if dtype == torch.float16 or c.device.type == "cuda" else dtype, c.device)
@@ -1212,7 +1214,9 @@ def check_row_softmax_kernel(row_softmax_kernel: Any, *, seed: int = 0, device: 
         with_zeros = torch.exp(x64 - padded.amax(-1, keepdim=True))
         with_zeros = with_zeros / torch.exp(padded - padded.amax(-1, keepdim=True)).sum(-1, keepdim=True)
         if bool((~torch.isfinite(out.cpu())).any()):
-            raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {HINTS['softmax_no_max']}")
+            # Scores of ordinary size cannot overflow: NaN there came from the NaN stored after each row.
+            hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_unmasked_load"]
+            raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
         expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
                      variants=[Variant(with_zeros, HINTS["softmax_other_zero"])])
 
