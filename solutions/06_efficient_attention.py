@@ -30,19 +30,22 @@ import torch.nn.functional as F
 # %% [markdown]
 # ## 1. How big is the score table?
 #
-# For one layer, the scores `q·kᵀ` are a `[B, H, S, S]` tensor: `B·H·S²` numbers. Notebook 05
-# computed the KV cache, which grows like `S`; the score table grows like `S²`.
+# For one layer, every head of every sequence of the batch computes the scores `q·kᵀ` of its
+# own queries against its own keys. Notebook 05 computed the KV cache, which grows like `S`.
+# How does the score table grow?
 
 # %% [markdown]
 # ### Exercise 6.1 — attention_matrix_bytes (1 pt, ~3 min)
 #
-# Return the number of bytes of one layer's score table, as an `int`.
+# Return the number of bytes of one layer's score table (self-attention, `S` tokens), as an
+# `int`. Work it out from the shapes: q and k are `[B, H, S, d]`; what is the shape of
+# `q @ k.transpose(-2, -1)`, and how many bytes does each of its numbers take?
 
 # %% answer="attention_matrix_bytes"
 def attention_matrix_bytes(batch_size, num_heads, seq_len, bytes_per_element):
-    """Bytes of a [batch_size, num_heads, seq_len, seq_len] score table.
+    """Bytes of one layer's score table for batch_size sequences of seq_len tokens, num_heads heads.
 
-    Example: attention_matrix_bytes(1, 2, 3, 4) == 72  (1 · 2 · 3² · 4)
+    Example: attention_matrix_bytes(1, 2, 3, 4) == 72
     """
     ### BEGIN SOLUTION
     return batch_size * num_heads * seq_len * seq_len * bytes_per_element
