@@ -7,7 +7,7 @@
 # and end with the same algorithm as a Triton GPU kernel, which is checked on the CPU by
 # Triton's interpreter and runs natively on a CUDA GPU (Colab).
 #
-# **25 points, about 141 minutes.**
+# **27 points, about 171 minutes.**
 #
 # **Notation**: `B` batch, `H` heads, `S_q` query tokens, `S_k` key/value tokens, `d` the
 # per-head width. q is `[B, H, S_q, d]`, k and v are `[B, H, S_k, d]`. **Masks** are boolean
@@ -487,8 +487,9 @@ print("plain average of the halves vs all keys: ",
 
 # %%
 from attention_lab.triton_kernels import (TRITON_AVAILABLE, interpreter_active,
-                                          launch_flash_attention, launch_matmul, launch_row_softmax,
-                                          launch_scale, tl, triton)
+                                          launch_flash_attention, launch_flash_attention_backward,
+                                          launch_matmul, launch_row_softmax, launch_scale, tl,
+                                          triton)
 
 print("Triton available:", TRITON_AVAILABLE,
       "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
@@ -983,7 +984,136 @@ attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
 # memory first, while the fused kernels (SDPA's flash backend, or yours) are faster and reach a
 # larger share of the card's peak. A loaded machine adds noise: look at the spread bars before
 # reading a slope.
+
+# %% [markdown]
+# ## 9. Challenge: the backward pass as Triton kernels
 #
+# FlashAttention-2's backward pass on the GPU is two kernels. The first runs **one program per
+# key block**: it loads its block of K and V once, loops over the query blocks that see it,
+# recomputes each tile of `P` from q, k and `lse`, and accumulates `dK` and `dV` in registers —
+# no two programs write the same rows, so no atomics are needed. The second runs one program
+# per query block, like the forward pass, and accumulates `dQ`. `D = rowsum(dO ∘ O)` is
+# computed by the given launcher before both (read it with
+# `launch_flash_attention_backward??`: the arguments and grids of both kernels).
+#
+# Everything is in 6.11, written per tile, with the masks and loop bounds of 6.10. Think about
+# which query blocks a key block must visit when `CAUSAL` (the first one that has a query
+# seeing one of its keys), and keep the scale: `dK` and `dQ` need it.
+
+# %% [markdown]
+# ### Exercise 6.13 — flash_attention_backward_kernel (2 pts, ~30 min)
+#
+# Write the two loops (the loads of the program's own block and the stores are given).
+
+# %% answer="flash_attention_backward_kernel"
+@triton.jit
+def flash_attention_backward_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
+                                    stride_qh, stride_qs, stride_kh, stride_ks,
+                                    stride_vh, stride_vs, seq_q, seq_k, sm_scale,
+                                    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dK and dV of one key block of one (batch, head): loop over the query blocks that see it."""
+    key_block = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_k = key_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_k < seq_k
+    k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
+    ### BEGIN SOLUTION
+    q_start_first = 0
+    if CAUSAL:  # queries before key_block·BLOCK_K − (S_k − S_q) see none of these keys
+        q_start_first = tl.maximum(0, key_block * BLOCK_K - (seq_k - seq_q)) // BLOCK_Q * BLOCK_Q
+    for q_start in range(q_start_first, seq_q, BLOCK_Q):
+        offs_q = q_start + tl.arange(0, BLOCK_Q)
+        row_ok = offs_q < seq_q
+        rows = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+        q = tl.load(Q + rows, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + rows, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(Lse + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+        delta = tl.load(Delta + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_Q, BLOCK_K]
+        visible = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+    dk = dk * sm_scale
+    ### END SOLUTION
+    cols = offs_k[:, None] * stride_ks + offs_d[None, :]
+    tl.store(DK + head_index * stride_kh + cols, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + head_index * stride_vh + cols, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+@triton.jit
+def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
+                                       stride_qh, stride_qs, stride_kh, stride_ks,
+                                       stride_vh, stride_vs, seq_q, seq_k, sm_scale,
+                                       CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                       BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ of one query block of one (batch, head): loop over the key blocks it sees."""
+    block_index = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_q < seq_q
+    rows = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+    q = tl.load(Q + rows, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + rows, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(Lse + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    ### BEGIN SOLUTION
+    k_stop = seq_k
+    if CAUSAL:
+        k_stop = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + seq_k - seq_q)
+    for k_start in range(0, k_stop, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        key_ok = offs_k < seq_k
+        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale
+        visible = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq = dq * sm_scale
+    ### END SOLUTION
+    tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+def triton_flash_attention_backward(q, k, v, out, lse, dout, causal=False):
+    """(dq, dk, dv) from your two kernels; d a power of two >= 16."""
+    return launch_flash_attention_backward(flash_attention_backward_kernel,
+                                           flash_attention_backward_dq_kernel,
+                                           q, k, v, out, lse, dout, causal=causal)
+
+
+# %% test="test_flash_attention_backward_kernel" points=2
+"""flash_attention_backward_kernel: dq, dk, dv equal autograd through SDPA; float32 and float16;
+ragged; causal."""
+from attention_lab.checks.efficient_attention import check_flash_attention_backward_kernel
+
+check_flash_attention_backward_kernel(flash_attention_backward_kernel,
+                                      flash_attention_backward_dq_kernel)
+### BEGIN HIDDEN TESTS
+check_flash_attention_backward_kernel(flash_attention_backward_kernel,
+                                      flash_attention_backward_dq_kernel, seed=6131, sizes="more")
+### END HIDDEN TESTS
+
+# %% [markdown]
 # ## What you built
 #
 # * `attention_matrix_bytes`: the `[S, S]` table outgrows the KV cache from a few thousand
@@ -997,3 +1127,5 @@ attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
 #   CPU and run natively on a GPU.
 # * `flash_attention_backward` and `FlashAttention`: the backward pass from `q, k, v, out, lse`
 #   alone — `P` recomputed per tile, `D = rowsum(dO ∘ O)` — and training that matches SDPA's.
+# * `flash_attention_backward_kernel` (the challenge): the same backward pass as two Triton
+#   kernels, dK/dV per key block and dQ per query block.

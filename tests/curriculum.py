@@ -28,5 +28,6 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
         "attention_matrix_bytes", "chunked_attention", "streaming_logsumexp", "online_softmax_step",
         "flash_attention_forward", "scale_kernel", "matmul_kernel", "row_softmax_kernel",
         "flash_attention_kernel", "flash_attention_backward", "FlashAttention",
+        "flash_attention_backward_kernel",
     ),
 }

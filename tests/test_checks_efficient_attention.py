@@ -1034,3 +1034,57 @@ def test_no_demo_of_notebook_06_runs_an_answer_before_its_check():
         early = [cells[i].source[:60] for i in range(index + 1, test)
                  if cells[i].cell_type == "code" and f"{name}(" in cells[i].source]
         assert not early, f"{name}: a demo runs it before its check: {early}"
+
+
+# --------------------------------------------------------------------------------------
+# The challenge: the backward pass as two Triton kernels (the solution's, and mistakes planted in it)
+# --------------------------------------------------------------------------------------
+
+
+def backward_kernels(tmp_path, *replacements):
+    """The solution's two backward kernels, with each (old, new) text replaced, imported from a file (Triton
+    reads a kernel's source)."""
+    import importlib.util
+    import re
+
+    cell = next(c for c in _solution_cells() if c.metadata.get("answer") == "flash_attention_backward_kernel")
+    source = re.sub(r"\n *### (BEGIN|END) SOLUTION", "", cell.source)
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    path = tmp_path / f"kernels_{abs(hash(replacements))}.py"
+    path.write_text("from attention_lab.triton_kernels import tl, triton\n\n\n" + source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.flash_attention_backward_kernel, module.flash_attention_backward_dq_kernel
+
+
+@needs_triton
+def test_backward_kernels_pass_when_right(tmp_path, capsys):
+    checks.check_flash_attention_backward_kernel(*backward_kernels(tmp_path), device=KERNEL["device"])
+    assert "✓ flash_attention_backward_kernel" in capsys.readouterr().out
+
+
+@needs_triton
+@pytest.mark.parametrize("replacements, hint", [
+    ((("ds = p * (dp - delta[:, None])", "ds = p * dp"),), "bwd_no_D"),
+    ((("    dk = dk * sm_scale\n", ""), ("    dq = dq * sm_scale\n", "")), "bwd_no_scale"),
+    ((("p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)", "p = tl.where(visible, tl.exp(s), 0.0)"),),
+     "bwd_no_lse"),
+    pytest.param((("        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],\n"
+                   "                    mask=key_ok[:, None], other=0.0)",
+                   "        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :])"),),
+                 "unmasked_load", marks=INTERPRETER_ONLY),
+])
+def test_backward_kernel_mistakes_are_named(tmp_path, replacements, hint):
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_flash_attention_backward_kernel(*backward_kernels(tmp_path, *replacements), **KERNEL)
+    assert HINTS[hint] in str(failure.value), str(failure.value)
+
+
+@needs_triton
+def test_backward_kernel_without_the_loops_is_not_implemented_yet(tmp_path):
+    blank = ("    q_start_first = 0\n", "    raise NotImplementedError('Exercise 6.13')\n    q_start_first = 0\n")
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_flash_attention_backward_kernel(*backward_kernels(tmp_path, blank), **KERNEL)

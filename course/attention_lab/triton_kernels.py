@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["triton", "tl", "TRITON_AVAILABLE", "TritonUnavailable", "launch_flash_attention",
            "interpreter_active", "MIN_BLOCK", "poisoned_rows", "LoadWatch", "launch_scale", "launch_matmul",
-           "launch_row_softmax"]
+           "launch_row_softmax", "launch_flash_attention_backward"]
 
 # tl.dot needs every dimension >= 16 on a GPU; the interpreter would accept less.
 MIN_BLOCK = 16
@@ -175,6 +175,55 @@ def launch_flash_attention(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: tor
             raise NotImplementedError(stub.group(1) if stub else "the kernel is not written yet") from None
         raise
     return out.reshape(batch, heads, seq_q, head_dim), lse.view(batch, heads, seq_q)
+
+
+def launch_flash_attention_backward(kernel_dkdv: Any, kernel_dq: Any, q: torch.Tensor, k: torch.Tensor,
+                                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                                    causal: bool = False, block_q: int = 32, block_k: int = 32, poison: int = 0,
+                                    watch: "LoadWatch | None" = None) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)`` from the two backward kernels (the challenge of notebook 06).
+
+    ``D = rowsum(dout ∘ out)`` is computed here (float32, ``[B·H, S_q]``, like ``lse``). Then
+    ``kernel_dkdv`` runs one program per (key block, batch·head): grid ``(ceil(S_k / block_k), B·H)``,
+    arguments ``(Q, K, V, DO, Lse, Delta, DK, DV, stride_qh, stride_qs, stride_kh, stride_ks,
+    stride_vh, stride_vs, seq_q, seq_k, sm_scale, CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM)``; and
+    ``kernel_dq`` one program per (query block, batch·head): grid ``(ceil(S_q / block_q), B·H)``,
+    arguments ``(Q, K, V, DO, Lse, Delta, DQ, <the same strides>, seq_q, seq_k, sm_scale, CAUSAL,
+    BLOCK_Q, BLOCK_K, HEAD_DIM)``. DO and DQ have q's layout, DK and DV k's and v's. The gradients
+    have the inputs' dtypes (the kernels accumulate in float32).
+    """
+    for kernel in (kernel_dkdv, kernel_dq):
+        if isinstance(kernel, _MissingKernel):
+            raise TritonUnavailable(TRITON_MISSING)
+    _validate(q, k, v, block_q, block_k)
+    if q.device.type == "cpu" and (_compiled_for_gpu(kernel_dkdv) or _compiled_for_gpu(kernel_dq)):
+        raise RuntimeError("these kernels were compiled for a GPU, but the tensors are on the CPU: run the setup "
+                           "cell at the top of the notebook (it sets TRITON_INTERPRET=1), then the kernels' cell.")
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    bh = batch * heads
+    q3 = poisoned_rows(q.reshape(bh, seq_q, head_dim), poison)  # dout shares q's layout
+    do3 = poisoned_rows(dout.to(q.dtype).reshape(bh, seq_q, head_dim), poison)
+    k3 = poisoned_rows(k.reshape(bh, seq_k, head_dim), poison)  # v shares k's layout
+    v3 = poisoned_rows(v.reshape(bh, seq_k, head_dim), poison)
+    lse3 = lse.reshape(bh, seq_q).to(torch.float32).contiguous()
+    delta = (dout.float() * out.float()).sum(-1).reshape(bh, seq_q).contiguous()
+    dq = torch.empty_strided(q3.shape, q3.stride(), dtype=q.dtype, device=q.device)
+    dk = torch.empty_strided(k3.shape, k3.stride(), dtype=k.dtype, device=k.device)
+    dv = torch.empty_strided(k3.shape, k3.stride(), dtype=v.dtype, device=v.device)
+    if watch is None:
+        watch = LoadWatch({})
+    for name, tensor, rows in (("Q", q3, seq_q), ("K", k3, seq_k), ("V", v3, seq_k), ("dout", do3, seq_q)):
+        watch.add(name, tensor, rows)
+    strides = (q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1))
+    constants = {"CAUSAL": bool(causal), "BLOCK_Q": block_q, "BLOCK_K": block_k, "HEAD_DIM": head_dim}
+    with watch:
+        _run(kernel_dkdv, (triton.cdiv(seq_k, block_k), bh), q3, k3, v3, do3, lse3, delta, dk, dv, *strides,
+             seq_q, seq_k, head_dim ** -0.5, **constants)
+        _run(kernel_dq, (triton.cdiv(seq_q, block_q), bh), q3, k3, v3, do3, lse3, delta, dq, *strides,
+             seq_q, seq_k, head_dim ** -0.5, **constants)
+    shape_q, shape_k = (batch, heads, seq_q, head_dim), (batch, heads, seq_k, head_dim)
+    return dq.reshape(shape_q), dk.reshape(shape_k), dv.reshape(shape_k)
 
 
 # --------------------------------------------------------------------------------------

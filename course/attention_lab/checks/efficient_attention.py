@@ -1341,4 +1341,68 @@ def check_flash_attention_kernel(flash_attention_kernel: Any, *, seed: int = 0, 
                      generator)
 
 
+# --------------------------------------------------------------------------------------
+# Challenge: the backward pass as two Triton kernels
+# --------------------------------------------------------------------------------------
+
+
+def _backward_kernel_case(kernel_dkdv, kernel_dq, shape, causal, block_q, block_k, dtype, device, generator) -> None:
+    from attention_lab.triton_kernels import LoadWatch, TritonUnavailable, launch_flash_attention_backward
+
+    q, k, v, out, lse, dout = _backward_inputs(generator, shape, causal, dtype, device)
+    call = (f"your kernels via launch_flash_attention_backward(flash_attention_backward_kernel, "
+            f"flash_attention_backward_dq_kernel, q, k, v, out, lse, dout, causal={causal}, block_q={block_q}, "
+            f"block_k={block_k}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)} "
+            f"({str(dtype).replace('torch.', '')}, {device.type})")
+    watch = LoadWatch()
+    try:
+        grads = launch_flash_attention_backward(kernel_dkdv, kernel_dq, q, k, v, out, lse, dout, causal=causal,
+                                                block_q=block_q, block_k=block_k, poison=POISON_ROWS, watch=watch)
+    except TritonUnavailable as error:
+        raise CheckFailure(str(error)) from None
+    except NotImplementedError as error:
+        raise CheckFailure(f"{call}: not implemented yet ({error}). Write the two kernels.") from None
+    except Exception as error:
+        text = str(error).strip()
+        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
+    for name in ("K", "V", "Q", "dout"):
+        if name in watch.beyond:
+            program, line = watch.beyond[name]
+            where = f" (your line: `{line}`)" if line else ""
+            raise CheckFailure(f"{call}: program {program} loaded rows of {name} past its last one{where}.\n"
+                               f"  Likely mistake: {HINTS['unmasked_load']}")
+    scale = q.shape[-1] ** -0.5
+    want = reference_gradients(q, k, v, dout, causal, scale)
+    variants = _backward_variants(q, k, v, dout, causal, scale, block_q, block_k)
+    for name, got, expected, wrong in zip(("dq", "dk", "dv"), grads, want, variants):
+        if bool((torch.isnan(got.detach().cpu()) & ~torch.isnan(expected)).any()):
+            raise CheckFailure(f"{name} from {call} holds NaN where the gradient is finite.\n  Likely mistake: "
+                               f"{HINTS['nan_past_end']}")
+        basis = _kernel_tolerance_basis(got)
+        rtol, atol = tolerance(basis.dtype, device)
+        expect_close(got, expected, what=f"{name} from {call}", against="torch.autograd through SDPA (float64)",
+                     variants=wrong, rtol=rtol * 4, atol=atol * 4)
+
+
+@check("flash_attention_backward_kernel: dq, dk, dv of two Triton kernels equal autograd through SDPA, float32 and float16, ragged, causal ({device})")
+def check_flash_attention_backward_kernel(flash_attention_backward_kernel: Any,
+                                          flash_attention_backward_dq_kernel: Any, *, seed: int = 0,
+                                          device: torch.device | None = None, sizes: str = "small") -> None:
+    """The challenge: dK/dV with one program per key block, dQ with one program per query block."""
+    from attention_lab.triton_kernels import TRITON_AVAILABLE, TRITON_MISSING
+
+    if not TRITON_AVAILABLE:
+        raise CheckFailure(TRITON_MISSING)
+    generator = random_generator(seed)
+    cases = [((1, 1, 45, 61, 16), False, 16, 32, torch.float32),
+             ((1, 2, 47, 47, 16), True, 32, 16, torch.float32),
+             ((1, 1, 33, 65, 32), True, 16, 16, torch.float16)]
+    if sizes == "more":
+        cases = [((2, 1, 100, 90, 16), False, 32, 32, torch.float32),
+                 ((1, 1, 21, 83, 16), True, 16, 16, torch.float32)]
+    for shape, causal, block_q, block_k, dtype in cases:
+        _backward_kernel_case(flash_attention_backward_kernel, flash_attention_backward_dq_kernel, shape, causal,
+                              block_q, block_k, dtype, device, generator)
+
+
 freeze_module(__name__)

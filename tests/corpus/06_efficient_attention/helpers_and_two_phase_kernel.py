@@ -255,3 +255,82 @@ def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr
     weights = _stable_exp(scores)
     weights = weights / tl.sum(weights, axis=0)
     tl.store(Out + tl.program_id(0) * stride_out + cols, weights, mask=mask)
+
+# %% answer="flash_attention_backward_kernel"
+@triton.jit
+def _tile_p_ds(q, k, v, do, lse, delta, offs_q, offs_k, seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr):
+    s = tl.dot(q, tl.trans(k)) * sm_scale
+    visible = (offs_q[:, None] < seq_q) & (offs_k[None, :] < seq_k)
+    if CAUSAL:
+        visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+    p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    return p, ds
+
+
+@triton.jit
+def flash_attention_backward_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
+                                    stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                                    seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    key_block = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_k = key_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_k < seq_k
+    k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
+    q_start_first = 0
+    if CAUSAL:  # queries before key_block·BLOCK_K − (S_k − S_q) see none of these keys
+        q_start_first = tl.maximum(0, key_block * BLOCK_K - (seq_k - seq_q)) // BLOCK_Q * BLOCK_Q
+    for q_start in range(q_start_first, seq_q, BLOCK_Q):
+        offs_q = q_start + tl.arange(0, BLOCK_Q)
+        row_ok = offs_q < seq_q
+        rows = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+        q = tl.load(Q + rows, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + rows, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(Lse + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+        delta = tl.load(Delta + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+        p, ds = _tile_p_ds(q, k, v, do, lse, delta, offs_q, offs_k, seq_q, seq_k, sm_scale, CAUSAL)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do)
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+    dk = dk * sm_scale
+    cols = offs_k[:, None] * stride_ks + offs_d[None, :]
+    tl.store(DK + head_index * stride_kh + cols, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + head_index * stride_vh + cols, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+@triton.jit
+def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
+                                       stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                                       seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                       BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    block_index = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_q < seq_q
+    rows = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+    q = tl.load(Q + rows, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + rows, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(Lse + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    k_stop = seq_k
+    if CAUSAL:
+        k_stop = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + seq_k - seq_q)
+    for k_start in range(0, k_stop, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        key_ok = offs_k < seq_k
+        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        p, ds = _tile_p_ds(q, k, v, do, lse, delta, offs_q, offs_k, seq_q, seq_k, sm_scale, CAUSAL)
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq = dq * sm_scale
+    tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
