@@ -130,8 +130,7 @@ def chunked_attention(q, k, v, chunk_size, causal=False):
 
 
 # %% test="test_chunked_attention" points=2
-"""chunked_attention: equals SDPA (float64, then the device), ragged last chunk,
-causal bottom-right; never builds [S_q, S_k]."""
+"""chunked_attention: equals SDPA; ragged last chunk; causal bottom-right; no [S_q, S_k]."""
 from attention_lab.checks.efficient_attention import check_chunked_attention
 
 check_chunked_attention(chunked_attention)
@@ -198,8 +197,7 @@ def streaming_logsumexp(x, block_size):
 
 
 # %% test="test_streaming_logsumexp" points=2
-"""streaming_logsumexp: equals torch.logsumexp; one pass over blocks; no overflow at ±1000;
--inf entries allowed."""
+"""streaming_logsumexp: equals torch.logsumexp in one pass; stable at ±1000; -inf allowed."""
 from attention_lab.checks.efficient_attention import check_streaming_logsumexp
 
 check_streaming_logsumexp(streaming_logsumexp)
@@ -251,8 +249,7 @@ def online_softmax_step(m, l, acc, scores_block, v_block):
 
 
 # %% test="test_online_softmax_step" points=2
-"""online_softmax_step: the update of m, l and acc from -inf/0/0 and with a growing max;
-four steps equal softmax(S) @ V."""
+"""online_softmax_step: the update of m, l, acc; four steps equal softmax(S) @ V."""
 from attention_lab.checks.efficient_attention import check_online_softmax_step
 
 check_online_softmax_step(online_softmax_step)
@@ -387,8 +384,7 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
 
 
 # %% test="test_flash_attention_forward" points=2
-"""flash_attention_forward: out equals SDPA, lse equals logsumexp (float64, then the device);
-ragged; causal; any blocks; halves merge with lse."""
+"""flash_attention_forward: out equals SDPA, lse logsumexp; ragged; causal; any blocks."""
 from attention_lab.checks.efficient_attention import check_flash_attention_forward
 
 check_flash_attention_forward(flash_attention_forward)
@@ -397,8 +393,7 @@ check_flash_attention_forward(flash_attention_forward, seed=6501)
 ### END HIDDEN TESTS
 
 # %% test="test_flash_attention_forward_memory" points=2
-"""flash_attention_forward: no intermediate as wide as all the keys; the causal pass skips
-future key blocks."""
+"""flash_attention_forward: nothing as wide as all the keys; causal skips future blocks."""
 from attention_lab.checks.efficient_attention import check_flash_attention_forward_memory
 
 check_flash_attention_forward_memory(flash_attention_forward)
@@ -688,8 +683,7 @@ def triton_flash_attention(q, k, v, causal=False):
 
 
 # %% test="test_flash_attention_kernel" points=3
-"""flash_attention_kernel: equals SDPA and logsumexp in float32 and float16, ragged S, causal,
-several block sizes; no load past the end; causal skips future key blocks."""
+"""flash_attention_kernel: equals SDPA and logsumexp (fp32, fp16); ragged; causal; masked."""
 from attention_lab.checks.efficient_attention import check_flash_attention_kernel
 
 check_flash_attention_kernel(flash_attention_kernel)
@@ -839,8 +833,7 @@ def flash_attention(q, k, v, causal=False):
 
 
 # %% test="test_FlashAttention" points=2
-"""FlashAttention: saves only q, k, v, out, lse; gradients equal autograd through SDPA;
-gradcheck."""
+"""FlashAttention: saves only q, k, v, out, lse; gradients equal SDPA's; gradcheck."""
 from attention_lab.checks.efficient_attention import check_flash_attention_function
 
 check_flash_attention_function(FlashAttention)
@@ -1102,8 +1095,7 @@ def triton_flash_attention_backward(q, k, v, out, lse, dout, causal=False):
 
 
 # %% test="test_flash_attention_backward_kernel" points=2
-"""flash_attention_backward_kernel: dq, dk, dv equal autograd through SDPA; float32 and float16;
-ragged; causal."""
+"""flash_attention_backward_kernel: dq, dk, dv equal SDPA's (fp32, fp16); ragged; causal."""
 from attention_lab.checks.efficient_attention import check_flash_attention_backward_kernel
 
 check_flash_attention_backward_kernel(flash_attention_backward_kernel,
