@@ -1011,10 +1011,10 @@ def flash_attention_backward_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
     offs_k = key_block * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_k < seq_k
-    k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
-                mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
-                mask=key_ok[:, None], other=0.0)
+    k_block = K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :]
+    v_block = V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :]
+    k = tl.load(k_block, mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_block, mask=key_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
     ### BEGIN SOLUTION
@@ -1023,14 +1023,14 @@ def flash_attention_backward_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
         q_start_first = tl.maximum(0, key_block * BLOCK_K - (seq_k - seq_q)) // BLOCK_Q * BLOCK_Q
     for q_start in range(q_start_first, seq_q, BLOCK_Q):
         offs_q = q_start + tl.arange(0, BLOCK_Q)
-        row_ok = offs_q < seq_q
-        rows = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
-        q = tl.load(Q + rows, mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + rows, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(Lse + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
-        delta = tl.load(Delta + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+        in_q = offs_q < seq_q
+        q_tile = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+        q = tl.load(Q + q_tile, mask=in_q[:, None], other=0.0)
+        do = tl.load(DO + q_tile, mask=in_q[:, None], other=0.0)
+        lse = tl.load(Lse + head_index * seq_q + offs_q, mask=in_q, other=0.0)
+        delta = tl.load(Delta + head_index * seq_q + offs_q, mask=in_q, other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_Q, BLOCK_K]
-        visible = row_ok[:, None] & key_ok[None, :]
+        visible = in_q[:, None] & key_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
         p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
@@ -1069,13 +1069,13 @@ def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
         k_stop = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + seq_k - seq_q)
     for k_start in range(0, k_stop, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        key_ok = offs_k < seq_k
-        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
-                    mask=key_ok[:, None], other=0.0)
-        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
-                    mask=key_ok[:, None], other=0.0)
+        in_k = offs_k < seq_k
+        k_tile = K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :]
+        v_tile = V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :]
+        k = tl.load(k_tile, mask=in_k[:, None], other=0.0)
+        v = tl.load(v_tile, mask=in_k[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale
-        visible = row_ok[:, None] & key_ok[None, :]
+        visible = row_ok[:, None] & in_k[None, :]
         if CAUSAL:
             visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
         p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
@@ -1101,8 +1101,8 @@ from attention_lab.checks.efficient_attention import check_flash_attention_backw
 check_flash_attention_backward_kernel(flash_attention_backward_kernel,
                                       flash_attention_backward_dq_kernel)
 ### BEGIN HIDDEN TESTS
-check_flash_attention_backward_kernel(flash_attention_backward_kernel,
-                                      flash_attention_backward_dq_kernel, seed=6131, sizes="more")
+backward_kernels = (flash_attention_backward_kernel, flash_attention_backward_dq_kernel)
+check_flash_attention_backward_kernel(*backward_kernels, seed=6131, sizes="more")
 ### END HIDDEN TESTS
 
 # %% [markdown]
