@@ -864,7 +864,7 @@ class TinyCausalModel(torch.nn.Module):
         return self.proj(self.attend(q, k, v).transpose(1, 2).flatten(2))
 
 
-def train_losses(model, steps=30, seed=0):
+def train_losses(model, steps=20, seed=0):
     data = torch.Generator().manual_seed(seed)
     optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -962,7 +962,7 @@ if device.type == "cuda":
     costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4,
                                     num_heads=16, dtype=torch.float16, device=device)
 else:
-    costs = measure_attention_costs(contenders, [256, 512, 1024, 2048], num_heads=2, device=device)
+    costs = measure_attention_costs(contenders, [128, 256, 512, 1024], num_heads=2, device=device)
 attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
 
 # %% [markdown]
