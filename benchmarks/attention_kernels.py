@@ -72,6 +72,15 @@ def interpreter_cost(namespace: dict) -> dict:
         start = time.perf_counter()
         checks.check_flash_attention_kernel(kernel, device="cpu", quiet=True, **kwargs)
         checks_seconds[label] = round(time.perf_counter() - start, 2)
+    for name in ("scale_kernel", "matmul_kernel", "row_softmax_kernel"):  # the warm-ups
+        start = time.perf_counter()
+        getattr(checks, f"check_{name}")(namespace[name], device="cpu", quiet=True)
+        checks_seconds[name] = round(time.perf_counter() - start, 2)
+    start = time.perf_counter()
+    checks.check_flash_attention_backward_kernel(namespace["flash_attention_backward_kernel"],
+                                                 namespace["flash_attention_backward_dq_kernel"], device="cpu",
+                                                 quiet=True)
+    checks_seconds["backward kernels (visible check)"] = round(time.perf_counter() - start, 2)
     return {"launches": cases, "checks": checks_seconds}
 
 

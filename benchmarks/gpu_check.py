@@ -79,7 +79,8 @@ def solution_namespace() -> dict:
     notebook = jupytext.read(REPO_ROOT / "solutions" / f"{KERNEL_NOTEBOOK}.py", fmt="py:percent")
     namespace: dict = {}
     exec("import math\nimport torch\nimport torch.nn.functional as F\n"
-         "from attention_lab.triton_kernels import launch_flash_attention, tl, triton", namespace)
+         "from attention_lab.triton_kernels import launch_flash_attention, launch_flash_attention_backward, tl, "
+         "triton", namespace)
     for cell in notebook.cells:
         if cell.cell_type == "code" and "answer" in cell.metadata:
             exec(compile(cell.source, f"<{cell.metadata['answer']}>", "exec"), namespace)
@@ -104,6 +105,24 @@ def check_kernel_natively() -> dict:
         except AssertionError as failure:
             report["ok"] = False
             report["checks"].append(f"{sizes}: FAILED: {failure}")
+    from attention_lab.checks import efficient_attention as checks
+
+    for sizes in ("small", "more"):  # the challenge: the backward pass's two kernels, compiled
+        try:
+            checks.check_flash_attention_backward_kernel(namespace["flash_attention_backward_kernel"],
+                                                         namespace["flash_attention_backward_dq_kernel"],
+                                                         device="cuda", sizes=sizes)
+            report["checks"].append(f"backward kernels, {sizes}: passed")
+        except AssertionError as failure:
+            report["ok"] = False
+            report["checks"].append(f"backward kernels, {sizes}: FAILED: {failure}")
+    for name in ("scale_kernel", "matmul_kernel", "row_softmax_kernel"):  # the warm-up kernels, compiled
+        try:
+            getattr(checks, f"check_{name}")(namespace[name], device="cuda")
+            report["checks"].append(f"{name}: passed")
+        except AssertionError as failure:
+            report["ok"] = False
+            report["checks"].append(f"{name}: FAILED: {failure}")
     import triton.testing
 
     torch.backends.cuda.matmul.allow_tf32 = False

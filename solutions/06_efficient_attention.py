@@ -7,7 +7,7 @@
 # and end with the same algorithm as a Triton GPU kernel, which is checked on the CPU by
 # Triton's interpreter and runs natively on a CUDA GPU (Colab).
 #
-# **16 points, about 83 minutes.**
+# **27 points, about 171 minutes.**
 #
 # **Notation**: `B` batch, `H` heads, `S_q` query tokens, `S_k` key/value tokens, `d` the
 # per-head width. q is `[B, H, S_q, d]`, k and v are `[B, H, S_k, d]`. **Masks** are boolean
@@ -30,19 +30,22 @@ import torch.nn.functional as F
 # %% [markdown]
 # ## 1. How big is the score table?
 #
-# For one layer, the scores `q·kᵀ` are a `[B, H, S, S]` tensor: `B·H·S²` numbers. Notebook 05
-# computed the KV cache, which grows like `S`; the score table grows like `S²`.
+# For one layer, every head of every sequence of the batch computes the scores `q·kᵀ` of its
+# own queries against its own keys. Notebook 05 computed the KV cache, which grows like `S`.
+# How does the score table grow?
 
 # %% [markdown]
 # ### Exercise 6.1 — attention_matrix_bytes (1 pt, ~3 min)
 #
-# Return the number of bytes of one layer's score table, as an `int`.
+# Return the number of bytes of one layer's score table (self-attention, `S` tokens), as an
+# `int`. Work it out from the shapes: q and k are `[B, H, S, d]`; what is the shape of
+# `q @ k.transpose(-2, -1)`, and how many bytes does each of its numbers take?
 
 # %% answer="attention_matrix_bytes"
 def attention_matrix_bytes(batch_size, num_heads, seq_len, bytes_per_element):
-    """Bytes of a [batch_size, num_heads, seq_len, seq_len] score table.
+    """Bytes of one layer's score table for batch_size sequences of seq_len tokens, num_heads heads.
 
-    Example: attention_matrix_bytes(1, 2, 3, 4) == 72  (1 · 2 · 3² · 4)
+    Example: attention_matrix_bytes(1, 2, 3, 4) == 72
     """
     ### BEGIN SOLUTION
     return batch_size * num_heads * seq_len * seq_len * bytes_per_element
@@ -67,9 +70,11 @@ check_attention_matrix_bytes(attention_matrix_bytes, seed=6101)
 GiB = 2**30
 layers, query_heads, kv_heads, head_size = 32, 32, 8, 128
 for context in (8192, 131072):
-    table = attention_matrix_bytes(batch_size=1, num_heads=query_heads, seq_len=context, bytes_per_element=2)
+    table = attention_matrix_bytes(batch_size=1, num_heads=query_heads, seq_len=context,
+                                   bytes_per_element=2)
     kv_cache = 2 * layers * kv_heads * head_size * context * 1 * 2  # notebook 05's kv_cache_bytes
-    print(f"S = {context:>7,}: score table of ONE layer {table / GiB:>8,.0f} GiB | KV cache of all 32 layers "
+    print(f"S = {context:>7,}: score table of ONE layer {table / GiB:>8,.0f} GiB | "
+          f"KV cache of all 32 layers "
           f"{kv_cache / GiB:>5,.0f} GiB")
 
 # %% [markdown]
@@ -115,7 +120,8 @@ def chunked_attention(q, k, v, chunk_size, causal=False):
         q_chunk = q[..., start:start + chunk_size, :]  # [B, H, c, d] (c < chunk_size at the end)
         scores = q_chunk @ k.transpose(-2, -1) * scale  # [B, H, c, S_k]
         if causal:
-            rows = torch.arange(start, start + q_chunk.shape[-2], device=q.device)[:, None]  # global query index
+            # the global query index of each row of the chunk
+            rows = torch.arange(start, start + q_chunk.shape[-2], device=q.device)[:, None]
             cols = torch.arange(seq_k, device=q.device)[None, :]
             scores = scores.masked_fill(cols > rows + (seq_k - seq_q), float("-inf"))
         outputs.append(torch.softmax(scores, dim=-1) @ v)  # [B, H, c, d]
@@ -123,16 +129,8 @@ def chunked_attention(q, k, v, chunk_size, causal=False):
     ### END SOLUTION
 
 
-# %%
-q_demo = torch.randn(1, 2, 50, 16, device=device)
-k_demo, v_demo = torch.randn(1, 2, 70, 16, device=device), torch.randn(1, 2, 70, 16, device=device)
-bottom_right = torch.ones(50, 70, dtype=torch.bool, device=device).tril(diagonal=70 - 50)
-reference_out = F.scaled_dot_product_attention(q_demo, k_demo, v_demo, attn_mask=bottom_right)
-print("chunked (chunk 16, causal) vs SDPA, max difference:",
-      float((chunked_attention(q_demo, k_demo, v_demo, 16, causal=True) - reference_out).abs().max()))
-
 # %% test="test_chunked_attention" points=2
-"""chunked_attention: equals SDPA (float64, then the device), ragged last chunk, causal bottom-right; never builds [S_q, S_k]."""
+"""chunked_attention: equals SDPA; ragged last chunk; causal bottom-right; no [S_q, S_k]."""
 from attention_lab.checks.efficient_attention import check_chunked_attention
 
 check_chunked_attention(chunked_attention)
@@ -140,6 +138,15 @@ check_chunked_attention(chunked_attention)
 check_chunked_attention(chunked_attention, seed=6201)
 check_chunked_attention(chunked_attention, seed=6202, device="cpu")
 ### END HIDDEN TESTS
+
+# %%
+q_demo = torch.randn(1, 2, 50, 16, device=device)
+k_demo, v_demo = torch.randn(1, 2, 70, 16, device=device), torch.randn(1, 2, 70, 16, device=device)
+bottom_right = torch.ones(50, 70, dtype=torch.bool, device=device).tril(diagonal=70 - 50)
+reference_out = F.scaled_dot_product_attention(q_demo, k_demo, v_demo, attn_mask=bottom_right)
+print("chunked (chunk 16, causal) vs SDPA, max difference:",
+      float((chunked_attention(q_demo, k_demo, v_demo, 16, causal=True) - reference_out)
+            .abs().max()))
 
 # %% [markdown]
 # Chunking cuts the memory to `chunk/S` of the table, but each chunk still holds scores
@@ -181,25 +188,28 @@ def streaming_logsumexp(x, block_size):
     for start in range(0, x.shape[-1], block_size):
         block = x[..., start:start + block_size]
         m_new = torch.maximum(m, block.amax(dim=-1))
-        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # -inf rows: avoid -inf - -inf
+        # rows still at -inf: exponentiate with 0, never -inf - -inf
+        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         s = s * torch.exp(m - safe) + torch.exp(block - safe[..., None]).sum(dim=-1)
         m = m_new
     return m + torch.log(s)
     ### END SOLUTION
 
 
-# %%
-row = torch.tensor([[1000.0, 999.0, -5.0, 1001.0], [float("-inf"), 0.0, 0.0, float("-inf")]], device=device)
-print("streaming:", streaming_logsumexp(row, 2).tolist(), "| torch.logsumexp:", torch.logsumexp(row, dim=-1).tolist())
-
 # %% test="test_streaming_logsumexp" points=2
-"""streaming_logsumexp: equals torch.logsumexp; one pass over blocks; no overflow at ±1000; -inf entries allowed."""
+"""streaming_logsumexp: equals torch.logsumexp in one pass; stable at ±1000; -inf allowed."""
 from attention_lab.checks.efficient_attention import check_streaming_logsumexp
 
 check_streaming_logsumexp(streaming_logsumexp)
 ### BEGIN HIDDEN TESTS
 check_streaming_logsumexp(streaming_logsumexp, seed=6301)
 ### END HIDDEN TESTS
+
+# %%
+row = torch.tensor([[1000.0, 999.0, -5.0, 1001.0], [float("-inf"), 0.0, 0.0, float("-inf")]],
+                   device=device)
+print("streaming:", streaming_logsumexp(row, 2).tolist(),
+      "| torch.logsumexp:", torch.logsumexp(row, dim=-1).tolist())
 
 # %% [markdown]
 # The same trick carries the softmax-weighted sum of the values. For a block of scores
@@ -238,24 +248,27 @@ def online_softmax_step(m, l, acc, scores_block, v_block):
     ### END SOLUTION
 
 
-# %%
-scores_demo = torch.randn(3, 8, device=device) * 3
-values_demo = torch.randn(8, 5, device=device)
-state = (torch.full((3,), float("-inf"), device=device), torch.zeros(3, device=device), torch.zeros(3, 5, device=device))
-for start in range(0, 8, 3):  # blocks of 3, 3 and 2 keys
-    state = online_softmax_step(*state, scores_demo[:, start:start + 3], values_demo[start:start + 3])
-m_demo, l_demo, acc_demo = state
-print("online, block by block vs softmax(S) @ V, max difference:",
-      float((acc_demo / l_demo[:, None] - torch.softmax(scores_demo, dim=-1) @ values_demo).abs().max()))
-
 # %% test="test_online_softmax_step" points=2
-"""online_softmax_step: the update of m, l and acc from -inf/0/0 and with a growing max; four steps equal softmax(S) @ V."""
+"""online_softmax_step: the update of m, l, acc; four steps equal softmax(S) @ V."""
 from attention_lab.checks.efficient_attention import check_online_softmax_step
 
 check_online_softmax_step(online_softmax_step)
 ### BEGIN HIDDEN TESTS
 check_online_softmax_step(online_softmax_step, seed=6401)
 ### END HIDDEN TESTS
+
+# %%
+scores_demo = torch.randn(3, 8, device=device) * 3
+values_demo = torch.randn(8, 5, device=device)
+state = (torch.full((3,), float("-inf"), device=device), torch.zeros(3, device=device),
+         torch.zeros(3, 5, device=device))
+for start in range(0, 8, 3):  # blocks of 3, 3 and 2 keys
+    state = online_softmax_step(*state, scores_demo[:, start:start + 3],
+                                values_demo[start:start + 3])
+m_demo, l_demo, acc_demo = state
+print("online, block by block vs softmax(S) @ V, max difference:",
+      float((acc_demo / l_demo[:, None] - torch.softmax(scores_demo, dim=-1) @ values_demo)
+            .abs().max()))
 
 # %% [markdown]
 # **Find the bug.** Here is a draft of the step, as you may meet it. It runs, it is right on
@@ -274,8 +287,10 @@ for blocks in (1, 2):
              torch.zeros(3, 5, device=device))
     width = 8 // blocks
     for start in range(0, 8, width):
-        state = draft_online_step(*state, scores_demo[:, start:start + width], values_demo[start:start + width])
-    error = float((state[2] / state[1][:, None] - torch.softmax(scores_demo, dim=-1) @ values_demo).abs().max())
+        state = draft_online_step(*state, scores_demo[:, start:start + width],
+                                  values_demo[start:start + width])
+    reference = torch.softmax(scores_demo, dim=-1) @ values_demo
+    error = float((state[2] / state[1][:, None] - reference).abs().max())
     print(f"{blocks} block(s) of {width} keys: max difference from softmax(S) @ V = {error:.2e}")
 
 # %% [markdown]
@@ -289,6 +304,11 @@ for blocks in (1, 2):
 # Now tile both sides: for each block of `block_q` queries, loop over blocks of `block_k` keys,
 # compute the `[block_q, block_k]` tile of scores, and fold it in with `online_softmax_step`.
 # Only one tile of scores exists at a time.
+#
+# Queries outside, keys inside is **FlashAttention-2**'s order (Dao, 2023): each query block's
+# `m`, `l` and `acc` stay in registers until its output is written once. The first
+# FlashAttention (Dao et al., 2022) looped over key blocks outside and queries inside, so it
+# read and rewrote every query block's partial output (and `m`, `l`) once per key block.
 #
 # ```
 # for each query block rows [q_start, q_end):
@@ -327,7 +347,8 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
 
     q: [B, H, S_q, d], k: [B, H, S_k, d], v: [B, H, S_k, d_v]
     -> out [B, H, S_q, d_v] (q's dtype), lse [B, H, S_q] (logsumexp of the scaled, masked scores).
-    causal: query i sees keys j <= i + (S_k - S_q); key blocks no query of a block may see are skipped.
+    causal: query i sees keys j <= i + (S_k - S_q); key blocks no query of a block may see
+    are skipped.
     Example: out equals F.scaled_dot_product_attention(q, k, v), for any block sizes.
     """
     ### BEGIN SOLUTION
@@ -340,10 +361,13 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
     for q_start in range(0, seq_q, block_q):
         q_block = q_c[..., q_start:q_start + block_q, :] * scale  # [B, H, bq, d]
         q_end = q_start + q_block.shape[-2]
-        m = torch.full(q_block.shape[:-1], float("-inf"), dtype=compute, device=q.device)  # [B, H, bq]
+        m = torch.full(q_block.shape[:-1], float("-inf"), dtype=compute,
+                       device=q.device)  # [B, H, bq]
         l = torch.zeros_like(m)
-        acc = torch.zeros(*q_block.shape[:-1], v.shape[-1], dtype=compute, device=q.device)  # [B, H, bq, d_v]
-        k_stop = min(seq_k, q_end + offset) if causal else seq_k  # later keys: no query here may see them
+        acc = torch.zeros(*q_block.shape[:-1], v.shape[-1], dtype=compute,
+                          device=q.device)  # [B, H, bq, d_v]
+        # causal: the keys after q_end - 1 + offset are seen by no query of this block
+        k_stop = min(seq_k, q_end + offset) if causal else seq_k
         for k_start in range(0, k_stop, block_k):
             k_block = k_c[..., k_start:k_start + block_k, :]  # [B, H, bk, d]
             scores = q_block @ k_block.transpose(-2, -1)  # [B, H, bq, bk]
@@ -351,21 +375,16 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
                 rows = torch.arange(q_start, q_end, device=q.device)[:, None]
                 cols = torch.arange(k_start, k_start + k_block.shape[-2], device=q.device)[None, :]
                 scores = scores.masked_fill(cols > rows + offset, float("-inf"))
-            m, l, acc = online_softmax_step(m, l, acc, scores, v_c[..., k_start:k_start + block_k, :])
+            v_block = v_c[..., k_start:k_start + block_k, :]
+            m, l, acc = online_softmax_step(m, l, acc, scores, v_block)
         outs.append(acc / l[..., None])
         lses.append(m + torch.log(l))
     return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
     ### END SOLUTION
 
 
-# %%
-out_flash, lse_flash = flash_attention_forward(q_demo, k_demo, v_demo, block_q=16, block_k=32, causal=True)
-scaled_scores = (q_demo @ k_demo.transpose(-2, -1) / 4.0).masked_fill(~bottom_right, float("-inf"))
-print("out vs SDPA:", float((out_flash - reference_out).abs().max()),
-      "| lse vs torch.logsumexp:", float((lse_flash - torch.logsumexp(scaled_scores, dim=-1)).abs().max()))
-
 # %% test="test_flash_attention_forward" points=2
-"""flash_attention_forward: out equals SDPA, lse equals logsumexp (float64, then the device); ragged; causal; any blocks; halves merge with lse."""
+"""flash_attention_forward: out equals SDPA, lse logsumexp; ragged; causal; any blocks."""
 from attention_lab.checks.efficient_attention import check_flash_attention_forward
 
 check_flash_attention_forward(flash_attention_forward)
@@ -374,13 +393,21 @@ check_flash_attention_forward(flash_attention_forward, seed=6501)
 ### END HIDDEN TESTS
 
 # %% test="test_flash_attention_forward_memory" points=2
-"""flash_attention_forward: no intermediate as wide as all the keys; the causal pass skips future key blocks."""
+"""flash_attention_forward: nothing as wide as all the keys; causal skips future blocks."""
 from attention_lab.checks.efficient_attention import check_flash_attention_forward_memory
 
 check_flash_attention_forward_memory(flash_attention_forward)
 ### BEGIN HIDDEN TESTS
 check_flash_attention_forward_memory(flash_attention_forward, seed=6502)
 ### END HIDDEN TESTS
+
+# %%
+out_flash, lse_flash = flash_attention_forward(q_demo, k_demo, v_demo, block_q=16, block_k=32,
+                                               causal=True)
+scaled_scores = (q_demo @ k_demo.transpose(-2, -1) / 4.0).masked_fill(~bottom_right, float("-inf"))
+print("out vs SDPA:", float((out_flash - reference_out).abs().max()),
+      "| lse vs torch.logsumexp:",
+      float((lse_flash - torch.logsumexp(scaled_scores, dim=-1)).abs().max()))
 
 # %% [markdown]
 # ## 5. Why return `lse`: merging attention over two halves of the keys
@@ -396,13 +423,17 @@ check_flash_attention_forward_memory(flash_attention_forward, seed=6502)
 
 # %%
 half = 35
-out_a, lse_a = flash_attention_forward(q_demo, k_demo[:, :, :half], v_demo[:, :, :half], block_q=16, block_k=16)
-out_b, lse_b = flash_attention_forward(q_demo, k_demo[:, :, half:], v_demo[:, :, half:], block_q=16, block_k=16)
+out_a, lse_a = flash_attention_forward(q_demo, k_demo[:, :, :half], v_demo[:, :, :half],
+                                       block_q=16, block_k=16)
+out_b, lse_b = flash_attention_forward(q_demo, k_demo[:, :, half:], v_demo[:, :, half:],
+                                       block_q=16, block_k=16)
 lse_all = torch.logaddexp(lse_a, lse_b)
-merged = torch.exp(lse_a - lse_all)[..., None] * out_a + torch.exp(lse_b - lse_all)[..., None] * out_b
+share_a, share_b = torch.exp(lse_a - lse_all)[..., None], torch.exp(lse_b - lse_all)[..., None]
+merged = share_a * out_a + share_b * out_b
 full_out = F.scaled_dot_product_attention(q_demo, k_demo, v_demo)
 print("merged halves vs attention over all keys:", float((merged - full_out).abs().max()))
-print("plain average of the halves vs all keys: ", float(((out_a + out_b) / 2 - full_out).abs().max()))
+print("plain average of the halves vs all keys: ",
+      float(((out_a + out_b) / 2 - full_out).abs().max()))
 
 # %% [markdown]
 # ### Exercise 6.6 — merging with lse, a written answer (2 pts, ~5 min)
@@ -450,27 +481,136 @@ print("plain average of the halves vs all keys: ", float(((out_a + out_b) / 2 - 
 # over `range(start, stop, step)` work, with `stop` a runtime value.
 
 # %%
-from attention_lab.triton_kernels import TRITON_AVAILABLE, interpreter_active, launch_flash_attention, tl, triton
+from attention_lab.triton_kernels import (TRITON_AVAILABLE, interpreter_active,
+                                          launch_flash_attention, launch_flash_attention_backward,
+                                          launch_matmul, launch_row_softmax, launch_scale, tl,
+                                          triton)
 
-print("Triton available:", TRITON_AVAILABLE, "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
+print("Triton available:", TRITON_AVAILABLE,
+      "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
 
 # %% [markdown]
-# ### Exercise 6.7 — flash_attention_kernel (3 pts, ~25 min)
+# ### Warm-up: three small kernels before FlashAttention's
+#
+# Each exercise below is one idea the FlashAttention kernel needs, on its own. Their launchers
+# are given (read them with `launch_scale??` and the like); the checks run each kernel on
+# lengths that are multiples of no block, with NaN stored right after every input, and name a
+# load or a store that goes past the end.
+
+# %% [markdown]
+# ### Exercise 6.7 — scale_kernel: a masked load and store (1 pt, ~5 min)
+#
+# `out = alpha · x` for a 1-D `x` of `n` elements. Program `i` handles elements
+# `i·BLOCK … i·BLOCK + BLOCK − 1`; the last program's block runs past `n`. Its lanes past the
+# end must neither read `x` nor write `out`.
+
+# %% answer="scale_kernel"
+@triton.jit
+def scale_kernel(X, Out, n, alpha, BLOCK: tl.constexpr):
+    """Out[i] = alpha · X[i] for i < n; one program per BLOCK elements."""
+    ### BEGIN SOLUTION
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    x = tl.load(X + offsets, mask=inside, other=0.0)
+    tl.store(Out + offsets, alpha * x, mask=inside)
+    ### END SOLUTION
+
+
+# %% test="test_scale_kernel" points=1
+"""scale_kernel: alpha · x, masked loads and stores, any length."""
+from attention_lab.checks.efficient_attention import check_scale_kernel
+
+check_scale_kernel(scale_kernel)
+### BEGIN HIDDEN TESTS
+check_scale_kernel(scale_kernel, seed=6711)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.8 — matmul_kernel: a tiled matrix product (1 pt, ~10 min)
+#
+# `C = A @ B` with `A [M, K]`, `B [K, N]`. Program `(i, j)` owns the `[BLOCK_M, BLOCK_N]` block
+# of `C` at rows `i·BLOCK_M …` and columns `j·BLOCK_N …`: it walks along `K` one `BLOCK_K` slice
+# at a time, multiplies a block of `A` by a block of `B` with `tl.dot`, and accumulates in
+# float32. An element of `A` at `(r, c)` is at `A + r·stride_am + c·stride_ak`. Any of `M`, `N`
+# and `K` may stop in the middle of a block.
+
+# %% answer="matmul_kernel"
+@triton.jit
+def matmul_kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                  stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[i-block, j-block] = Σ over K-slices of A[i-block, slice] @ B[slice, j-block] (float32)."""
+    ### BEGIN SOLUTION
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        a = tl.load(A + rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        b = tl.load(B + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc += tl.dot(a, b)
+    tl.store(C + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    ### END SOLUTION
+
+
+# %% test="test_matmul_kernel" points=1
+"""matmul_kernel: a tiled A @ B with a float32 accumulator; ragged M, N and K."""
+from attention_lab.checks.efficient_attention import check_matmul_kernel
+
+check_matmul_kernel(matmul_kernel)
+### BEGIN HIDDEN TESTS
+check_matmul_kernel(matmul_kernel, seed=6811)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.9 — row_softmax_kernel: a softmax in registers (1 pt, ~8 min)
+#
+# One program per row of `x [rows, n_cols]`; `BLOCK` is the next power of two `≥ n_cols`, so
+# the whole row fits in one block. Make it stable for scores around ±1000, and think about what
+# the lanes past `n_cols` must hold so that they change neither the max nor the sum.
+
+# %% answer="row_softmax_kernel"
+@triton.jit
+def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    """Out[r] = softmax(X[r]) for the row r = program_id(0)."""
+    ### BEGIN SOLUTION
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+    ### END SOLUTION
+
+
+# %% test="test_row_softmax_kernel" points=1
+"""row_softmax_kernel: the softmax of each row, stable at ±1000, any row length."""
+from attention_lab.checks.efficient_attention import check_row_softmax_kernel
+
+check_row_softmax_kernel(row_softmax_kernel)
+### BEGIN HIDDEN TESTS
+check_row_softmax_kernel(row_softmax_kernel, seed=6911)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.10 — flash_attention_kernel (3 pts, ~25 min)
 #
 # The kernel's prologue (offsets, loading this program's queries, `m_i = −∞`, `l_i = 0`,
 # `acc = 0`) and epilogue (`acc / l_i`, `lse`, the masked stores) are given. Write the loop over
-# key blocks in between:
+# key blocks in between; everything it needs, you have written once already:
 #
-# 1. the loop bound: all keys, or with `CAUSAL` only up to the last key this block's last query
-#    may see, `k_stop = min(seq_k, (block_index + 1)·BLOCK_Q + seq_k − seq_q)`;
-# 2. for each `k_start`: offsets `offs_k = k_start + tl.arange(0, BLOCK_K)`; load the
-#    `[BLOCK_K, HEAD_DIM]` blocks of K and V with `mask=offs_k[:, None] < seq_k`;
-# 3. scores `s = tl.dot(q, tl.trans(k)) * qk_scale`, then `−inf` where the key is past `seq_k`
-#    (the masked load gave those keys 0, i.e. score 0, not −inf) and, with `CAUSAL`, where
-#    `offs_k > offs_q + seq_k − seq_q`;
-# 4. the online-softmax update of `m_i`, `l_i`, `acc`, with `tl.exp2` (the scores are in
-#    base-2 units: `qk_scale` includes `log2(e)`, as the epilogue assumes). Multiply
-#    `p.to(v.dtype)` by `v` with `tl.dot` (float16 inputs, float32 accumulation).
+# * **which key blocks**: all of them, or with `CAUSAL` only those that hold a key some query
+#   of this program may see (6.5's loop bound, with this program's rows; mind that `range`'s
+#   stop is exclusive);
+# * **the blocks of K and V**: masked loads, as in 6.7 — the last block runs past `seq_k`;
+# * **the tile of scores**: a `tl.dot` as in 6.8, times `qk_scale`. A key that does not exist
+#   (past `seq_k`) or, with `CAUSAL`, lies in a query's future (6.2's rule, bottom-right) must
+#   get no weight: what score gives weight 0?
+# * **the online-softmax update** of `m_i`, `l_i` and `acc` (6.4), in registers. The scores
+#   are in base-2 units (`qk_scale` includes `log2(e)`, as the epilogue assumes), so use
+#   `tl.exp2`; give `tl.dot` `p.to(v.dtype)` and `v` (float32 accumulation).
 
 # %% answer="flash_attention_kernel"
 @triton.jit
@@ -500,8 +640,10 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
     for k_start in range(0, k_stop, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         key_ok = offs_k[:, None] < seq_k
-        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :], mask=key_ok, other=0.0)
-        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :], mask=key_ok, other=0.0)
+        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                    mask=key_ok, other=0.0)
+        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                    mask=key_ok, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK_K]
         visible = offs_k[None, :] < seq_k
         if CAUSAL:
@@ -524,16 +666,32 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
 
 
 # %% [markdown]
-# The launcher is given: it makes q, k and v contiguous as `[B·H, S, d]`, allocates `out` and
-# `lse`, and launches a grid of `(ceil(S_q / block_q), B·H)` programs. Read it with
-# `launch_flash_attention??`.
+# The launcher is given: it sees q, k and v as `[B·H, S, d]` (row `s` of head `bh` at
+# `bh·stride_h + s·stride_s`), allocates `out` and `lse`, and launches a grid of
+# `(ceil(S_q / block_q), B·H)` programs. Read it with `launch_flash_attention??`. The check
+# runs your kernel on lengths that are multiples of no block, with rows of NaN stored right
+# after each head's last row of q, k and v: a load without a mask reads them, and Triton's
+# interpreter tells the check which load it was.
 
 # %%
 def triton_flash_attention(q, k, v, causal=False):
-    """(out, lse) from your kernel: q [B, H, S_q, d], k and v [B, H, S_k, d]; d a power of two >= 16."""
+    """(out, lse) from your kernel: q [B, H, S_q, d], k and v [B, H, S_k, d].
+
+    d must be a power of two >= 16.
+    """
     return launch_flash_attention(flash_attention_kernel, q, k, v, causal=causal)
 
 
+# %% test="test_flash_attention_kernel" points=3
+"""flash_attention_kernel: equals SDPA and logsumexp (fp32, fp16); ragged; causal; masked."""
+from attention_lab.checks.efficient_attention import check_flash_attention_kernel
+
+check_flash_attention_kernel(flash_attention_kernel)
+### BEGIN HIDDEN TESTS
+check_flash_attention_kernel(flash_attention_kernel, seed=6701, sizes="more")
+### END HIDDEN TESTS
+
+# %%
 if TRITON_AVAILABLE:
     q_small, k_small, v_small = (torch.randn(1, 2, 64, 16, device=device) for _ in range(3))
     out_triton, lse_triton = triton_flash_attention(q_small, k_small, v_small, causal=True)
@@ -543,30 +701,253 @@ if TRITON_AVAILABLE:
 else:
     print("Triton is not installed here: open this notebook on Colab to run the kernel.")
 
-# %% test="test_flash_attention_kernel" points=3
-"""flash_attention_kernel: equals SDPA and logsumexp in float32 and float16, ragged S, causal, several block sizes."""
-from attention_lab.checks.efficient_attention import check_flash_attention_kernel
+# %% [markdown]
+# ## 7. The backward pass
+#
+# Training needs `dQ, dK, dV` from `dO = ∂loss/∂out`. Autograd through the naive attention keeps
+# the `[S_q, S_k]` weights `P` between the passes: exactly the table the forward pass avoided.
+# FlashAttention keeps only `q, k, v, out` and the `lse` of each row, and *recomputes* `P`,
+# one tile at a time, in the backward pass.
+#
+# **Derive it.** With `S = scale · q kᵀ`, `P = softmax(S)` row by row and `out = P V`:
+#
+# * `out` is linear in `V` and in `P`: `dV = Pᵀ dO` and `dP = dO Vᵀ`.
+# * The softmax's vector-Jacobian product (notebook 02): `dS_ij = P_ij (dP_ij − Σ_l P_il dP_il)`.
+#   The row sum `Σ_l P_il dP_il = Σ_l P_il (dO_i · v_l) = dO_i · out_i`: call it `D_i`. It needs
+#   no row of `P` at all — one dot product per query row, computed before the loop.
+# * `S` is linear in `q` and `k`, times `scale`: `dQ = scale · dS K`, `dK = scale · dSᵀ Q`.
+# * `P_ij = exp(S_ij − lse_i)`: the saved `lse` normalises a tile of `P` without the rest of
+#   its row.
+#
+# Every formula is per tile: a `(query block, key block)` tile of `P` and `dS` contributes to
+# `dV` and `dK` of its keys and to `dQ` of its queries. FlashAttention-2 puts the loop over
+# **key blocks outside** (each program owns the `dK, dV` of one key block and accumulates
+# them in registers) and the query blocks inside; `dQ` is accumulated across key blocks.
 
-check_flash_attention_kernel(flash_attention_kernel)
+# %% [markdown]
+# ### Exercise 6.11 — flash_attention_backward (4 pts, ~25 min)
+#
+# Write the tiled backward pass. Inputs: q, k, v, the forward's `out` and `lse`, and `dout`
+# (`[B, H, S_q, d_v]`). Return `(dq, dk, dv)` with the shapes and dtype of q, k and v. Compute
+# in at least float32. No tensor may be as wide as all the keys or all the queries (the check
+# watches every operation), and with `causal` the tiles no query may see are skipped, as in
+# the forward pass (the mask inside a diagonal tile is the forward's: bottom-right).
+
+# %% answer="flash_attention_backward"
+def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False,
+                             scale=None):
+    """dq, dk, dv of attention from the saved out and lse; P recomputed tile by tile.
+
+    q: [B, H, S_q, d], k: [B, H, S_k, d], v: [B, H, S_k, d_v], out and dout: [B, H, S_q, d_v],
+    lse: [B, H, S_q] -> (dq, dk, dv) shaped and typed like q, k, v.
+    Example: equals torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), dout).
+    """
+    ### BEGIN SOLUTION
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q_c, k_c, v_c, out_c, dout_c = (t.to(compute) for t in (q, k, v, out, dout))
+    lse_c = lse.to(compute)
+    delta = (dout_c * out_c).sum(dim=-1)  # D = rowsum(dO ∘ O): [B, H, S_q]
+    dq, dk, dv = torch.zeros_like(q_c), torch.zeros_like(k_c), torch.zeros_like(v_c)
+    offset = seq_k - seq_q
+    for k_start in range(0, seq_k, block_k):  # FlashAttention-2: key blocks outside
+        k_end = min(seq_k, k_start + block_k)
+        k_blk, v_blk = k_c[..., k_start:k_end, :], v_c[..., k_start:k_end, :]
+        for q_start in range(0, seq_q, block_q):
+            q_end = min(seq_q, q_start + block_q)
+            if causal and k_start > q_end - 1 + offset:
+                continue  # no query of this block sees any key of this block
+            q_blk, do_blk = q_c[..., q_start:q_end, :], dout_c[..., q_start:q_end, :]
+            scores = q_blk @ k_blk.transpose(-2, -1) * scale  # [B, H, bq, bk]
+            if causal:
+                rows = torch.arange(q_start, q_end, device=q.device)[:, None]
+                cols = torch.arange(k_start, k_end, device=q.device)[None, :]
+                scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+            # the tile of P, normalised by the saved lse
+            p = torch.exp(scores - lse_c[..., q_start:q_end, None])
+            dv[..., k_start:k_end, :] += p.transpose(-2, -1) @ do_blk
+            dp = do_blk @ v_blk.transpose(-2, -1)
+            ds = p * (dp - delta[..., q_start:q_end, None])
+            dq[..., q_start:q_end, :] += scale * ds @ k_blk
+            dk[..., k_start:k_end, :] += scale * ds.transpose(-2, -1) @ q_blk
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    ### END SOLUTION
+
+
+# %% test="test_flash_attention_backward" points=3
+"""flash_attention_backward: dq, dk, dv equal autograd through SDPA; ragged; causal; any blocks."""
+from attention_lab.checks.efficient_attention import check_flash_attention_backward
+
+check_flash_attention_backward(flash_attention_backward)
 ### BEGIN HIDDEN TESTS
-check_flash_attention_kernel(flash_attention_kernel, seed=6701, sizes="more")
+check_flash_attention_backward(flash_attention_backward, seed=6801)
+### END HIDDEN TESTS
+
+# %% test="test_flash_attention_backward_memory" points=1
+"""flash_attention_backward: no tensor as wide as all the keys; causal skips the future tiles."""
+from attention_lab.checks.efficient_attention import check_flash_attention_backward_memory
+
+check_flash_attention_backward_memory(flash_attention_backward)
+### BEGIN HIDDEN TESTS
+check_flash_attention_backward_memory(flash_attention_backward, seed=6802)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ## 7. Measurements: time and memory against S
+# ### Exercise 6.12 — FlashAttention, an autograd Function (2 pts, ~10 min)
 #
-# Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention` and
-# `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU also your
-# Triton kernel, in float16). Peak memory is that of the tensors each call creates; on the CPU
-# it is followed tensor by tensor (SDPA's fused CPU kernel allocates its small buffers out of
-# sight). Ungraded; on the CPU it takes a few seconds.
+# Wrap both passes in a `torch.autograd.Function`: `forward(ctx, q, k, v, causal=False)` runs
+# your `flash_attention_forward`, keeps **only** what the backward pass needs (the check
+# inspects what your `forward` saved: q, k, v, out and lse, with `ctx.save_for_backward`) and
+# returns `out`; `backward(ctx, dout)` returns one gradient per input of `forward`. The check
+# also runs `torch.autograd.gradcheck` on it in float64.
+
+# %% answer="FlashAttention"
+class FlashAttention(torch.autograd.Function):
+    """Attention whose backward pass recomputes P from the saved lse.
+
+    Usage: FlashAttention.apply(q, k, v, causal).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        ### BEGIN SOLUTION
+        out, lse = flash_attention_forward(q, k, v, causal=causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal = causal
+        return out
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, dout):
+        ### BEGIN SOLUTION
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_backward(q, k, v, out, lse, dout, causal=ctx.causal)
+        return dq, dk, dv, None  # no gradient for causal
+        ### END SOLUTION
+
+
+def flash_attention(q, k, v, causal=False):
+    """Differentiable FlashAttention: out [B, H, S_q, d_v]."""
+    return FlashAttention.apply(q, k, v, causal)
+
+
+# %% test="test_FlashAttention" points=2
+"""FlashAttention: saves only q, k, v, out, lse; gradients equal SDPA's; gradcheck."""
+from attention_lab.checks.efficient_attention import check_flash_attention_function
+
+check_flash_attention_function(FlashAttention)
+### BEGIN HIDDEN TESTS
+check_flash_attention_function(FlashAttention, seed=6901)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **Train with it.** Two copies of the same small causal attention model, trained on the same
+# batches: one calls your `flash_attention`, the other `F.scaled_dot_product_attention`. If your
+# backward pass is right, the two loss curves are the same curve (up to float32 rounding).
 
 # %%
-from attention_lab.widgets.efficient_attention import attention_costs_view, measure_attention_costs
+import copy
+
+import matplotlib.pyplot as plt
+
+
+class TinyCausalModel(torch.nn.Module):
+    def __init__(self, attend, width=32, heads=2):
+        super().__init__()
+        self.attend, self.heads = attend, heads
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):  # x: [B, S, width]
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, -1))
+        return self.proj(self.attend(q, k, v).transpose(1, 2).flatten(2))
+
+
+def train_losses(model, steps=20, seed=0):
+    data = torch.Generator().manual_seed(seed)
+    optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 24, 32, generator=data).to(device)
+        # the running mean of the tokens so far: a causal task
+        target = x.cumsum(dim=1) / torch.arange(1, 25, device=device)[:, None]
+        loss = F.mse_loss(model(x), target)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        losses.append(loss.item())
+    return losses
+
+
+torch.manual_seed(0)
+sdpa_model = TinyCausalModel(
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)).to(device)
+flash_model = copy.deepcopy(sdpa_model)
+flash_model.attend = lambda q, k, v: flash_attention(q, k, v, causal=True)
+with_sdpa, with_flash = train_losses(sdpa_model), train_losses(flash_model)
+figure, axis = plt.subplots(figsize=(6, 3))
+axis.plot(with_sdpa, label="SDPA", linewidth=3, alpha=0.5)
+axis.plot(with_flash, "--", label="your FlashAttention")
+axis.set(xlabel="step", ylabel="MSE loss", yscale="log", title="the same training, two attentions")
+axis.legend()
+plt.show()
+print("largest difference between the two loss curves:",
+      f"{max(abs(a - b) for a, b in zip(with_sdpa, with_flash)):.1e}")
+
+# %% [markdown]
+# ## 8. What attention costs: FLOPs, bytes, and the clock
+#
+# **Count before you measure.** For one head with `S_q = S_k = S` and width `d`, the two matrix
+# products `q kᵀ` and `P v` are `S²·d` multiply-adds each: `4·S²·d` FLOPs, naive or tiled. What
+# differs is the memory traffic (in elements; multiply by 2 bytes in float16):
+#
+# * naive: read q and k (`2·S·d`), **write the `S²` scores, read them and write `P` (`2·S²`),
+#   read `P`** and v (`S² + S·d`), write out (`S·d`): about `4·S²` elements;
+# * tiled: read q and write out once (`2·S·d`); read k and v once **per query block**
+#   (`2·S·d · S/block_q`); the tiles never leave the chip.
+#
+# Their *arithmetic intensity*, FLOPs per byte, decides what bounds them: a GPU that does `F`
+# FLOP/s and moves `W` bytes/s waits for memory whenever a kernel does fewer than `F / W` FLOPs
+# per byte (an H100: ~989 TFLOP/s in float16 over ~3.35 TB/s, about 300; an A100: ~156; a T4:
+# ~200). **Predict** before running the cell: at `d = 64`, which of the two is memory-bound?
+
+# %%
+from attention_lab.widgets.efficient_attention import attention_traffic
+
+for seq_len in (1024, 4096, 16384):
+    traffic = attention_traffic(seq_len, head_dim=64, bytes_per_element=2, block_q=128)
+    print(f"S = {seq_len:>6}: " + " | ".join(
+        f"{name}: {flops / 1e9:6.2f} GFLOP, {moved / 2**20:8.1f} MiB, "
+        f"{flops / moved:5.0f} FLOP/byte" for name, (flops, moved) in traffic.items()))
+
+# %% [markdown]
+# The naive pass does about `d/2` = 32 FLOPs per byte at any `S`: far below every GPU's
+# balance, so it runs at the speed of its memory traffic — and its traffic grows like `S²`.
+# The tiled pass does about `block_q` FLOPs per byte (bigger query blocks, fewer re-reads of k
+# and v): four times the naive intensity here, close to an A100's balance, and in practice
+# higher, since many re-reads of k and v are served by the GPU's L2 cache rather than its
+# memory. Same FLOPs, several times fewer bytes: that is FlashAttention's speed-up.
+#
+# **Measure.** Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention`
+# and `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU also
+# your Triton kernel, in float16). Each time is the median of three runs after a warm-up run
+# (the first call pays for allocations and, on a GPU, kernel set-up); the bars go from the
+# fastest run to the slowest. Peak memory is that of the tensors each call creates; on the CPU
+# it is followed tensor by tensor (SDPA's fused CPU kernel allocates its small buffers out of
+# sight). Both panels are log-log, so growth like `S^p` is a straight line of slope `p`: the
+# legend gives each line's fitted slope. On a GPU the plot also prints the achieved TFLOP/s
+# (`4·B·H·S²·d` over the median time) against the card's peak. Ungraded; a few seconds on the
+# CPU.
+
+# %%
+from attention_lab.widgets.efficient_attention import (attention_costs_view, gpu_peak_tflops,
+                                                      measure_attention_costs)
 
 
 def naive_attention(q, k, v):
-    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)  # [B, H, S, S]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [B, H, S, S]
+    weights = torch.softmax(scores, dim=-1)
     return weights @ v
 
 
@@ -578,20 +959,153 @@ contenders = {
 }
 if device.type == "cuda":
     contenders["flash, Triton"] = lambda q, k, v: triton_flash_attention(q, k, v)[0]
-    costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4, num_heads=16,
-                                    dtype=torch.float16, device=device, repeats=3)
+    costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4,
+                                    num_heads=16, dtype=torch.float16, device=device)
 else:
-    costs = measure_attention_costs(contenders, [256, 512, 1024, 2048], num_heads=2, device=device)
-attention_costs_view(costs)
+    costs = measure_attention_costs(contenders, [128, 256, 512, 1024], num_heads=2, device=device)
+attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
 
 # %% [markdown]
-# The naive table's memory grows like `S²` (×4 per doubling); chunked attention's like
-# `chunk · S`; the tiled pass's only like `S` (its output and its tiles). Their time still grows
-# like `S²`: FlashAttention does the same arithmetic, it just never writes the table to memory —
-# on a GPU that memory traffic, not the arithmetic, is what the naive version waits for, so the
-# fused kernel (SDPA's flash backend, or yours) is also faster. In Python on the CPU, the
-# PyTorch tiles pay an interpreter overhead per tile, which is why real kernels exist.
+# **What to expect.** Memory: the naive table's slope is about 2 (×4 per doubling of `S`);
+# chunked attention's and the tiled pass's about 1 (`chunk · S`, and the output plus its
+# tiles). Time: every exact method does the same `4·S²·d` FLOPs, so at large `S` every time
+# line tends to slope 2 — FlashAttention does not do less arithmetic, it moves fewer bytes.
+# **CPU and GPU differ**: a CPU has caches large enough for small tables and no separate
+# "on-chip" tile memory to exploit, and Python pays a fixed overhead per tile, so on the CPU
+# the PyTorch tiles are the slowest line and small `S` shows slopes below 2 (overheads, not
+# arithmetic, dominate). On a GPU the naive version waits for its `S²` traffic and runs out of
+# memory first, while the fused kernels (SDPA's flash backend, or yours) are faster and reach a
+# larger share of the card's peak. A loaded machine adds noise: look at the spread bars before
+# reading a slope.
+
+# %% [markdown]
+# ## 9. Challenge: the backward pass as Triton kernels
 #
+# FlashAttention-2's backward pass on the GPU is two kernels. The first runs **one program per
+# key block**: it loads its block of K and V once, loops over the query blocks that see it,
+# recomputes each tile of `P` from q, k and `lse`, and accumulates `dK` and `dV` in registers —
+# no two programs write the same rows, so no atomics are needed. The second runs one program
+# per query block, like the forward pass, and accumulates `dQ`. `D = rowsum(dO ∘ O)` is
+# computed by the given launcher before both (read it with
+# `launch_flash_attention_backward??`: the arguments and grids of both kernels).
+#
+# Everything is in 6.11, written per tile, with the masks and loop bounds of 6.10. Think about
+# which query blocks a key block must visit when `CAUSAL` (the first one that has a query
+# seeing one of its keys), and keep the scale: `dK` and `dQ` need it.
+
+# %% [markdown]
+# ### Exercise 6.13 — flash_attention_backward_kernel (2 pts, ~30 min)
+#
+# Write the two loops (the loads of the program's own block and the stores are given).
+
+# %% answer="flash_attention_backward_kernel"
+@triton.jit
+def flash_attention_backward_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
+                                    stride_qh, stride_qs, stride_kh, stride_ks,
+                                    stride_vh, stride_vs, seq_q, seq_k, sm_scale,
+                                    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dK and dV of one key block of one (batch, head): loop over the query blocks that see it."""
+    key_block = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_k = key_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_k < seq_k
+    k_block = K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :]
+    v_block = V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :]
+    k = tl.load(k_block, mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_block, mask=key_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
+    ### BEGIN SOLUTION
+    q_start_first = 0
+    if CAUSAL:  # queries before key_block·BLOCK_K − (S_k − S_q) see none of these keys
+        q_start_first = tl.maximum(0, key_block * BLOCK_K - (seq_k - seq_q)) // BLOCK_Q * BLOCK_Q
+    for q_start in range(q_start_first, seq_q, BLOCK_Q):
+        offs_q = q_start + tl.arange(0, BLOCK_Q)
+        in_q = offs_q < seq_q
+        q_tile = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+        q = tl.load(Q + q_tile, mask=in_q[:, None], other=0.0)
+        do = tl.load(DO + q_tile, mask=in_q[:, None], other=0.0)
+        lse = tl.load(Lse + head_index * seq_q + offs_q, mask=in_q, other=0.0)
+        delta = tl.load(Delta + head_index * seq_q + offs_q, mask=in_q, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_Q, BLOCK_K]
+        visible = in_q[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+    dk = dk * sm_scale
+    ### END SOLUTION
+    cols = offs_k[:, None] * stride_ks + offs_d[None, :]
+    tl.store(DK + head_index * stride_kh + cols, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + head_index * stride_vh + cols, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+@triton.jit
+def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
+                                       stride_qh, stride_qs, stride_kh, stride_ks,
+                                       stride_vh, stride_vs, seq_q, seq_k, sm_scale,
+                                       CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                       BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ of one query block of one (batch, head): loop over the key blocks it sees."""
+    block_index = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_q < seq_q
+    rows = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+    q = tl.load(Q + rows, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + rows, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(Lse + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    ### BEGIN SOLUTION
+    k_stop = seq_k
+    if CAUSAL:
+        k_stop = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + seq_k - seq_q)
+    for k_start in range(0, k_stop, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        in_k = offs_k < seq_k
+        k_tile = K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :]
+        v_tile = V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :]
+        k = tl.load(k_tile, mask=in_k[:, None], other=0.0)
+        v = tl.load(v_tile, mask=in_k[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale
+        visible = row_ok[:, None] & in_k[None, :]
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq = dq * sm_scale
+    ### END SOLUTION
+    tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+def triton_flash_attention_backward(q, k, v, out, lse, dout, causal=False):
+    """(dq, dk, dv) from your two kernels; d a power of two >= 16."""
+    return launch_flash_attention_backward(flash_attention_backward_kernel,
+                                           flash_attention_backward_dq_kernel,
+                                           q, k, v, out, lse, dout, causal=causal)
+
+
+# %% test="test_flash_attention_backward_kernel" points=2
+"""flash_attention_backward_kernel: dq, dk, dv equal SDPA's (fp32, fp16); ragged; causal."""
+from attention_lab.checks.efficient_attention import check_flash_attention_backward_kernel
+
+check_flash_attention_backward_kernel(flash_attention_backward_kernel,
+                                      flash_attention_backward_dq_kernel)
+### BEGIN HIDDEN TESTS
+backward_kernels = (flash_attention_backward_kernel, flash_attention_backward_dq_kernel)
+check_flash_attention_backward_kernel(*backward_kernels, seed=6131, sizes="more")
+### END HIDDEN TESTS
+
+# %% [markdown]
 # ## What you built
 #
 # * `attention_matrix_bytes`: the `[S, S]` table outgrows the KV cache from a few thousand
@@ -603,3 +1117,7 @@ attention_costs_view(costs)
 #   skipped, and `lse` — which merges partial results exactly.
 # * `flash_attention_kernel`: the same loop as a Triton kernel, checked by the interpreter on the
 #   CPU and run natively on a GPU.
+# * `flash_attention_backward` and `FlashAttention`: the backward pass from `q, k, v, out, lse`
+#   alone — `P` recomputed per tile, `D = rowsum(dO ∘ O)` — and training that matches SDPA's.
+# * `flash_attention_backward_kernel` (the challenge): the same backward pass as two Triton
+#   kernels, dK/dV per key block and dQ per query block.

@@ -302,6 +302,10 @@ def make_flash(bug=None, step=None, base2=False):
                 stop = min(seq_k, q1 + offset)
                 if bug == "skip_diagonal":
                     stop = max(0, q0 + offset + 1 - block_k + 1)
+                elif bug == "bound_no_offset":
+                    stop = min(seq_k, q1)
+                elif bug == "bound_inclusive":
+                    stop = min(seq_k, q1 - 1 + offset)
             for k0 in range(0, stop, block_k):
                 kb = k[..., k0:k0 + block_k, :].to(work)
                 s = torch.einsum("bhqd,bhkd->bhqk", qb, kb) * scale
@@ -377,7 +381,7 @@ def test_flash_attention_forward_correct_answers_pass(answer):
 
 
 @pytest.mark.parametrize("bug", ["top_left", "strict_mask", "skip_diagonal", "lse_log2", "lse_mixed", "lse_no_max",
-                                 "lse_unscaled"])
+                                 "lse_unscaled", "bound_no_offset", "bound_inclusive"])
 def test_flash_attention_forward_mistakes_are_named(bug):
     rejects(checks.check_flash_attention_forward, make_flash(bug), bug)
 
@@ -501,12 +505,148 @@ def test_the_emulated_loop_is_exact_without_a_bug():
 
 
 # --------------------------------------------------------------------------------------
+# flash_attention_backward and FlashAttention
+# --------------------------------------------------------------------------------------
+
+
+def make_backward(bug=None, queries_outside=False, work=None):
+    """A tiled backward pass (FlashAttention-2's order: key blocks outside; ``queries_outside``: the other order);
+    ``bug`` plants one classic mistake; ``work`` forces the compute dtype (float32 inside on float64 input)."""
+
+    def backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+        seq_q, seq_k = q.shape[-2], k.shape[-2]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        dtype = work or torch.promote_types(q.dtype, torch.float32)
+        q_, k_, v_, o_, do_, lse_ = (t.to(dtype) for t in (q, k, v, out, dout, lse))
+        offset = 0 if bug == "top_left" else seq_k - seq_q
+        delta = (do_ * (do_ if bug == "D_dout" else o_)).sum(-1)
+        if bug == "no_D":
+            delta = torch.zeros_like(delta)
+        dq, dk, dv = torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
+        tiles = [(q0, k0) for k0 in range(0, seq_k, block_k) for q0 in range(0, seq_q, block_q)]
+        if queries_outside:
+            tiles.sort()
+        for q0, k0 in tiles:
+            q1, k1 = min(seq_q, q0 + block_q), min(seq_k, k0 + block_k)
+            if causal and bug != "future_blocks" and k0 > q1 - 1 + seq_k - seq_q:
+                continue
+            s = torch.einsum("bhqd,bhkd->bhqk", q_[..., q0:q1, :], k_[..., k0:k1, :]) * scale
+            if causal and bug != "no_mask":
+                keep = torch.arange(k0, k1)[None, :] <= torch.arange(q0, q1)[:, None] + offset
+                s = s.masked_fill(~keep, NEG_INF)
+            if bug == "no_lse":
+                p = s.exp()
+            elif bug == "tile_softmax":
+                p = torch.softmax(s, -1).nan_to_num(0.0)
+            else:
+                p = torch.exp(s - lse_[..., q0:q1, None])
+            dp = do_[..., q0:q1, :] @ v_[..., k0:k1, :].mT
+            ds = p * (dp - delta[..., q0:q1, None])
+            factor = 1.0 if bug == "no_scale" else scale
+            dv[..., k0:k1, :] += (p if bug == "P_not_transposed" else p.mT) @ do_[..., q0:q1, :]
+            dq[..., q0:q1, :] += factor * ds @ k_[..., k0:k1, :]
+            dk[..., k0:k1, :] += factor * (ds if bug == "dS_not_transposed" else ds.mT) @ q_[..., q0:q1, :]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return backward
+
+
+@pytest.mark.parametrize("answer", [make_backward(), make_backward(queries_outside=True),
+                                    make_backward(work=torch.float32)])
+def test_flash_attention_backward_correct_answers_pass(answer):
+    checks.check_flash_attention_backward(answer, **CPU)
+    checks.check_flash_attention_backward_memory(answer, **CPU)
+
+
+@pytest.mark.parametrize("bug, hint", [("D_dout", "bwd_D_dout"), ("no_D", "bwd_no_D"), ("no_scale", "bwd_no_scale"),
+                                       ("no_lse", "bwd_no_lse"), ("tile_softmax", "bwd_tile_softmax"),
+                                       ("dS_not_transposed", "bwd_dS_not_transposed"),
+                                       ("P_not_transposed", "bwd_P_not_transposed"), ("no_mask", "bwd_no_mask"),
+                                       ("top_left", "bwd_top_left")])
+def test_flash_attention_backward_mistakes_are_named(bug, hint):
+    rejects(checks.check_flash_attention_backward, make_backward(bug), hint)
+
+
+def test_flash_attention_backward_mistakes_are_named_with_float32_internals():
+    rejects(checks.check_flash_attention_backward, make_backward("no_D", work=torch.float32), "bwd_no_D")
+
+
+def test_flash_attention_backward_that_computes_every_tile():
+    rejects(checks.check_flash_attention_backward_memory, make_backward("future_blocks"), "bwd_future_blocks")
+
+
+def test_flash_attention_backward_through_the_whole_table_is_not_flash():
+    def dense(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        p = torch.exp(q @ k.mT * scale - lse[..., None])  # [S_q, S_k]
+        dp = dout @ v.mT
+        ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+        return scale * ds @ k, scale * ds.mT @ q, p.mT @ dout
+
+    with pytest.raises(CheckFailure, match=r"built a \[1, 3, 48, 80\] tensor"):
+        checks.check_flash_attention_backward_memory(dense, **CPU)
+
+
+def make_function(save="right", grads=4):
+    forward, backward = make_flash(), make_backward()
+
+    class FlashAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, causal=False):
+            out, lse = forward(q, k, v, causal=causal)
+            if save == "P":
+                ctx.save_for_backward(q, k, v, out, lse, torch.softmax(q @ k.mT, -1))
+            elif save == "attribute":
+                ctx.save_for_backward(q, k, v, out, lse)
+                ctx.weights = torch.softmax(q @ k.mT, -1)
+            elif save == "no_lse":
+                ctx.save_for_backward(q, k, v, out)
+            else:
+                ctx.save_for_backward(q, k, v, out, lse)
+            ctx.causal = causal
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out = ctx.saved_tensors[:4]
+            lse = ctx.saved_tensors[4] if save != "no_lse" else torch.logsumexp(q @ k.mT * q.shape[-1] ** -0.5, -1)
+            dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal)
+            return (dq, dk, dv, None)[:grads]
+
+    return FlashAttention
+
+
+def test_flash_attention_function_passes_gradcheck(capsys):
+    checks.check_flash_attention_function(make_function(), device="cpu")
+    assert "✓ FlashAttention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("save", ["P", "attribute", "no_lse"])
+def test_flash_attention_function_that_saves_other_tensors_is_named(save):
+    rejects(checks.check_flash_attention_function, make_function(save=save), "bwd_saved")
+
+
+def test_flash_attention_function_with_too_few_gradients_is_named():
+    rejects(checks.check_flash_attention_function, make_function(grads=3), "bwd_gradients")
+
+
+def test_the_emulated_backward_is_exact_without_a_bug():
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 2, n, 8, generator=generator, dtype=torch.float64) for n in (21, 30, 30, 21))
+    got = checks.tiled_backward(q, k, v, dout, causal=True, scale=0.3, block_q=8, block_k=16)
+    for a, b in zip(got, checks.reference_gradients(q, k, v, dout, True, 0.3)):
+        assert torch.allclose(a, b)
+
+
+# --------------------------------------------------------------------------------------
 # The Triton kernel (interpreter on the CPU)
 # --------------------------------------------------------------------------------------
 
 needs_triton = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed (no wheel on this platform)")
 # The kernels run where they were compiled for: the interpreter on the CPU, natively under `make gpu-check`.
 KERNEL = {"device": "cuda" if torch.cuda.is_available() else "cpu", "quiet": True}
+# What only Triton's interpreter can see: each load's addresses (an unmasked load whose NaN the kernel then hides
+# with tl.where, a load of Q's missing rows) and the key blocks a program visits.
+INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="natively, loads cannot be watched")
 
 
 @triton.jit
@@ -514,23 +654,43 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
                    seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BUG: tl.constexpr = 0):
     # A correct kernel written with natural exp (BUG=0), or with one planted mistake:
-    # 1 acc not rescaled, 2 exp on base-2 scores, 3 no boundary mask, 4 blank, 5 exp2 on natural scores.
+    # 1 acc not rescaled, 2 exp on base-2 scores, 3 no boundary mask, 4 blank, 5 exp2 on natural scores,
+    # 6 K loaded without a mask, 7 V without a mask, 8 Q without a mask, 9 the causal loop visits every key block,
+    # 10 the causal bound forgets S_k - S_q, 11 the last visible key used as an exclusive stop,
+    # 12 acc normalised inside the loop.
     pid_q, pid_h = tl.program_id(0), tl.program_id(1)
     rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     cols_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :], mask=rows[:, None] < seq_q, other=0.0)
+    q_ptrs = Q + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :]
+    if BUG == 8:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=rows[:, None] < seq_q, other=0.0)
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
     if BUG == 4:
-        raise NotImplementedError("Exercise 6.7: implement flash_attention_kernel")
+        raise NotImplementedError("Exercise 6.10: implement flash_attention_kernel")
     hi = seq_k
     if CAUSAL:
-        hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q + seq_k - seq_q)
+        if BUG == 10:
+            hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q)
+        elif BUG == 11:
+            hi = tl.minimum(seq_k, tl.minimum(seq_q, (pid_q + 1) * BLOCK_Q) - 1 + seq_k - seq_q)
+        elif BUG != 9:
+            hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q + seq_k - seq_q)
     for start in range(0, hi, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        k = tl.load(K + pid_h * stride_kh + cols[:, None] * stride_ks + cols_d[None, :], mask=cols[:, None] < seq_k, other=0.0)
-        v = tl.load(V + pid_h * stride_vh + cols[:, None] * stride_vs + cols_d[None, :], mask=cols[:, None] < seq_k, other=0.0)
+        k_ptrs = K + pid_h * stride_kh + cols[:, None] * stride_ks + cols_d[None, :]
+        v_ptrs = V + pid_h * stride_vh + cols[:, None] * stride_vs + cols_d[None, :]
+        if BUG == 6:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=cols[:, None] < seq_k, other=0.0)
+        if BUG == 7:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=cols[:, None] < seq_k, other=0.0)
         s = tl.dot(q, tl.trans(k))
         if BUG == 2:
             s = s * sm_scale * 1.4426950408889634
@@ -552,6 +712,8 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
             acc = acc + tl.dot(p.to(v.dtype), v)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if BUG == 12:
+            acc = acc / l_i[:, None]
         m_i = m_new
     # The course's epilogue expects base-2 m_i: convert (m_i is natural here).
     m_i = m_i * 1.4426950408889634
@@ -580,7 +742,11 @@ def test_kernel_correct_answer_passes(capsys):
 
 @needs_triton
 @pytest.mark.parametrize("bug, hint", [(1, "no_rescale_acc"), (2, "exp_with_log2e"), (3, "kernel_boundary"),
-                                       (5, "exp2_unscaled")])
+                                       (5, "exp2_unscaled"), pytest.param(6, "unmasked_load", marks=INTERPRETER_ONLY),
+                                       pytest.param(7, "unmasked_load", marks=INTERPRETER_ONLY),
+                                       pytest.param(8, "unmasked_load", marks=INTERPRETER_ONLY),
+                                       pytest.param(9, "kernel_future_blocks", marks=INTERPRETER_ONLY),
+                                       (10, "bound_no_offset"), (11, "bound_inclusive"), (12, "normalise_inside")])
 def test_kernel_mistakes_are_named(bug, hint):
     with pytest.raises(CheckFailure) as failure:
         checks.check_flash_attention_kernel(Planted(bug), **KERNEL)
@@ -588,9 +754,135 @@ def test_kernel_mistakes_are_named(bug, hint):
 
 
 @needs_triton
+def test_an_unmasked_load_fails_every_time():
+    # The rows after each head's last row hold NaN in every case, so the result is certain (issue: it used to
+    # depend on whatever memory followed the launcher's tensors). Unmasked K, then V: 100 runs, 100 failures.
+    # Natively (no interpreter), an unmasked K whose NaN scores tl.where replaces goes unseen: V only there.
+    bugs = (7,) if torch.cuda.is_available() else (6, 7)
+    failures = 0
+    for run in range(100):
+        with pytest.raises(CheckFailure) as failure:
+            checks.check_flash_attention_kernel(Planted(bugs[run % len(bugs)]), seed=run, **KERNEL)
+        assert HINTS["unmasked_load"] in str(failure.value) or HINTS["nan_past_end"] in str(failure.value)
+        failures += 1
+    assert failures == 100
+
+
+@needs_triton
+def test_an_unmasked_load_shows_as_nan_where_loads_are_not_watched(monkeypatch):
+    # Natively on a GPU the loads cannot be watched: the NaN rows after the tensors still name the mistake.
+    monkeypatch.setattr(triton_kernels.LoadWatch, "__enter__", lambda self: self)
+    rejects(checks.check_flash_attention_kernel, Planted(7), "nan_past_end")
+
+
+def test_poisoned_rows_are_a_view_with_nan_after_each_head():
+    x = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)
+    view = triton_kernels.poisoned_rows(x, 4)
+    assert torch.equal(view, x) and view.stride() == (14, 2, 1)
+    storage = torch.as_strided(view, (2, 7, 2), (14, 2, 1))
+    assert storage[:, 3:].isnan().all()
+
+
+@needs_triton
 def test_kernel_blank_is_not_implemented_yet_not_a_crash():
     with pytest.raises(CheckFailure, match="not implemented yet"):
         checks.check_flash_attention_kernel(Planted(4), **KERNEL)
+
+
+@triton.jit
+def planted_scale(X, Out, n, alpha, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
+    # 0 correct, 1 load without a mask, 2 store without a mask
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if BUG == 1:
+        x = tl.load(X + offsets)
+    else:
+        x = tl.load(X + offsets, mask=offsets < n, other=0.0)
+    if BUG == 2:
+        tl.store(Out + offsets, x * alpha)
+    else:
+        tl.store(Out + offsets, x * alpha, mask=offsets < n)
+
+
+@triton.jit
+def planted_matmul(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BUG: tl.constexpr = 0):
+    # 0 correct (pointers advanced each step), 1 the K tail not masked, 2 only the first K block
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = B + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    stop = K
+    if BUG == 2:
+        stop = BLOCK_K
+    for k0 in range(0, stop, BLOCK_K):
+        if BUG == 1:
+            a = tl.load(a_ptrs, mask=rm[:, None] < M, other=0.0)
+            b = tl.load(b_ptrs, mask=rn[None, :] < N, other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
+            b = tl.load(b_ptrs, mask=(k0 + rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def planted_softmax(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
+    # 0 correct (exp2 with log2(e)), 1 masked lanes loaded as 0, 2 no max subtracted, 3 load without a mask
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    if BUG == 1:
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=0.0)
+    elif BUG == 3:
+        x = tl.load(X + row * stride_x + cols)
+    else:
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+    if BUG != 2:
+        x = x - tl.max(x, axis=0)
+    e = tl.exp2(x * 1.4426950408889634)
+    tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+
+
+class PlantedLadder:
+    def __init__(self, kernel, bug: int):
+        self.kernel, self.bug = kernel, bug
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, BUG=self.bug, **kwargs)
+
+
+@needs_triton
+def test_warm_up_kernels_pass_when_right(capsys):
+    checks.check_scale_kernel(PlantedLadder(planted_scale, 0), device=KERNEL["device"])
+    checks.check_matmul_kernel(PlantedLadder(planted_matmul, 0), device=KERNEL["device"])
+    checks.check_row_softmax_kernel(PlantedLadder(planted_softmax, 0), device=KERNEL["device"])
+    out = capsys.readouterr().out
+    assert "✓ scale_kernel" in out and "✓ matmul_kernel" in out and "✓ row_softmax_kernel" in out
+
+
+@needs_triton
+@pytest.mark.parametrize("check, kernel, bug, hint", [
+    pytest.param("check_scale_kernel", planted_scale, 1, "ladder_unmasked_load", marks=INTERPRETER_ONLY),
+    ("check_scale_kernel", planted_scale, 2, "ladder_unmasked_store"),
+    ("check_matmul_kernel", planted_matmul, 1, "ladder_unmasked_load"),
+    ("check_matmul_kernel", planted_matmul, 2, "matmul_one_k_block"),
+    ("check_row_softmax_kernel", planted_softmax, 1, "softmax_other_zero"),
+    ("check_row_softmax_kernel", planted_softmax, 2, "softmax_no_max"),
+    pytest.param("check_row_softmax_kernel", planted_softmax, 3, "ladder_unmasked_load", marks=INTERPRETER_ONLY),
+])
+def test_warm_up_kernel_mistakes_are_named(check, kernel, bug, hint):
+    rejects(getattr(checks, check), PlantedLadder(kernel, bug), hint)
+
+
+@needs_triton
+@pytest.mark.parametrize("check, kernel, bug", [("check_matmul_kernel", planted_matmul, 1),
+                                                ("check_row_softmax_kernel", planted_softmax, 3)])
+def test_warm_up_unmasked_loads_show_as_nan_where_loads_are_not_watched(monkeypatch, check, kernel, bug):
+    monkeypatch.setattr(triton_kernels.LoadWatch, "__enter__", lambda self: self)
+    rejects(getattr(checks, check), PlantedLadder(kernel, bug), "ladder_unmasked_load")
 
 
 def test_kernel_check_without_triton_points_to_colab(monkeypatch):
@@ -659,11 +951,35 @@ def test_measurements_are_plotted():
                                            "SDPA": F.scaled_dot_product_attention}, [32, 64], num_heads=1,
                                           head_dim=8, progress=False)
     assert len(costs["seconds"]["naive"]) == 2 and costs["bytes"]["naive"][1] > costs["bytes"]["naive"][0]
+    assert all(low <= median <= high for (low, high), median in zip(costs["spread"]["naive"], costs["seconds"]["naive"]))
     view = views.attention_costs_view(costs)
     assert [ax.get_yscale() for ax in view.figure.axes] == ["log", "log"]
+    labels = view.figure.axes[1].get_legend_handles_labels()[1]
+    assert labels[0].startswith("naive (slope ") and labels[1].startswith("SDPA (slope "), labels
     view.controls["log_scale"].value = False
     assert [ax.get_yscale() for ax in view.figure.axes] == ["linear", "linear"]
-    assert {line.get_label() for line in view.figure.axes[0].lines} == {"naive", "SDPA"}
+    assert set(view.figure.axes[0].get_legend_handles_labels()[1]) == {"naive", "SDPA"}
+
+
+def test_fitted_slope_reads_the_growth_and_timings_take_a_warm_up():
+    assert views.fitted_slope([64, 128, 256], [1.0, 4.0, 16.0]) == pytest.approx(2.0)
+    assert math.isnan(views.fitted_slope([64, 128], [math.nan, 1.0]))
+    calls = []
+    times = views.run_times(lambda: calls.append(1), torch.device("cpu"), repeats=3)
+    assert len(times) == 3 and len(calls) == 4  # one warm-up, three timed
+
+
+def test_achieved_tflops_against_a_peak():
+    results = {"seq_lens": [1024], "seconds": {"naive": [0.001]}, "shape": (1, 1, 64)}
+    text = views.achieved_tflops_text(results, peak_tflops=100.0)
+    assert "naive 0.268 (0.27%)" in text, text
+
+
+def test_naive_attention_moves_more_bytes_per_flop_than_tiled():
+    traffic = views.attention_traffic(4096, 64, 2, block_q=128)
+    (flops, naive), (_, tiled) = traffic["naive"], traffic["tiled"]
+    # naive: about d/2 FLOPs per byte, far below any GPU's balance (> 150); tiled: about block_q
+    assert 25 < flops / naive < 40 and flops / tiled > 3 * flops / naive
 
 
 # --------------------------------------------------------------------------------------
@@ -687,3 +1003,86 @@ def test_gpu_check_refuses_clearly_without_cuda(capsys):
 
     assert gpu_check.main([]) == 2
     assert "needs a CUDA GPU, and there is none here" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# The notebook's cells
+# --------------------------------------------------------------------------------------
+
+
+def _solution_cells():
+    import jupytext
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "solutions" / "06_efficient_attention.py"
+    return jupytext.read(path, fmt="py:percent").cells
+
+
+def test_no_code_line_of_notebook_06_is_longer_than_100_characters():
+    long = [(index, line) for index, cell in enumerate(_solution_cells()) if cell.cell_type == "code"
+            for line in cell.source.splitlines() if len(line) > 100]
+    assert not long, long
+
+
+def test_no_demo_of_notebook_06_runs_an_answer_before_its_check():
+    cells = _solution_cells()
+    for index, cell in enumerate(cells):
+        name = cell.metadata.get("answer")
+        if not name:
+            continue
+        test = next(i for i in range(index, len(cells)) if cells[i].metadata.get("test", "").startswith(f"test_{name}"))
+        early = [cells[i].source[:60] for i in range(index + 1, test)
+                 if cells[i].cell_type == "code" and f"{name}(" in cells[i].source]
+        assert not early, f"{name}: a demo runs it before its check: {early}"
+
+
+# --------------------------------------------------------------------------------------
+# The challenge: the backward pass as two Triton kernels (the solution's, and mistakes planted in it)
+# --------------------------------------------------------------------------------------
+
+
+def backward_kernels(tmp_path, *replacements):
+    """The solution's two backward kernels, with each (old, new) text replaced, imported from a file (Triton
+    reads a kernel's source)."""
+    import importlib.util
+    import re
+
+    cell = next(c for c in _solution_cells() if c.metadata.get("answer") == "flash_attention_backward_kernel")
+    source = re.sub(r"\n *### (BEGIN|END) SOLUTION", "", cell.source)
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    path = tmp_path / f"kernels_{abs(hash(replacements))}.py"
+    path.write_text("from attention_lab.triton_kernels import tl, triton\n\n\n" + source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.flash_attention_backward_kernel, module.flash_attention_backward_dq_kernel
+
+
+@needs_triton
+def test_backward_kernels_pass_when_right(tmp_path, capsys):
+    checks.check_flash_attention_backward_kernel(*backward_kernels(tmp_path), device=KERNEL["device"])
+    assert "✓ flash_attention_backward_kernel" in capsys.readouterr().out
+
+
+@needs_triton
+@pytest.mark.parametrize("replacements, hint", [
+    ((("ds = p * (dp - delta[:, None])", "ds = p * dp"),), "bwd_no_D"),
+    ((("    dk = dk * sm_scale\n", ""), ("    dq = dq * sm_scale\n", "")), "bwd_no_scale"),
+    ((("p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)", "p = tl.where(visible, tl.exp(s), 0.0)"),),
+     "bwd_no_lse"),
+    pytest.param((("k = tl.load(k_tile, mask=in_k[:, None], other=0.0)", "k = tl.load(k_tile)"),),
+                 "unmasked_load", marks=INTERPRETER_ONLY),
+])
+def test_backward_kernel_mistakes_are_named(tmp_path, replacements, hint):
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_flash_attention_backward_kernel(*backward_kernels(tmp_path, *replacements), **KERNEL)
+    assert HINTS[hint] in str(failure.value), str(failure.value)
+
+
+@needs_triton
+def test_backward_kernel_without_the_loops_is_not_implemented_yet(tmp_path):
+    blank = ("    q_start_first = 0\n", "    raise NotImplementedError('Exercise 6.13')\n    q_start_first = 0\n")
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        checks.check_flash_attention_backward_kernel(*backward_kernels(tmp_path, blank), **KERNEL)

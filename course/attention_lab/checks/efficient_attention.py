@@ -115,11 +115,62 @@ HINTS = {
     "not tl.exp.",
     "block_dependent": "the result changes with the block sizes: some block's keys or queries are lost or "
     "counted twice (look at the last, shorter block: slices q[..., start:start + block, :] stop at the end).",
+    "bound_no_offset": "the causal loop bound forgets the offset S_k - S_q: it stops at the query block's own "
+    "last index, so the S_k - S_q keys after it that its queries may see (many blocks when S_k is much larger "
+    "than S_q, as in decoding) are never visited. The last key the block may see is q_end - 1 + (S_k - S_q).",
+    "bound_inclusive": "the causal loop bound is one key short: q_end - 1 + (S_k - S_q) is the last key the block "
+    "may see (inclusive), but range(start, stop, step) stops before `stop`, so the key block that starts exactly "
+    "at that key is dropped. The stop is one past the last key: q_end + (S_k - S_q).",
     "future_blocks": "with causal=True the loop still computes every key block: stop the key loop at the last "
     "block any query of this query block may see (start_k <= q_end - 1 + S_k - S_q), and mask only inside it.",
     "merge": "two halves of the keys merged with their lse do not give the whole attention: lse must be the "
     "natural-log logsumexp of exactly the scores each half's softmax used.",
+    # flash attention backward
+    "bwd_D_dout": "D uses dout twice: D = rowsum(dout ∘ out) (the output, not the gradient again). D_i = Σ_j P_ij "
+    "dP_ij is the softmax's Jacobian term, and Σ_j P_ij (dO_i · v_j) = dO_i · out_i.",
+    "bwd_no_D": "dS = P ∘ dP is missing the softmax's correction: dS = P ∘ (dP - D) with D = rowsum(dout ∘ out), one "
+    "number per query row (the rowsum(dP ∘ P) term of the softmax's backward, computed from out).",
+    "bwd_no_scale": "dQ and dK miss the scale: the scores are scale · q kᵀ, so dQ += scale · dS K and "
+    "dK += scale · dSᵀ Q.",
+    "bwd_no_lse": "P is not normalised: recompute it as P = exp(scale · q kᵀ - lse) with the saved lse of each "
+    "query row (exp(S) alone is the unnormalised numerator; a softmax of one tile normalises over that tile only).",
+    "bwd_tile_softmax": "P is a softmax over one tile of keys: each row's weights must be normalised over *all* its "
+    "keys, which is what the saved lse gives without seeing them: P = exp(scale · q kᵀ - lse).",
+    "bwd_dS_not_transposed": "dK needs dSᵀ: dK_blk += scale · dS_tileᵀ @ Q_blk (dS is [queries, keys]; dK is per key).",
+    "bwd_P_not_transposed": "dV needs Pᵀ: dV_blk += P_tileᵀ @ dO_blk (P is [queries, keys]; dV is per key).",
+    "bwd_no_mask": "the causal mask is missing in the backward pass: P recomputed on a tile that holds the diagonal "
+    "must be 0 where key j > i + (S_k - S_q), as in the forward pass (exp(-inf - lse) = 0).",
+    "bwd_top_left": "the causal mask of the backward pass is aligned top-left: query i sees keys j <= i + (S_k - S_q), "
+    "as in the forward pass.",
+    "bwd_future_blocks": "with causal=True the backward pass still computes every tile: skip the (query block, key "
+    "block) tiles whose first key is beyond the reach of the block's last query, as the forward pass does.",
+    "bwd_saved": "save exactly q, k, v, out and lse with ctx.save_for_backward(q, k, v, out, lse): the backward pass "
+    "recomputes P from them, which is the point of FlashAttention (no [S_q, S_k] tensor is kept between the passes).",
+    "bwd_gradients": "backward returns one gradient per input of forward, in order: (dq, dk, dv, None) -- None for "
+    "causal, which is not a tensor.",
+    # the warm-up kernels
+    "ladder_unmasked_load": "a tl.load without a mask (or with one that lets lanes past the end through) reads "
+    "memory after the tensor: here the check put NaN there; on a GPU it may crash the kernel. Load with "
+    "mask=offs < n (one condition per axis that can run past the end), other=... for the lanes left out.",
+    "ladder_unmasked_store": "a tl.store without a mask writes past the end of out, into memory that is not "
+    "yours (here the check's sentinel changed; on a GPU another tensor's data, or a crash). Store with the "
+    "same mask as the load, offs < n.",
+    "matmul_one_k_block": "only the first BLOCK_K columns of A (rows of B) are used: loop over K in steps of BLOCK_K, "
+    "accumulating tl.dot(a_block, b_block) into a float32 [BLOCK_M, BLOCK_N] accumulator.",
+    "softmax_other_zero": "the lanes past n_cols were loaded as 0 (other=0.0, or no other): they take part in the max "
+    "and add e^(0 - max) to the sum. Load them as other=float('-inf'), so that e^(-inf) = 0.",
+    "softmax_no_max": "the row softmax overflows (inf/NaN) on large scores: subtract the row's max before tl.exp.",
     # Triton kernel
+    "unmasked_load": "a tl.load without a mask (or with a mask that lets rows past the end through) reads memory "
+    "after the tensor: here the check put NaN there; on a GPU it is another tensor's data or an illegal address "
+    "that can crash the notebook's kernel. Give every load of a block that may run past the end "
+    "mask=offs[:, None] < seq (seq_k for K and V, seq_q for Q) and other=0.0.",
+    "nan_past_end": "NaN in out where attention is finite: the rows after the last query, key and value hold NaN "
+    "in this check, so a tl.load without a mask (or with one that lets rows past the end through) read them. "
+    "Mask every load of K, V and Q with the row index < seq_k (seq_q for Q), other=0.0.",
+    "kernel_future_blocks": "with CAUSAL the loop still visits key blocks that no query of the program may see "
+    "(all masked, wasted work: the saving of causal FlashAttention is skipping them). Stop the loop after the "
+    "block that holds the last key the program's last query may see (its index + S_k - S_q).",
     "kernel_boundary": "keys beyond S_k are not masked: a masked tl.load returns `other` (0) for them, which "
     "gives them score 0, not -inf. Set their scores to -inf with tl.where(offs_k[None, :] < seq_k, s, "
     "float('-inf')).",
@@ -189,6 +240,12 @@ def tiled_attention(q, k, v, *, causal: bool, scale: float, block_q: int, block_
                 break
             if causal and bug == "skip_diagonal" and k_start + block_k - 1 > q_start + offset:
                 break
+            if causal and bug == "bound_no_offset" and k_start >= q_start + block_q:
+                break  # range(0, (i + 1)·block_q, block_k): the offset S_k - S_q forgotten
+            if causal and bug == "bound_no_offset_clamped" and k_start >= rows[-1, 0] + 1:
+                break  # range(0, q_end, block_k), q_end clamped to S_q: the same, on a ragged last block
+            if causal and bug == "bound_inclusive" and k_start >= rows[-1, 0] + offset:
+                break  # range(0, q_end - 1 + offset, block_k): the last key used as an exclusive stop
             scores = q_block @ k[..., k_start:k_start + block_k, :].transpose(-1, -2) * scale
             if causal:
                 cols = torch.arange(k_start, k_start + scores.shape[-1])[None, :]
@@ -233,6 +290,10 @@ def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: in
 
     variants = [Variant(tiled(bug), HINTS[bug]) for bug in ("no_rescale_acc", "no_rescale_l", "normalise_inside",
                                                               "stale_max")]
+    if causal:  # loop bounds first: a bound short by S_k - S_q keys can coincide with "one block too early"
+        variants += [Variant(tiled("bound_no_offset"), HINTS["bound_no_offset"]),
+                     Variant(tiled("bound_no_offset_clamped"), HINTS["bound_no_offset"]),
+                     Variant(tiled("bound_inclusive"), HINTS["bound_inclusive"])]
     variants.append(Variant(tiled("normalise_inside_twice"), HINTS["normalise_inside"]))  # and divided by l again
     if causal:
         variants += [Variant(tiled(bug), HINTS[bug]) for bug in ("skip_diagonal", "top_left", "strict_mask")]
@@ -708,6 +769,7 @@ def check_flash_attention_forward(flash_attention_forward: Callable, *, seed: in
     _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq - 3, seq + 9, 8), 16, 32, False)
     _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, seq, seq, 8), 16, 16, True)
     _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, 29, seq, 8), 8, 16, True)
+    _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, 33, 33, 8), 16, 16, True)  # last block: 1 row
     _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, 21, 21, 8, d_v=6), 8, 8, False, scale=0.3)
     _flash_case(flash_attention_forward, *_qkv(generator, 1, 1, 100, 100, 8), None, None, True)  # defaults
     # Independent of the block sizes (including a block larger than the sequence).
@@ -793,6 +855,373 @@ def check_flash_attention_forward_memory(flash_attention_forward: Callable, *, s
 
 
 # --------------------------------------------------------------------------------------
+# Exercise: flash_attention_backward, and the autograd Function built on it
+# --------------------------------------------------------------------------------------
+
+
+def reference_gradients(q, k, v, dout, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)`` of SDPA (math backend) in float64, by torch.autograd."""
+    q64, k64, v64, do64 = (t.requires_grad_(True) if i < 3 else t for i, t in enumerate(_f64(q, k, v, dout)))
+    mask = causal_keep(q.shape[-2], k.shape[-2]) if causal else None
+    with torch.enable_grad():
+        out = reference_sdpa(q64, k64, v64, attn_mask=mask, scale=scale)
+        return torch.autograd.grad(out, (q64, k64, v64), do64)
+
+
+def tiled_backward(q, k, v, dout, *, causal: bool, scale: float, block_q: int, block_k: int,
+                   bug: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """FlashAttention-2's backward loop in float64 with one known ``bug`` (or none); None where the bug
+    cannot run on these shapes (a transposed product of tiles that are not square)."""
+    q, k, v, dout = _f64(q, k, v, dout)
+    seq_q, seq_k = q.size(2), k.size(2)
+    offset = 0 if bug == "top_left" else seq_k - seq_q
+    out, lse = reference_attention(q, k, v, causal, scale)
+    delta = (dout * (dout if bug == "D_dout" else out)).sum(-1)
+    if bug == "no_D":
+        delta = torch.zeros_like(delta)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for k_start in range(0, seq_k, block_k):
+        k_blk, v_blk = k[..., k_start:k_start + block_k, :], v[..., k_start:k_start + block_k, :]
+        k_end = k_start + k_blk.size(2)
+        for q_start in range(0, seq_q, block_q):
+            q_end = min(seq_q, q_start + block_q)
+            if causal and k_start > q_end - 1 + seq_k - seq_q:
+                continue
+            q_blk, do_blk = q[..., q_start:q_end, :], dout[..., q_start:q_end, :]
+            s = q_blk @ k_blk.transpose(-1, -2) * scale
+            if causal and bug != "no_mask":
+                rows = torch.arange(q_start, q_end)[:, None]
+                cols = torch.arange(k_start, k_end)[None, :]
+                s = s.masked_fill(cols > rows + offset, -math.inf)
+            if bug == "no_lse":
+                p = torch.exp(s)
+            elif bug == "tile_softmax":
+                p = torch.softmax(s, -1).nan_to_num(0.0)
+            else:
+                p = torch.exp(s - lse[..., q_start:q_end, None])
+            dp = do_blk @ v_blk.transpose(-1, -2)
+            ds = p * (dp - delta[..., q_start:q_end, None])
+            factor = 1.0 if bug == "no_scale" else scale
+            transposed = {"P_not_transposed": p, "dS_not_transposed": ds}.get(bug)
+            if transposed is not None and transposed.size(-1) != transposed.size(-2):
+                return None
+            dv[..., k_start:k_end, :] += (p if bug == "P_not_transposed" else p.transpose(-1, -2)) @ do_blk
+            dq[..., q_start:q_end, :] += factor * ds @ k_blk
+            dk[..., k_start:k_end, :] += factor * (ds if bug == "dS_not_transposed" else ds.transpose(-1, -2)) @ q_blk
+    return dq, dk, dv
+
+
+_BACKWARD_BUGS = {"D_dout": "bwd_D_dout", "no_D": "bwd_no_D", "no_scale": "bwd_no_scale", "no_lse": "bwd_no_lse",
+                  "tile_softmax": "bwd_tile_softmax", "dS_not_transposed": "bwd_dS_not_transposed",
+                  "P_not_transposed": "bwd_P_not_transposed", "no_mask": "bwd_no_mask", "top_left": "bwd_top_left"}
+
+
+def _backward_variants(q, k, v, dout, causal, scale, block_q, block_k) -> list[list[Variant]]:
+    """Per gradient (dq, dk, dv): the known wrong ones, each computed once, lazily."""
+    cache: dict[str, Any] = {}
+
+    def part(bug: str, index: int) -> Callable[[], torch.Tensor | None]:
+        def run() -> torch.Tensor | None:
+            if bug not in cache:
+                cache[bug] = tiled_backward(q, k, v, dout, causal=causal, scale=scale, block_q=block_q,
+                                            block_k=block_k, bug=bug)
+            return None if cache[bug] is None else cache[bug][index]
+        return run
+
+    bugs = [bug for bug in _BACKWARD_BUGS if causal or bug not in ("no_mask", "top_left")]
+    return [[Variant(part(bug, index), HINTS[_BACKWARD_BUGS[bug]]) for bug in bugs] for index in range(3)]
+
+
+def _backward_call_text(q, k, block_q, block_k, causal, scale) -> str:
+    blocks = "" if block_q is None else f"block_q={block_q}, block_k={block_k}, "
+    scale_text = "" if scale is None else f", scale={scale}"
+    return (f"flash_attention_backward(q, k, v, out, lse, dout, {blocks}causal={causal}{scale_text}) with q "
+            f"{shape_str(q.shape)}, k and v {shape_str(k.shape)} ({str(q.dtype).replace('torch.', '')}, "
+            f"{q.device.type})")
+
+
+def _backward_inputs(generator, shape, causal, dtype=torch.float64, device: Any = "cpu", scale=None):
+    batch, heads, seq_q, seq_k, head_dim = shape
+    q, k, v = _qkv(generator, batch, heads, seq_q, seq_k, head_dim, dtype=dtype, device=device)
+    dout = randn(batch, heads, seq_q, head_dim, generator=generator, dtype=dtype, device=device)
+    used = head_dim ** -0.5 if scale is None else scale
+    out, lse = reference_attention(q, k, v, causal, used)
+    return q, k, v, out.to(device, dtype), lse.to(device, torch.float32 if dtype != torch.float64 else dtype), dout
+
+
+def _call_backward(flash_attention_backward, inputs, block_q, block_k, causal, scale=None,
+                   watch: OperationWatch | None = None) -> tuple[tuple[torch.Tensor, ...], str]:
+    q, k, v, out, lse, dout = inputs
+    call = _backward_call_text(q, k, block_q, block_k, causal, scale)
+    kwargs: dict[str, Any] = {"causal": causal}
+    if block_q is not None:
+        kwargs.update(block_q=block_q, block_k=block_k)
+    if scale is not None:
+        kwargs["scale"] = scale
+    args = tuple(t.clone() for t in inputs)
+    if watch is None:
+        result = call_student(flash_attention_backward, *args, call=call, **kwargs)
+    else:
+        result = _watched_call(flash_attention_backward, *args, call=call, watch=watch, **kwargs)
+    expect_true(isinstance(result, (tuple, list)) and len(result) == 3,
+                f"{call} should return the tuple (dq, dk, dv), got {describe(result)}.")
+    for name, got, like in zip(("dq", "dk", "dv"), result, (q, k, v)):
+        expect_tensor(got, what=f"{name} from {call}", shape=like.shape, dtype=like.dtype, device=like.device)
+    return tuple(result), call
+
+
+def _backward_case(flash_attention_backward, generator, shape, block_q, block_k, causal, scale=None,
+                   dtype=torch.float64, device: Any = "cpu") -> None:
+    inputs = _backward_inputs(generator, shape, causal, dtype, device, scale)
+    grads, call = _call_backward(flash_attention_backward, inputs, block_q, block_k, causal, scale)
+    q, k, v, _, _, dout = inputs
+    used = q.shape[-1] ** -0.5 if scale is None else scale
+    want = reference_gradients(q, k, v, dout, causal, used)
+    blocks = (64, 64) if block_q is None else (block_q, block_k)
+    variants = _backward_variants(q, k, v, dout, causal, used, *blocks)
+    for name, got, expected, wrong in zip(("dq", "dk", "dv"), grads, want, variants):
+        expect_close(got, expected, what=f"{name} from {call}", against="torch.autograd through SDPA (float64)",
+                     variants=wrong)
+
+
+@check("flash_attention_backward: dq, dk, dv equal autograd through SDPA (float64, then the device); ragged; causal bottom-right; any blocks ({device})",
+       uses=("flash_attention_forward",))
+def check_flash_attention_backward(flash_attention_backward: Callable, *, seed: int = 0,
+                                   device: torch.device | None = None) -> None:
+    """flash_attention_backward: gradients against autograd, the classic mistakes named."""
+    expect_signature(flash_attention_backward, "flash_attention_backward",
+                     ["q", "k", "v", "out", "lse", "dout", "block_q", "block_k", "causal", "scale"])
+    generator = random_generator(seed)
+    seq = randint(33, 41, generator)
+    _backward_case(flash_attention_backward, generator, (2, 2, 32, 32, 8), 16, 16, False)
+    _backward_case(flash_attention_backward, generator, (1, 2, seq, seq + 11, 8), 16, 16, False)
+    _backward_case(flash_attention_backward, generator, (1, 2, seq, seq, 8), 16, 16, True)
+    _backward_case(flash_attention_backward, generator, (2, 1, 21, seq, 8), 8, 16, True)
+    _backward_case(flash_attention_backward, generator, (1, 1, 19, 27, 4), 8, 8, False, scale=0.4)
+    _backward_case(flash_attention_backward, generator, (1, 1, 70, 70, 8), None, None, True)  # default blocks
+    _backward_case(flash_attention_backward, generator, (1, 2, seq, seq + 5, 16), 16, 16, True,
+                   dtype=torch.float32, device=device)
+
+
+@check("flash_attention_backward: never builds a tensor as wide as all the keys; the causal pass skips future tiles")
+def check_flash_attention_backward_memory(flash_attention_backward: Callable, *, seed: int = 0,
+                                          device: torch.device | None = None) -> None:
+    """Every operation watched: no [S_q, S_k] table nor a row block of it; causal computes ~half the tiles."""
+    generator = random_generator(seed)
+    head_dim, heads = 8, 3
+    narrow = (1, head_dim, heads)
+    for causal, (seq_q, seq_k) in ((False, (48, 80)), (True, (48, 80))):
+        inputs = _backward_inputs(generator, (1, heads, seq_q, seq_k, head_dim), causal)
+
+        def is_wide(shape: tuple[int, ...], seq_q=seq_q, seq_k=seq_k) -> bool:
+            if len(shape) < 2:
+                return False
+            rows, cols = shape[-2:]
+            return ((rows, cols) in ((seq_q, seq_k), (seq_k, seq_q))
+                    or (cols == seq_k and rows not in narrow) or (rows == seq_k and cols not in narrow)
+                    or (cols == seq_q and rows not in narrow) or (rows == seq_q and cols not in narrow))
+
+        watch = OperationWatch(is_wide=is_wide)
+        _, call = _call_backward(flash_attention_backward, inputs, 16, 16, causal, watch=watch)
+        _expect_no_table(watch, call, "a table of scores or probabilities against all the keys (or all the queries). "
+                         "The backward pass recomputes one [block_q, block_k] tile of P at a time from q, k and lse",
+                         "loop over key blocks and query blocks; per tile recompute P = exp(scale · q kᵀ - lse), "
+                         "and accumulate dV, dK (per key block) and dQ (per query block).")
+    seq, block = 96, 16
+    inputs = {causal: _backward_inputs(generator, (1, 2, seq, seq, head_dim), causal) for causal in (False, True)}
+    counts = {}
+    for causal in (False, True):
+        watch = OperationWatch()
+        _call_backward(flash_attention_backward, inputs[causal], block, block, causal, watch=watch)
+        counts[causal] = _score_products(watch, block)
+    blocks = seq // block
+    visited = blocks * (blocks + 1) // 2
+    if counts[False] > 0:
+        allowed = counts[False] * (visited + blocks) / blocks ** 2
+        expect_true(counts[True] <= allowed,
+                    f"flash_attention_backward(..., block_q={block}, block_k={block}, causal=True) with S = {seq} "
+                    f"computed {counts[True]} [{block}, {block}] tile products, as many as the non-causal pass "
+                    f"({counts[False]}). Only {visited} of the {blocks ** 2} tiles hold a key that some query of the "
+                    f"tile may see.\n  Likely mistake: {HINTS['bwd_future_blocks']}")
+
+
+def _saved_by(output: torch.Tensor) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """What a custom Function's backward will see: its saved tensors, and tensors kept as ctx attributes."""
+    node = output.grad_fn
+    saved = list(getattr(node, "saved_tensors", ()) or ())
+    attributes = {name: value for name, value in vars(node).items() if isinstance(value, torch.Tensor)} \
+        if hasattr(node, "__dict__") else {}
+    return saved, attributes
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.detach(), b.detach()))
+
+
+@check("FlashAttention: forward saves only q, k, v, out and lse; gradients equal autograd through SDPA; torch.autograd.gradcheck passes in float64",
+       uses=("flash_attention_forward", "flash_attention_backward"))
+def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """FlashAttention.apply(q, k, v, causal): what it saves, its gradients, gradcheck."""
+    expect_true(isinstance(FlashAttention, type) and issubclass(FlashAttention, torch.autograd.Function),
+                f"FlashAttention should be a subclass of torch.autograd.Function, got {describe(FlashAttention)}.")
+    generator = random_generator(seed)
+    forward_error = 0.0
+    for causal, (seq_q, seq_k) in ((False, (20, 28)), (True, (24, 24)), (True, (13, 30))):
+        q, k, v = (t.requires_grad_(True) for t in _qkv(generator, 1, 2, seq_q, seq_k, 8))
+        dout = randn(1, 2, seq_q, 8, generator=generator)
+        call = f"FlashAttention.apply(q, k, v, {causal}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)}"
+        with torch.enable_grad():
+            out = call_student(FlashAttention.apply, q, k, v, causal, call=call)
+        expect_tensor(out, what=f"out from {call}", shape=q.shape, dtype=q.dtype, device=q.device)
+        forward_error = max(forward_error, expect_close(out, reference_attention(q, k, v, causal)[0],
+                                                        what=f"out from {call}",
+                                                        against="F.scaled_dot_product_attention (float64)"))
+        expect_true(out.grad_fn is not None and hasattr(out.grad_fn, "saved_tensors"),
+                    f"out from {call} has no backward of FlashAttention (grad_fn {out.grad_fn}): forward must return "
+                    "the output tensor it computed, and apply (not forward) must be called.")
+        saved, attributes = _saved_by(out)
+        want_lse = reference_attention(q, k, v, causal)[1]
+        named = []
+        for tensor in saved:
+            match = [name for name, like in (("q", q), ("k", k), ("v", v), ("out", out)) if _same(tensor, like)]
+            if not match and tensor.shape == want_lse.shape:
+                close = torch.allclose(tensor.detach().to(torch.float64), want_lse, rtol=1e-4, atol=1e-5)
+                match = ["lse"] if close else []
+            named.append(match[0] if match else shape_str(tensor.shape))
+        kept = [f"ctx.{name} {shape_str(t.shape)}" for name, t in attributes.items()
+                if not any(t is x for x in (q, k, v, out))]
+        expect_true(sorted(named) == sorted(["q", "k", "v", "out", "lse"]) and not kept,
+                    f"{call}: forward saved {', '.join(named) or 'nothing'} with save_for_backward"
+                    + (f" and kept {', '.join(kept)}" if kept else "")
+                    + f"; expected exactly q, k, v, out and lse [{seq_q} values per head].\n  Likely mistake: "
+                    + HINTS["bwd_saved"])
+        try:
+            with torch.enable_grad():
+                grads = torch.autograd.grad(out, (q, k, v), dout)
+        except RuntimeError as error:
+            text = str(error)
+            hint = HINTS["bwd_gradients"] if "incorrect number of gradients" in text or "expected shape" in text else ""
+            raise CheckFailure(f"the backward of {call} raised RuntimeError: {text}"
+                               + (f"\n  Likely mistake: {hint}" if hint else "")) from None
+        except CheckFailure:
+            raise
+        except Exception as error:
+            raise CheckFailure(f"the backward of {call} raised {type(error).__name__}: {error}") from None
+        want = reference_gradients(q, k, v, dout, causal, 8 ** -0.5)
+        for name, got, expected in zip(("dq", "dk", "dv"), grads, want):
+            expect_close(got, expected, what=f"{name} from the backward of {call}",
+                         against="torch.autograd through SDPA (float64)")
+    # torch.autograd.gradcheck in float64 (fast mode: random directions, a few seconds at most). Finite
+    # differences of a pass computed in float32 inside (allowed) need a float32-sized step and tolerance.
+    q, k, v = (t.requires_grad_(True) for t in _qkv(generator, 1, 1, 6, 9, 4))
+    steps = {"eps": 1e-6, "atol": 1e-5, "rtol": 1e-3}
+    if forward_error > 1e-9:
+        steps = {"eps": 1e-3, "atol": 1e-3, "rtol": 1e-2}
+    for causal in (False, True):
+        try:
+            ok = torch.autograd.gradcheck(lambda a, b, c, causal=causal: FlashAttention.apply(a, b, c, causal),
+                                          (q, k, v), fast_mode=True, raise_exception=True, **steps)
+        except Exception as error:
+            text = str(error).strip().splitlines()
+            raise CheckFailure(f"torch.autograd.gradcheck(FlashAttention.apply, (q, k, v, causal={causal})) in float64 "
+                               f"with q [1, 1, 6, 4], k and v [1, 1, 9, 4] failed: {' '.join(text[:3])[:400]}") from None
+        expect_true(bool(ok), f"torch.autograd.gradcheck(FlashAttention.apply, causal={causal}) failed.")
+
+
+# --------------------------------------------------------------------------------------
+# The warm-up kernels: a masked load and store, a tiled matmul, a row softmax
+# --------------------------------------------------------------------------------------
+
+
+def _ladder_launch(call: str, launcher: Callable, kernel: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Launch a warm-up kernel with NaN after its inputs and a watch on its loads; name what went wrong."""
+    from attention_lab.triton_kernels import (TRITON_AVAILABLE, TRITON_MISSING, LoadWatch, StoreOutOfBounds,
+                                              TritonUnavailable)
+
+    if not TRITON_AVAILABLE:
+        raise CheckFailure(TRITON_MISSING)
+    watch = LoadWatch()
+    try:
+        result = launcher(kernel, *args, poison=POISON_ROWS, watch=watch, **kwargs)
+    except TritonUnavailable as error:
+        raise CheckFailure(str(error)) from None
+    except NotImplementedError as error:
+        raise CheckFailure(f"{call}: not implemented yet ({error}). Write the kernel.") from None
+    except StoreOutOfBounds:
+        raise CheckFailure(f"{call} wrote past the end of out.\n  Likely mistake: {HINTS['ladder_unmasked_store']}") \
+            from None
+    except Exception as error:
+        text = str(error).strip()
+        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
+    for name, (program, line) in watch.beyond.items():
+        where = f" (your line: `{line}`)" if line else ""
+        raise CheckFailure(f"{call}: program {program} loaded elements of {name} past its end{where}.\n"
+                           f"  Likely mistake: {HINTS['ladder_unmasked_load']}")
+    return result
+
+
+@check("scale_kernel: alpha · x with masked loads and stores, any length ({device})")
+def check_scale_kernel(scale_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """The first warm-up: a 1-D masked load and store, on lengths that are multiples of no block."""
+    from attention_lab.triton_kernels import launch_scale
+
+    generator = random_generator(seed)
+    for n, block in ((100, 32), (randint(17, 63, generator), 16), (16, 16)):
+        x = randn(n, generator=generator, dtype=torch.float32, device=device)
+        call = f"your scale_kernel via launch_scale(scale_kernel, x, alpha=2.5, block={block}) with x [{n}]"
+        out = _ladder_launch(call, launch_scale, scale_kernel, x, 2.5, block=block)
+        expect_close(out, 2.5 * x.double(), what=f"out from {call}", against="2.5 · x")
+
+
+@check("matmul_kernel: a tiled A @ B with a float32 accumulator, ragged M, N and K ({device})")
+def check_matmul_kernel(matmul_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """The second warm-up: blocks of C, a loop over K, masks on every ragged edge."""
+    from attention_lab.triton_kernels import launch_matmul
+
+    generator = random_generator(seed)
+    for (m, k, n), dtype in (((40, 50, 24), torch.float32), ((33, 70, 47), torch.float16), ((16, 16, 16), torch.float32)):
+        a = randn(m, k, generator=generator, dtype=dtype, device=device)
+        b = randn(k, n, generator=generator, dtype=dtype, device=device)
+        call = (f"your matmul_kernel via launch_matmul(matmul_kernel, a, b, block_m=16, block_n=16, block_k=16) "
+                f"with a [{m}, {k}] and b [{k}, {n}] ({str(dtype).replace('torch.', '')})")
+        c = _ladder_launch(call, launch_matmul, matmul_kernel, a, b)
+        if bool(torch.isnan(c.cpu()).any()):  # A and B are finite: the NaN was read after their ends
+            raise CheckFailure(f"C from {call} holds NaN.\n  Likely mistake: {HINTS['ladder_unmasked_load']}")
+        a64, b64 = _f64(a, b)
+        variants = [Variant(lambda a64=a64, b64=b64: a64[:, :16] @ b64[:16], HINTS["matmul_one_k_block"])]
+        rtol, atol = tolerance(torch.float16 if dtype == torch.float16 or c.device.type == "cuda" else dtype, c.device)
+        expect_close(c, a64 @ b64, what=f"C from {call}", against="a @ b (float64)", variants=variants,
+                     rtol=rtol * 10, atol=atol * 10)
+
+
+@check("row_softmax_kernel: softmax of each row, stable at ±1000, any row length ({device})")
+def check_row_softmax_kernel(row_softmax_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """The third warm-up: one program per row, masked lanes at -inf, the max subtracted."""
+    from attention_lab.triton_kernels import launch_row_softmax
+
+    generator = random_generator(seed)
+    cols = randint(33, 60, generator)
+    x = randn(5, cols, generator=generator, dtype=torch.float32, device=device) * 3
+    x[1] += 1000.0  # a row that overflows e^x without the max subtracted
+    x[2] -= 1000.0
+    for label, values in (("of", x[[0, 3, 4]]), ("around ±1000,", x), ("(one block exactly)", x[:, :32])):
+        call = (f"your row_softmax_kernel via launch_row_softmax(row_softmax_kernel, x) with x {label} "
+                f"{shape_str(values.shape)}")
+        out = _ladder_launch(call, launch_row_softmax, row_softmax_kernel, values.contiguous())
+        x64 = _f64(values)[0]
+        block = 1 << (values.shape[1] - 1).bit_length()
+        padded = torch.cat([x64, torch.zeros(x64.shape[0], block - x64.shape[1], dtype=torch.float64)], -1)
+        with_zeros = torch.exp(x64 - padded.amax(-1, keepdim=True))
+        with_zeros = with_zeros / torch.exp(padded - padded.amax(-1, keepdim=True)).sum(-1, keepdim=True)
+        if bool((~torch.isfinite(out.cpu())).any()):
+            # Scores of ordinary size cannot overflow: NaN there came from the NaN stored after each row.
+            hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_unmasked_load"]
+            raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
+        expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
+                     variants=[Variant(with_zeros, HINTS["softmax_other_zero"])])
+
+
+# --------------------------------------------------------------------------------------
 # Exercise: the Triton kernel
 # --------------------------------------------------------------------------------------
 
@@ -819,16 +1248,32 @@ def _kernel_tolerance_basis(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Rows of NaN after each head's rows of q, k and v in every kernel case (two of the largest blocks): a load
+# without a mask reads them, on the CPU and on a GPU alike, whatever memory happens to follow the tensors.
+POISON_ROWS = 64
+
+
+def _visited_blocks_needed(seq_q: int, seq_k: int, block_q: int, block_k: int, heads: int) -> int:
+    """Key blocks a causal kernel must visit: per query block, those that hold a key its last query sees."""
+    needed = 0
+    for q_start in range(0, seq_q, block_q):
+        stop = min(seq_k, min(seq_q, q_start + block_q) + seq_k - seq_q)
+        needed += max(0, math.ceil(stop / block_k))
+    return needed * heads
+
+
 def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, device, generator) -> None:
-    from attention_lab.triton_kernels import TritonUnavailable
+    from attention_lab.triton_kernels import LoadWatch, TritonUnavailable
 
     batch, heads, seq_q, seq_k, head_dim = shape
     q, k, v = _qkv(generator, batch, heads, seq_q, seq_k, head_dim, dtype=dtype, device=device)
     call = (f"your kernel via launch_flash_attention(flash_attention_kernel, q, k, v, causal={causal}, "
             f"block_q={block_q}, block_k={block_k}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)} "
             f"({str(dtype).replace('torch.', '')}, {device.type})")
+    watch = LoadWatch()
     try:
-        out, lse = launcher(kernel, q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+        out, lse = launcher(kernel, q, k, v, causal=causal, block_q=block_q, block_k=block_k, poison=POISON_ROWS,
+                            watch=watch)
     except TritonUnavailable as error:
         raise CheckFailure(str(error)) from None
     except NotImplementedError as error:
@@ -836,14 +1281,36 @@ def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, devic
     except Exception as error:
         text = str(error).strip()
         raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
-    basis = _kernel_tolerance_basis(out)
+    # The interpreter saw every load: one that reads past the last row is named, whatever it did to the numbers.
+    lengths = {"Q": ("seq_q", seq_q), "K": ("seq_k", seq_k), "V": ("seq_k", seq_k)}
+    for name in ("K", "V", "Q"):
+        if name in watch.beyond:
+            program, line = watch.beyond[name]
+            where = f" (your line: `{line}`)" if line else ""
+            length_name, length = lengths[name]
+            raise CheckFailure(f"{call}: program {program} loaded rows of {name} at or past row {length_name} = "
+                               f"{length}{where}, which {name} does not have.\n  Likely mistake: "
+                               f"{HINTS['unmasked_load']}")
     want_out, want_lse = reference_attention(q, k, v, causal)
+    if bool((torch.isnan(out.detach().cpu()) & ~torch.isnan(want_out)).any()):
+        raise CheckFailure(f"out from {call} holds NaN where attention is finite.\n  Likely mistake: "
+                           f"{HINTS['nan_past_end']}")
+    basis = _kernel_tolerance_basis(out)
     expect_close(out, want_out, what=f"out from {call}", against="F.scaled_dot_product_attention (float64)",
                  variants=_kernel_variants(q, k, v, causal, block_q, block_k),
                  rtol=tolerance(basis.dtype, device)[0], atol=tolerance(basis.dtype, device)[1])
     lse_rtol, lse_atol = tolerance(torch.float32 if basis.dtype == torch.float32 else torch.float16, device)
     expect_close(lse, want_lse, what=f"lse from {call}", against="torch.logsumexp of the scaled, masked scores",
                  variants=_lse_variants(q, k, causal, q.shape[-1] ** -0.5), rtol=lse_rtol, atol=lse_atol)
+    # Work (seen by the interpreter): a causal kernel skips the key blocks no query of a program may see.
+    if causal and watch.active:
+        visited = len(watch.blocks["K"])
+        needed = _visited_blocks_needed(seq_q, seq_k, block_q, block_k, batch * heads)
+        every = math.ceil(seq_q / block_q) * math.ceil(seq_k / block_k) * batch * heads
+        expect_true(visited <= needed,
+                    f"{call} loaded {visited} blocks of K over all programs ({every} would be every block); only "
+                    f"{needed} hold a key that some query of their program may see.\n  Likely mistake: "
+                    f"{HINTS['kernel_future_blocks']}")
 
 
 @check("flash_attention_kernel: equals SDPA and logsumexp in float32 and float16, ragged and causal, any block sizes ({device})")
@@ -856,20 +1323,86 @@ def check_flash_attention_kernel(flash_attention_kernel: Any, *, seed: int = 0, 
     if not TRITON_AVAILABLE:
         raise CheckFailure(TRITON_MISSING)
     generator = random_generator(seed)
-    # (B, H, S_q, S_k, d), causal, block_q, block_k, dtype. The interpreter costs ~0.3 s a case.
+    # (B, H, S_q, S_k, d), causal, block_q, block_k, dtype. The interpreter costs ~0.3 s a case. Every length is
+    # a multiple of no block (the last blocks are ragged, and the rows after them hold NaN).
     cases = [
-        ((1, 2, 64, 64, 16), True, 32, 32, torch.float32),
-        ((1, 1, 45, 77, 16), False, 16, 32, torch.float32),  # ragged: S not a multiple of the blocks
-        ((1, 1, 40, 72, 16), True, 32, 16, torch.float32),  # ragged, causal, bottom-right
-        ((1, 2, 48, 48, 32), True, 16, 16, torch.float16),
+        ((1, 1, 45, 77, 16), False, 16, 32, torch.float32),
+        ((1, 2, 61, 61, 16), True, 32, 32, torch.float32),
+        ((1, 1, 33, 65, 16), True, 32, 16, torch.float32),  # causal bottom-right: offset 32, ends on a block start
+        ((1, 2, 47, 47, 32), True, 16, 16, torch.float16),
     ]
     if sizes == "more":  # the hidden test: longer and other shapes
-        cases = [((1, 1, 256, 256, 16), True, 32, 32, torch.float32),
+        cases = [((1, 1, 21, 83, 16), True, 16, 16, torch.float32),
+                 ((1, 1, 250, 250, 16), True, 32, 32, torch.float32),
                  ((2, 1, 100, 130, 32), False, 32, 16, torch.float16),
                  ((1, 2, 33, 50, 16), True, 16, 16, torch.float32)]
     for shape, causal, block_q, block_k, dtype in cases:
         _kernel_case(flash_attention_kernel, launch_flash_attention, shape, causal, block_q, block_k, dtype, device,
                      generator)
+
+
+# --------------------------------------------------------------------------------------
+# Challenge: the backward pass as two Triton kernels
+# --------------------------------------------------------------------------------------
+
+
+def _backward_kernel_case(kernel_dkdv, kernel_dq, shape, causal, block_q, block_k, dtype, device, generator) -> None:
+    from attention_lab.triton_kernels import LoadWatch, TritonUnavailable, launch_flash_attention_backward
+
+    q, k, v, out, lse, dout = _backward_inputs(generator, shape, causal, dtype, device)
+    call = (f"your kernels via launch_flash_attention_backward(flash_attention_backward_kernel, "
+            f"flash_attention_backward_dq_kernel, q, k, v, out, lse, dout, causal={causal}, block_q={block_q}, "
+            f"block_k={block_k}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)} "
+            f"({str(dtype).replace('torch.', '')}, {device.type})")
+    watch = LoadWatch()
+    try:
+        grads = launch_flash_attention_backward(kernel_dkdv, kernel_dq, q, k, v, out, lse, dout, causal=causal,
+                                                block_q=block_q, block_k=block_k, poison=POISON_ROWS, watch=watch)
+    except TritonUnavailable as error:
+        raise CheckFailure(str(error)) from None
+    except NotImplementedError as error:
+        raise CheckFailure(f"{call}: not implemented yet ({error}). Write the two kernels.") from None
+    except Exception as error:
+        text = str(error).strip()
+        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
+    for name in ("K", "V", "Q", "dout"):
+        if name in watch.beyond:
+            program, line = watch.beyond[name]
+            where = f" (your line: `{line}`)" if line else ""
+            raise CheckFailure(f"{call}: program {program} loaded rows of {name} past its last one{where}.\n"
+                               f"  Likely mistake: {HINTS['unmasked_load']}")
+    scale = q.shape[-1] ** -0.5
+    want = reference_gradients(q, k, v, dout, causal, scale)
+    variants = _backward_variants(q, k, v, dout, causal, scale, block_q, block_k)
+    for name, got, expected, wrong in zip(("dq", "dk", "dv"), grads, want, variants):
+        if bool((torch.isnan(got.detach().cpu()) & ~torch.isnan(expected)).any()):
+            raise CheckFailure(f"{name} from {call} holds NaN where the gradient is finite.\n  Likely mistake: "
+                               f"{HINTS['nan_past_end']}")
+        basis = _kernel_tolerance_basis(got)
+        rtol, atol = tolerance(basis.dtype, device)
+        expect_close(got, expected, what=f"{name} from {call}", against="torch.autograd through SDPA (float64)",
+                     variants=wrong, rtol=rtol * 4, atol=atol * 4)
+
+
+@check("flash_attention_backward_kernel: dq, dk, dv of two Triton kernels equal autograd through SDPA, float32 and float16, ragged, causal ({device})")
+def check_flash_attention_backward_kernel(flash_attention_backward_kernel: Any,
+                                          flash_attention_backward_dq_kernel: Any, *, seed: int = 0,
+                                          device: torch.device | None = None, sizes: str = "small") -> None:
+    """The challenge: dK/dV with one program per key block, dQ with one program per query block."""
+    from attention_lab.triton_kernels import TRITON_AVAILABLE, TRITON_MISSING
+
+    if not TRITON_AVAILABLE:
+        raise CheckFailure(TRITON_MISSING)
+    generator = random_generator(seed)
+    cases = [((1, 1, 45, 61, 16), False, 16, 32, torch.float32),
+             ((1, 2, 47, 47, 16), True, 32, 16, torch.float32),
+             ((1, 1, 33, 65, 32), True, 16, 16, torch.float16)]
+    if sizes == "more":
+        cases = [((2, 1, 100, 90, 16), False, 32, 32, torch.float32),
+                 ((1, 1, 21, 83, 16), True, 16, 16, torch.float32)]
+    for shape, causal, block_q, block_k, dtype in cases:
+        _backward_kernel_case(flash_attention_backward_kernel, flash_attention_backward_dq_kernel, shape, causal,
+                              block_q, block_k, dtype, device, generator)
 
 
 freeze_module(__name__)

@@ -117,3 +117,174 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
     tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)
+
+# %% answer="flash_attention_backward"
+def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+    # float32 inside, einsum, queries outside (FlashAttention-1's order), dK/dV in lists of blocks.
+    n_q, n_k = q.size(-2), k.size(-2)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    qf, kf, vf, of, dof = q.float(), k.float(), v.float(), out.float(), dout.float()
+    lsef = lse.float()
+    d_row = torch.einsum("bhqd,bhqd->bhq", dof, of)
+    dk_blocks = [torch.zeros_like(kf[..., s:s + block_k, :]) for s in range(0, n_k, block_k)]
+    dv_blocks = [torch.zeros_like(vf[..., s:s + block_k, :]) for s in range(0, n_k, block_k)]
+    dq_blocks = []
+    for qs in range(0, n_q, block_q):
+        qe = min(n_q, qs + block_q)
+        dq_blk = torch.zeros_like(qf[..., qs:qe, :])
+        for index, ks in enumerate(range(0, n_k, block_k)):
+            if causal and ks > qe - 1 + n_k - n_q:
+                break
+            ke = min(n_k, ks + block_k)
+            s = torch.einsum("bhqd,bhkd->bhqk", qf[..., qs:qe, :], kf[..., ks:ke, :]) * scale
+            if causal:
+                hidden = torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None] + n_k - n_q
+                s = s.masked_fill(hidden.to(s.device), -1e9)
+            p = torch.exp(s - lsef[..., qs:qe, None])
+            dv_blocks[index] += torch.einsum("bhqk,bhqd->bhkd", p, dof[..., qs:qe, :])
+            dp = torch.einsum("bhqd,bhkd->bhqk", dof[..., qs:qe, :], vf[..., ks:ke, :])
+            ds = p * (dp - d_row[..., qs:qe, None]) * scale
+            dq_blk += torch.einsum("bhqk,bhkd->bhqd", ds, kf[..., ks:ke, :])
+            dk_blocks[index] += torch.einsum("bhqk,bhqd->bhkd", ds, qf[..., qs:qe, :])
+        dq_blocks.append(dq_blk)
+    return (torch.cat(dq_blocks, -2).to(q.dtype), torch.cat(dk_blocks, -2).to(k.dtype),
+            torch.cat(dv_blocks, -2).to(v.dtype))
+
+# %% answer="FlashAttention"
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        out, lse = flash_attention_forward(q, k, v, 32, 32, causal)
+        ctx.causal = bool(causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = flash_attention_backward(q, k, v, out, lse, grad_out, 32, 32, ctx.causal)
+        return (*grads, None)
+
+
+def flash_attention(q, k, v, causal=False):
+    return FlashAttention.apply(q, k, v, causal)
+
+# %% answer="scale_kernel"
+@triton.jit
+def scale_kernel(X, Out, n, alpha, BLOCK: tl.constexpr):
+    start = tl.program_id(axis=0) * BLOCK
+    idx = start + tl.arange(0, BLOCK)
+    values = tl.load(X + idx, mask=idx < n)
+    tl.store(Out + idx, values * alpha, mask=idx < n)
+
+# %% answer="matmul_kernel"
+@triton.jit
+def matmul_kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # the Triton tutorial's shape: pointers advanced each step, tl.dot with the accumulator
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = B + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < left) & (offs_n[None, :] < N), other=0.0)
+        accumulator = tl.dot(a, b, accumulator)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = C + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, accumulator, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+# %% answer="row_softmax_kernel"
+@triton.jit
+def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    # the Triton tutorial's fused softmax: other=-inf, max subtracted, tl.exp
+    row_start = X + tl.program_id(0) * stride_x
+    offsets = tl.arange(0, BLOCK)
+    row = tl.load(row_start + offsets, mask=offsets < n_cols, other=-float("inf"))
+    numerator = tl.exp(row - tl.max(row, axis=0))
+    denominator = tl.sum(numerator, axis=0)
+    tl.store(Out + tl.program_id(0) * stride_out + offsets, numerator / denominator, mask=offsets < n_cols)
+
+# %% answer="flash_attention_backward_kernel"
+@triton.jit
+def flash_attention_backward_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
+                                    stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                                    seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    key_block = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_k = key_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_k < seq_k
+    k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
+    for q_start in range(0, seq_q, BLOCK_Q):  # every query block; the mask zeroes what is not seen
+        offs_q = q_start + tl.arange(0, BLOCK_Q)
+        row_ok = offs_q < seq_q
+        rows = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+        q = tl.load(Q + rows, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + rows, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(Lse + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+        delta = tl.load(Delta + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_Q, BLOCK_K]
+        visible = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+    dk = dk * sm_scale
+    cols = offs_k[:, None] * stride_ks + offs_d[None, :]
+    tl.store(DK + head_index * stride_kh + cols, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + head_index * stride_vh + cols, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+@triton.jit
+def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
+                                       stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                                       seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                       BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    block_index = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_q < seq_q
+    rows = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+    q = tl.load(Q + rows, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + rows, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(Lse + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    k_stop = seq_k
+    if CAUSAL:
+        k_stop = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + seq_k - seq_q)
+    k_start = 0
+    while k_start < k_stop:
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        key_ok = offs_k < seq_k
+        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale
+        visible = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+        k_start += BLOCK_K
+    dq = dq * sm_scale
+    tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])

@@ -122,3 +122,178 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
     tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)
+
+# %% answer="flash_attention_backward"
+def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+    # exp2 with log2(e) factors, einops to [B·H, S, d], keyword calls, torch.where for the mask,
+    # index_add_ for dQ, a helper for one tile.
+    LOG2E = 1.0 / math.log(2.0)
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    sm_scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    flat = [rearrange(t, "b h s d -> (b h) s d").to(dtype) for t in (q, k, v, out, dout)]
+    q2, k2, v2, o2, do2 = flat
+    lse2 = rearrange(lse, "b h s -> (b h) s").to(dtype) * LOG2E
+    delta = (do2 * o2).sum(dim=-1, keepdim=True)
+    dq2, dk2, dv2 = torch.zeros_like(q2), torch.zeros_like(k2), torch.zeros_like(v2)
+
+    def tile(qs, qe, ks, ke):
+        s2 = torch.bmm(q2[:, qs:qe], k2[:, ks:ke].transpose(1, 2)) * (sm_scale * LOG2E)
+        if causal:
+            keep = torch.arange(ks, ke)[None, :] <= torch.arange(qs, qe)[:, None] + (n_k - n_q)
+            s2 = torch.where(keep.to(s2.device), s2, torch.full_like(s2, float("-inf")))
+        return torch.exp2(s2 - lse2[:, qs:qe, None])
+
+    for ks in range(0, n_k, block_k):
+        ke = min(ks + block_k, n_k)
+        for qs in range(0, n_q, block_q):
+            qe = min(qs + block_q, n_q)
+            if causal and ks >= qe + n_k - n_q:
+                continue
+            p = tile(qs, qe, ks, ke)
+            dv2[:, ks:ke] += torch.bmm(p.transpose(1, 2), do2[:, qs:qe])
+            ds = p * (torch.bmm(do2[:, qs:qe], v2[:, ks:ke].transpose(1, 2)) - delta[:, qs:qe])
+            dq2.index_add_(1, torch.arange(qs, qe, device=q.device), sm_scale * torch.bmm(ds, k2[:, ks:ke]))
+            dk2[:, ks:ke] += sm_scale * torch.bmm(ds.transpose(1, 2), q2[:, qs:qe])
+    unflat = [rearrange(t, "(b h) s d -> b h s d", b=b) for t in (dq2, dk2, dv2)]
+    return unflat[0].to(q.dtype), unflat[1].to(k.dtype), unflat[2].to(v.dtype)
+
+# %% answer="FlashAttention"
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, causal=False):
+        output, logsumexp = flash_attention_forward(query, key, value, block_q=16, block_k=16, causal=causal)
+        ctx.save_for_backward(query, key, value, output, logsumexp)
+        ctx.causal = causal
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, output, logsumexp = ctx.saved_tensors
+        d_query, d_key, d_value = flash_attention_backward(
+            query, key, value, output, logsumexp, grad_output, block_q=16, block_k=16, causal=ctx.causal)
+        return d_query, d_key, d_value, None
+
+
+def flash_attention(q, k, v, causal=False):
+    return FlashAttention.apply(q, k, v, causal)
+
+# %% answer="scale_kernel"
+@triton.jit
+def scale_kernel(X, Out, n, alpha, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    keep = pid * BLOCK + lanes < n
+    ptr_in = X + pid * BLOCK + lanes
+    tl.store(Out + pid * BLOCK + lanes, tl.load(ptr_in, mask=keep, other=0.0) * alpha, mask=keep)
+
+# %% answer="matmul_kernel"
+@triton.jit
+def matmul_kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # float32 products of each block (inputs upcast), accumulated with +=, a while-style loop
+    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k0 = 0
+    while k0 < K:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a_blk = tl.load(A + i[:, None] * stride_am + kk[None, :] * stride_ak,
+                        mask=(i[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
+        b_blk = tl.load(B + kk[:, None] * stride_bk + j[None, :] * stride_bn,
+                        mask=(kk[:, None] < K) & (j[None, :] < N), other=0.0).to(tl.float32)
+        acc += tl.dot(a_blk, b_blk)
+        k0 += BLOCK_K
+    tl.store(C + i[:, None] * stride_cm + j[None, :] * stride_cn, acc, mask=(i[:, None] < M) & (j[None, :] < N))
+
+# %% answer="row_softmax_kernel"
+@triton.jit
+def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    # exp2 with log2(e), the masked lanes zeroed after the exponential instead of loaded as -inf
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    valid = c < n_cols
+    x = tl.load(X + r * stride_x + c, mask=valid, other=-1.0e30)
+    m = tl.max(tl.where(valid, x, -1.0e30), axis=0)
+    p = tl.where(valid, tl.exp2((x - m) * 1.4426950408889634), 0.0)
+    tl.store(Out + r * stride_out + c, p / tl.sum(p, axis=0), mask=valid)
+
+# %% answer="flash_attention_backward_kernel"
+# exp2 with log2(e), the scale folded into dS, the launcher's kernels as given
+@triton.jit
+def flash_attention_backward_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
+                                    stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                                    seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    key_block = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_k = key_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_k < seq_k
+    k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_K, HEAD_DIM], dtype=tl.float32)
+    q_start_first = 0
+    if CAUSAL:  # queries before key_block·BLOCK_K − (S_k − S_q) see none of these keys
+        q_start_first = tl.maximum(0, key_block * BLOCK_K - (seq_k - seq_q)) // BLOCK_Q * BLOCK_Q
+    for q_start in range(q_start_first, seq_q, BLOCK_Q):
+        offs_q = q_start + tl.arange(0, BLOCK_Q)
+        row_ok = offs_q < seq_q
+        rows = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+        q = tl.load(Q + rows, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + rows, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(Lse + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+        delta = tl.load(Delta + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_Q, BLOCK_K]
+        visible = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+        p = tl.where(visible, tl.exp2((s - lse[:, None]) * 1.4426950408889634), 0.0)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds * sm_scale).to(q.dtype), q)
+    cols = offs_k[:, None] * stride_ks + offs_d[None, :]
+    tl.store(DK + head_index * stride_kh + cols, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + head_index * stride_vh + cols, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+@triton.jit
+def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
+                                       stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                                       seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                       BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    block_index = tl.program_id(0)
+    head_index = tl.program_id(1)
+    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_q < seq_q
+    rows = head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+    q = tl.load(Q + rows, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + rows, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(Lse + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + head_index * seq_q + offs_q, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    k_stop = seq_k
+    if CAUSAL:
+        k_stop = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + seq_k - seq_q)
+    for k_start in range(0, k_stop, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        key_ok = offs_k < seq_k
+        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale
+        visible = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+        p = tl.where(visible, tl.exp2((s - lse[:, None]) * 1.4426950408889634), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot((ds * sm_scale).to(k.dtype), k)
+    tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
