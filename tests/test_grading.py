@@ -8,6 +8,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -242,18 +243,19 @@ def tiny_class(tmp_path):
     return submit
 
 
-@pytest.fixture
-def engine_starts(monkeypatch):
-    """The pid of every engine process the pipeline starts."""
-    pids: list[int] = []
-    start = grade.Engine._start
+def engine_pids(outcomes) -> set[int]:
+    """The nbgrader engine processes (on the Dask workers) that graded these outcomes."""
+    return {pid for o in outcomes for pid in o.engines}
 
-    def counted(self):
-        start(self)
-        pids.append(self.process.pid)
 
-    monkeypatch.setattr(grade.Engine, "_start", counted)
-    return pids
+def wait_until_gone(pids: set[int], seconds: float = 30) -> set[int]:
+    """The pids still running after ``seconds`` (an engine exits once its Dask worker is gone)."""
+    deadline = time.monotonic() + seconds
+    while (alive := {pid for pid in pids if Path(f"/proc/{pid}").exists()
+                     and "autograder.worker" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")}) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
 
 
 def processes_running(*argv: str, parent: int | None = None) -> list[int]:
@@ -272,17 +274,19 @@ def processes_running(*argv: str, parent: int | None = None) -> list[int]:
 
 
 @pytest.mark.slow
-def test_one_engine_grades_a_job_students_each_in_a_fresh_kernel(tiny_class, engine_starts):
+def test_one_engine_grades_a_job_students_each_in_a_fresh_kernel(tiny_class):
     root = tiny_class({"ann": "value = 42", "bob": "value = 41", "cy": "value = 42", "dee": "value = 42"})
     outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=lambda *_: None)
     # A kernel shared between students would fail the second one's test (the builtins marker).
     assert {o.student: o.score for o in outcomes} == {"ann": 1.0, "bob": 0.0, "cy": 1.0, "dee": 1.0}
-    assert len(engine_starts) == 1, "the job's engine should grade all four students"
-    assert processes_running("-m", "autograder.worker", parent=os.getpid()) == [], "the engine outlived the run"
+    assert len(engine_pids(outcomes)) == 1, "the worker's engine should grade all four students"
+    assert len({o.worker for o in outcomes}) == 1 and str(os.getpid()) not in outcomes[0].worker, \
+        "graded by one Dask worker process, not this one"
+    assert wait_until_gone(engine_pids(outcomes)) == set(), "the engine outlived the run"
 
 
 @pytest.mark.slow
-def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny_class, engine_starts):
+def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny_class):
     # long enough to start an engine and a kernel on this machine now, far shorter than the sleep
     notebook_timeout = int(max(15, 4 * setup_cell_seconds()))
     root = tiny_class({"ann": "import time\ntime.sleep(600)\nvalue = 42", "bob": "value = 42"})
@@ -291,8 +295,9 @@ def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny
     assert outcomes["ann"].status == "graded" and outcomes["ann"].score == 0.0, outcomes["ann"].error
     assert [i["kind"] for i in outcomes["ann"].incidents] == ["notebook_timeout"]
     assert outcomes["bob"].score == 1.0
-    assert len(engine_starts) == 2, "the killed engine should be replaced by exactly one new one"
-    assert processes_running("-m", "autograder.worker", parent=os.getpid()) == []
+    outcomes = list(outcomes.values())
+    assert len(engine_pids(outcomes)) == 2, "the killed engine should be replaced by exactly one new one"
+    assert wait_until_gone(engine_pids(outcomes)) == set()
 
 
 @pytest.mark.slow
@@ -326,7 +331,9 @@ def test_under_load_and_a_slow_kernel_start_honest_work_is_graded_and_loops_are_
     settings = grade.Settings(timeout=limit, unresponsive_grace=5, attempts=3)
     log: list[str] = []
     with loaded_machine(tmp_path / "load"):
-        outcomes = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+        # the kernel start is slowed in this process: the workers are threads of it
+        outcomes = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append,
+                                                      processes=False)}
     report = "\n".join(log) + f"\n(cell limit {limit} s, setup cell {baseline:.1f} s unloaded)"
     assert {s: (o.status, o.score) for s, o in outcomes.items()} == {
         "ann": ("graded", 1.0), "bob": ("graded", 1.0), "cy": ("graded", 0.0)}, report
@@ -381,7 +388,8 @@ def test_a_kernel_that_cannot_start_is_reported_with_its_cause(tiny_class, monke
     kernel_argv = sandbox.kernel_argv
     monkeypatch.setattr(sandbox, "kernel_argv", missing_interpreter)
     root = tiny_class({"ann": "value = 42"})
-    (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None)
+    (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None,
+                             processes=False)  # the Dask worker is a thread of this (monkeypatched) process
     assert outcome.status == "failed"
     first_line = outcome.error.splitlines()[0]
     assert first_line.startswith("the kernel could not start: ") and "/nonexistent/python3" in first_line
