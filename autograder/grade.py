@@ -137,7 +137,7 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
                     outcome.fingerprint = digest
                     if outcome.status == "graded":
                         try:
-                            merge(outcome, result, root, url)   # the only writer of the gradebook
+                            merge(outcome, result, root, url, settings.late_penalty)   # the only writer of the gradebook
                         except Exception as failure:
                             outcome.status = "failed"
                             outcome.error = f"merge failed: {type(failure).__name__}: {failure}"

@@ -20,7 +20,8 @@ from autograder.nbgrader_cli import run_nbgrader
 from autograder.release import (REPO_ROOT, build_source, course_repository, mark_hidden_tests, setup_cell_source,
                                 write_notebook)
 from autograder.settings import SETUP_CELL_ID
-from tests.grading_helpers import loaded_machine, setup_cell_seconds, slow_kernel_start
+from tests.grading_helpers import (TINY, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
+                                   tiny_notebook)
 
 ASSIGNMENT = "01_mha_shapes"
 
@@ -194,51 +195,13 @@ def test_render_keeps_the_lines_of_a_message_and_names_the_notebook_once():
 # The engines: one long-lived nbgrader process per job, a new kernel per notebook
 # --------------------------------------------------------------------------------------
 
-TINY = "00_tiny"
-
-
-def tiny_notebook(answer: str, setup: bool = False, written: str | None = None):
-    """A one-exercise nbgrader notebook (no torch unless ``setup``): ``answer`` must define ``value = 42``.
-
-    ``setup``: first the course's generated setup cell (imports the course and torch);
-    ``written``: then a written answer graded by hand (2 points) with this text.
-    """
-    def nbgrader(grade_id, **flags):
-        return {"nbgrader": {"grade_id": grade_id, "schema_version": 3, "task": False, "grade": False,
-                             "solution": False, "locked": False, **flags}}
-
-    cells = [
-        nbformat.v4.new_code_cell(answer, metadata=nbgrader("answer", solution=True)),
-        nbformat.v4.new_code_cell("import builtins\n"
-                                  "assert not hasattr(builtins, 'left_by_another_student')\n"
-                                  "builtins.left_by_another_student = True\n"
-                                  "assert value == 42", metadata=nbgrader("test_value", grade=True, locked=True, points=1)),
-    ]
-    if setup:
-        cells.insert(0, nbformat.v4.new_code_cell(setup_cell_source("x/y"), metadata=nbgrader(SETUP_CELL_ID, locked=True)))
-    if written is not None:
-        cells.append(nbformat.v4.new_markdown_cell(written, metadata=nbgrader("why_value", grade=True, solution=True,
-                                                                                points=2)))
-    return nbformat.v4.new_notebook(cells=cells, metadata={
-        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-
-
 @pytest.fixture
 def tiny_class(tmp_path):
     """A course root with the tiny assignment and a few students (``{student: answer}`` to fill)."""
     root = tmp_path / "autograder"
 
     def submit(answers: dict[str, str], setup: bool = False, written: dict[str, str] | None = None):
-        model_answer = "42 is the answer." if written is not None else None
-        (root / "source" / TINY).mkdir(parents=True, exist_ok=True)
-        nbformat.write(tiny_notebook("### BEGIN SOLUTION\nvalue = 42\n### END SOLUTION", setup, model_answer),
-                       str(root / "source" / TINY / f"{TINY}.ipynb"))
-        for student, answer in answers.items():
-            folder = root / "submitted" / student / TINY
-            folder.mkdir(parents=True)
-            text = written.get(student, "YOUR ANSWER HERE") if written is not None else None
-            nbformat.write(tiny_notebook(answer, setup, text), str(folder / f"{TINY}.ipynb"))
-        return root
+        return tiny_course(root, answers, setup, written)
 
     return submit
 
@@ -441,3 +404,74 @@ def test_written_answers_wait_for_manual_grading_and_export_follows_the_gradeboo
     feedback.write_feedback(root)
     page = (root / "feedback" / "ann" / TINY / f"{TINY}.html").read_text()
     assert "awaiting grading by hand" not in page and "1.5 / 2" in page
+
+
+# --------------------------------------------------------------------------------------
+# A resubmission, hand grades, a due date (SQLite; the same code serves PostgreSQL)
+# --------------------------------------------------------------------------------------
+
+def resubmit(root: Path, student: str, answer: str, written: str, submitted_at: str | None = None) -> None:
+    folder = root / "submitted" / student / TINY
+    nbformat.write(tiny_notebook(answer, written=written), str(folder / f"{TINY}.ipynb"))
+    if submitted_at:
+        (folder / "timestamp.txt").write_text(submitted_at)
+
+
+@pytest.mark.slow
+def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_when_late(tiny_class):
+    import datetime
+
+    root = tiny_class({"ann": "value = 42", "bob": "value = 41", "cy": "value = 42"},
+                      written={"ann": "Because.", "bob": "Why not.", "cy": "It is."})
+    settings = grade.Settings(timeout=30, late_penalty="zero")
+    log: list[str] = []
+    first = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    # every total still waits for the written answer: the console says so
+    assert all(o.pending == 2.0 for o in first.values())
+    assert any("ann/00_tiny: 1 / 3 (incomplete: 2 points awaiting hand grading)" in line for line in log), log
+    with gradebook.open_gradebook(root) as gb:      # the TAs grade in Formgrader
+        for student, score in (("ann", 1.5), ("bob", 0.5), ("cy", 2.0)):
+            written = gb.find_grade("why_value", TINY, TINY, student)
+            written.manual_score, written.needs_manual_grade = score, False
+        gb.find_grade("test_value", TINY, TINY, "bob").manual_score = 1.0     # an override of the test
+        gb.find_comment("why_value", TINY, TINY, "bob").manual_comment = "Say why."
+        # the due date (the instructors' tools record it in the gradebook)
+        gb.update_or_create_assignment(TINY, duedate=datetime.datetime(2026, 1, 10, 12, 0))
+        gb.db.commit()
+    # unchanged rows show the gradebook's score, hand grades included ... and the due date now
+    # applies: every submission's time is read again (none has a timestamp.txt: not late)
+    log.clear()
+    second = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    assert {s: (o.score, o.pending) for s, o in second.items()} == {"ann": (2.5, 0.0), "bob": (1.5, 0.0),
+                                                                    "cy": (3.0, 0.0)}, log
+    # ann changes her code only, a day late; bob rewrites his written answer; cy sends the same again
+    resubmit(root, "ann", "value = 6 * 7", "Because.", "2026-01-11 12:00:00.000000 UTC")
+    resubmit(root, "bob", "value = 41", "Now I know why.", "2026-01-09 12:00:00.000000 UTC")
+    resubmit(root, "cy", "value = 42", "It is.", "2026-01-10 11:59:00.000000 UTC")
+    log.clear()
+    third = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    assert {s: o.status for s, o in third.items()} == {"ann": "graded", "bob": "graded", "cy": "graded"}, log
+    with gradebook.open_gradebook(root) as gb:
+        ann = gb.find_grade("why_value", TINY, TINY, "ann")
+        assert (ann.manual_score, ann.needs_manual_grade) == (1.5, False), "ann's unchanged answer lost its grade"
+        bob = gb.find_grade("why_value", TINY, TINY, "bob")
+        assert (bob.manual_score, bob.needs_manual_grade) == (None, True), "bob's new answer kept the old grade"
+        assert gb.find_grade("test_value", TINY, TINY, "bob").manual_score is None
+        assert gb.find_comment("why_value", TINY, TINY, "bob").manual_comment is None
+        assert gb.find_grade("why_value", TINY, TINY, "cy").manual_score == 2.0
+        late = gb.find_submission(TINY, "ann")
+        assert late.total_seconds_late == 24 * 3600 and late.late_submission_penalty == 2.5
+        assert gb.find_submission(TINY, "cy").late_submission_penalty == 0.0
+    assert (third["ann"].score, third["ann"].late_penalty) == (0.0, 2.5)      # nbgrader's "zero" method
+    assert (third["bob"].score, third["bob"].pending) == (0.0, 2.0)
+    assert (third["cy"].score, third["cy"].pending) == (3.0, 0.0)
+    assert any("ann/00_tiny: 0 / 3 (late penalty 2.5)" in line for line in log), log
+    report = (root / "reports" / "grading_report.md").read_text()
+    assert "| bob | 00_tiny | graded | 0 / 3 (incomplete: 2 points awaiting hand grading) |" in report
+
+
+def test_grading_before_any_intake_says_what_to_do_first(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "autograder.grade", "--root", str(tmp_path / "course")],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "make intake SUBMISSIONS=" in result.stderr, result.stderr
+    assert "graded" not in result.stdout

@@ -114,13 +114,25 @@ def _read(data: bytes | None) -> nbformat.NotebookNode | None:
         return None
 
 
-def merge(outcome: Outcome, result: dict, root: Path, url: str | None = None) -> None:
+def late_penalty(method: str, student: str, score: float, seconds_late: float) -> float | None:
+    """nbgrader's own rule (``LateSubmissionPlugin``, as ``AssignLatePenalties`` applies it):
+    the penalty of a notebook scoring ``score`` (hand grades included), within [0, score]."""
+    from nbgrader.plugins import LateSubmissionPlugin
+
+    if seconds_late <= 0:
+        return None
+    penalty = LateSubmissionPlugin(penalty_method=method).late_submission_penalty(student, score, seconds_late)
+    return None if penalty is None else min(max(penalty, 0.0), score)
+
+
+def merge(outcome: Outcome, result: dict, root: Path, url: str | None = None, late: str = "none") -> None:
     """One student's grades (as a worker returned them) into the gradebook, and the autograded
     notebooks into ``autograded/`` (the one writer of both).
 
     An earlier hand grade (a manual score, extra credit, a grader's comment) is kept when
     the answer it graded did not change: a written answer's own text for its cell; every
-    answer of the notebook for a test cell whose automatic score a grader overrode.
+    answer of the notebook for a test cell whose automatic score a grader overrode.  The late
+    penalty (method ``late``) is computed here, on the score the gradebook now holds.
     """
     destination = root / "autograded" / outcome.student / outcome.assignment
     flagged = {i["notebook"] for i in outcome.incidents if i.get("notebook")}
@@ -154,7 +166,11 @@ def merge(outcome: Outcome, result: dict, root: Path, url: str | None = None) ->
                     mine.manual_comment = None
             submitted = target.find_submission_notebook(name, outcome.assignment, outcome.student)
             submitted.flagged = name in flagged
-            submitted.late_submission_penalty = recorded.get("late_submission_penalty")
+        target.db.commit()
+        submission = target.find_submission(outcome.assignment, outcome.student)
+        for submitted in submission.notebooks:
+            submitted.late_submission_penalty = late_penalty(late, outcome.student, float(submitted.score),
+                                                             float(submission.total_seconds_late or 0))
         target.db.commit()
         totals = _totals(target.find_submission(outcome.assignment, outcome.student))
     outcome.score, outcome.max_score, outcome.pending, outcome.late_penalty = totals
