@@ -19,6 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("postgres")]
 ANSWERS = {"ann": "value = 42", "bob": "value = 41", "cy": "value = 6 * 7", "dee": "raise ValueError('no')"}
 SCORES = {"ann": 1.0, "bob": 0.0, "cy": 1.0, "dee": 0.0}
 WRITTEN = {"ann": "Because.", "cy": "The answer."}
+# a written answer left as released is not waiting for a grader (nbgrader scores it 0)
+PENDING = {"ann": 2.0, "bob": 0.0, "cy": 2.0, "dee": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def test_a_class_grades_into_postgresql(database, tmp_path, monkeypatch):
     root = tiny_course(tmp_path / "course", ANSWERS, written=WRITTEN)
     outcomes = grade.grade(root, jobs=2, settings=grade.Settings(timeout=30), db_url=url, log=lambda *_: None)
     assert {o.student: (o.status, o.score, o.pending) for o in outcomes} == {
-        s: ("graded", SCORES[s], 2.0) for s in ANSWERS}
+        s: ("graded", SCORES[s], PENDING[s]) for s in ANSWERS}
     assert not (root / "gradebook.db").exists(), "the SQLite gradebook was written instead"
     with gradebook.open_gradebook(root, url) as gb:
         assert {s.student.id: s.score for s in gb.find_assignment(TINY).submissions} == SCORES
@@ -59,7 +61,7 @@ def test_a_class_grades_into_postgresql(database, tmp_path, monkeypatch):
     assert gradebook.db_url(root) == url and gradebook.exists(root)
     again = grade.grade(root, jobs=2, settings=grade.Settings(timeout=30), log=lambda *_: None)
     assert {o.student: (o.status, o.score, o.pending) for o in again} == {
-        **{s: ("unchanged", SCORES[s], 2.0) for s in ANSWERS}, "ann": ("unchanged", 3.0, 0.0)}
+        **{s: ("unchanged", SCORES[s], PENDING[s]) for s in ANSWERS}, "ann": ("unchanged", 3.0, 0.0)}
     assert rows(url) == {"student": 4, "assignment": 1, "submitted_assignment": 4, "submitted_notebook": 4,
                          "grade": 8, "comment": 4}
 

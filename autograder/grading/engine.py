@@ -52,7 +52,7 @@ def cluster(jobs: int, scheduler: str | None = None, processes: bool = True) -> 
                                                  "distributed.worker.daemon": False}))
             local = stack.enter_context(LocalCluster(
                 n_workers=jobs, threads_per_worker=1, processes=processes, memory_limit=0,
-                dashboard_address=None, silence_logs=logging.ERROR, scheduler_port=0))
+                dashboard_address=":0", silence_logs=logging.ERROR, scheduler_port=0))
             client = stack.enter_context(Client(local))
             description = f"Dask LocalCluster, {jobs} worker {'processes' if processes else 'threads'} x 1 thread"
         try:
