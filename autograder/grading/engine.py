@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -77,8 +78,9 @@ def run(connection: Cluster, shared: dict[str, dict], tasks: list[dict]) -> Iter
     futures = {}
     for index, payload in enumerate(tasks):
         payload = {**payload, **scattered[payload["assignment"]], "index": index}
+        # a key of its own: several grading runs may share one cluster
         future = client.submit(worker_task.grade_submission, payload, pure=False,
-                               key=f"grade-{index}-{abs(hash((payload['student'], payload['assignment'])))}")
+                               key=f"grade-{payload['student']}/{payload['assignment']}-{uuid.uuid4().hex[:12]}")
         futures[future] = index
     for future in as_completed(futures):
         index = futures[future]
