@@ -273,11 +273,11 @@ def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny
     assert wait_until_gone(engine_pids(outcomes)) == set()
 
 
-@pytest.mark.slow
 # Without bubblewrap "auto" is "off": the same run twice, so it is not repeated.
 SANDBOX_MODES = ["auto", "off"] if sandbox.bwrap_path() is not None else ["off"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isolation, seconds", [(m, f"417{n}") for n, m in enumerate(SANDBOX_MODES, 1)])
 def test_processes_a_student_detaches_do_not_outlive_their_grading(tiny_class, isolation, seconds):
     """Under bubblewrap the sandbox's end takes them; without it the engine adopts and kills them."""

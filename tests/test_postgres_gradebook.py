@@ -63,7 +63,7 @@ def test_a_class_grades_into_postgresql(database, tmp_path, monkeypatch):
     assert {o.student: (o.status, o.score, o.pending) for o in again} == {
         **{s: ("unchanged", SCORES[s], PENDING[s]) for s in ANSWERS}, "ann": ("unchanged", 3.0, 0.0)}
     assert rows(url) == {"student": 4, "assignment": 1, "submitted_assignment": 4, "submitted_notebook": 4,
-                         "grade": 8, "comment": 4}
+                         "grade": 8, "comment": 8}
 
 
 def test_two_grading_runs_at_once_neither_corrupt_nor_duplicate(database, tmp_path):
@@ -76,7 +76,7 @@ def test_two_grading_runs_at_once_neither_corrupt_nor_duplicate(database, tmp_pa
     for status, output in results:
         assert status == 0 and "graded 4, unchanged 0, failed 0" in output, output
     assert rows(url) == {"student": 4, "assignment": 1, "submitted_assignment": 4, "submitted_notebook": 4,
-                         "grade": 8, "comment": 4}
+                         "grade": 8, "comment": 8}
     with gradebook.open_gradebook(roots[0], url) as gb:
         assert {s.student.id: s.score for s in gb.find_assignment(TINY).submissions} == SCORES
         assert sum(len(n.grade_cells) for n in gb.find_assignment(TINY).notebooks) == 2

@@ -59,8 +59,9 @@ def cluster(jobs: int, scheduler: str | None = None, processes: bool = True) -> 
         try:
             yield Cluster(client, description)
         finally:
-            with contextlib.suppress(Exception):  # each worker's nbgrader processes end with the run
-                client.run(worker_task.stop_engines)
+            if not scheduler:  # the embedded workers' nbgrader processes end with the run; a shared
+                with contextlib.suppress(Exception):  # cluster's serve the next run (and other graders')
+                    client.run(worker_task.stop_engines)
 
 
 def run(connection: Cluster, shared: dict[str, dict], tasks: list[dict]) -> Iterator[tuple[int, dict | None, str]]:
