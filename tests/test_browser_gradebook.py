@@ -29,6 +29,8 @@ def test_formgrader_shows_and_saves_grades_in_the_postgresql_gradebook(tmp_path,
         assert [o.status for o in outcomes] == ["graded", "graded"]
         with running_lab("formgrader", root, tmp_path, extra_env={DB_URL_VARIABLE: url}) as server:
             page = browser.new_page()
+            page.goto(server.url("formgrader"))            # logs in with the token, lists the assignments
+            page.locator("table").get_by_text(TINY, exact=True).wait_for()
             page.goto(server.url(f"formgrader/gradebook/{TINY}/{TINY}"))
             rows = page.locator("table tbody tr")
             rows.filter(has_text="bob").wait_for()

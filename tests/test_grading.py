@@ -392,9 +392,11 @@ def test_written_answers_wait_for_manual_grading_and_export_follows_the_gradeboo
         written = gb.find_grade("why_value", TINY, TINY, "ann")
         assert written.needs_manual_grade and written.auto_score is None  # autograding left it alone
     grades_csv, by_question_csv = export(root)
-    assert {(r["student_id"], r["score"], r["manual_grading_pending"]) for r in read_csv(grades_csv) if r["student_id"] in ("ann", "bob")} == {
+    assert {(r["student_id"], r["score"], r["manual_grading_pending"]) for r in read_csv(grades_csv)
+            if r["student_id"] in ("ann", "bob")} == {
         ("ann", "1.0", "yes"), ("bob", "0.0", "yes")}
-    pending = {(r["student"], r["grade_id"]): r["manual_grading_pending"] for r in read_csv(by_question_csv) if r["student"] in ("ann", "bob")}
+    pending = {(r["student"], r["grade_id"]): r["manual_grading_pending"] for r in read_csv(by_question_csv)
+               if r["student"] in ("ann", "bob")}
     assert pending == {("ann", "test_value"): "no", ("ann", "why_value"): "yes",
                        ("bob", "test_value"): "no", ("bob", "why_value"): "yes"}
     feedback.write_feedback(root)
@@ -409,9 +411,11 @@ def test_written_answers_wait_for_manual_grading_and_export_follows_the_gradeboo
         gb.find_grade("test_value", TINY, TINY, "bob").extra_credit = 1.0
         gb.db.commit()
     grades_csv, by_question_csv = export(root)
-    assert {(r["student_id"], r["score"], r["manual_grading_pending"]) for r in read_csv(grades_csv) if r["student_id"] in ("ann", "bob")} == {
+    assert {(r["student_id"], r["score"], r["manual_grading_pending"]) for r in read_csv(grades_csv)
+            if r["student_id"] in ("ann", "bob")} == {
         ("ann", "2.5", "no"), ("bob", "1.0", "yes")}
-    scores = {(r["student"], r["grade_id"]): r["score"] for r in read_csv(by_question_csv) if r["student"] in ("ann", "bob")}
+    scores = {(r["student"], r["grade_id"]): r["score"] for r in read_csv(by_question_csv)
+               if r["student"] in ("ann", "bob")}
     assert scores == {("ann", "test_value"): "1", ("ann", "why_value"): "1.5",
                       ("bob", "test_value"): "1", ("bob", "why_value"): "0"}
     feedback.write_feedback(root)
@@ -448,15 +452,16 @@ def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_
             written.manual_score, written.needs_manual_grade = score, False
         gb.find_grade("test_value", TINY, TINY, "bob").manual_score = 1.0     # an override of the test
         gb.find_comment("why_value", TINY, TINY, "bob").manual_comment = "Say why."
-        # the due date (the instructors' tools record it in the gradebook)
-        gb.update_or_create_assignment(TINY, duedate=datetime.datetime(2026, 1, 10, 12, 0))
         gb.db.commit()
-    # unchanged rows show the gradebook's score, hand grades included ... and the due date now
-    # applies: every submission's time is read again (none has a timestamp.txt: not late)
+    # unchanged rows show the gradebook's score, hand grades included
     log.clear()
     second = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
-    assert {s: (o.score, o.pending) for s, o in second.items()} == {"ann": (2.5, 0.0), "bob": (1.5, 0.0),
-                                                                    "cy": (3.0, 0.0)}, log
+    assert {s: (o.status, o.score, o.pending) for s, o in second.items()} == {
+        "ann": ("unchanged", 2.5, 0.0), "bob": ("unchanged", 1.5, 0.0), "cy": ("unchanged", 3.0, 0.0)}, log
+    assert any(line.strip() == "unchanged ann/00_tiny: 2.5 / 3" for line in log), log
+    with gradebook.open_gradebook(root) as gb:   # the due date (the instructors' tools record it)
+        gb.update_or_create_assignment(TINY, duedate=datetime.datetime(2026, 1, 10, 12, 0))
+        gb.db.commit()
     # ann changes her code only, a day late; bob rewrites his written answer; cy sends the same again
     resubmit(root, "ann", "value = 6 * 7", "Because.", "2026-01-11 12:00:00.000000 UTC")
     resubmit(root, "bob", "value = 41", "Now I know why.", "2026-01-09 12:00:00.000000 UTC")

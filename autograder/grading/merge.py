@@ -79,7 +79,8 @@ def duedates(root: Path, url: str | None = None) -> dict[str, str]:
 def template(root: Path, assignment: str, url: str | None = None) -> bytes:
     """An SQLite gradebook holding only ``assignment`` (cells and due date), as bytes."""
     with tempfile.TemporaryDirectory(prefix="alg-template-") as scratch:
-        with gradebook.open_gradebook(root, url) as main, gradebook.open_gradebook(Path(scratch), f"sqlite:///{scratch}/t.db") as copy:
+        with gradebook.open_gradebook(root, url) as main, \
+                gradebook.open_gradebook(Path(scratch), f"sqlite:///{scratch}/t.db") as copy:
             found = main.find_assignment(assignment)
             copy.update_or_create_assignment(assignment, duedate=found.duedate)
             for notebook in found.notebooks:
