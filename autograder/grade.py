@@ -168,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="the course root (default: autograder/course_root/)")
     parser.add_argument("--jobs", "-j", type=int, default=int(os.environ.get("JOBS", 2)),
                         help="students graded at once: worker processes of the embedded Dask cluster (default: $JOBS or 2)")
-    parser.add_argument("--scheduler", default=os.environ.get("SCHEDULER") or None,
-                        help="an existing Dask scheduler, e.g. tcp://host:8786 (default: $SCHEDULER, else an "
-                             "embedded cluster of --jobs worker processes)")
+    parser.add_argument("--scheduler", default=None,
+                        help="an existing Dask scheduler, e.g. tcp://host:8786 (make grade SCHEDULER=...; default: "
+                             "an embedded cluster of --jobs worker processes)")
     parser.add_argument("--db-url", default=None,
                         help=f"the gradebook's database (default: ${DB_URL_VARIABLE}, else SQLite in the course root)")
     parser.add_argument("--force", action="store_true", help="regrade unchanged submissions too")
