@@ -7,10 +7,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 JOBS ?= 2
+# A shared gradebook on a database server (`make grade DB_URL=postgresql://...`): every target
+# that opens the gradebook (grade, feedback, export, formgrader) uses it; SQLite otherwise.
+ifdef DB_URL
+export ATTENTION_LAB_DB_URL := $(DB_URL)
+endif
 # Jupyter refuses to run as root unless told to (CI and containers run as root).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help setup lab formgrader release release-check test test-fast sandbox browser intake grade feedback export bench gpu-check clean
+.PHONY: help setup lab formgrader release release-check test test-fast sandbox browser postgres intake grade feedback export bench gpu-check clean
 .PHONY: roster deadlines withdraw report
 
 help: ## list the targets
@@ -75,7 +80,11 @@ browser: ## install Debian's chromium (the browser tests drive it with Playwrigh
 	@test -x /usr/bin/chromium || { (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
 	  || echo "warning: could not install chromium; the browser tests will be SKIPPED"; }
 
-test: setup sandbox browser ## run the whole test suite (sets up first if needed)
+postgres: ## install Debian's PostgreSQL server (the shared-gradebook tests start one) when it is missing
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq postgresql) >/dev/null 2>&1 \
+	  || echo "warning: could not install postgresql; the PostgreSQL gradebook tests will be SKIPPED"; }
+
+test: setup sandbox browser postgres ## run the whole test suite (sets up first if needed)
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup
 
 test-fast: setup ## the suite without the slow notebook/nbgrader tests
@@ -97,8 +106,12 @@ withdraw: setup ## take out one wrongly filed submission: STUDENT=<id> ASSIGNMEN
 	@test -n "$(STUDENT)" -a -n "$(ASSIGNMENT)" || { echo "usage: make withdraw STUDENT=<id> ASSIGNMENT=<name>"; exit 2; }
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.roster withdraw --student "$(STUDENT)" --assignment "$(ASSIGNMENT)"
 
-grade: setup sandbox ## autograde new/changed submissions, JOBS students at a time (FORCE=1 regrades all)
-	$(BIN)/python -m autograder.grade --jobs $(JOBS) $(if $(FORCE),--force)
+# SCHEDULER=tcp://host:8786: grade on that Dask cluster (default: JOBS local worker processes);
+# DB_URL=postgresql://...: the shared gradebook; STUDENT=... ASSIGNMENT=...: regrade that one submission.
+grade: setup sandbox ## autograde new/changed submissions on Dask, JOBS at a time (FORCE=1, STUDENT=/ASSIGNMENT=, SCHEDULER=, DB_URL=)
+	$(BIN)/python -m autograder.grade --jobs $(JOBS) $(if $(FORCE),--force) \
+	  $(if $(SCHEDULER),--scheduler "$(SCHEDULER)") $(if $(STUDENT),--student "$(STUDENT)") \
+	  $(if $(ASSIGNMENT),--assignment "$(ASSIGNMENT)") $(if $(LATE_PENALTY),--late-penalty "$(LATE_PENALTY)")
 
 feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/*.html
 	$(BIN)/python -m autograder.feedback

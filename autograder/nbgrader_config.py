@@ -9,7 +9,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-from autograder.settings import CELL_TIMEOUT, COURSE_ID, COURSE_ROOT  # noqa: E402
+from autograder.settings import (CELL_TIMEOUT, COURSE_ID, COURSE_ROOT, DB_URL_VARIABLE,  # noqa: E402
+                                 LATE_PENALTY_METHOD)
 
 c = get_config()  # noqa: F821 -- provided by nbgrader when it loads this file
 
@@ -17,6 +18,10 @@ c = get_config()  # noqa: F821 -- provided by nbgrader when it loads this file
 # its own; `make grade` builds source/<assignment>/ from solutions/.
 c.CourseDirectory.root = str(COURSE_ROOT)
 c.CourseDirectory.course_id = COURSE_ID
+# A shared gradebook on a database server (`make formgrader DB_URL=postgresql://...`): the
+# same one the grading pipeline writes (autograder/gradebook.py reads the same variable).
+if os.environ.get(DB_URL_VARIABLE):
+    c.CourseDirectory.db_url = os.environ[DB_URL_VARIABLE]
 
 # Every student's notebook has one code stub per answer cell; `make release` turns
 # "raise NotImplementedError()" into "Exercise 1.3: implement split_heads".
@@ -27,3 +32,6 @@ c.ClearSolutions.enforce_metadata = True
 c.Execute.timeout = CELL_TIMEOUT
 
 c.Autograde.create_student = True
+
+# nbgrader's late-submission penalty, as the pipeline applies it (timestamp.txt vs due date).
+c.LateSubmissionPlugin.penalty_method = LATE_PENALTY_METHOD

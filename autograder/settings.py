@@ -27,3 +27,13 @@ CELL_TIMEOUT = 120              # seconds a cell may run, counted from the cell'
 KERNEL_STARTUP_TIMEOUT = 300    # seconds for a kernel to start and run the setup cell
 UNRESPONSIVE_GRACE = 10         # seconds (at least) an interrupted kernel has to answer
 MAX_OUTPUT_BYTES = 1_000_000    # output kept per cell
+
+# nbgrader's late-submission penalty (LateSubmissionPlugin.penalty_method: "none" or "zero"),
+# applied from each submission's timestamp.txt (written by intake) and the assignment's due
+# date in the gradebook; `python -m autograder.grade --late-penalty` overrides it for one run.
+LATE_PENALTY_METHOD = "none"
+
+# The gradebook: SQLite in the course root unless this variable (set by `make ... DB_URL=...`)
+# names a database server, e.g. postgresql://grader:secret@db.example.org/attention_lab,
+# shared by the grading pipeline and every grader's Formgrader.
+DB_URL_VARIABLE = "ATTENTION_LAB_DB_URL"

@@ -1,6 +1,10 @@
-"""The grading engine of one job: autograde students one after another (run by autograder.grade).
+"""The nbgrader engine of a Dask worker: autograde students one after another.
 
-    python -m autograder.worker --replies FD    # tasks on stdin, one JSON line per student
+    python -m autograder.worker --replies FD [--parent PID]   # tasks on stdin, one JSON line per student
+
+Started by :class:`autograder.grading.task.Engine` (on a Dask worker) and kept for every
+student that worker grades; it exits with the process that started it (``--parent``), so a
+killed Dask worker leaves no engine and no kernel behind.
 
 Each task is ``nbgrader autograde A --student S`` in that student's own temporary course
 root: the real nbgrader app, with the course's nbgrader_config.py, run in this long-lived
@@ -33,6 +37,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -208,7 +213,7 @@ def autograde(task: dict) -> int:
     ``task``: ``root``, ``student``, ``assignment``, ``environment`` (variables set for this
     run: where the grading kernelspec and the kernel's runtime folder are) and the plan:
     ``timeout``, ``startup_timeout``, ``grace``, ``kernel``, ``report``, ``skip``,
-    ``max_output_bytes``, ``ipc`` (see autograder.grade.grade_one).  nbgrader's app is created
+    ``max_output_bytes``, ``late_penalty``, ``ipc`` (see autograder.grading.task).  nbgrader's app is created
     afresh and reset afterwards (as nbgrader's own test helper does), so one process grades
     any number of students, each with its own kernel.
     """
@@ -229,6 +234,8 @@ def autograde(task: dict) -> int:
     execute.report_path = task["report"]
     execute.max_output_bytes = task["max_output_bytes"]
     execute.kernel_name = task["kernel"]
+    # nbgrader's late-submission penalty (timestamp.txt against the assignment's due date)
+    config.LateSubmissionPlugin.penalty_method = task.get("late_penalty", "none")
     if task.get("ipc"):  # the sandboxed kernel has no network: Unix sockets in its runtime folder
         config.KernelManager.transport = "ipc"
         config.KernelManager.ip = task["ipc"]
@@ -254,7 +261,19 @@ def autograde(task: dict) -> int:
     return status
 
 
-def serve(replies: int) -> int:
+def exit_with(parent: int) -> None:
+    """Kill this engine's children and exit once ``parent`` (the Dask worker) is gone."""
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                sandbox.kill_children()
+                os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def serve(replies: int, parent: int | None = None) -> int:
     """Grade the tasks read from stdin (one JSON object per line); answer each on fd ``replies``.
 
     The answer is ``{"status": N}`` once that student's autograde is over and every process
@@ -264,6 +283,8 @@ def serve(replies: int) -> int:
     stderr (the grader's log file), never to the answer channel.
     """
     sandbox.adopt_orphans()
+    if parent:
+        exit_with(parent)
     with os.fdopen(replies, "w", buffering=1) as answer:
         for line in sys.stdin:
             if not line.strip():
@@ -283,8 +304,9 @@ def serve(replies: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replies", type=int, required=True, help="file descriptor for the answers")
+    parser.add_argument("--parent", type=int, default=None, help="exit when this process is gone")
     options = parser.parse_args(argv)
-    return serve(options.replies)
+    return serve(options.replies, options.parent)
 
 
 if __name__ == "__main__":

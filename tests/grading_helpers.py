@@ -21,6 +21,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from autograder.release import setup_cell_source
+from autograder.settings import SETUP_CELL_ID
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,3 +84,52 @@ def slow_kernel_start(argv_builder, seconds: float):
         return ["/bin/sh", "-c", f'sleep {seconds} && exec "$@"', "slow-kernel", *argv_builder(*args, **kwargs)]
 
     return argv
+
+
+# --------------------------------------------------------------------------------------
+# A tiny assignment (no torch unless asked): classes that grade in seconds
+# --------------------------------------------------------------------------------------
+
+TINY = "00_tiny"
+
+
+def tiny_notebook(answer: str, setup: bool = False, written: str | None = None):
+    """A one-exercise nbgrader notebook (no torch unless ``setup``): ``answer`` must define ``value = 42``.
+
+    ``setup``: first the course's generated setup cell (imports the course and torch);
+    ``written``: then a written answer graded by hand (2 points) with this text.
+    """
+    def nbgrader(grade_id, **flags):
+        return {"nbgrader": {"grade_id": grade_id, "schema_version": 3, "task": False, "grade": False,
+                             "solution": False, "locked": False, **flags}}
+
+    cells = [
+        nbformat.v4.new_code_cell(answer, metadata=nbgrader("answer", solution=True)),
+        nbformat.v4.new_code_cell("import builtins\n"
+                                  "assert not hasattr(builtins, 'left_by_another_student')\n"
+                                  "builtins.left_by_another_student = True\n"
+                                  "assert value == 42", metadata=nbgrader("test_value", grade=True, locked=True, points=1)),
+    ]
+    if setup:
+        cells.insert(0, nbformat.v4.new_code_cell(setup_cell_source("x/y"), metadata=nbgrader(SETUP_CELL_ID, locked=True)))
+    if written is not None:
+        cells.append(nbformat.v4.new_markdown_cell(written, metadata=nbgrader("why_value", grade=True, solution=True,
+                                                                                points=2)))
+    return nbformat.v4.new_notebook(cells=cells, metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+
+
+
+def tiny_course(root: Path, answers: dict[str, str], setup: bool = False,
+                written: dict[str, str] | None = None) -> Path:
+    """A course root with the tiny assignment and one submission per ``{student: answer}``."""
+    model_answer = "42 is the answer." if written is not None else None
+    (root / "source" / TINY).mkdir(parents=True, exist_ok=True)
+    nbformat.write(tiny_notebook("### BEGIN SOLUTION\nvalue = 42\n### END SOLUTION", setup, model_answer),
+                   str(root / "source" / TINY / f"{TINY}.ipynb"))
+    for student, answer in answers.items():
+        folder = root / "submitted" / student / TINY
+        folder.mkdir(parents=True, exist_ok=True)
+        text = written.get(student, "YOUR ANSWER HERE") if written is not None else None
+        nbformat.write(tiny_notebook(answer, setup, text), str(folder / f"{TINY}.ipynb"))
+    return root

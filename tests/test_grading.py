@@ -8,6 +8,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -19,7 +20,8 @@ from autograder.nbgrader_cli import run_nbgrader
 from autograder.release import (REPO_ROOT, build_source, course_repository, mark_hidden_tests, setup_cell_source,
                                 write_notebook)
 from autograder.settings import SETUP_CELL_ID
-from tests.grading_helpers import loaded_machine, setup_cell_seconds, slow_kernel_start
+from tests.grading_helpers import (TINY, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
+                                   tiny_notebook)
 
 ASSIGNMENT = "01_mha_shapes"
 
@@ -193,67 +195,30 @@ def test_render_keeps_the_lines_of_a_message_and_names_the_notebook_once():
 # The engines: one long-lived nbgrader process per job, a new kernel per notebook
 # --------------------------------------------------------------------------------------
 
-TINY = "00_tiny"
-
-
-def tiny_notebook(answer: str, setup: bool = False, written: str | None = None):
-    """A one-exercise nbgrader notebook (no torch unless ``setup``): ``answer`` must define ``value = 42``.
-
-    ``setup``: first the course's generated setup cell (imports the course and torch);
-    ``written``: then a written answer graded by hand (2 points) with this text.
-    """
-    def nbgrader(grade_id, **flags):
-        return {"nbgrader": {"grade_id": grade_id, "schema_version": 3, "task": False, "grade": False,
-                             "solution": False, "locked": False, **flags}}
-
-    cells = [
-        nbformat.v4.new_code_cell(answer, metadata=nbgrader("answer", solution=True)),
-        nbformat.v4.new_code_cell("import builtins\n"
-                                  "assert not hasattr(builtins, 'left_by_another_student')\n"
-                                  "builtins.left_by_another_student = True\n"
-                                  "assert value == 42", metadata=nbgrader("test_value", grade=True, locked=True, points=1)),
-    ]
-    if setup:
-        cells.insert(0, nbformat.v4.new_code_cell(setup_cell_source("x/y"), metadata=nbgrader(SETUP_CELL_ID, locked=True)))
-    if written is not None:
-        cells.append(nbformat.v4.new_markdown_cell(written, metadata=nbgrader("why_value", grade=True, solution=True,
-                                                                                points=2)))
-    return nbformat.v4.new_notebook(cells=cells, metadata={
-        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-
-
 @pytest.fixture
 def tiny_class(tmp_path):
     """A course root with the tiny assignment and a few students (``{student: answer}`` to fill)."""
     root = tmp_path / "autograder"
 
     def submit(answers: dict[str, str], setup: bool = False, written: dict[str, str] | None = None):
-        model_answer = "42 is the answer." if written is not None else None
-        (root / "source" / TINY).mkdir(parents=True, exist_ok=True)
-        nbformat.write(tiny_notebook("### BEGIN SOLUTION\nvalue = 42\n### END SOLUTION", setup, model_answer),
-                       str(root / "source" / TINY / f"{TINY}.ipynb"))
-        for student, answer in answers.items():
-            folder = root / "submitted" / student / TINY
-            folder.mkdir(parents=True)
-            text = written.get(student, "YOUR ANSWER HERE") if written is not None else None
-            nbformat.write(tiny_notebook(answer, setup, text), str(folder / f"{TINY}.ipynb"))
-        return root
+        return tiny_course(root, answers, setup, written)
 
     return submit
 
 
-@pytest.fixture
-def engine_starts(monkeypatch):
-    """The pid of every engine process the pipeline starts."""
-    pids: list[int] = []
-    start = grade.Engine._start
+def engine_pids(outcomes) -> set[int]:
+    """The nbgrader engine processes (on the Dask workers) that graded these outcomes."""
+    return {pid for o in outcomes for pid in o.engines}
 
-    def counted(self):
-        start(self)
-        pids.append(self.process.pid)
 
-    monkeypatch.setattr(grade.Engine, "_start", counted)
-    return pids
+def wait_until_gone(pids: set[int], seconds: float = 30) -> set[int]:
+    """The pids still running after ``seconds`` (an engine exits once its Dask worker is gone)."""
+    deadline = time.monotonic() + seconds
+    while (alive := {pid for pid in pids if Path(f"/proc/{pid}").exists()
+                     and "autograder.worker" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")}) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
 
 
 def processes_running(*argv: str, parent: int | None = None) -> list[int]:
@@ -271,18 +236,30 @@ def processes_running(*argv: str, parent: int | None = None) -> list[int]:
     return found
 
 
-@pytest.mark.slow
-def test_one_engine_grades_a_job_students_each_in_a_fresh_kernel(tiny_class, engine_starts):
-    root = tiny_class({"ann": "value = 42", "bob": "value = 41", "cy": "value = 42", "dee": "value = 42"})
+@pytest.fixture(scope="module")
+def tiny_graded(tmp_path_factory):
+    """One class graded once by one worker (jobs=1), shared by the tests that only read it (the
+    last one, grading by hand, writes its gradebook)."""
+    root = tiny_course(tmp_path_factory.mktemp("tiny-graded") / "autograder",
+                       {"ann": "value = 42", "bob": "value = 41", "cy": "value = 42", "dee": "value = 42"},
+                       written={"ann": "Because.", "bob": "Why not."})
     outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=lambda *_: None)
+    return root, outcomes
+
+
+@pytest.mark.slow
+def test_one_engine_grades_a_job_students_each_in_a_fresh_kernel(tiny_graded):
+    root, outcomes = tiny_graded
     # A kernel shared between students would fail the second one's test (the builtins marker).
     assert {o.student: o.score for o in outcomes} == {"ann": 1.0, "bob": 0.0, "cy": 1.0, "dee": 1.0}
-    assert len(engine_starts) == 1, "the job's engine should grade all four students"
-    assert processes_running("-m", "autograder.worker", parent=os.getpid()) == [], "the engine outlived the run"
+    assert len(engine_pids(outcomes)) == 1, "the worker's engine should grade all four students"
+    assert len({o.worker for o in outcomes}) == 1 and str(os.getpid()) not in outcomes[0].worker, \
+        "graded by one Dask worker process, not this one"
+    assert wait_until_gone(engine_pids(outcomes)) == set(), "the engine outlived the run"
 
 
 @pytest.mark.slow
-def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny_class, engine_starts):
+def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny_class):
     # long enough to start an engine and a kernel on this machine now, far shorter than the sleep
     notebook_timeout = int(max(15, 4 * setup_cell_seconds()))
     root = tiny_class({"ann": "import time\ntime.sleep(600)\nvalue = 42", "bob": "value = 42"})
@@ -291,12 +268,17 @@ def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny
     assert outcomes["ann"].status == "graded" and outcomes["ann"].score == 0.0, outcomes["ann"].error
     assert [i["kind"] for i in outcomes["ann"].incidents] == ["notebook_timeout"]
     assert outcomes["bob"].score == 1.0
-    assert len(engine_starts) == 2, "the killed engine should be replaced by exactly one new one"
-    assert processes_running("-m", "autograder.worker", parent=os.getpid()) == []
+    outcomes = list(outcomes.values())
+    assert len(engine_pids(outcomes)) == 2, "the killed engine should be replaced by exactly one new one"
+    assert wait_until_gone(engine_pids(outcomes)) == set()
+
+
+# Without bubblewrap "auto" is "off": the same run twice, so it is not repeated.
+SANDBOX_MODES = ["auto", "off"] if sandbox.bwrap_path() is not None else ["off"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isolation, seconds", [("auto", "4171"), ("off", "4172")])
+@pytest.mark.parametrize("isolation, seconds", [(m, f"417{n}") for n, m in enumerate(SANDBOX_MODES, 1)])
 def test_processes_a_student_detaches_do_not_outlive_their_grading(tiny_class, isolation, seconds):
     """Under bubblewrap the sandbox's end takes them; without it the engine adopts and kills them."""
     root = tiny_class({"ann": f"import subprocess\nsubprocess.Popen(['sleep', '{seconds}'], start_new_session=True)\n"
@@ -326,7 +308,9 @@ def test_under_load_and_a_slow_kernel_start_honest_work_is_graded_and_loops_are_
     settings = grade.Settings(timeout=limit, unresponsive_grace=5, attempts=3)
     log: list[str] = []
     with loaded_machine(tmp_path / "load"):
-        outcomes = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+        # the kernel start is slowed in this process: the workers are threads of it
+        outcomes = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append,
+                                                      processes=False)}
     report = "\n".join(log) + f"\n(cell limit {limit} s, setup cell {baseline:.1f} s unloaded)"
     assert {s: (o.status, o.score) for s, o in outcomes.items()} == {
         "ann": ("graded", 1.0), "bob": ("graded", 1.0), "cy": ("graded", 0.0)}, report
@@ -371,7 +355,7 @@ def test_a_symlinked_virtual_environment_grades_in_the_sandbox(tiny_class, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isolation", ["auto", "off"])
+@pytest.mark.parametrize("isolation", SANDBOX_MODES)
 def test_a_kernel_that_cannot_start_is_reported_with_its_cause(tiny_class, monkeypatch, isolation):
     def missing_interpreter(*args, **kwargs):
         argv = kernel_argv(*args, **kwargs)
@@ -381,7 +365,8 @@ def test_a_kernel_that_cannot_start_is_reported_with_its_cause(tiny_class, monke
     kernel_argv = sandbox.kernel_argv
     monkeypatch.setattr(sandbox, "kernel_argv", missing_interpreter)
     root = tiny_class({"ann": "value = 42"})
-    (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None)
+    (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None,
+                             processes=False)  # the Dask worker is a thread of this (monkeypatched) process
     assert outcome.status == "failed"
     first_line = outcome.error.splitlines()[0]
     assert first_line.startswith("the kernel could not start: ") and "/nonexistent/python3" in first_line
@@ -400,17 +385,18 @@ def read_csv(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_written_answers_wait_for_manual_grading_and_export_follows_the_gradebook(tiny_class):
-    root = tiny_class({"ann": "value = 42", "bob": "value = 41"}, written={"ann": "Because.", "bob": "Why not."})
-    outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=lambda *_: None)
-    assert [o.status for o in outcomes] == ["graded", "graded"]
+def test_written_answers_wait_for_manual_grading_and_export_follows_the_gradebook(tiny_graded):
+    root, outcomes = tiny_graded
+    assert [o.status for o in outcomes] == ["graded"] * 4
     with gradebook.open_gradebook(root) as gb:
         written = gb.find_grade("why_value", TINY, TINY, "ann")
         assert written.needs_manual_grade and written.auto_score is None  # autograding left it alone
     grades_csv, by_question_csv = export(root)
-    assert {(r["student_id"], r["score"], r["manual_grading_pending"]) for r in read_csv(grades_csv)} == {
+    assert {(r["student_id"], r["score"], r["manual_grading_pending"]) for r in read_csv(grades_csv)
+            if r["student_id"] in ("ann", "bob")} == {
         ("ann", "1.0", "yes"), ("bob", "0.0", "yes")}
-    pending = {(r["student"], r["grade_id"]): r["manual_grading_pending"] for r in read_csv(by_question_csv)}
+    pending = {(r["student"], r["grade_id"]): r["manual_grading_pending"] for r in read_csv(by_question_csv)
+               if r["student"] in ("ann", "bob")}
     assert pending == {("ann", "test_value"): "no", ("ann", "why_value"): "yes",
                        ("bob", "test_value"): "no", ("bob", "why_value"): "yes"}
     feedback.write_feedback(root)
@@ -425,11 +411,85 @@ def test_written_answers_wait_for_manual_grading_and_export_follows_the_gradeboo
         gb.find_grade("test_value", TINY, TINY, "bob").extra_credit = 1.0
         gb.db.commit()
     grades_csv, by_question_csv = export(root)
-    assert {(r["student_id"], r["score"], r["manual_grading_pending"]) for r in read_csv(grades_csv)} == {
+    assert {(r["student_id"], r["score"], r["manual_grading_pending"]) for r in read_csv(grades_csv)
+            if r["student_id"] in ("ann", "bob")} == {
         ("ann", "2.5", "no"), ("bob", "1.0", "yes")}
-    scores = {(r["student"], r["grade_id"]): r["score"] for r in read_csv(by_question_csv)}
+    scores = {(r["student"], r["grade_id"]): r["score"] for r in read_csv(by_question_csv)
+               if r["student"] in ("ann", "bob")}
     assert scores == {("ann", "test_value"): "1", ("ann", "why_value"): "1.5",
                       ("bob", "test_value"): "1", ("bob", "why_value"): "0"}
     feedback.write_feedback(root)
     page = (root / "feedback" / "ann" / TINY / f"{TINY}.html").read_text()
     assert "awaiting grading by hand" not in page and "1.5 / 2" in page
+
+
+# --------------------------------------------------------------------------------------
+# A resubmission, hand grades, a due date (SQLite; the same code serves PostgreSQL)
+# --------------------------------------------------------------------------------------
+
+def resubmit(root: Path, student: str, answer: str, written: str, submitted_at: str | None = None) -> None:
+    folder = root / "submitted" / student / TINY
+    nbformat.write(tiny_notebook(answer, written=written), str(folder / f"{TINY}.ipynb"))
+    if submitted_at:
+        (folder / "timestamp.txt").write_text(submitted_at)
+
+
+@pytest.mark.slow
+def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_when_late(tiny_class):
+    import datetime
+
+    root = tiny_class({"ann": "value = 42", "bob": "value = 41", "cy": "value = 42"},
+                      written={"ann": "Because.", "bob": "Why not.", "cy": "It is."})
+    settings = grade.Settings(timeout=30, late_penalty="zero")
+    log: list[str] = []
+    first = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    # every total still waits for the written answer: the console says so
+    assert all(o.pending == 2.0 for o in first.values())
+    assert any("ann/00_tiny: 1 / 3 (incomplete: 2 points awaiting hand grading)" in line for line in log), log
+    with gradebook.open_gradebook(root) as gb:      # the TAs grade in Formgrader
+        for student, score in (("ann", 1.5), ("bob", 0.5), ("cy", 2.0)):
+            written = gb.find_grade("why_value", TINY, TINY, student)
+            written.manual_score, written.needs_manual_grade = score, False
+        gb.find_grade("test_value", TINY, TINY, "bob").manual_score = 1.0     # an override of the test
+        gb.find_comment("why_value", TINY, TINY, "bob").manual_comment = "Say why."
+        gb.db.commit()
+    # unchanged rows show the gradebook's score, hand grades included
+    log.clear()
+    second = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    assert {s: (o.status, o.score, o.pending) for s, o in second.items()} == {
+        "ann": ("unchanged", 2.5, 0.0), "bob": ("unchanged", 1.5, 0.0), "cy": ("unchanged", 3.0, 0.0)}, log
+    assert any(line.strip() == "unchanged ann/00_tiny: 2.5 / 3" for line in log), log
+    with gradebook.open_gradebook(root) as gb:   # the due date (the instructors' tools record it)
+        gb.update_or_create_assignment(TINY, duedate=datetime.datetime(2026, 1, 10, 12, 0))
+        gb.db.commit()
+    # ann changes her code only, a day late; bob rewrites his written answer; cy sends the same again
+    resubmit(root, "ann", "value = 6 * 7", "Because.", "2026-01-11 12:00:00.000000 UTC")
+    resubmit(root, "bob", "value = 41", "Now I know why.", "2026-01-09 12:00:00.000000 UTC")
+    resubmit(root, "cy", "value = 42", "It is.", "2026-01-10 11:59:00.000000 UTC")
+    log.clear()
+    third = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    assert {s: o.status for s, o in third.items()} == {"ann": "graded", "bob": "graded", "cy": "graded"}, log
+    with gradebook.open_gradebook(root) as gb:
+        ann = gb.find_grade("why_value", TINY, TINY, "ann")
+        assert (ann.manual_score, ann.needs_manual_grade) == (1.5, False), "ann's unchanged answer lost its grade"
+        bob = gb.find_grade("why_value", TINY, TINY, "bob")
+        assert (bob.manual_score, bob.needs_manual_grade) == (None, True), "bob's new answer kept the old grade"
+        assert gb.find_grade("test_value", TINY, TINY, "bob").manual_score is None
+        assert gb.find_comment("why_value", TINY, TINY, "bob").manual_comment is None
+        assert gb.find_grade("why_value", TINY, TINY, "cy").manual_score == 2.0
+        late = gb.find_submission(TINY, "ann")
+        assert late.total_seconds_late == 24 * 3600 and late.late_submission_penalty == 2.5
+        assert gb.find_submission(TINY, "cy").late_submission_penalty == 0.0
+    assert (third["ann"].score, third["ann"].late_penalty) == (0.0, 2.5)      # nbgrader's "zero" method
+    assert (third["bob"].score, third["bob"].pending) == (0.0, 2.0)
+    assert (third["cy"].score, third["cy"].pending) == (3.0, 0.0)
+    assert any("ann/00_tiny: 0 / 3 (late penalty 2.5)" in line for line in log), log
+    report = (root / "reports" / "grading_report.md").read_text()
+    assert "| bob | 00_tiny | graded | 0 / 3 (incomplete: 2 points awaiting hand grading) |" in report
+
+
+def test_grading_before_any_intake_says_what_to_do_first(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "autograder.grade", "--root", str(tmp_path / "course")],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "make intake SUBMISSIONS=" in result.stderr, result.stderr
+    assert "graded" not in result.stdout

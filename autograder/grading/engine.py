@@ -1,0 +1,93 @@
+"""The grading engine: Dask (parent process side).
+
+By default an embedded ``LocalCluster``: ``jobs`` worker processes with one thread each, on
+this machine, started for the run and stopped after it (no service to start).  With
+``scheduler="tcp://host:8786"`` (``make grade SCHEDULER=...``) the tasks go to an existing
+Dask cluster (``dask scheduler`` / ``dask worker``, dask-jobqueue, Kubernetes) whose workers
+have the course installed (see the README).
+
+Each task carries bytes only (:func:`autograder.grading.task.grade_submission`): the
+assignment's source folder and template gradebook, sent to the cluster once per assignment
+(``scatter``), and the student's files.  A worker that dies in the middle of a task (killed,
+out of memory) costs nothing: the scheduler gives its task to another worker, and the
+parent merges each task's one result, so nothing is lost and nothing is graded twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from autograder.grading import task as worker_task
+
+# Dask's own: how many workers may die running one task before it is given up on.
+ALLOWED_FAILURES = 3
+
+
+@dataclass
+class Cluster:
+    client: object                      # distributed.Client
+    description: str                    # for the console and the report
+
+
+@contextlib.contextmanager
+def cluster(jobs: int, scheduler: str | None = None, processes: bool = True) -> Iterator[Cluster]:
+    """A Dask client: on ``scheduler`` if given, else on an embedded ``LocalCluster``.
+
+    ``processes=False`` runs the local workers as threads of this process (the nbgrader
+    engines and the kernels are processes of their own either way).
+    """
+    import dask
+    from distributed import Client, LocalCluster
+
+    with contextlib.ExitStack() as stack:
+        if scheduler:
+            client = stack.enter_context(Client(scheduler, timeout="60s"))
+            workers = client.scheduler_info().get("workers", {})
+            description = f"Dask cluster at {scheduler} ({len(workers)} workers now)"
+        else:
+            stack.enter_context(dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
+                                                 "distributed.worker.daemon": False}))
+            local = stack.enter_context(LocalCluster(
+                n_workers=jobs, threads_per_worker=1, processes=processes, memory_limit=0,
+                dashboard_address=":0", silence_logs=logging.ERROR, scheduler_port=0))
+            client = stack.enter_context(Client(local))
+            description = f"Dask LocalCluster, {jobs} worker {'processes' if processes else 'threads'} x 1 thread"
+        try:
+            yield Cluster(client, description)
+        finally:
+            if not scheduler:  # the embedded workers' nbgrader processes end with the run; a shared
+                with contextlib.suppress(Exception):  # cluster's serve the next run (and other graders')
+                    client.run(worker_task.stop_engines)
+
+
+def run(connection: Cluster, shared: dict[str, dict], tasks: list[dict]) -> Iterator[tuple[int, dict | None, str]]:
+    """Submit every task; yield ``(index, result, error)`` in the order they finish.
+
+    ``shared``: ``{assignment: {"source": ..., "template": ...}}``, scattered once and
+    referenced by each task of that assignment.  ``error`` is set (and ``result`` None) when
+    Dask itself gave up on a task (its workers kept dying).
+    """
+    from distributed import as_completed
+
+    client = connection.client
+    scattered = {assignment: {name: client.scatter(value, broadcast=False, hash=False)
+                              for name, value in parts.items()} for assignment, parts in shared.items()}
+    futures = {}
+    for index, payload in enumerate(tasks):
+        payload = {**payload, **scattered[payload["assignment"]], "index": index}
+        # a key of its own: several grading runs may share one cluster
+        future = client.submit(worker_task.grade_submission, payload, pure=False,
+                               key=f"grade-{payload['student']}/{payload['assignment']}-{uuid.uuid4().hex[:12]}")
+        futures[future] = index
+    for future in as_completed(futures):
+        index = futures[future]
+        try:
+            yield index, future.result(), ""
+        except Exception as error:  # KilledWorker: the task's workers died ALLOWED_FAILURES times
+            yield index, None, f"{type(error).__name__}: {error}"
+        finally:
+            future.release()

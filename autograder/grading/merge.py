@@ -1,0 +1,210 @@
+"""The gradebook and ``autograded/`` (parent process: their only writer).
+
+* :func:`ensure_sources`: ``source/<a>/<a>.ipynb`` built from ``solutions/``;
+* :func:`ensure_assignments`: every assignment in the gradebook (``nbgrader generate_assignment``);
+* :func:`template`: the bytes of a small SQLite gradebook holding one assignment (its cells,
+  its due date), which each task carries: nbgrader on a worker grades into it;
+* :func:`merge`: what a worker returned, into the gradebook and ``autograded/``: grades,
+  comments, the submission time and late penalty; hand grades given earlier are kept for
+  every answer that did not change (and dropped, to be given again, where it changed);
+* :func:`current_totals`: what the gradebook says a submission scores now.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import nbformat
+
+from autograder import gradebook, release
+from autograder.grading.plan import Outcome, _hash_tree, notebook_names
+from autograder.nbgrader_cli import run_nbgrader
+
+DUEDATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def ensure_sources(root: Path, assignments: list[str]) -> None:
+    """``source/<a>/<a>.ipynb`` rebuilt from ``solutions/`` (the release builder's function),
+    written only when it changed; assignments not in ``solutions/`` keep the source they have."""
+    known = set(release.assignment_names())
+    repository = None
+    for assignment in assignments:
+        if assignment not in known:
+            continue
+        repository = repository or release.course_repository()
+        path = release.source_path(root, assignment)
+        built = release.build_source(assignment, repository)
+        with tempfile.TemporaryDirectory() as scratch:  # the same bytes as a written notebook
+            fresh = Path(scratch) / path.name
+            release.write_notebook(built, fresh)
+            if path.exists() and path.read_bytes() == fresh.read_bytes():
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(fresh, path)
+
+
+def ensure_assignments(root: Path, assignments: list[str], state: dict, url: str | None = None) -> None:
+    """Each assignment in the gradebook, with the cells of its current source notebook."""
+    from nbgrader.api import MissingEntry
+
+    url = gradebook.db_url(root, url)
+    sources = state.setdefault("_sources", {})
+    with gradebook.writer_lock(root, url):
+        for assignment in assignments:
+            digest = hashlib.sha256()
+            _hash_tree(digest, root / "source" / assignment)
+            with gradebook.open_gradebook(root, url) as gb:
+                try:
+                    present = len(gb.find_assignment(assignment).notebooks) > 0
+                except MissingEntry:
+                    present = False
+            if present and sources.get(assignment) == digest.hexdigest():
+                continue
+            run_nbgrader("generate_assignment", assignment, "--force", "--log-level=ERROR",
+                         f"--CourseDirectory.db_url={url}", root=root, capture=True)
+            sources[assignment] = digest.hexdigest()
+
+
+def duedates(root: Path, url: str | None = None) -> dict[str, str]:
+    """``{assignment: due date}`` as the gradebook holds them (naive UTC, as nbgrader stores them)."""
+    with gradebook.open_gradebook(root, url) as gb:
+        return {a.name: a.duedate.strftime(DUEDATE_FORMAT) for a in gb.assignments if a.duedate}
+
+
+def template(root: Path, assignment: str, url: str | None = None) -> bytes:
+    """An SQLite gradebook holding only ``assignment`` (cells and due date), as bytes."""
+    with tempfile.TemporaryDirectory(prefix="alg-template-") as scratch:
+        with gradebook.open_gradebook(root, url) as main, \
+                gradebook.open_gradebook(Path(scratch), f"sqlite:///{scratch}/t.db") as copy:
+            found = main.find_assignment(assignment)
+            copy.update_or_create_assignment(assignment, duedate=found.duedate)
+            for notebook in found.notebooks:
+                copy.update_or_create_notebook(notebook.name, assignment)
+                for cell in notebook.grade_cells:
+                    copy.add_grade_cell(cell.name, notebook.name, assignment, max_score=cell.max_score,
+                                        cell_type=cell.cell_type)
+                for cell in notebook.task_cells:
+                    copy.add_task_cell(cell.name, notebook.name, assignment, max_score=cell.max_score,
+                                       cell_type=cell.cell_type)
+                for cell in notebook.solution_cells:
+                    copy.add_solution_cell(cell.name, notebook.name, assignment)
+                for cell in notebook.source_cells:
+                    copy.add_source_cell(cell.name, notebook.name, assignment, cell_type=cell.cell_type,
+                                         locked=cell.locked, source=cell.source, checksum=cell.checksum)
+            copy.db.commit()
+        return (Path(scratch) / "t.db").read_bytes()
+
+
+def answers(notebook: nbformat.NotebookNode) -> dict[str, str]:
+    """``{grade_id: source}`` of the answer (solution) cells of a notebook."""
+    return {c.metadata["nbgrader"]["grade_id"]: c.source for c in notebook.cells
+            if c.metadata.get("nbgrader", {}).get("solution") and c.metadata["nbgrader"].get("grade_id")}
+
+
+def _read(data: bytes | None) -> nbformat.NotebookNode | None:
+    if data is None:
+        return None
+    try:
+        return nbformat.reads(data.decode("utf-8"), as_version=4)
+    except Exception:  # an unreadable earlier notebook: nothing to compare with
+        return None
+
+
+def late_penalty(method: str, student: str, score: float, seconds_late: float) -> float | None:
+    """nbgrader's own rule (``LateSubmissionPlugin``, as ``AssignLatePenalties`` applies it):
+    the penalty of a notebook scoring ``score`` (hand grades included), within [0, score]."""
+    from nbgrader.plugins import LateSubmissionPlugin
+
+    if seconds_late <= 0:
+        return None
+    penalty = LateSubmissionPlugin(penalty_method=method).late_submission_penalty(student, score, seconds_late)
+    return None if penalty is None else min(max(penalty, 0.0), score)
+
+
+def merge(outcome: Outcome, result: dict, root: Path, url: str | None = None, late: str = "none") -> None:
+    """One student's grades (as a worker returned them) into the gradebook, and the autograded
+    notebooks into ``autograded/`` (the one writer of both).
+
+    An earlier hand grade (a manual score, extra credit, a grader's comment) is kept when
+    the answer it graded did not change: a written answer's own text for its cell; every
+    answer of the notebook for a test cell whose automatic score a grader overrode.  The late
+    penalty (method ``late``) is computed here, on the score the gradebook now holds.
+    """
+    destination = root / "autograded" / outcome.student / outcome.assignment
+    flagged = {i["notebook"] for i in outcome.incidents if i.get("notebook")}
+    with gradebook.writer_lock(root, url), gradebook.open_gradebook(root, url) as target:
+        target.update_or_create_student(outcome.student)
+        stamp = result.get("timestamp")
+        if stamp:
+            target.update_or_create_submission(outcome.assignment, outcome.student,
+                                               timestamp=datetime.datetime.fromisoformat(stamp))
+        else:
+            target.update_or_create_submission(outcome.assignment, outcome.student)
+        for name, recorded in result["grades"].items():
+            before = _read((destination / f"{name}.ipynb").read_bytes() if (destination / f"{name}.ipynb").exists()
+                           else None)
+            after = _read(result["notebooks"].get(name))
+            old, new = (answers(before) if before is not None else None), (answers(after) if after is not None else {})
+            changed = set(new) if old is None else {g for g in set(old) | set(new) if old.get(g) != new.get(g)}
+            for cell, (auto_score, needs_manual_grade) in recorded["grades"].items():
+                mine = target.find_grade(cell, name, outcome.assignment, outcome.student)
+                keep = (cell not in changed) if cell in new else not changed
+                graded_by_hand = mine.manual_score is not None or bool(mine.extra_credit)
+                if graded_by_hand and not keep:
+                    mine.manual_score, mine.extra_credit = None, None
+                mine.auto_score = auto_score
+                mine.needs_manual_grade = bool(needs_manual_grade) and not (graded_by_hand and keep
+                                                                              and mine.manual_score is not None)
+            for cell, auto_comment in recorded["comments"].items():
+                mine = target.find_comment(cell, name, outcome.assignment, outcome.student)
+                mine.auto_comment = auto_comment
+                if mine.manual_comment and cell in changed:
+                    mine.manual_comment = None
+            submitted = target.find_submission_notebook(name, outcome.assignment, outcome.student)
+            submitted.flagged = name in flagged
+        target.db.commit()
+        submission = target.find_submission(outcome.assignment, outcome.student)
+        for submitted in submission.notebooks:
+            submitted.late_submission_penalty = late_penalty(late, outcome.student, float(submitted.score),
+                                                             float(submission.total_seconds_late or 0))
+        target.db.commit()
+        totals = _totals(target.find_submission(outcome.assignment, outcome.student))
+    outcome.score, outcome.max_score, outcome.pending, outcome.late_penalty = totals
+    scratch = destination.with_name(f".{destination.name}.new")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    for name in notebook_names(root, outcome.assignment):
+        if name in result["notebooks"]:
+            (scratch / f"{name}.ipynb").write_bytes(result["notebooks"][name])
+    (scratch / ".grading.json").write_text(json.dumps(outcome.as_dict(), indent=1, ensure_ascii=False))
+    if destination.exists():
+        shutil.rmtree(destination)
+    scratch.rename(destination)
+
+
+def _totals(submission) -> tuple[float, float, float, float]:
+    """(score with the late penalty deducted, max score, points waiting for hand grading, penalty)."""
+    pending = sum(g.max_score for n in submission.notebooks for g in n.grades if g.needs_manual_grade)
+    penalty = float(submission.late_submission_penalty or 0.0)
+    return float(submission.score) - penalty, float(submission.max_score), float(pending), penalty
+
+
+def current_totals(root: Path, keys: list[tuple[str, str]], url: str | None = None) -> dict[tuple[str, str], tuple]:
+    """``{(student, assignment): totals}`` (see :func:`_totals`) as the gradebook holds them now."""
+    from nbgrader.api import MissingEntry
+
+    found = {}
+    if not keys:
+        return found
+    with gradebook.open_gradebook(root, url) as gb:
+        for student, assignment in keys:
+            try:
+                found[(student, assignment)] = _totals(gb.find_submission(assignment, student))
+            except MissingEntry:
+                continue
+    return found

@@ -1,0 +1,207 @@
+"""What a grading run has to do (parent process): settings, submissions, fingerprints, state.
+
+A submission is regraded when its fingerprint changed since it was last graded: its files,
+its submission time (``timestamp.txt``, written by intake), the source notebook, the
+assignment's due date and the grading settings that change a score.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autograder.settings import (CELL_TIMEOUT, KERNEL_STARTUP_TIMEOUT, LATE_PENALTY_METHOD, MAX_OUTPUT_BYTES,
+                                 UNRESPONSIVE_GRACE)
+
+STATE_DIR = ".grading"
+REPORTS_DIR = "reports"
+TIMESTAMP_FILE = "timestamp.txt"   # nbgrader's submission time, written by intake
+IGNORED_NAMES = {".ipynb_checkpoints", "__MACOSX", ".DS_Store", TIMESTAMP_FILE}
+
+
+@dataclass
+class Settings:
+    timeout: int = CELL_TIMEOUT                            # seconds per cell, from the cell's start
+    startup_timeout: int = KERNEL_STARTUP_TIMEOUT          # seconds to start a kernel and run its setup cell
+    notebook_timeout: int = 1800                           # seconds per attempt at a whole submission
+    memory_mb: int = 4096                                  # address-space limit of a student kernel
+    file_mb: int = 256                                     # largest file a student kernel may write
+    max_output_bytes: int = MAX_OUTPUT_BYTES               # output kept per cell
+    attempts: int = 6                                      # restarts after a kernel died or hung
+    unresponsive_grace: int = UNRESPONSIVE_GRACE           # least seconds an interrupted kernel has to answer
+    sandbox: str = "auto"                                  # auto | on | off
+    threads: int = 1                                       # torch/BLAS threads per kernel
+    late_penalty: str = LATE_PENALTY_METHOD                # nbgrader's LateSubmissionPlugin.penalty_method
+
+    @property
+    def grace(self) -> int:
+        """Seconds an interrupted kernel has to answer: a quarter of the cell limit, at least
+        ``unresponsive_grace`` (a loaded machine slows the answer as much as the cell)."""
+        return max(self.unresponsive_grace, self.timeout // 4)
+
+    def fingerprint(self) -> str:
+        values = dataclasses.asdict(self)
+        for name in ("notebook_timeout", "startup_timeout", "threads", "unresponsive_grace", "attempts"):
+            values.pop(name)
+        return json.dumps(values, sort_keys=True)
+
+
+@dataclass
+class Submission:
+    student: str
+    assignment: str
+    folder: Path
+
+    @property
+    def key(self) -> str:
+        return f"{self.student}/{self.assignment}"
+
+
+@dataclass
+class Outcome:
+    student: str
+    assignment: str
+    status: str                          # graded | unchanged | failed
+    seconds: float = 0.0
+    attempts: int = 0
+    score: float | None = None           # the gradebook's total (hand grades included), late penalty deducted
+    max_score: float | None = None
+    pending: float = 0.0                 # points that still wait for grading by hand
+    late_penalty: float = 0.0
+    tests: list[dict] = field(default_factory=list)
+    incidents: list[dict] = field(default_factory=list)
+    error: str = ""
+    fingerprint: str = ""
+    engines: list[int] = field(default_factory=list)   # pid of the nbgrader process of each attempt
+    worker: str = ""                     # the Dask worker that graded it
+
+    def as_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        for private in ("fingerprint", "engines", "worker"):
+            data.pop(private)
+        return data
+
+
+# --------------------------------------------------------------------------------------
+# Discovery
+# --------------------------------------------------------------------------------------
+
+def assignments_with_source(root: Path) -> list[str]:
+    source = root / "source"
+    return sorted(p.name for p in source.iterdir() if p.is_dir() and any(p.glob("*.ipynb"))) if source.is_dir() else []
+
+
+def notebook_names(root: Path, assignment: str) -> list[str]:
+    return sorted(p.stem for p in (root / "source" / assignment).glob("*.ipynb"))
+
+
+def submitted_folders(root: Path) -> list[Path]:
+    """Every ``submitted/<student>/<assignment>/`` folder (quick: nothing is read)."""
+    submitted = root / "submitted"
+    if not submitted.is_dir():
+        return []
+    return sorted(p for p in submitted.glob("*/*") if p.is_dir() and not p.name.startswith(".")
+                  and not p.parent.name.startswith("."))
+
+
+def discover(root: Path, students: list[str] | None = None,
+             assignments: list[str] | None = None) -> tuple[list[Submission], list[str]]:
+    """Every ``submitted/<student>/<assignment>/`` holding a notebook; problems as text."""
+    submissions, problems = [], []
+    known = set(assignments_with_source(root))
+    submitted = root / "submitted"
+    if not submitted.is_dir():
+        return [], [f"no submissions folder {submitted}"]
+    for student_dir in sorted(submitted.iterdir()):
+        if not student_dir.is_dir() or student_dir.name.startswith("."):
+            continue
+        if students and student_dir.name not in students:
+            continue
+        for folder in sorted(student_dir.iterdir()):
+            if not folder.is_dir() or folder.name.startswith("."):
+                continue
+            if assignments and folder.name not in assignments:
+                continue
+            if folder.name not in known:
+                problems.append(f"{student_dir.name}/{folder.name}: no such assignment in {root / 'source'}; skipped")
+                continue
+            if not any(folder.glob("*.ipynb")):
+                problems.append(f"{student_dir.name}/{folder.name}: no notebook in the folder; skipped")
+                continue
+            submissions.append(Submission(student_dir.name, folder.name, folder))
+    return submissions, problems
+
+
+# --------------------------------------------------------------------------------------
+# Fingerprints, the files a task carries
+# --------------------------------------------------------------------------------------
+
+def tree_files(folder: Path, ignored: set[str] = IGNORED_NAMES) -> dict[str, bytes]:
+    """``{relative path: bytes}`` of every file under ``folder`` (noise such as checkpoints left out)."""
+    if not folder.is_dir():
+        return {}
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*"))
+            if path.is_file() and not (set(path.relative_to(folder).parts) & ignored)}
+
+
+def hash_files(digest, files: dict[str, bytes]) -> None:
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0")
+        digest.update(hashlib.sha256(files[name]).digest())
+
+
+def _hash_tree(digest, folder: Path) -> None:
+    hash_files(digest, tree_files(folder))
+
+
+def submission_timestamp(submission: Submission) -> str:
+    path = submission.folder / TIMESTAMP_FILE
+    return path.read_text(encoding="utf-8").strip() if path.is_file() else ""
+
+
+def fingerprint(submission: Submission, root: Path, settings: Settings, duedate: str = "") -> str:
+    digest = hashlib.sha256()
+    _hash_tree(digest, submission.folder)
+    _hash_tree(digest, root / "source" / submission.assignment)
+    digest.update(settings.fingerprint().encode())
+    digest.update(f"\0submitted {submission_timestamp(submission)}\0due {duedate}".encode())
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------
+# State and the run's lock
+# --------------------------------------------------------------------------------------
+
+def load_state(root: Path) -> dict:
+    path = root / STATE_DIR / "state.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_state(root: Path, state: dict) -> None:
+    path = root / STATE_DIR / "state.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(".tmp")
+    scratch.write_text(json.dumps(state, indent=1, sort_keys=True, ensure_ascii=False))
+    scratch.replace(path)
+
+
+@contextlib.contextmanager
+def exclusive(root: Path):
+    """One grading run per course root at a time (runs on other roots sharing a PostgreSQL
+    gradebook are serialised by the gradebook's own lock, see autograder.gradebook)."""
+    lock_path = root / STATE_DIR / "lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"another grading run holds {lock_path}; wait for it to finish") from None
+        yield

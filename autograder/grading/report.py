@@ -1,0 +1,76 @@
+"""What a grading run tells the instructor (parent process): console lines and
+``reports/grading_report.{md,json}``.
+
+A score is the gradebook's total (hand grades included, the late penalty deducted); one that
+still waits for grading by hand says so ("19 / 20, 1 point awaiting hand grading"), in the
+console and in the report alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from pathlib import Path
+
+from autograder import results
+from autograder.grading.plan import REPORTS_DIR, Outcome, Settings
+
+
+def score_text(outcome: Outcome) -> str:
+    """``19 / 20``, with what is still missing from it; ``-`` when there is no score."""
+    if outcome.score is None or outcome.max_score is None:
+        return "-"
+    text = f"{outcome.score:g} / {outcome.max_score:g}"
+    notes = []
+    if outcome.pending:
+        notes.append(f"incomplete: {outcome.pending:g} point{'s' if outcome.pending != 1 else ''} "
+                     "awaiting hand grading")
+    if outcome.late_penalty:
+        notes.append(f"late penalty {outcome.late_penalty:g}")
+    return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def console_line(outcome: Outcome) -> str:
+    score = score_text(outcome) if outcome.score is not None else "NOT GRADED"
+    extra = "; ".join(results.describe(i) for i in outcome.incidents)
+    seconds = f" ({outcome.seconds:.0f} s)" if outcome.status != "unchanged" else ""
+    return (f"  {outcome.status:9s} {outcome.student}/{outcome.assignment}: {score}{seconds}"
+            + (f" [{extra}]" if extra else "")
+            + (f" -- {outcome.error.splitlines()[0]}" if outcome.error else ""))
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    failed = sum(o.status == "failed" for o in outcomes)
+    graded = sum(o.status == "graded" for o in outcomes)
+    incomplete = sum(bool(o.pending) for o in outcomes if o.status != "failed")
+    text = f"graded {graded}, unchanged {len(outcomes) - graded - failed}, failed {failed}"
+    if incomplete:
+        text += f"; {incomplete} score{'s' if incomplete != 1 else ''} incomplete (awaiting hand grading in Formgrader)"
+    return text
+
+
+def write_report(root: Path, outcomes: list[Outcome], problems: list[str], settings: Settings,
+                 isolation: str, engine: str = "") -> Path:
+    folder = root / REPORTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    data = {"generated": stamp, "isolation": isolation, "engine": engine, "settings": dataclasses.asdict(settings),
+            "problems": problems, "submissions": [o.as_dict() for o in outcomes]}
+    (folder / "grading_report.json").write_text(json.dumps(data, indent=1, ensure_ascii=False))
+    lines = [f"# Grading report ({stamp})", "", f"Isolation: {isolation}", ""]
+    if engine:
+        lines += [f"Engine: {engine}", ""]
+    lines += ["| student | assignment | status | score | notes |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        notes = "; ".join(results.describe(i) for i in o.incidents)
+        if o.status == "failed":
+            notes = (o.error.splitlines() or ["failed"])[0] + ("; " + notes if notes else "")
+        lines.append(f"| {o.student} | {o.assignment} | {o.status} | {score_text(o)} | {notes.replace('|', '/')} |")
+    if problems:
+        lines += ["", "## Not graded", ""] + [f"- {p}" for p in problems]
+    for o in (o for o in outcomes if o.status == "failed"):
+        lines += ["", f"## {o.student} / {o.assignment}: could not be graded", "", "```", o.error[-3000:], "```"]
+    path = folder / "grading_report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

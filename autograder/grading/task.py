@@ -1,0 +1,353 @@
+"""One submission, graded on a Dask worker: runs on any machine with the course installed.
+
+:func:`grade_submission` gets a task made of bytes (the source notebook, the student's files,
+a template gradebook holding only the assignment, the settings), builds a temporary course
+root from them, autogrades it with nbgrader, and returns bytes and plain data: the
+autograded notebooks, the grades and comments nbgrader recorded, the report entry.  Nothing
+is read from or written to the instructor's course root: no shared filesystem is assumed,
+and the parent process alone writes the gradebook (see :mod:`autograder.grading.merge`).
+
+nbgrader itself runs in an :class:`Engine`: a long-lived ``python -m autograder.worker``
+process per task slot of the worker process, started once and reused for every student
+(Python and nbgrader start once per worker, not once per student); each notebook gets a new
+kernel, under :mod:`autograder.sandbox`.  An attempt that runs past ``notebook_timeout`` gets
+its engine killed (its kernel dies with it) and replaced.
+
+A kernel that dies (``sys.exit`` is fine, ``os._exit``/segfault is not) or hangs past its
+timeout without answering the interrupt within the grace time is restarted with that cell
+skipped (it earns nothing, the others earn what they earn); after ``attempts`` tries, or
+when a whole attempt runs past ``notebook_timeout``, the submission is failed, never
+silently scored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from autograder import results, sandbox
+from autograder.nbgrader_cli import nbgrader_environment
+from autograder.settings import AUTOGRADER_DIR, COURSE_ID, REPO_ROOT
+
+GRADEBOOK = "gradebook.db"
+
+
+# --------------------------------------------------------------------------------------
+# The engines: one long-lived nbgrader process per task slot of this worker process
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class Attempt:
+    status: int | None      # nbgrader's exit status; None when the engine died or was killed
+    timed_out: bool = False
+    log: str = ""           # what the engine printed during a failed attempt
+
+
+class Engine:
+    """One ``python -m autograder.worker`` process: autogrades the students given to it.
+
+    Started on first use and replaced after it was killed (an attempt that ran past its
+    time) or died.  It runs nbgrader, never student code: each notebook gets a new kernel.
+    It exits with the process that started it (see :func:`autograder.worker.serve`).
+    """
+
+    def __init__(self, log_path: Path):
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self._replies = -1
+        self._buffer = b""
+        self.last_pid = -1          # the process that ran the last attempt (killed or not)
+
+    def _start(self) -> None:
+        read_end, write_end = os.pipe()
+        environment = nbgrader_environment()
+        environment["PYTHONPATH"] = str(REPO_ROOT)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "autograder.worker", "--replies", str(write_end),
+                 "--parent", str(os.getpid())],
+                cwd=AUTOGRADER_DIR, env=environment, stdin=subprocess.PIPE, stdout=log,
+                stderr=subprocess.STDOUT, pass_fds=(write_end,), start_new_session=True)
+        os.close(write_end)
+        self._replies, self._buffer = read_end, b""
+        self.last_pid = self.process.pid
+
+    def run(self, task: dict, timeout: float) -> Attempt:
+        """Autograde one task (see :func:`autograder.worker.autograde`); wait at most ``timeout`` s."""
+        if self.process is None or self.process.poll() is not None:
+            self.stop()
+            self._start()
+        offset = self.log_path.stat().st_size
+        attempt = Attempt(status=None)
+        try:
+            self.process.stdin.write((json.dumps(task) + "\n").encode())
+            self.process.stdin.flush()
+            answer = self._read_answer(deadline=time.monotonic() + timeout)
+        except BrokenPipeError:
+            answer = None
+        if answer is None:  # late or dead: kill it (its kernel dies with it); a new one comes next time
+            attempt.timed_out = self.process.poll() is None
+            self.stop()
+        else:
+            attempt.status = answer["status"]
+        if attempt.status != 0:
+            with open(self.log_path, "rb") as log:
+                log.seek(offset)
+                attempt.log = log.read().decode(errors="replace")
+        return attempt
+
+    def _read_answer(self, deadline: float) -> dict | None:
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self._replies], [], [], remaining)[0]:
+                return None
+            chunk = os.read(self._replies, 4096)
+            if not chunk:  # the engine exited
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def stop(self) -> None:
+        """Kill the engine (its kernels die with it, see autograder.sandbox)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process.stdin.close()
+            self.process = None
+        if self._replies >= 0:
+            os.close(self._replies)
+            self._replies = -1
+
+
+_idle: queue.SimpleQueue[Engine] = queue.SimpleQueue()
+_engines: list[Engine] = []
+_lock = threading.RLock()
+_scratch: list[Path] = []
+
+
+def scratch_base() -> Path:
+    """This process's scratch folder (every task's course root lives in it; the sandbox hides it)."""
+    with _lock:
+        if not _scratch:
+            _scratch.append(Path(tempfile.mkdtemp(prefix="alg-worker-")))
+        return _scratch[0]
+
+
+@contextlib.contextmanager
+def engine():
+    """A free engine of this process (a new one when every engine is busy)."""
+    try:
+        free = _idle.get_nowait()
+    except queue.Empty:
+        with _lock:
+            free = Engine(scratch_base() / f"engine{len(_engines)}.log")
+            _engines.append(free)
+    try:
+        yield free
+    finally:
+        _idle.put(free)
+
+
+def stop_engines() -> int:
+    """Stop every engine of this process (run on each worker when the grading run ends)."""
+    with _lock:
+        for each in _engines:
+            each.stop()
+        stopped = len(_engines)
+        _engines.clear()
+        while True:
+            try:
+                _idle.get_nowait()
+            except queue.Empty:
+                break
+        if _scratch:
+            shutil.rmtree(_scratch.pop(), ignore_errors=True)
+    return stopped
+
+
+# --------------------------------------------------------------------------------------
+# One submission
+# --------------------------------------------------------------------------------------
+
+KERNEL_START_CAUSE = re.compile(r"^(?:bwrap|sandbox): .*$", re.MULTILINE)
+
+
+def start_failure_cause(log: str) -> str | None:
+    """Why a kernel could not start, as the sandbox said it (nbgrader's own traceback only
+    says that the kernel died before replying): e.g. ``bwrap: execvp …: No such file``."""
+    causes = list(dict.fromkeys(match.group(0).strip() for match in KERNEL_START_CAUSE.finditer(log)))
+    return "; ".join(causes) if causes else None
+
+
+def tampering_incidents(cells: list[results.GradedCell]) -> list[dict]:
+    """Test cells whose check refused because the notebook replaced library functions."""
+    return [{"kind": "replaced_functions", "notebook": cell.notebook, "grade_id": cell.grade_id,
+             "detail": cell.evalue.splitlines()[0]} for cell in cells if cell.tampering]
+
+
+def _skip_reason(kind: str, settings: dict) -> str:
+    if kind == "dead":
+        return ("this cell stopped the Python kernel (sys.exit()/os._exit(), a crash, or running out "
+                f"of memory: the limit is {settings['memory_mb']} MB), so the grader skipped it")
+    if kind == "hung":
+        return (f"this cell ran past the {settings['timeout']} s limit and did not stop when "
+                "interrupted, so the grader skipped it")
+    return "this cell kept the notebook running past the grader's time limit, so the grader skipped it"
+
+
+def _write_tree(folder: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        path = (folder / name).resolve()
+        if not path.is_relative_to(folder.resolve()):
+            raise ValueError(f"a file outside its folder: {name}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def recorded_grades(course: Path, student: str, assignment: str) -> tuple[dict, str | None]:
+    """What nbgrader wrote into the task's gradebook: per notebook, its grades, comments and
+    late penalty; and the submission time."""
+    from nbgrader.api import Gradebook
+
+    found = {}
+    with Gradebook(f"sqlite:///{course / GRADEBOOK}", COURSE_ID) as gb:
+        submission = gb.find_submission(assignment, student)
+        for notebook in submission.notebooks:
+            found[notebook.name] = {
+                "grades": {g.name: [g.auto_score, bool(g.needs_manual_grade)] for g in notebook.grades},
+                "comments": {c.name: c.auto_comment for c in notebook.comments},
+                "late_submission_penalty": notebook.late_submission_penalty,
+            }
+        stamp = submission.timestamp.isoformat() if submission.timestamp else None
+    return found, stamp
+
+
+def grade_submission(task: dict) -> dict:
+    """Autograde one submission from its bytes; return its outcome, notebooks and grades.
+
+    ``task``: ``student``, ``assignment``, ``index``, ``source`` and ``files`` (``{path:
+    bytes}`` of the assignment's source folder and of the student's folder, ``timestamp.txt``
+    included), ``template`` (the bytes of an SQLite gradebook holding the assignment),
+    ``settings`` (:class:`autograder.grading.plan.Settings` as a dict), ``hide`` (folders of
+    the parent's machine the sandbox hides as well, when the worker shares it).
+
+    Returns ``{"outcome": {...}, "notebooks": {name: bytes}, "grades": {...}, "timestamp"}``.
+    """
+    start = time.perf_counter()
+    settings = task["settings"]
+    student, assignment = task["student"], task["assignment"]
+    outcome = {"status": "failed", "attempts": 0, "incidents": [], "tests": [], "error": "", "engines": [],
+               "worker": f"{socket.gethostname()}:{os.getpid()}", "seconds": 0.0}
+    answer = {"outcome": outcome, "notebooks": {}, "grades": {}, "timestamp": None}
+    use_bwrap = settings["sandbox"] != "off" and sandbox.bwrap_path() is not None
+    if settings["sandbox"] == "on" and not use_bwrap:
+        outcome["error"] = f"worker {outcome['worker']}: " + (sandbox.isolation_warning() or "no sandbox")
+        return answer
+    outcome["isolation"] = "bubblewrap" if use_bwrap else "none"
+    base = scratch_base()
+    course = Path(tempfile.mkdtemp(prefix=f"s{task.get('index', 0)}-", dir=base))
+    try:
+        _write_tree(course / "source" / assignment, task["source"])
+        submitted = course / "submitted" / student / assignment
+        _write_tree(submitted, task["files"])
+        (course / GRADEBOOK).write_bytes(task["template"])
+        with engine() as free:
+            _grade(course, task, settings, use_bwrap, base, free, outcome)
+        workdir = course / "autograded" / student / assignment
+        if outcome["status"] == "graded":
+            for path in sorted(workdir.glob("*.ipynb")):
+                answer["notebooks"][path.stem] = path.read_bytes()
+            answer["grades"], answer["timestamp"] = recorded_grades(course, student, assignment)
+    except Exception as error:  # a bug of ours must not stop the class: this submission fails
+        outcome["status"], outcome["error"] = "failed", f"{type(error).__name__}: {error}"
+    finally:
+        shutil.rmtree(course, ignore_errors=True)
+        outcome["seconds"] = time.perf_counter() - start
+    return answer
+
+
+def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, base: Path, free: Engine,
+           outcome: dict) -> None:
+    import nbformat
+
+    student, assignment = task["student"], task["assignment"]
+    runtime, jupyter = course / "rt", course / "jupyter"
+    runtime.mkdir()
+    workdir = course / "autograded" / student / assignment
+    workdir.mkdir(parents=True)
+    hidden = [base, *(Path(p) for p in task.get("hide", []))]
+    argv = sandbox.kernel_argv(workdir, runtime, memory_mb=settings["memory_mb"], file_mb=settings["file_mb"],
+                               sandbox=use_bwrap, hidden=hidden)
+    kernel = sandbox.write_kernelspec(jupyter, argv, threads=settings["threads"])
+    report_path = course / "report.json"
+    skip: dict[str, dict[str, str]] = {}
+    names = {Path(name).stem for name in task["source"] if name.endswith(".ipynb") and "/" not in name}
+    expected = sorted(p.stem for p in (course / "submitted" / student / assignment).glob("*.ipynb") if p.stem in names)
+    grace = max(settings["unresponsive_grace"], settings["timeout"] // 4)
+    for attempt in range(1, settings["attempts"] + 1):
+        outcome["attempts"] = attempt
+        report_path.unlink(missing_ok=True)
+        job = {"root": str(course), "student": student, "assignment": assignment,
+               "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
+               "timeout": settings["timeout"], "startup_timeout": settings["startup_timeout"], "grace": grace,
+               "kernel": kernel, "report": str(report_path), "skip": skip,
+               "max_output_bytes": settings["max_output_bytes"], "late_penalty": settings["late_penalty"],
+               "ipc": str(runtime / "k") if use_bwrap else None}
+        result = free.run(job, timeout=settings["notebook_timeout"])
+        outcome["engines"].append(free.last_pid)
+        try:
+            report = json.loads(report_path.read_text())
+        except (OSError, ValueError):
+            report = {}
+        for incident in report.get("incidents", []):
+            incident.setdefault("attempt", attempt)
+            if incident not in outcome["incidents"]:
+                outcome["incidents"].append(incident)
+        produced = all((workdir / f"{name}.ipynb").exists() for name in expected)
+        if result.status == 0 and produced and expected:
+            outcome["status"] = "graded"
+            break
+        if "dead_cell" in report:
+            kind, cell = "dead", report["dead_cell"]
+        elif "hung_cell" in report:
+            kind, cell = "hung", report["hung_cell"]
+        elif result.timed_out and "cell" in report:
+            kind, cell = "notebook_timeout", report["cell"]
+        else:
+            cause = start_failure_cause(result.log)
+            outcome["error"] = (("the kernel could not start: " + cause + "\n") if cause else "") + (
+                "nbgrader autograde failed" + (" (ran past --notebook-timeout)" if result.timed_out else "")
+                + ":\n" + result.log[-3000:])
+            break
+        notebook = report.get("notebook", expected[0] if expected else "")
+        if str(cell) in skip.get(notebook, {}):
+            outcome["error"] = f"cell {cell} of {notebook} was skipped and the kernel still failed"
+            break
+        skip.setdefault(notebook, {})[str(cell)] = _skip_reason(kind, settings)
+        outcome["incidents"].append({"kind": {"dead": "kernel_died", "hung": "kernel_unresponsive",
+                                              "notebook_timeout": "notebook_timeout"}[kind],
+                                     "notebook": notebook, "cell": cell,
+                                     "grade_id": report.get("grade_id"), "attempt": attempt})
+    else:
+        outcome["error"] = f"gave up after {settings['attempts']} attempts"
+    if outcome["status"] == "graded":
+        for name in expected:
+            cells = results.graded_cells(nbformat.read(workdir / f"{name}.ipynb", as_version=4), name)
+            outcome["tests"] += [cell.as_dict() for cell in cells]
+            outcome["incidents"] += tampering_incidents(cells)
