@@ -82,7 +82,7 @@ def add_pending_column(root: Path, path: Path) -> None:
 
 def export(root: Path = COURSE_ROOT) -> tuple[Path, Path]:
     root = Path(root).resolve()
-    if not (root / "gradebook.db").exists():
+    if not gradebook.exists(root):
         raise SystemExit(f"no gradebook in {root}: run `make grade` first")
     grades = root / "grades.csv"
     run_nbgrader("export", "--to", str(grades), "--log-level=WARN", root=root)

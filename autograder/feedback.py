@@ -246,7 +246,7 @@ def write_feedback(root: Path = COURSE_ROOT, students: list[str] | None = None,
                    assignments: list[str] | None = None) -> list[Path]:
     """Feedback pages of every graded submission (or only those of ``students`` / ``assignments``)."""
     written = write_not_graded(root, students, assignments)
-    if not (root / "gradebook.db").exists():
+    if not gradebook.exists(root):
         return written
     with gradebook.open_gradebook(root) as gb:
         for assignment in gb.assignments:

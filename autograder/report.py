@@ -355,7 +355,7 @@ def render(data: dict, images: list[str]) -> str:
 
 def write_reports(root: Path = COURSE_ROOT, assignments: list[str] | None = None) -> list[Path]:
     root = Path(root)
-    if not (root / "gradebook.db").exists():
+    if not gradebook.exists(root):
         raise SystemExit(f"no gradebook in {root}: run `make intake` and `make grade` first")
     written = []
     with gradebook.open_gradebook(root) as gb:

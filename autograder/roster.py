@@ -210,7 +210,7 @@ def withdraw(student: str, assignment: str, root: Path = COURSE_ROOT) -> list[st
         if generated.exists():
             shutil.rmtree(generated)
             done.append(f"removed {generated.relative_to(root)}")
-    if (root / "gradebook.db").exists():
+    if gradebook.exists(root):
         from nbgrader.api import MissingEntry
 
         with gradebook.open_gradebook(root) as gb:
