@@ -16,7 +16,7 @@ import ipywidgets as widgets
 import torch
 from matplotlib.figure import Figure
 
-from attention_lab.widgets.live import LiveFigure
+from attention_lab.widgets.live import LiveFigure, legend_outside, wrap_title
 
 SCALED = "÷ sqrt(d_head)"
 RAW = "none (raw q·k)"
@@ -45,7 +45,7 @@ def plot_attention_heads(figure: Figure, weights: torch.Tensor, tokens: Sequence
             ax.set_yticks(range(len(tokens)), [""] * len(tokens))
     figure.colorbar(image, ax=list(axes), shrink=0.8, label="weight")
     if title:
-        figure.suptitle(title, fontsize=9)
+        figure.suptitle(wrap_title(title), fontsize=10)
 
 
 def mean_row_entropy(weights: torch.Tensor) -> float:
@@ -82,7 +82,7 @@ def attention_explorer(attention_weights: Callable, tokens: Sequence[str], *, nu
         shown = list(range(num_heads)) if head == "all" else [int(head)]
         # Fixed margins rather than a layout engine: a constrained layout doubles the redraw time.
         grid = figure.add_gridspec(1, len(shown) + 1, width_ratios=[1.0] * len(shown) + [1.6],
-                                   left=0.06, right=0.98, bottom=0.24, top=0.86, wspace=0.25)
+                                   left=0.06, right=0.98, bottom=0.22, top=0.82, wspace=0.3)
         map_axes = [figure.add_subplot(grid[0, i]) for i in range(len(shown))]
         weights = weights_for(d_head, scaling, factor, causal)
         title = (f"d_head = {d_head}, scores {scaling}, × {factor:.2f}: mean row entropy "
@@ -99,7 +99,7 @@ def attention_explorer(attention_weights: Callable, tokens: Sequence[str], *, nu
         curve_ax.set_ylim(0, math.log(seq_len) * 1.05)
         curve_ax.set_xlabel("d_head", fontsize=8)
         curve_ax.set_ylabel("mean row entropy (nats)", fontsize=8)
-        curve_ax.legend(fontsize=7)
+        legend_outside(curve_ax)
 
     controls = {
         "head": widgets.Dropdown(options=["all"] + [str(h) for h in range(num_heads)], value="all", description="head"),
@@ -109,4 +109,5 @@ def attention_explorer(attention_weights: Callable, tokens: Sequence[str], *, nu
         "factor": widgets.FloatLogSlider(value=1.0, base=10, min=-1, max=1, step=0.05, description="× factor",
                                          readout_format=".2f"),
     }
-    return LiveFigure(draw, controls, figsize=(3.0 * num_heads + 5.0, 3.8))
+    # At most 10 inches (1000 px): shown at its natural size in a notebook at a laptop's width.
+    return LiveFigure(draw, controls, figsize=(min(10.0, 1.7 * num_heads + 3.6), 4.4))
