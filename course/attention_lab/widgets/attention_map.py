@@ -26,7 +26,7 @@ def plot_attention_heads(figure: Figure, weights: torch.Tensor, tokens: Sequence
                          heads: Sequence[int] | None = None, title: str = "", axes=None) -> None:
     """Draw one heatmap per head of ``weights [H, S_q, S_k]`` (rows: queries, columns: keys).
 
-    Only the first map carries the query labels, so neighbouring maps never overlap them.
+    Only the maps of the first column carry the query labels, so neighbouring maps never overlap them.
     ``axes``: where to draw (default: one new row of subplots filling ``figure``).
     """
     weights = weights.detach().to("cpu", torch.float64)
@@ -38,7 +38,8 @@ def plot_attention_heads(figure: Figure, weights: torch.Tensor, tokens: Sequence
         ax.set_title(f"head {head}", fontsize=9)
         ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=8)
         ax.set_xlabel("key", fontsize=8)
-        if index == 0:
+        spec = ax.get_subplotspec()
+        if index == 0 or (spec is not None and spec.is_first_col()):
             ax.set_yticks(range(len(tokens)), tokens, fontsize=8)
             ax.set_ylabel("query", fontsize=8)
         else:
@@ -80,16 +81,20 @@ def attention_explorer(attention_weights: Callable, tokens: Sequence[str], *, nu
 
     def draw(figure: Figure, head: str, causal: bool, d_head: int, scaling: str, factor: float) -> None:
         shown = list(range(num_heads)) if head == "all" else [int(head)]
-        # Fixed margins rather than a layout engine: a constrained layout doubles the redraw time.
-        grid = figure.add_gridspec(1, len(shown) + 1, width_ratios=[1.0] * len(shown) + [1.6],
-                                   left=0.06, right=0.98, bottom=0.22, top=0.82, wspace=0.3)
-        map_axes = [figure.add_subplot(grid[0, i]) for i in range(len(shown))]
+        # The heads on two rows (a figure narrow enough for a laptop's notebook), the entropy
+        # curve on their right. Fixed margins rather than a layout engine: a constrained layout
+        # doubles the redraw time.
+        rows = 2 if len(shown) > 2 else 1
+        columns = math.ceil(len(shown) / rows)
+        grid = figure.add_gridspec(rows, columns + 1, width_ratios=[1.0] * columns + [1.5 * columns / 2 + 0.4],
+                                   left=0.07, right=0.98, bottom=0.2, top=0.84, wspace=0.6, hspace=0.75)
+        map_axes = [figure.add_subplot(grid[i // columns, i % columns]) for i in range(len(shown))]
         weights = weights_for(d_head, scaling, factor, causal)
         title = (f"d_head = {d_head}, scores {scaling}, × {factor:.2f}: mean row entropy "
                  f"{mean_row_entropy(weights[shown]):.2f} nats (uniform: {math.log(seq_len):.2f}), "
                  f"mean largest weight {float(weights[shown].amax(-1).mean()):.2f}")
         plot_attention_heads(figure, weights, tokens, shown, title, axes=map_axes)
-        curve_ax = figure.add_subplot(grid[0, len(shown)])
+        curve_ax = figure.add_subplot(grid[:, columns])
         for mode, style in ((SCALED, "o-"), (RAW, "s--")):
             entropies = [mean_row_entropy(weights_for(d, mode, factor, causal, curve_samples)) for d in d_heads]
             curve_ax.plot(list(d_heads), entropies, style, label=f"scores {mode}")
@@ -110,4 +115,4 @@ def attention_explorer(attention_weights: Callable, tokens: Sequence[str], *, nu
                                          readout_format=".2f"),
     }
     # At most 10 inches (1000 px): shown at its natural size in a notebook at a laptop's width.
-    return LiveFigure(draw, controls, figsize=(min(10.0, 1.7 * num_heads + 3.6), 4.4))
+    return LiveFigure(draw, controls, figsize=(min(8.0, 1.6 * math.ceil(num_heads / 2) + 4.2), 5.4))

@@ -25,6 +25,7 @@ DPI = 100
 # A slider shorter than this cannot be dragged to a value between its ends.
 CONTROL_MIN_WIDTH_PX = 200
 CONTROL_WIDTH_PX = 300
+SLIDER_WIDTH_PX = 420  # its label and readout included: a track of about 250 px
 
 
 def figure_png(figure: Figure) -> bytes:
@@ -47,6 +48,8 @@ def fit_control(control: widgets.Widget) -> widgets.Widget:
     elif isinstance(control, widgets.Checkbox):
         control.indent = False
         layout.width = "auto"
+    elif isinstance(control, (widgets.IntSlider, widgets.FloatSlider, widgets.FloatLogSlider)):
+        layout.width = f"{SLIDER_WIDTH_PX}px"
     else:
         layout.width = f"{CONTROL_WIDTH_PX}px"
     layout.min_width = f"{CONTROL_MIN_WIDTH_PX}px"
@@ -57,7 +60,7 @@ def fit_control(control: widgets.Widget) -> widgets.Widget:
 
 def legend_outside(ax, ncol: int = 1, **kwargs: Any) -> None:
     """The legend of ``ax`` below it, where it covers no data."""
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=ncol, fontsize=8, frameon=False, **kwargs)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=ncol, fontsize=8, frameon=False, **kwargs)
 
 
 def wrap_title(text: str, width: int = 95) -> str:
