@@ -95,7 +95,8 @@ class LiveFigure:
                                                                         max_width="100%"))
         controls_row = widgets.HBox([fit_control(control) for control in self.controls.values()],
                                     layout=widgets.Layout(flex_flow="row wrap", align_items="center"))
-        self.widget = widgets.VBox([controls_row, self._image])
+        # flex-start: a column box would otherwise stretch the picture to its width (upscaled, soft).
+        self.widget = widgets.VBox([controls_row, self._image], layout=widgets.Layout(align_items="flex-start"))
         for control in self.controls.values():
             # Redraw once, when a slider is released: dragging would otherwise queue one
             # redraw per intermediate value and the figure would lag seconds behind.
