@@ -319,6 +319,7 @@ def exercise_controls(page, figure) -> list[str]:
         control = controls_of(figure).nth(index)
         label = squash(control.inner_text())[:30]
         classes = control.get_attribute("class") or ""
+        control.scroll_into_view_if_needed()
         if "mod-disabled" in classes or control.locator(":disabled").count():
             continue
         if "widget-slider" in classes:

@@ -25,7 +25,8 @@ def plot_positions(figure: Figure, table: torch.Tensor, position: int, title: st
     table = table.detach().to("cpu", torch.float64)
     num_positions, dim = table.shape
     position = int(min(max(position, 0), num_positions - 1))
-    heatmap_axes, dot_axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1.0]})
+    heatmap_axes, dot_axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1.0], "top": 0.78,
+                                                                "wspace": 0.3})
     image = heatmap_axes.imshow(table.numpy(), aspect="auto", cmap="RdBu_r", vmin=-1.0, vmax=1.0,
                                 interpolation="nearest")
     heatmap_axes.axhline(position, color="black", linewidth=0.8, linestyle="--")
