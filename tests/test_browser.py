@@ -234,17 +234,23 @@ def is_dirty(page) -> bool:
 def run_all(page) -> None:
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
-    # Every code cell has its execution count, and the kernel is idle again.
+    # Every code cell has its execution count -- or a cell failed (JupyterLab stops there) and
+    # nothing is queued any more ("[*]"): either way the run is over.
     page.wait_for_function(r"""() => {
         const prompts = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputArea-prompt')];
-        return prompts.length > 0 && prompts.every(p => /\[\d+\]/.test(p.textContent));
+        const done = prompts.length > 0 && prompts.every(p => /\[\d+\]/.test(p.textContent));
+        const stopped = prompts.length > 0 && !prompts.some(p => p.textContent.includes('*'))
+            && /\[\d+\]/.test(prompts[0].textContent);
+        return done || stopped;
     }""", timeout=RUN_ALL_MS)
     wait_until_idle(page)
+    prompts = page.locator(".jp-Notebook .jp-CodeCell .jp-InputArea-prompt").all_text_contents()
+    not_run = [index for index, prompt in enumerate(prompts) if not re.search(r"\[\d+\]", prompt)]
+    assert not not_run, f"Run All stopped before code cell {not_run[0]}: {errors_in_outputs(page)}"
 
 
 def close_current_tab(page) -> bool:
     """Close the notebook's tab; True when JupyterLab asked whether to save."""
-    notebook = page.locator(".jp-NotebookPanel:visible")
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^File$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Close Tab$")).click()
     page.wait_for_function("""() => document.querySelector('.jp-Dialog') !== null
@@ -361,8 +367,10 @@ def test_each_notebook_runs_in_the_lab_with_usable_widgets_and_closes_clean(assi
         page.set_viewport_size(SCREEN_SIZES["1400x900"])
         # Opening is not editing: no dirty marker once the kernel has started.
         assert not is_dirty(page), f"{path.name} is marked modified as soon as it opens"
-        run_all(page)
-        screenshots.take(page, "ran-all")
+        try:
+            run_all(page)
+        finally:
+            screenshots.take(page, "ran-all")
         assert not errors_in_outputs(page), errors_in_outputs(page)
         cells = page.locator(".jp-Notebook .jp-CodeCell")
         for index in range(cells.count()):
