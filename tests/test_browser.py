@@ -235,12 +235,13 @@ def run_all(page) -> None:
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
     # Every code cell has its execution count -- or a cell failed (JupyterLab stops there) and
-    # nothing is queued any more ("[*]"): either way the run is over.
+    # nothing runs any more ("[*]"): either way the run is over.
     page.wait_for_function(r"""() => {
         const prompts = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputArea-prompt')];
         const done = prompts.length > 0 && prompts.every(p => /\[\d+\]/.test(p.textContent));
-        const stopped = prompts.length > 0 && !prompts.some(p => p.textContent.includes('*'))
-            && /\[\d+\]/.test(prompts[0].textContent);
+        const outputs = [...document.querySelectorAll('.jp-Notebook .jp-OutputArea-output')].map(o => o.innerText);
+        const failed = outputs.some(t => t.includes('Traceback') || /^\w*(Error|Failure)\b/m.test(t));
+        const stopped = failed && !prompts.some(p => p.textContent.includes('*'));
         return done || stopped;
     }""", timeout=RUN_ALL_MS)
     wait_until_idle(page)
