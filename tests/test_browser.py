@@ -239,7 +239,8 @@ def run_all(page) -> None:
     page.wait_for_function(r"""() => {
         const prompts = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputArea-prompt')];
         const done = prompts.length > 0 && prompts.every(p => /\[\d+\]/.test(p.textContent));
-        const outputs = [...document.querySelectorAll('.jp-Notebook .jp-OutputArea-output')].map(o => o.innerText);
+        const outputs = [...document.querySelectorAll(
+            '.jp-Notebook .jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')].map(o => o.innerText);
         const failed = outputs.some(t => t.includes('Traceback') || /^\w*(Error|Failure)\b/m.test(t));
         const stopped = failed && !prompts.some(p => p.textContent.includes('*'));
         return done || stopped;
@@ -260,7 +261,10 @@ def close_current_tab(page) -> bool:
 
 
 def errors_in_outputs(page) -> list[str]:
-    texts = page.locator(".jp-Notebook .jp-OutputArea-output").all_inner_texts()
+    """Errors and failed checks shown by the notebook (stderr outputs; a demo that prints an
+    error message on purpose writes to stdout)."""
+    texts = page.locator('.jp-Notebook .jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'
+                         ).all_inner_texts()
     return [text[:400] for text in texts if "Traceback" in text or re.search(r"^\w*(Error|Failure)\b", text, re.M)]
 
 
