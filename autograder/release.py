@@ -72,8 +72,10 @@ def course_repository() -> str:
 
 
 def colab_badge(repository: str, assignment: str) -> str:
+    """A text link to the notebook on Colab: no image, so it reads the same offline (Colab's
+    badge is an image on colab.research.google.com, a broken picture without the network)."""
     url = f"https://colab.research.google.com/github/{repository}/blob/main/course/{assignment}.ipynb"
-    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
+    return f"**[Open this notebook in Colab]({url})**"
 
 
 def setup_cell_source(repository: str) -> str:

@@ -89,7 +89,9 @@ def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | No
     args = (f"--no-browser --port={port} --ServerApp.ip=127.0.0.1 --IdentityProvider.token={TOKEN} "
             f"--ServerApp.root_dir={root_dir}")
     variable = "LAB_ARGS" if target == "lab" else "FORMGRADER_ARGS"
-    environment = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings_dir),
+    # Validate's time limit (autograder/lab/validate.py), stretched up to 3x by load: a test's
+    # wait for the dialog (15 min) is longer than the stretched limit (12 min).
+    environment = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings_dir), ATTENTION_LAB_VALIDATE_SECONDS="240",
                        JUPYTERLAB_WORKSPACES_DIR=str(scratch / "lab-workspaces"), **(extra_env or {}))
     with open(log, "w") as log_file:
         # `make formgrader` serves FORMGRADER_ROOT (its working folder); `make lab` serves course/.

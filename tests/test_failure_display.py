@@ -154,3 +154,35 @@ def test_nbgrader_validate_shows_the_message_uncut(tmp_path):
     error_part = printed.getvalue().split("The error was:")[1]
     assert "..." not in error_part.replace("h*d_head ... (h+1)", ""), error_part  # no line cut off
     assert "Likely mistake: you reshaped straight to" in error_part
+
+
+WARNS_THEN_WRONG = ("def split_heads(x, num_heads):\n"
+                    "    import warnings\n"
+                    "    print('debugging: x is', tuple(x.shape))\n"
+                    "    warnings.warn('overflow encountered in matmul', RuntimeWarning)\n"
+                    "    b, s, d = x.shape\n"
+                    "    return x.reshape(b, num_heads, s, d // num_heads)\n")
+
+
+@pytest.mark.slow
+def test_what_the_code_printed_or_warned_never_hides_the_checks_message(tmp_path):
+    """A student's code warns and prints before its check fails: the feedback page explains the
+    failure by the check's message, and the lab's Validate shows that message first."""
+    from autograder import results
+    from autograder.feedback import explain
+    from autograder.lab.validate import failure_text
+
+    notebook = _notebook(SETUP, WARNS_THEN_WRONG, CHECK)
+    notebook.cells[2].metadata["nbgrader"] = {"grade": True, "grade_id": "test_split_heads", "locked": True,
+                                              "points": 1, "schema_version": 3, "solution": False, "task": False}
+    NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = notebook.cells[2].outputs
+    assert any(o.output_type == "stream" and "RuntimeWarning" in o.text for o in outputs), outputs  # it did warn
+    [cell] = results.graded_cells(notebook)
+    explained = explain(cell, CHECK)
+    assert explained.startswith("CheckFailure: split_heads(x, num_heads="), explained
+    assert "Likely mistake: you reshaped straight to" in _words(explained)
+    shown = failure_text(outputs)
+    assert "Likely mistake: you reshaped straight to" in _words(shown)
+    assert _words(shown).index("Likely mistake") < _words(shown).index("RuntimeWarning"), shown

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import platform
 import shutil
 import urllib.error
 import urllib.parse
@@ -16,7 +17,8 @@ import pytest
 from jupyter_server.services.contents.filemanager import FileContentsManager
 from traitlets.config.loader import load_pyconfig_files
 
-from autograder.lab.course_notebooks import is_course_notebook, keep_course_notebooks_clean
+from autograder.lab import validate
+from autograder.lab.course_notebooks import CourseContentsManager, is_course_notebook, keep_course_notebooks_clean
 from tests.conftest import ASSIGNMENTS, REPO_ROOT
 from tests.lab_servers import TOKEN, copy_course, http_get, running_lab
 
@@ -133,3 +135,91 @@ def test_validate_button_reports_the_blanks_and_passes_a_solved_notebook(student
     solved = _validate(student_lab, "solved.ipynb")
     assert solved["success"] is True
     assert "failed" not in solved["value"] and "NotImplementedError" not in json.dumps(solved["value"]), solved
+
+
+def test_a_course_notebook_is_served_with_its_kernels_metadata_and_saved_with_the_courses(tmp_path):
+    """Opening is not editing: JupyterLab finds in the notebook exactly the kernelspec and
+    language_info the starting kernel reports (so it marks nothing modified); on save the
+    course's metadata goes back, so the file keeps its bytes."""
+    import asyncio
+
+    committed = REPO_ROOT / "course" / "01_mha_shapes.ipynb"
+    shutil.copy(committed, tmp_path / committed.name)
+    config = load_pyconfig_files(["jupyter_server_config.py"], str(REPO_ROOT / "autograder" / "lab" / "student"))
+    assert config.ServerApp.contents_manager_class is CourseContentsManager
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Overriding existing pre_save_hook")
+        contents = CourseContentsManager(root_dir=str(tmp_path), config=config)
+    model = asyncio.run(contents.get(committed.name))
+    served = model["content"]["metadata"]
+    assert served["kernelspec"] == {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+    assert served["language_info"]["version"] == platform.python_version()
+    assert served["language_info"]["codemirror_mode"] == {"name": "ipython", "version": 3}
+    asyncio.run(contents.save(model, committed.name))
+    assert (tmp_path / committed.name).read_bytes() == committed.read_bytes()
+
+    # a student's own notebook is served as it is
+    OTHER_KERNEL = {"name": "other", "display_name": "Other", "language": "other"}
+    nbformat.write(nbformat.v4.new_notebook(metadata={"kernelspec": OTHER_KERNEL}), tmp_path / "mine.ipynb")
+    assert asyncio.run(contents.get("mine.ipynb"))["content"]["metadata"] == {"kernelspec": OTHER_KERNEL}
+    # packaging artefacts of `make setup` are not in the student's file browser
+    (tmp_path / "attention_lab.egg-info").mkdir()
+    listed = {item["name"] for item in asyncio.run(contents.get(""))["content"]}
+    assert "attention_lab.egg-info" not in listed and committed.name in listed
+
+
+def test_a_failed_cell_in_validate_shows_the_checks_message_before_what_the_code_printed():
+    outputs = [{"output_type": "stream", "name": "stderr",
+                "text": "<cell>:3: RuntimeWarning: overflow encountered in matmul\n" * 30},
+               {"output_type": "stream", "name": "stdout", "text": "debug print\n"},
+               {"output_type": "error", "ename": "CheckFailure", "evalue": "x",
+                "traceback": ["CheckFailure: attention_weights(q, k) should sum to 1 over keys",
+                              "  likely mistake: softmax over the wrong axis"]}]
+    text = validate.failure_text(outputs)
+    assert text.startswith("CheckFailure: attention_weights(q, k) should sum to 1"), text
+    assert "likely mistake: softmax over the wrong axis" in text
+    assert text.index("likely mistake") < text.index("RuntimeWarning")  # the message first
+    assert "RuntimeWarning: overflow encountered in matmul" in text       # the warning kept, after it
+    assert len(text.splitlines()) < 20, text                             # and cut short
+    assert "debug print" not in text
+
+
+@pytest.mark.slow
+def test_validate_that_cannot_finish_is_stopped_and_names_the_cell_still_running(tmp_path):
+    """A notebook whose cell never ends: Validate answers within its (load-stretched) limit,
+    with that cell, and leaves no kernel behind."""
+    import asyncio
+
+    import psutil
+
+    notebook = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("import time\nwhile True:  # never ends\n    time.sleep(0.1)"),
+        nbformat.v4.new_code_cell("y = 2"),
+    ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nbformat.write(notebook, tmp_path / "endless.ipynb")
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    answer = asyncio.run(validate.validate_notebook(tmp_path / "endless.ipynb", base_seconds=3))
+    assert answer["success"] is True, answer
+    failed = answer["value"]["failed"]
+    assert len(failed) == 1 and "while True" in failed[0]["source"], failed
+    assert "Validate stopped after" in failed[0]["raw_error"] and "cell 2" in failed[0]["raw_error"], failed
+    left = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    assert not [child for child in left if child.is_running() and child.status() != psutil.STATUS_ZOMBIE], left
+
+
+@pytest.mark.slow
+def test_validate_runs_beside_the_server_not_inside_it(student_lab):
+    """The lab answers while a notebook validates (nbgrader's own handler blocks the server)."""
+    import threading
+
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(_validate(student_lab, "01_mha_shapes.ipynb")))
+    worker.start()
+    answered_meanwhile = 0
+    while worker.is_alive():
+        student_lab.api("status")  # raises (timeout 30 s) if the server is blocked
+        answered_meanwhile += 1
+        worker.join(timeout=0.5)
+    assert result.get("success") is True, result
+    assert answered_meanwhile >= 2, "the validation ended before the server could be asked anything"

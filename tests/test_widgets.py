@@ -50,13 +50,26 @@ def test_explorer_draws_one_heatmap_per_head_with_the_student_weights(explorer):
     np.testing.assert_allclose(maps[1].images[0].get_array(), reference_weights(q, k)[1].numpy(), rtol=1e-6)
 
 
-def test_only_the_first_map_carries_the_query_labels(explorer):
+def test_only_the_maps_of_the_first_column_carry_the_query_labels(explorer):
     widget, _calls = explorer
-    maps = heatmaps(widget.figure)
-    assert maps[0].get_ylabel() == "query"
-    assert [label.get_text() for label in maps[0].get_yticklabels()] == TOKENS
-    for ax in maps[1:]:
-        assert ax.get_ylabel() == "" and all(label.get_text() == "" for label in ax.get_yticklabels())
+    maps = heatmaps(widget.figure)  # 3 heads: two rows, heads 0 and 2 in the first column
+    for ax in (maps[0], maps[2]):
+        assert ax.get_ylabel() == "query"
+        assert [label.get_text() for label in ax.get_yticklabels()] == TOKENS
+    assert maps[1].get_ylabel() == "" and all(label.get_text() == "" for label in maps[1].get_yticklabels())
+
+
+def test_controls_are_wide_enough_to_use_and_fully_labelled(explorer):
+    from attention_lab.widgets.live import CONTROL_MIN_WIDTH_PX
+
+    widget, _calls = explorer
+    row = widget.widget.children[0]
+    assert row.layout.flex_flow == "row wrap"  # a narrow notebook wraps the controls, never squeezes them
+    for control in widget.controls.values():
+        assert int(control.layout.min_width.rstrip("px")) >= CONTROL_MIN_WIDTH_PX, control
+        assert control.layout.flex == "0 0 auto", control
+        assert control.style.description_width == "initial", control
+    assert widget.widget.children[1].layout.max_width == "100%"  # shrinks to the notebook, never upscaled
 
 
 def test_head_selector_shows_a_single_head(explorer):
@@ -134,7 +147,7 @@ def test_the_numbers_notebook_01_quotes_from_the_explorer():
     def largest_weight(**settings):
         for name, value in settings.items():
             widget.controls[name].value = value
-        return float(re.search(r"mean largest weight ([0-9.]+)", widget.figure._suptitle.get_text()).group(1))
+        return float(re.search(r"mean largest weight ([0-9.]+)", " ".join(widget.figure._suptitle.get_text().split())).group(1))
 
     scaled = [largest_weight(d_head=d) for d in (4, 64, 1024)]
     assert all(0.35 <= value <= 0.45 for value in scaled), scaled  # "about 0.4 for every d_head"

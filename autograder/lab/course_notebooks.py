@@ -8,12 +8,21 @@ execution counts. None of that is the student's work, and all of it would show u
 ``git status`` and conflict on ``git pull``; so on save the hook puts back the course's
 metadata and drops outputs. What a student saves is what they wrote: their code, their
 written answers, cells they added.
+
+Opening must not count as editing either: JupyterLab marks a notebook modified (a dot on its
+tab, "Save changes?" on close) as soon as the kernel's metadata differs from the file's. So
+the student lab serves a course notebook with the metadata its kernel is about to write
+(:class:`CourseContentsManager`): the kernel then changes nothing, and the pre-save hook
+writes the course's metadata back, so the file on disk stays as released.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import PurePosixPath
+
+from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
 
 # Every course notebook runs on the default Python kernel; the version is left out on purpose
 # (it differs per machine and would make the file differ per machine).
@@ -44,6 +53,30 @@ def strip_run_state(notebook: dict) -> dict:
             cell["outputs"] = []
             cell["execution_count"] = None
     return notebook
+
+
+def kernel_metadata() -> dict:
+    """The ``kernelspec`` and ``language_info`` JupyterLab writes into a notebook when the
+    course's kernel (``python3``: ipykernel on the server's own Python) starts."""
+    from ipykernel.ipkernel import IPythonKernel
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    return {
+        "kernelspec": {"display_name": spec.display_name, "language": spec.language, "name": "python3"},
+        "language_info": copy.deepcopy(IPythonKernel.language_info),
+    }
+
+
+class CourseContentsManager(AsyncLargeFileManager):
+    """jupyter_server's default contents manager; a course notebook is served with the
+    metadata of the kernel that will run it, so opening it changes nothing."""
+
+    async def get(self, path, content=True, type=None, format=None, **kwargs):
+        model = await super().get(path, content=content, type=type, format=format, **kwargs)
+        if model.get("type") == "notebook" and isinstance(model.get("content"), dict) and is_course_notebook(path):
+            model["content"]["metadata"].update(kernel_metadata())
+        return model
 
 
 def keep_course_notebooks_clean(model, path, contents_manager=None, **kwargs):

@@ -16,7 +16,7 @@ import ipywidgets as widgets
 import torch
 from matplotlib.figure import Figure
 
-from attention_lab.widgets.live import LiveFigure
+from attention_lab.widgets.live import LiveFigure, legend_outside, wrap_title
 
 SCALED = "÷ sqrt(d_head)"
 RAW = "none (raw q·k)"
@@ -26,7 +26,7 @@ def plot_attention_heads(figure: Figure, weights: torch.Tensor, tokens: Sequence
                          heads: Sequence[int] | None = None, title: str = "", axes=None) -> None:
     """Draw one heatmap per head of ``weights [H, S_q, S_k]`` (rows: queries, columns: keys).
 
-    Only the first map carries the query labels, so neighbouring maps never overlap them.
+    Only the maps of the first column carry the query labels, so neighbouring maps never overlap them.
     ``axes``: where to draw (default: one new row of subplots filling ``figure``).
     """
     weights = weights.detach().to("cpu", torch.float64)
@@ -38,14 +38,15 @@ def plot_attention_heads(figure: Figure, weights: torch.Tensor, tokens: Sequence
         ax.set_title(f"head {head}", fontsize=9)
         ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=8)
         ax.set_xlabel("key", fontsize=8)
-        if index == 0:
+        spec = ax.get_subplotspec()
+        if index == 0 or (spec is not None and spec.is_first_col()):
             ax.set_yticks(range(len(tokens)), tokens, fontsize=8)
             ax.set_ylabel("query", fontsize=8)
         else:
             ax.set_yticks(range(len(tokens)), [""] * len(tokens))
     figure.colorbar(image, ax=list(axes), shrink=0.8, label="weight")
     if title:
-        figure.suptitle(title, fontsize=9)
+        figure.suptitle(wrap_title(title), fontsize=10)
 
 
 def mean_row_entropy(weights: torch.Tensor) -> float:
@@ -80,16 +81,20 @@ def attention_explorer(attention_weights: Callable, tokens: Sequence[str], *, nu
 
     def draw(figure: Figure, head: str, causal: bool, d_head: int, scaling: str, factor: float) -> None:
         shown = list(range(num_heads)) if head == "all" else [int(head)]
-        # Fixed margins rather than a layout engine: a constrained layout doubles the redraw time.
-        grid = figure.add_gridspec(1, len(shown) + 1, width_ratios=[1.0] * len(shown) + [1.6],
-                                   left=0.06, right=0.98, bottom=0.24, top=0.86, wspace=0.25)
-        map_axes = [figure.add_subplot(grid[0, i]) for i in range(len(shown))]
+        # The heads on two rows (a figure narrow enough for a laptop's notebook), the entropy
+        # curve on their right. Fixed margins rather than a layout engine: a constrained layout
+        # doubles the redraw time.
+        rows = 2 if len(shown) > 2 else 1
+        columns = math.ceil(len(shown) / rows)
+        grid = figure.add_gridspec(rows, columns + 1, width_ratios=[1.0] * columns + [1.5 * columns / 2 + 0.4],
+                                   left=0.07, right=0.98, bottom=0.2, top=0.84, wspace=0.6, hspace=0.75)
+        map_axes = [figure.add_subplot(grid[i // columns, i % columns]) for i in range(len(shown))]
         weights = weights_for(d_head, scaling, factor, causal)
         title = (f"d_head = {d_head}, scores {scaling}, × {factor:.2f}: mean row entropy "
                  f"{mean_row_entropy(weights[shown]):.2f} nats (uniform: {math.log(seq_len):.2f}), "
                  f"mean largest weight {float(weights[shown].amax(-1).mean()):.2f}")
         plot_attention_heads(figure, weights, tokens, shown, title, axes=map_axes)
-        curve_ax = figure.add_subplot(grid[0, len(shown)])
+        curve_ax = figure.add_subplot(grid[:, columns])
         for mode, style in ((SCALED, "o-"), (RAW, "s--")):
             entropies = [mean_row_entropy(weights_for(d, mode, factor, causal, curve_samples)) for d in d_heads]
             curve_ax.plot(list(d_heads), entropies, style, label=f"scores {mode}")
@@ -99,7 +104,7 @@ def attention_explorer(attention_weights: Callable, tokens: Sequence[str], *, nu
         curve_ax.set_ylim(0, math.log(seq_len) * 1.05)
         curve_ax.set_xlabel("d_head", fontsize=8)
         curve_ax.set_ylabel("mean row entropy (nats)", fontsize=8)
-        curve_ax.legend(fontsize=7)
+        legend_outside(curve_ax)
 
     controls = {
         "head": widgets.Dropdown(options=["all"] + [str(h) for h in range(num_heads)], value="all", description="head"),
@@ -109,4 +114,5 @@ def attention_explorer(attention_weights: Callable, tokens: Sequence[str], *, nu
         "factor": widgets.FloatLogSlider(value=1.0, base=10, min=-1, max=1, step=0.05, description="× factor",
                                          readout_format=".2f"),
     }
-    return LiveFigure(draw, controls, figsize=(3.0 * num_heads + 5.0, 3.8))
+    # At most 10 inches (1000 px): shown at its natural size in a notebook at a laptop's width.
+    return LiveFigure(draw, controls, figsize=(min(8.0, 1.6 * math.ceil(num_heads / 2) + 4.2), 5.4))

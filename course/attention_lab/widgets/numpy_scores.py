@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from attention_lab.widgets.live import LiveFigure
+from attention_lab.widgets.live import LiveFigure, legend_outside, wrap_title
 
 SCALED = "÷ sqrt(d_head)"
 RAW = "none (raw q·k)"
@@ -35,7 +35,7 @@ def plot_score_spread(figure: Figure, scores: np.ndarray, sorted_weights: np.nda
     """Left: histogram of ``scores`` with the normal density of ``predicted_variance``.
     Right: ``sorted_weights (num_keys,)``, the mean softmax weight of the largest, second largest, ... key.
     """
-    hist_ax, weight_ax = figure.subplots(1, 2, gridspec_kw=dict(left=0.07, right=0.98, bottom=0.14, top=0.88,
+    hist_ax, weight_ax = figure.subplots(1, 2, gridspec_kw=dict(left=0.07, right=0.98, bottom=0.14, top=0.84,
                                                                  wspace=0.22))
     spread = max(4.0 * math.sqrt(predicted_variance), float(np.abs(scores).max(initial=1e-9)))
     hist_ax.hist(scores, bins=60, range=(-spread, spread), density=True, color="tab:blue", alpha=0.6,
@@ -45,16 +45,16 @@ def plot_score_spread(figure: Figure, scores: np.ndarray, sorted_weights: np.nda
     hist_ax.plot(grid, density, color="black", label=f"normal, variance {predicted_variance:.3g}")
     hist_ax.set_xlabel("score")
     hist_ax.set_ylabel("density")
-    hist_ax.legend(fontsize=7)
+    legend_outside(hist_ax, ncol=2)
     ranks = np.arange(1, len(sorted_weights) + 1)
     weight_ax.bar(ranks, sorted_weights, color="tab:orange")
     weight_ax.axhline(1 / len(sorted_weights), color="gray", linestyle=":", label="uniform")
     weight_ax.set_ylim(0, 1)
     weight_ax.set_xlabel("key, by rank of its weight")
     weight_ax.set_ylabel("mean softmax weight")
-    weight_ax.legend(fontsize=7)
+    legend_outside(weight_ax)
     if title:
-        figure.suptitle(title, fontsize=9)
+        figure.suptitle(wrap_title(title), fontsize=10)
 
 
 def variance_explorer(dot_product_variance: Callable, *, d_heads=(1, 4, 16, 64, 256, 1024),
@@ -84,4 +84,4 @@ def variance_explorer(dot_product_variance: Callable, *, d_heads=(1, 4, 16, 64, 
         "sigma": widgets.FloatSlider(value=1.0, min=0.25, max=3.0, step=0.25, description="σ"),
         "scaling": widgets.Dropdown(options=[SCALED, RAW], value=SCALED, description="scaling"),
     }
-    return LiveFigure(draw, controls, figsize=(10.0, 3.8))
+    return LiveFigure(draw, controls, figsize=(9.5, 4.0))

@@ -15,8 +15,9 @@ import ipywidgets as widgets
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-from attention_lab.widgets.live import LiveFigure
+from attention_lab.widgets.live import LiveFigure, wrap_title
 
 
 def plot_positions(figure: Figure, table: torch.Tensor, position: int, title: str = "") -> None:
@@ -24,13 +25,16 @@ def plot_positions(figure: Figure, table: torch.Tensor, position: int, title: st
     table = table.detach().to("cpu", torch.float64)
     num_positions, dim = table.shape
     position = int(min(max(position, 0), num_positions - 1))
-    heatmap_axes, dot_axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1.0]})
+    heatmap_axes, dot_axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1.0], "top": 0.78,
+                                                                "wspace": 0.3})
     image = heatmap_axes.imshow(table.numpy(), aspect="auto", cmap="RdBu_r", vmin=-1.0, vmax=1.0,
                                 interpolation="nearest")
     heatmap_axes.axhline(position, color="black", linewidth=0.8, linestyle="--")
     heatmap_axes.set_xlabel("feature (even: sin, odd: cos)")
+    heatmap_axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # features are whole numbers, even at D = 2
+    heatmap_axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     heatmap_axes.set_ylabel("position p")
-    heatmap_axes.set_title(f"PE  [{num_positions}, {dim}]")
+    heatmap_axes.set_title(f"PE  [{num_positions}, {dim}]", fontsize=10)
     figure.colorbar(image, ax=heatmap_axes, shrink=0.8)
 
     dots = (table @ table[position]).numpy()  # [P]
@@ -38,11 +42,12 @@ def plot_positions(figure: Figure, table: torch.Tensor, position: int, title: st
     dot_axes.plot(positions, dots, color="tab:blue", marker=".", markersize=3)
     dot_axes.axvline(position, color="black", linewidth=0.8, linestyle="--")
     dot_axes.set_xlabel("position p")
+    dot_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     dot_axes.set_ylabel(f"PE[{position}] · PE[p]")
-    dot_axes.set_title(f"dot product with position p0 = {position} (peak: D/2 = {dim / 2:g})")
+    dot_axes.set_title(f"dot product with position p0 = {position}\n(peak: D/2 = {dim / 2:g})", fontsize=10)
     dot_axes.grid(alpha=0.3)
     if title:
-        figure.suptitle(title)
+        figure.suptitle(wrap_title(title), fontsize=11)
 
 
 def positions_explorer(sinusoidal_positions: Callable, num_positions: int = 64, dim: int = 32) -> LiveFigure:
@@ -58,7 +63,7 @@ def positions_explorer(sinusoidal_positions: Callable, num_positions: int = 64, 
                                        readout_format=".0f"),
         "position": widgets.IntSlider(value=num_positions // 2, min=0, max=num_positions - 1, description="p0"),
     }
-    return LiveFigure(draw, controls, figsize=(11.0, 4.0))
+    return LiveFigure(draw, controls, figsize=(9.5, 4.0))
 
 
 def _as_image(value: Any) -> np.ndarray:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from attention_lab.widgets.live import LiveFigure
+from attention_lab.widgets.live import LiveFigure, wrap_title
 
 GROUP_COLOURMAPS = ("Blues", "Oranges", "Greens", "Purples", "Reds", "Greys")
 
@@ -43,7 +43,10 @@ def plot_rope(figure: Figure, pairs: torch.Tensor, position: int, offsets: torch
     """
     pairs = pairs.detach().to("cpu", torch.float64)
     num_pairs = pairs.shape[1]
-    grid = figure.add_gridspec(2, num_pairs, height_ratios=[1.0, 1.1], hspace=0.45)
+    # The top row's panels are square: the figure's height follows its width, so no empty band
+    # opens between the two rows (see rope_figure_size).
+    grid = figure.add_gridspec(2, num_pairs, height_ratios=[1.0, 1.1], hspace=0.3, left=0.08, right=0.98,
+                               bottom=0.12, top=0.86)
     radius = float(pairs.norm(dim=-1).max()) * 1.15 or 1.0
     circle = np.linspace(0.0, 2.0 * math.pi, 120)
     for j in range(num_pairs):
@@ -66,9 +69,9 @@ def plot_rope(figure: Figure, pairs: torch.Tensor, position: int, offsets: torch
         ax.plot(offsets.cpu().numpy(), row.numpy(), styles[index % 3], linewidth=2.0 - 0.5 * index, label=label)
     ax.set_xlabel("offset m - n (query position minus key position)")
     ax.set_ylabel("q·k after RoPE")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     if title:
-        figure.suptitle(title, fontsize=10)
+        figure.suptitle(wrap_title(title), fontsize=10)
 
 
 def rope_explorer(apply_rope: Callable, rope_frequencies: Callable, head_dim: int = 8,
@@ -110,7 +113,13 @@ def rope_explorer(apply_rope: Callable, rope_frequencies: Callable, head_dim: in
                                       continuous_update=False),
         "base": widgets.Dropdown(options=[100.0, 10000.0, 500000.0], value=10000.0, description="base"),
     }
-    return LiveFigure(draw, controls, figsize=(max(8.0, 1.8 * head_dim // 2), 5.5))
+    return LiveFigure(draw, controls, figsize=rope_figure_size(head_dim // 2))
+
+
+def rope_figure_size(num_pairs: int, width: float = 9.0) -> tuple[float, float]:
+    """Width and height (inches) for :func:`plot_rope`: square top-row panels, no empty band."""
+    panel = 0.9 * width / max(num_pairs, 1)
+    return width, min(panel, 2.4) * 2.3 / 0.74
 
 
 # --------------------------------------------------------------------------------------
@@ -125,7 +134,7 @@ def plot_kv_head_map(figure: Figure, kv_head_of_query: Sequence[int], num_kv_hea
     the KV head it reads (``kv_head_of_query[h]``), coloured by KV head."""
     num_heads = len(kv_head_of_query)
     ax = figure.add_subplot(1, 1, 1)
-    colours = [_kv_colour(g) for g in range(num_kv_heads)]
+    colours = [_kv_colour(g, num_kv_heads) for g in range(num_kv_heads)]
     # KV heads spread under the query heads, so that consecutive groups sit under their KV head.
     kv_x = [(g + 0.5) * num_heads / num_kv_heads - 0.5 for g in range(num_kv_heads)]
     for head, group in enumerate(kv_head_of_query):
@@ -134,21 +143,26 @@ def plot_kv_head_map(figure: Figure, kv_head_of_query: Sequence[int], num_kv_hea
                edgecolor="black", zorder=3)
     ax.scatter(kv_x, [0.0] * num_kv_heads, s=260, marker="s", color=colours, edgecolor="black", zorder=3)
     for head in range(num_heads):
-        ax.annotate(f"q{head}", (head, 1.0), textcoords="offset points", xytext=(0, 9), ha="center", fontsize=7)
+        ax.annotate(f"q{head}", (head, 1.0), textcoords="offset points", xytext=(0, 9), ha="center", fontsize=8)
     for group, x in enumerate(kv_x):
         ax.annotate(f"KV {group}", (x, 0.0), textcoords="offset points", xytext=(0, -16), ha="center", fontsize=8)
     ax.set_xlim(-1.0, num_heads)
     ax.set_ylim(-0.35, 1.3)
     ax.axis("off")
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title(wrap_title(title), fontsize=9)
 
 
-def _kv_colour(index: int) -> tuple[float, float, float, float]:
-    """One distinct colour per KV head (tab10 repeats after 10)."""
+def _kv_colour(index: int, count: int = 10) -> tuple[float, float, float, float]:
+    """One distinct colour per KV head: tab10 up to 10 heads, tab20 up to 20, then evenly
+    spaced hues (no two heads share a colour)."""
     from matplotlib import colormaps
 
-    return colormaps["tab10"](index % 10)
+    if count <= 10:
+        return colormaps["tab10"](index)
+    if count <= 20:
+        return colormaps["tab20"](index)
+    return colormaps["hsv"](index / count)
 
 
 def kv_head_map(repeat_kv: Callable, num_heads: int = 16, num_kv_heads: int = 4) -> LiveFigure:
@@ -197,7 +211,7 @@ def plot_kv_group_heads(figure: Figure, weights: torch.Tensor, num_kv_heads: int
     n_rep = num_heads // num_kv_heads
     groups = list(range(num_kv_heads)) if groups is None else list(groups)
     # The figure's height follows the number of rows drawn: one group alone fills it, no blank below.
-    figure.set_size_inches(_heatmap_width(n_rep), _heatmap_height(len(groups)))
+    figure.set_size_inches(_heatmap_width(n_rep, len(groups)), _heatmap_height(n_rep, len(groups)))
     axes = figure.subplots(len(groups), n_rep, squeeze=False)
     labels = list(tokens) if tokens is not None else [str(i) for i in range(num_keys)]
     for row_index, (row, group) in enumerate(zip(axes, groups)):
@@ -211,15 +225,17 @@ def plot_kv_group_heads(figure: Figure, weights: torch.Tensor, num_kv_heads: int
             ax.set_title(f"head {head} · KV {group}", fontsize=8)
             # Token labels on the outer axes only: rows are queries, columns keys.
             if row_index == len(groups) - 1:
-                ax.set_xticks(range(num_keys), labels[-num_keys:], rotation=90, fontsize=6)
+                ax.set_xticks(range(num_keys), labels[-num_keys:], rotation=90, fontsize=7)
+                ax.set_xlabel("key", fontsize=8)
             else:
                 ax.set_xticks([])
             if column == 0:
-                ax.set_yticks(range(seq_len), labels[-seq_len:], fontsize=6)
+                ax.set_yticks(range(seq_len), labels[-seq_len:], fontsize=7)
+                ax.set_ylabel("query", fontsize=8)
             else:
                 ax.set_yticks([])
-    figure.suptitle(f"{num_heads} query heads, {num_kv_heads} KV heads: each row shares one K/V head "
-                    f"(heads g·{n_rep} … g·{n_rep}+{n_rep - 1} read KV head g)", fontsize=9)
+    figure.suptitle(wrap_title(f"{num_heads} query heads, {num_kv_heads} KV heads: each row shares one K/V head "
+                               f"(heads g·{n_rep} … g·{n_rep}+{n_rep - 1} read KV head g)", 80), fontsize=9)
 
 
 def kv_group_heatmaps(weights: torch.Tensor, num_kv_heads: int, tokens: Sequence[str] | None = None) -> LiveFigure:
@@ -240,12 +256,19 @@ def kv_group_heatmaps(weights: torch.Tensor, num_kv_heads: int, tokens: Sequence
                                   description="KV group"),
         "per_head_scale": widgets.Checkbox(value=False, description="per-head colour scale"),
     }
-    return LiveFigure(draw, controls, figsize=(_heatmap_width(n_rep), _heatmap_height(num_kv_heads)))
+    return LiveFigure(draw, controls, figsize=(_heatmap_width(n_rep, num_kv_heads),
+                                               _heatmap_height(n_rep, num_kv_heads)))
 
 
-def _heatmap_width(n_rep: int) -> float:
-    return 1.9 * n_rep + 0.8
+def _heatmap_cell(n_rep: int, rows: int) -> float:
+    """Inches per heatmap: as large as 1.9, but the whole grid within about 9 x 7 inches
+    (900 x 700 px: the "all" view fits a laptop's window with its controls above it)."""
+    return min(1.9, 6.0 / rows, 8.5 / n_rep)
 
 
-def _heatmap_height(rows: int) -> float:
-    return 1.9 * rows + 1.0
+def _heatmap_width(n_rep: int, rows: int = 1) -> float:
+    return _heatmap_cell(n_rep, rows) * n_rep + 0.8
+
+
+def _heatmap_height(n_rep: int, rows: int) -> float:
+    return _heatmap_cell(n_rep, rows) * rows + 1.0

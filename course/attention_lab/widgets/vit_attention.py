@@ -15,7 +15,7 @@ import ipywidgets as widgets
 import torch
 from matplotlib.figure import Figure
 
-from attention_lab.widgets.live import LiveFigure
+from attention_lab.widgets.live import LiveFigure, wrap_title
 
 MEAN_OF_HEADS = "mean of heads"
 ROLLOUT = "rollout (all blocks)"
@@ -77,8 +77,8 @@ def plot_patch_attention(figure: Figure, image: torch.Tensor, attention_grid: to
     ax_grid.set_yticks(range(size))
     figure.colorbar(heat, ax=ax_grid, shrink=0.8, label="attention")
     if title:
-        figure.suptitle(title, fontsize=10)
-        figure.subplots_adjust(top=0.8)
+        figure.suptitle(wrap_title(title, 80), fontsize=10)
+        figure.subplots_adjust(top=0.78)
 
 
 def vit_attention_explorer(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
