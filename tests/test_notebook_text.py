@@ -61,19 +61,9 @@ def test_title_gives_the_total_points_and_minutes_of_the_exercises(assignment):
 
 # Code lines a student reads without scrolling sideways (JupyterLab at a laptop's width).
 MAX_CODE_LINE = 100
-# Notebooks whose code cells still had longer lines when this test was written: their own
-# branches are wrapping them. Once every notebook is wrapped, empty this set (the test is
-# then strict for all of them).
-NOT_YET_WRAPPED = {"01_mha_shapes", "02_numpy_walkthrough", "03_positions_and_blocks",
-                   "04_vision_transformer", "05_llama_attention", "06_efficient_attention"}
 
 
-@pytest.mark.parametrize("assignment", [
-    pytest.param(name, marks=pytest.mark.xfail(reason=f"{name} still has code lines over {MAX_CODE_LINE} "
-                                                      "characters (being wrapped)", strict=False))
-    if name in NOT_YET_WRAPPED else name
-    for name in ASSIGNMENTS
-])
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_no_code_line_of_a_released_notebook_is_wider_than_the_cell(assignment):
     notebook = nbformat.read(release.released_notebook(assignment), as_version=4)
     long_lines = [f"cell {index} ({cell.get('id')}): {len(line)} chars: {line[:60]}..."
