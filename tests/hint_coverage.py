@@ -21,66 +21,20 @@ check tests (``.venv/bin/python -m pytest tests/test_checks_mha_shapes.py``), an
 
 from __future__ import annotations
 
-import importlib
 import json
-import pkgutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
-# One reading of "this hint is in this message", shared with the class report's mistake counts.
-from attention_lab.hint_catalog import _normalise, hint_pattern
+# One reading of "this hint is in this message", and one list of the package's hints, shared
+# with the class report's mistake counts.
+from attention_lab.hint_catalog import Hint, _normalise, catalog, hint_pattern
 
 TESTS_DIR = Path(__file__).resolve().parent
 
 
-@dataclass(frozen=True)
-class Hint:
-    module: str  # attention_lab.checks.mha_shapes
-    table: str  # SPLIT_HEADS_HINTS
-    key: str  # 'reshape_only' (nested keys joined with '/')
-    text: str
-
-    def where(self) -> str:
-        return f"{self.module}.{self.table}[{self.key}]"
-
-
-def is_hint_table(name: str, value: Any) -> bool:
-    return (name == "HINTS" or name.endswith("_HINTS")) and isinstance(value, Mapping)
-
-
-def _strings(value: Any, key: str) -> Iterator[tuple[str, str]]:
-    """(key path, text) of every string inside a hint table's value."""
-    if isinstance(value, str):
-        yield key, value
-    elif isinstance(value, Mapping):
-        for inner_key, inner in value.items():
-            yield from _strings(inner, f"{key}/{inner_key!r}")
-    elif isinstance(value, (list, tuple)):
-        for index, inner in enumerate(value):
-            yield from _strings(inner, f"{key}/{index}")
-
-
-def hints_in(module_name: str, namespace: Mapping[str, Any]) -> list[Hint]:
-    """Every hint text in the hint tables of one module's namespace."""
-    hints = []
-    for table, value in namespace.items():
-        if is_hint_table(table, value):
-            for key, inner in value.items():
-                hints += [Hint(module_name, table, path, text) for path, text in _strings(inner, repr(key))]
-    return hints
-
-
 def package_hints() -> list[Hint]:
     """The hints of ``attention_lab.checking`` and of every module of ``attention_lab.checks``."""
-    import attention_lab.checks
-
-    modules = ["attention_lab.checking"] + [f"attention_lab.checks.{info.name}"
-                                            for info in pkgutil.iter_modules(attention_lab.checks.__path__)]
-    hints = []
-    for name in modules:
-        hints += hints_in(name, vars(importlib.import_module(name)))
-    return hints
+    return list(catalog())
 
 
 def read_messages(folder: Path | str) -> list[str]:

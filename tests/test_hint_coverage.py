@@ -13,8 +13,8 @@ import torch
 
 from attention_lab import checking
 from attention_lab.checking import HINT_LOG_ENV_VAR, CheckFailure, expect_close
+from attention_lab.hint_catalog import Hint, hints_in
 from tests import hint_coverage
-from tests.hint_coverage import Hint
 
 FAKE_MODULE = {
     "SPLIT_HINTS": {"reshape_only": "you reshaped straight to [B, H, S, d_head]",
@@ -27,20 +27,21 @@ FAKE_MODULE = {
 
 
 def test_hints_are_every_string_in_dicts_named_hints():
-    hints = hint_coverage.hints_in("fake", FAKE_MODULE)
+    hints = hints_in("fake", FAKE_MODULE)
     assert {(h.table, h.key, h.text) for h in hints} == {
-        ("SPLIT_HINTS", "'reshape_only'", "you reshaped straight to [B, H, S, d_head]"),
-        ("SPLIT_HINTS", "'scale'", "divide by sqrt({d_head}), not by {d_head}"),
-        ("SPLIT_HINTS", "('tuple', 'key')/'inner'", "a nested hint"),
-        ("SPLIT_HINTS", "('tuple', 'key')/'list'/0", "first of a list"),
-        ("SPLIT_HINTS", "('tuple', 'key')/'list'/1", "second of a list"),
-        ("HINTS", "'downcast'", "kept float32"),
+        ("SPLIT_HINTS", "reshape_only", "you reshaped straight to [B, H, S, d_head]"),
+        ("SPLIT_HINTS", "scale", "divide by sqrt({d_head}), not by {d_head}"),
+        ("SPLIT_HINTS", "tuplexkey/inner", "a nested hint"),
+        ("SPLIT_HINTS", "tuplexkey/list/0", "first of a list"),
+        ("SPLIT_HINTS", "tuplexkey/list/1", "second of a list"),
+        ("HINTS", "downcast", "kept float32"),
     }
-    assert hints[0].where() == "fake.SPLIT_HINTS['reshape_only']"
+    assert hints[0].where() == "fake.SPLIT_HINTS[reshape_only]"
+    assert hints[0].id == "fake.split/reshape_only"
 
 
 def test_a_hint_counts_as_triggered_only_when_a_message_contains_it():
-    hints = hint_coverage.hints_in("fake", FAKE_MODULE)
+    hints = hints_in("fake", FAKE_MODULE)
     messages = [
         "split_heads(x) does not match...\n  Likely mistake: you reshaped straight to\n[B, H, S,   d_head]",  # rewrapped
         "Likely mistake: divide by sqrt(16), not by 16",  # format fields filled in
@@ -50,26 +51,26 @@ def test_a_hint_counts_as_triggered_only_when_a_message_contains_it():
     assert [h.text for h in missing] == ["second of a list", "kept float32"]
     assert hint_coverage.untriggered(hints, []) == hints
     # A hint is not "triggered" by a message that contains only part of it.
-    assert hint_coverage.untriggered([Hint("m", "T_HINTS", "k", "divide by sqrt({d}) first")],
+    assert hint_coverage.untriggered([Hint("m.t/k", "m", "T_HINTS", "k", "divide by sqrt({d}) first")],
                                      ["divide by sqrt(4)"]) != []
     # Braces that are not format fields are matched literally.
-    assert hint_coverage.untriggered([Hint("m", "T_HINTS", "k", "use {0, 1} masks}")], ["use {0, 1} masks}"]) == []
+    assert hint_coverage.untriggered([Hint("m.t/k", "m", "T_HINTS", "k", "use {0, 1} masks}")], ["use {0, 1} masks}"]) == []
 
 
 def test_the_report_names_each_missing_hint_with_module_dict_and_key():
-    missing = [Hint("attention_lab.checks.fake", "SPLIT_HINTS", "'scale'", "divide by sqrt(d_head)")]
+    missing = [Hint("fake.split/scale", "attention_lab.checks.fake", "SPLIT_HINTS", "scale", "divide by sqrt(d_head)")]
     lines = hint_coverage.report(missing, total=7, whole=True, enforced=True)
     assert lines[0].startswith("hint coverage FAILED: 1 of 7 hints never appeared")
-    assert lines[1] == "  attention_lab.checks.fake.SPLIT_HINTS['scale']: divide by sqrt(d_head)"
+    assert lines[1] == "  attention_lab.checks.fake.SPLIT_HINTS[scale]: divide by sqrt(d_head)"
     assert "not enforced yet" in hint_coverage.report(missing, 7, whole=True, enforced=False)[0]
     assert hint_coverage.report(missing, 7, whole=False, enforced=True) == [
         "hint coverage: not judged (only part of the suite ran); 6 of 7 hints appeared in a failure message in this run."]
     assert hint_coverage.report([], 7, whole=True, enforced=True) == ["hint coverage: all 7 hints appeared in a failure message."]
     # A subset run lists what it missed in the modules whose tests ran, and only those.
-    other = Hint("attention_lab.checks.other", "HINTS", "'k'", "another hint")
+    other = Hint("other.hints/k", "attention_lab.checks.other", "HINTS", "k", "another hint")
     lines = hint_coverage.report([missing[0], other], 7, whole=False, enforced=True, modules={"attention_lab.checks.fake"})
     assert lines[1:] == ["  not triggered by this run, in the check modules whose tests ran (1):",
-                         "  attention_lab.checks.fake.SPLIT_HINTS['scale']: divide by sqrt(d_head)"]
+                         "  attention_lab.checks.fake.SPLIT_HINTS[scale]: divide by sqrt(d_head)"]
 
 
 def test_a_check_test_file_names_its_check_module(tmp_path):
@@ -138,10 +139,10 @@ def test_the_gate_fails_a_whole_run_with_an_untriggered_hint_only_when_switched_
 def test_the_package_hint_tables_are_found():
     hints = hint_coverage.package_hints()
     where = {hint.where(): hint.text for hint in hints}
-    assert where["attention_lab.checking.HINTS['downcast']"] == checking.HINTS["downcast"]
+    assert where["attention_lab.checking.HINTS[downcast]"] == checking.HINTS["downcast"]
     from attention_lab.checks import mha_shapes
 
-    assert where["attention_lab.checks.mha_shapes.SPLIT_HEADS_HINTS['reshape_only']"] == \
+    assert where["attention_lab.checks.mha_shapes.SPLIT_HEADS_HINTS[reshape_only]"] == \
         mha_shapes.SPLIT_HEADS_HINTS["reshape_only"]
     assert all(hint.text.strip() for hint in hints)
 
@@ -168,7 +169,7 @@ def test_a_failing_check_records_its_message_once_and_a_passing_one_nothing(tmp_
         mha_shapes.check_split_heads(_wrong_split_heads, device="cpu", quiet=True)
     assert hint_coverage.read_messages(tmp_path) == [str(failure.value)]
     assert not hint_coverage.untriggered(
-        [Hint("m", "SPLIT_HEADS_HINTS", "k", mha_shapes.SPLIT_HEADS_HINTS["reshape_only"])],
+        [Hint("m.split_heads/k", "m", "SPLIT_HEADS_HINTS", "k", mha_shapes.SPLIT_HEADS_HINTS["reshape_only"])],
         hint_coverage.read_messages(tmp_path))
 
 

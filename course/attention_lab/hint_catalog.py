@@ -32,6 +32,10 @@ class Hint:
     def pattern(self) -> re.Pattern:
         return hint_pattern(self.text)
 
+    def where(self) -> str:
+        """Where the hint is written: ``attention_lab.checks.mha_shapes.SPLIT_HEADS_HINTS[reshape_only]``."""
+        return f"{self.module}.{self.table}[{self.key}]"
+
 
 def _normalise(text: str) -> str:
     return " ".join(text.split())
