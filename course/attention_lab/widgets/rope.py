@@ -198,6 +198,17 @@ def kv_head_map(repeat_kv: Callable, num_heads: int = 16, num_kv_heads: int = 4)
 # --------------------------------------------------------------------------------------
 
 
+def _largest_chosen_weight(head_weights: torch.Tensor) -> float:
+    """The largest weight of a query that had a choice (two or more visible keys).
+
+    Under a causal mask the first query sees only itself, so its weight is always 1 and a
+    plain per-head maximum would be 1 for every head: the scale would change nothing.
+    """
+    choosing = (head_weights > 0).sum(-1) > 1
+    rows = head_weights[choosing] if bool(choosing.any()) else head_weights
+    return float(rows.max())
+
+
 def plot_kv_group_heads(figure: Figure, weights: torch.Tensor, num_kv_heads: int,
                         tokens: Sequence[str] | None = None, groups: Sequence[int] | None = None,
                         per_head_scale: bool = False) -> None:
@@ -220,7 +231,7 @@ def plot_kv_group_heads(figure: Figure, weights: torch.Tensor, num_kv_heads: int
             head = group * n_rep + column
             shown = weights[head].clone()
             shown[shown == 0] = float("nan")  # masked: blank, so the causal triangle is visible
-            vmax = float(weights[head].max()) if per_head_scale else 1.0
+            vmax = _largest_chosen_weight(weights[head]) if per_head_scale else 1.0
             ax.imshow(shown.numpy(), cmap=colourmap, vmin=0.0, vmax=vmax)
             ax.set_title(f"head {head} · KV {group}", fontsize=8)
             # Token labels on the outer axes only: rows are queries, columns keys.
@@ -242,7 +253,7 @@ def kv_group_heatmaps(weights: torch.Tensor, num_kv_heads: int, tokens: Sequence
     """Per-head causal attention ``weights [H, S, S]`` coloured by KV group.
 
     Controls: ``group`` ("all" or one KV group) and ``per_head_scale`` (colours scaled to
-    each head's largest weight instead of 0 … 1).
+    each head's largest weight of a query with a choice of keys, instead of 0 … 1).
     """
     num_heads = weights.shape[0]
     n_rep = num_heads // num_kv_heads
