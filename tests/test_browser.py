@@ -56,8 +56,11 @@ RIGHT_ATTENTION_WEIGHTS = '''def attention_weights(q, k, mask=None):
 # --------------------------------------------------------------------------------------
 
 def open_notebook(context, server, name: str):
+    """A new page showing only ``name``: ``?reset`` starts from an empty workspace, so no tab an
+    earlier page left open (or closed just before its workspace was saved) is restored beside it
+    and takes the keyboard, the menus or the current tab."""
     page = context.new_page()
-    page.goto(server.url(f"lab/tree/{name}"))
+    page.goto(server.url(f"lab/tree/{name}?reset"))
     page.wait_for_function("document.querySelectorAll('.jp-Notebook .jp-Cell').length > 2")
     wait_until_idle(page)
     return page
@@ -237,7 +240,7 @@ def run_all(page) -> None:
     # Every code cell has its execution count -- or a cell failed (JupyterLab stops there) and
     # nothing runs any more ("[*]"): either way the run is over.
     page.wait_for_function(r"""() => {
-        const prompts = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputArea-prompt')];
+        const prompts = [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputArea-prompt')];
         const done = prompts.length > 0 && prompts.every(p => /\[\d+\]/.test(p.textContent));
         const outputs = [...document.querySelectorAll(
             '.jp-Notebook .jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')].map(o => o.innerText);
