@@ -25,6 +25,11 @@ HINT_COVERAGE_ENFORCED = True
 REPO_ROOT = release.REPO_ROOT
 ASSIGNMENTS = release.assignment_names()
 
+# The browser fixtures live here, once: a session fixture imported into several test modules
+# would start one Playwright per module in the same worker, which Playwright refuses.
+# Imported after REPO_ROOT, which lab_servers reads.
+from tests.lab_servers import browser, screenshots  # noqa: E402,F401 -- fixtures
+
 
 @dataclass(frozen=True)
 class Build:

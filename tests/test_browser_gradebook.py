@@ -11,13 +11,13 @@ import pytest
 from autograder import grade, gradebook
 from autograder.settings import DB_URL_VARIABLE
 from tests.grading_helpers import TINY, tiny_course
-from tests.lab_servers import browser, running_lab, screenshots  # noqa: F401 -- fixtures
+from tests.lab_servers import running_lab
 from tests.postgres_server import postgres_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("postgres_browser")]
 
 
-def test_formgrader_shows_and_saves_grades_in_the_postgresql_gradebook(tmp_path, browser, screenshots):  # noqa: F811
+def test_formgrader_shows_and_saves_grades_in_the_postgresql_gradebook(tmp_path, browser, screenshots):
     with postgres_server() as database:
         url = database("formgrader")
         root = tiny_course(tmp_path / "course_root", {"ada": "value = 42", "bob": "value = 41"},

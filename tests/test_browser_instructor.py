@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.lab_servers import browser, screenshots  # noqa: F401 -- fixtures
 from tests.test_feedback import ASSIGNMENT as FEEDBACK_ASSIGNMENT
 from tests.test_feedback import COMMENT
 from tests.test_feedback import course as feedback_course  # noqa: F401 -- fixture
@@ -23,7 +22,7 @@ from tests.test_report import generated_class, written  # noqa: F401 -- fixtures
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("browser")]
 
 
-def test_the_class_report_opens_with_its_figures_and_names_the_mistakes(written, browser, screenshots):  # noqa: F811
+def test_the_class_report_opens_with_its_figures_and_names_the_mistakes(written, browser, screenshots):
     path, _ = written
     page = browser.new_page()
     page.goto(path.as_uri())
@@ -38,7 +37,7 @@ def test_the_class_report_opens_with_its_figures_and_names_the_mistakes(written,
     page.close()
 
 
-def test_a_feedback_page_shows_the_hand_grade_the_comment_and_the_time_limit(feedback_course, browser, screenshots):  # noqa: F811
+def test_a_feedback_page_shows_the_hand_grade_the_comment_and_the_time_limit(feedback_course, browser, screenshots):
     page = browser.new_page()
     page.goto((feedback_course / "feedback" / "bob" / FEEDBACK_ASSIGNMENT / f"{FEEDBACK_ASSIGNMENT}.html").as_uri())
     row = page.locator("tr", has=page.locator("code", has_text="why_contiguous"))
@@ -48,7 +47,7 @@ def test_a_feedback_page_shows_the_hand_grade_the_comment_and_the_time_limit(fee
     page.close()
 
 
-def test_formgraders_buttons_in_the_browser(formgrader, graded, browser, screenshots):  # noqa: F811
+def test_formgraders_buttons_in_the_browser(formgrader, graded, browser, screenshots):
     page = browser.new_page()
     page.goto(formgrader.url("formgrader"))  # logs in (the token becomes a cookie for Formgrader's API calls)
     page.locator("table").get_by_text(TINY, exact=True).wait_for()

@@ -937,6 +937,12 @@ def test_block_map_explorer_redraws_with_its_controls():
     assert explorer.figure.axes[0].get_title().startswith("10 of 16 tiles computed")
     explorer.controls["causal"].value = False
     assert explorer.figure.axes[0].get_title().startswith("16 of 16 tiles computed")
+    # One row of tiles whatever block_q is (S_q = 16): the title still shows the change.
+    explorer.controls["seq_q"].value = 16
+    explorer.controls["block_q"].value = 64
+    assert explorer.figure.axes[0].get_title().endswith("16 × 64 scores in 64 × 16 tiles")
+    explorer.controls["block_q"].value = 128
+    assert explorer.figure.axes[0].get_title().endswith("16 × 64 scores in 128 × 16 tiles")
 
 
 def test_live_bytes_sees_the_score_table_and_not_the_tiles():

@@ -3,6 +3,8 @@ and a course notebook saved by JupyterLab is byte for byte the committed release
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
 import json
 import platform
@@ -21,6 +23,13 @@ from autograder.lab import validate
 from autograder.lab.course_notebooks import CourseContentsManager, is_course_notebook, keep_course_notebooks_clean
 from tests.conftest import ASSIGNMENTS, REPO_ROOT
 from tests.lab_servers import TOKEN, copy_course, http_get, running_lab
+
+
+def run_apart(coroutine):
+    """``asyncio.run`` in a thread of its own: in a test worker where the session's Playwright
+    browser is running, the main thread already has a running event loop."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(asyncio.run, coroutine).result()
 
 # What a JupyterLab front end sends back after opening a course notebook and running it:
 # the kernel's own language_info and kernelspec, outputs, counts, and view state.
@@ -141,8 +150,6 @@ def test_a_course_notebook_is_served_with_its_kernels_metadata_and_saved_with_th
     """Opening is not editing: JupyterLab finds in the notebook exactly the kernelspec and
     language_info the starting kernel reports (so it marks nothing modified); on save the
     course's metadata goes back, so the file keeps its bytes."""
-    import asyncio
-
     committed = REPO_ROOT / "course" / "01_mha_shapes.ipynb"
     shutil.copy(committed, tmp_path / committed.name)
     config = load_pyconfig_files(["jupyter_server_config.py"], str(REPO_ROOT / "autograder" / "lab" / "student"))
@@ -150,21 +157,21 @@ def test_a_course_notebook_is_served_with_its_kernels_metadata_and_saved_with_th
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Overriding existing pre_save_hook")
         contents = CourseContentsManager(root_dir=str(tmp_path), config=config)
-    model = asyncio.run(contents.get(committed.name))
+    model = run_apart(contents.get(committed.name))
     served = model["content"]["metadata"]
     assert served["kernelspec"] == {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
     assert served["language_info"]["version"] == platform.python_version()
     assert served["language_info"]["codemirror_mode"] == {"name": "ipython", "version": 3}
-    asyncio.run(contents.save(model, committed.name))
+    run_apart(contents.save(model, committed.name))
     assert (tmp_path / committed.name).read_bytes() == committed.read_bytes()
 
     # a student's own notebook is served as it is
     OTHER_KERNEL = {"name": "other", "display_name": "Other", "language": "other"}
     nbformat.write(nbformat.v4.new_notebook(metadata={"kernelspec": OTHER_KERNEL}), tmp_path / "mine.ipynb")
-    assert asyncio.run(contents.get("mine.ipynb"))["content"]["metadata"] == {"kernelspec": OTHER_KERNEL}
+    assert run_apart(contents.get("mine.ipynb"))["content"]["metadata"] == {"kernelspec": OTHER_KERNEL}
     # packaging artefacts of `make setup` are not in the student's file browser
     (tmp_path / "attention_lab.egg-info").mkdir()
-    listed = {item["name"] for item in asyncio.run(contents.get(""))["content"]}
+    listed = {item["name"] for item in run_apart(contents.get(""))["content"]}
     assert "attention_lab.egg-info" not in listed and committed.name in listed
 
 
@@ -188,8 +195,6 @@ def test_a_failed_cell_in_validate_shows_the_checks_message_before_what_the_code
 def test_validate_that_cannot_finish_is_stopped_and_names_the_cell_still_running(tmp_path):
     """A notebook whose cell never ends: Validate answers within its (load-stretched) limit,
     with that cell, and leaves no kernel behind."""
-    import asyncio
-
     import psutil
 
     notebook = nbformat.v4.new_notebook(cells=[
@@ -199,7 +204,7 @@ def test_validate_that_cannot_finish_is_stopped_and_names_the_cell_still_running
     ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
     nbformat.write(notebook, tmp_path / "endless.ipynb")
     before = {child.pid for child in psutil.Process().children(recursive=True)}
-    answer = asyncio.run(validate.validate_notebook(tmp_path / "endless.ipynb", base_seconds=3))
+    answer = run_apart(validate.validate_notebook(tmp_path / "endless.ipynb", base_seconds=3))
     assert answer["success"] is True, answer
     failed = answer["value"]["failed"]
     assert len(failed) == 1 and "while True" in failed[0]["source"], failed
