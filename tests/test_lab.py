@@ -25,11 +25,15 @@ from tests.conftest import ASSIGNMENTS, REPO_ROOT
 from tests.lab_servers import TOKEN, copy_course, http_get, running_lab
 
 
+# One thread for every coroutine of these tests: the contents manager's checkpoint database
+# (SQLite) must be used by the thread that opened it.
+_APART = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-lab-asyncio")
+
+
 def run_apart(coroutine):
     """``asyncio.run`` in a thread of its own: in a test worker where the session's Playwright
     browser is running, the main thread already has a running event loop."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
-        return thread.submit(asyncio.run, coroutine).result()
+    return _APART.submit(asyncio.run, coroutine).result()
 
 # What a JupyterLab front end sends back after opening a course notebook and running it:
 # the kernel's own language_info and kernelspec, outputs, counts, and view state.
