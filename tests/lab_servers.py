@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -140,6 +141,9 @@ def chromium_unavailable_reason() -> str | None:
     return None
 
 
+OFF_MACHINE = re.compile(r"^https?://(?!(127\.0\.0\.1|localhost)(:\d+)?/)")
+
+
 @pytest.fixture(scope="session")
 def browser(tmp_path_factory):
     """Headless Debian chromium with a fresh profile, off the network; skipped LOUDLY when missing."""
@@ -157,6 +161,9 @@ def browser(tmp_path_factory):
             viewport={"width": 1400, "height": 1000},
         )
         context.set_default_timeout(120_000)
+        # Off the network for real: a page's request to another host (Formgrader loads MathJax
+        # from a CDN) fails at once instead of waiting on a network that may drop it silently.
+        context.route(OFF_MACHINE, lambda route: route.abort("internetdisconnected"))
         try:
             yield context
         finally:

@@ -31,7 +31,12 @@ from autograder import grade, release
 from tests.conftest import ASSIGNMENTS, REPO_ROOT
 from tests.lab_servers import copy_course, running_lab
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("browser")]
+pytestmark = [pytest.mark.slow]
+# One group per server the tests share, so that the three run side by side on two workers
+# and each server starts once.
+ON_THE_STUDENT_LAB = pytest.mark.xdist_group("browser_student_lab")
+ON_THE_SOLVED_LAB = pytest.mark.xdist_group("browser_solved_lab")
+ON_THE_GRADED_CLASS = pytest.mark.xdist_group("browser_graded_class")
 
 WRONG_SPLIT_HEADS = '''def split_heads(x, num_heads):
     batch, seq_len, d_model = x.shape
@@ -114,6 +119,7 @@ def student_lab(tmp_path_factory):
         yield server
 
 
+@ON_THE_STUDENT_LAB
 def test_a_student_works_through_notebook_01(student_lab, browser, screenshots):
     before = {path.name for path in student_lab.root_dir.iterdir()}
     page = open_notebook(browser, student_lab, "01_mha_shapes.ipynb")
@@ -184,6 +190,7 @@ def test_a_student_works_through_notebook_01(student_lab, browser, screenshots):
         assert ignored.returncode == 0, f"the lab wrote course/{name}, which git would commit"
 
 
+@ON_THE_STUDENT_LAB
 def test_every_course_notebook_opened_and_saved_by_jupyterlab_keeps_its_bytes(student_lab, browser, screenshots):
     for assignment in ASSIGNMENTS:
         path = student_lab.root_dir / f"{assignment}.ipynb"
@@ -370,6 +377,7 @@ def exercise_controls(page, figure) -> list[str]:
     return done
 
 
+@ON_THE_SOLVED_LAB
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_each_notebook_runs_in_the_lab_with_usable_widgets_and_closes_clean(assignment, solved_lab, browser,
                                                                            screenshots):
@@ -422,6 +430,7 @@ def test_each_notebook_runs_in_the_lab_with_usable_widgets_and_closes_clean(assi
     assert path.read_bytes() == released, f"opening, running and closing {path.name} changed the file"
 
 
+@ON_THE_STUDENT_LAB
 def test_opening_and_closing_each_untouched_notebook_asks_nothing(student_lab, browser):
     """No autosave in between: the notebook must not be dirty at all."""
     for assignment in ASSIGNMENTS:
@@ -445,6 +454,7 @@ WARNING_THEN_WRONG_SPLIT_HEADS = """def split_heads(x, num_heads):
 """
 
 
+@ON_THE_SOLVED_LAB
 def test_validate_shows_the_checks_message_even_after_a_warning(solved_lab, browser, screenshots):
     """One wrong answer whose code prints and warns before its check fails: Validate's dialog
     shows that check's message (first), the warning after it."""
@@ -547,6 +557,7 @@ def _by_question(root: Path) -> dict[tuple[str, str], dict]:
         return {(row["student"], row["grade_id"]): row for row in csv.DictReader(file) if row["assignment"] == TINY}
 
 
+@ON_THE_GRADED_CLASS
 def test_an_instructor_grades_in_formgrader_and_the_export_reflects_it(instructor_lab, graded_class, browser,
                                                                         screenshots):
     page = browser.new_page()
@@ -597,6 +608,7 @@ def test_an_instructor_grades_in_formgrader_and_the_export_reflects_it(instructo
     assert float(grades[("ada", "test_double")]["score"]) == 1.0
 
 
+@ON_THE_GRADED_CLASS
 def test_manage_students_works_on_a_new_course_root_without_the_venv_on_path(tmp_path, browser, screenshots):
     """Formgrader creates the gradebook through nbgrader's `alembic` executable; `make formgrader`
     must find it even when the shell has no virtual environment activated."""
@@ -617,6 +629,7 @@ def test_manage_students_works_on_a_new_course_root_without_the_venv_on_path(tmp
     assert (root / "gradebook.db").exists()
 
 
+@ON_THE_GRADED_CLASS
 def test_a_feedback_page_keeps_the_check_messages_line_breaks(graded_class, browser, screenshots):
     pages = sorted((graded_class / "feedback" / "bob" / TINY).glob("*.html"))
     assert pages, f"no feedback page for bob in {graded_class / 'feedback'}"

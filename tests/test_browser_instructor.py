@@ -3,10 +3,10 @@
 * the class report of a generated class (tests/test_report.py): its figures load, the most
   frequent mistake is named with its count, the copied pair is flagged;
 * a feedback page (tests/test_feedback.py) shows a hand-graded 0, the TA's comment and the
-  time limit in plain words;
-* in Formgrader (tests/test_formgrader_buttons.py), clicking *Generate* says to use
-  `make release`; the roster's names are shown; clicking *Generate Feedback* for a submission
-  runs the pipeline's feedback.
+  time limit in plain words.
+
+Formgrader's buttons in the browser are in tests/test_formgrader_buttons.py, beside their
+API tests, on the same server.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import pytest
 from tests.test_feedback import ASSIGNMENT as FEEDBACK_ASSIGNMENT
 from tests.test_feedback import COMMENT
 from tests.test_feedback import course as feedback_course  # noqa: F401 -- fixture
-from tests.test_formgrader_buttons import TINY, formgrader, graded  # noqa: F401 -- fixtures
 from tests.test_report import generated_class, written  # noqa: F401 -- fixtures
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("browser")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("browser_instructor_pages")]
 
 
 def test_the_class_report_opens_with_its_figures_and_names_the_mistakes(written, browser, screenshots):
@@ -44,31 +43,4 @@ def test_a_feedback_page_shows_the_hand_grade_the_comment_and_the_time_limit(fee
     assert "graded by hand: 0 / 1" in row.inner_text() and COMMENT in row.inner_text()
     assert "ran past the time limit" in page.locator("ul.incidents").inner_text()
     screenshots.take(page, "feedback-hand-graded")
-    page.close()
-
-
-def test_formgraders_buttons_in_the_browser(formgrader, graded, browser, screenshots):
-    page = browser.new_page()
-    page.goto(formgrader.url("formgrader"))  # logs in (the token becomes a cookie for Formgrader's API calls)
-    page.locator("table").get_by_text(TINY, exact=True).wait_for()
-    # Manage Assignments: Generate says to use `make release`, and generates nothing
-    source = (graded / "source" / TINY / f"{TINY}.ipynb").stat().st_mtime_ns
-    page.locator("table tbody tr").filter(has_text=TINY).locator("td.assign a").click()
-    refusal = page.locator("#error-modal")
-    refusal.get_by_text("make release").first.wait_for()
-    screenshots.take(page, "generate-refused")
-    assert (graded / "source" / TINY / f"{TINY}.ipynb").stat().st_mtime_ns == source
-    page.goto(formgrader.url(f"formgrader/manage_submissions/{TINY}"))
-    row = page.locator("table tbody tr").filter(has_text="Babbage")
-    row.wait_for()
-    assert "None, None" not in page.locator("table").inner_text()  # the roster's names
-    before = (graded / "feedback" / "bob" / TINY / f"{TINY}.html").stat().st_mtime_ns
-    with page.expect_response(lambda r: r.url.split("?")[0].endswith(f"/{TINY}/bob/generate_feedback")) as response:
-        row.locator("td.generate-feedback a").click()
-    assert response.value.json()["success"] is True
-    dialog = page.locator("#success-modal")
-    dialog.get_by_text("Successfully generated feedback").wait_for()
-    assert "python -m autograder.feedback" in dialog.inner_text()
-    screenshots.take(page, "generate-feedback-through-the-pipeline")
-    assert (graded / "feedback" / "bob" / TINY / f"{TINY}.html").stat().st_mtime_ns != before
     page.close()

@@ -144,3 +144,17 @@ def test_the_floors_report_flags_what_a_student_would_see_go_wrong():
         "cell 3: printed to stderr: UserWarning: something is deprecated",
         "test_split_heads: ValueError: bad shape",
     ]
+
+
+@pytest.mark.xdist_group("group_probe")
+def test_tests_of_one_xdist_group_run_together(request):
+    """`make test` keeps each xdist_group on one worker (one graded class, one server, one
+    cluster per group).  pytest-xdist 3.8 marks a test's group in its node id, which pytest
+    9.2 ignores (pytest-xdist#1386): the groups are then split silently and the suite runs
+    each set-up twice.  constraints.txt pins a pytest that works; this catches a change."""
+    if not request.config.getoption("loadgroup", False):
+        pytest.skip("runs under `pytest -n N --dist loadgroup` (make test)")
+    assert request.node.nodeid.endswith("@group_probe"), (
+        f"pytest {pytest.__version__} with this pytest-xdist does not keep xdist_group tests together: "
+        f"this test's node id is {request.node.nodeid!r}, with no '@group_probe' (pytest-xdist#1386); "
+        "install the versions pinned in constraints.txt (make setup)")

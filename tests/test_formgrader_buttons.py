@@ -5,7 +5,9 @@
 * Autograde grades through `python -m autograder.grade` (sandbox, one writer of the gradebook),
   keeping the other students' hand grades;
 * Generate, Release, Collect and Release Feedback are refused with what to run instead;
-* the roster's names reach Formgrader's student list.
+* the roster's names reach Formgrader's student list;
+* and in the browser: clicking *Generate* says to use `make release`, the roster's names are
+  shown, clicking *Generate Feedback* for a submission runs the pipeline's feedback.
 """
 
 from __future__ import annotations
@@ -141,3 +143,29 @@ def test_autograde_goes_through_the_pipeline_and_keeps_other_hand_grades(formgra
         assert gb.find_grade("test_double", TINY, TINY, "bob").manual_score == 1
         assert gb.find_submission(TINY, "ada").score == 1.0
 
+
+def test_formgraders_buttons_in_the_browser(formgrader, graded, browser, screenshots):
+    page = browser.new_page()
+    page.goto(formgrader.url("formgrader"))  # logs in (the token becomes a cookie for Formgrader's API calls)
+    page.locator("table").get_by_text(TINY, exact=True).wait_for()
+    # Manage Assignments: Generate says to use `make release`, and generates nothing
+    source = (graded / "source" / TINY / f"{TINY}.ipynb").stat().st_mtime_ns
+    page.locator("table tbody tr").filter(has_text=TINY).locator("td.assign a").click()
+    refusal = page.locator("#error-modal")
+    refusal.get_by_text("make release").first.wait_for()
+    screenshots.take(page, "generate-refused")
+    assert (graded / "source" / TINY / f"{TINY}.ipynb").stat().st_mtime_ns == source
+    page.goto(formgrader.url(f"formgrader/manage_submissions/{TINY}"))
+    row = page.locator("table tbody tr").filter(has_text="Babbage")
+    row.wait_for()
+    assert "None, None" not in page.locator("table").inner_text()  # the roster's names
+    before = (graded / "feedback" / "bob" / TINY / f"{TINY}.html").stat().st_mtime_ns
+    with page.expect_response(lambda r: r.url.split("?")[0].endswith(f"/{TINY}/bob/generate_feedback")) as response:
+        row.locator("td.generate-feedback a").click()
+    assert response.value.json()["success"] is True
+    dialog = page.locator("#success-modal")
+    dialog.get_by_text("Successfully generated feedback").wait_for()
+    assert "python -m autograder.feedback" in dialog.inner_text()
+    screenshots.take(page, "generate-feedback-through-the-pipeline")
+    assert (graded / "feedback" / "bob" / TINY / f"{TINY}.html").stat().st_mtime_ns != before
+    page.close()
