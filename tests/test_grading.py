@@ -236,6 +236,10 @@ def processes_running(*argv: str, parent: int | None = None) -> list[int]:
     return found
 
 
+# the tests reading the class below, on one worker, so that it is graded once
+ON_THE_TINY_GRADED_CLASS = pytest.mark.xdist_group("tiny_graded")
+
+
 @pytest.fixture(scope="module")
 def tiny_graded(tmp_path_factory):
     """One class graded once by one worker (jobs=1), shared by the tests that only read it (the
@@ -248,6 +252,7 @@ def tiny_graded(tmp_path_factory):
 
 
 @pytest.mark.slow
+@ON_THE_TINY_GRADED_CLASS
 def test_one_engine_grades_a_job_students_each_in_a_fresh_kernel(tiny_graded):
     root, outcomes = tiny_graded
     # A kernel shared between students would fail the second one's test (the builtins marker).
@@ -385,6 +390,7 @@ def read_csv(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@ON_THE_TINY_GRADED_CLASS
 def test_written_answers_wait_for_manual_grading_and_export_follows_the_gradebook(tiny_graded):
     root, outcomes = tiny_graded
     assert [o.status for o in outcomes] == ["graded"] * 4
@@ -493,3 +499,21 @@ def test_grading_before_any_intake_says_what_to_do_first(tmp_path):
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "make intake SUBMISSIONS=" in result.stderr, result.stderr
     assert "graded" not in result.stdout
+
+
+def test_a_new_gradebook_is_stamped_with_the_schema_revision_nbgraders_alembic_names(tmp_path):
+    """open_gradebook reads the revision in-process instead of through `alembic heads`: the
+    stamp must stay what nbgrader's own command line gives (its upgrades start from it)."""
+    from nbgrader.dbutil import _temp_alembic_ini
+    from sqlalchemy import create_engine, text
+
+    with _temp_alembic_ini("sqlite:///unused.db") as ini:
+        heads = subprocess.run([str(Path(sys.executable).parent / "alembic"), "-c", ini, "heads"],
+                               capture_output=True, text=True, check=True).stdout
+    with gradebook.open_gradebook(tmp_path):
+        pass
+    engine = create_engine(f"sqlite:///{tmp_path / gradebook.SQLITE_NAME}")
+    with engine.connect() as connection:
+        stamped = connection.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+    engine.dispose()
+    assert stamped == [heads.split()[0]]
