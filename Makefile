@@ -84,15 +84,11 @@ postgres: ## install Debian's PostgreSQL server (the shared-gradebook tests star
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq postgresql) >/dev/null 2>&1 \
 	  || echo "warning: could not install postgresql; the PostgreSQL gradebook tests will be SKIPPED"; }
 
-# Test processes: one more than JOBS, because a quarter of the suite's time is spent waiting
-# (on kernels starting, servers, the browser, a time limit running out), not computing.
-TEST_JOBS ?= $(shell echo $$(($(JOBS) + 1)))
-
-test: setup sandbox browser postgres ## run the whole test suite (sets up first if needed; TEST_JOBS processes)
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup
+test: setup sandbox browser postgres ## run the whole test suite (sets up first if needed)
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup
 
 test-fast: setup ## the suite without the slow notebook/nbgrader tests
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not slow"
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup -m "not slow"
 
 intake: setup ## file SUBMISSIONS=<dir> (<student>/<file>) under autograder/course_root/submitted/, with a report
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder>"; exit 2; }

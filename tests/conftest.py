@@ -1,5 +1,5 @@
 """Shared fixtures: one fresh build of every notebook (source and student release) per test
-session; and the hint-coverage gate (see tests/hint_coverage.py)."""
+session, whatever the number of workers; and the hint-coverage gate (see tests/hint_coverage.py)."""
 
 from __future__ import annotations
 
@@ -46,10 +46,25 @@ class Build:
 
 
 @pytest.fixture(scope="session")
-def fresh_build(tmp_path_factory) -> Build:
+def fresh_build(tmp_path_factory, worker_id) -> Build:
+    """Every notebook built from solutions/ once per session: under pytest-xdist the first
+    worker to need it builds it (nbgrader, 20 s), the others wait and copy it; each worker
+    works on its own copy."""
     root = tmp_path_factory.mktemp("build")
     build = Build(course_dir=root / "course", autograder_dir=root / "autograder")
-    release.build(ASSIGNMENTS, build.course_dir, build.autograder_dir)
+    if worker_id == "master":
+        release.build(ASSIGNMENTS, build.course_dir, build.autograder_dir)
+        return build
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / "fresh-build"  # this session's, common to its workers
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "built").exists():
+            shutil.rmtree(shared, ignore_errors=True)
+            release.build(ASSIGNMENTS, shared / "course", shared / "autograder")
+            (shared / "built").touch()
+    shutil.copytree(shared / "course", build.course_dir)
+    shutil.copytree(shared / "autograder", build.autograder_dir)
     return build
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,11 +50,16 @@ def cluster(jobs: int, scheduler: str | None = None, processes: bool = True) -> 
             workers = client.scheduler_info().get("workers", {})
             description = f"Dask cluster at {scheduler} ({len(workers)} workers now)"
         else:
+            # Worker processes forked from a server that has imported Dask once, instead of
+            # each starting Python and importing Dask itself; they get this process's
+            # environment as it is now (a forked worker would otherwise see the server's).
             stack.enter_context(dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
-                                                 "distributed.worker.daemon": False}))
+                                                 "distributed.worker.daemon": False,
+                                                 "distributed.worker.multiprocessing-method": "forkserver"}))
             local = stack.enter_context(LocalCluster(
                 n_workers=jobs, threads_per_worker=1, processes=processes, memory_limit=0,
-                dashboard_address=":0", silence_logs=logging.ERROR, scheduler_port=0))
+                dashboard_address=":0", silence_logs=logging.ERROR, scheduler_port=0,
+                **({"env": dict(os.environ)} if processes else {})))
             client = stack.enter_context(Client(local))
             description = f"Dask LocalCluster, {jobs} worker {'processes' if processes else 'threads'} x 1 thread"
         try:
