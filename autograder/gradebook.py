@@ -72,7 +72,8 @@ def open_gradebook(root: Path, url: str | None = None):
     from nbgrader.api import Gradebook
 
     nbgrader.api.get_alembic_version = alembic_head
-    # nbgrader's own commands run the `alembic` executable when they create a gradebook: this interpreter's
+    # nbgrader's own commands run the `alembic` executable when they create a gradebook: this
+    # interpreter's, found on PATH
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")

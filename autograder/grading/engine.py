@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import uuid
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from autograder.grading import task as worker_task
 
 # Dask's own: how many workers may die running one task before it is given up on.
 ALLOWED_FAILURES = 3
+# How the embedded cluster starts its worker processes (forkserver: everywhere but Windows).
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 @dataclass
@@ -55,7 +58,7 @@ def cluster(jobs: int, scheduler: str | None = None, processes: bool = True) -> 
             # environment as it is now (a forked worker would otherwise see the server's).
             stack.enter_context(dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
                                                  "distributed.worker.daemon": False,
-                                                 "distributed.worker.multiprocessing-method": "forkserver"}))
+                                                 "distributed.worker.multiprocessing-method": START_METHOD}))
             local = stack.enter_context(LocalCluster(
                 n_workers=jobs, threads_per_worker=1, processes=processes, memory_limit=0,
                 dashboard_address=":0", silence_logs=logging.ERROR, scheduler_port=0,
