@@ -190,3 +190,18 @@ class Screenshots:
 @pytest.fixture
 def screenshots(request) -> Screenshots:
     return Screenshots(request.node.name.replace("/", "_").replace("[", "-").rstrip("]"))
+
+
+def set_formgrader_score(page, grade_id: str, score: str) -> None:
+    """Type a score into Formgrader's box for a graded cell; wait until Formgrader stored it.
+
+    Formgrader's grading page binds its score boxes only once the window has loaded and its
+    grades and comments have come back from its API (binding also rewrites each box with the
+    stored score): a score typed before that is never sent, the timeout seen under load.
+    """
+    page.wait_for_function("() => window.formgrader && formgrader.grades && formgrader.grades.loaded"
+                           " && formgrader.comments && formgrader.comments.loaded")
+    box = page.locator(f"input.score#{grade_id}")
+    with page.expect_response(lambda r: "/formgrader/api/grade/" in r.url and r.request.method == "PUT" and r.ok):
+        box.fill(score)
+        box.press("Tab")

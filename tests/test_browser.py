@@ -29,7 +29,7 @@ import pytest
 from attention_lab.checks.mha_shapes import SPLIT_HEADS_HINTS
 from autograder import grade, release
 from tests.conftest import ASSIGNMENTS, REPO_ROOT
-from tests.lab_servers import copy_course, running_lab
+from tests.lab_servers import copy_course, running_lab, set_formgrader_score
 
 pytestmark = [pytest.mark.slow]
 # One group per server the tests share, so that the three run side by side on two workers
@@ -544,14 +544,6 @@ def instructor_lab(graded_class, tmp_path_factory):
         yield server
 
 
-def set_score(page, grade_id: str, score: str) -> None:
-    """Type a score into Formgrader's box for a graded cell; wait until Formgrader stored it."""
-    box = page.locator(f"input.score#{grade_id}")
-    box.fill(score)
-    with page.expect_response(lambda r: "/formgrader/api/grade/" in r.url and r.request.method == "PUT" and r.ok):
-        box.press("Tab")
-
-
 def _by_question(root: Path) -> dict[tuple[str, str], dict]:
     with open(root / "grades_by_question.csv", newline="") as file:
         return {(row["student"], row["grade_id"]): row for row in csv.DictReader(file) if row["assignment"] == TINY}
@@ -583,14 +575,14 @@ def test_an_instructor_grades_in_formgrader_and_the_export_reflects_it(instructo
     rows.filter(has_text="bob").locator("td.name a:visible").click()
     page.get_by_text("likely mistake: adding 1 instead of doubling").first.wait_for()
     screenshots.take(page, "bob-failed-check")
-    set_score(page, "test_double", "1")
+    set_formgrader_score(page, "test_double", "1")
     screenshots.take(page, "bob-adjusted")
 
     # ada: grade the written answer
     page.goto(instructor_lab.url(f"formgrader/gradebook/{TINY}/{TINY}"))
     page.locator("table tbody tr").filter(has_text="ada").locator("td.name a:visible").click()
     page.get_by_text("Because 2x = x + x.").first.wait_for()
-    set_score(page, "why_double", "2")
+    set_formgrader_score(page, "why_double", "2")
     screenshots.take(page, "ada-written-answer-graded")
 
     # The same Formgrader from inside JupyterLab (Nbgrader menu), next to the course root's files.

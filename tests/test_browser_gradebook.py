@@ -11,18 +11,10 @@ import pytest
 from autograder import grade, gradebook
 from autograder.settings import DB_URL_VARIABLE
 from tests.grading_helpers import TINY, tiny_course
-from tests.lab_servers import running_lab
+from tests.lab_servers import running_lab, set_formgrader_score
 from tests.postgres_server import postgres_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("postgres_browser")]
-
-
-def wait_until_formgrade_is_ready(page) -> None:
-    """Formgrader's grading page binds its score boxes only once the window has loaded (after
-    the MathJax script from a CDN has loaded or failed) and the grades and comments have come
-    back from its API.  A score typed before that is never sent: the timeout once seen under load."""
-    page.wait_for_function("() => window.formgrader && formgrader.grades && formgrader.grades.loaded"
-                           " && formgrader.comments && formgrader.comments.loaded")
 
 
 def test_formgrader_shows_and_saves_grades_in_the_postgresql_gradebook(tmp_path, browser, screenshots):
@@ -47,12 +39,7 @@ def test_formgrader_shows_and_saves_grades_in_the_postgresql_gradebook(tmp_path,
             assert re.search(r"0(\.0+)? / 3", rows.filter(has_text="bob").inner_text())
             rows.filter(has_text="ada").locator("td.name a:visible").click()
             page.get_by_text("Because six times seven.").first.wait_for()
-            wait_until_formgrade_is_ready(page)
-            box = page.locator("input.score#why_value")
-            with page.expect_response(lambda r: "/formgrader/api/grade/" in r.url and r.request.method == "PUT"
-                                      and r.ok):
-                box.fill("2")
-                box.press("Tab")
+            set_formgrader_score(page, "why_value", "2")
             screenshots.take(page, "postgres-written-answer-graded")
             page.close()
         assert not (root / "gradebook.db").exists(), "Formgrader opened an SQLite gradebook instead"
