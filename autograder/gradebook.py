@@ -66,12 +66,19 @@ def alembic_head() -> str:
     return ScriptDirectory(str(Path(nbgrader.__file__).parent / "alembic")).get_current_head()
 
 
-def open_gradebook(root: Path, url: str | None = None):
-    """nbgrader's ``Gradebook`` of a course root (use it as a context manager)."""
+def stamp_in_process() -> None:
+    """nbgrader's ``Gradebook``, in this process, takes a new gradebook's revision from
+    :func:`alembic_head` instead of running ``alembic heads``."""
     import nbgrader.api
-    from nbgrader.api import Gradebook
 
     nbgrader.api.get_alembic_version = alembic_head
+
+
+def open_gradebook(root: Path, url: str | None = None):
+    """nbgrader's ``Gradebook`` of a course root (use it as a context manager)."""
+    from nbgrader.api import Gradebook
+
+    stamp_in_process()
     # nbgrader's own commands run the `alembic` executable when they create a gradebook: this
     # interpreter's, found on PATH
     bin_dir = str(Path(sys.executable).parent)

@@ -52,7 +52,8 @@ from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
 from autograder import sandbox
 from autograder.results import SKIPPED_CELL
-from autograder.settings import KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID, UNRESPONSIVE_GRACE
+from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID, TASK_GRADEBOOK,
+                                 UNRESPONSIVE_GRACE)
 
 TAMPER_VARIABLE = "_attention_lab_grader_guard"
 GUARD_CODE = f'''
@@ -261,6 +262,25 @@ def autograde(task: dict) -> int:
     return status
 
 
+def recorded_grades(task: dict) -> dict:
+    """What nbgrader wrote into the task's gradebook: per notebook, its grades, comments and
+    late penalty; and the submission time.  Read here, where nbgrader is loaded: the Dask
+    worker that sent the task never imports it."""
+    from nbgrader.api import Gradebook
+
+    notebooks = {}
+    with Gradebook(f"sqlite:///{Path(task['root']) / TASK_GRADEBOOK}", COURSE_ID) as gb:
+        submission = gb.find_submission(task["assignment"], task["student"])
+        for notebook in submission.notebooks:
+            notebooks[notebook.name] = {
+                "grades": {g.name: [g.auto_score, bool(g.needs_manual_grade)] for g in notebook.grades},
+                "comments": {c.name: c.auto_comment for c in notebook.comments},
+                "late_submission_penalty": notebook.late_submission_penalty,
+            }
+        stamp = submission.timestamp.isoformat() if submission.timestamp else None
+    return {"notebooks": notebooks, "timestamp": stamp}
+
+
 def exit_with(parent: int) -> None:
     """Kill this engine's children and exit once ``parent`` (the Dask worker) is gone."""
     def watch() -> None:
@@ -276,7 +296,8 @@ def exit_with(parent: int) -> None:
 def serve(replies: int, parent: int | None = None) -> int:
     """Grade the tasks read from stdin (one JSON object per line); answer each on fd ``replies``.
 
-    The answer is ``{"status": N}`` once that student's autograde is over and every process
+    The answer is ``{"status": N, "recorded": ...}`` (see :func:`recorded_grades`; None
+    unless N is 0) once that student's autograde is over and every process
     its kernels left behind is killed and reaped (see :func:`autograder.sandbox.adopt_orphans`).
     The grader kills this process (and so its kernel) when an answer is late; it starts a new
     one for the next student.  Anything nbgrader or a kernel prints goes to this process's stdout and
@@ -289,15 +310,18 @@ def serve(replies: int, parent: int | None = None) -> int:
         for line in sys.stdin:
             if not line.strip():
                 continue
+            task, recorded = json.loads(line), None
             try:
-                status = autograde(json.loads(line))
+                status = autograde(task)
+                if status == 0:
+                    recorded = recorded_grades(task)
             except Exception:  # a bug of ours: report it for this student, keep serving
                 traceback.print_exc()
                 status = 1
             sandbox.kill_children()  # nothing of this student's runs on once the answer is given
             sys.stdout.flush()
             sys.stderr.flush()
-            answer.write(json.dumps({"status": status}) + "\n")
+            answer.write(json.dumps({"status": status, "recorded": recorded}) + "\n")
     return 0
 
 

@@ -30,6 +30,8 @@ import os
 import platform
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,9 +40,9 @@ import nbformat
 
 from autograder import grade
 from autograder.execute import execute_notebook
-from autograder.nbgrader_cli import run_nbgrader
+from autograder.nbgrader_cli import nbgrader_environment
 from autograder.release import assignment_names, released_notebook, source_path
-from autograder.settings import CELL_TIMEOUT, REPO_ROOT
+from autograder.settings import AUTOGRADER_DIR, CELL_TIMEOUT, REPO_ROOT
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "grading.json"
 
@@ -144,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         plain_root = base / "plain" / "course_root"
         shutil.copytree(template, plain_root)
         start = time.perf_counter()
-        for assignment in assignments:
-            run_nbgrader("autograde", assignment, "--log-level=ERROR", f"--Execute.timeout={options.timeout}",
-                         root=plain_root, capture=True, check=False)
+        for assignment in assignments:  # nbgrader's own command, as an instructor runs it
+            subprocess.run([sys.executable, "-m", "nbgrader", "autograde", assignment, "--log-level=ERROR",
+                            f"--Execute.timeout={options.timeout}", f"--CourseDirectory.root={plain_root}"],
+                           cwd=AUTOGRADER_DIR, env=nbgrader_environment(), capture_output=True, check=False)
         plain = time.perf_counter() - start
 
         start = time.perf_counter()

@@ -56,9 +56,12 @@ def cluster(jobs: int, scheduler: str | None = None, processes: bool = True) -> 
             # Worker processes forked from a server that has imported Dask once, instead of
             # each starting Python and importing Dask itself; they get this process's
             # environment as it is now (a forked worker would otherwise see the server's).
+            # No statistical profiler in the workers: it samples every thread's stack every
+            # 10 ms, CPU taken from the kernels, for a dashboard nobody looks at here.
             stack.enter_context(dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
                                                  "distributed.worker.daemon": False,
-                                                 "distributed.worker.multiprocessing-method": START_METHOD}))
+                                                 "distributed.worker.multiprocessing-method": START_METHOD,
+                                                 "distributed.worker.profile.enabled": False}))
             local = stack.enter_context(LocalCluster(
                 n_workers=jobs, threads_per_worker=1, processes=processes, memory_limit=0,
                 dashboard_address=":0", silence_logs=logging.ERROR, scheduler_port=0,

@@ -135,6 +135,9 @@ def merge(outcome: Outcome, result: dict, root: Path, url: str | None = None, la
     answer of the notebook for a test cell whose automatic score a grader overrode.  The late
     penalty (method ``late``) is computed here, on the score the gradebook now holds.
     """
+    from nbgrader.api import Comment, Grade
+    from sqlalchemy.orm import joinedload
+
     destination = root / "autograded" / outcome.student / outcome.assignment
     flagged = {i["notebook"] for i in outcome.incidents if i.get("notebook")}
     with gradebook.writer_lock(root, url), gradebook.open_gradebook(root, url) as target:
@@ -151,8 +154,14 @@ def merge(outcome: Outcome, result: dict, root: Path, url: str | None = None, la
             after = _read(result["notebooks"].get(name))
             old, new = (answers(before) if before is not None else None), (answers(after) if after is not None else {})
             changed = set(new) if old is None else {g for g in set(old) | set(new) if old.get(g) != new.get(g)}
+            # the notebook's grades and comments, each with its cell, in two queries (not four per cell)
+            submitted = target.find_submission_notebook(name, outcome.assignment, outcome.student)
+            grades = {grade.name: grade for grade in target.db.query(Grade).options(joinedload(Grade.cell))
+                      .filter(Grade.notebook_id == submitted.id)}
+            comments = {comment.name: comment for comment in target.db.query(Comment).options(joinedload(Comment.cell))
+                        .filter(Comment.notebook_id == submitted.id)}
             for cell, (auto_score, needs_manual_grade) in recorded["grades"].items():
-                mine = target.find_grade(cell, name, outcome.assignment, outcome.student)
+                mine = grades[cell]
                 keep = (cell not in changed) if cell in new else not changed
                 graded_by_hand = mine.manual_score is not None or bool(mine.extra_credit)
                 if graded_by_hand and not keep:
@@ -161,11 +170,10 @@ def merge(outcome: Outcome, result: dict, root: Path, url: str | None = None, la
                 mine.needs_manual_grade = bool(needs_manual_grade) and not (graded_by_hand and keep
                                                                               and mine.manual_score is not None)
             for cell, auto_comment in recorded["comments"].items():
-                mine = target.find_comment(cell, name, outcome.assignment, outcome.student)
+                mine = comments[cell]
                 mine.auto_comment = auto_comment
                 if mine.manual_comment and cell in changed:
                     mine.manual_comment = None
-            submitted = target.find_submission_notebook(name, outcome.assignment, outcome.student)
             submitted.flagged = name in flagged
         target.db.commit()
         submission = target.find_submission(outcome.assignment, outcome.student)

@@ -41,9 +41,7 @@ from pathlib import Path
 
 from autograder import results, sandbox
 from autograder.nbgrader_cli import nbgrader_environment
-from autograder.settings import AUTOGRADER_DIR, COURSE_ID, REPO_ROOT
-
-GRADEBOOK = "gradebook.db"
+from autograder.settings import AUTOGRADER_DIR, TASK_GRADEBOOK
 
 
 # --------------------------------------------------------------------------------------
@@ -55,6 +53,7 @@ class Attempt:
     status: int | None      # nbgrader's exit status; None when the engine died or was killed
     timed_out: bool = False
     log: str = ""           # what the engine printed during a failed attempt
+    recorded: dict | None = None    # what nbgrader recorded, when it succeeded
 
 
 class Engine:
@@ -75,7 +74,6 @@ class Engine:
     def _start(self) -> None:
         read_end, write_end = os.pipe()
         environment = nbgrader_environment()
-        environment["PYTHONPATH"] = str(REPO_ROOT)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "autograder.worker", "--replies", str(write_end),
@@ -103,7 +101,7 @@ class Engine:
             attempt.timed_out = self.process.poll() is None
             self.stop()
         else:
-            attempt.status = answer["status"]
+            attempt.status, attempt.recorded = answer["status"], answer.get("recorded")
         if attempt.status != 0:
             with open(self.log_path, "rb") as log:
                 log.seek(offset)
@@ -220,24 +218,6 @@ def _write_tree(folder: Path, files: dict[str, bytes]) -> None:
         path.write_bytes(data)
 
 
-def recorded_grades(course: Path, student: str, assignment: str) -> tuple[dict, str | None]:
-    """What nbgrader wrote into the task's gradebook: per notebook, its grades, comments and
-    late penalty; and the submission time."""
-    from nbgrader.api import Gradebook
-
-    found = {}
-    with Gradebook(f"sqlite:///{course / GRADEBOOK}", COURSE_ID) as gb:
-        submission = gb.find_submission(assignment, student)
-        for notebook in submission.notebooks:
-            found[notebook.name] = {
-                "grades": {g.name: [g.auto_score, bool(g.needs_manual_grade)] for g in notebook.grades},
-                "comments": {c.name: c.auto_comment for c in notebook.comments},
-                "late_submission_penalty": notebook.late_submission_penalty,
-            }
-        stamp = submission.timestamp.isoformat() if submission.timestamp else None
-    return found, stamp
-
-
 def grade_submission(task: dict) -> dict:
     """Autograde one submission from its bytes; return its outcome, notebooks and grades.
 
@@ -266,14 +246,14 @@ def grade_submission(task: dict) -> dict:
         _write_tree(course / "source" / assignment, task["source"])
         submitted = course / "submitted" / student / assignment
         _write_tree(submitted, task["files"])
-        (course / GRADEBOOK).write_bytes(task["template"])
+        (course / TASK_GRADEBOOK).write_bytes(task["template"])
         with engine() as free:
-            _grade(course, task, settings, use_bwrap, base, free, outcome)
+            recorded = _grade(course, task, settings, use_bwrap, base, free, outcome)
         workdir = course / "autograded" / student / assignment
         if outcome["status"] == "graded":
             for path in sorted(workdir.glob("*.ipynb")):
                 answer["notebooks"][path.stem] = path.read_bytes()
-            answer["grades"], answer["timestamp"] = recorded_grades(course, student, assignment)
+            answer["grades"], answer["timestamp"] = recorded["notebooks"], recorded["timestamp"]
     except Exception as error:  # a bug of ours must not stop the class: this submission fails
         outcome["status"], outcome["error"] = "failed", f"{type(error).__name__}: {error}"
     finally:
@@ -283,7 +263,9 @@ def grade_submission(task: dict) -> dict:
 
 
 def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, base: Path, free: Engine,
-           outcome: dict) -> None:
+           outcome: dict) -> dict | None:
+    """The attempts at one submission (``outcome`` records them); what nbgrader recorded
+    (see :func:`autograder.worker.recorded_grades`) when it ends graded."""
     import nbformat
 
     student, assignment = task["student"], task["assignment"]
@@ -351,3 +333,5 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, base: Path
             cells = results.graded_cells(nbformat.read(workdir / f"{name}.ipynb", as_version=4), name)
             outcome["tests"] += [cell.as_dict() for cell in cells]
             outcome["incidents"] += tampering_incidents(cells)
+        return result.recorded
+    return None
