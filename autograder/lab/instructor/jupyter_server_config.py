@@ -14,7 +14,13 @@ REPOSITORY = Path(__file__).resolve().parents[3]
 if str(REPOSITORY) not in sys.path:
     sys.path.insert(0, str(REPOSITORY))
 
+from autograder.gradebook import stamp_in_process  # noqa: E402
+
 c = get_config()  # noqa: F821 -- provided by Jupyter when it loads this file
+
+# A gradebook Formgrader creates (Manage Students on a new course root) is stamped in this
+# process, as the pipeline's are, instead of by running `alembic heads` (2 s).
+stamp_in_process()
 
 # Formgrader's Manage Assignments asks the exchange about released/collected assignments; the
 # default exchange (/usr/local/share/nbgrader/exchange) is not writable, which it reports as an
