@@ -17,8 +17,6 @@ SOLUTIONS_DIR = REPO_ROOT / "solutions"             # the one source of each not
 COURSE_DIR = REPO_ROOT / "course"                   # the student release, committed
 COURSE_ROOT = AUTOGRADER_DIR / "course_root"        # nbgrader's course root: generated state only
 COURSE_ID = "attention-lab"
-# A grading task's own gradebook, in the temporary course root a Dask worker builds for it.
-TASK_GRADEBOOK = "gradebook.db"
 
 # The generated first code cell of every notebook: it installs/imports the course and so
 # pays for importing torch; the grader gives it the kernel start-up budget, not a cell's.

@@ -50,9 +50,9 @@ from traitlets import Dict, Integer, Unicode
 
 from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
-from autograder import sandbox
+from autograder import gradebook, sandbox
 from autograder.results import SKIPPED_CELL
-from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID, TASK_GRADEBOOK,
+from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID,
                                  UNRESPONSIVE_GRACE)
 
 TAMPER_VARIABLE = "_attention_lab_grader_guard"
@@ -242,7 +242,8 @@ def autograde(task: dict) -> int:
         config.KernelManager.ip = task["ipc"]
         config.KernelManager.connection_file = task["ipc"] + ".json"
     arguments = ["autograde", task["assignment"], "--student", task["student"], "--force",
-                 f"--CourseDirectory.root={task['root']}", "--log-level=WARN"]
+                 f"--CourseDirectory.root={task['root']}", f"--CourseDirectory.db_url={task_gradebook(task)}",
+                 "--log-level=WARN"]
     saved_environment, saved_path = dict(os.environ), list(sys.path)
     os.environ.update(task.get("environment", {}))
     app = NbGraderApp.instance(config=config)
@@ -262,6 +263,14 @@ def autograde(task: dict) -> int:
     return status
 
 
+def task_gradebook(task: dict) -> str:
+    """The task's own gradebook, the SQLite file in its course root (the template it carried):
+    nbgrader grades into it whatever gradebook the course's config names (``make grade
+    DB_URL=...`` exports the shared one to every process of the run); the parent alone writes
+    that one (see autograder.grading.merge)."""
+    return f"sqlite:///{Path(task['root']) / gradebook.SQLITE_NAME}"
+
+
 def recorded_grades(task: dict) -> dict:
     """What nbgrader wrote into the task's gradebook: per notebook, its grades, comments and
     late penalty; and the submission time.  Read here, where nbgrader is loaded: the Dask
@@ -269,7 +278,7 @@ def recorded_grades(task: dict) -> dict:
     from nbgrader.api import Gradebook
 
     notebooks = {}
-    with Gradebook(f"sqlite:///{Path(task['root']) / TASK_GRADEBOOK}", COURSE_ID) as gb:
+    with Gradebook(task_gradebook(task), COURSE_ID) as gb:
         submission = gb.find_submission(task["assignment"], task["student"])
         for notebook in submission.notebooks:
             notebooks[notebook.name] = {

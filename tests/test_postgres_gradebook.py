@@ -80,3 +80,18 @@ def test_two_grading_runs_at_once_neither_corrupt_nor_duplicate(database, tmp_pa
     with gradebook.open_gradebook(roots[0], url) as gb:
         assert {s.student.id: s.score for s in gb.find_assignment(TINY).submissions} == SCORES
         assert sum(len(n.grade_cells) for n in gb.find_assignment(TINY).notebooks) == 2
+
+
+def test_the_variable_make_grade_sets_grades_new_submissions_into_postgresql(database, tmp_path, monkeypatch):
+    """`make grade DB_URL=...` exports the variable to every process of the run, the Dask
+    workers' nbgrader engines included: each task still grades into its own gradebook, and
+    the parent alone writes the shared one."""
+    url = database("from_the_variable")
+    monkeypatch.setenv(DB_URL_VARIABLE, url)
+    root = tiny_course(tmp_path / "course", ANSWERS, written=WRITTEN)
+    outcomes = grade.grade(root, jobs=2, settings=grade.Settings(timeout=30), log=lambda *_: None)
+    assert {o.student: (o.status, o.score, o.error[-300:]) for o in outcomes} == {
+        s: ("graded", SCORES[s], "") for s in ANSWERS}
+    assert not (root / "gradebook.db").exists(), "the SQLite gradebook was written instead"
+    assert rows(url) == {"student": 4, "assignment": 1, "submitted_assignment": 4, "submitted_notebook": 4,
+                         "grade": 8, "comment": 8}

@@ -39,9 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from autograder import results, sandbox
+from autograder import gradebook, results, sandbox
 from autograder.nbgrader_cli import nbgrader_environment
-from autograder.settings import AUTOGRADER_DIR, TASK_GRADEBOOK
+from autograder.settings import AUTOGRADER_DIR
 
 
 # --------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def grade_submission(task: dict) -> dict:
         _write_tree(course / "source" / assignment, task["source"])
         submitted = course / "submitted" / student / assignment
         _write_tree(submitted, task["files"])
-        (course / TASK_GRADEBOOK).write_bytes(task["template"])
+        (course / gradebook.SQLITE_NAME).write_bytes(task["template"])
         with engine() as free:
             recorded = _grade(course, task, settings, use_bwrap, base, free, outcome)
         workdir = course / "autograded" / student / assignment
