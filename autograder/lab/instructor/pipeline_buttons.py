@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import textwrap
 from pathlib import Path
@@ -33,7 +32,9 @@ from tornado import web
 from tornado.routing import HostMatches, Rule
 from tornado.web import _ApplicationRouter
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from autograder.nbgrader_cli import nbgrader_environment
+from autograder.settings import REPO_ROOT
+
 GRADE_TIMEOUT = 3600  # seconds: one submission graded by the pipeline (its own limits apply inside)
 
 REFUSALS = {
@@ -57,11 +58,8 @@ def pipeline_command(module: str, root: str, *arguments: str) -> list[str]:
 
 async def run_pipeline(command: list[str], timeout: float = GRADE_TIMEOUT) -> dict:
     """Run one pipeline command without blocking the server; nbgrader's reply shape."""
-    environment = dict(os.environ)
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))
-    environment["PATH"] = str(Path(sys.executable).parent) + os.pathsep + environment.get("PATH", "")
     process = await asyncio.create_subprocess_exec(
-        *command, cwd=REPO_ROOT, env=environment,
+        *command, cwd=REPO_ROOT, env=nbgrader_environment(),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         output, _ = await asyncio.wait_for(process.communicate(), timeout)
