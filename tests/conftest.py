@@ -46,13 +46,13 @@ class Build:
 
 
 @pytest.fixture(scope="session")
-def fresh_build(tmp_path_factory, worker_id) -> Build:
+def fresh_build(tmp_path_factory) -> Build:
     """Every notebook built from solutions/ once per session: under pytest-xdist the first
     worker to need it builds it (nbgrader, 20 s), the others wait and copy it; each worker
     works on its own copy."""
     root = tmp_path_factory.mktemp("build")
     build = Build(course_dir=root / "course", autograder_dir=root / "autograder")
-    if worker_id == "master":
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process (pytest-xdist sets it in each worker)
         release.build(ASSIGNMENTS, build.course_dir, build.autograder_dir)
         return build
     from filelock import FileLock
