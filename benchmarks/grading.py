@@ -14,7 +14,8 @@ partly solved: each answer solved with probability 1/2, seeded), then measures, 
 * ``dask``: the Dask layer alone: starting and stopping the LocalCluster, and the round trip
   of a task that carries a submission's bytes and does nothing.
 
-and reports ``speedup = nbgrader / pipeline`` (goal >= 2.2 on 2 cores), the efficiency per
+and reports ``speedup = nbgrader / pipeline`` (goal >= 2.2 on 2 cores) beside its ceiling
+``N x nbgrader / execute`` (N workers each grading at the cost of executing), the efficiency per
 added worker (goal >= 0.9), ``overhead = job-seconds per submission / execute per
 submission`` for the pipeline (goal <= 1.0) and for plain nbgrader, the Dask layer's cost,
 and a model, from these measured costs, of 1,000 submissions on 1, 4 and 16 workers.  All
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline_seconds": round(pipeline, 1), "plain_nbgrader_seconds": round(plain, 1),
         "execute_seconds": round(execute, 1),
         "speedup_vs_plain_nbgrader": round(plain / pipeline, 2),
+        # The most N workers can give while each submission costs what executing it costs:
+        # N x (plain nbgrader / direct execution). A goal above it needs cheaper notebooks, not a faster pipeline.
+        "speedup_ceiling_at_execution_cost": round(jobs * plain / execute, 2),
         "efficiency_per_added_worker": {str(k): round(times[min(workers)] * min(workers) / (v * k), 2)
                                         for k, v in times.items() if k != min(workers)},
         "nbgrader_seconds_per_submission": round(plain / n, 2),
