@@ -109,6 +109,36 @@ def squash(text: str) -> str:
     return " ".join(text.split())
 
 
+def wait_until_saved(page, timeout_ms: int = 120_000) -> None:
+    """The notebook's tab no longer shows unsaved changes (the tests' lab autosaves every few seconds)."""
+    page.wait_for_function("() => !document.querySelector('.lm-TabBar-tab.jp-mod-current.jp-mod-dirty')",
+                           timeout=timeout_ms)
+
+
+def validate(page) -> str:
+    """Click Validate; return the text of its results dialog.
+
+    Only once the notebook is saved: Validate saves it first, and an autosave that starts at
+    the same moment makes two saves of one file overlap, which JupyterLab takes for a change on
+    disk ("File Changed": overwrite or revert?). Validate's results would then wait, hidden,
+    behind that dialog. A dialog other than Validate's results fails at once, with its text.
+    """
+    wait_until_saved(page)
+    # the toolbar's overflow popup holds a copy of each button: the visible one
+    page.locator(".jp-Toolbar-item:visible", has_text="Validate").first.click()
+    dialog = page.locator(".jp-Dialog").first
+    # Validate answers within its own limit (stretched by the machine's load): see autograder/lab/validate.py.
+    dialog.wait_for(timeout=RUN_ALL_MS)
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        dialog.get_by_text("Validation Results").wait_for(timeout=10_000)
+    except PlaywrightTimeout:
+        raise AssertionError(f"JupyterLab showed another dialog than Validate's results: "
+                             f"{squash(dialog.inner_text())}") from None
+    return dialog.inner_text()
+
+
 # --------------------------------------------------------------------------------------
 # Student
 # --------------------------------------------------------------------------------------
@@ -173,13 +203,9 @@ def test_a_student_works_through_notebook_01(student_lab, browser, screenshots):
     wait_until_idle(page)
     screenshots.take(page, "explorer-after-slider")
 
-    page.locator(".jp-Toolbar-item", has_text="Validate").click()
-    dialog = page.locator(".jp-Dialog")
-    # Validate answers within its own limit (stretched by the machine's load): see autograder/lab/validate.py.
-    dialog.get_by_text("Validation Results").wait_for(timeout=RUN_ALL_MS)
+    report = validate(page)
     screenshots.take(page, "validate")
     # The saved notebook was validated: split_heads passes now, the first blank (merge_heads) fails.
-    report = dialog.inner_text()
     assert "check_merge_heads(merge_heads)" in report and "check_split_heads(split_heads)" not in report, report
     page.close()
 
@@ -424,8 +450,7 @@ def test_each_notebook_runs_in_the_lab_with_usable_widgets_and_closes_clean(assi
         print(f"{path.name}: {figures.count()} widget(s); " + "; ".join(interactions))
 
         # Autosave writes the run (outputs dropped by the lab's pre-save hook): then closing asks nothing.
-        page.wait_for_function("() => !document.querySelector('.lm-TabBar-tab.jp-mod-current.jp-mod-dirty')",
-                               timeout=120_000)
+        wait_until_saved(page)
         wait_until_idle(page)
         asked = close_current_tab(page)
         screenshots.take(page, "closed")
@@ -454,12 +479,8 @@ def test_validate_shows_the_checks_message_even_after_a_warning(solved_lab, brow
     release.write_notebook(notebook, solved_lab.root_dir / "wrong_split_heads.ipynb")
     page = open_notebook(browser, solved_lab, "wrong_split_heads.ipynb")
     try:
-        # the toolbar's overflow popup holds a copy of each button: the visible one
-        page.locator(".jp-Toolbar-item:visible", has_text="Validate").first.click()
-        dialog = page.locator(".jp-Dialog")
-        dialog.get_by_text("Validation Results").wait_for(timeout=RUN_ALL_MS)
+        report = squash(validate(page))
         screenshots.take(page, "validate-dialog")
-        report = squash(dialog.inner_text())
     finally:
         page.close()
     message = squash(SPLIT_HEADS_HINTS["reshape_only"])[:60]
