@@ -8,6 +8,7 @@ solution notebook, so the checks are shown to test behaviour, not spelling.
 from __future__ import annotations
 
 import math
+import sys
 import re
 
 import pytest
@@ -561,7 +562,24 @@ def test_split_heads_einops_accepts_every_einops_entry_point(answer):
     checks.check_split_heads_einops(answer, **CPU)
 
 
-def test_split_heads_einops_rejects_einops_that_does_not_split():
+@pytest.fixture
+def einops_layers_not_imported_yet(monkeypatch):
+    """As in a fresh kernel: the answer's own ``from einops.layers.torch import ...`` runs that
+    module's code, inside the check (restored after the test)."""
+    import einops.layers
+
+    for name in [n for n in sys.modules if n.startswith("einops.layers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in [n for n in vars(einops.layers) if isinstance(getattr(einops.layers, n), type(sys))]:
+        monkeypatch.delattr(einops.layers, name)
+
+
+def test_split_heads_einops_accepts_a_layer_imported_for_the_first_time(einops_layers_not_imported_yet):
+    checks.check_split_heads_einops(_einops_layer_split, **CPU)
+    assert "einops.layers.torch" in sys.modules, "the answer did not import the layer inside the check"
+
+
+def test_split_heads_einops_rejects_einops_that_does_not_split(einops_layers_not_imported_yet):
     import einops
 
     def pack_then_split_heads(x, num_heads):

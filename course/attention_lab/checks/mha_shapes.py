@@ -146,6 +146,8 @@ def _einops_calls(split_heads_einops: Callable, x: torch.Tensor, num_heads: int)
     Any entry point counts, however it was imported: the functions (rearrange, reduce, repeat,
     einsum, pack, unpack), the layers (einops.layers.torch.Rearrange, Reduce, EinMix). A call is
     seen by what runs: a Python frame in einops' own files entered from a frame outside them.
+    A module of einops that the answer imports first (``from einops.layers.torch import
+    Rearrange`` inside the function) runs its own code once: that is an import, not a call.
     """
     import os
     import sys
@@ -159,8 +161,11 @@ def _einops_calls(split_heads_einops: Callable, x: torch.Tensor, num_heads: int)
     def in_einops(frame) -> bool:
         return frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root)
 
+    def entered(frame) -> bool:
+        return frame.f_code.co_name != "<module>" and in_einops(frame) and not in_einops(frame.f_back)
+
     def profile(frame, event, arg):
-        if event in ("call", "return") and in_einops(frame) and not in_einops(frame.f_back):
+        if event in ("call", "return") and entered(frame):
             if event == "call":
                 tensor = next((v for v in frame.f_locals.values() if isinstance(v, torch.Tensor)), None)
                 open_calls[id(frame)] = (frame.f_code.co_name, tuple(tensor.shape) if tensor is not None else ())
