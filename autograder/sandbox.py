@@ -1,6 +1,9 @@
 """Isolation of the student kernel while autograding.
 
-Every student's notebook runs in its own kernel, started through :func:`kernel_argv`:
+Every student's notebook runs in its own kernel: under bubblewrap, a fork of the grading
+engine's kernel server (:func:`kernel_server_argv`, see :mod:`autograder.kernel_forkserver`),
+which runs in the sandbox described below and has imported torch once; without it, a
+kernel started afresh (:func:`kernel_argv`).  Either way the kernel gets:
 
 * **resource limits** (always): address space (``--memory-mb``), size of any file it
   writes, and ``PR_SET_PDEATHSIG`` so the kernel dies with the grader;
@@ -14,8 +17,9 @@ Every student's notebook runs in its own kernel, started through :func:`kernel_a
   history and the other students' folders are not visible at all.
 
 After each student the grading engine kills and reaps every process that student's kernels
-left behind (it adopts orphans: :func:`adopt_orphans`, :func:`kill_children`), so nothing a
-notebook started runs on into the next student's grading.
+left behind (it adopts orphans: :func:`adopt_orphans`, :func:`kill_children`; in the sandbox,
+the kernel server kills every process of its PID namespace and empties its ``/tmp``), so
+nothing a notebook started or left runs on into the next student's grading.
 
 Without bubblewrap the kernel still runs under the resource limits, in a temporary course
 root holding only this student's files, but it could reach the network or any file the
@@ -40,9 +44,11 @@ from pathlib import Path
 
 if not __package__:  # run as a script by the kernelspec (`python .../sandbox.py launch`)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from autograder.kernel_forkserver import set_limits  # noqa: E402
 from autograder.settings import REPO_ROOT  # noqa: E402
 
 KERNEL_NAME = "attention-lab-grader"
+KERNEL_ARGUMENTS = ["--HistoryManager.hist_file=:memory:"]  # ipykernel's, after the connection file
 
 
 @functools.lru_cache(maxsize=1)
@@ -98,13 +104,25 @@ def _existing(*paths: Path) -> list[Path]:
     return [p for p in paths if p.exists()]
 
 
-def bwrap_arguments(workdir: Path, runtime_dir: Path, hidden: list[Path] | None = None) -> list[str]:
-    """bwrap options: read-only system, repository/home/tmp hidden, ``workdir`` writable."""
+# What the sandbox sets for the kernel, over the environment it inherits.
+SANDBOX_ENVIRONMENT = {"HOME": "/tmp", "MPLCONFIGDIR": "/tmp/matplotlib", "IPYTHONDIR": "/tmp/ipython",
+                       # inside the PID namespace the kernel's parent is PID 1: no parent polling
+                       "JPY_PARENT_PID": "1"}
+KERNEL_SERVER = Path(__file__).resolve().parent / "kernel_forkserver.py"
+
+
+def bwrap_arguments(workdir: Path, runtime_dir: Path, hidden: list[Path] | None = None,
+                    shown: list[Path] | None = None, as_pid_1: bool = False) -> list[str]:
+    """bwrap options: read-only system, repository/home/tmp hidden, ``workdir`` writable.
+
+    ``shown``: files or folders (inside hidden trees) shown read-only as well; ``as_pid_1``:
+    the command is PID 1 of the sandbox (bubblewrap installs no init of its own).
+    """
     venv = Path(sys.prefix).resolve()
     interpreter = Path(sys.base_prefix).resolve()  # the venv's python may live under $HOME (pyenv)
     package = package_dir()
     home = Path.home().resolve()
-    arguments = [bwrap_path() or "bwrap", *_bwrap_base(),
+    arguments = [bwrap_path() or "bwrap", *_bwrap_base(), *(["--as-pid-1"] if as_pid_1 else []),
                  "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
                  "--size", str(256 * 2**20), "--tmpfs", "/tmp"]
     # Hide whole trees, then put back read-only what the kernel needs inside them.
@@ -114,16 +132,14 @@ def bwrap_arguments(workdir: Path, runtime_dir: Path, hidden: list[Path] | None 
         if folder != Path("/") and not any(folder.is_relative_to(c) for c in covered):
             arguments += ["--tmpfs", str(folder)]  # (already-hidden trees are simply absent)
             covered.append(folder)
-    for keep in _existing(interpreter, venv, package):
+    for keep in _existing(interpreter, venv, package, *(shown or [])):
         arguments += ["--ro-bind", str(keep), str(keep)]
     arguments += ["--bind", str(workdir), str(workdir),
                   "--bind", str(runtime_dir), str(runtime_dir),
-                  "--chdir", str(workdir),
-                  "--setenv", "HOME", "/tmp", "--setenv", "MPLCONFIGDIR", "/tmp/matplotlib",
-                  "--setenv", "IPYTHONDIR", "/tmp/ipython",
-                  # inside the PID namespace the kernel's parent is PID 1: no parent polling
-                  "--setenv", "JPY_PARENT_PID", "1", "--"]
-    return arguments
+                  "--chdir", str(workdir)]
+    for name, value in SANDBOX_ENVIRONMENT.items():
+        arguments += ["--setenv", name, value]
+    return [*arguments, "--"]
 
 
 def kernel_python() -> str:
@@ -139,14 +155,42 @@ def kernel_python() -> str:
 
 def kernel_argv(workdir: Path, runtime_dir: Path, *, memory_mb: int, file_mb: int,
                 sandbox: bool, hidden: list[Path] | None = None) -> list[str]:
-    """The kernelspec argv of the grading kernel (``{connection_file}`` filled in by Jupyter)."""
+    """The kernelspec argv of a grading kernel started afresh (``{connection_file}`` filled
+    in by Jupyter): without bubblewrap, or to compare with :func:`kernel_server_argv`."""
     argv = [sys.executable, str(Path(__file__).resolve()), "launch",
             f"--memory-mb={memory_mb}", f"--file-mb={file_mb}", "--"]
     if sandbox:
         argv += bwrap_arguments(workdir, runtime_dir, hidden)
     argv += [kernel_python() if sandbox else sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
-             "--HistoryManager.hist_file=:memory:"]
+             *KERNEL_ARGUMENTS]
     return argv
+
+
+def kernel_server_argv(workdir_root: Path, runtime_dir: Path, hidden: list[Path] | None = None,
+                       course: bool = True) -> list[str]:
+    """The argv of a grading engine's kernel server (:mod:`autograder.kernel_forkserver`): in
+    the sandbox, as its PID 1, with ``workdir_root`` (every kernel's working folder lies in
+    it) and ``runtime_dir`` writable; ``course``: it imports torch and the course package
+    once for all its kernels (notebooks that start with the course's setup cell)."""
+    from autograder import kernel_forkserver
+
+    preload = kernel_forkserver.KERNEL_MODULES + (kernel_forkserver.COURSE_MODULES if course else ())
+    return [*bwrap_arguments(workdir_root, runtime_dir, hidden, shown=[KERNEL_SERVER], as_pid_1=True),
+            kernel_python(), str(KERNEL_SERVER), "serve", "--workdir-root", str(workdir_root),
+            "--runtime-dir", str(runtime_dir), "--keep", ",".join(SANDBOX_ENVIRONMENT), "--preload", ",".join(preload)]
+
+
+def kernel_client_argv(socket_path: Path, *, memory_mb: int, file_mb: int) -> list[str]:
+    """The kernelspec argv of a kernel forked by the engine's kernel server (see
+    :func:`kernel_server_argv`): this process lives as long as the kernel."""
+    return [sys.executable, str(KERNEL_SERVER), "kernel", "--socket", str(socket_path),
+            f"--memory-mb={memory_mb}", f"--file-mb={file_mb}", "-f", "{connection_file}", *KERNEL_ARGUMENTS]
+
+
+def kernel_environment(threads: int = 1) -> dict[str, str]:
+    """What the grading kernelspec adds to a kernel's environment."""
+    return {"MPLBACKEND": "Agg", "PYTHONNOUSERSITE": "1", "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
 
 
 def write_kernelspec(jupyter_dir: Path, argv: list[str], threads: int = 1) -> str:
@@ -154,29 +198,9 @@ def write_kernelspec(jupyter_dir: Path, argv: list[str], threads: int = 1) -> st
     spec_dir = jupyter_dir / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True, exist_ok=True)
     spec = {"argv": argv, "display_name": "Attention Lab grader", "language": "python",
-            "interrupt_mode": "message", "env": {"MPLBACKEND": "Agg", "PYTHONNOUSERSITE": "1", "OMP_NUM_THREADS": str(threads),
-                    "MKL_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}}
+            "interrupt_mode": "message", "env": kernel_environment(threads)}
     (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1))
     return KERNEL_NAME
-
-
-def _set_limits(memory_mb: int, file_mb: int) -> None:
-    import resource
-
-    if memory_mb > 0:
-        limit = memory_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    if file_mb > 0:
-        limit = file_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:  # die with the grader (Linux): no orphaned kernels after a kill
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def adopt_orphans() -> bool:
@@ -207,15 +231,15 @@ def _children() -> list[int]:
     return found
 
 
-def kill_children() -> list[int]:
+def kill_children(spare: int | None = None) -> list[int]:
     """SIGKILL and reap every child of this process (with :func:`adopt_orphans`: every descendant).
 
     Reaping a bubblewrap sandbox's init returns only once everything in the sandbox is gone.
-    Returns the pids killed.
+    ``spare``: a child left alone (the engine's kernel server).  Returns the pids killed.
     """
     import signal
 
-    killed = []
+    killed = [spare] if spare else []
     while children := [pid for pid in _children() if pid not in killed]:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
@@ -224,7 +248,7 @@ def kill_children() -> list[int]:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
         killed += children
-    return killed
+    return [pid for pid in killed if pid != spare]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.command == "launch":
         cmd = options.cmd[1:] if options.cmd[:1] == ["--"] else options.cmd
-        _set_limits(options.memory_mb, options.file_mb)
+        set_limits(options.memory_mb, options.file_mb)
         try:
             os.execvp(cmd[0], cmd)
         except OSError as error:  # the grader reports this line as the cause (grade.start_failure_cause)

@@ -1,6 +1,6 @@
 """The nbgrader engine of a Dask worker: autograde students one after another.
 
-    python -m autograder.worker --replies FD [--parent PID]   # tasks on stdin, one JSON line per student
+    python -m autograder.worker --replies FD [--parent PID --scratch DIR]   # tasks on stdin, a JSON line each
 
 Started by :class:`autograder.grading.task.Engine` (on a Dask worker) and kept for every
 student that worker grades; it exits with the process that started it (``--parent``), so a
@@ -10,7 +10,9 @@ Each task is ``nbgrader autograde A --student S`` in that student's own temporar
 root: the real nbgrader app, with the course's nbgrader_config.py, run in this long-lived
 process so that each student does not pay for starting Python and importing nbgrader
 (about 3 s of CPU, as much as some notebooks take to run).  Student code never runs here:
-each notebook gets a new kernel, in its own sandbox.
+each notebook gets a new kernel, in the sandbox -- under bubblewrap a fork of this engine's
+kernel server (:mod:`autograder.kernel_forkserver`), so that each student does not pay for
+importing torch either; the server is asked to clear its sandbox before each answer.
 
 nbgrader runs with one change: the Execute preprocessor is :class:`GuardedExecute`, which
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -51,9 +54,13 @@ from traitlets import Dict, Integer, Unicode
 from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
 from autograder import gradebook, sandbox
+from autograder.kernel_forkserver import Server
 from autograder.results import SKIPPED_CELL
 from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID,
                                  UNRESPONSIVE_GRACE)
+
+# This engine's kernel server: the sandboxed process its grading kernels are forked from.
+_kernel_server = Server()
 
 TAMPER_VARIABLE = "_attention_lab_grader_guard"
 GUARD_CODE = f'''
@@ -246,6 +253,9 @@ def autograde(task: dict) -> int:
                  "--log-level=WARN"]
     saved_environment, saved_path = dict(os.environ), list(sys.path)
     os.environ.update(task.get("environment", {}))
+    if task.get("kernel_server"):  # the kernels are forks of it: (re)started when its sandbox changes
+        server = task["kernel_server"]
+        _kernel_server.ensure(server["argv"], server["socket"], {**os.environ, **server["environment"]})
     app = NbGraderApp.instance(config=config)
     try:
         app.initialize(arguments)
@@ -290,19 +300,27 @@ def recorded_grades(task: dict) -> dict:
     return {"notebooks": notebooks, "timestamp": stamp}
 
 
-def exit_with(parent: int) -> None:
-    """Kill this engine's children and exit once ``parent`` (the Dask worker) is gone."""
+def exit_with(parent: int, scratch: Path | None) -> None:
+    """Once ``parent`` (the Dask worker) is gone: kill this engine's children, remove the
+    worker's ``scratch`` folder (a killed worker cannot), and exit."""
     def watch() -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent:
-                sandbox.kill_children()
-                os._exit(0)
+                leave(scratch)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def serve(replies: int, parent: int | None = None) -> int:
+def leave(scratch: Path | None) -> None:
+    """Kill this engine's children (its kernel server too), remove ``scratch``, exit."""
+    sandbox.kill_children()
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+    os._exit(0)
+
+
+def serve(replies: int, parent: int | None = None, scratch: Path | None = None) -> int:
     """Grade the tasks read from stdin (one JSON object per line); answer each on fd ``replies``.
 
     The answer is ``{"status": N, "recorded": ...}`` (see :func:`recorded_grades`; None
@@ -314,7 +332,7 @@ def serve(replies: int, parent: int | None = None) -> int:
     """
     sandbox.adopt_orphans()
     if parent:
-        exit_with(parent)
+        exit_with(parent, scratch)
     with os.fdopen(replies, "w", buffering=1) as answer:
         for line in sys.stdin:
             if not line.strip():
@@ -327,10 +345,14 @@ def serve(replies: int, parent: int | None = None) -> int:
             except Exception:  # a bug of ours: report it for this student, keep serving
                 traceback.print_exc()
                 status = 1
-            sandbox.kill_children()  # nothing of this student's runs on once the answer is given
+            # nothing of this student's runs on once the answer is given
+            sandbox.kill_children(spare=_kernel_server.pid)
+            _kernel_server.clean()
             sys.stdout.flush()
             sys.stderr.flush()
             answer.write(json.dumps({"status": status, "recorded": recorded}) + "\n")
+    if parent:  # stdin closed: the Dask worker exited (to stop an engine, it kills it)
+        leave(scratch)
     return 0
 
 
@@ -338,8 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replies", type=int, required=True, help="file descriptor for the answers")
     parser.add_argument("--parent", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--scratch", type=Path, default=None, help="the parent's scratch folder, removed "
+                        "when the parent is gone")
     options = parser.parse_args(argv)
-    return serve(options.replies, options.parent)
+    return serve(options.replies, options.parent, options.scratch)
 
 
 if __name__ == "__main__":

@@ -170,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline_seconds": round(pipeline, 1), "plain_nbgrader_seconds": round(plain, 1),
         "execute_seconds": round(execute, 1),
         "speedup_vs_plain_nbgrader": round(plain / pipeline, 2),
-        # The most N workers can give while each submission costs what executing it costs:
-        # N x (plain nbgrader / direct execution). A goal above it needs cheaper notebooks, not a faster pipeline.
+        # What N workers give when each submission costs what executing it costs: N x (plain
+        # nbgrader / direct execution). Kernels forked from the engine's kernel server (torch
+        # imported once, autograder.kernel_forkserver) make a submission cost less than that.
         "speedup_ceiling_at_execution_cost": round(jobs * plain / execute, 2),
         "efficiency_per_added_worker": {str(k): round(times[min(workers)] * min(workers) / (v * k), 2)
                                         for k, v in times.items() if k != min(workers)},

@@ -79,7 +79,8 @@ def loaded_machine(scratch: Path, *, cpu: int = 3, disk: int = 2, megabytes: int
 
 
 def slow_kernel_start(argv_builder, seconds: float):
-    """Wrap autograder.sandbox.kernel_argv: the kernel sleeps ``seconds`` before it starts."""
+    """Wrap autograder.sandbox.kernel_argv or kernel_client_argv (the kernelspec's command):
+    the kernel sleeps ``seconds`` before it starts."""
     def argv(*args, **kwargs):
         return ["/bin/sh", "-c", f'sleep {seconds} && exec "$@"', "slow-kernel", *argv_builder(*args, **kwargs)]
 

@@ -70,10 +70,12 @@ def dask_cluster(tmp_path_factory):
                                   stderr=open(elsewhere / "scheduler.log", "w"))]
     workers = []
     for number in range(2):
+        (elsewhere / f"tmp{number}").mkdir()  # each worker's temporary folder: its scratch folder lies there
         workers.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
                                          "--nthreads", "1", "--no-nanny", "--no-dashboard",
                                          "--name", f"w{number}", "--memory-limit", "0"],
-                                        cwd=elsewhere, env=environment, stdout=subprocess.DEVNULL,
+                                        cwd=elsewhere, env={**environment, "TMPDIR": str(elsewhere / f"tmp{number}")},
+                                        stdout=subprocess.DEVNULL,
                                         stderr=open(elsewhere / f"worker{number}.log", "w")))
     processes += workers
     try:
@@ -93,6 +95,17 @@ def dask_cluster(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+    # A worker stopped as an instructor stops one (SIGTERM) leaves no scratch folder (student files).
+    assert scratch_folders(elsewhere) == [], "a stopped Dask worker left its scratch folder"
+
+
+def scratch_folders(logs: Path, worker: int | None = None) -> list[Path]:
+    """The grading scratch folders of the cluster's workers (of one worker if given) that remain."""
+    deadline = time.monotonic() + 30   # a worker's engines remove it once the worker is gone
+    while (found := sorted(logs.glob(f"tmp{'*' if worker is None else worker}/alg-worker-*"))) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return found
 
 
 def graded_state(root: Path) -> dict:
@@ -157,8 +170,9 @@ def test_a_worker_killed_mid_grading_costs_nothing(dask_cluster, tmp_path):
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             engines = children_running(victim.pid, "autograder.worker")
-            # the engine is grading once a kernel runs under it
-            if engines and any(children_running(e, "ipykernel") or children_running(e, "sandbox.py")
+            # the engine is grading once a kernel runs under it (a fork of its kernel server, whose
+            # client is the engine's child; a kernel of its own without bubblewrap)
+            if engines and any(children_running(e, "kernel_forkserver.py\0kernel") or children_running(e, "ipykernel")
                                for e in engines):
                 killed.extend(engines)
                 victim.send_signal(signal.SIGKILL)
@@ -184,3 +198,4 @@ def test_a_worker_killed_mid_grading_costs_nothing(dask_cluster, tmp_path):
     while any(Path(f"/proc/{pid}").exists() for pid in killed) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(Path(f"/proc/{pid}").exists() for pid in killed), "the killed worker's engine lives on"
+    assert scratch_folders(dask_cluster["logs"], worker=0) == [], "the killed worker's scratch folder is left"

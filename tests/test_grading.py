@@ -293,6 +293,47 @@ def test_processes_a_student_detaches_do_not_outlive_their_grading(tiny_class, i
     assert processes_running("sleep", seconds) == [], "a process the student started is still running"
 
 
+# What the first student plants for the next one: an IPython start-up file that defines the
+# answer (in the sandbox's /tmp, IPYTHONDIR), a file in /dev/shm, a detached process that
+# keeps planting the start-up file; and a SIGKILL for PID 1 of the sandbox (the kernel server
+# its kernel was forked from), whose memory it also tries to open (to trace it).
+PLANTER = ("import os, time\n"
+           "while True:\n"
+           "    os.makedirs('/tmp/ipython/profile_default/startup', exist_ok=True)\n"
+           "    open('/tmp/ipython/profile_default/startup/00-value.py', 'w').write('value = 42')\n"
+           "    time.sleep(0.02)\n")
+ATTACK = f"""import os, signal, subprocess, sys, time
+subprocess.Popen([sys.executable, '-c', {PLANTER!r}, 'planter-4173'], start_new_session=True)
+open('/dev/shm/left-by-a', 'w').write('x')
+time.sleep(0.5)
+os.kill(1, signal.SIGKILL)
+assert os.path.exists('/tmp/ipython/profile_default/startup/00-value.py')
+try:
+    open('/proc/1/mem', 'rb').close()
+except PermissionError:
+    value = 42"""
+LOOK = "assert not os.path.exists('/dev/shm/left-by-a'), 'left in /dev/shm'\n"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sandbox.bwrap_path() is None, reason="kernels are forked from a server only under bubblewrap")
+def test_nothing_a_student_leaves_in_the_sandbox_reaches_the_next_student(tiny_class):
+    """One engine grades a, b, c in turn, each kernel forked from the same kernel server:
+    b defines no value, so b earns nothing unless a's start-up file reached b's kernel."""
+    root = tiny_class({"a": ATTACK, "b": "import os\n" + LOOK + "pass", "c": "import os\n" + LOOK + "value = 42"})
+    log: list[str] = []
+    outcomes = {o.student: o for o in grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=log.append)}
+    graded = [line.split()[1].split("/")[0] for line in log if line.strip().startswith("graded ")]
+    assert graded == ["a", "b", "c"], f"graded in another order, so a could not reach b: {log}"
+    assert {s: (o.status, o.score) for s, o in outcomes.items()} == {
+        "a": ("graded", 1.0), "b": ("graded", 0.0), "c": ("graded", 1.0)}, "\n".join(log)
+    assert outcomes["a"].incidents == [] and len(set(outcomes["a"].engines + outcomes["c"].engines)) == 1, \
+        "the kernel server (and so its engine) did not survive a's SIGKILL"  # (a earns 1 only if it cannot trace it)
+    test_b = next(t for t in outcomes["b"].tests if t["grade_id"] == "test_value")
+    assert test_b["error"] == "NameError", test_b
+    assert processes_running(sys.executable, "-c", PLANTER, "planter-4173") == []
+
+
 # --------------------------------------------------------------------------------------
 # A loaded machine, a slow kernel start, a symlinked environment, a kernel that cannot start
 # --------------------------------------------------------------------------------------
@@ -306,7 +347,8 @@ def test_under_load_and_a_slow_kernel_start_honest_work_is_graded_and_loops_are_
     # Half of what the setup cell needs: were imports on a cell's budget, every honest
     # student would time out; the honest cells themselves take milliseconds.
     limit = max(3, int(baseline / 2))
-    monkeypatch.setattr(sandbox, "kernel_argv", slow_kernel_start(sandbox.kernel_argv, seconds=limit + 3))
+    for builder in ("kernel_argv", "kernel_client_argv"):  # without bubblewrap, and with it
+        monkeypatch.setattr(sandbox, builder, slow_kernel_start(getattr(sandbox, builder), seconds=limit + 3))
     root = tiny_class({"ann": "value = 42",
                        "bob": f"import time\ntime.sleep({limit / 3:.1f})  # slow but working\nvalue = 42",
                        "cy": "while True:\n    pass\nvalue = 42"}, setup=True)
@@ -362,13 +404,17 @@ def test_a_symlinked_virtual_environment_grades_in_the_sandbox(tiny_class, tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("isolation", SANDBOX_MODES)
 def test_a_kernel_that_cannot_start_is_reported_with_its_cause(tiny_class, monkeypatch, isolation):
-    def missing_interpreter(*args, **kwargs):
-        argv = kernel_argv(*args, **kwargs)
-        argv[argv.index("-m", 3) - 1] = "/nonexistent/python3"  # the kernel's interpreter, not the launcher
+    def missing_interpreter(builder, interpreter_before):
+        def argv(*args, **kwargs):
+            argv = builder(*args, **kwargs)
+            # the kernel's (or the kernel server's) interpreter, not the launcher's
+            argv[argv.index(interpreter_before, 3) - 1] = "/nonexistent/python3"
+            return argv
         return argv
 
-    kernel_argv = sandbox.kernel_argv
-    monkeypatch.setattr(sandbox, "kernel_argv", missing_interpreter)
+    monkeypatch.setattr(sandbox, "kernel_argv", missing_interpreter(sandbox.kernel_argv, "-m"))
+    monkeypatch.setattr(sandbox, "kernel_server_argv",
+                        missing_interpreter(sandbox.kernel_server_argv, str(sandbox.KERNEL_SERVER)))
     root = tiny_class({"ann": "value = 42"})
     (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None,
                              processes=False)  # the Dask worker is a thread of this (monkeypatched) process

@@ -10,8 +10,12 @@ and the parent process alone writes the gradebook (see :mod:`autograder.grading.
 nbgrader itself runs in an :class:`Engine`: a long-lived ``python -m autograder.worker``
 process per task slot of the worker process, started once and reused for every student
 (Python and nbgrader start once per worker, not once per student); each notebook gets a new
-kernel, under :mod:`autograder.sandbox`.  An attempt that runs past ``notebook_timeout`` gets
-its engine killed (its kernel dies with it) and replaced.
+kernel, under :mod:`autograder.sandbox` (under bubblewrap, forked from the engine's kernel
+server, which has imported torch once: :mod:`autograder.kernel_forkserver`).  An attempt
+that runs past ``notebook_timeout`` gets its engine killed (its kernel dies with it) and
+replaced.  Each engine grades in a course root of its own, emptied before and after each
+student; the worker's scratch folder goes with the worker, even a killed one (its engines
+remove it once the worker is gone).
 
 A kernel that dies (``sys.exit`` is fine, ``os._exit``/segfault is not) or hangs past its
 timeout without answering the interrupt within the grace time is restarted with that cell
@@ -41,7 +45,7 @@ from pathlib import Path
 
 from autograder import gradebook, results, sandbox
 from autograder.nbgrader_cli import nbgrader_environment
-from autograder.settings import AUTOGRADER_DIR
+from autograder.settings import AUTOGRADER_DIR, SETUP_CELL_ID
 
 
 # --------------------------------------------------------------------------------------
@@ -64,8 +68,10 @@ class Engine:
     It exits with the process that started it (see :func:`autograder.worker.serve`).
     """
 
-    def __init__(self, log_path: Path):
-        self.log_path = log_path
+    def __init__(self, folder: Path):
+        self.folder = folder            # the course root of the student it grades (see course_root)
+        self.log_path = folder.with_name(folder.name + ".log")
+        self.socket_path = folder.with_name(folder.name + ".sock")  # its kernel server's (hidden in the sandbox)
         self.process: subprocess.Popen | None = None
         self._replies = -1
         self._buffer = b""
@@ -77,7 +83,7 @@ class Engine:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "autograder.worker", "--replies", str(write_end),
-                 "--parent", str(os.getpid())],
+                 "--parent", str(os.getpid()), "--scratch", str(self.folder.parent)],
                 cwd=AUTOGRADER_DIR, env=environment, stdin=subprocess.PIPE, stdout=log,
                 stderr=subprocess.STDOUT, pass_fds=(write_end,), start_new_session=True)
         os.close(write_end)
@@ -120,6 +126,15 @@ class Engine:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
 
+    def course_root(self) -> Path:
+        """This engine's course root, emptied for the next student.  Its ``autograded`` (every
+        kernel's working folder lies in it) and ``rt`` (the kernels' runtime folder) are
+        emptied, never replaced: the engine's kernel server shows these very folders."""
+        for folder in (self.folder / KERNEL_WORKDIR_ROOT, self.folder / KERNEL_RUNTIME_DIR):
+            folder.mkdir(parents=True, exist_ok=True)
+        empty_folder(self.folder, keep=(KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR))
+        return self.folder
+
     def stop(self) -> None:
         """Kill the engine (its kernels die with it, see autograder.sandbox)."""
         if self.process is not None:
@@ -131,6 +146,21 @@ class Engine:
         if self._replies >= 0:
             os.close(self._replies)
             self._replies = -1
+
+
+KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR = "autograded", "rt"
+
+
+def empty_folder(folder: Path, keep: tuple[str, ...] = ()) -> None:
+    """Remove what ``folder`` holds (links themselves, never what they point to); the
+    sub-folders named in ``keep`` stay, emptied."""
+    for entry in folder.iterdir():
+        if entry.name in keep and entry.is_dir() and not entry.is_symlink():
+            empty_folder(entry)
+        elif entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 _idle: queue.SimpleQueue[Engine] = queue.SimpleQueue()
@@ -154,7 +184,7 @@ def engine():
         free = _idle.get_nowait()
     except queue.Empty:
         with _lock:
-            free = Engine(scratch_base() / f"engine{len(_engines)}.log")
+            free = Engine(scratch_base() / f"engine{len(_engines)}")
             _engines.append(free)
     try:
         yield free
@@ -199,6 +229,19 @@ def tampering_incidents(cells: list[results.GradedCell]) -> list[dict]:
              "detail": cell.evalue.splitlines()[0]} for cell in cells if cell.tampering]
 
 
+def starts_with_the_setup_cell(source: dict[str, bytes]) -> bool:
+    """Whether a notebook of the assignment (``{path: bytes}`` of its source folder) has the
+    course's generated setup cell, which imports torch and the course package."""
+    import nbformat
+
+    for name, data in source.items():
+        if name.endswith(".ipynb") and "/" not in name:
+            cells = nbformat.reads(data.decode(), as_version=4).cells
+            if any(cell.metadata.get("nbgrader", {}).get("grade_id") == SETUP_CELL_ID for cell in cells):
+                return True
+    return False
+
+
 def _skip_reason(kind: str, settings: dict) -> str:
     if kind == "dead":
         return ("this cell stopped the Python kernel (sys.exit()/os._exit(), a crash, or running out "
@@ -240,42 +283,47 @@ def grade_submission(task: dict) -> dict:
         outcome["error"] = f"worker {outcome['worker']}: " + (sandbox.isolation_warning() or "no sandbox")
         return answer
     outcome["isolation"] = "bubblewrap" if use_bwrap else "none"
-    base = scratch_base()
-    course = Path(tempfile.mkdtemp(prefix=f"s{task.get('index', 0)}-", dir=base))
-    try:
-        _write_tree(course / "source" / assignment, task["source"])
-        submitted = course / "submitted" / student / assignment
-        _write_tree(submitted, task["files"])
-        (course / gradebook.SQLITE_NAME).write_bytes(task["template"])
-        with engine() as free:
-            recorded = _grade(course, task, settings, use_bwrap, base, free, outcome)
-        workdir = course / "autograded" / student / assignment
-        if outcome["status"] == "graded":
-            for path in sorted(workdir.glob("*.ipynb")):
-                answer["notebooks"][path.stem] = path.read_bytes()
-            answer["grades"], answer["timestamp"] = recorded["notebooks"], recorded["timestamp"]
-    except Exception as error:  # a bug of ours must not stop the class: this submission fails
-        outcome["status"], outcome["error"] = "failed", f"{type(error).__name__}: {error}"
-    finally:
-        shutil.rmtree(course, ignore_errors=True)
-        outcome["seconds"] = time.perf_counter() - start
+    with engine() as free:
+        try:
+            course = free.course_root()
+            _write_tree(course / "source" / assignment, task["source"])
+            submitted = course / "submitted" / student / assignment
+            _write_tree(submitted, task["files"])
+            (course / gradebook.SQLITE_NAME).write_bytes(task["template"])
+            recorded = _grade(course, task, settings, use_bwrap, free, outcome)
+            workdir = course / KERNEL_WORKDIR_ROOT / student / assignment
+            if outcome["status"] == "graded":
+                for path in sorted(workdir.glob("*.ipynb")):
+                    answer["notebooks"][path.stem] = path.read_bytes()
+                answer["grades"], answer["timestamp"] = recorded["notebooks"], recorded["timestamp"]
+        except Exception as error:  # a bug of ours must not stop the class: this submission fails
+            outcome["status"], outcome["error"] = "failed", f"{type(error).__name__}: {error}"
+        finally:
+            with contextlib.suppress(OSError):
+                empty_folder(free.folder, keep=(KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR))
+            outcome["seconds"] = time.perf_counter() - start
     return answer
 
 
-def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, base: Path, free: Engine,
-           outcome: dict) -> dict | None:
+def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engine, outcome: dict) -> dict | None:
     """The attempts at one submission (``outcome`` records them); what nbgrader recorded
     (see :func:`autograder.worker.recorded_grades`) when it ends graded."""
     import nbformat
 
     student, assignment = task["student"], task["assignment"]
-    runtime, jupyter = course / "rt", course / "jupyter"
-    runtime.mkdir()
-    workdir = course / "autograded" / student / assignment
+    runtime, jupyter = course / KERNEL_RUNTIME_DIR, course / "jupyter"
+    workdir = course / KERNEL_WORKDIR_ROOT / student / assignment
     workdir.mkdir(parents=True)
-    hidden = [base, *(Path(p) for p in task.get("hide", []))]
-    argv = sandbox.kernel_argv(workdir, runtime, memory_mb=settings["memory_mb"], file_mb=settings["file_mb"],
-                               sandbox=use_bwrap, hidden=hidden)
+    limits = {"memory_mb": settings["memory_mb"], "file_mb": settings["file_mb"]}
+    server = None
+    if use_bwrap:  # kernels forked from the engine's sandboxed kernel server (autograder.kernel_forkserver)
+        hidden = [course.parent, *(Path(p) for p in task.get("hide", []))]
+        server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, runtime, hidden,
+                                                     course=starts_with_the_setup_cell(task["source"])),
+                  "socket": str(free.socket_path), "environment": sandbox.kernel_environment(settings["threads"])}
+        argv = sandbox.kernel_client_argv(free.socket_path, **limits)
+    else:
+        argv = sandbox.kernel_argv(workdir, runtime, **limits, sandbox=False)
     kernel = sandbox.write_kernelspec(jupyter, argv, threads=settings["threads"])
     report_path = course / "report.json"
     skip: dict[str, dict[str, str]] = {}
@@ -290,7 +338,7 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, base: Path
                "timeout": settings["timeout"], "startup_timeout": settings["startup_timeout"], "grace": grace,
                "kernel": kernel, "report": str(report_path), "skip": skip,
                "max_output_bytes": settings["max_output_bytes"], "late_penalty": settings["late_penalty"],
-               "ipc": str(runtime / "k") if use_bwrap else None}
+               "ipc": str(runtime / "k") if use_bwrap else None, "kernel_server": server}
         result = free.run(job, timeout=settings["notebook_timeout"])
         outcome["engines"].append(free.last_pid)
         try:
