@@ -258,6 +258,8 @@ def serve(listen_fd: int, workdir_root: str, runtime_dir: str, keep: list[str], 
 # --------------------------------------------------------------------------------------
 
 def kernel(socket_path: str, connection_file: str, memory_mb: int, file_mb: int, arguments: list[str]) -> int:
+    """Have the server at ``socket_path`` fork a kernel for ``connection_file``; wait for it,
+    and return its exit status (127, with the cause on stderr, when none could start)."""
     connection = socket.socket(socket.AF_UNIX)
     try:
         connection.connect(socket_path)

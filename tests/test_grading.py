@@ -17,9 +17,7 @@ import pytest
 from autograder import feedback, grade, gradebook, results, sandbox
 from autograder.export import export
 from autograder.nbgrader_cli import run_nbgrader
-from autograder.release import (REPO_ROOT, build_source, course_repository, mark_hidden_tests, setup_cell_source,
-                                write_notebook)
-from autograder.settings import SETUP_CELL_ID
+from autograder.release import REPO_ROOT, build_source, course_repository, mark_hidden_tests, write_notebook
 from tests.grading_helpers import (TINY, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
                                    tiny_notebook)
 
