@@ -44,7 +44,7 @@ from pathlib import Path
 
 if not __package__:  # run as a script by the kernelspec (`python .../sandbox.py launch`)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from autograder.kernel_forkserver import set_limits  # noqa: E402
+from autograder.kernel_forkserver import COURSE_MODULES, KERNEL_MODULES, set_limits  # noqa: E402
 from autograder.settings import REPO_ROOT  # noqa: E402
 
 KERNEL_NAME = "attention-lab-grader"
@@ -172,9 +172,7 @@ def kernel_server_argv(workdir_root: Path, runtime_dir: Path, hidden: list[Path]
     the sandbox, as its PID 1, with ``workdir_root`` (every kernel's working folder lies in
     it) and ``runtime_dir`` writable; ``course``: it imports torch and the course package
     once for all its kernels (notebooks that start with the course's setup cell)."""
-    from autograder import kernel_forkserver
-
-    preload = kernel_forkserver.KERNEL_MODULES + (kernel_forkserver.COURSE_MODULES if course else ())
+    preload = KERNEL_MODULES + (COURSE_MODULES if course else ())
     return [*bwrap_arguments(workdir_root, runtime_dir, hidden, shown=[KERNEL_SERVER], as_pid_1=True),
             kernel_python(), str(KERNEL_SERVER), "serve", "--workdir-root", str(workdir_root),
             "--runtime-dir", str(runtime_dir), "--keep", ",".join(SANDBOX_ENVIRONMENT), "--preload", ",".join(preload)]
