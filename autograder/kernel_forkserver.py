@@ -122,10 +122,12 @@ def _reap() -> None:
             pass
 
 
-def _empty(folder: str) -> None:
-    """Remove what ``folder`` holds, on its own file system only: the folders the engine
-    shows inside it (bind mounts: the kernels' working and runtime folders, and ``/tmp``
-    holds them when the engine's scratch folder is under ``/tmp``) are not crossed."""
+def empty_folder(folder: str | os.PathLike, keep: tuple[str, ...] = ()) -> None:
+    """Remove what ``folder`` holds, links themselves (never what they point to), on its own
+    file system only: the folders the engine shows inside the sandbox (bind mounts: the
+    kernels' working and runtime folders, which ``/tmp`` holds when the engine's scratch
+    folder is under ``/tmp``) are not crossed.  The sub-folders named in ``keep`` stay, emptied.
+    """
     try:
         device = os.lstat(folder).st_dev
         entries = list(os.scandir(folder))
@@ -135,8 +137,9 @@ def _empty(folder: str) -> None:
         with contextlib.suppress(OSError):
             if entry.is_dir(follow_symlinks=False):
                 if entry.stat(follow_symlinks=False).st_dev == device:
-                    _empty(entry.path)
-                    os.rmdir(entry.path)  # (fails, rightly, on a folder that holds a mount point)
+                    empty_folder(entry.path)
+                    if entry.name not in keep:
+                        os.rmdir(entry.path)  # (fails, rightly, on a folder that holds a mount point)
             else:
                 os.unlink(entry.path)
 
@@ -152,7 +155,7 @@ def clean() -> int:
         _reap()
         time.sleep(0.005)
     for folder in SANDBOX_SCRATCH:
-        _empty(folder)
+        empty_folder(folder)
     return killed
 
 

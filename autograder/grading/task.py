@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autograder import gradebook, results, sandbox
+from autograder.kernel_forkserver import empty_folder
 from autograder.nbgrader_cli import nbgrader_environment
 from autograder.settings import AUTOGRADER_DIR, SETUP_CELL_ID
 
@@ -149,18 +150,6 @@ class Engine:
 
 
 KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR = "autograded", "rt"
-
-
-def empty_folder(folder: Path, keep: tuple[str, ...] = ()) -> None:
-    """Remove what ``folder`` holds (links themselves, never what they point to); the
-    sub-folders named in ``keep`` stay, emptied."""
-    for entry in folder.iterdir():
-        if entry.name in keep and entry.is_dir() and not entry.is_symlink():
-            empty_folder(entry)
-        elif entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
 
 
 _idle: queue.SimpleQueue[Engine] = queue.SimpleQueue()
@@ -299,8 +288,7 @@ def grade_submission(task: dict) -> dict:
         except Exception as error:  # a bug of ours must not stop the class: this submission fails
             outcome["status"], outcome["error"] = "failed", f"{type(error).__name__}: {error}"
         finally:
-            with contextlib.suppress(OSError):
-                empty_folder(free.folder, keep=(KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR))
+            empty_folder(free.folder, keep=(KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR))
             outcome["seconds"] = time.perf_counter() - start
     return answer
 
