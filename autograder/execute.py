@@ -52,14 +52,24 @@ class ExecutionResult:
         return "\n".join(lines)
 
 
+def notebook_client(notebook: nbformat.NotebookNode, working_dir: Path | str,
+                    timeout: int = EXECUTE_CELL_TIMEOUT) -> NotebookClient:
+    """nbclient on ``notebook`` in a fresh ``python3`` kernel, running every cell past errors.
+
+    When the run is over the kernel is killed, not asked to shut down (as grading does): every
+    output is in by then, and ipykernel 7.4 hangs in about one shutdown in ten -- its control
+    thread waits on the IOPub thread that the main thread has already stopped -- until
+    jupyter_client's SIGTERM 2.5 s later (benchmarks/kernel_shutdown.py measures it).
+    """
+    return NotebookClient(notebook, timeout=timeout, kernel_name="python3", allow_errors=True,
+                          shutdown_kernel="immediate", resources={"metadata": {"path": str(working_dir)}})
+
+
 def execute_notebook(path: Path | str, timeout: int = EXECUTE_CELL_TIMEOUT, working_dir: Path | str | None = None) -> ExecutionResult:
     """Run every cell (continuing past errors) and collect the errors and test outcomes."""
     path = Path(path)
     notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        notebook, timeout=timeout, kernel_name="python3", allow_errors=True,
-        resources={"metadata": {"path": str(working_dir or path.parent)}},
-    )
+    client = notebook_client(notebook, working_dir or path.parent, timeout)
     start = time.perf_counter()
     client.execute()
     result = ExecutionResult(path=path, seconds=time.perf_counter() - start, notebook=notebook)

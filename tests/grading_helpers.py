@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
 
+from autograder.execute import notebook_client
 from autograder.release import setup_cell_source
 from autograder.settings import SETUP_CELL_ID
 
@@ -28,7 +28,7 @@ from autograder.settings import SETUP_CELL_ID
 def setup_cell_seconds() -> float:
     """Wall time of the setup cell in a fresh kernel on this machine (kernel start excluded)."""
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(setup_cell_source("x/y"))])
-    client = NotebookClient(notebook, timeout=600, kernel_name="python3")
+    client = notebook_client(notebook, Path.cwd(), timeout=600)
     with client.setup_kernel():
         start = time.perf_counter()
         client.execute_cell(notebook.cells[0], 0)

@@ -7,9 +7,9 @@ import io
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from attention_lab.checking import CheckFailure, call_student
+from autograder.execute import notebook_client
 
 SETUP = "import torch\nfrom attention_lab.checks.mha_shapes import check_split_heads"
 RAISES = ("def split_heads(x, num_heads):\n"
@@ -88,8 +88,7 @@ def _error_output(cell) -> nbformat.NotebookNode:
 @pytest.mark.slow
 def test_in_a_notebook_the_traceback_is_the_message_and_the_students_frames(tmp_path):
     notebook = _notebook(SETUP, RAISES, CHECK, WRONG_NUMBERS, CHECK)
-    NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    notebook_client(notebook, tmp_path, timeout=300).execute()
     raised, wrong = _error_output(notebook.cells[2]), _error_output(notebook.cells[4])
     for error in (raised, wrong):
         assert error.ename == "CheckFailure"  # autograde and feedback still see what failed
@@ -122,8 +121,7 @@ def test_the_graders_feedback_still_tells_a_visible_failure_from_a_hidden_one(tm
         notebook = _notebook(SETUP, WRONG_NUMBERS, mark_hidden_tests(test_source))
         notebook.cells[2].metadata["nbgrader"] = {"grade": True, "grade_id": "test_split_heads", "locked": True,
                                                   "points": 1, "schema_version": 3, "solution": False, "task": False}
-        NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
-                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+        notebook_client(notebook, tmp_path, timeout=300).execute()
         [cell] = results.graded_cells(notebook)
         return cell
 
@@ -175,8 +173,7 @@ def test_what_the_code_printed_or_warned_never_hides_the_checks_message(tmp_path
     notebook = _notebook(SETUP, WARNS_THEN_WRONG, CHECK)
     notebook.cells[2].metadata["nbgrader"] = {"grade": True, "grade_id": "test_split_heads", "locked": True,
                                               "points": 1, "schema_version": 3, "solution": False, "task": False}
-    NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    notebook_client(notebook, tmp_path, timeout=300).execute()
     outputs = notebook.cells[2].outputs
     assert any(o.output_type == "stream" and "RuntimeWarning" in o.text for o in outputs), outputs  # it did warn
     [cell] = results.graded_cells(notebook)

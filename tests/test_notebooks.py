@@ -158,6 +158,18 @@ def test_noise_detector_sees_warnings_and_grad_fn():
     assert len(_noise(notebook)) == 2
 
 
+def test_a_finished_run_kills_its_kernel_instead_of_waiting_for_its_shutdown(tmp_path):
+    """Once every cell has run, the kernel is killed (a graceful shutdown can hang 2.5 s, see
+    autograder.execute.notebook_client): the exit hooks a cell registered never run."""
+    ran_at_exit = tmp_path / "exit-hook-ran"
+    path = tmp_path / "exit_hook.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        f"import atexit, pathlib\natexit.register(pathlib.Path({str(ran_at_exit)!r}).write_text, 'ran')")]), path)
+    result = execute_notebook(path)
+    assert not result.errors, result.summary()
+    assert not ran_at_exit.exists(), "the kernel was shut down gracefully, not killed"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_solution_notebook_runs_top_to_bottom_and_passes_every_test(assignment, fresh_build):

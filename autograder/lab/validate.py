@@ -118,6 +118,9 @@ def _child(notebook: str, result_path: str, progress_path: str) -> None:
     app.load_config_file()
     config = app.config
     config.Execute.on_cell_execute = on_cell_execute
+    # Killed once every cell has run, as grading does: a graceful shutdown can hang 2.5 s
+    # (autograder.execute.notebook_client says why), and the student waits for the answer.
+    config.Execute.shutdown_kernel = "immediate"
     try:
         outcome = {"success": True, "value": CourseValidator(config=config).validate(notebook)}
     except KeyboardInterrupt:
