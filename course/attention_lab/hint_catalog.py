@@ -41,6 +41,7 @@ def _normalise(text: str) -> str:
     return " ".join(text.split())
 
 
+@functools.lru_cache(maxsize=None)  # one per hint: identify() tries every hint on every message
 def hint_pattern(text: str) -> re.Pattern:
     """A regex for the hint as it appears in a message: format fields match anything."""
     text = _normalise(text)
@@ -134,7 +135,7 @@ def identify(message: str, hints: tuple[Hint, ...] | None = None) -> list[str]:
     text = _normalise(message)
     found: list[tuple[int, int, Hint]] = []
     for hint in hints if hints is not None else catalog():
-        if not _normalise(hint.text):
+        if not hint.pattern.pattern:  # a blank hint names nothing
             continue
         match = hint.pattern.search(text)
         if match:
