@@ -53,10 +53,11 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 # What the server imports once for all its kernels: what every kernel imports before the
 # notebook's first cell runs, and what the course's setup cell imports (for notebooks that
 # have it).  Importing them creates no CUDA context, which a forked kernel could not use.
-# torch._dynamo: torch imports it (about 1 s of CPU) the first time an optimizer is created
-# or FlopCounterMode counts (torch._disable_dynamo), which notebooks 01, 03, 04 and 06 do.
+# Not torch._dynamo, although torch imports it (about 1 s of CPU) the first time a notebook
+# creates an optimizer: it imports Triton, which must come after the setup cell has chosen
+# Triton's interpreter (TRITON_INTERPRET) or notebook 06's kernels fail (tests/test_corpus.py).
 KERNEL_MODULES = ("ipykernel.kernelapp",)
-COURSE_MODULES = ("torch", "torch._dynamo", "attention_lab")
+COURSE_MODULES = ("torch", "attention_lab")
 # Folders of the sandbox that kernels may write and that no folder of the engine backs.
 SANDBOX_SCRATCH = ("/tmp", "/dev/shm")
 

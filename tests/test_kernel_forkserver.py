@@ -120,6 +120,6 @@ def test_the_server_preloads_the_course_only_for_notebooks_with_its_setup_cell(t
     assert starts_with_the_setup_cell(source(build_source("01_mha_shapes", course_repository())))
     assert starts_with_the_setup_cell(source(tiny_notebook("value = 42", setup=True)))
     assert not starts_with_the_setup_cell(source(tiny_notebook("value = 42")))
-    for course, preloaded in ((True, "ipykernel.kernelapp,torch,torch._dynamo,attention_lab"), (False, "ipykernel.kernelapp")):
+    for course, preloaded in ((True, "ipykernel.kernelapp,torch,attention_lab"), (False, "ipykernel.kernelapp")):
         argv = sandbox.kernel_server_argv(tmp_path, tmp_path, course=course)
         assert argv[argv.index("--preload") + 1] == preloaded
