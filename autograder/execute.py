@@ -5,12 +5,16 @@
 
 Used by the tests (solutions pass every check; releases fail only on the blanks), the
 benchmarks and instructors checking a notebook by hand. Cells run with the notebook's
-folder as the working directory.
+folder as the working directory, in a fresh kernel -- or, to run many course notebooks in a
+row, in kernels forked from one sandboxed kernel server, as grading runs them
+(:class:`ForkedKernels`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,6 +23,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from autograder import sandbox
+from autograder.kernel_forkserver import Server
 from autograder.results import graded_cells
 
 # Generous: this runs course notebooks for tests and instructors (training cells included),
@@ -65,13 +71,64 @@ def notebook_client(notebook: nbformat.NotebookNode, working_dir: Path | str,
                           shutdown_kernel="immediate", resources={"metadata": {"path": str(working_dir)}})
 
 
-def execute_notebook(path: Path | str, timeout: int = EXECUTE_CELL_TIMEOUT, working_dir: Path | str | None = None) -> ExecutionResult:
-    """Run every cell (continuing past errors) and collect the errors and test outcomes."""
+class ForkedKernels:
+    """Course kernels forked from one kernel server in the grading sandbox, as a grading engine
+    runs them (:mod:`autograder.kernel_forkserver`): the server has imported ipykernel, torch
+    and the course once, so a notebook costs its cells and not a new Python importing them
+    (about 2 s of CPU). The kernels meet grading's environment (bubblewrap's read-only system,
+    one torch thread, Matplotlib's Agg backend) without its memory and file limits; each
+    notebook runs in a new folder under ``scratch``. Needs bubblewrap (``sandbox.bwrap_path()``).
+    """
+
+    def __init__(self, scratch: Path, threads: int = 1):
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        self.workdir_root, self.runtime = scratch / "work", scratch / "runtime"
+        for folder in (self.workdir_root, self.runtime):
+            folder.mkdir(parents=True, exist_ok=True)
+        socket_path = scratch / "server.sock"
+        self.server = Server()
+        self.server.ensure(sandbox.kernel_server_argv(self.workdir_root, self.runtime), str(socket_path),
+                           {**os.environ, **sandbox.kernel_environment(threads)})
+        argv = sandbox.kernel_client_argv(socket_path, memory_mb=0, file_mb=0)
+        sandbox.write_kernelspec(scratch / "jupyter", argv, threads)
+        self.specs = KernelSpecManager(kernel_dirs=[str(scratch / "jupyter" / "kernels")])
+        self.runs = itertools.count()
+
+    def execute(self, notebook: nbformat.NotebookNode, timeout: int) -> None:
+        """Run every cell of ``notebook`` (past errors) in a kernel forked for it, killed after."""
+        from jupyter_client.manager import AsyncKernelManager
+        from jupyter_core.utils import run_sync
+
+        run = next(self.runs)
+        workdir = self.workdir_root / f"run{run}"
+        workdir.mkdir()
+        manager = AsyncKernelManager(kernel_spec_manager=self.specs, kernel_name=sandbox.KERNEL_NAME,
+                                     transport="ipc", ip=str(self.runtime / f"k{run}"),
+                                     connection_file=str(self.runtime / f"k{run}.json"))
+        client = notebook_client(notebook, workdir, timeout)
+        client.km = manager  # a manager given to nbclient is left running: killed below
+        try:
+            client.execute()
+        finally:
+            if manager.has_kernel:
+                run_sync(manager.shutdown_kernel)(now=True)
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def execute_notebook(path: Path | str, timeout: int = EXECUTE_CELL_TIMEOUT, working_dir: Path | str | None = None,
+                     kernels: ForkedKernels | None = None) -> ExecutionResult:
+    """Run every cell (continuing past errors) and collect the errors and test outcomes; in a
+    kernel of ``kernels`` if given (which then chooses the working folder)."""
     path = Path(path)
     notebook = nbformat.read(path, as_version=4)
-    client = notebook_client(notebook, working_dir or path.parent, timeout)
     start = time.perf_counter()
-    client.execute()
+    if kernels is None:
+        notebook_client(notebook, working_dir or path.parent, timeout).execute()
+    else:
+        kernels.execute(notebook, timeout)
     result = ExecutionResult(path=path, seconds=time.perf_counter() - start, notebook=notebook)
     for cell in notebook.cells:
         if cell.cell_type != "code":

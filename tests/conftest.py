@@ -68,6 +68,23 @@ def fresh_build(tmp_path_factory) -> Build:
     return build
 
 
+@pytest.fixture(scope="session")
+def forked_kernels(tmp_path_factory):
+    """Kernels forked from one sandboxed kernel server per test process, as grading runs them
+    (see autograder.execute.ForkedKernels); None (fresh kernels) where bubblewrap is missing."""
+    from autograder import sandbox
+    from autograder.execute import ForkedKernels
+
+    if sandbox.bwrap_path() is None:
+        yield None
+        return
+    kernels = ForkedKernels(tmp_path_factory.mktemp("forked-kernels"))
+    try:
+        yield kernels
+    finally:
+        kernels.close()
+
+
 # --------------------------------------------------------------------------------------
 # Hint coverage: every hint in the package appears in some test's failure message
 # --------------------------------------------------------------------------------------

@@ -8,6 +8,10 @@ test must pass. This is what a student who writes correct code in their own way 
 demo cell that rebinds a helper name they use, a check that insists on float64 internals, or
 a hook that reads ``args[0]`` fails here, not in a student's notebook.
 
+The notebooks run where grading runs them, in kernels forked from a sandboxed kernel server
+(fresh kernels where bubblewrap is missing): a correct answer must earn its points there. The
+solutions also run in fresh kernels (tests/test_notebooks.py) and in JupyterLab (tests/test_browser.py).
+
 Every answer of every notebook is written in at least ``STYLES_PER_ANSWER`` styles.
 """
 
@@ -48,7 +52,7 @@ def _graded_tests(notebook: nbformat.NotebookNode) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("style", STYLES, ids=lambda path: f"{path.parent.name}/{path.stem}")
-def test_correct_answers_in_another_style_pass_every_test(style: Path, tmp_path: Path):
+def test_correct_answers_in_another_style_pass_every_test(style: Path, tmp_path: Path, forked_kernels):
     assignment = style.parent.name
     assert assignment in ASSIGNMENTS, f"{style}: no notebook named {assignment}"
     notebook = release.build_source(assignment, release.course_repository())
@@ -60,7 +64,7 @@ def test_correct_answers_in_another_style_pass_every_test(style: Path, tmp_path:
         answers[grade_id].source = source
     path = tmp_path / f"{assignment}.ipynb"
     nbformat.write(notebook, path)
-    result = execute_notebook(path)
+    result = execute_notebook(path, kernels=forked_kernels)
     assert not result.errors, f"{style.name} (answers: {sorted(replacements)}):\n" + result.summary()
     assert sorted(result.passed_tests) == sorted(_graded_tests(notebook))
 
