@@ -123,3 +123,20 @@ def test_the_server_preloads_the_course_only_for_notebooks_with_its_setup_cell(t
     for course, preloaded in ((True, "ipykernel.kernelapp,torch,attention_lab"), (False, "ipykernel.kernelapp")):
         argv = sandbox.kernel_server_argv(tmp_path, tmp_path, course=course)
         assert argv[argv.index("--preload") + 1] == preloaded
+
+
+def test_forked_kernels_run_each_notebook_in_a_kernel_of_its_own(forked_kernels, tmp_path):
+    """autograder.execute.ForkedKernels (the corpus runs on it): torch already imported, and
+    nothing the first notebook leaves -- a variable, a file in /tmp -- reaches the second."""
+    if forked_kernels is None:
+        pytest.skip("bubblewrap unavailable: notebooks run in fresh kernels")
+    from autograder.execute import execute_notebook
+
+    first, second = tmp_path / "first.ipynb", tmp_path / "second.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import sys\nassert 'torch' in sys.modules\nleft_behind = 1\nopen('/tmp/left-behind', 'w').write('x')")]), first)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os\nassert 'left_behind' not in globals()\nassert not os.path.exists('/tmp/left-behind')")]), second)
+    for path in (first, second):
+        result = execute_notebook(path, kernels=forked_kernels)
+        assert not result.errors, result.summary()
