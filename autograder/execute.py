@@ -75,7 +75,7 @@ class ForkedKernels:
     """Course kernels forked from one kernel server in the grading sandbox, as a grading engine
     runs them (:mod:`autograder.kernel_forkserver`): the server has imported ipykernel, torch
     and the course once, so a notebook costs its cells and not a new Python importing them
-    (about 2 s of CPU). The kernels meet grading's environment (bubblewrap's read-only system,
+    (2 to 3 s of CPU). The kernels meet grading's environment (bubblewrap's read-only system,
     one torch thread, Matplotlib's Agg backend) without its memory and file limits; each
     notebook runs in a new folder under ``scratch``. Needs bubblewrap (``sandbox.bwrap_path()``).
     """

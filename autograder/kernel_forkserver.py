@@ -53,11 +53,12 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 # What the server imports once for all its kernels: what every kernel imports before the
 # notebook's first cell runs, and what the course's setup cell imports (for notebooks that
 # have it).  Importing them creates no CUDA context, which a forked kernel could not use.
-# Not torch._dynamo, although torch imports it (about 1 s of CPU) the first time a notebook
-# creates an optimizer: it imports Triton, which must come after the setup cell has chosen
-# Triton's interpreter (TRITON_INTERPRET) or notebook 06's kernels fail (tests/test_corpus.py).
+# torch._dynamo: torch imports it (about 1 s of CPU) the first time a notebook creates an
+# optimizer or counts FLOPs, as notebooks 01, 03, 04 and 06 do. It imports Triton, so the
+# sandbox sets TRITON_INTERPRET first (autograder.sandbox.SANDBOX_ENVIRONMENT): imported
+# before Triton's interpreter is chosen, notebook 06's kernels fail (tests/test_corpus.py).
 KERNEL_MODULES = ("ipykernel.kernelapp",)
-COURSE_MODULES = ("torch", "attention_lab")
+COURSE_MODULES = ("torch", "torch._dynamo", "attention_lab")
 # Folders of the sandbox that kernels may write and that no folder of the engine backs.
 SANDBOX_SCRATCH = ("/tmp", "/dev/shm")
 

@@ -107,7 +107,11 @@ def _existing(*paths: Path) -> list[Path]:
 # What the sandbox sets for the kernel, over the environment it inherits.
 SANDBOX_ENVIRONMENT = {"HOME": "/tmp", "MPLCONFIGDIR": "/tmp/matplotlib", "IPYTHONDIR": "/tmp/ipython",
                        # inside the PID namespace the kernel's parent is PID 1: no parent polling
-                       "JPY_PARENT_PID": "1"}
+                       "JPY_PARENT_PID": "1",
+                       # the sandbox's /dev holds no GPU: Triton's kernels run in its interpreter,
+                       # as the setup cell would choose -- set before anything imports Triton
+                       # (the kernel server's torch._dynamo does)
+                       "TRITON_INTERPRET": "1"}
 KERNEL_SERVER = Path(__file__).resolve().parent / "kernel_forkserver.py"
 
 

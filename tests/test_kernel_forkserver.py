@@ -36,7 +36,7 @@ import json, os, resource, sys
 import numpy
 print(json.dumps({
     "path": sys.path, "argv0": os.path.basename(sys.argv[0]), "argv_rest": sys.argv[1:2], "cwd": os.getcwd(),
-    "environment": {k: os.environ.get(k) for k in ("HOME", "MPLCONFIGDIR", "IPYTHONDIR", "JPY_PARENT_PID", "MPLBACKEND",
+    "environment": {k: os.environ.get(k) for k in ("HOME", "MPLCONFIGDIR", "IPYTHONDIR", "JPY_PARENT_PID", "TRITON_INTERPRET", "MPLBACKEND",
                                                   "OMP_NUM_THREADS", "PYTHONNOUSERSITE", "JUPYTER_PATH", "PATH")},
     "limits": [resource.getrlimit(r) for r in (resource.RLIMIT_AS, resource.RLIMIT_FSIZE, resource.RLIMIT_CORE)],
     "executable": sys.executable, "uid": os.getuid(), "sandbox_pid_1": open("/proc/1/cmdline").read() != "",
@@ -120,7 +120,7 @@ def test_the_server_preloads_the_course_only_for_notebooks_with_its_setup_cell(t
     assert starts_with_the_setup_cell(source(build_source("01_mha_shapes", course_repository())))
     assert starts_with_the_setup_cell(source(tiny_notebook("value = 42", setup=True)))
     assert not starts_with_the_setup_cell(source(tiny_notebook("value = 42")))
-    for course, preloaded in ((True, "ipykernel.kernelapp,torch,attention_lab"), (False, "ipykernel.kernelapp")):
+    for course, preloaded in ((True, "ipykernel.kernelapp,torch,torch._dynamo,attention_lab"), (False, "ipykernel.kernelapp")):
         argv = sandbox.kernel_server_argv(tmp_path, tmp_path, course=course)
         assert argv[argv.index("--preload") + 1] == preloaded
 
