@@ -128,7 +128,10 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
             carried = IGNORED_NAMES - {TIMESTAMP_FILE}  # the submission time goes with the files
             tasks = [{"student": s.student, "assignment": s.assignment, "files": tree_files(s.folder, carried),
                       "settings": dataclasses.asdict(settings), "hide": [str(root)]} for s, _ in todo]
-            with dask_engine.cluster(jobs, scheduler, processes) as connection:
+            # one gradebook session for every merge of the run (opening one per student cost
+            # more than the merge itself)
+            with dask_engine.cluster(jobs, scheduler, processes) as connection, \
+                    gradebook.open_gradebook(root, url) as book:
                 description = connection.description
                 log(f"engine: {description}")
                 for index, result, error in dask_engine.run(connection, shared, tasks):
@@ -137,7 +140,7 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
                     outcome.fingerprint = digest
                     if outcome.status == "graded":
                         try:
-                            merge(outcome, result, root, url, settings.late_penalty)   # the only writer of the gradebook
+                            merge(outcome, result, root, book, url, settings.late_penalty)   # the gradebook's only writer
                         except Exception as failure:
                             outcome.status = "failed"
                             outcome.error = f"merge failed: {type(failure).__name__}: {failure}"

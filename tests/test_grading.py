@@ -538,6 +538,40 @@ def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_
     assert "| bob | 00_tiny | graded | 0 / 3 (incomplete: 2 points awaiting hand grading) |" in report
 
 
+@pytest.mark.slow
+def test_a_merge_that_fails_leaves_nothing_half_written_and_the_class_goes_on(tiny_class, monkeypatch):
+    """The parent keeps one gradebook session for a whole run: a merge that fails halfway (here
+    nbgrader's late-penalty rule raises for ann, once her grades are written in the session)
+    is rolled back, not committed with the next student's merge."""
+    from autograder.grading import merge as merging
+
+    root = tiny_class({"ann": "value = 42", "bob": "value = 42", "cy": "value = 41"})
+    late_penalty = merging.late_penalty
+
+    def failing_for_ann(method, student, score, seconds_late):
+        if student == "ann":
+            raise RuntimeError("the gradebook went away")
+        return late_penalty(method, student, score, seconds_late)
+
+    monkeypatch.setattr(merging, "late_penalty", failing_for_ann)
+    log: list[str] = []
+    outcomes = {o.student: o for o in grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=log.append)}
+    assert outcomes["ann"].status == "failed", outcomes["ann"]
+    assert "merge failed: RuntimeError: the gradebook went away" in outcomes["ann"].error
+    assert (outcomes["bob"].score, outcomes["cy"].score) == (1.0, 0.0)
+    merged = [line for line in log if f"/{TINY}" in line]
+    assert "ann/" in merged[0], f"ann's merge should come first, before another could commit it: {merged}"
+    with gradebook.open_gradebook(root) as gb:
+        assert gb.find_grade("test_value", TINY, TINY, "ann").auto_score is None, "ann's half-merged grade was kept"
+        assert gb.find_grade("test_value", TINY, TINY, "bob").auto_score == 1.0
+    assert not (root / "autograded" / "ann").exists()
+    # the next run grades ann again (her failed merge left no fingerprint), and only her
+    monkeypatch.setattr(merging, "late_penalty", late_penalty)
+    again = {o.student: o for o in grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=lambda *_: None)}
+    assert {s: o.status for s, o in again.items()} == {"ann": "graded", "bob": "unchanged", "cy": "unchanged"}
+    assert again["ann"].score == 1.0
+
+
 def test_grading_before_any_intake_says_what_to_do_first(tmp_path):
     result = subprocess.run([sys.executable, "-m", "autograder.grade", "--root", str(tmp_path / "course")],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)

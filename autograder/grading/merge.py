@@ -126,62 +126,25 @@ def late_penalty(method: str, student: str, score: float, seconds_late: float) -
     return None if penalty is None else min(max(penalty, 0.0), score)
 
 
-def merge(outcome: Outcome, result: dict, root: Path, url: str | None = None, late: str = "none") -> None:
-    """One student's grades (as a worker returned them) into the gradebook, and the autograded
-    notebooks into ``autograded/`` (the one writer of both).
+def merge(outcome: Outcome, result: dict, root: Path, book, url: str | None = None, late: str = "none") -> None:
+    """One student's grades (as a worker returned them) into the gradebook ``book`` (nbgrader's
+    ``Gradebook`` of ``root``/``url``, open for the whole run), and the autograded notebooks
+    into ``autograded/`` (the one writer of both).
 
     An earlier hand grade (a manual score, extra credit, a grader's comment) is kept when
     the answer it graded did not change: a written answer's own text for its cell; every
     answer of the notebook for a test cell whose automatic score a grader overrode.  The late
-    penalty (method ``late``) is computed here, on the score the gradebook now holds.
+    penalty (method ``late``) is computed here, on the score the gradebook now holds.  The
+    grades, comments and penalties are one transaction: a merge that fails leaves none of
+    them behind, neither in the gradebook nor in the next student's merge.
     """
-    from nbgrader.api import Comment, Grade
-    from sqlalchemy.orm import joinedload
-
     destination = root / "autograded" / outcome.student / outcome.assignment
-    flagged = {i["notebook"] for i in outcome.incidents if i.get("notebook")}
-    with gradebook.writer_lock(root, url), gradebook.open_gradebook(root, url) as target:
-        target.update_or_create_student(outcome.student)
-        stamp = result.get("timestamp")
-        if stamp:
-            target.update_or_create_submission(outcome.assignment, outcome.student,
-                                               timestamp=datetime.datetime.fromisoformat(stamp))
-        else:
-            target.update_or_create_submission(outcome.assignment, outcome.student)
-        for name, recorded in result["grades"].items():
-            before = _read((destination / f"{name}.ipynb").read_bytes() if (destination / f"{name}.ipynb").exists()
-                           else None)
-            after = _read(result["notebooks"].get(name))
-            old, new = (answers(before) if before is not None else None), (answers(after) if after is not None else {})
-            changed = set(new) if old is None else {g for g in set(old) | set(new) if old.get(g) != new.get(g)}
-            # the notebook's grades and comments, each with its cell, in two queries (not four per cell)
-            submitted = target.find_submission_notebook(name, outcome.assignment, outcome.student)
-            grades = {grade.name: grade for grade in target.db.query(Grade).options(joinedload(Grade.cell))
-                      .filter(Grade.notebook_id == submitted.id)}
-            comments = {comment.name: comment for comment in target.db.query(Comment).options(joinedload(Comment.cell))
-                        .filter(Comment.notebook_id == submitted.id)}
-            for cell, (auto_score, needs_manual_grade) in recorded["grades"].items():
-                mine = grades[cell]
-                keep = (cell not in changed) if cell in new else not changed
-                graded_by_hand = mine.manual_score is not None or bool(mine.extra_credit)
-                if graded_by_hand and not keep:
-                    mine.manual_score, mine.extra_credit = None, None
-                mine.auto_score = auto_score
-                mine.needs_manual_grade = bool(needs_manual_grade) and not (graded_by_hand and keep
-                                                                              and mine.manual_score is not None)
-            for cell, auto_comment in recorded["comments"].items():
-                mine = comments[cell]
-                mine.auto_comment = auto_comment
-                if mine.manual_comment and cell in changed:
-                    mine.manual_comment = None
-            submitted.flagged = name in flagged
-        target.db.commit()
-        submission = target.find_submission(outcome.assignment, outcome.student)
-        for submitted in submission.notebooks:
-            submitted.late_submission_penalty = late_penalty(late, outcome.student, float(submitted.score),
-                                                             float(submission.total_seconds_late or 0))
-        target.db.commit()
-        totals = _totals(target.find_submission(outcome.assignment, outcome.student))
+    with gradebook.writer_lock(root, url):
+        try:
+            totals = _record(book, outcome, result, destination, late)
+        except BaseException:
+            book.db.rollback()
+            raise
     outcome.score, outcome.max_score, outcome.pending, outcome.late_penalty = totals
     scratch = destination.with_name(f".{destination.name}.new")
     shutil.rmtree(scratch, ignore_errors=True)
@@ -193,6 +156,63 @@ def merge(outcome: Outcome, result: dict, root: Path, url: str | None = None, la
     if destination.exists():
         shutil.rmtree(destination)
     scratch.rename(destination)
+
+
+def _record(target, outcome: Outcome, result: dict, destination: Path, late: str) -> tuple:
+    """:func:`merge`'s gradebook part, committed at its end; the submission's new totals."""
+    from nbgrader.api import Comment, Grade
+    from sqlalchemy.orm import joinedload
+
+    flagged = {i["notebook"] for i in outcome.incidents if i.get("notebook")}
+    target.update_or_create_student(outcome.student)  # (nbgrader commits these two itself)
+    stamp = result.get("timestamp")
+    if stamp:
+        target.update_or_create_submission(outcome.assignment, outcome.student,
+                                           timestamp=datetime.datetime.fromisoformat(stamp))
+    else:
+        target.update_or_create_submission(outcome.assignment, outcome.student)
+    for name, recorded in result["grades"].items():
+        before = _read((destination / f"{name}.ipynb").read_bytes() if (destination / f"{name}.ipynb").exists()
+                       else None)
+        after = _read(result["notebooks"].get(name))
+        old, new = (answers(before) if before is not None else None), (answers(after) if after is not None else {})
+        changed = set(new) if old is None else {g for g in set(old) | set(new) if old.get(g) != new.get(g)}
+        # the notebook's grades and comments, each with its cell, in two queries (not four per cell)
+        submitted = target.find_submission_notebook(name, outcome.assignment, outcome.student)
+        grades = {grade.name: grade for grade in target.db.query(Grade).options(joinedload(Grade.cell))
+                  .filter(Grade.notebook_id == submitted.id)}
+        comments = {comment.name: comment for comment in target.db.query(Comment).options(joinedload(Comment.cell))
+                    .filter(Comment.notebook_id == submitted.id)}
+        for cell, (auto_score, needs_manual_grade) in recorded["grades"].items():
+            mine = grades[cell]
+            keep = (cell not in changed) if cell in new else not changed
+            graded_by_hand = mine.manual_score is not None or bool(mine.extra_credit)
+            if graded_by_hand and not keep:
+                mine.manual_score, mine.extra_credit = None, None
+            mine.auto_score = auto_score
+            mine.needs_manual_grade = bool(needs_manual_grade) and not (graded_by_hand and keep
+                                                                          and mine.manual_score is not None)
+        for cell, auto_comment in recorded["comments"].items():
+            mine = comments[cell]
+            mine.auto_comment = auto_comment
+            if mine.manual_comment and cell in changed:
+                mine.manual_comment = None
+        submitted.flagged = name in flagged
+    _reload(target)  # the scores are sums the database computes: read them again
+    submission = target.find_submission(outcome.assignment, outcome.student)
+    for submitted in submission.notebooks:
+        submitted.late_submission_penalty = late_penalty(late, outcome.student, float(submitted.score),
+                                                         float(submission.total_seconds_late or 0))
+    _reload(target)
+    totals = _totals(target.find_submission(outcome.assignment, outcome.student))
+    target.db.commit()
+    return totals
+
+
+def _reload(target) -> None:
+    """Write what the session holds to the database (in its transaction) and forget what it read."""
+    target.db.flush()
+    target.db.expire_all()
 
 
 def _totals(submission) -> tuple[float, float, float, float]:
