@@ -15,13 +15,14 @@ partly solved: each answer solved with probability 1/2, seeded), then measures, 
   of a task that carries a submission's bytes and does nothing.
 
 and reports ``speedup = nbgrader / pipeline`` (goal >= 2.2 on 2 cores) beside its ceiling
-``N x nbgrader / execute`` (N workers each grading at the cost of executing), the efficiency per
-added worker (goal >= 0.9), ``overhead = job-seconds per submission / execute per
-submission`` for the pipeline (goal <= 1.0) and for plain nbgrader, the Dask layer's cost,
-the parent's own CPU per submission (merging into the gradebook, and the embedded scheduler: a
-serial floor), and a model, from these measured costs, of 1,000 submissions on 1, 4 and 16
-workers.  All start from the same prepared gradebook (``generate_assignment`` is set-up, as in
-a real class).
+``N x nbgrader / execute`` (N workers each grading at the cost of executing), the efficiency
+per added worker (goal >= 0.9), end to end and once every worker has started (submissions
+merged per second after each worker's first result, which its start-up delays), ``overhead =
+job-seconds per submission / execute per submission`` for the pipeline (goal <= 1.0) and for
+plain nbgrader, the Dask layer's cost, the parent's own CPU per submission (merging into the
+gradebook, and the embedded scheduler: a serial floor), and a model, from these measured
+costs, of 1,000 submissions on 1, 4 and 16 workers.  All start from the same prepared
+gradebook (``generate_assignment`` is set-up, as in a real class).
 Results: printed, and written to benchmarks/results/grading.json.
 """
 
@@ -119,6 +120,14 @@ def _own_cpu_seconds() -> float:
     return used.user + used.system
 
 
+def _steady_rate(arrivals: list[float], workers: int) -> float | None:
+    """Submissions merged per second once every worker has delivered its first one (each
+    worker's start-up -- Python, nbgrader, a kernel server importing torch -- left out)."""
+    if len(arrivals) <= workers or arrivals[-1] <= arrivals[workers - 1]:
+        return None
+    return (len(arrivals) - workers) / (arrivals[-1] - arrivals[workers - 1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--students", type=int, default=30, help="submissions per notebook (default 30)")
@@ -137,19 +146,27 @@ def main(argv: list[str] | None = None) -> int:
         submissions = sorted(template.glob("submitted/*/*/*.ipynb"))
         n = len(submissions)
 
-        times, parent_cpu, failed = {}, {}, []
+        keys = {f"{path.parts[-3]}/{path.parts[-2]}" for path in submissions}   # student/assignment
+        times, parent_cpu, steady_rate, failed = {}, {}, {}, []
         for count in workers:
             best = None
             for repeat in range(options.repeat):
                 pipeline_root = base / f"pipeline-{count}-{repeat}" / "course_root"
                 shutil.copytree(template, pipeline_root)
+                arrivals: list[float] = []   # when each result was merged (its console line)
+
+                def log(line, *_):
+                    if any(key in str(line) for key in keys):
+                        arrivals.append(time.perf_counter())
+
                 start, cpu_start = time.perf_counter(), _own_cpu_seconds()
                 outcomes = grade.grade(pipeline_root, jobs=count, settings=grade.Settings(
-                    timeout=options.timeout, threads=max(1, (os.cpu_count() or 1) // count)), log=lambda *_: None)
+                    timeout=options.timeout, threads=max(1, (os.cpu_count() or 1) // count)), log=log)
                 seconds = time.perf_counter() - start
                 failed += [o for o in outcomes if o.status != "graded"]
                 if best is None or seconds < best:
                     best, parent_cpu[count] = seconds, _own_cpu_seconds() - cpu_start
+                    steady_rate[count] = _steady_rate(arrivals, count)
                 shutil.rmtree(pipeline_root.parent, ignore_errors=True)
             times[count] = best
         pipeline = times[max(workers)]
@@ -189,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         "speedup_ceiling_at_execution_cost": round(jobs * plain / execute, 2),
         "efficiency_per_added_worker": {str(k): round(times[min(workers)] * min(workers) / (v * k), 2)
                                         for k, v in times.items() if k != min(workers)},
+        # the same once each worker has started (its first result in): how throughput scales
+        "efficiency_per_added_worker_after_start": {
+            str(k): round(steady_rate[k] * min(workers) / (steady_rate[min(workers)] * k), 2)
+            for k in times if k != min(workers) and steady_rate.get(k) and steady_rate.get(min(workers))},
         "nbgrader_seconds_per_submission": round(plain / n, 2),
         "pipeline_seconds_per_submission": round(pipeline / n, 2),
         "execute_seconds_per_submission": round(execute / n, 2),
