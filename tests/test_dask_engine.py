@@ -64,10 +64,10 @@ def dask_cluster(tmp_path_factory):
     elsewhere = tmp_path_factory.mktemp("dask-cwd")   # not the repository: workers import the course
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     address = f"tcp://127.0.0.1:{free_port()}"
-    processes = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                                   "--port", address.rsplit(":", 1)[1], "--no-dashboard"],
-                                  cwd=elsewhere, env=environment, stdout=subprocess.DEVNULL,
-                                  stderr=open(elsewhere / "scheduler.log", "w"))]
+    scheduler = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                  "--port", address.rsplit(":", 1)[1], "--no-dashboard"],
+                                 cwd=elsewhere, env=environment, stdout=subprocess.DEVNULL,
+                                 stderr=open(elsewhere / "scheduler.log", "w"))
     workers = []
     for number in range(2):
         (elsewhere / f"tmp{number}").mkdir()  # each worker's temporary folder: its scratch folder lies there
@@ -77,24 +77,25 @@ def dask_cluster(tmp_path_factory):
                                         cwd=elsewhere, env={**environment, "TMPDIR": str(elsewhere / f"tmp{number}")},
                                         stdout=subprocess.DEVNULL,
                                         stderr=open(elsewhere / f"worker{number}.log", "w")))
-    processes += workers
     try:
         with Client(address, timeout="120s") as client:
             client.wait_for_workers(2, timeout=300)
         yield {"address": address, "workers": workers, "logs": elsewhere}
     finally:
-        for process in reversed(processes):
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
+        # The workers first, while the scheduler still answers their goodbye; then the scheduler.
         # A worker that outlived a killed one sometimes does not stop on SIGTERM (seen once in
         # a few runs, Dask's own close); nothing is left to check by then: 10 s, then SIGKILL.
-        deadline = time.monotonic() + 10
-        for process in processes:
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        for group in (workers, [scheduler]):
+            for process in group:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for process in group:
+                try:
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
     # A worker stopped as an instructor stops one (SIGTERM) leaves no scratch folder (student files).
     assert scratch_folders(elsewhere) == [], "a stopped Dask worker left its scratch folder"
 
