@@ -90,6 +90,9 @@ INCIDENTS = {
                   "Before {where}, the grader undid a replacement of course modules by the notebook."),
     # the check itself refused: its message is on the student's page already
     "replaced_functions": ("{where}: TAMPERING: {detail}", None),
+    "bridge_refused": ("{where}: TAMPERING: the kernel kept the grader from calling the answers (no points)",
+                       "{where}: your notebook kept the grader from calling your code, so its tests earned nothing."),
+    "checker_failed": ("{where}: the grader's checker failed ({detail}); the test was not passed", None),
 }
 
 

@@ -233,15 +233,16 @@ def _children() -> list[int]:
     return found
 
 
-def kill_children(spare: int | None = None) -> list[int]:
+def kill_children(spare: int | tuple[int | None, ...] | None = None) -> list[int]:
     """SIGKILL and reap every child of this process (with :func:`adopt_orphans`: every descendant).
 
     Reaping a bubblewrap sandbox's init returns only once everything in the sandbox is gone.
-    ``spare``: a child left alone (the engine's kernel server).  Returns the pids killed.
+    ``spare``: children left alone (the engine's kernel server and checker).  Returns the pids killed.
     """
     import signal
 
-    killed = [spare] if spare else []
+    spared = [pid for pid in (spare if isinstance(spare, tuple) else (spare,)) if pid]
+    killed = list(spared)
     while children := [pid for pid in _children() if pid not in killed]:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
@@ -250,7 +251,7 @@ def kill_children(spare: int | None = None) -> list[int]:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
         killed += children
-    return [pid for pid in killed if pid != spare]
+    return [pid for pid in killed if pid not in spared]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,6 +69,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from attention_lab.bridge import remote
+from attention_lab.bridge.probes import Probe
+
 __all__ = [
     "CheckFailure",
     "Variant",
@@ -452,20 +455,60 @@ def _torch_function_name(func: Any) -> str:
     return f"{module}.{name}" if module else name
 
 
-class _Tripwire(TorchFunctionMode):
-    """Raises as soon as the student's code calls a forbidden PyTorch function."""
+class Tripwire(Probe):
+    """Watches one call of the student's code: the first forbidden PyTorch function it calls (any
+    torch function, with ``numpy_only``) and the first in-place operation on each of the
+    ``watched`` tensors (its inputs). A forbidden call is recorded and raises at once; the check
+    reads :attr:`tripped` after the call, so an answer that catches that exception still fails."""
 
-    def __init__(self, forbidden: Sequence[str], exercise: str, any_torch: bool):
-        super().__init__()
+    def __init__(self, forbidden: Sequence[str] = (), exercise: str = "", numpy_only: bool = False,
+                 watched: Sequence[torch.Tensor] = ()):
+        super().__init__(forbidden=list(forbidden), exercise=exercise, numpy_only=bool(numpy_only),
+                         watched=list(watched))
         self.forbidden = tuple(forbidden)
         self.exercise = exercise
-        self.any_torch = any_torch
-        self.watched: set[int] = set()  # storages of the caller's tensors (see watch_in_place)
-        self.in_place: dict[int, str] = {}  # storage -> first in-place operation on it
+        self.numpy_only = bool(numpy_only)
+        self.watched = {key: index for index, tensor in enumerate(watched)
+                        if (key := _storage_key(tensor)) is not None}
+        self.tripped: tuple[str, str] | None = None  # (the function's full name, its short name)
+        self.in_place: dict[int, str] = {}  # index in watched -> first in-place operation on it
+        self._mode: _TripwireMode | None = None
 
-    def watch_in_place(self, storages: set[int]) -> None:
-        """Record the first in-place operation (``mul_``, ``__setitem__``, ``out=``) on these storages."""
-        self.watched = storages
+    def __enter__(self) -> "Tripwire":
+        self._mode = _TripwireMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def findings(self) -> dict:
+        return {"tripped": list(self.tripped) if self.tripped else None,
+                "in_place": [[index, operation] for index, operation in self.in_place.items()]}
+
+    def accept(self, findings: Any) -> None:
+        tripped = findings.get("tripped") if isinstance(findings, dict) else None
+        if isinstance(tripped, list) and len(tripped) == 2 and all(isinstance(t, str) and len(t) < 300 for t in tripped) \
+                and (self.numpy_only or tripped[1] in self.forbidden):
+            self.tripped = (tripped[0], tripped[1])
+        in_place = findings.get("in_place") if isinstance(findings, dict) else None
+        for item in in_place if isinstance(in_place, list) else ():
+            if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str):
+                self.in_place.setdefault(item[0], item[1][:100])
+
+    def failure(self) -> "CheckFailure | None":
+        """The failure a forbidden call earns, or None."""
+        if self.tripped is None:
+            return None
+        name, short = self.tripped
+        if self.numpy_only:
+            return CheckFailure(
+                f"{self.exercise} must be written with NumPy only, but your code called "
+                f"torch ({name}). Convert nothing to torch: use np.* functions and the @ operator.")
+        return CheckFailure(
+            f"{self.exercise} is a from-scratch exercise, but your code called the built-in "
+            f"{short}() that it is compared with. Write it with ordinary tensor operations "
+            f"(matmul, softmax, masked_fill, ...).")
 
     def _record_in_place(self, short: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         targets = []
@@ -476,27 +519,28 @@ class _Tripwire(TorchFunctionMode):
             targets.append((tensor, f"out={short}"))
         for tensor, operation in targets:
             if isinstance(tensor, torch.Tensor):
-                key = _storage_key(tensor)
-                if key in self.watched:
-                    self.in_place.setdefault(key, operation)
+                index = self.watched.get(_storage_key(tensor))
+                if index is not None:
+                    self.in_place.setdefault(index, operation)
+
+
+class _TripwireMode(TorchFunctionMode):
+    """The torch function mode a :class:`Tripwire` watches through."""
+
+    def __init__(self, tripwire: Tripwire):
+        super().__init__()
+        self.tripwire = tripwire
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        tripwire = self.tripwire
         name = _torch_function_name(func)
         short = name.rsplit(".", 1)[-1]
-        if self.watched:
-            self._record_in_place(short, args, kwargs)
-        if self.any_torch:
-            raise CheckFailure(
-                f"{self.exercise} must be written with NumPy only, but your code called "
-                f"torch ({name}). Convert nothing to torch: use np.* functions and the @ operator."
-            )
-        if short in self.forbidden:
-            raise CheckFailure(
-                f"{self.exercise} is a from-scratch exercise, but your code called the built-in "
-                f"{short}() that it is compared with. Write it with ordinary tensor operations "
-                f"(matmul, softmax, masked_fill, ...)."
-            )
+        if tripwire.watched:
+            tripwire._record_in_place(short, args, kwargs)
+        if tripwire.numpy_only or short in tripwire.forbidden:
+            tripwire.tripped = tripwire.tripped or (name, short)
+            raise tripwire.failure()
         return func(*args, **kwargs)
 
 
@@ -508,7 +552,7 @@ def from_scratch(exercise: str, forbidden: Sequence[str] = (), numpy_only: bool 
     nn.MultiheadAttention calls ``multi_head_attention_forward``; nn.RMSNorm calls
     ``rms_norm``: forbidding the functional form catches the module form too.
     """
-    with _Tripwire(forbidden, exercise, numpy_only):
+    with Tripwire(forbidden, exercise, numpy_only):
         yield
 
 
@@ -640,6 +684,7 @@ def call_student(
     forbidden: Sequence[str] = (),
     numpy_only: bool = False,
     inputs_unchanged: bool = True,
+    probes: Sequence[Probe] = (),
     **kwargs: Any,
 ) -> Any:
     """Call the student's ``fn``; turn any exception into a message that names the call.
@@ -654,27 +699,44 @@ def call_student(
     accumulator, ``f(m, l, acc) -> (m, l, acc)``) is left to the exercise's own check, which knows
     whether its contract allows that. A crash from mixing float32 and float64 names the
     keep-the-input's-dtype rule.
+
+    ``probes`` (:class:`attention_lab.bridge.probes.Probe`) measure the call where it runs: here in
+    the lab, in the student's kernel when grading calls a proxy of their code.
     """
     exercise = getattr(fn, "__name__", None) or type(fn).__name__
     snapshots = _input_snapshots(fn, args, kwargs) if inputs_unchanged else []
-    tripwire = _Tripwire(forbidden, exercise, numpy_only)
-    if snapshots:
-        tripwire.watch_in_place({_storage_key(t) for _, t, _ in snapshots if isinstance(t, torch.Tensor)} - {None})
+    watched = [tensor for _, tensor, _ in snapshots if isinstance(tensor, torch.Tensor)]
+    tripwire = Tripwire(forbidden, exercise, numpy_only, watched)
     try:
-        with tripwire:
-            result = fn(*args, **kwargs)
+        if remote.is_remote(fn):  # grading: the call runs in the student's kernel, the tripwire with it
+            result = remote.remote_call(fn, args, kwargs, probes=[tripwire, *probes], what=call)
+        else:
+            with contextlib.ExitStack() as stack:
+                for probe in (tripwire, *probes):
+                    stack.enter_context(probe)
+                result = fn(*args, **kwargs)
     except CheckFailure:
+        if tripwire.failure() is not None:
+            raise tripwire.failure() from None
         raise
     except NotImplementedError as error:
         raise CheckFailure(
             f"{call}: not implemented yet ({error}). Replace `raise NotImplementedError` with your code."
         ) from None
+    except remote.BridgeError as error:
+        raise CheckFailure(f"{call}: {error}") from None
     except Exception as error:  # any other bug in the answer: say where it broke
+        if tripwire.failure() is not None:
+            raise tripwire.failure() from None
         message = f"{call} raised {type(error).__name__}: {error}"
         if _is_mixed_dtype_error(error):
             message += f"\n  Likely mistake: {HINTS['mixed_dtype']}"
         raise CheckFailure(message) from error
-    _expect_inputs_unchanged(snapshots, tripwire.in_place, call,
+    if tripwire.failure() is not None:  # the answer caught the tripwire's exception and went on
+        raise tripwire.failure()
+    in_place = {_storage_key(watched[index]): operation for index, operation in tripwire.in_place.items()
+                if 0 <= index < len(watched)}
+    _expect_inputs_unchanged(snapshots, in_place, call,
                              handed_back=[args[i] for i in _handed_back(args, result)] if snapshots else ())
     return result
 
@@ -1102,16 +1164,35 @@ def _helper_codes(helper: Any) -> frozenset[types.CodeType] | None:
     return frozenset(codes) or None
 
 
-class _CallTracer:
-    """Which of the student's helpers ran while a check ran (``sys.setprofile``, code-object
-    matching; the previous profiler, if any, is restored). A failing check names a helper that
-    fails its own check only when the answer really called it: a self-contained answer is never
-    told to fix a helper it does not use."""
+class CallTrace(Probe):
+    """Which of the student's helpers (``names``, looked up where the answer was defined) ran while
+    a check ran (``sys.setprofile``, code-object matching; the previous profiler, if any, is
+    restored). A failing check names a helper that fails its own check only when the answer
+    really called it: a self-contained answer is never told to fix a helper it does not use.
+    A helper that cannot be traced (a builtin) counts as called."""
 
-    def __init__(self, codes: Mapping[types.CodeType, str]):
-        self.codes = codes
+    def __init__(self, names: Sequence[str] = (), answer: str | None = None):
+        super().__init__(names=list(names), answer=answer)
+        self.names, self.answer = list(names), answer
+        self.codes: dict[types.CodeType, str] = {}
         self.called: set[str] = set()
         self._previous: Any = None
+
+    def bind(self, agent: Any) -> None:
+        self.watch(agent.namespace)
+
+    def watch(self, namespace: Mapping[str, Any] | None) -> "CallTrace":
+        """Trace the helpers of these names in ``namespace`` (the answer's own namespace)."""
+        for name in self.names if namespace is not None else ():
+            helper = namespace.get(name)
+            if helper is None or name == self.answer:
+                continue
+            helper_codes = _helper_codes(helper)
+            if helper_codes is None:
+                self.called.add(name)  # untraceable: counts as called
+            else:
+                self.codes.update(dict.fromkeys(helper_codes, name))
+        return self
 
     def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
         if event == "call":
@@ -1121,7 +1202,7 @@ class _CallTracer:
         if self._previous is not None:
             self._previous(frame, event, arg)
 
-    def __enter__(self) -> "_CallTracer":
+    def __enter__(self) -> "CallTrace":
         self._previous = sys.getprofile()
         if self.codes:
             sys.setprofile(self._profile)
@@ -1131,23 +1212,12 @@ class _CallTracer:
         if self.codes:
             sys.setprofile(self._previous)
 
+    def findings(self) -> list[str]:
+        return sorted(self.called)
 
-def _traced_helpers(answer: Any, uses: Sequence[str]) -> tuple[dict[types.CodeType, str], set[str]]:
-    """(code object -> helper name to trace, helpers that cannot be traced) for the helpers in ``uses``
-    that the student defined next to ``answer``."""
-    namespace = _student_namespace(answer) if uses and not _DEPENDENCY_RUN[0] else None
-    codes: dict[types.CodeType, str] = {}
-    untraceable: set[str] = set()
-    for name in uses if namespace is not None else ():
-        helper = namespace.get(name)
-        if helper is None or helper is answer:
-            continue
-        helper_codes = _helper_codes(helper)
-        if helper_codes is None:
-            untraceable.add(name)
-        else:
-            codes.update(dict.fromkeys(helper_codes, name))
-    return codes, untraceable
+    def accept(self, findings: Any) -> None:
+        if isinstance(findings, list):
+            self.called |= {name for name in findings if isinstance(name, str) and name in self.names}
 
 
 def _dependency_notes(answer: Any, uses: Sequence[str], near_module: str, device: torch.device,
@@ -1207,17 +1277,24 @@ def check(summary: str, uses: Sequence[str] = ()) -> Callable[[Callable], Callab
             outermost = not _ACTIVE_CHECKS
             _ACTIVE_CHECKS.append(call)
             kwargs["device"] = resolve_device(kwargs.get("device"))
-            codes, untraceable = _traced_helpers(answer, uses)
-            tracer = _CallTracer(codes)
+            trace = CallTrace(uses, getattr(answer, "__name__", None)) if uses and not _DEPENDENCY_RUN[0] else None
+            bridge = remote.bridge_of(answer)
+            if trace is not None and bridge is None:
+                trace.watch(_student_namespace(answer))
             try:
                 verify_untampered()
-                with pinned_numerics(), torch.random.fork_rng(devices=[]), tracer:
+                with pinned_numerics(), torch.random.fork_rng(devices=[]), contextlib.ExitStack() as stack:
+                    if trace is not None and bridge is not None:  # grading: traced in the kernel, call by call
+                        bridge.ambient.append(trace)
+                        stack.callback(bridge.ambient.remove, trace)
+                    elif trace is not None:
+                        stack.enter_context(trace)
                     function(answer, *args, **kwargs)
             except CheckFailure as failure:
                 if uses and not getattr(failure, "dependencies_checked", False) and "not implemented yet" not in str(failure):
                     failure.dependencies_checked = True
                     notes = _dependency_notes(answer, uses, function.__module__, kwargs["device"],
-                                              called=tracer.called | untraceable)
+                                              called=trace.called if trace is not None else None)
                     if notes:
                         failure.args = ("\n".join([str(failure), *notes]),)
                 if outermost:

@@ -8,11 +8,13 @@ idiomatic answer (slicing instead of view/permute), computed in float64 at check
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
+from attention_lab.bridge.probes import Probe
 from attention_lab.checking import (
     CheckFailure,
     Variant,
@@ -139,9 +141,9 @@ EINOPS_HINTS = {
 }
 
 
-def _einops_calls(split_heads_einops: Callable, x: torch.Tensor, num_heads: int) -> list[tuple]:
-    """(entry point, input shape, output shape) of every call into einops made by
-    ``split_heads_einops(x, num_heads)``.
+class EinopsCalls(Probe):
+    """(entry point, input shape, output shape) of every call into einops made during one call of
+    the student's code.
 
     Any entry point counts, however it was imported: the functions (rearrange, reduce, repeat,
     einsum, pack, unpack), the layers (einops.layers.torch.Rearrange, Reduce, EinMix). A call is
@@ -149,39 +151,61 @@ def _einops_calls(split_heads_einops: Callable, x: torch.Tensor, num_heads: int)
     A module of einops that the answer imports first (``from einops.layers.torch import
     Rearrange`` inside the function) runs its own code once: that is an import, not a call.
     """
-    import os
-    import sys
 
-    import einops
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+        self._open: dict[int, tuple] = {}
+        self._previous = None
 
-    root = os.path.dirname(os.path.abspath(einops.__file__)) + os.sep
-    calls, open_calls = [], {}
-    previous = sys.getprofile()
+    def __enter__(self) -> "EinopsCalls":
+        import os
 
-    def in_einops(frame) -> bool:
-        return frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root)
+        import einops
 
-    def entered(frame) -> bool:
-        return frame.f_code.co_name != "<module>" and in_einops(frame) and not in_einops(frame.f_back)
+        self._root = os.path.dirname(os.path.abspath(einops.__file__)) + os.sep
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
 
-    def profile(frame, event, arg):
-        if event in ("call", "return") and entered(frame):
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self._previous)
+
+    def _in_einops(self, frame) -> bool:
+        import os
+
+        return frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(self._root)
+
+    def _profile(self, frame, event, arg) -> None:
+        if event in ("call", "return") and frame.f_code.co_name != "<module>" and self._in_einops(frame) \
+                and not self._in_einops(frame.f_back):
             if event == "call":
                 tensor = next((v for v in frame.f_locals.values() if isinstance(v, torch.Tensor)), None)
-                open_calls[id(frame)] = (frame.f_code.co_name, tuple(tensor.shape) if tensor is not None else ())
-            elif id(frame) in open_calls:
-                name, before = open_calls.pop(id(frame))
-                calls.append((name, before, tuple(arg.shape) if isinstance(arg, torch.Tensor) else ()))
-        if previous is not None:
-            previous(frame, event, arg)
+                self._open[id(frame)] = (frame.f_code.co_name, tuple(tensor.shape) if tensor is not None else ())
+            elif id(frame) in self._open:
+                name, before = self._open.pop(id(frame))
+                self.calls.append((name, before, tuple(arg.shape) if isinstance(arg, torch.Tensor) else ()))
+        if self._previous is not None:
+            self._previous(frame, event, arg)
 
-    sys.setprofile(profile)
-    try:
-        call_student(split_heads_einops, x, num_heads, call=f"split_heads_einops(x, num_heads={num_heads}) "
-                     f"with x a {describe(x)}")
-    finally:
-        sys.setprofile(previous)
-    return calls
+    def findings(self) -> list:
+        return [[name, list(before), list(after)] for name, before, after in self.calls]
+
+    def accept(self, findings) -> None:
+        calls = []
+        for item in findings if isinstance(findings, list) else ():
+            if isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) \
+                    and all(isinstance(shape, list) and all(type(n) is int for n in shape) for shape in item[1:]):
+                calls.append((item[0][:100], tuple(item[1]), tuple(item[2])))
+        self.calls = calls
+
+
+def _einops_calls(split_heads_einops: Callable, x: torch.Tensor, num_heads: int) -> list[tuple]:
+    """Every call into einops made by ``split_heads_einops(x, num_heads)`` (see :class:`EinopsCalls`)."""
+    calls = EinopsCalls()
+    call_student(split_heads_einops, x, num_heads, call=f"split_heads_einops(x, num_heads={num_heads}) "
+                 f"with x a {describe(x)}", probes=[calls])
+    return calls.calls
 
 
 @check("split_heads_einops: written with einops, same result as split_heads ({device})")
@@ -681,20 +705,55 @@ class _CountedLayer(nn.Module):
         return self.mixer(torch.cat(mixed.unbind(1), dim=-1))
 
 
-def _counted(module: Callable, x: torch.Tensor, projection_names: Sequence[str], call: str | None) -> dict:
-    """FlopCounterMode's count of one forward pass, split into the projections (the FLOPs inside the
-    submodules named ``projection_names``) and the rest (attention)."""
-    from torch.utils.flop_counter import FlopCounterMode
+class FlopCount(Probe):
+    """FlopCounterMode's count of one call, split into the FLOPs inside the submodules named
+    ``projection_names`` (the projections) and the rest (attention)."""
 
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        if call is None:
+    def __init__(self, projection_names: Sequence[str] = ()):
+        super().__init__(projection_names=list(projection_names))
+        self.projection_names = tuple(projection_names)
+        self.count: dict | None = None
+
+    def __enter__(self) -> "FlopCount":
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._grad = torch.no_grad()
+        self._grad.__enter__()
+        self._counter = FlopCounterMode(display=False)
+        self._counter.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._counter.__exit__(*exc)
+        finally:
+            self._grad.__exit__(*exc)
+        total = self._counter.get_total_flops()
+        projections = sum(flops for name, operations in self._counter.get_flop_counts().items()
+                          if name.rsplit(".", 1)[-1] in self.projection_names for flops in operations.values())
+        self.count = {"projections": int(projections), "attention": int(total - projections)}
+
+    def findings(self) -> dict | None:
+        return self.count
+
+    def accept(self, findings) -> None:
+        if isinstance(findings, dict) and set(findings) == set(FLOPS_KEYS) \
+                and all(type(v) is int for v in findings.values()):
+            self.count = dict(findings)
+
+
+def _counted(module: Callable, x: torch.Tensor, projection_names: Sequence[str], call: str | None) -> dict:
+    """FlopCounterMode's count of one forward pass (see :class:`FlopCount`); ``call`` None: a
+    module of the check's own, called directly."""
+    counter = FlopCount(projection_names)
+    if call is None:
+        with counter:
             module(x)
-        else:
-            call_student(module, x, call=call, forbidden=ATTENTION_BUILTINS)
-    total = counter.get_total_flops()
-    projections = sum(flops for name, operations in counter.get_flop_counts().items()
-                      if name.rsplit(".", 1)[-1] in projection_names for flops in operations.values())
-    return {"projections": int(projections), "attention": int(total - projections)}
+    else:
+        call_student(module, x, call=call, forbidden=ATTENTION_BUILTINS, probes=[counter])
+    if counter.count is None:
+        raise CheckFailure(f"{call}: no FLOP count came back from the call")
+    return counter.count
 
 
 def _reference_count(b: int, s: int, d: int, heads: int) -> dict:

@@ -1,0 +1,145 @@
+"""The trusted checker: where every graded test cell of a notebook under the trust boundary runs.
+
+    python -m autograder.grading.checker     # requests on stdin, a JSON line each; answers on stdout
+
+A grading engine (:mod:`autograder.grading.nbgrader_engine`) keeps one checker for all its
+students, next to their kernels, and sends it each graded test cell of a notebook listed in
+:data:`autograder.settings.CHECKED_OUTSIDE_THE_KERNEL`: the cell's source as nbgrader has it
+(the source notebook's, with its hidden tests: never the student's copy), and the path of a
+socket.  The checker listens there, says so, and the engine starts the bridge's agent in the
+student's kernel (:func:`attention_lab.bridge.agent.serve`), which connects.  The checker
+then runs the test cell itself: the names the cell takes from the notebook are looked up in
+the kernel (data, or proxies of the student's objects: :mod:`attention_lab.bridge.remote`),
+the course's own checks run here, call the student's code through the bridge, and decide.
+The answer is the cell's outputs, as a kernel would have produced them: what the checks
+printed, and the error (its name, message and lines) when the test failed.
+
+The student's code never runs in this process: nothing the kernel sends is executed,
+imported or unpickled; the cell is the course's code.  So no code in a submission can change
+how its own tests run: a transformer of later cells, a replaced check function, a fake check
+module, a frame trick -- all of that lives in the kernel, which only answers with data.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import io
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+MAX_OUTPUT = 20_000  # characters of printed output kept per test cell
+
+
+def notebook_names(source: str) -> list[str]:
+    """The names a test cell reads that it does not define itself (nor Python's builtins): what
+    it takes from the notebook, in order of first use."""
+    tree = ast.parse(source)
+    bound, read = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in read:
+            read.append(node.id)
+    return [name for name in read if name not in bound and not hasattr(builtins, name)]
+
+
+def _error_output(error: BaseException) -> dict:
+    """The error output a kernel shows for ``error``: a CheckFailure as the student sees it in the
+    lab (its message, wrapped), anything else as its name and message."""
+    from attention_lab.checking import CheckFailure, _wrap
+
+    ename = type(error).__name__
+    evalue = str(error)
+    if isinstance(error, CheckFailure):
+        lines = _wrap(f"{ename}: {evalue}")
+    else:
+        lines = [f"{ename}: {evalue}"]
+    return {"output_type": "error", "ename": ename, "evalue": evalue, "traceback": lines}
+
+
+def run_cell(source: str, connection: socket.socket, timeout: float) -> list[dict]:
+    """Run one test cell against the kernel at the other end of ``connection``; its outputs."""
+    from attention_lab.bridge.remote import Bridge
+
+    bridge = Bridge(connection, timeout)
+    printed = io.StringIO()
+    outputs: list[dict] = []
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = compile(source, "<test cell>", "exec")
+            namespace = {"__name__": "__main__", "__builtins__": builtins}
+            namespace.update(bridge.lookup(notebook_names(source)))
+            exec(code, namespace)  # the course's test cell (never the student's code)
+    except Exception as error:  # noqa: BLE001 -- a failed test, whatever it raised
+        outputs.append(_error_output(error))
+    finally:
+        bridge.close()
+    text = printed.getvalue()
+    if len(text) > MAX_OUTPUT:
+        text = text[:MAX_OUTPUT] + f"\n[output truncated by the grader after {MAX_OUTPUT} characters]\n"
+    if text:
+        outputs.insert(0, {"output_type": "stream", "name": "stdout", "text": text})
+    return outputs
+
+
+def serve() -> int:
+    """Answer the engine's requests: ``{"cell", "socket", "timeout", "connect_timeout"}`` ->
+    ``{"listening": true}`` once the socket listens, then ``{"outputs": [...]}`` (or ``{"error"}``
+    when the kernel never connected).  Answers go to what was standard output; anything else
+    printed goes to standard error (the engine's log)."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    requests = sys.stdin
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import torch  # noqa: F401 -- once, before the first student
+    import attention_lab.checking  # noqa: F401
+
+    for line in requests:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        path = request["socket"]
+        listener = socket.socket(socket.AF_UNIX)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            listener.bind(path)
+            listener.listen(1)
+            listener.settimeout(float(request.get("connect_timeout", 60)))
+            answers.write(json.dumps({"listening": True}) + "\n")
+            answers.flush()
+            started = time.monotonic()
+            try:
+                connection, _ = listener.accept()
+            except socket.timeout:
+                answer = {"error": "the kernel did not start the grader's bridge"}
+            else:
+                answer = {"outputs": run_cell(request["cell"], connection, float(request.get("timeout", 120))),
+                          "seconds": round(time.monotonic() - started, 3)}
+        except Exception:  # a bug of ours: this cell cannot be graded, the next one can
+            answer = {"error": "the checker failed: " + traceback.format_exc(limit=5)[-2000:]}
+        finally:
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

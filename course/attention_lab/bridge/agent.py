@@ -1,0 +1,310 @@
+"""The kernel's end of the bridge: it answers the trusted checker's requests while a graded
+test cell runs, calling the student's code and sending back data.
+
+The grader starts it in the student's kernel (``serve(path)``: connect to the checker's socket,
+answer until it says "done").  Nothing here decides anything: the student's code owns this
+process and may change any of it, which changes at most the data sent back -- and the checker
+treats that data as what it is, the output of the student's code.  The requests:
+
+* ``lookup``: the notebook's globals of these names (data, or handles to the objects);
+* ``getattr`` / ``source``: an attribute of a handle; the source code of a function or class;
+* ``call``: call a handle (or one of its methods) with these arguments, inside these probes
+  (measurements the checker asked for: :mod:`attention_lab.bridge.probes`), and send back the
+  result or the exception raised, the probes' findings and the random number generators' state;
+* ``done``.
+
+Every reply also carries the memory the student's code changed (:mod:`attention_lab.bridge.peer`)
+and the modules whose state changed (:mod:`attention_lab.bridge.modules`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import socket
+import sys
+import traceback
+import types
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from attention_lab.bridge import modules, probes, wire
+from attention_lab.bridge.peer import Peer
+
+MAX_MESSAGE_TEXT = 2000  # an exception's message, as the checker may show it
+MAX_SOURCE = 200_000
+
+
+def exception_data(error: BaseException) -> dict:
+    """An exception as data: its class name, the built-in exception classes it derives from, and
+    its message (cut); never the object."""
+    builtin_bases = [klass.__name__ for klass in type(error).__mro__
+                     if klass.__module__ == "builtins" and issubclass(klass, BaseException)]
+    try:
+        message = str(error)
+    except Exception:  # a __str__ that raises
+        message = "<an exception whose message cannot be read>"
+    frames = []
+    with contextlib.suppress(Exception):
+        for frame in traceback.extract_tb(error.__traceback__)[-8:]:
+            if not frame.filename.startswith("<"):
+                continue  # only code typed in the notebook
+            frames.append([frame.filename[:80], int(frame.lineno or 0), frame.name[:80], (frame.line or "")[:200]])
+    return {"type": type(error).__name__[:100], "bases": builtin_bases, "message": message[:MAX_MESSAGE_TEXT],
+            "frames": frames}
+
+
+def _signature(obj: Any) -> list | None:
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    parameters = []
+    for parameter in signature.parameters.values():
+        default = parameter.default
+        if default is inspect.Parameter.empty:
+            default_data = {"$": "empty"}
+        elif default is None or type(default) in (bool, int, float, str):
+            default_data = default if type(default) is not float or default == default else None
+        else:
+            default_data = {"$": "opaque"}
+        parameters.append([parameter.name, int(parameter.kind), default_data])
+    return parameters
+
+
+class Agent(Peer):
+    """The kernel's side: its handles (the student's objects the checker holds) and its answers."""
+
+    def __init__(self, namespace: dict):
+        super().__init__("k")
+        self.namespace = namespace
+        self.handles: dict[str, Any] = {}
+        self.handle_of: dict[int, str] = {}  # id(obj) -> handle (objects are kept alive by self.handles)
+        self.synced_modules: dict[str, tuple] = {}  # module handle -> its fingerprint as last sent
+
+    # -- objects -----------------------------------------------------------------------
+    def handle(self, obj: Any) -> tuple[str, bool]:
+        """(handle of obj, whether it is new)."""
+        existing = self.handle_of.get(id(obj))
+        if existing is not None and self.handles.get(existing) is obj:
+            return existing, False
+        handle = self.new_id()
+        self.handles[handle] = obj
+        self.handle_of[id(obj)] = handle
+        return handle, True
+
+    def describe(self, obj: Any, encoder: wire.Encoder) -> dict:
+        handle, new = self.handle(obj)
+        if isinstance(obj, nn.Module):
+            described = {"$": "module", "h": handle}
+            if new or handle not in self.synced_modules:
+                described.update(self._module_fields(obj, handle, encoder))
+            return described
+        name = getattr(obj, "__name__", None)
+        described = {"h": handle, "type": type(obj).__qualname__[:200],
+                     "name": name[:200] if isinstance(name, str) else None,
+                     "qualname": str(getattr(obj, "__qualname__", "") or "")[:200],
+                     "signature": _signature(obj) if callable(obj) else None}
+        if isinstance(obj, type):
+            described.update({"$": "class", "module_class": issubclass(obj, nn.Module),
+                              "torch": modules.torch_classes(obj) if issubclass(obj, nn.Module) else []})
+        elif callable(obj):
+            described["$"] = "function"
+        else:
+            described["$"] = "object"
+        return described
+
+    def _module_fields(self, module: nn.Module, handle: str, encoder: wire.Encoder) -> dict:
+        cls = type(module)
+        state = modules.state(module, lambda v: self.encode_value(v, encoder, share=True))
+        self.synced_modules[handle] = modules.fingerprint(module, self.sid_of)  # (its tensors are shared now)
+        return {"class": cls.__qualname__[:200], "torch": modules.torch_classes(cls),
+                "builtin": modules.is_torch_class(cls), "state": state}
+
+    def encode_value(self, value: Any, encoder: wire.Encoder, share: bool = False) -> Any:
+        if share and isinstance(value, torch.Tensor):
+            return self.share(value, encoder)
+        return encoder.encode(value)
+
+    def new_encoder(self) -> wire.Encoder:
+        encoder = self.encoder(on_object=lambda obj: self.describe(obj, encoder), share_all=False)
+        return encoder
+
+    def module_changes(self, encoder: wire.Encoder) -> list:
+        changed = []
+        for handle in list(self.synced_modules):
+            module = self.handles.get(handle)
+            if isinstance(module, nn.Module) and modules.fingerprint(module, self.sid_of) != self.synced_modules[handle]:
+                changed.append([handle, self._module_fields(module, handle, encoder)])
+        return changed
+
+    # -- incoming values -----------------------------------------------------------------
+    def decode(self, value: Any, buffers: list[bytes]) -> Any:
+        decoder = self.decoder(buffers, self._tagged)
+        self._current_decoder = decoder
+        return decoder.decode(value)
+
+    def _tagged(self, tag: str, fields: dict) -> Any:
+        if tag == "ref":
+            handle = fields.get("h")
+            if handle not in self.handles:
+                raise wire.WireError("a reference to an unknown object")
+            return self.handles[handle]
+        if tag == "cmodule":  # a module of the checker's (PyTorch's own class), first sent
+            handle = fields.get("h")
+            if not isinstance(handle, str) or not handle.startswith("c") or len(handle) > 24:
+                raise wire.WireError("a malformed module id")
+            if handle in self.handles:
+                return self.handles[handle]
+            module = modules.empty_instance(modules.torch_module_class(fields.get("class")))
+            self.handles[handle] = module
+            self.handle_of[id(module)] = handle
+            modules.apply_state(module, fields.get("state"), self._current_decoder.decode)
+            self.synced_modules[handle] = modules.fingerprint(module, self.sid_of)
+            return module
+        raise wire.WireError(f"an unknown tag {tag[:20]!r}")
+
+    def apply_module_changes(self, changes: Any, buffers: list[bytes]) -> None:
+        if not isinstance(changes, list):
+            raise wire.WireError("malformed module changes")
+        decoder = self.decoder(buffers, self._tagged)
+        self._current_decoder = decoder
+        for item in changes:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(self.handles.get(item[0]), nn.Module)):
+                raise wire.WireError("a change to an unknown module")
+            module = self.handles[item[0]]
+            modules.apply_state(module, item[1], decoder.decode)
+            self.synced_modules[item[0]] = modules.fingerprint(module, self.sid_of)
+
+    # -- requests ------------------------------------------------------------------------
+    def answer(self, request: dict, buffers: list[bytes]) -> tuple[dict, wire.Encoder]:
+        self.apply_module_changes(request.get("modules", []), buffers)
+        encoder = self.new_encoder()
+        operation = request.get("op")
+        if operation == "lookup":
+            names = request.get("names")
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise wire.WireError("malformed names")
+            values = []
+            for name in names:
+                values.append(self._encode_or_raised(lambda: self.namespace[name], encoder, missing=KeyError))
+            reply = {"values": values}
+        elif operation == "getattr":
+            target, name = self._target(request), request.get("name")
+            if not isinstance(name, str):
+                raise wire.WireError("a malformed attribute name")
+            reply = self._encode_or_raised(lambda: getattr(target, name), encoder, missing=AttributeError)
+        elif operation == "source":
+            target = self._target(request)
+            try:
+                source = inspect.getsource(target)[:MAX_SOURCE]
+            except (OSError, TypeError):
+                source = None
+            reply = {"value": source}
+        elif operation == "call":
+            reply = self._call(request, buffers, encoder)
+        else:
+            raise wire.WireError(f"an unknown request {str(operation)[:20]!r}")
+        reply["modules"] = self.module_changes(encoder)
+        return reply, encoder
+
+    def _target(self, request: dict) -> Any:
+        handle = request.get("target")
+        if handle not in self.handles:
+            raise wire.WireError("a request about an unknown object")
+        return self.handles[handle]
+
+    def _encode_or_raised(self, get, encoder: wire.Encoder, missing: type[BaseException]) -> dict:
+        try:
+            value = get()
+        except missing:
+            return {"missing": True}
+        except Exception as error:  # a property of the student's that raised
+            return {"raised": exception_data(error)}
+        try:
+            return {"value": encoder.encode(value)}
+        except wire.WireError as error:
+            return {"unsendable": str(error)}
+
+    def _call(self, request: dict, buffers: list[bytes], encoder: wire.Encoder) -> dict:
+        target = self._target(request)
+        method = request.get("method")
+        if method is not None:
+            if not isinstance(method, str):
+                raise wire.WireError("a malformed method name")
+            target = getattr(target, method)
+        args = self.decode(request.get("args", {"$": "tuple", "v": []}), buffers)
+        kwargs = self.decode(request.get("kwargs", {"$": "dict", "v": []}), buffers)
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise wire.WireError("malformed arguments")
+        self.current_buffers = buffers
+        active = probes.from_requests(request.get("probes", []), self)
+        _set_random_state(request.get("random"), self, buffers)
+        reply: dict = {}
+        with torch.set_grad_enabled(bool(request.get("grad", False))):
+            try:
+                with contextlib.ExitStack() as stack:
+                    for probe in active:
+                        stack.enter_context(probe)
+                    result = target(*args, **kwargs)
+                reply["value"] = encoder.encode(result)
+            except wire.WireError as error:
+                reply["unsendable"] = str(error)
+            except BaseException as error:  # noqa: BLE001 -- the student's exception, as data (SystemExit too)
+                if isinstance(error, KeyboardInterrupt):
+                    raise
+                reply["raised"] = exception_data(error)
+        reply["probes"] = [encoder.encode(probe.findings()) for probe in active]
+        reply["random"] = _random_state(encoder)
+        return reply
+
+
+def _random_state(encoder: wire.Encoder) -> dict:
+    state = np.random.get_state()
+    return {"torch": encoder.encode(torch.get_rng_state()),
+            "numpy": [encoder.encode(state[1]), int(state[2]), int(state[3]), float(state[4])]}
+
+
+def _set_random_state(fields: Any, agent: Agent, buffers: list[bytes]) -> None:
+    """The checker's random state, so that the student's code draws what it would draw in one process."""
+    if not isinstance(fields, dict):
+        return
+    torch_state = agent.decode(fields.get("torch"), buffers)
+    if isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8:
+        with contextlib.suppress(RuntimeError):
+            torch.set_rng_state(torch_state.clone())
+    numpy_state = fields.get("numpy")
+    if isinstance(numpy_state, list) and len(numpy_state) == 4:
+        keys = agent.decode(numpy_state[0], buffers)
+        with contextlib.suppress(ValueError, TypeError):
+            np.random.set_state(("MT19937", keys, int(numpy_state[1]), int(numpy_state[2]), float(numpy_state[3])))
+
+
+def serve(path: str, namespace: dict | None = None, timeout: float = 600) -> None:
+    """Connect to the checker at ``path`` and answer its requests until it says it is done."""
+    if namespace is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        namespace = shell.user_ns if shell is not None else vars(sys.modules["__main__"])
+    agent = Agent(namespace)
+    connection = socket.socket(socket.AF_UNIX)
+    connection.settimeout(timeout)
+    connection.connect(path)
+    try:
+        while True:
+            request, buffers = agent.receive(connection)
+            if request.get("op") == "done":
+                return
+            try:
+                reply, encoder = agent.answer(request, buffers)
+            except wire.WireError as error:
+                reply, encoder = {"error": str(error)[:MAX_MESSAGE_TEXT]}, agent.new_encoder()
+            agent.send(connection, reply, encoder)
+    except (EOFError, OSError):
+        return
+    finally:
+        connection.close()

@@ -1,0 +1,147 @@
+"""What each end of the bridge keeps: the memory both sides see, kept equal at every crossing.
+
+A tensor that crosses keeps being *the same memory* on both sides while a check runs, as it
+would in one process: the storage it views gets an id (``sid``) and a copy on the other side;
+before either side sends a message it looks for storages it changed since the last crossing
+(an answer that wrote into its input in place, a check that changed a weight) and sends their
+new bytes with the message; the receiver writes them into its copy.  A tensor sent again, or
+one that views a storage already shared (a view of an input, a parameter that is a slice of
+another module's weight), travels as (sid, dtype, offset, shape, strides): on the other side it
+is a view of the same copy.  So in-place changes, views and shared memory mean there what they
+mean here, and the checks that look at them (an input changed in place, ``.view`` returning a
+view, a weight that shares memory with the module it was copied from) work unchanged.
+
+Memory is only ever rebuilt from bytes (:mod:`attention_lab.bridge.wire`).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Callable
+
+import torch
+
+from attention_lab.bridge import wire
+
+MAX_SHARED_BYTES = 512 * 2**20  # what one test cell may share in all (both copies count once)
+
+
+class Peer:
+    """One side of the bridge: its shared storages and how values are encoded and decoded."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._next = 0
+        # sid -> (a uint8 tensor over the local storage, a copy of it as of the last crossing)
+        self.storages: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.by_pointer: dict[int, str] = {}  # local storage address -> sid
+        self.known_to_other: set[str] = set()
+        self.shared_bytes = 0
+
+    def new_id(self) -> str:
+        self._next += 1
+        return f"{self.prefix}{self._next}"
+
+    # -- storages ----------------------------------------------------------------------
+    @staticmethod
+    def _pointer(tensor: torch.Tensor) -> int | None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        return storage.data_ptr() if storage.nbytes() else None
+
+    def sid_of(self, tensor: torch.Tensor) -> str | None:
+        pointer = self._pointer(tensor)
+        return None if pointer is None else self.by_pointer.get(pointer)
+
+    def _register(self, sid: str, whole: torch.Tensor) -> None:
+        self.shared_bytes += whole.numel()
+        if self.shared_bytes > MAX_SHARED_BYTES:
+            raise wire.WireError(f"more than {MAX_SHARED_BYTES // 2**20} MiB of tensors shared in one test")
+        self.storages[sid] = (whole, whole.clone())
+        pointer = whole.untyped_storage().data_ptr() if whole.numel() else None
+        if pointer is not None:
+            self.by_pointer[pointer] = sid
+
+    def share(self, tensor: torch.Tensor, encoder: wire.Encoder) -> dict:
+        """``tensor`` encoded as a view of a shared storage (shared now if it was not)."""
+        data = wire.sendable(tensor)  # (grading runs on the CPU: a CUDA tensor would be shared as a copy)
+        sid = self.sid_of(data)
+        fields = wire.tensor_fields(tensor, data)
+        if sid is None:
+            sid = self.new_id()
+            whole = torch.empty(0, dtype=torch.uint8)
+            whole.set_(data.untyped_storage())
+            self._register(sid, whole)
+        fields["sid"] = sid
+        if sid not in self.known_to_other:
+            whole = self.storages[sid][0]
+            fields["b"] = encoder._buffer(whole.numpy().tobytes())
+            self.known_to_other.add(sid)
+        return fields
+
+    def shared_tensor(self, fields: dict, buffers: list[bytes]) -> torch.Tensor:
+        """The tensor a message describes as a view of a shared storage (new or known)."""
+        sid = fields.get("sid")
+        if not isinstance(sid, str) or len(sid) > 24:
+            raise wire.WireError("a malformed storage id")
+        if sid not in self.storages:
+            index = fields.get("b")
+            if type(index) is not int or not 0 <= index < len(buffers):
+                raise wire.WireError(f"a tensor on an unknown storage {sid}")
+            raw = buffers[index]
+            whole = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            self._register(sid, whole)
+            self.known_to_other.add(sid)
+        return wire.tensor_on(self.storages[sid][0], fields)
+
+    def changes(self, encoder: wire.Encoder) -> list[list]:
+        """[sid, buffer] for every shared storage this side changed since the last crossing."""
+        changed = []
+        for sid, (whole, snapshot) in self.storages.items():
+            if sid in self.known_to_other and not torch.equal(whole, snapshot):
+                snapshot.copy_(whole)
+                changed.append([sid, encoder._buffer(whole.numpy().tobytes())])
+        return changed
+
+    def apply_changes(self, changes: Any, buffers: list[bytes]) -> None:
+        if not isinstance(changes, list):
+            raise wire.WireError("malformed changes")
+        for item in changes:
+            if not (isinstance(item, list) and len(item) == 2 and item[0] in self.storages
+                    and type(item[1]) is int and 0 <= item[1] < len(buffers)):
+                raise wire.WireError("a change to an unknown storage")
+            whole, snapshot = self.storages[item[0]]
+            raw = buffers[item[1]]
+            if len(raw) != whole.numel():
+                raise wire.WireError("a change that resizes a storage")
+            with torch.no_grad():
+                whole.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else whole)
+                snapshot.copy_(whole)
+
+    # -- messages ----------------------------------------------------------------------
+    def send(self, connection: socket.socket, header: dict, encoder: wire.Encoder) -> None:
+        header["changes"] = self.changes(encoder)
+        wire.send_frame(connection, header, encoder.buffers)
+
+    def receive(self, connection: socket.socket) -> tuple[dict, list[bytes]]:
+        header, buffers = wire.receive_frame(connection)
+        self.apply_changes(header.get("changes", []), buffers)
+        return header, buffers
+
+    def encoder(self, on_object: Callable[[Any], dict], share_all: bool) -> wire.Encoder:
+        """An encoder whose tensors are shared (``share_all``) or sent as plain data unless they view
+        memory that is already shared."""
+        encoder = wire.Encoder(on_object)
+
+        def on_tensor(tensor: torch.Tensor) -> dict | None:
+            if share_all or self.sid_of(wire.sendable(tensor)) is not None:
+                return self.share(tensor, encoder)
+            return None
+
+        encoder.on_tensor = on_tensor
+        return encoder
+
+    def decoder(self, buffers: list[bytes], on_tagged: Callable[[str, dict], Any]) -> wire.Decoder:
+        return wire.Decoder(buffers, on_tagged, on_tensor=lambda _tensor, fields: self.shared_tensor(fields, buffers))

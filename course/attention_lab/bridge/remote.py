@@ -1,0 +1,485 @@
+"""The checker's end of the bridge: the student's objects, as the checks see them in grading.
+
+In grading, a test cell runs in the trusted checker, and every name it takes from the notebook
+(``split_heads``, ``MultiHeadSelfAttention``, ``ANSWER_DRAFT_BUG``) is looked up in the
+student's kernel (:meth:`Bridge.lookup`): data arrives as data (a string, a number, a tensor),
+anything else as a proxy that the unchanged checks use as they use the real object:
+
+* a function or class: :class:`RemoteCallable` -- calling it calls it in the kernel, with its
+  signature, name and namespace (``__globals__``) as the kernel describes them;
+* a module (``nn.Module``): :class:`RemoteModule`, a real ``nn.Module`` on this side whose
+  parameters, buffers, children and plain attributes mirror the kernel's (PyTorch's own
+  classes, ``nn.Linear`` ..., are rebuilt as themselves), and whose call runs its forward in
+  the kernel;
+* anything else: :class:`RemoteObject` (attributes and calls go to the kernel).
+
+Arguments travel the other way: tensors and arrays as shared memory (an in-place change is
+seen here as it would be in one process), PyTorch's own modules rebuilt from their state,
+proxies as references to the kernel's objects.  Each request has a time limit; a kernel that
+answers late, with too much, or with anything that is not well-formed data fails the test
+with :class:`BridgeError`, which the checks do not catch.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import socket
+import time
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from attention_lab.bridge import modules, probes as probes_module, wire
+from attention_lab.bridge.peer import Peer
+
+
+class BridgeError(Exception):
+    """The student's kernel broke the protocol, answered too late or sent what cannot be data.
+    Not a CheckFailure (checks never catch it): the test fails with this message."""
+
+
+# The exception classes an answer's exception may arrive as: the built-in ones (so that the
+# checks' ``except ValueError`` works), never BaseException-only ones (SystemExit,
+# KeyboardInterrupt: those would stop the checker), never the course's own (CheckFailure).
+_BUILTIN_EXCEPTIONS = {name: cls for name, cls in vars(builtins).items()
+                       if isinstance(cls, type) and issubclass(cls, Exception)}
+
+
+class StudentException(Exception):
+    """An exception the student's code raised in the kernel, rebuilt from its name and message."""
+
+    frames: list = []
+
+
+_exception_classes: dict[tuple[str, tuple[str, ...]], type] = {}
+
+
+def _exception(data: Any) -> StudentException:
+    if not isinstance(data, dict):
+        raise BridgeError("the kernel sent a malformed exception")
+    name = str(data.get("type", "Exception"))[:100]
+    bases = tuple(b for b in data.get("bases", []) if isinstance(b, str) and b in _BUILTIN_EXCEPTIONS)[:1]
+    key = (name, bases)
+    if key not in _exception_classes:
+        base = _BUILTIN_EXCEPTIONS[bases[0]] if bases else Exception
+        namespace = {"__module__": "student"}
+        _exception_classes[key] = type(name if name.isidentifier() else "StudentException",
+                                       (StudentException, base) if base is not Exception else (StudentException,),
+                                       namespace)
+    message = str(data.get("message", ""))[:2000]
+    error = _exception_classes[key](message)
+    frames = data.get("frames", [])
+    error.frames = frames if isinstance(frames, list) else []
+    return error
+
+
+def _signature(data: Any) -> inspect.Signature | None:
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        raise BridgeError("the kernel sent a malformed signature")
+    parameters = []
+    try:
+        for item in data:
+            name, kind, default = item
+            if not (isinstance(name, str) and name.isidentifier() and type(kind) is int and 0 <= kind <= 4):
+                raise BridgeError("the kernel sent a malformed signature")
+            if isinstance(default, dict):
+                default = inspect.Parameter.empty if default.get("$") == "empty" else _OpaqueDefault()
+            parameters.append(inspect.Parameter(name, inspect._ParameterKind(kind), default=default))
+        return inspect.Signature(parameters)
+    except (ValueError, TypeError):
+        raise BridgeError("the kernel sent a malformed signature") from None
+
+
+class _OpaqueDefault:
+    """A default value that is not data (it stays in the kernel)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+class Bridge(Peer):
+    """The checker's connection to one student's kernel, for one test cell."""
+
+    def __init__(self, connection: socket.socket, timeout: float):
+        super().__init__("c")
+        self.connection = connection
+        self.timeout = timeout  # for the whole test cell, as a kernel's cell has
+        self.deadline = time.monotonic() + timeout
+        self.proxies: dict[str, Any] = {}  # kernel handle -> its proxy (one proxy per object)
+        self.sent_modules: dict[int, tuple[str, nn.Module]] = {}  # id(checker module) -> (its id, the module)
+        self.synced: dict[str, tuple] = {}  # module id (either side's) -> fingerprint as last synced
+        self.ambient: list[probes_module.Probe] = []  # probes entered around every call (a check's call trace)
+
+    # -- the exchange ------------------------------------------------------------------
+    def request(self, header: dict, encoder: wire.Encoder | None = None) -> tuple[dict, wire.Decoder]:
+        encoder = encoder or self.new_encoder()
+        header["modules"] = self._module_changes(encoder)
+        try:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout
+            self.connection.settimeout(left)
+            self.send(self.connection, header, encoder)
+            reply, buffers = self.receive(self.connection)
+        except socket.timeout:
+            raise BridgeError(f"this test did not finish within its {self.timeout:.0f} s: your code did not answer "
+                              "in time (an endless loop, or code that keeps the grader from calling your functions)"
+                              ) from None
+        except (EOFError, OSError) as error:
+            raise BridgeError(f"your notebook's kernel stopped answering the grader ({error})") from None
+        except wire.WireError as error:
+            raise BridgeError(f"your notebook's kernel sent the grader something that is not data ({error})") from None
+        if "error" in reply:
+            raise BridgeError(f"your notebook's kernel refused the grader's request: {str(reply['error'])[:300]}")
+        decoder = self.decoder(buffers, self._tagged)
+        try:
+            self._apply_module_changes(reply.get("modules", []), decoder)
+        except wire.WireError as error:
+            raise BridgeError(f"your notebook's kernel sent a malformed module ({error})") from None
+        return reply, decoder
+
+    def decode(self, value: Any, decoder: wire.Decoder) -> Any:
+        try:
+            return decoder.decode(value)
+        except wire.WireError as error:
+            raise BridgeError(f"your notebook's kernel sent the grader something that is not data ({error})") from None
+
+    def value_of(self, reply: dict, decoder: wire.Decoder, what: str) -> Any:
+        """The value a reply carries, or the student's exception raised here."""
+        if "raised" in reply:
+            raise _exception(reply["raised"])
+        if "unsendable" in reply:
+            raise BridgeError(f"{what} returned something the grader cannot receive: {str(reply['unsendable'])[:300]}")
+        if "value" not in reply:
+            raise BridgeError(f"your notebook's kernel sent no value for {what}")
+        return self.decode(reply["value"], decoder)
+
+    # -- outgoing values ---------------------------------------------------------------
+    def new_encoder(self) -> wire.Encoder:
+        encoder = self.encoder(on_object=lambda obj: self._object(obj, encoder), share_all=True)
+        return encoder
+
+    def _object(self, obj: Any, encoder: wire.Encoder) -> dict:
+        handle = getattr(obj, "_remote_handle", None)
+        if isinstance(handle, str) and self.proxies.get(handle) is obj:
+            return {"$": "ref", "h": handle}
+        if isinstance(obj, nn.Module):
+            return self._send_module(obj, encoder)
+        raise wire.WireError(f"the grader cannot send {type(obj).__name__} to the kernel")
+
+    def _send_module(self, module: nn.Module, encoder: wire.Encoder) -> dict:
+        known = self.sent_modules.get(id(module))
+        if known is not None and known[1] is module:
+            return {"$": "ref", "h": known[0]}
+        if not modules.is_torch_class(type(module)):
+            raise wire.WireError(f"the grader can send only PyTorch's own modules, not {type(module).__name__}")
+        module_id = self.new_id()
+        self.sent_modules[id(module)] = (module_id, module)
+        state = modules.state(module, lambda v: self._share_or_encode(v, encoder))
+        self.synced[module_id] = modules.fingerprint(module, self.sid_of)  # (its tensors are shared now)
+        return {"$": "cmodule", "h": module_id, "class": modules.torch_class_name(type(module)), "state": state}
+
+    def _share_or_encode(self, value: Any, encoder: wire.Encoder) -> Any:
+        return self.share(value, encoder) if isinstance(value, torch.Tensor) else encoder.encode(value)
+
+    def _synced_modules(self) -> Iterable[tuple[str, nn.Module]]:
+        for handle, proxy in self.proxies.items():
+            if isinstance(proxy, nn.Module):
+                yield handle, proxy
+        yield from self.sent_modules.values()
+
+    def _module_changes(self, encoder: wire.Encoder) -> list:
+        changed = []
+        for module_id, module in list(self._synced_modules()):
+            current = modules.fingerprint(module, self.sid_of)
+            if current != self.synced.get(module_id):
+                self.synced[module_id] = current
+                changed.append([module_id, modules.state(module, lambda v: self._share_or_encode(v, encoder))])
+        return changed
+
+    # -- incoming values ---------------------------------------------------------------
+    def _tagged(self, tag: str, fields: dict) -> Any:
+        handle = fields.get("h")
+        if not isinstance(handle, str) or not handle.startswith("k") or len(handle) > 24:
+            raise wire.WireError("a malformed handle")
+        if tag == "ref":  # (the kernel handing back one of the checker's modules)
+            for module_id, module in self.sent_modules.values():
+                if module_id == handle:
+                    return module
+            raise wire.WireError("a reference to an unknown module")
+        if handle in self.proxies:
+            proxy = self.proxies[handle]
+            if tag == "module" and "state" in fields and isinstance(proxy, nn.Module):
+                self._apply_state(handle, proxy, fields["state"])
+            return proxy
+        if tag == "module":
+            proxy = self._new_module(handle, fields)
+        elif tag == "class":
+            proxy = RemoteCallable(self, handle, fields, is_class=True)
+        elif tag == "function":
+            proxy = RemoteCallable(self, handle, fields)
+        elif tag == "object":
+            proxy = RemoteObject(self, handle, fields)
+        else:
+            raise wire.WireError(f"an unknown tag {tag[:20]!r}")
+        return proxy
+
+    def _new_module(self, handle: str, fields: dict) -> nn.Module:
+        torch_names = fields.get("torch")
+        if not isinstance(torch_names, list) or not torch_names:
+            raise wire.WireError("a module without its PyTorch classes")
+        if fields.get("builtin") is True:
+            module = modules.empty_instance(modules.torch_module_class(torch_names[0]))
+        else:
+            base = modules.torch_module_class(torch_names[0])
+            name = str(fields.get("class", "Module")).rsplit(".", 1)[-1][:100]
+            cls = type(name if name.isidentifier() else "Module",
+                       (RemoteModule,) if base is nn.Module else (RemoteModule, base), {"__module__": "student"})
+            module = modules.empty_instance(cls)
+        object.__setattr__(module, "_remote_handle", handle)
+        object.__setattr__(module, "_remote_bridge", self)
+        self.proxies[handle] = module
+        self._apply_state(handle, module, fields.get("state"))
+        return module
+
+    def _apply_state(self, handle: str, module: nn.Module, state: Any) -> None:
+        modules.apply_state(module, state, self._current_decoder.decode)
+        self.synced[handle] = modules.fingerprint(module, self.sid_of)
+
+    def _apply_module_changes(self, changes: Any, decoder: wire.Decoder) -> None:
+        self._current_decoder = decoder
+        if not isinstance(changes, list):
+            raise wire.WireError("malformed module changes")
+        for item in changes:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(self.proxies.get(item[0]), nn.Module)):
+                continue  # a module of the checker's own, or one not yet received: its state comes with it
+            self._apply_state(item[0], self.proxies[item[0]], item[1])
+
+    def decoder(self, buffers: list[bytes], on_tagged) -> wire.Decoder:
+        decoder = super().decoder(buffers, on_tagged)
+        self._current_decoder = decoder
+        return decoder
+
+    # -- what the checks do ------------------------------------------------------------
+    def lookup(self, names: Sequence[str]) -> dict[str, Any]:
+        """The notebook's values of ``names`` (those the notebook defines)."""
+        reply, decoder = self.request({"op": "lookup", "names": list(names)})
+        values = reply.get("values")
+        if not isinstance(values, list) or len(values) != len(names):
+            raise BridgeError("your notebook's kernel answered a lookup with the wrong number of values")
+        found = {}
+        for name, item in zip(names, values):
+            if not isinstance(item, dict) or item.get("missing"):
+                continue
+            try:
+                found[name] = self.value_of(item, decoder, name)
+            except StudentException as error:
+                found[name] = _Unreadable(name, error)
+        return found
+
+    def getattr(self, handle: str, name: str) -> Any:
+        reply, decoder = self.request({"op": "getattr", "target": handle, "name": name})
+        if reply.get("missing"):
+            raise AttributeError(name)
+        return self.value_of(reply, decoder, f"the attribute {name}")
+
+    def source(self, handle: str) -> str | None:
+        reply, _ = self.request({"op": "source", "target": handle})
+        source = reply.get("value")
+        return source if isinstance(source, str) else None
+
+    def call(self, handle: str, args: tuple, kwargs: dict, method: str | None = None,
+             probes: Sequence[probes_module.Probe] = (), what: str = "the call") -> Any:
+        """Call the kernel's object ``handle`` (or its ``method``); its probes' findings are
+        accepted into ``probes`` (and the ambient ones) before the result or exception."""
+        active = [*probes, *self.ambient]
+        encoder = self.new_encoder()
+        try:
+            header = {"op": "call", "target": handle, "method": method,
+                      "args": encoder.encode(tuple(args)), "kwargs": encoder.encode(dict(kwargs)),
+                      "probes": [[*probes_module.spec(p)[:2], encoder.encode(p.parameters)] for p in active],
+                      "grad": torch.is_grad_enabled(), "random": _random_state(encoder)}
+        except wire.WireError as error:
+            raise BridgeError(f"the grader could not send the arguments of {what}: {error}") from None
+        reply, decoder = self.request(header, encoder)
+        findings = reply.get("probes", [])
+        if not isinstance(findings, list) or len(findings) != len(active):
+            raise BridgeError("your notebook's kernel did not report the grader's measurements")
+        for probe, found in zip(active, findings):
+            try:
+                probe.accept(self.decode(found, decoder))
+            except wire.WireError as error:
+                raise BridgeError(f"your notebook's kernel sent a malformed measurement ({error})") from None
+        _set_random_state(reply.get("random"), self, decoder)
+        return self.value_of(reply, decoder, what)
+
+    def close(self) -> None:
+        try:
+            self.connection.settimeout(5)
+            wire.send_frame(self.connection, {"op": "done"})
+        except OSError:
+            pass
+        self.connection.close()
+
+
+def _random_state(encoder: wire.Encoder) -> dict:
+    state = np.random.get_state()
+    return {"torch": encoder.encode(torch.get_rng_state()),
+            "numpy": [encoder.encode(state[1]), int(state[2]), int(state[3]), float(state[4])]}
+
+
+def _set_random_state(fields: Any, bridge: Bridge, decoder: wire.Decoder) -> None:
+    """The kernel's random state after the call, here: the next draws are those one process would make."""
+    if not isinstance(fields, dict):
+        return
+    torch_state = bridge.decode(fields.get("torch"), decoder)
+    if isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8:
+        try:
+            torch.set_rng_state(torch_state.detach().clone())
+        except RuntimeError:
+            pass
+    numpy_state = fields.get("numpy")
+    if isinstance(numpy_state, list) and len(numpy_state) == 4:
+        keys = bridge.decode(numpy_state[0], decoder)
+        try:
+            np.random.set_state(("MT19937", keys, int(numpy_state[1]), int(numpy_state[2]), float(numpy_state[3])))
+        except (ValueError, TypeError):
+            pass
+
+
+class _Unreadable:
+    """A notebook global whose value could not be read (a property that raised)."""
+
+    def __init__(self, name: str, error: Exception):
+        self.name, self.error = name, error
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: {type(self.error).__name__}: {self.error}>"
+
+
+class RemoteNamespace(dict):
+    """The notebook's globals, looked up in the kernel on first use (``answer.__globals__``)."""
+
+    def __init__(self, bridge: Bridge):
+        super().__init__()
+        self._bridge = bridge
+
+    def _fetch(self, name: str) -> bool:
+        if not dict.__contains__(self, name):
+            found = self._bridge.lookup([name])
+            if name not in found:
+                return False
+            dict.__setitem__(self, name, found[name])
+        return True
+
+    def __getitem__(self, name: str) -> Any:
+        if not isinstance(name, str) or not self._fetch(name):
+            raise KeyError(name)
+        return dict.__getitem__(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if isinstance(name, str) and self._fetch(name) else default
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._fetch(name)
+
+
+class RemoteObject:
+    """An object of the kernel's: attributes and calls are requests."""
+
+    def __init__(self, bridge: Bridge, handle: str, fields: dict):
+        object.__setattr__(self, "_remote_bridge", bridge)
+        object.__setattr__(self, "_remote_handle", handle)
+        object.__setattr__(self, "_remote_type", str(fields.get("type", "object"))[:200])
+        object.__setattr__(self, "_remote_callable", fields.get("signature") is not None)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return self._remote_bridge.getattr(self._remote_handle, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._remote_bridge.call(self._remote_handle, args, kwargs, what=f"calling a {self._remote_type}")
+
+    def __repr__(self) -> str:
+        return f"<{self._remote_type} in the student's kernel>"
+
+
+class RemoteCallable(RemoteObject):
+    """A function or class of the notebook's (in the kernel)."""
+
+    def __init__(self, bridge: Bridge, handle: str, fields: dict, is_class: bool = False):
+        super().__init__(bridge, handle, fields)
+        name = fields.get("name")
+        object.__setattr__(self, "__name__", name if isinstance(name, str) else self._remote_type)
+        object.__setattr__(self, "__qualname__", str(fields.get("qualname") or self.__name__))
+        object.__setattr__(self, "__signature__", _signature(fields.get("signature")))
+        object.__setattr__(self, "_remote_is_class", is_class)
+        object.__setattr__(self, "_remote_module_class", bool(fields.get("module_class")))
+
+    @property
+    def __globals__(self) -> RemoteNamespace:
+        namespace = getattr(self._remote_bridge, "_namespace", None)
+        if namespace is None:
+            namespace = RemoteNamespace(self._remote_bridge)
+            self._remote_bridge._namespace = namespace
+        return namespace
+
+    def remote_call(self, args: tuple, kwargs: dict, probes: Sequence[probes_module.Probe] = (),
+                    what: str = "the call") -> Any:
+        return self._remote_bridge.call(self._remote_handle, args, kwargs, probes=probes, what=what)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.remote_call(args, kwargs, what=f"{self.__name__}(...)")
+
+    def __repr__(self) -> str:
+        kind = "class" if self._remote_is_class else "function"
+        return f"<{kind} {self.__qualname__} (in the student's kernel)>"
+
+
+class RemoteModule(nn.Module):
+    """A module of the student's: its state mirrored here, its forward run in the kernel."""
+
+    _remote_handle: str
+    _remote_bridge: Bridge
+
+    def remote_call(self, args: tuple, kwargs: dict, probes: Sequence[probes_module.Probe] = (),
+                    what: str = "the call") -> Any:
+        return self._remote_bridge.call(self._remote_handle, args, kwargs, probes=probes, what=what)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.remote_call(args, kwargs, what=f"{type(self).__name__}(...)")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._remote_bridge.call(self._remote_handle, args, kwargs, method="forward",
+                                        what=f"{type(self).__name__}.forward(...)")
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+        return self.__dict__["_remote_bridge"].getattr(self.__dict__["_remote_handle"], name)
+
+
+def is_remote(obj: Any) -> bool:
+    """Whether ``obj`` is a proxy of an object in a student's kernel."""
+    return isinstance(obj, (RemoteObject, RemoteModule))
+
+
+def remote_call(fn: Any, args: tuple, kwargs: dict, probes: Sequence[probes_module.Probe], what: str) -> Any:
+    """Call a proxy with probes (``call_student``'s way in)."""
+    if isinstance(fn, (RemoteCallable, RemoteModule)):
+        return fn.remote_call(args, kwargs, probes=probes, what=what)
+    return fn._remote_bridge.call(fn._remote_handle, args, kwargs, probes=probes, what=what)
+
+
+
+def bridge_of(obj: Any) -> Bridge | None:
+    return getattr(obj, "_remote_bridge", None) if is_remote(obj) else None
