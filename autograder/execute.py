@@ -24,6 +24,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from autograder import sandbox
+from autograder.grading.trusted_cells import CheckedOutsideTheKernel, checked_outside_the_kernel
 from autograder.kernel_forkserver import Server
 from autograder.results import graded_cells
 
@@ -71,6 +72,19 @@ def notebook_client(notebook: nbformat.NotebookNode, working_dir: Path | str,
                           shutdown_kernel="immediate", resources={"metadata": {"path": str(working_dir)}})
 
 
+class TrustedClient(CheckedOutsideTheKernel, NotebookClient):
+    """nbclient that runs a checked notebook's graded test cells in the trusted checker, as
+    grading does (:mod:`autograder.grading.trusted_cells`)."""
+
+    notebook_name = ""
+
+    async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("grade") \
+                and checked_outside_the_kernel(self.notebook_name):
+            return await self.check_outside_the_kernel(cell, cell_index + 1, cell.metadata["nbgrader"].get("grade_id"))
+        return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+
+
 class ForkedKernels:
     """Course kernels forked from one kernel server in the grading sandbox, as a grading engine
     runs them (:mod:`autograder.kernel_forkserver`): the server has imported ipykernel, torch
@@ -95,8 +109,10 @@ class ForkedKernels:
         self.specs = KernelSpecManager(kernel_dirs=[str(scratch / "jupyter" / "kernels")])
         self.runs = itertools.count()
 
-    def execute(self, notebook: nbformat.NotebookNode, timeout: int) -> None:
-        """Run every cell of ``notebook`` (past errors) in a kernel forked for it, killed after."""
+    def execute(self, notebook: nbformat.NotebookNode, timeout: int, name: str = "") -> None:
+        """Run every cell of ``notebook`` (past errors) in a kernel forked for it, killed after;
+        the graded test cells of a notebook ``name`` that grading checks outside the kernel run
+        in the trusted checker, as in grading."""
         from jupyter_client.manager import AsyncKernelManager
         from jupyter_core.utils import run_sync
 
@@ -106,7 +122,9 @@ class ForkedKernels:
         manager = AsyncKernelManager(kernel_spec_manager=self.specs, kernel_name=sandbox.KERNEL_NAME,
                                      transport="ipc", ip=str(self.runtime / f"k{run}"),
                                      connection_file=str(self.runtime / f"k{run}.json"))
-        client = notebook_client(notebook, workdir, timeout)
+        client = TrustedClient(notebook, timeout=timeout, kernel_name=sandbox.KERNEL_NAME, allow_errors=True,
+                               shutdown_kernel="immediate", resources={"metadata": {"path": str(workdir)}})
+        client.notebook_name = name
         client.km = manager  # a manager given to nbclient is left running: killed below
         try:
             client.execute()
@@ -128,7 +146,7 @@ def execute_notebook(path: Path | str, timeout: int = EXECUTE_CELL_TIMEOUT, work
     if kernels is None:
         notebook_client(notebook, working_dir or path.parent, timeout).execute()
     else:
-        kernels.execute(notebook, timeout)
+        kernels.execute(notebook, timeout, name=path.stem)
     result = ExecutionResult(path=path, seconds=time.perf_counter() - start, notebook=notebook)
     for cell in notebook.cells:
         if cell.cell_type != "code":

@@ -36,12 +36,7 @@ nbgrader runs with one change: the Execute preprocessor is :class:`GuardedExecut
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
-import select
-import subprocess
-import uuid
 import os
 import shutil
 import sys
@@ -59,57 +54,17 @@ from traitlets import Dict, Integer, Unicode
 from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
 from autograder import gradebook, sandbox
+from autograder.grading import trusted_cells
+from autograder.grading.trusted_cells import CheckedOutsideTheKernel
 from autograder.kernel_forkserver import Server
 from autograder.results import SKIPPED_CELL
-from autograder.settings import (CHECKED_OUTSIDE_THE_KERNEL, COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES,
+from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES,
                                  SETUP_CELL_ID, UNRESPONSIVE_GRACE)
 
 # This engine's kernel server: the sandboxed process its grading kernels are forked from.
 _kernel_server = Server()
 
 
-class Checker:
-    """This engine's trusted checker (:mod:`autograder.grading.checker`): one process for all its
-    students, (re)started when it is missing or stopped answering."""
-
-    def __init__(self):
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    def ensure(self) -> subprocess.Popen:
-        if self.process is None or self.process.poll() is not None:
-            self.process = subprocess.Popen([sys.executable, "-m", "autograder.grading.checker"], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, text=True, bufsize=1,
-                                            cwd=str(Path(__file__).resolve().parent.parent))
-        return self.process
-
-    def send(self, request: dict) -> None:
-        self.ensure().stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-
-    def receive(self, timeout: float) -> dict | None:
-        """The checker's next answer, or None (and the checker stopped) when none came in time."""
-        ready = select.select([self.process.stdout], [], [], max(timeout, 0))[0] if self.process else []
-        line = self.process.stdout.readline() if ready else ""
-        if not line:
-            self.stop()
-            return None
-        return json.loads(line)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
-            self.process.wait()
-            self.process = None
-
-
-_checker = Checker()
-# The code that starts the bridge's agent in the student's kernel (silently: not a cell).
-AGENT_CODE = "__import__('attention_lab.bridge.agent', fromlist=['serve']).serve({path!r})"
 
 TAMPER_VARIABLE = "_attention_lab_grader_guard"
 GUARD_CODE = f'''
@@ -135,7 +90,7 @@ del _attention_lab_grader_check
 '''
 
 
-class GuardedExecute(Execute):
+class GuardedExecute(CheckedOutsideTheKernel, Execute):
     """nbgrader's Execute, made robust to kernels that die or hang (see the module docstring)."""
 
     skip_cells = Dict({}, help="{notebook: {cell number: reason}} cells not to run").tag(config=True)
@@ -153,11 +108,21 @@ class GuardedExecute(Execute):
 
     def preprocess(self, nb, resources=None, km=None):
         self._notebook_name = (resources or {}).get("unique_key", "notebook")
-        self._bridge_refused = False
+        self.bridge_refused = False
         self._output_bytes: dict[int, int] = {}
         return super().preprocess(nb, resources, km)
 
     # -- the report -------------------------------------------------------------------
+    def report_incident(self, incident: dict) -> None:
+        self._report(incident={**incident, "notebook": self._notebook_name})
+
+    def kernel_hung(self, number: int) -> None:
+        self._report(hung_cell=number)
+
+    @property
+    def bridge_grace(self) -> int:
+        return self.unresponsive_grace
+
     def _report(self, **update) -> None:
         if not self.report_path:
             return
@@ -183,8 +148,8 @@ class GuardedExecute(Execute):
             return cell
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
         self._report(notebook=self._notebook_name, cell=number, grade_id=grade_id, started=time.time())
-        if cell.metadata.get("nbgrader", {}).get("grade") and self._notebook_name in CHECKED_OUTSIDE_THE_KERNEL:
-            return await self._check_outside_the_kernel(cell, number, grade_id)
+        if cell.metadata.get("nbgrader", {}).get("grade") and trusted_cells.checked_outside_the_kernel(self._notebook_name):
+            return await self.check_outside_the_kernel(cell, number, grade_id)
         if cell.metadata.get("nbgrader", {}).get("grade"):
             await self._guard(grade_id)
         try:
@@ -204,66 +169,6 @@ class GuardedExecute(Execute):
         return cell
 
     execute_cell = run_sync(async_execute_cell)  # nbclient binds the sync wrapper per class
-
-    async def _check_outside_the_kernel(self, cell, number: int, grade_id: str | None):
-        """Run a graded test cell in the trusted checker, which reaches the student's code through
-        the bridge's agent started in the kernel; the cell's outputs are the checker's."""
-        if self._bridge_refused:  # this kernel already kept the grader out: no second wait
-            return self._refused(cell, number, grade_id)
-        runtime = Path(self.km.connection_file).parent
-        path = str(runtime / f"bridge-{uuid.uuid4().hex[:12]}.sock")
-        limit = float(self.timeout or 120)
-        connect = float(self.unresponsive_grace + 20)
-        loop = asyncio.get_running_loop()
-        _checker.send({"cell": cell.source, "socket": path, "timeout": limit, "connect_timeout": connect})
-        listening = await loop.run_in_executor(None, _checker.receive, 60)
-        if not listening or not listening.get("listening"):
-            return self._checker_failed(cell, number, grade_id, "the grader's checker did not start")
-        msg_id = self.kc.execute(AGENT_CODE.format(path=path), silent=True, store_history=False)
-        answer = await loop.run_in_executor(None, _checker.receive, connect + limit + 30)
-        if answer is None or "outputs" not in answer:
-            detail = (answer or {}).get("error", "the grader's checker did not answer")
-            if "did not start the grader's bridge" in detail:  # the kernel never ran the agent
-                self._bridge_refused = True
-                self._refused(cell, number, grade_id)
-            else:
-                self._checker_failed(cell, number, grade_id, detail)
-        else:
-            cell.outputs = [NotebookNode(output) for output in answer["outputs"]]
-        if not await self._agent_returned(msg_id):
-            self._report(hung_cell=number)
-            raise UnresponsiveKernelError()
-        return cell
-
-    def _refused(self, cell, number: int, grade_id: str | None):
-        cell.outputs = [NotebookNode(output_type="error", ename="GraderBridgeError", evalue=(
-            "Your notebook's kernel did not let the grader call your code (it did not run the grader's "
-            "request): this test earns no points. Code that changes how the notebook's cells run "
-            "(input or AST transformers, event hooks) keeps the grader out."), traceback=[])]
-        self._report(incident={"kind": "bridge_refused", "notebook": self._notebook_name, "cell": number,
-                               "grade_id": grade_id})
-        return cell
-
-    def _checker_failed(self, cell, number: int, grade_id: str | None, detail: str):
-        cell.outputs = [NotebookNode(output_type="error", ename="GraderCheckerError", evalue=detail[:2000], traceback=[])]
-        self._report(incident={"kind": "checker_failed", "notebook": self._notebook_name, "cell": number,
-                               "grade_id": grade_id, "detail": detail[:500]})
-        return cell
-
-    async def _agent_returned(self, msg_id: str) -> bool:
-        """Whether the kernel finished the agent's request (interrupted after ``grace`` s if not)."""
-        for attempt in range(2):
-            deadline = time.monotonic() + self.unresponsive_grace
-            while (remaining := deadline - time.monotonic()) > 0:
-                try:
-                    msg = await self.kc.shell_channel.get_msg(timeout=remaining)
-                except Empty:
-                    break
-                if msg["parent_header"].get("msg_id") == msg_id:
-                    return True
-            if attempt == 0:
-                await ensure_async(self.km.interrupt_kernel())
-        return False
 
     async def _responsive(self) -> bool:
         """After an interrupt: does the kernel answer a kernel_info request in time?"""
@@ -458,7 +363,7 @@ def serve(replies: int, parent: int | None = None, scratch: Path | None = None) 
                 traceback.print_exc()
                 status = 1
             # nothing of this student's runs on once the answer is given
-            sandbox.kill_children(spare=(_kernel_server.pid, _checker.pid))
+            sandbox.kill_children(spare=(_kernel_server.pid, trusted_cells.checker.pid))
             _kernel_server.clean()
             sys.stdout.flush()
             sys.stderr.flush()

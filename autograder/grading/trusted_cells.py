@@ -1,0 +1,155 @@
+"""Graded test cells run in the trusted checker, not in the student's kernel.
+
+For a notebook listed in :data:`autograder.settings.CHECKED_OUTSIDE_THE_KERNEL`, an nbclient
+client with :class:`CheckedOutsideTheKernel` (grading's :class:`autograder.worker.GuardedExecute`,
+the test suite's :class:`autograder.execute.ForkedKernels`) does not send a graded test cell to
+the kernel.  It sends the cell -- nbgrader's copy, hidden tests included -- to this engine's
+:data:`checker` (:mod:`autograder.grading.checker`), which listens on a socket in the kernel's
+runtime folder; it then has the kernel run the bridge's agent (silently, outside any cell),
+which connects to that socket and answers the checker's requests until the test is over.  The
+cell's outputs are the checker's: what the checks printed, and the error when the test failed.
+
+A kernel that does not run the agent (a submission that rewrites every cell it is given)
+keeps the grader out: that test, and every later one of the notebook, earns nothing, at the
+cost of one wait.  A kernel still busy once the checker is done is interrupted, then counted
+as hung, as any cell would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import select
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from queue import Empty
+
+from nbclient.util import ensure_async
+from nbformat.notebooknode import NotebookNode
+
+from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL, UNRESPONSIVE_GRACE
+
+# The code that starts the bridge's agent in the student's kernel (silently: not a cell).
+AGENT_CODE = "__import__('attention_lab.bridge.agent', fromlist=['serve']).serve({path!r})"
+REFUSED = ("Your notebook's kernel did not let the grader call your code (it did not run the grader's "
+           "request): this test earns no points. Code that changes how the notebook's cells run "
+           "(input or AST transformers, event hooks) keeps the grader out.")
+
+
+class Checker:
+    """An engine's trusted checker (:mod:`autograder.grading.checker`): one process for all its
+    students, (re)started when it is missing or stopped answering."""
+
+    def __init__(self):
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def ensure(self) -> subprocess.Popen:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen([sys.executable, "-m", "autograder.grading.checker"], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True, bufsize=1,
+                                            cwd=str(Path(__file__).resolve().parent.parent.parent))
+        return self.process
+
+    def send(self, request: dict) -> None:
+        process = self.ensure()
+        process.stdin.write(json.dumps(request) + "\n")
+        process.stdin.flush()
+
+    def receive(self, timeout: float) -> dict | None:
+        """The checker's next answer, or None (and the checker stopped) when none came in time."""
+        process = self.process
+        ready = select.select([process.stdout], [], [], max(timeout, 0))[0] if process else []
+        line = process.stdout.readline() if ready else ""
+        if not line:
+            self.stop()
+            return None
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
+checker = Checker()  # this process's (one per grading engine, one per test process)
+
+
+def checked_outside_the_kernel(notebook_name: str) -> bool:
+    return notebook_name in CHECKED_OUTSIDE_THE_KERNEL
+
+
+class CheckedOutsideTheKernel:
+    """For nbclient clients (``self.kc``, ``self.km``, ``self.timeout``): run a graded test cell
+    in the trusted checker (see the module docstring)."""
+
+    bridge_refused = False  # this kernel kept the grader out once: no second wait
+    bridge_grace = UNRESPONSIVE_GRACE  # seconds a kernel has to start the agent, and to finish after
+
+    def report_incident(self, incident: dict) -> None:
+        """Where incidents go (grading's report); nowhere by default."""
+
+    def kernel_hung(self, number: int) -> None:
+        """The kernel did not finish after the checker was done, even interrupted (grading skips
+        the cell on its next attempt); nothing by default."""
+
+    async def check_outside_the_kernel(self, cell, number: int, grade_id: str | None):
+        if self.bridge_refused:
+            return self._refused(cell, number, grade_id)
+        path = str(Path(self.km.connection_file).parent / f"bridge-{uuid.uuid4().hex[:12]}.sock")
+        limit = float(self.timeout or 120)
+        connect = float(self.bridge_grace + 20)
+        loop = asyncio.get_running_loop()
+        checker.send({"cell": cell.source, "socket": path, "timeout": limit, "connect_timeout": connect})
+        listening = await loop.run_in_executor(None, checker.receive, 120)
+        if not listening or not listening.get("listening"):
+            return self._checker_failed(cell, number, grade_id, "the grader's checker did not start")
+        msg_id = self.kc.execute(AGENT_CODE.format(path=path), silent=True, store_history=False)
+        answer = await loop.run_in_executor(None, checker.receive, connect + limit + 30)
+        if answer is not None and "outputs" in answer:
+            cell.outputs = [NotebookNode(output) for output in answer["outputs"]]
+        elif "did not start the grader's bridge" in (answer or {}).get("error", ""):
+            self.bridge_refused = True
+            self._refused(cell, number, grade_id)
+        else:
+            self._checker_failed(cell, number, grade_id, (answer or {}).get("error", "the grader's checker did not answer"))
+        if not await self._agent_returned(msg_id):
+            from nbgrader.preprocessors.execute import UnresponsiveKernelError
+
+            self.kernel_hung(number)
+            raise UnresponsiveKernelError()
+        return cell
+
+    def _refused(self, cell, number: int, grade_id: str | None):
+        cell.outputs = [NotebookNode(output_type="error", ename="GraderBridgeError", evalue=REFUSED, traceback=[])]
+        self.report_incident({"kind": "bridge_refused", "cell": number, "grade_id": grade_id})
+        return cell
+
+    def _checker_failed(self, cell, number: int, grade_id: str | None, detail: str):
+        cell.outputs = [NotebookNode(output_type="error", ename="GraderCheckerError", evalue=detail[:2000], traceback=[])]
+        self.report_incident({"kind": "checker_failed", "cell": number, "grade_id": grade_id, "detail": detail[:500]})
+        return cell
+
+    async def _agent_returned(self, msg_id: str) -> bool:
+        """Whether the kernel finished the agent's request (interrupted once if not, in time)."""
+        for attempt in range(2):
+            deadline = time.monotonic() + self.bridge_grace
+            while (remaining := deadline - time.monotonic()) > 0:
+                try:
+                    msg = await self.kc.shell_channel.get_msg(timeout=remaining)
+                except Empty:
+                    break
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    return True
+            if attempt == 0:
+                await ensure_async(self.km.interrupt_kernel())
+        return False
