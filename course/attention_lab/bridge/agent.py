@@ -122,7 +122,8 @@ class Agent(Peer):
         state = modules.state(module, lambda v: self.encode_value(v, encoder, share=True))
         self.synced_modules[handle] = modules.fingerprint(module, self.sid_of)  # (its tensors are shared now)
         return {"class": cls.__qualname__[:200], "torch": modules.torch_classes(cls),
-                "builtin": modules.is_torch_class(cls), "state": state}
+                "builtin": modules.is_torch_class(cls), "state": state,
+                "forward": _signature(getattr(module, "forward", None))}
 
     def encode_value(self, value: Any, encoder: wire.Encoder, share: bool = False) -> Any:
         if share and isinstance(value, torch.Tensor):
@@ -138,7 +139,7 @@ class Agent(Peer):
         for handle in list(self.synced_modules):
             module = self.handles.get(handle)
             if isinstance(module, nn.Module) and modules.fingerprint(module, self.sid_of) != self.synced_modules[handle]:
-                changed.append([handle, self._module_fields(module, handle, encoder)])
+                changed.append([handle, self._module_fields(module, handle, encoder)["state"]])
         return changed
 
     # -- incoming values -----------------------------------------------------------------
@@ -290,10 +291,14 @@ def serve(path: str, namespace: dict | None = None, timeout: float = 600) -> Non
 
         shell = get_ipython()
         namespace = shell.user_ns if shell is not None else vars(sys.modules["__main__"])
-    agent = Agent(namespace)
     connection = socket.socket(socket.AF_UNIX)
     connection.settimeout(timeout)
     connection.connect(path)
+    answer_until_done(Agent(namespace), connection)
+
+
+def answer_until_done(agent: Agent, connection: socket.socket) -> None:
+    """Answer the requests arriving on ``connection`` until the checker says it is done (or goes)."""
     try:
         while True:
             request, buffers = agent.receive(connection)
@@ -304,7 +309,7 @@ def serve(path: str, namespace: dict | None = None, timeout: float = 600) -> Non
             except wire.WireError as error:
                 reply, encoder = {"error": str(error)[:MAX_MESSAGE_TEXT]}, agent.new_encoder()
             agent.send(connection, reply, encoder)
-    except (EOFError, OSError):
+    except (EOFError, OSError, wire.WireError):
         return
     finally:
         connection.close()

@@ -79,14 +79,19 @@ def fingerprint(module: nn.Module, sid_of) -> tuple:
     return (module.training,
             tuple((name, tensor_key(p)) for name, p in module._parameters.items()),
             tuple((name, tensor_key(b)) for name, b in module._buffers.items()),
+            tuple((name, tensor_key(t)) for name, t in vars(module).items()
+                  if isinstance(t, torch.Tensor) and not name.startswith("_")),
             tuple((name, id(child)) for name, child in module._modules.items()),
             tuple(sorted((name, repr(value)) for name, value in plain_attributes(module).items())))
 
 
 def state(module: nn.Module, encode) -> dict:
     """The module's state, its tensors and children encoded by ``encode``."""
+    tensors = {name: value for name, value in vars(module).items()
+               if isinstance(value, torch.Tensor) and not name.startswith("_")}
     return {"training": bool(module.training),
             "params": [[name, encode(p)] for name, p in module._parameters.items()],
+            "tensors": [[name, encode(t)] for name, t in tensors.items()],
             "buffers": [[name, encode(b)] for name, b in module._buffers.items()],
             "children": [[name, encode(child)] for name, child in module._modules.items()],
             "attrs": [[name, encode(value)] for name, value in plain_attributes(module).items()]}
@@ -105,7 +110,15 @@ def apply_state(module: nn.Module, fields: dict, decode) -> None:
     if not isinstance(fields, dict):
         raise wire.WireError("a malformed module state")
     module.training = bool(fields.get("training", True))
-    for name, value in _named(fields.get("params", []), "parameters"):
+    params = _named(fields.get("params", []), "parameters")
+    for name in set(module._parameters) - {name for name, _ in params}:
+        del module._parameters[name]  # the other side removed it (``del module.weight``)
+    for name, value in _named(fields.get("tensors", []), "tensors"):
+        tensor = decode(value)
+        if not isinstance(tensor, torch.Tensor) or name in ("training", "forward"):
+            raise wire.WireError("a plain tensor attribute that is not a tensor")
+        object.__setattr__(module, name, tensor)
+    for name, value in params:
         tensor = decode(value)
         if tensor is not None and not isinstance(tensor, torch.Tensor):
             raise wire.WireError("a parameter that is not a tensor")

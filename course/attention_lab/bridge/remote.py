@@ -238,8 +238,16 @@ class Bridge(Peer):
         else:
             base = modules.torch_module_class(torch_names[0])
             name = str(fields.get("class", "Module")).rsplit(".", 1)[-1][:100]
+            members = {"__module__": "student"}
+            forward = _signature(fields.get("forward"))
+            if forward is not None:  # how the student's forward names its arguments (messages use them)
+                def forward_method(self, *args, **kwargs):
+                    return RemoteModule.forward(self, *args, **kwargs)
+                self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                forward_method.__signature__ = forward.replace(parameters=[self_parameter, *forward.parameters.values()])
+                members["forward"] = forward_method
             cls = type(name if name.isidentifier() else "Module",
-                       (RemoteModule,) if base is nn.Module else (RemoteModule, base), {"__module__": "student"})
+                       (RemoteModule,) if base is nn.Module else (RemoteModule, base), members)
             module = modules.empty_instance(cls)
         object.__setattr__(module, "_remote_handle", handle)
         object.__setattr__(module, "_remote_bridge", self)
@@ -387,6 +395,9 @@ class RemoteNamespace(dict):
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._fetch(name)
+
+    def __bool__(self) -> bool:  # a namespace is there, even before anything was fetched from it
+        return True
 
 
 class RemoteObject:
