@@ -54,7 +54,13 @@ class BridgedChecks:
     """A check module whose ``check_*`` functions get their answers through the bridge."""
 
     def __init__(self, module: Any):
-        self._module = module
+        object.__setattr__(self, "_module", module)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._module, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self._module, name)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._module, name)

@@ -16,7 +16,11 @@ import torch
 
 from attention_lab.checking import CheckFailure
 from attention_lab.checks import numpy_walkthrough as checks
+from tests.bridge_harness import run_both_ways
 from attention_lab.widgets.numpy_scores import RAW, SCALED, variance_explorer
+
+# Every test twice: the checks in the student's kernel (the lab), and through the bridge (grading).
+where_checks_run = run_both_ways()
 
 CPU = {"device": "cpu", "quiet": True}
 # NumPy 2 promotes a float32 array times a NumPy float64 scalar (1 / np.sqrt(d)) to float64;
@@ -961,10 +965,12 @@ def test_softmax_backward_rejects_other_mistakes(wrong, phrase):
 
 
 def test_softmax_backward_memory_measure_sees_what_an_answer_holds():
-    small, small_peak = checks._peak_allocation(lambda: np.ones((4, 512)) * 2.0)
-    big, big_peak = checks._peak_allocation(lambda: np.ones((4, 512, 512)).sum())
-    assert small.shape == (4, 512) and 4 * 512 * 8 <= small_peak < 512 * 512 * 8 // 4
-    assert float(big) == 4 * 512 * 512 and big_peak >= 4 * 512 * 512 * 8
+    with checks.PeakAllocation() as small_measure:
+        small = np.ones((4, 512)) * 2.0
+    with checks.PeakAllocation() as big_measure:
+        big = np.ones((4, 512, 512)).sum()
+    assert small.shape == (4, 512) and 4 * 512 * 8 <= small_measure.peak < 512 * 512 * 8 // 4
+    assert float(big) == 4 * 512 * 512 and big_measure.peak >= 4 * 512 * 512 * 8
 
 
 # --------------------------------------------------------------------------------------

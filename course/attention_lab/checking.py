@@ -677,6 +677,10 @@ def _is_mixed_dtype_error(error: BaseException) -> bool:
         word in text for word in ("double", "float64")) and any(word in text for word in ("float", "half"))
 
 
+def _probes_failure(tripwire: "Tripwire", probes: Sequence[Probe]) -> "CheckFailure | None":
+    return next((failure for probe in (tripwire, *probes) if (failure := probe.failure()) is not None), None)
+
+
 def call_student(
     fn: Callable,
     *args: Any,
@@ -716,8 +720,8 @@ def call_student(
                     stack.enter_context(probe)
                 result = fn(*args, **kwargs)
     except CheckFailure:
-        if tripwire.failure() is not None:
-            raise tripwire.failure() from None
+        if (failure := _probes_failure(tripwire, probes)) is not None:
+            raise failure from None
         raise
     except NotImplementedError as error:
         raise CheckFailure(
@@ -726,14 +730,14 @@ def call_student(
     except remote.BridgeError as error:
         raise CheckFailure(f"{call}: {error}") from None
     except Exception as error:  # any other bug in the answer: say where it broke
-        if tripwire.failure() is not None:
-            raise tripwire.failure() from None
+        if (failure := _probes_failure(tripwire, probes)) is not None:
+            raise failure from None
         message = f"{call} raised {type(error).__name__}: {error}"
         if _is_mixed_dtype_error(error):
             message += f"\n  Likely mistake: {HINTS['mixed_dtype']}"
         raise CheckFailure(message) from error
-    if tripwire.failure() is not None:  # the answer caught the tripwire's exception and went on
-        raise tripwire.failure()
+    if (failure := _probes_failure(tripwire, probes)) is not None:  # the answer caught the exception, went on
+        raise failure
     in_place = {_storage_key(watched[index]): operation for index, operation in tripwire.in_place.items()
                 if 0 <= index < len(watched)}
     _expect_inputs_unchanged(snapshots, in_place, call,

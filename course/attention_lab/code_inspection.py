@@ -44,6 +44,9 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
+from attention_lab.bridge import remote
+from attention_lab.bridge.probes import Probe
+
 __all__ = ["Use", "find_uses", "has_loop", "answer_functions", "source_available"]
 
 # Short names students use for modules; used only when a name cannot be resolved at all.
@@ -453,6 +456,35 @@ def _same(obj: Any, target: Any) -> bool:
     return obj is target
 
 
+class CodeFacts(Probe):
+    """What :func:`find_uses` and :func:`has_loop` read from an answer's code, read where the
+    answer lives: in grading, the student's kernel (the answer's functions, their namespace and
+    their bytecode are there). The findings are data: the uses found and whether it loops."""
+
+    def __init__(self, functions: Iterable[str] = (), methods: Iterable[str] = (), operators: Iterable[str] = (),
+                 follow_helpers: bool = True):
+        super().__init__(functions=list(functions), methods=list(methods), operators=list(operators),
+                         follow_helpers=follow_helpers)
+        self.uses: list[Use] = []
+        self.loops = False
+
+    def measure(self, answer: Any) -> dict:
+        parameters = self.parameters
+        uses = find_uses(answer, functions=parameters["functions"], methods=parameters["methods"],
+                         operators=parameters["operators"], follow_helpers=parameters["follow_helpers"])
+        return {"uses": [[u.written, u.target, u.function, u.line] for u in uses],
+                "loops": has_loop(answer, follow_helpers=parameters["follow_helpers"])}
+
+    def accept(self, findings: Any) -> None:
+        uses = findings.get("uses") if isinstance(findings, dict) else None
+        targets = {*self.parameters["functions"], *(f".{m}" for m in self.parameters["methods"]),
+                   *self.parameters["operators"]}
+        self.uses = [Use(str(u[0])[:200], u[1], str(u[2])[:200], u[3] if type(u[3]) is int else None)
+                     for u in (uses if isinstance(uses, list) else [])
+                     if isinstance(u, list) and len(u) == 4 and u[1] in targets]
+        self.loops = bool(findings.get("loops")) if isinstance(findings, dict) else False
+
+
 def find_uses(answer: Any, *, functions: Iterable[str] = (), methods: Iterable[str] = (),
               operators: Iterable[str] = (), follow_helpers: bool = True) -> list[Use]:
     """Every place where the answer (and its helpers) uses one of the things named.
@@ -463,8 +495,12 @@ def find_uses(answer: Any, *, functions: Iterable[str] = (), methods: Iterable[s
     ``operators``: ``"@"`` (the matrix-multiplication operator, also ``@=``).
 
     The answer itself may be one of ``functions`` (``np_softmax = scipy.special.softmax``).
-    Uses are listed in the order the code is read, the answer's own code first.
+    Uses are listed in the order the code is read, the answer's own code first. In grading
+    the answer's code is read in the student's kernel (:class:`CodeFacts`).
     """
+    if remote.is_remote(answer):
+        facts = CodeFacts(functions, methods, operators, follow_helpers)
+        return remote.measure(answer, facts, "the answer's code").uses
     walked = list(_walk(answer, follow_helpers))  # first: reading may import what the code imports
     targets = _targets(functions)
     methods, operators = set(methods), set(operators)
@@ -498,6 +534,8 @@ def has_loop(answer: Any, *, follow_helpers: bool = True) -> bool:
     """Whether the answer (or a helper it calls) loops: ``for``, ``while``, a comprehension or
     generator, ``map`` or ``functools.reduce``. An answer with no Python code at all (a
     builtin) does not."""
+    if remote.is_remote(answer):
+        return remote.measure(answer, CodeFacts(follow_helpers=follow_helpers), "the answer's code").loops
     return any(facts.loops for _function, facts in _walk(answer, follow_helpers))
 
 

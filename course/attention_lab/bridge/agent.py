@@ -34,7 +34,8 @@ from torch import nn
 from attention_lab.bridge import modules, probes, wire
 from attention_lab.bridge.peer import Peer
 
-MAX_MESSAGE_TEXT = 2000  # an exception's message, as the checker may show it
+MAX_MESSAGE_TEXT = 2000
+BIT_GENERATORS = ("PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937")  # an exception's message, as the checker may show it
 MAX_SOURCE = 200_000
 
 
@@ -84,6 +85,8 @@ class Agent(Peer):
         self.handles: dict[str, Any] = {}
         self.handle_of: dict[int, str] = {}  # id(obj) -> handle (objects are kept alive by self.handles)
         self.synced_modules: dict[str, tuple] = {}  # module handle -> its fingerprint as last sent
+        self.call_generators: list[tuple[int, np.random.Generator]] = []  # the checker's, in this request
+        self.call_arrays: list[tuple[int, np.ndarray, np.ndarray]] = []  # (index, array, its bytes before)
 
     # -- objects -----------------------------------------------------------------------
     def handle(self, obj: Any) -> tuple[str, bool]:
@@ -145,6 +148,7 @@ class Agent(Peer):
     # -- incoming values -----------------------------------------------------------------
     def decode(self, value: Any, buffers: list[bytes]) -> Any:
         decoder = self.decoder(buffers, self._tagged)
+        decoder.on_array = self._received_array
         self._current_decoder = decoder
         return decoder.decode(value)
 
@@ -166,7 +170,27 @@ class Agent(Peer):
             modules.apply_state(module, fields.get("state"), self._current_decoder.decode)
             self.synced_modules[handle] = modules.fingerprint(module, self.sid_of)
             return module
+        if tag == "npgenerator":
+            return self._generator(fields)
         raise wire.WireError(f"an unknown tag {tag[:20]!r}")
+
+    def _received_array(self, array: np.ndarray, fields: dict) -> None:
+        """An array of the checker's: its bytes now, to send back whatever the call changes."""
+        if type(fields.get("i")) is int:
+            self.call_arrays.append((fields["i"], array, array.copy()))
+
+    def _generator(self, fields: dict) -> np.random.Generator:
+        """A random generator in the state the checker's was in (its state goes back after the call)."""
+        bits = fields.get("bits")
+        if bits not in BIT_GENERATORS or type(fields.get("i")) is not int:
+            raise wire.WireError("a malformed random generator")
+        generator = np.random.Generator(getattr(np.random, bits)())
+        try:
+            generator.bit_generator.state = self._current_decoder.decode(fields.get("state"))
+        except (TypeError, ValueError, KeyError):
+            raise wire.WireError("an invalid random generator state") from None
+        self.call_generators.append((fields["i"], generator))
+        return generator
 
     def apply_module_changes(self, changes: Any, buffers: list[bytes]) -> None:
         if not isinstance(changes, list):
@@ -182,6 +206,7 @@ class Agent(Peer):
 
     # -- requests ------------------------------------------------------------------------
     def answer(self, request: dict, buffers: list[bytes]) -> tuple[dict, wire.Encoder]:
+        self.call_generators, self.call_arrays = [], []
         self.apply_module_changes(request.get("modules", []), buffers)
         encoder = self.new_encoder()
         operation = request.get("op")
@@ -207,9 +232,21 @@ class Agent(Peer):
             reply = {"value": source}
         elif operation == "call":
             reply = self._call(request, buffers, encoder)
+        elif operation == "measure":
+            target = self._target(request)
+            self.current_buffers = buffers
+            (probe,) = probes.from_requests([request.get("probe")], self)
+            try:
+                reply = {"findings": encoder.encode(probe.measure(target))}
+            except Exception as error:  # the student's objects are odd: the checker decides what that means
+                reply = {"raised": exception_data(error)}
         else:
             raise wire.WireError(f"an unknown request {str(operation)[:20]!r}")
         reply["modules"] = self.module_changes(encoder)
+        reply["generators"] = [[index, encoder.encode(generator.bit_generator.state)]
+                               for index, generator in self.call_generators]
+        reply["arrays"] = [[index, encoder.encode(array.view(np.ndarray))] for index, array, before in self.call_arrays
+                           if not np.array_equal(array, before, equal_nan=array.dtype.kind in "fc")]
         return reply, encoder
 
     def _target(self, request: dict) -> Any:

@@ -52,6 +52,15 @@ class Probe:
     def bind(self, agent: Any) -> None:
         """In the kernel: the agent answering (its namespace, its handles), before the call."""
 
+    def failure(self) -> Exception | None:
+        """The check's failure that what this probe saw earns (a forbidden call), or None; the call's
+        own outcome comes after it."""
+        return None
+
+    def measure(self, obj: Any) -> Any:
+        """A probe that measures an object itself (its code) rather than a call: its findings."""
+        raise NotImplementedError(f"{type(self).__name__} measures calls, not objects")
+
 
 def spec(probe: Probe) -> list:
     cls = type(probe)

@@ -114,10 +114,14 @@ class Bridge(Peer):
         self.sent_modules: dict[int, tuple[str, nn.Module]] = {}  # id(checker module) -> (its id, the module)
         self.synced: dict[str, tuple] = {}  # module id (either side's) -> fingerprint as last synced
         self.ambient: list[probes_module.Probe] = []  # probes entered around every call (a check's call trace)
+        self.generators: list[np.random.Generator] = []  # the random generators sent with this request
+        self.arrays: list[np.ndarray] = []  # the arrays sent with this request
 
     # -- the exchange ------------------------------------------------------------------
     def request(self, header: dict, encoder: wire.Encoder | None = None) -> tuple[dict, wire.Decoder]:
-        encoder = encoder or self.new_encoder()
+        if encoder is None:
+            self.generators, self.arrays = [], []
+            encoder = self.new_encoder()
         header["modules"] = self._module_changes(encoder)
         try:
             left = self.deadline - time.monotonic()
@@ -139,9 +143,39 @@ class Bridge(Peer):
         decoder = self.decoder(buffers, self._tagged)
         try:
             self._apply_module_changes(reply.get("modules", []), decoder)
+            self._apply_generator_states(reply.get("generators", []), decoder)
+            self._apply_array_changes(reply.get("arrays", []), decoder)
         except wire.WireError as error:
-            raise BridgeError(f"your notebook's kernel sent a malformed module ({error})") from None
+            raise BridgeError(f"your notebook's kernel sent a malformed module or generator ({error})") from None
         return reply, decoder
+
+    def _apply_array_changes(self, changes: Any, decoder: wire.Decoder) -> None:
+        """What the student's code wrote into the arrays it was given, written into ours."""
+        if not isinstance(changes, list):
+            raise wire.WireError("malformed array changes")
+        for item in changes:
+            if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+                    and 0 <= item[0] < len(self.arrays)):
+                raise wire.WireError("a change to an unknown array")
+            target = self.arrays[item[0]]
+            changed = decoder.decode(item[1])
+            if not isinstance(changed, np.ndarray) or changed.shape != target.shape:
+                raise wire.WireError("an array change of another shape")
+            if target.flags.writeable:
+                np.copyto(target.view(np.ndarray), changed.view(np.ndarray), casting="unsafe")
+
+    def _apply_generator_states(self, states: Any, decoder: wire.Decoder) -> None:
+        """The state the student's code left each random generator it was given in (data only)."""
+        if not isinstance(states, list):
+            raise wire.WireError("malformed generator states")
+        for item in states:
+            if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+                    and 0 <= item[0] < len(self.generators)):
+                raise wire.WireError("a state for an unknown generator")
+            try:
+                self.generators[item[0]].bit_generator.state = decoder.decode(item[1])
+            except (TypeError, ValueError, KeyError) as error:
+                raise wire.WireError(f"an invalid generator state ({error})") from None
 
     def decode(self, value: Any, decoder: wire.Decoder) -> Any:
         try:
@@ -162,7 +196,14 @@ class Bridge(Peer):
     # -- outgoing values ---------------------------------------------------------------
     def new_encoder(self) -> wire.Encoder:
         encoder = self.encoder(on_object=lambda obj: self._object(obj, encoder), share_all=True)
+        encoder.on_array = self._sent_array
         return encoder
+
+    def _sent_array(self, array: np.ndarray) -> dict:
+        """An array sent with this request: numbered, so that an in-place change made by the
+        student's code comes back into it (as it would in one process)."""
+        self.arrays.append(array)
+        return {"i": len(self.arrays) - 1}
 
     def _object(self, obj: Any, encoder: wire.Encoder) -> dict:
         handle = getattr(obj, "_remote_handle", None)
@@ -170,6 +211,10 @@ class Bridge(Peer):
             return {"$": "ref", "h": handle}
         if isinstance(obj, nn.Module):
             return self._send_module(obj, encoder)
+        if isinstance(obj, np.random.Generator):  # sent as its state; its new state comes back
+            self.generators.append(obj)
+            return {"$": "npgenerator", "i": len(self.generators) - 1, "bits": type(obj.bit_generator).__name__,
+                    "state": encoder.encode(obj.bit_generator.state)}
         raise wire.WireError(f"the grader cannot send {type(obj).__name__} to the kernel")
 
     def _send_module(self, module: nn.Module, encoder: wire.Encoder) -> dict:
@@ -301,11 +346,24 @@ class Bridge(Peer):
         source = reply.get("value")
         return source if isinstance(source, str) else None
 
+    def measure(self, handle: str, probe: probes_module.Probe, what: str) -> probes_module.Probe:
+        """Have the kernel's copy of ``probe`` measure the kernel's object ``handle`` itself (its code)."""
+        self.generators, self.arrays = [], []
+        encoder = self.new_encoder()
+        spec = [*probes_module.spec(probe)[:2], encoder.encode(probe.parameters)]
+        reply, decoder = self.request({"op": "measure", "target": handle, "probe": spec}, encoder)
+        try:
+            probe.accept(self.decode(reply.get("findings"), decoder))
+        except wire.WireError as error:
+            raise BridgeError(f"your notebook's kernel sent a malformed measurement of {what} ({error})") from None
+        return probe
+
     def call(self, handle: str, args: tuple, kwargs: dict, method: str | None = None,
              probes: Sequence[probes_module.Probe] = (), what: str = "the call") -> Any:
         """Call the kernel's object ``handle`` (or its ``method``); its probes' findings are
         accepted into ``probes`` (and the ambient ones) before the result or exception."""
         active = [*probes, *self.ambient]
+        self.generators, self.arrays = [], []
         encoder = self.new_encoder()
         try:
             header = {"op": "call", "target": handle, "method": method,
@@ -477,6 +535,11 @@ class RemoteModule(nn.Module):
             if name.startswith("_"):
                 raise
         return self.__dict__["_remote_bridge"].getattr(self.__dict__["_remote_handle"], name)
+
+
+def measure(obj: Any, probe: probes_module.Probe, what: str) -> probes_module.Probe:
+    """``probe``'s measurement of a proxy's object, taken in the student's kernel."""
+    return obj._remote_bridge.measure(obj._remote_handle, probe, what)
 
 
 def is_remote(obj: Any) -> bool:

@@ -164,14 +164,27 @@ class Encoder:
         return {**tensor_fields(tensor, data), "b": self._buffer(storage_bytes(data))}
 
     def _array(self, array: np.ndarray) -> dict:
+        if self.on_array is not None:
+            extra = self.on_array(array)
+        else:
+            extra = {}
+        return {**self._plain_array(array), **extra}
+
+    on_array: Callable[[np.ndarray], dict] | None = None
+
+    def _plain_array(self, array: np.ndarray) -> dict:
         if array.dtype.kind not in NUMPY_KINDS or array.dtype.hasobject:
             raise WireError(f"an array of dtype {array.dtype} (numbers only)")
         order = "C"
         if not array.flags.c_contiguous and array.flags.f_contiguous and array.ndim > 1:
             order = "F"
         data = np.ascontiguousarray(array.T if order == "F" else array)
-        return {"$": "ndarray", "dtype": array.dtype.str, "shape": list(array.shape), "order": order,
-                "b": self._buffer(data.tobytes())}
+        encoded = {"$": "ndarray", "dtype": array.dtype.str, "shape": list(array.shape), "order": order,
+                   "b": self._buffer(data.tobytes())}
+        cls = type(array)
+        if cls is not np.ndarray and (cls.__module__ or "").startswith("attention_lab."):
+            encoded["view"] = [cls.__module__, cls.__qualname__]  # a course class (a check's guarded array)
+        return encoded
 
 
 def _int(value: Any, what: str, low: int = 0) -> int:
@@ -303,9 +316,14 @@ class Decoder:
         if len(raw) != count * dtype.itemsize:
             raise WireError("an array buffer of the wrong size")
         array = np.frombuffer(raw, dtype=dtype).copy()  # writable, owned
-        if fields.get("order") == "F":
-            return array.reshape(shape[::-1]).T
-        return array.reshape(shape)
+        array = array.reshape(shape[::-1]).T if fields.get("order") == "F" else array.reshape(shape)
+        if "view" in fields:
+            array = array.view(course_array_class(fields["view"]))
+        if self.on_array is not None:
+            self.on_array(array, fields)
+        return array
+
+    on_array: Callable[[np.ndarray, dict], None] | None = None
 
 
 # --------------------------------------------------------------------------------------
@@ -371,3 +389,19 @@ def tensor_on(storage: torch.Tensor, fields: dict) -> torch.Tensor:
     if fields.get("grad") is True and (tensor.is_floating_point() or tensor.is_complex()):
         tensor.requires_grad_(True)
     return tensor
+
+
+def course_array_class(name: Any) -> type:
+    """An ndarray subclass of the course package, by (module, class name): nothing else."""
+    if not (isinstance(name, list) and len(name) == 2 and all(isinstance(part, str) for part in name)
+            and name[0].startswith("attention_lab.") and name[1].isidentifier()):
+        raise WireError("an array class that is not the course's")
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(name[0]), name[1], None)
+    except ImportError:
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, np.ndarray)):
+        raise WireError("an array class that is not the course's")
+    return cls

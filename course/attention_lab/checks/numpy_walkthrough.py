@@ -42,6 +42,7 @@ from attention_lab.checking import (
     shape_str,
     tolerance,
 )
+from attention_lab.bridge.probes import Probe
 from attention_lab.code_inspection import find_uses, has_loop
 
 # --------------------------------------------------------------------------------------
@@ -129,16 +130,50 @@ def _expect_unchanged(before: np.ndarray, after: np.ndarray, call: str, name: st
 # --------------------------------------------------------------------------------------
 
 
+class ExplicitSums(Probe):
+    """Watches the guarded arrays (:class:`_ExplicitSumsOnly`) of one call: the first matrix
+    product the answer asked of them (:attr:`used`), even if the answer caught the refusal."""
+
+    active: list["ExplicitSums"] = []
+
+    def __init__(self):
+        super().__init__()
+        self.used: str | None = None
+
+    def __enter__(self) -> "ExplicitSums":
+        ExplicitSums.active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ExplicitSums.active.remove(self)
+
+    def findings(self) -> str | None:
+        return self.used
+
+    def accept(self, findings) -> None:
+        self.used = findings[:200] if isinstance(findings, str) else None
+
+    def failure(self) -> CheckFailure | None:
+        return CheckFailure(_MATMUL_USED.format(name=self.used)) if self.used else None
+
+
+def _refuse_matmul(name: str) -> CheckFailure:
+    for guard in ExplicitSums.active:
+        guard.used = guard.used or name
+    return CheckFailure(_MATMUL_USED.format(name=name))
+
+
 class _ExplicitSumsOnly(np.ndarray):
     """An array that refuses to be multiplied as a matrix: the exercise is to write the sums.
 
     Elementwise arithmetic, indexing, np.sum and friends work as usual (and return plain
-    arrays); ``@``, np.matmul, np.dot, np.einsum, np.inner, np.tensordot, np.vdot raise.
+    arrays); ``@``, np.matmul, np.dot, np.einsum, np.inner, np.tensordot, np.vdot raise (and
+    tell the :class:`ExplicitSums` watching the call).
     """
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if ufunc.__name__ in _MATRIX_UFUNCS:
-            raise CheckFailure(_MATMUL_USED.format(name=f"np.{ufunc.__name__} (the @ operator)"))
+            raise _refuse_matmul(f"np.{ufunc.__name__} (the @ operator)")
         inputs = tuple(i.view(np.ndarray) if isinstance(i, _ExplicitSumsOnly) else i for i in inputs)
         if "out" in kwargs:
             kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, _ExplicitSumsOnly) else o for o in kwargs["out"])
@@ -146,11 +181,11 @@ class _ExplicitSumsOnly(np.ndarray):
 
     def __array_function__(self, func, types, args, kwargs):
         if getattr(func, "__name__", "") in _MATRIX_FUNCTIONS:
-            raise CheckFailure(_MATMUL_USED.format(name=f"np.{func.__name__}"))
+            raise _refuse_matmul(f"np.{func.__name__}")
         return super().__array_function__(func, types, args, kwargs)
 
     def dot(self, *args, **kwargs):
-        raise CheckFailure(_MATMUL_USED.format(name=".dot"))
+        raise _refuse_matmul(".dot")
 
 
 _MATRIX_UFUNCS = {"matmul", "vecdot", "matvec", "vecmat"}
@@ -217,7 +252,7 @@ def _check_row_once(row_times_matrix: Callable, x_row: np.ndarray, W: np.ndarray
     guarded_x = x_row.view(_ExplicitSumsOnly)
     guarded_W = W.view(_ExplicitSumsOnly)
     try:
-        out = _call(row_times_matrix, guarded_x, guarded_W, call=call)
+        out = _call(row_times_matrix, guarded_x, guarded_W, call=call, probes=[ExplicitSums()])
     except CheckFailure as failure:
         if isinstance(failure.__cause__, IndexError) and n != m and "Likely mistake" not in str(failure):
             hint = _diagnose_index_error(row_times_matrix, x_row, W)
@@ -1032,24 +1067,36 @@ def _softmax_backward_variants(p: np.ndarray, dp: np.ndarray, axis: int) -> list
     return variants
 
 
-def _peak_allocation(function: Callable[[], Any]) -> tuple[Any, int]:
-    """(function(), the most memory it held at once beyond what was held before, in bytes).
+class PeakAllocation(Probe):
+    """The most memory one call held at once beyond what was held before, in bytes (:attr:`peak`).
 
     NumPy reports its array buffers to tracemalloc, so this sees every intermediate array
     however it was made (np.eye, np.einsum, broadcasting, a loop over rows).
     """
-    tracing = tracemalloc.is_tracing()
-    if not tracing:
-        tracemalloc.start()
-    try:
-        before, _ = tracemalloc.get_traced_memory()
+
+    def __init__(self):
+        super().__init__()
+        self.peak: int | None = None
+
+    def __enter__(self) -> "PeakAllocation":
+        self._tracing = tracemalloc.is_tracing()
+        if not self._tracing:
+            tracemalloc.start()
+        self._before, _ = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
-        result = function()
+        return self
+
+    def __exit__(self, *exc) -> None:
         _, peak = tracemalloc.get_traced_memory()
-    finally:
-        if not tracing:
+        if not self._tracing:
             tracemalloc.stop()
-    return result, max(peak - before, 0)
+        self.peak = max(peak - self._before, 0)
+
+    def findings(self) -> int | None:
+        return self.peak
+
+    def accept(self, findings) -> None:
+        self.peak = findings if type(findings) is int and findings >= 0 else None
 
 
 def _check_softmax_backward_once(softmax_backward: Callable, scores: torch.Tensor, p: np.ndarray, dp: np.ndarray,
@@ -1058,10 +1105,11 @@ def _check_softmax_backward_once(softmax_backward: Callable, scores: torch.Tenso
     inputs = (p.copy(), dp.copy())
     kwargs = {} if axis is None else {"axis": axis}
     with np.errstate(all="ignore"):
-        if measure:
-            ds, peak = _peak_allocation(lambda: _call(softmax_backward, p, dp, call=call, **kwargs))
-        else:
-            ds = _call(softmax_backward, p, dp, call=call, **kwargs)
+        allocation = PeakAllocation()
+        ds = _call(softmax_backward, p, dp, call=call, probes=[allocation] if measure else [], **kwargs)
+        peak = allocation.peak
+    if measure and peak is None:
+        raise CheckFailure(f"{call}: the grader could not measure the memory it held (no measurement came back).")
     ds = expect_array(ds, what=call, shape=p.shape, dtype=p.dtype, dtype_hint=DTYPE_HINTS["softmax"])
     for before, after, name in zip(inputs, (p, dp), ("p", "dp")):
         _expect_unchanged(before, after, call, name)
