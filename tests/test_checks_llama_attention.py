@@ -19,6 +19,10 @@ import torch.nn.functional as F
 
 from attention_lab.checking import CheckFailure
 from attention_lab.checks import llama_attention as checks
+from tests.bridge_harness import run_both_ways
+
+# Every test twice: the checks in the student's kernel (the lab), and through the bridge (grading).
+where_checks_run = run_both_ways()
 
 CPU = "cpu"
 

@@ -20,6 +20,8 @@ and the modules whose state changed (:mod:`attention_lab.bridge.modules`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib
 import inspect
 import socket
 import sys
@@ -58,6 +60,22 @@ def exception_data(error: BaseException) -> dict:
             "frames": frames}
 
 
+def _dataclass_fields(cls: type, encoder: wire.Encoder) -> list | None:
+    """[name, default or {"$": "empty"}] of each field of a dataclass (None for other classes)."""
+    fields = getattr(cls, "__dataclass_fields__", None)
+    if not isinstance(fields, dict) or not dataclasses.is_dataclass(cls):
+        return None
+    described = []
+    for field in dataclasses.fields(cls):
+        default = field.default
+        try:
+            default_data = {"$": "empty"} if default is dataclasses.MISSING else encoder.encode(default)
+        except wire.WireError:
+            default_data = {"$": "empty"}
+        described.append([str(field.name)[:200], default_data])
+    return described
+
+
 def _signature(obj: Any) -> list | None:
     try:
         signature = inspect.signature(obj)
@@ -87,6 +105,7 @@ class Agent(Peer):
         self.synced_modules: dict[str, tuple] = {}  # module handle -> its fingerprint as last sent
         self.call_generators: list[tuple[int, np.random.Generator]] = []  # the checker's, in this request
         self.call_arrays: list[tuple[int, np.ndarray, np.ndarray]] = []  # (index, array, its bytes before)
+        self.call_objects: dict[str, Any] = {}  # the checker's course objects in this request, by id
 
     # -- objects -----------------------------------------------------------------------
     def handle(self, obj: Any) -> tuple[str, bool]:
@@ -101,6 +120,8 @@ class Agent(Peer):
 
     def describe(self, obj: Any, encoder: wire.Encoder) -> dict:
         handle, new = self.handle(obj)
+        if handle.startswith("c"):  # one of the checker's own objects, handed back
+            return {"$": "ref", "h": handle}
         if isinstance(obj, nn.Module):
             described = {"$": "module", "h": handle}
             if new or handle not in self.synced_modules:
@@ -113,11 +134,12 @@ class Agent(Peer):
                      "signature": _signature(obj) if callable(obj) else None}
         if isinstance(obj, type):
             described.update({"$": "class", "module_class": issubclass(obj, nn.Module),
-                              "torch": modules.torch_classes(obj) if issubclass(obj, nn.Module) else []})
+                              "torch": modules.torch_classes(obj) if issubclass(obj, nn.Module) else [],
+                              "dataclass": _dataclass_fields(obj, encoder)})
         elif callable(obj):
             described["$"] = "function"
         else:
-            described["$"] = "object"
+            described.update({"$": "object", "dataclass": _dataclass_fields(type(obj), encoder)})
         return described
 
     def _module_fields(self, module: nn.Module, handle: str, encoder: wire.Encoder) -> dict:
@@ -172,7 +194,28 @@ class Agent(Peer):
             return module
         if tag == "npgenerator":
             return self._generator(fields)
+        if tag == "course_object":  # an object of the course's (a check's configuration, its cache)
+            return self._course_object(fields)
         raise wire.WireError(f"an unknown tag {tag[:20]!r}")
+
+    def _course_object(self, fields: dict) -> Any:
+        """The kernel's copy of a checker's object of a course class, in the state sent (its class
+        is the course's own, found by name; its __init__ is not run)."""
+        handle = fields.get("h")
+        if not isinstance(handle, str) or not handle.startswith("c") or len(handle) > 24:
+            raise wire.WireError("a malformed object id")
+        state = self._current_decoder.decode(fields.get("state"))
+        if not isinstance(state, dict) or not all(isinstance(k, str) and k.isidentifier() for k in state):
+            raise wire.WireError("a malformed object state")
+        obj = self.handles.get(handle)
+        if obj is None:
+            obj = object.__new__(course_class(fields.get("class")))
+            self.handles[handle] = obj
+            self.handle_of[id(obj)] = handle
+        vars(obj).clear()
+        vars(obj).update(state)
+        self.call_objects[handle] = obj
+        return obj
 
     def _received_array(self, array: np.ndarray, fields: dict) -> None:
         """An array of the checker's: its bytes now, to send back whatever the call changes."""
@@ -206,7 +249,7 @@ class Agent(Peer):
 
     # -- requests ------------------------------------------------------------------------
     def answer(self, request: dict, buffers: list[bytes]) -> tuple[dict, wire.Encoder]:
-        self.call_generators, self.call_arrays = [], []
+        self.call_generators, self.call_arrays, self.call_objects = [], [], {}
         self.apply_module_changes(request.get("modules", []), buffers)
         encoder = self.new_encoder()
         operation = request.get("op")
@@ -245,6 +288,7 @@ class Agent(Peer):
         reply["modules"] = self.module_changes(encoder)
         reply["generators"] = [[index, encoder.encode(generator.bit_generator.state)]
                                for index, generator in self.call_generators]
+        reply["objects"] = [[handle, encoder.encode(dict(vars(obj)))] for handle, obj in self.call_objects.items()]
         reply["arrays"] = [[index, encoder.encode(array.view(np.ndarray))] for index, array, before in self.call_arrays
                            if not np.array_equal(array, before, equal_nan=array.dtype.kind in "fc")]
         return reply, encoder
@@ -298,6 +342,20 @@ class Agent(Peer):
         reply["probes"] = [encoder.encode(probe.findings()) for probe in active]
         reply["random"] = _random_state(encoder)
         return reply
+
+
+def course_class(name: Any) -> type:
+    """A plain class of the course package (no module, no exception), by (module, class name)."""
+    if not (isinstance(name, list) and len(name) == 2 and all(isinstance(part, str) for part in name)
+            and name[0].startswith("attention_lab.") and name[1].isidentifier()):
+        raise wire.WireError("a class that is not the course's")
+    try:
+        cls = getattr(importlib.import_module(name[0]), name[1], None)
+    except ImportError:
+        cls = None
+    if not (isinstance(cls, type) and cls.__module__ == name[0] and not issubclass(cls, (nn.Module, BaseException))):
+        raise wire.WireError("a class that is not one of the course's")
+    return cls
 
 
 def _random_state(encoder: wire.Encoder) -> dict:

@@ -23,6 +23,7 @@ with :class:`BridgeError`, which the checks do not catch.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import inspect
 import socket
 import time
@@ -116,11 +117,13 @@ class Bridge(Peer):
         self.ambient: list[probes_module.Probe] = []  # probes entered around every call (a check's call trace)
         self.generators: list[np.random.Generator] = []  # the random generators sent with this request
         self.arrays: list[np.ndarray] = []  # the arrays sent with this request
+        self.sent_objects: dict[int, tuple[str, Any]] = {}  # id(course object) -> (its id, the object)
+        self.request_objects: dict[str, Any] = {}  # the course objects sent with this request
 
     # -- the exchange ------------------------------------------------------------------
     def request(self, header: dict, encoder: wire.Encoder | None = None) -> tuple[dict, wire.Decoder]:
         if encoder is None:
-            self.generators, self.arrays = [], []
+            self.generators, self.arrays, self.request_objects = [], [], {}
             encoder = self.new_encoder()
         header["modules"] = self._module_changes(encoder)
         try:
@@ -145,6 +148,7 @@ class Bridge(Peer):
             self._apply_module_changes(reply.get("modules", []), decoder)
             self._apply_generator_states(reply.get("generators", []), decoder)
             self._apply_array_changes(reply.get("arrays", []), decoder)
+            self._apply_object_states(reply.get("objects", []), decoder)
         except wire.WireError as error:
             raise BridgeError(f"your notebook's kernel sent a malformed module or generator ({error})") from None
         return reply, decoder
@@ -206,16 +210,42 @@ class Bridge(Peer):
         return {"i": len(self.arrays) - 1}
 
     def _object(self, obj: Any, encoder: wire.Encoder) -> dict:
-        handle = getattr(obj, "_remote_handle", None)
+        handle = obj.__dict__.get("_remote_handle") if isinstance(obj, type) else getattr(obj, "_remote_handle", None)
         if isinstance(handle, str) and self.proxies.get(handle) is obj:
             return {"$": "ref", "h": handle}
         if isinstance(obj, nn.Module):
             return self._send_module(obj, encoder)
+        module = type(obj).__module__ or ""
+        if module.startswith("attention_lab.") and not module.startswith("attention_lab.bridge") \
+                and not isinstance(obj, type) and isinstance(getattr(obj, "__dict__", None), dict):
+            return self._send_course_object(obj, encoder)
         if isinstance(obj, np.random.Generator):  # sent as its state; its new state comes back
             self.generators.append(obj)
             return {"$": "npgenerator", "i": len(self.generators) - 1, "bits": type(obj.bit_generator).__name__,
                     "state": encoder.encode(obj.bit_generator.state)}
         raise wire.WireError(f"the grader cannot send {type(obj).__name__} to the kernel")
+
+    def _send_course_object(self, obj: Any, encoder: wire.Encoder) -> dict:
+        """An object of a course class (a check's configuration, its reference cache): sent as its
+        state, rebuilt in the kernel from the course's own class; the state the student's code leaves
+        it in comes back after the request (its tensors are shared memory, as any)."""
+        known = self.sent_objects.get(id(obj))
+        object_id = known[0] if known is not None and known[1] is obj else self.new_id()
+        self.sent_objects[id(obj)] = (object_id, obj)
+        self.request_objects[object_id] = obj
+        return {"$": "course_object", "h": object_id, "class": [type(obj).__module__, type(obj).__qualname__],
+                "state": encoder.encode({name: value for name, value in vars(obj).items()})}
+
+    def _apply_object_states(self, states: Any, decoder: wire.Decoder) -> None:
+        if not isinstance(states, list):
+            raise wire.WireError("malformed object states")
+        for item in states:
+            if not (isinstance(item, list) and len(item) == 2 and item[0] in self.request_objects):
+                raise wire.WireError("a state for an unknown object")
+            state = decoder.decode(item[1])
+            if not isinstance(state, dict) or not all(isinstance(k, str) and k.isidentifier() for k in state):
+                raise wire.WireError("a malformed object state")
+            vars(self.request_objects[item[0]]).update(state)
 
     def _send_module(self, module: nn.Module, encoder: wire.Encoder) -> dict:
         known = self.sent_modules.get(id(module))
@@ -250,13 +280,13 @@ class Bridge(Peer):
     # -- incoming values ---------------------------------------------------------------
     def _tagged(self, tag: str, fields: dict) -> Any:
         handle = fields.get("h")
+        if tag == "ref":  # the kernel handing back one of the checker's own modules or objects
+            for object_id, obj in (*self.sent_modules.values(), *self.sent_objects.values()):
+                if object_id == handle:
+                    return obj
+            raise wire.WireError("a reference to an unknown object")
         if not isinstance(handle, str) or not handle.startswith("k") or len(handle) > 24:
             raise wire.WireError("a malformed handle")
-        if tag == "ref":  # (the kernel handing back one of the checker's modules)
-            for module_id, module in self.sent_modules.values():
-                if module_id == handle:
-                    return module
-            raise wire.WireError("a reference to an unknown module")
         if handle in self.proxies:
             proxy = self.proxies[handle]
             if tag == "module" and "state" in fields and isinstance(proxy, nn.Module):
@@ -265,13 +295,14 @@ class Bridge(Peer):
         if tag == "module":
             proxy = self._new_module(handle, fields)
         elif tag == "class":
-            proxy = RemoteCallable(self, handle, fields, is_class=True)
+            proxy = _class_proxy(self, handle, fields)
         elif tag == "function":
             proxy = RemoteCallable(self, handle, fields)
         elif tag == "object":
-            proxy = RemoteObject(self, handle, fields)
+            proxy = _object_proxy(self, handle, fields)
         else:
             raise wire.WireError(f"an unknown tag {tag[:20]!r}")
+        self.proxies[handle] = proxy
         return proxy
 
     def _new_module(self, handle: str, fields: dict) -> nn.Module:
@@ -348,7 +379,7 @@ class Bridge(Peer):
 
     def measure(self, handle: str, probe: probes_module.Probe, what: str) -> probes_module.Probe:
         """Have the kernel's copy of ``probe`` measure the kernel's object ``handle`` itself (its code)."""
-        self.generators, self.arrays = [], []
+        self.generators, self.arrays, self.request_objects = [], [], {}
         encoder = self.new_encoder()
         spec = [*probes_module.spec(probe)[:2], encoder.encode(probe.parameters)]
         reply, decoder = self.request({"op": "measure", "target": handle, "probe": spec}, encoder)
@@ -363,7 +394,7 @@ class Bridge(Peer):
         """Call the kernel's object ``handle`` (or its ``method``); its probes' findings are
         accepted into ``probes`` (and the ambient ones) before the result or exception."""
         active = [*probes, *self.ambient]
-        self.generators, self.arrays = [], []
+        self.generators, self.arrays, self.request_objects = [], [], {}
         encoder = self.new_encoder()
         try:
             header = {"op": "call", "target": handle, "method": method,
@@ -493,11 +524,7 @@ class RemoteCallable(RemoteObject):
 
     @property
     def __globals__(self) -> RemoteNamespace:
-        namespace = getattr(self._remote_bridge, "_namespace", None)
-        if namespace is None:
-            namespace = RemoteNamespace(self._remote_bridge)
-            self._remote_bridge._namespace = namespace
-        return namespace
+        return _namespace(self._remote_bridge)
 
     def remote_call(self, args: tuple, kwargs: dict, probes: Sequence[probes_module.Probe] = (),
                     what: str = "the call") -> Any:
@@ -537,6 +564,84 @@ class RemoteModule(nn.Module):
         return self.__dict__["_remote_bridge"].getattr(self.__dict__["_remote_handle"], name)
 
 
+def _dataclass_fields(bridge: Bridge, data: Any) -> dict | None:
+    """``__dataclass_fields__`` for a proxy, from the names and defaults the kernel described."""
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        raise wire.WireError("malformed dataclass fields")
+    fields = {}
+    for item in data:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and item[0].isidentifier()):
+            raise wire.WireError("malformed dataclass fields")
+        empty = isinstance(item[1], dict) and item[1].get("$") == "empty"
+        field = dataclasses.field() if empty else dataclasses.field(default=bridge._current_decoder.decode(item[1]))
+        field.name, field.type, field._field_type = item[0], Any, dataclasses._FIELD
+        fields[item[0]] = field
+    return fields
+
+
+class RemoteClassMeta(type):
+    """The metaclass of a student's class as the checker sees it: a real class (``isinstance(cls,
+    type)``, ``issubclass(cls, nn.Module)``, a dataclass's fields), whose instances are made in the
+    kernel and whose other attributes are looked up there."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return cls.remote_call(args, kwargs, what=f"{cls.__name__}(...)")
+
+    def remote_call(cls, args: tuple, kwargs: dict, probes: Sequence[probes_module.Probe] = (),
+                    what: str = "the call") -> Any:
+        return cls._remote_bridge.call(cls._remote_handle, args, kwargs, probes=probes, what=what)
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return cls.__dict__["_remote_bridge"].getattr(cls.__dict__["_remote_handle"], name)
+
+    @property
+    def __globals__(cls) -> RemoteNamespace:
+        return _namespace(cls._remote_bridge)
+
+    def __repr__(cls) -> str:
+        return f"<class {cls.__qualname__} (in the student's kernel)>"
+
+
+_metaclasses: dict[type, type] = {}
+
+
+def _class_proxy(bridge: Bridge, handle: str, fields: dict) -> type:
+    torch_names = fields.get("torch") or []
+    base = modules.torch_module_class(torch_names[0]) if fields.get("module_class") and torch_names else object
+    meta = type(base)
+    if meta not in _metaclasses:
+        _metaclasses[meta] = RemoteClassMeta if meta is type else \
+            type(f"Remote{meta.__name__}", (RemoteClassMeta, meta), {})
+    name = fields.get("name") if isinstance(fields.get("name"), str) and fields["name"].isidentifier() else "Class"
+    namespace = {"__module__": "student", "__qualname__": str(fields.get("qualname") or name)[:200],
+                 "__signature__": _signature(fields.get("signature")), "_remote_handle": handle,
+                 "_remote_bridge": bridge}
+    dataclass_fields = _dataclass_fields(bridge, fields.get("dataclass"))
+    if dataclass_fields is not None:
+        namespace["__dataclass_fields__"] = dataclass_fields
+    return _metaclasses[meta](name, (base,), namespace)
+
+
+def _object_proxy(bridge: Bridge, handle: str, fields: dict) -> "RemoteObject":
+    dataclass_fields = _dataclass_fields(bridge, fields.get("dataclass"))
+    if dataclass_fields is None:
+        return RemoteObject(bridge, handle, fields)
+    name = str(fields.get("type", "object")).rsplit(".", 1)[-1]
+    cls = type(name if name.isidentifier() else "Object", (RemoteObject,), {"__dataclass_fields__": dataclass_fields})
+    return cls(bridge, handle, fields)
+
+
+def _namespace(bridge: Bridge) -> "RemoteNamespace":
+    namespace = getattr(bridge, "_namespace", None)
+    if namespace is None:
+        namespace = bridge._namespace = RemoteNamespace(bridge)
+    return namespace
+
+
 def measure(obj: Any, probe: probes_module.Probe, what: str) -> probes_module.Probe:
     """``probe``'s measurement of a proxy's object, taken in the student's kernel."""
     return obj._remote_bridge.measure(obj._remote_handle, probe, what)
@@ -544,12 +649,12 @@ def measure(obj: Any, probe: probes_module.Probe, what: str) -> probes_module.Pr
 
 def is_remote(obj: Any) -> bool:
     """Whether ``obj`` is a proxy of an object in a student's kernel."""
-    return isinstance(obj, (RemoteObject, RemoteModule))
+    return isinstance(obj, (RemoteObject, RemoteModule, RemoteClassMeta))
 
 
 def remote_call(fn: Any, args: tuple, kwargs: dict, probes: Sequence[probes_module.Probe], what: str) -> Any:
     """Call a proxy with probes (``call_student``'s way in)."""
-    if isinstance(fn, (RemoteCallable, RemoteModule)):
+    if isinstance(fn, (RemoteCallable, RemoteModule, RemoteClassMeta)):
         return fn.remote_call(args, kwargs, probes=probes, what=what)
     return fn._remote_bridge.call(fn._remote_handle, args, kwargs, probes=probes, what=what)
 

@@ -154,6 +154,9 @@ class Encoder:
         return self.on_object(value)
 
     def _tensor(self, tensor: torch.Tensor) -> dict:
+        if tensor.is_meta:  # shapes without numbers: what the contract checks can still say
+            return {"$": "meta_tensor", "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                    "stride": list(tensor.stride())}
         if self.on_tensor is not None:
             shared = self.on_tensor(tensor)
             if shared is not None:
@@ -254,6 +257,12 @@ class Decoder:
                 raise WireError("a malformed complex number") from None
         if tag == "tensor":
             return self._tensor(value)
+        if tag == "meta_tensor":
+            dtype = TORCH_DTYPES.get(value.get("dtype"))
+            shape, stride = _sizes(value, "shape"), _sizes(value, "stride")
+            if dtype is None or len(shape) != len(stride):
+                raise WireError("a malformed meta tensor")
+            return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         if tag == "ndarray":
             return self._array(value)
         if tag == "npscalar":
@@ -356,7 +365,8 @@ def tensor_fields(tensor: torch.Tensor, data: torch.Tensor) -> dict:
     """How ``data`` (``tensor``'s sendable data) views its storage, as sent."""
     return {"$": "tensor", "dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
             "stride": list(data.stride()), "offset": data.storage_offset(),
-            "grad": bool(tensor.requires_grad), "param": isinstance(tensor, torch.nn.Parameter)}
+            # a leaf that requires grad (a parameter, an input): a result's own grad_fn stays where it was made
+            "grad": bool(tensor.requires_grad and tensor.is_leaf), "param": isinstance(tensor, torch.nn.Parameter)}
 
 
 def _sizes(fields: dict, key: str) -> list[int]:
