@@ -22,7 +22,11 @@ import torch.nn.functional as F
 
 from attention_lab.checking import CheckFailure
 from attention_lab.checks import positions_and_blocks as checks
+from tests.bridge_harness import run_both_ways
 from attention_lab.images import draw_rose, image_dataset, pixel_coordinates
+
+# Every test twice: the checks in the student's kernel (the lab), and through the bridge (grading).
+where_checks_run = run_both_ways()
 
 CPU = {"device": "cpu", "quiet": True}
 

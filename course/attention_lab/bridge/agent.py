@@ -20,6 +20,7 @@ and the modules whose state changed (:mod:`attention_lab.bridge.modules`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
 import inspect
@@ -37,6 +38,7 @@ from attention_lab.bridge import modules, probes, wire
 from attention_lab.bridge.peer import Peer
 
 MAX_MESSAGE_TEXT = 2000
+MAX_GRAPHS = 256  # calls whose autograd graph is kept for a backward pass (the oldest go first)
 BIT_GENERATORS = ("PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937")  # an exception's message, as the checker may show it
 MAX_SOURCE = 200_000
 
@@ -106,6 +108,7 @@ class Agent(Peer):
         self.call_generators: list[tuple[int, np.random.Generator]] = []  # the checker's, in this request
         self.call_arrays: list[tuple[int, np.ndarray, np.ndarray]] = []  # (index, array, its bytes before)
         self.call_objects: dict[str, Any] = {}  # the checker's course objects in this request, by id
+        self.graphs: dict[str, tuple[list, list]] = {}  # call -> (its output tensors, its graph inputs)
 
     # -- objects -----------------------------------------------------------------------
     def handle(self, obj: Any) -> tuple[str, bool]:
@@ -148,6 +151,7 @@ class Agent(Peer):
         self.synced_modules[handle] = modules.fingerprint(module, self.sid_of)  # (its tensors are shared now)
         return {"class": cls.__qualname__[:200], "torch": modules.torch_classes(cls),
                 "builtin": modules.is_torch_class(cls), "state": state,
+                "class_handle": None if modules.is_torch_class(cls) else self.describe(cls, encoder),
                 "forward": _signature(getattr(module, "forward", None))}
 
     def encode_value(self, value: Any, encoder: wire.Encoder, share: bool = False) -> Any:
@@ -194,6 +198,10 @@ class Agent(Peer):
             return module
         if tag == "npgenerator":
             return self._generator(fields)
+        if tag == "torch_generator":
+            return self._torch_generator(fields.get("state"))
+        if tag == "dataloader":
+            return self._loader(fields)
         if tag == "course_object":  # an object of the course's (a check's configuration, its cache)
             return self._course_object(fields)
         raise wire.WireError(f"an unknown tag {tag[:20]!r}")
@@ -216,6 +224,30 @@ class Agent(Peer):
         vars(obj).update(state)
         self.call_objects[handle] = obj
         return obj
+
+    def _torch_generator(self, state_data: Any) -> torch.Generator:
+        state = self._current_decoder.decode(state_data)
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+            raise wire.WireError("a malformed torch generator")
+        generator = torch.Generator()
+        try:
+            generator.set_state(state.clone())
+        except RuntimeError:
+            raise wire.WireError("an invalid torch generator state") from None
+        return generator
+
+    def _loader(self, fields: dict) -> "torch.utils.data.DataLoader":
+        """The checker's DataLoader, rebuilt: the same tensors, batches and order."""
+        from torch.utils.data import DataLoader, TensorDataset
+
+        tensors = self._current_decoder.decode(fields.get("tensors"))
+        batch_size = fields.get("batch_size")
+        if not (isinstance(tensors, tuple) and tensors and all(isinstance(t, torch.Tensor) for t in tensors)
+                and len({len(t) for t in tensors}) == 1 and type(batch_size) is int and batch_size > 0):
+            raise wire.WireError("a malformed DataLoader")
+        generator = None if fields.get("generator") is None else self._torch_generator(fields["generator"])
+        return DataLoader(TensorDataset(*tensors), batch_size=batch_size, shuffle=bool(fields.get("shuffle")),
+                          drop_last=bool(fields.get("drop_last")), generator=generator)
 
     def _received_array(self, array: np.ndarray, fields: dict) -> None:
         """An array of the checker's: its bytes now, to send back whatever the call changes."""
@@ -275,6 +307,11 @@ class Agent(Peer):
             reply = {"value": source}
         elif operation == "call":
             reply = self._call(request, buffers, encoder)
+        elif operation == "backward":
+            reply = self._backward(request, buffers, encoder)
+        elif operation == "deepcopy":  # copy.deepcopy of a student's object: the copy stays here too
+            target = self._target(request)
+            reply = self._encode_or_raised(lambda: copy.deepcopy(target), encoder, missing=())
         elif operation == "measure":
             target = self._target(request)
             self.current_buffers = buffers
@@ -292,6 +329,44 @@ class Agent(Peer):
         reply["arrays"] = [[index, encoder.encode(array.view(np.ndarray))] for index, array, before in self.call_arrays
                            if not np.array_equal(array, before, equal_nan=array.dtype.kind in "fc")]
         return reply, encoder
+
+    def _keep_graph(self, result: Any, parameters: Any) -> str:
+        """Keep the call's autograd graph (outputs, inputs) for the checker's backward; its id."""
+        if not isinstance(parameters, list):
+            raise wire.WireError("malformed parameters")
+        inputs = [self.graph_inputs[index] for index in sorted(self.graph_inputs)]
+        for item in parameters:
+            module = self.handles.get(item[0]) if isinstance(item, list) and len(item) == 2 else None
+            if not isinstance(module, nn.Module) or not isinstance(item[1], str):
+                raise wire.WireError("a parameter of an unknown module")
+            parameter = dict(module.named_parameters()).get(item[1])
+            inputs.append(parameter if parameter is not None else torch.zeros(()))
+        graph = self.new_id()
+        self.graphs[graph] = (_flat_tensors(result), inputs)
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.pop(next(iter(self.graphs)))
+        return graph
+
+    def _backward(self, request: dict, buffers: list[bytes], encoder: wire.Encoder) -> dict:
+        graph = self.graphs.get(request.get("graph"))
+        if graph is None:
+            raise wire.WireError("a backward pass of an unknown call")
+        outputs, inputs = graph
+        gradients = self.decode(request.get("gradients"), buffers)
+        if not isinstance(gradients, list) or len(gradients) != len(outputs):
+            raise wire.WireError("gradients for the wrong number of outputs")
+        pairs = [(o, g) for o, g in zip(outputs, gradients) if isinstance(g, torch.Tensor) and o.requires_grad]
+        wanted = [i for i, tensor in enumerate(inputs) if tensor.requires_grad]
+        found: list = [None] * len(inputs)
+        if pairs and wanted:
+            try:
+                computed = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
+                                               [g for _, g in pairs], allow_unused=True, retain_graph=True)
+            except Exception as error:  # the student's backward (an autograd.Function's) raised
+                return {"raised": exception_data(error)}
+            for i, gradient in zip(wanted, computed):
+                found[i] = gradient
+        return {"value": encoder.encode(found)}
 
     def _target(self, request: dict) -> Any:
         handle = request.get("target")
@@ -318,6 +393,7 @@ class Agent(Peer):
             if not isinstance(method, str):
                 raise wire.WireError("a malformed method name")
             target = getattr(target, method)
+        self.graph_inputs = {}
         args = self.decode(request.get("args", {"$": "tuple", "v": []}), buffers)
         kwargs = self.decode(request.get("kwargs", {"$": "dict", "v": []}), buffers)
         if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
@@ -333,6 +409,8 @@ class Agent(Peer):
                         stack.enter_context(probe)
                     result = target(*args, **kwargs)
                 reply["value"] = encoder.encode(result)
+                if request.get("graph"):
+                    reply["graph"] = self._keep_graph(result, request.get("parameters", []))
             except wire.WireError as error:
                 reply["unsendable"] = str(error)
             except BaseException as error:  # noqa: BLE001 -- the student's exception, as data (SystemExit too)
@@ -342,6 +420,17 @@ class Agent(Peer):
         reply["probes"] = [encoder.encode(probe.findings()) for probe in active]
         reply["random"] = _random_state(encoder)
         return reply
+
+
+def _flat_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors of a result, in the order the checker flattens it (remote._flat_tensors)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and depth < wire.MAX_DEPTH:
+        return [t for item in value for t in _flat_tensors(item, depth + 1)]
+    if isinstance(value, dict) and depth < wire.MAX_DEPTH:
+        return [t for item in value.values() for t in _flat_tensors(item, depth + 1)]
+    return []
 
 
 def course_class(name: Any) -> type:

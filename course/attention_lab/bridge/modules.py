@@ -29,10 +29,11 @@ def torch_class_name(cls: type) -> str:
 
 
 def torch_module_class(name: Any) -> type[nn.Module]:
-    """The PyTorch module class called ``name`` (``torch.nn.modules.<file>.<Class>``), never anything else."""
+    """The module class called ``name``: one of PyTorch's (``torch.nn.modules.<file>.<Class>``) or of the
+    course package (a check's own module, ``attention_lab.checks.<file>.<Class>``), never anything else."""
     module_name, _, class_name = name.rpartition(".") if isinstance(name, str) and len(name) < 200 else ("", "", "")
-    if not (module_name.startswith("torch.nn.modules.") and class_name.isidentifier()):
-        raise wire.WireError(f"{str(name)[:60]!r} is not a module class of torch.nn")
+    if not ((module_name.startswith("torch.nn.modules.") or is_course_module(module_name)) and class_name.isidentifier()):
+        raise wire.WireError(f"{str(name)[:60]!r} is not a module class of torch.nn or of the course")
     import importlib
 
     try:
@@ -42,6 +43,17 @@ def torch_module_class(name: Any) -> type[nn.Module]:
     if not (isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == module_name):
         raise wire.WireError(f"{str(name)[:60]!r} is not a module class of torch.nn")
     return cls
+
+
+def is_course_module(module_name: str) -> bool:
+    """A module of the course package whose classes may be rebuilt from a message (not the bridge's)."""
+    return module_name.startswith("attention_lab.") and not module_name.startswith("attention_lab.bridge")
+
+
+def is_sendable_class(cls: type) -> bool:
+    """A module class the other side can rebuild by name: PyTorch's own, or the course's."""
+    return is_torch_class(cls) or (is_course_module(cls.__module__ or "") and "<" not in cls.__qualname__
+                                   and "." not in cls.__qualname__)
 
 
 def is_torch_class(cls: type) -> bool:
@@ -62,10 +74,15 @@ def _plain(value: Any, depth: int = 0) -> bool:
     return isinstance(value, torch.dtype)
 
 
+# nn.Module's own bookkeeping: never sent, never set from a message.
+MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training", "forward", "__class__", "__dict__"}
+
+
 def plain_attributes(module: nn.Module) -> dict[str, Any]:
-    """The module's own attributes that are plain data (``num_heads``, ``scale``, ``eps``...)."""
+    """The module's own attributes that are plain data (``num_heads``, ``eps``, PyTorch's private
+    ``_qkv_same_embed_dim``...)."""
     return {name: value for name, value in vars(module).items()
-            if not name.startswith("_") and name != "training" and _plain(value)}
+            if name not in MODULE_INTERNALS and not name.startswith("__") and _plain(value)}
 
 
 def fingerprint(module: nn.Module, sid_of) -> tuple:
@@ -79,6 +96,7 @@ def fingerprint(module: nn.Module, sid_of) -> tuple:
     return (module.training,
             tuple((name, tensor_key(p)) for name, p in module._parameters.items()),
             tuple((name, tensor_key(b)) for name, b in module._buffers.items()),
+            tuple(sorted(module._non_persistent_buffers_set)),
             tuple((name, tensor_key(t)) for name, t in vars(module).items()
                   if isinstance(t, torch.Tensor) and not name.startswith("_")),
             tuple((name, id(child)) for name, child in module._modules.items()),
@@ -90,6 +108,7 @@ def state(module: nn.Module, encode) -> dict:
     tensors = {name: value for name, value in vars(module).items()
                if isinstance(value, torch.Tensor) and not name.startswith("_")}
     return {"training": bool(module.training),
+            "non_persistent": sorted(str(name) for name in module._non_persistent_buffers_set),
             "params": [[name, encode(p)] for name, p in module._parameters.items()],
             "tensors": [[name, encode(t)] for name, t in tensors.items()],
             "buffers": [[name, encode(b)] for name, b in module._buffers.items()],
@@ -98,8 +117,9 @@ def state(module: nn.Module, encode) -> dict:
 
 
 def _named(items: Any, what: str) -> list[tuple[str, Any]]:
+    """(name, value) pairs of a module's state: names as PyTorch allows them (``0`` in a Sequential)."""
     if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                                              and p[0].isidentifier() for p in items):
+                                              and 0 < len(p[0]) < 200 and "." not in p[0] for p in items):
         raise wire.WireError(f"malformed module {what}")
     return [(name, value) for name, value in items]
 
@@ -115,7 +135,7 @@ def apply_state(module: nn.Module, fields: dict, decode) -> None:
         del module._parameters[name]  # the other side removed it (``del module.weight``)
     for name, value in _named(fields.get("tensors", []), "tensors"):
         tensor = decode(value)
-        if not isinstance(tensor, torch.Tensor) or name in ("training", "forward"):
+        if not isinstance(tensor, torch.Tensor) or name in MODULE_INTERNALS or not name.isidentifier():
             raise wire.WireError("a plain tensor attribute that is not a tensor")
         object.__setattr__(module, name, tensor)
     for name, value in params:
@@ -133,11 +153,18 @@ def apply_state(module: nn.Module, fields: dict, decode) -> None:
         else:  # a plain tensor where a parameter was: as the student's code left it
             module._parameters.pop(name, None)
             object.__setattr__(module, name, tensor)
-    for name, value in _named(fields.get("buffers", []), "buffers"):
+    buffers = _named(fields.get("buffers", []), "buffers")
+    for name in set(module._buffers) - {name for name, _ in buffers}:
+        del module._buffers[name]
+    for name, value in buffers:
         tensor = decode(value)
         if tensor is not None and not isinstance(tensor, torch.Tensor):
             raise wire.WireError("a buffer that is not a tensor")
         module._buffers[name] = tensor
+    non_persistent = fields.get("non_persistent", [])
+    if not isinstance(non_persistent, list) or not all(isinstance(name, str) for name in non_persistent):
+        raise wire.WireError("malformed non-persistent buffers")
+    module._non_persistent_buffers_set = set(non_persistent) & set(module._buffers)
     children = {}
     for name, value in _named(fields.get("children", []), "children"):
         child = decode(value)
@@ -147,7 +174,7 @@ def apply_state(module: nn.Module, fields: dict, decode) -> None:
     module._modules.clear()
     module._modules.update(children)
     for name, value in _named(fields.get("attrs", []), "attributes"):
-        if name in ("training", "forward") or name.startswith("_"):
+        if name in MODULE_INTERNALS or name.startswith("__") or not name.isidentifier():
             raise wire.WireError(f"attribute {name} cannot be set")
         object.__setattr__(module, name, decode(value))
 

@@ -37,6 +37,7 @@ class Peer:
         self.by_pointer: dict[int, str] = {}  # local storage address -> sid
         self.known_to_other: set[str] = set()
         self.shared_bytes = 0
+        self.graph_inputs: dict[int, torch.Tensor] = {}  # the current call's autograd inputs, by index
 
     def new_id(self) -> str:
         self._next += 1
@@ -75,6 +76,9 @@ class Peer:
             whole.set_(data.untyped_storage())
             self._register(sid, whole)
         fields["sid"] = sid
+        graph_index = getattr(encoder, "grad_inputs", {}).get(id(tensor))
+        if graph_index is not None:  # an input of the call's autograd graph (see remote.Bridge.call)
+            fields["grad"], fields["gi"] = True, graph_index
         if sid not in self.known_to_other:
             whole = self.storages[sid][0]
             fields["b"] = encoder._buffer(whole.numpy().tobytes())
@@ -94,7 +98,13 @@ class Peer:
             whole = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             self._register(sid, whole)
             self.known_to_other.add(sid)
-        return wire.tensor_on(self.storages[sid][0], fields)
+        graph_index = fields.get("gi")
+        if type(graph_index) is int and graph_index in self.graph_inputs:
+            return self.graph_inputs[graph_index]  # the same input twice (q = k = v = x): one tensor
+        tensor = wire.tensor_on(self.storages[sid][0], fields)
+        if type(graph_index) is int and 0 <= graph_index < 10_000:
+            self.graph_inputs[graph_index] = tensor
+        return tensor
 
     def changes(self, encoder: wire.Encoder) -> list[list]:
         """[sid, buffer] for every shared storage this side changed since the last crossing."""

@@ -219,6 +219,10 @@ class Bridge(Peer):
         if module.startswith("attention_lab.") and not module.startswith("attention_lab.bridge") \
                 and not isinstance(obj, type) and isinstance(getattr(obj, "__dict__", None), dict):
             return self._send_course_object(obj, encoder)
+        if isinstance(obj, torch.utils.data.DataLoader):
+            return _send_loader(obj, encoder)
+        if isinstance(obj, torch.Generator):
+            return {"$": "torch_generator", "state": encoder.encode(obj.get_state())}
         if isinstance(obj, np.random.Generator):  # sent as its state; its new state comes back
             self.generators.append(obj)
             return {"$": "npgenerator", "i": len(self.generators) - 1, "bits": type(obj.bit_generator).__name__,
@@ -251,8 +255,8 @@ class Bridge(Peer):
         known = self.sent_modules.get(id(module))
         if known is not None and known[1] is module:
             return {"$": "ref", "h": known[0]}
-        if not modules.is_torch_class(type(module)):
-            raise wire.WireError(f"the grader can send only PyTorch's own modules, not {type(module).__name__}")
+        if not modules.is_sendable_class(type(module)):
+            raise wire.WireError(f"the grader can send only PyTorch's and the course's modules, not {type(module).__name__}")
         module_id = self.new_id()
         self.sent_modules[id(module)] = (module_id, module)
         state = modules.state(module, lambda v: self._share_or_encode(v, encoder))
@@ -313,6 +317,10 @@ class Bridge(Peer):
             module = modules.empty_instance(modules.torch_module_class(torch_names[0]))
         else:
             base = modules.torch_module_class(torch_names[0])
+            # the proxy of the student's class as a base too: isinstance(module, TheirClass) holds
+            class_proxy = self._current_decoder.decode(fields["class_handle"]) if fields.get("class_handle") else None
+            if isinstance(class_proxy, RemoteClassMeta) and issubclass(class_proxy, nn.Module):
+                base = class_proxy
             name = str(fields.get("class", "Module")).rsplit(".", 1)[-1][:100]
             members = {"__module__": "student"}
             forward = _signature(fields.get("forward"))
@@ -372,6 +380,11 @@ class Bridge(Peer):
             raise AttributeError(name)
         return self.value_of(reply, decoder, f"the attribute {name}")
 
+    def deepcopy(self, handle: str) -> Any:
+        """A deep copy of the kernel's object, made there (its proxy)."""
+        reply, decoder = self.request({"op": "deepcopy", "target": handle})
+        return self.value_of(reply, decoder, "a copy of your object")
+
     def source(self, handle: str) -> str | None:
         reply, _ = self.request({"op": "source", "target": handle})
         source = reply.get("value")
@@ -396,11 +409,18 @@ class Bridge(Peer):
         active = [*probes, *self.ambient]
         self.generators, self.arrays, self.request_objects = [], [], {}
         encoder = self.new_encoder()
+        # Gradients cross too: the arguments that require grad and the parameters of the student's
+        # modules involved are the inputs of one autograd node here (_RemoteGraph), whose backward
+        # asks the kernel for the gradients through the graph it kept.
+        graph_inputs = _tensors_requiring_grad((args, kwargs)) if torch.is_grad_enabled() else []
+        parameters = self._parameters_involved(handle, args, kwargs) if torch.is_grad_enabled() else []
+        encoder.grad_inputs = {id(tensor): index for index, tensor in enumerate(graph_inputs)}
         try:
             header = {"op": "call", "target": handle, "method": method,
                       "args": encoder.encode(tuple(args)), "kwargs": encoder.encode(dict(kwargs)),
                       "probes": [[*probes_module.spec(p)[:2], encoder.encode(p.parameters)] for p in active],
-                      "grad": torch.is_grad_enabled(), "random": _random_state(encoder)}
+                      "grad": torch.is_grad_enabled(), "random": _random_state(encoder),
+                      "graph": bool(graph_inputs or parameters), "parameters": [[h, n] for h, n, _ in parameters]}
         except wire.WireError as error:
             raise BridgeError(f"the grader could not send the arguments of {what}: {error}") from None
         reply, decoder = self.request(header, encoder)
@@ -413,7 +433,34 @@ class Bridge(Peer):
             except wire.WireError as error:
                 raise BridgeError(f"your notebook's kernel sent a malformed measurement ({error})") from None
         _set_random_state(reply.get("random"), self, decoder)
-        return self.value_of(reply, decoder, what)
+        result = self.value_of(reply, decoder, what)
+        if isinstance(reply.get("graph"), str):
+            result = _connect_graph(self, reply["graph"], result, [*graph_inputs, *(p for _, _, p in parameters)])
+        return result
+
+    def _parameters_involved(self, handle: str, args: tuple, kwargs: dict) -> list[tuple[str, str, torch.Tensor]]:
+        """(module handle, name, the mirror's parameter) of every parameter that requires grad of the
+        student's modules this call involves: the one called, and those passed to it."""
+        involved = [self.proxies.get(handle)] + [value for value in (*args, *kwargs.values()) if isinstance(value, RemoteModule)]
+        found, seen = [], set()
+        for module in involved:
+            if not isinstance(module, RemoteModule) or id(module) in seen:
+                continue
+            seen.add(id(module))
+            for name, parameter in module.named_parameters():
+                if parameter.requires_grad:
+                    found.append((module._remote_handle, name, parameter))
+        return found
+
+    def backward(self, graph: str, gradients: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The gradients of a call's graph inputs, given those of its outputs (computed in the kernel)."""
+        encoder = self.new_encoder()
+        reply, decoder = self.request({"op": "backward", "graph": graph,
+                                       "gradients": encoder.encode(list(gradients))}, encoder)
+        found = self.value_of(reply, decoder, "the backward pass of your code")
+        if not isinstance(found, list) or not all(g is None or isinstance(g, torch.Tensor) for g in found):
+            raise BridgeError("your notebook's kernel sent malformed gradients")
+        return found
 
     def close(self) -> None:
         try:
@@ -422,6 +469,92 @@ class Bridge(Peer):
         except OSError:
             pass
         self.connection.close()
+
+
+def _tensors_requiring_grad(value: Any, found: list | None = None, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors that require grad in nested tuples, lists and dicts, each once, in encoding order."""
+    found = [] if found is None else found
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad and not any(value is seen for seen in found):
+            found.append(value)
+    elif isinstance(value, (tuple, list)) and depth < wire.MAX_DEPTH:
+        for item in value:
+            _tensors_requiring_grad(item, found, depth + 1)
+    elif isinstance(value, dict) and depth < wire.MAX_DEPTH:
+        for key, item in value.items():
+            _tensors_requiring_grad(key, found, depth + 1)
+            _tensors_requiring_grad(item, found, depth + 1)
+    return found
+
+
+def _flat_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and depth < wire.MAX_DEPTH:
+        return [t for item in value for t in _flat_tensors(item, depth + 1)]
+    if isinstance(value, dict) and depth < wire.MAX_DEPTH:
+        return [t for item in value.values() for t in _flat_tensors(item, depth + 1)]
+    return []
+
+
+def _replace_tensors(value: Any, replacements: list[torch.Tensor], depth: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        return replacements.pop(0)
+    if isinstance(value, (tuple, list)) and depth < wire.MAX_DEPTH:
+        return type(value)(_replace_tensors(item, replacements, depth + 1) for item in value)
+    if isinstance(value, dict) and depth < wire.MAX_DEPTH:
+        return {key: _replace_tensors(item, replacements, depth + 1) for key, item in value.items()}
+    return value
+
+
+class _RemoteGraph(torch.autograd.Function):
+    """One call of the student's code as a node of the checker's autograd graph: its inputs are the
+    call's graph inputs, its outputs the tensors the call returned, its backward the kernel's."""
+
+    @staticmethod
+    def forward(ctx, link: "_GraphLink", *inputs: torch.Tensor):
+        ctx.link = link
+        outputs = tuple(output.view_as(output) for output in link.outputs)
+        ctx.mark_non_differentiable(*(o for o in outputs if not (o.is_floating_point() or o.is_complex())))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *gradients: torch.Tensor):
+        link = ctx.link
+        found = link.bridge.backward(link.graph, list(gradients))
+        if len(found) != link.inputs:
+            raise BridgeError("your notebook's kernel sent gradients for the wrong number of inputs")
+        return (None, *found)
+
+
+class _GraphLink:
+    def __init__(self, bridge: Bridge, graph: str, outputs: list[torch.Tensor], inputs: int):
+        self.bridge, self.graph, self.outputs, self.inputs = bridge, graph, outputs, inputs
+
+
+def _connect_graph(bridge: Bridge, graph: str, result: Any, inputs: list[torch.Tensor]) -> Any:
+    """``result`` with its tensors made outputs of a :class:`_RemoteGraph` node over ``inputs``."""
+    outputs = _flat_tensors(result)
+    if not outputs or not inputs:
+        return result
+    connected = list(_RemoteGraph.apply(_GraphLink(bridge, graph, outputs, len(inputs)), *inputs))
+    return _replace_tensors(result, connected)
+
+
+def _send_loader(loader: "torch.utils.data.DataLoader", encoder: wire.Encoder) -> dict:
+    """A DataLoader of the checker's over a TensorDataset, as what the kernel needs to rebuild it: its
+    tensors, batch size, order (shuffled from its generator's state, or the global one's) and drop_last."""
+    from torch.utils.data import RandomSampler, SequentialSampler, TensorDataset
+
+    sampler = loader.sampler
+    if not isinstance(loader.dataset, TensorDataset) or loader.num_workers or loader.batch_size is None \
+            or not isinstance(sampler, (RandomSampler, SequentialSampler)):
+        raise wire.WireError("the grader can send only a DataLoader over a TensorDataset (no workers)")
+    generator = getattr(sampler, "generator", None)
+    return {"$": "dataloader", "tensors": encoder.encode(tuple(loader.dataset.tensors)),
+            "batch_size": int(loader.batch_size), "drop_last": bool(loader.drop_last),
+            "shuffle": isinstance(sampler, RandomSampler),
+            "generator": None if generator is None else encoder.encode(generator.get_state())}
 
 
 def _random_state(encoder: wire.Encoder) -> dict:
@@ -506,6 +639,9 @@ class RemoteObject:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._remote_bridge.call(self._remote_handle, args, kwargs, what=f"calling a {self._remote_type}")
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self._remote_bridge.deepcopy(self._remote_handle)
+
     def __repr__(self) -> str:
         return f"<{self._remote_type} in the student's kernel>"
 
@@ -554,6 +690,9 @@ class RemoteModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._remote_bridge.call(self._remote_handle, args, kwargs, method="forward",
                                         what=f"{type(self).__name__}.forward(...)")
+
+    def __deepcopy__(self, memo: dict) -> "RemoteModule":
+        return self.__dict__["_remote_bridge"].deepcopy(self.__dict__["_remote_handle"])
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attention_lab.checking import _student_namespace
 from attention_lab.checking import (
     one_cpu_thread,
     CheckFailure,
@@ -1290,11 +1291,9 @@ ORDER_HINTS = {
 
 def _student_class(answer: Any, name: str) -> Any:
     """The class called ``name`` where the student's answer was defined (a notebook's ``__main__``), if any."""
-    for member in vars(answer).values() if isinstance(answer, type) else ():
-        namespace = getattr(getattr(member, "__func__", member), "__globals__", None)
-        if isinstance(namespace, dict) and isinstance(namespace.get(name), type):
-            return namespace[name]
-    return None
+    namespace = _student_namespace(answer) if isinstance(answer, type) else None
+    found = namespace.get(name) if namespace is not None else None
+    return found if isinstance(found, type) else None
 
 
 def _find_order_parts(model: nn.Module, vocab_size: int, embed_dim: int, max_len: int, call: str,
