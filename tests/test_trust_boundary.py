@@ -190,3 +190,10 @@ def test_the_messages_come_from_the_checker(graded):
     assert "raised CheckFailure" in failure.evalue, failure.evalue
     exited = graded_cells(graded, student("SystemExit"))[LEAF_TEST]
     assert "raised SystemExit" in exited.evalue, exited.evalue
+
+
+def test_the_report_says_where_verdicts_were_decided_and_who_kept_the_grader_out(graded):
+    report = (graded["root"] / "reports" / "grading_report.md").read_text()
+    assert f"decided by the trusted checker, outside the student's kernel: {ASSIGNMENT}" in report
+    line = next(line for line in report.splitlines() if line.startswith(f"| {student('input transformer')} |"))
+    assert "kept the grader from calling the answers" in line, line

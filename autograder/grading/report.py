@@ -15,6 +15,7 @@ from pathlib import Path
 
 from autograder import results
 from autograder.grading.plan import REPORTS_DIR, Outcome, Settings
+from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL
 
 
 def score_text(outcome: Outcome) -> str:
@@ -50,15 +51,29 @@ def summary(outcomes: list[Outcome]) -> str:
     return text
 
 
+def verdicts_line(outcomes: list[Outcome]) -> str:
+    """Where the verdicts of this run's notebooks were decided (the README's security section says why)."""
+    notebooks = sorted({test["notebook"] for o in outcomes for test in o.tests} or {o.assignment for o in outcomes})
+    outside = [n for n in notebooks if n in CHECKED_OUTSIDE_THE_KERNEL]
+    inside = [n for n in notebooks if not n in CHECKED_OUTSIDE_THE_KERNEL]
+    parts = []
+    if outside:
+        parts.append(f"decided by the trusted checker, outside the student's kernel: {', '.join(outside)}")
+    if inside:
+        parts.append(f"decided inside the student's kernel (a submission's code could forge them): {', '.join(inside)}")
+    return "Verdicts " + "; ".join(parts) + "." if parts else "No notebook was graded."
+
+
 def write_report(root: Path, outcomes: list[Outcome], problems: list[str], settings: Settings,
                  isolation: str, engine: str = "") -> Path:
     folder = root / REPORTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
-    data = {"generated": stamp, "isolation": isolation, "engine": engine, "settings": dataclasses.asdict(settings),
+    data = {"generated": stamp, "isolation": isolation, "engine": engine, "verdicts": verdicts_line(outcomes),
+            "settings": dataclasses.asdict(settings),
             "problems": problems, "submissions": [o.as_dict() for o in outcomes]}
     (folder / "grading_report.json").write_text(json.dumps(data, indent=1, ensure_ascii=False))
-    lines = [f"# Grading report ({stamp})", "", f"Isolation: {isolation}", ""]
+    lines = [f"# Grading report ({stamp})", "", f"Isolation: {isolation}", "", verdicts_line(outcomes), ""]
     if engine:
         lines += [f"Engine: {engine}", ""]
     lines += ["| student | assignment | status | score | notes |", "|---|---|---|---|---|"]
