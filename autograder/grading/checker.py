@@ -70,8 +70,9 @@ def _error_output(error: BaseException) -> dict:
     return {"output_type": "error", "ename": ename, "evalue": evalue, "traceback": lines}
 
 
-def run_cell(source: str, connection: socket.socket, timeout: float) -> list[dict]:
-    """Run one test cell against the kernel at the other end of ``connection``; its outputs."""
+def run_cell(source: str, connection: socket.socket, timeout: float) -> tuple[list[dict], int]:
+    """Run one test cell against the kernel at the other end of ``connection``: its outputs, and
+    how many requests crossed to the kernel."""
     from attention_lab.bridge.remote import Bridge
 
     bridge = Bridge(connection, timeout)
@@ -92,7 +93,7 @@ def run_cell(source: str, connection: socket.socket, timeout: float) -> list[dic
         text = text[:MAX_OUTPUT] + f"\n[output truncated by the grader after {MAX_OUTPUT} characters]\n"
     if text:
         outputs.insert(0, {"output_type": "stream", "name": "stdout", "text": text})
-    return outputs
+    return outputs, bridge.requests
 
 
 def serve() -> int:
@@ -128,8 +129,8 @@ def serve() -> int:
             except socket.timeout:
                 answer = {"error": "the kernel did not start the grader's bridge"}
             else:
-                answer = {"outputs": run_cell(request["cell"], connection, float(request.get("timeout", 120))),
-                          "seconds": round(time.monotonic() - started, 3)}
+                outputs, requests = run_cell(request["cell"], connection, float(request.get("timeout", 120)))
+                answer = {"outputs": outputs, "seconds": round(time.monotonic() - started, 3), "requests": requests}
         except Exception:  # a bug of ours: this cell cannot be graded, the next one can
             answer = {"error": "the checker failed: " + traceback.format_exc(limit=5)[-2000:]}
         finally:

@@ -93,6 +93,7 @@ class CheckedOutsideTheKernel:
     in the trusted checker (see the module docstring)."""
 
     bridge_refused = False  # this kernel kept the grader out once: no second wait
+    checked_cells: dict  # grade_id -> {"seconds", "requests"} of each cell the checker ran (benchmarks read it)
     bridge_grace = UNRESPONSIVE_GRACE  # seconds a kernel has to start the agent, and to finish after
 
     def report_incident(self, incident: dict) -> None:
@@ -103,6 +104,8 @@ class CheckedOutsideTheKernel:
         the cell on its next attempt); nothing by default."""
 
     async def check_outside_the_kernel(self, cell, number: int, grade_id: str | None):
+        if not hasattr(self, "checked_cells"):
+            self.checked_cells = {}
         if self.bridge_refused:
             return self._refused(cell, number, grade_id)
         path = str(Path(self.km.connection_file).parent / f"bridge-{uuid.uuid4().hex[:12]}.sock")
@@ -117,6 +120,7 @@ class CheckedOutsideTheKernel:
         answer = await loop.run_in_executor(None, checker.receive, connect + limit + 30)
         if answer is not None and "outputs" in answer:
             cell.outputs = [NotebookNode(output) for output in answer["outputs"]]
+            self.checked_cells[grade_id] = {"seconds": answer.get("seconds"), "requests": answer.get("requests")}
         elif "did not start the grader's bridge" in (answer or {}).get("error", ""):
             self.bridge_refused = True
             self._refused(cell, number, grade_id)

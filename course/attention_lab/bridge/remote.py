@@ -111,6 +111,7 @@ class Bridge(Peer):
         self.connection = connection
         self.timeout = timeout  # for the whole test cell, as a kernel's cell has
         self.deadline = time.monotonic() + timeout
+        self.requests = 0  # crossings so far (for the benchmarks)
         self.proxies: dict[str, Any] = {}  # kernel handle -> its proxy (one proxy per object)
         self.sent_modules: dict[int, tuple[str, nn.Module]] = {}  # id(checker module) -> (its id, the module)
         self.synced: dict[str, tuple] = {}  # module id (either side's) -> fingerprint as last synced
@@ -125,6 +126,7 @@ class Bridge(Peer):
         if encoder is None:
             self.generators, self.arrays, self.request_objects = [], [], {}
             encoder = self.new_encoder()
+        self.requests += 1
         header["modules"] = self._module_changes(encoder)
         try:
             left = self.deadline - time.monotonic()
