@@ -657,7 +657,7 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
     # 1 acc not rescaled, 2 exp on base-2 scores, 3 no boundary mask, 4 blank, 5 exp2 on natural scores,
     # 6 K loaded without a mask, 7 V without a mask, 8 Q without a mask, 9 the causal loop visits every key block,
     # 10 the causal bound forgets S_k - S_q, 11 the last visible key used as an exclusive stop,
-    # 12 acc normalised inside the loop.
+    # 12 acc normalised inside the loop, 13 out stored without a mask.
     pid_q, pid_h = tl.program_id(0), tl.program_id(1)
     rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     cols_d = tl.arange(0, HEAD_DIM)
@@ -719,8 +719,11 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
     m_i = m_i * 1.4426950408889634
     acc = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    tl.store(Out + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :], acc.to(Out.dtype.element_ty),
-             mask=rows[:, None] < seq_q)
+    if BUG == 13:
+        tl.store(Out + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :], acc.to(Out.dtype.element_ty))
+    else:
+        tl.store(Out + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :],
+                 acc.to(Out.dtype.element_ty), mask=rows[:, None] < seq_q)
     tl.store(Lse + pid_h * seq_q + rows, lse, mask=rows < seq_q)
 
 
@@ -746,7 +749,8 @@ def test_kernel_correct_answer_passes(capsys):
                                        pytest.param(7, "unmasked_load", marks=INTERPRETER_ONLY),
                                        pytest.param(8, "unmasked_load", marks=INTERPRETER_ONLY),
                                        pytest.param(9, "kernel_future_blocks", marks=INTERPRETER_ONLY),
-                                       (10, "bound_no_offset"), (11, "bound_inclusive"), (12, "normalise_inside")])
+                                       (10, "bound_no_offset"), (11, "bound_inclusive"), (12, "normalise_inside"),
+                                       (13, "kernel_unmasked_store")])
 def test_kernel_mistakes_are_named(bug, hint):
     with pytest.raises(CheckFailure) as failure:
         checks.check_flash_attention_kernel(Planted(bug), **KERNEL)
@@ -791,31 +795,47 @@ def test_kernel_blank_is_not_implemented_yet_not_a_crash():
 
 @triton.jit
 def planted_scale(X, Out, n, alpha, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
-    # 0 correct, 1 load without a mask, 2 store without a mask
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # 0 correct, 1 load without a mask, 2 store without a mask, 3 masks of offsets <= n, 4 the program's offset
+    # without * BLOCK
+    if BUG == 4:
+        offsets = tl.program_id(0) + tl.arange(0, BLOCK)
+    else:
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    if BUG == 3:
+        inside = offsets <= n
     if BUG == 1:
         x = tl.load(X + offsets)
     else:
-        x = tl.load(X + offsets, mask=offsets < n, other=0.0)
+        x = tl.load(X + offsets, mask=inside, other=0.0)
     if BUG == 2:
         tl.store(Out + offsets, x * alpha)
     else:
-        tl.store(Out + offsets, x * alpha, mask=offsets < n)
+        tl.store(Out + offsets, x * alpha, mask=inside)
 
 
 @triton.jit
 def planted_matmul(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BUG: tl.constexpr = 0):
-    # 0 correct (pointers advanced each step), 1 the K tail not masked, 2 only the first K block
+    # 0 correct (pointers advanced each step), 1 the K tail not masked, 2 only the first K block, 3 A's strides
+    # swapped, 4 the K loop drops the last slice, 5 a float16 accumulator, 6 C stored without a mask
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = A + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    if BUG == 3:
+        a_ptrs = A + rm[:, None] * stride_ak + rk[None, :] * stride_am
+    else:
+        a_ptrs = A + rm[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = B + rk[:, None] * stride_bk + rn[None, :] * stride_bn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if BUG == 5:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float16)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     stop = K
     if BUG == 2:
         stop = BLOCK_K
+    if BUG == 4:
+        stop = K - BLOCK_K
     for k0 in range(0, stop, BLOCK_K):
         if BUG == 1:
             a = tl.load(a_ptrs, mask=rm[:, None] < M, other=0.0)
@@ -823,27 +843,44 @@ def planted_matmul(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         else:
             a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
             b = tl.load(b_ptrs, mask=(k0 + rk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc)
+        if BUG == 5:
+            acc += tl.dot(a, b).to(tl.float16)
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    if BUG == 6:
+        tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc)
+    else:
+        tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc,
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
 def planted_softmax(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
-    # 0 correct (exp2 with log2(e)), 1 masked lanes loaded as 0, 2 no max subtracted, 3 load without a mask
+    # 0 correct (exp2 with log2(e)), 1 masked lanes loaded as 0, 2 no max subtracted, 3 load without a mask,
+    # 4 store without a mask, 5 rows n_cols apart (not stride_x), 6 masks of cols <= n_cols
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    if BUG == 6:
+        inside = cols <= n_cols
+    row_start = row * stride_x
+    if BUG == 5:
+        row_start = row * n_cols
     if BUG == 1:
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=0.0)
+        x = tl.load(X + row_start + cols, mask=inside, other=0.0)
     elif BUG == 3:
-        x = tl.load(X + row * stride_x + cols)
+        x = tl.load(X + row_start + cols)
     else:
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+        x = tl.load(X + row_start + cols, mask=inside, other=float("-inf"))
     if BUG != 2:
         x = x - tl.max(x, axis=0)
     e = tl.exp2(x * 1.4426950408889634)
-    tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+    if BUG == 4:
+        tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0))
+    else:
+        tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=inside)
 
 
 class PlantedLadder:
@@ -867,22 +904,35 @@ def test_warm_up_kernels_pass_when_right(capsys):
 @pytest.mark.parametrize("check, kernel, bug, hint", [
     pytest.param("check_scale_kernel", planted_scale, 1, "ladder_unmasked_load", marks=INTERPRETER_ONLY),
     ("check_scale_kernel", planted_scale, 2, "ladder_unmasked_store"),
-    ("check_matmul_kernel", planted_matmul, 1, "ladder_unmasked_load"),
+    pytest.param("check_scale_kernel", planted_scale, 3, "mask_last_lane", marks=INTERPRETER_ONLY),
+    pytest.param("check_scale_kernel", planted_scale, 4, "program_offset", marks=INTERPRETER_ONLY),
+    pytest.param("check_matmul_kernel", planted_matmul, 1, "mask_past_end", marks=INTERPRETER_ONLY),
     ("check_matmul_kernel", planted_matmul, 2, "matmul_one_k_block"),
+    pytest.param("check_matmul_kernel", planted_matmul, 3, "wrong_address", marks=INTERPRETER_ONLY),
+    ("check_matmul_kernel", planted_matmul, 4, "matmul_last_slice"),
+    ("check_matmul_kernel", planted_matmul, 5, "matmul_half_accumulator"),
+    pytest.param("check_matmul_kernel", planted_matmul, 6, "ladder_unmasked_store", marks=INTERPRETER_ONLY),
     ("check_row_softmax_kernel", planted_softmax, 1, "softmax_other_zero"),
     ("check_row_softmax_kernel", planted_softmax, 2, "softmax_no_max"),
     pytest.param("check_row_softmax_kernel", planted_softmax, 3, "ladder_unmasked_load", marks=INTERPRETER_ONLY),
+    # 6.9's unmasked store used to write past an unguarded out and kill the notebook's kernel (issue #34)
+    ("check_row_softmax_kernel", planted_softmax, 4, "ladder_unmasked_store"),
+    pytest.param("check_row_softmax_kernel", planted_softmax, 5, "wrong_address", marks=INTERPRETER_ONLY),
+    pytest.param("check_row_softmax_kernel", planted_softmax, 6, "mask_last_lane", marks=INTERPRETER_ONLY),
 ])
 def test_warm_up_kernel_mistakes_are_named(check, kernel, bug, hint):
     rejects(getattr(checks, check), PlantedLadder(kernel, bug), hint)
 
 
 @needs_triton
-@pytest.mark.parametrize("check, kernel, bug", [("check_matmul_kernel", planted_matmul, 1),
-                                                ("check_row_softmax_kernel", planted_softmax, 3)])
-def test_warm_up_unmasked_loads_show_as_nan_where_loads_are_not_watched(monkeypatch, check, kernel, bug):
+@pytest.mark.parametrize("check, kernel, bug, hint", [("check_matmul_kernel", planted_matmul, 1, "ladder_nan_past_end"),
+                                                      ("check_row_softmax_kernel", planted_softmax, 3, "ladder_nan_past_end"),
+                                                      ("check_scale_kernel", planted_scale, 4, "ladder_unwritten")])
+def test_warm_up_mistakes_show_in_the_numbers_where_loads_are_not_watched(monkeypatch, check, kernel, bug, hint):
+    # Natively on a GPU nothing watches the loads and stores: NaN after every input and in every output until a
+    # program writes it still names the mistake.
     monkeypatch.setattr(triton_kernels.LoadWatch, "__enter__", lambda self: self)
-    rejects(getattr(checks, check), PlantedLadder(kernel, bug), "ladder_unmasked_load")
+    rejects(getattr(checks, check), PlantedLadder(kernel, bug), hint)
 
 
 def test_kernel_check_without_triton_points_to_colab(monkeypatch):
@@ -1080,6 +1130,8 @@ def test_backward_kernels_pass_when_right(tmp_path, capsys):
      "bwd_no_lse"),
     pytest.param((("k = tl.load(k_tile, mask=in_k[:, None], other=0.0)", "k = tl.load(k_tile)"),),
                  "unmasked_load", marks=INTERPRETER_ONLY),
+    ((("dv.to(DV.dtype.element_ty), mask=key_ok[:, None])", "dv.to(DV.dtype.element_ty))"),),
+     "kernel_unmasked_store"),
 ])
 def test_backward_kernel_mistakes_are_named(tmp_path, replacements, hint):
     with pytest.raises(CheckFailure) as failure:

@@ -149,18 +149,45 @@ HINTS = {
     "bwd_gradients": "backward returns one gradient per input of forward, in order: (dq, dk, dv, None) -- None for "
     "causal, which is not a tensor.",
     # the warm-up kernels
-    "ladder_unmasked_load": "a tl.load without a mask (or with one that lets lanes past the end through) reads "
-    "memory after the tensor: here the check put NaN there; on a GPU it may crash the kernel. Load with "
-    "mask=offs < n (one condition per axis that can run past the end), other=... for the lanes left out.",
+    "ladder_unmasked_load": "a tl.load without a mask reads memory after the tensor: here the check put NaN there; "
+    "on a GPU it may crash the kernel. Load with mask=offs < n (one condition per axis that can run past the "
+    "end), other=... for the lanes left out.",
     "ladder_unmasked_store": "a tl.store without a mask writes past the end of out, into memory that is not "
     "yours (here the check's sentinel changed; on a GPU another tensor's data, or a crash). Store with the "
     "same mask as the load, offs < n.",
+    "mask_last_lane": "the mask lets one lane too many through: indices run 0 … n − 1, so `offs <= n` also enables "
+    "lane n, the first element past the end. Compare with `offs < n`.",
+    "mask_past_end": "there is a mask, but it lets lanes past the end through: give it one condition per axis that "
+    "can run past the end, each comparing that axis's index with that axis's length (in a matmul: rows < M and "
+    "ks < K for A, ks < K and cols < N for B; in the last K slice, ks runs past K).",
+    "wrong_address": "the addresses are computed wrongly, whatever the mask: the element (r, c) of a tensor is at "
+    "X + r·stride_r + c·stride_c, each index times its own stride (not swapped), and a row starts at "
+    "row·stride_x, not row·n_cols (the checks' rows are further apart than n_cols, as a slice's may be).",
+    "program_offset": "the program's offset forgets the block size: program i owns elements i·BLOCK … i·BLOCK + "
+    "BLOCK − 1, so offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), not program_id(0) + arange "
+    "(programs then overlap, and most elements are never written).",
+    "ladder_nan_past_end": "NaN in the result where the inputs are finite: the check stores NaN right after every "
+    "input, so a tl.load read past the end (no mask, or one that lets lanes past the end through). Mask every load "
+    "with one condition per axis that can run past the end.",
+    "ladder_unwritten": "no program stored these elements (they still hold the check's NaN): the programs must "
+    "cover every element, program i at i·BLOCK (not i), and the store's mask must not leave lanes inside the "
+    "tensor out.",
+    "matmul_last_slice": "the loop over K drops the last slice: range(0, K, BLOCK_K) visits every slice, the "
+    "last (shorter) one too, with ks < K in the mask (range(0, K - BLOCK_K, BLOCK_K) or K // BLOCK_K "
+    "iterations stop before it).",
+    "matmul_half_accumulator": "C is only float16-accurate: the accumulator is float16 (dtype=tl.float16, or a "
+    "tl.zeros in the inputs' dtype, or each product cast down). Accumulate in float32, "
+    "acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32): every K slice adds to it, and float16 rounds each "
+    "partial sum.",
     "matmul_one_k_block": "only the first BLOCK_K columns of A (rows of B) are used: loop over K in steps of BLOCK_K, "
     "accumulating tl.dot(a_block, b_block) into a float32 [BLOCK_M, BLOCK_N] accumulator.",
     "softmax_other_zero": "the lanes past n_cols were loaded as 0 (other=0.0, or no other): they take part in the max "
     "and add e^(0 - max) to the sum. Load them as other=float('-inf'), so that e^(-inf) = 0.",
     "softmax_no_max": "the row softmax overflows (inf/NaN) on large scores: subtract the row's max before tl.exp.",
     # Triton kernel
+    "kernel_unmasked_store": "a tl.store without a mask writes the rows past the end (of out, lse or a gradient) "
+    "into memory that is not theirs (here the check's sentinel changed; on a GPU another tensor's data, or a "
+    "crash). Store with the row mask, offs[:, None] < seq (seq_q for out, lse and dq; seq_k for dk and dv).",
     "unmasked_load": "a tl.load without a mask (or with a mask that lets rows past the end through) reads memory "
     "after the tensor: here the check put NaN there; on a GPU it is another tensor's data or an illegal address "
     "that can crash the notebook's kernel. Give every load of a block that may run past the end "
@@ -1133,31 +1160,91 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
 # --------------------------------------------------------------------------------------
 
 
-def _ladder_launch(call: str, launcher: Callable, kernel: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """Launch a warm-up kernel with NaN after its inputs and a watch on its loads; name what went wrong."""
+def _overrun_hint(overrun: Any, unmasked_load: str, unmasked_store: str) -> str:
+    """The hint for a load or store that reached past the end, by what the interpreter saw of its lanes."""
+    if overrun.cause == "no_mask":
+        return HINTS[unmasked_load if overrun.operation == "load" else unmasked_store]
+    return HINTS[{"last_lane": "mask_last_lane", "past_end": "mask_past_end"}.get(overrun.cause, "wrong_address")]
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first} … {last}"
+
+
+# Which part of a tensor each program of a warm-up owns: name -> program -> a list of (axis, (first, last), word,
+# index), one per axis it owns: axis 0 the heads (rows of a 2-D tensor), 1 the rows (its columns, a 1-D tensor's
+# elements); ``index`` the program's own index along that axis (a program that starts there forgot * BLOCK).
+Ownership = dict[str, Callable[[tuple[int, ...]], list[tuple[int, tuple[int, int], str, int]]]]
+
+
+def _misplaced(watch: Any, owners: Ownership) -> str | None:
+    """A message for the first program that reached outside its own part of a tensor, or None."""
+    for name, own in owners.items():
+        for program, box in sorted(watch.touched.get(name, {}).items()):
+            for axis, (first, last), word, index in own(program):
+                got = box[2 * axis], box[2 * axis + 1]
+                if first <= got[0] and got[1] <= last:
+                    continue
+                forgot_block = got[0] == index != first  # it starts at its own index, not index · BLOCK
+                hint = HINTS["program_offset"] if forgot_block else HINTS["wrong_address"]
+                return (f"program {program} reached {word} {_span(*got)} of {name}, but its part is {word} "
+                        f"{_span(first, last)}.\n"
+                        f"  Likely mistake: {hint}")
+    return None
+
+
+def _ladder_launch(call: str, launcher: Callable, kernel: Any, *args: Any, owners: Ownership,
+                   **kwargs: Any) -> torch.Tensor:
+    """Launch a warm-up kernel with NaN after its inputs, a sentinel after its output and a watch on its loads
+    and stores; name what went wrong (``owners``: which part of each tensor each program owns)."""
     from attention_lab.triton_kernels import (TRITON_AVAILABLE, TRITON_MISSING, LoadWatch, StoreOutOfBounds,
                                               TritonUnavailable)
 
     if not TRITON_AVAILABLE:
         raise CheckFailure(TRITON_MISSING)
     watch = LoadWatch()
+    result, stored_past = None, None
     try:
         result = launcher(kernel, *args, poison=POISON_ROWS, watch=watch, **kwargs)
     except TritonUnavailable as error:
         raise CheckFailure(str(error)) from None
     except NotImplementedError as error:
         raise CheckFailure(f"{call}: not implemented yet ({error}). Write the kernel.") from None
-    except StoreOutOfBounds:
-        raise CheckFailure(f"{call} wrote past the end of out.\n  Likely mistake: {HINTS['ladder_unmasked_store']}") \
-            from None
+    except StoreOutOfBounds as error:
+        stored_past = error.name
     except Exception as error:
         text = str(error).strip()
         raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
-    for name, (program, line) in watch.beyond.items():
-        where = f" (your line: `{line}`)" if line else ""
-        raise CheckFailure(f"{call}: program {program} loaded elements of {name} past its end{where}.\n"
-                           f"  Likely mistake: {HINTS['ladder_unmasked_load']}")
+    # What the interpreter saw names the mistake; natively only the sentinel after the output can.
+    if watch.stray is not None:
+        where = f" (your line: `{watch.stray.line}`)" if watch.stray.line else ""
+        raise CheckFailure(f"{call}: program {watch.stray.program} tried to {watch.stray.operation} at an address "
+                           f"outside every tensor of the launch{where}.\n  Likely mistake: {HINTS['wrong_address']}")
+    misplaced = _misplaced(watch, owners)
+    if misplaced:
+        raise CheckFailure(f"{call}: {misplaced}")
+    for name, overrun in watch.beyond.items():
+        where = f" (your line: `{overrun.line}`)" if overrun.line else ""
+        verb = "loaded" if overrun.operation == "load" else "stored"
+        raise CheckFailure(f"{call}: program {overrun.program} {verb} elements of {name} past its end{where}.\n"
+                           f"  Likely mistake: {_overrun_hint(overrun, 'ladder_unmasked_load', 'ladder_unmasked_store')}")
+    if stored_past is not None:
+        raise CheckFailure(f"{call} wrote past the end of {stored_past}.\n  Likely mistake: "
+                           f"{HINTS['ladder_unmasked_store']}")
     return result
+
+
+def _unwritten(call: str, out: torch.Tensor, inputs_finite: bool = True) -> None:
+    """Fail when elements of ``out`` still hold the launcher's NaN (inputs finite: no program stored them)."""
+    missing = torch.isnan(out.detach().cpu())
+    if inputs_finite and bool(missing.any()):
+        first = tuple(int(i) for i in missing.nonzero()[0])
+        raise CheckFailure(f"out from {call}: {int(missing.sum())} of {out.numel()} elements hold NaN, the first at "
+                           f"index {first}.\n  Likely mistake: {HINTS['ladder_unwritten']}")
+
+
+def _blocks_of(index: int, block: int, length: int) -> tuple[int, int]:
+    return index * block, min(length, index * block + block) - 1
 
 
 @check("scale_kernel: alpha · x with masked loads and stores, any length ({device})")
@@ -1169,7 +1256,9 @@ def check_scale_kernel(scale_kernel: Any, *, seed: int = 0, device: torch.device
     for n, block in ((100, 32), (randint(17, 63, generator), 16), (16, 16)):
         x = randn(n, generator=generator, dtype=torch.float32, device=device)
         call = f"your scale_kernel via launch_scale(scale_kernel, x, alpha=2.5, block={block}) with x [{n}]"
-        out = _ladder_launch(call, launch_scale, scale_kernel, x, 2.5, block=block)
+        own = lambda p, block=block: [(1, (p[0] * block, p[0] * block + block - 1), "elements", p[0])]  # noqa: E731
+        out = _ladder_launch(call, launch_scale, scale_kernel, x, 2.5, block=block, owners={"x": own, "out": own})
+        _unwritten(call, out)
         expect_close(out, 2.5 * x.double(), what=f"out from {call}", against="2.5 · x")
 
 
@@ -1179,19 +1268,37 @@ def check_matmul_kernel(matmul_kernel: Any, *, seed: int = 0, device: torch.devi
     from attention_lab.triton_kernels import launch_matmul
 
     generator = random_generator(seed)
+    block = 16
     for (m, k, n), dtype in (((40, 50, 24), torch.float32), ((33, 70, 47), torch.float16), ((16, 16, 16), torch.float32)):
         a = randn(m, k, generator=generator, dtype=dtype, device=device)
         b = randn(k, n, generator=generator, dtype=dtype, device=device)
         call = (f"your matmul_kernel via launch_matmul(matmul_kernel, a, b, block_m=16, block_n=16, block_k=16) "
                 f"with a [{m}, {k}] and b [{k}, {n}] ({str(dtype).replace('torch.', '')})")
-        c = _ladder_launch(call, launch_matmul, matmul_kernel, a, b)
-        if bool(torch.isnan(c.cpu()).any()):  # A and B are finite: the NaN was read after their ends
-            raise CheckFailure(f"C from {call} holds NaN.\n  Likely mistake: {HINTS['ladder_unmasked_load']}")
+        rows = lambda p: (0, (p[0] * block, p[0] * block + block - 1), "rows", p[0])  # noqa: E731
+        columns = lambda p: (1, (p[1] * block, p[1] * block + block - 1), "columns", p[1])  # noqa: E731
+        # program (i, j): rows i·16 … of A and C, columns j·16 … of B and C
+        owners = {"A": lambda p: [rows(p)], "B": lambda p: [columns(p)], "C": lambda p: [rows(p), columns(p)]}
+        c = _ladder_launch(call, launch_matmul, matmul_kernel, a, b, owners=owners)
+        if bool(torch.isnan(c.cpu()).any()):  # A and B are finite: the NaN was read after their ends, or never written
+            hint = HINTS["ladder_nan_past_end"]
+            if bool(torch.isnan(c.cpu()).all(-1).any()) and not bool(torch.isnan(c.cpu()).all()):
+                hint = HINTS["ladder_unwritten"]
+            raise CheckFailure(f"C from {call} holds NaN.\n  Likely mistake: {hint}")
         a64, b64 = _f64(a, b)
-        variants = [Variant(lambda a64=a64, b64=b64: a64[:, :16] @ b64[:16], HINTS["matmul_one_k_block"])]
+        last_slice = block * ((k - 1) // block)  # where the last K slice starts
+        variants = [Variant(lambda a64=a64, b64=b64: a64[:, :block] @ b64[:block], HINTS["matmul_one_k_block"]),
+                    Variant(lambda a64=a64, b64=b64, s=last_slice: a64[:, :s] @ b64[:s], HINTS["matmul_last_slice"])]
         rtol, atol = tolerance(torch.float16 if dtype == torch.float16 or c.device.type == "cuda" else dtype, c.device)
-        expect_close(c, a64 @ b64, what=f"C from {call}", against="a @ b (float64)", variants=variants,
-                     rtol=rtol * 10, atol=atol * 10)
+        try:
+            expect_close(c, a64 @ b64, what=f"C from {call}", against="a @ b (float64)", variants=variants,
+                         rtol=rtol * 10, atol=atol * 10)
+        except CheckFailure as failure:
+            half_rtol, half_atol = tolerance(torch.float16, c.device)
+            float32_case = dtype == torch.float32 and c.device.type == "cpu"
+            if ("Likely mistake" in str(failure) or not float32_case
+                    or not torch.allclose(c.double().cpu(), a64 @ b64, rtol=half_rtol * 10, atol=half_atol * 10)):
+                raise
+            raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['matmul_half_accumulator']}") from None
 
 
 @check("row_softmax_kernel: softmax of each row, stable at ±1000, any row length ({device})")
@@ -1204,10 +1311,12 @@ def check_row_softmax_kernel(row_softmax_kernel: Any, *, seed: int = 0, device: 
     x = randn(5, cols, generator=generator, dtype=torch.float32, device=device) * 3
     x[1] += 1000.0  # a row that overflows e^x without the max subtracted
     x[2] -= 1000.0
+    own = lambda p: [(0, (p[0], p[0]), "row", -1)]  # noqa: E731  program r: row r (it has no BLOCK to forget)
     for label, values in (("of", x[[0, 3, 4]]), ("around ±1000,", x), ("(one block exactly)", x[:, :32])):
         call = (f"your row_softmax_kernel via launch_row_softmax(row_softmax_kernel, x) with x {label} "
                 f"{shape_str(values.shape)}")
-        out = _ladder_launch(call, launch_row_softmax, row_softmax_kernel, values.contiguous())
+        out = _ladder_launch(call, launch_row_softmax, row_softmax_kernel, values.contiguous(),
+                             owners={"x": own, "out": own})
         x64 = _f64(values)[0]
         block = 1 << (values.shape[1] - 1).bit_length()
         padded = torch.cat([x64, torch.zeros(x64.shape[0], block - x64.shape[1], dtype=torch.float64)], -1)
@@ -1215,7 +1324,7 @@ def check_row_softmax_kernel(row_softmax_kernel: Any, *, seed: int = 0, device: 
         with_zeros = with_zeros / torch.exp(padded - padded.amax(-1, keepdim=True)).sum(-1, keepdim=True)
         if bool((~torch.isfinite(out.cpu())).any()):
             # Scores of ordinary size cannot overflow: NaN there came from the NaN stored after each row.
-            hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_unmasked_load"]
+            hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_nan_past_end"]
             raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
         expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
                      variants=[Variant(with_zeros, HINTS["softmax_other_zero"])])
@@ -1262,35 +1371,58 @@ def _visited_blocks_needed(seq_q: int, seq_k: int, block_q: int, block_k: int, h
     return needed * heads
 
 
-def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, device, generator) -> None:
-    from attention_lab.triton_kernels import LoadWatch, TritonUnavailable
+def _kernel_launch(call: str, launch: Callable[[Any], tuple], lengths: dict[str, tuple[str, int]],
+                   blank: str) -> tuple:
+    """Run ``launch(watch)`` (the course's launcher on a student's kernel, with NaN rows after each input and a
+    sentinel after each output); name a load or a store past the end. ``lengths``: name -> (length's name,
+    length) of every tensor the kernel reads or writes."""
+    from attention_lab.triton_kernels import LoadWatch, StoreOutOfBounds, TritonUnavailable
 
+    watch = LoadWatch()
+    result, stored_past = None, None
+    try:
+        result = launch(watch)
+    except TritonUnavailable as error:
+        raise CheckFailure(str(error)) from None
+    except NotImplementedError as error:
+        raise CheckFailure(f"{call}: not implemented yet ({error}). {blank}") from None
+    except StoreOutOfBounds as error:
+        stored_past = error.name
+    except Exception as error:
+        text = str(error).strip()
+        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
+    # The interpreter saw every load and store: one past the last row is named, whatever it did to the numbers.
+    if watch.stray is not None:
+        where = f" (your line: `{watch.stray.line}`)" if watch.stray.line else ""
+        raise CheckFailure(f"{call}: program {watch.stray.program} tried to {watch.stray.operation} at an address "
+                           f"outside every tensor of the launch{where}.\n  Likely mistake: {HINTS['wrong_address']}")
+    for name, (length_name, length) in lengths.items():
+        overrun = watch.beyond.get(name)
+        if overrun is None:
+            continue
+        where = f" (your line: `{overrun.line}`)" if overrun.line else ""
+        verb = "loaded" if overrun.operation == "load" else "stored"
+        raise CheckFailure(f"{call}: program {overrun.program} {verb} rows of {name} at or past row {length_name} = "
+                           f"{length}{where}, which {name} does not have.\n  Likely mistake: "
+                           f"{_overrun_hint(overrun, 'unmasked_load', 'kernel_unmasked_store')}")
+    if stored_past is not None:
+        raise CheckFailure(f"{call} wrote past the end of {stored_past}.\n  Likely mistake: "
+                           f"{HINTS['kernel_unmasked_store']}")
+    return result, watch
+
+
+def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, device, generator) -> None:
     batch, heads, seq_q, seq_k, head_dim = shape
     q, k, v = _qkv(generator, batch, heads, seq_q, seq_k, head_dim, dtype=dtype, device=device)
     call = (f"your kernel via launch_flash_attention(flash_attention_kernel, q, k, v, causal={causal}, "
             f"block_q={block_q}, block_k={block_k}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)} "
             f"({str(dtype).replace('torch.', '')}, {device.type})")
-    watch = LoadWatch()
-    try:
-        out, lse = launcher(kernel, q, k, v, causal=causal, block_q=block_q, block_k=block_k, poison=POISON_ROWS,
-                            watch=watch)
-    except TritonUnavailable as error:
-        raise CheckFailure(str(error)) from None
-    except NotImplementedError as error:
-        raise CheckFailure(f"{call}: not implemented yet ({error}). Write the loop over key blocks.") from None
-    except Exception as error:
-        text = str(error).strip()
-        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
-    # The interpreter saw every load: one that reads past the last row is named, whatever it did to the numbers.
-    lengths = {"Q": ("seq_q", seq_q), "K": ("seq_k", seq_k), "V": ("seq_k", seq_k)}
-    for name in ("K", "V", "Q"):
-        if name in watch.beyond:
-            program, line = watch.beyond[name]
-            where = f" (your line: `{line}`)" if line else ""
-            length_name, length = lengths[name]
-            raise CheckFailure(f"{call}: program {program} loaded rows of {name} at or past row {length_name} = "
-                               f"{length}{where}, which {name} does not have.\n  Likely mistake: "
-                               f"{HINTS['unmasked_load']}")
+    lengths = {"K": ("seq_k", seq_k), "V": ("seq_k", seq_k), "Q": ("seq_q", seq_q), "out": ("seq_q", seq_q),
+               "lse": ("seq_q", seq_q)}
+    (out, lse), watch = _kernel_launch(
+        call, lambda watch: launcher(kernel, q, k, v, causal=causal, block_q=block_q, block_k=block_k,
+                                     poison=POISON_ROWS, watch=watch),
+        lengths, "Write the loop over key blocks.")
     want_out, want_lse = reference_attention(q, k, v, causal)
     if bool((torch.isnan(out.detach().cpu()) & ~torch.isnan(want_out)).any()):
         raise CheckFailure(f"out from {call} holds NaN where attention is finite.\n  Likely mistake: "
@@ -1347,30 +1479,21 @@ def check_flash_attention_kernel(flash_attention_kernel: Any, *, seed: int = 0, 
 
 
 def _backward_kernel_case(kernel_dkdv, kernel_dq, shape, causal, block_q, block_k, dtype, device, generator) -> None:
-    from attention_lab.triton_kernels import LoadWatch, TritonUnavailable, launch_flash_attention_backward
+    from attention_lab.triton_kernels import launch_flash_attention_backward
 
     q, k, v, out, lse, dout = _backward_inputs(generator, shape, causal, dtype, device)
     call = (f"your kernels via launch_flash_attention_backward(flash_attention_backward_kernel, "
             f"flash_attention_backward_dq_kernel, q, k, v, out, lse, dout, causal={causal}, block_q={block_q}, "
             f"block_k={block_k}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)} "
             f"({str(dtype).replace('torch.', '')}, {device.type})")
-    watch = LoadWatch()
-    try:
-        grads = launch_flash_attention_backward(kernel_dkdv, kernel_dq, q, k, v, out, lse, dout, causal=causal,
-                                                block_q=block_q, block_k=block_k, poison=POISON_ROWS, watch=watch)
-    except TritonUnavailable as error:
-        raise CheckFailure(str(error)) from None
-    except NotImplementedError as error:
-        raise CheckFailure(f"{call}: not implemented yet ({error}). Write the two kernels.") from None
-    except Exception as error:
-        text = str(error).strip()
-        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
-    for name in ("K", "V", "Q", "dout"):
-        if name in watch.beyond:
-            program, line = watch.beyond[name]
-            where = f" (your line: `{line}`)" if line else ""
-            raise CheckFailure(f"{call}: program {program} loaded rows of {name} past its last one{where}.\n"
-                               f"  Likely mistake: {HINTS['unmasked_load']}")
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    lengths = {name: ("seq_k", seq_k) for name in ("K", "V", "dk", "dv")}
+    lengths.update({name: ("seq_q", seq_q) for name in ("Q", "dout", "lse", "D", "dq")})
+    grads, _ = _kernel_launch(
+        call, lambda watch: launch_flash_attention_backward(kernel_dkdv, kernel_dq, q, k, v, out, lse, dout,
+                                                            causal=causal, block_q=block_q, block_k=block_k,
+                                                            poison=POISON_ROWS, watch=watch),
+        lengths, "Write the two kernels.")
     scale = q.shape[-1] ** -0.5
     want = reference_gradients(q, k, v, dout, causal, scale)
     variants = _backward_variants(q, k, v, dout, causal, scale, block_q, block_k)
