@@ -713,10 +713,13 @@ def expect_tensor(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     hints: Mapping[tuple[int, ...], str] | None = None,
+    dtype_hint: str | None = None,
 ) -> torch.Tensor:
     """Contract of a returned tensor: type, then exact shape, dtype and device.
 
-    ``hints`` maps wrong shapes that a known mistake produces to the hint for it.
+    ``hints`` maps wrong shapes that a known mistake produces to the hint for it; ``dtype_hint``
+    replaces the keep-the-input's-dtype rule for an exercise whose contract says more (e.g. "compute
+    in at least float32 inside, return the input's dtype").
     """
     if not isinstance(value, torch.Tensor):
         raise CheckFailure(f"{what} should be a torch.Tensor, got {describe(value)}.")
@@ -730,7 +733,7 @@ def expect_tensor(
         raise CheckFailure(message)
     if dtype is not None and value.dtype != dtype:
         raise CheckFailure(
-            f"{what} should keep the input dtype {dtype}, got {value.dtype}.\n  {HINTS['keep_dtype']}"
+            f"{what} should keep the input dtype {dtype}, got {value.dtype}.\n  {dtype_hint or HINTS['keep_dtype']}"
         )
     if device is not None and value.device.type != torch.device(device).type:
         raise CheckFailure(

@@ -125,6 +125,13 @@ HINTS = {
     "block any query of this query block may see (start_k <= q_end - 1 + S_k - S_q), and mask only inside it.",
     "merge": "two halves of the keys merged with their lse do not give the whole attention: lse must be the "
     "natural-log logsumexp of exactly the scores each half's softmax used.",
+    # float16 / bfloat16 in: the contract "keeps dtype, computes in at least float32"
+    "cast_back": "Likely mistake: the outputs keep the inputs' dtype (float16 in, float16 out) while the work inside "
+    "runs in at least float32: cast the results back at the end, e.g. dq.to(q.dtype).",
+    "half_internals": "your code computes in {dtype}, the inputs' dtype: the result is {ulps:.0f} units in the last "
+    "place of {dtype} off, where float32 inside gives at most one (the rounding of the result). Compute in at "
+    "least float32 -- work = torch.promote_types(q.dtype, torch.float32), q.to(work), ... -- and cast the results "
+    "back with .to(q.dtype) at the end.",
     # flash attention backward
     "bwd_D_dout": "D uses dout twice: D = rowsum(dout ∘ out) (the output, not the gradient again). D_i = Σ_j P_ij "
     "dP_ij is the softmax's Jacobian term, and Σ_j P_ij (dO_i · v_j) = dO_i · out_i.",
@@ -736,7 +743,7 @@ def _call_flash(flash_attention_forward, q, k, v, block_q, block_k, causal, scal
     out, lse = result
     batch, heads, seq_q = q.shape[:3]
     expect_tensor(out, what=f"out from {call}", shape=(batch, heads, seq_q, v.shape[-1]), dtype=q.dtype,
-                  device=q.device)
+                  device=q.device, dtype_hint=HINTS["cast_back"])
     expect_tensor(lse, what=f"lse from {call}", shape=(batch, heads, seq_q), device=q.device,
                   hints={(batch, heads, seq_q, 1): "lse has one number per query row: [B, H, S_q] (squeeze the last axis)."})
     expect_true(lse.dtype in (q.dtype, torch.float32),
@@ -768,6 +775,8 @@ def _flash_case(flash_attention_forward, q, k, v, block_q, block_k, causal, scal
         if not ragged or "Likely mistake" in str(failure):
             raise
         raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['block_dependent']}") from None
+    if out.dtype in (torch.float16, torch.bfloat16):
+        _expect_float32_inside(out, want_out, f"out from {call}")
     lse_rtol, lse_atol = _lse_tolerance(out, lse)
     expect_close(lse, want_lse, what=f"lse from {call}",
                            against="torch.logsumexp of the scaled, masked scores (float64)",
@@ -780,6 +789,25 @@ def _merge_halves(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tenso
     out_a, lse_a, out_b, lse_b = _f64(out_a, lse_a, out_b, lse_b)
     lse = torch.logaddexp(lse_a, lse_b)
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
+
+
+# How far a float16 / bfloat16 result may be from the float64 reference of its own inputs, in units in the last
+# place (ulp) of its dtype: computed in float32 inside and rounded once at the end it is at most half a unit off
+# (measured: 0.4-0.5 on every case of these checks); computed in the inputs' dtype, 6-24 units.
+HALF_PRECISION_ULPS = 2.0
+
+
+def _expect_float32_inside(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """A half-precision ``got`` that passed its dtype's tolerance must also be as precise as float32 work inside
+    gives: the contract "keeps dtype, computes in at least float32"."""
+    eps = torch.finfo(got.dtype).eps
+    unit = want.abs() * eps + eps * 0.05  # one ulp at each value (a floor near 0, where rounding is tiny too)
+    ulps = float(((got.detach().cpu().double() - want).abs() / unit).max())
+    if ulps > HALF_PRECISION_ULPS:
+        dtype = str(got.dtype).replace("torch.", "")
+        raise CheckFailure(f"{what} is {ulps:.0f} units in the last place of {dtype} away from the float64 reference "
+                           f"of the same inputs; at most {HALF_PRECISION_ULPS:g} expected.\n  Likely mistake: "
+                           + HINTS["half_internals"].format(dtype=dtype, ulps=ulps))
 
 
 @check("flash_attention_forward: out equals SDPA and lse equals logsumexp (float64, then the device); ragged S; causal bottom-right; any block sizes; halves merge exactly with lse ({device})",
@@ -827,6 +855,9 @@ def check_flash_attention_forward(flash_attention_forward: Callable, *, seed: in
     # On the device: float32 (and float16 on a GPU), computed in at least float32.
     _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq, seq + 5, 16, dtype=torch.float32, device=device),
                 16, 16, True)
+    # Half precision in, the same dtype out, float32 inside: on the CPU too (PyTorch's CPU kernels take both).
+    for dtype in (torch.float16, torch.bfloat16):
+        _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, seq, seq + 3, 16, dtype=dtype), 16, 16, True)
     if device.type == "cuda":
         _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq, seq, 16, dtype=torch.float16, device=device),
                     16, 16, True)
@@ -993,8 +1024,19 @@ def _call_backward(flash_attention_backward, inputs, block_q, block_k, causal, s
     expect_true(isinstance(result, (tuple, list)) and len(result) == 3,
                 f"{call} should return the tuple (dq, dk, dv), got {describe(result)}.")
     for name, got, like in zip(("dq", "dk", "dv"), result, (q, k, v)):
-        expect_tensor(got, what=f"{name} from {call}", shape=like.shape, dtype=like.dtype, device=like.device)
+        expect_tensor(got, what=f"{name} from {call}", shape=like.shape, dtype=like.dtype, device=like.device,
+                      dtype_hint=HINTS["cast_back"])
     return tuple(result), call
+
+
+def gradients_from_saved(q, k, v, out, lse, dout, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)`` in float64 from the *given* out and lse (as FlashAttention's backward computes them): the
+    reference for half-precision inputs, whose out and lse are themselves rounded."""
+    q, k, v, out, lse, dout = _f64(q, k, v, out, lse, dout)
+    scores = _scores(q, k, causal, scale)
+    p = torch.exp(scores - lse[..., None])  # [B, H, S_q, S_k]
+    ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ dout
 
 
 def _backward_case(flash_attention_backward, generator, shape, block_q, block_k, causal, scale=None,
@@ -1003,12 +1045,15 @@ def _backward_case(flash_attention_backward, generator, shape, block_q, block_k,
     grads, call = _call_backward(flash_attention_backward, inputs, block_q, block_k, causal, scale)
     q, k, v, _, _, dout = inputs
     used = q.shape[-1] ** -0.5 if scale is None else scale
-    want = reference_gradients(q, k, v, dout, causal, used)
+    half = dtype in (torch.float16, torch.bfloat16)
+    want = gradients_from_saved(*inputs, causal, used) if half else reference_gradients(q, k, v, dout, causal, used)
     blocks = (64, 64) if block_q is None else (block_q, block_k)
     variants = _backward_variants(q, k, v, dout, causal, used, *blocks)
     for name, got, expected, wrong in zip(("dq", "dk", "dv"), grads, want, variants):
         expect_close(got, expected, what=f"{name} from {call}", against="torch.autograd through SDPA (float64)",
                      variants=wrong)
+        if half:
+            _expect_float32_inside(got, expected, f"{name} from {call}")
 
 
 @check("flash_attention_backward: dq, dk, dv equal autograd through SDPA (float64, then the device); ragged; causal bottom-right; any blocks ({device})",
@@ -1028,6 +1073,9 @@ def check_flash_attention_backward(flash_attention_backward: Callable, *, seed: 
     _backward_case(flash_attention_backward, generator, (1, 1, 70, 70, 8), None, None, True)  # default blocks
     _backward_case(flash_attention_backward, generator, (1, 2, seq, seq + 5, 16), 16, 16, True,
                    dtype=torch.float32, device=device)
+    # Half precision in, the same dtype out, float32 inside: on the CPU too (PyTorch's CPU kernels take both).
+    for dtype, causal in ((torch.float16, False), (torch.bfloat16, True)):
+        _backward_case(flash_attention_backward, generator, (1, 2, seq, seq + 5, 16), 16, 16, causal, dtype=dtype)
 
 
 @check("flash_attention_backward: never builds a tensor as wide as all the keys; the causal pass skips future tiles")

@@ -1276,6 +1276,10 @@ ORDER_HINTS = {
     "mask_ignored": "the mask did not reach the Transformer: call self.transformer(x, mask).",
     "not_parameter": "the learned table is not a Parameter (a plain tensor attribute or a buffer): the optimizer "
     "never sees it, so it never learns. Use nn.Parameter(...) or nn.Embedding(max_len, D).",
+    "sinusoidal_attribute": "the sinusoidal table is a plain tensor attribute, which model.to(device) and "
+    ".to(dtype) do not move: on a GPU the forward pass then adds a CPU table to CUDA activations and fails. "
+    "Register it as a buffer, self.register_buffer(name, table, persistent=False): fixed, and it moves with the "
+    "module.",
     "sinusoidal_parameter": "the sinusoidal table is a Parameter, so the optimizer would change it: it is "
     "fixed. Register it with self.register_buffer(name, table, persistent=False) (or compute it in forward).",
     "not_sliced": "the whole [max_len, D] table was added to a sequence of S < max_len tokens: add the rows "
@@ -1338,6 +1342,15 @@ def _unregistered_table(model: nn.Module, max_len: int, embed_dim: int) -> bool:
     return any(t.numel() == max_len * embed_dim and tuple(t.shape[-2:]) == (max_len, embed_dim) for t in tensors)
 
 
+def _plain_tables(model: nn.Module, max_len: int, embed_dim: int) -> list[tuple[nn.Module, str, str]]:
+    """``(submodule, attribute, dotted name)`` of every [max_len, D] tensor a submodule holds as a plain attribute
+    (not a Parameter, not a buffer: ``Module.to`` does not move it)."""
+    return [(module, name, f"{prefix}.{name}" if prefix else name) for prefix, module in model.named_modules()
+            for name, value in vars(module).items()
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+            and tuple(value.shape[-2:]) == (max_len, embed_dim)]
+
+
 def _build_order(OrderTransformer: Callable, vocab_size: int, embed_dim: int, num_heads: int, num_layers: int,
                  max_len: int, positions: str | None) -> tuple[nn.Module, str]:
     arguments = f"{vocab_size}, {embed_dim}, {num_heads}, {num_layers}, {max_len}"
@@ -1389,6 +1402,15 @@ def check_order_transformer(OrderTransformer: Callable, *, seed: int = 0, device
         parts = _find_order_parts(model, vocab_size, embed_dim, max_len, label, Transformer)
         embedding, transformer, head = parts
         learned = _learned_table(model, max_len, embed_dim, label, parts)
+        plain = _plain_tables(model, max_len, embed_dim)
+        if positions == "sinusoidal" and plain:
+            module, attribute, name = plain[0]
+            target = torch.float32 if getattr(module, attribute).dtype == torch.float64 else torch.float64
+            model.to(target)  # the module's own move: its parameters and buffers follow it, a plain attribute not
+            still = str(getattr(module, attribute).dtype).replace("torch.", "")
+            raise CheckFailure(f"{label} keeps its [{max_len}, {embed_dim}] position table as a plain attribute, "
+                               f"self.{name}: after model.to({target}) it is still {still}.\n  Likely mistake: "
+                               f"{ORDER_HINTS['sinusoidal_attribute']}")
         if positions == "learned":
             if learned is None and _unregistered_table(model, max_len, embed_dim):
                 raise CheckFailure(f"{label}: no trainable [{max_len}, {embed_dim}] position table among the "
