@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention_lab.checking import CheckFailure
+from attention_lab.checking import CheckFailure, choice_digest
 from attention_lab.checks import numpy_walkthrough as checks
 from attention_lab.widgets.numpy_scores import RAW, SCALED, variance_explorer
 
@@ -720,7 +720,7 @@ def test_answer_scaling_accepts_the_supported_statement():
 
 @pytest.mark.parametrize("letter", ["A", "B", "D"])
 def test_answer_scaling_rejects_wrong_choices_without_revealing_the_answer(letter):
-    with pytest.raises(CheckFailure, match="is not right. " + re.escape(checks.SCALING_HINTS[letter])) as failure:
+    with pytest.raises(CheckFailure, match="is not right. " + re.escape(checks.SCALING_HINTS[choice_digest("ANSWER_SCALING", letter)])) as failure:
         checks.check_answer_scaling(letter, **CPU)
     assert "C" not in str(failure.value).replace("ANSWER_SCALING", "")
 

@@ -86,6 +86,7 @@ __all__ = [
     "expect_close",
     "expect_true",
     "expect_choice",
+    "choice_digest",
     "expect_value_error",
     "add_note",
     "one_cpu_thread",
@@ -776,21 +777,36 @@ def expect_true(condition: bool, message: str) -> None:
         raise CheckFailure(message)
 
 
-def expect_choice(answer: Any, *, name: str, options: str, correct: str,
+# Mixed into every digest of a multiple-choice answer, so that a digest is not the plain hash of a letter.
+_CHOICE_SALT = "attention-lab multiple choice v1"
+
+
+def choice_digest(question: str, letter: str) -> str:
+    """What a check module stores instead of a letter of the multiple-choice ``question`` (its right answer, the
+    keys of its per-option hints): the first 16 hex digits of a salted SHA-256. The installed package then never
+    holds the right letter in clear. Compute a digest with
+    ``python -c "from attention_lab.checking import choice_digest; print(choice_digest('ANSWER_X', 'B'))"``."""
+    import hashlib
+
+    text = f"{_CHOICE_SALT}|{question}|{letter.strip().upper()}"
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def expect_choice(answer: Any, *, name: str, options: str, correct_digest: str,
                   hints: Mapping[str, str] | None = None) -> None:
     """A multiple-choice answer: ``None`` (the blank) is "not implemented yet", then one of
-    ``options`` (a string like ``"ABC"``, case and spaces forgiven), then the ``correct`` one.
+    ``options`` (a string like ``"ABC"``, case and spaces forgiven), then the right one.
 
-    ``hints`` maps a wrong letter to what to look at again; a wrong answer never names the
-    right letter.
+    ``correct_digest`` is :func:`choice_digest` of ``name`` and the right letter; ``hints`` maps
+    the digest of a wrong letter to what to look at again. A wrong answer never names the right letter.
     """
     listed = ", ".join(f'"{option}"' for option in options)
     if answer is None:
         raise CheckFailure(f"{name}: not implemented yet. Set {name} to one of {listed}.")
-    expect_true(isinstance(answer, str) and answer.strip().upper() in options,
+    expect_true(isinstance(answer, str) and answer.strip().upper() in options and len(answer.strip()) == 1,
                 f"{name} should be one of the strings {listed}, got {describe(answer)}.")
-    choice = answer.strip().upper()
-    expect_true(choice == correct, f"{name} = {answer!r} is not right. {(hints or {}).get(choice, '')}".rstrip())
+    digest = choice_digest(name, answer)
+    expect_true(digest == correct_digest, f"{name} = {answer!r} is not right. {(hints or {}).get(digest, '')}".rstrip())
 
 
 def expect_value_error(fn: Callable, *args: Any, call: str, why: str, must_mention: Sequence[Any] = (),

@@ -30,6 +30,7 @@ from attention_lab.checking import (
     call_student,
     check,
     describe,
+    choice_digest,
     expect_choice,
     expect_close,
     expect_array,
@@ -915,9 +916,9 @@ def check_dot_product_variance(dot_product_variance: Callable, *, seed: int = 0,
 CHOICES = ("A", "B", "C", "D")
 SCALING_QUESTION_NAME = "ANSWER_SCALING"
 SCALING_HINTS = {
-    "A": "compare the 1/d_head curve with the 1/sqrt(d_head) curve at d_head = 1024: are they level with each other?",
-    "B": "at d_head = 1024, is the 1/d_head curve's largest weight near 1, like the raw scores'?",
-    "D": "at d_head = 4, is the 1/d_head curve's largest weight near 1?",
+    "6dddff1bb3f79bb8": "compare the 1/d_head curve with the 1/sqrt(d_head) curve at d_head = 1024: are they level with each other?",
+    "f2d0ab0cce843573": "at d_head = 1024, is the 1/d_head curve's largest weight near 1, like the raw scores'?",
+    "c5d04ac49cc59655": "at d_head = 4, is the 1/d_head curve's largest weight near 1?",
 }
 
 
@@ -959,8 +960,8 @@ def check_answer_scaling(answer: Any, *, seed: int = 0, device: torch.device | N
     supported = [letter for letter, holds in _statements(peakedness_curves(seed=seed)).items() if holds]
     if len(supported) != 1:  # the experiment itself went wrong: say so rather than grade at random
         raise RuntimeError(f"the peakedness experiment supports {supported}; please report this to the course staff")
-    expect_choice(answer, name=SCALING_QUESTION_NAME, options="".join(CHOICES), correct=supported[0],
-                  hints=SCALING_HINTS)
+    expect_choice(answer, name=SCALING_QUESTION_NAME, options="".join(CHOICES),
+                  correct_digest=choice_digest(SCALING_QUESTION_NAME, supported[0]), hints=SCALING_HINTS)
 
 
 # --------------------------------------------------------------------------------------

@@ -75,45 +75,47 @@ def _accepts(fn: Callable, parameter: str) -> bool:
 
 
 PERMUTATION_HINTS = {
-    "A": "Invariant would mean the outputs do not change at all. Run the experiment below your answer: they "
+    "735b85966c8bd5e4": "Invariant would mean the outputs do not change at all. Run the experiment below your answer: they "
          "did change (the first print says True) -- but how?",
-    "C": "The experiment's second print says the outputs were shuffled in the same way as the tokens: "
+    "d554cd9a915d41e0": "The experiment's second print says the outputs were shuffled in the same way as the tokens: "
          "that is a very predictable change.",
 }
 
 SHIFT_HINTS = {
-    "A": "Expand sin((p + k) w) and cos((p + k) w) with the angle-addition formulas: both are sums of "
+    "4e8f80f51ab0420a": "Expand sin((p + k) w) and cos((p + k) w) with the angle-addition formulas: both are sums of "
          "sin(p w) and cos(p w) with coefficients that depend on k w only.",
-    "C": "A multiple of 2 pi would make the matrix the identity; other offsets need a matrix too, but "
+    "6ea643369f113c9e": "A multiple of 2 pi would make the matrix the identity; other offsets need a matrix too, but "
          "try the angle-addition formulas on one pair before you rule them out.",
 }
 
 
-@check("ANSWER_PERMUTATION: self-attention is permutation-equivariant")
+@check("ANSWER_PERMUTATION: right choice")
 def check_answer_permutation(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """The word for 'shuffle the tokens, the outputs shuffle the same way'."""
-    expect_choice(answer, name="ANSWER_PERMUTATION", options="ABC", correct="B", hints=PERMUTATION_HINTS)
+    """The word for what shuffling the tokens does to the outputs (the right letter is stored as its digest)."""
+    expect_choice(answer, name="ANSWER_PERMUTATION", options="ABC", correct_digest="23f1cd1f7d4a7599",
+                  hints=PERMUTATION_HINTS)
 
 
 NO_POSITIONS_HINTS = {
-    "A": "Comparing every token with every other is exactly what cannot help here: without positions the "
+    "ee6ff0f4ed179f0f": "Comparing every token with every other is exactly what cannot help here: without positions the "
          "model sees each token and the set of all tokens, the same set at every position. Which of them came "
          "just before is not in its input.",
-    "B": "What could rule out half of the candidates? Every token appears once and the order is random: "
+    "b80e85af621dff7d": "What could rule out half of the candidates? Every token appears once and the order is random: "
          "given a token and the set of the others, each of them is equally likely to be its predecessor.",
 }
 
 
-@check("ANSWER_NO_POSITIONS: no positions and no mask: at most 1/(S-1)")
+@check("ANSWER_NO_POSITIONS: right choice")
 def check_answer_no_positions(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The predict-first question before the order experiment."""
-    expect_choice(answer, name="ANSWER_NO_POSITIONS", options="ABC", correct="C", hints=NO_POSITIONS_HINTS)
+    expect_choice(answer, name="ANSWER_NO_POSITIONS", options="ABC", correct_digest="75fc297c3f076504",
+                  hints=NO_POSITIONS_HINTS)
 
 
-@check("ANSWER_SHIFT: one matrix per offset moves every sinusoidal encoding")
+@check("ANSWER_SHIFT: right choice")
 def check_answer_shift(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The predict-first question before pe_shift_matrix."""
-    expect_choice(answer, name="ANSWER_SHIFT", options="ABC", correct="B", hints=SHIFT_HINTS)
+    expect_choice(answer, name="ANSWER_SHIFT", options="ABC", correct_digest="81d1cdba4eabc997", hints=SHIFT_HINTS)
 
 
 # --------------------------------------------------------------------------------------

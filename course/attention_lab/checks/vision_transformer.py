@@ -837,14 +837,14 @@ def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch
 
 
 EXPAND_REPEAT_HINTS = {
-    "A": "Run the experiment below your answer and compare the two gradients it prints. Then ask yourself "
+    "4c67acbc4d58d9a3": "Run the experiment below your answer and compare the two gradients it prints. Then ask yourself "
     "whether a copy made by repeat is still connected to the parameter in autograd's graph.",
-    "C": "Run the experiment below your answer and compare the sizes of the two gradients it prints. What does "
+    "cf952e4f250010c3": "Run the experiment below your answer and compare the sizes of the two gradients it prints. What does "
     "autograd do with the gradients of several uses of one tensor?",
 }
 
 
-@check("ANSWER_EXPAND_REPEAT: right -- expand and repeat give the same gradient; repeat only costs memory")
+@check("ANSWER_EXPAND_REPEAT: right choice")
 def check_answer_expand_repeat(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The multiple-choice answer about expand vs repeat for the class token."""
     # The right statement is read off the experiment itself, as in the notebook's demo cell.
@@ -856,13 +856,14 @@ def check_answer_expand_repeat(answer: Any, *, seed: int = 0, device: torch.devi
         copies = parameter.expand(4, -1, -1) if how == "expand" else parameter.repeat(4, 1, 1)
         (copies * upstream).sum().backward()
         gradients[how] = parameter.grad.clone()
+    # The statement each outcome supports, as the digest of its letter (never the letter in clear).
     if torch.allclose(gradients["expand"], gradients["repeat"]):
-        correct = "B"  # the same gradient; repeat only costs memory
+        correct = "abea525746e61998"  # the same gradient
     elif torch.allclose(gradients["expand"], gradients["repeat"] / 4):
-        correct = "C"  # expand would average
+        correct = "cf952e4f250010c3"  # averaged
     else:
-        correct = "A"  # independent, unshared gradients
-    expect_choice(answer, name="ANSWER_EXPAND_REPEAT", options="ABC", correct=correct, hints=EXPAND_REPEAT_HINTS)
+        correct = "4c67acbc4d58d9a3"  # independent gradients
+    expect_choice(answer, name="ANSWER_EXPAND_REPEAT", options="ABC", correct_digest=correct, hints=EXPAND_REPEAT_HINTS)
 
 
 # --------------------------------------------------------------------------------------
