@@ -71,6 +71,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "CheckFailure",
+    "RuleFailure",
     "Variant",
     "check",
     "tolerance",
@@ -127,6 +128,12 @@ class CheckFailure(AssertionError):
                     lines.append("    " + frame.line.strip())
             lines.append("")
         return lines + _wrap(f"{type(self).__name__}: {self}")
+
+
+class RuleFailure(CheckFailure):
+    """The answer's numbers may be right, but it breaks a rule of how the exercise asks to compute them (memory
+    held at once, a built-in called, the work done, what kind of attribute holds a table). Such a failure cannot
+    explain a wrong number in an exercise that uses the answer: the dependency notes of a failing check skip it."""
 
 
 # Hints the framework itself gives (check modules keep theirs in dicts named *HINTS too).
@@ -488,12 +495,12 @@ class _Tripwire(TorchFunctionMode):
         if self.watched:
             self._record_in_place(short, args, kwargs)
         if self.any_torch:
-            raise CheckFailure(
+            raise RuleFailure(
                 f"{self.exercise} must be written with NumPy only, but your code called "
                 f"torch ({name}). Convert nothing to torch: use np.* functions and the @ operator."
             )
         if short in self.forbidden:
-            raise CheckFailure(
+            raise RuleFailure(
                 f"{self.exercise} is a from-scratch exercise, but your code called the built-in "
                 f"{short}() that it is compared with. Write it with ordinary tensor operations "
                 f"(matmul, softmax, masked_fill, ...)."
@@ -1188,6 +1195,8 @@ def _dependency_notes(answer: Any, uses: Sequence[str], near_module: str, device
                 continue  # defined, but this answer never called it: not its problem
             try:
                 helper_check(helper, device=device, quiet=True)
+            except RuleFailure:  # right numbers, a rule broken: it cannot explain this exercise's failure
+                continue
             except CheckFailure as failure:
                 first_line = str(failure).splitlines()[0] if str(failure) else ""
                 notes.append(f"Note: this exercise uses your {name}, which fails its own check "

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from attention_lab.checking import (
     CheckFailure,
+    RuleFailure,
     Variant,
     call_student,
     check,
@@ -521,7 +522,7 @@ def _wide_table(seq_q: int, seq_k: int) -> Callable[[tuple[int, ...]], bool]:
 def _expect_no_table(watch: OperationWatch, call: str, what: str, hint: str) -> None:
     if watch.offence is not None:
         operation, shape, line = watch.offence
-        raise CheckFailure(f"{call} built a {shape_str(shape)} tensor (with {operation}){line}: {what}.\n"
+        raise RuleFailure(f"{call} built a {shape_str(shape)} tensor (with {operation}){line}: {what}.\n"
                            f"  Likely mistake: {hint}")
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from attention_lab.checking import (
     one_cpu_thread,
     CheckFailure,
+    RuleFailure,
     Variant,
     call_student,
     check,
@@ -1410,7 +1411,7 @@ def check_order_transformer(OrderTransformer: Callable, *, seed: int = 0, device
             target = torch.float32 if getattr(module, attribute).dtype == torch.float64 else torch.float64
             model.to(target)  # the module's own move: its parameters and buffers follow it, a plain attribute not
             still = str(getattr(module, attribute).dtype).replace("torch.", "")
-            raise CheckFailure(f"{label} keeps its [{max_len}, {embed_dim}] position table as a plain attribute, "
+            raise RuleFailure(f"{label} keeps its [{max_len}, {embed_dim}] position table as a plain attribute, "
                                f"self.{name}: after model.to({target}) it is still {still}.\n  Likely mistake: "
                                f"{ORDER_HINTS['sinusoidal_attribute']}")
         if positions == "learned":
