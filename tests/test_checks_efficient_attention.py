@@ -476,7 +476,9 @@ def test_flash_with_a_wrong_merge_is_named():
 
 def test_flash_that_masks_future_blocks_instead_of_skipping_them():
     message = rejects(checks.check_flash_attention_forward_memory, make_flash("future_blocks"), "future_blocks")
-    assert "36 of the 36" not in message and "Only 21 of the 36 tiles" in message, message
+    # One unit per sentence (issue #34: "72 tile products ... only 21 of the 36 tiles"): tiles.
+    assert "computed 36 [16, 16] tiles of scores" in message and "Only 21 of the 36 tiles" in message, message
+    assert "products" not in message.split("Likely mistake")[0], message
 
 
 def test_flash_built_on_query_chunks_is_not_flash():
@@ -573,7 +575,8 @@ def test_flash_attention_backward_mistakes_are_named_with_float32_internals():
 
 
 def test_flash_attention_backward_that_computes_every_tile():
-    rejects(checks.check_flash_attention_backward_memory, make_backward("future_blocks"), "bwd_future_blocks")
+    message = rejects(checks.check_flash_attention_backward_memory, make_backward("future_blocks"), "bwd_future_blocks")
+    assert "computed 36 [16, 16] tiles, as many as the non-causal pass. Only 21 of the 36 tiles" in message, message
 
 
 def test_flash_attention_backward_through_the_whole_table_is_not_flash():

@@ -482,6 +482,9 @@ def test_attention_layer_flops_finds_the_module_in_the_students_notebook(capsys)
     (_flops(lambda b, s, d: 8 * s * d * d, lambda b, s, d: 4 * s * s * d), "multiply by batch_size"),
     (_flops(_A, _P), "the two entries are swapped"),
     (_flops(_P, lambda b, s, d: 4 * b * s * s * d + 5 * b * s * s), "counts matrix products only"),
+    # two mistakes that used to get numbers only (issue #34)
+    (_flops(lambda b, s, d: 8 * b * s * d * d + 4 * b * s * d, _A), "you counted the biases"),
+    (_flops(_P, lambda b, s, d: 12 * 4 * b * s * s * d), r"multiplied by the number of heads \(by 12\)"),
     (_flops(lambda b, s, d: float(8 * b * s * d * d), _A), "should be an int"),
     (lambda batch_size, seq_len, d_model: {"proj": 1, "attention": 2}, r"missing \['projections'\]"),
     (lambda batch_size, seq_len, d_model: (1, 2), "should return a dict"),

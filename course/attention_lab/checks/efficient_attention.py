@@ -868,6 +868,12 @@ def _score_products(watch: OperationWatch, block: int) -> int:
     return watch.products[(block, block)]
 
 
+def _tiles(counts: dict[bool, int], blocks: int) -> int:
+    """How many tiles the causal pass computed: its [block, block] products over the products per tile of the
+    non-causal pass (which computes all ``blocks²`` tiles). One unit per sentence of a message: tiles."""
+    return round(counts[True] * blocks ** 2 / counts[False])
+
+
 @check("flash_attention_forward: never builds a tensor as wide as all the keys; the causal pass skips future key blocks")
 def check_flash_attention_forward_memory(flash_attention_forward: Callable, *, seed: int = 0,
                                          device: torch.device | None = None) -> None:
@@ -908,9 +914,9 @@ def check_flash_attention_forward_memory(flash_attention_forward: Callable, *, s
         allowed = counts[False] * (visited + blocks) / blocks ** 2  # one extra (fully masked) block per row is fine
         expect_true(counts[True] <= allowed,
                     f"flash_attention_forward(q, k, v, block_q={block}, block_k={block}, causal=True) with S = {seq} "
-                    f"computed {counts[True]} [{block}, {block}] products of q and k blocks, as many as the non-causal "
-                    f"pass ({counts[False]}). Only {visited} of the {blocks ** 2} tiles hold a key that some query of "
-                    f"the tile may see.\n  Likely mistake: {HINTS['future_blocks']}")
+                    f"computed {_tiles(counts, blocks)} [{block}, {block}] tiles of scores, as many as the non-causal "
+                    f"pass. Only {visited} of the {blocks ** 2} tiles hold a key that some query "
+                    f"of the tile may see.\n  Likely mistake: {HINTS['future_blocks']}")
 
 
 # --------------------------------------------------------------------------------------
@@ -1116,9 +1122,9 @@ def check_flash_attention_backward_memory(flash_attention_backward: Callable, *,
         allowed = counts[False] * (visited + blocks) / blocks ** 2
         expect_true(counts[True] <= allowed,
                     f"flash_attention_backward(..., block_q={block}, block_k={block}, causal=True) with S = {seq} "
-                    f"computed {counts[True]} [{block}, {block}] tile products, as many as the non-causal pass "
-                    f"({counts[False]}). Only {visited} of the {blocks ** 2} tiles hold a key that some query of the "
-                    f"tile may see.\n  Likely mistake: {HINTS['bwd_future_blocks']}")
+                    f"computed {_tiles(counts, blocks)} [{block}, {block}] tiles, as many as the non-causal pass. "
+                    f"Only {visited} of the {blocks ** 2} tiles hold a key that some query of "
+                    f"the tile may see.\n  Likely mistake: {HINTS['bwd_future_blocks']}")
 
 
 def _saved_by(output: torch.Tensor) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:

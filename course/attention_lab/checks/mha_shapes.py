@@ -655,6 +655,11 @@ FLOPS_HINTS = {
     "only_scores": "you counted Q @ Kᵀ but not weights @ V, which costs as much again.",
     "no_batch": "every sequence of the batch costs the same again: multiply by batch_size.",
     "swapped": "the two entries are swapped: 'projections' grows with D², 'attention' with S².",
+    "biases": "you counted the biases: FlopCounterMode counts matrix products only, so the four projections "
+    "cost 4 · 2·B·S·D², without the B·S·D additions of their biases.",
+    "times_heads": "the attention term was multiplied by the number of heads (by {factor}): each head compares "
+    "queries and keys of width d_head = D/H, so the H heads together cost 2 · 2·B·S²·(H·d_head) = 4·B·S²·D, "
+    "whatever H is. Count with D, and no factor H.",
     "softmax_counted": "FlopCounterMode counts matrix products only: the scaling, the mask and the softmax "
     "(a few operations per score) are not in its count. Count the products alone.",
 }
@@ -730,6 +735,11 @@ def _flops_hint(got: dict, case: tuple) -> str:
     b, s, d = case
     projections, attention = 8 * b * s * d * d, 4 * b * s * s * d
     p, a = got["projections"], got["attention"]
+    if p == projections and a > attention and a % attention == 0:  # H is not in the signature: a number typed in
+        return FLOPS_HINTS["times_heads"].format(factor=a // attention)
+    if a == attention and p > projections and (p - projections) % (b * s * d) == 0 \
+            and (p - projections) // (b * s * d) in (1, 2, 3, 4, 6, 8):  # one or two per output, 3 or 4 projections
+        return FLOPS_HINTS["biases"]
     if (p, a) == (attention, projections) and p != a:
         return FLOPS_HINTS["swapped"]
     if b > 1 and (p * b, a * b) == (projections, attention):
