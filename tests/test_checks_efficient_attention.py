@@ -287,6 +287,7 @@ def make_flash(bug=None, step=None, base2=False, work=None):
     step = step or make_step(None)
 
     def flash(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+        causal = causal and bug != "causal_ignored"
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         dtype = work or torch.promote_types(q.dtype, torch.float32)
@@ -326,9 +327,18 @@ def make_flash(bug=None, step=None, base2=False, work=None):
                     l = l * alpha + p.sum(-1)
                     acc = acc * alpha[..., None] + p @ v[..., k0:k0 + block_k, :].to(dtype)
                     m = m_new
+                elif bug in ("normalise_terms", "normalise_reset"):  # two other ways to normalise inside the loop
+                    l = l * alpha + p.sum(-1)
+                    terms = p @ v[..., k0:k0 + block_k, :].to(dtype)
+                    if bug == "normalise_terms":
+                        acc = acc * alpha[..., None] + terms / l[..., None]
+                    else:
+                        acc = (acc * alpha[..., None] + terms) / l[..., None]
+                        l = torch.ones_like(l)
+                    m = m_new
                 else:
                     m, l, acc = step(m, l, acc, s, v[..., k0:k0 + block_k, :].to(dtype))
-            outs.append(acc / l[..., None])
+            outs.append(acc if bug == "normalise_terms" else acc / l[..., None])
             if base2:
                 lse = (m + torch.log2(l)) * math.log(2)
             elif bug == "lse_log2":
@@ -383,9 +393,15 @@ def test_flash_attention_forward_correct_answers_pass(answer):
 
 
 @pytest.mark.parametrize("bug", ["top_left", "strict_mask", "skip_diagonal", "lse_log2", "lse_mixed", "lse_no_max",
-                                 "lse_unscaled", "bound_no_offset", "bound_inclusive"])
+                                 "lse_unscaled", "bound_no_offset", "bound_inclusive", "causal_ignored"])
 def test_flash_attention_forward_mistakes_are_named(bug):
     rejects(checks.check_flash_attention_forward, make_flash(bug), bug)
+
+
+@pytest.mark.parametrize("bug", ["normalise_terms", "normalise_reset"])
+def test_flash_attention_forward_that_normalises_inside_the_loop_otherwise_is_named(bug):
+    # numbers only before (issue #34)
+    rejects(checks.check_flash_attention_forward, make_flash(bug), "normalise_inside")
 
 
 @pytest.mark.parametrize("bug", ["no_rescale_acc", "no_rescale_l", "stale_max", "normalise_inside"])
@@ -530,9 +546,13 @@ def make_backward(bug=None, queries_outside=False, work=None):
         tiles = [(q0, k0) for k0 in range(0, seq_k, block_k) for q0 in range(0, seq_q, block_q)]
         if queries_outside:
             tiles.sort()
+        started = set()  # key blocks whose query loop has started
         for q0, k0 in tiles:
             q1, k1 = min(seq_q, q0 + block_q), min(seq_k, k0 + block_k)
             if causal and bug != "future_blocks" and k0 > q1 - 1 + seq_k - seq_q:
+                continue
+            if causal and bug == "late_queries" and k0 not in started:  # the query loop starts one block late
+                started.add(k0)
                 continue
             s = torch.einsum("bhqd,bhkd->bhqk", q_[..., q0:q1, :], k_[..., k0:k1, :]) * scale
             if causal and bug != "no_mask":
@@ -540,12 +560,14 @@ def make_backward(bug=None, queries_outside=False, work=None):
                 s = s.masked_fill(~keep, NEG_INF)
             if bug == "no_lse":
                 p = s.exp()
+            elif bug == "exp2_natural":
+                p = torch.exp2(s - lse_[..., q0:q1, None])
             elif bug == "tile_softmax":
                 p = torch.softmax(s, -1).nan_to_num(0.0)
             else:
                 p = torch.exp(s - lse_[..., q0:q1, None])
             dp = do_[..., q0:q1, :] @ v_[..., k0:k1, :].mT
-            ds = p * (dp - delta[..., q0:q1, None])
+            ds = p * (dp - ((p * dp).sum(-1, keepdim=True) if bug == "D_tile" else delta[..., q0:q1, None]))
             factor = 1.0 if bug == "no_scale" else scale
             dv[..., k0:k1, :] += (p if bug == "P_not_transposed" else p.mT) @ do_[..., q0:q1, :]
             dq[..., q0:q1, :] += factor * ds @ k_[..., k0:k1, :]
@@ -565,7 +587,8 @@ def test_flash_attention_backward_correct_answers_pass(answer):
                                        ("no_lse", "bwd_no_lse"), ("tile_softmax", "bwd_tile_softmax"),
                                        ("dS_not_transposed", "bwd_dS_not_transposed"),
                                        ("P_not_transposed", "bwd_P_not_transposed"), ("no_mask", "bwd_no_mask"),
-                                       ("top_left", "bwd_top_left")])
+                                       ("top_left", "bwd_top_left"), ("D_tile", "bwd_D_tile"),
+                                       ("late_queries", "bwd_late_queries"), ("exp2_natural", "bwd_exp2_natural")])
 def test_flash_attention_backward_mistakes_are_named(bug, hint):
     rejects(checks.check_flash_attention_backward, make_backward(bug), hint)
 
@@ -591,8 +614,8 @@ def test_flash_attention_backward_through_the_whole_table_is_not_flash():
         checks.check_flash_attention_backward_memory(dense, **CPU)
 
 
-def make_function(save="right", grads=4):
-    forward, backward = make_flash(), make_backward()
+def make_function(save="right", grads=4, causal_kept=True, forward_bug=None):
+    forward, backward = make_flash(forward_bug), make_backward()
 
     class FlashAttention(torch.autograd.Function):
         @staticmethod
@@ -614,7 +637,7 @@ def make_function(save="right", grads=4):
         def backward(ctx, dout):
             q, k, v, out = ctx.saved_tensors[:4]
             lse = ctx.saved_tensors[4] if save != "no_lse" else torch.logsumexp(q @ k.mT * q.shape[-1] ** -0.5, -1)
-            dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal)
+            dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal if causal_kept else False)
             return (dq, dk, dv, None)[:grads]
 
     return FlashAttention
@@ -628,6 +651,12 @@ def test_flash_attention_function_passes_gradcheck(capsys):
 @pytest.mark.parametrize("save", ["P", "attribute", "no_lse"])
 def test_flash_attention_function_that_saves_other_tensors_is_named(save):
     rejects(checks.check_flash_attention_function, make_function(save=save), "bwd_saved")
+
+
+@pytest.mark.parametrize("function, hint", [(make_function(causal_kept=False), "bwd_causal_not_kept"),
+                                            (make_function(forward_bug="causal_ignored"), "causal_ignored")])
+def test_flash_attention_function_that_loses_causal_is_named(function, hint):
+    rejects(checks.check_flash_attention_function, function, hint)  # numbers only before (issue #34)
 
 
 def test_flash_attention_function_with_too_few_gradients_is_named():
@@ -1137,6 +1166,11 @@ def test_backward_kernels_pass_when_right(tmp_path, capsys):
                  "unmasked_load", marks=INTERPRETER_ONLY),
     ((("dv.to(DV.dtype.element_ty), mask=key_ok[:, None])", "dv.to(DV.dtype.element_ty))"),),
      "kernel_unmasked_store"),
+    # numbers only before (issue #34): a habit from 6.10, a classic, and a loop bound
+    ((("tl.exp(s - lse[:, None])", "tl.exp2(s - lse[:, None])"),), "bwd_exp2_natural"),
+    ((("ds = p * (dp - delta[:, None])", "ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])"),), "bwd_D_tile"),
+    ((("(seq_k - seq_q)) // BLOCK_Q * BLOCK_Q", "(seq_k - seq_q)) // BLOCK_Q * BLOCK_Q + BLOCK_Q"),),
+     "bwd_late_queries"),
 ])
 def test_backward_kernel_mistakes_are_named(tmp_path, replacements, hint):
     with pytest.raises(CheckFailure) as failure:

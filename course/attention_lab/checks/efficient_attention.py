@@ -98,6 +98,9 @@ HINTS = {
     "-inf or smaller than the block's scores, and overflow).",
     "block_max_only": "m' must be the max over everything seen so far, max(m, rowmax(S_blk)), not the block's "
     "rowmax alone.",
+    "causal_ignored": "causal=True was ignored: the output equals attention over every key. Mask the future keys "
+    "(key j > i + (S_k - S_q)) with -inf in each tile that holds the diagonal, and skip the key blocks wholly in "
+    "the future.",
     "normalise_inside": "acc is normalised inside the loop: keep acc unnormalised (a weighted sum) and divide "
     "by l once, after the last block.",
     # flash attention forward
@@ -152,6 +155,15 @@ HINTS = {
     "as in the forward pass.",
     "bwd_future_blocks": "with causal=True the backward pass still computes every tile: skip the (query block, key "
     "block) tiles whose first key is beyond the reach of the block's last query, as the forward pass does.",
+    "bwd_D_tile": "D is computed per tile, as rowsum(P_tile ∘ dP_tile) over this tile's keys only: D_i = Σ_j P_ij dP_ij "
+    "runs over *all* the keys of row i. Compute it once per query row, before the loops, as D = rowsum(dout ∘ out).",
+    "bwd_late_queries": "the loop over query blocks starts one block late: the first query block that sees a key "
+    "block is the one that holds the diagonal (query k_start - (S_k - S_q), rounded down to a multiple of block_q), "
+    "and that block's tile must be visited (and masked inside).",
+    "bwd_exp2_natural": "P = exp2(s - lse) on natural-log scores: the backward's scores (scale · q kᵀ) and lse are "
+    "in natural log, so P = exp(s - lse) (tl.exp); exp2 needs both multiplied by log2(e) first.",
+    "bwd_causal_not_kept": "the backward ran without the causal mask, although forward got causal=True: keep it for "
+    "backward (ctx.causal = causal) and pass it on, flash_attention_backward(..., causal=ctx.causal).",
     "bwd_saved": "save exactly q, k, v, out and lse with ctx.save_for_backward(q, k, v, out, lse): the backward pass "
     "recomputes P from them, which is the point of FlashAttention (no [S_q, S_k] tensor is kept between the passes).",
     "bwd_gradients": "backward returns one gradient per input of forward, in order: (dq, dk, dv, None) -- None for "
@@ -291,13 +303,18 @@ def tiled_attention(q, k, v, *, causal: bool, scale: float, block_q: int, block_
             alpha = torch.exp(m - safe)
             p = torch.exp(scores - safe[..., None])
             l = (l if bug == "no_rescale_l" else l * alpha) + p.sum(-1)
-            acc = (acc if bug == "no_rescale_acc" else acc * alpha[..., None]) + p @ v[..., k_start:k_start + block_k, :]
-            if bug in ("normalise_inside", "normalise_inside_twice"):
+            if bug == "normalise_terms":  # each block's terms divided by the l of their step, never rescaled after
+                acc = acc * alpha[..., None] + p @ v[..., k_start:k_start + block_k, :] / l[..., None]
+            else:
+                acc = (acc if bug == "no_rescale_acc" else acc * alpha[..., None]) + p @ v[..., k_start:k_start + block_k, :]
+            if bug in ("normalise_inside", "normalise_inside_twice", "normalise_reset"):
                 acc = acc / l[..., None]
+            if bug == "normalise_reset":  # normalised acc, and l restarted at 1 as if it were one term
+                l = torch.ones_like(l)
             last_m = m_new
             if bug != "stale_max":
                 m = m_new
-        outs.append(acc if bug == "normalise_inside" else acc / l[..., None])
+        outs.append(acc if bug in ("normalise_inside", "normalise_terms") else acc / l[..., None])
         lses.append(last_m + torch.log(l))
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
@@ -312,7 +329,7 @@ def _lse_variants(q, k, causal: bool, scale: float) -> list[Variant]:
         Variant(lambda: row_max + torch.log2(row_sum), HINTS["lse_mixed"]),
         Variant(lambda: torch.logsumexp(_scores(q, k, causal, 1.0), -1), HINTS["lse_unscaled"]),
         Variant(lambda: torch.log(row_sum), HINTS["lse_no_max"]),
-    ]
+    ] + ([Variant(lambda: torch.logsumexp(_scores(q, k, False, scale), -1), HINTS["causal_ignored"])] if causal else [])
 
 
 def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: int,
@@ -329,10 +346,13 @@ def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: in
         variants += [Variant(tiled("bound_no_offset"), HINTS["bound_no_offset"]),
                      Variant(tiled("bound_no_offset_clamped"), HINTS["bound_no_offset"]),
                      Variant(tiled("bound_inclusive"), HINTS["bound_inclusive"])]
-    variants.append(Variant(tiled("normalise_inside_twice"), HINTS["normalise_inside"]))  # and divided by l again
+    variants += [Variant(tiled(bug), HINTS["normalise_inside"])  # and divided by l again; other normalisations
+                 for bug in ("normalise_inside_twice", "normalise_terms", "normalise_reset")]
     if causal:
         variants += [Variant(tiled(bug), HINTS[bug]) for bug in ("skip_diagonal", "top_left", "strict_mask")]
     variants.append(Variant(lambda: reference_attention(q, k, v, causal, 1.0)[0], HINTS["no_scale"]))
+    if causal:
+        variants.append(Variant(lambda: reference_attention(q, k, v, False, scale)[0], HINTS["causal_ignored"]))
     for hint_key, factor in extra:
         variants.append(Variant(lambda f=factor: reference_attention(q, k, v, causal, scale * f)[0], HINTS[hint_key]))
     return variants
@@ -934,13 +954,14 @@ def reference_gradients(q, k, v, dout, causal: bool, scale: float) -> tuple[torc
 
 
 def tiled_backward(q, k, v, dout, *, causal: bool, scale: float, block_q: int, block_k: int,
-                   bug: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                   bug: str | None = None, out_lse: tuple | None = None) -> tuple[torch.Tensor, ...] | None:
     """FlashAttention-2's backward loop in float64 with one known ``bug`` (or none); None where the bug
-    cannot run on these shapes (a transposed product of tiles that are not square)."""
+    cannot run on these shapes (a transposed product of tiles that are not square). ``out_lse``: the forward's
+    (out, lse) it is given (default: those of attention with the same ``causal``)."""
     q, k, v, dout = _f64(q, k, v, dout)
     seq_q, seq_k = q.size(2), k.size(2)
     offset = 0 if bug == "top_left" else seq_k - seq_q
-    out, lse = reference_attention(q, k, v, causal, scale)
+    out, lse = _f64(*out_lse) if out_lse is not None else reference_attention(q, k, v, causal, scale)
     delta = (dout * (dout if bug == "D_dout" else out)).sum(-1)
     if bug == "no_D":
         delta = torch.zeros_like(delta)
@@ -948,9 +969,13 @@ def tiled_backward(q, k, v, dout, *, causal: bool, scale: float, block_q: int, b
     for k_start in range(0, seq_k, block_k):
         k_blk, v_blk = k[..., k_start:k_start + block_k, :], v[..., k_start:k_start + block_k, :]
         k_end = k_start + k_blk.size(2)
+        first_seen = True
         for q_start in range(0, seq_q, block_q):
             q_end = min(seq_q, q_start + block_q)
             if causal and k_start > q_end - 1 + seq_k - seq_q:
+                continue
+            if causal and bug == "late_queries" and first_seen:  # the diagonal tile's query block skipped
+                first_seen = False
                 continue
             q_blk, do_blk = q[..., q_start:q_end, :], dout[..., q_start:q_end, :]
             s = q_blk @ k_blk.transpose(-1, -2) * scale
@@ -960,12 +985,15 @@ def tiled_backward(q, k, v, dout, *, causal: bool, scale: float, block_q: int, b
                 s = s.masked_fill(cols > rows + offset, -math.inf)
             if bug == "no_lse":
                 p = torch.exp(s)
+            elif bug == "exp2_natural":
+                p = torch.exp2(s - lse[..., q_start:q_end, None])
             elif bug == "tile_softmax":
                 p = torch.softmax(s, -1).nan_to_num(0.0)
             else:
                 p = torch.exp(s - lse[..., q_start:q_end, None])
             dp = do_blk @ v_blk.transpose(-1, -2)
-            ds = p * (dp - delta[..., q_start:q_end, None])
+            row_delta = (p * dp).sum(-1) if bug == "D_tile" else delta[..., q_start:q_end]
+            ds = p * (dp - row_delta[..., None])
             factor = 1.0 if bug == "no_scale" else scale
             transposed = {"P_not_transposed": p, "dS_not_transposed": ds}.get(bug)
             if transposed is not None and transposed.size(-1) != transposed.size(-2):
@@ -978,7 +1006,8 @@ def tiled_backward(q, k, v, dout, *, causal: bool, scale: float, block_q: int, b
 
 _BACKWARD_BUGS = {"D_dout": "bwd_D_dout", "no_D": "bwd_no_D", "no_scale": "bwd_no_scale", "no_lse": "bwd_no_lse",
                   "tile_softmax": "bwd_tile_softmax", "dS_not_transposed": "bwd_dS_not_transposed",
-                  "P_not_transposed": "bwd_P_not_transposed", "no_mask": "bwd_no_mask", "top_left": "bwd_top_left"}
+                  "P_not_transposed": "bwd_P_not_transposed", "no_mask": "bwd_no_mask", "top_left": "bwd_top_left",
+                  "D_tile": "bwd_D_tile", "late_queries": "bwd_late_queries", "exp2_natural": "bwd_exp2_natural"}
 
 
 def _backward_variants(q, k, v, dout, causal, scale, block_q, block_k) -> list[list[Variant]]:
@@ -993,7 +1022,7 @@ def _backward_variants(q, k, v, dout, causal, scale, block_q, block_k) -> list[l
             return None if cache[bug] is None else cache[bug][index]
         return run
 
-    bugs = [bug for bug in _BACKWARD_BUGS if causal or bug not in ("no_mask", "top_left")]
+    bugs = [bug for bug in _BACKWARD_BUGS if causal or bug not in ("no_mask", "top_left", "late_queries")]
     return [[Variant(part(bug, index), HINTS[_BACKWARD_BUGS[bug]]) for bug in bugs] for index in range(3)]
 
 
@@ -1155,9 +1184,11 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
         with torch.enable_grad():
             out = call_student(FlashAttention.apply, q, k, v, causal, call=call)
         expect_tensor(out, what=f"out from {call}", shape=q.shape, dtype=q.dtype, device=q.device)
+        ignored = [Variant(lambda: reference_attention(q, k, v, False)[0], HINTS["causal_ignored"])] if causal else []
         forward_error = max(forward_error, expect_close(out, reference_attention(q, k, v, causal)[0],
                                                         what=f"out from {call}",
-                                                        against="F.scaled_dot_product_attention (float64)"))
+                                                        against="F.scaled_dot_product_attention (float64)",
+                                                        variants=ignored))
         expect_true(out.grad_fn is not None and hasattr(out.grad_fn, "saved_tensors"),
                     f"out from {call} has no backward of FlashAttention (grad_fn {out.grad_fn}): forward must return "
                     "the output tensor it computed, and apply (not forward) must be called.")
@@ -1190,9 +1221,14 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
         except Exception as error:
             raise CheckFailure(f"the backward of {call} raised {type(error).__name__}: {error}") from None
         want = reference_gradients(q, k, v, dout, causal, 8 ** -0.5)
-        for name, got, expected in zip(("dq", "dk", "dv"), grads, want):
+        for index, (name, got, expected) in enumerate(zip(("dq", "dk", "dv"), grads, want)):
+            # backward with causal=False on the forward's causal out and lse: what a lost ctx.causal gives
+            not_kept = [Variant(lambda index=index: tiled_backward(q, k, v, dout, causal=False, scale=8 ** -0.5,
+                                                                   block_q=64, block_k=64,
+                                                                   out_lse=reference_attention(q, k, v, True))
+                                [index], HINTS["bwd_causal_not_kept"])] if causal else []
             expect_close(got, expected, what=f"{name} from the backward of {call}",
-                         against="torch.autograd through SDPA (float64)")
+                         against="torch.autograd through SDPA (float64)", variants=not_kept)
     # torch.autograd.gradcheck in float64 (fast mode: random directions, a few seconds at most). Finite
     # differences of a pass computed in float32 inside (allowed) need a float32-sized step and tolerance.
     q, k, v = (t.requires_grad_(True) for t in _qkv(generator, 1, 1, 6, 9, 4))
