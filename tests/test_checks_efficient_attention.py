@@ -1213,3 +1213,17 @@ def test_flash_attention_backward_that_never_casts_back_is_named():
 
 def test_flash_attention_forward_computing_in_half_precision_is_named():
     rejects(checks.check_flash_attention_forward, in_the_inputs_dtype(make_flash), "half_internals")
+
+
+@needs_triton
+@INTERPRETER_ONLY
+def test_the_interpreters_warnings_come_after_the_checks_message():
+    # They printed above the message, in the notebook, in 6.9's overflow case (issue #34).
+    import warnings
+
+    with warnings.catch_warnings(record=True) as escaped:
+        warnings.simplefilter("always")
+        message = rejects(checks.check_row_softmax_kernel, PlantedLadder(planted_softmax, 2), "softmax_no_max")
+    assert not [w for w in escaped if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in escaped]
+    tail = message.split("Likely mistake:")[-1]
+    assert "Warnings while your kernel ran:" in tail and "RuntimeWarning: overflow encountered in exp2" in tail, message
