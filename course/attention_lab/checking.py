@@ -165,8 +165,11 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # frames are not the student's code either.
 _LIBRARY_DIRS = tuple({os.path.abspath(path) for key in ("stdlib", "platstdlib", "purelib", "platlib")
                        if (path := sysconfig.get_paths().get(key))})
-# nbgrader's `validate` command cuts a line longer than 87 characters, its 4-space indent included.
-_LINE_WIDTH = 83
+# A failure's lines are wrapped here, at word boundaries, to this width: nbgrader's `validate` command cuts a
+# line longer than 87 characters (its 4-space indent included), and JupyterLab's output area, which wraps a longer
+# line again anywhere (word-break: break-all), holds 74 characters at 1024×768 with the file browser open
+# (measured: 584 px of 7.83 px characters; tests/test_browser.py checks it). 72 leaves a margin for the scrollbar.
+_LINE_WIDTH = 72
 
 
 def _is_student_file(filename: str) -> bool:
