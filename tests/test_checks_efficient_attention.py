@@ -917,6 +917,29 @@ def planted_softmax(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr, B
         tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=inside)
 
 
+@triton.jit
+def tutorial_matmul(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Correct, in the style of Triton's matmul tutorial: the rows and columns of the last blocks wrap around
+    (% M, % N) instead of being masked, only K is masked, the pointers advance, the store is masked."""
+    offs_am = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_bn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
+    b_ptrs = B + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
+    accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
+        accumulator = tl.dot(a, b, accumulator)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    offs_cm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = C + stride_cm * offs_cm[:, None] + stride_cn * offs_cn[None, :]
+    tl.store(c_ptrs, accumulator, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+
 class PlantedLadder:
     def __init__(self, kernel, bug: int):
         self.kernel, self.bug = kernel, bug
@@ -929,6 +952,7 @@ class PlantedLadder:
 def test_warm_up_kernels_pass_when_right(capsys):
     checks.check_scale_kernel(PlantedLadder(planted_scale, 0), device=KERNEL["device"])
     checks.check_matmul_kernel(PlantedLadder(planted_matmul, 0), device=KERNEL["device"])
+    checks.check_matmul_kernel(tutorial_matmul, device=KERNEL["device"])  # reads other programs' rows: fine
     checks.check_row_softmax_kernel(PlantedLadder(planted_softmax, 0), device=KERNEL["device"])
     out = capsys.readouterr().out
     assert "✓ scale_kernel" in out and "✓ matmul_kernel" in out and "✓ row_softmax_kernel" in out

@@ -1307,10 +1307,23 @@ def _misplaced(watch: Any, owners: Ownership) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _blaming(call: str, misplaced: str | None):
+    """Numbers checked inside fail, when a program reached outside its part, with that: the cause, not a symptom."""
+    try:
+        yield
+    except CheckFailure:
+        if misplaced:
+            raise CheckFailure(f"{call}: {misplaced}") from None
+        raise
+
+
 def _ladder_launch(call: str, launcher: Callable, kernel: Any, *args: Any, owners: Ownership,
-                   **kwargs: Any) -> torch.Tensor:
+                   **kwargs: Any) -> tuple[torch.Tensor, str | None]:
     """Launch a warm-up kernel with NaN after its inputs, a sentinel after its output and a watch on its loads
-    and stores; name what went wrong (``owners``: which part of each tensor each program owns)."""
+    and stores; name what went wrong. Returns the result and, when a program reached outside its own part of a
+    tensor (``owners``), what it reached: a diagnosis for wrong numbers only, never a failure on its own (Triton's
+    matmul tutorial wraps the last blocks' rows around, % M, and is right)."""
     from attention_lab.triton_kernels import (TRITON_AVAILABLE, TRITON_MISSING, LoadWatch, StoreOutOfBounds,
                                               TritonUnavailable)
 
@@ -1335,7 +1348,7 @@ def _ladder_launch(call: str, launcher: Callable, kernel: Any, *args: Any, owner
         raise CheckFailure(f"{call}: program {watch.stray.program} tried to {watch.stray.operation} at an address "
                            f"outside every tensor of the launch{where}.\n  Likely mistake: {HINTS['wrong_address']}")
     misplaced = _misplaced(watch, owners)
-    if misplaced:
+    if misplaced and (watch.beyond or stored_past is not None):  # past the end because the address is wrong
         raise CheckFailure(f"{call}: {misplaced}")
     for name, overrun in watch.beyond.items():
         where = f" (your line: `{overrun.line}`)" if overrun.line else ""
@@ -1345,7 +1358,7 @@ def _ladder_launch(call: str, launcher: Callable, kernel: Any, *args: Any, owner
     if stored_past is not None:
         raise CheckFailure(f"{call} wrote past the end of {stored_past}.\n  Likely mistake: "
                            f"{HINTS['ladder_unmasked_store']}")
-    return result
+    return result, misplaced
 
 
 def _unwritten(call: str, out: torch.Tensor, inputs_finite: bool = True) -> None:
@@ -1372,9 +1385,11 @@ def check_scale_kernel(scale_kernel: Any, *, seed: int = 0, device: torch.device
         x = randn(n, generator=generator, dtype=torch.float32, device=device)
         call = f"your scale_kernel via launch_scale(scale_kernel, x, alpha=2.5, block={block}) with x [{n}]"
         own = lambda p, block=block: [(1, (p[0] * block, p[0] * block + block - 1), "elements", p[0])]  # noqa: E731
-        out = _ladder_launch(call, launch_scale, scale_kernel, x, 2.5, block=block, owners={"x": own, "out": own})
-        _unwritten(call, out)
-        expect_close(out, 2.5 * x.double(), what=f"out from {call}", against="2.5 · x")
+        out, misplaced = _ladder_launch(call, launch_scale, scale_kernel, x, 2.5, block=block,
+                                        owners={"x": own, "out": own})
+        with _blaming(call, misplaced):
+            _unwritten(call, out)
+            expect_close(out, 2.5 * x.double(), what=f"out from {call}", against="2.5 · x")
 
 
 @check("matmul_kernel: a tiled A @ B with a float32 accumulator, ragged M, N and K ({device})")
@@ -1394,27 +1409,35 @@ def check_matmul_kernel(matmul_kernel: Any, *, seed: int = 0, device: torch.devi
         columns = lambda p: (1, (p[1] * block, p[1] * block + block - 1), "columns", p[1])  # noqa: E731
         # program (i, j): rows i·16 … of A and C, columns j·16 … of B and C
         owners = {"A": lambda p: [rows(p)], "B": lambda p: [columns(p)], "C": lambda p: [rows(p), columns(p)]}
-        c = _ladder_launch(call, launch_matmul, matmul_kernel, a, b, owners=owners)
-        if bool(torch.isnan(c.cpu()).any()):  # A and B are finite: the NaN was read after their ends, or never written
-            hint = HINTS["ladder_nan_past_end"]
-            if bool(torch.isnan(c.cpu()).all(-1).any()) and not bool(torch.isnan(c.cpu()).all()):
-                hint = HINTS["ladder_unwritten"]
-            raise CheckFailure(f"C from {call} holds NaN.\n  Likely mistake: {hint}")
-        a64, b64 = _f64(a, b)
-        last_slice = block * ((k - 1) // block)  # where the last K slice starts
-        variants = [Variant(lambda a64=a64, b64=b64: a64[:, :block] @ b64[:block], HINTS["matmul_one_k_block"]),
-                    Variant(lambda a64=a64, b64=b64, s=last_slice: a64[:, :s] @ b64[:s], HINTS["matmul_last_slice"])]
-        rtol, atol = tolerance(torch.float16 if dtype == torch.float16 or c.device.type == "cuda" else dtype, c.device)
-        try:
-            expect_close(c, a64 @ b64, what=f"C from {call}", against="a @ b (float64)", variants=variants,
-                         rtol=rtol * 10, atol=atol * 10)
-        except CheckFailure as failure:
-            half_rtol, half_atol = tolerance(torch.float16, c.device)
-            float32_case = dtype == torch.float32 and c.device.type == "cpu"
-            if ("Likely mistake" in str(failure) or not float32_case
-                    or not torch.allclose(c.double().cpu(), a64 @ b64, rtol=half_rtol * 10, atol=half_atol * 10)):
-                raise
-            raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['matmul_half_accumulator']}") from None
+        c, misplaced = _ladder_launch(call, launch_matmul, matmul_kernel, a, b, owners=owners)
+        with _blaming(call, misplaced):
+            _matmul_numbers(c, a, b, call, dtype, block)
+
+
+def _matmul_numbers(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, call: str, dtype: torch.dtype,
+                    block: int) -> None:
+    """C against a @ b in float64, the known mistakes named."""
+    k = a.shape[1]
+    if bool(torch.isnan(c.cpu()).any()):  # A and B are finite: the NaN was read after their ends, or never written
+        hint = HINTS["ladder_nan_past_end"]
+        if bool(torch.isnan(c.cpu()).all(-1).any()) and not bool(torch.isnan(c.cpu()).all()):
+            hint = HINTS["ladder_unwritten"]
+        raise CheckFailure(f"C from {call} holds NaN.\n  Likely mistake: {hint}")
+    a64, b64 = _f64(a, b)
+    last_slice = block * ((k - 1) // block)  # where the last K slice starts
+    variants = [Variant(lambda a64=a64, b64=b64: a64[:, :block] @ b64[:block], HINTS["matmul_one_k_block"]),
+                Variant(lambda a64=a64, b64=b64, s=last_slice: a64[:, :s] @ b64[:s], HINTS["matmul_last_slice"])]
+    rtol, atol = tolerance(torch.float16 if dtype == torch.float16 or c.device.type == "cuda" else dtype, c.device)
+    try:
+        expect_close(c, a64 @ b64, what=f"C from {call}", against="a @ b (float64)", variants=variants,
+                     rtol=rtol * 10, atol=atol * 10)
+    except CheckFailure as failure:
+        half_rtol, half_atol = tolerance(torch.float16, c.device)
+        float32_case = dtype == torch.float32 and c.device.type == "cpu"
+        if ("Likely mistake" in str(failure) or not float32_case
+                or not torch.allclose(c.double().cpu(), a64 @ b64, rtol=half_rtol * 10, atol=half_atol * 10)):
+            raise
+        raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['matmul_half_accumulator']}") from None
 
 
 @check("row_softmax_kernel: softmax of each row, stable at ±1000, any row length ({device})")
@@ -1432,19 +1455,25 @@ def check_row_softmax_kernel(row_softmax_kernel: Any, *, seed: int = 0, device: 
     for label, values in (("of", x[[0, 3, 4]]), ("around ±1000,", x), ("(one block exactly)", x[:, :32])):
         call = (f"your row_softmax_kernel via launch_row_softmax(row_softmax_kernel, x) with x {label} "
                 f"{shape_str(values.shape)}")
-        out = _ladder_launch(call, launch_row_softmax, row_softmax_kernel, values.contiguous(),
-                             owners={"x": own, "out": own})
-        x64 = _f64(values)[0]
-        block = 1 << (values.shape[1] - 1).bit_length()
-        padded = torch.cat([x64, torch.zeros(x64.shape[0], block - x64.shape[1], dtype=torch.float64)], -1)
-        with_zeros = torch.exp(x64 - padded.amax(-1, keepdim=True))
-        with_zeros = with_zeros / torch.exp(padded - padded.amax(-1, keepdim=True)).sum(-1, keepdim=True)
-        if bool((~torch.isfinite(out.cpu())).any()):
-            # Scores of ordinary size cannot overflow: NaN there came from the NaN stored after each row.
-            hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_nan_past_end"]
-            raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
-        expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
-                     variants=[Variant(with_zeros, HINTS["softmax_other_zero"])])
+        out, misplaced = _ladder_launch(call, launch_row_softmax, row_softmax_kernel, values.contiguous(),
+                                        owners={"x": own, "out": own})
+        with _blaming(call, misplaced):
+            _row_softmax_numbers(out, values, call)
+
+
+def _row_softmax_numbers(out: torch.Tensor, values: torch.Tensor, call: str) -> None:
+    """out against torch.softmax in float64, the known mistakes named."""
+    x64 = _f64(values)[0]
+    block = 1 << (values.shape[1] - 1).bit_length()
+    padded = torch.cat([x64, torch.zeros(x64.shape[0], block - x64.shape[1], dtype=torch.float64)], -1)
+    with_zeros = torch.exp(x64 - padded.amax(-1, keepdim=True))
+    with_zeros = with_zeros / torch.exp(padded - padded.amax(-1, keepdim=True)).sum(-1, keepdim=True)
+    if bool((~torch.isfinite(out.cpu())).any()):
+        # Scores of ordinary size cannot overflow: NaN there came from the NaN stored after each row.
+        hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_nan_past_end"]
+        raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
+    expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
+                 variants=[Variant(with_zeros, HINTS["softmax_other_zero"])])
 
 
 # --------------------------------------------------------------------------------------
