@@ -780,15 +780,15 @@ check_transformer(Transformer, seed=3901, device="cpu")
 # breaks the symmetry — the positions, or the mask? Try each alone:
 
 # %%
-stack = Transformer(D, H, num_layers=2).to(device).eval()
+demo_stack = Transformer(D, H, num_layers=2).to(device).eval()
 pe_table = sinusoidal_positions(S, D).to(device)      # [S, D]
 
 
 def shuffle_commutes(positions, mask):
     """Does shuffling the tokens only shuffle the outputs?"""
     with torch.no_grad():
-        out = stack(tokens + positions, mask)
-        out_shuffled = stack(tokens[:, permutation] + positions, mask)
+        out = demo_stack(tokens + positions, mask)
+        out_shuffled = demo_stack(tokens[:, permutation] + positions, mask)
     return torch.allclose(out_shuffled, out[:, permutation], atol=1e-5)
 
 
@@ -802,7 +802,7 @@ print("no positions, causal mask: shuffle only shuffles the outputs?",
 last_changed = tokens.clone()
 last_changed[:, -1] = torch.randn(D, device=device)
 with torch.no_grad():
-    out, out_last_changed = stack(tokens, causal), stack(last_changed, causal)
+    out, out_last_changed = demo_stack(tokens, causal), demo_stack(last_changed, causal)
 print("causal mask: changing the last token leaves the earlier outputs alone?",
       torch.allclose(out_last_changed[:, :-1], out[:, :-1], atol=1e-5))
 

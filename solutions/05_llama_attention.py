@@ -939,7 +939,7 @@ kv_group_heatmaps(demo_weights[0], demo_config.num_key_value_heads, tokens)
 demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
 sequence = torch.randn(1, 8, hidden_size, device=device)
 with torch.no_grad():
-    full = demo_layer(sequence)  # one causal pass over all 8 tokens
+    full_pass = demo_layer(sequence)  # one causal pass over all 8 tokens
     demo_cache = KVCache()
     prefill, demo_cache = demo_layer(sequence[:, :5], kv_cache=demo_cache)  # the prompt: tokens 0-4
     steps = [prefill]
@@ -947,7 +947,7 @@ with torch.no_grad():
         step, demo_cache = demo_layer(sequence[:, t:t + 1], kv_cache=demo_cache)
         steps.append(step)
 print("cached tokens:", demo_cache.seq_len, "| max difference from the full pass:",
-      float((torch.cat(steps, dim=1) - full).abs().max()))
+      float((torch.cat(steps, dim=1) - full_pass).abs().max()))
 
 # %% test="test_LlamaAttention_kv_cache" points=3
 """LlamaAttention with a KV cache: prefill then token-by-token or chunks equal one causal pass."""
@@ -997,13 +997,13 @@ class PreallocatedKVCache:
 
 demo_layer = LlamaAttention(LlamaAttentionConfig()).to(device)
 with torch.no_grad():
-    full = demo_layer(sequence)  # one causal pass over the 8 tokens of the cell above
+    full_pass = demo_layer(sequence)  # one causal pass over the 8 tokens of the cell above
     static_cache = PreallocatedKVCache(1, H_kv, 16, d_head, device=device)  # room for 16 tokens
     prefill, static_cache = demo_layer(sequence[:, :5], kv_cache=static_cache)
     steps = [prefill] + [demo_layer(sequence[:, t:t + 1], kv_cache=static_cache)[0]
                          for t in range(5, 8)]
 print("preallocated cache: max difference from the full pass:",
-      float((torch.cat(steps, dim=1) - full).abs().max()))
+      float((torch.cat(steps, dim=1) - full_pass).abs().max()))
 
 # %% [markdown]
 # Engines also call a fused kernel — `F.scaled_dot_product_attention` or FlashAttention —

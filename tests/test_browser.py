@@ -489,6 +489,34 @@ def test_validate_shows_the_checks_message_even_after_a_warning(solved_lab, brow
     assert "RuntimeWarning" in report and report.index(message) < report.index("RuntimeWarning"), report
 
 
+@ON_THE_STUDENT_LAB
+def test_a_checks_message_is_not_wrapped_again_at_1024x768(student_lab, browser, screenshots):
+    """A failure's lines are wrapped at word boundaries by the check framework; JupyterLab's output area wraps a
+    line too long for it again, anywhere in a word (issue #34: at 85 columns, at 1024×768). Each line of the
+    message takes one line on the page, with the file browser open."""
+    page = open_notebook(browser, student_lab, "01_mha_shapes.ipynb")
+    try:
+        page.set_viewport_size(SCREEN_SIZES["1024x768"])
+        index = cell_index(page, "round trip exact:")
+        replace_cell_source(page, index, "from attention_lab.checking import CheckFailure\n"
+                            "words = 'did not give back the tokens it was given ' * 6\n"
+                            "hint = 'the heads were merged in the wrong order of axes ' * 5\n"
+                            "message = 'merge_heads(x): ' + words + '\\n  Likely mistake: ' + hint\n"
+                            "raise CheckFailure(message)")
+        run_cell(page, index)
+        shown = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] pre").first
+        lines, rows = shown.evaluate("""pre => {
+            const lines = pre.textContent.replace(/\\n+$/, '').split('\\n').length;
+            const height = pre.getBoundingClientRect().height;
+            return [lines, Math.round(height / parseFloat(getComputedStyle(pre).lineHeight))];
+        }""")
+        screenshots.take(page, "message-at-1024x768")
+    finally:
+        page.close()
+    assert lines >= 8 and rows == lines, f"{lines} lines of text take {rows} lines on the page"
+
+
 # --------------------------------------------------------------------------------------
 # Instructor
 # --------------------------------------------------------------------------------------

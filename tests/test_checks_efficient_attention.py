@@ -26,6 +26,7 @@ from attention_lab import triton_kernels  # noqa: E402
 from attention_lab.checking import CheckFailure  # noqa: E402
 from attention_lab.checks import efficient_attention as checks  # noqa: E402
 from attention_lab.checks.efficient_attention import HINTS  # noqa: E402
+from attention_lab.hint_catalog import _normalise, hint_pattern  # noqa: E402
 from attention_lab.triton_kernels import TRITON_AVAILABLE, tl, triton  # noqa: E402
 from attention_lab.widgets import efficient_attention as views  # noqa: E402
 
@@ -37,7 +38,7 @@ def rejects(check, answer, hint_key: str, *extra) -> str:
     with pytest.raises(CheckFailure) as failure:
         check(answer, *extra, **CPU)
     message = str(failure.value)
-    assert HINTS[hint_key] in message, message
+    assert hint_pattern(HINTS[hint_key]).search(_normalise(message)), message  # format fields match anything
     return message
 
 
@@ -280,22 +281,24 @@ def test_online_softmax_step_must_return_three_tensors():
 # --------------------------------------------------------------------------------------
 
 
-def make_flash(bug=None, step=None, base2=False):
-    """A tiled pass; ``bug`` plants one classic mistake; ``base2`` computes with exp2 and log2(e)."""
+def make_flash(bug=None, step=None, base2=False, work=None):
+    """A tiled pass; ``bug`` plants one classic mistake; ``base2`` computes with exp2 and log2(e); ``work`` forces
+    the compute dtype."""
     step = step or make_step(None)
 
     def flash(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+        causal = causal and bug != "causal_ignored"
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        work = torch.promote_types(q.dtype, torch.float32)
+        dtype = work or torch.promote_types(q.dtype, torch.float32)
         offset = 0 if bug == "top_left" else seq_k - seq_q
         outs, lses = [], []
         for q0 in range(0, seq_q, block_q):
-            qb = q[..., q0:q0 + block_q, :].to(work)
+            qb = q[..., q0:q0 + block_q, :].to(dtype)
             q1 = q0 + qb.shape[-2]
-            m = torch.full(qb.shape[:-1], NEG_INF, dtype=work)
+            m = torch.full(qb.shape[:-1], NEG_INF, dtype=dtype)
             l = torch.zeros_like(m)
-            acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=work)
+            acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=dtype)
             unscaled = []  # only for the planted "lse of unscaled scores" mistake
             stop = seq_k
             if causal and bug != "future_blocks":
@@ -307,7 +310,7 @@ def make_flash(bug=None, step=None, base2=False):
                 elif bug == "bound_inclusive":
                     stop = min(seq_k, q1 - 1 + offset)
             for k0 in range(0, stop, block_k):
-                kb = k[..., k0:k0 + block_k, :].to(work)
+                kb = k[..., k0:k0 + block_k, :].to(dtype)
                 s = torch.einsum("bhqd,bhkd->bhqk", qb, kb) * scale
                 if causal:
                     i = torch.arange(q0, q1)[:, None]
@@ -322,11 +325,20 @@ def make_flash(bug=None, step=None, base2=False):
                 alpha = torch.exp2(m - m_new) if base2 else torch.exp(m - m_new)
                 if base2:
                     l = l * alpha + p.sum(-1)
-                    acc = acc * alpha[..., None] + p @ v[..., k0:k0 + block_k, :].to(work)
+                    acc = acc * alpha[..., None] + p @ v[..., k0:k0 + block_k, :].to(dtype)
+                    m = m_new
+                elif bug in ("normalise_terms", "normalise_reset"):  # two other ways to normalise inside the loop
+                    l = l * alpha + p.sum(-1)
+                    terms = p @ v[..., k0:k0 + block_k, :].to(dtype)
+                    if bug == "normalise_terms":
+                        acc = acc * alpha[..., None] + terms / l[..., None]
+                    else:
+                        acc = (acc * alpha[..., None] + terms) / l[..., None]
+                        l = torch.ones_like(l)
                     m = m_new
                 else:
-                    m, l, acc = step(m, l, acc, s, v[..., k0:k0 + block_k, :].to(work))
-            outs.append(acc / l[..., None])
+                    m, l, acc = step(m, l, acc, s, v[..., k0:k0 + block_k, :].to(dtype))
+            outs.append(acc if bug == "normalise_terms" else acc / l[..., None])
             if base2:
                 lse = (m + torch.log2(l)) * math.log(2)
             elif bug == "lse_log2":
@@ -381,9 +393,15 @@ def test_flash_attention_forward_correct_answers_pass(answer):
 
 
 @pytest.mark.parametrize("bug", ["top_left", "strict_mask", "skip_diagonal", "lse_log2", "lse_mixed", "lse_no_max",
-                                 "lse_unscaled", "bound_no_offset", "bound_inclusive"])
+                                 "lse_unscaled", "bound_no_offset", "bound_inclusive", "causal_ignored"])
 def test_flash_attention_forward_mistakes_are_named(bug):
     rejects(checks.check_flash_attention_forward, make_flash(bug), bug)
+
+
+@pytest.mark.parametrize("bug", ["normalise_terms", "normalise_reset"])
+def test_flash_attention_forward_that_normalises_inside_the_loop_otherwise_is_named(bug):
+    # numbers only before (issue #34)
+    rejects(checks.check_flash_attention_forward, make_flash(bug), "normalise_inside")
 
 
 @pytest.mark.parametrize("bug", ["no_rescale_acc", "no_rescale_l", "stale_max", "normalise_inside"])
@@ -474,7 +492,9 @@ def test_flash_with_a_wrong_merge_is_named():
 
 def test_flash_that_masks_future_blocks_instead_of_skipping_them():
     message = rejects(checks.check_flash_attention_forward_memory, make_flash("future_blocks"), "future_blocks")
-    assert "36 of the 36" not in message and "Only 21 of the 36 tiles" in message, message
+    # One unit per sentence (issue #34: "72 tile products ... only 21 of the 36 tiles"): tiles.
+    assert "computed 36 [16, 16] tiles of scores" in message and "Only 21 of the 36 tiles" in message, message
+    assert "products" not in message.split("Likely mistake")[0], message
 
 
 def test_flash_built_on_query_chunks_is_not_flash():
@@ -526,9 +546,13 @@ def make_backward(bug=None, queries_outside=False, work=None):
         tiles = [(q0, k0) for k0 in range(0, seq_k, block_k) for q0 in range(0, seq_q, block_q)]
         if queries_outside:
             tiles.sort()
+        started = set()  # key blocks whose query loop has started
         for q0, k0 in tiles:
             q1, k1 = min(seq_q, q0 + block_q), min(seq_k, k0 + block_k)
             if causal and bug != "future_blocks" and k0 > q1 - 1 + seq_k - seq_q:
+                continue
+            if causal and bug == "late_queries" and k0 not in started:  # the query loop starts one block late
+                started.add(k0)
                 continue
             s = torch.einsum("bhqd,bhkd->bhqk", q_[..., q0:q1, :], k_[..., k0:k1, :]) * scale
             if causal and bug != "no_mask":
@@ -536,12 +560,14 @@ def make_backward(bug=None, queries_outside=False, work=None):
                 s = s.masked_fill(~keep, NEG_INF)
             if bug == "no_lse":
                 p = s.exp()
+            elif bug == "exp2_natural":
+                p = torch.exp2(s - lse_[..., q0:q1, None])
             elif bug == "tile_softmax":
                 p = torch.softmax(s, -1).nan_to_num(0.0)
             else:
                 p = torch.exp(s - lse_[..., q0:q1, None])
             dp = do_[..., q0:q1, :] @ v_[..., k0:k1, :].mT
-            ds = p * (dp - delta[..., q0:q1, None])
+            ds = p * (dp - ((p * dp).sum(-1, keepdim=True) if bug == "D_tile" else delta[..., q0:q1, None]))
             factor = 1.0 if bug == "no_scale" else scale
             dv[..., k0:k1, :] += (p if bug == "P_not_transposed" else p.mT) @ do_[..., q0:q1, :]
             dq[..., q0:q1, :] += factor * ds @ k_[..., k0:k1, :]
@@ -561,7 +587,8 @@ def test_flash_attention_backward_correct_answers_pass(answer):
                                        ("no_lse", "bwd_no_lse"), ("tile_softmax", "bwd_tile_softmax"),
                                        ("dS_not_transposed", "bwd_dS_not_transposed"),
                                        ("P_not_transposed", "bwd_P_not_transposed"), ("no_mask", "bwd_no_mask"),
-                                       ("top_left", "bwd_top_left")])
+                                       ("top_left", "bwd_top_left"), ("D_tile", "bwd_D_tile"),
+                                       ("late_queries", "bwd_late_queries"), ("exp2_natural", "bwd_exp2_natural")])
 def test_flash_attention_backward_mistakes_are_named(bug, hint):
     rejects(checks.check_flash_attention_backward, make_backward(bug), hint)
 
@@ -571,7 +598,8 @@ def test_flash_attention_backward_mistakes_are_named_with_float32_internals():
 
 
 def test_flash_attention_backward_that_computes_every_tile():
-    rejects(checks.check_flash_attention_backward_memory, make_backward("future_blocks"), "bwd_future_blocks")
+    message = rejects(checks.check_flash_attention_backward_memory, make_backward("future_blocks"), "bwd_future_blocks")
+    assert "computed 36 [16, 16] tiles, as many as the non-causal pass. Only 21 of the 36 tiles" in message, message
 
 
 def test_flash_attention_backward_through_the_whole_table_is_not_flash():
@@ -586,8 +614,8 @@ def test_flash_attention_backward_through_the_whole_table_is_not_flash():
         checks.check_flash_attention_backward_memory(dense, **CPU)
 
 
-def make_function(save="right", grads=4):
-    forward, backward = make_flash(), make_backward()
+def make_function(save="right", grads=4, causal_kept=True, forward_bug=None):
+    forward, backward = make_flash(forward_bug), make_backward()
 
     class FlashAttention(torch.autograd.Function):
         @staticmethod
@@ -609,7 +637,7 @@ def make_function(save="right", grads=4):
         def backward(ctx, dout):
             q, k, v, out = ctx.saved_tensors[:4]
             lse = ctx.saved_tensors[4] if save != "no_lse" else torch.logsumexp(q @ k.mT * q.shape[-1] ** -0.5, -1)
-            dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal)
+            dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal if causal_kept else False)
             return (dq, dk, dv, None)[:grads]
 
     return FlashAttention
@@ -623,6 +651,12 @@ def test_flash_attention_function_passes_gradcheck(capsys):
 @pytest.mark.parametrize("save", ["P", "attribute", "no_lse"])
 def test_flash_attention_function_that_saves_other_tensors_is_named(save):
     rejects(checks.check_flash_attention_function, make_function(save=save), "bwd_saved")
+
+
+@pytest.mark.parametrize("function, hint", [(make_function(causal_kept=False), "bwd_causal_not_kept"),
+                                            (make_function(forward_bug="causal_ignored"), "causal_ignored")])
+def test_flash_attention_function_that_loses_causal_is_named(function, hint):
+    rejects(checks.check_flash_attention_function, function, hint)  # numbers only before (issue #34)
 
 
 def test_flash_attention_function_with_too_few_gradients_is_named():
@@ -657,7 +691,7 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
     # 1 acc not rescaled, 2 exp on base-2 scores, 3 no boundary mask, 4 blank, 5 exp2 on natural scores,
     # 6 K loaded without a mask, 7 V without a mask, 8 Q without a mask, 9 the causal loop visits every key block,
     # 10 the causal bound forgets S_k - S_q, 11 the last visible key used as an exclusive stop,
-    # 12 acc normalised inside the loop.
+    # 12 acc normalised inside the loop, 13 out stored without a mask.
     pid_q, pid_h = tl.program_id(0), tl.program_id(1)
     rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     cols_d = tl.arange(0, HEAD_DIM)
@@ -719,8 +753,11 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
     m_i = m_i * 1.4426950408889634
     acc = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    tl.store(Out + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :], acc.to(Out.dtype.element_ty),
-             mask=rows[:, None] < seq_q)
+    if BUG == 13:
+        tl.store(Out + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :], acc.to(Out.dtype.element_ty))
+    else:
+        tl.store(Out + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :],
+                 acc.to(Out.dtype.element_ty), mask=rows[:, None] < seq_q)
     tl.store(Lse + pid_h * seq_q + rows, lse, mask=rows < seq_q)
 
 
@@ -746,7 +783,8 @@ def test_kernel_correct_answer_passes(capsys):
                                        pytest.param(7, "unmasked_load", marks=INTERPRETER_ONLY),
                                        pytest.param(8, "unmasked_load", marks=INTERPRETER_ONLY),
                                        pytest.param(9, "kernel_future_blocks", marks=INTERPRETER_ONLY),
-                                       (10, "bound_no_offset"), (11, "bound_inclusive"), (12, "normalise_inside")])
+                                       (10, "bound_no_offset"), (11, "bound_inclusive"), (12, "normalise_inside"),
+                                       (13, "kernel_unmasked_store")])
 def test_kernel_mistakes_are_named(bug, hint):
     with pytest.raises(CheckFailure) as failure:
         checks.check_flash_attention_kernel(Planted(bug), **KERNEL)
@@ -791,31 +829,47 @@ def test_kernel_blank_is_not_implemented_yet_not_a_crash():
 
 @triton.jit
 def planted_scale(X, Out, n, alpha, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
-    # 0 correct, 1 load without a mask, 2 store without a mask
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # 0 correct, 1 load without a mask, 2 store without a mask, 3 masks of offsets <= n, 4 the program's offset
+    # without * BLOCK
+    if BUG == 4:
+        offsets = tl.program_id(0) + tl.arange(0, BLOCK)
+    else:
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    if BUG == 3:
+        inside = offsets <= n
     if BUG == 1:
         x = tl.load(X + offsets)
     else:
-        x = tl.load(X + offsets, mask=offsets < n, other=0.0)
+        x = tl.load(X + offsets, mask=inside, other=0.0)
     if BUG == 2:
         tl.store(Out + offsets, x * alpha)
     else:
-        tl.store(Out + offsets, x * alpha, mask=offsets < n)
+        tl.store(Out + offsets, x * alpha, mask=inside)
 
 
 @triton.jit
 def planted_matmul(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BUG: tl.constexpr = 0):
-    # 0 correct (pointers advanced each step), 1 the K tail not masked, 2 only the first K block
+    # 0 correct (pointers advanced each step), 1 the K tail not masked, 2 only the first K block, 3 A's strides
+    # swapped, 4 the K loop drops the last slice, 5 a float16 accumulator, 6 C stored without a mask
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = A + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    if BUG == 3:
+        a_ptrs = A + rm[:, None] * stride_ak + rk[None, :] * stride_am
+    else:
+        a_ptrs = A + rm[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = B + rk[:, None] * stride_bk + rn[None, :] * stride_bn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if BUG == 5:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float16)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     stop = K
     if BUG == 2:
         stop = BLOCK_K
+    if BUG == 4:
+        stop = K - BLOCK_K
     for k0 in range(0, stop, BLOCK_K):
         if BUG == 1:
             a = tl.load(a_ptrs, mask=rm[:, None] < M, other=0.0)
@@ -823,27 +877,67 @@ def planted_matmul(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         else:
             a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
             b = tl.load(b_ptrs, mask=(k0 + rk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc)
+        if BUG == 5:
+            acc += tl.dot(a, b).to(tl.float16)
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    if BUG == 6:
+        tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc)
+    else:
+        tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc,
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
 def planted_softmax(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
-    # 0 correct (exp2 with log2(e)), 1 masked lanes loaded as 0, 2 no max subtracted, 3 load without a mask
+    # 0 correct (exp2 with log2(e)), 1 masked lanes loaded as 0, 2 no max subtracted, 3 load without a mask,
+    # 4 store without a mask, 5 rows n_cols apart (not stride_x), 6 masks of cols <= n_cols
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    if BUG == 6:
+        inside = cols <= n_cols
+    row_start = row * stride_x
+    if BUG == 5:
+        row_start = row * n_cols
     if BUG == 1:
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=0.0)
+        x = tl.load(X + row_start + cols, mask=inside, other=0.0)
     elif BUG == 3:
-        x = tl.load(X + row * stride_x + cols)
+        x = tl.load(X + row_start + cols)
     else:
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+        x = tl.load(X + row_start + cols, mask=inside, other=float("-inf"))
     if BUG != 2:
         x = x - tl.max(x, axis=0)
     e = tl.exp2(x * 1.4426950408889634)
-    tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+    if BUG == 4:
+        tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0))
+    else:
+        tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=inside)
+
+
+@triton.jit
+def tutorial_matmul(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Correct, in the style of Triton's matmul tutorial: the rows and columns of the last blocks wrap around
+    (% M, % N) instead of being masked, only K is masked, the pointers advance, the store is masked."""
+    offs_am = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_bn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
+    b_ptrs = B + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
+    accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
+        accumulator = tl.dot(a, b, accumulator)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    offs_cm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = C + stride_cm * offs_cm[:, None] + stride_cn * offs_cn[None, :]
+    tl.store(c_ptrs, accumulator, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
 
 
 class PlantedLadder:
@@ -858,6 +952,7 @@ class PlantedLadder:
 def test_warm_up_kernels_pass_when_right(capsys):
     checks.check_scale_kernel(PlantedLadder(planted_scale, 0), device=KERNEL["device"])
     checks.check_matmul_kernel(PlantedLadder(planted_matmul, 0), device=KERNEL["device"])
+    checks.check_matmul_kernel(tutorial_matmul, device=KERNEL["device"])  # reads other programs' rows: fine
     checks.check_row_softmax_kernel(PlantedLadder(planted_softmax, 0), device=KERNEL["device"])
     out = capsys.readouterr().out
     assert "✓ scale_kernel" in out and "✓ matmul_kernel" in out and "✓ row_softmax_kernel" in out
@@ -867,22 +962,35 @@ def test_warm_up_kernels_pass_when_right(capsys):
 @pytest.mark.parametrize("check, kernel, bug, hint", [
     pytest.param("check_scale_kernel", planted_scale, 1, "ladder_unmasked_load", marks=INTERPRETER_ONLY),
     ("check_scale_kernel", planted_scale, 2, "ladder_unmasked_store"),
-    ("check_matmul_kernel", planted_matmul, 1, "ladder_unmasked_load"),
+    pytest.param("check_scale_kernel", planted_scale, 3, "mask_last_lane", marks=INTERPRETER_ONLY),
+    pytest.param("check_scale_kernel", planted_scale, 4, "program_offset", marks=INTERPRETER_ONLY),
+    pytest.param("check_matmul_kernel", planted_matmul, 1, "mask_past_end", marks=INTERPRETER_ONLY),
     ("check_matmul_kernel", planted_matmul, 2, "matmul_one_k_block"),
+    pytest.param("check_matmul_kernel", planted_matmul, 3, "wrong_address", marks=INTERPRETER_ONLY),
+    ("check_matmul_kernel", planted_matmul, 4, "matmul_last_slice"),
+    ("check_matmul_kernel", planted_matmul, 5, "matmul_half_accumulator"),
+    pytest.param("check_matmul_kernel", planted_matmul, 6, "ladder_unmasked_store", marks=INTERPRETER_ONLY),
     ("check_row_softmax_kernel", planted_softmax, 1, "softmax_other_zero"),
     ("check_row_softmax_kernel", planted_softmax, 2, "softmax_no_max"),
     pytest.param("check_row_softmax_kernel", planted_softmax, 3, "ladder_unmasked_load", marks=INTERPRETER_ONLY),
+    # 6.9's unmasked store used to write past an unguarded out and kill the notebook's kernel (issue #34)
+    ("check_row_softmax_kernel", planted_softmax, 4, "ladder_unmasked_store"),
+    pytest.param("check_row_softmax_kernel", planted_softmax, 5, "wrong_address", marks=INTERPRETER_ONLY),
+    pytest.param("check_row_softmax_kernel", planted_softmax, 6, "mask_last_lane", marks=INTERPRETER_ONLY),
 ])
 def test_warm_up_kernel_mistakes_are_named(check, kernel, bug, hint):
     rejects(getattr(checks, check), PlantedLadder(kernel, bug), hint)
 
 
 @needs_triton
-@pytest.mark.parametrize("check, kernel, bug", [("check_matmul_kernel", planted_matmul, 1),
-                                                ("check_row_softmax_kernel", planted_softmax, 3)])
-def test_warm_up_unmasked_loads_show_as_nan_where_loads_are_not_watched(monkeypatch, check, kernel, bug):
+@pytest.mark.parametrize("check, kernel, bug, hint", [("check_matmul_kernel", planted_matmul, 1, "ladder_nan_past_end"),
+                                                      ("check_row_softmax_kernel", planted_softmax, 3, "ladder_nan_past_end"),
+                                                      ("check_scale_kernel", planted_scale, 4, "ladder_unwritten")])
+def test_warm_up_mistakes_show_in_the_numbers_where_loads_are_not_watched(monkeypatch, check, kernel, bug, hint):
+    # Natively on a GPU nothing watches the loads and stores: NaN after every input and in every output until a
+    # program writes it still names the mistake.
     monkeypatch.setattr(triton_kernels.LoadWatch, "__enter__", lambda self: self)
-    rejects(getattr(checks, check), PlantedLadder(kernel, bug), "ladder_unmasked_load")
+    rejects(getattr(checks, check), PlantedLadder(kernel, bug), hint)
 
 
 def test_kernel_check_without_triton_points_to_colab(monkeypatch):
@@ -1080,6 +1188,13 @@ def test_backward_kernels_pass_when_right(tmp_path, capsys):
      "bwd_no_lse"),
     pytest.param((("k = tl.load(k_tile, mask=in_k[:, None], other=0.0)", "k = tl.load(k_tile)"),),
                  "unmasked_load", marks=INTERPRETER_ONLY),
+    ((("dv.to(DV.dtype.element_ty), mask=key_ok[:, None])", "dv.to(DV.dtype.element_ty))"),),
+     "kernel_unmasked_store"),
+    # numbers only before (issue #34): a habit from 6.10, a classic, and a loop bound
+    ((("tl.exp(s - lse[:, None])", "tl.exp2(s - lse[:, None])"),), "bwd_exp2_natural"),
+    ((("ds = p * (dp - delta[:, None])", "ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])"),), "bwd_D_tile"),
+    ((("(seq_k - seq_q)) // BLOCK_Q * BLOCK_Q", "(seq_k - seq_q)) // BLOCK_Q * BLOCK_Q + BLOCK_Q"),),
+     "bwd_late_queries"),
 ])
 def test_backward_kernel_mistakes_are_named(tmp_path, replacements, hint):
     with pytest.raises(CheckFailure) as failure:
@@ -1092,3 +1207,47 @@ def test_backward_kernel_without_the_loops_is_not_implemented_yet(tmp_path):
     blank = ("    q_start_first = 0\n", "    raise NotImplementedError('Exercise 6.13')\n    q_start_first = 0\n")
     with pytest.raises(CheckFailure, match="not implemented yet"):
         checks.check_flash_attention_backward_kernel(*backward_kernels(tmp_path, blank), **KERNEL)
+
+
+# --------------------------------------------------------------------------------------
+# The dtype contract on the CPU: half precision in and out, at least float32 inside (issue #34)
+# --------------------------------------------------------------------------------------
+
+
+def in_the_inputs_dtype(make):
+    """An answer computing in q's dtype (float16 in: float16 inside), built by ``make(work=...)``."""
+    @functools.wraps(make())
+    def answer(q, *args, **kwargs):
+        return make(work=q.dtype)(q, *args, **kwargs)
+    return answer
+
+
+def test_flash_attention_backward_computing_in_half_precision_is_named():
+    message = rejects(checks.check_flash_attention_backward, in_the_inputs_dtype(make_backward), "half_internals")
+    assert "float16" in message
+
+
+def test_flash_attention_backward_that_never_casts_back_is_named():
+    def backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+        work = torch.promote_types(q.dtype, torch.float32)
+        return make_backward()(*(t.to(work) for t in (q, k, v, out, lse, dout)), block_q, block_k, causal, scale)
+
+    rejects(checks.check_flash_attention_backward, backward, "cast_back")
+
+
+def test_flash_attention_forward_computing_in_half_precision_is_named():
+    rejects(checks.check_flash_attention_forward, in_the_inputs_dtype(make_flash), "half_internals")
+
+
+@needs_triton
+@INTERPRETER_ONLY
+def test_the_interpreters_warnings_come_after_the_checks_message():
+    # They printed above the message, in the notebook, in 6.9's overflow case (issue #34).
+    import warnings
+
+    with warnings.catch_warnings(record=True) as escaped:
+        warnings.simplefilter("always")
+        message = rejects(checks.check_row_softmax_kernel, PlantedLadder(planted_softmax, 2), "softmax_no_max")
+    assert not [w for w in escaped if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in escaped]
+    tail = message.split("Likely mistake:")[-1]
+    assert "Warnings while your kernel ran:" in tail and "RuntimeWarning: overflow encountered in exp2" in tail, message

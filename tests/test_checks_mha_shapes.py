@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from attention_lab.checking import CheckFailure
+from attention_lab.checking import CheckFailure, choice_digest
 from attention_lab.checks import mha_shapes as checks
 from tests.bridge_harness import run_both_ways
 
@@ -486,6 +486,9 @@ def test_attention_layer_flops_finds_the_module_in_the_students_notebook(capsys)
     (_flops(lambda b, s, d: 8 * s * d * d, lambda b, s, d: 4 * s * s * d), "multiply by batch_size"),
     (_flops(_A, _P), "the two entries are swapped"),
     (_flops(_P, lambda b, s, d: 4 * b * s * s * d + 5 * b * s * s), "counts matrix products only"),
+    # two mistakes that used to get numbers only (issue #34)
+    (_flops(lambda b, s, d: 8 * b * s * d * d + 4 * b * s * d, _A), "you counted the biases"),
+    (_flops(_P, lambda b, s, d: 12 * 4 * b * s * s * d), r"multiplied by the number of heads \(by 12\)"),
     (_flops(lambda b, s, d: float(8 * b * s * d * d), _A), "should be an int"),
     (lambda batch_size, seq_len, d_model: {"proj": 1, "attention": 2}, r"missing \['projections'\]"),
     (lambda batch_size, seq_len, d_model: (1, 2), "should return a dict"),
@@ -505,7 +508,8 @@ def test_attention_layer_flops_rejects_numbers_typed_in_for_one_size():
 
 def test_attention_crossover_accepts_two_d_and_names_what_to_compare():
     checks.check_answer_attention_crossover("d", **CPU)
-    for letter, hint in checks.CROSSOVER_HINTS.items():
+    for letter in "ABC":
+        hint = checks.CROSSOVER_HINTS[choice_digest("ANSWER_ATTENTION_CROSSOVER", letter)]
         with pytest.raises(CheckFailure, match=re.escape(hint)) as failure:
             checks.check_answer_attention_crossover(letter, **CPU)
         assert '"D"' not in str(failure.value).split("is not right")[-1]
@@ -686,7 +690,8 @@ def test_no_reference_in_the_check_module_is_a_working_answer():
 
 def test_answer_draft_bug_accepts_the_peakier_prediction_and_names_what_to_reread():
     checks.check_answer_draft_bug(" b ", **CPU)
-    for letter, hint in checks.DRAFT_BUG_HINTS.items():
+    for letter in "ACD":
+        hint = checks.DRAFT_BUG_HINTS[choice_digest("ANSWER_DRAFT_BUG", letter)]
         with pytest.raises(CheckFailure, match=re.escape(hint)) as failure:
             checks.check_answer_draft_bug(letter, **CPU)
         assert '"B"' not in str(failure.value).split("is not right")[-1]  # never names the right letter

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention_lab.checking import CheckFailure
+from attention_lab.checking import CheckFailure, choice_digest
 from attention_lab.checks import numpy_walkthrough as checks
 from tests.bridge_harness import run_both_ways
 from attention_lab.widgets.numpy_scores import RAW, SCALED, variance_explorer
@@ -724,7 +724,7 @@ def test_answer_scaling_accepts_the_supported_statement():
 
 @pytest.mark.parametrize("letter", ["A", "B", "D"])
 def test_answer_scaling_rejects_wrong_choices_without_revealing_the_answer(letter):
-    with pytest.raises(CheckFailure, match="is not right. " + re.escape(checks.SCALING_HINTS[letter])) as failure:
+    with pytest.raises(CheckFailure, match="is not right. " + re.escape(checks.SCALING_HINTS[choice_digest("ANSWER_SCALING", letter)])) as failure:
         checks.check_answer_scaling(letter, **CPU)
     assert "C" not in str(failure.value).replace("ANSWER_SCALING", "")
 
@@ -1150,3 +1150,28 @@ def test_no_code_line_is_longer_than_100_characters():
     long = [line for cell in _notebook_02_cells() if cell.cell_type == "code"
             for line in cell.source.splitlines() if len(line) > 100]
     assert not long, long
+
+
+def test_np_attention_backward_says_what_to_write_for_dv():
+    # "dV is P @ dout, a transposed product" read as if P @ dout were the rule (issue #34): say Pᵀ @ dout.
+    def np_attention_backward(Q, K, V, dout, mask=None):
+        return _attention_backward(Q, K, V, dout, mask, transpose="dv")
+
+    with pytest.raises(CheckFailure, match=r"computed as P @ dout; write dV = Pᵀ @ dout"):
+        checks.check_np_attention_backward(np_attention_backward, **CPU)
+
+
+def test_a_softmax_backward_that_breaks_only_the_memory_rule_is_not_blamed_for_wrong_numbers():
+    # The Jacobian gives the right numbers: it cannot explain np_attention_backward's wrong dV, so no
+    # "Fix softmax_backward first" (issue #34). A softmax_backward with wrong numbers is still named.
+    namespace = {"softmax_backward": backward_jacobian, "np": np}
+    exec("def np_attention_backward(Q, K, V, dout, mask=None):\n"
+         "    softmax_backward(Q[..., :1, :1] * 0 + 1.0, Q[..., :1, :1])\n"
+         "    return wrong(Q, K, V, dout, mask)\n", namespace)
+    namespace["wrong"] = lambda *args: _attention_backward(*args, transpose="dv")
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_np_attention_backward(namespace["np_attention_backward"], **CPU)
+    assert "Fix softmax_backward first" not in str(failure.value), str(failure.value)
+    namespace["softmax_backward"] = WRONG_SOFTMAX_BACKWARD["no_rowsum"]
+    with pytest.raises(CheckFailure, match="Fix softmax_backward first"):
+        checks.check_np_attention_backward(namespace["np_attention_backward"], **CPU)

@@ -964,6 +964,8 @@ def order_variant(*, after=False, scaled=False, embed=True, pass_mask=True, lear
             elif positions == "sinusoidal" or none_adds:
                 if sinusoidal_store == "parameter":
                     self.table = nn.Parameter(table)
+                elif sinusoidal_store == "plain":
+                    self.table = table
                 else:
                     self.register_buffer("table", table, persistent=False)
             else:
@@ -1007,6 +1009,10 @@ def test_order_transformer_accepts_a_correct_answer_written_differently():
     (order_variant(learned_store="plain"), "(?s)no trainable \\[9, 16\\] position table.*not a Parameter"),
     (order_variant(learned_store="buffer"), "(?s)no trainable \\[9, 16\\] position table.*not a Parameter"),
     (order_variant(sinusoidal_store="parameter"), "(?s)holds the sinusoidal table as a trainable.*is a Parameter"),
+    # a plain attribute does not follow .to(device): it passed on the CPU, failed on a GPU (issue #34)
+    (order_variant(sinusoidal_store="plain"), "(?s)as a plain attribute, self.table: after model.to\\(torch.float"
+                                             "(32|64)\\) it is still float(64|32).*Likely mistake: the sinusoidal "
+                                             "table is a plain tensor attribute"),
     (order_variant(slice_table=False), "add the rows of positions 0 ... S-1"),
     (order_variant(sinusoidal_adds=False), "no positions were added, although positions='sinusoidal'"),
     (order_variant(none_adds=True), "positions='none' must add no position table"),

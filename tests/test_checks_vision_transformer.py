@@ -558,6 +558,16 @@ class MiniViTMeanPool(MiniViTAlt):
         return self.head(self.norm(x).mean(dim=1))
 
 
+class MiniViTPatchMeanPool(MiniViTAlt):
+    def readout(self, x):
+        return self.head(self.norm(x)[:, 1:].mean(dim=1))
+
+
+class MiniViTReadsTokenTwo(MiniViTAlt):
+    def readout(self, x):
+        return self.head(self.norm(x[:, 2]))
+
+
 class MiniViTPosPatchesOnly(MiniViTAlt):
     def tokens(self, images):
         patches = self.patch_embed(images) + self.pos_embed[:, 1:]
@@ -647,6 +657,7 @@ def test_mini_vit_accepts_other_correct_answer_with_repeat():
     (MiniViTClsLast, "Prepend it"),
     (MiniViTReadsLast, "the head reads the last token"),
     (MiniViTMeanPool, "the head reads the average of the tokens"),
+    (MiniViTPatchMeanPool, r"the head reads the mean of the patch tokens \(global average pooling"),
     (MiniViTPosPatchesOnly, "pos_embed is added to the patch tokens only"),
     (MiniViTPosBeforeCls, "before the class token was prepended"),
     (MiniViTNoPos, "pos_embed is never added"),
@@ -664,6 +675,9 @@ def test_mini_vit_rejects_mistakes(answer, match):
     (MiniViTClsLast, "the class token is appended at the end. Prepend it"),
     (MiniViTReadsLast, "do not depend on token 0"),
     (MiniViTMeanPool, "depend on the patch tokens"),
+    # mean pooling over the patches was told "the head reads the last token" (issue #34)
+    (MiniViTPatchMeanPool, r"(?s)depend on tokens 1, 2, .*the head reads the mean of the patch tokens"),
+    (MiniViTReadsTokenTwo, r"(?s)depend on token 2\..*the head must read the class token"),
     (MiniViTPosPatchesOnly, "class token did not get its position"),
     (MiniViTNoPos, "class token did not get its position"),
     (MiniViTDetachedCls, "cls_token.grad is None"),

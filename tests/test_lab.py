@@ -232,3 +232,38 @@ def test_validate_runs_beside_the_server_not_inside_it(student_lab):
         worker.join(timeout=0.5)
     assert result.get("success") is True, result
     assert answered_meanwhile >= 2, "the validation ended before the server could be asked anything"
+
+
+def test_validate_names_the_written_question_left_blank():
+    """nbgrader says "You did not provide a response" under YOUR ANSWER HERE, naming no question: 01 and 03 have
+    several written answers (issue #34). Each blank one is named by its exercise's header."""
+    named = {}
+    for assignment in ASSIGNMENTS:
+        notebook = nbformat.read(REPO_ROOT / "course" / f"{assignment}.ipynb", as_version=4)
+        written = [index for index, cell in enumerate(notebook.cells)
+                   if cell.cell_type == "markdown" and cell.metadata.get("nbgrader", {}).get("solution")]
+        questions = [validate.written_question(notebook.cells, index) for index in written]
+        assert written and all(q and q.startswith("Exercise ") for q in questions), questions
+        assert len(set(questions)) == len(questions), questions  # each names its own question
+        assert not any("pts" in q or "min)" in q for q in questions), questions  # the heading, not its points
+        named[assignment] = questions
+    assert named["01_mha_shapes"] == ["Exercise 1.2 — merge_heads, its written question"], named
+    assert len(named["03_positions_and_blocks"]) == 2, named
+
+
+@pytest.mark.slow
+def test_validate_dialog_says_which_written_answer_is_missing(tmp_path):
+    from nbgrader.utils import compute_checksum
+
+    answer = nbformat.v4.new_markdown_cell("YOUR ANSWER HERE", metadata={"nbgrader": {
+        "grade": True, "solution": True, "locked": False, "grade_id": "why", "points": 1, "schema_version": 3}})
+    answer.metadata["nbgrader"]["checksum"] = compute_checksum(answer)
+    notebook = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("### Exercise 9.2 — why a view cannot be reshaped, a written answer (1 pt, ~3 min)"),
+        answer,
+    ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nbformat.write(notebook, tmp_path / "written.ipynb")
+    result = run_apart(validate.validate_notebook(tmp_path / "written.ipynb", base_seconds=120))
+    failed = result["value"]["failed"]
+    assert len(failed) == 1 and failed[0]["raw_error"] == validate.unanswered_text(
+        "Exercise 9.2 — why a view cannot be reshaped, a written answer"), failed

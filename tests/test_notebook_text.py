@@ -79,3 +79,59 @@ def test_the_colab_link_is_text_that_reads_offline():
         title = nbformat.read(release.released_notebook(assignment), as_version=4).cells[0].source
         assert "colab.research.google.com/github/" in title, f"{assignment}: no link to Colab in the title"
         assert "![" not in title and "<img" not in title, f"{assignment}: the title shows an image: {title[-200:]}"
+
+
+# Names a student's answer may import or define for itself: a demo or check cell that rebinds one breaks a
+# later exercise, blamed on the wrong answer (issue #34: 03 bound `stack = Transformer(...)`, and an answer that
+# did `from torch import stack` then failed in sinusoidal_positions' exercise). Imports that bind a name to the
+# library's own object (`import numpy as np`, `from torch import stack`) are harmless and allowed.
+LIBRARY_NAMES = frozenset({
+    "stack", "cat", "concat", "concatenate", "einsum", "softmax", "log_softmax", "mask", "F", "np", "torch", "nn",
+    "math", "einops", "rearrange", "repeat", "reduce", "plt", "tl", "triton", "functools", "partial", "sqrt", "exp",
+    "log", "tensor", "Tensor", "zeros", "ones", "full", "empty", "arange", "rand", "randn", "matmul", "where", "tril",
+    "triu", "masked_fill", "linear", "dropout", "relu", "gelu", "layer_norm", "scaled_dot_product_attention",
+    "chunk", "split", "transpose", "permute",
+})
+
+
+def _global_bindings(source: str) -> list[tuple[str, int]]:
+    """(name, line) of every module-level name a cell binds by assignment, loop, with, def or class -- not by
+    import, and not inside a function, class body, lambda or comprehension (their names are local)."""
+    import ast
+
+    local_scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp,
+                    ast.DictComp, ast.GeneratorExp)
+    tree = ast.parse("\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines()))
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.append((child.name, child.lineno))
+            elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+                found.append((child.id, child.lineno))
+            if not isinstance(child, local_scopes):
+                visit(child)
+
+    visit(tree)
+    return found
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_no_cell_but_an_answer_binds_a_name_a_student_imports(assignment):
+    import builtins
+
+    notebook = nbformat.read(release.released_notebook(assignment), as_version=4)
+    clobbered = [f"cell {index}, line {line}: {name}" for index, cell in enumerate(notebook.cells)
+                 if cell.cell_type == "code" and not cell.metadata.get("nbgrader", {}).get("solution")
+                 for name, line in _global_bindings(cell.source)
+                 if name in LIBRARY_NAMES or hasattr(builtins, name)]
+    assert not clobbered, f"{assignment}: a cell that is not an answer binds a global a student may import or " \
+                          "use (give it a name of its own):\n" + "\n".join(clobbered)
+
+
+def test_the_global_binding_scan_sees_assignments_loops_and_definitions_but_not_local_names():
+    source = ("stack = 1\nfor mask, other in []:\n    pass\nwith open('x') as F:\n    pass\ndef cat():\n    einsum = 2\n"
+              "total = [softmax for softmax in range(3)]\nimport numpy as np\nfrom torch import stack as stack\n"
+              "%matplotlib inline\n")
+    assert [name for name, _ in _global_bindings(source)] == ["stack", "mask", "other", "F", "cat", "total"]

@@ -24,6 +24,7 @@ single-answer checks of those answers stand guard instead.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import importlib
@@ -222,3 +223,48 @@ def test_a_working_answer_hidden_anywhere_in_the_package_is_caught(monkeypatch):
                "attention_lab.widgets.fake.unrelated": unrelated, "attention_lab.widgets.fake.Thing": dict}
     assert leaks(mha_shapes.check_merge_heads, objects) == ["attention_lab.widgets.fake.merge_heads_copy"]
     assert leaks(mha_shapes.check_split_heads, objects) == []
+
+
+# --------------------------------------------------------------------------------------
+# Multiple-choice answers: never in clear in the installed package (issue #34)
+# --------------------------------------------------------------------------------------
+
+
+def _module_dicts(tree: ast.Module) -> dict[str, ast.Dict]:
+    return {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Dict) for target in node.targets if isinstance(target, ast.Name)}
+
+
+def test_no_check_module_holds_a_multiple_choice_answer_in_clear():
+    # The right letter is stored as its salted digest, and so are the keys of the per-option hints (hints keyed
+    # by the wrong letters would name the right one by elimination).
+    import attention_lab.checks
+
+    calls = 0
+    for info in pkgutil.iter_modules(attention_lab.checks.__path__):
+        module = importlib.import_module(f"attention_lab.checks.{info.name}")
+        tree = ast.parse(inspect.getsource(module))
+        dicts = _module_dicts(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "expect_choice"):
+                continue
+            calls += 1
+            keywords = {keyword.arg: keyword.value for keyword in node.keywords}
+            assert "correct" not in keywords, f"{info.name}, line {node.lineno}: a letter in clear"
+            digest = keywords["correct_digest"]
+            assert not (isinstance(digest, ast.Constant) and len(str(digest.value)) < 16), \
+                f"{info.name}, line {node.lineno}: correct_digest={ast.unparse(digest)} is no digest"
+            hints = keywords.get("hints")
+            if isinstance(hints, ast.Name):
+                keys = [key.value for key in dicts[hints.id].keys if isinstance(key, ast.Constant)]
+                assert keys and all(re.fullmatch(r"[0-9a-f]{16}", key) for key in keys), \
+                    f"{info.name}: {hints.id} is keyed by {keys}, not by digests"
+    assert calls >= 7  # the multiple-choice questions of notebooks 01-04
+
+
+def test_a_choice_digest_matches_its_letter_only():
+    from attention_lab.checking import choice_digest
+
+    assert choice_digest("ANSWER_X", " b ") == choice_digest("ANSWER_X", "B")
+    assert len({choice_digest("ANSWER_X", letter) for letter in "ABCD"}) == 4
+    assert choice_digest("ANSWER_X", "B") != choice_digest("ANSWER_Y", "B")

@@ -84,3 +84,18 @@ def test_normalise_strips_outputs_and_sets_stable_ids():
     assert [c.id for c in notebook.cells] == ["cell-000", "g"]
     assert notebook.cells[1].outputs == [] and notebook.cells[1].execution_count is None
     assert notebook.cells[1].metadata == {"nbgrader": {"grade_id": "g"}}
+
+
+def test_the_benchmark_validates_the_students_notebook_with_every_answer_written(fresh_build, tmp_path):
+    """`make bench` times Validate on what a student who finished validates: the release with the solution's
+    answers, visible tests only (issue #34)."""
+    from benchmarks.notebooks import solved_release
+
+    assignment = "02_numpy_walkthrough"
+    path = solved_release(fresh_build.source(assignment), release.released_notebook(assignment, fresh_build.course_dir),
+                          tmp_path / "solved.ipynb")
+    solved, source = nbformat.read(path, as_version=4), nbformat.read(fresh_build.source(assignment), as_version=4)
+    text = "\n".join(cell.source for cell in solved.cells)
+    assert "raise NotImplementedError" not in text and "BEGIN HIDDEN TESTS" not in text
+    answers = [cell.source for cell in source.cells if cell.metadata.get("nbgrader", {}).get("solution")]
+    assert answers and all(answer in text for answer in answers)

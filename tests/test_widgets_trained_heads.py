@@ -3,6 +3,8 @@ its controls select (set `.value`, then read what was drawn)."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -82,9 +84,22 @@ def test_explorer_draws_what_its_controls_select():
     assert np.allclose(np.triu(pictures["layer 1, head 1"], 1), 0.0)  # the causal mask was applied
     assert "no positions, causal: sequence 4" in widget.figure._suptitle.get_text()
 
+    from PIL import Image
+
+    def shown_height() -> int:  # pixels of the picture the widget shows
+        return Image.open(io.BytesIO(widget._image.value)).height
+
+    two_rows, two_rows_shown = widget.figure.get_figheight(), shown_height()
     widget.controls["layer"].value = "1"
     pictures, _ = drawn()
     assert sorted(pictures) == ["layer 1, head 0", "layer 1, head 1"]
+    # One layer, one row: the figure is one row high, not two rows with a blank band (issue #34), and the
+    # picture shown is that figure.
+    one_row = widget.figure.get_figheight()
+    assert one_row == pytest.approx(two_rows - 2.6), (one_row, two_rows)
+    assert shown_height() < 0.7 * two_rows_shown, (shown_height(), two_rows_shown)
+    widget.controls["layer"].value = "all"
+    assert widget.figure.get_figheight() == pytest.approx(two_rows)
 
     # Controls are wide enough to use and labelled; the slider redraws on release only.
     for name, control in widget.controls.items():

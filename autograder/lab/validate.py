@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -39,6 +40,38 @@ MAX_STRETCH = 3.0
 # What the student's own code printed to stderr (warnings, logging) is kept after the check's
 # message, this many lines at most (the dialog is not a log viewer).
 STDERR_LINES = 12
+
+
+# An exercise's header in the notebook's text: "### Exercise 6.6 — merging with lse, a written answer (2 pts, ~5 min)".
+EXERCISE_HEADER = re.compile(r"^#{2,4}\s+(Exercise\s+\d+\.\d+\b.*?)\s*(?:\(\d+\s*pts?\b[^)]*\))?\s*$", re.MULTILINE)
+
+
+# A question asked inside an exercise's section: "**Written question (1 pt).** The demo above shows ...".
+QUESTION_LABEL = re.compile(r"^\*\*(?P<label>[^*(]+?)\s*(?:\([^)]*\))?\.?\*\*")
+
+
+def written_question(cells: list, index: int) -> str | None:
+    """The question a written answer (the markdown cell at ``index``) answers: the last exercise header above it,
+    e.g. "Exercise 6.6 — merging with lse, a written answer", and the question's own label when the cell just above
+    asks it inside that exercise's section ("Exercise 1.2 — merge_heads, its written question"); None when no
+    exercise header comes before it."""
+    for cell in reversed(cells[:index + 1]):
+        headers = EXERCISE_HEADER.findall(cell.source) if cell.cell_type == "markdown" else []
+        if headers:
+            question = headers[-1].strip()
+            break
+    else:
+        return None
+    above = cells[index - 1] if index else None
+    label = QUESTION_LABEL.match(above.source.strip()) if above is not None and above.cell_type == "markdown" \
+        and not EXERCISE_HEADER.search(above.source) else None
+    return f"{question}, its {label['label'].strip().lower()}" if label else question
+
+
+def unanswered_text(question: str) -> str:
+    """What Validate says of a written answer left blank (nbgrader's own words name no question)."""
+    return (f"You did not provide a response to {question}: write your answer in its cell, in place of "
+            "YOUR ANSWER HERE.")
 
 
 def load_stretch() -> float:
@@ -103,7 +136,15 @@ def _child(notebook: str, result_path: str, progress_path: str) -> None:
     signal.signal(signal.SIGTERM, stop)
 
     class CourseValidator(Validator):
+        def _get_failed_cells(self, nb):
+            # Which question each written answer belongs to, for the dialog (01 and 03 have several).
+            self.questions = {id(cell): written_question(nb.cells, index) for index, cell in enumerate(nb.cells)
+                              if cell.cell_type == "markdown"}
+            return super()._get_failed_cells(nb)
+
         def _extract_error(self, cell):
+            if cell.cell_type == "markdown" and getattr(self, "questions", {}).get(id(cell)):
+                return unanswered_text(self.questions[id(cell)])
             text = failure_text(cell.get("outputs", [])) if cell.cell_type == "code" else ""
             return text or super()._extract_error(cell)
 

@@ -74,6 +74,7 @@ from attention_lab.bridge.probes import Probe
 
 __all__ = [
     "CheckFailure",
+    "RuleFailure",
     "Variant",
     "check",
     "tolerance",
@@ -89,6 +90,7 @@ __all__ = [
     "expect_close",
     "expect_true",
     "expect_choice",
+    "choice_digest",
     "expect_value_error",
     "add_note",
     "one_cpu_thread",
@@ -131,6 +133,12 @@ class CheckFailure(AssertionError):
         return lines + _wrap(f"{type(self).__name__}: {self}")
 
 
+class RuleFailure(CheckFailure):
+    """The answer's numbers may be right, but it breaks a rule of how the exercise asks to compute them (memory
+    held at once, a built-in called, the work done, what kind of attribute holds a table). Such a failure cannot
+    explain a wrong number in an exercise that uses the answer: the dependency notes of a failing check skip it."""
+
+
 # Hints the framework itself gives (check modules keep theirs in dicts named *HINTS too).
 HINTS = {
     "keep_dtype": "The rule of every notebook: an answer returns the dtype it was given (float64 in, "
@@ -160,8 +168,11 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # frames are not the student's code either.
 _LIBRARY_DIRS = tuple({os.path.abspath(path) for key in ("stdlib", "platstdlib", "purelib", "platlib")
                        if (path := sysconfig.get_paths().get(key))})
-# nbgrader's `validate` command cuts a line longer than 87 characters, its 4-space indent included.
-_LINE_WIDTH = 83
+# A failure's lines are wrapped here, at word boundaries, to this width: nbgrader's `validate` command cuts a
+# line longer than 87 characters (its 4-space indent included), and JupyterLab's output area, which wraps a longer
+# line again anywhere (word-break: break-all), holds 74 characters at 1024×768 with the file browser open
+# (measured: 584 px of 7.83 px characters; tests/test_browser.py checks it). 72 leaves a margin for the scrollbar.
+_LINE_WIDTH = 72
 
 
 def _is_student_file(filename: str) -> bool:
@@ -496,16 +507,16 @@ class Tripwire(Probe):
             if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str):
                 self.in_place.setdefault(item[0], item[1][:100])
 
-    def failure(self) -> "CheckFailure | None":
-        """The failure a forbidden call earns, or None."""
+    def failure(self) -> "RuleFailure | None":
+        """The failure a forbidden call earns (a rule, not a number: see RuleFailure), or None."""
         if self.tripped is None:
             return None
         name, short = self.tripped
         if self.numpy_only:
-            return CheckFailure(
+            return RuleFailure(
                 f"{self.exercise} must be written with NumPy only, but your code called "
                 f"torch ({name}). Convert nothing to torch: use np.* functions and the @ operator.")
-        return CheckFailure(
+        return RuleFailure(
             f"{self.exercise} is a from-scratch exercise, but your code called the built-in "
             f"{short}() that it is compared with. Write it with ordinary tensor operations "
             f"(matmul, softmax, masked_fill, ...).")
@@ -779,10 +790,13 @@ def expect_tensor(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     hints: Mapping[tuple[int, ...], str] | None = None,
+    dtype_hint: str | None = None,
 ) -> torch.Tensor:
     """Contract of a returned tensor: type, then exact shape, dtype and device.
 
-    ``hints`` maps wrong shapes that a known mistake produces to the hint for it.
+    ``hints`` maps wrong shapes that a known mistake produces to the hint for it; ``dtype_hint``
+    replaces the keep-the-input's-dtype rule for an exercise whose contract says more (e.g. "compute
+    in at least float32 inside, return the input's dtype").
     """
     if not isinstance(value, torch.Tensor):
         raise CheckFailure(f"{what} should be a torch.Tensor, got {describe(value)}.")
@@ -796,7 +810,7 @@ def expect_tensor(
         raise CheckFailure(message)
     if dtype is not None and value.dtype != dtype:
         raise CheckFailure(
-            f"{what} should keep the input dtype {dtype}, got {value.dtype}.\n  {HINTS['keep_dtype']}"
+            f"{what} should keep the input dtype {dtype}, got {value.dtype}.\n  {dtype_hint or HINTS['keep_dtype']}"
         )
     if device is not None and value.device.type != torch.device(device).type:
         raise CheckFailure(
@@ -839,21 +853,36 @@ def expect_true(condition: bool, message: str) -> None:
         raise CheckFailure(message)
 
 
-def expect_choice(answer: Any, *, name: str, options: str, correct: str,
+# Mixed into every digest of a multiple-choice answer, so that a digest is not the plain hash of a letter.
+_CHOICE_SALT = "attention-lab multiple choice v1"
+
+
+def choice_digest(question: str, letter: str) -> str:
+    """What a check module stores instead of a letter of the multiple-choice ``question`` (its right answer, the
+    keys of its per-option hints): the first 16 hex digits of a salted SHA-256. The installed package then never
+    holds the right letter in clear. Compute a digest with
+    ``python -c "from attention_lab.checking import choice_digest; print(choice_digest('ANSWER_X', 'B'))"``."""
+    import hashlib
+
+    text = f"{_CHOICE_SALT}|{question}|{letter.strip().upper()}"
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def expect_choice(answer: Any, *, name: str, options: str, correct_digest: str,
                   hints: Mapping[str, str] | None = None) -> None:
     """A multiple-choice answer: ``None`` (the blank) is "not implemented yet", then one of
-    ``options`` (a string like ``"ABC"``, case and spaces forgiven), then the ``correct`` one.
+    ``options`` (a string like ``"ABC"``, case and spaces forgiven), then the right one.
 
-    ``hints`` maps a wrong letter to what to look at again; a wrong answer never names the
-    right letter.
+    ``correct_digest`` is :func:`choice_digest` of ``name`` and the right letter; ``hints`` maps
+    the digest of a wrong letter to what to look at again. A wrong answer never names the right letter.
     """
     listed = ", ".join(f'"{option}"' for option in options)
     if answer is None:
         raise CheckFailure(f"{name}: not implemented yet. Set {name} to one of {listed}.")
-    expect_true(isinstance(answer, str) and answer.strip().upper() in options,
+    expect_true(isinstance(answer, str) and answer.strip().upper() in options and len(answer.strip()) == 1,
                 f"{name} should be one of the strings {listed}, got {describe(answer)}.")
-    choice = answer.strip().upper()
-    expect_true(choice == correct, f"{name} = {answer!r} is not right. {(hints or {}).get(choice, '')}".rstrip())
+    digest = choice_digest(name, answer)
+    expect_true(digest == correct_digest, f"{name} = {answer!r} is not right. {(hints or {}).get(digest, '')}".rstrip())
 
 
 def expect_value_error(fn: Callable, *args: Any, call: str, why: str, must_mention: Sequence[Any] = (),
@@ -1243,6 +1272,8 @@ def _dependency_notes(answer: Any, uses: Sequence[str], near_module: str, device
                 continue  # defined, but this answer never called it: not its problem
             try:
                 helper_check(helper, device=device, quiet=True)
+            except RuleFailure:  # right numbers, a rule broken: it cannot explain this exercise's failure
+                continue
             except CheckFailure as failure:
                 first_line = str(failure).splitlines()[0] if str(failure) else ""
                 notes.append(f"Note: this exercise uses your {name}, which fails its own check "

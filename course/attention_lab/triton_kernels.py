@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 __all__ = ["triton", "tl", "TRITON_AVAILABLE", "TritonUnavailable", "launch_flash_attention",
-           "interpreter_active", "MIN_BLOCK", "poisoned_rows", "LoadWatch", "launch_scale", "launch_matmul",
-           "launch_row_softmax", "launch_flash_attention_backward"]
+           "interpreter_active", "MIN_BLOCK", "poisoned_rows", "LoadWatch", "Overrun", "GuardedOutput",
+           "StoreOutOfBounds", "launch_scale", "launch_matmul", "launch_row_softmax",
+           "launch_flash_attention_backward"]
 
 # tl.dot needs every dimension >= 16 on a GPU; the interpreter would accept less.
 MIN_BLOCK = 16
@@ -127,6 +129,44 @@ def poisoned_rows(x3: torch.Tensor, extra: int) -> torch.Tensor:
     return buffer[:, :x3.shape[1]]
 
 
+# What every output's storage holds after its last element (and between its rows, where it has padding).
+SENTINEL = 12345.0
+# At least this many rows (elements of a 1-D output) of sentinel after every output: an unmasked store of the
+# largest block the checks launch lands there, never in memory that is not the output's.
+GUARD_ROWS = 64
+
+
+class StoreOutOfBounds(RuntimeError):
+    """A kernel wrote past the end of an output (the sentinel the launcher put after it changed)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"the kernel wrote past the end of {name}")
+        self.name = name
+
+
+class GuardedOutput:
+    """An output the kernel writes: ``tensor`` (``shape``, ``strides``) inside a buffer of :data:`SENTINEL`
+    that also holds ``tail`` elements after it (and whatever the strides skip, e.g. padding rows). The
+    data starts as NaN, so an element no program wrote shows; :meth:`verify` raises
+    :class:`StoreOutOfBounds` if a store changed the sentinel."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], strides: tuple[int, ...], tail: int,
+                 dtype: torch.dtype, device: torch.device):
+        span = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides)) if all(shape) else 0
+        self.name = name
+        self.buffer = torch.full((span + tail,), SENTINEL, dtype=dtype, device=device)
+        self.tensor = torch.as_strided(self.buffer, shape, strides)
+        self.tensor.fill_(float("nan"))
+        covered = torch.zeros(span + tail, dtype=torch.bool, device=device)
+        torch.as_strided(covered, shape, strides).fill_(True)
+        self._guard = ~covered
+        self._sentinel = self.buffer[self._guard].clone()
+
+    def verify(self) -> None:
+        if not torch.equal(self.buffer[self._guard], self._sentinel):
+            raise StoreOutOfBounds(self.name)
+
+
 def launch_flash_attention(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                            block_q: int = 32, block_k: int = 32, poison: int = 0,
                            watch: "LoadWatch | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +177,10 @@ def launch_flash_attention(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: tor
     ``(ceil(S_q / block_q), B·H)``: program ``(i, bh)`` computes rows ``i·block_q …`` of head
     ``bh``. ``out`` has q's dtype; ``lse`` is float32 ``[B, H, S_q]`` (natural log).
     ``poison``: the checks put that many rows of NaN after each head's rows of q, k and v, so
-    that a ``tl.load`` without a mask shows as NaN instead of reading whatever memory follows;
-    ``watch``, a :class:`LoadWatch`, sees every load of q, k and v (in the interpreter only).
+    that a ``tl.load`` without a mask shows as NaN instead of reading whatever memory follows.
+    ``out`` and ``lse`` are written into :class:`GuardedOutput` buffers: a store past their end lands on a
+    sentinel, and raises :class:`StoreOutOfBounds` after the launch. ``watch``, a :class:`LoadWatch`
+    (one is made if not given), sees every load and store (in the interpreter only).
     """
     if isinstance(kernel, _MissingKernel):
         raise TritonUnavailable(TRITON_MISSING)
@@ -152,28 +194,21 @@ def launch_flash_attention(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: tor
     q3 = poisoned_rows(q.reshape(batch * heads, seq_q, head_dim), poison)  # [B·H, S_q, d]
     k3 = poisoned_rows(k.reshape(batch * heads, seq_k, head_dim), poison)  # [B·H, S_k, d]
     v3 = poisoned_rows(v.reshape(batch * heads, seq_k, head_dim), poison)  # [B·H, S_k, d]
-    out = torch.empty_strided(q3.shape, q3.stride(), dtype=q.dtype, device=q.device)  # stored with q3's strides
-    lse = torch.empty(batch * heads, seq_q, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(seq_q, block_q), batch * heads)
-    if watch is None:
-        watch = LoadWatch({})
-    watch.add("Q", q3, seq_q)
-    watch.add("K", k3, seq_k)
-    watch.add("V", v3, seq_k)
-    try:
-        with watch:
-            kernel[grid](
-                q3, k3, v3, out, lse,
-                q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
-                seq_q, seq_k, head_dim ** -0.5,
-                CAUSAL=bool(causal), BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=head_dim,
-            )
-    except Exception as error:  # the blank's NotImplementedError arrives wrapped by the interpreter/compiler
-        text = f"{type(error).__name__}: {error}"
-        if "NotImplementedError" in text:
-            stub = re.search(r"NotImplementedError\(['\"](.*?)['\"]\)", text)
-            raise NotImplementedError(stub.group(1) if stub else "the kernel is not written yet") from None
-        raise
+    guard_rows = max(poison, block_q, GUARD_ROWS)
+    out = GuardedOutput("out", tuple(q3.shape), q3.stride(), guard_rows * q3.stride(1), q.dtype, q.device)
+    lse = GuardedOutput("lse", (batch * heads, seq_q), (seq_q, 1), guard_rows, torch.float32, q.device)
+    watch = LoadWatch() if watch is None else watch
+    for name, tensor, rows in (("Q", q3, seq_q), ("K", k3, seq_k), ("V", v3, seq_k), ("out", out.tensor, seq_q),
+                               ("lse", lse.tensor, seq_q)):
+        watch.add(name, tensor, rows)
+    with watch:
+        _run(kernel, (triton.cdiv(seq_q, block_q), batch * heads), q3, k3, v3, out.tensor, lse.tensor,
+             q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
+             seq_q, seq_k, head_dim ** -0.5, CAUSAL=bool(causal), BLOCK_Q=block_q, BLOCK_K=block_k,
+             HEAD_DIM=head_dim)
+    out.verify()
+    lse.verify()
+    out, lse = out.tensor, lse.tensor
     return out.reshape(batch, heads, seq_q, head_dim), lse.view(batch, heads, seq_q)
 
 
@@ -190,7 +225,8 @@ def launch_flash_attention_backward(kernel_dkdv: Any, kernel_dq: Any, q: torch.T
     ``kernel_dq`` one program per (query block, batch·head): grid ``(ceil(S_q / block_q), B·H)``,
     arguments ``(Q, K, V, DO, Lse, Delta, DQ, <the same strides>, seq_q, seq_k, sm_scale, CAUSAL,
     BLOCK_Q, BLOCK_K, HEAD_DIM)``. DO and DQ have q's layout, DK and DV k's and v's. The gradients
-    have the inputs' dtypes (the kernels accumulate in float32).
+    have the inputs' dtypes (the kernels accumulate in float32). They are written into
+    :class:`GuardedOutput` buffers; ``poison`` and ``watch`` as in :func:`launch_flash_attention`.
     """
     for kernel in (kernel_dkdv, kernel_dq):
         if isinstance(kernel, _MissingKernel):
@@ -208,20 +244,25 @@ def launch_flash_attention_backward(kernel_dkdv: Any, kernel_dq: Any, q: torch.T
     v3 = poisoned_rows(v.reshape(bh, seq_k, head_dim), poison)
     lse3 = lse.reshape(bh, seq_q).to(torch.float32).contiguous()
     delta = (dout.float() * out.float()).sum(-1).reshape(bh, seq_q).contiguous()
-    dq = torch.empty_strided(q3.shape, q3.stride(), dtype=q.dtype, device=q.device)
-    dk = torch.empty_strided(k3.shape, k3.stride(), dtype=k.dtype, device=k.device)
-    dv = torch.empty_strided(k3.shape, k3.stride(), dtype=v.dtype, device=v.device)
-    if watch is None:
-        watch = LoadWatch({})
-    for name, tensor, rows in (("Q", q3, seq_q), ("K", k3, seq_k), ("V", v3, seq_k), ("dout", do3, seq_q)):
+    guard_rows = max(poison, block_q, block_k, GUARD_ROWS)
+    dq = GuardedOutput("dq", tuple(q3.shape), q3.stride(), guard_rows * q3.stride(1), q.dtype, q.device)
+    dk = GuardedOutput("dk", tuple(k3.shape), k3.stride(), guard_rows * k3.stride(1), k.dtype, k.device)
+    dv = GuardedOutput("dv", tuple(v3.shape), v3.stride(), guard_rows * v3.stride(1), v.dtype, v.device)
+    watch = LoadWatch() if watch is None else watch
+    for name, tensor, rows in (("Q", q3, seq_q), ("K", k3, seq_k), ("V", v3, seq_k), ("dout", do3, seq_q),
+                               ("lse", lse3, seq_q), ("D", delta, seq_q), ("dq", dq.tensor, seq_q),
+                               ("dk", dk.tensor, seq_k), ("dv", dv.tensor, seq_k)):
         watch.add(name, tensor, rows)
     strides = (q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1))
     constants = {"CAUSAL": bool(causal), "BLOCK_Q": block_q, "BLOCK_K": block_k, "HEAD_DIM": head_dim}
     with watch:
-        _run(kernel_dkdv, (triton.cdiv(seq_k, block_k), bh), q3, k3, v3, do3, lse3, delta, dk, dv, *strides,
+        _run(kernel_dkdv, (triton.cdiv(seq_k, block_k), bh), q3, k3, v3, do3, lse3, delta, dk.tensor, dv.tensor,
+             *strides, seq_q, seq_k, head_dim ** -0.5, **constants)
+        _run(kernel_dq, (triton.cdiv(seq_q, block_q), bh), q3, k3, v3, do3, lse3, delta, dq.tensor, *strides,
              seq_q, seq_k, head_dim ** -0.5, **constants)
-        _run(kernel_dq, (triton.cdiv(seq_q, block_q), bh), q3, k3, v3, do3, lse3, delta, dq, *strides,
-             seq_q, seq_k, head_dim ** -0.5, **constants)
+    for guarded in (dq, dk, dv):
+        guarded.verify()
+    dq, dk, dv = dq.tensor, dk.tensor, dv.tensor
     shape_q, shape_k = (batch, heads, seq_q, head_dim), (batch, heads, seq_k, head_dim)
     return dq.reshape(shape_q), dk.reshape(shape_k), dv.reshape(shape_k)
 
@@ -260,109 +301,144 @@ def _run(kernel: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> No
 def launch_scale(kernel: Any, x: torch.Tensor, alpha: float, block: int = 64, poison: int = 0,
                  watch: "LoadWatch | None" = None) -> torch.Tensor:
     """``alpha * x`` for a 1-D ``x`` by ``kernel(X, Out, n, alpha, BLOCK)``, one program per ``block``
-    elements: a grid of ``ceil(n / block)`` programs. ``poison``: NaN after ``x`` and a sentinel after
-    ``out`` (the checks see loads and stores past the end)."""
+    elements: a grid of ``ceil(n / block)`` programs. ``poison``: NaN after ``x``. ``out`` is a
+    :class:`GuardedOutput` (a store past its end raises :class:`StoreOutOfBounds`); ``watch`` sees every
+    load and store (in the interpreter)."""
     _check_kernel(kernel, x)
     n = x.shape[0]
-    x_view = _padded(x.reshape(n, 1).T, 0, poison, float("nan"))  # [1, n] in a [1, n + poison] buffer
-    out = _padded(torch.empty(1, n, dtype=x.dtype, device=x.device), 0, poison, 12345.0)
-    if watch is not None:
-        size = x.element_size()
-        watch.add_region("x", x_view.data_ptr(), (n + poison) * size, size, n, 1, 1)
-    with watch or LoadWatch():
-        _run(kernel, (triton.cdiv(n, block),), x_view, out, n, alpha, BLOCK=block)
-    if poison and bool((torch.as_strided(out, (poison,), (1,), out.storage_offset() + n) != 12345.0).any()):
-        raise StoreOutOfBounds("out")
-    return out[0].clone()
-
-
-class StoreOutOfBounds(RuntimeError):
-    """A kernel wrote past the end of an output (the launcher's sentinel after it changed)."""
+    x_view = _padded(x.reshape(n, 1).T, 0, poison, float("nan"))[0]  # [n] in a [n + poison] buffer
+    out = GuardedOutput("out", (n,), (1,), max(poison, block, GUARD_ROWS), x.dtype, x.device)
+    watch = LoadWatch() if watch is None else watch
+    watch.add("x", x_view)
+    watch.add("out", out.tensor)
+    with watch:
+        _run(kernel, (triton.cdiv(n, block),), x_view, out.tensor, n, alpha, BLOCK=block)
+    out.verify()
+    return out.tensor.clone()
 
 
 def launch_matmul(kernel: Any, a: torch.Tensor, b: torch.Tensor, block_m: int = 16, block_n: int = 16,
                   block_k: int = 16, poison: int = 0, watch: "LoadWatch | None" = None) -> torch.Tensor:
     """``a @ b`` (``[M, K] @ [K, N]``) by ``kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk,
     stride_bn, stride_cm, stride_cn, BLOCK_M, BLOCK_N, BLOCK_K)``: program ``(i, j)`` computes the
-    ``[BLOCK_M, BLOCK_N]`` block of C at rows ``i·BLOCK_M``, columns ``j·BLOCK_N``; C is float32."""
+    ``[BLOCK_M, BLOCK_N]`` block of C at rows ``i·BLOCK_M``, columns ``j·BLOCK_N``; C is float32,
+    a :class:`GuardedOutput` with sentinel columns after each row and rows after the last."""
     _check_kernel(kernel, a, b)
     m, k = a.shape
     n = b.shape[1]
     a_view = _padded(a, poison, poison, float("nan"))
     b_view = _padded(b, poison, poison, float("nan"))
-    c = torch.empty(m, n, dtype=torch.float32, device=a.device)
-    if watch is not None:
-        watch.add("A", a_view, k, padded_heads=m + poison)
-        watch.add("B", b_view, n, padded_heads=k + poison)
-    with watch or LoadWatch():
-        _run(kernel, (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), a_view, b_view, c, m, n, k,
-             a_view.stride(0), a_view.stride(1), b_view.stride(0), b_view.stride(1), c.stride(0), c.stride(1),
-             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    return c
+    guard = max(poison, block_m, block_n, GUARD_ROWS)
+    c = GuardedOutput("C", (m, n), (n + guard, 1), guard * (n + guard), torch.float32, a.device)
+    watch = LoadWatch() if watch is None else watch
+    for name, tensor in (("A", a_view), ("B", b_view), ("C", c.tensor)):
+        watch.add(name, tensor)
+    with watch:
+        _run(kernel, (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), a_view, b_view, c.tensor, m, n, k,
+             a_view.stride(0), a_view.stride(1), b_view.stride(0), b_view.stride(1), c.tensor.stride(0),
+             c.tensor.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    c.verify()
+    return c.tensor.clone()
 
 
 def launch_row_softmax(kernel: Any, x: torch.Tensor, poison: int = 0,
                        watch: "LoadWatch | None" = None) -> torch.Tensor:
     """``softmax(x, dim=-1)`` of a 2-D ``x`` by ``kernel(X, Out, n_cols, stride_x, stride_out, BLOCK)``:
-    one program per row, ``BLOCK`` the next power of two >= n_cols."""
+    one program per row, ``BLOCK`` the next power of two >= n_cols. ``out`` is a :class:`GuardedOutput`
+    with sentinel columns after each row and rows after the last."""
     _check_kernel(kernel, x)
     rows, cols = x.shape
+    block = triton.next_power_of_2(cols)
     x_view = _padded(x, poison, poison, float("nan"))
-    out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
-    if watch is not None:
-        watch.add("x", x_view, cols, padded_heads=rows + poison)
-    with watch or LoadWatch():
-        _run(kernel, (rows,), x_view, out, cols, x_view.stride(0), out.stride(0),
-             BLOCK=triton.next_power_of_2(cols))
-    return out
+    guard = max(poison, block, GUARD_ROWS)
+    out = GuardedOutput("out", (rows, cols), (cols + guard, 1), guard * (cols + guard), x.dtype, x.device)
+    watch = LoadWatch() if watch is None else watch
+    watch.add("x", x_view)
+    watch.add("out", out.tensor)
+    with watch:
+        _run(kernel, (rows,), x_view, out.tensor, cols, x_view.stride(0), out.tensor.stride(0), BLOCK=block)
+    out.verify()
+    return out.tensor.clone()
 
 
 # --------------------------------------------------------------------------------------
-# What a kernel reads, seen from Triton's interpreter (the checks' second pair of eyes)
+# What a kernel reads and writes, seen from Triton's interpreter (the checks' second pair of eyes)
 # --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Overrun:
+    """A ``tl.load`` or ``tl.store`` whose enabled lanes reached past the end of a tensor.
+
+    ``cause``: ``"no_mask"`` (the operation has no mask), ``"last_lane"`` (a mask, but it lets
+    through exactly the first element past the end on an axis: ``offs <= n``), ``"past_end"`` (a
+    mask, and lanes further past the end: a condition missing for an axis, or an address computed
+    wrongly) or ``"stray"`` (an address outside every tensor of the launch: computed wrongly; the
+    watch disabled those lanes, so that the notebook's kernel survives).
+    """
+
+    operation: str  # "load" or "store"
+    program: tuple[int, ...]
+    line: str
+    cause: str
 
 
 class LoadWatch:
-    """Under Triton's interpreter, records every ``tl.load`` a kernel makes into named tensors.
+    """Under Triton's interpreter, records every ``tl.load`` and ``tl.store`` a kernel makes into named tensors.
 
-    ``regions``: name -> ``(tensor, rows)``, a ``[N, S_pad, d]``-strided view whose first
-    ``rows`` rows of each head are the tensor's data (what :func:`poisoned_rows` builds; the
-    padding is its storage after each head). For each load that reads a region:
+    Each watched tensor is seen as ``heads × rows`` (``[N, S, d]``: N heads of S rows; ``[R, C]``: R
+    "heads" of C elements; 1-D: one head), inside its storage (the padding or sentinel after it is
+    its storage too). For each operation that touches it:
 
-    * ``beyond[name]``: the first load whose enabled lanes read a row ``>= rows`` (a load
-      without a mask, or with a wrong one), as ``(program, student line)``;
-    * ``blocks[name]``: the set of ``(program, first row read)`` of loads with an enabled
-      lane inside the data -- for K, the key blocks each program visited.
+    * ``beyond[name]``: the first load or store whose enabled lanes reach a row ``>= rows`` or a head
+      ``>= heads``, as an :class:`Overrun` (what, which program, the student's line, why);
+    * ``blocks[name]``: the set of ``(program, first row read)`` of loads with an enabled lane inside
+      the data -- for K, the key blocks each program visited;
+    * ``touched[name][program]``: ``[first head, last head, first row, last row]`` the program reached
+      in the tensor (past its end included): which rows and columns a program works on.
 
-    Only the interpreter can be watched (it runs each load in Python); natively
+    Lanes whose address lies outside every watched tensor are disabled before the operation runs
+    (the first such operation is kept in ``stray``, an ``Overrun`` with cause ``"stray"``): in the
+    interpreter such a store would corrupt the notebook's own memory and kill its kernel. Every tensor a launch passes must therefore be
+    watched. Only the interpreter can be watched (it runs each operation in Python); natively
     :attr:`active` is False and nothing is recorded. Used as a context manager.
     """
 
     def __init__(self, regions: dict[str, tuple[torch.Tensor, int]] | None = None):
-        self.regions: dict[str, tuple[int, int, int, int, int]] = {}
-        self.beyond: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.regions: dict[str, tuple[int, ...]] = {}
+        self.beyond: dict[str, Overrun] = {}
         self.blocks: dict[str, set] = {}
+        self.touched: dict[str, dict[tuple[int, ...], list[int]]] = {}
+        self.stray: Overrun | None = None
         self.active = False
         self._builder: Any = None
+        self._unmasked = False
         for name, (tensor, rows) in (regions or {}).items():
             self.add(name, tensor, rows)
 
-    def add(self, name: str, tensor: torch.Tensor, rows: int, padded_heads: int | None = None) -> None:
-        """Watch ``tensor`` (``[N, S_pad, d]``-strided, its first ``rows`` rows per head are data).
+    def add(self, name: str, tensor: torch.Tensor, rows: int | None = None) -> None:
+        """Watch ``tensor`` (1-D, ``[R, C]`` or ``[N, S, d]``-strided) and the rest of its storage after it.
 
-        ``padded_heads``: the buffer holds that many heads (>= N), the ones past N being padding too.
+        ``rows``: how many rows of each head are data (default: all of ``tensor``'s rows).
         """
         size = tensor.element_size()
-        heads = tensor.shape[0]
-        self.add_region(name, tensor.data_ptr(), tensor.stride(0) * size, tensor.stride(1) * size, rows, heads,
-                        max(heads, padded_heads or heads))
+        storage = tensor.untyped_storage()
+        end = storage.data_ptr() + storage.nbytes()
+        if tensor.dim() == 1:
+            heads, head_stride, row_stride, rows = 1, end - tensor.data_ptr(), tensor.stride(0) * size, \
+                tensor.shape[0] if rows is None else rows
+        else:
+            heads, head_stride, row_stride = tensor.shape[0], tensor.stride(0) * size, tensor.stride(1) * size
+            rows = tensor.shape[1] if rows is None else rows
+        self.add_region(name, tensor.data_ptr(), end, head_stride, row_stride, rows, heads)
 
-    def add_region(self, name: str, start: int, head_stride: int, row_stride: int, rows: int, heads: int,
-                   padded_heads: int) -> None:
-        """Watch the bytes from ``start``: ``padded_heads`` heads ``head_stride`` apart, rows ``row_stride``
-        apart in each; rows ``>= rows`` and heads ``>= heads`` are past the end."""
-        self.regions[name] = (start, start + padded_heads * head_stride, head_stride, row_stride, rows, heads)
+    def add_region(self, name: str, start: int, end: int, head_stride: int, row_stride: int, rows: int,
+                   heads: int) -> None:
+        """Watch the bytes ``[start, end)``: heads ``head_stride`` bytes apart, rows ``row_stride`` apart in
+        each; rows ``>= rows`` and heads ``>= heads`` are past the end."""
+        self.regions[name] = (start, end, max(head_stride, 1), max(row_stride, 1), rows, heads)
         self.blocks[name] = set()
+        self.touched[name] = {}
 
     def __enter__(self) -> "LoadWatch":
         if not (self.regions and TRITON_AVAILABLE and interpreter_active()):
@@ -372,43 +448,75 @@ class LoadWatch:
         except ImportError:  # an interpreter of another shape: watch nothing
             return self
         builder = getattr(interpreter, "interpreter_builder", None)
-        if builder is None or not hasattr(builder, "create_masked_load"):
+        names = ("create_masked_load", "create_masked_store", "create_load", "create_store")
+        if builder is None or not all(hasattr(builder, name) for name in names):
             return self
-        original = builder.create_masked_load
+        masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
+        plain_load, plain_store = builder.create_load, builder.create_store
+        handle = getattr(interpreter, "TensorHandle")
 
         def create_masked_load(ptrs, mask, other, *args: Any, **kwargs: Any) -> Any:
-            self._record(builder, ptrs.data, mask.data)
-            return original(ptrs, mask, other, *args, **kwargs)
+            mask = self._record("load", builder, handle, ptrs.data, mask)
+            return masked_load(ptrs, mask, other, *args, **kwargs)
 
-        builder.create_masked_load = create_masked_load
+        def create_masked_store(ptrs, value, mask, *args: Any, **kwargs: Any) -> Any:
+            mask = self._record("store", builder, handle, ptrs.data, mask)
+            return masked_store(ptrs, value, mask, *args, **kwargs)
+
+        def unmasked(operation: Callable) -> Callable:
+            def run(*args: Any, **kwargs: Any) -> Any:  # the interpreter adds an all-true mask, then calls the above
+                self._unmasked = True
+                try:
+                    return operation(*args, **kwargs)
+                finally:
+                    self._unmasked = False
+            return run
+
+        builder.create_masked_load, builder.create_masked_store = create_masked_load, create_masked_store
+        builder.create_load, builder.create_store = unmasked(plain_load), unmasked(plain_store)
         self._builder, self.active = builder, True
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self._builder is not None:
-            del self._builder.create_masked_load  # the class's method again
+            for name in ("create_masked_load", "create_masked_store", "create_load", "create_store"):
+                delattr(self._builder, name)  # the class's methods again
             self._builder = None
 
-    def _record(self, builder: Any, pointers: Any, mask: Any) -> None:
+    def _record(self, operation: str, builder: Any, handle: Any, pointers: Any, mask: Any) -> Any:
+        """Record one operation; return its mask, with the lanes outside every watched tensor disabled."""
         import numpy as np
 
-        addresses = np.asarray(pointers).astype(np.int64).ravel()
-        enabled = np.broadcast_to(np.asarray(mask, dtype=bool), np.asarray(pointers).shape).ravel()
-        addresses = addresses[enabled]
-        if addresses.size == 0:
-            return
+        shape = np.asarray(pointers).shape
+        addresses = np.asarray(pointers).astype(np.int64).reshape(shape)
+        enabled = np.broadcast_to(np.asarray(mask.data, dtype=bool), shape)
         program = tuple(int(i) for i in (builder.grid_idx or ()))
+        has_mask = not self._unmasked
+        known = np.zeros(shape, dtype=bool)
         for name, (start, end, head_stride, row_stride, rows, heads) in self.regions.items():
-            inside = (addresses >= start) & (addresses < end)
+            inside = enabled & (addresses >= start) & (addresses < end)
+            known |= (addresses >= start) & (addresses < end)
             if not inside.any():
                 continue
-            row = ((addresses[inside] - start) % head_stride) // row_stride
-            head = (addresses[inside] - start) // head_stride
-            if name not in self.beyond and ((row >= rows) | (head >= heads)).any():
-                self.beyond[name] = (program, _kernel_line())
-            in_data = row[(row < rows) & (head < heads)]
-            if in_data.size:
-                self.blocks[name].add((program, int(in_data.min())))
+            offsets = addresses[inside] - start
+            head, row = offsets // head_stride, (offsets % head_stride) // row_stride
+            past = (row >= rows) | (head >= heads)
+            if past.any() and name not in self.beyond:
+                last_lane = bool(((row[past] <= rows) & (head[past] <= heads)).all())
+                cause = "no_mask" if not has_mask else "last_lane" if last_lane else "past_end"
+                self.beyond[name] = Overrun(operation, program, _kernel_line(), cause)
+            if operation == "load" and not past.all():
+                self.blocks[name].add((program, int(row[~past].min())))
+            box = self.touched[name].setdefault(program, [int(head.min()), int(head.max()), int(row.min()),
+                                                          int(row.max())])
+            box[:] = [min(box[0], int(head.min())), max(box[1], int(head.max())), min(box[2], int(row.min())),
+                      max(box[3], int(row.max()))]
+        stray = enabled & ~known
+        if not stray.any():
+            return mask
+        if self.stray is None:
+            self.stray = Overrun(operation, program, _kernel_line(), "stray")
+        return handle(np.asarray(enabled & known), mask.dtype)
 
 
 def _kernel_line() -> str:

@@ -23,8 +23,11 @@ an answer passes with a one-line note.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import traceback
+import warnings
 from collections import Counter
 from typing import Any, Callable, Sequence
 
@@ -34,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from attention_lab.checking import (
     CheckFailure,
+    RuleFailure,
     Variant,
     call_student,
     check,
@@ -97,6 +101,9 @@ HINTS = {
     "-inf or smaller than the block's scores, and overflow).",
     "block_max_only": "m' must be the max over everything seen so far, max(m, rowmax(S_blk)), not the block's "
     "rowmax alone.",
+    "causal_ignored": "causal=True was ignored: the output equals attention over every key. Mask the future keys "
+    "(key j > i + (S_k - S_q)) with -inf in each tile that holds the diagonal, and skip the key blocks wholly in "
+    "the future.",
     "normalise_inside": "acc is normalised inside the loop: keep acc unnormalised (a weighted sum) and divide "
     "by l once, after the last block.",
     # flash attention forward
@@ -125,6 +132,13 @@ HINTS = {
     "block any query of this query block may see (start_k <= q_end - 1 + S_k - S_q), and mask only inside it.",
     "merge": "two halves of the keys merged with their lse do not give the whole attention: lse must be the "
     "natural-log logsumexp of exactly the scores each half's softmax used.",
+    # float16 / bfloat16 in: the contract "keeps dtype, computes in at least float32"
+    "cast_back": "Likely mistake: the outputs keep the inputs' dtype (float16 in, float16 out) while the work inside "
+    "runs in at least float32: cast the results back at the end, e.g. dq.to(q.dtype).",
+    "half_internals": "your code computes in {dtype}, the inputs' dtype: the result is {ulps:.0f} units in the last "
+    "place of {dtype} off, where float32 inside gives at most one (the rounding of the result). Compute in at "
+    "least float32 -- work = torch.promote_types(q.dtype, torch.float32), q.to(work), ... -- and cast the results "
+    "back with .to(q.dtype) at the end.",
     # flash attention backward
     "bwd_D_dout": "D uses dout twice: D = rowsum(dout ∘ out) (the output, not the gradient again). D_i = Σ_j P_ij "
     "dP_ij is the softmax's Jacobian term, and Σ_j P_ij (dO_i · v_j) = dO_i · out_i.",
@@ -144,23 +158,59 @@ HINTS = {
     "as in the forward pass.",
     "bwd_future_blocks": "with causal=True the backward pass still computes every tile: skip the (query block, key "
     "block) tiles whose first key is beyond the reach of the block's last query, as the forward pass does.",
+    "bwd_D_tile": "D is computed per tile, as rowsum(P_tile ∘ dP_tile) over this tile's keys only: D_i = Σ_j P_ij dP_ij "
+    "runs over *all* the keys of row i. Compute it once per query row, before the loops, as D = rowsum(dout ∘ out).",
+    "bwd_late_queries": "the loop over query blocks starts one block late: the first query block that sees a key "
+    "block is the one that holds the diagonal (query k_start - (S_k - S_q), rounded down to a multiple of block_q), "
+    "and that block's tile must be visited (and masked inside).",
+    "bwd_exp2_natural": "P = exp2(s - lse) on natural-log scores: the backward's scores (scale · q kᵀ) and lse are "
+    "in natural log, so P = exp(s - lse) (tl.exp); exp2 needs both multiplied by log2(e) first.",
+    "bwd_causal_not_kept": "the backward ran without the causal mask, although forward got causal=True: keep it for "
+    "backward (ctx.causal = causal) and pass it on, flash_attention_backward(..., causal=ctx.causal).",
     "bwd_saved": "save exactly q, k, v, out and lse with ctx.save_for_backward(q, k, v, out, lse): the backward pass "
     "recomputes P from them, which is the point of FlashAttention (no [S_q, S_k] tensor is kept between the passes).",
     "bwd_gradients": "backward returns one gradient per input of forward, in order: (dq, dk, dv, None) -- None for "
     "causal, which is not a tensor.",
     # the warm-up kernels
-    "ladder_unmasked_load": "a tl.load without a mask (or with one that lets lanes past the end through) reads "
-    "memory after the tensor: here the check put NaN there; on a GPU it may crash the kernel. Load with "
-    "mask=offs < n (one condition per axis that can run past the end), other=... for the lanes left out.",
+    "ladder_unmasked_load": "a tl.load without a mask reads memory after the tensor: here the check put NaN there; "
+    "on a GPU it may crash the kernel. Load with mask=offs < n (one condition per axis that can run past the "
+    "end), other=... for the lanes left out.",
     "ladder_unmasked_store": "a tl.store without a mask writes past the end of out, into memory that is not "
     "yours (here the check's sentinel changed; on a GPU another tensor's data, or a crash). Store with the "
     "same mask as the load, offs < n.",
+    "mask_last_lane": "the mask lets one lane too many through: indices run 0 … n − 1, so `offs <= n` also enables "
+    "lane n, the first element past the end. Compare with `offs < n`.",
+    "mask_past_end": "there is a mask, but it lets lanes past the end through: give it one condition per axis that "
+    "can run past the end, each comparing that axis's index with that axis's length (in a matmul: rows < M and "
+    "ks < K for A, ks < K and cols < N for B; in the last K slice, ks runs past K).",
+    "wrong_address": "the addresses are computed wrongly, whatever the mask: the element (r, c) of a tensor is at "
+    "X + r·stride_r + c·stride_c, each index times its own stride (not swapped), and a row starts at "
+    "row·stride_x, not row·n_cols (the checks' rows are further apart than n_cols, as a slice's may be).",
+    "program_offset": "the program's offset forgets the block size: program i owns elements i·BLOCK … i·BLOCK + "
+    "BLOCK − 1, so offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), not program_id(0) + arange "
+    "(programs then overlap, and most elements are never written).",
+    "ladder_nan_past_end": "NaN in the result where the inputs are finite: the check stores NaN right after every "
+    "input, so a tl.load read past the end (no mask, or one that lets lanes past the end through). Mask every load "
+    "with one condition per axis that can run past the end.",
+    "ladder_unwritten": "no program stored these elements (they still hold the check's NaN): the programs must "
+    "cover every element, program i at i·BLOCK (not i), and the store's mask must not leave lanes inside the "
+    "tensor out.",
+    "matmul_last_slice": "the loop over K drops the last slice: range(0, K, BLOCK_K) visits every slice, the "
+    "last (shorter) one too, with ks < K in the mask (range(0, K - BLOCK_K, BLOCK_K) or K // BLOCK_K "
+    "iterations stop before it).",
+    "matmul_half_accumulator": "C is only float16-accurate: the accumulator is float16 (dtype=tl.float16, or a "
+    "tl.zeros in the inputs' dtype, or each product cast down). Accumulate in float32, "
+    "acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32): every K slice adds to it, and float16 rounds each "
+    "partial sum.",
     "matmul_one_k_block": "only the first BLOCK_K columns of A (rows of B) are used: loop over K in steps of BLOCK_K, "
     "accumulating tl.dot(a_block, b_block) into a float32 [BLOCK_M, BLOCK_N] accumulator.",
     "softmax_other_zero": "the lanes past n_cols were loaded as 0 (other=0.0, or no other): they take part in the max "
     "and add e^(0 - max) to the sum. Load them as other=float('-inf'), so that e^(-inf) = 0.",
     "softmax_no_max": "the row softmax overflows (inf/NaN) on large scores: subtract the row's max before tl.exp.",
     # Triton kernel
+    "kernel_unmasked_store": "a tl.store without a mask writes the rows past the end (of out, lse or a gradient) "
+    "into memory that is not theirs (here the check's sentinel changed; on a GPU another tensor's data, or a "
+    "crash). Store with the row mask, offs[:, None] < seq (seq_q for out, lse and dq; seq_k for dk and dv).",
     "unmasked_load": "a tl.load without a mask (or with a mask that lets rows past the end through) reads memory "
     "after the tensor: here the check put NaN there; on a GPU it is another tensor's data or an illegal address "
     "that can crash the notebook's kernel. Give every load of a block that may run past the end "
@@ -256,13 +306,18 @@ def tiled_attention(q, k, v, *, causal: bool, scale: float, block_q: int, block_
             alpha = torch.exp(m - safe)
             p = torch.exp(scores - safe[..., None])
             l = (l if bug == "no_rescale_l" else l * alpha) + p.sum(-1)
-            acc = (acc if bug == "no_rescale_acc" else acc * alpha[..., None]) + p @ v[..., k_start:k_start + block_k, :]
-            if bug in ("normalise_inside", "normalise_inside_twice"):
+            if bug == "normalise_terms":  # each block's terms divided by the l of their step, never rescaled after
+                acc = acc * alpha[..., None] + p @ v[..., k_start:k_start + block_k, :] / l[..., None]
+            else:
+                acc = (acc if bug == "no_rescale_acc" else acc * alpha[..., None]) + p @ v[..., k_start:k_start + block_k, :]
+            if bug in ("normalise_inside", "normalise_inside_twice", "normalise_reset"):
                 acc = acc / l[..., None]
+            if bug == "normalise_reset":  # normalised acc, and l restarted at 1 as if it were one term
+                l = torch.ones_like(l)
             last_m = m_new
             if bug != "stale_max":
                 m = m_new
-        outs.append(acc if bug == "normalise_inside" else acc / l[..., None])
+        outs.append(acc if bug in ("normalise_inside", "normalise_terms") else acc / l[..., None])
         lses.append(last_m + torch.log(l))
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
@@ -277,7 +332,7 @@ def _lse_variants(q, k, causal: bool, scale: float) -> list[Variant]:
         Variant(lambda: row_max + torch.log2(row_sum), HINTS["lse_mixed"]),
         Variant(lambda: torch.logsumexp(_scores(q, k, causal, 1.0), -1), HINTS["lse_unscaled"]),
         Variant(lambda: torch.log(row_sum), HINTS["lse_no_max"]),
-    ]
+    ] + ([Variant(lambda: torch.logsumexp(_scores(q, k, False, scale), -1), HINTS["causal_ignored"])] if causal else [])
 
 
 def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: int,
@@ -294,10 +349,13 @@ def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: in
         variants += [Variant(tiled("bound_no_offset"), HINTS["bound_no_offset"]),
                      Variant(tiled("bound_no_offset_clamped"), HINTS["bound_no_offset"]),
                      Variant(tiled("bound_inclusive"), HINTS["bound_inclusive"])]
-    variants.append(Variant(tiled("normalise_inside_twice"), HINTS["normalise_inside"]))  # and divided by l again
+    variants += [Variant(tiled(bug), HINTS["normalise_inside"])  # and divided by l again; other normalisations
+                 for bug in ("normalise_inside_twice", "normalise_terms", "normalise_reset")]
     if causal:
         variants += [Variant(tiled(bug), HINTS[bug]) for bug in ("skip_diagonal", "top_left", "strict_mask")]
     variants.append(Variant(lambda: reference_attention(q, k, v, causal, 1.0)[0], HINTS["no_scale"]))
+    if causal:
+        variants.append(Variant(lambda: reference_attention(q, k, v, False, scale)[0], HINTS["causal_ignored"]))
     for hint_key, factor in extra:
         variants.append(Variant(lambda f=factor: reference_attention(q, k, v, causal, scale * f)[0], HINTS[hint_key]))
     return variants
@@ -487,7 +545,7 @@ def _wide_table(seq_q: int, seq_k: int) -> Callable[[tuple[int, ...]], bool]:
 def _expect_no_table(watch: OperationWatch, call: str, what: str, hint: str) -> None:
     if watch.offence is not None:
         operation, shape, line = watch.offence
-        raise CheckFailure(f"{call} built a {shape_str(shape)} tensor (with {operation}){line}: {what}.\n"
+        raise RuleFailure(f"{call} built a {shape_str(shape)} tensor (with {operation}){line}: {what}.\n"
                            f"  Likely mistake: {hint}")
 
 
@@ -709,7 +767,7 @@ def _call_flash(flash_attention_forward, q, k, v, block_q, block_k, causal, scal
     out, lse = result
     batch, heads, seq_q = q.shape[:3]
     expect_tensor(out, what=f"out from {call}", shape=(batch, heads, seq_q, v.shape[-1]), dtype=q.dtype,
-                  device=q.device)
+                  device=q.device, dtype_hint=HINTS["cast_back"])
     expect_tensor(lse, what=f"lse from {call}", shape=(batch, heads, seq_q), device=q.device,
                   hints={(batch, heads, seq_q, 1): "lse has one number per query row: [B, H, S_q] (squeeze the last axis)."})
     expect_true(lse.dtype in (q.dtype, torch.float32),
@@ -741,6 +799,8 @@ def _flash_case(flash_attention_forward, q, k, v, block_q, block_k, causal, scal
         if not ragged or "Likely mistake" in str(failure):
             raise
         raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['block_dependent']}") from None
+    if out.dtype in (torch.float16, torch.bfloat16):
+        _expect_float32_inside(out, want_out, f"out from {call}")
     lse_rtol, lse_atol = _lse_tolerance(out, lse)
     expect_close(lse, want_lse, what=f"lse from {call}",
                            against="torch.logsumexp of the scaled, masked scores (float64)",
@@ -753,6 +813,25 @@ def _merge_halves(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tenso
     out_a, lse_a, out_b, lse_b = _f64(out_a, lse_a, out_b, lse_b)
     lse = torch.logaddexp(lse_a, lse_b)
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
+
+
+# How far a float16 / bfloat16 result may be from the float64 reference of its own inputs, in units in the last
+# place (ulp) of its dtype: computed in float32 inside and rounded once at the end it is at most half a unit off
+# (measured: 0.4-0.5 on every case of these checks); computed in the inputs' dtype, 6-24 units.
+HALF_PRECISION_ULPS = 2.0
+
+
+def _expect_float32_inside(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """A half-precision ``got`` that passed its dtype's tolerance must also be as precise as float32 work inside
+    gives: the contract "keeps dtype, computes in at least float32"."""
+    eps = torch.finfo(got.dtype).eps
+    unit = want.abs() * eps + eps * 0.05  # one ulp at each value (a floor near 0, where rounding is tiny too)
+    ulps = float(((got.detach().cpu().double() - want).abs() / unit).max())
+    if ulps > HALF_PRECISION_ULPS:
+        dtype = str(got.dtype).replace("torch.", "")
+        raise CheckFailure(f"{what} is {ulps:.0f} units in the last place of {dtype} away from the float64 reference "
+                           f"of the same inputs; at most {HALF_PRECISION_ULPS:g} expected.\n  Likely mistake: "
+                           + HINTS["half_internals"].format(dtype=dtype, ulps=ulps))
 
 
 @check("flash_attention_forward: out equals SDPA and lse equals logsumexp (float64, then the device); ragged S; causal bottom-right; any block sizes; halves merge exactly with lse ({device})",
@@ -800,6 +879,9 @@ def check_flash_attention_forward(flash_attention_forward: Callable, *, seed: in
     # On the device: float32 (and float16 on a GPU), computed in at least float32.
     _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq, seq + 5, 16, dtype=torch.float32, device=device),
                 16, 16, True)
+    # Half precision in, the same dtype out, float32 inside: on the CPU too (PyTorch's CPU kernels take both).
+    for dtype in (torch.float16, torch.bfloat16):
+        _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, seq, seq + 3, 16, dtype=dtype), 16, 16, True)
     if device.type == "cuda":
         _flash_case(flash_attention_forward, *_qkv(generator, 2, 2, seq, seq, 16, dtype=torch.float16, device=device),
                     16, 16, True)
@@ -807,6 +889,12 @@ def check_flash_attention_forward(flash_attention_forward: Callable, *, seed: in
 
 def _score_products(watch: OperationWatch, block: int) -> int:
     return watch.products[(block, block)]
+
+
+def _tiles(counts: dict[bool, int], blocks: int) -> int:
+    """How many tiles the causal pass computed: its [block, block] products over the products per tile of the
+    non-causal pass (which computes all ``blocks²`` tiles). One unit per sentence of a message: tiles."""
+    return round(counts[True] * blocks ** 2 / counts[False])
 
 
 @check("flash_attention_forward: never builds a tensor as wide as all the keys; the causal pass skips future key blocks")
@@ -849,9 +937,9 @@ def check_flash_attention_forward_memory(flash_attention_forward: Callable, *, s
         allowed = counts[False] * (visited + blocks) / blocks ** 2  # one extra (fully masked) block per row is fine
         expect_true(counts[True] <= allowed,
                     f"flash_attention_forward(q, k, v, block_q={block}, block_k={block}, causal=True) with S = {seq} "
-                    f"computed {counts[True]} [{block}, {block}] products of q and k blocks, as many as the non-causal "
-                    f"pass ({counts[False]}). Only {visited} of the {blocks ** 2} tiles hold a key that some query of "
-                    f"the tile may see.\n  Likely mistake: {HINTS['future_blocks']}")
+                    f"computed {_tiles(counts, blocks)} [{block}, {block}] tiles of scores, as many as the non-causal "
+                    f"pass. Only {visited} of the {blocks ** 2} tiles hold a key that some query "
+                    f"of the tile may see.\n  Likely mistake: {HINTS['future_blocks']}")
 
 
 # --------------------------------------------------------------------------------------
@@ -869,13 +957,14 @@ def reference_gradients(q, k, v, dout, causal: bool, scale: float) -> tuple[torc
 
 
 def tiled_backward(q, k, v, dout, *, causal: bool, scale: float, block_q: int, block_k: int,
-                   bug: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                   bug: str | None = None, out_lse: tuple | None = None) -> tuple[torch.Tensor, ...] | None:
     """FlashAttention-2's backward loop in float64 with one known ``bug`` (or none); None where the bug
-    cannot run on these shapes (a transposed product of tiles that are not square)."""
+    cannot run on these shapes (a transposed product of tiles that are not square). ``out_lse``: the forward's
+    (out, lse) it is given (default: those of attention with the same ``causal``)."""
     q, k, v, dout = _f64(q, k, v, dout)
     seq_q, seq_k = q.size(2), k.size(2)
     offset = 0 if bug == "top_left" else seq_k - seq_q
-    out, lse = reference_attention(q, k, v, causal, scale)
+    out, lse = _f64(*out_lse) if out_lse is not None else reference_attention(q, k, v, causal, scale)
     delta = (dout * (dout if bug == "D_dout" else out)).sum(-1)
     if bug == "no_D":
         delta = torch.zeros_like(delta)
@@ -883,9 +972,13 @@ def tiled_backward(q, k, v, dout, *, causal: bool, scale: float, block_q: int, b
     for k_start in range(0, seq_k, block_k):
         k_blk, v_blk = k[..., k_start:k_start + block_k, :], v[..., k_start:k_start + block_k, :]
         k_end = k_start + k_blk.size(2)
+        first_seen = True
         for q_start in range(0, seq_q, block_q):
             q_end = min(seq_q, q_start + block_q)
             if causal and k_start > q_end - 1 + seq_k - seq_q:
+                continue
+            if causal and bug == "late_queries" and first_seen:  # the diagonal tile's query block skipped
+                first_seen = False
                 continue
             q_blk, do_blk = q[..., q_start:q_end, :], dout[..., q_start:q_end, :]
             s = q_blk @ k_blk.transpose(-1, -2) * scale
@@ -895,12 +988,15 @@ def tiled_backward(q, k, v, dout, *, causal: bool, scale: float, block_q: int, b
                 s = s.masked_fill(cols > rows + offset, -math.inf)
             if bug == "no_lse":
                 p = torch.exp(s)
+            elif bug == "exp2_natural":
+                p = torch.exp2(s - lse[..., q_start:q_end, None])
             elif bug == "tile_softmax":
                 p = torch.softmax(s, -1).nan_to_num(0.0)
             else:
                 p = torch.exp(s - lse[..., q_start:q_end, None])
             dp = do_blk @ v_blk.transpose(-1, -2)
-            ds = p * (dp - delta[..., q_start:q_end, None])
+            row_delta = (p * dp).sum(-1) if bug == "D_tile" else delta[..., q_start:q_end]
+            ds = p * (dp - row_delta[..., None])
             factor = 1.0 if bug == "no_scale" else scale
             transposed = {"P_not_transposed": p, "dS_not_transposed": ds}.get(bug)
             if transposed is not None and transposed.size(-1) != transposed.size(-2):
@@ -913,7 +1009,8 @@ def tiled_backward(q, k, v, dout, *, causal: bool, scale: float, block_q: int, b
 
 _BACKWARD_BUGS = {"D_dout": "bwd_D_dout", "no_D": "bwd_no_D", "no_scale": "bwd_no_scale", "no_lse": "bwd_no_lse",
                   "tile_softmax": "bwd_tile_softmax", "dS_not_transposed": "bwd_dS_not_transposed",
-                  "P_not_transposed": "bwd_P_not_transposed", "no_mask": "bwd_no_mask", "top_left": "bwd_top_left"}
+                  "P_not_transposed": "bwd_P_not_transposed", "no_mask": "bwd_no_mask", "top_left": "bwd_top_left",
+                  "D_tile": "bwd_D_tile", "late_queries": "bwd_late_queries", "exp2_natural": "bwd_exp2_natural"}
 
 
 def _backward_variants(q, k, v, dout, causal, scale, block_q, block_k) -> list[list[Variant]]:
@@ -928,7 +1025,7 @@ def _backward_variants(q, k, v, dout, causal, scale, block_q, block_k) -> list[l
             return None if cache[bug] is None else cache[bug][index]
         return run
 
-    bugs = [bug for bug in _BACKWARD_BUGS if causal or bug not in ("no_mask", "top_left")]
+    bugs = [bug for bug in _BACKWARD_BUGS if causal or bug not in ("no_mask", "top_left", "late_queries")]
     return [[Variant(part(bug, index), HINTS[_BACKWARD_BUGS[bug]]) for bug in bugs] for index in range(3)]
 
 
@@ -966,8 +1063,19 @@ def _call_backward(flash_attention_backward, inputs, block_q, block_k, causal, s
     expect_true(isinstance(result, (tuple, list)) and len(result) == 3,
                 f"{call} should return the tuple (dq, dk, dv), got {describe(result)}.")
     for name, got, like in zip(("dq", "dk", "dv"), result, (q, k, v)):
-        expect_tensor(got, what=f"{name} from {call}", shape=like.shape, dtype=like.dtype, device=like.device)
+        expect_tensor(got, what=f"{name} from {call}", shape=like.shape, dtype=like.dtype, device=like.device,
+                      dtype_hint=HINTS["cast_back"])
     return tuple(result), call
+
+
+def gradients_from_saved(q, k, v, out, lse, dout, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)`` in float64 from the *given* out and lse (as FlashAttention's backward computes them): the
+    reference for half-precision inputs, whose out and lse are themselves rounded."""
+    q, k, v, out, lse, dout = _f64(q, k, v, out, lse, dout)
+    scores = _scores(q, k, causal, scale)
+    p = torch.exp(scores - lse[..., None])  # [B, H, S_q, S_k]
+    ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ dout
 
 
 def _backward_case(flash_attention_backward, generator, shape, block_q, block_k, causal, scale=None,
@@ -976,12 +1084,15 @@ def _backward_case(flash_attention_backward, generator, shape, block_q, block_k,
     grads, call = _call_backward(flash_attention_backward, inputs, block_q, block_k, causal, scale)
     q, k, v, _, _, dout = inputs
     used = q.shape[-1] ** -0.5 if scale is None else scale
-    want = reference_gradients(q, k, v, dout, causal, used)
+    half = dtype in (torch.float16, torch.bfloat16)
+    want = gradients_from_saved(*inputs, causal, used) if half else reference_gradients(q, k, v, dout, causal, used)
     blocks = (64, 64) if block_q is None else (block_q, block_k)
     variants = _backward_variants(q, k, v, dout, causal, used, *blocks)
     for name, got, expected, wrong in zip(("dq", "dk", "dv"), grads, want, variants):
         expect_close(got, expected, what=f"{name} from {call}", against="torch.autograd through SDPA (float64)",
                      variants=wrong)
+        if half:
+            _expect_float32_inside(got, expected, f"{name} from {call}")
 
 
 @check("flash_attention_backward: dq, dk, dv equal autograd through SDPA (float64, then the device); ragged; causal bottom-right; any blocks ({device})",
@@ -1001,6 +1112,9 @@ def check_flash_attention_backward(flash_attention_backward: Callable, *, seed: 
     _backward_case(flash_attention_backward, generator, (1, 1, 70, 70, 8), None, None, True)  # default blocks
     _backward_case(flash_attention_backward, generator, (1, 2, seq, seq + 5, 16), 16, 16, True,
                    dtype=torch.float32, device=device)
+    # Half precision in, the same dtype out, float32 inside: on the CPU too (PyTorch's CPU kernels take both).
+    for dtype, causal in ((torch.float16, False), (torch.bfloat16, True)):
+        _backward_case(flash_attention_backward, generator, (1, 2, seq, seq + 5, 16), 16, 16, causal, dtype=dtype)
 
 
 @check("flash_attention_backward: never builds a tensor as wide as all the keys; the causal pass skips future tiles")
@@ -1040,9 +1154,9 @@ def check_flash_attention_backward_memory(flash_attention_backward: Callable, *,
         allowed = counts[False] * (visited + blocks) / blocks ** 2
         expect_true(counts[True] <= allowed,
                     f"flash_attention_backward(..., block_q={block}, block_k={block}, causal=True) with S = {seq} "
-                    f"computed {counts[True]} [{block}, {block}] tile products, as many as the non-causal pass "
-                    f"({counts[False]}). Only {visited} of the {blocks ** 2} tiles hold a key that some query of the "
-                    f"tile may see.\n  Likely mistake: {HINTS['bwd_future_blocks']}")
+                    f"computed {_tiles(counts, blocks)} [{block}, {block}] tiles, as many as the non-causal pass. "
+                    f"Only {visited} of the {blocks ** 2} tiles hold a key that some query of "
+                    f"the tile may see.\n  Likely mistake: {HINTS['bwd_future_blocks']}")
 
 
 def _saved_by(output: torch.Tensor) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -1073,9 +1187,11 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
         with torch.enable_grad():
             out = call_student(FlashAttention.apply, q, k, v, causal, call=call)
         expect_tensor(out, what=f"out from {call}", shape=q.shape, dtype=q.dtype, device=q.device)
+        ignored = [Variant(lambda: reference_attention(q, k, v, False)[0], HINTS["causal_ignored"])] if causal else []
         forward_error = max(forward_error, expect_close(out, reference_attention(q, k, v, causal)[0],
                                                         what=f"out from {call}",
-                                                        against="F.scaled_dot_product_attention (float64)"))
+                                                        against="F.scaled_dot_product_attention (float64)",
+                                                        variants=ignored))
         expect_true(out.grad_fn is not None and hasattr(out.grad_fn, "saved_tensors"),
                     f"out from {call} has no backward of FlashAttention (grad_fn {out.grad_fn}): forward must return "
                     "the output tensor it computed, and apply (not forward) must be called.")
@@ -1108,9 +1224,14 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
         except Exception as error:
             raise CheckFailure(f"the backward of {call} raised {type(error).__name__}: {error}") from None
         want = reference_gradients(q, k, v, dout, causal, 8 ** -0.5)
-        for name, got, expected in zip(("dq", "dk", "dv"), grads, want):
+        for index, (name, got, expected) in enumerate(zip(("dq", "dk", "dv"), grads, want)):
+            # backward with causal=False on the forward's causal out and lse: what a lost ctx.causal gives
+            not_kept = [Variant(lambda index=index: tiled_backward(q, k, v, dout, causal=False, scale=8 ** -0.5,
+                                                                   block_q=64, block_k=64,
+                                                                   out_lse=reference_attention(q, k, v, True))
+                                [index], HINTS["bwd_causal_not_kept"])] if causal else []
             expect_close(got, expected, what=f"{name} from the backward of {call}",
-                         against="torch.autograd through SDPA (float64)")
+                         against="torch.autograd through SDPA (float64)", variants=not_kept)
     # torch.autograd.gradcheck in float64 (fast mode: random directions, a few seconds at most). Finite
     # differences of a pass computed in float32 inside (allowed) need a float32-sized step and tolerance.
     q, k, v = (t.requires_grad_(True) for t in _qkv(generator, 1, 1, 6, 9, 4))
@@ -1133,34 +1254,128 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
 # --------------------------------------------------------------------------------------
 
 
-def _ladder_launch(call: str, launcher: Callable, kernel: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """Launch a warm-up kernel with NaN after its inputs and a watch on its loads; name what went wrong."""
+def _warnings_after_the_message(check_body: Callable) -> Callable:
+    """Run a kernel check with the warnings of Triton's interpreter held back (NumPy's RuntimeWarnings: overflow in
+    exp, inf - inf ...): printed as they come, they stood above the check's message. A failure ends with them
+    (one line each, counted); a check that passes drops them (its numbers were right)."""
+
+    @functools.wraps(check_body)
+    def run(*args: Any, **kwargs: Any) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                check_body(*args, **kwargs)
+            except CheckFailure as failure:
+                seen = Counter(f"{w.category.__name__}: {w.message}" for w in caught)
+                if seen:
+                    lines = [f"    {text}" + (f" (x{count})" if count > 1 else "") for text, count in seen.items()]
+                    failure.args = ("\n".join([str(failure), "  Warnings while your kernel ran:", *lines[:5]]),)
+                raise
+    return run
+
+
+def _overrun_hint(overrun: Any, unmasked_load: str, unmasked_store: str) -> str:
+    """The hint for a load or store that reached past the end, by what the interpreter saw of its lanes."""
+    if overrun.cause == "no_mask":
+        return HINTS[unmasked_load if overrun.operation == "load" else unmasked_store]
+    return HINTS[{"last_lane": "mask_last_lane", "past_end": "mask_past_end"}.get(overrun.cause, "wrong_address")]
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first} … {last}"
+
+
+# Which part of a tensor each program of a warm-up owns: name -> program -> a list of (axis, (first, last), word,
+# index), one per axis it owns: axis 0 the heads (rows of a 2-D tensor), 1 the rows (its columns, a 1-D tensor's
+# elements); ``index`` the program's own index along that axis (a program that starts there forgot * BLOCK).
+Ownership = dict[str, Callable[[tuple[int, ...]], list[tuple[int, tuple[int, int], str, int]]]]
+
+
+def _misplaced(watch: Any, owners: Ownership) -> str | None:
+    """A message for the first program that reached outside its own part of a tensor, or None."""
+    for name, own in owners.items():
+        for program, box in sorted(watch.touched.get(name, {}).items()):
+            for axis, (first, last), word, index in own(program):
+                got = box[2 * axis], box[2 * axis + 1]
+                if first <= got[0] and got[1] <= last:
+                    continue
+                forgot_block = got[0] == index != first  # it starts at its own index, not index · BLOCK
+                hint = HINTS["program_offset"] if forgot_block else HINTS["wrong_address"]
+                return (f"program {program} reached {word} {_span(*got)} of {name}, but its part is {word} "
+                        f"{_span(first, last)}.\n"
+                        f"  Likely mistake: {hint}")
+    return None
+
+
+@contextlib.contextmanager
+def _blaming(call: str, misplaced: str | None):
+    """Numbers checked inside fail, when a program reached outside its part, with that: the cause, not a symptom."""
+    try:
+        yield
+    except CheckFailure:
+        if misplaced:
+            raise CheckFailure(f"{call}: {misplaced}") from None
+        raise
+
+
+def _ladder_launch(call: str, launcher: Callable, kernel: Any, *args: Any, owners: Ownership,
+                   **kwargs: Any) -> tuple[torch.Tensor, str | None]:
+    """Launch a warm-up kernel with NaN after its inputs, a sentinel after its output and a watch on its loads
+    and stores; name what went wrong. Returns the result and, when a program reached outside its own part of a
+    tensor (``owners``), what it reached: a diagnosis for wrong numbers only, never a failure on its own (Triton's
+    matmul tutorial wraps the last blocks' rows around, % M, and is right)."""
     from attention_lab.triton_kernels import (TRITON_AVAILABLE, TRITON_MISSING, LoadWatch, StoreOutOfBounds,
                                               TritonUnavailable)
 
     if not TRITON_AVAILABLE:
         raise CheckFailure(TRITON_MISSING)
     watch = LoadWatch()
+    result, stored_past = None, None
     try:
         result = launcher(kernel, *args, poison=POISON_ROWS, watch=watch, **kwargs)
     except TritonUnavailable as error:
         raise CheckFailure(str(error)) from None
     except NotImplementedError as error:
         raise CheckFailure(f"{call}: not implemented yet ({error}). Write the kernel.") from None
-    except StoreOutOfBounds:
-        raise CheckFailure(f"{call} wrote past the end of out.\n  Likely mistake: {HINTS['ladder_unmasked_store']}") \
-            from None
+    except StoreOutOfBounds as error:
+        stored_past = error.name
     except Exception as error:
         text = str(error).strip()
         raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
-    for name, (program, line) in watch.beyond.items():
-        where = f" (your line: `{line}`)" if line else ""
-        raise CheckFailure(f"{call}: program {program} loaded elements of {name} past its end{where}.\n"
-                           f"  Likely mistake: {HINTS['ladder_unmasked_load']}")
-    return result
+    # What the interpreter saw names the mistake; natively only the sentinel after the output can.
+    if watch.stray is not None:
+        where = f" (your line: `{watch.stray.line}`)" if watch.stray.line else ""
+        raise CheckFailure(f"{call}: program {watch.stray.program} tried to {watch.stray.operation} at an address "
+                           f"outside every tensor of the launch{where}.\n  Likely mistake: {HINTS['wrong_address']}")
+    misplaced = _misplaced(watch, owners)
+    if misplaced and (watch.beyond or stored_past is not None):  # past the end because the address is wrong
+        raise CheckFailure(f"{call}: {misplaced}")
+    for name, overrun in watch.beyond.items():
+        where = f" (your line: `{overrun.line}`)" if overrun.line else ""
+        verb = "loaded" if overrun.operation == "load" else "stored"
+        raise CheckFailure(f"{call}: program {overrun.program} {verb} elements of {name} past its end{where}.\n"
+                           f"  Likely mistake: {_overrun_hint(overrun, 'ladder_unmasked_load', 'ladder_unmasked_store')}")
+    if stored_past is not None:
+        raise CheckFailure(f"{call} wrote past the end of {stored_past}.\n  Likely mistake: "
+                           f"{HINTS['ladder_unmasked_store']}")
+    return result, misplaced
+
+
+def _unwritten(call: str, out: torch.Tensor, inputs_finite: bool = True) -> None:
+    """Fail when elements of ``out`` still hold the launcher's NaN (inputs finite: no program stored them)."""
+    missing = torch.isnan(out.detach().cpu())
+    if inputs_finite and bool(missing.any()):
+        first = tuple(int(i) for i in missing.nonzero()[0])
+        raise CheckFailure(f"out from {call}: {int(missing.sum())} of {out.numel()} elements hold NaN, the first at "
+                           f"index {first}.\n  Likely mistake: {HINTS['ladder_unwritten']}")
+
+
+def _blocks_of(index: int, block: int, length: int) -> tuple[int, int]:
+    return index * block, min(length, index * block + block) - 1
 
 
 @check("scale_kernel: alpha · x with masked loads and stores, any length ({device})")
+@_warnings_after_the_message
 def check_scale_kernel(scale_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The first warm-up: a 1-D masked load and store, on lengths that are multiples of no block."""
     from attention_lab.triton_kernels import launch_scale
@@ -1169,32 +1384,64 @@ def check_scale_kernel(scale_kernel: Any, *, seed: int = 0, device: torch.device
     for n, block in ((100, 32), (randint(17, 63, generator), 16), (16, 16)):
         x = randn(n, generator=generator, dtype=torch.float32, device=device)
         call = f"your scale_kernel via launch_scale(scale_kernel, x, alpha=2.5, block={block}) with x [{n}]"
-        out = _ladder_launch(call, launch_scale, scale_kernel, x, 2.5, block=block)
-        expect_close(out, 2.5 * x.double(), what=f"out from {call}", against="2.5 · x")
+        own = lambda p, block=block: [(1, (p[0] * block, p[0] * block + block - 1), "elements", p[0])]  # noqa: E731
+        out, misplaced = _ladder_launch(call, launch_scale, scale_kernel, x, 2.5, block=block,
+                                        owners={"x": own, "out": own})
+        with _blaming(call, misplaced):
+            _unwritten(call, out)
+            expect_close(out, 2.5 * x.double(), what=f"out from {call}", against="2.5 · x")
 
 
 @check("matmul_kernel: a tiled A @ B with a float32 accumulator, ragged M, N and K ({device})")
+@_warnings_after_the_message
 def check_matmul_kernel(matmul_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The second warm-up: blocks of C, a loop over K, masks on every ragged edge."""
     from attention_lab.triton_kernels import launch_matmul
 
     generator = random_generator(seed)
+    block = 16
     for (m, k, n), dtype in (((40, 50, 24), torch.float32), ((33, 70, 47), torch.float16), ((16, 16, 16), torch.float32)):
         a = randn(m, k, generator=generator, dtype=dtype, device=device)
         b = randn(k, n, generator=generator, dtype=dtype, device=device)
         call = (f"your matmul_kernel via launch_matmul(matmul_kernel, a, b, block_m=16, block_n=16, block_k=16) "
                 f"with a [{m}, {k}] and b [{k}, {n}] ({str(dtype).replace('torch.', '')})")
-        c = _ladder_launch(call, launch_matmul, matmul_kernel, a, b)
-        if bool(torch.isnan(c.cpu()).any()):  # A and B are finite: the NaN was read after their ends
-            raise CheckFailure(f"C from {call} holds NaN.\n  Likely mistake: {HINTS['ladder_unmasked_load']}")
-        a64, b64 = _f64(a, b)
-        variants = [Variant(lambda a64=a64, b64=b64: a64[:, :16] @ b64[:16], HINTS["matmul_one_k_block"])]
-        rtol, atol = tolerance(torch.float16 if dtype == torch.float16 or c.device.type == "cuda" else dtype, c.device)
+        rows = lambda p: (0, (p[0] * block, p[0] * block + block - 1), "rows", p[0])  # noqa: E731
+        columns = lambda p: (1, (p[1] * block, p[1] * block + block - 1), "columns", p[1])  # noqa: E731
+        # program (i, j): rows i·16 … of A and C, columns j·16 … of B and C
+        owners = {"A": lambda p: [rows(p)], "B": lambda p: [columns(p)], "C": lambda p: [rows(p), columns(p)]}
+        c, misplaced = _ladder_launch(call, launch_matmul, matmul_kernel, a, b, owners=owners)
+        with _blaming(call, misplaced):
+            _matmul_numbers(c, a, b, call, dtype, block)
+
+
+def _matmul_numbers(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, call: str, dtype: torch.dtype,
+                    block: int) -> None:
+    """C against a @ b in float64, the known mistakes named."""
+    k = a.shape[1]
+    if bool(torch.isnan(c.cpu()).any()):  # A and B are finite: the NaN was read after their ends, or never written
+        hint = HINTS["ladder_nan_past_end"]
+        if bool(torch.isnan(c.cpu()).all(-1).any()) and not bool(torch.isnan(c.cpu()).all()):
+            hint = HINTS["ladder_unwritten"]
+        raise CheckFailure(f"C from {call} holds NaN.\n  Likely mistake: {hint}")
+    a64, b64 = _f64(a, b)
+    last_slice = block * ((k - 1) // block)  # where the last K slice starts
+    variants = [Variant(lambda a64=a64, b64=b64: a64[:, :block] @ b64[:block], HINTS["matmul_one_k_block"]),
+                Variant(lambda a64=a64, b64=b64, s=last_slice: a64[:, :s] @ b64[:s], HINTS["matmul_last_slice"])]
+    rtol, atol = tolerance(torch.float16 if dtype == torch.float16 or c.device.type == "cuda" else dtype, c.device)
+    try:
         expect_close(c, a64 @ b64, what=f"C from {call}", against="a @ b (float64)", variants=variants,
                      rtol=rtol * 10, atol=atol * 10)
+    except CheckFailure as failure:
+        half_rtol, half_atol = tolerance(torch.float16, c.device)
+        float32_case = dtype == torch.float32 and c.device.type == "cpu"
+        if ("Likely mistake" in str(failure) or not float32_case
+                or not torch.allclose(c.double().cpu(), a64 @ b64, rtol=half_rtol * 10, atol=half_atol * 10)):
+            raise
+        raise CheckFailure(f"{failure}\n  Likely mistake: {HINTS['matmul_half_accumulator']}") from None
 
 
 @check("row_softmax_kernel: softmax of each row, stable at ±1000, any row length ({device})")
+@_warnings_after_the_message
 def check_row_softmax_kernel(row_softmax_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The third warm-up: one program per row, masked lanes at -inf, the max subtracted."""
     from attention_lab.triton_kernels import launch_row_softmax
@@ -1204,21 +1451,29 @@ def check_row_softmax_kernel(row_softmax_kernel: Any, *, seed: int = 0, device: 
     x = randn(5, cols, generator=generator, dtype=torch.float32, device=device) * 3
     x[1] += 1000.0  # a row that overflows e^x without the max subtracted
     x[2] -= 1000.0
+    own = lambda p: [(0, (p[0], p[0]), "row", -1)]  # noqa: E731  program r: row r (it has no BLOCK to forget)
     for label, values in (("of", x[[0, 3, 4]]), ("around ±1000,", x), ("(one block exactly)", x[:, :32])):
         call = (f"your row_softmax_kernel via launch_row_softmax(row_softmax_kernel, x) with x {label} "
                 f"{shape_str(values.shape)}")
-        out = _ladder_launch(call, launch_row_softmax, row_softmax_kernel, values.contiguous())
-        x64 = _f64(values)[0]
-        block = 1 << (values.shape[1] - 1).bit_length()
-        padded = torch.cat([x64, torch.zeros(x64.shape[0], block - x64.shape[1], dtype=torch.float64)], -1)
-        with_zeros = torch.exp(x64 - padded.amax(-1, keepdim=True))
-        with_zeros = with_zeros / torch.exp(padded - padded.amax(-1, keepdim=True)).sum(-1, keepdim=True)
-        if bool((~torch.isfinite(out.cpu())).any()):
-            # Scores of ordinary size cannot overflow: NaN there came from the NaN stored after each row.
-            hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_unmasked_load"]
-            raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
-        expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
-                     variants=[Variant(with_zeros, HINTS["softmax_other_zero"])])
+        out, misplaced = _ladder_launch(call, launch_row_softmax, row_softmax_kernel, values.contiguous(),
+                                        owners={"x": own, "out": own})
+        with _blaming(call, misplaced):
+            _row_softmax_numbers(out, values, call)
+
+
+def _row_softmax_numbers(out: torch.Tensor, values: torch.Tensor, call: str) -> None:
+    """out against torch.softmax in float64, the known mistakes named."""
+    x64 = _f64(values)[0]
+    block = 1 << (values.shape[1] - 1).bit_length()
+    padded = torch.cat([x64, torch.zeros(x64.shape[0], block - x64.shape[1], dtype=torch.float64)], -1)
+    with_zeros = torch.exp(x64 - padded.amax(-1, keepdim=True))
+    with_zeros = with_zeros / torch.exp(padded - padded.amax(-1, keepdim=True)).sum(-1, keepdim=True)
+    if bool((~torch.isfinite(out.cpu())).any()):
+        # Scores of ordinary size cannot overflow: NaN there came from the NaN stored after each row.
+        hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_nan_past_end"]
+        raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
+    expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
+                 variants=[Variant(with_zeros, HINTS["softmax_other_zero"])])
 
 
 # --------------------------------------------------------------------------------------
@@ -1262,35 +1517,58 @@ def _visited_blocks_needed(seq_q: int, seq_k: int, block_q: int, block_k: int, h
     return needed * heads
 
 
-def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, device, generator) -> None:
-    from attention_lab.triton_kernels import LoadWatch, TritonUnavailable
+def _kernel_launch(call: str, launch: Callable[[Any], tuple], lengths: dict[str, tuple[str, int]],
+                   blank: str) -> tuple:
+    """Run ``launch(watch)`` (the course's launcher on a student's kernel, with NaN rows after each input and a
+    sentinel after each output); name a load or a store past the end. ``lengths``: name -> (length's name,
+    length) of every tensor the kernel reads or writes."""
+    from attention_lab.triton_kernels import LoadWatch, StoreOutOfBounds, TritonUnavailable
 
+    watch = LoadWatch()
+    result, stored_past = None, None
+    try:
+        result = launch(watch)
+    except TritonUnavailable as error:
+        raise CheckFailure(str(error)) from None
+    except NotImplementedError as error:
+        raise CheckFailure(f"{call}: not implemented yet ({error}). {blank}") from None
+    except StoreOutOfBounds as error:
+        stored_past = error.name
+    except Exception as error:
+        text = str(error).strip()
+        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
+    # The interpreter saw every load and store: one past the last row is named, whatever it did to the numbers.
+    if watch.stray is not None:
+        where = f" (your line: `{watch.stray.line}`)" if watch.stray.line else ""
+        raise CheckFailure(f"{call}: program {watch.stray.program} tried to {watch.stray.operation} at an address "
+                           f"outside every tensor of the launch{where}.\n  Likely mistake: {HINTS['wrong_address']}")
+    for name, (length_name, length) in lengths.items():
+        overrun = watch.beyond.get(name)
+        if overrun is None:
+            continue
+        where = f" (your line: `{overrun.line}`)" if overrun.line else ""
+        verb = "loaded" if overrun.operation == "load" else "stored"
+        raise CheckFailure(f"{call}: program {overrun.program} {verb} rows of {name} at or past row {length_name} = "
+                           f"{length}{where}, which {name} does not have.\n  Likely mistake: "
+                           f"{_overrun_hint(overrun, 'unmasked_load', 'kernel_unmasked_store')}")
+    if stored_past is not None:
+        raise CheckFailure(f"{call} wrote past the end of {stored_past}.\n  Likely mistake: "
+                           f"{HINTS['kernel_unmasked_store']}")
+    return result, watch
+
+
+def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, device, generator) -> None:
     batch, heads, seq_q, seq_k, head_dim = shape
     q, k, v = _qkv(generator, batch, heads, seq_q, seq_k, head_dim, dtype=dtype, device=device)
     call = (f"your kernel via launch_flash_attention(flash_attention_kernel, q, k, v, causal={causal}, "
             f"block_q={block_q}, block_k={block_k}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)} "
             f"({str(dtype).replace('torch.', '')}, {device.type})")
-    watch = LoadWatch()
-    try:
-        out, lse = launcher(kernel, q, k, v, causal=causal, block_q=block_q, block_k=block_k, poison=POISON_ROWS,
-                            watch=watch)
-    except TritonUnavailable as error:
-        raise CheckFailure(str(error)) from None
-    except NotImplementedError as error:
-        raise CheckFailure(f"{call}: not implemented yet ({error}). Write the loop over key blocks.") from None
-    except Exception as error:
-        text = str(error).strip()
-        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
-    # The interpreter saw every load: one that reads past the last row is named, whatever it did to the numbers.
-    lengths = {"Q": ("seq_q", seq_q), "K": ("seq_k", seq_k), "V": ("seq_k", seq_k)}
-    for name in ("K", "V", "Q"):
-        if name in watch.beyond:
-            program, line = watch.beyond[name]
-            where = f" (your line: `{line}`)" if line else ""
-            length_name, length = lengths[name]
-            raise CheckFailure(f"{call}: program {program} loaded rows of {name} at or past row {length_name} = "
-                               f"{length}{where}, which {name} does not have.\n  Likely mistake: "
-                               f"{HINTS['unmasked_load']}")
+    lengths = {"K": ("seq_k", seq_k), "V": ("seq_k", seq_k), "Q": ("seq_q", seq_q), "out": ("seq_q", seq_q),
+               "lse": ("seq_q", seq_q)}
+    (out, lse), watch = _kernel_launch(
+        call, lambda watch: launcher(kernel, q, k, v, causal=causal, block_q=block_q, block_k=block_k,
+                                     poison=POISON_ROWS, watch=watch),
+        lengths, "Write the loop over key blocks.")
     want_out, want_lse = reference_attention(q, k, v, causal)
     if bool((torch.isnan(out.detach().cpu()) & ~torch.isnan(want_out)).any()):
         raise CheckFailure(f"out from {call} holds NaN where attention is finite.\n  Likely mistake: "
@@ -1314,6 +1592,7 @@ def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, devic
 
 
 @check("flash_attention_kernel: equals SDPA and logsumexp in float32 and float16, ragged and causal, any block sizes ({device})")
+@_warnings_after_the_message
 def check_flash_attention_kernel(flash_attention_kernel: Any, *, seed: int = 0, device: torch.device | None = None,
                                  sizes: str = "small") -> None:
     """The student's Triton kernel, launched by the course's launcher: on the CPU through Triton's
@@ -1347,30 +1626,21 @@ def check_flash_attention_kernel(flash_attention_kernel: Any, *, seed: int = 0, 
 
 
 def _backward_kernel_case(kernel_dkdv, kernel_dq, shape, causal, block_q, block_k, dtype, device, generator) -> None:
-    from attention_lab.triton_kernels import LoadWatch, TritonUnavailable, launch_flash_attention_backward
+    from attention_lab.triton_kernels import launch_flash_attention_backward
 
     q, k, v, out, lse, dout = _backward_inputs(generator, shape, causal, dtype, device)
     call = (f"your kernels via launch_flash_attention_backward(flash_attention_backward_kernel, "
             f"flash_attention_backward_dq_kernel, q, k, v, out, lse, dout, causal={causal}, block_q={block_q}, "
             f"block_k={block_k}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)} "
             f"({str(dtype).replace('torch.', '')}, {device.type})")
-    watch = LoadWatch()
-    try:
-        grads = launch_flash_attention_backward(kernel_dkdv, kernel_dq, q, k, v, out, lse, dout, causal=causal,
-                                                block_q=block_q, block_k=block_k, poison=POISON_ROWS, watch=watch)
-    except TritonUnavailable as error:
-        raise CheckFailure(str(error)) from None
-    except NotImplementedError as error:
-        raise CheckFailure(f"{call}: not implemented yet ({error}). Write the two kernels.") from None
-    except Exception as error:
-        text = str(error).strip()
-        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
-    for name in ("K", "V", "Q", "dout"):
-        if name in watch.beyond:
-            program, line = watch.beyond[name]
-            where = f" (your line: `{line}`)" if line else ""
-            raise CheckFailure(f"{call}: program {program} loaded rows of {name} past its last one{where}.\n"
-                               f"  Likely mistake: {HINTS['unmasked_load']}")
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    lengths = {name: ("seq_k", seq_k) for name in ("K", "V", "dk", "dv")}
+    lengths.update({name: ("seq_q", seq_q) for name in ("Q", "dout", "lse", "D", "dq")})
+    grads, _ = _kernel_launch(
+        call, lambda watch: launch_flash_attention_backward(kernel_dkdv, kernel_dq, q, k, v, out, lse, dout,
+                                                            causal=causal, block_q=block_q, block_k=block_k,
+                                                            poison=POISON_ROWS, watch=watch),
+        lengths, "Write the two kernels.")
     scale = q.shape[-1] ** -0.5
     want = reference_gradients(q, k, v, dout, causal, scale)
     variants = _backward_variants(q, k, v, dout, causal, scale, block_q, block_k)
@@ -1385,6 +1655,7 @@ def _backward_kernel_case(kernel_dkdv, kernel_dq, shape, causal, block_q, block_
 
 
 @check("flash_attention_backward_kernel: dq, dk, dv of two Triton kernels equal autograd through SDPA, float32 and float16, ragged, causal ({device})")
+@_warnings_after_the_message
 def check_flash_attention_backward_kernel(flash_attention_backward_kernel: Any,
                                           flash_attention_backward_dq_kernel: Any, *, seed: int = 0,
                                           device: torch.device | None = None, sizes: str = "small") -> None:

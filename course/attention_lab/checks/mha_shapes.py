@@ -679,6 +679,11 @@ FLOPS_HINTS = {
     "only_scores": "you counted Q @ Kᵀ but not weights @ V, which costs as much again.",
     "no_batch": "every sequence of the batch costs the same again: multiply by batch_size.",
     "swapped": "the two entries are swapped: 'projections' grows with D², 'attention' with S².",
+    "biases": "you counted the biases: FlopCounterMode counts matrix products only, so the four projections "
+    "cost 4 · 2·B·S·D², without the B·S·D additions of their biases.",
+    "times_heads": "the attention term was multiplied by the number of heads (by {factor}): each head compares "
+    "queries and keys of width d_head = D/H, so the H heads together cost 2 · 2·B·S²·(H·d_head) = 4·B·S²·D, "
+    "whatever H is. Count with D, and no factor H.",
     "softmax_counted": "FlopCounterMode counts matrix products only: the scaling, the mask and the softmax "
     "(a few operations per score) are not in its count. Count the products alone.",
 }
@@ -789,6 +794,11 @@ def _flops_hint(got: dict, case: tuple) -> str:
     b, s, d = case
     projections, attention = 8 * b * s * d * d, 4 * b * s * s * d
     p, a = got["projections"], got["attention"]
+    if p == projections and a > attention and a % attention == 0:  # H is not in the signature: a number typed in
+        return FLOPS_HINTS["times_heads"].format(factor=a // attention)
+    if a == attention and p > projections and (p - projections) % (b * s * d) == 0 \
+            and (p - projections) // (b * s * d) in (1, 2, 3, 4, 6, 8):  # one or two per output, 3 or 4 projections
+        return FLOPS_HINTS["biases"]
     if (p, a) == (attention, projections) and p != a:
         return FLOPS_HINTS["swapped"]
     if b > 1 and (p * b, a * b) == (projections, attention):
@@ -866,18 +876,20 @@ def check_attention_layer_flops(attention_layer_flops: Callable, MultiHeadSelfAt
 
 
 CROSSOVER_HINTS = {
-    "A": "Write both counts for one sequence and compare them: divide 4·B·S²·D and 8·B·S·D² by 4·B·S·D.",
-    "B": "D/2 would be the answer if attention had as many products as the projections; compare the two "
+    "147edcf3caef11d0": "Write both counts for one sequence and compare them: divide 4·B·S²·D and 8·B·S·D² by 4·B·S·D.",
+    "5acb4c7a7b2e94b1": "D/2 would be the answer if attention had as many products as the projections; compare the two "
     "counts of your attention_layer_flops term by term.",
-    "C": "At S = D one Q @ Kᵀ costs as much as one projection, but there are four projections and only two "
+    "341c76a4f6b921ed": "At S = D one Q @ Kᵀ costs as much as one projection, but there are four projections and only two "
     "attention products.",
 }
 
 
 @check("ANSWER_ATTENTION_CROSSOVER: right choice")
 def check_answer_attention_crossover(answer, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """4·B·S²·D > 8·B·S·D² exactly when S > 2·D (1536 for D = 768)."""
-    expect_choice(answer, name="ANSWER_ATTENTION_CROSSOVER", options="ABCD", correct="D", hints=CROSSOVER_HINTS)
+    """The predict-first question on where attention's products overtake the projections' (the right letter is
+    stored as its digest, not in clear)."""
+    expect_choice(answer, name="ANSWER_ATTENTION_CROSSOVER", options="ABCD", correct_digest="57c59fc0d07f153e",
+                  hints=CROSSOVER_HINTS)
 
 
 # --------------------------------------------------------------------------------------
@@ -885,18 +897,18 @@ def check_answer_attention_crossover(answer, *, seed: int = 0, device: torch.dev
 # --------------------------------------------------------------------------------------
 
 DRAFT_BUG_HINTS = {
-    "A": "Compare the draft's scores with q @ kᵀ / sqrt(d_head), line by line: is every step there?",
-    "C": "Which way does the draft's missing step move the scores: towards larger or smaller magnitudes? "
+    "c7390fb084833ee8": "Compare the draft's scores with q @ kᵀ / sqrt(d_head), line by line: is every step there?",
+    "f5de7d41c6eb93cb": "Which way does the draft's missing step move the scores: towards larger or smaller magnitudes? "
     "Then: what does the softmax do with larger scores?",
-    "D": "Read the last line of forward again: what does self.out_proj do there?",
+    "ae5ac23dac7b8990": "Read the last line of forward again: what does self.out_proj do there?",
 }
 
 
 @check("ANSWER_DRAFT_BUG: right prediction")
 def check_answer_draft_bug(answer, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """The draft computes softmax(q k^T) v: scale 1.0, not 1/sqrt(d_head), so at d_head = 64 its scores
-    are 8x too large and its weights much peakier than the correct layer's."""
-    expect_choice(answer, name="ANSWER_DRAFT_BUG", options="ABCD", correct="B", hints=DRAFT_BUG_HINTS)
+    """The predict-first question on the einops draft's weights (the right letter is stored as its digest)."""
+    expect_choice(answer, name="ANSWER_DRAFT_BUG", options="ABCD", correct_digest="63e17ec1140d89c4",
+                  hints=DRAFT_BUG_HINTS)
 
 
 freeze_module(__name__)

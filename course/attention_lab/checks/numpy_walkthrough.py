@@ -26,10 +26,12 @@ import torch.nn as nn
 
 from attention_lab.checking import (
     CheckFailure,
+    RuleFailure,
     Variant,
     call_student,
     check,
     describe,
+    choice_digest,
     expect_choice,
     expect_close,
     expect_array,
@@ -950,9 +952,9 @@ def check_dot_product_variance(dot_product_variance: Callable, *, seed: int = 0,
 CHOICES = ("A", "B", "C", "D")
 SCALING_QUESTION_NAME = "ANSWER_SCALING"
 SCALING_HINTS = {
-    "A": "compare the 1/d_head curve with the 1/sqrt(d_head) curve at d_head = 1024: are they level with each other?",
-    "B": "at d_head = 1024, is the 1/d_head curve's largest weight near 1, like the raw scores'?",
-    "D": "at d_head = 4, is the 1/d_head curve's largest weight near 1?",
+    "6dddff1bb3f79bb8": "compare the 1/d_head curve with the 1/sqrt(d_head) curve at d_head = 1024: are they level with each other?",
+    "f2d0ab0cce843573": "at d_head = 1024, is the 1/d_head curve's largest weight near 1, like the raw scores'?",
+    "c5d04ac49cc59655": "at d_head = 4, is the 1/d_head curve's largest weight near 1?",
 }
 
 
@@ -994,8 +996,8 @@ def check_answer_scaling(answer: Any, *, seed: int = 0, device: torch.device | N
     supported = [letter for letter, holds in _statements(peakedness_curves(seed=seed)).items() if holds]
     if len(supported) != 1:  # the experiment itself went wrong: say so rather than grade at random
         raise RuntimeError(f"the peakedness experiment supports {supported}; please report this to the course staff")
-    expect_choice(answer, name=SCALING_QUESTION_NAME, options="".join(CHOICES), correct=supported[0],
-                  hints=SCALING_HINTS)
+    expect_choice(answer, name=SCALING_QUESTION_NAME, options="".join(CHOICES),
+                  correct_digest=choice_digest(SCALING_QUESTION_NAME, supported[0]), hints=SCALING_HINTS)
 
 
 # --------------------------------------------------------------------------------------
@@ -1121,7 +1123,7 @@ def _check_softmax_backward_once(softmax_backward: Callable, scores: torch.Tenso
         n = p.shape[axis]
         jacobian_bytes = n * n * p.dtype.itemsize  # one row's Jacobian
         if peak > jacobian_bytes // 4:
-            raise CheckFailure(
+            raise RuleFailure(
                 f"{call} held {peak / 2**20:.1f} MB at once, for inputs of {p.nbytes / 2**10:.0f} kB each: the "
                 f"size of an [n, n] Jacobian (n = {n}: {jacobian_bytes / 2**20:.1f} MB per row).\n"
                 f"  Likely mistake: {SOFTMAX_BACKWARD_HINTS['jacobian']}")
@@ -1179,14 +1181,14 @@ ATTENTION_BACKWARD_HINTS = {
     "neither is its gradient.",
     "forward_no_scale": "the weights were recomputed without the 1/sqrt(d) scale: the backward must use "
     "exactly the forward's weights, softmax(Q @ Kᵀ / sqrt(d)) with the mask.",
-    "dv_transposed": "dV is P @ dout, a transposed product: dV has V's shape (keys × d_v), and key j collects "
-    "the gradient of every query that read it, weighted by P[i, j].",
+    "dv_transposed": "dV was computed as P @ dout; write dV = Pᵀ @ dout, np.swapaxes(P, -1, -2) @ dout: dV has V's "
+    "shape (keys × d_v), and key j collects the gradient of every query that read it, weighted by P[i, j].",
     "dp_transposed": "dP (queries × keys, the shape of P) came out transposed: build it from dout and V so "
     "that entry (i, j) is dout[i] · V[j].",
-    "dq_transposed": "dQ is computed from dSᵀ, a transposed product: query i's gradient collects row i of "
-    "dS (its own scores) times the keys.",
-    "dk_transposed": "dK is computed from dS rather than dSᵀ: key j's gradient collects column j of dS (the "
-    "scores of key j with every query) times the queries.",
+    "dq_transposed": "dQ was computed from dSᵀ; write dQ = dS @ K (times 1/sqrt(d)): query i's gradient collects "
+    "row i of dS (its own scores) times the keys.",
+    "dk_transposed": "dK was computed from dS; write dK = dSᵀ @ Q (times 1/sqrt(d)): key j's gradient collects "
+    "column j of dS (the scores of key j with every query) times the queries.",
     "mask_ignored": "the backward ignored the mask: recompute the weights with the same mask as the forward "
     "(masked scores -inf, weights 0), or gradient flows into masked entries.",
     "masked_leak": "gradient flowed into masked entries: with a gradient on one query only, the keys that "

@@ -22,6 +22,7 @@ from attention_lab.checking import _student_namespace
 from attention_lab.checking import (
     one_cpu_thread,
     CheckFailure,
+    RuleFailure,
     Variant,
     call_student,
     check,
@@ -76,45 +77,47 @@ def _accepts(fn: Callable, parameter: str) -> bool:
 
 
 PERMUTATION_HINTS = {
-    "A": "Invariant would mean the outputs do not change at all. Run the experiment below your answer: they "
+    "735b85966c8bd5e4": "Invariant would mean the outputs do not change at all. Run the experiment below your answer: they "
          "did change (the first print says True) -- but how?",
-    "C": "The experiment's second print says the outputs were shuffled in the same way as the tokens: "
+    "d554cd9a915d41e0": "The experiment's second print says the outputs were shuffled in the same way as the tokens: "
          "that is a very predictable change.",
 }
 
 SHIFT_HINTS = {
-    "A": "Expand sin((p + k) w) and cos((p + k) w) with the angle-addition formulas: both are sums of "
+    "4e8f80f51ab0420a": "Expand sin((p + k) w) and cos((p + k) w) with the angle-addition formulas: both are sums of "
          "sin(p w) and cos(p w) with coefficients that depend on k w only.",
-    "C": "A multiple of 2 pi would make the matrix the identity; other offsets need a matrix too, but "
+    "6ea643369f113c9e": "A multiple of 2 pi would make the matrix the identity; other offsets need a matrix too, but "
          "try the angle-addition formulas on one pair before you rule them out.",
 }
 
 
-@check("ANSWER_PERMUTATION: self-attention is permutation-equivariant")
+@check("ANSWER_PERMUTATION: right choice")
 def check_answer_permutation(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """The word for 'shuffle the tokens, the outputs shuffle the same way'."""
-    expect_choice(answer, name="ANSWER_PERMUTATION", options="ABC", correct="B", hints=PERMUTATION_HINTS)
+    """The word for what shuffling the tokens does to the outputs (the right letter is stored as its digest)."""
+    expect_choice(answer, name="ANSWER_PERMUTATION", options="ABC", correct_digest="23f1cd1f7d4a7599",
+                  hints=PERMUTATION_HINTS)
 
 
 NO_POSITIONS_HINTS = {
-    "A": "Comparing every token with every other is exactly what cannot help here: without positions the "
+    "ee6ff0f4ed179f0f": "Comparing every token with every other is exactly what cannot help here: without positions the "
          "model sees each token and the set of all tokens, the same set at every position. Which of them came "
          "just before is not in its input.",
-    "B": "What could rule out half of the candidates? Every token appears once and the order is random: "
+    "b80e85af621dff7d": "What could rule out half of the candidates? Every token appears once and the order is random: "
          "given a token and the set of the others, each of them is equally likely to be its predecessor.",
 }
 
 
-@check("ANSWER_NO_POSITIONS: no positions and no mask: at most 1/(S-1)")
+@check("ANSWER_NO_POSITIONS: right choice")
 def check_answer_no_positions(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The predict-first question before the order experiment."""
-    expect_choice(answer, name="ANSWER_NO_POSITIONS", options="ABC", correct="C", hints=NO_POSITIONS_HINTS)
+    expect_choice(answer, name="ANSWER_NO_POSITIONS", options="ABC", correct_digest="75fc297c3f076504",
+                  hints=NO_POSITIONS_HINTS)
 
 
-@check("ANSWER_SHIFT: one matrix per offset moves every sinusoidal encoding")
+@check("ANSWER_SHIFT: right choice")
 def check_answer_shift(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The predict-first question before pe_shift_matrix."""
-    expect_choice(answer, name="ANSWER_SHIFT", options="ABC", correct="B", hints=SHIFT_HINTS)
+    expect_choice(answer, name="ANSWER_SHIFT", options="ABC", correct_digest="81d1cdba4eabc997", hints=SHIFT_HINTS)
 
 
 # --------------------------------------------------------------------------------------
@@ -1277,6 +1280,10 @@ ORDER_HINTS = {
     "mask_ignored": "the mask did not reach the Transformer: call self.transformer(x, mask).",
     "not_parameter": "the learned table is not a Parameter (a plain tensor attribute or a buffer): the optimizer "
     "never sees it, so it never learns. Use nn.Parameter(...) or nn.Embedding(max_len, D).",
+    "sinusoidal_attribute": "the sinusoidal table is a plain tensor attribute, which model.to(device) and "
+    ".to(dtype) do not move: on a GPU the forward pass then adds a CPU table to CUDA activations and fails. "
+    "Register it as a buffer, self.register_buffer(name, table, persistent=False): fixed, and it moves with the "
+    "module.",
     "sinusoidal_parameter": "the sinusoidal table is a Parameter, so the optimizer would change it: it is "
     "fixed. Register it with self.register_buffer(name, table, persistent=False) (or compute it in forward).",
     "not_sliced": "the whole [max_len, D] table was added to a sequence of S < max_len tokens: add the rows "
@@ -1337,6 +1344,15 @@ def _unregistered_table(model: nn.Module, max_len: int, embed_dim: int) -> bool:
     return any(t.numel() == max_len * embed_dim and tuple(t.shape[-2:]) == (max_len, embed_dim) for t in tensors)
 
 
+def _plain_tables(model: nn.Module, max_len: int, embed_dim: int) -> list[tuple[nn.Module, str, str]]:
+    """``(submodule, attribute, dotted name)`` of every [max_len, D] tensor a submodule holds as a plain attribute
+    (not a Parameter, not a buffer: ``Module.to`` does not move it)."""
+    return [(module, name, f"{prefix}.{name}" if prefix else name) for prefix, module in model.named_modules()
+            for name, value in vars(module).items()
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+            and tuple(value.shape[-2:]) == (max_len, embed_dim)]
+
+
 def _build_order(OrderTransformer: Callable, vocab_size: int, embed_dim: int, num_heads: int, num_layers: int,
                  max_len: int, positions: str | None) -> tuple[nn.Module, str]:
     arguments = f"{vocab_size}, {embed_dim}, {num_heads}, {num_layers}, {max_len}"
@@ -1388,6 +1404,15 @@ def check_order_transformer(OrderTransformer: Callable, *, seed: int = 0, device
         parts = _find_order_parts(model, vocab_size, embed_dim, max_len, label, Transformer)
         embedding, transformer, head = parts
         learned = _learned_table(model, max_len, embed_dim, label, parts)
+        plain = _plain_tables(model, max_len, embed_dim)
+        if positions == "sinusoidal" and plain:
+            module, attribute, name = plain[0]
+            target = torch.float32 if getattr(module, attribute).dtype == torch.float64 else torch.float64
+            model.to(target)  # the module's own move: its parameters and buffers follow it, a plain attribute not
+            still = str(getattr(module, attribute).dtype).replace("torch.", "")
+            raise RuleFailure(f"{label} keeps its [{max_len}, {embed_dim}] position table as a plain attribute, "
+                               f"self.{name}: after model.to({target}) it is still {still}.\n  Likely mistake: "
+                               f"{ORDER_HINTS['sinusoidal_attribute']}")
         if positions == "learned":
             if learned is None and _unregistered_table(model, max_len, embed_dim):
                 raise CheckFailure(f"{label}: no trainable [{max_len}, {embed_dim}] position table among the "

@@ -537,6 +537,9 @@ MINI_VIT_HINTS = {
     "token 0 and gets pos_embed[:, 0]; the head reads x[:, 0].",
     "read_last": "the head reads the last token. The class token is token 0: the head reads x[:, 0].",
     "read_mean": "the head reads the average of the tokens. This model classifies from the class token: x[:, 0].",
+    "read_patch_mean": "the head reads the mean of the patch tokens (global average pooling, x[:, 1:].mean(1)). "
+    "This model classifies from the class token: the head reads x[:, 0].",
+    "head_reads_cls": "the head must read the class token, token 0 after the last block: x[:, 0].",
     "pos_patches_only": "pos_embed is added to the patch tokens only. It has N + 1 rows because the class token "
     "has a position too (position 0): add pos_embed to all S tokens, after prepending the class token.",
     "pos_before_cls": "pos_embed[:, :N] was added to the patches before the class token was prepended, so every "
@@ -579,6 +582,8 @@ def _reference_vit(model: nn.Module, images: torch.Tensor, patch_size: int, num_
         summary = x[:, -1]
     elif read == "mean":
         summary = x.mean(dim=1)
+    elif read == "patch_mean":
+        summary = x[:, 1:].mean(dim=1)
     else:
         summary = x[:, 0]
     return model.head(summary), attentions
@@ -591,6 +596,7 @@ def _mini_vit_variants(model, images, patch_size, num_heads, hidden) -> list[Var
     return [Variant(logits(cls_last=True), MINI_VIT_HINTS["cls_last"]),
             Variant(logits(read="last"), MINI_VIT_HINTS["read_last"]),
             Variant(logits(read="mean"), MINI_VIT_HINTS["read_mean"]),
+            Variant(logits(read="patch_mean"), MINI_VIT_HINTS["read_patch_mean"]),
             Variant(logits(pos="patches_only"), MINI_VIT_HINTS["pos_patches_only"]),
             Variant(logits(pos="before_cls"), MINI_VIT_HINTS["pos_before_cls"]),
             Variant(logits(pos="none"), MINI_VIT_HINTS["no_pos"]),
@@ -776,8 +782,14 @@ def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch
     gradient = _gradient_of_last_block_output(model, images, label)
     reads_cls = bool(gradient[:, 0].abs().amax() > 0)
     reads_patches = float(gradient[:, 1:].abs().amax())
-    expect_true(reads_cls, f"the logits of {label} do not depend on token 0 after the last block.\n"
-                f"  Likely mistake: {MINI_VIT_HINTS['read_last']}")
+    if not reads_cls:  # which tokens it reads instead names the mistake
+        read = [int(i) for i in torch.nonzero(gradient.abs().amax(dim=(0, 2)) > 0).flatten()]
+        hint = (MINI_VIT_HINTS["read_last"] if read == [gradient.shape[1] - 1] else
+                MINI_VIT_HINTS["read_patch_mean"] if read == list(range(1, gradient.shape[1])) else
+                MINI_VIT_HINTS["head_reads_cls"])
+        raise CheckFailure(f"the logits of {label} do not depend on token 0 after the last block; they depend on "
+                           f"token{'s' if len(read) != 1 else ''} {', '.join(map(str, read[:6]))}"
+                           f"{' ...' if len(read) > 6 else ''}.\n  Likely mistake: {hint}")
     expect_true(reads_patches == 0.0, f"the logits of {label} depend on the patch tokens after the last block "
                 f"(gradient up to {reads_patches:.3g}).\n  Likely mistake: {MINI_VIT_HINTS['head_reads_patches']}")
 
@@ -837,14 +849,14 @@ def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch
 
 
 EXPAND_REPEAT_HINTS = {
-    "A": "Run the experiment below your answer and compare the two gradients it prints. Then ask yourself "
+    "4c67acbc4d58d9a3": "Run the experiment below your answer and compare the two gradients it prints. Then ask yourself "
     "whether a copy made by repeat is still connected to the parameter in autograd's graph.",
-    "C": "Run the experiment below your answer and compare the sizes of the two gradients it prints. What does "
+    "cf952e4f250010c3": "Run the experiment below your answer and compare the sizes of the two gradients it prints. What does "
     "autograd do with the gradients of several uses of one tensor?",
 }
 
 
-@check("ANSWER_EXPAND_REPEAT: right -- expand and repeat give the same gradient; repeat only costs memory")
+@check("ANSWER_EXPAND_REPEAT: right choice")
 def check_answer_expand_repeat(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The multiple-choice answer about expand vs repeat for the class token."""
     # The right statement is read off the experiment itself, as in the notebook's demo cell.
@@ -856,13 +868,14 @@ def check_answer_expand_repeat(answer: Any, *, seed: int = 0, device: torch.devi
         copies = parameter.expand(4, -1, -1) if how == "expand" else parameter.repeat(4, 1, 1)
         (copies * upstream).sum().backward()
         gradients[how] = parameter.grad.clone()
+    # The statement each outcome supports, as the digest of its letter (never the letter in clear).
     if torch.allclose(gradients["expand"], gradients["repeat"]):
-        correct = "B"  # the same gradient; repeat only costs memory
+        correct = "abea525746e61998"  # the same gradient
     elif torch.allclose(gradients["expand"], gradients["repeat"] / 4):
-        correct = "C"  # expand would average
+        correct = "cf952e4f250010c3"  # averaged
     else:
-        correct = "A"  # independent, unshared gradients
-    expect_choice(answer, name="ANSWER_EXPAND_REPEAT", options="ABC", correct=correct, hints=EXPAND_REPEAT_HINTS)
+        correct = "4c67acbc4d58d9a3"  # independent gradients
+    expect_choice(answer, name="ANSWER_EXPAND_REPEAT", options="ABC", correct_digest=correct, hints=EXPAND_REPEAT_HINTS)
 
 
 # --------------------------------------------------------------------------------------

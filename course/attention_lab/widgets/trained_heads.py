@@ -63,11 +63,18 @@ def attention_maps(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor | 
     return maps
 
 
+def heads_figsize(num_heads: int, num_rows: int) -> tuple[float, float]:
+    """Inches for ``num_rows`` rows of ``num_heads`` heatmaps (one row per layer shown)."""
+    return 2.6 * num_heads + 2.5, 2.6 * num_rows + 0.8
+
+
 def plot_trained_heads(figure: Figure, maps: Sequence[torch.Tensor], labels: Sequence[str], example: int,
                        layer: str = "all", title: str = "") -> None:
-    """One row of heatmaps (one per head) for each layer shown: ``layer`` is "all" or a layer index."""
+    """One row of heatmaps (one per head) for each layer shown: ``layer`` is "all" or a layer index. The figure
+    takes the height of the rows shown (one layer: one row, no blank band below it)."""
     shown = list(range(len(maps))) if layer == "all" else [int(layer)]
     num_heads = maps[0].shape[1]
+    figure.set_size_inches(*heads_figsize(num_heads, len(shown)))
     grid = figure.add_gridspec(len(shown), num_heads, left=0.1, right=0.84, bottom=0.12, top=0.88,
                                hspace=0.55, wspace=0.15)
     for row, index in enumerate(shown):
@@ -107,4 +114,4 @@ def trained_heads_explorer(models: Mapping[str, nn.Module], tokens: torch.Tensor
                                      continuous_update=False, layout=CONTROL_LAYOUT, style=CONTROL_STYLE),
     }
     num_heads = next(iter(cache.values()))[0].shape[1]
-    return LiveFigure(draw, controls, figsize=(2.6 * num_heads + 2.5, 2.6 * num_layers + 0.8))
+    return LiveFigure(draw, controls, figsize=heads_figsize(num_heads, num_layers))
