@@ -16,10 +16,15 @@ import json
 import urllib.error
 import urllib.request
 
+import nbformat
 import pytest
+from nbconvert.exporters import HTMLExporter
+from nbgrader.server_extensions.formgrader import handlers as formgrader_handlers
+from traitlets.config import Config
 
 from autograder import grade, gradebook
-from autograder.lab.instructor.inert_submissions import inert_html, page_scripts
+from autograder.lab.instructor.inert_submissions import (InertHTMLExporter, content_security_policy, inert_html,
+                                                        page_scripts)
 from tests.grading_helpers import TINY, tiny_course
 from tests.lab_servers import running_lab, set_formgrader_score
 
@@ -94,6 +99,40 @@ def test_a_hostile_submission_runs_nothing_in_formgrader_and_can_still_be_graded
     assert sorted(p.name for p in root.glob("*.txt")) == []
     with gradebook.open_gradebook(root) as gb:
         assert gb.find_grade("why_value", TINY, TINY, "mallory").manual_score == 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("formgrader_inert")
+def test_the_policy_alone_stops_the_payloads(hostile, browser):
+    """The second layer on its own: the hostile notebook rendered as stock nbgrader renders it
+    (nothing sanitised), served from the server's origin with the policy the page gets: no
+    payload runs, each blocked by the policy (a violation reported)."""
+    server, root = hostile
+    config = Config()
+    config.HTMLExporter.template_name = "formgrade"
+    config.HTMLExporter.extra_template_basedirs = [formgrader_handlers.template_path]
+    resources = {"assignment_id": TINY, "notebook_id": TINY, "submission_id": "x", "index": 0, "total": 1,
+                 "base_url": "", "student": "mallory", "last_name": None, "first_name": None, "notebook_path": "x"}
+    notebook = nbformat.read(root / "autograded" / "mallory" / TINY / f"{TINY}.ipynb", as_version=4)
+    raw, _ = HTMLExporter(config=config).from_notebook_node(notebook, resources=dict(resources))
+    trusted, _ = InertHTMLExporter(config=config).from_notebook_node(nbformat.v4.new_notebook(),
+                                                                     resources=dict(resources))
+    assert "<script>window.top.pwned" in raw  # the stock page carries the payloads
+    policy = content_security_policy(trusted, HTMLExporter(config=config).mathjax_url)
+    page = browser.new_page()
+    page.add_init_script("document.addEventListener('securitypolicyviolation', e => "
+                         "(window.top.violations = window.top.violations || []).push(e.violatedDirective))")
+    address = server.url("formgrader/policy-check")
+    page.route(address, lambda route: route.fulfill(status=200, body=raw, headers={
+        "Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": policy}))
+    page.goto(address)
+    page.get_by_text("My reasoning.").first.wait_for()
+    page.wait_for_function("() => document.readyState === 'complete'")
+    violations = page.evaluate("window.violations || []")
+    assert page.evaluate("window.pwned || null") is None
+    assert any(v.startswith("script-src") for v in violations), violations
+    page.close()
+    assert sorted(p.name for p in root.glob("*.txt")) == []
 
 
 @pytest.mark.slow
