@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import nbformat
@@ -59,6 +60,11 @@ CODE = (
 )
 
 
+# A first name, and a student id a folder could hold (no slash), each trying to run
+HOSTILE_FIRST_NAME = "<img src=x onerror=\"" + payload("first_name") + "\">"
+HOSTILE_ID = "eve\"+(window.top.pwned=['student_id'])+\"<img src=x onerror=window.top.pwned=['id_markup']>"
+
+
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
     scratch = tmp_path_factory.mktemp("formgrader-inert")
@@ -68,6 +74,9 @@ def hostile(tmp_path_factory):
     assert [o.status for o in outcomes] == ["graded"]
     autograded = (root / "autograded" / "mallory" / TINY / f"{TINY}.ipynb").read_text()
     assert "html_output" in autograded and "application/javascript" in autograded  # the outputs are there
+    with gradebook.open_gradebook(root) as gb:  # names as a roster or a folder can bring them
+        gb.update_or_create_student("mallory", first_name=HOSTILE_FIRST_NAME, last_name="Moriarty")
+        gb.update_or_create_student(HOSTILE_ID)
     with running_lab("formgrader", root, scratch) as server:
         yield server, root
 
@@ -83,7 +92,7 @@ def test_a_hostile_submission_runs_nothing_in_formgrader_and_can_still_be_graded
     page.on("request", lambda request: requests.append(request.url))
     page.goto(server.url("formgrader"))  # logs in: the token becomes the cookie the payloads would use
     page.goto(server.url(f"formgrader/gradebook/{TINY}/{TINY}"))
-    page.locator("table tbody tr").filter(has_text="mallory").locator("td.name a:visible").click()
+    page.locator("table tbody tr").filter(has_text="Moriarty").locator("td.name a:visible").click()
     page.get_by_text("My reasoning.").first.wait_for()
     page.get_by_text("bold output").first.wait_for()
     set_formgrader_score(page, "why_value", "1.5")
@@ -99,6 +108,31 @@ def test_a_hostile_submission_runs_nothing_in_formgrader_and_can_still_be_graded
     assert sorted(p.name for p in root.glob("*.txt")) == []
     with gradebook.open_gradebook(root) as gb:
         assert gb.find_grade("why_value", TINY, TINY, "mallory").manual_score == 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("formgrader_inert")
+def test_formgraders_own_pages_show_hostile_names_as_text(hostile, browser, screenshots):
+    """nbgrader's templates print a student's id raw, in the page and in a script
+    (``var student_id = "..."``): a folder name or a link could run script there."""
+    server, _ = hostile
+    page = browser.new_page()
+    page.add_init_script("document.addEventListener('securitypolicyviolation', e => "
+                         "(window.top.violations = window.top.violations || []).push(e.violatedDirective + ' ' + e.blockedURI))")
+    page.goto(server.url("formgrader"))
+    page.goto(server.url("formgrader/manage_students/" + urllib.parse.quote(HOSTILE_ID, safe="")))
+    page.locator("ol.breadcrumb, ul.breadcrumb").get_by_text(HOSTILE_ID).first.wait_for()
+    page.locator("table").get_by_text(TINY).first.wait_for()  # the page's own script ran and listed the work
+    assert page.evaluate("window.pwned || null") is None and page.evaluate("window.violations || []") == []
+    page.goto(server.url("formgrader/manage_students"))
+    page.locator("table").get_by_text("Moriarty").first.wait_for()
+    screenshots.take(page, "hostile-names-as-text")
+    page.goto(server.url(f"formgrader/gradebook/{TINY}/{TINY}"))
+    page.locator("table tbody tr").filter(has_text="Moriarty").locator("td.name a:visible").click()
+    page.get_by_text("My reasoning.").first.wait_for()
+    assert HOSTILE_FIRST_NAME in page.locator("nav a.name-shown").text_content()  # the name, as text
+    assert page.evaluate("window.pwned || null") is None and page.evaluate("window.violations || []") == []
+    page.close()
 
 
 @pytest.mark.slow

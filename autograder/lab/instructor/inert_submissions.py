@@ -36,13 +36,15 @@ from urllib.parse import urlsplit
 
 import bleach
 import nbformat
-from jinja2 import pass_context
+from jinja2 import Environment, FileSystemLoader, pass_context
+from markupsafe import Markup
 from jupyter_server.utils import url_path_join
 from nbconvert.exporters import HTMLExporter
 from nbgrader.api import MissingEntry
 from nbgrader.server_extensions.formgrader.base import check_notebook_dir, check_xsrf
-from nbgrader.server_extensions.formgrader.handlers import (SubmissionFilesHandler, SubmissionHandler,
-                                                            SubmissionNavigationHandler, _navigation_regex)
+from nbgrader.server_extensions.formgrader import handlers as formgrader_handlers
+from nbgrader.server_extensions.formgrader.base import BaseHandler as FormgraderBaseHandler
+from nbgrader.server_extensions.formgrader.handlers import SubmissionFilesHandler, SubmissionHandler
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 from tornado import web
 from tornado.routing import HostMatches, Rule
@@ -241,7 +243,38 @@ def content_security_policy(trusted_page: str, mathjax_url: str = "") -> str:
     ])
 
 
-class InertSubmissionHandler(SubmissionHandler):
+# Formgrader's own pages (nbgrader's Jinja templates, not autoescaped) print a student's id
+# raw, in the page and inside a script: ``var student_id = "{{ student_id }}";``. A folder named
+# ``x"+alert(1)+"`` (no slash needed) or a link to ``manage_students/<img onerror=...>`` ran.
+HTML_SPECIALS = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&#34;"})
+
+
+def _escaped_value(value):
+    """Every value a Formgrader template prints, escaped for the places those templates print
+    them (text, double-quoted attributes, double-quoted JavaScript strings); ``'`` is left as
+    it is, so that ``O'Brien`` stays a working id in the pages' scripts."""
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return Markup(value.translate(HTML_SPECIALS))
+    return value
+
+
+class EscapingRender:
+    """Formgrader's pages rendered with every value escaped (:func:`_escaped_value`) and sent
+    with a Content-Security-Policy allowing the page's own scripts (all of them the template's:
+    an escaped value cannot open a script or an attribute)."""
+
+    def render(self, name, **namespace):
+        environment = self.settings.get("attention_lab_escaping_jinja2_env")
+        if environment is None:
+            environment = Environment(loader=FileSystemLoader([formgrader_handlers.template_path]),
+                                      autoescape=True, finalize=_escaped_value)
+            self.settings["attention_lab_escaping_jinja2_env"] = environment
+        page = environment.get_template(name).render(**namespace)
+        self.set_header("Content-Security-Policy", content_security_policy(page))
+        return page
+
+
+class InertSubmissionHandler(EscapingRender, SubmissionHandler):
     """nbgrader's SubmissionHandler.get, rendering through :class:`InertHTMLExporter`, with the
     student's names escaped and the page's Content-Security-Policy."""
 
@@ -270,24 +303,23 @@ class InertSubmissionHandler(SubmissionHandler):
         filename = os.path.join(os.path.abspath(self.coursedir.format_path(
             self.coursedir.autograded_directory, student_id, assignment_id)), f"{notebook_id}.ipynb")
         indices = self.api.get_notebook_submission_indices(assignment_id, notebook_id)
-        shown = {"assignment_id": assignment_id, "notebook_id": notebook_id, "student": student_id,
-                 "last_name": submission.student.last_name, "first_name": submission.student.first_name,
-                 "notebook_path": self.url_prefix + "/" + os.path.relpath(filename, self.coursedir.root)}
-        resources = {key: html.escape(value, quote=True) if isinstance(value, str) else value
-                     for key, value in shown.items()}
-        resources.update(submission_id=submission.id, index=indices.get(submission.id, -2), total=len(indices),
-                         base_url=self.base_url)
+        resources = {"assignment_id": assignment_id, "notebook_id": notebook_id, "student": student_id,
+                     "last_name": submission.student.last_name, "first_name": submission.student.first_name,
+                     "notebook_path": self.url_prefix + "/" + os.path.relpath(filename, self.coursedir.root),
+                     "submission_id": submission.id, "index": indices.get(submission.id, -2),
+                     "total": len(indices), "base_url": self.base_url}
         if not os.path.exists(filename):
-            resources["filename"] = html.escape(filename, quote=True)
-            page = self.render("formgrade_404.tpl", resources=resources)
             self.clear()
             self.set_status(404)
-            trusted = page  # a template and escaped names only
-        else:
-            notebook = nbformat.read(filename, as_version=4)
-            page, _ = self.exporter.from_notebook_node(notebook, resources=copy.deepcopy(resources))
-            empty = nbformat.v4.new_notebook(metadata=notebook.metadata)
-            trusted, _ = self.exporter.from_notebook_node(empty, resources=copy.deepcopy(resources))
+            self.write(self.render("formgrade_404.tpl", resources={**resources, "filename": filename}))
+            return
+        # nbconvert's template escapes nothing: the names are escaped here
+        resources = {key: html.escape(value, quote=True) if isinstance(value, str) and key != "base_url" else value
+                     for key, value in resources.items()}
+        notebook = nbformat.read(filename, as_version=4)
+        page, _ = self.exporter.from_notebook_node(notebook, resources=copy.deepcopy(resources))
+        empty = nbformat.v4.new_notebook(metadata=notebook.metadata)
+        trusted, _ = self.exporter.from_notebook_node(empty, resources=copy.deepcopy(resources))
         self.set_header("Content-Security-Policy", content_security_policy(trusted, self.exporter.mathjax_url))
         self.write(page)
 
@@ -301,12 +333,19 @@ class InertSubmissionFilesHandler(SubmissionFilesHandler):
         self.set_header("X-Content-Type-Options", "nosniff")
 
 
-# nbgrader's order (its formgrader handlers): the page, its navigation, the files beside it
-ROUTES = [
-    (r"formgrader/submissions/(?P<submission_id>[^/]+)/?", InertSubmissionHandler),
-    (r"formgrader/submissions/(?P<submission_id>[^/]+)/%s/?" % _navigation_regex, SubmissionNavigationHandler),
-    (r"formgrader/submissions/(?!components/)(.*)", InertSubmissionFilesHandler),
-]
+def formgrader_routes() -> list[tuple]:
+    """nbgrader's Formgrader page routes, in its order, each handler made safe: the submission
+    page inert, the files beside it sandboxed, every other page escaped (:class:`EscapingRender`)."""
+    routes = []
+    for pattern, handler, *options in formgrader_handlers.default_handlers:
+        if handler is SubmissionHandler:
+            handler = InertSubmissionHandler
+        elif handler is SubmissionFilesHandler:
+            handler = InertSubmissionFilesHandler
+        elif issubclass(handler, FormgraderBaseHandler) and not issubclass(handler, web.StaticFileHandler):
+            handler = type(handler.__name__, (EscapingRender, handler), {"__module__": __name__})
+        routes.append((pattern.lstrip("/"), handler, *options))
+    return routes
 
 
 # --------------------------------------------------------------------------------------
@@ -335,7 +374,7 @@ def _load_jupyter_server_extension(serverapp):
     """Put the route first: tornado takes the first rule that matches, whatever order the
     extensions were loaded in (Formgrader's own rules stay, for every other route)."""
     webapp = serverapp.web_app
-    routes = [(url_path_join(webapp.settings["base_url"], pattern), handler) for pattern, handler in ROUTES]
+    routes = [(url_path_join(webapp.settings["base_url"], pattern), *rest) for pattern, *rest in formgrader_routes()]
     webapp.default_router.rules.insert(0, Rule(HostMatches(".*$"), _ApplicationRouter(webapp, routes)))
     serverapp.log.info("Attention Lab: Formgrader shows student submissions inert (sanitised, "
                        "with a Content-Security-Policy)")
