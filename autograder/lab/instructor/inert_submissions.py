@@ -4,8 +4,8 @@ Formgrader's hand-grading page (``/formgrader/submissions/<id>/``) renders a stu
 autograded notebook with nbconvert, as it is: a written answer holding ``<img src=x
 onerror=...>``, an output that is HTML with a ``<script>``, SVG with script, a
 ``javascript:`` link or an iframe ran as script in the TA's browser, with the TA's session
-(the Jupyter API: files, kernels, terminals). This extension answers that route before
-nbgrader does and renders the same page with everything a student wrote made inert:
+(the Jupyter API: files, kernels, terminals). This extension answers Formgrader's page routes
+before nbgrader does and renders the same pages with everything a student wrote made inert:
 
 * markdown and raw cells, HTML and markdown outputs pass through :func:`inert_html`: an
   allow-list of text tags (no script, style, iframe, object, svg, form, input; no event
@@ -14,13 +14,19 @@ nbgrader does and renders the same page with everything a student wrote made ine
   what the student tried;
 * outputs keep only the kinds Formgrader shows (text, PNG/JPEG, SVG as an image, HTML,
   markdown, LaTeX), rebuilt without their metadata; JavaScript and widget outputs are
-  dropped; cell metadata keeps only nbgrader's (escaped), so tags, ids and attachments names
-  cannot reach the page's markup; the student's name and id are escaped;
+  dropped; cell metadata keeps only nbgrader's (escaped), so tags and ids cannot reach the
+  page's markup;
 * the page is sent with a Content-Security-Policy that allows only Formgrader's own scripts
   (its files, and its inline scripts by their hashes, taken from the same page rendered
   without the student's cells), images from the server or ``data:``, requests to the server
   only, no frames, no plugins: if something got through the sanitiser it would still not run,
-  nor load anything from elsewhere.
+  nor load anything from elsewhere;
+* Formgrader's other pages (nbgrader's Jinja templates, which print a student's id raw, even
+  inside a script) are rendered with every value escaped, under the same kind of policy; the
+  files nbgrader serves beside a submission are sandboxed documents.
+
+It also holds the kernel manager that keeps kernels off in the instructor lab
+(:class:`KernelsOffManager`, see ``jupyter_server_config.py``).
 """
 
 from __future__ import annotations
@@ -37,15 +43,15 @@ from urllib.parse import urlsplit
 import bleach
 import nbformat
 from jinja2 import Environment, FileSystemLoader, pass_context
-from markupsafe import Markup
+from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 from jupyter_server.utils import url_path_join
+from markupsafe import Markup
 from nbconvert.exporters import HTMLExporter
 from nbgrader.api import MissingEntry
-from nbgrader.server_extensions.formgrader.base import check_notebook_dir, check_xsrf
 from nbgrader.server_extensions.formgrader import handlers as formgrader_handlers
 from nbgrader.server_extensions.formgrader.base import BaseHandler as FormgraderBaseHandler
+from nbgrader.server_extensions.formgrader.base import check_notebook_dir, check_xsrf
 from nbgrader.server_extensions.formgrader.handlers import SubmissionFilesHandler, SubmissionHandler
-from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 from tornado import web
 from tornado.routing import HostMatches, Rule
 from tornado.web import _ApplicationRouter
@@ -321,6 +327,7 @@ class InertSubmissionHandler(EscapingRender, SubmissionHandler):
         empty = nbformat.v4.new_notebook(metadata=notebook.metadata)
         trusted, _ = self.exporter.from_notebook_node(empty, resources=copy.deepcopy(resources))
         self.set_header("Content-Security-Policy", content_security_policy(trusted, self.exporter.mathjax_url))
+        self.set_header("Referrer-Policy", "same-origin")  # a student's link learns nothing of this page
         self.write(page)
 
 
