@@ -139,6 +139,22 @@ def test_formgraders_own_pages_show_hostile_names_as_text(hostile, browser, scre
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("formgrader_inert")
+def test_formgraders_api_opened_as_a_page_runs_nothing(hostile, browser):
+    """Formgrader's API answers JSON as text/html: a link to it (a student's answer may hold
+    one) opened in the browser would render the names in it as markup."""
+    server, _ = hostile
+    page = browser.new_page()
+    page.goto(server.url("formgrader"))
+    for path in ("formgrader/api/students", f"formgrader/api/submitted_notebooks/{TINY}/{TINY}"):
+        response = page.goto(server.url(path))
+        assert "Moriarty" in page.content()
+        assert "default-src 'none'" in response.headers["content-security-policy"], path
+        assert page.evaluate("window.pwned || null") is None, path
+    page.close()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("formgrader_inert")
 def test_the_policy_alone_stops_the_payloads(hostile, browser):
     """The second layer on its own: the hostile notebook rendered as stock nbgrader renders it
     (nothing sanitised), served from the server's origin with the policy the page gets: no

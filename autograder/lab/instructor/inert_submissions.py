@@ -23,7 +23,8 @@ before nbgrader does and renders the same pages with everything a student wrote 
   nor load anything from elsewhere;
 * Formgrader's other pages (nbgrader's Jinja templates, which print a student's id raw, even
   inside a script) are rendered with every value escaped, under the same kind of policy; the
-  files nbgrader serves beside a submission are sandboxed documents.
+  files nbgrader serves beside a submission, and its API's answers (JSON sent as text/html),
+  are sandboxed documents that run nothing if opened as a page.
 
 It also holds the kernel manager that keeps kernels off in the instructor lab
 (:class:`KernelsOffManager`, see ``jupyter_server_config.py``).
@@ -54,7 +55,7 @@ from nbgrader.server_extensions.formgrader.base import check_notebook_dir, check
 from nbgrader.server_extensions.formgrader.handlers import SubmissionFilesHandler, SubmissionHandler
 from tornado import web
 from tornado.routing import HostMatches, Rule
-from tornado.web import _ApplicationRouter
+from tornado.web import OutputTransform, _ApplicationRouter
 
 # --------------------------------------------------------------------------------------
 # HTML a student wrote
@@ -340,6 +341,29 @@ class InertSubmissionFilesHandler(SubmissionFilesHandler):
         self.set_header("X-Content-Type-Options", "nosniff")
 
 
+API_POLICY = "default-src 'none'; frame-ancestors 'none'; sandbox"
+
+
+class ApiResponsePolicy(OutputTransform):
+    """Formgrader's API (nbgrader's, and the rerouted buttons) answers JSON as ``text/html``: a
+    link to it opened in the browser rendered the names in it as markup (a student id
+    ``<img src=x onerror=...>`` ran). Every answer under ``formgrader/api/`` gets a policy that
+    runs nothing there; Formgrader's pages read these answers with XHR, which the policy of the
+    answer does not touch."""
+
+    prefix = "/formgrader/api/"   # under the server's base_url, set when the extension loads
+
+    def __init__(self, request):
+        super().__init__(request)
+        self.applies = request.path.startswith(self.prefix)
+
+    def transform_first_chunk(self, status_code, headers, chunk, finishing):
+        if self.applies:
+            headers["Content-Security-Policy"] = API_POLICY
+            headers["X-Content-Type-Options"] = "nosniff"
+        return status_code, headers, chunk
+
+
 def formgrader_routes() -> list[tuple]:
     """nbgrader's Formgrader page routes, in its order, each handler made safe: the submission
     page inert, the files beside it sandboxed, every other page escaped (:class:`EscapingRender`)."""
@@ -383,5 +407,7 @@ def _load_jupyter_server_extension(serverapp):
     webapp = serverapp.web_app
     routes = [(url_path_join(webapp.settings["base_url"], pattern), *rest) for pattern, *rest in formgrader_routes()]
     webapp.default_router.rules.insert(0, Rule(HostMatches(".*$"), _ApplicationRouter(webapp, routes)))
+    ApiResponsePolicy.prefix = url_path_join(webapp.settings["base_url"], "formgrader/api/")
+    webapp.transforms.append(ApiResponsePolicy)
     serverapp.log.info("Attention Lab: Formgrader shows student submissions inert (sanitised, "
                        "with a Content-Security-Policy)")
