@@ -127,6 +127,13 @@ def test_formgraders_own_pages_show_hostile_names_as_text(hostile, browser, scre
     page.goto(server.url("formgrader/manage_students"))
     page.locator("table").get_by_text("Moriarty").first.wait_for()
     screenshots.take(page, "hostile-names-as-text")
+    hostile_id = urllib.parse.quote(HOSTILE_ID, safe="")
+    for path in ("formgrader", f"formgrader/manage_submissions/{TINY}", "formgrader/gradebook",
+                 f"formgrader/gradebook/{TINY}", f"formgrader/manage_students/mallory/{TINY}",
+                 f"formgrader/manage_students/{hostile_id}/{TINY}"):
+        page.goto(server.url(path))  # each page's own scripts fill its table under its policy
+        page.locator("table tbody tr").first.wait_for()
+        assert page.evaluate("window.pwned || null") is None and page.evaluate("window.violations || []") == [], path
     page.goto(server.url(f"formgrader/gradebook/{TINY}/{TINY}"))
     page.locator("table tbody tr").filter(has_text="Moriarty").locator("td.name a:visible").click()
     page.get_by_text("My reasoning.").first.wait_for()
