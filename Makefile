@@ -49,9 +49,11 @@ lab: setup ## students: JupyterLab on course/ with Validate (sets up first if ne
 # holding an nbgrader_config.py of its own (nbgrader reads the working folder's config last).
 FORMGRADER_ROOT ?= autograder/course_root
 # .venv/bin on PATH: nbgrader runs the `alembic` executable when it opens the gradebook.
+# INSTRUCTOR_KERNELS=on: terminals and kernels in this lab (they run as you, unsandboxed); off by default.
+INSTRUCTOR_KERNELS ?=
 formgrader: setup ## instructors: JupyterLab with nbgrader's Formgrader on the course root autograder/course_root/
 	mkdir -p $(FORMGRADER_ROOT)
-	cd $(FORMGRADER_ROOT) && PATH=$(CURDIR)/$(BIN):$$PATH \
+	cd $(FORMGRADER_ROOT) && PATH=$(CURDIR)/$(BIN):$$PATH ATTENTION_LAB_INSTRUCTOR_KERNELS=$(INSTRUCTOR_KERNELS) \
 	  JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/lab/instructor:$(CURDIR)/autograder \
 	  $(CURDIR)/$(BIN)/jupyter lab $(ROOT_FLAG) $(FORMGRADER_ARGS)
 

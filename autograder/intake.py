@@ -45,6 +45,7 @@ import ast
 import copy
 import datetime
 import json
+import os
 import re
 import shutil
 import sys
@@ -55,8 +56,8 @@ from pathlib import Path
 import nbformat
 
 from autograder.release import assignment_names, released_notebook
-from autograder.roster import ROSTER_FILE, Roster, fold
-from autograder.settings import COURSE_DIR, COURSE_ROOT
+from autograder.roster import ROSTER_FILE, Roster, fold, normal_name
+from autograder.settings import COURSE_DIR, COURSE_ROOT, MAX_NOTEBOOK_BYTES
 
 IGNORED = {".DS_Store", "Thumbs.db", "desktop.ini"}
 IGNORED_DIRS = {"__MACOSX", ".ipynb_checkpoints", ".git"}
@@ -114,7 +115,9 @@ def assignment_from_name(filename: str, assignments: list[str]) -> str | None:
 
 
 def clean_student_id(name: str) -> tuple[str | None, str | None]:
-    student = unicodedata.normalize("NFC", name).strip()
+    """(the id a student folder is filed under, None) or (None, why it cannot be): NFKC,
+    invisible format characters removed (:func:`autograder.roster.normal_name`)."""
+    student, _ = normal_name(name)
     if not student or student.startswith("."):
         return None, "empty or hidden student folder name"
     if FORBIDDEN_IN_ID.search(student) or student in {".", ".."}:
@@ -148,6 +151,10 @@ def resolve_student(entry: "Entry", folder: str, roster, add_unknown: bool, lms_
     if problem:
         entry.reasons.append(problem)
         return None
+    removed = normal_name(folder)[1]
+    if removed:
+        entry.reasons.append(f"removed invisible characters from the student folder name {folder!r} "
+                             f"({', '.join(removed)}): taken as {student!r}")
     if roster is None:
         other = (seen or {}).get(fold(student))
         if other is not None and other != student and not add_unknown:
@@ -348,6 +355,46 @@ def read_notebook(path: Path):
     return notebook, None
 
 
+def unreadable_file(submissions: Path, relative: Path) -> str | None:
+    """Why ``submissions/relative`` is refused before it is read, or None.
+
+    * A link (file or folder, as unzipping an archive restores it) could point anywhere on the
+      instructor's machine -- at the course's own source notebook, say -- and be filed as the
+      student's work: never followed.
+    * Anything but a regular file (a FIFO would block the intake) is refused.
+    * A notebook over MAX_NOTEBOOK_BYTES is refused before it is read (it would be parsed here
+      and shipped to every grading worker)."""
+    path = submissions
+    for part in relative.parts:
+        path = path / part
+        if path.is_symlink():
+            what = "folder" if path.is_dir() else "file"
+            where = "" if path == submissions / relative else f" ({path.relative_to(submissions)})"
+            return (f"a {what} link{where} to {os.readlink(path)}: links are not followed (a submission "
+                    "must be the file itself: unpack archives without their links)")
+    path = submissions / relative
+    if not path.is_file():
+        return "not a regular file"
+    size = path.stat().st_size
+    if size > MAX_NOTEBOOK_BYTES:
+        return (f"{size / 1e6:.1f} MB, over the limit of {MAX_NOTEBOOK_BYTES / 1e6:g} MB for one submitted file "
+                "(MAX_NOTEBOOK_BYTES in autograder/settings.py): the student can clear its outputs and submit it again")
+    return None
+
+
+def refuse_after_error(entry: Entry, error: Exception, chosen: dict) -> None:
+    """One file that made the intake fail (too deeply nested to parse, say) is refused, alone."""
+    if isinstance(error, RecursionError):
+        why = "its JSON is nested too deeply to be a notebook"
+    else:
+        why = f"{type(error).__name__}: {str(error)[:200]}"
+    for key, (_, other, _) in list(chosen.items()):
+        if other is entry:
+            del chosen[key]
+    entry.status = "refused"
+    entry.reasons.append(f"could not be taken in ({why})")
+
+
 def _timestamp(mtime: float) -> str:
     """nbgrader's timestamp.txt format (UTC)."""
     moment = datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc)
@@ -386,74 +433,83 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
     chosen: dict[tuple[str, str], tuple[float, Entry, object]] = {}
     for path in sorted(submissions.rglob("*")):
         relative = path.relative_to(submissions)
-        if path.is_dir() or path.name in IGNORED or set(relative.parts) & IGNORED_DIRS:
+        if path.name in IGNORED or set(relative.parts) & IGNORED_DIRS:
             continue
         if any(part.startswith(".") for part in relative.parts):
             continue
-        entry = Entry(str(relative), None, "refused")
+        if path.is_dir() and not path.is_symlink():
+            continue
+        entry = Entry(str(relative), relative.parts[0] if len(relative.parts) > 1 else None, "refused")
         entries.append(entry)
-        filename = path.name
-        lms = lms_name(relative.parts[0])
-        if len(relative.parts) < 2 and not lms:
-            entry.reasons.append("not inside a student folder (expected <student>/<file>, "
-                                 "or an LMS export's lastfirst_<id>_<id>_<file>)")
-            continue
-        if lms:
-            entry.reasons.append(f"{lms['kind']} export: {lms['name']}, LMS user id {lms['lms']}"
-                                 + (" (marked late)" if lms["late"] else ""))
-            if roster is None:
-                entry.student = lms["name"]
-                entry.reasons.append("an LMS export needs the roster to know its students "
-                                     "(make roster ROSTER=<csv> with their lms_user_id)")
-                continue
-            if len(relative.parts) < 2:
-                filename = lms["file"]
-            student = resolve_student(entry, lms["name"], roster, add_unknown, lms["lms"])
-        else:
-            student = resolve_student(entry, relative.parts[0], roster, add_unknown, seen=seen)
-        entry.student = student or (lms["name"] if lms else relative.parts[0])
-        if student is None:
-            continue
-        if path.suffix.lower() != ".ipynb":
-            entry.reasons.append(f"not a notebook ({path.suffix or 'no extension'}): unknown file")
-            continue
-        notebook, problem = read_notebook(path)
+        problem = unreadable_file(submissions, relative)
         if problem:
             entry.reasons.append(problem)
             continue
-        by_name = assignment_from_name(filename, assignments)
-        scores = {a: content_match(notebook, r) for a, r in releases.items()}
-        best = max(scores, key=scores.get) if scores else None
-        if best is None or scores[best] < MIN_CONTENT_MATCH:
-            entry.reasons.append("its cells are not those of any notebook of this course"
-                                 + (f" (the name says {by_name})" if by_name else ""))
-            continue
-        if by_name and by_name != best and scores.get(by_name, 0) < MIN_CONTENT_MATCH:
-            entry.reasons.append(f"named like {by_name} but its cells are those of {best}: "
-                                 "the wrong notebook was submitted")
-            continue
-        assignment = by_name if by_name and scores.get(by_name, 0) >= MIN_CONTENT_MATCH else best
-        if not by_name:
-            entry.reasons.append(f"recognised by its content as {assignment}")
-        elif normalise_name(Path(filename).stem) != assignment.lower() or filename != f"{assignment}.ipynb":
-            entry.reasons.append(f"file name {filename!r} taken as {assignment}")
-        repaired, notes, refusal = repair(notebook, releases[assignment])
-        entry.assignment = assignment
-        if refusal:
-            entry.reasons.append("nbgrader metadata missing and cannot be repaired: " + refusal)
-            continue
-        entry.reasons += notes
-        entry.status = "repaired" if notes else "accepted"
-        key = (student, assignment)
-        mtime = path.stat().st_mtime
-        if key in chosen:
-            other_mtime, other, _ = chosen[key]
-            older, newer = (other, entry) if other_mtime <= mtime else (entry, other)
-            older.status = "refused"
-            older.reasons.append(f"superseded by the newer file {newer.source!r}")
-            if newer is other:
+        try:
+            filename = path.name
+            lms = lms_name(relative.parts[0])
+            if len(relative.parts) < 2 and not lms:
+                entry.reasons.append("not inside a student folder (expected <student>/<file>, "
+                                     "or an LMS export's lastfirst_<id>_<id>_<file>)")
                 continue
-        chosen[key] = (mtime, entry, repaired)
+            if lms:
+                entry.reasons.append(f"{lms['kind']} export: {lms['name']}, LMS user id {lms['lms']}"
+                                     + (" (marked late)" if lms["late"] else ""))
+                if roster is None:
+                    entry.student = lms["name"]
+                    entry.reasons.append("an LMS export needs the roster to know its students "
+                                         "(make roster ROSTER=<csv> with their lms_user_id)")
+                    continue
+                if len(relative.parts) < 2:
+                    filename = lms["file"]
+                student = resolve_student(entry, lms["name"], roster, add_unknown, lms["lms"])
+            else:
+                student = resolve_student(entry, relative.parts[0], roster, add_unknown, seen=seen)
+            entry.student = student or (lms["name"] if lms else relative.parts[0])
+            if student is None:
+                continue
+            if path.suffix.lower() != ".ipynb":
+                entry.reasons.append(f"not a notebook ({path.suffix or 'no extension'}): unknown file")
+                continue
+            notebook, problem = read_notebook(path)
+            if problem:
+                entry.reasons.append(problem)
+                continue
+            by_name = assignment_from_name(filename, assignments)
+            scores = {a: content_match(notebook, r) for a, r in releases.items()}
+            best = max(scores, key=scores.get) if scores else None
+            if best is None or scores[best] < MIN_CONTENT_MATCH:
+                entry.reasons.append("its cells are not those of any notebook of this course"
+                                     + (f" (the name says {by_name})" if by_name else ""))
+                continue
+            if by_name and by_name != best and scores.get(by_name, 0) < MIN_CONTENT_MATCH:
+                entry.reasons.append(f"named like {by_name} but its cells are those of {best}: "
+                                     "the wrong notebook was submitted")
+                continue
+            assignment = by_name if by_name and scores.get(by_name, 0) >= MIN_CONTENT_MATCH else best
+            if not by_name:
+                entry.reasons.append(f"recognised by its content as {assignment}")
+            elif normalise_name(Path(filename).stem) != assignment.lower() or filename != f"{assignment}.ipynb":
+                entry.reasons.append(f"file name {filename!r} taken as {assignment}")
+            repaired, notes, refusal = repair(notebook, releases[assignment])
+            entry.assignment = assignment
+            if refusal:
+                entry.reasons.append("nbgrader metadata missing and cannot be repaired: " + refusal)
+                continue
+            entry.reasons += notes
+            entry.status = "repaired" if notes else "accepted"
+            key = (student, assignment)
+            mtime = path.stat().st_mtime
+            if key in chosen:
+                other_mtime, other, _ = chosen[key]
+                older, newer = (other, entry) if other_mtime <= mtime else (entry, other)
+                older.status = "refused"
+                older.reasons.append(f"superseded by the newer file {newer.source!r}")
+                if newer is other:
+                    continue
+            chosen[key] = (mtime, entry, repaired)
+        except Exception as error:  # whatever one file does, it is that file's refusal
+            refuse_after_error(entry, error, chosen)
     for (student, assignment), (mtime, entry, notebook) in chosen.items():
         folder = root / "submitted" / student / assignment
         target = folder / f"{assignment}.ipynb"

@@ -41,6 +41,17 @@ COLUMNS = ["id", "first_name", "last_name", "email", "lms_user_id"]
 DEADLINES_FILE = REPO_ROOT / "deadlines.csv"
 
 
+def normal_name(text: str) -> tuple[str, list[str]]:
+    """A student's id or name as it is filed: NFKC (``ｂｏｂ`` and ``e`` + combining accent are
+    ``bob`` and ``é``), without the invisible format characters (zero-width spaces and joiners,
+    right-to-left and other bidirectional controls, soft hyphens) that make one student look
+    like two, or one name display as another. Returns (text, what was removed, for the reason)."""
+    text = unicodedata.normalize("NFKC", text or "")
+    removed = sorted({f"U+{ord(c):04X} {unicodedata.name(c, 'format character')}"
+                      for c in text if unicodedata.category(c) == "Cf"})
+    return "".join(c for c in text if unicodedata.category(c) != "Cf").strip(), removed
+
+
 def fold(text: str) -> str:
     """Case, accents and separators folded: ``Núñez, Ana`` -> ``nunezana``."""
     text = unicodedata.normalize("NFKD", text or "")
@@ -68,28 +79,35 @@ class Student:
 
 
 class Roster:
-    def __init__(self, students: list[Student]):
+    def __init__(self, students: list[Student], notes: list[str] | None = None):
         self.students = students
         self.by_id = {s.id: s for s in students}
+        self.notes = notes or []  # what reading it changed (invisible characters removed)
 
     @classmethod
     def read(cls, path: Path) -> Roster:
         with open(path, newline="", encoding="utf-8-sig") as handle:
             rows = list(csv.DictReader(handle))
-        students = []
+        students, notes = [], []
         for number, row in enumerate(rows, start=2):
             row = {(k or "").strip().lower(): (v or "").strip() for k, v in row.items()}
+            for key in ("id", "first_name", "last_name", "name"):
+                if row.get(key):
+                    row[key], removed = normal_name(row[key])
+                    if removed:
+                        notes.append(f"{path.name}, line {number}: removed invisible characters from {key} "
+                                     f"({', '.join(removed)}): {row[key]!r}")
             if not row.get("id"):
                 raise SystemExit(f"{path}, line {number}: no id (the roster needs a column `id`)")
             first, last = row.get("first_name", ""), row.get("last_name", "")
             if not (first or last) and row.get("name"):
                 first, _, last = row["name"].rpartition(" ") if " " in row["name"] else ("", "", row["name"])
-            students.append(Student(unicodedata.normalize("NFC", row["id"]), first, last, row.get("email", ""),
+            students.append(Student(row["id"], first, last, row.get("email", ""),
                                     row.get("lms_user_id") or row.get("lms_id", "")))
         duplicates = sorted({s.id for s in students if sum(t.id == s.id for t in students) > 1})
         if duplicates:
             raise SystemExit(f"{path}: these ids appear twice: {', '.join(duplicates)}")
-        return cls(students)
+        return cls(students, notes)
 
     @classmethod
     def of_course(cls, root: Path) -> Roster | None:
@@ -219,7 +237,27 @@ def withdraw(student: str, assignment: str, root: Path = COURSE_ROOT) -> list[st
                 done.append(f"removed {student}/{assignment} from the gradebook")
             except MissingEntry:
                 pass
+            if forget_student_without_submissions(gb, student, root):
+                done.append(f"removed {student} from the gradebook (not in the roster, no other submission)")
     return done
+
+
+def forget_student_without_submissions(gb, student: str, root: Path) -> bool:
+    """After a withdrawal: a student the roster does not name and who has no submission left
+    (a wrongly named folder, say) leaves the gradebook, so no export or Formgrader list shows
+    them; a roster student stays (``not submitted``). Whether they were removed."""
+    from nbgrader.api import MissingEntry
+
+    listed = Roster.of_course(root)
+    if listed is not None and student in listed.by_id:
+        return False
+    try:
+        if gb.find_student(student).submissions:
+            return False
+    except MissingEntry:
+        return False
+    gb.remove_student(student)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.command == "import":
         roster = import_roster(options.csv, options.root)
+        for note in roster.notes:
+            print(note)
         print(f"{len(roster.students)} students in {options.root / ROSTER_FILE} and in the gradebook")
     elif options.command == "deadlines":
         if not options.csv.exists():

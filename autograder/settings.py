@@ -32,6 +32,10 @@ CHECKED_OUTSIDE_THE_KERNEL = ("01_mha_shapes", "02_numpy_walkthrough", "03_posit
 UNRESPONSIVE_GRACE = 10         # seconds (at least) an interrupted kernel has to answer
 MAX_OUTPUT_BYTES = 1_000_000    # output kept per cell
 
+# The largest file `make intake` takes in as a submission: the released notebooks are under
+# 100 kB; a few plots in the outputs stay far below. A bigger file is refused, saying so.
+MAX_NOTEBOOK_BYTES = 20_000_000
+
 # nbgrader's late-submission penalty (LateSubmissionPlugin.penalty_method: "none" or "zero"),
 # applied from each submission's timestamp.txt (written by intake) and the assignment's due
 # date in the gradebook; `python -m autograder.grade --late-penalty` overrides it for one run.

@@ -186,3 +186,64 @@ def test_reintake_is_unchanged_and_report_is_written(tmp_path):
     report = intake.write_report(entries, tmp_path / "autograder", tmp_path / "downloads")
     assert "ki/01_mha_shapes.ipynb" in report.read_text()
     assert json.loads((report.parent / "intake_report.json").read_text())["files"][0]["status"] == "accepted"
+
+
+def test_links_are_refused_never_followed(tmp_path):
+    """A link restored by unzipping an archive could point at the course's own notebooks
+    (the model solution): it is refused, a linked file and a linked folder alike."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    nbformat.write(release(), str(elsewhere / f"{ASSIGNMENT}.ipynb"))
+    downloads = tmp_path / "downloads"
+    (downloads / "mallory").mkdir(parents=True)
+    (downloads / "mallory" / f"{ASSIGNMENT}.ipynb").symlink_to(elsewhere / f"{ASSIGNMENT}.ipynb")
+    (downloads / "trudy").symlink_to(elsewhere, target_is_directory=True)
+    (downloads / "oscar").mkdir()
+    (downloads / "oscar" / "work").symlink_to(elsewhere, target_is_directory=True)
+    entries = {e.source: e for e in intake.intake(downloads, tmp_path / "autograder", REPO_ROOT / "course",
+                                                  assignments=[ASSIGNMENT])}
+    assert set(entries) == {f"mallory/{ASSIGNMENT}.ipynb", "trudy", "oscar/work"}
+    for entry in entries.values():
+        assert entry.status == "refused" and "links are not followed" in " ".join(entry.reasons), entry
+    assert str(elsewhere) in " ".join(entries["trudy"].reasons)
+    assert not (tmp_path / "autograder" / "submitted").exists()
+
+
+def test_a_file_that_breaks_the_reader_is_refused_alone(tmp_path):
+    """JSON nested too deeply for Python's parser (a RecursionError) is that file's refusal:
+    the other students are filed and the report is written."""
+    nested = release()
+    nested.cells[0].metadata["deep"] = "PLACEHOLDER"
+    text = nbformat.writes(nested).replace('"PLACEHOLDER"', "[" * 100_000 + "]" * 100_000)
+    entries, root = run(tmp_path, {"deep/01_mha_shapes.ipynb": text, "fine/01_mha_shapes.ipynb": release()})
+    assert entries["fine/01_mha_shapes.ipynb"].status == "accepted"
+    deep = entries["deep/01_mha_shapes.ipynb"]
+    assert deep.status == "refused" and "nested too deeply" in " ".join(deep.reasons)
+    assert (root / "submitted" / "fine").is_dir() and not (root / "submitted" / "deep").exists()
+    report = intake.write_report(list(entries.values()), root, tmp_path / "downloads").read_text()
+    assert "nested too deeply" in report
+
+
+def test_a_notebook_over_the_size_limit_is_refused_naming_the_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(intake, "MAX_NOTEBOOK_BYTES", 200_000)
+    big = release()
+    big.cells[0].metadata["padding"] = "x" * 300_000
+    entries, root = run(tmp_path, {"huge/01_mha_shapes.ipynb": big, "fine/01_mha_shapes.ipynb": release()})
+    reasons = " ".join(entries["huge/01_mha_shapes.ipynb"].reasons)
+    assert entries["huge/01_mha_shapes.ipynb"].status == "refused"
+    assert "over the limit of 0.2 MB" in reasons and "MAX_NOTEBOOK_BYTES" in reasons
+    assert entries["fine/01_mha_shapes.ipynb"].status == "accepted"
+
+
+def test_invisible_characters_in_a_student_folder_name_are_removed_with_the_reason(tmp_path):
+    """A zero-width space or a right-to-left override makes ``alice`` look like one student and
+    file as another: the name is normalised (NFKC, no format characters), and the report says so."""
+    entries, root = run(tmp_path, {"alice/01_mha_shapes.ipynb": release(),
+                                   "al\u200bice/Copy of 01_mha_shapes.ipynb": release(),
+                                   "\u202eb\u200dob/01_mha_shapes.ipynb": release(),
+                                   "\uff43arol/01_mha_shapes.ipynb": release()})
+    assert sorted(p.name for p in (root / "submitted").iterdir()) == ["alice", "bob", "carol"]
+    zero_width = entries["al\u200bice/Copy of 01_mha_shapes.ipynb"]
+    assert zero_width.student == "alice" and "U+200B ZERO WIDTH SPACE" in " ".join(zero_width.reasons)
+    override = " ".join(entries["\u202eb\u200dob/01_mha_shapes.ipynb"].reasons)
+    assert "U+202E RIGHT-TO-LEFT OVERRIDE" in override and "taken as 'bob'" in override

@@ -192,3 +192,19 @@ def test_without_a_roster_a_folder_differing_only_in_case_is_refused(tmp_path):
     assert entries["ana/01_mha_shapes.ipynb"].status == "accepted"
     entries = run(downloads(tmp_path / "again", {"Bob/01_mha_shapes.ipynb": release()}), root, add_unknown=True)
     assert entries["Bob/01_mha_shapes.ipynb"].status == "accepted"
+
+
+def test_invisible_characters_in_the_roster_are_removed_and_said(tmp_path):
+    """A zero-width space or a right-to-left override in a roster id or name is removed (NFKC,
+    no format characters), with a note; two ids that differ only by them are one id twice."""
+    path = tmp_path / "r.csv"
+    path.write_text("id,first_name,last_name\nal\u200bice,Al\u202eice,Liddell\n\uff42ob,Bob,B\u00ADuilder\n",
+                    encoding="utf-8")
+    read = roster.Roster.read(path)
+    assert [(s.id, s.first_name, s.last_name) for s in read.students] == [("alice", "Alice", "Liddell"),
+                                                                         ("bob", "Bob", "Builder")]
+    assert any("U+200B ZERO WIDTH SPACE" in note and "line 2" in note for note in read.notes)
+    assert any("U+202E RIGHT-TO-LEFT OVERRIDE" in note for note in read.notes)
+    path.write_text("id\nalice\nal\u200bice\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="appear twice: alice"):
+        roster.Roster.read(path)

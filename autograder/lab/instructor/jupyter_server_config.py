@@ -6,6 +6,7 @@ JUPYTER_CONFIG_PATH (the Makefile puts autograder/ there). The exchange (Assignm
 Course List) is off: submissions come in through `make intake`, not through an exchange folder.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ if str(REPOSITORY) not in sys.path:
     sys.path.insert(0, str(REPOSITORY))
 
 from autograder.gradebook import stamp_in_process  # noqa: E402
+from autograder.lab.instructor.inert_submissions import SHELL_VARIABLE, KernelsOffManager  # noqa: E402
 
 c = get_config()  # noqa: F821 -- provided by Jupyter when it loads this file
 
@@ -29,12 +31,23 @@ EXCHANGE = Path.cwd() / "exchange"  # `make formgrader` runs in the course root
 EXCHANGE.mkdir(exist_ok=True)
 c.Exchange.root = str(EXCHANGE)
 
+# Student content is inert in Formgrader's hand-grading page (sanitised, sent with a
+# Content-Security-Policy): autograder/lab/instructor/inert_submissions.py. And no shell: a
+# terminal or a kernel here runs as the instructor, outside the sandbox, on the course root --
+# what a script slipped into a page would reach for. Off unless `make formgrader
+# INSTRUCTOR_KERNELS=on`; Formgrader itself needs neither.
+if os.environ.get(SHELL_VARIABLE, "").lower() not in ("on", "1", "yes", "true"):
+    c.ServerApp.terminals_enabled = False
+    c.ServerApp.kernel_manager_class = KernelsOffManager
+    c.KernelSpecManager.allowed_kernelspecs = {"kernels-are-off"}  # the launcher lists none
+
 # Formgrader's Autograde / Generate Feedback go through the pipeline (sandbox, one gradebook
 # writer, no hidden test shown); Generate / Release / Collect / Release Feedback are off, with
 # what to run instead: autograder/lab/instructor/pipeline_buttons.py.
 c.ServerApp.jpserver_extensions = {
     "nbgrader.server_extensions.formgrader": True,
     "autograder.lab.instructor.pipeline_buttons": True,
+    "autograder.lab.instructor.inert_submissions": True,
     "nbgrader.server_extensions.validate_assignment": True,
     "nbgrader.server_extensions.assignment_list": False,
     "nbgrader.server_extensions.course_list": False,
