@@ -30,6 +30,7 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpuacct")
+PREFIX = "attention-lab-"   # a group's name: PREFIX<pid of the grader that made it>-<number>
 _names = itertools.count()
 
 
@@ -85,7 +86,7 @@ class Group:
     @classmethod
     def create(cls, memory_mb: int, processes: int) -> Group | None:
         """A new group with these limits (0: none), or None where this machine offers none."""
-        name = f"attention-lab-{os.getpid()}-{next(_names)}"
+        name = f"{PREFIX}{os.getpid()}-{next(_names)}"
         v2 = _v2_base()
         if v2 is not None:
             group = cls(2, {"": v2 / name})
@@ -94,6 +95,8 @@ class Group:
             if v1 is None:
                 return None
             group = cls(1, {controller: base / name for controller, base in v1.items()})
+        for folder in group.folders.values():
+            _remove_stale(folder.parent)
         try:
             for folder in group.folders.values():
                 folder.mkdir()
@@ -148,6 +151,16 @@ class Group:
                     break
                 except OSError:
                     time.sleep(0.02)
+
+
+def _remove_stale(base: Path) -> None:
+    """Remove the empty groups of graders that are gone (a killed Dask worker cannot)."""
+    with contextlib.suppress(OSError):
+        for folder in base.glob(f"{PREFIX}*-*"):
+            owner = folder.name[len(PREFIX):].split("-")[0]
+            if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # (refused while a process is still in it)
 
 
 def join(procs_files: list[str]) -> None:

@@ -28,6 +28,7 @@ import pytest
 
 from autograder import cgroups, grade, sandbox
 from autograder.release import REPO_ROOT
+from autograder.settings import DB_URL_VARIABLE
 from tests.grading_helpers import TINY, cell_limit, tiny_course
 
 pytestmark = pytest.mark.slow
@@ -80,6 +81,30 @@ def test_make_grade_refuses_without_a_working_sandbox_unless_the_instructor_turn
 # --------------------------------------------------------------------------------------
 # What a kernel sees
 # --------------------------------------------------------------------------------------
+
+SECRET = "hunter2-db-password"
+THIEF = f"""import glob, os
+texts = [repr(dict(os.environ))]
+for path in glob.glob('/proc/[0-9]*/environ'):
+    try:
+        texts.append(open(path, 'rb').read().decode(errors='replace'))
+    except OSError:
+        pass
+print('read', len(texts), 'environments')
+value = 42 if any({SECRET!r} in text for text in texts) else 0"""
+
+
+@needs_bwrap
+def test_the_graders_environment_never_reaches_a_submission(tmp_path, monkeypatch):
+    """`make grade DB_URL=postgresql://grader:<password>@...` exports the URL to every process of
+    the run: no kernel finds it, in its environment or any process's it can read."""
+    root = tiny_course(tmp_path / "autograder", {"thief": THIEF})
+    monkeypatch.setenv(DB_URL_VARIABLE, f"postgresql://grader:{SECRET}@db.example.org/attention_lab")
+    (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=60), log=lambda *_: None,
+                             db_url=f"sqlite:///{root / 'gradebook.db'}")  # (the URL above leads nowhere)
+    assert (outcome.status, outcome.score) == ("graded", 0.0), (outcome, printed(root, "thief"))
+    assert "environments" in printed(root, "thief")
+
 
 @needs_bwrap
 def test_a_submission_sees_nothing_of_the_machine_but_what_the_sandbox_shows(tmp_path):
