@@ -22,9 +22,9 @@ Students stay apart, as with a fresh sandbox per kernel:
 * each kernel gets its own session, resource limits, working folder, environment (the
   allowed part of the one Jupyter gave it: ``--allow``; the server itself starts again
   with only the allowed variables, which a forked kernel would find in its
-  ``/proc/self/environ``) and a new numpy seed; its
-  ``sys.path`` is a fresh kernel's; it is the first process the kernel's out-of-memory
-  killer takes, never the server.
+  ``/proc/self/environ``) and a new numpy seed; its ``sys.path`` is a fresh kernel's; when
+  the sandbox runs out of memory (its control group's limit), the out-of-memory killer
+  takes a kernel or what it started, not the server.
 
 This file runs as a script inside the sandbox, where the repository is hidden and only
 this file is shown: it imports nothing but the standard library (and the preloaded

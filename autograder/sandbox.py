@@ -249,8 +249,9 @@ INHERITED_ENVIRONMENT = ("LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "ATTENT
 
 def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
     """The allowed part of ``environ`` (see :data:`INHERITED_ENVIRONMENT`), with a ``PATH`` of
-    the virtual environment and the system's programs: what a kernel, or the kernel server
-    (whose kernels inherit its start-up environment in ``/proc/self/environ``), starts with."""
+    the virtual environment and the system's programs: what ``launch`` hands on (a kernel
+    started afresh, the kernel server, which filters its own as well: see
+    :func:`autograder.kernel_forkserver.serve`)."""
     allowed = {*INHERITED_ENVIRONMENT, *kernel_environment(), *SANDBOX_ENVIRONMENT}
     kept = {name: value for name, value in environ.items() if name in allowed}
     kept["PATH"] = kernel_path()
