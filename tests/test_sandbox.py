@@ -31,7 +31,6 @@ from autograder.release import REPO_ROOT
 from autograder.settings import DB_URL_VARIABLE
 from tests.grading_helpers import TINY, cell_limit, tiny_course
 
-pytestmark = pytest.mark.slow
 needs_bwrap = pytest.mark.skipif(sandbox.bwrap_path() is None, reason="bubblewrap unavailable: no sandbox to test")
 
 
@@ -156,6 +155,7 @@ def hostile_class(tmp_path_factory):
     return root, {o.student: o for o in outcomes}, log
 
 
+@pytest.mark.slow
 @needs_bwrap
 @pytest.mark.xdist_group("hostile_class")
 def test_the_graders_environment_never_reaches_a_submission(hostile_class):
@@ -167,6 +167,7 @@ def test_the_graders_environment_never_reaches_a_submission(hostile_class):
     assert outcomes["thief"].score == 0.0
 
 
+@pytest.mark.slow
 @needs_bwrap
 @pytest.mark.xdist_group("hostile_class")
 def test_a_submission_sees_nothing_of_the_machine_but_what_the_sandbox_shows(hostile_class):
@@ -179,6 +180,7 @@ def test_a_submission_sees_nothing_of_the_machine_but_what_the_sandbox_shows(hos
                                   "tmp", *(path.parts[1] for path in python)}, facts
 
 
+@pytest.mark.slow
 @needs_bwrap
 @pytest.mark.xdist_group("hostile_class")
 def test_nothing_a_kernel_writes_reaches_the_next_even_in_folders_made_read_only(hostile_class):
@@ -236,6 +238,7 @@ time.sleep(5)
 value = 42"""
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_memory_processes_disk_and_time_are_limited_for_a_whole_submission(tmp_path):
     limit = cell_limit()
