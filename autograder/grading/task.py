@@ -384,11 +384,12 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engi
             return "cpu"
         return "disk" if disk_usage(course / KERNEL_WORKDIR_ROOT, runtime) > quota else None
 
+    over_budget = (f"its attempts together ran past the {settings['submission_timeout']} s a submission "
+                   "may take (--submission-timeout), so the grader gave up")
     for attempt in range(1, settings["attempts"] + 1):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            outcome["error"] = (f"its attempts together ran past the {settings['submission_timeout']} s a "
-                                "submission may take (--submission-timeout), so the grader gave up")
+            outcome["error"] = over_budget
             break
         outcome["attempts"] = attempt
         report_path.unlink(missing_ok=True)
@@ -415,6 +416,9 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engi
         produced = all((workdir / f"{name}.ipynb").exists() for name in expected)
         if result.status == 0 and produced and expected:
             outcome["status"] = "graded"
+            break
+        if result.timed_out and time.monotonic() >= deadline:  # (whichever cell it was in: no time to retry)
+            outcome["error"] = over_budget
             break
         if result.stopped == "cpu":
             outcome["error"] = (f"its sandbox used more than the {settings['cpu_seconds']} s of CPU a submission "
