@@ -81,9 +81,13 @@ $(FLOORS_VENV)/.installed: pyproject.toml
 floors: setup $(FLOORS_VENV)/.installed ## run the notebooks and check tests on the lowest supported versions (slow)
 	$(FLOORS_VENV)/bin/python -m benchmarks.floors run
 
+# SANDBOX=off: grade WITHOUT isolating student code (trusted submissions only); by default
+# `make grade` refuses to grade where bubblewrap cannot run, and says why.
+SANDBOX ?= on
+
 sandbox: ## install bubblewrap (isolates student code while grading) when it is missing
 	@command -v bwrap >/dev/null || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
-	  || echo "warning: could not install bubblewrap; grading will run WITHOUT isolation"; }
+	  || echo "warning: could not install bubblewrap; make grade will refuse to grade (SANDBOX=off grades WITHOUT isolation)"; }
 
 browser: ## install Debian's chromium (the browser tests drive it with Playwright) when it is missing
 	@test -x /usr/bin/chromium || { (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
@@ -117,8 +121,8 @@ withdraw: setup ## take out one wrongly filed submission: STUDENT=<id> ASSIGNMEN
 
 # SCHEDULER=tcp://host:8786: grade on that Dask cluster (default: JOBS local worker processes);
 # DB_URL=postgresql://...: the shared gradebook; STUDENT=... ASSIGNMENT=...: regrade that one submission.
-grade: setup sandbox ## autograde new/changed submissions on Dask, JOBS at a time (FORCE=1, STUDENT=/ASSIGNMENT=, SCHEDULER=, DB_URL=)
-	$(BIN)/python -m autograder.grade --jobs $(JOBS) $(if $(FORCE),--force) \
+grade: setup $(if $(filter off,$(SANDBOX)),,sandbox) ## autograde new/changed submissions on Dask, JOBS at a time (FORCE=1, STUDENT=/ASSIGNMENT=, SCHEDULER=, DB_URL=, SANDBOX=off)
+	$(BIN)/python -m autograder.grade --jobs $(JOBS) --sandbox "$(SANDBOX)" $(if $(FORCE),--force) \
 	  $(if $(SCHEDULER),--scheduler "$(SCHEDULER)") $(if $(STUDENT),--student "$(STUDENT)") \
 	  $(if $(ASSIGNMENT),--assignment "$(ASSIGNMENT)") $(if $(LATE_PENALTY),--late-penalty "$(LATE_PENALTY)")
 

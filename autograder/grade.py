@@ -51,26 +51,30 @@ from autograder.grading.merge import (current_totals, duedates, ensure_assignmen
 from autograder.grading.plan import (IGNORED_NAMES, REPORTS_DIR, STATE_DIR, TIMESTAMP_FILE, Outcome, Settings,
                                      Submission, assignments_with_source, discover, exclusive, fingerprint,
                                      load_state, notebook_names, save_state, submitted_folders, tree_files)
-from autograder.grading.report import console_line, summary, write_report
+from autograder.grading.report import console_line, limit_lines, limits_in_force, summary, write_report
 from autograder.grading.task import Engine, start_failure_cause, tampering_incidents
 from autograder.settings import COURSE_ROOT, DB_URL_VARIABLE, LATE_PENALTY_METHOD
 
 __all__ = ["IGNORED_NAMES", "REPORTS_DIR", "STATE_DIR", "Engine", "Outcome", "Settings", "Submission",
            "assignments_with_source", "discover", "ensure_assignments", "ensure_sources", "fingerprint", "grade",
-           "load_state", "main", "merge", "notebook_names", "save_state", "start_failure_cause",
+           "SandboxUnavailable", "load_state", "main", "merge", "notebook_names", "save_state", "start_failure_cause",
            "tampering_incidents", "write_report"]
 
 
+class SandboxUnavailable(Exception):
+    """Grading refused: the sandbox cannot run here and the instructor did not turn it off."""
+
+
 def _isolation(settings: Settings, log) -> str:
-    """This machine's isolation (the embedded cluster's workers run here), with its warning."""
-    use_bwrap = settings.sandbox != "off" and sandbox.bwrap_path() is not None
-    if settings.sandbox == "on" and not use_bwrap:
-        raise SystemExit(sandbox.isolation_warning())
-    warning = None if use_bwrap else (sandbox.isolation_warning() if settings.sandbox == "auto"
-                                      else "WARNING: sandbox disabled (--sandbox off)")
-    if warning:
-        log(warning)
-    return f"bubblewrap ({sandbox.bwrap_path()})" if use_bwrap else (warning or "none")
+    """This machine's isolation (the embedded cluster's workers run here); refuses to grade
+    without it unless the settings turn it off (``make grade SANDBOX=off``)."""
+    if settings.sandbox == "off":
+        log("WARNING: the sandbox is off (SANDBOX=off): student code runs WITHOUT filesystem and network "
+            "isolation, as your user. Grade only trusted submissions this way.")
+        return "none: the sandbox was turned off (--sandbox off)"
+    if sandbox.bwrap_path() is None:
+        raise SandboxUnavailable(sandbox.refusal())
+    return f"bubblewrap ({sandbox.bwrap_path()})"
 
 
 def _outcome(submission: Submission, result: dict | None, error: str) -> Outcome:
@@ -96,6 +100,9 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
     root = Path(root).resolve()
     url = gradebook.db_url(root, db_url)
     isolation = _isolation(settings, log) if not scheduler else f"as each worker of {scheduler} provides"
+    limits = limits_in_force(settings) if not scheduler else []
+    for line in limit_lines(limits):
+        log(line)
     with exclusive(root):
         state = load_state(root)
         submissions, problems = discover(root, students, assignments)
@@ -156,7 +163,7 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
         outcomes.sort(key=lambda o: (o.student, o.assignment))
         for unchanged in (o for o in outcomes if o.status == "unchanged"):
             log(console_line(unchanged))
-        report = write_report(root, outcomes, problems, settings, isolation, description)
+        report = write_report(root, outcomes, problems, settings, isolation, description, limits)
         log(f"report: {report}")
     return outcomes
 
@@ -186,15 +193,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds to start a kernel and run the setup cell")
     parser.add_argument("--notebook-timeout", type=int, default=defaults.notebook_timeout,
                         help="seconds per attempt at a whole submission")
-    parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb, help="memory limit per kernel")
+    parser.add_argument("--submission-timeout", type=int, default=defaults.submission_timeout,
+                        help="seconds for a whole submission, all its attempts together")
+    parser.add_argument("--cpu-seconds", type=int, default=defaults.cpu_seconds,
+                        help="CPU seconds of a submission's sandbox, all its attempts together (where a "
+                             "control group measures it)")
+    parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb,
+                        help="memory of a kernel process, and of its whole sandbox (where a control group holds it)")
     parser.add_argument("--file-mb", type=int, default=defaults.file_mb, help="largest file a kernel may write")
+    parser.add_argument("--disk-mb", type=int, default=defaults.disk_mb,
+                        help="what a kernel may write: its /tmp and /dev/shm (each), and its folders on this disk")
+    parser.add_argument("--processes", type=int, default=defaults.processes,
+                        help="processes and threads in a sandbox at once (where a control group holds it)")
     parser.add_argument("--max-output-bytes", type=int, default=defaults.max_output_bytes)
     parser.add_argument("--attempts", type=int, default=defaults.attempts)
     parser.add_argument("--late-penalty", choices=("none", "zero"), default=LATE_PENALTY_METHOD,
                         help="nbgrader's late-submission penalty (timestamp.txt against the due date): "
                              "none, or zero (a late notebook scores 0)")
-    parser.add_argument("--sandbox", choices=("auto", "on", "off"), default="auto",
-                        help="bubblewrap isolation: auto (use when available, warn otherwise), on (required), off")
+    parser.add_argument("--sandbox", choices=("on", "off"), default="on",
+                        help="bubblewrap isolation: on (refuse to grade where it cannot run), or off (student "
+                             "code runs unisolated: make grade SANDBOX=off)")
     options = parser.parse_args(argv)
     jobs = max(1, options.jobs)
     root = options.root
@@ -217,18 +235,25 @@ def main(argv: list[str] | None = None) -> int:
     one_regrade = bool(options.student and options.assignment and len(options.student) == 1
                        and len(options.assignment) == 1)
     settings = Settings(timeout=options.timeout, startup_timeout=options.startup_timeout,
-                        notebook_timeout=options.notebook_timeout,
-                        memory_mb=options.memory_mb, file_mb=options.file_mb,
+                        notebook_timeout=options.notebook_timeout, submission_timeout=options.submission_timeout,
+                        cpu_seconds=options.cpu_seconds, memory_mb=options.memory_mb, file_mb=options.file_mb,
+                        disk_mb=options.disk_mb, processes=options.processes,
                         max_output_bytes=options.max_output_bytes, attempts=options.attempts,
                         sandbox=options.sandbox, threads=max(1, (os.cpu_count() or 1) // jobs),
                         late_penalty=options.late_penalty)
-    # The instructor's course root holds the whole course (Formgrader lists every assignment);
-    # any other root (a test, a benchmark) only what was submitted to it.
-    whole_course = root.resolve() == COURSE_ROOT.resolve()
-    ensure_sources(root, release.assignment_names() if whole_course else sorted({a for _, a in present}))
-    outcomes = grade(root, jobs=1 if one_regrade else jobs, force=options.force or one_regrade, settings=settings,
-                     students=options.student, assignments=options.assignment, scheduler=options.scheduler,
-                     db_url=options.db_url)
+    try:
+        if not options.scheduler:  # refuse before building anything (grade() checks again)
+            _isolation(settings, log=lambda *_: None)
+        # The instructor's course root holds the whole course (Formgrader lists every assignment);
+        # any other root (a test, a benchmark) only what was submitted to it.
+        whole_course = root.resolve() == COURSE_ROOT.resolve()
+        ensure_sources(root, release.assignment_names() if whole_course else sorted({a for _, a in present}))
+        outcomes = grade(root, jobs=1 if one_regrade else jobs, force=options.force or one_regrade, settings=settings,
+                         students=options.student, assignments=options.assignment, scheduler=options.scheduler,
+                         db_url=options.db_url)
+    except SandboxUnavailable as refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     failed = [o for o in outcomes if o.status == "failed"]
     print(summary(outcomes))
     if failed:

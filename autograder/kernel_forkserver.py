@@ -13,18 +13,24 @@ Students stay apart, as with a fresh sandbox per kernel:
   it is not dumpable, so a kernel cannot ptrace it either;
 * when a kernel ends, and whenever the engine asks (before it answers for a student), the
   server kills every other process of the namespace (``kill(-1)``) and empties the
-  sandbox's ``/tmp`` and ``/dev/shm``: nothing a student started or left there reaches the
-  next student, whose working and runtime folders the engine empties itself;
+  sandbox's ``/tmp`` (``HOME``, ``IPYTHONDIR``) and ``/dev/shm``, making writable again what
+  a kernel made read-only: every kernel starts on fresh scratch folders, and nothing a
+  student started or left there reaches the next kernel, whose working and runtime folders
+  the engine empties itself;
 * it listens on a socket the engine created, in a folder the sandbox hides, and inherited
   as a file descriptor that each kernel closes: no kernel can reach it;
-* each kernel gets its own session, resource limits, working folder, environment (the one
-  Jupyter gave it) and a new numpy seed; its ``sys.path`` is a fresh kernel's.
+* each kernel gets its own session, resource limits, working folder, environment (the
+  allowed part of the one Jupyter gave it: ``--allow``; the server itself starts again
+  with only the allowed variables, which a forked kernel would find in its
+  ``/proc/self/environ``) and a new numpy seed; its ``sys.path`` is a fresh kernel's; when
+  the sandbox runs out of memory (its control group's limit), the out-of-memory killer
+  takes a kernel or what it started, not the server.
 
 This file runs as a script inside the sandbox, where the repository is hidden and only
 this file is shown: it imports nothing but the standard library (and the preloaded
 modules).
 
-    python kernel_forkserver.py serve --listen-fd N --workdir-root D --runtime-dir R --keep VAR,... --preload M,...
+    python kernel_forkserver.py serve --listen-fd N --workdir-root D --runtime-dir R --keep VAR,... --allow VAR,... --preload M,...
     python kernel_forkserver.py kernel --socket PATH --memory-mb N --file-mb M -f CONNECTION_FILE
 
 ``serve`` is the server (started by :class:`Server`, in the engine); ``kernel`` is the
@@ -44,6 +50,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -131,9 +138,13 @@ def empty_folder(folder: str | os.PathLike, keep: tuple[str, ...] = ()) -> None:
     file system only: the folders the engine shows inside the sandbox (bind mounts: the
     kernels' working and runtime folders, which ``/tmp`` holds when the engine's scratch
     folder is under ``/tmp``) are not crossed.  The sub-folders named in ``keep`` stay, emptied.
+    A folder made read-only (``chmod 0555``) is made writable again first: its owner may,
+    without any capability.
     """
     try:
         device = os.lstat(folder).st_dev
+        with contextlib.suppress(OSError):
+            os.chmod(folder, stat.S_IRWXU | os.lstat(folder).st_mode & 0o777)
         entries = list(os.scandir(folder))
     except OSError:
         return
@@ -168,7 +179,7 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder + os.sep)
 
 
-def _kernel(listener: socket.socket, client: Channel, request: dict, keep: dict[str, str]) -> None:
+def _kernel(listener: socket.socket, client: Channel, request: dict, keep: dict[str, str], allow: set[str]) -> None:
     """The forked kernel: never returns."""
     try:
         listener.close()
@@ -177,10 +188,12 @@ def _kernel(listener: socket.socket, client: Channel, request: dict, keep: dict[
         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(number, signal.SIG_DFL)
         _prctl(PR_SET_DUMPABLE, 1)  # as any process (the server is not dumpable)
+        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write("1000")  # out of memory in the sandbox's group: a kernel goes, not the server
         set_limits(request["memory_mb"], request["file_mb"])
         os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update({**request["env"], **keep})
+        os.environ.update({**{k: v for k, v in request["env"].items() if k in allow}, **keep, "PWD": request["cwd"]})
         # what ipykernel_launcher sees: without this file's folder on the path (ipykernel adds '')
         del sys.path[0]
         sys.argv = [importlib.util.find_spec("ipykernel_launcher").origin, "-f", request["connection_file"],
@@ -202,11 +215,12 @@ def _kernel(listener: socket.socket, client: Channel, request: dict, keep: dict[
     os._exit(status)
 
 
-def _serve_kernel(listener: socket.socket, client: Channel, request: dict, keep: dict[str, str]) -> None:
+def _serve_kernel(listener: socket.socket, client: Channel, request: dict, keep: dict[str, str],
+                  allow: set[str]) -> None:
     """Fork the kernel, tell the client its pid, then its exit status; kill it if the client goes."""
     pid = os.fork()
     if pid == 0:
-        _kernel(listener, client, request, keep)
+        _kernel(listener, client, request, keep, allow)
     client.send({"pid": pid})
     exited = os.pidfd_open(pid)
     try:
@@ -228,11 +242,15 @@ def _serve_kernel(listener: socket.socket, client: Channel, request: dict, keep:
         os.close(exited)
 
 
-def serve(listen_fd: int, workdir_root: str, runtime_dir: str, keep: list[str], preload: list[str]) -> int:
+def serve(listen_fd: int, workdir_root: str, runtime_dir: str, keep: list[str], allow: list[str],
+          preload: list[str]) -> int:
     if os.getpid() != 1:
         print("kernel_forkserver: serve runs only as PID 1 of a sandbox (bwrap --unshare-pid --as-pid-1): "
               "it kills every other process of its namespace", file=sys.stderr)
         return 2
+    allowed = {*keep, *allow}
+    if set(os.environ) - allowed:  # a kernel, forked, would find the rest in its /proc/self/environ
+        os.execve(sys.executable, sys.orig_argv, {k: v for k, v in os.environ.items() if k in allowed})
     _prctl(PR_SET_DUMPABLE, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     kept = {name: os.environ[name] for name in keep if name in os.environ}
@@ -250,7 +268,7 @@ def serve(listen_fd: int, workdir_root: str, runtime_dir: str, keep: list[str], 
             if request.get("kind") == "kernel":
                 if _inside(request.get("cwd", "/"), workdir_root) and _inside(request.get("connection_file", "/"),
                                                                              runtime_dir):
-                    _serve_kernel(listener, client, request, kept)
+                    _serve_kernel(listener, client, request, kept, set(allow))
                 else:
                     client.send({"error": f"a kernel outside {workdir_root} or {runtime_dir}"})
             killed = clean()
@@ -365,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--workdir-root", required=True, help="kernels' working folders lie in it")
     server.add_argument("--runtime-dir", required=True, help="kernels' connection files lie in it")
     server.add_argument("--keep", default="", help="variables the sandbox set, kept over the kernel's own")
+    server.add_argument("--allow", default="", help="variables a kernel keeps from the environment it was given")
     server.add_argument("--preload", default=",".join(KERNEL_MODULES), help="modules imported once for all kernels")
     client = sub.add_parser("kernel", help="start a kernel on the server; exit with it")
     client.add_argument("--socket", required=True)
@@ -375,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.command == "serve":
         return serve(options.listen_fd, options.workdir_root, options.runtime_dir,
                      [name for name in options.keep.split(",") if name],
+                     [name for name in options.allow.split(",") if name],
                      [name for name in options.preload.split(",") if name])
     return kernel(options.socket, options.connection_file, options.memory_mb, options.file_mb, rest)
 

@@ -43,7 +43,7 @@ def measured_settings() -> grade.Settings:
     """Short limits, but a multiple of what an honest cell needs on this machine now."""
     return grade.Settings(timeout=cell_limit(), notebook_timeout=int(max(400, 80 * setup_cell_seconds())),
                           memory_mb=3072, file_mb=64, max_output_bytes=200_000, attempts=5,
-                          unresponsive_grace=5, sandbox="auto")
+                          unresponsive_grace=5, sandbox="on")
 
 
 # --------------------------------------------------------------------------------------
@@ -289,7 +289,8 @@ def test_no_student_kernel_outlives_the_run(graded):
 def test_sandbox_warning_names_the_missing_tool(monkeypatch):
     monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert "bubblewrap" in sandbox.isolation_warning() and "WITHOUT" in sandbox.isolation_warning()
+    assert "bubblewrap" in sandbox.unavailable_reason()
+    assert "SANDBOX=off" in sandbox.refusal() and "refusing to grade" in sandbox.refusal()
 
 
 # --------------------------------------------------------------------------------------

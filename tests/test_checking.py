@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import traceback
 
 import numpy as np
 import pytest
@@ -315,6 +316,29 @@ def test_call_student_turns_errors_into_messages_that_name_the_call():
 
     with pytest.raises(CheckFailure, match=r"f\(x\) raised RuntimeError"):
         call_student(buggy, torch.zeros(2, 2), call="f(x)")
+
+
+def test_a_failed_call_frees_what_the_answer_held_and_still_shows_its_line():
+    """An answer that filled the memory until MemoryError: the failure (which IPython keeps as
+    the last error) shows the student's line but no longer holds the list, so the next cells
+    have their memory back (a 3 GB kernel then failed every later test with MemoryError)."""
+    import weakref
+
+    held = []
+
+    class Block:
+        pass
+
+    def hog(x):
+        blocks = [Block()]
+        held.append(weakref.ref(blocks[0]))
+        raise MemoryError
+
+    with pytest.raises(CheckFailure, match=r"f\(x\) raised MemoryError") as failure:
+        call_student(hog, torch.zeros(2), call="f(x)")
+    assert held[0]() is None, "the failure still holds what the answer allocated"
+    lines = [frame.line for frame in traceback.extract_tb(failure.value.__cause__.__traceback__)]
+    assert "raise MemoryError" in lines, lines
 
 
 def test_call_student_names_the_dtype_rule_when_float32_meets_float64():

@@ -36,14 +36,17 @@ import json, os, resource, sys
 import numpy
 print(json.dumps({
     "path": sys.path, "argv0": os.path.basename(sys.argv[0]), "argv_rest": sys.argv[1:2], "cwd": os.getcwd(),
-    "environment": {k: os.environ.get(k) for k in ("HOME", "MPLCONFIGDIR", "IPYTHONDIR", "JPY_PARENT_PID", "TRITON_INTERPRET", "MPLBACKEND",
-                                                  "OMP_NUM_THREADS", "PYTHONNOUSERSITE", "JUPYTER_PATH", "PATH")},
+    "environment": dict(os.environ),
+    "start_environment": open("/proc/self/environ", "rb").read().decode(errors="replace"),
     "limits": [resource.getrlimit(r) for r in (resource.RLIMIT_AS, resource.RLIMIT_FSIZE, resource.RLIMIT_CORE)],
     "executable": sys.executable, "uid": os.getuid(), "sandbox_pid_1": open("/proc/1/cmdline").read() != "",
     "tmp_empty": os.listdir("/tmp") in ([], ["ipython"], ["matplotlib"], ["ipython", "matplotlib"]),
     "random": numpy.random.rand(),
 }))
 """
+
+
+SECRET = "hunter2-db-password"
 
 
 def run_in_kernel(spec_dir: Path, workdir: Path, runtime: Path, code: str) -> dict:
@@ -86,8 +89,10 @@ def test_a_forked_kernel_is_set_up_as_a_fresh_sandboxed_kernel(sandbox_folders):
     server = kernel_forkserver.Server()
     socket_path = base / "server.sock"
     sandbox.write_kernelspec(forked_spec, sandbox.kernel_client_argv(socket_path, **limits))
-    environment = {**os.environ, "JUPYTER_PATH": "/somewhere", **sandbox.kernel_environment()}
-    os.environ["JUPYTER_PATH"] = "/somewhere"  # what the engine sets while it grades
+    grader = {"JUPYTER_PATH": "/somewhere", "LANG": "C.UTF-8",  # what the engine sets while it grades, ...
+              "ATTENTION_LAB_DB_URL": f"postgresql://grader:{SECRET}@db/course", "AWS_SECRET_ACCESS_KEY": SECRET}
+    environment = {**os.environ, **grader, **sandbox.kernel_environment()}  # (... and what it was started with)
+    os.environ.update(grader)
     try:
         server.ensure(sandbox.kernel_server_argv(workroot, runtime, hidden=[base]), str(socket_path), environment)
         fresh = run_in_kernel(fresh_spec, workdir, runtime, FACTS)
@@ -98,9 +103,17 @@ def test_a_forked_kernel_is_set_up_as_a_fresh_sandboxed_kernel(sandbox_folders):
         server.stop()
         del os.environ["JUPYTER_PATH"]
     for kernel in forked:
-        assert {k: v for k, v in kernel.items() if k != "random"} == {k: v for k, v in fresh.items() if k != "random"}
+        assert {k: v for k, v in kernel.items() if k not in ("random", "start_environment")} == \
+            {k: v for k, v in fresh.items() if k not in ("random", "start_environment")}
     assert fresh["limits"][0][0] == 3072 * 2**20 and fresh["cwd"] == str(workdir)
-    assert fresh["environment"]["HOME"] == "/tmp" and fresh["environment"]["JUPYTER_PATH"] == "/somewhere"
+    assert fresh["environment"]["HOME"] == "/tmp" and fresh["environment"]["LANG"] == "C.UTF-8"
+    # the grader's own variables (a database password) never reach a kernel, not even through
+    # the start-up environment a forked kernel inherits from its server (/proc/self/environ)
+    allowed = {*sandbox.INHERITED_ENVIRONMENT, *sandbox.kernel_environment(), *sandbox.SANDBOX_ENVIRONMENT, "PATH",
+               "PWD", "TERM"}  # (the last two set anew by bwrap's --chdir and by ipykernel)
+    for kernel in (fresh, *forked):
+        assert {name for name in kernel["environment"] if name in environment} <= allowed, kernel["environment"]
+        assert SECRET not in json.dumps(kernel), "the grader's database password reached a kernel"
     assert forked[0]["random"] != forked[1]["random"], "two forked kernels drew the same numbers"
     assert not socket_path.exists(), "the stopped server's socket is left behind"
 

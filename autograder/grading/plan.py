@@ -29,12 +29,16 @@ class Settings:
     timeout: int = CELL_TIMEOUT                            # seconds per cell, from the cell's start
     startup_timeout: int = KERNEL_STARTUP_TIMEOUT          # seconds to start a kernel and run its setup cell
     notebook_timeout: int = 1800                           # seconds per attempt at a whole submission
-    memory_mb: int = 4096                                  # address-space limit of a student kernel
+    submission_timeout: int = 3600                         # seconds for a submission, all its attempts together
+    cpu_seconds: int = 3600                                # CPU seconds of a submission's sandbox, all attempts
+    memory_mb: int = 4096                                  # memory of a kernel, and of its whole sandbox
     file_mb: int = 256                                     # largest file a student kernel may write
+    disk_mb: int = 512                                     # what a kernel may write: /tmp, /dev/shm, its folders
+    processes: int = 256                                   # processes (and threads) in a sandbox at once
     max_output_bytes: int = MAX_OUTPUT_BYTES               # output kept per cell
     attempts: int = 6                                      # restarts after a kernel died or hung
     unresponsive_grace: int = UNRESPONSIVE_GRACE           # least seconds an interrupted kernel has to answer
-    sandbox: str = "auto"                                  # auto | on | off
+    sandbox: str = "on"                                    # on (refuses without bubblewrap) | off
     threads: int = 1                                       # torch/BLAS threads per kernel
     late_penalty: str = LATE_PENALTY_METHOD                # nbgrader's LateSubmissionPlugin.penalty_method
 
@@ -46,7 +50,8 @@ class Settings:
 
     def fingerprint(self) -> str:
         values = dataclasses.asdict(self)
-        for name in ("notebook_timeout", "startup_timeout", "threads", "unresponsive_grace", "attempts"):
+        for name in ("notebook_timeout", "submission_timeout", "cpu_seconds", "startup_timeout", "threads",
+                     "unresponsive_grace", "attempts"):
             values.pop(name)
         return json.dumps(values, sort_keys=True)
 

@@ -13,7 +13,7 @@ import datetime
 import json
 from pathlib import Path
 
-from autograder import results
+from autograder import cgroups, results, sandbox
 from autograder.grading.plan import REPORTS_DIR, Outcome, Settings
 from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL
 
@@ -55,7 +55,7 @@ def verdicts_line(outcomes: list[Outcome]) -> str:
     """Where the verdicts of this run's notebooks were decided (the README's security section says why)."""
     notebooks = sorted({test["notebook"] for o in outcomes for test in o.tests} or {o.assignment for o in outcomes})
     outside = [n for n in notebooks if n in CHECKED_OUTSIDE_THE_KERNEL]
-    inside = [n for n in notebooks if not n in CHECKED_OUTSIDE_THE_KERNEL]
+    inside = [n for n in notebooks if n not in CHECKED_OUTSIDE_THE_KERNEL]
     parts = []
     if outside:
         parts.append(f"decided by the trusted checker, outside the student's kernel: {', '.join(outside)}")
@@ -64,16 +64,59 @@ def verdicts_line(outcomes: list[Outcome]) -> str:
     return "Verdicts " + "; ".join(parts) + "." if parts else "No notebook was graded."
 
 
+def limits_in_force(settings: Settings) -> list[dict]:
+    """Each limit on student code, and whether it holds on this machine (where the embedded
+    cluster's workers run): ``{"limit", "holds", "how"}``."""
+    sandboxed = settings.sandbox != "off" and sandbox.bwrap_path() is not None
+    group = cgroups.available() if sandboxed else None
+    no_group = ("no control group here (cgroup v2 delegation or writable cgroup v1 needed)" if sandboxed
+                else "no sandbox (--sandbox off)")
+    per_process = f"{settings.memory_mb} MB of address space per process"
+
+    def limit(name: str, holds: bool, how: str) -> dict:
+        return {"limit": name, "holds": holds, "how": how}
+
+    return [
+        limit("memory of the whole sandbox", group is not None,
+              f"{settings.memory_mb} MB for all its processes ({group})" if group else f"{no_group}; only {per_process}"),
+        limit("memory per process", True, per_process),
+        limit("processes", group is not None,
+              f"{settings.processes} processes and threads at once ({group})" if group else no_group),
+        limit("file size", True, f"{settings.file_mb} MB per file"),
+        limit("disk", sandboxed,
+              f"{settings.disk_mb} MB of /tmp and of /dev/shm (tmpfs), {settings.disk_mb} MB in its working and socket "
+              "folders (checked every second)" if sandboxed else "no sandbox: only the per-file limit"),
+        limit("wall-clock time", True, f"{settings.timeout} s a cell, {settings.notebook_timeout} s an attempt, "
+              f"{settings.submission_timeout} s a submission (all attempts)"),
+        limit("CPU time", group is not None,
+              f"{settings.cpu_seconds} s a submission, all its processes and attempts ({group})" if group
+              else f"{no_group}; only the wall-clock limits"),
+        limit("network", sandboxed, "none in the sandbox" if sandboxed else "no sandbox: the machine's network"),
+    ]
+
+
+def limit_lines(limits: list[dict]) -> list[str]:
+    """The console's lines: the limits that hold on this machine, then one line for each that does not."""
+    holding = [item["limit"] for item in limits if item["holds"]]
+    lines = [f"limits that hold here: {', '.join(holding)}"] if holding else []
+    return lines + [f"WARNING: limit that does NOT hold here: {item['limit']}: {item['how']}"
+                    for item in limits if not item["holds"]]
+
+
 def write_report(root: Path, outcomes: list[Outcome], problems: list[str], settings: Settings,
-                 isolation: str, engine: str = "") -> Path:
+                 isolation: str, engine: str = "", limits: list[dict] | None = None) -> Path:
     folder = root / REPORTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     data = {"generated": stamp, "isolation": isolation, "engine": engine, "verdicts": verdicts_line(outcomes),
-            "settings": dataclasses.asdict(settings),
-            "problems": problems, "submissions": [o.as_dict() for o in outcomes]}
+            "settings": dataclasses.asdict(settings), "limits": limits or [], "problems": problems,
+            "submissions": [o.as_dict() for o in outcomes]}
     (folder / "grading_report.json").write_text(json.dumps(data, indent=1, ensure_ascii=False))
     lines = [f"# Grading report ({stamp})", "", f"Isolation: {isolation}", "", verdicts_line(outcomes), ""]
+    if limits:
+        lines += ["| limit on student code | holds here | how |", "|---|---|---|"]
+        lines += [f"| {item['limit']} | {'yes' if item['holds'] else '**no**'} | {item['how']} |" for item in limits]
+        lines += [""]
     if engine:
         lines += [f"Engine: {engine}", ""]
     lines += ["| student | assignment | status | score | notes |", "|---|---|---|---|---|"]

@@ -17,11 +17,15 @@ replaced.  Each engine grades in a course root of its own, emptied before and af
 student; the worker's scratch folder goes with the worker, even a killed one (its engines
 remove it once the worker is gone).
 
-A kernel that dies (``sys.exit`` is fine, ``os._exit``/segfault is not) or hangs past its
-timeout without answering the interrupt within the grace time is restarted with that cell
-skipped (it earns nothing, the others earn what they earn); after ``attempts`` tries, or
-when a whole attempt runs past ``notebook_timeout``, the submission is failed, never
-silently scored.
+A kernel that dies (``sys.exit`` is fine, ``os._exit``/segfault is not), hangs past its
+timeout without answering the interrupt within the grace time, or writes more than
+``disk_mb`` into the folders of the machine it can write (its working and socket folders;
+its ``/tmp`` and ``/dev/shm`` are tmpfs of that size) is restarted with that cell skipped
+(it earns nothing, the others earn what they earn).  The submission is failed, never
+silently scored, after ``attempts`` tries, or once its attempts together ran past
+``submission_timeout`` seconds or (where the engine's sandbox has a control group,
+:mod:`autograder.cgroups`, which also holds the memory and process count of the whole
+sandbox) used more than ``cpu_seconds`` of CPU.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from autograder import gradebook, results, sandbox
+from autograder import cgroups, gradebook, results, sandbox
 from autograder.kernel_forkserver import empty_folder
 from autograder.nbgrader_cli import nbgrader_environment
 from autograder.settings import AUTOGRADER_DIR, SETUP_CELL_ID
@@ -59,6 +63,7 @@ class Attempt:
     timed_out: bool = False
     log: str = ""           # what the engine printed during a failed attempt
     recorded: dict | None = None    # what nbgrader recorded, when it succeeded
+    stopped: str = ""       # why the watch (see Engine.run) stopped it: "disk" or "cpu"
 
 
 class Engine:
@@ -77,6 +82,8 @@ class Engine:
         self._replies = -1
         self._buffer = b""
         self.last_pid = -1          # the process that ran the last attempt (killed or not)
+        self.group: cgroups.Group | None = None     # its kernel server's control group, if any
+        self._group_limits: tuple[int, int] | None = None
 
     def _start(self) -> None:
         read_end, write_end = os.pipe()
@@ -91,8 +98,26 @@ class Engine:
         self._replies, self._buffer = read_end, b""
         self.last_pid = self.process.pid
 
-    def run(self, task: dict, timeout: float) -> Attempt:
-        """Autograde one task (see :func:`autograder.worker.autograde`); wait at most ``timeout`` s."""
+    def sandbox_group(self, memory_mb: int, processes: int) -> cgroups.Group | None:
+        """The control group of this engine's kernel server, with these limits (None where the
+        machine offers none): kept while the limits stay, so the server is kept too."""
+        if self._group_limits != (memory_mb, processes):
+            self.stop()
+            self.remove_group()
+            self.group, self._group_limits = cgroups.Group.create(memory_mb, processes), (memory_mb, processes)
+        return self.group
+
+    def remove_group(self) -> None:
+        if self.group is not None:
+            self.group.remove()
+        self.group, self._group_limits = None, None
+
+    def run(self, task: dict, timeout: float, watch=None) -> Attempt:
+        """Autograde one task (see :func:`autograder.worker.autograde`); wait at most ``timeout`` s.
+
+        ``watch``: called about every second while it runs; a reason it returns (``"disk"``,
+        ``"cpu"``) stops the attempt as a timeout does.
+        """
         if self.process is None or self.process.poll() is not None:
             self.stop()
             self._start()
@@ -101,11 +126,11 @@ class Engine:
         try:
             self.process.stdin.write((json.dumps(task) + "\n").encode())
             self.process.stdin.flush()
-            answer = self._read_answer(deadline=time.monotonic() + timeout)
+            answer = self._read_answer(deadline=time.monotonic() + timeout, watch=watch, attempt=attempt)
         except BrokenPipeError:
             answer = None
-        if answer is None:  # late or dead: kill it (its kernel dies with it); a new one comes next time
-            attempt.timed_out = self.process.poll() is None
+        if answer is None:  # late, stopped or dead: kill it (its kernel dies with it); a new one comes next time
+            attempt.timed_out = self.process.poll() is None and not attempt.stopped
             self.stop()
         else:
             attempt.status, attempt.recorded = answer["status"], answer.get("recorded")
@@ -115,11 +140,16 @@ class Engine:
                 attempt.log = log.read().decode(errors="replace")
         return attempt
 
-    def _read_answer(self, deadline: float) -> dict | None:
+    def _read_answer(self, deadline: float, watch=None, attempt: Attempt | None = None) -> dict | None:
         while b"\n" not in self._buffer:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([self._replies], [], [], remaining)[0]:
+            if remaining <= 0:
                 return None
+            if not select.select([self._replies], [], [], min(remaining, WATCH_INTERVAL))[0]:
+                if watch is not None and (reason := watch()):
+                    attempt.stopped = reason
+                    return None
+                continue
             chunk = os.read(self._replies, 4096)
             if not chunk:  # the engine exited
                 return None
@@ -150,6 +180,7 @@ class Engine:
 
 
 KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR = "autograded", "rt"
+WATCH_INTERVAL = 1.0    # seconds between two looks at a running attempt's disk and CPU use
 
 
 _idle: queue.SimpleQueue[Engine] = queue.SimpleQueue()
@@ -186,6 +217,7 @@ def stop_engines() -> int:
     with _lock:
         for each in _engines:
             each.stop()
+            each.remove_group()
         stopped = len(_engines)
         _engines.clear()
         while True:
@@ -238,7 +270,29 @@ def _skip_reason(kind: str, settings: dict) -> str:
     if kind == "hung":
         return (f"this cell ran past the {settings['timeout']} s limit and did not stop when "
                 "interrupted, so the grader skipped it")
+    if kind == "disk":
+        return (f"this cell wrote more than the {settings['disk_mb']} MB of files a notebook may write, "
+                "so the grader skipped it")
     return "this cell kept the notebook running past the grader's time limit, so the grader skipped it"
+
+
+def disk_usage(*folders: Path) -> int:
+    """Bytes of disk that the files under ``folders`` take (what a kernel wrote there; a file
+    counts once per link, and what it spared by seeking counts as nothing)."""
+    total = 0
+    pending = [str(folder) for folder in folders]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+                else:
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
 
 
 def _write_tree(folder: Path, files: dict[str, bytes]) -> None:
@@ -267,9 +321,9 @@ def grade_submission(task: dict) -> dict:
     outcome = {"status": "failed", "attempts": 0, "incidents": [], "tests": [], "error": "", "engines": [],
                "worker": f"{socket.gethostname()}:{os.getpid()}", "seconds": 0.0}
     answer = {"outcome": outcome, "notebooks": {}, "grades": {}, "timestamp": None}
-    use_bwrap = settings["sandbox"] != "off" and sandbox.bwrap_path() is not None
-    if settings["sandbox"] == "on" and not use_bwrap:
-        outcome["error"] = f"worker {outcome['worker']}: " + (sandbox.isolation_warning() or "no sandbox")
+    use_bwrap = settings["sandbox"] != "off"
+    if use_bwrap and sandbox.bwrap_path() is None:  # fail closed: --sandbox off is the instructor's to say
+        outcome["error"] = f"worker {outcome['worker']}: {sandbox.refusal()}"
         return answer
     outcome["isolation"] = "bubblewrap" if use_bwrap else "none"
     with engine() as free:
@@ -303,11 +357,14 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engi
     workdir = course / KERNEL_WORKDIR_ROOT / student / assignment
     workdir.mkdir(parents=True)
     limits = {"memory_mb": settings["memory_mb"], "file_mb": settings["file_mb"]}
-    server = None
+    server, group = None, None
     if use_bwrap:  # kernels forked from the engine's sandboxed kernel server (autograder.kernel_forkserver)
         hidden = [course.parent, *(Path(p) for p in task.get("hide", []))]
+        group = free.sandbox_group(settings["memory_mb"], settings["processes"])
         server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, runtime, hidden,
-                                                     course=starts_with_the_setup_cell(task["source"])),
+                                                     course=starts_with_the_setup_cell(task["source"]),
+                                                     disk_mb=settings["disk_mb"],
+                                                     cgroup=group.procs_files if group else None),
                   "socket": str(free.socket_path), "environment": sandbox.kernel_environment(settings["threads"])}
         argv = sandbox.kernel_client_argv(free.socket_path, **limits)
     else:
@@ -318,16 +375,35 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engi
     names = {Path(name).stem for name in task["source"] if name.endswith(".ipynb") and "/" not in name}
     expected = sorted(p.stem for p in (course / "submitted" / student / assignment).glob("*.ipynb") if p.stem in names)
     grace = max(settings["unresponsive_grace"], settings["timeout"] // 4)
+    deadline = time.monotonic() + settings["submission_timeout"]
+    cpu_start = group.cpu_seconds() if group else 0.0
+    quota = settings["disk_mb"] * 2**20
+
+    def watch() -> str | None:
+        if group is not None and group.cpu_seconds() - cpu_start > settings["cpu_seconds"]:
+            return "cpu"
+        return "disk" if disk_usage(course / KERNEL_WORKDIR_ROOT, runtime) > quota else None
+
+    over_budget = (f"its attempts together ran past the {settings['submission_timeout']} s a submission "
+                   "may take (--submission-timeout), so the grader gave up")
     for attempt in range(1, settings["attempts"] + 1):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            outcome["error"] = over_budget
+            break
         outcome["attempts"] = attempt
         report_path.unlink(missing_ok=True)
+        if attempt > 1:  # what the last attempt's kernels wrote goes (it would count against the disk quota)
+            empty_folder(course / KERNEL_WORKDIR_ROOT)
+            empty_folder(runtime)
+            workdir.mkdir(parents=True, exist_ok=True)
         job = {"root": str(course), "student": student, "assignment": assignment,
                "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
                "timeout": settings["timeout"], "startup_timeout": settings["startup_timeout"], "grace": grace,
                "kernel": kernel, "report": str(report_path), "skip": skip,
                "max_output_bytes": settings["max_output_bytes"], "late_penalty": settings["late_penalty"],
                "ipc": str(runtime / "k") if use_bwrap else None, "kernel_server": server}
-        result = free.run(job, timeout=settings["notebook_timeout"])
+        result = free.run(job, timeout=min(settings["notebook_timeout"], remaining), watch=watch)
         outcome["engines"].append(free.last_pid)
         try:
             report = json.loads(report_path.read_text())
@@ -341,7 +417,16 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engi
         if result.status == 0 and produced and expected:
             outcome["status"] = "graded"
             break
-        if "dead_cell" in report:
+        if result.timed_out and time.monotonic() >= deadline:  # (whichever cell it was in: no time to retry)
+            outcome["error"] = over_budget
+            break
+        if result.stopped == "cpu":
+            outcome["error"] = (f"its sandbox used more than the {settings['cpu_seconds']} s of CPU a submission "
+                                "may use (--cpu-seconds), so the grader gave up")
+            break
+        if result.stopped == "disk" and "cell" in report:
+            kind, cell = "disk", report["cell"]
+        elif "dead_cell" in report:
             kind, cell = "dead", report["dead_cell"]
         elif "hung_cell" in report:
             kind, cell = "hung", report["hung_cell"]
@@ -359,7 +444,7 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engi
             break
         skip.setdefault(notebook, {})[str(cell)] = _skip_reason(kind, settings)
         outcome["incidents"].append({"kind": {"dead": "kernel_died", "hung": "kernel_unresponsive",
-                                              "notebook_timeout": "notebook_timeout"}[kind],
+                                              "notebook_timeout": "notebook_timeout", "disk": "disk_quota"}[kind],
                                      "notebook": notebook, "cell": cell,
                                      "grade_id": report.get("grade_id"), "attempt": attempt})
     else:

@@ -746,6 +746,9 @@ def call_student(
         message = f"{call} raised {type(error).__name__}: {error}"
         if _is_mixed_dtype_error(error):
             message += f"\n  Likely mistake: {HINTS['mixed_dtype']}"
+        # The failure keeps the traceback (it shows the student's frames), not what those frames
+        # held: a list that filled the memory until MemoryError is freed for the next cells.
+        traceback.clear_frames(error.__traceback__)
         raise CheckFailure(message) from error
     if (failure := _probes_failure(tripwire, probes)) is not None:  # the answer caught the exception, went on
         raise failure
