@@ -449,7 +449,7 @@ def course_class(name: Any) -> type:
 
 def _random_state(encoder: wire.Encoder) -> dict:
     state = np.random.get_state()
-    return {"torch": encoder.encode(torch.get_rng_state()),
+    return {"torch": encoder.encode(torch.get_rng_state().numpy().tobytes()),  # bytes: not shared memory
             "numpy": [encoder.encode(state[1]), int(state[2]), int(state[3]), float(state[4])]}
 
 
@@ -458,9 +458,9 @@ def _set_random_state(fields: Any, agent: Agent, buffers: list[bytes]) -> None:
     if not isinstance(fields, dict):
         return
     torch_state = agent.decode(fields.get("torch"), buffers)
-    if isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8:
+    if isinstance(torch_state, bytes) and torch_state:
         with contextlib.suppress(RuntimeError):
-            torch.set_rng_state(torch_state.clone())
+            torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
     numpy_state = fields.get("numpy")
     if isinstance(numpy_state, list) and len(numpy_state) == 4:
         keys = agent.decode(numpy_state[0], buffers)

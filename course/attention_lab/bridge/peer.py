@@ -38,6 +38,7 @@ class Peer:
         self.known_to_other: set[str] = set()
         self.shared_bytes = 0
         self.graph_inputs: dict[int, torch.Tensor] = {}  # the current call's autograd inputs, by index
+        self.forget_later: list = []  # storages the other side forgot, forgotten before the next message
 
     def new_id(self) -> str:
         self._next += 1
@@ -106,6 +107,26 @@ class Peer:
             self.graph_inputs[graph_index] = tensor
         return tensor
 
+    def unused(self) -> list[str]:
+        """The shared storages that nothing on this side uses any more (only this bridge's own view
+        of them is left): forgotten on both sides, so that no crossing compares them again."""
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None:
+            return []
+        return [sid for sid, (whole, _) in self.storages.items()
+                if whole.numel() and use_count(whole.untyped_storage()._cdata) <= 2]
+
+    def forget(self, sids: Any) -> None:
+        if not isinstance(sids, list):
+            raise wire.WireError("malformed storages to forget")
+        for sid in sids:
+            if sid in self.storages:
+                whole, _ = self.storages.pop(sid)
+                self.shared_bytes -= whole.numel()
+                if whole.numel():
+                    self.by_pointer.pop(whole.untyped_storage().data_ptr(), None)
+            self.known_to_other.discard(sid)
+
     def changes(self, encoder: wire.Encoder) -> list[list]:
         """[sid, buffer] for every shared storage this side changed since the last crossing."""
         changed = []
@@ -132,17 +153,26 @@ class Peer:
 
     # -- messages ----------------------------------------------------------------------
     def send(self, connection: socket.socket, header: dict, encoder: wire.Encoder) -> None:
+        header["forget"] = self.unused()
+        self.forget(header["forget"])
         header["changes"] = self.changes(encoder)
         wire.send_frame(connection, header, encoder.buffers)
 
     def receive(self, connection: socket.socket) -> tuple[dict, list[bytes]]:
         header, buffers = wire.receive_frame(connection)
+        forget = header.get("forget", [])
+        if not isinstance(forget, list):
+            raise wire.WireError("malformed storages to forget")
+        # after this message's values are decoded (they may view those storages), before the next is encoded
+        self.forget_later = forget
         self.apply_changes(header.get("changes", []), buffers)
         return header, buffers
 
     def encoder(self, on_object: Callable[[Any], dict], share_all: bool) -> wire.Encoder:
         """An encoder whose tensors are shared (``share_all``) or sent as plain data unless they view
         memory that is already shared."""
+        self.forget(self.forget_later)
+        self.forget_later = []
         encoder = wire.Encoder(on_object)
 
         def on_tensor(tensor: torch.Tensor) -> dict | None:

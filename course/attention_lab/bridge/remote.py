@@ -561,7 +561,7 @@ def _send_loader(loader: "torch.utils.data.DataLoader", encoder: wire.Encoder) -
 
 def _random_state(encoder: wire.Encoder) -> dict:
     state = np.random.get_state()
-    return {"torch": encoder.encode(torch.get_rng_state()),
+    return {"torch": encoder.encode(torch.get_rng_state().numpy().tobytes()),  # bytes: not shared memory
             "numpy": [encoder.encode(state[1]), int(state[2]), int(state[3]), float(state[4])]}
 
 
@@ -570,9 +570,9 @@ def _set_random_state(fields: Any, bridge: Bridge, decoder: wire.Decoder) -> Non
     if not isinstance(fields, dict):
         return
     torch_state = bridge.decode(fields.get("torch"), decoder)
-    if isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8:
+    if isinstance(torch_state, bytes) and torch_state:
         try:
-            torch.set_rng_state(torch_state.detach().clone())
+            torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
         except RuntimeError:
             pass
     numpy_state = fields.get("numpy")
