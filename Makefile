@@ -135,11 +135,12 @@ export: setup ## write grades.csv and grades_by_question.csv in autograder/cours
 report: setup ## the class report per assignment: autograder/course_root/reports/class/<assignment>/index.html
 	$(BIN)/python -m autograder.report
 
-bench: setup ## measure notebook run time, autograde overhead, attention kernels and kernel shutdown (see benchmarks/)
+bench: setup ## measure notebook run time, autograde overhead, the trust boundary, attention kernels, kernel shutdown (benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
 	$(BIN)/python -m benchmarks.grading
 	$(BIN)/python -m benchmarks.attention_kernels
 	$(BIN)/python -m benchmarks.kernel_shutdown
+	$(BIN)/python -m benchmarks.bridge
 
 gpu-check: setup ## on a CUDA GPU: run every solution notebook, the check tests and the Triton kernel natively; report
 	$(BIN)/python -m benchmarks.gpu_check
