@@ -116,6 +116,9 @@ class GuardedExecute(CheckedOutsideTheKernel, Execute):
     def report_incident(self, incident: dict) -> None:
         self._report(incident={**incident, "notebook": self._notebook_name})
 
+    def kernel_died(self, number: int) -> None:
+        self._report(dead_cell=number)
+
     def kernel_hung(self, number: int) -> None:
         self._report(hung_cell=number)
 

@@ -221,25 +221,20 @@ def test_big_output_is_truncated(graded):
     assert "output_truncated" in [i["kind"] for i in outcome(graded, "chatty").incidents]
 
 
-def test_tampering_with_checks_is_undone_and_reported(graded):
+def test_tampering_with_checks_changes_nothing(graded):
+    """A fake check module in sys.modules and a replaced torch.allclose live in the kernel; notebook
+    01's checks run in the trusted checker (tests/test_trust_boundary.py has the other attacks), so
+    only the wrong answer loses its point."""
     rebinds = outcome(graded, "rebinds")
-    assert any(i["kind"] == "tampering" and "attention_lab.checks.mha_shapes" in i["detail"]
-               for i in rebinds.incidents), rebinds.incidents
     failed = {t["grade_id"]: t for t in rebinds.tests if not t["passed"] and not t["manual"]}
     assert set(failed) == {LAST_TEST}
+    assert rebinds.score == FULL - 1
 
 
-def test_tampering_is_flagged_for_the_instructor(graded):
-    """The check refused (torch.allclose replaced): the report's notes column says so."""
-    rebinds = outcome(graded, "rebinds")
-    refused = [i for i in rebinds.incidents if i["kind"] == "replaced_functions"]
-    assert [i["grade_id"] for i in refused] == [LAST_TEST], rebinds.incidents
-    assert refused[0]["detail"].startswith(results.TAMPERING_MESSAGE)
-    rows = [line for line in (graded["root"] / "reports" / "grading_report.md").read_text().splitlines()
-            if line.startswith("| rebinds |")]
-    assert len(rows) == 1 and f"{LAST_TEST}: TAMPERING: {results.TAMPERING_MESSAGE}" in rows[0]
-    honest = [line for line in (graded["root"] / "reports" / "grading_report.md").read_text().splitlines()
-              if line.startswith("| Zoë Ångström Núñez |")]
+def test_the_report_says_where_the_verdicts_were_decided(graded):
+    report = (graded["root"] / "reports" / "grading_report.md").read_text()
+    assert f"decided by the trusted checker, outside the student's kernel: {ASSIGNMENT}" in report
+    honest = [line for line in report.splitlines() if line.startswith("| Zoë Ångström Núñez |")]
     assert "TAMPERING" not in honest[0]
 
 

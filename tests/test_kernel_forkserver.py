@@ -81,7 +81,7 @@ def sandbox_folders(tmp_path):
     return tmp_path, workroot, workdir, runtime
 
 
-def test_a_forked_kernel_is_set_up_as_a_fresh_sandboxed_kernel(sandbox_folders):
+def test_a_forked_kernel_is_set_up_as_a_fresh_sandboxed_kernel(sandbox_folders, monkeypatch):
     base, workroot, workdir, runtime = sandbox_folders
     limits = {"memory_mb": 3072, "file_mb": 64}
     fresh_spec, forked_spec = base / "fresh", base / "forked"
@@ -92,7 +92,8 @@ def test_a_forked_kernel_is_set_up_as_a_fresh_sandboxed_kernel(sandbox_folders):
     grader = {"JUPYTER_PATH": "/somewhere", "LANG": "C.UTF-8",  # what the engine sets while it grades, ...
               "ATTENTION_LAB_DB_URL": f"postgresql://grader:{SECRET}@db/course", "AWS_SECRET_ACCESS_KEY": SECRET}
     environment = {**os.environ, **grader, **sandbox.kernel_environment()}  # (... and what it was started with)
-    os.environ.update(grader)
+    for name, value in grader.items():  # (restored after the test: later tests in this process never see them)
+        monkeypatch.setenv(name, value)
     try:
         server.ensure(sandbox.kernel_server_argv(workroot, runtime, hidden=[base]), str(socket_path), environment)
         fresh = run_in_kernel(fresh_spec, workdir, runtime, FACTS)
@@ -101,7 +102,6 @@ def test_a_forked_kernel_is_set_up_as_a_fresh_sandboxed_kernel(sandbox_folders):
         assert server.process.poll() is None, "the kernel server stopped"
     finally:
         server.stop()
-        del os.environ["JUPYTER_PATH"]
     for kernel in forked:
         assert {k: v for k, v in kernel.items() if k not in ("random", "start_environment")} == \
             {k: v for k, v in fresh.items() if k not in ("random", "start_environment")}

@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from queue import Empty
 
+from nbclient.exceptions import DeadKernelError
 from nbclient.util import ensure_async
 from nbformat.notebooknode import NotebookNode
 
@@ -99,6 +100,9 @@ class CheckedOutsideTheKernel:
     def report_incident(self, incident: dict) -> None:
         """Where incidents go (grading's report); nowhere by default."""
 
+    def kernel_died(self, number: int) -> None:
+        """The kernel died during the cell (grading skips the cell on its next attempt); nothing by default."""
+
     def kernel_hung(self, number: int) -> None:
         """The kernel did not finish after the checker was done, even interrupted (grading skips
         the cell on its next attempt); nothing by default."""
@@ -126,6 +130,9 @@ class CheckedOutsideTheKernel:
             self._refused(cell, number, grade_id)
         else:
             self._checker_failed(cell, number, grade_id, (answer or {}).get("error", "the grader's checker did not answer"))
+        if not await ensure_async(self.km.is_alive()):  # the answer killed the kernel while the checker called it
+            self.kernel_died(number)
+            raise DeadKernelError("the kernel died while the grader called the student's code")
         if not await self._agent_returned(msg_id):
             from nbgrader.preprocessors.execute import UnresponsiveKernelError
 
