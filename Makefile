@@ -20,7 +20,16 @@ endif
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: help setup lab formgrader release release-check test test-fast sandbox browser postgres intake grade feedback export bench gpu-check clean
-.PHONY: roster deadlines withdraw report
+.PHONY: roster deadlines withdraw report settings extension
+
+# The late penalty, grace period, extensions and limits are course settings, kept in the course
+# root by `make settings` and read by every grading path: a flag of one `make grade` would
+# vanish at the next run (or at Formgrader's Autograde).
+ifneq ($(filter grade,$(MAKECMDGOALS)),)
+ifdef LATE_PENALTY
+$(error LATE_PENALTY is a course setting, not a flag of one run: `make settings LATE_PENALTY=$(LATE_PENALTY)` keeps it for every grading run (Formgrader's Autograde included), then `make grade`)
+endif
+endif
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -47,7 +56,7 @@ lab: setup ## students: JupyterLab on course/ with Validate (sets up first if ne
 
 # The course root Formgrader serves: nbgrader_config.py names it; a test serves a scratch root
 # holding an nbgrader_config.py of its own (nbgrader reads the working folder's config last).
-FORMGRADER_ROOT ?= autograder/course_root
+FORMGRADER_ROOT ?= $(or $(ATTENTION_LAB_COURSE_ROOT),autograder/course_root)
 # .venv/bin on PATH: nbgrader runs the `alembic` executable when it opens the gradebook.
 formgrader: setup ## instructors: JupyterLab with nbgrader's Formgrader on the course root autograder/course_root/
 	mkdir -p $(FORMGRADER_ROOT)
@@ -113,12 +122,23 @@ withdraw: setup ## take out one wrongly filed submission: STUDENT=<id> ASSIGNMEN
 	@test -n "$(STUDENT)" -a -n "$(ASSIGNMENT)" || { echo "usage: make withdraw STUDENT=<id> ASSIGNMENT=<name>"; exit 2; }
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.roster withdraw --student "$(STUDENT)" --assignment "$(ASSIGNMENT)"
 
+# Each variable given is set; none given shows the settings.
+SETTING_VARIABLES := LATE_PENALTY GRACE_MINUTES TIMEOUT STARTUP_TIMEOUT MEMORY_MB FILE_MB
+SETTING_VALUES = $(foreach v,$(SETTING_VARIABLES),$(if $($(v)),"$(shell echo $(v) | tr A-Z a-z)=$($(v))"))
+settings: setup ## show the course settings, or set them: LATE_PENALTY=none|zero GRACE_MINUTES= TIMEOUT= STARTUP_TIMEOUT= MEMORY_MB= FILE_MB=
+	$(BIN)/python -m autograder.course_settings $(if $(strip $(SETTING_VALUES)),set $(SETTING_VALUES))
+
+extension: setup ## a due date of its own for one student: STUDENT=<id> ASSIGNMENT=<name> UNTIL=<ISO date> (REMOVE=1 takes it back)
+	@test -n "$(STUDENT)" -a -n "$(ASSIGNMENT)" -a -n "$(UNTIL)$(REMOVE)" || { echo "usage: make extension STUDENT=<id> ASSIGNMENT=<name> UNTIL=<ISO date> (or REMOVE=1)"; exit 2; }
+	$(BIN)/python -m autograder.course_settings extend --student "$(STUDENT)" --assignment "$(ASSIGNMENT)" \
+	  $(if $(REMOVE),--remove,--until "$(UNTIL)")
+
 # SCHEDULER=tcp://host:8786: grade on that Dask cluster (default: JOBS local worker processes);
 # DB_URL=postgresql://...: the shared gradebook; STUDENT=... ASSIGNMENT=...: regrade that one submission.
 grade: setup sandbox ## autograde new/changed submissions on Dask, JOBS at a time (FORCE=1, STUDENT=/ASSIGNMENT=, SCHEDULER=, DB_URL=)
 	$(BIN)/python -m autograder.grade --jobs $(JOBS) $(if $(FORCE),--force) \
 	  $(if $(SCHEDULER),--scheduler "$(SCHEDULER)") $(if $(STUDENT),--student "$(STUDENT)") \
-	  $(if $(ASSIGNMENT),--assignment "$(ASSIGNMENT)") $(if $(LATE_PENALTY),--late-penalty "$(LATE_PENALTY)")
+	  $(if $(ASSIGNMENT),--assignment "$(ASSIGNMENT)")
 
 feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/*.html
 	$(BIN)/python -m autograder.feedback

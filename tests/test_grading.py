@@ -15,6 +15,7 @@ import nbformat
 import pytest
 
 from autograder import feedback, grade, gradebook, results, sandbox
+from autograder.course_settings import CourseSettings
 from autograder.export import export
 from autograder.nbgrader_cli import run_nbgrader
 from autograder.release import REPO_ROOT, build_source, course_repository, mark_hidden_tests, write_notebook
@@ -490,7 +491,8 @@ def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_
 
     root = tiny_class({"ann": "value = 42", "bob": "value = 41", "cy": "value = 42"},
                       written={"ann": "Because.", "bob": "Why not.", "cy": "It is."})
-    settings = grade.Settings(timeout=30, late_penalty="zero")
+    settings = grade.Settings(timeout=30)
+    CourseSettings(late_penalty="zero").save(root)    # make settings LATE_PENALTY=zero
     log: list[str] = []
     first = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
     # every total still waits for the written answer: the console says so
@@ -532,10 +534,16 @@ def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_
         assert gb.find_submission(TINY, "cy").late_submission_penalty == 0.0
     assert (third["ann"].score, third["ann"].late_penalty) == (0.0, 2.5)      # nbgrader's "zero" method
     assert (third["bob"].score, third["bob"].pending) == (0.0, 2.0)
+    # bob's dropped hand grades and the TA's comment are said, and kept
+    assert third["bob"].notes and "why_value" in third["bob"].notes[0] and "test_value" in third["bob"].notes[0]
+    kept = list((root / "archive" / "hand_grades" / "bob" / TINY).glob("*.json"))
+    assert len(kept) == 1 and "Say why." in kept[0].read_text(), kept
+    assert not third["ann"].notes and not third["cy"].notes
     assert (third["cy"].score, third["cy"].pending) == (3.0, 0.0)
     assert any("ann/00_tiny: 0 / 3 (late penalty 2.5)" in line for line in log), log
     report = (root / "reports" / "grading_report.md").read_text()
-    assert "| bob | 00_tiny | graded | 0 / 3 (incomplete: 2 points awaiting hand grading) |" in report
+    assert "| bob | 00_tiny | graded | 0 / 3 (incomplete: 2 points awaiting hand grading) | hand grade dropped" in report
+    assert "- late penalty: zero" in report
 
 
 @pytest.mark.slow
