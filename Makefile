@@ -20,7 +20,7 @@ endif
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: help setup lab formgrader release release-check test test-fast sandbox browser postgres intake grade feedback export bench gpu-check clean
-.PHONY: roster deadlines withdraw report settings extension
+.PHONY: roster deadlines withdraw report settings extension dask-scheduler dask-worker
 
 # The late penalty, grace period, extensions and limits are course settings, kept in the course
 # root by `make settings` and read by every grading path: a flag of one `make grade` would
@@ -139,6 +139,17 @@ grade: setup sandbox ## autograde new/changed submissions on Dask, JOBS at a tim
 	$(BIN)/python -m autograder.grade --jobs $(JOBS) $(if $(FORCE),--force) \
 	  $(if $(SCHEDULER),--scheduler "$(SCHEDULER)") $(if $(STUDENT),--student "$(STUDENT)") \
 	  $(if $(ASSIGNMENT),--assignment "$(ASSIGNMENT)")
+
+# A Dask cluster of other machines (README, "Grading at scale"): run from each machine's clone,
+# which these put on PYTHONPATH (the scheduler, too, unpickles the course's tasks).
+DASK_PORT ?= 8786
+WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+dask-scheduler: setup ## a Dask scheduler for SCHEDULER= on port DASK_PORT (8786; its dashboard on the next port)
+	PYTHONPATH=$(CURDIR) $(BIN)/dask scheduler --port $(DASK_PORT) --dashboard-address :$(shell echo $$(($(DASK_PORT) + 1)))
+
+dask-worker: setup ## WORKERS grading workers (default: one per core) for the cluster at SCHEDULER=tcp://host:8786
+	@test -n "$(SCHEDULER)" || { echo "usage: make dask-worker SCHEDULER=tcp://<scheduler-host>:8786 [WORKERS=8]"; exit 2; }
+	PYTHONPATH=$(CURDIR) $(BIN)/dask worker "$(SCHEDULER)" --nworkers $(WORKERS) --nthreads 1 --memory-limit 0
 
 feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/*.html
 	$(BIN)/python -m autograder.feedback

@@ -79,8 +79,7 @@ def _isolation(settings: Settings, log) -> str:
 
 def _outcome(submission: Submission, result: dict | None, error: str) -> Outcome:
     if result is None:
-        return Outcome(submission.student, submission.assignment, "failed",
-                       error=f"the Dask workers running it kept dying: {error}")
+        return Outcome(submission.student, submission.assignment, "failed", error=error)
     data = dict(result["outcome"])
     data.pop("isolation", None)
     return Outcome(submission.student, submission.assignment, **data)
