@@ -20,7 +20,7 @@ endif
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: help setup lab formgrader release release-check test test-fast sandbox browser postgres intake grade feedback export bench gpu-check clean
-.PHONY: roster deadlines withdraw report settings extension dask-scheduler dask-worker
+.PHONY: roster deadlines withdraw report settings extension dask-scheduler dask-worker erase-course-root
 
 # The late penalty, grace period, extensions and limits are course settings, kept in the course
 # root by `make settings` and read by every grading path: a flag of one `make grade` would
@@ -169,5 +169,8 @@ bench: setup ## measure notebook run time, autograde overhead, attention kernels
 gpu-check: setup ## on a CUDA GPU: run every solution notebook, the check tests and the Triton kernel natively; report
 	$(BIN)/python -m benchmarks.gpu_check
 
-clean: ## empty the course root autograder/course_root/ except submitted/ (keeps .venv and course/)
-	@test ! -d autograder/course_root || find autograder/course_root -mindepth 1 -maxdepth 1 ! -name submitted -exec rm -rf {} +
+clean: setup ## remove what make grade/feedback/export/report rebuild (keeps the gradebook, roster, submissions, archive, reports)
+	$(BIN)/python -m autograder.housekeeping clean
+
+erase-course-root: setup ## delete the whole course root (gradebook, roster, submissions, archive): asks you to type "erase"
+	$(BIN)/python -m autograder.housekeeping erase
