@@ -20,7 +20,7 @@ endif
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: help setup lab formgrader release release-check test test-fast sandbox browser postgres intake grade feedback export bench gpu-check clean
-.PHONY: roster deadlines withdraw report settings extension dask-scheduler dask-worker erase-course-root
+.PHONY: roster deadlines withdraw report settings extension dask-scheduler dask-worker erase-course-root postgres-server postgres-stop migrate-gradebook
 
 # The late penalty, grace period, extensions and limits are course settings, kept in the course
 # root by `make settings` and read by every grading path: a flag of one `make grade` would
@@ -60,6 +60,7 @@ FORMGRADER_ROOT ?= $(or $(ATTENTION_LAB_COURSE_ROOT),autograder/course_root)
 # .venv/bin on PATH: nbgrader runs the `alembic` executable when it opens the gradebook.
 formgrader: setup ## instructors: JupyterLab with nbgrader's Formgrader on the course root autograder/course_root/
 	mkdir -p $(FORMGRADER_ROOT)
+	$(BIN)/python -m autograder.gradebook --root "$(FORMGRADER_ROOT)" check
 	cd $(FORMGRADER_ROOT) && PATH=$(CURDIR)/$(BIN):$$PATH \
 	  JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/lab/instructor:$(CURDIR)/autograder \
 	  $(CURDIR)/$(BIN)/jupyter lab $(ROOT_FLAG) $(FORMGRADER_ARGS)
@@ -99,6 +100,19 @@ browser: ## install Debian's chromium (the browser tests drive it with Playwrigh
 postgres: ## install Debian's PostgreSQL server (the shared-gradebook tests start one) when it is missing
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq postgresql) >/dev/null 2>&1 \
 	  || echo "warning: could not install postgresql; the PostgreSQL gradebook tests will be SKIPPED"; }
+
+# The shared gradebook's server (README, "A shared gradebook"): data in PGDATA, on PGPORT.
+PGDATA ?= $(HOME)/attention-lab-postgres
+PGPORT ?= 5432
+postgres-server: setup ## start (created on first use) a PostgreSQL server for the gradebook: PGDATA= PGPORT= DB_PASSWORD=; prints DB_URL
+	$(BIN)/python -m autograder.postgres start --data "$(PGDATA)" --port "$(PGPORT)" --password "$(DB_PASSWORD)"
+
+postgres-stop: setup ## stop the server of PGDATA=
+	$(BIN)/python -m autograder.postgres stop --data "$(PGDATA)"
+
+migrate-gradebook: setup ## move the course's SQLite gradebook (grades, hand grades, comments, students, due dates) to DB_URL=postgresql://...
+	@test -n "$(DB_URL)" || { echo "usage: make migrate-gradebook DB_URL=postgresql://grader:<password>@<host>:5432/attention_lab"; exit 2; }
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.gradebook migrate --to "$(DB_URL)"
 
 test: setup sandbox browser postgres ## run the whole test suite (sets up first if needed)
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup

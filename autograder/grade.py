@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} {getattr(options, name)} for this run only (the course setting, {root / COURSE_SETTINGS_FILE}: "
                   f"{getattr(settings, name)}; `make settings` changes it)")
             setattr(settings, name, getattr(options, name))
+    gradebook.db_url(root, options.db_url)   # a gradebook this course does not use is refused before any work
     # The instructor's course root holds the whole course (Formgrader lists every assignment);
     # any other root (a test, a benchmark) only what was submitted to it.
     whole_course = root.resolve() == COURSE_ROOT.resolve()

@@ -142,13 +142,15 @@ class Roster:
 
 def import_roster(source: Path, root: Path = COURSE_ROOT) -> Roster:
     """Keep ``source`` (normalised) as the course's roster.csv and import it into the gradebook."""
+    from autograder import gradebook
     from autograder.nbgrader_cli import run_nbgrader
 
     roster = Roster.read(source)
+    url = gradebook.db_url(root)   # refused before anything is written where it is not the course's
     path = Path(root) / ROSTER_FILE
     roster.write(path)
     result = run_nbgrader("db", "student", "import", str(path.resolve()), "--log-level=WARN",
-                          root=Path(root).resolve(), capture=True, check=False)
+                          f"--CourseDirectory.db_url={url}", root=Path(root).resolve(), capture=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"nbgrader db student import failed:\n{result.stdout}{result.stderr}")
     return roster
