@@ -183,9 +183,31 @@ def read_deadlines(path: Path) -> dict[str, datetime.datetime]:
     return deadlines
 
 
-def set_deadlines(deadlines: dict[str, datetime.datetime], root: Path = COURSE_ROOT) -> None:
-    """Each assignment's due date in the gradebook (nbgrader's Assignment.duedate)."""
+def unknown_assignments(names: list[str], known: list[str]) -> list[str]:
+    """Each name of ``names`` the course does not have, with the closest names it has."""
+    problems = []
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=2, cutoff=0.5)
+            problems.append(f"{name!r} is not an assignment of this course"
+                            + (f"; did you mean {' or '.join(close)}?" if close else f" ({', '.join(known)})"))
+    return problems
+
+
+def set_deadlines(deadlines: dict[str, datetime.datetime], root: Path = COURSE_ROOT,
+                  known: list[str] | None = None) -> None:
+    """Each assignment's due date in the gradebook (nbgrader's Assignment.duedate); names the
+    course does not have (``known``, default: the assignments of ``solutions/`` and those with a
+    source in the course root) are refused, all of them, before anything is written."""
     from autograder import gradebook
+    from autograder.grading.plan import assignments_with_source
+    from autograder.release import assignment_names
+
+    if known is None:
+        known = sorted(set(assignment_names()) | set(assignments_with_source(Path(root))))
+    problems = unknown_assignments(list(deadlines), known)
+    if problems:
+        raise SystemExit("due dates not set: " + "; ".join(problems))
 
     with gradebook.open_gradebook(Path(root)) as gb:
         for assignment, duedate in deadlines.items():
