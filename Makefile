@@ -31,8 +31,15 @@ $(error LATE_PENALTY is a course setting, not a flag of one run: `make settings 
 endif
 endif
 
+# `make help`: an instructor's targets in the order of a term, then everyone else's.
+TERM_ORDER := setup release roster deadlines settings extension intake withdraw grade formgrader feedback export \
+  report clean erase-course-root postgres-server migrate-gradebook postgres-stop dask-scheduler dask-worker
+HELP_LINE := awk -F':.*\#\# ' '{printf "  make %-18s %s\n", $$1, $$2}'
 help: ## list the targets
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@echo "A term, in order (each target's variables after it):"
+	@for target in $(TERM_ORDER); do grep -hE "^$$target:.*## " $(MAKEFILE_LIST) | $(HELP_LINE); done
+	@echo "Students, contributors, the machine:"
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | grep -vE "^($(subst $(eval) ,|,$(strip $(TERM_ORDER)))):" | $(HELP_LINE)
 
 # Triton (notebook 06's kernel) publishes wheels for Linux only.
 COMMA := ,
@@ -58,7 +65,7 @@ lab: setup ## students: JupyterLab on course/ with Validate (sets up first if ne
 # holding an nbgrader_config.py of its own (nbgrader reads the working folder's config last).
 FORMGRADER_ROOT ?= $(or $(ATTENTION_LAB_COURSE_ROOT),autograder/course_root)
 # .venv/bin on PATH: nbgrader runs the `alembic` executable when it opens the gradebook.
-formgrader: setup ## instructors: JupyterLab with nbgrader's Formgrader on the course root autograder/course_root/
+formgrader: setup ## JupyterLab with nbgrader's Formgrader on the course root, for you and your TAs (FORMGRADER_ARGS=<JupyterLab options>, DB_URL=)
 	mkdir -p $(FORMGRADER_ROOT)
 	$(BIN)/python -m autograder.gradebook --root "$(FORMGRADER_ROOT)" check
 	cd $(FORMGRADER_ROOT) && PATH=$(CURDIR)/$(BIN):$$PATH \
@@ -120,7 +127,7 @@ test: setup sandbox browser postgres ## run the whole test suite (sets up first 
 test-fast: setup ## the suite without the slow notebook/nbgrader tests
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not slow"
 
-intake: setup ## file SUBMISSIONS=<dir> (<student>/<file>) under autograder/course_root/submitted/, with a report
+intake: setup ## file SUBMISSIONS=<folder> (an LMS export, or <student>/<file>) under the course root's submitted/, with a report (ADD_UNKNOWN=1: accept students not on the roster)
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder>"; exit 2; }
 	$(BIN)/python -m autograder.intake "$(SUBMISSIONS)" $(if $(ADD_UNKNOWN),--add-unknown)
 
