@@ -20,7 +20,7 @@ endif
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: help setup lab formgrader release release-check test test-fast sandbox browser postgres intake grade feedback export bench gpu-check clean
-.PHONY: roster deadlines withdraw report settings extension dask-scheduler dask-worker erase-course-root postgres-server postgres-stop migrate-gradebook
+.PHONY: roster deadlines withdraw report settings extension example-class dask-scheduler dask-worker erase-course-root postgres-server postgres-stop migrate-gradebook
 
 # The late penalty, grace period, extensions and limits are course settings, kept in the course
 # root by `make settings` and read by every grading path: a flag of one `make grade` would
@@ -32,7 +32,7 @@ endif
 endif
 
 # `make help`: an instructor's targets in the order of a term, then everyone else's.
-TERM_ORDER := setup release roster deadlines settings extension intake withdraw grade formgrader feedback export \
+TERM_ORDER := setup example-class release roster deadlines settings extension intake withdraw grade formgrader feedback export \
   report clean erase-course-root postgres-server migrate-gradebook postgres-stop dask-scheduler dask-worker
 HELP_LINE := awk -F':.*\#\# ' '{printf "  make %-18s %s\n", $$1, $$2}'
 help: ## list the targets
@@ -126,6 +126,9 @@ test: setup sandbox browser postgres ## run the whole test suite (sets up first 
 
 test-fast: setup ## the suite without the slow notebook/nbgrader tests
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not slow"
+
+example-class: setup ## a dry run: write example-class/ (a roster, deadlines and a Canvas export of four students; see the README)
+	$(BIN)/python -m autograder.example_class
 
 intake: setup ## file SUBMISSIONS=<folder> (an LMS export, or <student>/<file>) under the course root's submitted/, with a report (ADD_UNKNOWN=1: accept students not on the roster)
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder>"; exit 2; }
