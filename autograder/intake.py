@@ -55,7 +55,8 @@ from pathlib import Path
 import nbformat
 
 from autograder.course_settings import CourseSettings
-from autograder.intake_checks import due_dates, export_notices, replacement_refusal, stamp_text, submission_time
+from autograder.intake_checks import (due_dates, export_notices, hand_graded, replacement_refusal, stamp_text,
+                                      submission_time)
 from autograder.release import assignment_names, released_notebook
 from autograder.roster import ROSTER_FILE, Roster, fold
 from autograder.settings import COURSE_DIR, COURSE_ROOT
@@ -461,6 +462,7 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
         if lms and lms["kind"] == "Canvas":
             canvas_late[key] = lms["late"]
     due = due_dates(root)
+    by_hand = hand_graded(root) if chosen else {}
     for (student, assignment), (mtime, entry, notebook) in chosen.items():
         folder = root / "submitted" / student / assignment
         target = folder / f"{assignment}.ipynb"
@@ -482,6 +484,9 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
         if target.exists():
             kept = archive_previous(folder, root)
             entry.reasons.append(f"replaces the previous submission (kept in {kept.relative_to(root)})")
+            if (student, assignment) in by_hand:
+                entry.reasons.append(f"the previous one was graded or commented by hand ({', '.join(by_hand[student, assignment])}): "
+                                     "make grade keeps that for answers that did not change and names the others")
             for old in folder.glob("*.ipynb"):
                 old.unlink()
         folder.mkdir(parents=True, exist_ok=True)

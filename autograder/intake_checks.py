@@ -12,7 +12,9 @@ submissions under the course settings (extensions and grace period included).
 
 **Replacing.**  The newest submission wins: a file older than the submission already filed
 (an older export taken in again) is refused; so is one identical to a submission withdrawn
-with ``make withdraw`` (it stays withdrawn).
+with ``make withdraw`` (it stays withdrawn).  A resubmission replacing one a grader graded or
+commented by hand says so (:func:`hand_graded`): the next ``make grade`` keeps those grades
+for answers that did not change and drops, names and archives the others.
 """
 
 from __future__ import annotations
@@ -107,3 +109,21 @@ def replacement_refusal(folder: Path, text: str, when: datetime.datetime, root: 
         if earlier.read_text(encoding="utf-8") == text:
             return (f"this submission was withdrawn (kept in {earlier.parent.relative_to(root)}): it stays withdrawn")
     return None
+
+
+def hand_graded(root: Path) -> dict[tuple[str, str], list[str]]:
+    """``{(student, assignment): [cells a grader scored or commented by hand]}`` in the gradebook."""
+    from autograder import gradebook
+
+    if not gradebook.exists(root):
+        return {}
+    found: dict[tuple[str, str], list[str]] = {}
+    with gradebook.open_gradebook(root) as gb:
+        for assignment in gb.assignments:
+            for submission in assignment.submissions:
+                cells = sorted({g.name for n in submission.notebooks for g in n.grades
+                                if g.manual_score is not None or g.extra_credit}
+                               | {c.name for n in submission.notebooks for c in n.comments if c.manual_comment})
+                if cells:
+                    found[(submission.student.id, assignment.name)] = cells
+    return found

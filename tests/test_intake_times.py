@@ -106,3 +106,23 @@ def test_the_newest_submission_wins_and_a_withdrawn_one_stays_withdrawn(tmp_path
     assert stamp(root, "ann") == "2026-03-01 16:00:00.000000 UTC"
     assert not (root / "submitted" / "bob").exists(), "a withdrawn submission came back"
     assert "the newest submission wins" in again.stdout and "it stays withdrawn" in again.stdout, again.stdout
+
+
+def test_a_resubmission_replacing_a_hand_graded_one_says_so(tmp_path):
+    from autograder import gradebook
+
+    root = course(tmp_path)
+    first = export(tmp_path / "first", {"ann/01_mha_shapes.ipynb": (notebook("\n# one"), at(-5))})
+    assert intake_command(first, root).returncode == 0
+    with gradebook.open_gradebook(root) as gb:   # a TA graded her written answer in Formgrader
+        gb.update_or_create_notebook(ASSIGNMENT, ASSIGNMENT)
+        gb.add_grade_cell("why_contiguous", ASSIGNMENT, ASSIGNMENT, max_score=1, cell_type="markdown")
+        gb.update_or_create_student("ann")
+        gb.add_submission(ASSIGNMENT, "ann")
+        gb.find_grade("why_contiguous", ASSIGNMENT, ASSIGNMENT, "ann").manual_score = 1.0
+        gb.db.commit()
+    second = export(tmp_path / "second", {"ann/01_mha_shapes.ipynb": (notebook("\n# two"), at(-1))})
+    result = intake_command(second, root)
+    assert result.returncode == 0, result.stdout
+    assert "graded or commented by hand (why_contiguous)" in result.stdout, result.stdout
+    assert "graded or commented by hand (why_contiguous)" in (root / "reports" / "intake_report.md").read_text()
