@@ -20,7 +20,7 @@ endif
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: help setup lab formgrader release release-check test test-fast sandbox browser postgres intake grade feedback export bench gpu-check clean
-.PHONY: roster deadlines withdraw report settings extension example-class dask-scheduler dask-worker erase-course-root postgres-server postgres-stop migrate-gradebook
+.PHONY: roster deadlines withdraw report settings extension example-class publish dask-scheduler dask-worker erase-course-root postgres-server postgres-stop migrate-gradebook
 
 # The late penalty, grace period, extensions and limits are course settings, kept in the course
 # root by `make settings` and read by every grading path: a flag of one `make grade` would
@@ -33,7 +33,7 @@ endif
 
 # `make help`: an instructor's targets in the order of a term, then everyone else's.
 TERM_ORDER := setup example-class release roster deadlines settings extension intake withdraw grade formgrader feedback export \
-  report clean erase-course-root postgres-server migrate-gradebook postgres-stop dask-scheduler dask-worker
+  report publish clean erase-course-root postgres-server migrate-gradebook postgres-stop dask-scheduler dask-worker
 HELP_LINE := awk -F':.*\#\# ' '{printf "  make %-18s %s\n", $$1, $$2}'
 help: ## list the targets
 	@echo "A term, in order (each target's variables after it):"
@@ -183,6 +183,10 @@ export: setup ## write grades.csv and grades_by_question.csv in autograder/cours
 
 report: setup ## the class report per assignment: autograder/course_root/reports/class/<assignment>/index.html
 	$(BIN)/python -m autograder.report
+
+publish: setup ## write the students' repository to DEST=<folder> for REPO=<owner/name>: notebooks, helper package, README; no solution, no hidden test
+	@test -n "$(DEST)" -a -n "$(REPO)" || { echo "usage: make publish DEST=../attention-lab-students REPO=<github owner>/<students' repository>"; exit 2; }
+	$(BIN)/python -m autograder.publish --dest "$(DEST)" --repository "$(REPO)"
 
 bench: setup ## measure notebook run time, autograde overhead, attention kernels and kernel shutdown (see benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
