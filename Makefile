@@ -20,7 +20,7 @@ endif
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: help setup lab formgrader release release-check test test-fast sandbox browser postgres intake grade feedback export bench gpu-check clean
-.PHONY: roster deadlines withdraw report settings extension example-class publish dask-scheduler dask-worker erase-course-root postgres-server postgres-stop migrate-gradebook
+.PHONY: roster deadlines withdraw report settings extension example-class publish lms-export dask-scheduler dask-worker erase-course-root postgres-server postgres-stop migrate-gradebook
 
 # The late penalty, grace period, extensions and limits are course settings, kept in the course
 # root by `make settings` and read by every grading path: a flag of one `make grade` would
@@ -33,7 +33,7 @@ endif
 
 # `make help`: an instructor's targets in the order of a term, then everyone else's.
 TERM_ORDER := setup example-class release roster deadlines settings extension intake withdraw grade formgrader feedback export \
-  report publish clean erase-course-root postgres-server migrate-gradebook postgres-stop dask-scheduler dask-worker
+  lms-export report publish clean erase-course-root postgres-server migrate-gradebook postgres-stop dask-scheduler dask-worker
 HELP_LINE := awk -F':.*\#\# ' '{printf "  make %-18s %s\n", $$1, $$2}'
 help: ## list the targets
 	@echo "A term, in order (each target's variables after it):"
@@ -180,6 +180,9 @@ feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/
 
 export: setup ## write grades.csv and grades_by_question.csv in autograder/course_root/
 	$(BIN)/python -m autograder.export
+
+lms-export: setup ## grades for your LMS's import (Canvas, Moodle: a row per student, a column per assigned notebook) and Moodle feedback zips, in the course root's lms/
+	$(BIN)/python -m autograder.lms_export
 
 report: setup ## the class report per assignment: autograder/course_root/reports/class/<assignment>/index.html
 	$(BIN)/python -m autograder.report
