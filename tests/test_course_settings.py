@@ -20,6 +20,8 @@ from autograder.release import REPO_ROOT
 from autograder.settings import COURSE_ROOT_VARIABLE
 from tests.grading_helpers import TINY, tiny_course
 
+README = (REPO_ROOT / "README.md").read_text()
+
 
 def make(root: Path, *arguments: str) -> subprocess.CompletedProcess:
     """``make <arguments>`` exactly as typed, on the course root ``root``."""
@@ -42,9 +44,15 @@ def test_make_settings_keeps_them_and_make_grade_refuses_a_one_run_late_penalty(
     wrong = make(root, "settings", "LATE_PENALTY=half")
     assert wrong.returncode != 0 and "late_penalty must be one of none, zero" in wrong.stderr, wrong.stderr
     assert (root / "course_settings.json").read_text() == before
-    extended = make(root, "extension", "STUDENT=bob", f"ASSIGNMENT={TINY}", "UNTIL=2026-01-12")
-    assert extended.returncode == 0, extended.stdout + extended.stderr
-    assert CourseSettings.load(root).extensions == {f"bob/{TINY}": "2026-01-12 23:59:59"}
+    # the README's commands, as written
+    for command in ("make settings LATE_PENALTY=zero GRACE_MINUTES=15",
+                    "make extension STUDENT=alice ASSIGNMENT=01_mha_shapes UNTIL=2026-03-08T17:00+01:00"):
+        assert command in README, command
+        done = make(root, *command.split()[1:])
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert CourseSettings.load(root).extensions == {"alice/01_mha_shapes": "2026-03-08 16:00:00"}
+    assert make(root, "extension", "STUDENT=alice", "ASSIGNMENT=01_mha_shapes", "REMOVE=1").returncode == 0
+    assert CourseSettings.load(root).extensions == {}
 
 
 def stamp(root: Path, student: str, moment: datetime.datetime) -> None:
