@@ -19,7 +19,7 @@ from autograder.course_settings import CourseSettings
 from autograder.export import export
 from autograder.nbgrader_cli import run_nbgrader
 from autograder.release import REPO_ROOT, build_source, course_repository, mark_hidden_tests, write_notebook
-from tests.grading_helpers import (TINY, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
+from tests.grading_helpers import (TINY, cell_limit, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
                                    tiny_notebook)
 
 ASSIGNMENT = "01_mha_shapes"
@@ -606,3 +606,36 @@ def test_a_new_gradebook_is_stamped_with_the_schema_revision_nbgraders_alembic_n
         stamped = connection.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
     engine.dispose()
     assert stamped == [heads.split()[0]]
+
+
+@pytest.mark.slow
+def test_a_function_that_ran_past_the_time_limit_is_not_waited_on_again(tiny_class):
+    """One endless loop in an answer costs one cell's time limit: later cells that use the
+    function are not run (and say why), a later cell that defines it again runs."""
+    def cell(kind: str, source: str, grade_id: str, **flags):
+        metadata = {"nbgrader": {"grade_id": grade_id, "schema_version": 3, "task": False, "grade": False,
+                                 "solution": False, "locked": False, **flags}}
+        return (nbformat.v4.new_code_cell if kind == "code" else nbformat.v4.new_markdown_cell)(source, metadata=metadata)
+
+    def notebook(answer: str):
+        return nbformat.v4.new_notebook(cells=[
+            cell("code", answer, "answer", solution=True),
+            cell("code", "assert forty_two() == 42", "test_one", grade=True, locked=True, points=1),
+            cell("code", "assert forty_two() + 0 == 42", "test_two", grade=True, locked=True, points=1),
+            cell("code", "def forty_two():\n    return 42\nassert forty_two() == 42", "test_three", grade=True,
+                 locked=True, points=1),
+        ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+
+    root = tiny_class({})
+    nbformat.write(notebook("### BEGIN SOLUTION\ndef forty_two():\n    return 42\n### END SOLUTION"),
+                   str(root / "source" / TINY / f"{TINY}.ipynb"))
+    folder = root / "submitted" / "ann" / TINY
+    folder.mkdir(parents=True)
+    nbformat.write(notebook("def forty_two():\n    while True:\n        pass"), str(folder / f"{TINY}.ipynb"))
+    (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=cell_limit()), log=lambda *_: None)
+    assert [(i["kind"], i.get("grade_id")) for i in outcome.incidents] == [
+        ("timeout", "test_one"), ("hung_function", "test_two")], outcome.incidents
+    assert outcome.score == 1.0   # test_three, which defines its own forty_two, ran
+    graded = nbformat.read(root / "autograded" / "ann" / TINY / f"{TINY}.ipynb", as_version=4)
+    (error,) = [o for o in graded.cells[2].outputs if o.get("output_type") == "error"]
+    assert error["ename"] == results.SKIPPED_CELL and "forty_two(), which already ran past" in error["evalue"]
