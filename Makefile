@@ -20,10 +20,26 @@ endif
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: help setup lab formgrader release release-check test test-fast sandbox browser postgres intake grade feedback export bench gpu-check clean
-.PHONY: roster deadlines withdraw report
+.PHONY: roster deadlines withdraw report settings extension example-class publish lms-export dask-scheduler dask-worker erase-course-root postgres-server postgres-stop migrate-gradebook
 
+# The late penalty, grace period, extensions and limits are course settings, kept in the course
+# root by `make settings` and read by every grading path: a flag of one `make grade` would
+# vanish at the next run (or at Formgrader's Autograde).
+ifneq ($(filter grade,$(MAKECMDGOALS)),)
+ifdef LATE_PENALTY
+$(error LATE_PENALTY is a course setting, not a flag of one run: `make settings LATE_PENALTY=$(LATE_PENALTY)` keeps it for every grading run (Formgrader's Autograde included), then `make grade`)
+endif
+endif
+
+# `make help`: an instructor's targets in the order of a term, then everyone else's.
+TERM_ORDER := setup example-class release roster deadlines settings extension intake withdraw grade formgrader feedback export \
+  lms-export report publish clean erase-course-root postgres-server migrate-gradebook postgres-stop dask-scheduler dask-worker
+HELP_LINE := awk -F':.*\#\# ' '{printf "  make %-18s %s\n", $$1, $$2}'
 help: ## list the targets
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@echo "A term, in order (each target's variables after it):"
+	@for target in $(TERM_ORDER); do grep -hE "^$$target:.*## " $(MAKEFILE_LIST) | $(HELP_LINE); done
+	@echo "Students, contributors, the machine:"
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | grep -vE "^($(subst $(eval) ,|,$(strip $(TERM_ORDER)))):" | $(HELP_LINE)
 
 # Triton (notebook 06's kernel) publishes wheels for Linux only.
 COMMA := ,
@@ -47,12 +63,13 @@ lab: setup ## students: JupyterLab on course/ with Validate (sets up first if ne
 
 # The course root Formgrader serves: nbgrader_config.py names it; a test serves a scratch root
 # holding an nbgrader_config.py of its own (nbgrader reads the working folder's config last).
-FORMGRADER_ROOT ?= autograder/course_root
+FORMGRADER_ROOT ?= $(or $(ATTENTION_LAB_COURSE_ROOT),autograder/course_root)
 # .venv/bin on PATH: nbgrader runs the `alembic` executable when it opens the gradebook.
 # INSTRUCTOR_KERNELS=on: terminals and kernels in this lab (they run as you, unsandboxed); off by default.
 INSTRUCTOR_KERNELS ?=
-formgrader: setup ## instructors: JupyterLab with nbgrader's Formgrader on the course root autograder/course_root/
+formgrader: setup ## JupyterLab with nbgrader's Formgrader on the course root, for you and your TAs (FORMGRADER_ARGS=<JupyterLab options>, DB_URL=, INSTRUCTOR_KERNELS=on)
 	mkdir -p $(FORMGRADER_ROOT)
+	$(BIN)/python -m autograder.gradebook --root "$(FORMGRADER_ROOT)" check
 	cd $(FORMGRADER_ROOT) && PATH=$(CURDIR)/$(BIN):$$PATH ATTENTION_LAB_INSTRUCTOR_KERNELS=$(INSTRUCTOR_KERNELS) \
 	  JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/lab/instructor:$(CURDIR)/autograder \
 	  $(CURDIR)/$(BIN)/jupyter lab $(ROOT_FLAG) $(FORMGRADER_ARGS)
@@ -97,13 +114,29 @@ postgres: ## install Debian's PostgreSQL server (the shared-gradebook tests star
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq postgresql) >/dev/null 2>&1 \
 	  || echo "warning: could not install postgresql; the PostgreSQL gradebook tests will be SKIPPED"; }
 
+# The shared gradebook's server (README, "A shared gradebook"): data in PGDATA, on PGPORT.
+PGDATA ?= $(HOME)/attention-lab-postgres
+PGPORT ?= 5432
+postgres-server: setup ## start (created on first use) a PostgreSQL server for the gradebook: PGDATA= PGPORT= DB_PASSWORD=; prints DB_URL
+	$(BIN)/python -m autograder.postgres start --data "$(PGDATA)" --port "$(PGPORT)" --password "$(DB_PASSWORD)"
+
+postgres-stop: setup ## stop the server of PGDATA=
+	$(BIN)/python -m autograder.postgres stop --data "$(PGDATA)"
+
+migrate-gradebook: setup ## move the course's SQLite gradebook (grades, hand grades, comments, students, due dates) to DB_URL=postgresql://...
+	@test -n "$(DB_URL)" || { echo "usage: make migrate-gradebook DB_URL=postgresql://grader:<password>@<host>:5432/attention_lab"; exit 2; }
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.gradebook migrate --to "$(DB_URL)"
+
 test: setup sandbox browser postgres ## run the whole test suite (sets up first if needed)
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup
 
 test-fast: setup ## the suite without the slow notebook/nbgrader tests
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not slow"
 
-intake: setup ## file SUBMISSIONS=<dir> (<student>/<file>) under autograder/course_root/submitted/, with a report
+example-class: setup ## a dry run: write example-class/ (a roster, deadlines and a Canvas export of four students; see the README)
+	$(BIN)/python -m autograder.example_class
+
+intake: setup ## file SUBMISSIONS=<folder> (an LMS export, or <student>/<file>) under the course root's submitted/, with a report (ADD_UNKNOWN=1: accept students not on the roster)
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder>"; exit 2; }
 	$(BIN)/python -m autograder.intake "$(SUBMISSIONS)" $(if $(ADD_UNKNOWN),--add-unknown)
 
@@ -119,12 +152,34 @@ withdraw: setup ## take out one wrongly filed submission: STUDENT=<id> ASSIGNMEN
 	@test -n "$(STUDENT)" -a -n "$(ASSIGNMENT)" || { echo "usage: make withdraw STUDENT=<id> ASSIGNMENT=<name>"; exit 2; }
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.roster withdraw --student "$(STUDENT)" --assignment "$(ASSIGNMENT)"
 
+# Each variable given is set; none given shows the settings.
+SETTING_VARIABLES := LATE_PENALTY GRACE_MINUTES TIMEOUT STARTUP_TIMEOUT MEMORY_MB FILE_MB
+SETTING_VALUES = $(foreach v,$(SETTING_VARIABLES),$(if $($(v)),"$(shell echo $(v) | tr A-Z a-z)=$($(v))"))
+settings: setup ## show the course settings, or set them: LATE_PENALTY=none|zero GRACE_MINUTES= TIMEOUT= STARTUP_TIMEOUT= MEMORY_MB= FILE_MB=
+	$(BIN)/python -m autograder.course_settings $(if $(strip $(SETTING_VALUES)),set $(SETTING_VALUES))
+
+extension: setup ## a due date of its own for one student: STUDENT=<id> ASSIGNMENT=<name> UNTIL=<ISO date> (REMOVE=1 takes it back)
+	@test -n "$(STUDENT)" -a -n "$(ASSIGNMENT)" -a -n "$(UNTIL)$(REMOVE)" || { echo "usage: make extension STUDENT=<id> ASSIGNMENT=<name> UNTIL=<ISO date> (or REMOVE=1)"; exit 2; }
+	$(BIN)/python -m autograder.course_settings extend --student "$(STUDENT)" --assignment "$(ASSIGNMENT)" \
+	  $(if $(REMOVE),--remove,--until "$(UNTIL)")
+
 # SCHEDULER=tcp://host:8786: grade on that Dask cluster (default: JOBS local worker processes);
 # DB_URL=postgresql://...: the shared gradebook; STUDENT=... ASSIGNMENT=...: regrade that one submission.
 grade: setup $(if $(filter off,$(SANDBOX)),,sandbox) ## autograde new/changed submissions on Dask, JOBS at a time (FORCE=1, STUDENT=/ASSIGNMENT=, SCHEDULER=, DB_URL=, SANDBOX=off)
 	$(BIN)/python -m autograder.grade --jobs $(JOBS) --sandbox "$(SANDBOX)" $(if $(FORCE),--force) \
 	  $(if $(SCHEDULER),--scheduler "$(SCHEDULER)") $(if $(STUDENT),--student "$(STUDENT)") \
-	  $(if $(ASSIGNMENT),--assignment "$(ASSIGNMENT)") $(if $(LATE_PENALTY),--late-penalty "$(LATE_PENALTY)")
+	  $(if $(ASSIGNMENT),--assignment "$(ASSIGNMENT)")
+
+# A Dask cluster of other machines (README, "Grading at scale"): run from each machine's clone,
+# which these put on PYTHONPATH (the scheduler, too, unpickles the course's tasks).
+DASK_PORT ?= 8786
+WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+dask-scheduler: setup ## a Dask scheduler for SCHEDULER= on port DASK_PORT (8786; its dashboard on the next port)
+	PYTHONPATH=$(CURDIR) $(BIN)/dask scheduler --port $(DASK_PORT) --dashboard-address :$(shell echo $$(($(DASK_PORT) + 1)))
+
+dask-worker: setup ## WORKERS grading workers (default: one per core) for the cluster at SCHEDULER=tcp://host:8786
+	@test -n "$(SCHEDULER)" || { echo "usage: make dask-worker SCHEDULER=tcp://<scheduler-host>:8786 [WORKERS=8]"; exit 2; }
+	PYTHONPATH=$(CURDIR) $(BIN)/dask worker "$(SCHEDULER)" --nworkers $(WORKERS) --nthreads 1 --memory-limit 0
 
 feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/*.html
 	$(BIN)/python -m autograder.feedback
@@ -132,8 +187,15 @@ feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/
 export: setup ## write grades.csv and grades_by_question.csv in autograder/course_root/
 	$(BIN)/python -m autograder.export
 
+lms-export: setup ## grades for your LMS's import (Canvas, Moodle: a row per student, a column per assigned notebook) and Moodle feedback zips, in the course root's lms/
+	$(BIN)/python -m autograder.lms_export
+
 report: setup ## the class report per assignment: autograder/course_root/reports/class/<assignment>/index.html
 	$(BIN)/python -m autograder.report
+
+publish: setup ## write the students' repository to DEST=<folder> for REPO=<owner/name>: notebooks, helper package, README; no solution, no hidden test
+	@test -n "$(DEST)" -a -n "$(REPO)" || { echo "usage: make publish DEST=../attention-lab-students REPO=<github owner>/<students' repository>"; exit 2; }
+	$(BIN)/python -m autograder.publish --dest "$(DEST)" --repository "$(REPO)"
 
 bench: setup ## measure notebook run time, autograde overhead, the trust boundary, attention kernels, kernel shutdown (benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
@@ -145,5 +207,8 @@ bench: setup ## measure notebook run time, autograde overhead, the trust boundar
 gpu-check: setup ## on a CUDA GPU: run every solution notebook, the check tests and the Triton kernel natively; report
 	$(BIN)/python -m benchmarks.gpu_check
 
-clean: ## empty the course root autograder/course_root/ except submitted/ (keeps .venv and course/)
-	@test ! -d autograder/course_root || find autograder/course_root -mindepth 1 -maxdepth 1 ! -name submitted -exec rm -rf {} +
+clean: setup ## remove what make grade/feedback/export/report rebuild (keeps the gradebook, roster, submissions, archive, reports)
+	$(BIN)/python -m autograder.housekeeping clean
+
+erase-course-root: setup ## delete the whole course root (gradebook, roster, submissions, archive): asks you to type "erase"
+	$(BIN)/python -m autograder.housekeeping erase

@@ -55,7 +55,7 @@ def explain(cell: results.GradedCell, test_source: str, timeout_hint: str = "") 
     ename, evalue = cell.ename, cell.evalue
     if ename == results.SKIPPED_CELL:
         return f"Not run: {evalue}."
-    if ename == "CellTimeoutError":
+    if ename in ("CellTimeoutError", "KeyboardInterrupt"):   # the grader's interrupt at the time limit
         return f"Stopped: the test ran past the time limit{timeout_hint}. Look for an endless loop or very slow code."
     if ename == "MemoryError":
         return "Stopped: your code ran out of memory during this test."
@@ -101,6 +101,8 @@ def test_rows(autograded: Path, source: Path, grades: dict[str, dict],
             row["checks"] = first_line.strip().strip('"').strip("'")
         if cell.grade_id in pending:
             row.update(state="pending", score=None, message="awaiting grading by hand")
+        elif cell.manual and not by_hand:   # nbgrader gives an answer left as released 0, ungraded
+            row.update(state="not answered", message=f"not answered (left as released): {score:g} / {max_score:g}")
         elif cell.manual:
             row.update(state="graded by hand", message=f"graded by hand: {score:g} / {max_score:g}")
         elif by_hand:
@@ -144,7 +146,7 @@ def render(student: str, assignment: str, notebook: str, rows: list[dict], notes
     for r in rows:
         result = "passed" if r["state"] == "passed" else esc(r["message"])
         points = "-" if r["score"] is None else f"{r['score']:g}"
-        css = {"passed": "ok", "failed": "fail", "pending": "pending"}.get(r["state"], "hand")
+        css = {"passed": "ok", "failed": "fail", "not answered": "fail", "pending": "pending"}.get(r["state"], "hand")
         body.append(f"<tr class='{css}' data-state='{esc(r['state'])}'><td><code>{esc(r['grade_id'])}</code></td>"
                     f"<td>{esc(r['checks'])}</td><td>{points} / {(r['max_score'] or 0):g}</td>"
                     f"<td class='result'>{result}</td><td class='comment'>{esc(r.get('comment', ''))}</td></tr>")
@@ -163,10 +165,23 @@ def render(student: str, assignment: str, notebook: str, rows: list[dict], notes
             f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n")
 
 
-def incident_notes(incidents: list[dict]) -> list[str]:
+def place(incident: dict, notebook: nbformat.NotebookNode | None = None) -> dict:
+    """The incident with a place a student can find: a cell of no exercise (no grade id) is
+    named by the heading it is under, not by a cell number Jupyter does not show."""
+    if incident.get("grade_id") or notebook is None or not incident.get("cell"):
+        return incident
+    for cell in reversed(notebook.cells[:int(incident["cell"])]):
+        if cell.cell_type == "markdown":
+            heading = next((line.lstrip("#").strip() for line in cell.source.splitlines() if line.startswith("#")), "")
+            if heading:
+                return {**incident, "grade_id": f"the cell under “{heading}”"}
+    return {**incident, "grade_id": "a cell at the top of the notebook"}
+
+
+def incident_notes(incidents: list[dict], notebook: nbformat.NotebookNode | None = None) -> list[str]:
     """Each incident the student is told about, in plain words (a time limit included)."""
     notes = []
-    for incident in incidents:
+    for incident in (place(i, notebook) for i in incidents):
         if incident.get("kind") == "timeout":
             notes.append(TIMEOUT_NOTE.format(where=results.where(incident)))
         else:
@@ -174,13 +189,14 @@ def incident_notes(incidents: list[dict]) -> list[str]:
     return list(dict.fromkeys(note for note in notes if note))
 
 
-def _notes(graded_dir: Path) -> list[str]:
+def _notes(graded_dir: Path, notebook: Path | None = None) -> list[str]:
     """What the grader did to this submission, told to the student."""
     try:
         record = json.loads((graded_dir / ".grading.json").read_text())
     except (OSError, ValueError):
         return []
-    return incident_notes(record.get("incidents", []))
+    executed = nbformat.read(notebook, as_version=4) if notebook is not None and notebook.exists() else None
+    return incident_notes(record.get("incidents", []), executed)
 
 
 def _late(submission) -> tuple[float, str]:
@@ -272,7 +288,7 @@ def write_feedback(root: Path = COURSE_ROOT, students: list[str] | None = None,
                     others = {name: text for name, text in sorted(comments.items()) if name not in shown}
                     target = root / "feedback" / student / assignment.name / f"{notebook.name}.html"
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_text(render(student, assignment.name, notebook.name, rows, _notes(graded_dir),
+                    target.write_text(render(student, assignment.name, notebook.name, rows, _notes(graded_dir, autograded),
                                              others, penalty, late), encoding="utf-8")
                     written.append(target)
     return written

@@ -13,9 +13,11 @@ Layout, in the course root ``autograder/course_root/``: ``submitted/<student>/<a
 
 How one run works (the parts live in :mod:`autograder.grading`, one module each):
 
-1. **plan** (here): every assignment is in the gradebook (``nbgrader generate_assignment``);
-   each submission whose fingerprint (its files and submission time, the source notebook,
-   the due date, the grading settings) changed since it was last graded becomes a task.
+1. **plan** (here): the course settings (``course_settings.json`` in the course root, ``make
+   settings``: late penalty, grace period, extensions, limits) are read; every assignment is
+   in the gradebook (``nbgrader generate_assignment``); each submission whose fingerprint (its
+   files and submission time, the source notebook, the limits) changed since it was last
+   graded becomes a task.
 2. **engine**: the tasks run on Dask, an embedded ``LocalCluster`` of ``--jobs`` worker
    processes by default, or the cluster at ``--scheduler``.  A task carries bytes (the
    source, the student's files, a template gradebook, the settings); on the worker
@@ -25,7 +27,9 @@ How one run works (the parts live in :mod:`autograder.grading`, one module each)
 3. **merge**: as each task finishes, **this process alone** writes its grades into the
    gradebook (keeping hand grades of answers that did not change) and its notebooks into
    ``autograded/``: one writer, so the gradebook stays consistent.
-4. **report**: the console and ``reports/grading_report.{md,json}`` say what happened to
+4. **rescore**: every other submission of the run gets its late penalty again under the
+   course settings and due dates (a changed penalty re-scores; nothing is re-executed).
+5. **report**: the console and ``reports/grading_report.{md,json}`` say what happened to
    each submission (incidents, tampering, a kernel that could not start), and mark scores
    still awaiting hand grading.
 
@@ -46,14 +50,14 @@ from pathlib import Path
 
 from autograder import gradebook, release, sandbox
 from autograder.grading import engine as dask_engine
-from autograder.grading.merge import (current_totals, duedates, ensure_assignments, ensure_sources, merge,
-                                      template)
+from autograder.course_settings import CourseSettings
+from autograder.grading.merge import ensure_assignments, ensure_sources, merge, rescore, template
 from autograder.grading.plan import (IGNORED_NAMES, REPORTS_DIR, STATE_DIR, TIMESTAMP_FILE, Outcome, Settings,
                                      Submission, assignments_with_source, discover, exclusive, fingerprint,
                                      load_state, notebook_names, save_state, submitted_folders, tree_files)
-from autograder.grading.report import console_line, limit_lines, limits_in_force, summary, write_report
+from autograder.grading.report import console_line, full_error, limit_lines, limits_in_force, summary, write_report
 from autograder.grading.task import Engine, start_failure_cause, tampering_incidents
-from autograder.settings import COURSE_ROOT, DB_URL_VARIABLE, LATE_PENALTY_METHOD
+from autograder.settings import COURSE_ROOT, COURSE_SETTINGS_FILE, DB_URL_VARIABLE
 
 __all__ = ["IGNORED_NAMES", "REPORTS_DIR", "STATE_DIR", "Engine", "Outcome", "Settings", "Submission",
            "assignments_with_source", "discover", "ensure_assignments", "ensure_sources", "fingerprint", "grade",
@@ -79,8 +83,7 @@ def _isolation(settings: Settings, log) -> str:
 
 def _outcome(submission: Submission, result: dict | None, error: str) -> Outcome:
     if result is None:
-        return Outcome(submission.student, submission.assignment, "failed",
-                       error=f"the Dask workers running it kept dying: {error}")
+        return Outcome(submission.student, submission.assignment, "failed", error=error)
     data = dict(result["outcome"])
     data.pop("isolation", None)
     return Outcome(submission.student, submission.assignment, **data)
@@ -91,13 +94,16 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
           scheduler: str | None = None, db_url: str | None = None, processes: bool = True) -> list[Outcome]:
     """Grade every new or changed submission under ``root``; return one outcome per submission.
 
-    ``scheduler``: an existing Dask cluster (else an embedded one with ``jobs`` worker
-    processes, or threads when ``processes`` is False); ``db_url``: the gradebook (else
-    ``$ATTENTION_LAB_DB_URL``, else SQLite in ``root``).
+    ``settings``: the limits of this run (default: the course settings of ``root``, which
+    also give the late penalty, grace period and extensions); ``scheduler``: an existing Dask
+    cluster (else an embedded one with ``jobs`` worker processes, or threads when
+    ``processes`` is False); ``db_url``: the gradebook (else ``$ATTENTION_LAB_DB_URL``, else
+    SQLite in ``root``).
     """
-    settings = settings or Settings()
-    jobs = max(1, jobs)
     root = Path(root).resolve()
+    policy = CourseSettings.load(root)
+    settings = settings or Settings.of_course(policy)
+    jobs = max(1, jobs)
     url = gradebook.db_url(root, db_url)
     isolation = _isolation(settings, log) if not scheduler else f"as each worker of {scheduler} provides"
     limits = limits_in_force(settings) if not scheduler else []
@@ -111,22 +117,24 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
         # every assignment, graded or not, so that Formgrader lists them all
         ensure_assignments(root, assignments_with_source(root), state, url)
         save_state(root, state)
-        due = duedates(root, url)
         todo, outcomes = [], []
         for submission in submissions:
-            digest = fingerprint(submission, root, settings, due.get(submission.assignment, ""))
+            digest = fingerprint(submission, root, settings)
             previous = state.get(submission.key, {})
             graded_folder = root / "autograded" / submission.student / submission.assignment
             if not force and previous.get("fingerprint") == digest and graded_folder.is_dir():
                 outcomes.append(Outcome(submission.student, submission.assignment, "unchanged", fingerprint=digest))
             else:
                 todo.append((submission, digest))
-        # an unchanged row shows what the gradebook holds now (hand grades included)
-        totals = current_totals(root, [(o.student, o.assignment) for o in outcomes], url)
+        # an unchanged row: its late penalty under today's settings and due dates, and what the
+        # gradebook holds now (hand grades included)
+        totals = rescore(root, [(o.student, o.assignment) for o in outcomes], policy, url)
         for unchanged in outcomes:
             found = totals.get((unchanged.student, unchanged.assignment))
             if found:
-                unchanged.score, unchanged.max_score, unchanged.pending, unchanged.late_penalty = found
+                (unchanged.score, unchanged.max_score, unchanged.pending, unchanged.late_penalty), before = found
+                if before != unchanged.late_penalty:
+                    unchanged.notes.append(f"re-scored: late penalty {before:g} -> {unchanged.late_penalty:g}")
         log(f"{len(todo)} to grade, {len(outcomes)} unchanged")
         description = ""
         if todo:
@@ -147,7 +155,7 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
                     outcome.fingerprint = digest
                     if outcome.status == "graded":
                         try:
-                            merge(outcome, result, root, book, url, settings.late_penalty)   # the gradebook's only writer
+                            merge(outcome, result, root, book, url, policy)   # the gradebook's only writer
                         except Exception as failure:
                             outcome.status = "failed"
                             outcome.error = f"merge failed: {type(failure).__name__}: {failure}"
@@ -160,10 +168,12 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
                     save_state(root, state)
                     outcomes.append(outcome)
                     log(console_line(outcome))
+                    if outcome.error:
+                        log(full_error(outcome))
         outcomes.sort(key=lambda o: (o.student, o.assignment))
         for unchanged in (o for o in outcomes if o.status == "unchanged"):
             log(console_line(unchanged))
-        report = write_report(root, outcomes, problems, settings, isolation, description, limits)
+        report = write_report(root, outcomes, problems, settings, isolation, description, policy, limits)
         log(f"report: {report}")
     return outcomes
 
@@ -188,9 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assignment", action="append", help="only this assignment (repeatable); with one "
                         "--student: regrade that one submission, changed or not")
     defaults = Settings()
-    parser.add_argument("--timeout", type=int, default=defaults.timeout, help="seconds per cell, from its start")
-    parser.add_argument("--startup-timeout", type=int, default=defaults.startup_timeout,
-                        help="seconds to start a kernel and run the setup cell")
+    # the course's limits, late penalty, grace period and extensions are course settings
+    # (`make settings`, read from the course root by every grading path); these four flags
+    # override a limit for this one run only
+    this_run = "for this run only (default: the course setting, see `make settings`)"
+    parser.add_argument("--timeout", type=int, default=None, help=f"seconds per cell, from its start, {this_run}")
+    parser.add_argument("--startup-timeout", type=int, default=None,
+                        help=f"seconds to start a kernel and run the setup cell, {this_run}")
+    parser.add_argument("--memory-mb", type=int, default=None, help=f"memory limit per kernel, {this_run}")
+    parser.add_argument("--file-mb", type=int, default=None, help=f"largest file a kernel may write, {this_run}")
     parser.add_argument("--notebook-timeout", type=int, default=defaults.notebook_timeout,
                         help="seconds per attempt at a whole submission")
     parser.add_argument("--submission-timeout", type=int, default=defaults.submission_timeout,
@@ -198,18 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-seconds", type=int, default=defaults.cpu_seconds,
                         help="CPU seconds of a submission's sandbox, all its attempts together (where a "
                              "control group measures it)")
-    parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb,
-                        help="memory of a kernel process, and of its whole sandbox (where a control group holds it)")
-    parser.add_argument("--file-mb", type=int, default=defaults.file_mb, help="largest file a kernel may write")
     parser.add_argument("--disk-mb", type=int, default=defaults.disk_mb,
                         help="what a kernel may write: its /tmp and /dev/shm (each), and its folders on this disk")
     parser.add_argument("--processes", type=int, default=defaults.processes,
                         help="processes and threads in a sandbox at once (where a control group holds it)")
     parser.add_argument("--max-output-bytes", type=int, default=defaults.max_output_bytes)
     parser.add_argument("--attempts", type=int, default=defaults.attempts)
-    parser.add_argument("--late-penalty", choices=("none", "zero"), default=LATE_PENALTY_METHOD,
-                        help="nbgrader's late-submission penalty (timestamp.txt against the due date): "
-                             "none, or zero (a late notebook scores 0)")
     parser.add_argument("--sandbox", choices=("on", "off"), default="on",
                         help="bubblewrap isolation: on (refuse to grade where it cannot run), or off (student "
                              "code runs unisolated: make grade SANDBOX=off)")
@@ -234,13 +244,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     one_regrade = bool(options.student and options.assignment and len(options.student) == 1
                        and len(options.assignment) == 1)
-    settings = Settings(timeout=options.timeout, startup_timeout=options.startup_timeout,
-                        notebook_timeout=options.notebook_timeout, submission_timeout=options.submission_timeout,
-                        cpu_seconds=options.cpu_seconds, memory_mb=options.memory_mb, file_mb=options.file_mb,
-                        disk_mb=options.disk_mb, processes=options.processes,
-                        max_output_bytes=options.max_output_bytes, attempts=options.attempts,
-                        sandbox=options.sandbox, threads=max(1, (os.cpu_count() or 1) // jobs),
-                        late_penalty=options.late_penalty)
+    settings = Settings.of_course(CourseSettings.load(root), notebook_timeout=options.notebook_timeout,
+                                  submission_timeout=options.submission_timeout, cpu_seconds=options.cpu_seconds,
+                                  disk_mb=options.disk_mb, processes=options.processes,
+                                  max_output_bytes=options.max_output_bytes, attempts=options.attempts,
+                                  sandbox=options.sandbox, threads=max(1, (os.cpu_count() or 1) // jobs))
+    for name in ("timeout", "startup_timeout", "memory_mb", "file_mb"):
+        if getattr(options, name) is not None and getattr(options, name) != getattr(settings, name):
+            print(f"{name} {getattr(options, name)} for this run only (the course setting, {root / COURSE_SETTINGS_FILE}: "
+                  f"{getattr(settings, name)}; `make settings` changes it)")
+            setattr(settings, name, getattr(options, name))
+    gradebook.db_url(root, options.db_url)   # a gradebook this course does not use is refused before any work
     try:
         if not options.scheduler:  # refuse before building anything (grade() checks again)
             _isolation(settings, log=lambda *_: None)

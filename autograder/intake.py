@@ -55,6 +55,9 @@ from pathlib import Path
 
 import nbformat
 
+from autograder.course_settings import CourseSettings
+from autograder.intake_checks import (due_dates, export_notices, hand_graded, replacement_refusal, stamp_text,
+                                      submission_time)
 from autograder.release import assignment_names, released_notebook
 from autograder.roster import ROSTER_FILE, Roster, fold, normal_name
 from autograder.settings import COURSE_DIR, COURSE_ROOT, MAX_NOTEBOOK_BYTES
@@ -73,7 +76,8 @@ class Entry:
     assignment: str | None = None
     destination: str | None = None
     reasons: list[str] = field(default_factory=list)
-    submitted_at: str | None = None   # what timestamp.txt says (the file's time, UTC)
+    submitted_at: str | None = None   # what timestamp.txt says (the file's time, or the LMS's, UTC)
+    file_time: str | None = None      # the file's modification time (UTC)
 
 
 @dataclass
@@ -431,6 +435,7 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
         seen = {fold(p.name): p.name for p in sorted((root / "submitted").iterdir()) if p.is_dir()}
     entries: list[Entry] = []
     chosen: dict[tuple[str, str], tuple[float, Entry, object]] = {}
+    canvas_late: dict[tuple[str, str], bool] = {}   # Canvas's _LATE_ marker of the file chosen
     for path in sorted(submissions.rglob("*")):
         relative = path.relative_to(submissions)
         if path.name in IGNORED or set(relative.parts) & IGNORED_DIRS:
@@ -508,20 +513,36 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
                 if newer is other:
                     continue
             chosen[key] = (mtime, entry, repaired)
+            if lms and lms["kind"] == "Canvas":
+                canvas_late[key] = lms["late"]
         except Exception as error:  # whatever one file does, it is that file's refusal
             refuse_after_error(entry, error, chosen)
+    due = due_dates(root)
+    by_hand = hand_graded(root) if chosen else {}
     for (student, assignment), (mtime, entry, notebook) in chosen.items():
         folder = root / "submitted" / student / assignment
         target = folder / f"{assignment}.ipynb"
         text = json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+        when, corrected = submission_time(mtime, canvas_late.get((student, assignment)), due.get(assignment))
         entry.destination = str(target.relative_to(root))
-        entry.submitted_at = _timestamp(mtime)
+        entry.file_time = _timestamp(mtime)
+        entry.submitted_at = stamp_text(when)
+        if corrected:
+            entry.reasons.append(corrected)
         if target.exists() and target.read_text(encoding="utf-8") == text:
             entry.reasons.append("already in place, unchanged")
+            continue
+        refusal = replacement_refusal(folder, text, when, root)
+        if refusal:
+            entry.status, entry.destination = "refused", None
+            entry.reasons.append(refusal)
             continue
         if target.exists():
             kept = archive_previous(folder, root)
             entry.reasons.append(f"replaces the previous submission (kept in {kept.relative_to(root)})")
+            if (student, assignment) in by_hand:
+                entry.reasons.append(f"the previous one was graded or commented by hand ({', '.join(by_hand[student, assignment])}): "
+                                     "make grade keeps that for answers that did not change and names the others")
             for old in folder.glob("*.ipynb"):
                 old.unlink()
         folder.mkdir(parents=True, exist_ok=True)
@@ -532,7 +553,17 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
     return entries
 
 
-def write_report(entries: list[Entry], root: Path, submissions: Path) -> Path:
+def time_notices(entries: list[Entry], root: Path) -> list[str]:
+    """The intake report's notices on this export's submission times (see autograder.intake_checks)."""
+    from autograder.intake_checks import parse_stamp
+
+    taken = [e for e in entries if e.file_time]
+    filed = [(e.student, e.assignment, parse_stamp(e.submitted_at)) for e in taken if e.status != "refused"]
+    return export_notices([parse_stamp(e.file_time) for e in taken], due_dates(root), filed,
+                          CourseSettings.load(root))
+
+
+def write_report(entries: list[Entry], root: Path, submissions: Path, notices: list[str] | None = None) -> Path:
     """``reports/intake_report.{md,json}`` (this run) and a copy of each under ``reports/intake/``
     named by its time: earlier runs' reports are kept, and ``reports/intake_history.md`` lists them all."""
     folder = root / "reports"
@@ -549,8 +580,9 @@ def write_report(entries: list[Entry], root: Path, submissions: Path) -> Path:
                       indent=1, ensure_ascii=False)
     counts = {s: sum(e.status == s for e in entries) for s in ("accepted", "repaired", "refused")}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
-    lines = [f"# Intake report ({stamp})", "", f"From `{submissions}`: " + summary, "",
-             "| file | student | status | assignment | submitted (UTC) | reasons |", "|---|---|---|---|---|---|"]
+    lines = [f"# Intake report ({stamp})", "", f"From `{submissions}`: " + summary, ""]
+    lines += [f"- {notice}" for notice in notices or []] + ([""] if notices else [])
+    lines += ["| file | student | status | assignment | submitted (UTC) | reasons |", "|---|---|---|---|---|---|"]
     for e in sorted(entries, key=lambda e: (e.status != "refused", e.source)):
         reasons = "; ".join(e.reasons).replace("|", "/")
         lines.append(f"| {e.source} | {e.student or '-'} | {e.status} | {e.assignment or '-'} | "
@@ -586,13 +618,17 @@ def main(argv: list[str] | None = None) -> int:
               "`make roster ROSTER=<csv>` checks them")
     entries = intake(options.submissions, options.root, options.course, roster=roster,
                      add_unknown=options.add_unknown)
-    report = write_report(entries, options.root, options.submissions)
+    notices = time_notices(entries, options.root)
+    report = write_report(entries, options.root, options.submissions, notices)
     for entry in entries:
         where = f" -> {entry.destination}" if entry.destination else ""
         print(f"{entry.status:9s} {entry.source}{where}" + (f"  ({'; '.join(entry.reasons)})" if entry.reasons else ""))
+    for notice in notices:
+        print(f"NOTE: {notice}")
     counts = {s: sum(e.status == s for e in entries) for s in ("accepted", "repaired", "refused")}
     print(", ".join(f"{n} {s}" for s, n in counts.items()) + f"; report: {report}")
-    return 0
+    # refused files need the instructor (make intake fails, so that a script notices)
+    return 1 if counts["refused"] else 0
 
 
 if __name__ == "__main__":

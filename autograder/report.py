@@ -14,8 +14,9 @@ in ``report.json``) in the course root, per assignment that has submissions, and
 * the tests that fail most;
 * **the most frequent mistakes by name**: the checks' hints found in the failure messages,
   counted per student through their stable identifiers (``attention_lab.hint_catalog``);
-* **similar submissions**: pairs whose answer code (the answer cells, comments, blank
-  lines, names of no importance dropped: Python tokens) is near-identical
+* **similar submissions**: pairs whose own answer code (the answer cells less what the
+  release and the model solution already hold; comments and blank lines dropped: Python
+  tokens) is near-identical
   (``difflib`` on the token sequences, pairs pre-selected by shared 5-token shingles);
 * submissions not graded and why (the grading report's failures: time limit, crash), those
   waiting for ``make grade``, and incidents of graded ones (time limit, crash, tampering);
@@ -77,31 +78,43 @@ def code_tokens(source: str) -> list[str]:
         return source.split()
 
 
-def answer_tokens(notebook, stubs: dict[str, list[str]]) -> list[str]:
-    """The tokens of a notebook's code answer cells, answers left as released dropped."""
+def own_tokens(mine: list[str], given: list[list[str]]) -> list[str]:
+    """The tokens of an answer that none of the ``given`` code has (the release's stub, the
+    model solution): what the student wrote themselves, in order.  Correct answers converge on
+    the model solution; comparing them whole flags every pair of correct submissions."""
+    for known in given:
+        if not mine or not known:
+            continue
+        matcher = difflib.SequenceMatcher(None, known, mine, autojunk=False)
+        mine = [t for tag, _, _, j1, j2 in matcher.get_opcodes() if tag in ("replace", "insert") for t in mine[j1:j2]]
+    return mine
+
+
+def answer_tokens(notebook, given: dict[str, list[list[str]]]) -> list[str]:
+    """The tokens of a notebook's code answer cells that the student wrote themselves (see
+    :func:`own_tokens`; ``given``: per answer cell, the release's and the model's tokens)."""
     tokens = []
     for cell in notebook.cells:
         meta = cell.metadata.get("nbgrader", {})
         if cell.cell_type != "code" or not meta.get("solution"):
             continue
-        mine = code_tokens(cell.source)
-        if mine != stubs.get(meta.get("grade_id")):
-            tokens += mine
+        tokens += own_tokens(code_tokens(cell.source), given.get(meta.get("grade_id"), []))
     return tokens
 
 
-def release_stubs(root: Path, assignment: str) -> dict[str, list[str]]:
-    """The release's answer cells (what a student who wrote nothing has), from course/."""
+def given_code(root: Path, assignment: str) -> dict[str, list[list[str]]]:
+    """Per answer cell, the tokens every student was given or could converge on: the release's
+    stub (course/) and the model solution (the course root's source/)."""
     from autograder.release import released_notebook
 
-    stubs = {}
-    path = released_notebook(assignment)
-    if path.exists():
-        for cell in nbformat.read(path, as_version=4).cells:
-            meta = cell.metadata.get("nbgrader", {})
-            if cell.cell_type == "code" and meta.get("solution"):
-                stubs[meta["grade_id"]] = code_tokens(cell.source)
-    return stubs
+    given: dict[str, list[list[str]]] = {}
+    for path in (released_notebook(assignment), root / "source" / assignment / f"{assignment}.ipynb"):
+        if path.exists():
+            for cell in nbformat.read(path, as_version=4).cells:
+                meta = cell.metadata.get("nbgrader", {})
+                if cell.cell_type == "code" and meta.get("solution"):
+                    given.setdefault(meta["grade_id"], []).append(code_tokens(cell.source))
+    return given
 
 
 def question_order(root: Path, assignment: str, notebooks) -> list[tuple[str, float, bool]]:
@@ -122,7 +135,7 @@ def read_class(root: Path, assignment_name: str, gb) -> tuple[list[tuple[str, fl
 
     assignment = gb.find_assignment(assignment_name)
     questions = question_order(root, assignment_name, assignment.notebooks)
-    stubs = release_stubs(root, assignment_name)
+    given = given_code(root, assignment_name)
     students = []
     for submission in sorted(assignment.submissions, key=lambda s: s.student.id):
         student = Student(submission.student.id, float(submission.score), float(submission.max_score),
@@ -141,7 +154,7 @@ def read_class(root: Path, assignment_name: str, gb) -> tuple[list[tuple[str, fl
                 student.failed_tests.append(cell.grade_id)
                 for hint in identify(cell.evalue):
                     student.hints.setdefault(hint, []).append(cell.grade_id)
-            student.answer_tokens += answer_tokens(executed, stubs)
+            student.answer_tokens += answer_tokens(executed, given)
         try:
             record = json.loads((graded_dir / ".grading.json").read_text())
         except (OSError, ValueError):

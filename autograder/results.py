@@ -21,6 +21,27 @@ SKIPPED_CELL = "GraderSkippedCell"
 TAMPERING_MESSAGE = "Your notebook replaced library functions that the checks rely on"
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# A frame of the notebook's own code in an IPython traceback: "Cell In[5], line 3, in slow"
+NOTEBOOK_FRAME = re.compile(r"Cell In\[\d+\], line \d+, in (\w+)")
+
+
+def hung_function(outputs: list) -> str | None:
+    """The notebook's own function a cell was running when the time limit interrupted it (the
+    innermost of its frames in the interrupt's traceback), or None (a loop at a cell's top level)."""
+    for output in outputs:
+        if output.get("output_type") == "error" and output.get("ename") == "KeyboardInterrupt":
+            names = NOTEBOOK_FRAME.findall(ANSI.sub("", "\n".join(output.get("traceback", []))))
+            return names[-1] if names else None
+    return None
+
+
+def uses(source: str, name: str) -> bool:
+    """Whether a cell's code names ``name`` (calls it, or hands it to a check)."""
+    return re.search(rf"\b{re.escape(name)}\b", source) is not None
+
+
+def defines(source: str, name: str) -> bool:
+    return re.search(rf"^\s*def\s+{re.escape(name)}\s*\(", source, re.MULTILINE) is not None
 
 
 @dataclass
@@ -85,6 +106,8 @@ INCIDENTS = {
                          "{where} kept the notebook running past the time limit; the grader skipped that "
                          "cell and graded the rest."),
     "timeout": ("{where}: ran past the per-cell time limit (interrupted)", None),
+    # the cell's own message says it to the student
+    "hung_function": ("{where}: not run: it uses {detail}(), which already ran past the time limit", None),
     "output_truncated": ("{where}: output truncated", "{where} printed too much output; it was cut."),
     "tampering": ("{where}: TAMPERING: the notebook replaced {detail} (undone before the test ran)",
                   "Before {where}, the grader undid a replacement of course modules by the notebook."),

@@ -160,13 +160,15 @@ class Roster:
 
 def import_roster(source: Path, root: Path = COURSE_ROOT) -> Roster:
     """Keep ``source`` (normalised) as the course's roster.csv and import it into the gradebook."""
+    from autograder import gradebook
     from autograder.nbgrader_cli import run_nbgrader
 
     roster = Roster.read(source)
+    url = gradebook.db_url(root)   # refused before anything is written where it is not the course's
     path = Path(root) / ROSTER_FILE
     roster.write(path)
     result = run_nbgrader("db", "student", "import", str(path.resolve()), "--log-level=WARN",
-                          root=Path(root).resolve(), capture=True, check=False)
+                          f"--CourseDirectory.db_url={url}", root=Path(root).resolve(), capture=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"nbgrader db student import failed:\n{result.stdout}{result.stderr}")
     return roster
@@ -199,9 +201,31 @@ def read_deadlines(path: Path) -> dict[str, datetime.datetime]:
     return deadlines
 
 
-def set_deadlines(deadlines: dict[str, datetime.datetime], root: Path = COURSE_ROOT) -> None:
-    """Each assignment's due date in the gradebook (nbgrader's Assignment.duedate)."""
+def unknown_assignments(names: list[str], known: list[str]) -> list[str]:
+    """Each name of ``names`` the course does not have, with the closest names it has."""
+    problems = []
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=2, cutoff=0.5)
+            problems.append(f"{name!r} is not an assignment of this course"
+                            + (f"; did you mean {' or '.join(close)}?" if close else f" ({', '.join(known)})"))
+    return problems
+
+
+def set_deadlines(deadlines: dict[str, datetime.datetime], root: Path = COURSE_ROOT,
+                  known: list[str] | None = None) -> None:
+    """Each assignment's due date in the gradebook (nbgrader's Assignment.duedate); names the
+    course does not have (``known``, default: the assignments of ``solutions/`` and those with a
+    source in the course root) are refused, all of them, before anything is written."""
     from autograder import gradebook
+    from autograder.grading.plan import assignments_with_source
+    from autograder.release import assignment_names
+
+    if known is None:
+        known = sorted(set(assignment_names()) | set(assignments_with_source(Path(root))))
+    problems = unknown_assignments(list(deadlines), known)
+    if problems:
+        raise SystemExit("due dates not set: " + "; ".join(problems))
 
     with gradebook.open_gradebook(Path(root)) as gb:
         for assignment, duedate in deadlines.items():

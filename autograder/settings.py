@@ -9,13 +9,17 @@ Formgrader and the Python pipeline agree on them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 AUTOGRADER_DIR = Path(__file__).resolve().parent   # the code (and nbgrader_config.py)
 REPO_ROOT = AUTOGRADER_DIR.parent
 SOLUTIONS_DIR = REPO_ROOT / "solutions"             # the one source of each notebook
 COURSE_DIR = REPO_ROOT / "course"                   # the student release, committed
-COURSE_ROOT = AUTOGRADER_DIR / "course_root"        # nbgrader's course root: generated state only
+# nbgrader's course root: the class's data and what grading generates. Another folder where
+# this variable names one (a course root kept outside the clone; the tests' scratch roots).
+COURSE_ROOT_VARIABLE = "ATTENTION_LAB_COURSE_ROOT"
+COURSE_ROOT = Path(os.environ.get(COURSE_ROOT_VARIABLE) or AUTOGRADER_DIR / "course_root").resolve()
 COURSE_ID = "attention-lab"
 
 # The generated first code cell of every notebook: it installs/imports the course and so
@@ -38,8 +42,13 @@ MAX_NOTEBOOK_BYTES = 20_000_000
 
 # nbgrader's late-submission penalty (LateSubmissionPlugin.penalty_method: "none" or "zero"),
 # applied from each submission's timestamp.txt (written by intake) and the assignment's due
-# date in the gradebook; `python -m autograder.grade --late-penalty` overrides it for one run.
+# date in the gradebook. The default of a new course: the course's own choice (with its grace
+# period, extensions and limits) is kept in the course root's settings file, below.
 LATE_PENALTY_METHOD = "none"
+
+# The course's grading settings, one JSON file in the course root (`make settings`,
+# autograder/course_settings.py): every path that grades reads it.
+COURSE_SETTINGS_FILE = "course_settings.json"
 
 # The gradebook: SQLite in the course root unless this variable (set by `make ... DB_URL=...`)
 # names a database server, e.g. postgresql://grader:secret@db.example.org/attention_lab,

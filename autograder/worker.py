@@ -57,9 +57,9 @@ from autograder import gradebook, sandbox
 from autograder.grading import trusted_cells
 from autograder.grading.trusted_cells import CheckedOutsideTheKernel
 from autograder.kernel_forkserver import Server
-from autograder.results import SKIPPED_CELL
-from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES,
-                                 SETUP_CELL_ID, UNRESPONSIVE_GRACE)
+from autograder.results import SKIPPED_CELL, defines, hung_function, uses
+from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID,
+                                 UNRESPONSIVE_GRACE)
 
 # This engine's kernel server: the sandboxed process its grading kernels are forked from.
 _kernel_server = Server()
@@ -110,6 +110,7 @@ class GuardedExecute(CheckedOutsideTheKernel, Execute):
         self._notebook_name = (resources or {}).get("unique_key", "notebook")
         self.bridge_refused = False
         self._output_bytes: dict[int, int] = {}
+        self._hung: set[str] = set()   # the notebook's functions the time limit interrupted
         return super().preprocess(nb, resources, km)
 
     # -- the report -------------------------------------------------------------------
@@ -150,6 +151,18 @@ class GuardedExecute(CheckedOutsideTheKernel, Execute):
                                          traceback=[f"{SKIPPED_CELL}: {skip}"])]
             return cell
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        # a function that already ran past the time limit is not waited on again (a later
+        # definition of it is run, and runs again)
+        self._hung -= {name for name in self._hung if defines(cell.source, name)}
+        hung = sorted(name for name in self._hung if uses(cell.source, name))
+        if hung:
+            reason = (f"it uses {hung[0]}(), which already ran past the {self.timeout} s time limit in an earlier "
+                      "cell; the grader did not wait for it again")
+            cell.outputs = [NotebookNode(output_type="error", ename=SKIPPED_CELL, evalue=reason,
+                                         traceback=[f"{SKIPPED_CELL}: {reason}"])]
+            self._report(incident={"kind": "hung_function", "notebook": self._notebook_name, "cell": number,
+                                   "grade_id": grade_id, "detail": hung[0]})
+            return cell
         self._report(notebook=self._notebook_name, cell=number, grade_id=grade_id, started=time.time())
         if cell.metadata.get("nbgrader", {}).get("grade") and trusted_cells.checked_outside_the_kernel(self._notebook_name):
             return await self.check_outside_the_kernel(cell, number, grade_id)
@@ -166,6 +179,8 @@ class GuardedExecute(CheckedOutsideTheKernel, Execute):
         if any(o.get("output_type") == "error" and o.get("ename") == "CellTimeoutError" for o in cell.outputs):
             self._report(incident={"kind": "timeout", "notebook": self._notebook_name,
                                    "cell": number, "grade_id": grade_id})
+            if name := hung_function(cell.outputs):
+                self._hung.add(name)
             if not await self._responsive():
                 self._report(hung_cell=number)
                 raise UnresponsiveKernelError()

@@ -8,7 +8,6 @@ any other user, as that user.  Skipped LOUDLY when the server cannot be found.
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import shutil
 import socket
@@ -20,29 +19,15 @@ from pathlib import Path
 
 import pytest
 
-START_SECONDS = 120
+from autograder.postgres import START_SECONDS, as_server_user as _as_server_user, binaries
+
 USER = "grader"
-
-
-def binaries() -> Path | None:
-    """The folder of ``initdb`` and ``pg_ctl`` (Debian keeps them out of PATH)."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if found:
-        return Path(found[-1]).parent
-    initdb = shutil.which("initdb")
-    return Path(initdb).resolve().parent if initdb else None
 
 
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def _as_server_user(argv: list[str]) -> list[str]:
-    if os.geteuid() != 0:
-        return argv
-    return ["runuser", "-u", "nobody", "--", *argv]
 
 
 @contextlib.contextmanager

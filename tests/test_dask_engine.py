@@ -200,3 +200,78 @@ def test_a_worker_killed_mid_grading_costs_nothing(dask_cluster, tmp_path):
         time.sleep(0.2)
     assert not any(Path(f"/proc/{pid}").exists() for pid in killed), "the killed worker's engine lives on"
     assert scratch_folders(dask_cluster["logs"], worker=0) == [], "the killed worker's scratch folder is left"
+
+
+# --------------------------------------------------------------------------------------
+# The README's commands, as an instructor types them
+# --------------------------------------------------------------------------------------
+
+def readme_cluster_commands(port: int) -> dict[str, str]:
+    """The README's cluster commands (its bash block after "**On a cluster.**"), with this test's
+    scheduler address for ``scheduler-host:8786``: ``{first word after make: command}``."""
+    text = (REPO_ROOT / "README.md").read_text()
+    block = text.split("**On a cluster.**", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    return {command.split()[1]: command.replace("scheduler-host:8786", f"127.0.0.1:{port}").replace("8786", str(port))
+            for command in commands}
+
+
+def free_port_pair() -> int:
+    """A free port whose next port (the scheduler's dashboard) is free too."""
+    while True:
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+@contextlib.contextmanager
+def started(command: str, log: Path, environment: dict):
+    """A README command started by the shell in the repository (a process group, ended on exit)."""
+    process = subprocess.Popen(command, shell=True, cwd=REPO_ROOT, env=environment, start_new_session=True,
+                               stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_the_readmes_cluster_commands_grade_a_class_and_a_scheduler_without_the_course_is_refused(tmp_path):
+    from distributed import Client
+
+    port = free_port_pair()
+    commands = readme_cluster_commands(port)
+    assert set(commands) == {"dask-scheduler", "dask-worker", "grade"}, commands
+    root = tiny_course(tmp_path / "course_root", {"ann": "value = 42", "bob": "value = 41"})
+    environment = {**os.environ, "ATTENTION_LAB_COURSE_ROOT": str(root), "JOBS": "1"}
+    environment.pop("PYTHONPATH", None)
+    with started(commands["dask-scheduler"], tmp_path / "scheduler.log", environment), \
+            started(commands["dask-worker"], tmp_path / "worker.log", environment):
+        with Client(f"tcp://127.0.0.1:{port}", timeout="120s") as client:
+            client.wait_for_workers(1, timeout=300)
+        graded = subprocess.run(commands["grade"], shell=True, cwd=REPO_ROOT, env=environment, capture_output=True,
+                                text=True, timeout=900)
+    logs = "\n".join(p.read_text() for p in tmp_path.glob("*.log"))
+    assert graded.returncode == 0 and "graded 2, unchanged 0, failed 0" in graded.stdout, \
+        graded.stdout + graded.stderr + logs
+    assert "ModuleNotFoundError" not in logs
+
+    # the README's earlier command: a scheduler started outside the clone's PYTHONPATH
+    port = free_port_pair()
+    plain = f"{REPO_ROOT}/.venv/bin/dask scheduler --port {port} --dashboard-address :{port + 1}"
+    with started(plain, tmp_path / "plain-scheduler.log", environment):
+        refused = subprocess.run([sys.executable, "-m", "autograder.grade", "--root", str(root), "--force",
+                                  "--scheduler", f"tcp://127.0.0.1:{port}"], cwd=REPO_ROOT, env=environment,
+                                 capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0, refused.stdout
+    assert "cannot import the course: ModuleNotFoundError: No module named 'autograder'" in refused.stderr, refused.stderr
+    assert "make dask-scheduler" in refused.stderr

@@ -126,3 +126,33 @@ def test_a_submission_that_could_not_be_graded_gets_a_page_saying_so(tmp_path):
     assert page == root / "feedback" / "dee" / ASSIGNMENT / f"{ASSIGNMENT}.html"
     assert "Not graded yet" in text and "stopped or hung the Python kernel again" in text
     assert "split_heads stopped the Python kernel" in text and "attempts" not in text
+
+
+def test_an_unanswered_written_answer_and_a_loop_outside_an_exercise_are_said_as_a_student_sees_them(course):
+    """A written answer left as released (nbgrader scores it 0 and asks nobody) is "not
+    answered", not "graded by hand"; a cell the time limit interrupted is named by the heading
+    it is under, never by a cell number; an interrupted test says "time limit", not KeyboardInterrupt."""
+    notebook = executed({"test_merge_heads": ("KeyboardInterrupt", "")})
+    free = next(n for n, c in enumerate(notebook.cells, start=1)
+                if c.cell_type == "code" and "nbgrader" not in c.metadata and n > 10)
+    heading = next(line.lstrip("#").strip() for c in reversed(notebook.cells[:free]) if c.cell_type == "markdown"
+                   for line in c.source.splitlines() if line.startswith("#"))
+    with gradebook.open_gradebook(course) as gb:
+        gb.update_or_create_student("dee")
+        submission = gb.add_submission(ASSIGNMENT, "dee")
+        for grade in submission.notebooks[0].grades:
+            grade.auto_score = 0.0 if grade.name in ("why_contiguous", "test_merge_heads") else grade.max_score
+            grade.needs_manual_grade = False
+        gb.db.commit()
+    folder = course / "autograded" / "dee" / ASSIGNMENT
+    folder.mkdir(parents=True)
+    nbformat.write(notebook, str(folder / f"{ASSIGNMENT}.ipynb"))
+    (folder / ".grading.json").write_text(json.dumps({"incidents": [
+        {"kind": "timeout", "notebook": ASSIGNMENT, "cell": free, "attempt": 1}]}))
+    feedback.write_feedback(course, students=["dee"])
+    page = page_of(course, "dee")
+    assert rows(page)["why_contiguous"] == "not answered" and "not answered (left as released): 0 / 1" in page
+    assert "graded by hand: " not in page
+    assert f"the cell under “{heading}” ran past the time limit" in page, page
+    assert f"cell {free}" not in page and "KeyboardInterrupt" not in page
+    assert "Stopped: the test ran past the time limit" in page

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import urllib.request
 from pathlib import Path
@@ -20,6 +21,7 @@ import nbformat
 import pytest
 
 from autograder import gradebook, release, roster
+from autograder.course_settings import CourseSettings
 from autograder.release import mark_hidden_tests
 from tests.lab_servers import running_lab
 from tests.test_browser import TINY, pipeline, tiny_source, tiny_submission
@@ -127,6 +129,10 @@ def test_generate_feedback_shows_the_hand_grade_and_comment_and_no_hidden_test(f
 
 
 def test_autograde_goes_through_the_pipeline_and_keeps_other_hand_grades(formgrader, graded):
+    """... and applies the course settings (`make settings LATE_PENALTY=zero`) as `make grade` does."""
+    CourseSettings(late_penalty="zero").save(graded)
+    roster.set_deadlines({TINY: datetime.datetime(2026, 1, 10, 12, 0)}, graded)
+    (graded / "submitted" / "ada" / TINY / "timestamp.txt").write_text("2026-01-11 12:00:00.000000 UTC")
     record = graded / "autograded" / "ada" / TINY / ".grading.json"
     before = record.stat().st_mtime_ns
     bob_notebook = submitted_notebook_id(formgrader, "bob")
@@ -142,6 +148,8 @@ def test_autograde_goes_through_the_pipeline_and_keeps_other_hand_grades(formgra
     with gradebook.open_gradebook(graded) as gb:
         assert gb.find_grade("test_double", TINY, TINY, "bob").manual_score == 1
         assert gb.find_submission(TINY, "ada").score == 1.0
+        assert gb.find_submission(TINY, "ada").late_submission_penalty == 1.0, "the course's late penalty was not applied"
+    assert "- late penalty: zero" in (graded / "reports" / "grading_report.md").read_text()
 
 
 def test_formgraders_buttons_in_the_browser(formgrader, graded, browser, screenshots):

@@ -15,10 +15,11 @@ import nbformat
 import pytest
 
 from autograder import feedback, grade, gradebook, results, sandbox
+from autograder.course_settings import CourseSettings
 from autograder.export import export
 from autograder.nbgrader_cli import run_nbgrader
 from autograder.release import REPO_ROOT, build_source, course_repository, mark_hidden_tests, write_notebook
-from tests.grading_helpers import (TINY, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
+from tests.grading_helpers import (TINY, cell_limit, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
                                    tiny_notebook)
 
 ASSIGNMENT = "01_mha_shapes"
@@ -490,7 +491,8 @@ def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_
 
     root = tiny_class({"ann": "value = 42", "bob": "value = 41", "cy": "value = 42"},
                       written={"ann": "Because.", "bob": "Why not.", "cy": "It is."})
-    settings = grade.Settings(timeout=30, late_penalty="zero")
+    settings = grade.Settings(timeout=30)
+    CourseSettings(late_penalty="zero").save(root)    # make settings LATE_PENALTY=zero
     log: list[str] = []
     first = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
     # every total still waits for the written answer: the console says so
@@ -532,10 +534,16 @@ def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_
         assert gb.find_submission(TINY, "cy").late_submission_penalty == 0.0
     assert (third["ann"].score, third["ann"].late_penalty) == (0.0, 2.5)      # nbgrader's "zero" method
     assert (third["bob"].score, third["bob"].pending) == (0.0, 2.0)
+    # bob's dropped hand grades and the TA's comment are said, and kept
+    assert third["bob"].notes and "why_value" in third["bob"].notes[0] and "test_value" in third["bob"].notes[0]
+    kept = list((root / "archive" / "hand_grades" / "bob" / TINY).glob("*.json"))
+    assert len(kept) == 1 and "Say why." in kept[0].read_text(), kept
+    assert not third["ann"].notes and not third["cy"].notes
     assert (third["cy"].score, third["cy"].pending) == (3.0, 0.0)
     assert any("ann/00_tiny: 0 / 3 (late penalty 2.5)" in line for line in log), log
     report = (root / "reports" / "grading_report.md").read_text()
-    assert "| bob | 00_tiny | graded | 0 / 3 (incomplete: 2 points awaiting hand grading) |" in report
+    assert "| bob | 00_tiny | graded | 0 / 3 (incomplete: 2 points awaiting hand grading) | hand grade dropped" in report
+    assert "- late penalty: zero" in report
 
 
 @pytest.mark.slow
@@ -598,3 +606,36 @@ def test_a_new_gradebook_is_stamped_with_the_schema_revision_nbgraders_alembic_n
         stamped = connection.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
     engine.dispose()
     assert stamped == [heads.split()[0]]
+
+
+@pytest.mark.slow
+def test_a_function_that_ran_past_the_time_limit_is_not_waited_on_again(tiny_class):
+    """One endless loop in an answer costs one cell's time limit: later cells that use the
+    function are not run (and say why), a later cell that defines it again runs."""
+    def cell(kind: str, source: str, grade_id: str, **flags):
+        metadata = {"nbgrader": {"grade_id": grade_id, "schema_version": 3, "task": False, "grade": False,
+                                 "solution": False, "locked": False, **flags}}
+        return (nbformat.v4.new_code_cell if kind == "code" else nbformat.v4.new_markdown_cell)(source, metadata=metadata)
+
+    def notebook(answer: str):
+        return nbformat.v4.new_notebook(cells=[
+            cell("code", answer, "answer", solution=True),
+            cell("code", "assert forty_two() == 42", "test_one", grade=True, locked=True, points=1),
+            cell("code", "assert forty_two() + 0 == 42", "test_two", grade=True, locked=True, points=1),
+            cell("code", "def forty_two():\n    return 42\nassert forty_two() == 42", "test_three", grade=True,
+                 locked=True, points=1),
+        ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+
+    root = tiny_class({})
+    nbformat.write(notebook("### BEGIN SOLUTION\ndef forty_two():\n    return 42\n### END SOLUTION"),
+                   str(root / "source" / TINY / f"{TINY}.ipynb"))
+    folder = root / "submitted" / "ann" / TINY
+    folder.mkdir(parents=True)
+    nbformat.write(notebook("def forty_two():\n    while True:\n        pass"), str(folder / f"{TINY}.ipynb"))
+    (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=cell_limit()), log=lambda *_: None)
+    assert [(i["kind"], i.get("grade_id")) for i in outcome.incidents] == [
+        ("timeout", "test_one"), ("hung_function", "test_two")], outcome.incidents
+    assert outcome.score == 1.0   # test_three, which defines its own forty_two, ran
+    graded = nbformat.read(root / "autograded" / "ann" / TINY / f"{TINY}.ipynb", as_version=4)
+    (error,) = [o for o in graded.cells[2].outputs if o.get("output_type") == "error"]
+    assert error["ename"] == results.SKIPPED_CELL and "forty_two(), which already ran past" in error["evalue"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,89 @@ def test_the_variable_make_grade_sets_grades_new_submissions_into_postgresql(dat
     assert not (root / "gradebook.db").exists(), "the SQLite gradebook was written instead"
     assert rows(url) == {"student": 4, "assignment": 1, "submitted_assignment": 4, "submitted_notebook": 4,
                          "grade": 8, "comment": 8}
+
+
+# --------------------------------------------------------------------------------------
+# The README's path for instructors: a server, the course's gradebook moved there, and a
+# course that remembers it
+# --------------------------------------------------------------------------------------
+
+def readme_postgres_commands() -> list[str]:
+    text = (REPO_ROOT / "README.md").read_text()
+    block = text.split("**A shared gradebook (PostgreSQL).**", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def shell(command: str, environment: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(command, shell=True, cwd=REPO_ROOT, env=environment, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_path):
+    import datetime
+    import os
+    import re
+    import shutil
+    import tempfile
+
+    from autograder import roster
+    from autograder.course_settings import CourseSettings
+    from autograder.settings import COURSE_ROOT_VARIABLE
+    from tests.postgres_server import binaries, free_port
+
+    if binaries() is None:
+        pytest.skip("POSTGRESQL TESTS NOT RUN: initdb/pg_ctl not found (make postgres installs Debian's postgresql)")
+    # a course graded on SQLite: roster, due date, a hand grade and a comment
+    root = tiny_course(tmp_path / "course_root", {"ann": "value = 42", "bob": "value = 41"},
+                       written={"ann": "Because.", "bob": "No idea."})
+    (tmp_path / "class.csv").write_text("id,first_name,last_name,email,lms_user_id\nann,Ann,Lee,,11\nbob,Bob,Ray,,12\n")
+    roster.import_roster(tmp_path / "class.csv", root)
+    roster.set_deadlines({TINY: datetime.datetime(2026, 1, 10, 12, 0)}, root)
+    CourseSettings(timeout=30).save(root)   # make settings TIMEOUT=30: every later run grades the same
+    grade.grade(root, jobs=1, log=lambda *_: None)
+    with gradebook.open_gradebook(root) as gb:
+        written = gb.find_grade("why_value", TINY, TINY, "ann")
+        written.manual_score, written.needs_manual_grade = 1.5, False
+        gb.find_comment("why_value", TINY, TINY, "ann").manual_comment = "Say more."
+        gb.db.commit()
+
+    home = Path(tempfile.mkdtemp(prefix="alg-pg-home-"))   # the server's user (nobody, as root) reaches it
+    if os.geteuid() == 0:
+        shutil.chown(home, "nobody")
+    port = free_port()
+    environment = {**os.environ, "HOME": str(home), COURSE_ROOT_VARIABLE: str(root)}
+    environment.pop(DB_URL_VARIABLE, None)
+    commands = [c.replace("5432", str(port)) for c in readme_postgres_commands()]
+    assert [c.split()[1] for c in commands] == ["postgres-server", "migrate-gradebook", "grade", "formgrader",
+                                                "postgres-stop"], commands
+    try:
+        started = shell(commands[0], environment)
+        assert started.returncode == 0, started.stdout + started.stderr
+        url = re.search(r"On this machine: +DB_URL=(\S+)", started.stdout).group(1)
+        commands = [c.replace("postgresql://grader:<password>@db-host:" + str(port) + "/attention_lab", url)
+                    for c in commands]
+        # before the move: naming the server for an SQLite course is refused
+        early = shell(commands[2], environment)
+        assert early.returncode != 0 and "make migrate-gradebook" in early.stderr, early.stdout + early.stderr
+        moved = shell(commands[1], environment)
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+        assert not (root / "gradebook.db").exists() and list((root / "archive").glob("gradebook-before-*.db"))
+        with gradebook.open_gradebook(root, url) as gb:
+            assert {s.id: (s.first_name, s.last_name) for s in gb.students} == {"ann": ("Ann", "Lee"),
+                                                                                 "bob": ("Bob", "Ray")}
+            assert gb.find_assignment(TINY).duedate == datetime.datetime(2026, 1, 10, 12, 0)
+            assert gb.find_grade("why_value", TINY, TINY, "ann").manual_score == 1.5
+            assert gb.find_comment("why_value", TINY, TINY, "ann").manual_comment == "Say more."
+        graded = shell(commands[2], environment)
+        assert graded.returncode == 0 and "graded 0, unchanged 2, failed 0" in graded.stdout, graded.stdout + graded.stderr
+        assert "ann/00_tiny: 2.5 / 3" in graded.stdout, graded.stdout   # the hand grade, from the server
+        # without DB_URL (or with another database's) every command refuses, and writes no SQLite file
+        for command in ("make grade", "make export", "make formgrader", f"make grade DB_URL={url}x"):
+            refused = shell(command, environment)
+            assert refused.returncode != 0 and "this course's gradebook is" in refused.stderr, \
+                command + refused.stdout + refused.stderr
+            assert not (root / "gradebook.db").exists(), f"{command} wrote an SQLite gradebook"
+    finally:
+        stopped = shell(commands[-1], environment)
+        shutil.rmtree(home, ignore_errors=True)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr

@@ -164,3 +164,30 @@ def test_the_page_names_the_mistakes_and_is_deterministic(written, generated_cla
     before = {p: p.read_bytes() for p in page.parent.rglob("*") if p.is_file()}
     report.write_reports(generated_class)
     assert {p: p.read_bytes() for p in page.parent.rglob("*") if p.is_file()} == before
+
+
+def test_correct_submissions_are_not_flagged_for_sharing_the_model_solution(generated_class):
+    """Correct answers converge on the model solution (95-100 % alike whole): only what students
+    wrote beyond the release and the model is compared."""
+    source = nbformat.read(generated_class / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", as_version=4)
+    models = {c.metadata["nbgrader"]["grade_id"]: c.source for c in source.cells
+              if c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution")}
+    given = report.given_code(generated_class, ASSIGNMENT)
+
+    def solved(student: str) -> nbformat.NotebookNode:
+        notebook = nbformat.read(REPO_ROOT / "course" / f"{ASSIGNMENT}.ipynb", as_version=4)
+        for cell in notebook.cells:
+            grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+            if grade_id in models:
+                cell.source = models[grade_id].replace("### BEGIN SOLUTION", f"# {student}'s answer")
+        return notebook
+
+    whole = sum((report.code_tokens(m) for m in models.values()), [])
+    assert len(whole) >= report.MIN_ANSWER_TOKENS   # compared whole, they would be flagged as identical
+    students = [report.Student(s, 1.0, 1.0, False, answer_tokens=report.answer_tokens(solved(s), given))
+                for s in ("c1", "c2", "c3")]
+    assert report.similar_pairs(students) == []
+    # the model plus the same long code of their own: still a pair to look at
+    for student in students[:2]:
+        student.answer_tokens += report.code_tokens(own_answer("shared"))
+    assert [p["students"] for p in report.similar_pairs(students)] == [["c1", "c2"]]

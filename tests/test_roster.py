@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -176,11 +177,24 @@ def test_import_fills_the_names_formgrader_shows_and_deadlines_set_the_due_date(
         alice = gb.find_student("alice")
         assert (alice.first_name, alice.last_name, alice.lms_user_id) == ("Alice", "Liddell", "12345")
     deadlines = tmp_path / "deadlines.csv"
-    deadlines.write_text(f"assignment,duedate\n{ASSIGNMENT},2026-03-01T17:00+01:00\n02_x,2026-03-08\n")
+    deadlines.write_text(f"assignment,duedate\n{ASSIGNMENT},2026-03-01T17:00+01:00\n02_numpy_walkthrough,2026-03-08\n")
     roster.set_deadlines(roster.read_deadlines(deadlines), course)
     with gradebook.open_gradebook(course) as gb:
         assert gb.find_assignment(ASSIGNMENT).duedate == datetime.datetime(2026, 3, 1, 16, 0)
-        assert gb.find_assignment("02_x").duedate == datetime.datetime(2026, 3, 8, 23, 59, 59)
+        assert gb.find_assignment("02_numpy_walkthrough").duedate == datetime.datetime(2026, 3, 8, 23, 59, 59)
+
+
+def test_a_typo_in_deadlines_is_refused_with_the_closest_name_and_sets_nothing(tmp_path):
+    root = tmp_path / "course_root"
+    deadlines = tmp_path / "deadlines.csv"
+    deadlines.write_text("assignment,duedate\n01_mha_shapes,2026-03-01\n02_numpy_walktrough,2026-03-08\n")
+    result = subprocess.run(["make", "--no-print-directory", "deadlines", f"DEADLINES={deadlines}"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, ATTENTION_LAB_COURSE_ROOT=str(root)))
+    assert result.returncode != 0, result.stdout
+    assert "'02_numpy_walktrough' is not an assignment of this course; did you mean 02_numpy_walkthrough?" \
+        in result.stderr, result.stderr
+    assert not (root / gradebook.SQLITE_NAME).exists(), "a phantom assignment (or any due date) was written"
 
 
 def test_without_a_roster_a_folder_differing_only_in_case_is_refused(tmp_path):

@@ -31,6 +31,26 @@ ALLOWED_FAILURES = 3
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
+# Run on the scheduler and each worker before anything is submitted (``exec`` travels by name:
+# no module of the course is needed to receive it).
+COURSE_IMPORT = "import autograder.grading.task"
+START_COMMANDS = ("start them from the course's clone as the README says: `make dask-scheduler` on the "
+                  "scheduler machine, `make dask-worker SCHEDULER=...` on each worker machine (both put the "
+                  "clone on PYTHONPATH)")
+
+
+def check_cluster(client, scheduler: str) -> None:
+    """Refuse, with the real error in full, a cluster whose scheduler or workers cannot import
+    the course: otherwise the scheduler fails each task with an error that names no cause."""
+    for where, attempt in (("scheduler", lambda: client.run_on_scheduler(exec, COURSE_IMPORT)),
+                           ("workers", lambda: client.run(exec, COURSE_IMPORT))):
+        try:
+            attempt()
+        except Exception as error:
+            raise SystemExit(f"the Dask {where} at {scheduler} cannot import the course: "
+                             f"{type(error).__name__}: {error}\n{START_COMMANDS}") from None
+
+
 @dataclass
 class Cluster:
     client: object                      # distributed.Client
@@ -50,6 +70,7 @@ def cluster(jobs: int, scheduler: str | None = None, processes: bool = True) -> 
     with contextlib.ExitStack() as stack:
         if scheduler:
             client = stack.enter_context(Client(scheduler, timeout="60s"))
+            check_cluster(client, scheduler)
             workers = client.scheduler_info().get("workers", {})
             description = f"Dask cluster at {scheduler} ({len(workers)} workers now)"
         else:
@@ -81,8 +102,9 @@ def run(connection: Cluster, shared: dict[str, dict], tasks: list[dict]) -> Iter
 
     ``shared``: ``{assignment: {"source": ..., "template": ...}}``, scattered once and
     referenced by each task of that assignment.  ``error`` is set (and ``result`` None) when
-    Dask itself gave up on a task (its workers kept dying).
+    Dask itself gave up on a task: the error in full, and why Dask gave up.
     """
+    from distributed import KilledWorker
     from distributed import as_completed
 
     client = connection.client
@@ -99,7 +121,9 @@ def run(connection: Cluster, shared: dict[str, dict], tasks: list[dict]) -> Iter
         index = futures[future]
         try:
             yield index, future.result(), ""
-        except Exception as error:  # KilledWorker: the task's workers died ALLOWED_FAILURES times
-            yield index, None, f"{type(error).__name__}: {error}"
+        except KilledWorker as error:  # the task's workers died ALLOWED_FAILURES times
+            yield index, None, f"the Dask workers running it kept dying: {type(error).__name__}: {error}"
+        except Exception as error:
+            yield index, None, f"the Dask cluster could not run it: {type(error).__name__}: {error}"
         finally:
             future.release()

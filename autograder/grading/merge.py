@@ -7,7 +7,10 @@
 * :func:`merge`: what a worker returned, into the gradebook and ``autograded/``: grades,
   comments, the submission time and late penalty; hand grades given earlier are kept for
   every answer that did not change (and dropped, to be given again, where it changed);
-* :func:`current_totals`: what the gradebook says a submission scores now.
+* :func:`apply_late_policy`: a submission's late penalty under the course settings (its
+  extension, the grace period, the penalty method);
+* :func:`rescore`: the late penalties of stored results again, after a change of the course
+  settings or a due date (nothing is re-executed), and what the gradebook says they score now.
 """
 
 from __future__ import annotations
@@ -22,11 +25,9 @@ from pathlib import Path
 import nbformat
 
 from autograder import gradebook, release
+from autograder.course_settings import CourseSettings
 from autograder.grading.plan import Outcome, _hash_tree, notebook_names
 from autograder.nbgrader_cli import run_nbgrader
-
-DUEDATE_FORMAT = "%Y-%m-%d %H:%M:%S"
-
 
 def ensure_sources(root: Path, assignments: list[str]) -> None:
     """``source/<a>/<a>.ipynb`` rebuilt from ``solutions/`` (the release builder's function),
@@ -68,12 +69,6 @@ def ensure_assignments(root: Path, assignments: list[str], state: dict, url: str
             run_nbgrader("generate_assignment", assignment, "--force", "--log-level=ERROR",
                          f"--CourseDirectory.db_url={url}", root=root, capture=True)
             sources[assignment] = digest.hexdigest()
-
-
-def duedates(root: Path, url: str | None = None) -> dict[str, str]:
-    """``{assignment: due date}`` as the gradebook holds them (naive UTC, as nbgrader stores them)."""
-    with gradebook.open_gradebook(root, url) as gb:
-        return {a.name: a.duedate.strftime(DUEDATE_FORMAT) for a in gb.assignments if a.duedate}
 
 
 def template(root: Path, assignment: str, url: str | None = None) -> bytes:
@@ -126,26 +121,75 @@ def late_penalty(method: str, student: str, score: float, seconds_late: float) -
     return None if penalty is None else min(max(penalty, 0.0), score)
 
 
-def merge(outcome: Outcome, result: dict, root: Path, book, url: str | None = None, late: str = "none") -> None:
+def apply_late_policy(book, assignment: str, student: str, policy: CourseSettings) -> float:
+    """Set the late penalty of each notebook of one submission (nbgrader's rule, method
+    ``policy.late_penalty``) from its time against the student's due date (an extension, if
+    the course settings give one, is recorded as nbgrader's ``extension``) less the grace
+    period; the submission's penalty, in the session (the caller commits)."""
+    submission = book.find_submission(assignment, student)
+    due = submission.assignment.duedate
+    until = policy.extension(student, assignment)
+    submission.extension = (until - due) if (until and due and until > due) else None
+    seconds = policy.seconds_late(student, assignment, submission.timestamp, due)
+    _reload(book)
+    for submitted in book.find_submission(assignment, student).notebooks:
+        submitted.late_submission_penalty = late_penalty(policy.late_penalty, student, float(submitted.score), seconds)
+    _reload(book)
+    return float(book.find_submission(assignment, student).late_submission_penalty or 0.0)
+
+
+def rescore(root: Path, keys: list[tuple[str, str]], policy: CourseSettings,
+            url: str | None = None) -> dict[tuple[str, str], tuple[tuple, float]]:
+    """The late penalty of each stored ``(student, assignment)`` under ``policy`` (a changed
+    penalty method, grace period, extension or due date re-scores; nothing runs again);
+    ``{key: (totals now, the penalty before)}`` of those in the gradebook."""
+    from nbgrader.api import MissingEntry
+
+    found = {}
+    if not keys:
+        return found
+    with gradebook.writer_lock(root, url), gradebook.open_gradebook(root, url) as book:
+        try:
+            for student, assignment in keys:
+                try:
+                    before = float(book.find_submission(assignment, student).late_submission_penalty or 0.0)
+                except MissingEntry:
+                    continue
+                apply_late_policy(book, assignment, student, policy)
+                found[(student, assignment)] = (_totals(book.find_submission(assignment, student)), before)
+            book.db.commit()
+        except BaseException:
+            book.db.rollback()
+            raise
+    return found
+
+
+def merge(outcome: Outcome, result: dict, root: Path, book, url: str | None = None,
+          policy: CourseSettings | None = None) -> None:
     """One student's grades (as a worker returned them) into the gradebook ``book`` (nbgrader's
     ``Gradebook`` of ``root``/``url``, open for the whole run), and the autograded notebooks
     into ``autograded/`` (the one writer of both).
 
     An earlier hand grade (a manual score, extra credit, a grader's comment) is kept when
     the answer it graded did not change: a written answer's own text for its cell; every
-    answer of the notebook for a test cell whose automatic score a grader overrode.  The late
-    penalty (method ``late``) is computed here, on the score the gradebook now holds.  The
+    answer of the notebook for a test cell whose automatic score a grader overrode (one
+    dropped because the answer changed is said in ``outcome.notes``).  The late penalty
+    (the course settings ``policy``) is computed here, on the score the gradebook now holds.  The
     grades, comments and penalties are one transaction: a merge that fails leaves none of
     them behind, neither in the gradebook nor in the next student's merge.
     """
     destination = root / "autograded" / outcome.student / outcome.assignment
     with gradebook.writer_lock(root, url):
         try:
-            totals = _record(book, outcome, result, destination, late)
+            totals, dropped = _record(book, outcome, result, destination, policy or CourseSettings())
         except BaseException:
             book.db.rollback()
             raise
     outcome.score, outcome.max_score, outcome.pending, outcome.late_penalty = totals
+    if dropped:
+        kept = _archive_hand_grades(root, outcome, dropped)
+        outcome.notes.append(f"hand grade dropped, the answer changed: {', '.join(d['cell'] for d in dropped)} "
+                             f"(grade it again in Formgrader; the old grade and comment are in {kept})")
     scratch = destination.with_name(f".{destination.name}.new")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -158,12 +202,23 @@ def merge(outcome: Outcome, result: dict, root: Path, book, url: str | None = No
     scratch.rename(destination)
 
 
-def _record(target, outcome: Outcome, result: dict, destination: Path, late: str) -> tuple:
-    """:func:`merge`'s gradebook part, committed at its end; the submission's new totals."""
+def _archive_hand_grades(root: Path, outcome: Outcome, dropped: list[dict]) -> str:
+    """The hand grades and comments a resubmission dropped, kept beside the archived submission."""
+    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+    path = root / "archive" / "hand_grades" / outcome.student / outcome.assignment / f"{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dropped, indent=1, ensure_ascii=False), encoding="utf-8")
+    return str(path.relative_to(root))
+
+
+def _record(target, outcome: Outcome, result: dict, destination: Path, policy: CourseSettings) -> tuple:
+    """:func:`merge`'s gradebook part, committed at its end; the submission's new totals, and
+    the hand grades and comments it dropped (an answer they graded changed)."""
     from nbgrader.api import Comment, Grade
     from sqlalchemy.orm import joinedload
 
     flagged = {i["notebook"] for i in outcome.incidents if i.get("notebook")}
+    dropped: dict[tuple[str, str], dict] = {}
     target.update_or_create_student(outcome.student)  # (nbgrader commits these two itself)
     stamp = result.get("timestamp")
     if stamp:
@@ -188,6 +243,8 @@ def _record(target, outcome: Outcome, result: dict, destination: Path, late: str
             keep = (cell not in changed) if cell in new else not changed
             graded_by_hand = mine.manual_score is not None or bool(mine.extra_credit)
             if graded_by_hand and not keep:
+                dropped[(name, cell)] = {"notebook": name, "cell": cell, "manual_score": mine.manual_score,
+                                         "extra_credit": mine.extra_credit}
                 mine.manual_score, mine.extra_credit = None, None
             mine.auto_score = auto_score
             mine.needs_manual_grade = bool(needs_manual_grade) and not (graded_by_hand and keep
@@ -196,17 +253,14 @@ def _record(target, outcome: Outcome, result: dict, destination: Path, late: str
             mine = comments[cell]
             mine.auto_comment = auto_comment
             if mine.manual_comment and cell in changed:
+                dropped.setdefault((name, cell), {"notebook": name, "cell": cell})["comment"] = mine.manual_comment
                 mine.manual_comment = None
         submitted.flagged = name in flagged
     _reload(target)  # the scores are sums the database computes: read them again
-    submission = target.find_submission(outcome.assignment, outcome.student)
-    for submitted in submission.notebooks:
-        submitted.late_submission_penalty = late_penalty(late, outcome.student, float(submitted.score),
-                                                         float(submission.total_seconds_late or 0))
-    _reload(target)
+    apply_late_policy(target, outcome.assignment, outcome.student, policy)
     totals = _totals(target.find_submission(outcome.assignment, outcome.student))
     target.db.commit()
-    return totals
+    return totals, list(dropped.values())
 
 
 def _reload(target) -> None:
@@ -220,19 +274,3 @@ def _totals(submission) -> tuple[float, float, float, float]:
     pending = sum(g.max_score for n in submission.notebooks for g in n.grades if g.needs_manual_grade)
     penalty = float(submission.late_submission_penalty or 0.0)
     return float(submission.score) - penalty, float(submission.max_score), float(pending), penalty
-
-
-def current_totals(root: Path, keys: list[tuple[str, str]], url: str | None = None) -> dict[tuple[str, str], tuple]:
-    """``{(student, assignment): totals}`` (see :func:`_totals`) as the gradebook holds them now."""
-    from nbgrader.api import MissingEntry
-
-    found = {}
-    if not keys:
-        return found
-    with gradebook.open_gradebook(root, url) as gb:
-        for student, assignment in keys:
-            try:
-                found[(student, assignment)] = _totals(gb.find_submission(assignment, student))
-            except MissingEntry:
-                continue
-    return found

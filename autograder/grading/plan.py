@@ -1,8 +1,10 @@
 """What a grading run has to do (parent process): settings, submissions, fingerprints, state.
 
 A submission is regraded when its fingerprint changed since it was last graded: its files,
-its submission time (``timestamp.txt``, written by intake), the source notebook, the
-assignment's due date and the grading settings that change a score.
+its submission time (``timestamp.txt``, written by intake), the source notebook and the
+grading settings that change what a notebook does when it runs.  The due date, the late
+penalty, the grace period and extensions are not in it: a change of them re-scores the stored
+results (:func:`autograder.grading.merge.rescore`), it re-executes nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autograder.settings import (CELL_TIMEOUT, KERNEL_STARTUP_TIMEOUT, LATE_PENALTY_METHOD, MAX_OUTPUT_BYTES,
-                                 UNRESPONSIVE_GRACE)
+from autograder.course_settings import CourseSettings
+from autograder.settings import CELL_TIMEOUT, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, UNRESPONSIVE_GRACE
 
 STATE_DIR = ".grading"
 REPORTS_DIR = "reports"
@@ -40,7 +42,12 @@ class Settings:
     unresponsive_grace: int = UNRESPONSIVE_GRACE           # least seconds an interrupted kernel has to answer
     sandbox: str = "on"                                    # on (refuses without bubblewrap) | off
     threads: int = 1                                       # torch/BLAS threads per kernel
-    late_penalty: str = LATE_PENALTY_METHOD                # nbgrader's LateSubmissionPlugin.penalty_method
+
+    @classmethod
+    def of_course(cls, course: CourseSettings, **others) -> Settings:
+        """The limits the course settings file sets (``make settings``), and ``others``."""
+        return cls(timeout=course.timeout, startup_timeout=course.startup_timeout, memory_mb=course.memory_mb,
+                   file_mb=course.file_mb, **others)
 
     @property
     def grace(self) -> int:
@@ -78,6 +85,7 @@ class Outcome:
     max_score: float | None = None
     pending: float = 0.0                 # points that still wait for grading by hand
     late_penalty: float = 0.0
+    notes: list[str] = field(default_factory=list)   # for the instructor: a re-scored penalty, a dropped hand grade
     tests: list[dict] = field(default_factory=list)
     incidents: list[dict] = field(default_factory=list)
     error: str = ""
@@ -169,12 +177,12 @@ def submission_timestamp(submission: Submission) -> str:
     return path.read_text(encoding="utf-8").strip() if path.is_file() else ""
 
 
-def fingerprint(submission: Submission, root: Path, settings: Settings, duedate: str = "") -> str:
+def fingerprint(submission: Submission, root: Path, settings: Settings) -> str:
     digest = hashlib.sha256()
     _hash_tree(digest, submission.folder)
     _hash_tree(digest, root / "source" / submission.assignment)
     digest.update(settings.fingerprint().encode())
-    digest.update(f"\0submitted {submission_timestamp(submission)}\0due {duedate}".encode())
+    digest.update(f"\0submitted {submission_timestamp(submission)}".encode())
     return digest.hexdigest()
 
 

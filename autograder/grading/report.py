@@ -1,5 +1,6 @@
 """What a grading run tells the instructor (parent process): console lines and
-``reports/grading_report.{md,json}``.
+``reports/grading_report.{md,json}`` (this run's; every run's is kept in ``reports/grading/``,
+listed in ``reports/grading_history.md``).
 
 A score is the gradebook's total (hand grades included, the late penalty deducted); one that
 still waits for grading by hand says so ("19 / 20, 1 point awaiting hand grading"), in the
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 
 from autograder import cgroups, results, sandbox
+from autograder.course_settings import CourseSettings
 from autograder.grading.plan import REPORTS_DIR, Outcome, Settings
 from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL
 
@@ -37,7 +39,7 @@ def console_line(outcome: Outcome) -> str:
     extra = "; ".join(results.describe(i) for i in outcome.incidents)
     seconds = f" ({outcome.seconds:.0f} s)" if outcome.status != "unchanged" else ""
     return (f"  {outcome.status:9s} {outcome.student}/{outcome.assignment}: {score}{seconds}"
-            + (f" [{extra}]" if extra else "")
+            + (f" [{extra}]" if extra else "") + "".join(f" -- {note}" for note in outcome.notes)
             + (f" -- {outcome.error.splitlines()[0]}" if outcome.error else ""))
 
 
@@ -103,15 +105,33 @@ def limit_lines(limits: list[dict]) -> list[str]:
                     for item in limits if not item["holds"]]
 
 
+def full_error(outcome: Outcome) -> str:
+    """A failed submission's error, every line of it, indented under its console line."""
+    return "\n".join(f"      {line}" for line in outcome.error.splitlines())
+
+
+
 def write_report(root: Path, outcomes: list[Outcome], problems: list[str], settings: Settings,
-                 isolation: str, engine: str = "", limits: list[dict] | None = None) -> Path:
+                 isolation: str, engine: str = "", course: CourseSettings | None = None,
+                 limits: list[dict] | None = None) -> Path:
+    """This run's report, ``reports/grading_report.{md,json}``, and a copy of each under
+    ``reports/grading/`` named by its time, listed in ``reports/grading_history.md``: a
+    one-student regrade never wipes the record of the class's run."""
+    course = course or CourseSettings()
     folder = root / REPORTS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().isoformat(timespec="seconds")
-    data = {"generated": stamp, "isolation": isolation, "engine": engine, "verdicts": verdicts_line(outcomes),
-            "settings": dataclasses.asdict(settings), "limits": limits or [], "problems": problems,
-            "submissions": [o.as_dict() for o in outcomes]}
-    (folder / "grading_report.json").write_text(json.dumps(data, indent=1, ensure_ascii=False))
+    history = folder / "grading"
+    history.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now()
+    stamp = now.isoformat(timespec="seconds")
+    name, suffix = now.strftime("%Y%m%dT%H%M%S"), 1
+    while (history / f"{name}.md").exists():
+        suffix += 1
+        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{suffix}"
+    data = json.dumps({"generated": stamp, "isolation": isolation, "engine": engine,
+                       "verdicts": verdicts_line(outcomes), "limits": limits or [],
+                       "course_settings": dataclasses.asdict(course), "settings": dataclasses.asdict(settings),
+                       "problems": problems, "submissions": [o.as_dict() for o in outcomes]},
+                      indent=1, ensure_ascii=False)
     lines = [f"# Grading report ({stamp})", "", f"Isolation: {isolation}", "", verdicts_line(outcomes), ""]
     if limits:
         lines += ["| limit on student code | holds here | how |", "|---|---|---|"]
@@ -119,16 +139,30 @@ def write_report(root: Path, outcomes: list[Outcome], problems: list[str], setti
         lines += [""]
     if engine:
         lines += [f"Engine: {engine}", ""]
-    lines += ["| student | assignment | status | score | notes |", "|---|---|---|---|---|"]
+    lines += ["Course settings (`make settings`):", ""] + [f"- {line}" for line in course.describe()]
+    if (settings.timeout, settings.startup_timeout, settings.memory_mb, settings.file_mb) != (
+            course.timeout, course.startup_timeout, course.memory_mb, course.file_mb):
+        lines.append(f"- for this run only: {settings.timeout} s per cell, {settings.startup_timeout} s start-up, "
+                     f"{settings.memory_mb} MB memory, {settings.file_mb} MB files")
+    lines += ["", "| student | assignment | status | score | notes |", "|---|---|---|---|---|"]
     for o in outcomes:
-        notes = "; ".join(results.describe(i) for i in o.incidents)
+        notes = "; ".join([results.describe(i) for i in o.incidents] + o.notes)
         if o.status == "failed":
             notes = (o.error.splitlines() or ["failed"])[0] + ("; " + notes if notes else "")
         lines.append(f"| {o.student} | {o.assignment} | {o.status} | {score_text(o)} | {notes.replace('|', '/')} |")
     if problems:
         lines += ["", "## Not graded", ""] + [f"- {p}" for p in problems]
     for o in (o for o in outcomes if o.status == "failed"):
-        lines += ["", f"## {o.student} / {o.assignment}: could not be graded", "", "```", o.error[-3000:], "```"]
+        lines += ["", f"## {o.student} / {o.assignment}: could not be graded", "", "```", o.error, "```"]
+    text = "\n".join(lines) + "\n"
+    (folder / "grading_report.json").write_text(data)
+    (history / f"{name}.json").write_text(data)
+    (history / f"{name}.md").write_text(text)
     path = folder / "grading_report.md"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(text)
+    index = folder / "grading_history.md"
+    if not index.exists():
+        index.write_text("# Grading runs (newest last)\n\n")
+    with open(index, "a", encoding="utf-8") as handle:
+        handle.write(f"- {stamp}: {summary(outcomes)} ([report](grading/{name}.md))\n")
     return path

@@ -401,7 +401,7 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engi
                "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
                "timeout": settings["timeout"], "startup_timeout": settings["startup_timeout"], "grace": grace,
                "kernel": kernel, "report": str(report_path), "skip": skip,
-               "max_output_bytes": settings["max_output_bytes"], "late_penalty": settings["late_penalty"],
+               "max_output_bytes": settings["max_output_bytes"],   # the late penalty: the parent's merge
                "ipc": str(runtime / "k") if use_bwrap else None, "kernel_server": server}
         result = free.run(job, timeout=min(settings["notebook_timeout"], remaining), watch=watch)
         outcome["engines"].append(free.last_pid)

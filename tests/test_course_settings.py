@@ -1,0 +1,100 @@
+"""Course settings that stay set (issue #35, items 1 and 7): the late penalty, grace period,
+extensions and limits live in the course root's ``course_settings.json``, written by ``make
+settings`` / ``make extension``, applied by every path that grades (a plain run, a one-student
+regrade as Formgrader's Autograde runs it) and shown in the grading report; a change of them
+re-scores the stored results without running a notebook again."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from autograder import grade, gradebook, roster
+from autograder.course_settings import CourseSettings
+from autograder.release import REPO_ROOT
+from autograder.settings import COURSE_ROOT_VARIABLE
+from tests.grading_helpers import TINY, tiny_course
+
+README = (REPO_ROOT / "README.md").read_text()
+
+
+def make(root: Path, *arguments: str) -> subprocess.CompletedProcess:
+    """``make <arguments>`` exactly as typed, on the course root ``root``."""
+    return subprocess.run(["make", "--no-print-directory", *arguments], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, **{COURSE_ROOT_VARIABLE: str(root)}), timeout=300)
+
+
+def test_make_settings_keeps_them_and_make_grade_refuses_a_one_run_late_penalty(tmp_path):
+    root = tmp_path / "course_root"
+    result = make(root, "settings", "LATE_PENALTY=zero", "GRACE_MINUTES=15")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((root / "course_settings.json").read_text())["late_penalty"] == "zero"
+    shown = make(root, "settings")
+    assert "late penalty: zero" in shown.stdout and "grace period: 15 minutes" in shown.stdout, shown.stdout
+    # a flag that would vanish at the next run is refused, with what to type instead
+    refused = make(root, "grade", "LATE_PENALTY=zero")
+    assert refused.returncode != 0 and "make settings LATE_PENALTY=zero" in refused.stderr, refused.stderr
+    # a wrong value is refused and changes nothing
+    before = (root / "course_settings.json").read_text()
+    wrong = make(root, "settings", "LATE_PENALTY=half")
+    assert wrong.returncode != 0 and "late_penalty must be one of none, zero" in wrong.stderr, wrong.stderr
+    assert (root / "course_settings.json").read_text() == before
+    # the README's commands, as written
+    for command in ("make settings LATE_PENALTY=zero GRACE_MINUTES=15",
+                    "make extension STUDENT=alice ASSIGNMENT=01_mha_shapes UNTIL=2026-03-08T17:00+01:00"):
+        assert command in README, command
+        done = make(root, *command.split()[1:])
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert CourseSettings.load(root).extensions == {"alice/01_mha_shapes": "2026-03-08 16:00:00"}
+    assert make(root, "extension", "STUDENT=alice", "ASSIGNMENT=01_mha_shapes", "REMOVE=1").returncode == 0
+    assert CourseSettings.load(root).extensions == {}
+
+
+def stamp(root: Path, student: str, moment: datetime.datetime) -> None:
+    (root / "submitted" / student / TINY / "timestamp.txt").write_text(moment.strftime("%Y-%m-%d %H:%M:%S.%f UTC"))
+
+
+@pytest.mark.slow
+def test_every_grading_path_applies_the_course_settings_and_a_change_rescores_without_running_again(tmp_path):
+    due = datetime.datetime(2026, 1, 10, 12, 0)
+    root = tiny_course(tmp_path / "course_root", {"ann": "value = 42", "bob": "value = 42", "cy": "value = 42"})
+    stamp(root, "ann", due + datetime.timedelta(minutes=10))   # ten minutes late
+    stamp(root, "bob", due + datetime.timedelta(days=1))       # a day late
+    stamp(root, "cy", due - datetime.timedelta(hours=1))
+    roster.set_deadlines({TINY: due}, root)                    # make deadlines, before the first grading
+    CourseSettings(late_penalty="zero", timeout=30).save(root)  # make settings LATE_PENALTY=zero TIMEOUT=30
+
+    # Formgrader's Autograde button runs this one-submission regrade (pipeline_buttons.py)
+    assert grade.main(["--root", str(root), "--student", "ann", "--assignment", TINY, "--jobs", "1"]) == 0
+    with gradebook.open_gradebook(root) as gb:
+        assert gb.find_submission(TINY, "ann").late_submission_penalty == 1.0
+    # the next plain run keeps the penalty (ann unchanged), and applies it to bob
+    outcomes = {o.student: o for o in grade.grade(root, jobs=1, log=lambda *_: None)}
+    assert {s: (o.status, o.score, o.late_penalty) for s, o in outcomes.items()} == {
+        "ann": ("unchanged", 0.0, 1.0), "bob": ("graded", 0.0, 1.0), "cy": ("graded", 1.0, 0.0)}
+    report = (root / "reports" / "grading_report.md").read_text()
+    assert "- late penalty: zero" in report and "- time limit per cell: 30 s" in report, report
+
+    # a grace period and an extension re-score the stored results: nothing runs again
+    settings = CourseSettings.load(root)
+    settings.grace_minutes = 15
+    settings.extensions[f"bob/{TINY}"] = "2026-01-11 13:00:00"
+    settings.save(root)
+    log: list[str] = []
+    outcomes = {o.student: o for o in grade.grade(root, jobs=1, log=log.append)}
+    assert {s: (o.status, o.score, o.late_penalty) for s, o in outcomes.items()} == {
+        "ann": ("unchanged", 1.0, 0.0), "bob": ("unchanged", 1.0, 0.0), "cy": ("unchanged", 1.0, 0.0)}, log
+    assert not any(o.engines for o in outcomes.values()), "a penalty change ran a notebook again"
+    assert "re-scored: late penalty 1 -> 0" in "\n".join(log), log
+    with gradebook.open_gradebook(root) as gb:   # nbgrader's own record of the extension
+        assert gb.find_submission(TINY, "bob").extension == datetime.timedelta(days=1, hours=1)
+    report = (root / "reports" / "grading_report.md").read_text()
+    assert "grace period: 15 minutes" in report and f"bob/{TINY} due 2026-01-11 13:00:00 UTC" in report, report
+    # every run's report is kept, and listed
+    history = (root / "reports" / "grading_history.md").read_text().splitlines()
+    assert len(list((root / "reports" / "grading").glob("*.md"))) == 3 and len(history) == 2 + 3, history

@@ -1,0 +1,48 @@
+"""The README's dry run, command by command as written, on a scratch course root: the example
+class goes through roster, deadlines, settings, intake, grading, feedback and export, and is
+erased (issue #35, item 17)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from autograder.release import REPO_ROOT
+from autograder.settings import COURSE_ROOT_VARIABLE
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("example_class")]
+
+
+def readme_dry_run() -> list[str]:
+    text = (REPO_ROOT / "README.md").read_text()
+    block = text.split("**A dry run.**", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_readmes_dry_run_grades_the_example_class(tmp_path):
+    root = tmp_path / "course_root"
+    environment = {**os.environ, COURSE_ROOT_VARIABLE: str(root), "JOBS": "2"}
+    outputs = {}
+    try:
+        for command in readme_dry_run():
+            target = command.split()[1]
+            result = subprocess.run(command, shell=True, cwd=REPO_ROOT, env=environment, capture_output=True,
+                                    text=True, timeout=900, input="erase\n" if target == "erase-course-root" else None)
+            assert result.returncode == 0, f"{command}:\n{result.stdout}{result.stderr}"
+            outputs[target] = result.stdout
+            if target == "export":
+                with open(root / "grades.csv", newline="") as handle:
+                    rows = {r["student_id"]: r for r in csv.DictReader(handle) if r["assignment"] == "01_mha_shapes"}
+    finally:
+        shutil.rmtree(REPO_ROOT / "example-class", ignore_errors=True)
+    assert "4 accepted" in outputs["intake"] and "1 late submission: nunez/01_mha_shapes" in outputs["intake"], \
+        outputs["intake"]
+    scores = {s: (float(r["score"]), float(r["late_submission_penalty"] or 0)) for s, r in rows.items()}
+    assert scores["bob"][0] == 0 < scores["dan"][0] < scores["alice"][0], scores
+    assert rows["alice"]["status"] == "incomplete"   # the written answer waits for Formgrader
+    assert scores["nunez"] == (0.0, scores["alice"][0]), scores   # as solved as alice, late, LATE_PENALTY=zero
+    assert not root.exists(), "make erase-course-root (erase typed) left the course root"

@@ -1,0 +1,72 @@
+"""`make publish`: the students' repository holds the notebooks, the helper package and a README,
+its links point at it, and nothing secret is in it (issue #35, item 16) -- no kernels."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+
+import nbformat
+
+from autograder import publish
+from autograder.release import REPO_ROOT, assignment_names, course_repository
+
+
+def readme_publish_command(dest) -> str:
+    text = (REPO_ROOT / "README.md").read_text()
+    block = text.split("### Publishing to students", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    (command,) = [line.strip() for line in block.splitlines() if line.strip()]
+    return command.replace("../attention-lab-students", str(dest))
+
+
+def test_make_publish_writes_a_students_repository_with_no_secret(tmp_path):
+    dest = tmp_path / "students"
+    command = readme_publish_command(dest)
+    result = subprocess.run(command, shell=True, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in dest.iterdir()) == sorted(publish.WRITTEN)
+    assert sorted(p.stem for p in (dest / "course").glob("*.ipynb")) == assignment_names()
+    first = nbformat.read(dest / "course" / "01_mha_shapes.ipynb", as_version=4)
+    text = json.dumps(first)
+    assert "github/myuni/attention-lab-students/blob/main/course/01_mha_shapes.ipynb" in text
+    assert 'COURSE_REPOSITORY = \\"myuni/attention-lab-students\\"' in text
+    assert course_repository() not in (dest / "README.md").read_text() + text
+    assert tomllib.loads((dest / "pyproject.toml").read_text())["tool"]["attention_lab"]["repository"] == \
+        "myuni/attention-lab-students"
+    # what `pip install attention-lab @ git+https://github.com/<REPO>` builds: the helper package
+    wheel = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                            "-w", str(tmp_path / "wheel"), str(dest)], capture_output=True, text=True, timeout=600)
+    assert wheel.returncode == 0, wheel.stdout + wheel.stderr
+    (built,) = (tmp_path / "wheel").glob("*.whl")
+    names = zipfile.ZipFile(built).namelist()
+    assert "attention_lab/checking.py" in names and not any(n.startswith(("solutions", "autograder")) for n in names)
+
+
+def test_the_check_finds_a_solution_a_hidden_test_or_a_private_folder(tmp_path):
+    dest = tmp_path / "students"
+    assert publish.publish(dest, "myuni/attention-lab-students") == []
+    solutions, hidden = publish.secret_lines()
+    notebook = nbformat.read(dest / "course" / "01_mha_shapes.ipynb", as_version=4)
+    answer = next(c for c in notebook.cells if c.metadata.get("nbgrader", {}).get("solution") and c.cell_type == "code")
+    own = next(line for line in sorted(solutions) if line not in answer.source)
+    answer.source += "\n" + own
+    notebook.cells[-1].source += "\n" + sorted(hidden)[0]
+    nbformat.write(notebook, str(dest / "course" / "01_mha_shapes.ipynb"))
+    shutil.copytree(REPO_ROOT / "solutions", dest / "solutions")
+    problems = publish.secrets_in(dest, course_repository())
+    assert "solutions is there" in problems
+    assert any(p.startswith("course/01_mha_shapes.ipynb holds solution or hidden-test code") for p in problems)
+    assert any(p.startswith("solutions/") and "holds solution" in p for p in problems), problems
+    # a publication into a folder of other files is refused
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    try:
+        publish.publish(other, "myuni/attention-lab-students")
+        raise AssertionError("published over files it did not write")
+    except SystemExit as refusal:
+        assert "did not write" in str(refusal)
