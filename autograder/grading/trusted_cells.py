@@ -130,11 +130,12 @@ class CheckedOutsideTheKernel:
             self._refused(cell, number, grade_id)
         else:
             self._checker_failed(cell, number, grade_id, (answer or {}).get("error", "the grader's checker did not answer"))
-        if not await ensure_async(self.km.is_alive()):  # the answer killed the kernel while the checker called it
-            self.kernel_died(number)
-            raise DeadKernelError("the kernel died while the grader called the student's code")
         if not await self._agent_returned(msg_id):
             from nbgrader.preprocessors.execute import UnresponsiveKernelError
+
+            if not await ensure_async(self.km.is_alive()):  # the answer killed the kernel while the checker called it
+                self.kernel_died(number)
+                raise DeadKernelError("the kernel died while the grader called the student's code")
 
             self.kernel_hung(number)
             raise UnresponsiveKernelError()
