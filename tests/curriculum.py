@@ -5,6 +5,7 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
     "01_mha_shapes": (
         "split_heads", "merge_heads", "attention_weights", "scaled_dot_product_attention",
         "MultiHeadSelfAttention", "load_torch_mha_weights", "split_heads_einops", "attention_layer_flops",
+        "block_flops",
     ),
     "02_numpy_walkthrough": (
         "row_times_matrix", "np_split_heads", "np_merge_heads", "np_softmax", "np_attention",
