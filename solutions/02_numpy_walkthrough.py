@@ -263,12 +263,19 @@ print("entry (i=2, j=4) is one dot product:", np.isclose(raw_scores[0, 0, 2, 4],
 # after the next exercise.)
 #
 # Is `1/sqrt(d_head)` "the only mathematically correct factor"? No: it is the one that keeps the
-# variance constant under this independence assumption. Other choices are in use: μP
-# (maximal-update parametrisation) scales by `1/d_head`, with an initialisation of its own.
-# Models with **QK-norm** (an RMSNorm on `q` and `k`: ViT-22B, OLMo 2, Qwen3) keep
-# `head_dim**-0.5`: the norm fixes the entries' scale, so the variance argument holds again. Only
-# **cosine attention** (`q` and `k` divided by their length, so every score lies in `[-1, 1]`:
-# Swin V2) replaces the factor, by a learned temperature.
+# variance constant under this independence assumption. Other choices are in use:
+#
+# * **μP** (maximal-update parametrisation) scales by `1/d_head`, with an initialisation and
+#   learning rates of its own.
+# * **Gemma 2** scales by `1/sqrt(d_model / H)` (its `query_pre_attn_scalar`: 144 in the 27B
+#   model, whose heads are 128 wide), not by `1/sqrt(head_dim)`.
+# * **Cosine attention** (`q` and `k` divided by their length, so every score lies in `[-1, 1]`:
+#   Swin V2) replaces the factor by a learned temperature.
+# * Models with **QK-norm** — a LayerNorm on `q` and `k` in ViT-22B, an RMSNorm in OLMo 2 and
+#   Qwen3 — keep `head_dim**-0.5`. The norm does not fix the entries' scale: it has a learned
+#   gain per feature, which training can grow. What it removes is the growth of the logits
+#   *through the activations* — the product of two unnormalised `q` and `k` that made
+#   ViT-22B's training diverge — and leaves the logits bounded by the gains.
 
 # %%
 Q, K = np_split_heads(X @ W_q, H), np_split_heads(X @ W_k, H)
@@ -344,9 +351,10 @@ variance_explorer(dot_product_variance)
 # `d_head`; it normalises the variance to 1 **only** when the entries of `q` and `k` have unit
 # variance. Nothing in the factor itself controls `σ`: LayerNorm before the projections and an
 # initialisation of the weights with standard deviation about `1/sqrt(D)` keep the entries of order
-# 1 at the start of training, but training can grow them. QK-norm (an RMSNorm on `q` and `k`)
-# fixes their scale directly and keeps `1/sqrt(d_head)`; only cosine attention (unit-length `q`
-# and `k`) replaces the factor, by a learned temperature; μP scales by `1/d_head`.
+# 1 at the start of training, but training can grow them. QK-norm (a LayerNorm or RMSNorm on
+# `q` and `k`, with a learned gain) bounds their growth through the activations and keeps
+# `1/sqrt(d_head)`; cosine attention (unit-length `q` and `k`) replaces the factor by a learned
+# temperature; μP scales by `1/d_head`, Gemma 2 by `1/sqrt(d_model / H)`.
 # `1/sqrt(d_head)` is a convention resting on the unit-variance assumption, not the only correct
 # factor.
 
@@ -631,8 +639,8 @@ check_answer_scaling(ANSWER_SCALING, seed=2801)
 # The raw scores' rows go one-hot, and the gradient reaching a typical query collapses (by
 # orders of magnitude at `d_head = 1024`): the **vanishing gradient** the scaling prevents. For
 # independent unit-variance entries `1/d_head` over-corrects: its scores shrink towards 0, every
-# row tends to uniform weights, and attention stops distinguishing keys. It starves the gradient
-# too: the softmax's own Jacobian `∂p/∂s` stays large for a near-uniform row (the last column of
+# row tends to uniform weights, and attention stops distinguishing keys. At initialisation —
+# the random, independent `q` and `k` measured here — it starves the gradient too: the softmax's own Jacobian `∂p/∂s` stays large for a near-uniform row (the last column of
 # the table), but the factor `1/d_head` multiplies everything that flows back to `q` and `k`
 # through the scores, so `|∂p/∂q|` falls like `1/sqrt(d_head)` (÷ 2 each time `d_head` grows 4×).
 # `1/sqrt(d_head)` keeps both curves level. (μP's `1/d_head` rests on other assumptions: its own
@@ -702,8 +710,8 @@ loss = (torch.softmax(scores_torch, -1) * torch.tensor(upstream)).sum()  # L = �
 print("yours:   ", softmax_backward(np_softmax(scores), upstream).round(4))
 print("autograd:", autograd_ds.numpy().round(4))
 for n in (512, 4096, 32768):
-    print(f"one row of {n:>5} keys: Jacobian {n * n * 4 / 2**20:>8.1f} MB in float32, "
-          f"the VJP needs {n * 4 / 2**10:>6.1f} kB")
+    print(f"one row of {n:>5} keys: Jacobian {n * n * 4 / 1e6:>8.1f} MB in float32, "
+          f"the VJP needs {n * 4 / 1e3:>6.1f} kB")
 
 # %% [markdown]
 # ### Attention
@@ -733,8 +741,13 @@ for n in (512, 4096, 32768):
 #
 # **What the backward keeps from the forward.** `dV` and the softmax's backward need `P`: `S_q × S_k`
 # numbers per head. Either the forward keeps `P` — at `B = 8`, `H = 32`, `S = 4096` in bfloat16
-# that is 8.6 GB for *one* layer, about twenty times the bfloat16 weights of one layer of a
-# 7-billion-parameter model (0.4 GB) — or
+# that is 8.6 GB (decimal gigabytes, 10⁹ bytes, as every size in this notebook) for *one* layer,
+# about twenty times the bfloat16 weights of one layer of a 7-billion-parameter model (0.4 GB).
+# And 8.6 GB is a lower bound: it counts `P` once, in bfloat16. Under CUDA autocast the softmax
+# runs in float32, and autograd keeps both its float32 output (for the softmax's backward) and
+# the bfloat16 copy that the product with `V` reads: 17.2 + 8.6 GB. (On a CPU, autocast keeps the
+# softmax in bfloat16: the cell after the check counts what autograd saves there.) Either the
+# forward keeps `P`, or
 # the backward recomputes `P` from `Q`, `K` and one number per query saved by the forward (the
 # log-sum-exp of its scores, `B·H·S` numbers). Your function recomputes it, since it gets
 # `Q, K, V, dout` only. **FlashAttention** (notebook 06) does the same, tile by tile, so that no
@@ -808,6 +821,26 @@ print(f"P for B={batch}, H={heads}, S={length} in bfloat16: "
       f"{batch * heads * length * length * 2 / 1e9:.1f} GB; one log-sum-exp per query instead: "
       f"{batch * heads * length * 4 / 1e6:.1f} MB")
 
+
+def saved_bytes_per_score(length=64):
+    """Bytes autograd keeps per attention score ([S, S] tensors only, each storage once)."""
+    q, k, v = (torch.randn(1, 2, length, 16, requires_grad=True) for _ in range(3))
+    saved = {}
+
+    def keep(tensor):
+        if tensor.shape[-2:] == (length, length):
+            storage = tensor.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.softmax(q @ k.transpose(-2, -1) / 4, dim=-1) @ v
+    return sum(saved.values()) / (2 * length * length)
+
+
+print("CPU autocast to bfloat16: autograd keeps", saved_bytes_per_score(), "bytes per score")
+
 # %% [markdown]
 # ## What you built
 #
@@ -822,9 +855,7 @@ print(f"P for B={batch}, H={heads}, S={length} in bfloat16: "
 # | context | **weights** `@ V` | `(2, 2, 6, 2)` |
 # | merge | `np_merge_heads` (transpose + reshape) | `(2, 6, 4)` |
 # | output projection | `@ W_o` | `(2, 6, 4)` = `(B, S, D)` |
-# | backward: `dV` | `Pᵀ @ dout` | `(2, 2, 6, 2)` |
-# | backward: `dS` | `softmax_backward(P, dout @ Vᵀ)`, 0 where masked | `(2, 2, 6, 6)` |
-# | backward: `dQ`, `dK` | `dS @ K`, `dSᵀ @ Q`, each `/ sqrt(d_head)` | `(2, 2, 6, 2)` each |
+# | backward | `np_attention_backward`: `dQ`, `dK`, `dV` from `dout` | shaped like `Q`, `K`, `V` |
 #
 # You wrote every step in NumPy and matched `nn.MultiheadAttention` to float64 precision —
 # after transposing the weights into PyTorch's `(out, in)` layout and flipping the mask's
