@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import textwrap
 
 import torch
@@ -1092,3 +1093,23 @@ def test_backward_kernel_without_the_loops_is_not_implemented_yet(tmp_path):
     blank = ("    q_start_first = 0\n", "    raise NotImplementedError('Exercise 6.13')\n    q_start_first = 0\n")
     with pytest.raises(CheckFailure, match="not implemented yet"):
         checks.check_flash_attention_backward_kernel(*backward_kernels(tmp_path, blank), **KERNEL)
+
+
+# --------------------------------------------------------------------------------------
+# The backward pass's FLOPs, counted
+# --------------------------------------------------------------------------------------
+
+
+def test_answer_backward_flops_takes_the_pair_and_explains_only_once_right(capsys):
+    checks.check_answer_backward_flops((2.5, 3.5), device="cpu")
+    checks.check_answer_backward_flops([5 / 2, 7 / 2], device="cpu")
+    assert "3.5x its forward" in capsys.readouterr().out
+    for wrong, hint in [((3.5, 2.5), "swapped"), ((5, 7), "products_not_ratio"), ((2.0, 3.5), "no_recompute"),
+                        ((2.5, 2.5), "same_for_both"), ((2.5, 3.0), "dq_kernel_reuses")]:
+        with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_FLOPS_HINTS[hint])) as failure:
+            checks.check_answer_backward_flops(wrong, **CPU)
+        assert "dK = dSᵀ q" not in str(failure.value)
+    for wrong, phrase in [(None, "not implemented yet"), (2.5, "should be a pair"), ((2.5,), "should be a pair"),
+                          (("2.5", "3.5"), "should be a pair"), ((1.0, 1.0), "ratios are off")]:
+        with pytest.raises(CheckFailure, match=phrase):
+            checks.check_answer_backward_flops(wrong, **CPU)

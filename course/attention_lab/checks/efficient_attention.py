@@ -1405,4 +1405,68 @@ def check_flash_attention_backward_kernel(flash_attention_backward_kernel: Any,
                               block_q, block_k, dtype, device, generator)
 
 
+
+# --------------------------------------------------------------------------------------
+# The backward pass's FLOPs, counted: FlashAttention-2's one kernel against two kernels
+# --------------------------------------------------------------------------------------
+
+BACKWARD_FLOPS_RATIOS = (2.5, 3.5)  # matmul FLOPs of the backward / the forward's: FA-2, two kernels
+BACKWARD_FLOPS_HINTS = {
+    "no_recompute": "the backward has no P to read: it recomputes the scores q kᵀ from q, k and lse before it "
+    "can use them. Count that product too.",
+    "products_not_ratio": "those are counts of [S, S] x d products; the question asks for the ratio to the "
+    "forward's matmul FLOPs, and the forward has two such products (q kᵀ and P v).",
+    "dq_kernel_reuses": "the dQ kernel has neither P nor dP from the first kernel (it only has q, k, v, dO, lse "
+    "and D in memory): it recomputes q kᵀ and dP = dO vᵀ again before dQ = dS k.",
+    "same_for_both": "the two-kernel design does more work than FlashAttention-2's single kernel: its dQ kernel "
+    "cannot reuse the tiles of P and dP that the dK/dV kernel computed.",
+    "swapped": "the pair is swapped: FlashAttention-2's single kernel is the cheaper one.",
+}
+
+
+@check("ANSWER_BACKWARD_FLOPS: the backward's matmul FLOPs against the forward's, for both designs")
+def check_answer_backward_flops(answer, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """(2.5, 3.5): FA-2's backward runs 5 products of S²·d, the two-kernel backward 7, the forward 2. The
+    count is printed only once the answer is right."""
+    from attention_lab.checking import add_note
+
+    name = "ANSWER_BACKWARD_FLOPS"
+    if answer is None:
+        raise CheckFailure(f"{name}: not implemented yet. Set {name} to a pair of numbers, e.g. (1.0, 1.0).")
+    numbers = list(answer) if isinstance(answer, (tuple, list)) else None
+    expect_true(numbers is not None and len(numbers) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers),
+                f"{name} should be a pair of numbers (FlashAttention-2's ratio, the two kernels' ratio), got "
+                f"{describe(answer)}.")
+    single, split = numbers
+    right_single, right_split = BACKWARD_FLOPS_RATIOS
+
+    def near(x, y):
+        return abs(x - y) < 0.01
+
+    if not (near(single, right_single) and near(split, right_split)):
+        if near(single, right_split) and near(split, right_single):
+            hint = BACKWARD_FLOPS_HINTS["swapped"]
+        elif near(single, 2 * right_single) or near(split, 2 * right_split):
+            hint = BACKWARD_FLOPS_HINTS["products_not_ratio"]
+        elif near(single, right_single) and near(split, right_single):
+            hint = BACKWARD_FLOPS_HINTS["same_for_both"]
+        elif near(single, right_single) and near(split, right_split - 0.5):
+            hint = BACKWARD_FLOPS_HINTS["dq_kernel_reuses"]
+        elif near(single, right_single - 0.5) or near(split, right_split - 1.0):
+            hint = BACKWARD_FLOPS_HINTS["no_recompute"]
+        else:
+            hint = ""
+        wrong = [label for label, got, want in (("FlashAttention-2's", single, right_single),
+                                                ("the two kernels'", split, right_split)) if not near(got, want)]
+        raise CheckFailure(f"{name} = {answer!r} is not right: " + " and ".join(wrong)
+                           + (" ratio is" if len(wrong) == 1 else " ratios are") + " off."
+                           + (f"\n  Likely mistake: {hint}" if hint else ""))
+    add_note("  Why: the forward runs 2 products of S²·d multiply-adds (q kᵀ and P v). FlashAttention-2's "
+             "backward runs 5: q kᵀ again (P is recomputed from lse), dV = Pᵀ dO, dP = dO vᵀ, dQ = dS k, "
+             "dK = dSᵀ q: 2.5x. The two kernels run 7: the dK/dV kernel q kᵀ, dV, dP, dK; the dQ kernel q kᵀ and "
+             "dP once more, then dQ: 3.5x. So one training step of attention costs 3.5x its forward (4.5x with two "
+             "kernels), not the 3x of an ordinary matmul layer: the price of keeping no [S, S] table.")
+
+
 freeze_module(__name__)

@@ -288,3 +288,6 @@ def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
         k_start += BLOCK_K
     dq = dq * sm_scale
     tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+# %% answer="ANSWER_BACKWARD_FLOPS"
+ANSWER_BACKWARD_FLOPS = (2.5, 3.5)

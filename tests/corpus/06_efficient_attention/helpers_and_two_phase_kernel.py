@@ -334,3 +334,9 @@ def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
         dq += tl.dot(ds.to(k.dtype), k)
     dq = dq * sm_scale
     tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+# %% answer="ANSWER_BACKWARD_FLOPS"
+forward_products = 2  # q kᵀ, P v
+fa2 = ["q kᵀ", "Pᵀ dO", "dO vᵀ", "dS k", "dSᵀ q"]
+two_kernels = ["q kᵀ", "Pᵀ dO", "dO vᵀ", "dSᵀ q"] + ["q kᵀ", "dO vᵀ", "dS k"]
+ANSWER_BACKWARD_FLOPS = [len(fa2) / forward_products, len(two_kernels) / forward_products]

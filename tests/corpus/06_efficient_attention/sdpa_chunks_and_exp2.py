@@ -297,3 +297,6 @@ def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
         ds = p * (dp - delta[:, None])
         dq += tl.dot((ds * sm_scale).to(k.dtype), k)
     tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+# %% answer="ANSWER_BACKWARD_FLOPS"
+ANSWER_BACKWARD_FLOPS = (5 / 2, 3.5)  # 5 and 7 products of S²·d against the forward's 2
