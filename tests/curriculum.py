@@ -9,7 +9,8 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
     ),
     "02_numpy_walkthrough": (
         "row_times_matrix", "np_split_heads", "np_merge_heads", "np_softmax", "np_attention",
-        "np_multi_head_attention", "dot_product_variance", "softmax_backward", "np_attention_backward",
+        "np_multi_head_attention", "dot_product_variance", "softmax_backward", "np_attention_lse",
+        "np_attention_backward",
     ),
     "03_positions_and_blocks": (
         "sinusoidal_positions", "FourierFeatures", "CoordinateMLP", "psnr", "fit_image",

@@ -93,6 +93,7 @@ ANSWER_PHRASES: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "02_numpy_walkthrough": {
         "np_attention_backward": ("Pᵀ @ dout", "dS @ K", "dSᵀ @ Q", "softmax_backward(P, dout @ Vᵀ)"),
+        "derive_delta": ("dout_i · out_i", "rowsum(dout ∘ out)", "Σ_c dout_ic · out_ic"),
     },
     "03_positions_and_blocks": {
         "ANSWER_NO_POSITIONS": ("1/(S - 1) = 1/7", "right with probability", "The ceiling."),
