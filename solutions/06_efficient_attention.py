@@ -7,7 +7,7 @@
 # and end with the same algorithm as a Triton GPU kernel, which is checked on the CPU by
 # Triton's interpreter and runs natively on a CUDA GPU (Colab).
 #
-# **29 points, about 179 minutes.**
+# **31 points, about 194 minutes.**
 #
 # **Notation**: `B` batch, `H` heads, `S_q` query tokens, `S_k` key/value tokens, `d` the
 # per-head width. q is `[B, H, S_q, d]`, k and v are `[B, H, S_k, d]`. **Masks** are boolean
@@ -504,8 +504,8 @@ print("plain average of the halves vs all keys: ",
 # %%
 from attention_lab.triton_kernels import (TRITON_AVAILABLE, interpreter_active,
                                           launch_flash_attention, launch_flash_attention_backward,
-                                          launch_matmul, launch_row_softmax, launch_scale, tl,
-                                          triton)
+                                          launch_matmul, launch_online_softmax, launch_row_softmax,
+                                          launch_scale, tl, triton)
 
 print("Triton available:", TRITON_AVAILABLE,
       "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
@@ -587,9 +587,9 @@ check_matmul_kernel(matmul_kernel, seed=6811)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 6.9 — row_softmax_kernel: a softmax in registers (1 pt, ~8 min)
+# ### Exercise 6.9 — softmax kernels: a row in one block, then a row of many (3 pts, ~23 min)
 #
-# One program per row of `x [rows, n_cols]`; `BLOCK` is the next power of two `≥ n_cols`, so
+# **First, `row_softmax_kernel`** (1 point). One program per row of `x [rows, n_cols]`; `BLOCK` is the next power of two `≥ n_cols`, so
 # the whole row fits in one block. Make it stable for scores around ±1000, and think about what
 # the lanes past `n_cols` must hold so that they change neither the max nor the sum.
 
@@ -613,6 +613,61 @@ from attention_lab.checks.efficient_attention import check_row_softmax_kernel
 check_row_softmax_kernel(row_softmax_kernel)
 ### BEGIN HIDDEN TESTS
 check_row_softmax_kernel(row_softmax_kernel, seed=6911)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **Then `online_softmax_kernel`** (2 points): the same softmax for rows **longer than one
+# block** — the online softmax of 6.3 and 6.4, inside one Triton program. `BLOCK` is now given
+# by the launcher (`launch_online_softmax(kernel, x, block=...)`; read it with
+# `launch_online_softmax??`) and may be much shorter than the row, so the program loops over the
+# row's column blocks twice:
+#
+# 1. a running max `m` and a running sum `l`: for each block, the new max
+#    `m_new = max(m, max(x_blk))`, then `l = l · e^(m − m_new) + Σ e^(x_blk − m_new)` — the sum
+#    taken so far is rescaled to the new max;
+# 2. a second pass over the same blocks that writes `e^(x − m) / l`.
+#
+# This is exactly the loop of FlashAttention's kernel in 6.10, with a row of scores instead of
+# `q kᵀ` and without the `V` accumulator. Compute in float32 (`x.to(tl.float32)` after the load;
+# the store converts to `Out`'s dtype, float16 included). Start `m` at −∞ and `l` at 0 as
+# float32 *scalars* the loop can update (e.g. `tl.max(tl.full([BLOCK], float("-inf"),
+# tl.float32), axis=0)`); the check gives rows whose maximum jumps by 1000 after the first
+# blocks, and rows that fall by 2000 after them.
+#
+# | name | signature | contract |
+# | --- | --- | --- |
+# | `online_softmax_kernel` | `@triton.jit (X, Out, n_cols, stride_x, stride_out, BLOCK)` | one program per row; loop over column blocks with a running max and a rescaled running sum, then a second pass writes `exp(x − m) / l`; stable for rows spanning −1000 … 1000; float32 and float16 in, the input's dtype out; any row length |
+
+# %% answer="online_softmax_kernel"
+@triton.jit
+def online_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    """Out[r] = softmax(X[r]) for the row r = program_id(0), in column blocks of BLOCK."""
+    ### BEGIN SOLUTION
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)  # running max, a scalar
+    l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)  # running sum against m_i
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m_i, tl.max(x, axis=0))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m_i = m_new
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        y = tl.exp(x - m_i) / l_i
+        tl.store(Out + row * stride_out + cols, y.to(Out.dtype.element_ty), mask=cols < n_cols)
+    ### END SOLUTION
+
+
+# %% test="test_online_softmax_kernel" points=2
+"""online_softmax_kernel: the softmax of rows longer than a block, stable from -1000 to 1000."""
+from attention_lab.checks.efficient_attention import check_online_softmax_kernel
+
+check_online_softmax_kernel(online_softmax_kernel)
+### BEGIN HIDDEN TESTS
+check_online_softmax_kernel(online_softmax_kernel, seed=6912)
 ### END HIDDEN TESTS
 
 # %% [markdown]

@@ -27,7 +27,7 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
     ),
     "06_efficient_attention": (
         "attention_matrix_bytes", "chunked_attention", "streaming_logsumexp", "online_softmax_step",
-        "flash_attention_forward", "scale_kernel", "matmul_kernel", "row_softmax_kernel",
+        "flash_attention_forward", "scale_kernel", "matmul_kernel", "row_softmax_kernel", "online_softmax_kernel",
         "flash_attention_kernel", "flash_attention_backward", "FlashAttention",
         "flash_attention_backward_kernel",
     ),

@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["triton", "tl", "TRITON_AVAILABLE", "TritonUnavailable", "launch_flash_attention",
            "interpreter_active", "MIN_BLOCK", "poisoned_rows", "LoadWatch", "launch_scale", "launch_matmul",
-           "launch_row_softmax", "launch_flash_attention_backward"]
+           "launch_row_softmax", "launch_online_softmax", "launch_flash_attention_backward"]
 
 # tl.dot needs every dimension >= 16 on a GPU; the interpreter would accept less.
 MIN_BLOCK = 16
@@ -315,6 +315,30 @@ def launch_row_softmax(kernel: Any, x: torch.Tensor, poison: int = 0,
         _run(kernel, (rows,), x_view, out, cols, x_view.stride(0), out.stride(0),
              BLOCK=triton.next_power_of_2(cols))
     return out
+
+
+def launch_online_softmax(kernel: Any, x: torch.Tensor, block: int = 64, poison: int = 0,
+                          watch: "LoadWatch | None" = None) -> torch.Tensor:
+    """``softmax(x, dim=-1)`` of a 2-D ``x`` (float32 or float16) by ``kernel(X, Out, n_cols, stride_x,
+    stride_out, BLOCK)``: one program per row, and ``BLOCK`` (a power of two) may be shorter than the row,
+    so the kernel loops over the row's column blocks. Out has x's dtype. ``poison``: NaN after each row of
+    x and a sentinel after each row of out (the checks see loads and stores past the end)."""
+    _check_kernel(kernel, x)
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block = {block}: must be a power of two (tl.arange needs one)")
+    rows, cols = x.shape
+    x_view = _padded(x, poison, poison, float("nan"))
+    sentinel = float(torch.tensor(12345.0, dtype=x.dtype))
+    out = _padded(torch.empty(rows, cols, dtype=x.dtype, device=x.device), 0, poison, sentinel)
+    if watch is not None:
+        watch.add("x", x_view, cols, padded_heads=rows + poison)
+    with watch or LoadWatch():
+        _run(kernel, (rows,), x_view, out, cols, x_view.stride(0), out.stride(0), BLOCK=block)
+    if poison:
+        after_rows = torch.as_strided(out, (rows, poison), (out.stride(0), 1), out.storage_offset() + cols)
+        if bool((after_rows != sentinel).any()):
+            raise StoreOutOfBounds("out")
+    return out.clone()
 
 
 # --------------------------------------------------------------------------------------

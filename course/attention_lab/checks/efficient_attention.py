@@ -1221,6 +1221,75 @@ def check_row_softmax_kernel(row_softmax_kernel: Any, *, seed: int = 0, device: 
                      variants=[Variant(with_zeros, HINTS["softmax_other_zero"])])
 
 
+ONLINE_SOFTMAX_HINTS = {
+    "no_rescale": "the running sum was not rescaled when the running max grew: l = l · e^(m - m_new) + Σ e^(x - "
+    "m_new). Without the factor, the blocks read before the larger max keep sums taken against the old one.",
+    "first_block_only": "the max and the sum come from the first column block only: loop over every block of the "
+    "row, range(0, n_cols, BLOCK), before the second pass writes the output.",
+    "other_zero": "the lanes past n_cols in the last block were loaded as 0 (other=0.0): they enter the max and add "
+    "e^(0 - m) to the sum. Load them as other=float('-inf'), so that e^(-inf) = 0.",
+}
+
+
+def _online_softmax_variants(x64: torch.Tensor, block: int) -> list[Variant]:
+    """Known mistakes of the loop over column blocks, computed in float64."""
+    cols = x64.shape[-1]
+    blocks = [x64[:, start:start + block] for start in range(0, cols, block)]
+
+    def no_rescale() -> torch.Tensor:
+        m = torch.full(x64.shape[:1], -math.inf, dtype=torch.float64)
+        total = torch.zeros(x64.shape[:1], dtype=torch.float64)
+        for part in blocks:
+            m = torch.maximum(m, part.amax(-1))
+            total = total + torch.exp(part - m[:, None]).sum(-1)
+        return torch.exp(x64 - m[:, None]) / total[:, None]
+
+    def first_block_only() -> torch.Tensor:
+        m = blocks[0].amax(-1, keepdim=True)
+        return torch.exp(x64 - m) / torch.exp(blocks[0] - m).sum(-1, keepdim=True)
+
+    def other_zero() -> torch.Tensor:
+        padded = torch.cat([x64, torch.zeros(x64.shape[0], -cols % block, dtype=torch.float64)], -1)
+        m = padded.amax(-1, keepdim=True)
+        return torch.exp(x64 - m) / torch.exp(padded - m).sum(-1, keepdim=True)
+
+    variants = [Variant(no_rescale, ONLINE_SOFTMAX_HINTS["no_rescale"])]
+    if cols > block:
+        variants.append(Variant(first_block_only, ONLINE_SOFTMAX_HINTS["first_block_only"]))
+    if cols % block:
+        variants.append(Variant(other_zero, ONLINE_SOFTMAX_HINTS["other_zero"]))
+    return variants
+
+
+@check("online_softmax_kernel: softmax of rows longer than one block, stable from -1000 to 1000 ({device})")
+def check_online_softmax_kernel(online_softmax_kernel: Any, *, seed: int = 0,
+                                device: torch.device | None = None) -> None:
+    """The fourth warm-up: the online softmax inside one Triton program, a loop over column blocks with a
+    running max and a rescaled running sum, then a second pass that writes exp(x - m) / l."""
+    from attention_lab.triton_kernels import launch_online_softmax
+
+    generator = random_generator(seed)
+    cols = randint(70, 120, generator)
+    x = randn(4, cols, generator=generator, dtype=torch.float32, device=device) * 3
+    x[1, 40:] += 1000.0  # the max jumps by 1000 after the first blocks: the sum so far must be rescaled
+    x[2, :16] += 1000.0  # the max comes first, a block at -1000 later
+    x[2, 50:] -= 1000.0
+    cases = [(x[[0, 3]], 32, "of ordinary scores"), (x, 32, "spanning -1000 ... 1000"),
+             (x[:, :64], 16, "of four blocks exactly"), (x[[0, 3], :20], 32, "shorter than one block"),
+             (x[[0, 1]].half(), 16, "in float16")]
+    for values, block, label in cases:
+        values = values.contiguous()
+        call = (f"your online_softmax_kernel via launch_online_softmax(online_softmax_kernel, x, block={block}) "
+                f"with x {label}, {shape_str(values.shape)} ({str(values.dtype).replace('torch.', '')})")
+        out = _ladder_launch(call, launch_online_softmax, online_softmax_kernel, values, block=block)
+        x64 = _f64(values)[0]
+        if bool((~torch.isfinite(out.cpu())).any()):
+            hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_unmasked_load"]
+            raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
+        expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
+                     variants=_online_softmax_variants(x64, block))
+
+
 # --------------------------------------------------------------------------------------
 # Exercise: the Triton kernel
 # --------------------------------------------------------------------------------------
