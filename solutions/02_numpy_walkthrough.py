@@ -267,8 +267,9 @@ print("entry (i=2, j=4) is one dot product:", np.isclose(raw_scores[0, 0, 2, 4],
 #
 # * **μP** (maximal-update parametrisation) scales by `1/d_head`, with an initialisation and
 #   learning rates of its own.
-# * **Gemma 2** scales by `1/sqrt(d_model / H)` (its `query_pre_attn_scalar`: 144 in the 27B
-#   model, whose heads are 128 wide), not by `1/sqrt(head_dim)`.
+# * **Gemma 2 27B** scales by `1/sqrt(d_model / H) = 1/sqrt(4608 / 32) = 1/sqrt(144)` (its
+#   `query_pre_attn_scalar`), although its heads are 128 wide; the model's configuration, not
+#   `head_dim`, sets the factor.
 # * **Cosine attention** (`q` and `k` divided by their length, so every score lies in `[-1, 1]`:
 #   Swin V2) replaces the factor by a learned temperature.
 # * Models with **QK-norm** — a LayerNorm on `q` and `k` in ViT-22B, an RMSNorm in OLMo 2 and
@@ -354,7 +355,7 @@ variance_explorer(dot_product_variance)
 # 1 at the start of training, but training can grow them. QK-norm (a LayerNorm or RMSNorm on
 # `q` and `k`, with a learned gain) bounds their growth through the activations and keeps
 # `1/sqrt(d_head)`; cosine attention (unit-length `q` and `k`) replaces the factor by a learned
-# temperature; μP scales by `1/d_head`, Gemma 2 by `1/sqrt(d_model / H)`.
+# temperature; μP scales by `1/d_head`, Gemma 2 27B by `1/sqrt(d_model / H)`.
 # `1/sqrt(d_head)` is a convention resting on the unit-variance assumption, not the only correct
 # factor.
 

@@ -649,13 +649,15 @@ def online_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.conste
     l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)  # running sum against m_i
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+        x = x.to(tl.float32)
         m_new = tl.maximum(m_i, tl.max(x, axis=0))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m_i = m_new
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+        x = x.to(tl.float32)
         y = tl.exp(x - m_i) / l_i
         tl.store(Out + row * stride_out + cols, y.to(Out.dtype.element_ty), mask=cols < n_cols)
     ### END SOLUTION
