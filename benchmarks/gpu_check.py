@@ -8,8 +8,10 @@ workstation, Colab, a cloud VM). It
 1. runs every solution notebook top to bottom on CUDA (the checks pin TF32 off and SDPA's math
    backend, so their verdicts must be those of the CPU), hidden tests included;
 2. runs the tests of the checks (``tests/test_checks_*.py``, ``tests/test_checking.py``);
-3. checks notebook 06's Triton kernel *compiled for the GPU* (not the interpreter) at small and
-   larger sizes, and times it with ``triton.testing.do_bench`` against SDPA;
+3. checks notebook 06's Triton kernels *compiled for the GPU* (not the interpreter) at small and
+   larger sizes, and times the forward kernel, the two backward kernels and the two end to end
+   against SDPA (forward, autograd's backward, both) over several sequence lengths with
+   ``triton.testing.do_bench`` (float16, B = 4, H = 16, d = 64; the launchers' 64 x 64 tiles);
 
 then prints one report and writes it to ``benchmarks/results/gpu_check.json``. It exits 2 at
 once, saying why, where there is no CUDA GPU, and 1 when anything failed.
@@ -89,7 +91,7 @@ def solution_namespace() -> dict:
 
 def check_kernel_natively() -> dict:
     from attention_lab.checks.efficient_attention import check_flash_attention_kernel
-    from attention_lab.triton_kernels import TRITON_AVAILABLE, interpreter_active, launch_flash_attention
+    from attention_lab.triton_kernels import TRITON_AVAILABLE, interpreter_active
 
     if not TRITON_AVAILABLE:
         return {"ok": False, "error": "Triton is not installed (make setup installs it on Linux)"}
@@ -116,30 +118,75 @@ def check_kernel_natively() -> dict:
         except AssertionError as failure:
             report["ok"] = False
             report["checks"].append(f"backward kernels, {sizes}: FAILED: {failure}")
-    for name in ("scale_kernel", "matmul_kernel", "row_softmax_kernel"):  # the warm-up kernels, compiled
+    for name in ("scale_kernel", "matmul_kernel", "row_softmax_kernel", "online_softmax_kernel"):  # warm-ups
         try:
             getattr(checks, f"check_{name}")(namespace[name], device="cuda")
             report["checks"].append(f"{name}: passed")
         except AssertionError as failure:
             report["ok"] = False
             report["checks"].append(f"{name}: FAILED: {failure}")
-    import triton.testing
-
     torch.backends.cuda.matmul.allow_tf32 = False
-    for seq_len in (1024, 4096, 16384):
-        q, k, v = (torch.randn(4, 16, seq_len, 64, device="cuda", dtype=torch.float16) for _ in range(3))
-        row = {"S": seq_len}
-        for causal in (False, True):
-            triton_ms = triton.testing.do_bench(lambda: launch_flash_attention(kernel, q, k, v, causal=causal,
-                                                                               block_q=64, block_k=64))
-            sdpa_ms = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=causal))
-            row["causal" if causal else "full"] = {"triton": round(triton_ms, 3), "sdpa": round(sdpa_ms, 3)}
-        report["timings_ms"].append(row)
-        print(f"  S={seq_len}: {row}", flush=True)
+    report["timings_ms"] = time_against_sdpa(namespace, (1024, 2048, 4096, 8192, 16384))
     for line in report["checks"]:
         print(f"  kernel check {line}", flush=True)
     return report
+
+
+def time_against_sdpa(namespace: dict, seq_lens: tuple[int, ...]) -> list[dict]:
+    """Milliseconds (``triton.testing.do_bench``'s median) of notebook 06's kernels and of SDPA, per S and
+    causal: the forward pass, the backward pass (the two kernels; autograd through SDPA), and both."""
+    import triton.testing
+
+    from attention_lab.triton_kernels import launch_flash_attention, launch_flash_attention_backward
+
+    kernels = (namespace["flash_attention_backward_kernel"], namespace["flash_attention_backward_dq_kernel"])
+    tiles = {"block_q": 64, "block_k": 64}
+    rows = []
+    for seq_len in seq_lens:
+        q, k, v, dout = (torch.randn(4, 16, seq_len, 64, device="cuda", dtype=torch.float16) for _ in range(4))
+        row: dict = {"S": seq_len}
+        for causal in (False, True):
+            def triton_forward(causal=causal):
+                return launch_flash_attention(namespace["flash_attention_kernel"], q, k, v, causal=causal, **tiles)
+
+            out, lse = triton_forward()
+
+            def triton_backward(causal=causal, out=out, lse=lse):
+                return launch_flash_attention_backward(*kernels, q, k, v, out, lse, dout, causal=causal, **tiles)
+
+            def triton_both(causal=causal):
+                forward_out, forward_lse = triton_forward(causal)
+                return launch_flash_attention_backward(*kernels, q, k, v, forward_out, forward_lse, dout,
+                                                       causal=causal, **tiles)
+
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+            def sdpa_forward(causal=causal):
+                with torch.no_grad():
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            sdpa_out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+
+            def sdpa_backward(sdpa_out=sdpa_out):
+                return torch.autograd.grad(sdpa_out, leaves, dout, retain_graph=True)
+
+            def sdpa_both(causal=causal):
+                result = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+                return torch.autograd.grad(result, leaves, dout)
+
+            timings = {}
+            for name, fn in (("forward", (triton_forward, sdpa_forward)), ("backward", (triton_backward, sdpa_backward)),
+                             ("forward+backward", (triton_both, sdpa_both))):
+                triton_ms, sdpa_ms = (triton.testing.do_bench(f) for f in fn)
+                timings[name] = {"triton": round(triton_ms, 3), "sdpa": round(sdpa_ms, 3),
+                                 "triton/sdpa": round(triton_ms / sdpa_ms, 2)}
+            row["causal" if causal else "full"] = timings
+            del sdpa_out
+        rows.append(row)
+        print(f"  S={seq_len}: " + "; ".join(
+            f"{mask} {name} {t['triton']} ms vs SDPA {t['sdpa']} ms"
+            for mask in ("full", "causal") for name, t in row[mask].items()), flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@
 # and `softmax`, one shape at a time, and prove that it computes exactly what PyTorch's
 # `nn.MultiheadAttention` computes.
 #
-# **20 points, about 91 minutes.**
+# **22 points, about 103 minutes.**
 #
 # **Notation** (used in every notebook): `B` batch, `S` sequence length (tokens), `D` model
 # width, `H` heads, `d_head = D // H`. Shapes are written `[B, H, S, d_head]`.
@@ -375,11 +375,14 @@ print(f"{'mean of v':>15}:", v_row[0, 0].mean(0).round(decimals=3))
 # * **`-inf`** gives NaN, and NaN spreads: through the next matmul into every later layer, and
 #   into the gradients. Your `attention_weights` does this too — which is fine for this course's
 #   contract: every row the checks give it has a key to attend to.
-# * **`torch.finfo(dtype).min`** (or `-1e9`, as in many codebases) keeps everything finite: the
-#   row's scores are all equal, so the softmax is uniform and the output is the **mean of all
-#   values** — harmless garbage that the loss then ignores. Hugging Face models mask this way.
-#   `-1e9` is not a float16 number, though: the cell below shows what it does there.
-#   `finfo(dtype).min` is finite in every dtype.
+# * **`torch.finfo(dtype).min`** (or `-1e9`, as in many codebases) *as a fill* keeps everything
+#   finite: the row's scores are all equal, so the softmax is uniform and the output is the
+#   **mean of all values** — harmless garbage that the loss then ignores. Hugging Face models
+#   mask this way. `-1e9` is not a float16 number, though: the cell below shows what it does
+#   there. And `finfo(dtype).min` is finite only as a fill (`masked_fill`, `torch.where`):
+#   *added* to a score as an additive mask, it overflows in float16 as soon as the score is
+#   below about −16 (`-20 + finfo(float16).min` is `-inf`; the cell below runs it), and a row
+#   of `-inf` is NaN again.
 # * **`F.scaled_dot_product_attention`** (PyTorch 2.5 and later) returns **zeros** for a row whose
 #   boolean mask is all False.
 #
@@ -389,13 +392,16 @@ print(f"{'mean of v':>15}:", v_row[0, 0].mean(0).round(decimals=3))
 # Three more ways a row goes wrong, run below. `nn.MultiheadAttention` (its mask: True =
 # blocked) gives NaN or zeros for the same row depending on the path it takes; in PyTorch 2.13
 # on a CPU: NaN with `need_weights=True` (it computes the weights with its own softmax) and on
-# its fused inference fast path (eval mode, no autograd, and sizes the fused kernel accepts:
-# `embed_dim = 16` does, 12 does not), zeros when it hands the work to SDPA.
+# its fused inference fast path, zeros when it hands the work to SDPA. The fast path is taken
+# in eval mode, without autograd, with `batch_first=True`, the same tensor as query, key and
+# value, no `kdim`/`vdim`, `need_weights=False` — and an **even number of heads**: `(16, 4)`
+# and `(12, 4)` take it (NaN), `(16, 1)` and `(12, 3)` do not (zeros). `embed_dim` does not
+# decide it (measured on PyTorch 2.13, CPU; the last lines of the cell below).
 # A **+inf** score (an overflow upstream) defeats even the "stable" softmax: it subtracts the
 # row's maximum, `inf - inf = NaN`, and the whole row is NaN.
 
 # %%
-mha = nn.MultiheadAttention(16, 4, batch_first=True).to(device)  # sizes its fast path accepts
+mha = nn.MultiheadAttention(16, 4, batch_first=True).to(device)  # 4 heads: even, fast path allowed
 x_row = torch.randn(1, S, 16, device=device)
 paths = ((True, True, False), (True, True, True), (False, False, False))
 for training, autograd, need_weights in paths:
@@ -404,12 +410,22 @@ for training, autograd, need_weights in paths:
         row = mha(x_row, x_row, x_row, attn_mask=~keep, need_weights=need_weights)[0][0, -1]
     print(f"nn.MultiheadAttention, train={training!s:>5}, autograd={autograd!s:>5}, "
           f"need_weights={need_weights!s:>5}: last row", row.detach()[:3].round(decimals=3))
+mha.eval()
+with torch.no_grad():  # the fast path's gate: an even number of heads, not embed_dim
+    for width, heads in ((16, 4), (12, 4), (16, 1), (12, 3)):
+        gated = nn.MultiheadAttention(width, heads, batch_first=True).to(device).eval()
+        x_gate = torch.randn(1, S, width, device=device)
+        row = gated(x_gate, x_gate, x_gate, attn_mask=~keep, need_weights=False)[0][0, -1]
+        print(f"eval, no grad, MultiheadAttention({width:>2}, {heads}): last row {row[:2]}")
 half_scores = scores_demo.half()
 try:
     half_scores.masked_fill(~keep, -1e9)
 except RuntimeError as error:
     print("float16 masked_fill(-1e9) raises:", error)
 print("float16 + a -1e9 mask converted to float16:", torch.tensor(-1e9).half())
+half_min = torch.finfo(torch.float16).min
+print("float16 scores [-3, -20] + finfo(float16).min:",
+      torch.tensor([-3.0, -20.0], dtype=torch.float16) + half_min)
 print("softmax of [1, +inf, 2]:", torch.softmax(torch.tensor([1.0, float("inf"), 2.0]), dim=-1))
 
 # %% [markdown]
@@ -650,28 +666,68 @@ print(f"FlopCounterMode on your layer: {counter.get_total_flops():,} FLOPs")
 print("attention_layer_flops(2, 50, 64):", attention_layer_flops(2, 50, 64))
 
 # %% [markdown]
-# ### Exercise 1.9 — predict first: when does attention cost more? (1 pt, ~3 min)
+# ### Exercise 1.9 — the whole block, and where attention takes half (3 pts, ~15 min)
 #
-# Answer **before** you run the cell after the check. The projections grow with `S`, attention
-# with `S²`, so for long enough sequences attention costs more. For a layer of width
-# `D = 768` (GPT-2 small, ViT-B), from which sequence length on does the attention part
-# cost more FLOPs than the four projections?
+# A Transformer block is more than attention: after it comes an **MLP**, two `nn.Linear`s
+# through a hidden width `int(mlp_ratio · D)` (4·D in GPT-2 and ViT-B) with a GELU between
+# them. Write `block_flops(batch_size, seq_len, d_model, mlp_ratio=4)`: the matmul FLOPs of one
+# forward pass of a pre-norm block, as a dict of three ints —
 #
-# * **A.** `S > 96`
-# * **B.** `S > 384`
-# * **C.** `S > 768`
-# * **D.** `S > 1536`
+# * `"projections"` and `"attention"`: as in `attention_layer_flops`;
+# * `"mlp"`: the two products of the MLP (up to the hidden width, and back down to `D`).
 #
-# Set `ANSWER_ATTENTION_CROSSOVER` to the letter, as a string.
+# The LayerNorms, the GELU and the residual additions are elementwise and, like the softmax,
+# not counted. The check runs `FlopCounterMode` on a reference block whose attention is
+# written with explicit matmuls (the counter does not see inside SDPA's fused kernels on a
+# CPU), at `mlp_ratio = 4` and at other ratios.
+#
+# | name | signature | contract |
+# | --- | --- | --- |
+# | `block_flops` | `(batch_size, seq_len, d_model, mlp_ratio=4) -> dict` | keys `projections`, `attention`, `mlp`, each an `int`: matmul FLOPs, a multiply-add = 2 |
+
+# %% answer="block_flops"
+def block_flops(batch_size, seq_len, d_model, mlp_ratio=4):
+    """Matmul FLOPs of one pre-norm Transformer block's forward pass, by part.
+
+    returns {"projections": int, "attention": int, "mlp": int}; the MLP's hidden width is
+    int(mlp_ratio * d_model).
+
+    Example: block_flops(1, 1, 1)["mlp"] == 16 (a [1, 1] @ [1, 4] and a [1, 4] @ [4, 1] product)
+    """
+    ### BEGIN SOLUTION
+    flops = attention_layer_flops(batch_size, seq_len, d_model)
+    hidden = int(mlp_ratio * d_model)
+    flops["mlp"] = 2 * 2 * batch_size * seq_len * d_model * hidden  # up and down, D x hidden each
+    return flops
+    ### END SOLUTION
+
+
+# %% test="test_block_flops" points=2
+"""block_flops: equals FlopCounterMode's count on a pre-norm block, part by part."""
+from attention_lab.checks.mha_shapes import check_block_flops
+
+check_block_flops(block_flops)
+### BEGIN HIDDEN TESTS
+check_block_flops(block_flops, seed=1902)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Now answer **before** you run the cell after the check. The projections and the MLP grow
+# with `S`, attention with `S²`, so for long enough sequences attention costs more than all
+# the rest of the block. For a block of width `D = 768` with a 4·D MLP (GPT-2 small, ViT-B),
+# at which sequence length `S` is attention exactly **half** of the block's matmul FLOPs
+# (attention = projections + MLP)? Work it out from your counts on paper: one equation in `S`.
+#
+# Set `ANSWER_ATTENTION_CROSSOVER` to that number.
 
 # %% answer="ANSWER_ATTENTION_CROSSOVER"
-ANSWER_ATTENTION_CROSSOVER = None  # your prediction: "A", "B", "C" or "D"
+ANSWER_ATTENTION_CROSSOVER = None  # your answer: a sequence length, a number
 ### BEGIN SOLUTION
-ANSWER_ATTENTION_CROSSOVER = "D"
+ANSWER_ATTENTION_CROSSOVER = 6 * 768
 ### END SOLUTION
 
 # %% test="test_ANSWER_ATTENTION_CROSSOVER" points=1
-"""ANSWER_ATTENTION_CROSSOVER: the sequence length where attention overtakes the projections."""
+"""ANSWER_ATTENTION_CROSSOVER: the sequence length where attention is half the block's FLOPs."""
 from attention_lab.checks.mha_shapes import check_answer_attention_crossover
 
 check_answer_attention_crossover(ANSWER_ATTENTION_CROSSOVER)
@@ -680,16 +736,18 @@ check_answer_attention_crossover(ANSWER_ATTENTION_CROSSOVER, seed=1901)
 ### END HIDDEN TESTS
 
 # %%
-for seq_len in (197, 1024, 1536, 1537, 4096, 32768):
-    flops = attention_layer_flops(1, seq_len, 768)
-    print(f"S = {seq_len:>5}: attention / projections = "
-          f"{flops['attention'] / flops['projections']:.3f}")
+for seq_len in (197, 1024, 1536, 4096, 4608, 32768):
+    flops = block_flops(1, seq_len, 768)
+    share = flops["attention"] / sum(flops.values())
+    versus_projections = flops["attention"] / flops["projections"]
+    print(f"S = {seq_len:>5}: attention / projections = {versus_projections:6.3f}, "
+          f"attention's share of the block {share:.2f}")
 
 # %% [markdown]
-# `4·B·S²·D > 8·B·S·D²` exactly when `S > 2·D`: 1536 for `D = 768`. A ViT-B image (197
-# tokens) and GPT-2's full context (1024) are still dominated by the projections; at 32k tokens
-# attention costs over 20 times as much, and its `[S, S]` scores also fill the memory. Notebook
-# 06 is about that wall.
+# Two crossovers, and it matters which one a sentence means: attention passes the four
+# projections early, and the whole rest of the block only at a sequence three times longer.
+# At 32k tokens attention is most of the block's work, and its `[S, S]` scores also fill the
+# memory. Notebook 06 is about that wall.
 #
 # ## 6. Find the bug
 #
@@ -783,7 +841,7 @@ with torch.no_grad():
 #   True = may attend — and what each recipe does to a row with nothing to attend to.
 # * `MultiHeadSelfAttention`: equal to `nn.MultiheadAttention` once the weights are loaded —
 #   with the stacked `in_proj_weight` in `[out, in]` layout and the opposite mask polarity.
-# * `attention_layer_flops`: `8·B·S·D²` for the projections, `4·B·S²·D` for attention, and
-#   where the second overtakes the first.
+# * `attention_layer_flops` and `block_flops`: what one layer and one whole block compute,
+#   counted the way `FlopCounterMode` counts, and where attention takes over.
 #
 # Next: notebook 02 does the same maths by hand in NumPy.

@@ -8,7 +8,7 @@
 # finally write the **backward pass** by hand: the gradients that training needs, and what they
 # cost in memory.
 #
-# **30 points, about 122 minutes.**
+# **34 points, about 142 minutes.**
 #
 # **Notation** (as in every notebook): `B` batch, `S` sequence length, `D` model width, `H`
 # heads, `d_head = D // H`. The walkthrough this notebook grew from calls the feature width
@@ -263,12 +263,20 @@ print("entry (i=2, j=4) is one dot product:", np.isclose(raw_scores[0, 0, 2, 4],
 # after the next exercise.)
 #
 # Is `1/sqrt(d_head)` "the only mathematically correct factor"? No: it is the one that keeps the
-# variance constant under this independence assumption. Other choices are in use: μP
-# (maximal-update parametrisation) scales by `1/d_head`, with an initialisation of its own.
-# Models with **QK-norm** (an RMSNorm on `q` and `k`: ViT-22B, OLMo 2, Qwen3) keep
-# `head_dim**-0.5`: the norm fixes the entries' scale, so the variance argument holds again. Only
-# **cosine attention** (`q` and `k` divided by their length, so every score lies in `[-1, 1]`:
-# Swin V2) replaces the factor, by a learned temperature.
+# variance constant under this independence assumption. Other choices are in use:
+#
+# * **μP** (maximal-update parametrisation) scales by `1/d_head`, with an initialisation and
+#   learning rates of its own.
+# * **Gemma 2 27B** scales by `1/sqrt(d_model / H) = 1/sqrt(4608 / 32) = 1/sqrt(144)` (its
+#   `query_pre_attn_scalar`), although its heads are 128 wide; the model's configuration, not
+#   `head_dim`, sets the factor.
+# * **Cosine attention** (`q` and `k` divided by their length, so every score lies in `[-1, 1]`:
+#   Swin V2) replaces the factor by a learned temperature.
+# * Models with **QK-norm** — a LayerNorm on `q` and `k` in ViT-22B, an RMSNorm in OLMo 2 and
+#   Qwen3 — keep `head_dim**-0.5`. The norm does not fix the entries' scale: it has a learned
+#   gain per feature, which training can grow. What it removes is the growth of the logits
+#   *through the activations* — the product of two unnormalised `q` and `k` that made
+#   ViT-22B's training diverge — and leaves the logits bounded by the gains.
 
 # %%
 Q, K = np_split_heads(X @ W_q, H), np_split_heads(X @ W_k, H)
@@ -344,9 +352,10 @@ variance_explorer(dot_product_variance)
 # `d_head`; it normalises the variance to 1 **only** when the entries of `q` and `k` have unit
 # variance. Nothing in the factor itself controls `σ`: LayerNorm before the projections and an
 # initialisation of the weights with standard deviation about `1/sqrt(D)` keep the entries of order
-# 1 at the start of training, but training can grow them. QK-norm (an RMSNorm on `q` and `k`)
-# fixes their scale directly and keeps `1/sqrt(d_head)`; only cosine attention (unit-length `q`
-# and `k`) replaces the factor, by a learned temperature; μP scales by `1/d_head`.
+# 1 at the start of training, but training can grow them. QK-norm (a LayerNorm or RMSNorm on
+# `q` and `k`, with a learned gain) bounds their growth through the activations and keeps
+# `1/sqrt(d_head)`; cosine attention (unit-length `q` and `k`) replaces the factor by a learned
+# temperature; μP scales by `1/d_head`, Gemma 2 27B by `1/sqrt(d_model / H)`.
 # `1/sqrt(d_head)` is a convention resting on the unit-variance assumption, not the only correct
 # factor.
 
@@ -631,8 +640,8 @@ check_answer_scaling(ANSWER_SCALING, seed=2801)
 # The raw scores' rows go one-hot, and the gradient reaching a typical query collapses (by
 # orders of magnitude at `d_head = 1024`): the **vanishing gradient** the scaling prevents. For
 # independent unit-variance entries `1/d_head` over-corrects: its scores shrink towards 0, every
-# row tends to uniform weights, and attention stops distinguishing keys. It starves the gradient
-# too: the softmax's own Jacobian `∂p/∂s` stays large for a near-uniform row (the last column of
+# row tends to uniform weights, and attention stops distinguishing keys. At initialisation —
+# the random, independent `q` and `k` measured here — it starves the gradient too: the softmax's own Jacobian `∂p/∂s` stays large for a near-uniform row (the last column of
 # the table), but the factor `1/d_head` multiplies everything that flows back to `q` and `k`
 # through the scores, so `|∂p/∂q|` falls like `1/sqrt(d_head)` (÷ 2 each time `d_head` grows 4×).
 # `1/sqrt(d_head)` keeps both curves level. (μP's `1/d_head` rests on other assumptions: its own
@@ -702,8 +711,8 @@ loss = (torch.softmax(scores_torch, -1) * torch.tensor(upstream)).sum()  # L = �
 print("yours:   ", softmax_backward(np_softmax(scores), upstream).round(4))
 print("autograd:", autograd_ds.numpy().round(4))
 for n in (512, 4096, 32768):
-    print(f"one row of {n:>5} keys: Jacobian {n * n * 4 / 2**20:>8.1f} MB in float32, "
-          f"the VJP needs {n * 4 / 2**10:>6.1f} kB")
+    print(f"one row of {n:>5} keys: Jacobian {n * n * 4 / 1e6:>8.1f} MB in float32, "
+          f"the VJP needs {n * 4 / 1e3:>6.1f} kB")
 
 # %% [markdown]
 # ### Attention
@@ -731,31 +740,128 @@ for n in (512, 4096, 32768):
 # sums over the queries (`dV` collects every query that read a key), so one NaN row of `P` would
 # make NaN of every key's gradient.
 #
-# **What the backward keeps from the forward.** `dV` and the softmax's backward need `P`: `S_q × S_k`
-# numbers per head. Either the forward keeps `P` — at `B = 8`, `H = 32`, `S = 4096` in bfloat16
-# that is 8.6 GB for *one* layer, about twenty times the bfloat16 weights of one layer of a
-# 7-billion-parameter model (0.4 GB) — or
-# the backward recomputes `P` from `Q`, `K` and one number per query saved by the forward (the
-# log-sum-exp of its scores, `B·H·S` numbers). Your function recomputes it, since it gets
-# `Q, K, V, dout` only. **FlashAttention** (notebook 06) does the same, tile by tile, so that no
-# `S × S` array ever exists; it also replaces `Σ_j dP_ij · P_ij` by `Σ_c dout_ic · out_ic`, the
-# same number (work out why: `out_i = Σ_j P_ij V_j`), computed from arrays the forward saved.
+# **What the backward keeps from the forward.** `dV` and the softmax's backward need `P`:
+# `S_q × S_k` numbers per head. If the forward keeps `P`, at `B = 8`, `H = 32`, `S = 4096` in
+# bfloat16 that is 8.6 GB (decimal gigabytes, 10⁹ bytes, as every size in this notebook) for
+# *one* layer, about twenty times the bfloat16 weights of one layer of a 7-billion-parameter
+# model (0.4 GB). And 8.6 GB is a lower bound: it counts `P` once, in bfloat16. Under CUDA
+# autocast the softmax runs in float32, and autograd keeps both its float32 output (for the
+# softmax's backward) and the bfloat16 copy that the product with `V` reads: 17.2 + 8.6 GB. (On
+# a CPU, autocast keeps the softmax in bfloat16: the cell after exercise 2.11's check counts
+# what autograd saves there.)
 #
-# ### Exercise 2.10 — np_attention_backward (5 pts, ~25 min)
+# The alternative is to keep almost nothing: the forward saves `out` and **one number per
+# query**, the log-sum-exp of its row of scaled, masked scores,
+# `lse_i = log Σ_j exp(s_ij)` — `B·H·S` numbers. That is all the backward needs:
 #
-# The gradients of `np_attention`'s `out` with respect to `Q`, `K` and `V`: given `dout` of
-# `out`'s shape `(B, H, S_q, d_v)` and the same `mask` as the forward (or `None`), return
-# `(dQ, dK, dV)`, shaped like `Q`, `K`, `V`, in `Q`'s dtype. NumPy only; use your `np_softmax` and
-# `softmax_backward`. The check compares with `torch.autograd` through
+# * `P_ij = exp(s_ij) / Σ_l exp(s_il) = exp(s_ij − lse_i)`: the backward recomputes `s = Q Kᵀ /
+#   sqrt(d)` (masked) and gets `P` without a softmax and without the rest of the row;
+# * the softmax's backward needs `Σ_j dP_ij · P_ij` for every query `i`: call it `D_i`. It can
+#   be computed from `dout` and `out` alone, without `P` — you will show how.
+#
+# **FlashAttention** (notebook 06) is built on exactly these two facts: it saves `out` and
+# `lse`, and recomputes `P` tile by tile, so that no `S × S` array ever exists.
+#
+# ### Exercise 2.10 — what the forward saves: D, and np_attention_lse (4 pts, ~20 min)
+#
+# **First on paper** (1 point, graded by hand). With `dP = dout @ Vᵀ` (so `dP_ij = dout_i · V_j`)
+# and `out_i = Σ_j P_ij V_j`, show that `D_i = Σ_j dP_ij · P_ij` equals a quantity that needs
+# neither `P` nor `dP`, in two or three lines. Then say in one sentence what it costs per query,
+# against `Σ_j dP_ij · P_ij`.
+
+# %% [markdown] manual="derive_delta" points=1
+# `D_i = Σ_j P_ij dP_ij = Σ_j P_ij (dout_i · V_j) = dout_i · (Σ_j P_ij V_j) = dout_i · out_i`
+# (the dot product is linear, so the weighted sum moves inside it). So `D = rowsum(dout ∘
+# out)`: one dot product of length `d_v` per query, from two arrays of shape `(S_q, d_v)` that
+# the backward has anyway — where `Σ_j dP_ij P_ij` needs a whole row of `P` and of `dP`
+# (`S_k` numbers each).
+
+# %% [markdown]
+# **Then the forward that saves `lse`** (3 points). `np_attention_lse(Q, K, V, mask=None)`
+# returns `(out, lse)`: `out` as `np_attention`'s, and `lse` of shape `(B, H, S_q)`, the
+# natural-log log-sum-exp of each row of **scaled, masked** scores — computed stably, as your
+# `np_softmax` does, `lse = m + log Σ_j exp(s_j − m)` with `m` the row's maximum. Both in `Q`'s
+# dtype.
+#
+# This time a query whose mask row is all False gets the answer PyTorch gives: `out = 0` and
+# `lse = -inf` (`torch.logsumexp` of a row of `-inf`), **without a NumPy warning** — so no
+# `-inf − (−inf)`, no `log(0)`, no `0/0` may run: where a row's maximum is `-inf`, subtract 0
+# instead; where its sum is 0, divide by 1 (`np.where` picks, and computes nothing invalid if
+# its inputs are valid).
+#
+# | name | signature | contract |
+# | --- | --- | --- |
+# | `np_attention_lse` | `(Q, K, V, mask=None) -> (out, lse)` | `out (B, H, S_q, d_v)`, `lse (B, H, S_q)`, natural log of the scaled, masked scores; no key: `out = 0`, `lse = -inf`, no warning; Q's dtype |
+
+# %% answer="np_attention_lse"
+def np_attention_lse(Q, K, V, mask=None):
+    """Attention that returns what the backward needs: (out, lse).
+
+    Q: (B, H, S_q, d), K: (B, H, S_k, d), V: (B, H, S_k, d_v), mask: None or bool
+    broadcastable to (B, H, S_q, S_k), True = may attend.
+    returns out (B, H, S_q, d_v) and lse (B, H, S_q) = log Σ_j exp(scaled, masked score),
+    in Q's dtype; a query with no key gets out = 0 and lse = -inf, without a NumPy warning.
+
+    Example: without a mask, np.exp(scores - lse[..., None]) are np_attention's weights.
+    """
+    ### BEGIN SOLUTION
+    scores = Q @ np.swapaxes(K, -1, -2) / math.sqrt(Q.shape[-1])  # (B, H, S_q, S_k)
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    row_max = np.max(scores, axis=-1, keepdims=True)  # -inf for a query with no key
+    shift = np.where(np.isfinite(row_max), row_max, 0.0)  # no -inf - (-inf)
+    exps = np.exp(scores - shift)  # masked: exp(-inf) = 0
+    total = np.sum(exps, axis=-1, keepdims=True)  # 0 for a query with no key
+    has_key = total > 0
+    out = (exps / np.where(has_key, total, 1.0)) @ V  # no 0/0: such a row is 0
+    lse = np.where(has_key, shift + np.log(np.where(has_key, total, 1.0)), -np.inf)
+    return out.astype(Q.dtype, copy=False), lse[..., 0].astype(Q.dtype, copy=False)
+    ### END SOLUTION
+
+
+# %% test="test_np_attention_lse" points=3
+"""np_attention_lse: out equals SDPA, lse torch.logsumexp; no key: 0 and -inf, no warning."""
+from attention_lab.checks.numpy_walkthrough import check_np_attention_lse
+
+check_np_attention_lse(np_attention_lse)
+### BEGIN HIDDEN TESTS
+check_np_attention_lse(np_attention_lse, seed=3101)
+### END HIDDEN TESTS
+
+# %%
+Q, K, V = (np_split_heads(X @ W, H) for W in (W_q, W_k, W_v))  # (B, H, S, d_head) each
+causal = np.tril(np.ones((S, S), dtype=bool))
+out_saved, lse_saved = np_attention_lse(Q, K, V, causal)
+scaled_causal = np.where(causal, Q @ np.swapaxes(K, -1, -2) / math.sqrt(d_head), -np.inf)
+print("out as np_attention's:", np.allclose(out_saved, np_attention(Q, K, V, causal)[0]))
+print("exp(scores - lse) are the weights:",
+      np.allclose(np.exp(scaled_causal - lse_saved[..., None]), np_attention(Q, K, V, causal)[1]))
+no_key = np.zeros((S, S), dtype=bool)  # nobody may attend to anything
+print("a query with no key: out", np_attention_lse(Q, K, V, no_key)[0][0, 0, 0],
+      "| lse", np_attention_lse(Q, K, V, no_key)[1][0, 0, 0])
+
+# %% [markdown]
+# ### Exercise 2.11 — np_attention_backward (5 pts, ~25 min)
+#
+# The gradients of attention's `out` with respect to `Q`, `K` and `V`, from what the forward
+# saved: given `Q, K, V`, the forward's `out` and `lse` (as `np_attention_lse` returns them),
+# `dout` of `out`'s shape `(B, H, S_q, d_v)` and the same `mask` as the forward (or `None`),
+# return `(dQ, dK, dV)`, shaped like `Q`, `K`, `V`, in `Q`'s dtype — even when `out` and `lse`
+# come in another dtype. NumPy only, and no softmax: recompute `P = exp(s − lse)` from the
+# scaled, masked scores (masked entries 0), and take `D` the way you derived it in 2.10.
+#
+# A fully masked query arrives with `lse = -inf` and an `out` that is 0 (from
+# `np_attention_lse`, or PyTorch) or NaN (from `np_attention`'s `-inf` recipe): its row of `P`
+# and its `D` must be 0, never NaN. The check compares with `torch.autograd` through
 # `F.scaled_dot_product_attention` in float64: with and without masks, fully masked rows
 # included, at large scores.
 
 # %% answer="np_attention_backward"
-def np_attention_backward(Q, K, V, dout, mask=None):
-    """Gradients of out = softmax(Q Kᵀ / sqrt(d) [masked]) V with respect to Q, K and V.
+def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
+    """Gradients of out = softmax(Q Kᵀ / sqrt(d) [masked]) V from the saved out and lse.
 
-    Q: (B, H, S_q, d), K: (B, H, S_k, d), V: (B, H, S_k, d_v), dout: (B, H, S_q, d_v),
-    mask: None or bool broadcastable to (B, H, S_q, S_k), True = may attend.
+    Q: (B, H, S_q, d), K: (B, H, S_k, d), V: (B, H, S_k, d_v), out and dout: (B, H, S_q, d_v),
+    lse: (B, H, S_q), mask: None or bool broadcastable to (B, H, S_q, S_k), True = may attend.
     returns (dQ, dK, dV), shaped like Q, K, V, in Q's dtype. A fully masked query sends nothing.
 
     Example: with dout = np.ones_like(out), dV[..., j, :] is the total weight key j receives.
@@ -764,18 +870,17 @@ def np_attention_backward(Q, K, V, dout, mask=None):
     scale = 1.0 / math.sqrt(Q.shape[-1])
     scores = Q @ np.swapaxes(K, -1, -2) * scale  # (B, H, S_q, S_k), recomputed as in the forward
     if mask is not None:
-        any_key = np.any(mask, axis=-1, keepdims=True)  # False for a fully masked query
         scores = np.where(mask, scores, -np.inf)
-        scores = np.where(any_key, scores, 0.0)  # no -inf-only rows: no NaN
-    P = np_softmax(scores, axis=-1)
-    if mask is not None:
-        P = np.where(any_key, P, 0.0).astype(Q.dtype)  # a fully masked query: weights 0
+    has_key = np.isfinite(lse)[..., None]  # False for a fully masked query
+    P = np.exp(scores - np.where(has_key, lse[..., None], 0.0))  # masked entries: exp(-inf) = 0
+    P = np.where(has_key, P, 0.0)
+    D = np.sum(np.where(has_key, dout * out, 0.0), axis=-1, keepdims=True)  # rowsum(dout ∘ out)
     dV = np.swapaxes(P, -1, -2) @ dout  # out = P V
     dP = dout @ np.swapaxes(V, -1, -2)
-    dS = softmax_backward(P, dP, axis=-1) * scale  # the scale sits inside the scores
+    dS = P * (dP - D) * scale  # the softmax's backward with D; the scale sits inside the scores
     dQ = dS @ K
     dK = np.swapaxes(dS, -1, -2) @ Q
-    return dQ, dK, dV
+    return tuple(g.astype(Q.dtype, copy=False) for g in (dQ, dK, dV))
     ### END SOLUTION
 
 
@@ -793,8 +898,9 @@ check_np_attention_backward(np_attention_backward, seed=3001)
 Q, K, V = (np_split_heads(X @ W, H) for W in (W_q, W_k, W_v))  # (B, H, S, d_head) each
 causal = np.tril(np.ones((S, S), dtype=bool))
 dout = np.random.default_rng(7).standard_normal((B, H, S, d_head))
-gradients = dict(zip("QKV", np_attention_backward(Q, K, V, dout, causal)))
-loss = np.sum(np_attention(Q, K, V, causal)[0] * dout)
+out_saved, lse_saved = np_attention_lse(Q, K, V, causal)
+gradients = dict(zip("QKV", np_attention_backward(Q, K, V, out_saved, lse_saved, dout, causal)))
+loss = np.sum(out_saved * dout)
 step = 1e-6
 for name, index in (("Q", (0, 1, 3, 0)), ("K", (1, 0, 2, 1)), ("V", (0, 0, 4, 1))):
     arrays = {"Q": Q.copy(), "K": K.copy(), "V": V.copy()}
@@ -807,6 +913,26 @@ batch, heads, length = 8, 32, 4096
 print(f"P for B={batch}, H={heads}, S={length} in bfloat16: "
       f"{batch * heads * length * length * 2 / 1e9:.1f} GB; one log-sum-exp per query instead: "
       f"{batch * heads * length * 4 / 1e6:.1f} MB")
+
+
+def saved_bytes_per_score(length=64):
+    """Bytes autograd keeps per attention score ([S, S] tensors only, each storage once)."""
+    q, k, v = (torch.randn(1, 2, length, 16, requires_grad=True) for _ in range(3))
+    saved = {}
+
+    def keep(tensor):
+        if tensor.shape[-2:] == (length, length):
+            storage = tensor.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.softmax(q @ k.transpose(-2, -1) / 4, dim=-1) @ v
+    return sum(saved.values()) / (2 * length * length)
+
+
+print("CPU autocast to bfloat16: autograd keeps", saved_bytes_per_score(), "bytes per score")
 
 # %% [markdown]
 # ## What you built
@@ -822,9 +948,7 @@ print(f"P for B={batch}, H={heads}, S={length} in bfloat16: "
 # | context | **weights** `@ V` | `(2, 2, 6, 2)` |
 # | merge | `np_merge_heads` (transpose + reshape) | `(2, 6, 4)` |
 # | output projection | `@ W_o` | `(2, 6, 4)` = `(B, S, D)` |
-# | backward: `dV` | `Pᵀ @ dout` | `(2, 2, 6, 2)` |
-# | backward: `dS` | `softmax_backward(P, dout @ Vᵀ)`, 0 where masked | `(2, 2, 6, 6)` |
-# | backward: `dQ`, `dK` | `dS @ K`, `dSᵀ @ Q`, each `/ sqrt(d_head)` | `(2, 2, 6, 2)` each |
+# | backward | `np_attention_backward`: `dQ`, `dK`, `dV` from `dout` | shaped like `Q`, `K`, `V` |
 #
 # You wrote every step in NumPy and matched `nn.MultiheadAttention` to float64 precision —
 # after transposing the weights into PyTorch's `(out, in)` layout and flipping the mask's

@@ -9,7 +9,7 @@
 # `nn.TransformerEncoderLayer`. Finally you train a small Transformer on a task that needs
 # order, with and without positions, and look inside its trained heads.
 #
-# **29 points, about 119 minutes.**
+# **32 points, about 132 minutes.**
 #
 # **Notation** (as in every notebook): `B` batch, `S` sequence length, `D` model width, `H`
 # heads. **Masks** are boolean with **True = may attend**; `nn.MultiheadAttention` uses the
@@ -264,9 +264,11 @@ check_pe_shift_matrix(pe_shift_matrix, seed=3401, device="cpu")
 # both positions by the same amount changes no dot product, which is why `PE[p₀] · PE[p]`
 # depends only on `p - p₀`. But attention never compares raw encodings: it compares
 # `q = W_q x` with `k = W_k x`, learned projections. Then the score of two positions is
-# `PE[p]ᵀ W_qᵀ W_k PE[q]`, and the rotations no longer cancel (`W_qᵀ W_k` does not commute
-# with them). Measure it: for each offset, how much do the scores of all pairs at that
-# offset differ?
+# `PE[p]ᵀ W_qᵀ W_k PE[q]`, and the rotations cancel only if `M = W_qᵀ W_k` commutes with them:
+# `PE[p + k]ᵀ M PE[q + k] = PE[p]ᵀ R_kᵀ M R_k PE[q]`. Measure it for a generic pair of random
+# projections, and for one `M` built to commute: block-diagonal, one *scaled rotation*
+# `a_i · R(θ_i)` per frequency pair (2-D rotations commute with each other). For each offset,
+# how much do the scores of all pairs at that offset differ?
 
 # %%
 table = sinusoidal_positions(32, 16).double()                     # [P, D]
@@ -284,13 +286,24 @@ projected = (table @ projection_q.T) @ (table @ projection_k.T).T   # (W_q PE[p]
 print(f"raw PE . PE:       scores at one offset differ by up to {spread_along_offsets(raw):.1e}")
 print(f"after W_q and W_k: scores at one offset differ by up to "
       f"{spread_along_offsets(projected):.2f}")
+pair_scales, pair_angles = torch.rand(8, dtype=torch.float64) + 0.5, torch.rand(8) * 6.28
+commuting = torch.zeros(16, 16, dtype=torch.float64)               # M = W_qᵀ W_k, built
+for pair, (a, theta) in enumerate(zip(pair_scales, pair_angles.double())):
+    c, s_ = torch.cos(theta), torch.sin(theta)
+    commuting[2 * pair:2 * pair + 2, 2 * pair:2 * pair + 2] = a * torch.stack(
+        [torch.stack([c, -s_]), torch.stack([s_, c])])
+print(f"M of scaled rotations per pair: differ by up to "
+      f"{spread_along_offsets(table @ commuting @ table.T):.1e}")
 
 # %% [markdown]
-# The raw dot products depend on the offset only (up to rounding); after the projections
-# they depend on the absolute positions too. This is why **RoPE** (notebook 05) does not add
-# anything to the input: it rotates `q` and `k` *after* the projections, by `R(p ω)`, so that
-# the score `(R_p q) · (R_{p'} k) = qᵀ R_{p' - p} k` depends on the offset alone, whatever
-# `W_q` and `W_k` learned.
+# The raw dot products depend on the offset only (up to rounding). After a **generic** pair of
+# projections they depend on the absolute positions too. But a **learned** `W_qᵀ W_k` *can* keep
+# the offset-only property exactly: one scaled rotation per frequency pair does (third line,
+# rounding only) — and a trained model may well find such a block (exercise 3.14 asks what one
+# head learned). So: a generic `W` breaks it, a learned `W` can keep it, and **RoPE** (notebook
+# 05) *guarantees* it for every `W`: it adds nothing to the input but rotates `q` and `k`
+# *after* the projections, by `R(p ω)`, so that the score `(R_p q) · (R_{p'} k) =
+# qᵀ R_{p' - p} k` depends on the offset alone, whatever `W_q` and `W_k` learned.
 
 # %% [markdown]
 # ### Fixed, learned, rotary
@@ -638,7 +651,8 @@ check_fourier_beats_identity(FourierFeatures, CoordinateMLP, fit_image)
 # The pre-norm residual structure is right. But `MultiHeadAttn` is a hand-written class
 # (like notebook 01's `DraftMultiHeadAttention`): it accepts no `batch_first` (TypeError),
 # and it returns a **tensor**, so `[0]` silently takes batch element 0 and broadcasts it
-# over the whole batch. Only `nn.MultiheadAttention` returns `(output, weights)`. ViT- and
+# over the whole batch. `nn.MultiheadAttention` returns `(output, weights)` (and so do
+# hand-written classes that copy its interface): `[0]` is right only for those. ViT- and
 # GPT-style blocks use GELU, not ReLU; `eps = 1e-5` is GPT-2's value but not ViT's `1e-6`,
 # which this notebook's contract follows. And there is no way to pass a mask.
 # </details>
@@ -649,9 +663,10 @@ check_fourier_beats_identity(FourierFeatures, CoordinateMLP, fit_image)
 #
 # **PyTorch's own layer.** `nn.TransformerEncoderLayer` computes exactly this layer — but only
 # with *all* of `norm_first=True, activation="gelu", layer_norm_eps=1e-6,
-# dim_feedforward=int(mlp_ratio·D), dropout=0.0, batch_first=True`. Its defaults are the 2017
-# translation model's: post-norm, ReLU, eps `1e-5`, a 2048-wide MLP whatever `D` is, dropout
-# 0.1, and `[S, B, D]` inputs. The check below copies your weights into one configured like
+# dim_feedforward=int(mlp_ratio·D), dropout=0.0, batch_first=True`. Its defaults follow the
+# 2017 translation model — post-norm, ReLU, a 2048-wide MLP whatever `D` is, dropout 0.1 — and
+# add eps `1e-5`, which is `nn.LayerNorm`'s own default (the paper gives no eps), and `[S, B, D]`
+# inputs. The check below copies your weights into one configured like
 # that and compares the outputs.
 
 # %% [markdown]
@@ -842,7 +857,7 @@ print("causal mask: changing the last token leaves the earlier outputs alone?",
 # the sequence says nothing about the answer: only *where* they sit does.
 
 # %% [markdown]
-# ### Exercise 3.12 — predict: no positions, no mask (1 pt, ~3 min)
+# ### Exercise 3.12 — predict: no positions, with and without a mask (2 pts, ~6 min)
 #
 # **Predict before you train.** A Transformer with **no** position encoding and **no** mask
 # is trained on this task as long as you like. What token accuracy can it reach? Set
@@ -866,18 +881,31 @@ from attention_lab.checks.positions_and_blocks import check_answer_no_positions
 check_answer_no_positions(ANSWER_NO_POSITIONS)
 
 # %% [markdown]
-# **The ceiling.** Without positions and without a mask the whole model is
-# permutation-equivariant (exercise 3.11), so its output at position `i` can depend only on
-# the token `x_i` there and on the *set* of tokens in the sequence — the same set for every
-# position. Given `x_i` and the set, each of the other `S - 1` tokens is equally likely to be
-# the one before it (the orders are random). So whatever it learned, its guess is right with
-# probability `1/(S - 1) = 1/7 ≈ 0.143`. Training longer cannot help: the information is not
-# in its input.
+# Now the same model, still with **no** position encoding, but with a **causal mask** (query
+# `i` sees keys `0 … i`; the cell at the end of section 4 showed what that changes). What token
+# accuracy can it reach? Set `ANSWER_NOPE_CAUSAL` to `"A"`, `"B"` or `"C"`.
+#
+# * **A.** The same as without the mask: a mask is not a position encoding.
+# * **B.** About 0.37, no more: at position `i` it can guess among the `i` tokens it sees
+#   (`(1 + 1/2 + … + 1/7) / 7 ≈ 0.37`), but it cannot tell them apart.
+# * **C.** Close to 1: the mask alone gives it enough order to find the previous token.
+
+# %% answer="ANSWER_NOPE_CAUSAL"
+ANSWER_NOPE_CAUSAL = None  # "A", "B" or "C"
+### BEGIN SOLUTION
+ANSWER_NOPE_CAUSAL = "C"
+### END SOLUTION
+
+# %% test="test_ANSWER_NOPE_CAUSAL" points=1
+"""ANSWER_NOPE_CAUSAL: with a causal mask and no positions, a model can find the previous token."""
+from attention_lab.checks.positions_and_blocks import check_answer_nope_causal
+
+check_answer_nope_causal(ANSWER_NOPE_CAUSAL)
 
 # %% [markdown]
-# ### Exercise 3.13 — OrderTransformer (4 pts, ~20 min)
+# ### Exercise 3.13 — OrderTransformer, and a head detector (6 pts, ~30 min)
 #
-# (2 points for the module, 2 for what it learns further down.)
+# (2 points for the module, 2 for what it learns, 2 for the head detector further down.)
 #
 # A complete model around your `Transformer`:
 #
@@ -992,11 +1020,17 @@ causal_order = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool, device=device).tri
 experiments = {"sinusoidal": ("sinusoidal", None), "learned": ("learned", None),
                "no positions": ("none", None), "no positions, causal": ("none", causal_order)}
 trained, masks_used = {}, {}
-for name, (kind, attend_mask) in experiments.items():
-    torch.manual_seed(0)
-    model = OrderTransformer(VOCAB, 32, 2, 2, SEQ_LEN, positions=kind).to(device)
-    trained[name] = train_order_model(model, attend_mask)
-    masks_used[name] = attend_mask
+threads = torch.get_num_threads()
+torch.set_num_threads(1)  # a model this small: one CPU thread beats two that wait on each other
+try:
+    for name, (kind, attend_mask) in experiments.items():
+        torch.manual_seed(0)
+        model = OrderTransformer(VOCAB, 32, 2, 2, SEQ_LEN, positions=kind).to(device)
+        trained[name] = train_order_model(model, attend_mask)
+        masks_used[name] = attend_mask
+finally:
+    torch.set_num_threads(threads)
+for name, attend_mask in masks_used.items():
     accuracy, per_position = token_accuracy(trained[name], attend_mask)
     print(f"{name:22s} token accuracy {accuracy:.3f}   per position 1..7:",
           " ".join(f"{a:.2f}" for a in per_position.tolist()))
@@ -1009,16 +1043,107 @@ from attention_lab.checks.positions_and_blocks import check_order_transformer_ou
 check_order_transformer_outcome(OrderTransformer)
 
 # %% [markdown]
-# **What the mask alone gives.** Both position encodings solve the task; no positions stays
-# at the ceiling. The causal model without positions (NoPE) does far better than the
-# ceiling, often nearly as well as with positions. Part of that is free: at position `i` it
-# sees only tokens `0 … i`, so even picking at random among the `i` earlier ones would score
-# `1/i`, on average `(1 + 1/2 + … + 1/7) / 7 ≈ 0.37`. The rest it *learns*: the mask makes a
-# token's view depend on where it sits (a head that spreads its attention evenly averages
-# over `i + 1` tokens, a signal that shrinks with `i`), and the layers after it can turn
-# that into positions (Haviv et al., 2022, found the same in causal language models without
-# any position encoding). Positions are not the only source of order in a Transformer: a
-# causal mask is one too — which is why the closing demo of section 4 tried each alone.
+# Both position encodings solve the task; no positions stays at the ceiling; and the causal
+# model without positions (NoPE) comes close to the models with positions. How? Do not guess:
+# measure what the heads do.
+#
+# **A head detector.** Write `previous_token_score(attention)`: for every layer and head, the
+# mean weight a query puts on the key just before it — over the batch, and over the queries
+# `i = 1 … S-1` (query 0 has no previous token). Rows of a map are queries, columns keys, so the
+# weights in question sit on the diagonal just below the main one.
+#
+# | name | signature | contract |
+# | --- | --- | --- |
+# | `previous_token_score` | `(attention) -> Tensor` | `attention`: a tensor `[B, layers, heads, S, S]`, or a list (one per layer) of `[B, heads, S, S]` (what `attention_maps` returns) → `[layers, heads]`; the input's dtype and device; `ValueError` for another rank, maps that are not square, or `S = 1` |
+#
+# A head with a score near 1 is a **previous-token head**. Uniform attention scores `1/S`
+# without a mask, and `(1/2 + 1/3 + … + 1/8) / 7 ≈ 0.25` under a causal mask (query `i`
+# spreads over its `i + 1` visible keys): compare the heads with those baselines.
+
+# %% answer="previous_token_score"
+def previous_token_score(attention):
+    """Mean weight on key i-1, per layer and head.
+
+    attention: [B, layers, heads, S, S] tensor, or a list of [B, heads, S, S] (one per layer)
+    returns: [layers, heads], the mean over the batch and over queries i = 1 ... S-1 of
+    attention[b, layer, head, i, i-1]; the input's dtype and device.
+
+    Example: for maps that put all weight on key i-1 (and query 0 on itself), every entry is 1.
+    Raises ValueError for another rank, non-square maps or S = 1.
+    """
+    ### BEGIN SOLUTION
+    if isinstance(attention, (list, tuple)):
+        attention = torch.stack(list(attention), dim=1)            # [B, layers, heads, S, S]
+    if attention.dim() != 5:
+        raise ValueError(f"attention has rank {attention.dim()}: expected [B, layers, heads, S, S] "
+                         "or a list of [B, heads, S, S]")
+    if attention.shape[-1] != attention.shape[-2]:
+        raise ValueError(f"attention maps are {attention.shape[-2]} x {attention.shape[-1]}: "
+                         "expected square maps (self-attention)")
+    if attention.shape[-1] < 2:
+        raise ValueError("S = 1: no query has a previous token")
+    below_diagonal = attention.diagonal(offset=-1, dim1=-2, dim2=-1)  # [B, layers, heads, S-1]
+    return below_diagonal.mean(dim=(0, -1))
+    ### END SOLUTION
+
+
+# %% test="test_previous_token_score" points=2
+"""previous_token_score: mean weight on key i-1 per layer and head; tensor or list; bad input."""
+from attention_lab.checks.positions_and_blocks import check_previous_token_score
+
+check_previous_token_score(previous_token_score)
+### BEGIN HIDDEN TESTS
+check_previous_token_score(previous_token_score, seed=3132, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Run it on the four trained models, over 500 test sequences: one row per layer, one column
+# per head. Then the **length probe**: the two models without a position table can read
+# sequences longer than the 8 they were trained on, so give the causal one sequences of 14 and
+# see how far what it learned carries.
+
+# %%
+from attention_lab.widgets.trained_heads import attention_maps
+
+if not trained:  # the training cell stopped before any model was trained
+    raise NotImplementedError("Exercise 3.13: implement OrderTransformer, then train (cell above)")
+probe, _ = previous_token_batch(500, torch.Generator().manual_seed(99))
+for name, model in trained.items():
+    scores = previous_token_score(attention_maps(model, probe.to(device), masks_used[name]))
+    rows = " | ".join(" ".join(f"{v:.2f}" for v in layer) for layer in scores.tolist())
+    print(f"{name:22s} weight on i-1, layer 0 | layer 1 (heads): {rows}")
+
+nope = trained["no positions, causal"]
+for back in (1, 2, 3):  # how the causal model's weight falls off with distance
+    maps = torch.stack(attention_maps(nope, probe.to(device), causal_order), dim=1)
+    keys = torch.arange(back, SEQ_LEN)
+    print(f"no positions, causal: mean weight on i-{back} per layer:",
+          [round(v, 2) for v in maps[:, :, :, keys, keys - back].mean(dim=(0, 2, 3)).tolist()])
+LONG = 14  # longer than the 8 positions seen in training (16 distinct tokens exist)
+long_generator = torch.Generator().manual_seed(5)
+long_tokens = torch.rand(500, VOCAB, generator=long_generator).argsort(dim=-1)[:, :LONG]
+long_mask = torch.ones(LONG, LONG, dtype=torch.bool, device=device).tril()
+with torch.no_grad():
+    predicted = nope(long_tokens.to(device), long_mask).argmax(dim=-1).cpu()
+per_position = (predicted[:, 1:] == long_tokens[:, :-1]).float().mean(dim=0)
+print("no positions, causal, sequences of 14: accuracy per position 1..13:",
+      " ".join(f"{a:.2f}" for a in per_position.tolist()))
+
+# %% [markdown]
+# **What the mask alone gives.** Under a causal mask "the previous token" is "the most recent
+# token the query can see", and a model needs no position table to favour recent keys. Part of
+# its score is free: at position `i` it sees only tokens `0 … i`, so even guessing at random
+# among the `i` earlier ones would score `1/i`, on average `(1 + 1/2 + … + 1/7) / 7 ≈ 0.37`.
+# The rest it learns, and the numbers above say how (measured with seed 0 on a CPU; other
+# seeds move them by a few hundredths): no head of the NoPE model is a clean previous-token
+# head. Its second layer does **recency** — about 0.5 of each query's weight on `i - 1`, 0.15
+# on `i - 2`, 0.06 on `i - 3` — a weight that falls with distance, which the first layer makes
+# possible (through the mask, a token's average over the `i + 1` tokens it sees depends on
+# where it sits). And recency is not tied to the positions it trained on: on sequences of 14 it
+# still finds the previous token at positions 8–13, with an accuracy that falls from about 0.9
+# to about 0.7 as the sequence grows past what it saw. (Haviv et al., 2022, found causal
+# language models without position encodings learning order the same way.) A causal mask is a
+# source of order — which is why the closing demo of section 4 tried each alone.
 #
 # **Look inside.** Each map below is one head of one layer (rows: queries, columns: keys)
 # on one test sequence; the labels are `position:token`. Switch between the models and the
@@ -1033,23 +1158,30 @@ examples, _ = previous_token_batch(8, torch.Generator().manual_seed(7))
 trained_heads_explorer(trained, examples, masks_used)
 
 # %% [markdown]
-# ### Exercise 3.14 — written: what does one head do? (2 pts, ~5 min)
+# ### Exercise 3.14 — written: what do the heads do? (2 pts, ~5 min)
 #
-# In the model with sinusoidal positions, find a head whose map is a diagonal stripe. In
-# three or four sentences: what does that head do for each query token; why does the task
-# need it; how do the positions let it do the same thing at every position (think of
-# `pe_shift_matrix`); and what does it do at position 0? This answer is graded by hand.
+# Answer from **your** numbers (the detector's table, the fall-off with distance, the length
+# probe) and the maps, in four or five sentences: which models have a head that does the
+# task's job, in which layer, and how cleanly (how much weight on `i - 1`)? Is it
+# `pe_shift_matrix`'s property that makes the sinusoidal model's head work — compare it with
+# the learned table, which has no such property? How does the causal model without positions
+# do it, and what does the length probe tell you that accuracy at length 8 does not? This
+# answer is graded by hand.
 
 # %% [markdown] manual="what_one_head_does" points=2
-# The stripe just below the diagonal is a **previous-token head**: the query at position `i`
-# puts almost all its weight on the key at position `i - 1`, so the head copies that token's
-# vector into position `i`'s residual stream, where the linear head reads it out — exactly
-# the answer the task asks for, which no single token knows by itself. It can do this at
-# every position because `PE[i - 1] = pe_shift_matrix(-1, D) @ PE[i]` with the same matrix
-# for every `i`: the query and key projections can learn to match "my position, shifted
-# back by one" once, and it holds everywhere. Position 0 has no previous token (and no
-# target), so its row spreads over other keys (often the last position or itself): what it
-# picks there is never scored.
+# *Model answer* (numbers of seed 0 on a CPU; yours may differ by a few hundredths). Both
+# models with a position table have heads in layer 0 that read the previous token: 0.68 and
+# 0.72 of their weight on `i - 1` with sinusoidal positions (about 0.1 on `i - 2`), 0.99 and
+# 0.92 with the learned table. So the offset-only property of the
+# sinusoidal table is not what makes the head work: with 8 positions, a learned table that has
+# no such property does as well or better — any table that gives the 8 positions vectors the
+# query and key projections can tell apart will do; shift-invariance would matter for
+# positions never trained on. The head copies the previous token into position `i`, where the
+# linear head reads it out. The causal model without positions has no clean previous-token
+# head: its layer 1 does recency (about 0.5, 0.15, 0.06 on `i - 1, i - 2, i - 3`), which the
+# mask makes possible, and because recency is not tied to absolute positions it carries to
+# sequences of 14 (about 0.9 down to 0.7 at positions 8–13) — something a model with an
+# 8-row table cannot even be run on. Position 0 has no previous token and is never scored.
 
 # %% [markdown]
 # ## What you built
@@ -1065,11 +1197,12 @@ trained_heads_explorer(trained, examples, masks_used)
 #   activation="gelu", layer_norm_eps=1e-6, batch_first=True, norm_first=True)` (every one of
 #   those arguments matters) — with the mask converted to PyTorch's True = blocked — and a
 #   final LayerNorm for the un-normalised residual stream.
-# * `pe_shift_matrix`: a shift of a sinusoidal encoding is a fixed rotation; projections break
-#   the offset-only property of the raw table, which is why RoPE rotates after them.
-# * `OrderTransformer`: trained on a task that needs order, it learns with positions (a
-#   previous-token head), stays at the 1/(S-1) ceiling without them, and gets much of the
-#   way with a causal mask alone.
+# * `pe_shift_matrix`: a shift of a sinusoidal encoding is a fixed rotation; a generic pair of
+#   projections breaks the offset-only property of the raw table, a learned one can keep it,
+#   and RoPE guarantees it for every pair by rotating after them.
+# * `OrderTransformer` and `previous_token_score`: four models trained on a task that needs
+#   order, and a detector that measures what their heads learned, at the lengths they saw and
+#   beyond.
 #
 # Next: notebook 04 cuts images into patches and feeds them to these blocks (a Vision
 # Transformer).

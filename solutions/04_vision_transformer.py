@@ -818,15 +818,18 @@ print(f"MiniViT {vit_accuracy:.1%} vs logistic regression {baseline_accuracy:.1%
       f"{100 * (vit_accuracy - baseline_accuracy):+.1f} percentage points for the ViT")
 
 # %% [markdown]
-# **What is measured, and why the ViT does not win.** Both numbers are the share of the 359
-# held-out test digits classified right, after one training run with one seed. The ViT does
-# *not* beat the logistic regression: measured with this notebook's MiniViT over seeds 0–2, the
-# solution's loop (with its warm-up schedule) reaches 94.2–95.0%, just below the logistic
-# regression's 95.3%, and a plain constant-rate AdamW loop 85–92% (one student's loop: 91.1%).
-# That is expected: these digits are 8×8 pixels, centred and size-normalised, with 1,438
-# training images — a linear model already separates them well, there is nothing long-range
-# for attention to find in 16 patches, and the ViT's ~100k parameters must all be learned from
-# those 1,438 images.
+# **What is measured, and what decides the winner.** Both numbers are the share of the 359
+# held-out test digits classified right, after one training run with one seed. Here the ViT
+# does not beat the logistic regression (95.3%) — but that is a matter of tuning, not something
+# to expect of a ViT on these digits. Measured with the solution's `train_classifier` on the
+# notebook's fixed split, one CPU thread, seeds 0, 1 and 2: this demo's configuration (2×2
+# patches, `lr = 3e-3`, 8 epochs) reaches 94.7%, 93.3% and 93.6%; the configuration the graded
+# check below trains (4×4 patches, so 5 tokens instead of 17, and `lr = 1e-3`, 8 epochs)
+# reaches 96.9%, 96.9% and 96.7% — above the logistic regression. These digits are 8×8 pixels,
+# centred and size-normalised, with 1,438 training images: a linear model already separates
+# them well, there is little long-range structure for attention to find, and the ViT's ~100k
+# parameters must all be learned from those 1,438 images, so a small change of patch size or
+# learning rate moves it by a few points either side of the baseline.
 #
 # A ViT has *less* built-in knowledge of images than a CNN (no locality, no translation
 # equivariance: it must learn from data that neighbouring patches matter), so it pays off

@@ -9,7 +9,7 @@
 # * **grouped-query attention (GQA)** — fewer key/value heads than query heads (Llama 3,
 #   Llama 4, Mistral, Qwen2 and Qwen3, Gemma 3 all use it);
 # * **rotary position embeddings (RoPE)** — positions enter by *rotating* q and k (all of the
-#   above);
+#   above, though Llama 4 leaves it out of every fourth layer, which attends without positions);
 # * **QK norm** — q and k are normalised before their dot product. Only *some* models do
 #   this. Qwen3 and Gemma 3 normalise every head's q and k on its own (an RMSNorm over
 #   `head_dim` with a learned weight); OLMo 2 normalises the whole projected q and k before they
@@ -1143,9 +1143,11 @@ for name, shape in models.items():
 # 0.5 GiB instead of 2 GiB per sequence, and for a batch of 32 such sequences 16 GiB instead of
 # 64 GiB. How does that compare with the weights? Count them from the same configs (plus each
 # model's MLP width and vocabulary; the input embedding and the output head are separate
-# matrices in both), and — since a decoding step reads every weight once (shared by the whole
-# batch) and every sequence's whole cache — compare the bytes one step reads with 8 KV heads and
-# with 32:
+# matrices in both), and — since a decoding step reads every weight matrix once (shared by the
+# whole batch; the input embedding is a lookup that reads one row per sequence, so it is left
+# out) and every sequence's whole cache — compare the bytes one step reads with 8 KV heads and
+# with 32. A model with 32 KV heads also has 4× larger `k_proj` and `v_proj`, so the saving has
+# two parts; the last lines take them apart:
 
 # %%
 def decoder_parameters(layers, hidden, heads, kv_heads, head_dim, mlp_width, vocab):
@@ -1182,13 +1184,21 @@ for batch_size in (1, 32):
     print(f"Llama-3-8B, one decoding step at 4,096 tokens, batch {batch_size:>2}: "
           f"reads {gqa / GiB:.1f} GiB "
           f"with 8 KV heads, {mha / GiB:.1f} GiB with 32: {mha / gqa:.2f}× less traffic, not 4×")
+    gqa_cache, mha_cache = (kv_cache_bytes(32, heads, 128, batch_size=batch_size, **cache_args)
+                            for heads in (8, 32))
+    cache_only = (gqa - gqa_cache + mha_cache) / gqa  # GQA's weights, MHA's cache
+    print(f"    of which the smaller cache alone: {cache_only:.2f}×; "
+          "the rest is the smaller k/v weights")
 
 # %% [markdown]
-# Llama-2-7B's 64 GiB of cache is five times its own weights; Llama-3-8B's 16 GiB is about as
-# much as its weights. And the 4× smaller cache does *not* make a decoding step read 4× fewer
-# bytes: the weights are read at every step too, so with one sequence the saving is about 1.2×,
-# and it grows towards 4× only as the batch and the context make the cache dominate (about 2.6×
-# at 32 sequences of 4,096 tokens). That is the point of GQA — more and longer sequences per GPU
+# At 32 sequences of 4,096 tokens, Llama-2-7B's 64 GiB of cache is five times its own weights
+# and Llama-3-8B's 16 GiB is about as much as its weights (1.07×); at one sequence the cache is
+# a small fraction of either. And the 4× smaller cache does *not* make a decoding step read 4×
+# fewer bytes: the weights are read at every step too, so with one sequence of 4,096 tokens the
+# saving is 1.21× — and half of that is not the cache at all: the smaller cache alone saves
+# 1.10×, the smaller `k_proj`/`v_proj` the rest (1.5 GiB less of weights, as much as the cache
+# saves). The saving grows towards 4× only as the batch and the context make the cache dominate
+# (2.65× at 32 sequences of 4,096 tokens, 2.60× from the cache alone). That is the point of GQA — more and longer sequences per GPU
 # at a small cost in quality, since four query heads now share each key/value head.
 
 # %% [markdown]
@@ -1211,10 +1221,11 @@ for batch_size in (1, 32):
 # the batch while the weights do not: at 32 sequences of 4,096 tokens it is 64 GiB with 32 KV
 # heads and 16 GiB with 8 — about as much as the ≈ 15 GiB of 16-bit weights, and the gap widens
 # with every longer context or larger batch. What fits on the GPU — how many sequences, how long
-# — is set by the cache. Each decoding step reads all the weights and every sequence's whole
-# cache, so the smaller cache also cuts the memory traffic per step, by much less than 4× for a
-# single sequence (≈ 1.2×: the weights dominate) and approaching 4× as the cache grows
-# (≈ 2.6× at 32 × 4,096 tokens).
+# — is set by the cache. Each decoding step reads every weight matrix (the input embedding
+# only row by row) and every sequence's whole cache, so the smaller cache also cuts the memory
+# traffic per step, by much less than 4× for a single sequence of 4,096 tokens (1.21×, of which
+# the cache alone 1.10× and the smaller k/v weights the rest: the weights dominate) and
+# approaching 4× as the cache grows (2.65× at 32 × 4,096 tokens).
 
 # %% [markdown]
 # ## What you built

@@ -7,7 +7,7 @@
 # and end with the same algorithm as a Triton GPU kernel, which is checked on the CPU by
 # Triton's interpreter and runs natively on a CUDA GPU (Colab).
 #
-# **27 points, about 171 minutes.**
+# **31 points, about 194 minutes.**
 #
 # **Notation**: `B` batch, `H` heads, `S_q` query tokens, `S_k` key/value tokens, `d` the
 # per-head width. q is `[B, H, S_q, d]`, k and v are `[B, H, S_k, d]`. **Masks** are boolean
@@ -15,11 +15,19 @@
 #
 # **Causal, everywhere in this notebook**: query `i` sees keys `j ≤ i + (S_k − S_q)`. The
 # triangle is aligned to the *bottom-right* corner, as in KV-cache decoding (notebook 05): the
-# last query sees every key. When `S_q = S_k` it is the usual lower triangle.
+# last query sees every key. When `S_q = S_k` it is the usual lower triangle. With *more*
+# queries than keys, the first `S_q − S_k` queries see no key at all. This notebook's functions
+# need not handle such queries, and no check gives them any: the online softmax's `0 / 0` makes
+# their rows NaN, where `F.scaled_dot_product_attention` with the same mask returns 0 (and
+# `torch.logsumexp` gives `lse = −inf`). Production kernels guard them — subtract 0 instead of a
+# running max of `−inf`, divide by 1 where the running sum is 0 — for padded batches and
+# left-truncated caches; the cell after exercise 6.5 shows both answers.
 #
-# **Precision**: your functions may compute in float32 inside even when they are given float64
-# (FlashAttention computes in at least float32); the checks then accept float32 accuracy and
-# print a one-line note.
+# **Precision**: your functions may compute in float32 inside even when they are given float64;
+# the checks then accept float32 accuracy and print a one-line note. (FlashAttention on a GPU
+# takes float16 or bfloat16 inputs and *accumulates* in float32: its matrix products sum in
+# float32 and its softmax statistics are float32. The PyTorch versions here go one step further
+# and compute every tile in float32.)
 
 # %%
 import math
@@ -322,8 +330,10 @@ for blocks in (1, 2):
 #
 # With `causal`, a key block whose *first* key is beyond the reach of the block's *last* query
 # (`k_start > q_end − 1 + S_k − S_q`) holds nothing any of these queries may see: **skip it**,
-# do not compute and mask it. That is where causal FlashAttention saves half the work. The
-# explorer shows which tiles a causal pass computes:
+# do not compute and mask it. That is where causal FlashAttention saves work — close to half at
+# long sequences, not at short ones: with `n` blocks on each side it computes the `n(n+1)/2`
+# tiles on and below the diagonal, out of `n²` — 10 of 16 in the explorer below (`n = 4`),
+# 528 of 1,024 at `n = 32`. The explorer shows which tiles a causal pass computes:
 
 # %%
 from attention_lab.widgets.efficient_attention import block_map_explorer
@@ -339,7 +349,7 @@ block_map_explorer(seq_q=256, seq_k=256, block_q=64, block_k=64)
 # at least float32 (`torch.promote_types(q.dtype, torch.float32)`), so float16 input is safe.
 # The last blocks may be shorter. The checks watch every operation your code runs: no tensor
 # may be as wide as all the keys (neither `[S_q, S_k]` nor `[block_q, S_k]`), and with `causal`
-# the number of tiles computed must drop to about half.
+# only the tiles on and below the diagonal may be computed (`n(n+1)/2` of `n²`).
 
 # %% answer="flash_attention_forward"
 def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
@@ -408,6 +418,14 @@ scaled_scores = (q_demo @ k_demo.transpose(-2, -1) / 4.0).masked_fill(~bottom_ri
 print("out vs SDPA:", float((out_flash - reference_out).abs().max()),
       "| lse vs torch.logsumexp:",
       float((lse_flash - torch.logsumexp(scaled_scores, dim=-1)).abs().max()))
+# More queries (6) than keys (3), causal: queries 0-2 see no key (outside this notebook's contract)
+q_more, k_few, v_few = torch.randn(1, 1, 6, 16), torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16)
+no_key_mask = torch.ones(6, 3, dtype=torch.bool).tril(diagonal=3 - 6)
+print("S_q > S_k, first value of each row, yours:",
+      flash_attention_forward(q_more, k_few, v_few, causal=True)[0][0, 0, :, 0].round(decimals=2))
+print("                                     SDPA:",
+      F.scaled_dot_product_attention(q_more, k_few, v_few, attn_mask=no_key_mask)[0, 0, :, 0]
+      .round(decimals=2))
 
 # %% [markdown]
 # ## 5. Why return `lse`: merging attention over two halves of the keys
@@ -475,7 +493,10 @@ print("plain average of the halves vs all keys: ",
 # kernel: you lose this exercise's points, not the others'.)
 #
 # **Triton's vocabulary** for the loop: `tl.arange(0, N)` (a block of indices), `tl.load` /
-# `tl.store`, `tl.dot(a, b)` (a block matrix product, float32 accumulation), `tl.trans(k)`,
+# `tl.store`, `tl.dot(a, b)` (a block matrix product, float32 accumulation; on float32 blocks a
+# GPU of the Ampere generation or newer rounds the inputs to **TF32** — 10 bits of mantissa —
+# unless told `input_precision="ieee"`, while the interpreter multiplies in full float32, so a
+# float32 kernel differs between the two by about 1e-3), `tl.trans(k)`,
 # `tl.max(x, axis=1)`, `tl.sum(x, axis=1)`, `tl.maximum`, `tl.where(condition, a, b)`,
 # `tl.exp2`, `x[:, None]` / `x[None, :]` broadcasting, `p.to(v.dtype)`. Plain Python `for` loops
 # over `range(start, stop, step)` work, with `stop` a runtime value.
@@ -483,8 +504,8 @@ print("plain average of the halves vs all keys: ",
 # %%
 from attention_lab.triton_kernels import (TRITON_AVAILABLE, interpreter_active,
                                           launch_flash_attention, launch_flash_attention_backward,
-                                          launch_matmul, launch_row_softmax, launch_scale, tl,
-                                          triton)
+                                          launch_matmul, launch_online_softmax, launch_row_softmax,
+                                          launch_scale, tl, triton)
 
 print("Triton available:", TRITON_AVAILABLE,
       "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
@@ -566,9 +587,9 @@ check_matmul_kernel(matmul_kernel, seed=6811)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 6.9 — row_softmax_kernel: a softmax in registers (1 pt, ~8 min)
+# ### Exercise 6.9 — softmax kernels: a row in one block, then a row of many (3 pts, ~23 min)
 #
-# One program per row of `x [rows, n_cols]`; `BLOCK` is the next power of two `≥ n_cols`, so
+# **First, `row_softmax_kernel`** (1 point). One program per row of `x [rows, n_cols]`; `BLOCK` is the next power of two `≥ n_cols`, so
 # the whole row fits in one block. Make it stable for scores around ±1000, and think about what
 # the lanes past `n_cols` must hold so that they change neither the max nor the sum.
 
@@ -592,6 +613,63 @@ from attention_lab.checks.efficient_attention import check_row_softmax_kernel
 check_row_softmax_kernel(row_softmax_kernel)
 ### BEGIN HIDDEN TESTS
 check_row_softmax_kernel(row_softmax_kernel, seed=6911)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **Then `online_softmax_kernel`** (2 points): the same softmax for rows **longer than one
+# block** — the online softmax of 6.3 and 6.4, inside one Triton program. `BLOCK` is now given
+# by the launcher (`launch_online_softmax(kernel, x, block=...)`; read it with
+# `launch_online_softmax??`) and may be much shorter than the row, so the program loops over the
+# row's column blocks twice:
+#
+# 1. a running max `m` and a running sum `l`: for each block, the new max
+#    `m_new = max(m, max(x_blk))`, then `l = l · e^(m − m_new) + Σ e^(x_blk − m_new)` — the sum
+#    taken so far is rescaled to the new max;
+# 2. a second pass over the same blocks that writes `e^(x − m) / l`.
+#
+# This is exactly the loop of FlashAttention's kernel in 6.10, with a row of scores instead of
+# `q kᵀ` and without the `V` accumulator. Compute in float32 (`x.to(tl.float32)` after the load;
+# the store converts to `Out`'s dtype, float16 included). Start `m` at −∞ and `l` at 0 as
+# float32 *scalars* the loop can update (e.g. `tl.max(tl.full([BLOCK], float("-inf"),
+# tl.float32), axis=0)`); the check gives rows whose maximum jumps by 1000 after the first
+# blocks, and rows that fall by 2000 after them.
+#
+# | name | signature | contract |
+# | --- | --- | --- |
+# | `online_softmax_kernel` | `@triton.jit (X, Out, n_cols, stride_x, stride_out, BLOCK)` | one program per row; loop over column blocks with a running max and a rescaled running sum, then a second pass writes `exp(x − m) / l`; stable for rows spanning −1000 … 1000; float32 and float16 in, the input's dtype out; any row length |
+
+# %% answer="online_softmax_kernel"
+@triton.jit
+def online_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    """Out[r] = softmax(X[r]) for the row r = program_id(0), in column blocks of BLOCK."""
+    ### BEGIN SOLUTION
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)  # running max, a scalar
+    l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)  # running sum against m_i
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+        x = x.to(tl.float32)
+        m_new = tl.maximum(m_i, tl.max(x, axis=0))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m_i = m_new
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+        x = x.to(tl.float32)
+        y = tl.exp(x - m_i) / l_i
+        tl.store(Out + row * stride_out + cols, y.to(Out.dtype.element_ty), mask=cols < n_cols)
+    ### END SOLUTION
+
+
+# %% test="test_online_softmax_kernel" points=2
+"""online_softmax_kernel: the softmax of rows longer than a block, stable from -1000 to 1000."""
+from attention_lab.checks.efficient_attention import check_online_softmax_kernel
+
+check_online_softmax_kernel(online_softmax_kernel)
+### BEGIN HIDDEN TESTS
+check_online_softmax_kernel(online_softmax_kernel, seed=6912)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -722,7 +800,10 @@ else:
 # Every formula is per tile: a `(query block, key block)` tile of `P` and `dS` contributes to
 # `dV` and `dK` of its keys and to `dQ` of its queries. FlashAttention-2 puts the loop over
 # **key blocks outside** (each program owns the `dK, dV` of one key block and accumulates
-# them in registers) and the query blocks inside; `dQ` is accumulated across key blocks.
+# them in registers) and the query blocks inside; `dQ` is accumulated across key blocks. In
+# FlashAttention-2's CUDA kernel that is **one kernel**: every key-block program adds its share
+# of `dQ` to the same rows in global memory with **atomic adds** (many programs write the same
+# `dQ` rows at once, so each addition must be atomic). Section 9 builds the other design.
 
 # %% [markdown]
 # ### Exercise 6.11 — flash_attention_backward (4 pts, ~25 min)
@@ -843,8 +924,10 @@ check_flash_attention_function(FlashAttention, seed=6901)
 
 # %% [markdown]
 # **Train with it.** Two copies of the same small causal attention model, trained on the same
-# batches: one calls your `flash_attention`, the other `F.scaled_dot_product_attention`. If your
-# backward pass is right, the two loss curves are the same curve (up to float32 rounding).
+# batches of 150 tokens — three query blocks and three key blocks of 64 (the last one ragged),
+# so that the causal skipping, the rescaling across key blocks and the sums over query blocks
+# all run: one copy calls your `flash_attention`, the other `F.scaled_dot_product_attention`. If
+# your backward pass is right, the two loss curves are the same curve (up to float32 rounding).
 
 # %%
 import copy
@@ -864,14 +947,14 @@ class TinyCausalModel(torch.nn.Module):
         return self.proj(self.attend(q, k, v).transpose(1, 2).flatten(2))
 
 
-def train_losses(model, steps=20, seed=0):
+def train_losses(model, steps=20, seed=0, seq_len=150):
     data = torch.Generator().manual_seed(seed)
     optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(steps):
-        x = torch.randn(8, 24, 32, generator=data).to(device)
+        x = torch.randn(8, seq_len, 32, generator=data).to(device)
         # the running mean of the tokens so far: a causal task
-        target = x.cumsum(dim=1) / torch.arange(1, 25, device=device)[:, None]
+        target = x.cumsum(dim=1) / torch.arange(1, seq_len + 1, device=device)[:, None]
         loss = F.mse_loss(model(x), target)
         optimiser.zero_grad()
         loss.backward()
@@ -885,7 +968,12 @@ sdpa_model = TinyCausalModel(
     lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)).to(device)
 flash_model = copy.deepcopy(sdpa_model)
 flash_model.attend = lambda q, k, v: flash_attention(q, k, v, causal=True)
-with_sdpa, with_flash = train_losses(sdpa_model), train_losses(flash_model)
+threads = torch.get_num_threads()
+torch.set_num_threads(1)  # tensors this small: one CPU thread beats two that wait on each other
+try:
+    with_sdpa, with_flash = train_losses(sdpa_model), train_losses(flash_model)
+finally:
+    torch.set_num_threads(threads)
 figure, axis = plt.subplots(figsize=(6, 3))
 axis.plot(with_sdpa, label="SDPA", linewidth=3, alpha=0.5)
 axis.plot(with_flash, "--", label="your FlashAttention")
@@ -902,15 +990,20 @@ print("largest difference between the two loss curves:",
 # products `q kᵀ` and `P v` are `S²·d` multiply-adds each: `4·S²·d` FLOPs, naive or tiled. What
 # differs is the memory traffic (in elements; multiply by 2 bytes in float16):
 #
-# * naive: read q and k (`2·S·d`), **write the `S²` scores, read them and write `P` (`2·S²`),
-#   read `P`** and v (`S² + S·d`), write out (`S·d`): about `4·S²` elements;
+# * naive, with the scale folded into `q` first (as the timed version below does): read q and k
+#   (`2·S·d`), **write the `S²` scores, read them and write `P` (`2·S²`), read `P`** and v
+#   (`S² + S·d`), write out (`S·d`): about `4·S²` elements. (Scaling the `[S, S]` scores
+#   instead, as notebook 01 did, reads and writes the table once more: `6·S²`.)
 # * tiled: read q and write out once (`2·S·d`); read k and v once **per query block**
 #   (`2·S·d · S/block_q`); the tiles never leave the chip.
 #
 # Their *arithmetic intensity*, FLOPs per byte, decides what bounds them: a GPU that does `F`
 # FLOP/s and moves `W` bytes/s waits for memory whenever a kernel does fewer than `F / W` FLOPs
-# per byte (an H100: ~989 TFLOP/s in float16 over ~3.35 TB/s, about 300; an A100: ~156; a T4:
-# ~200). **Predict** before running the cell: at `d = 64`, which of the two is memory-bound?
+# per byte. Dense float16 peaks over memory bandwidth, from the data sheets (the H100 differs by
+# model; `torch.cuda.get_device_name()` says which one you have): H100 SXM 989 TFLOP/s over
+# 3.35 TB/s ≈ 295; H100 NVL 835 over 3.9 ≈ 214; H100 PCIe 756 over 2.0 ≈ 378; A100 80 GB 312
+# over 2.0 ≈ 156; Colab's T4 65 over 0.32 ≈ 203. **Predict** before running the cell: at
+# `d = 64` and `block_q = 128`, which of the two passes is below these balances, and by how much?
 
 # %%
 from attention_lab.widgets.efficient_attention import attention_traffic
@@ -922,23 +1015,33 @@ for seq_len in (1024, 4096, 16384):
         f"{flops / moved:5.0f} FLOP/byte" for name, (flops, moved) in traffic.items()))
 
 # %% [markdown]
-# The naive pass does about `d/2` = 32 FLOPs per byte at any `S`: far below every GPU's
-# balance, so it runs at the speed of its memory traffic — and its traffic grows like `S²`.
-# The tiled pass does about `block_q` FLOPs per byte (bigger query blocks, fewer re-reads of k
-# and v): four times the naive intensity here, close to an A100's balance, and in practice
-# higher, since many re-reads of k and v are served by the GPU's L2 cache rather than its
-# memory. Same FLOPs, several times fewer bytes: that is FlashAttention's speed-up.
+# The naive pass does about `d/2` = 32 FLOPs per byte at any `S`: five to twelve times below
+# every balance above, so it runs at the speed of its memory traffic — and its traffic grows
+# like `S²`. The tiled pass does about `block_q` FLOPs per byte (114–128 here; bigger query
+# blocks, fewer re-reads of k and v): four times the naive intensity — and by this model
+# *still* below every balance quoted, from 0.73× an A100's to 0.3× an H100 PCIe's. The model
+# is pessimistic for the tiled pass: it charges every re-read of k and v to the GPU's memory,
+# while many are served by its L2 cache, and FlashAttention-2 measures 50–73% of an A100's peak
+# in its forward pass (Dao, 2023) — compute-bound in practice. So the honest prediction is:
+# naive, memory-bound by a wide margin; tiled, near the balance on paper and above it once the
+# cache helps. Same FLOPs, several times fewer bytes: that is FlashAttention's speed-up.
 #
 # **Measure.** Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention`
 # and `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU also
-# your Triton kernel, in float16). Each time is the median of three runs after a warm-up run
-# (the first call pays for allocations and, on a GPU, kernel set-up); the bars go from the
-# fastest run to the slowest. Peak memory is that of the tensors each call creates; on the CPU
+# your Triton kernel, in float16 — with the launcher's fixed 32 × 32 tiles and no autotuning,
+# so it is far from the best that kernel could do, while SDPA picks its kernel per GPU). On
+# Colab's T4, SDPA has no flash backend (its FlashAttention kernels need an Ampere GPU or
+# newer), so it runs its memory-efficient kernel there. On the CPU the measurement runs on one
+# thread (a thread pool that changes size under a shared machine's load bends the curves), and
+# each time is the median of rounds of three runs after a warm-up run (the first call pays for
+# allocations and, on a GPU, kernel set-up), repeated until a round moves the median by less
+# than 5% (at most 30 runs); the bars go from the fastest run to the slowest. Peak memory is that of the tensors each call creates; on the CPU
 # it is followed tensor by tensor (SDPA's fused CPU kernel allocates its small buffers out of
 # sight). Both panels are log-log, so growth like `S^p` is a straight line of slope `p`: the
 # legend gives each line's fitted slope. On a GPU the plot also prints the achieved TFLOP/s
-# (`4·B·H·S²·d` over the median time) against the card's peak. Ungraded; a few seconds on the
-# CPU.
+# (`4·B·H·S²·d` over the median time) against the card's float16 peak — a fair yardstick for
+# SDPA and your Triton kernel, not for the PyTorch flash pass, which computes its tiles in
+# float32. Ungraded; a few seconds on the CPU.
 
 # %%
 from attention_lab.widgets.efficient_attention import (attention_costs_view, gpu_peak_tflops,
@@ -946,7 +1049,7 @@ from attention_lab.widgets.efficient_attention import (attention_costs_view, gpu
 
 
 def naive_attention(q, k, v):
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [B, H, S, S]
+    scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)  # [B, H, S, S], scaled via q
     weights = torch.softmax(scores, dim=-1)
     return weights @ v
 
@@ -975,18 +1078,61 @@ attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
 # the PyTorch tiles are the slowest line and small `S` shows slopes below 2 (overheads, not
 # arithmetic, dominate). On a GPU the naive version waits for its `S²` traffic and runs out of
 # memory first, while the fused kernels (SDPA's flash backend, or yours) are faster and reach a
-# larger share of the card's peak. A loaded machine adds noise: look at the spread bars before
+# larger share of the card's peak.
+#
+# **What a CPU slope can and cannot show.** It shows how the cost of each method grows on this
+# machine once fixed overheads are small: the table's `S²` memory, and (at large `S`) the `S²`
+# arithmetic. It cannot show what the GPU section is about — a pass bound by memory traffic
+# against one bound by arithmetic, or tiles that stay on chip — because a CPU's caches serve
+# small tables either way. And it is fragile: on this course's shared 2-core machine, with the
+# thread pool left to PyTorch and the median of just three runs, the same code gave slopes from
+# 0.17 to 4.1 in three trials; on one thread with the repeat-until-stable median, 2.3 to 3.0
+# (slopes above 2: the table outgrows a cache as `S` doubles). Look at the spread bars before
 # reading a slope.
+
+# %% [markdown]
+# ### Exercise 6.13 — count the backward pass (2 pts, ~8 min)
+#
+# The forward pass runs two matrix products of `S²·d` multiply-adds per head (`q kᵀ` and `P v`;
+# masks and causal skipping aside). Count the backward's, from section 7's formulas and from what
+# each kernel has in memory, for two designs:
+#
+# 1. **FlashAttention-2**: one kernel; each program owns a key block, loops over the query
+#    blocks, and adds its share of `dQ` to global memory with atomic adds.
+# 2. **Two kernels**: one computes `dK` and `dV` (a program per key block, looping over query
+#    blocks); the other computes `dQ` (a program per query block, looping over key blocks).
+#    Neither kernel sees the other's tiles: each has only `q, k, v, dO, lse` and `D` in memory.
+#
+# Set `ANSWER_BACKWARD_FLOPS` to a pair: each design's backward matmul FLOPs divided by the
+# forward's, e.g. `(1.0, 1.0)` if each did as much as the forward.
+
+# %% answer="ANSWER_BACKWARD_FLOPS"
+ANSWER_BACKWARD_FLOPS = None  # (FlashAttention-2's ratio, the two kernels' ratio)
+### BEGIN SOLUTION
+ANSWER_BACKWARD_FLOPS = (5 / 2, 7 / 2)
+### END SOLUTION
+
+# %% test="test_ANSWER_BACKWARD_FLOPS" points=2
+"""ANSWER_BACKWARD_FLOPS: the backward's matmul FLOPs over the forward's, for both designs."""
+from attention_lab.checks.efficient_attention import check_answer_backward_flops
+
+check_answer_backward_flops(ANSWER_BACKWARD_FLOPS)
 
 # %% [markdown]
 # ## 9. Challenge: the backward pass as Triton kernels
 #
-# FlashAttention-2's backward pass on the GPU is two kernels. The first runs **one program per
-# key block**: it loads its block of K and V once, loops over the query blocks that see it,
-# recomputes each tile of `P` from q, k and `lse`, and accumulates `dK` and `dV` in registers —
-# no two programs write the same rows, so no atomics are needed. The second runs one program
-# per query block, like the forward pass, and accumulates `dQ`. `D = rowsum(dO ∘ O)` is
-# computed by the given launcher before both (read it with
+# Two designs of the backward pass run on GPUs. **FlashAttention-2's** (section 7) is one
+# kernel: one program per key block accumulates its `dK` and `dV` in registers and adds its
+# share of `dQ` to global memory with atomic adds. The design here — that of Triton's
+# fused-attention tutorial and of Stanford's CS336 assignment — is **two kernels**, and needs
+# no atomics. The first runs **one program per key block**: it loads its block of K and V once,
+# loops over the query blocks that see it, recomputes each tile of `P` from q, k and `lse`, and
+# accumulates `dK` and `dV` in registers. The second runs one program per query block, like
+# the forward pass, loops over the key blocks, recomputes `P` (and `dP`) again, and accumulates
+# `dQ` in registers. In both kernels no two programs write the same rows: no atomics, a result
+# that does not depend on the order programs finish in (atomic float additions do), and simple
+# code — paid for with a second recomputation of `P` and `dP`, which exercise 6.13 counted.
+# `D = rowsum(dO ∘ O)` is computed by the given launcher before both (read it with
 # `launch_flash_attention_backward??`: the arguments and grids of both kernels).
 #
 # Everything is in 6.11, written per tile, with the masks and loop bounds of 6.10. Think about
@@ -994,7 +1140,15 @@ attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
 # seeing one of its keys), and keep the scale: `dK` and `dQ` need it.
 
 # %% [markdown]
-# ### Exercise 6.13 — flash_attention_backward_kernel (2 pts, ~30 min)
+# **Units of `Lse` and `sm_scale`.** The forward kernel of 6.10 worked in base 2: its scores
+# were multiplied by `sm_scale · log2(e)` for `tl.exp2`, and its epilogue converted the result
+# back, storing `Lse` in **natural-log** units (`× ln 2`), the units of `flash_attention_forward`'s
+# `lse`. The backward kernels receive that `Lse` and the plain `sm_scale = 1/sqrt(d)`, without
+# `log2(e)`. So either stay in natural units, `p = exp(s · sm_scale − lse)` with `tl.exp`, or
+# convert *both* to base 2, `exp2(s · sm_scale · log2(e) − lse · log2(e))`. Mixing the two gives a
+# `P` that is wrong by a factor that depends on the row, and gradients that look plausible.
+#
+# ### Exercise 6.14 — flash_attention_backward_kernel (2 pts, ~30 min)
 #
 # Write the two loops (the loads of the program's own block and the stores are given).
 
@@ -1120,4 +1274,5 @@ check_flash_attention_backward_kernel(*backward_kernels, seed=6131, sizes="more"
 # * `flash_attention_backward` and `FlashAttention`: the backward pass from `q, k, v, out, lse`
 #   alone — `P` recomputed per tile, `D = rowsum(dO ∘ O)` — and training that matches SDPA's.
 # * `flash_attention_backward_kernel` (the challenge): the same backward pass as two Triton
-#   kernels, dK/dV per key block and dQ per query block.
+#   kernels without atomics, dK/dV per key block and dQ per query block — the tutorial's
+#   design, not FlashAttention-2's single kernel with atomic `dQ`.

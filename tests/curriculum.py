@@ -5,14 +5,16 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
     "01_mha_shapes": (
         "split_heads", "merge_heads", "attention_weights", "scaled_dot_product_attention",
         "MultiHeadSelfAttention", "load_torch_mha_weights", "split_heads_einops", "attention_layer_flops",
+        "block_flops",
     ),
     "02_numpy_walkthrough": (
         "row_times_matrix", "np_split_heads", "np_merge_heads", "np_softmax", "np_attention",
-        "np_multi_head_attention", "dot_product_variance", "softmax_backward", "np_attention_backward",
+        "np_multi_head_attention", "dot_product_variance", "softmax_backward", "np_attention_lse",
+        "np_attention_backward",
     ),
     "03_positions_and_blocks": (
         "sinusoidal_positions", "FourierFeatures", "CoordinateMLP", "psnr", "fit_image",
-        "TransformerLayer", "Transformer", "pe_shift_matrix", "OrderTransformer",
+        "TransformerLayer", "Transformer", "pe_shift_matrix", "OrderTransformer", "previous_token_score",
     ),
     "04_vision_transformer": (
         "patchify", "PatchEmbedding", "conv_to_linear", "patch_embedding_parameter_count", "ViTBlock",
@@ -25,7 +27,7 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
     ),
     "06_efficient_attention": (
         "attention_matrix_bytes", "chunked_attention", "streaming_logsumexp", "online_softmax_step",
-        "flash_attention_forward", "scale_kernel", "matmul_kernel", "row_softmax_kernel",
+        "flash_attention_forward", "scale_kernel", "matmul_kernel", "row_softmax_kernel", "online_softmax_kernel",
         "flash_attention_kernel", "flash_attention_backward", "FlashAttention",
         "flash_attention_backward_kernel",
     ),

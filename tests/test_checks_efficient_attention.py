@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import textwrap
 
 import torch
@@ -1251,3 +1252,92 @@ def test_the_interpreters_warnings_come_after_the_checks_message():
     assert not [w for w in escaped if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in escaped]
     tail = message.split("Likely mistake:")[-1]
     assert "Warnings while your kernel ran:" in tail and "RuntimeWarning: overflow encountered in exp2" in tail, message
+
+
+# --------------------------------------------------------------------------------------
+# The backward pass's FLOPs, counted
+# --------------------------------------------------------------------------------------
+
+
+def test_answer_backward_flops_takes_the_pair_and_explains_only_once_right(capsys):
+    checks.check_answer_backward_flops((2.5, 3.5), device="cpu")
+    checks.check_answer_backward_flops([5 / 2, 7 / 2], device="cpu")
+    assert "3.5x its forward" in capsys.readouterr().out
+    for wrong, hint in [((3.5, 2.5), "swapped"), ((5, 7), "products_not_ratio"), ((2.0, 3.5), "no_recompute"),
+                        ((2.5, 2.5), "same_for_both"), ((2.5, 3.0), "dq_kernel_reuses")]:
+        with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_FLOPS_HINTS[hint])) as failure:
+            checks.check_answer_backward_flops(wrong, **CPU)
+        assert "dK = dSᵀ q" not in str(failure.value)
+    for wrong, phrase in [(None, "not implemented yet"), (2.5, "should be a pair"), ((2.5,), "should be a pair"),
+                          (("2.5", "3.5"), "should be a pair"), ((1.0, 1.0), "ratios are off")]:
+        with pytest.raises(CheckFailure, match=phrase):
+            checks.check_answer_backward_flops(wrong, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# online_softmax_kernel: the online softmax inside one Triton program
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def planted_online_softmax(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
+    # 0 correct, 1 sum not rescaled, 2 first block only, 3 padding loaded as 0, 4 no max, 5 store unmasked
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    stop = n_cols
+    if BUG == 2:
+        stop = BLOCK
+    for start in range(0, stop, BLOCK):
+        cols = start + offs
+        if BUG == 3:
+            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        if BUG == 4:
+            l_i += tl.sum(tl.exp(x), axis=0)
+        else:
+            m_new = tl.maximum(m_i, tl.max(x, axis=0))
+            if BUG == 1:
+                l_i = l_i + tl.sum(tl.exp(x - m_new), axis=0)
+            else:
+                l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+            m_i = m_new
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        if BUG == 4:
+            y = (tl.exp(x) / l_i).to(Out.dtype.element_ty)
+        else:
+            y = (tl.exp(x - m_i) / l_i).to(Out.dtype.element_ty)
+        if BUG == 5:
+            tl.store(Out + row * stride_out + cols, y)
+        else:
+            tl.store(Out + row * stride_out + cols, y, mask=cols < n_cols)
+
+
+@needs_triton
+def test_online_softmax_kernel_passes_when_right(capsys):
+    checks.check_online_softmax_kernel(PlantedLadder(planted_online_softmax, 0), device=KERNEL["device"])
+    checks.check_online_softmax_kernel(PlantedLadder(planted_online_softmax, 0), seed=6912, device=KERNEL["device"])
+    assert capsys.readouterr().out.count("✓ online_softmax_kernel") == 2
+
+
+@needs_triton
+@pytest.mark.parametrize("bug, hint", [
+    (1, checks.ONLINE_SOFTMAX_HINTS["no_rescale"]),
+    (2, checks.ONLINE_SOFTMAX_HINTS["first_block_only"]),
+    (3, checks.ONLINE_SOFTMAX_HINTS["other_zero"]),
+    (4, HINTS["softmax_no_max"]),
+    (5, HINTS["ladder_unmasked_store"]),
+])
+def test_online_softmax_kernel_mistakes_are_named(bug, hint):
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_online_softmax_kernel(PlantedLadder(planted_online_softmax, bug), **KERNEL)
+    assert hint in str(failure.value), str(failure.value)
+
+
+def test_online_softmax_launcher_takes_power_of_two_blocks_only():
+    with pytest.raises(ValueError, match="power of two"):
+        triton_kernels.launch_online_softmax(PlantedLadder(planted_online_softmax, 0), torch.zeros(2, 40), block=24)

@@ -506,13 +506,52 @@ def test_attention_layer_flops_rejects_numbers_typed_in_for_one_size():
         checks.check_attention_layer_flops(hard_coded_vit, SelfAttentionEinsum, **CPU)
 
 
-def test_attention_crossover_accepts_two_d_and_names_what_to_compare():
-    checks.check_answer_attention_crossover("d", **CPU)
-    for letter in "ABC":
-        hint = checks.CROSSOVER_HINTS[choice_digest("ANSWER_ATTENTION_CROSSOVER", letter)]
-        with pytest.raises(CheckFailure, match=re.escape(hint)) as failure:
-            checks.check_answer_attention_crossover(letter, **CPU)
-        assert '"D"' not in str(failure.value).split("is not right")[-1]
+def block_flops_by_parts(batch_size, seq_len, d_model, mlp_ratio=4):
+    """A correct answer: attention_layer_flops's two parts, and the MLP's two products."""
+    hidden = int(mlp_ratio * d_model)
+    return {**flops_by_products(batch_size, seq_len, d_model),
+            "mlp": 2 * batch_size * seq_len * d_model * hidden * 2}
+
+
+def _block(mlp):
+    return lambda batch_size, seq_len, d_model, mlp_ratio=4: {
+        **flops_by_products(batch_size, seq_len, d_model), "mlp": mlp(batch_size, seq_len, d_model, mlp_ratio)}
+
+
+def test_block_flops_accepts_the_count_by_parts():
+    checks.check_block_flops(block_flops_by_parts, **CPU)
+    checks.check_block_flops(block_flops_by_parts, seed=1902, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (_block(lambda b, s, d, r: 2 * b * s * d * int(r * d)), "you counted one"),
+    (_block(lambda b, s, d, r: 16 * b * s * d * d), "not d_model or 4 · d_model"),
+    (_block(lambda b, s, d, r: 4 * b * s * d * d), "not d_model or 4 · d_model"),
+    (_block(lambda b, s, d, r: 4 * b * s * d * r * d), "should be an int"),
+    (lambda batch_size, seq_len, d_model, mlp_ratio=4: {**_flops(_P, lambda b, s, d: 2 * b * s * s * d)(
+        batch_size, seq_len, d_model), "mlp": 16 * batch_size * seq_len * d_model ** 2}, "but not weights @ V"),
+    (lambda batch_size, seq_len, d_model, mlp_ratio=4: flops_by_products(batch_size, seq_len, d_model),
+     r"missing \['mlp'\]"),
+    (lambda batch_size, seq_len, d_model: block_flops_by_parts(batch_size, seq_len, d_model), "mlp_ratio"),
+])
+def test_block_flops_names_the_mistake(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_block_flops(wrong, **CPU)
+
+
+def test_attention_crossover_takes_the_number_and_explains_only_once_right(capsys):
+    checks.check_answer_attention_crossover(4608, device="cpu")
+    checks.check_answer_attention_crossover(4608.0, device="cpu")
+    assert "S = 6·D = 4,608" in capsys.readouterr().out
+    for value, hint in [(1536, "projections_only"), (3072, "mlp_only"), (768, "one_projection"),
+                        (9216, "half_of_attention")]:
+        with pytest.raises(CheckFailure, match=re.escape(checks.CROSSOVER_HINTS[hint])) as failure:
+            checks.check_answer_attention_crossover(value, **CPU)
+        assert "4,608" not in str(failure.value) and "6·D" not in str(failure.value)
+    for wrong, phrase in [(None, "not implemented yet"), ("D", "should be a number"), (True, "should be a number"),
+                          (float("nan"), "should be a number"), (5000, "is not right")]:
+        with pytest.raises(CheckFailure, match=phrase):
+            checks.check_answer_attention_crossover(wrong, **CPU)
 
 
 # --------------------------------------------------------------------------------------

@@ -978,10 +978,11 @@ def test_softmax_backward_memory_measure_sees_what_an_answer_holds():
 # --------------------------------------------------------------------------------------
 
 
-def _attention_backward(Q, K, V, dout, mask=None, *, rowsum="weighted", grad_scale=None, scale_dv=False,
+def _attention_backward(Q, K, V, out, lse, dout, mask=None, *, rowsum="weighted", grad_scale=None, scale_dv=False,
                         transpose=None, use_mask=True, fully_masked="zero", forward_scale=True, leak=False,
                         fill=-np.inf):
-    """A NumPy backward with one deliberate change (the correct one with the defaults)."""
+    """A NumPy backward with one deliberate change (the correct one with the defaults). It ignores the
+    saved out and lse and recomputes P with a softmax: correct, if not the recipe the notebook asks for."""
     d = Q.shape[-1]
     scale = 1.0 / math.sqrt(d)
     scores = Q @ np.swapaxes(K, -1, -2) * (scale if forward_scale else 1.0)
@@ -1012,7 +1013,8 @@ def _attention_backward(Q, K, V, dout, mask=None, *, rowsum="weighted", grad_sca
     return dQ.astype(Q.dtype), dK.astype(Q.dtype), dV.astype(Q.dtype)
 
 
-def attention_backward_einsum(Q, K, V, dout, mask=None):
+def attention_backward_einsum(Q, K, V, out, lse, dout, mask=None):
+    """Recomputes out too, and takes D from it: correct, ignoring what the forward saved."""
     scale = 1 / math.sqrt(Q.shape[-1])
     scores = np.einsum("bhqd,bhkd->bhqk", Q, K) * scale
     if mask is not None:
@@ -1020,9 +1022,9 @@ def attention_backward_einsum(Q, K, V, dout, mask=None):
     P = softmax_logsumexp(scores)
     if mask is not None:
         P = P * np.any(mask, axis=-1, keepdims=True)
-    out = np.einsum("bhqk,bhkv->bhqv", P, V)
+    out_again = np.einsum("bhqk,bhkv->bhqv", P, V)
     dP = np.einsum("bhqv,bhkv->bhqk", dout, V)
-    dS = P * (dP - np.sum(dout * out, axis=-1, keepdims=True)) * scale  # FlashAttention's rowsum(dO ∘ O)
+    dS = P * (dP - np.sum(dout * out_again, axis=-1, keepdims=True)) * scale  # FlashAttention's rowsum(dO ∘ O)
     return (np.einsum("bhqk,bhkd->bhqd", dS, K), np.einsum("bhqk,bhqd->bhkd", dS, Q),
             np.einsum("bhqk,bhqv->bhkv", P, dout))
 
@@ -1058,16 +1060,16 @@ def test_np_attention_backward_accepts_correct_answers_written_differently():
 def test_np_attention_backward_names_known_mistakes(name):
     options = WRONG_ATTENTION_BACKWARD[name]
 
-    def np_attention_backward(Q, K, V, dout, mask=None):
-        return _attention_backward(Q, K, V, dout, mask, **options)
+    def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
+        return _attention_backward(Q, K, V, out, lse, dout, mask, **options)
 
     with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_BACKWARD_HINTS[name])):
         checks.check_np_attention_backward(np_attention_backward, **CPU)
 
 
 def test_np_attention_backward_names_a_transposed_product_that_does_not_fit():
-    def wrong(Q, K, V, dout, mask=None):
-        dQ, dK, dV = _attention_backward(Q, K, V, dout, mask)
+    def wrong(Q, K, V, out, lse, dout, mask=None):
+        dQ, dK, dV = _attention_backward(Q, K, V, out, lse, dout, mask)
         P = _reference_softmax(Q @ np.swapaxes(K, -1, -2) / math.sqrt(Q.shape[-1]))
         return dQ, dK, P.T @ dout  # .T reverses all four axes
 
@@ -1077,12 +1079,14 @@ def test_np_attention_backward_names_a_transposed_product_that_does_not_fit():
 
 
 @pytest.mark.parametrize("wrong, phrase", [
-    (lambda Q, K, V, dout, mask=None: _attention_backward(Q, K, V, dout, mask)[:2], r"should return a tuple \(dQ, dK, dV\)"),
-    (lambda Q, K, V, dout, mask=None: tuple(g.astype(np.float64) for g in _attention_backward(Q, K, V, dout, mask)),
+    (lambda Q, K, V, out, lse, dout, mask=None: _attention_backward(Q, K, V, out, lse, dout, mask)[:2],
+     r"should return a tuple \(dQ, dK, dV\)"),
+    (lambda Q, K, V, out, lse, dout, mask=None: tuple(g.astype(np.float64)
+                                                      for g in _attention_backward(Q, K, V, out, lse, dout, mask)),
      "got float64\\.\\n  Likely mistake: " + re.escape(checks.DTYPE_HINTS["scaled"])),
-    (lambda Q, K, V, dout, mask=None: tuple(torch.from_numpy(g).numpy() for g in (torch.from_numpy(Q).numpy(),) * 3),
-     "NumPy only"),
-    (lambda Q, K, V, grad_out, mask=None: None, r"should take the parameters \(Q, K, V, dout, mask\)"),
+    (lambda Q, K, V, out, lse, dout, mask=None: tuple(torch.from_numpy(g).numpy()
+                                                      for g in (torch.from_numpy(Q).numpy(),) * 3), "NumPy only"),
+    (lambda Q, K, V, dout, mask=None: None, r"should take the parameters \(Q, K, V, out, lse, dout, mask\)"),
 ])
 def test_np_attention_backward_rejects_wrong_returns(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
@@ -1090,13 +1094,143 @@ def test_np_attention_backward_rejects_wrong_returns(wrong, phrase):
 
 
 def test_np_attention_backward_leaves_its_inputs_alone():
-    def scales_in_place(Q, K, V, dout, mask=None):
+    def scales_in_place(Q, K, V, out, lse, dout, mask=None):
         Q *= 1.0  # harmless, but then:
         dout -= dout.mean()
-        return _attention_backward(Q, K, V, dout, mask)
+        return _attention_backward(Q, K, V, out, lse, dout, mask)
 
     with pytest.raises(CheckFailure, match="changed its input dout in place"):
         checks.check_np_attention_backward(scales_in_place, **CPU)
+
+
+def _backward_from_lse(Q, K, V, out, lse, dout, mask=None, *, p_from="lse", delta="out", guard_delta=True):
+    """The notebook's recipe (P = exp(s - lse), D = rowsum(dout ∘ out)) with one deliberate change."""
+    scale = 1.0 / math.sqrt(Q.shape[-1])
+    raw = np.einsum("bhqd,bhkd->bhqk", Q, K)
+    scores = raw if p_from == "unscaled" else raw * scale
+    if mask is not None and p_from != "unmasked":
+        scores = np.where(mask, scores, -np.inf)
+    finite = np.isfinite(lse)[..., None]
+    with np.errstate(all="ignore"):
+        P = np.exp(scores) if p_from == "no_lse" else np.exp(scores - np.where(finite, lse[..., None], 0.0))
+        P = np.where(finite, P, 0.0)
+        product = np.where(finite, dout * out, 0.0) if guard_delta else dout * out
+        D = np.sum(product if delta == "out" else dout, axis=-1, keepdims=True)
+        dS = P * (np.einsum("bhqv,bhkv->bhqk", dout, V) - D) * scale
+    grads = np.einsum("bhqk,bhkd->bhqd", dS, K), np.einsum("bhqk,bhqd->bhkd", dS, Q), \
+        np.einsum("bhqk,bhqv->bhkv", P, dout)
+    return tuple(g.astype(Q.dtype) for g in grads)
+
+
+def test_np_attention_backward_accepts_the_recipe_from_lse():
+    checks.check_np_attention_backward(_backward_from_lse, **CPU)
+    checks.check_np_attention_backward(_backward_from_lse, seed=3001, **CPU)
+
+
+@pytest.mark.parametrize("options, hint", [
+    (dict(p_from="no_lse"), "lse_ignored"),
+    (dict(p_from="unscaled"), "lse_unscaled_scores"),
+    (dict(p_from="unmasked"), "lse_mask_ignored"),
+    (dict(delta="dout"), "delta_unweighted"),
+    (dict(guard_delta=False), "fully_masked_delta"),
+])
+def test_np_attention_backward_names_the_mistakes_of_the_recipe_from_lse(options, hint):
+    def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
+        return _backward_from_lse(Q, K, V, out, lse, dout, mask, **options)
+
+    with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_LSE_HINTS[hint])):
+        checks.check_np_attention_backward(np_attention_backward, **CPU)
+
+
+def test_np_attention_backward_keeps_q_dtype_when_the_saved_arrays_come_in_another():
+    def keeps_the_saved_dtype(Q, K, V, out, lse, dout, mask=None):
+        grads = _backward_from_lse(Q.astype(np.result_type(Q, out)), K, V, out, lse, dout, mask)
+        return tuple(g.astype(np.result_type(g, out)) for g in grads)
+
+    with pytest.raises(CheckFailure, match=r"out and lse in float64.*\n?.*got float64"):
+        checks.check_np_attention_backward(keeps_the_saved_dtype, **CPU)
+
+
+# np_attention_lse
+
+
+def attention_lse_by_logaddexp(Q, K, V, mask=None):
+    """A correct answer written differently: np.logaddexp.reduce for lse, the weights from it."""
+    scores = np.einsum("bhqd,bhkd->bhqk", Q, K) / math.sqrt(Q.shape[-1])
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    lse = np.logaddexp.reduce(scores, axis=-1)  # -inf for a row of -inf, without a warning
+    has_key = np.isfinite(lse)[..., None]
+    weights = np.where(has_key, np.exp(scores - np.where(has_key, lse[..., None], 0.0)), 0.0)
+    return (weights @ V).astype(Q.dtype), lse.astype(Q.dtype)
+
+
+def _lse_answer(*, lse_scaled=True, masked_lse=True, lse_form="right", guard=True, keep_axis=False):
+    """np_attention_lse with one deliberate change (correct with the defaults)."""
+    def np_attention_lse(Q, K, V, mask=None):
+        raw = Q @ np.swapaxes(K, -1, -2)
+        scores = raw / math.sqrt(Q.shape[-1])
+        masked = scores if mask is None else np.where(mask, scores, -np.inf)
+        m = np.max(masked, axis=-1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shift = np.where(np.isfinite(m), m, 0.0) if guard else m
+            exps = np.exp(masked - shift)
+            total = np.sum(exps, axis=-1, keepdims=True)
+            out = (exps / (np.where(total > 0, total, 1.0) if guard else total)) @ V
+            lse_source = (masked if masked_lse else scores) * (1.0 if lse_scaled else math.sqrt(Q.shape[-1]))
+            lse_m = np.max(lse_source, axis=-1, keepdims=True)
+            lse_shift = np.where(np.isfinite(lse_m), lse_m, 0.0)
+            lse_total = np.sum(np.exp(lse_source - lse_shift), axis=-1, keepdims=True)
+            lse = {"right": lse_shift + np.log(lse_total), "max": lse_m, "no_shift": np.log(lse_total),
+                   "base2": (lse_shift + np.log(lse_total)) / math.log(2)}[lse_form]
+            if guard:
+                lse = np.where(lse_total > 0, lse, -np.inf)
+        lse = lse if keep_axis else lse[..., 0]
+        return out.astype(Q.dtype), lse.astype(Q.dtype)
+    return np_attention_lse
+
+
+def test_np_attention_lse_accepts_correct_answers():
+    checks.check_np_attention_lse(_lse_answer(), **CPU)
+    checks.check_np_attention_lse(attention_lse_by_logaddexp, **CPU)
+    checks.check_np_attention_lse(attention_lse_by_logaddexp, seed=3101, **CPU)
+
+
+@pytest.mark.parametrize("options, hint", [
+    (dict(lse_scaled=False), checks.ATTENTION_LSE_HINTS["lse_unscaled"]),
+    (dict(masked_lse=False), checks.ATTENTION_LSE_HINTS["lse_unmasked"]),
+    (dict(lse_form="max"), checks.ATTENTION_LSE_HINTS["lse_max_only"]),
+    (dict(lse_form="no_shift"), checks.ATTENTION_LSE_HINTS["lse_shift_lost"]),
+    (dict(lse_form="base2"), checks.ATTENTION_LSE_HINTS["lse_base2"]),
+    (dict(guard=False), checks.ATTENTION_LSE_HINTS["fully_masked_out"]),
+    (dict(keep_axis=True), checks.ERROR_HINTS["kept_axis"]),
+])
+def test_np_attention_lse_names_the_mistake(options, hint):
+    with pytest.raises(CheckFailure, match=re.escape(hint)):
+        checks.check_np_attention_lse(_lse_answer(**options), **CPU)
+
+
+def test_np_attention_lse_must_not_warn_on_a_query_with_no_key():
+    def warns(Q, K, V, mask=None):
+        out, lse = attention_lse_by_logaddexp(Q, K, V, mask)
+        np.log(np.zeros(1))  # log(0): right value, but a RuntimeWarning the student would see
+        return out, lse
+
+    with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_LSE_HINTS["warning"])):
+        checks.check_np_attention_lse(warns, **CPU)
+
+
+def test_np_attention_lse_gives_the_mean_of_the_values_a_name():
+    """A -1e9 fill gives a query with no key the mean of the values: named, not only 'off'."""
+    def filled(Q, K, V, mask=None):
+        scores = np.einsum("bhqd,bhkd->bhqk", Q, K) / math.sqrt(Q.shape[-1])
+        if mask is not None:
+            scores = np.where(mask, scores, -1e9)
+        lse = np.logaddexp.reduce(scores, axis=-1)
+        return (np.exp(scores - lse[..., None]) @ V).astype(Q.dtype), lse.astype(Q.dtype)
+
+    with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_LSE_HINTS["fully_masked_out"])):
+        checks.check_np_attention_lse(filled, **CPU)
 
 
 def test_the_notebooks_gradient_claims_hold():

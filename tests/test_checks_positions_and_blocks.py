@@ -1307,3 +1307,64 @@ def test_transformer_failure_names_the_students_failing_layer():
          namespace)
     with pytest.raises(CheckFailure, match="(?s)uses your TransformerLayer, which fails its own check"):
         checks.check_transformer(namespace["Transformer"], **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# The NoPE + causal prediction, the ceiling's derivation, and previous_token_score
+# --------------------------------------------------------------------------------------
+
+
+def test_answer_nope_causal_and_the_derivations_come_only_with_the_right_answer(capsys):
+    checks.check_answer_nope_causal(" c ", device="cpu")
+    checks.check_answer_no_positions("C", device="cpu")
+    printed = capsys.readouterr().out
+    assert "most recent one it can see" in printed and "1/(S - 1) = 1/7" in printed
+    for letter, phrase in (("A", "Is a causal model still one"), ("B", "guessing among the tokens it can see")):
+        with pytest.raises(CheckFailure, match=phrase) as failure:
+            checks.check_answer_nope_causal(letter, **CPU)
+        assert "most recent one it can see" not in str(failure.value)
+    with pytest.raises(CheckFailure, match="Which of them came just before") as failure:
+        checks.check_answer_no_positions("A", **CPU)
+    assert "1/(S - 1) = 1/7" not in str(failure.value)
+
+
+def score_by_index(attention):
+    """A correct answer: gather the sub-diagonal with index tensors."""
+    attention = torch.stack(list(attention), 1) if isinstance(attention, list) else attention
+    if attention.dim() != 5 or attention.shape[-1] != attention.shape[-2] or attention.shape[-1] == 1:
+        raise ValueError(f"bad attention shape {tuple(attention.shape)}")
+    queries = torch.arange(1, attention.shape[-1], device=attention.device)
+    return attention[..., queries, queries - 1].mean(dim=(0, -1))
+
+
+def _score(pick, checks_input=True):
+    """A wrong answer: the input stacked and (unless told not to) validated, then ``pick``."""
+    def previous_token_score(attention):
+        attention = torch.stack(list(attention), 1) if isinstance(attention, list) else attention
+        if checks_input and (attention.dim() != 5 or attention.shape[-1] != attention.shape[-2]
+                             or attention.shape[-1] == 1):
+            raise ValueError(f"bad attention shape {tuple(attention.shape)}")
+        return pick(attention)
+    return previous_token_score
+
+
+def test_previous_token_score_accepts_a_correct_answer():
+    checks.check_previous_token_score(score_by_index, **CPU)
+    checks.check_previous_token_score(score_by_index, seed=3132, **CPU)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (_score(lambda a: a.diagonal(0, -2, -1).mean(dim=(0, -1))), "you averaged the diagonal"),
+    (_score(lambda a: a.diagonal(1, -2, -1).mean(dim=(0, -1))), "the next token"),
+    (_score(lambda a: a.diagonal(-1, -2, -1).sum(-1).mean(0) / a.shape[-1]), "it has S - 1 entries"),
+    (_score(lambda a: a.diagonal(-1, -2, -1).mean(dim=(0, 1))), "averaged over the wrong axes"),
+    (_score(lambda a: a.diagonal(-1, -2, -1).mean(dim=(1, -1))), "averaged over the wrong axes"),
+    (_score(lambda a: a.diagonal(-1, -2, -1).mean(dim=(0, -1)).transpose(0, 1)), "averaged over the wrong axes"),
+    (_score(lambda a: a.diagonal(-1, -2, -1).float().mean(dim=(0, -1))), "should keep the input dtype"),
+    (_score(lambda a: a.diagonal(-1, -2, -1).mean(dim=(0, -1)), checks_input=False), "should raise ValueError"),
+    (lambda attention: score_by_index(attention).double(), "should keep the input dtype"),
+])
+def test_previous_token_score_names_the_mistake(wrong, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_previous_token_score(wrong, **CPU)
+

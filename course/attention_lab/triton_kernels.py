@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["triton", "tl", "TRITON_AVAILABLE", "TritonUnavailable", "launch_flash_attention",
            "interpreter_active", "MIN_BLOCK", "poisoned_rows", "LoadWatch", "Overrun", "GuardedOutput",
-           "StoreOutOfBounds", "launch_scale", "launch_matmul", "launch_row_softmax",
+           "StoreOutOfBounds", "launch_scale", "launch_matmul", "launch_row_softmax", "launch_online_softmax",
            "launch_flash_attention_backward"]
 
 # tl.dot needs every dimension >= 16 on a GPU; the interpreter would accept less.
@@ -349,6 +349,29 @@ def launch_row_softmax(kernel: Any, x: torch.Tensor, poison: int = 0,
     _check_kernel(kernel, x)
     rows, cols = x.shape
     block = triton.next_power_of_2(cols)
+    x_view = _padded(x, poison, poison, float("nan"))
+    guard = max(poison, block, GUARD_ROWS)
+    out = GuardedOutput("out", (rows, cols), (cols + guard, 1), guard * (cols + guard), x.dtype, x.device)
+    watch = LoadWatch() if watch is None else watch
+    watch.add("x", x_view)
+    watch.add("out", out.tensor)
+    with watch:
+        _run(kernel, (rows,), x_view, out.tensor, cols, x_view.stride(0), out.tensor.stride(0), BLOCK=block)
+    out.verify()
+    return out.tensor.clone()
+
+
+def launch_online_softmax(kernel: Any, x: torch.Tensor, block: int = 64, poison: int = 0,
+                          watch: "LoadWatch | None" = None) -> torch.Tensor:
+    """``softmax(x, dim=-1)`` of a 2-D ``x`` (float32 or float16) by ``kernel(X, Out, n_cols, stride_x,
+    stride_out, BLOCK)``: one program per row, and ``BLOCK`` (a power of two) may be shorter than the row,
+    so the kernel loops over the row's column blocks. Out has x's dtype. ``poison``: NaN after each row of
+    x; ``out`` is a :class:`GuardedOutput` (sentinels after each row and after the last), so the checks
+    see loads and stores past the end, and a stray store cannot reach the notebook's memory."""
+    _check_kernel(kernel, x)
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block = {block}: must be a power of two (tl.arange needs one)")
+    rows, cols = x.shape
     x_view = _padded(x, poison, poison, float("nan"))
     guard = max(poison, block, GUARD_ROWS)
     out = GuardedOutput("out", (rows, cols), (cols + guard, 1), guard * (cols + guard), x.dtype, x.device)

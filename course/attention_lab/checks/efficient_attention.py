@@ -1476,6 +1476,75 @@ def _row_softmax_numbers(out: torch.Tensor, values: torch.Tensor, call: str) -> 
                  variants=[Variant(with_zeros, HINTS["softmax_other_zero"])])
 
 
+ONLINE_SOFTMAX_HINTS = {
+    "no_rescale": "the running sum was not rescaled when the running max grew: l = l · e^(m - m_new) + Σ e^(x - "
+    "m_new). Without the factor, the blocks read before the larger max keep sums taken against the old one.",
+    "first_block_only": "the max and the sum come from the first column block only: loop over every block of the "
+    "row, range(0, n_cols, BLOCK), before the second pass writes the output.",
+    "other_zero": "the lanes past n_cols in the last block were loaded as 0 (other=0.0): they enter the max and add "
+    "e^(0 - m) to the sum. Load them as other=float('-inf'), so that e^(-inf) = 0.",
+}
+
+
+def _online_softmax_variants(x64: torch.Tensor, block: int) -> list[Variant]:
+    """Known mistakes of the loop over column blocks, computed in float64."""
+    cols = x64.shape[-1]
+    blocks = [x64[:, start:start + block] for start in range(0, cols, block)]
+
+    def no_rescale() -> torch.Tensor:
+        m = torch.full(x64.shape[:1], -math.inf, dtype=torch.float64)
+        total = torch.zeros(x64.shape[:1], dtype=torch.float64)
+        for part in blocks:
+            m = torch.maximum(m, part.amax(-1))
+            total = total + torch.exp(part - m[:, None]).sum(-1)
+        return torch.exp(x64 - m[:, None]) / total[:, None]
+
+    def first_block_only() -> torch.Tensor:
+        m = blocks[0].amax(-1, keepdim=True)
+        return torch.exp(x64 - m) / torch.exp(blocks[0] - m).sum(-1, keepdim=True)
+
+    def other_zero() -> torch.Tensor:
+        padded = torch.cat([x64, torch.zeros(x64.shape[0], -cols % block, dtype=torch.float64)], -1)
+        m = padded.amax(-1, keepdim=True)
+        return torch.exp(x64 - m) / torch.exp(padded - m).sum(-1, keepdim=True)
+
+    variants = [Variant(no_rescale, ONLINE_SOFTMAX_HINTS["no_rescale"])]
+    if cols > block:
+        variants.append(Variant(first_block_only, ONLINE_SOFTMAX_HINTS["first_block_only"]))
+    if cols % block:
+        variants.append(Variant(other_zero, ONLINE_SOFTMAX_HINTS["other_zero"]))
+    return variants
+
+
+@check("online_softmax_kernel: softmax of rows longer than one block, stable from -1000 to 1000 ({device})")
+def check_online_softmax_kernel(online_softmax_kernel: Any, *, seed: int = 0,
+                                device: torch.device | None = None) -> None:
+    """The fourth warm-up: the online softmax inside one Triton program, a loop over column blocks with a
+    running max and a rescaled running sum, then a second pass that writes exp(x - m) / l."""
+    from attention_lab.triton_kernels import launch_online_softmax
+
+    generator = random_generator(seed)
+    cols = randint(70, 120, generator)
+    x = randn(4, cols, generator=generator, dtype=torch.float32, device=device) * 3
+    x[1, 40:] += 1000.0  # the max jumps by 1000 after the first blocks: the sum so far must be rescaled
+    x[2, :16] += 1000.0  # the max comes first, a block at -1000 later
+    x[2, 50:] -= 1000.0
+    cases = [(x[[0, 3]], 32, "of ordinary scores"), (x, 32, "spanning -1000 ... 1000"),
+             (x[:, :64], 16, "of four blocks exactly"), (x[[0, 3], :20], 32, "shorter than one block"),
+             (x[[0, 1]].half(), 16, "in float16")]
+    for values, block, label in cases:
+        values = values.contiguous()
+        call = (f"your online_softmax_kernel via launch_online_softmax(online_softmax_kernel, x, block={block}) "
+                f"with x {label}, {shape_str(values.shape)} ({str(values.dtype).replace('torch.', '')})")
+        out = _ladder_launch(call, launch_online_softmax, online_softmax_kernel, values, block=block)
+        x64 = _f64(values)[0]
+        if bool((~torch.isfinite(out.cpu())).any()):
+            hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_unmasked_load"]
+            raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
+        expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
+                     variants=_online_softmax_variants(x64, block))
+
+
 # --------------------------------------------------------------------------------------
 # Exercise: the Triton kernel
 # --------------------------------------------------------------------------------------
@@ -1674,6 +1743,70 @@ def check_flash_attention_backward_kernel(flash_attention_backward_kernel: Any,
     for shape, causal, block_q, block_k, dtype in cases:
         _backward_kernel_case(flash_attention_backward_kernel, flash_attention_backward_dq_kernel, shape, causal,
                               block_q, block_k, dtype, device, generator)
+
+
+
+# --------------------------------------------------------------------------------------
+# The backward pass's FLOPs, counted: FlashAttention-2's one kernel against two kernels
+# --------------------------------------------------------------------------------------
+
+BACKWARD_FLOPS_RATIOS = (2.5, 3.5)  # matmul FLOPs of the backward / the forward's: FA-2, two kernels
+BACKWARD_FLOPS_HINTS = {
+    "no_recompute": "the backward has no P to read: it recomputes the scores q kᵀ from q, k and lse before it "
+    "can use them. Count that product too.",
+    "products_not_ratio": "those are counts of [S, S] x d products; the question asks for the ratio to the "
+    "forward's matmul FLOPs, and the forward has two such products (q kᵀ and P v).",
+    "dq_kernel_reuses": "the dQ kernel has neither P nor dP from the first kernel (it only has q, k, v, dO, lse "
+    "and D in memory): it recomputes q kᵀ and dP = dO vᵀ again before dQ = dS k.",
+    "same_for_both": "the two-kernel design does more work than FlashAttention-2's single kernel: its dQ kernel "
+    "cannot reuse the tiles of P and dP that the dK/dV kernel computed.",
+    "swapped": "the pair is swapped: FlashAttention-2's single kernel is the cheaper one.",
+}
+
+
+@check("ANSWER_BACKWARD_FLOPS: the backward's matmul FLOPs against the forward's, for both designs")
+def check_answer_backward_flops(answer, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """(2.5, 3.5): FA-2's backward runs 5 products of S²·d, the two-kernel backward 7, the forward 2. The
+    count is printed only once the answer is right."""
+    from attention_lab.checking import add_note
+
+    name = "ANSWER_BACKWARD_FLOPS"
+    if answer is None:
+        raise CheckFailure(f"{name}: not implemented yet. Set {name} to a pair of numbers, e.g. (1.0, 1.0).")
+    numbers = list(answer) if isinstance(answer, (tuple, list)) else None
+    expect_true(numbers is not None and len(numbers) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers),
+                f"{name} should be a pair of numbers (FlashAttention-2's ratio, the two kernels' ratio), got "
+                f"{describe(answer)}.")
+    single, split = numbers
+    right_single, right_split = BACKWARD_FLOPS_RATIOS
+
+    def near(x, y):
+        return abs(x - y) < 0.01
+
+    if not (near(single, right_single) and near(split, right_split)):
+        if near(single, right_split) and near(split, right_single):
+            hint = BACKWARD_FLOPS_HINTS["swapped"]
+        elif near(single, 2 * right_single) or near(split, 2 * right_split):
+            hint = BACKWARD_FLOPS_HINTS["products_not_ratio"]
+        elif near(single, right_single) and near(split, right_single):
+            hint = BACKWARD_FLOPS_HINTS["same_for_both"]
+        elif near(single, right_single) and near(split, right_split - 0.5):
+            hint = BACKWARD_FLOPS_HINTS["dq_kernel_reuses"]
+        elif near(single, right_single - 0.5) or near(split, right_split - 1.0):
+            hint = BACKWARD_FLOPS_HINTS["no_recompute"]
+        else:
+            hint = ""
+        wrong = [label for label, got, want in (("FlashAttention-2's", single, right_single),
+                                                ("the two kernels'", split, right_split)) if not near(got, want)]
+        raise CheckFailure(f"{name} = {answer!r} is not right: " + " and ".join(wrong)
+                           + (" ratio is" if len(wrong) == 1 else " ratios are") + " off."
+                           + (f"\n  Likely mistake: {hint}" if hint else ""))
+    add_note("  Why: the forward runs 2 products of S²·d multiply-adds (q kᵀ and P v). FlashAttention-2's "
+             "backward runs 5: q kᵀ again (P is recomputed from lse), dV = Pᵀ dO, dP = dO vᵀ, dQ = dS k, "
+             "dK = dSᵀ q: 2.5x. The two kernels run 7: the dK/dV kernel q kᵀ, dV, dP, dK; the dQ kernel q kᵀ and "
+             "dP once more, then dQ: 3.5x. So one training step of attention costs 3.5x its forward (4.5x with two "
+             "kernels), not the 3x of an ordinary matmul layer: the price of keeping no [S, S] table.")
 
 
 freeze_module(__name__)

@@ -875,21 +875,135 @@ def check_attention_layer_flops(attention_layer_flops: Callable, MultiHeadSelfAt
                  "module counted.")
 
 
+# --------------------------------------------------------------------------------------
+# Exercise: block_flops (the whole pre-norm block), and the crossover as a number
+# --------------------------------------------------------------------------------------
+
+BLOCK_FLOPS_HINTS = {
+    "mlp_one_matmul": "the MLP has two matrix products: up, [B·S, D] @ [D, hidden], and down, "
+    "[B·S, hidden] @ [hidden, D]; you counted one.",
+    "mlp_ratio_ignored": "the MLP's hidden width is int(mlp_ratio · d_model), not d_model or 4 · d_model "
+    "whatever mlp_ratio is: the check also calls block_flops with another mlp_ratio.",
+}
+BLOCK_FLOPS_KEYS = ("projections", "attention", "mlp")
+
+
+class _CountedBlock(nn.Module):
+    """A pre-norm block (LayerNorm, attention, LayerNorm, MLP with GELU) whose attention is
+    _CountedLayer: explicit products, so that FlopCounterMode sees them (it does not count SDPA's
+    fused kernels on a CPU)."""
+
+    def __init__(self, width: int, heads: int, hidden: int, device) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width, device=device)
+        self.attn = _CountedLayer(width, heads, device)
+        self.norm2 = nn.LayerNorm(width, device=device)
+        self.up = nn.Linear(width, hidden, device=device)
+        self.down = nn.Linear(hidden, width, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens + self.attn(self.norm1(tokens))
+        return tokens + self.down(nn.functional.gelu(self.up(self.norm2(tokens))))
+
+
+def _block_reference_count(b: int, s: int, d: int, heads: int, hidden: int) -> dict:
+    """FlopCounterMode's count of one forward pass of _CountedBlock on the meta device, by part."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    block = _CountedBlock(d, heads, hidden, device="meta")
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        block(torch.empty(b, s, d, device="meta"))
+    by_part = {"projections": 0, "mlp": 0}
+    for name, operations in counter.get_flop_counts().items():
+        leaf = name.rsplit(".", 1)[-1]
+        part = "projections" if leaf in ("fused", "mixer") else "mlp" if leaf in ("up", "down") else None
+        if part:
+            by_part[part] += sum(operations.values())
+    attention = counter.get_total_flops() - by_part["projections"] - by_part["mlp"]
+    return {"projections": int(by_part["projections"]), "attention": int(attention), "mlp": int(by_part["mlp"])}
+
+
+def _block_flops_hint(got: dict, case: tuple, hidden: int) -> str:
+    b, s, d = case
+    mlp = 4 * b * s * d * hidden
+    if got["projections"] != 8 * b * s * d * d or got["attention"] != 4 * b * s * s * d:
+        return _flops_hint(got, case)
+    if 2 * got["mlp"] == mlp:
+        return BLOCK_FLOPS_HINTS["mlp_one_matmul"]
+    if got["mlp"] != mlp and got["mlp"] in (4 * b * s * d * d, 16 * b * s * d * d):
+        return BLOCK_FLOPS_HINTS["mlp_ratio_ignored"]
+    return ""
+
+
+@check("block_flops: the FLOPs that FlopCounterMode counts on a whole pre-norm block, by part")
+def check_block_flops(block_flops: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """block_flops(batch_size, seq_len, d_model, mlp_ratio=4) -> {"projections", "attention", "mlp"},
+    against FlopCounterMode run on a reference block on the meta device, at the default ratio and others."""
+    expect_signature(block_flops, "block_flops", ["batch_size", "seq_len", "d_model", "mlp_ratio"])
+    generator = random_generator(seed)
+    cases = [(3, 7, 16, 4, None), (8, 197, 768, 12, None), (1, 1024, 768, 12, 2),
+             (randint(1, 5, generator), randint(1, 2048, generator), 64, 4, (8 / 3, 3.5)[randint(0, 1, generator)])]
+    for batch_size, seq_len, d_model, heads, mlp_ratio in cases:
+        ratio = 4 if mlp_ratio is None else mlp_ratio
+        hidden = int(ratio * d_model)
+        expected = _block_reference_count(batch_size, seq_len, d_model, heads, hidden)
+        args = (batch_size, seq_len, d_model) + (() if mlp_ratio is None else (mlp_ratio,))
+        call = (f"block_flops(batch_size={batch_size}, seq_len={seq_len}, d_model={d_model}"
+                + ("" if mlp_ratio is None else f", mlp_ratio={mlp_ratio:.4g}") + ")")
+        got = call_student(block_flops, *args, call=call)
+        expect_true(isinstance(got, dict), f"{call} should return a dict with the keys {list(BLOCK_FLOPS_KEYS)}, "
+                    f"got {describe(got)}.")
+        missing, extra = [k for k in BLOCK_FLOPS_KEYS if k not in got], [k for k in got if k not in BLOCK_FLOPS_KEYS]
+        expect_true(not missing and not extra, f"{call} should have exactly the keys {list(BLOCK_FLOPS_KEYS)}; "
+                    f"missing {missing}, unexpected {extra}.")
+        for key in BLOCK_FLOPS_KEYS:
+            value = got[key]
+            expect_true(isinstance(value, int) and not isinstance(value, bool),
+                        f"{call}[{key!r}] should be an int (a count of FLOPs), got {describe(value)}. "
+                        "Integer arithmetic keeps it exact: int(mlp_ratio * d_model) is the hidden width.")
+        if got != expected:
+            hint = _block_flops_hint(got, (batch_size, seq_len, d_model), hidden)
+            wrong = [key for key in BLOCK_FLOPS_KEYS if got[key] != expected[key]]
+            raise CheckFailure(
+                f"{call} does not match FlopCounterMode's count on a pre-norm block (B={batch_size}, S={seq_len}, "
+                f"D={d_model}, MLP hidden width {hidden}): "
+                + "; ".join(f"{key} should be {expected[key]:,}, got {got[key]:,}" for key in wrong) + "."
+                + (f"\n  Likely mistake: {hint}" if hint else ""))
+
+
 CROSSOVER_HINTS = {
-    "147edcf3caef11d0": "Write both counts for one sequence and compare them: divide 4·B·S²·D and 8·B·S·D² by 4·B·S·D.",
-    "5acb4c7a7b2e94b1": "D/2 would be the answer if attention had as many products as the projections; compare the two "
-    "counts of your attention_layer_flops term by term.",
-    "341c76a4f6b921ed": "At S = D one Q @ Kᵀ costs as much as one projection, but there are four projections and only two "
-    "attention products.",
+    "projections_only": "that is where attention passes the four projections (4·B·S²·D = 8·B·S·D²); the block "
+    "also has the MLP. Compare attention with everything else block_flops counts.",
+    "mlp_only": "that is where attention equals the MLP alone; the rest of the block is the MLP and the four "
+    "projections.",
+    "one_projection": "at S = D one Q @ Kᵀ costs as much as one projection; the question compares all of "
+    "attention with all the rest of the block.",
+    "half_of_attention": "where attention is half the block, it equals everything else: 4·B·S²·D = the rest, "
+    "not 2 · the rest.",
 }
 
 
-@check("ANSWER_ATTENTION_CROSSOVER: right choice")
+@check("ANSWER_ATTENTION_CROSSOVER: the sequence length where attention is half the block's FLOPs")
 def check_answer_attention_crossover(answer, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """The predict-first question on where attention's products overtake the projections' (the right letter is
-    stored as its digest, not in clear)."""
-    expect_choice(answer, name="ANSWER_ATTENTION_CROSSOVER", options="ABCD", correct_digest="57c59fc0d07f153e",
-                  hints=CROSSOVER_HINTS)
+    """4·B·S²·D = 8·B·S·D² + 16·B·S·D² (the four projections and a 4·D MLP) exactly at S = 6·D: 4,608 for
+    D = 768. The derivation is printed only once the answer is right."""
+    from attention_lab.checking import add_note
+
+    name, width = "ANSWER_ATTENTION_CROSSOVER", 768
+    if answer is None:
+        raise CheckFailure(f"{name}: not implemented yet. Set {name} to a number: the sequence length S.")
+    expect_true(isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer),
+                f"{name} should be a number (a sequence length, e.g. 1000), got {describe(answer)}.")
+    wrong = {2 * width: "projections_only", 4 * width: "mlp_only", width: "one_projection",
+             12 * width: "half_of_attention"}
+    if abs(answer - 6 * width) > 0.5:
+        hint = next((CROSSOVER_HINTS[key] for value, key in wrong.items() if abs(answer - value) <= 0.5), "")
+        raise CheckFailure(f"{name} = {answer!r} is not right: at that S attention's FLOPs do not equal the rest "
+                           f"of the block's (D = {width}, MLP 4·D)." + (f"\n  Likely mistake: {hint}" if hint else ""))
+    add_note("  Why: attention costs 4·B·S²·D; the rest of the block costs 8·B·S·D² (four projections) + "
+             "16·B·S·D² (MLP at 4·D) = 24·B·S·D². They are equal at S = 6·D = 4,608 for D = 768; attention "
+             "passes the four projections alone at S = 2·D = 1,536. A ViT-B image (197 tokens) and GPT-2's "
+             "context (1,024) are far below both.")
 
 
 # --------------------------------------------------------------------------------------

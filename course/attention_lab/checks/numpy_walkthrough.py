@@ -104,6 +104,8 @@ ERROR_HINTS = {
     "or K.transpose(0, 1, 3, 2)); K.T reverses all four axes.",
     "lost_axis": "a reduction lost its axis. Keep it for broadcasting with keepdims=True (e.g. "
     "np.max(x, axis=axis, keepdims=True)).",
+    "kept_axis": "one number per query: drop the kept axis at the end (lse[..., 0], or keepdims=False in the "
+    "last reduction).",
 }
 # The notebook's rule: an answer returns the dtype it was given (float32 in, float32 out).
 # Each message leads with the cause that fits its exercise, then states the rule.
@@ -1166,6 +1168,139 @@ def check_softmax_backward(softmax_backward: Callable, *, seed: int = 0, device:
 
 
 # --------------------------------------------------------------------------------------
+# Exercise: np_attention_lse (what the forward keeps for the backward)
+# --------------------------------------------------------------------------------------
+
+ATTENTION_LSE_HINTS = {
+    "lse_unscaled": "lse is the log-sum-exp of the scores the softmax saw: scaled by 1/sqrt(d) and masked, "
+    "not the raw Q @ Kᵀ.",
+    "lse_unmasked": "lse left the masked scores in: they are -inf before the softmax, so exp(-inf) = 0 adds "
+    "nothing to the sum. Take the log-sum-exp of the masked scores.",
+    "lse_max_only": "lse is log Σ_j exp(s_j), not the row's maximum: m + log Σ_j exp(s_j - m).",
+    "lse_shift_lost": "the row's maximum was subtracted for stability but not added back: lse = m + "
+    "log Σ_j exp(s_j - m).",
+    "lse_base2": "lse is a natural log (np.log), the inverse of np.exp; base-2 units are a GPU kernel's trick "
+    "(notebook 06).",
+    "fully_masked_out": "a query whose mask row is all False has no key: its out must be 0 and its lse -inf, "
+    "as F.scaled_dot_product_attention and torch.logsumexp give, not NaN. A row maximum of -inf gives "
+    "-inf - (-inf) = NaN: subtract 0 instead where the maximum is -inf, and divide by 1 where the sum is 0.",
+    "warning": "NumPy warned while computing it (log of 0, -inf - (-inf), 0/0): a fully masked row must give "
+    "out = 0 and lse = -inf without a warning. Compute with np.where so that no invalid operation runs "
+    "(e.g. a maximum of 0 where the row's is -inf, a sum of 1 where it is 0).",
+}
+
+
+def _reference_lse(Q, K, mask) -> torch.Tensor:
+    """log Σ_j exp(scaled, masked score): torch.logsumexp in float64, -inf for a fully masked row."""
+    q, k = _t(Q), _t(K)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~torch.from_numpy(np.array(mask, dtype=bool)), -math.inf)
+    return torch.logsumexp(scores, dim=-1)
+
+
+def _lse_variants(Q, K, mask) -> list[Variant]:
+    q, k = _t(Q), _t(K)
+    raw = q @ k.transpose(-2, -1)
+    scaled = raw / math.sqrt(q.shape[-1])
+    keep = None if mask is None else torch.from_numpy(np.array(mask, dtype=bool))
+
+    def masked(scores):
+        return scores if keep is None else scores.masked_fill(~keep, -math.inf)
+
+    right = torch.logsumexp(masked(scaled), dim=-1)
+    top = masked(scaled).amax(dim=-1)
+    variants = [
+        Variant(lambda: torch.logsumexp(masked(raw), dim=-1), ATTENTION_LSE_HINTS["lse_unscaled"]),
+        Variant(lambda: top, ATTENTION_LSE_HINTS["lse_max_only"]),
+        Variant(lambda: right - top, ATTENTION_LSE_HINTS["lse_shift_lost"]),
+        Variant(lambda: right / math.log(2), ATTENTION_LSE_HINTS["lse_base2"]),
+    ]
+    if keep is not None:
+        variants.insert(1, Variant(lambda: torch.logsumexp(scaled, dim=-1), ATTENTION_LSE_HINTS["lse_unmasked"]))
+    return variants
+
+
+def _check_attention_lse_once(np_attention_lse: Callable, Q, K, V, mask, label: str) -> None:
+    import warnings
+
+    b, h, s_q, _ = Q.shape
+    d_v = V.shape[-1]
+    mask_text = "no mask" if mask is None else f"a boolean mask of shape {shape_str(mask.shape)}"
+    call = (f"np_attention_lse(Q, K, V, mask) with Q {_array(Q)}, K {shape_str(K.shape)}, V {shape_str(V.shape)}, "
+            f"{mask_text}{label}")
+    inputs = [a.copy() for a in (Q, K, V)]
+    with warnings.catch_warnings(record=True) as caught, np.errstate(divide="warn", invalid="warn", over="warn",
+                                                                     under="ignore"):
+        warnings.simplefilter("always")
+        result = _call(np_attention_lse, Q, K, V, mask, call=call)
+    expect_true(isinstance(result, tuple) and len(result) == 2,
+                f"{call} should return a tuple (out, lse), got {describe(result)}.")
+    out, lse = result
+    out = expect_array(out, what=call + " -> out", shape=(b, h, s_q, d_v), dtype=Q.dtype,
+                       dtype_hint=DTYPE_HINTS["scaled"])
+    lse = expect_array(lse, what=call + " -> lse", shape=(b, h, s_q), dtype=Q.dtype, dtype_hint=DTYPE_HINTS["scaled"],
+                       hints={(b, h, s_q, 1): ERROR_HINTS["kept_axis"]})
+    for before, after, name in zip(inputs, (Q, K, V), "QKV"):
+        _expect_unchanged(before, after, call, name)
+    q, k, v = _t(Q), _t(K), _t(V)
+    m = None if mask is None else torch.from_numpy(np.array(mask, dtype=bool))
+    fully_masked = mask is not None and bool((~np.broadcast_to(np.asarray(mask, dtype=bool), (b, h, s_q, K.shape[-2]))
+                                               .any(-1)).any())
+    if np.isnan(out).any() or np.isnan(lse).any():
+        hint = ATTENTION_LSE_HINTS["fully_masked_out"] if fully_masked else ATTENTION_HINTS["overflow"]
+        raise CheckFailure(f"{call} returned NaN where F.scaled_dot_product_attention and torch.logsumexp give "
+                           f"numbers (0 and -inf for a query with no key).\n  Likely mistake: {hint}")
+    expected_out = reference_sdpa(q, k, v, attn_mask=m)
+
+    def mean_of_values_where_no_key():  # what a finite fill (-1e9) gives a query with no key
+        no_key = ~m.expand(b, h, s_q, K.shape[-2]).any(-1, keepdim=True)
+        return torch.where(no_key, v.mean(-2, keepdim=True), expected_out)
+
+    expect_close(out, expected_out, what=call + " -> out",
+                 against="F.scaled_dot_product_attention (float64; 0 for a query with no key)",
+                 variants=[Variant(mean_of_values_where_no_key if fully_masked else None,
+                                   ATTENTION_LSE_HINTS["fully_masked_out"])])
+    expect_close(lse, _reference_lse(Q, K, mask), what=call + " -> lse",
+                 against="torch.logsumexp of the scaled, masked scores (float64; -inf for a query with no key)",
+                 variants=_lse_variants(Q, K, mask))
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    expect_true(not warned, f"{call} is right, but NumPy warned: {warned[0] if warned else ''}.\n  Likely mistake: "
+                f"{ATTENTION_LSE_HINTS['warning']}")
+
+
+@check("np_attention_lse: out equals F.scaled_dot_product_attention and lse torch.logsumexp, fully masked rows "
+       "included, no warning", uses=("np_softmax",))
+@_one_thread
+def check_np_attention_lse(np_attention_lse: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """np_attention_lse: (out, lse) on (B, H, S, d) arrays; a query with no key gives out 0, lse -inf."""
+    expect_signature(np_attention_lse, "np_attention_lse", ["Q", "K", "V", "mask"])
+    rng = _rng(seed)
+    causal = np.tril(np.ones((6, 6), dtype=bool))
+    _check_attention_lse_once(np_attention_lse, *(_normal(rng, 2, 2, 6, 2) for _ in range(3)), None, "")
+    _check_attention_lse_once(np_attention_lse, *(_normal(rng, 2, 2, 6, 2) for _ in range(3)), causal, " (causal)")
+    _check_attention_lse_once(np_attention_lse, _normal(rng, 2, 3, 4, 8, dtype=np.float32),
+                              _normal(rng, 2, 3, 5, 8, dtype=np.float32), _normal(rng, 2, 3, 5, 3, dtype=np.float32),
+                              None, "")
+    _check_attention_lse_once(np_attention_lse, _normal(rng, 1, 2, 6, 8, scale=30.0),
+                              _normal(rng, 1, 2, 6, 8, scale=30.0), _normal(rng, 1, 2, 6, 8), causal,
+                              " (large scores)")
+    queries_and_keys = np.ones((2, 1, 5, 6), dtype=bool)
+    queries_and_keys[1, :, 3:, :] = False  # padding queries: fully masked rows
+    queries_and_keys[1, :, :, 4:] = False
+    _check_attention_lse_once(np_attention_lse, _normal(rng, 2, 2, 5, 4), _normal(rng, 2, 2, 6, 4),
+                              _normal(rng, 2, 2, 6, 3), queries_and_keys, " (padding queries: fully masked rows)")
+    strictly_causal = np.tril(np.ones((5, 5), dtype=bool), -1)  # query 0 sees nothing
+    _check_attention_lse_once(np_attention_lse, *(_normal(rng, 1, 2, 5, 3, dtype=np.float32) for _ in range(3)),
+                              strictly_causal, " (strictly causal: query 0 has no key)")
+    for _ in range(2):
+        b, h, s, d = (int(v) for v in rng.integers(1, 5, size=4))
+        mask = rng.random((s, s)) < 0.6
+        _check_attention_lse_once(np_attention_lse, *(_normal(rng, b, h, s, d) for _ in range(3)), mask,
+                                  " (random mask)")
+
+
+# --------------------------------------------------------------------------------------
 # Exercise: np_attention_backward
 # --------------------------------------------------------------------------------------
 
@@ -1205,6 +1340,20 @@ ATTENTION_BACKWARD_HINTS = {
     "matmul_shapes": "a product with the wrong transpose. Follow the shapes: every gradient has the shape "
     "of its array (dQ like Q, dK like K, dV like V), and for C = A @ B, dA = dC @ Bᵀ and dB = Aᵀ @ dC "
     "(np.swapaxes(A, -1, -2) transposes the last two axes).",
+}
+# Mistakes of the recipe that recomputes P from lse and takes D = rowsum(dout ∘ out).
+BACKWARD_LSE_HINTS = {
+    "lse_ignored": "P was recomputed as exp(scores) without subtracting lse: each row must be normalised, "
+    "P_ij = exp(s_ij - lse_i), with s the scaled, masked scores.",
+    "lse_unscaled_scores": "P = exp(s - lse) needs the scores the forward's lse was taken of: scaled by "
+    "1/sqrt(d) (and masked), not the raw Q @ Kᵀ.",
+    "lse_mask_ignored": "P = exp(s - lse) was computed without the mask: a masked score must give P = 0 "
+    "(set it to -inf before the exp, or P to 0 after), or gradient flows into masked entries.",
+    "delta_unweighted": "D is rowsum(dout ∘ out), one number per query: dout multiplied by out elementwise, "
+    "then summed over the value features; rowsum(dout) alone leaves out the output.",
+    "fully_masked_delta": "a fully masked query has lse = -inf, and the forward may have left NaN in its out: "
+    "exp(s - lse) = exp(-inf + inf) and D = rowsum(dout ∘ NaN) are NaN, and one NaN row makes NaN of every "
+    "key's gradient. Where lse is -inf (np.isfinite), set that row's P and D to 0.",
 }
 
 
@@ -1249,6 +1398,24 @@ def _manual_attention_backward(Q, K, V, dout, mask, *, rowsum="weighted", grad_s
     return dq, dk, dv
 
 
+def _lse_backward(Q, K, V, out, lse, dout, mask, *, p_from: str = "lse", delta: str = "out"):
+    """The recipe from (out, lse) in float64, with one deliberate change, for diagnosis."""
+    q, k, v, o, do = _t(Q), _t(K), _t(V), _t(np.nan_to_num(out)), _t(dout)
+    scale = 1 / math.sqrt(q.shape[-1])
+    raw = q @ k.transpose(-2, -1)
+    scores = raw if p_from == "unscaled" else raw * scale
+    keep = None if mask is None else torch.from_numpy(np.array(mask, dtype=bool)).expand(scores.shape)
+    if keep is not None and p_from != "unmasked":
+        scores = scores.masked_fill(~keep, -math.inf)
+    seen = torch.isfinite(_t(lse))[..., None]
+    shift = torch.where(seen, _t(lse)[..., None], torch.zeros(()))
+    p = torch.exp(scores) if p_from == "no_lse" else torch.exp(scores - shift)
+    p = torch.where(seen, p, torch.zeros(()))
+    d_row = (do * o).sum(-1, keepdim=True) if delta == "out" else do.sum(-1, keepdim=True)
+    ds = p * (do @ v.transpose(-2, -1) - d_row) * scale
+    return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ do
+
+
 def _attention_backward_variants(Q, K, V, dout, mask) -> list[tuple[Callable[[], Any], str]]:
     """(lazy (dQ, dK, dV) of a known mistake, its hint)."""
     s_q, s_k, d_v = Q.shape[-2], K.shape[-2], V.shape[-1]
@@ -1276,15 +1443,43 @@ def _attention_backward_variants(Q, K, V, dout, mask) -> list[tuple[Callable[[],
     return [(lazy(kwargs), ATTENTION_BACKWARD_HINTS[key]) for kwargs, key in options]
 
 
-def _check_attention_backward_once(np_attention_backward: Callable, Q, K, V, dout, mask, label: str) -> None:
+def _lse_backward_variants(Q, K, V, out, lse, dout, mask) -> list[tuple[Callable[[], Any], str]]:
+    """(lazy (dQ, dK, dV) of a mistake of the lse recipe, its hint)."""
+    options = [(dict(p_from="no_lse"), "lse_ignored"), (dict(p_from="unscaled"), "lse_unscaled_scores"),
+               (dict(delta="dout"), "delta_unweighted")]
+    if mask is not None:
+        options.append((dict(p_from="unmasked"), "lse_mask_ignored"))
+    return [(functools.lru_cache(maxsize=1)(lambda kwargs=kwargs: _lse_backward(Q, K, V, out, lse, dout, mask,
+                                                                                **kwargs)),
+             BACKWARD_LSE_HINTS[key]) for kwargs, key in options]
+
+
+def _forward_for_backward(Q, K, V, mask, dtype, nan_rows: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(out, lse) as the forward saves them, in ``dtype``: out from SDPA (0 for a query with no key, or NaN
+    there with ``nan_rows``, as the -inf recipe of np_attention leaves it), lse from torch.logsumexp (-inf)."""
+    m = None if mask is None else torch.from_numpy(np.array(mask, dtype=bool))
+    out = reference_sdpa(_t(Q), _t(K), _t(V), attn_mask=m).numpy()
+    lse = _reference_lse(Q, K, mask).numpy()
+    if nan_rows:
+        out = np.where(np.isfinite(lse)[..., None], out, np.nan)
+    return out.astype(dtype), lse.astype(dtype)
+
+
+def _check_attention_backward_once(np_attention_backward: Callable, Q, K, V, dout, mask, label: str,
+                                   saved_dtype=None, nan_rows: bool = False) -> None:
     b, h, s_q, d = Q.shape
     s_k, d_v = K.shape[-2], V.shape[-1]
+    saved_dtype = Q.dtype if saved_dtype is None else saved_dtype
+    out, lse = _forward_for_backward(Q, K, V, mask, saved_dtype, nan_rows)
     mask_text = "no mask" if mask is None else f"a boolean mask of shape {shape_str(mask.shape)}"
-    call = (f"np_attention_backward(Q, K, V, dout, mask) with Q {_array(Q)}, K {shape_str(K.shape)}, "
-            f"V {shape_str(V.shape)}, {mask_text}{label}")
-    inputs = [np.array(a, copy=True) for a in (Q, K, V, dout)] + ([] if mask is None else [np.array(mask, copy=True)])
+    saved_text = "" if saved_dtype == Q.dtype else f", out and lse in {np.dtype(saved_dtype)}"
+    nan_text = " (out NaN where a query has no key)" if nan_rows else ""
+    call = (f"np_attention_backward(Q, K, V, out, lse, dout, mask) with Q {_array(Q)}, K {shape_str(K.shape)}, "
+            f"V {shape_str(V.shape)}, {mask_text}{saved_text}{label}{nan_text}")
+    inputs = [np.array(a, copy=True) for a in (Q, K, V, out, lse, dout)] + \
+        ([] if mask is None else [np.array(mask, copy=True)])
     with np.errstate(all="ignore"):
-        result = _call(np_attention_backward, Q, K, V, dout, mask, call=call,
+        result = _call(np_attention_backward, Q, K, V, out, lse, dout, mask, call=call,
                        matmul_hint=ATTENTION_BACKWARD_HINTS["matmul_shapes"])
     expect_true(isinstance(result, (tuple, list)) and len(result) == 3,
                 f"{call} should return a tuple (dQ, dK, dV), got {describe(result)}.")
@@ -1294,17 +1489,20 @@ def _check_attention_backward_once(np_attention_backward: Callable, Q, K, V, dou
     grads = [expect_array(g, what=f"{call} -> {name}", shape=like.shape, dtype=Q.dtype,
                           hints=shape_hints.get(name), dtype_hint=DTYPE_HINTS["scaled"])
              for g, name, like in zip(result, names, (Q, K, V))]
-    for before, after, name in zip(inputs, (Q, K, V, dout, mask), ("Q", "K", "V", "dout", "mask")):
+    for before, after, name in zip(inputs, (Q, K, V, out, lse, dout, mask),
+                                   ("Q", "K", "V", "out", "lse", "dout", "mask")):
         _expect_unchanged(before, after, call, name)
     expected = _attention_gradients(Q, K, V, dout, mask)
     allowed = None if mask is None else np.broadcast_to(np.asarray(mask, dtype=bool), (b, h, s_q, s_k))
     fully_masked = allowed is not None and bool((~allowed.any(-1)).any())
     for grad, name in zip(grads, names):
         if np.isnan(grad).any():
-            hint = ATTENTION_BACKWARD_HINTS["fully_masked_nan"] if fully_masked else ATTENTION_HINTS["overflow"]
+            hint = (BACKWARD_LSE_HINTS["fully_masked_delta"] if nan_rows else
+                    ATTENTION_BACKWARD_HINTS["fully_masked_nan"] if fully_masked else ATTENTION_HINTS["overflow"])
             raise CheckFailure(f"{call} -> {name} contains NaN where torch.autograd gives finite gradients.\n"
                                f"  Likely mistake: {hint}")
-    variants = _attention_backward_variants(Q, K, V, dout, mask)
+    variants = (_lse_backward_variants(Q, K, V, out, lse, dout, mask)
+                + _attention_backward_variants(Q, K, V, dout, mask))
     for index in (2, 0, 1):  # dV first: it needs only the weights; then dQ and dK
         try:
             expect_close(grads[index], expected[index], what=f"{call} -> {names[index]}",
@@ -1313,11 +1511,12 @@ def _check_attention_backward_once(np_attention_backward: Callable, Q, K, V, dou
                                    for compute, hint in variants])
         except CheckFailure as failure:
             if "Likely mistake" not in str(failure) and allowed is not None:
-                _expect_no_leak(np_attention_backward, Q, K, V, dout, mask, allowed, call)
+                _expect_no_leak(np_attention_backward, Q, K, V, out, lse, dout, mask, allowed, call)
             raise
 
 
-def _expect_no_leak(np_attention_backward: Callable, Q, K, V, dout, mask, allowed: np.ndarray, call: str) -> None:
+def _expect_no_leak(np_attention_backward: Callable, Q, K, V, out, lse, dout, mask, allowed: np.ndarray,
+                    call: str) -> None:
     """With a gradient on one query only, the keys that query may not attend to get dK = dV = 0."""
     masked_per_query = (~allowed).sum(axis=(0, 1, 3)) * allowed.any(-1).all(axis=(0, 1))  # skip fully masked
     query = int(np.argmax(masked_per_query))
@@ -1326,7 +1525,7 @@ def _expect_no_leak(np_attention_backward: Callable, Q, K, V, dout, mask, allowe
     probe = np.zeros_like(dout)
     probe[..., query, :] = dout[..., query, :]
     with np.errstate(all="ignore"):
-        grads = _call(np_attention_backward, Q, K, V, probe, mask, call=call)
+        grads = _call(np_attention_backward, Q, K, V, out, lse, probe, mask, call=call)
     hidden = ~allowed[:, :, query, :]  # (B, H, S_k): the keys this query may not see
     for grad, name in zip(grads[1:], ("dK", "dV")):
         grad = np.asarray(grad)
@@ -1337,24 +1536,27 @@ def _expect_no_leak(np_attention_backward: Callable, Q, K, V, dout, mask, allowe
                                f"{ATTENTION_BACKWARD_HINTS['masked_leak']}")
 
 
-@check("np_attention_backward: dQ, dK, dV equal torch.autograd, with masks, fully masked rows and large scores",
-       uses=("softmax_backward", "np_softmax", "np_attention"))
+@check("np_attention_backward: dQ, dK, dV from (out, lse) equal torch.autograd, with masks, fully masked rows "
+       "and large scores", uses=("softmax_backward", "np_softmax", "np_attention_lse"))
 @_one_thread
 def check_np_attention_backward(np_attention_backward: Callable, *, seed: int = 0,
                                 device: torch.device | None = None) -> None:
-    """np_attention_backward: the gradients of np_attention's out with respect to Q, K and V."""
-    expect_signature(np_attention_backward, "np_attention_backward", ["Q", "K", "V", "dout", "mask"])
+    """np_attention_backward: the gradients of attention's out with respect to Q, K and V, from the saved
+    out and lse (computed here in float64 by PyTorch, as np_attention_lse returns them)."""
+    expect_signature(np_attention_backward, "np_attention_backward", ["Q", "K", "V", "out", "lse", "dout", "mask"])
     rng = _rng(seed)
 
-    def case(b, h, s_q, s_k, d, d_v, mask=None, label="", dtype=np.float64, scale=1.0):
+    def case(b, h, s_q, s_k, d, d_v, mask=None, label="", dtype=np.float64, scale=1.0, saved_dtype=None,
+             nan_rows=False):
         Q, K = _normal(rng, b, h, s_q, d, dtype=dtype, scale=scale), _normal(rng, b, h, s_k, d, dtype=dtype, scale=scale)
         V, dout = _normal(rng, b, h, s_k, d_v, dtype=dtype), _normal(rng, b, h, s_q, d_v, dtype=dtype)
-        _check_attention_backward_once(np_attention_backward, Q, K, V, dout, mask, label)
+        _check_attention_backward_once(np_attention_backward, Q, K, V, dout, mask, label, saved_dtype, nan_rows)
 
     causal = np.tril(np.ones((6, 6), dtype=bool))
     case(2, 2, 6, 6, 2, 2)  # the notebook's configuration
     case(2, 2, 6, 6, 2, 2, causal, " (causal)")
     case(2, 3, 4, 5, 8, 3, dtype=np.float32)  # cross-attention sizes, float32, d_v != d
+    case(2, 3, 4, 5, 8, 3, dtype=np.float32, saved_dtype=np.float64)  # the saved arrays in another dtype
     padding = np.ones((2, 1, 1, 5), dtype=bool)
     padding[1, ..., 3:] = False  # the last two keys of the second sequence are padding
     case(2, 2, 4, 5, 4, 4, padding, " (padding)")
@@ -1363,6 +1565,7 @@ def check_np_attention_backward(np_attention_backward: Callable, *, seed: int = 
     queries_and_keys[1, :, 3:, :] = False
     queries_and_keys[1, :, :, 4:] = False
     case(2, 2, 5, 6, 4, 3, queries_and_keys, " (padding queries: fully masked rows)")
+    case(2, 2, 5, 6, 4, 3, queries_and_keys, " (padding queries: fully masked rows)", nan_rows=True)
     one_row = np.tril(np.ones((5, 5), dtype=bool), -1)  # strictly causal: query 0 sees nothing
     case(1, 2, 5, 5, 3, 3, one_row, " (strictly causal: query 0 is fully masked)", dtype=np.float32)
     case(1, 2, 6, 6, 8, 8, causal, " (large scores)", scale=30.0)  # a naive softmax overflows

@@ -112,6 +112,10 @@ def check_answer_no_positions(answer: Any, *, seed: int = 0, device: torch.devic
     """The predict-first question before the order experiment."""
     expect_choice(answer, name="ANSWER_NO_POSITIONS", options="ABC", correct_digest="75fc297c3f076504",
                   hints=NO_POSITIONS_HINTS)
+    add_note("  Why: without positions or a mask the model is permutation-equivariant (exercise 3.11), so its "
+             "output at position i depends only on the token there and on the set of tokens, the same set at every "
+             "position. Given both, each of the other S - 1 tokens is equally likely to be the previous one, so no "
+             "training beats 1/(S - 1) = 1/7 ≈ 0.143: the information is not in its input.")
 
 
 @check("ANSWER_SHIFT: right choice")
@@ -1572,6 +1576,106 @@ def check_order_transformer_outcome(OrderTransformer: Callable, *, seed: int = 0
                     "tells positions apart when positions='none' (a table added anyway, or a mask).")
     add_note(f"  token accuracy after {ORDER_STEPS} steps: {with_positions:.3f} with sinusoidal positions, "
              f"{without:.3f} without (ceiling 1/(S-1) = {ceiling:.3f})")
+
+
+
+# --------------------------------------------------------------------------------------
+# The NoPE + causal prediction, and the head detector: previous_token_score
+# --------------------------------------------------------------------------------------
+
+NOPE_CAUSAL_HINTS = {  # by the digest of the wrong letter (choice_digest): no letter in clear
+    "657930df9a4fa99e": "The ceiling of 1/(S-1) holds for a permutation-equivariant model. Is a causal model still one? "
+         "The cell at the end of section 4 changed the last token under a causal mask: what did the earlier "
+         "outputs do?",
+    "1d80f0596b2adbfa": "About 0.37 is what a model gets for free by guessing among the tokens it can see. Can the model know "
+         "more than the set of visible tokens? Under a causal mask, which visible token is the most recent one, "
+         "and can attention tell it apart from the others?",
+}
+
+
+@check("ANSWER_NOPE_CAUSAL: a causal mask alone is a source of order")
+def check_answer_nope_causal(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """The second predict-first question before the order experiment: no positions, causal mask."""
+    expect_choice(answer, name="ANSWER_NOPE_CAUSAL", options="ABC", correct_digest="f673ad95875ad6a7",
+                  hints=NOPE_CAUSAL_HINTS)
+    add_note("  Why: under a causal mask position i sees tokens 0 ... i only, so the model is no longer "
+             "permutation-equivariant: the token just before i is the most recent one it can see. Attention that "
+             "favours recent keys finds it without any position encoding; how the trained model does it is what "
+             "previous_token_score measures below.")
+
+
+PREVIOUS_TOKEN_HINTS = {
+    "diagonal": "you averaged the diagonal (query i on key i): the previous token of query i is key i - 1, the "
+                "diagonal just below (offset -1).",
+    "above": "you averaged the diagonal just above the main one (query i on key i + 1, the next token): the "
+             "previous token of query i is key i - 1, below the diagonal. Rows are queries, columns keys.",
+    "divided_by_s": "you divided the sum over the sub-diagonal by S: it has S - 1 entries (queries 1 ... S-1; "
+                    "query 0 has no previous token), so the mean divides by S - 1.",
+    "wrong_axes": "you averaged over the wrong axes: the result is [layers, heads], the mean over the batch and "
+                  "over the queries 1 ... S-1 of each layer's and head's weight on key i - 1.",
+}
+
+
+def _reference_previous_token_score(maps: torch.Tensor) -> torch.Tensor:
+    """[B, L, H, S, S] -> [L, H], written as an explicit loop over the queries."""
+    seq_len = maps.shape[-1]
+    total = sum(maps[..., query, query - 1] for query in range(1, seq_len))       # [B, L, H]
+    return (total / (seq_len - 1)).mean(dim=0)
+
+
+def _random_attention(batch: int, layers: int, heads: int, seq_len: int, generator, causal: bool) -> torch.Tensor:
+    scores = randn(batch, layers, heads, seq_len, seq_len, generator=generator) * 2.0
+    if causal:
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+@check("previous_token_score: mean weight on key i-1 per layer and head, from a tensor or a list of layers")
+def check_previous_token_score(previous_token_score: Callable, *, seed: int = 0,
+                               device: torch.device | None = None) -> None:
+    """previous_token_score(attention) -> [layers, heads], against an explicit loop over the queries; tensor
+    [B, layers, heads, S, S] or list of [B, heads, S, S]; dtype and device kept; ValueError for bad input."""
+    expect_signature(previous_token_score, "previous_token_score", ["attention"])
+    generator = random_generator(seed)
+    cases = [(3, 2, 4, 6, False), (2, 1, 2, 2, True), (randint(1, 4, generator), randint(1, 3, generator),
+                                                       randint(1, 4, generator), randint(3, 12, generator), True)]
+    for batch, layers, heads, seq_len, causal in cases:
+        maps = _random_attention(batch, layers, heads, seq_len, generator, causal)
+        expected = _reference_previous_token_score(maps)
+        variants = [
+            Variant(lambda: maps.diagonal(0, -2, -1).mean(dim=(0, -1)), PREVIOUS_TOKEN_HINTS["diagonal"]),
+            Variant(lambda: maps.diagonal(1, -2, -1).mean(dim=(0, -1)), PREVIOUS_TOKEN_HINTS["above"]),
+            Variant(lambda: maps.diagonal(-1, -2, -1).sum(dim=-1).mean(dim=0) / seq_len,
+                    PREVIOUS_TOKEN_HINTS["divided_by_s"]),
+        ]
+        for form in ("tensor", "list"):
+            data = maps.to(device) if form == "tensor" else [maps[:, layer].to(device) for layer in range(layers)]
+            described = (f"a tensor of shape {shape_str(maps.shape)}" if form == "tensor"
+                         else f"a list of {layers} tensors of shape {shape_str(maps[:, 0].shape)}")
+            call = f"previous_token_score({described})"
+            got = call_student(previous_token_score, data, call=call)
+            if isinstance(got, torch.Tensor) and got.dim() == 2 and tuple(got.shape) != (layers, heads):
+                raise CheckFailure(f"{call} should have shape {shape_str((layers, heads))} ([layers, heads]), got "
+                                   f"{shape_str(got.shape)}.\n  Likely mistake: {PREVIOUS_TOKEN_HINTS['wrong_axes']}")
+            expect_tensor(got, what=call, shape=(layers, heads), dtype=torch.float64, device=device,
+                          hints={(heads,): PREVIOUS_TOKEN_HINTS["wrong_axes"], (layers,): PREVIOUS_TOKEN_HINTS["wrong_axes"],
+                                 (batch, layers, heads): PREVIOUS_TOKEN_HINTS["wrong_axes"]})
+            expect_close(got, expected, what=call, against="the mean weight on key i - 1 over the batch and the "
+                         "queries 1 ... S-1", variants=variants)
+    float32_maps = _random_attention(2, 2, 2, 5, generator, False).float().to(device)
+    call = "previous_token_score(a float32 tensor of shape [2, 2, 2, 5, 5])"
+    got = call_student(previous_token_score, float32_maps, call=call)
+    expect_tensor(got, what=call, shape=(2, 2), dtype=torch.float32, device=device)
+    bad_inputs = [
+        (torch.rand(2, 3, 4, 4, dtype=torch.float64), "a tensor of rank 4 is neither [B, layers, heads, S, S] nor "
+         "a list of layers"),
+        (torch.rand(1, 1, 2, 4, 5, dtype=torch.float64), "the maps are not square (4 queries, 5 keys)"),
+        (torch.ones(2, 1, 2, 1, 1, dtype=torch.float64), "S = 1: no query has a previous token"),
+    ]
+    for attention, why in bad_inputs:
+        expect_value_error(previous_token_score, attention, call=f"previous_token_score(shape "
+                           f"{shape_str(attention.shape)})", why=why)
 
 
 freeze_module(__name__)

@@ -193,18 +193,29 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     return tracker.peak
 
 
-def run_times(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> list[float]:
-    """Wall-clock seconds of ``repeats`` runs of ``fn()``, after one untimed warm-up run (first calls
-    pay for allocation, caches and, on a GPU, compilation and launch set-up)."""
-    fn()
-    _synchronize(device)
-    times = []
-    for _ in range(max(1, repeats)):
+def run_times(fn: Callable[[], object], device: torch.device, repeats: int = 3,
+              stable_within: float | None = None, max_repeats: int = 30) -> list[float]:
+    """Wall-clock seconds of runs of ``fn()``, after one untimed warm-up run (first calls pay for
+    allocation, caches and, on a GPU, compilation and launch set-up).
+
+    ``repeats`` runs; with ``stable_within`` (e.g. 0.05), further rounds of ``repeats`` runs until the
+    median of all runs moves by at most that fraction in a round, or ``max_repeats`` runs were made."""
+
+    def timed() -> float:
         _synchronize(device)
         start = time.perf_counter()
         fn()
         _synchronize(device)
-        times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    fn()
+    _synchronize(device)
+    times = [timed() for _ in range(max(1, repeats))]
+    while stable_within is not None and len(times) < max_repeats:
+        before = float(np.median(times))
+        times += [timed() for _ in range(min(max(1, repeats), max_repeats - len(times)))]
+        if abs(float(np.median(times)) - before) <= stable_within * before:
+            break
     return times
 
 
@@ -231,11 +242,14 @@ def attention_flops(batch_size: int, num_heads: int, seq_len: int, head_dim: int
 def measure_attention_costs(functions: Mapping[str, Callable], seq_lens: Sequence[int], *, batch_size: int = 1,
                             num_heads: int = 4, head_dim: int = 64, dtype: torch.dtype = torch.float32,
                             device: torch.device | str = "cpu", repeats: int = 3, seed: int = 0,
-                            progress: bool = True) -> dict:
+                            progress: bool = True, cpu_threads: int | None = 1,
+                            stable_within: float | None = 0.05) -> dict:
     """Time and peak memory of each ``functions[name](q, k, v)`` for each S (self-attention, S_q = S_k).
 
-    Each time is the median of ``repeats`` runs after a warm-up run; ``spread`` keeps the fastest
-    and slowest run. Returns ``{"seq_lens": [...], "seconds": {name: [...]}, "spread": {name:
+    Each time is the median of the runs after a warm-up run: rounds of ``repeats`` runs until the
+    median moves by at most ``stable_within`` in a round (:func:`run_times`); ``spread`` keeps the
+    fastest and slowest run. On the CPU the measurement runs on ``cpu_threads`` threads (None: as
+    many as torch uses now), so that a change in the thread pool cannot bend the curves. Returns ``{"seq_lens": [...], "seconds": {name: [...]}, "spread": {name:
     [(min, max), ...]}, "bytes": {name: [...]}, "shape": (B, H, d), "device": ...}``; a function
     that fails at some S (e.g. out of memory) gets NaN there and is not run at larger S.
     """
@@ -248,6 +262,22 @@ def measure_attention_costs(functions: Mapping[str, Callable], seq_lens: Sequenc
                "device": str(device)}
     failed: set[str] = set()
     steps = tqdm(total=len(seq_lens) * len(functions), desc="measuring", disable=not progress, leave=False)
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
+    results["cpu_threads"] = torch.get_num_threads() if device.type == "cpu" else None
+    try:
+        _measure_each(functions, seq_lens, batch_size, num_heads, head_dim, dtype, device, repeats,
+                      stable_within, generator, results, failed, steps)
+    finally:
+        torch.set_num_threads(threads)
+        steps.close()
+    return results
+
+
+def _measure_each(functions, seq_lens, batch_size, num_heads, head_dim, dtype, device, repeats, stable_within,
+                  generator, results, failed, steps) -> None:
+    """The loop of :func:`measure_attention_costs`: every function at every S, into ``results``."""
     for seq_len in seq_lens:
         q, k, v = (torch.randn(batch_size, num_heads, seq_len, head_dim, generator=generator).to(device, dtype)
                    for _ in range(3))
@@ -257,7 +287,7 @@ def measure_attention_costs(functions: Mapping[str, Callable], seq_lens: Sequenc
             if name not in failed:
                 try:
                     with torch.no_grad():
-                        times = run_times(lambda: fn(q, k, v), device, repeats)
+                        times = run_times(lambda: fn(q, k, v), device, repeats, stable_within)
                         time_taken = float(np.median(times))
                         low, high = min(times), max(times)
                         memory = peak_bytes(lambda: fn(q, k, v), device)
@@ -269,8 +299,6 @@ def measure_attention_costs(functions: Mapping[str, Callable], seq_lens: Sequenc
             results["spread"][name].append((low, high))
             results["bytes"][name].append(memory)
             steps.update()
-    steps.close()
-    return results
 
 
 def plot_attention_costs(figure: Figure, results: Mapping, log_scale: bool = True,
@@ -328,8 +356,9 @@ def attention_costs_view(results: Mapping, peak_tflops: float | None = None) -> 
 
 
 # Dense float16/bfloat16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "T4": 65.0,
-                   "V100": 125.0}
+# The H100 differs by model: look the name up most specific first ("H100 PCIe" before "H100", the SXM card).
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0,
+                   "L4": 121.0, "A10": 125.0, "T4": 65.0, "V100": 125.0}
 
 
 def gpu_peak_tflops(device: torch.device | str) -> float | None:

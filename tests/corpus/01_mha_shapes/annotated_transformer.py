@@ -87,8 +87,20 @@ def attention_layer_flops(batch_size, seq_len, d_model):
     weighted_values = batch_size * matmul_flops(seq_len, seq_len, d_model)
     return {"projections": projections, "attention": scores + weighted_values}
 
+# %% answer="block_flops"
+def block_flops(batch_size, seq_len, d_model, mlp_ratio=4):
+    def matmul_flops(rows, inner, cols):
+        return 2 * rows * inner * cols
+
+    d_ff = int(mlp_ratio * d_model)  # the PositionwiseFeedForward's inner width
+    tokens = batch_size * seq_len
+    counts = attention_layer_flops(batch_size, seq_len, d_model)
+    counts["mlp"] = matmul_flops(tokens, d_model, d_ff) + matmul_flops(tokens, d_ff, d_model)
+    return counts
+
 # %% answer="ANSWER_ATTENTION_CROSSOVER"
-ANSWER_ATTENTION_CROSSOVER = "D"
+# 4·S²·D = 8·S·D² + 16·S·D²  =>  S = 6·D
+ANSWER_ATTENTION_CROSSOVER = 4608
 
 # %% answer="ANSWER_DRAFT_BUG"
 ANSWER_DRAFT_BUG = "B"

@@ -89,8 +89,16 @@ def attention_layer_flops(batch_size, seq_len, d_model):
     y = 2 * B * T * T * C  # att @ v
     return dict(projections=c_attn + c_proj, attention=att + y)
 
+# %% answer="block_flops"
+def block_flops(batch_size, seq_len, d_model, mlp_ratio=4):
+    B, T, C = batch_size, seq_len, d_model
+    hidden = int(mlp_ratio * C)
+    c_fc, c_proj = 2 * B * T * C * hidden, 2 * B * T * hidden * C  # nanoGPT's MLP
+    return dict(attention_layer_flops(B, T, C), mlp=c_fc + c_proj)
+
 # %% answer="ANSWER_ATTENTION_CROSSOVER"
-ANSWER_ATTENTION_CROSSOVER = " d "
+D = 768
+ANSWER_ATTENTION_CROSSOVER = (8 * D * D + 16 * D * D) / (4 * D)  # a float: 4608.0
 
 # %% answer="ANSWER_DRAFT_BUG"
 ANSWER_DRAFT_BUG = " B "

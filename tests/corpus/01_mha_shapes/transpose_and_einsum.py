@@ -83,8 +83,15 @@ def attention_layer_flops(batch_size, seq_len, d_model):
     projections = 2 * macs["bsd,de->bse (x4)"]
     return {"projections": projections, "attention": 2 * (macs["bsd,btd->bst"] + macs["bst,btd->bsd"])}
 
+# %% answer="block_flops"
+def block_flops(batch_size, seq_len, d_model, mlp_ratio=4):
+    sizes = {"b": batch_size, "s": seq_len, "t": seq_len, "d": d_model, "e": d_model,
+             "f": int(mlp_ratio * d_model)}
+    macs = {"bsd,df->bsf": math.prod(sizes[i] for i in "bsdf"), "bsf,fd->bsd": math.prod(sizes[i] for i in "bsfd")}
+    return {**attention_layer_flops(batch_size, seq_len, d_model), "mlp": 2 * sum(macs.values())}
+
 # %% answer="ANSWER_ATTENTION_CROSSOVER"
-ANSWER_ATTENTION_CROSSOVER = "d"
+ANSWER_ATTENTION_CROSSOVER = 6 * 768
 
 # %% answer="ANSWER_DRAFT_BUG"
 ANSWER_DRAFT_BUG = "b"

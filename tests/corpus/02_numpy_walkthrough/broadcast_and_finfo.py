@@ -57,20 +57,37 @@ def softmax_backward(p, dp, axis=-1):
     weighted = p * dp
     return weighted - p * weighted.sum(axis=axis, keepdims=True)
 
+# %% answer="np_attention_lse"
+def np_attention_lse(Q, K, V, mask=None):
+    scores = np.einsum("bhqd,bhkd->bhqk", Q, K) * Q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = np.where(mask, scores, np.finfo(scores.dtype).min)
+    top = scores.max(axis=-1, keepdims=True)  # finite: the fill is the dtype's minimum
+    weights = np.exp(scores - top)
+    total = weights.sum(axis=-1, keepdims=True)
+    lse = (top + np.log(total))[..., 0]
+    out = np.einsum("bhqk,bhkd->bhqd", weights / total, V)
+    if mask is not None:  # a query with no key: all scores at the fill, so uniform; PyTorch says 0, -inf
+        no_key = ~np.any(np.broadcast_to(mask, scores.shape), axis=-1)
+        out = np.where(no_key[..., None], 0.0, out)
+        lse = np.where(no_key, -np.inf, lse)
+    return out.astype(Q.dtype), lse.astype(Q.dtype)
+
+
 # %% answer="np_attention_backward"
-def np_attention_backward(Q, K, V, dout, mask=None):
+def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
     scale = Q.shape[-1] ** -0.5
     scores = np.einsum("bhqd,bhkd->bhqk", Q, K) * scale
     if mask is not None:
         scores = np.where(mask, scores, np.finfo(scores.dtype).min)
-    weights = softmax(scores)
+    seen = np.isfinite(lse)[..., None]  # False: a query with no key
+    weights = np.where(seen, np.exp(scores - np.where(seen, lse[..., None], 0.0)), 0.0)
     if mask is not None:
-        weights = weights * np.any(mask, axis=-1, keepdims=True)  # a query with no keys: weights 0
-    out = np.einsum("bhqk,bhkd->bhqd", weights, V)
+        weights = weights * mask  # the fill gives exp(min - lse) = 0 already; be exact
     d_weights = np.einsum("bhqd,bhkd->bhqk", dout, V)
-    row = np.einsum("bhqd,bhqd->bhq", dout, out)[..., None]  # = sum_k d_weights * weights
+    row = np.einsum("bhqd,bhqd->bhq", dout, np.where(seen, out, 0.0))[..., None]  # FlashAttention's D
     d_scores = weights * (d_weights - row) * scale
     dQ = np.einsum("bhqk,bhkd->bhqd", d_scores, K)
     dK = np.einsum("bhqk,bhqd->bhkd", d_scores, Q)
     dV = np.einsum("bhqk,bhqd->bhkd", weights, dout)
-    return dQ, dK, dV
+    return dQ.astype(Q.dtype), dK.astype(Q.dtype), dV.astype(Q.dtype)

@@ -1,6 +1,6 @@
 # Correct answers with einsum-free loops for the row, moveaxis for heads, a log-sum-exp softmax,
 # -inf masks, keyword calls of the earlier answers, and a variance from a list of dot products; a
-# backward that reuses np_attention's weights (NaN rows zeroed) and calls softmax_backward by keyword.
+# forward whose lse is np.logaddexp.reduce, and a backward that nan_to_num's the saved out for D.
 
 # %% answer="row_times_matrix"
 def row_times_matrix(x_row, W):
@@ -55,13 +55,27 @@ def softmax_backward(p, dp, axis=-1):
     row_dot = np.einsum("...i,...i->...", p_last, dp_last)[..., None]
     return np.moveaxis(p_last * (dp_last - row_dot), -1, axis)
 
+# %% answer="np_attention_lse"
+def np_attention_lse(Q, K, V, mask=None):
+    scores = np.einsum("...qd,...kd->...qk", Q, K) / math.sqrt(Q.shape[-1])
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    lse = np.logaddexp.reduce(scores, axis=-1)  # stable; -inf for a row of -inf, and no warning
+    has_key = np.isfinite(lse)
+    weights = np.exp(scores - np.where(has_key, lse, 0.0)[..., None])  # 0 on a row with no key
+    return np.einsum("...qk,...kv->...qv", weights, V), lse
+
+
 # %% answer="np_attention_backward"
-def np_attention_backward(Q, K, V, dout, mask=None):
-    with np.errstate(invalid="ignore"):  # a fully masked query: 0/0 in the forward
-        _out, weights = np_attention(Q=Q, K=K, V=V, mask=mask)
-    weights = np.nan_to_num(weights, nan=0.0)  # ... sends nothing back
+def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
+    scores = np.einsum("...qd,...kd->...qk", Q, K) / math.sqrt(Q.shape[-1])
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    has_key = np.isfinite(lse)[..., None]
+    weights = np.exp(scores - np.where(has_key, lse[..., None], 0.0))  # P from lse, no softmax
+    delta = np.einsum("...qv,...qv->...q", dout, np.nan_to_num(out))[..., None]  # rowsum(dO ∘ O)
     d_weights = np.einsum("...qv,...kv->...qk", dout, V)
-    d_scores = softmax_backward(p=weights, dp=d_weights, axis=-1) / math.sqrt(Q.shape[-1])
-    return (np.einsum("...qk,...kd->...qd", d_scores, K),
-            np.einsum("...qk,...qd->...kd", d_scores, Q),
-            np.einsum("...qk,...qv->...kv", weights, dout))
+    d_scores = weights * (d_weights - delta) / math.sqrt(Q.shape[-1])
+    return (np.einsum("...qk,...kd->...qd", d_scores, K).astype(Q.dtype),
+            np.einsum("...qk,...qd->...kd", d_scores, Q).astype(Q.dtype),
+            np.einsum("...qk,...qv->...kv", weights, dout).astype(Q.dtype))

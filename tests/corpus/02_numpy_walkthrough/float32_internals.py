@@ -1,7 +1,7 @@
 # Correct answers that compute in float32 inside and cast back (as mixed-precision code does),
 # swapaxes/reshape with -1, -1e9 masks, an in-place softmax on a fresh array, one draw of both q
-# and k, E[z²] - E[z]² for the variance; a backward in float32 with -1e9 masks and loops over the
-# heads.
+# and k, E[z²] - E[z]² for the variance; a forward and a backward in float32 with -1e9 masks and
+# loops over the heads (s - lse taken in the inputs' precision).
 
 # %% answer="row_times_matrix"
 def row_times_matrix(x_row, W):
@@ -67,20 +67,43 @@ def softmax_backward(p, dp, axis=-1):
     total = np.sum(p32 * dp32, axis=axis, keepdims=True)
     return (p32 * (dp32 - total)).astype(p.dtype)
 
+# %% answer="np_attention_lse"
+def np_attention_lse(Q, K, V, mask=None):
+    B, H, S_q, d = Q.shape
+    shape = (B, H, S_q, K.shape[2])
+    allowed = np.ones(shape, dtype=bool) if mask is None else np.broadcast_to(mask, shape)
+    out = np.zeros((B, H, S_q, V.shape[-1]), dtype=Q.dtype)
+    lse = np.full((B, H, S_q), -np.inf, dtype=Q.dtype)
+    for b in range(B):
+        for h in range(H):
+            scores = (Q[b, h].astype(np.float32) @ K[b, h].T.astype(np.float32)) / np.float32(math.sqrt(d))
+            scores = np.where(allowed[b, h], scores, np.float32(-1e9))
+            rows = allowed[b, h].any(axis=-1)  # the queries with at least one key
+            top = scores.max(axis=-1, keepdims=True)
+            exps = np.exp(scores - top)
+            total = exps.sum(axis=-1, keepdims=True)
+            out[b, h][rows] = ((exps / total) @ V[b, h].astype(np.float32))[rows]
+            lse[b, h][rows] = (top + np.log(total))[rows, 0]
+    return out, lse
+
+
 # %% answer="np_attention_backward"
-def np_attention_backward(Q, K, V, dout, mask=None):
+def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
     B, H, S_q, d = Q.shape
     shape = (B, H, S_q, K.shape[2])
     allowed = np.ones(shape, dtype=bool) if mask is None else np.broadcast_to(mask, shape)
     dQ, dK, dV = np.zeros_like(Q), np.zeros_like(K), np.zeros_like(V)
     for b in range(B):
         for h in range(H):
+            rows = np.isfinite(lse[b, h])  # a query with no key sends nothing
+            # s - lse in the inputs' precision (the two are close at large scores), the rest in float32
             scores = (Q[b, h] @ K[b, h].T) / math.sqrt(d)
-            scores = np.where(allowed[b, h], scores, -1e9)
-            weights = np_softmax(scores.astype(np.float32), axis=-1).astype(Q.dtype)
-            weights[~allowed[b, h].any(axis=-1)] = 0.0  # rows with no key: uniform under -1e9, so zero them
-            d_weights = dout[b, h] @ V[b, h].T
-            d_scores = softmax_backward(weights, d_weights) / math.sqrt(d)
+            shift = np.where(rows, lse[b, h], 0.0)[:, None]
+            exponent = np.where(allowed[b, h] & rows[:, None], scores - shift, -np.inf).astype(np.float32)
+            weights = np.exp(exponent)
+            delta = np.where(rows, np.sum(dout[b, h] * np.where(rows[:, None], out[b, h], 0.0), axis=-1), 0.0)
+            d_weights = (dout[b, h] @ V[b, h].T).astype(np.float32)
+            d_scores = weights * (d_weights - delta[:, None].astype(np.float32)) / np.float32(math.sqrt(d))
             dQ[b, h] = d_scores @ K[b, h]
             dK[b, h] = d_scores.T @ Q[b, h]
             dV[b, h] = weights.T @ dout[b, h]

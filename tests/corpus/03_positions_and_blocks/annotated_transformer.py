@@ -168,3 +168,27 @@ class OrderTransformer(nn.Module):
 
     def forward(self, tokens, mask=None):
         return self.generator(self.encoder(self.src_embed(tokens), mask))
+
+# %% answer="ANSWER_NOPE_CAUSAL"
+ANSWER_NOPE_CAUSAL = "c"
+
+# %% answer="previous_token_score"
+def previous_token_score(attention):
+    "Loop over the layers of a list (or of a stacked tensor), as d2l's visualisations do."
+    layers = list(attention) if isinstance(attention, (list, tuple)) else None
+    if layers is None:
+        if attention.dim() != 5:
+            raise ValueError("expected a [B, layers, heads, S, S] tensor, got rank %d" % attention.dim())
+        layers = [attention[:, l] for l in range(attention.shape[1])]
+    scores = []
+    for p_attn in layers:  # [B, heads, S, S]
+        n_q, n_k = p_attn.shape[-2:]
+        if n_q != n_k:
+            raise ValueError("attention maps must be square, got %d x %d" % (n_q, n_k))
+        if n_q == 1:
+            raise ValueError("S = 1: nothing comes before the only token")
+        total = torch.zeros(p_attn.shape[1], dtype=p_attn.dtype, device=p_attn.device)
+        for i in range(1, n_q):
+            total = total + p_attn[:, :, i, i - 1].mean(dim=0)
+        scores.append(total / (n_q - 1))
+    return torch.stack(scores)

@@ -164,3 +164,22 @@ class OrderTransformer(nn.Module):
         if self.pos is not None:
             h = h + self.pos[:, :s]
         return self.out(self.blocks(h, mask))
+
+# %% answer="ANSWER_NOPE_CAUSAL"
+ANSWER_NOPE_CAUSAL = "C"
+
+# %% answer="previous_token_score"
+def previous_token_score(attention):
+    from einops import reduce
+
+    if isinstance(attention, (list, tuple)):
+        attention = rearrange(list(attention), "l b h q k -> b l h q k")
+    if attention.ndim != 5:
+        raise ValueError(f"rank {attention.ndim}: need b l h q k")
+    b, l, h, q, k = attention.shape
+    if q != k or q < 2:
+        raise ValueError(f"need square maps with S >= 2, got {q} x {k}")
+    previous = torch.zeros(q, k, dtype=torch.bool, device=attention.device)
+    previous[torch.arange(1, q), torch.arange(q - 1)] = True  # one True per query 1 ... S-1
+    picked = attention[..., previous]  # [b, l, h, S-1]
+    return reduce(picked, "b l h i -> l h", "mean")

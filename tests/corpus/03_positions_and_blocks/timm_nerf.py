@@ -153,3 +153,16 @@ class OrderTransformer(nn.Module):
         if self.use_pos:
             x = x + self.pos_embed[:, : tokens.shape[1], :]
         return self.head(self.blocks(x=x, mask=mask))
+
+# %% answer="ANSWER_NOPE_CAUSAL"
+ANSWER_NOPE_CAUSAL = " C "  # recency: the most recent visible token
+
+# %% answer="previous_token_score"
+def previous_token_score(attention):
+    attn = torch.stack(tuple(attention), dim=1) if isinstance(attention, list) else attention
+    if attn.ndim != 5 or attn.shape[-1] != attn.shape[-2] or attn.shape[-1] < 2:
+        raise ValueError(f"want [B, layers, heads, S, S] with S >= 2 and square maps, got {tuple(attn.shape)}")
+    # the identity rolled one column left: row i has its 1 at column i - 1 (row 0 wraps round, dropped below)
+    shifted = torch.roll(torch.eye(attn.shape[-1], dtype=attn.dtype, device=attn.device), -1, dims=-1)
+    weight = (attn * shifted).sum(dim=-1)[..., 1:]  # [B, layers, heads, S-1]
+    return weight.mean(dim=(0, -1))

@@ -210,6 +210,28 @@ def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr
     denominator = tl.sum(numerator, axis=0)
     tl.store(Out + tl.program_id(0) * stride_out + offsets, numerator / denominator, mask=offsets < n_cols)
 
+# %% answer="online_softmax_kernel"
+@triton.jit
+def online_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    # per-lane running statistics (one max and one sum per lane), folded into one at the end
+    row_x = X + tl.program_id(0) * stride_x
+    row_out = Out + tl.program_id(0) * stride_out
+    offsets = tl.arange(0, BLOCK)
+    lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    lane_sum = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        block = tl.load(row_x + start + offsets, mask=start + offsets < n_cols, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(lane_max, block)
+        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)  # a lane that has seen only padding
+        lane_sum = lane_sum * tl.exp(lane_max - safe_max) + tl.exp(block - safe_max)
+        lane_max = new_max
+    row_max = tl.max(lane_max, axis=0)
+    denominator = tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + offsets < n_cols
+        block = tl.load(row_x + start + offsets, mask=mask, other=-float("inf")).to(tl.float32)
+        tl.store(row_out + start + offsets, tl.exp(block - row_max) / denominator, mask=mask)
+
 # %% answer="flash_attention_backward_kernel"
 @triton.jit
 def flash_attention_backward_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
@@ -288,3 +310,6 @@ def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
         k_start += BLOCK_K
     dq = dq * sm_scale
     tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+# %% answer="ANSWER_BACKWARD_FLOPS"
+ANSWER_BACKWARD_FLOPS = (2.5, 3.5)

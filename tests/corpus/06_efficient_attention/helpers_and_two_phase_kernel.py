@@ -256,6 +256,29 @@ def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr
     weights = weights / tl.sum(weights, axis=0)
     tl.store(Out + tl.program_id(0) * stride_out + cols, weights, mask=mask)
 
+# %% answer="online_softmax_kernel"
+@triton.jit
+def _rescaled(m_old, l_old, scores):
+    m_new = tl.maximum(m_old, tl.max(scores, axis=0))
+    return m_new, l_old * tl.exp(m_old - m_new) + tl.sum(tl.exp(scores - m_new), axis=0)
+
+
+@triton.jit
+def online_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    l = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)  # noqa: E741 (the paper's name)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        scores = tl.load(X + row * stride_x + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        m, l = _rescaled(m, l, scores)  # noqa: E741
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        scores = tl.load(X + row * stride_x + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        weights = tl.exp(scores - m) / l
+        tl.store(Out + row * stride_out + start + cols, weights.to(Out.dtype.element_ty), mask=mask)
+
 # %% answer="flash_attention_backward_kernel"
 @triton.jit
 def _tile_p_ds(q, k, v, do, lse, delta, offs_q, offs_k, seq_q, seq_k, sm_scale, CAUSAL: tl.constexpr):
@@ -334,3 +357,9 @@ def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
         dq += tl.dot(ds.to(k.dtype), k)
     dq = dq * sm_scale
     tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+# %% answer="ANSWER_BACKWARD_FLOPS"
+forward_products = 2  # q kᵀ, P v
+fa2 = ["q kᵀ", "Pᵀ dO", "dO vᵀ", "dS k", "dSᵀ q"]
+two_kernels = ["q kᵀ", "Pᵀ dO", "dO vᵀ", "dSᵀ q"] + ["q kᵀ", "dO vᵀ", "dS k"]
+ANSWER_BACKWARD_FLOPS = [len(fa2) / forward_products, len(two_kernels) / forward_products]

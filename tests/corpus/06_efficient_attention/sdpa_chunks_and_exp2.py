@@ -219,6 +219,27 @@ def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr
     p = tl.where(valid, tl.exp2((x - m) * 1.4426950408889634), 0.0)
     tl.store(Out + r * stride_out + c, p / tl.sum(p, axis=0), mask=valid)
 
+# %% answer="online_softmax_kernel"
+@triton.jit
+def online_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    # base 2 throughout, masked lanes loaded as 0, kept out of the max by a finite -1e30 and zeroed after
+    # the exponential
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    m = tl.max(tl.full([BLOCK], -1.0e30, tl.float32), axis=0)  # in log2 units
+    l = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)  # noqa: E741
+    for start in range(0, n_cols, BLOCK):
+        valid = start + c < n_cols
+        x = tl.load(X + r * stride_x + start + c, mask=valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m, tl.max(tl.where(valid, x, -1.0e30), axis=0))
+        p = tl.where(valid, tl.math.exp2(x - m_new), 0.0)
+        l = l * tl.math.exp2(m - m_new) + tl.sum(p, axis=0)  # noqa: E741
+        m = m_new
+    for start in range(0, n_cols, BLOCK):
+        valid = start + c < n_cols
+        x = tl.load(X + r * stride_x + start + c, mask=valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        tl.store(Out + r * stride_out + start + c, tl.math.exp2(x - m) / l, mask=valid)
+
 # %% answer="flash_attention_backward_kernel"
 # exp2 with log2(e), the scale folded into dS, the launcher's kernels as given
 @triton.jit
@@ -297,3 +318,6 @@ def flash_attention_backward_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
         ds = p * (dp - delta[:, None])
         dq += tl.dot((ds * sm_scale).to(k.dtype), k)
     tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+# %% answer="ANSWER_BACKWARD_FLOPS"
+ANSWER_BACKWARD_FLOPS = (5 / 2, 3.5)  # 5 and 7 products of S²·d against the forward's 2
