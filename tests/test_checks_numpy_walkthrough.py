@@ -1288,8 +1288,8 @@ def test_no_code_line_is_longer_than_100_characters():
 
 def test_np_attention_backward_says_what_to_write_for_dv():
     # "dV is P @ dout, a transposed product" read as if P @ dout were the rule (issue #34): say Pᵀ @ dout.
-    def np_attention_backward(Q, K, V, dout, mask=None):
-        return _attention_backward(Q, K, V, dout, mask, transpose="dv")
+    def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
+        return _attention_backward(Q, K, V, out, lse, dout, mask, transpose="dv")
 
     with pytest.raises(CheckFailure, match=r"computed as P @ dout; write dV = Pᵀ @ dout"):
         checks.check_np_attention_backward(np_attention_backward, **CPU)
@@ -1299,9 +1299,9 @@ def test_a_softmax_backward_that_breaks_only_the_memory_rule_is_not_blamed_for_w
     # The Jacobian gives the right numbers: it cannot explain np_attention_backward's wrong dV, so no
     # "Fix softmax_backward first" (issue #34). A softmax_backward with wrong numbers is still named.
     namespace = {"softmax_backward": backward_jacobian, "np": np}
-    exec("def np_attention_backward(Q, K, V, dout, mask=None):\n"
+    exec("def np_attention_backward(Q, K, V, out, lse, dout, mask=None):\n"
          "    softmax_backward(Q[..., :1, :1] * 0 + 1.0, Q[..., :1, :1])\n"
-         "    return wrong(Q, K, V, dout, mask)\n", namespace)
+         "    return wrong(Q, K, V, out, lse, dout, mask)\n", namespace)
     namespace["wrong"] = lambda *args: _attention_backward(*args, transpose="dv")
     with pytest.raises(CheckFailure) as failure:
         checks.check_np_attention_backward(namespace["np_attention_backward"], **CPU)
