@@ -112,7 +112,8 @@ def graded(tmp_path_factory):
     sub["Zoë Ångström Núñez"] = ("Copy of 01_mha_shapes.ipynb", solved, FULL)
     sub["blank"] = ("01_mha_shapes.ipynb", blank, 0.0)
     # an infinite loop in an answer: its demo cell and its test time out; 2 points lost
-    sub["loop"] = ("01_mha_shapes (1).ipynb", with_answer(solved, "attention_layer_flops", body="while True:\n    pass"), FULL - 2)
+    # ... and the test of block_flops, whose answer calls it (it is not run again: not waited on twice)
+    sub["loop"] = ("01_mha_shapes (1).ipynb", with_answer(solved, "attention_layer_flops", body="while True:\n    pass"), FULL - 4)
     # ... and one that ignores the interrupt: the kernel is restarted without that cell
     sub["stubborn"] = ("01_MHA_shapes.ipynb", with_answer(solved, LAST, body=(
         "import time\nwhile True:\n    try:\n        time.sleep(0.05)\n    except BaseException:\n        pass")), FULL - 1)

@@ -1536,13 +1536,16 @@ def check_online_softmax_kernel(online_softmax_kernel: Any, *, seed: int = 0,
         values = values.contiguous()
         call = (f"your online_softmax_kernel via launch_online_softmax(online_softmax_kernel, x, block={block}) "
                 f"with x {label}, {shape_str(values.shape)} ({str(values.dtype).replace('torch.', '')})")
-        out = _ladder_launch(call, launch_online_softmax, online_softmax_kernel, values, block=block)
+        own = lambda p: [(0, (p[0], p[0]), "row", -1)]  # noqa: E731  program r: row r, all its column blocks
+        out, misplaced = _ladder_launch(call, launch_online_softmax, online_softmax_kernel, values, block=block,
+                                        owners={"x": own, "out": own})
         x64 = _f64(values)[0]
-        if bool((~torch.isfinite(out.cpu())).any()):
-            hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_unmasked_load"]
-            raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
-        expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
-                     variants=_online_softmax_variants(x64, block))
+        with _blaming(call, misplaced):
+            if bool((~torch.isfinite(out.cpu())).any()):
+                hint = HINTS["softmax_no_max"] if float(values.abs().max()) > 100 else HINTS["ladder_unmasked_load"]
+                raise CheckFailure(f"out from {call} holds inf or NaN.\n  Likely mistake: {hint}")
+            expect_close(out, torch.softmax(x64, -1), what=f"out from {call}", against="torch.softmax (float64)",
+                         variants=_online_softmax_variants(x64, block))
 
 
 # --------------------------------------------------------------------------------------
