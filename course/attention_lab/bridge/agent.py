@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from attention_lab.bridge import modules, probes, wire
-from attention_lab.bridge.peer import Peer
+from attention_lab.bridge.peer import Peer, flat_tensors, random_state, set_random_state
 
 MAX_MESSAGE_TEXT = 2000
 MAX_GRAPHS = 256  # calls whose autograd graph is kept for a backward pass (the oldest go first)
@@ -342,7 +342,7 @@ class Agent(Peer):
             parameter = dict(module.named_parameters()).get(item[1])
             inputs.append(parameter if parameter is not None else torch.zeros(()))
         graph = self.new_id()
-        self.graphs[graph] = (_flat_tensors(result), inputs)
+        self.graphs[graph] = (flat_tensors(result), inputs)
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.pop(next(iter(self.graphs)))
         return graph
@@ -400,7 +400,7 @@ class Agent(Peer):
             raise wire.WireError("malformed arguments")
         self.current_buffers = buffers
         active = probes.from_requests(request.get("probes", []), self)
-        _set_random_state(request.get("random"), self, buffers)
+        set_random_state(request.get("random"), lambda value: self.decode(value, buffers))
         reply: dict = {}
         with torch.set_grad_enabled(bool(request.get("grad", False))):
             try:
@@ -418,19 +418,8 @@ class Agent(Peer):
                     raise
                 reply["raised"] = exception_data(error)
         reply["probes"] = [encoder.encode(probe.findings()) for probe in active]
-        reply["random"] = _random_state(encoder)
+        reply["random"] = random_state(encoder)
         return reply
-
-
-def _flat_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The tensors of a result, in the order the checker flattens it (remote._flat_tensors)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)) and depth < wire.MAX_DEPTH:
-        return [t for item in value for t in _flat_tensors(item, depth + 1)]
-    if isinstance(value, dict) and depth < wire.MAX_DEPTH:
-        return [t for item in value.values() for t in _flat_tensors(item, depth + 1)]
-    return []
 
 
 def course_class(name: Any) -> type:
@@ -445,27 +434,6 @@ def course_class(name: Any) -> type:
     if not (isinstance(cls, type) and cls.__module__ == name[0] and not issubclass(cls, (nn.Module, BaseException))):
         raise wire.WireError("a class that is not one of the course's")
     return cls
-
-
-def _random_state(encoder: wire.Encoder) -> dict:
-    state = np.random.get_state()
-    return {"torch": encoder.encode(torch.get_rng_state().numpy().tobytes()),  # bytes: not shared memory
-            "numpy": [encoder.encode(state[1]), int(state[2]), int(state[3]), float(state[4])]}
-
-
-def _set_random_state(fields: Any, agent: Agent, buffers: list[bytes]) -> None:
-    """The checker's random state, so that the student's code draws what it would draw in one process."""
-    if not isinstance(fields, dict):
-        return
-    torch_state = agent.decode(fields.get("torch"), buffers)
-    if isinstance(torch_state, bytes) and torch_state:
-        with contextlib.suppress(RuntimeError):
-            torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
-    numpy_state = fields.get("numpy")
-    if isinstance(numpy_state, list) and len(numpy_state) == 4:
-        keys = agent.decode(numpy_state[0], buffers)
-        with contextlib.suppress(ValueError, TypeError):
-            np.random.set_state(("MT19937", keys, int(numpy_state[1]), int(numpy_state[2]), float(numpy_state[3])))
 
 
 def serve(path: str, namespace: dict | None = None, timeout: float = 600) -> None:

@@ -16,9 +16,11 @@ Memory is only ever rebuilt from bytes (:mod:`attention_lab.bridge.wire`).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from attention_lab.bridge import wire
@@ -185,3 +187,41 @@ class Peer:
 
     def decoder(self, buffers: list[bytes], on_tagged: Callable[[str, dict], Any]) -> wire.Decoder:
         return wire.Decoder(buffers, on_tagged, on_tensor=lambda _tensor, fields: self.shared_tensor(fields, buffers))
+
+
+# --------------------------------------------------------------------------------------
+# What both sides send with every call
+# --------------------------------------------------------------------------------------
+
+def random_state(encoder: wire.Encoder) -> dict:
+    """This side's global random state (torch's, NumPy's legacy one), sent with a call so that the
+    other side draws what one process would draw next. As bytes, not as shared memory."""
+    state = np.random.get_state()
+    return {"torch": encoder.encode(torch.get_rng_state().numpy().tobytes()),
+            "numpy": [encoder.encode(state[1]), int(state[2]), int(state[3]), float(state[4])]}
+
+
+def set_random_state(fields: Any, decode: Callable[[Any], Any]) -> None:
+    """Take the other side's random state (``decode``: its values); a malformed one is ignored."""
+    if not isinstance(fields, dict):
+        return
+    torch_state = decode(fields.get("torch"))
+    if isinstance(torch_state, bytes) and torch_state:
+        with contextlib.suppress(RuntimeError):
+            torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
+    numpy_state = fields.get("numpy")
+    if isinstance(numpy_state, list) and len(numpy_state) == 4:
+        keys = decode(numpy_state[0])
+        with contextlib.suppress(ValueError, TypeError):
+            np.random.set_state(("MT19937", keys, int(numpy_state[1]), int(numpy_state[2]), float(numpy_state[3])))
+
+
+def flat_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors of a result (nested tuples, lists, dicts), in the one order both sides use."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and depth < wire.MAX_DEPTH:
+        return [t for item in value for t in flat_tensors(item, depth + 1)]
+    if isinstance(value, dict) and depth < wire.MAX_DEPTH:
+        return [t for item in value.values() for t in flat_tensors(item, depth + 1)]
+    return []

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from attention_lab.bridge import modules, probes as probes_module, wire
-from attention_lab.bridge.peer import Peer
+from attention_lab.bridge.peer import Peer, flat_tensors, random_state, set_random_state
 
 
 class BridgeError(Exception):
@@ -421,7 +421,7 @@ class Bridge(Peer):
             header = {"op": "call", "target": handle, "method": method,
                       "args": encoder.encode(tuple(args)), "kwargs": encoder.encode(dict(kwargs)),
                       "probes": [[*probes_module.spec(p)[:2], encoder.encode(p.parameters)] for p in active],
-                      "grad": torch.is_grad_enabled(), "random": _random_state(encoder),
+                      "grad": torch.is_grad_enabled(), "random": random_state(encoder),
                       "graph": bool(graph_inputs or parameters), "parameters": [[h, n] for h, n, _ in parameters]}
         except wire.WireError as error:
             raise BridgeError(f"the grader could not send the arguments of {what}: {error}") from None
@@ -434,7 +434,7 @@ class Bridge(Peer):
                 probe.accept(self.decode(found, decoder))
             except wire.WireError as error:
                 raise BridgeError(f"your notebook's kernel sent a malformed measurement ({error})") from None
-        _set_random_state(reply.get("random"), self, decoder)
+        set_random_state(reply.get("random"), lambda value: self.decode(value, decoder))
         result = self.value_of(reply, decoder, what)
         if isinstance(reply.get("graph"), str):
             result = _connect_graph(self, reply["graph"], result, [*graph_inputs, *(p for _, _, p in parameters)])
@@ -489,16 +489,6 @@ def _tensors_requiring_grad(value: Any, found: list | None = None, depth: int = 
     return found
 
 
-def _flat_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)) and depth < wire.MAX_DEPTH:
-        return [t for item in value for t in _flat_tensors(item, depth + 1)]
-    if isinstance(value, dict) and depth < wire.MAX_DEPTH:
-        return [t for item in value.values() for t in _flat_tensors(item, depth + 1)]
-    return []
-
-
 def _replace_tensors(value: Any, replacements: list[torch.Tensor], depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         return replacements.pop(0)
@@ -536,7 +526,7 @@ class _GraphLink:
 
 def _connect_graph(bridge: Bridge, graph: str, result: Any, inputs: list[torch.Tensor]) -> Any:
     """``result`` with its tensors made outputs of a :class:`_RemoteGraph` node over ``inputs``."""
-    outputs = _flat_tensors(result)
+    outputs = flat_tensors(result)
     if not outputs or not inputs:
         return result
     connected = list(_RemoteGraph.apply(_GraphLink(bridge, graph, outputs, len(inputs)), *inputs))
@@ -557,31 +547,6 @@ def _send_loader(loader: "torch.utils.data.DataLoader", encoder: wire.Encoder) -
             "batch_size": int(loader.batch_size), "drop_last": bool(loader.drop_last),
             "shuffle": isinstance(sampler, RandomSampler),
             "generator": None if generator is None else encoder.encode(generator.get_state())}
-
-
-def _random_state(encoder: wire.Encoder) -> dict:
-    state = np.random.get_state()
-    return {"torch": encoder.encode(torch.get_rng_state().numpy().tobytes()),  # bytes: not shared memory
-            "numpy": [encoder.encode(state[1]), int(state[2]), int(state[3]), float(state[4])]}
-
-
-def _set_random_state(fields: Any, bridge: Bridge, decoder: wire.Decoder) -> None:
-    """The kernel's random state after the call, here: the next draws are those one process would make."""
-    if not isinstance(fields, dict):
-        return
-    torch_state = bridge.decode(fields.get("torch"), decoder)
-    if isinstance(torch_state, bytes) and torch_state:
-        try:
-            torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
-        except RuntimeError:
-            pass
-    numpy_state = fields.get("numpy")
-    if isinstance(numpy_state, list) and len(numpy_state) == 4:
-        keys = bridge.decode(numpy_state[0], decoder)
-        try:
-            np.random.set_state(("MT19937", keys, int(numpy_state[1]), int(numpy_state[2]), float(numpy_state[3])))
-        except (ValueError, TypeError):
-            pass
 
 
 class _Unreadable:
