@@ -347,18 +347,7 @@ def launch_row_softmax(kernel: Any, x: torch.Tensor, poison: int = 0,
     one program per row, ``BLOCK`` the next power of two >= n_cols. ``out`` is a :class:`GuardedOutput`
     with sentinel columns after each row and rows after the last."""
     _check_kernel(kernel, x)
-    rows, cols = x.shape
-    block = triton.next_power_of_2(cols)
-    x_view = _padded(x, poison, poison, float("nan"))
-    guard = max(poison, block, GUARD_ROWS)
-    out = GuardedOutput("out", (rows, cols), (cols + guard, 1), guard * (cols + guard), x.dtype, x.device)
-    watch = LoadWatch() if watch is None else watch
-    watch.add("x", x_view)
-    watch.add("out", out.tensor)
-    with watch:
-        _run(kernel, (rows,), x_view, out.tensor, cols, x_view.stride(0), out.tensor.stride(0), BLOCK=block)
-    out.verify()
-    return out.tensor.clone()
+    return _launch_per_row(kernel, x, triton.next_power_of_2(x.shape[1]), poison, watch)
 
 
 def launch_online_softmax(kernel: Any, x: torch.Tensor, block: int = 64, poison: int = 0,
@@ -371,6 +360,12 @@ def launch_online_softmax(kernel: Any, x: torch.Tensor, block: int = 64, poison:
     _check_kernel(kernel, x)
     if block < 1 or block & (block - 1):
         raise ValueError(f"block = {block}: must be a power of two (tl.arange needs one)")
+    return _launch_per_row(kernel, x, block, poison, watch)
+
+
+def _launch_per_row(kernel: Any, x: torch.Tensor, block: int, poison: int, watch: "LoadWatch | None") -> torch.Tensor:
+    """One program per row of ``x`` running ``kernel(X, Out, n_cols, stride_x, stride_out, BLOCK)``: NaN
+    after each row of x, out a :class:`GuardedOutput`, every load and store watched."""
     rows, cols = x.shape
     x_view = _padded(x, poison, poison, float("nan"))
     guard = max(poison, block, GUARD_ROWS)
