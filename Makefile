@@ -191,7 +191,7 @@ lms-export: setup ## grades for your LMS's import (Canvas, Moodle: a row per stu
 	$(BIN)/python -m autograder.lms_export
 
 report: setup ## the class report per assignment: autograder/course_root/reports/class/<assignment>/index.html
-	$(BIN)/python -m autograder.report
+	$(BIN)/python -m autograder.class_report
 
 publish: setup ## write the students' repository to DEST=<folder> for REPO=<owner/name>: notebooks, helper package, README; no solution, no hidden test
 	@test -n "$(DEST)" -a -n "$(REPO)" || { echo "usage: make publish DEST=../attention-lab-students REPO=<github owner>/<students' repository>"; exit 2; }

@@ -1,4 +1,4 @@
-"""Limits that hold for a grading sandbox as a whole: a control group per grading engine.
+"""Limits that hold for a grading sandbox as a whole: a control group per nbgrader process.
 
 Resource limits (``setrlimit``) hold per process: three forked children may each use the
 memory limit, and uid 0 (the grader as root, the sandbox's own uid 0) is exempt from the
@@ -13,9 +13,9 @@ kernel server, its kernels and whatever they start) together:
 * none otherwise: the per-process limits still hold, and ``make grade``'s report says which
   limits hold on the machine (:func:`available`).
 
-:class:`Group` is one engine's group: created with the limits, joined by the sandbox's
+:class:`Group` is one nbgrader process's group: created with the limits, joined by the sandbox's
 first process (``python -m autograder.sandbox launch --cgroup ...``, before it ``exec``s
-bubblewrap), read for the CPU time a submission used, removed with the engine.
+bubblewrap), read for the CPU time a submission used, removed with the nbgrader process.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Group:
             return 0.0
 
     def remove(self) -> None:
-        """Remove the group's folders (once its processes are gone: the engine waits for them)."""
+        """Remove the group's folders (once its processes are gone: the nbgrader process waits for them)."""
         for folder in self.folders.values():
             for _ in range(50):  # a killed process leaves its group a moment after it is reaped
                 try:

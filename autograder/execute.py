@@ -24,7 +24,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from autograder import sandbox
-from autograder.grading.trusted_cells import CheckedOutsideTheKernel, checked_outside_the_kernel
+from autograder.grading.trusted.cells import CheckedOutsideTheKernel, checked_outside_the_kernel
 from autograder.kernel_forkserver import Server
 from autograder.results import graded_cells
 
@@ -74,7 +74,7 @@ def notebook_client(notebook: nbformat.NotebookNode, working_dir: Path | str,
 
 class TrustedClient(CheckedOutsideTheKernel, NotebookClient):
     """nbclient that runs a checked notebook's graded test cells in the trusted checker, as
-    grading does (:mod:`autograder.grading.trusted_cells`)."""
+    grading does (:mod:`autograder.grading.trusted.cells`)."""
 
     notebook_name = ""
 
@@ -86,7 +86,7 @@ class TrustedClient(CheckedOutsideTheKernel, NotebookClient):
 
 
 class ForkedKernels:
-    """Course kernels forked from one kernel server in the grading sandbox, as a grading engine
+    """Course kernels forked from one kernel server in the grading sandbox, as an nbgrader process
     runs them (:mod:`autograder.kernel_forkserver`): the server has imported ipykernel, torch
     and the course once, so a notebook costs its cells and not a new Python importing them
     (2 to 3 s of CPU). The kernels meet grading's environment (bubblewrap's read-only system,

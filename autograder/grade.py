@@ -1,4 +1,4 @@
-"""Autograde every submission, students in parallel on Dask, with nbgrader as the engine.
+"""Autograde every submission with nbgrader (the engine of record), students in parallel on Dask.
 
     python -m autograder.grade                 # grade new or changed submissions (make grade)
     python -m autograder.grade --jobs 4        # four students at a time (make grade JOBS=4)
@@ -49,17 +49,17 @@ import sys
 from pathlib import Path
 
 from autograder import gradebook, release, sandbox
-from autograder.grading import engine as dask_engine
+from autograder.grading import dask_cluster
 from autograder.course_settings import CourseSettings
 from autograder.grading.merge import ensure_assignments, ensure_sources, merge, rescore, template
 from autograder.grading.plan import (IGNORED_NAMES, REPORTS_DIR, STATE_DIR, TIMESTAMP_FILE, Outcome, Settings,
                                      Submission, assignments_with_source, discover, exclusive, fingerprint,
                                      load_state, notebook_names, save_state, submitted_folders, tree_files)
-from autograder.grading.report import console_line, full_error, limit_lines, limits_in_force, summary, write_report
-from autograder.grading.task import Engine, start_failure_cause, tampering_incidents
+from autograder.grading.run_report import console_line, full_error, limit_lines, limits_in_force, summary, write_report
+from autograder.grading.task import NbgraderProcess, start_failure_cause, tampering_incidents
 from autograder.settings import COURSE_ROOT, COURSE_SETTINGS_FILE, DB_URL_VARIABLE
 
-__all__ = ["IGNORED_NAMES", "REPORTS_DIR", "STATE_DIR", "Engine", "Outcome", "Settings", "Submission",
+__all__ = ["IGNORED_NAMES", "REPORTS_DIR", "STATE_DIR", "NbgraderProcess", "Outcome", "Settings", "Submission",
            "assignments_with_source", "discover", "ensure_assignments", "ensure_sources", "fingerprint", "grade",
            "SandboxUnavailable", "load_state", "main", "merge", "notebook_names", "save_state", "start_failure_cause",
            "tampering_incidents", "write_report"]
@@ -145,11 +145,11 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
                       "settings": dataclasses.asdict(settings), "hide": [str(root)]} for s, _ in todo]
             # one gradebook session for every merge of the run (opening one per student cost
             # more than the merge itself)
-            with dask_engine.cluster(jobs, scheduler, processes) as connection, \
+            with dask_cluster.cluster(jobs, scheduler, processes) as connection, \
                     gradebook.open_gradebook(root, url) as book:
                 description = connection.description
                 log(f"engine: {description}")
-                for index, result, error in dask_engine.run(connection, shared, tasks):
+                for index, result, error in dask_cluster.run(connection, shared, tasks):
                     submission, digest = todo[index]
                     outcome = _outcome(submission, result, error)
                     outcome.fingerprint = digest

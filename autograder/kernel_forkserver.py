@@ -2,7 +2,7 @@
 
 A grading kernel spends about 2 s of CPU before it runs the notebook's first cell: Python,
 ipykernel, torch and the course package, the same for every student -- a third of what
-grading a short notebook costs.  Under bubblewrap, each grading engine therefore starts one
+grading a short notebook costs.  Under bubblewrap, each nbgrader process therefore starts one
 kernel server in the sandbox, which imports them once; each notebook's kernel is then a
 fork of it (copy-on-write), started in milliseconds, and the server never runs student code.
 
@@ -11,13 +11,13 @@ Students stay apart, as with a fresh sandbox per kernel:
 * the server is PID 1 of the sandbox's PID namespace: a kernel cannot kill it (PID 1
   ignores signals it does not handle, SIGKILL included, from inside its namespace), and
   it is not dumpable, so a kernel cannot ptrace it either;
-* when a kernel ends, and whenever the engine asks (before it answers for a student), the
+* when a kernel ends, and whenever the nbgrader process asks (before it answers for a student), the
   server kills every other process of the namespace (``kill(-1)``) and empties the
   sandbox's ``/tmp`` (``HOME``, ``IPYTHONDIR``) and ``/dev/shm``, making writable again what
   a kernel made read-only: every kernel starts on fresh scratch folders, and nothing a
   student started or left there reaches the next kernel, whose working and runtime folders
-  the engine empties itself;
-* it listens on a socket the engine created, in a folder the sandbox hides, and inherited
+  the nbgrader process empties itself;
+* it listens on a socket the nbgrader process created, in a folder the sandbox hides, and inherited
   as a file descriptor that each kernel closes: no kernel can reach it;
 * each kernel gets its own session, resource limits, working folder, environment (the
   allowed part of the one Jupyter gave it: ``--allow``; the server itself starts again
@@ -33,7 +33,7 @@ modules).
     python kernel_forkserver.py serve --listen-fd N --workdir-root D --runtime-dir R --keep VAR,... --allow VAR,... --preload M,...
     python kernel_forkserver.py kernel --socket PATH --memory-mb N --file-mb M -f CONNECTION_FILE
 
-``serve`` is the server (started by :class:`Server`, in the engine); ``kernel`` is the
+``serve`` is the server (started by :class:`Server`, in the nbgrader process); ``kernel`` is the
 kernelspec's command, which Jupyter starts: it asks the server for a kernel and lives as
 long as that kernel, exiting with its status (killing it kills the kernel).
 """
@@ -66,7 +66,7 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 # before Triton's interpreter is chosen, notebook 06's kernels fail (tests/test_corpus.py).
 KERNEL_MODULES = ("ipykernel.kernelapp",)
 COURSE_MODULES = ("torch", "torch._dynamo", "attention_lab")
-# Folders of the sandbox that kernels may write and that no folder of the engine backs.
+# Folders of the sandbox that kernels may write and that no folder of the nbgrader process backs.
 SANDBOX_SCRATCH = ("/tmp", "/dev/shm")
 
 
@@ -135,8 +135,8 @@ def _reap() -> None:
 
 def empty_folder(folder: str | os.PathLike, keep: tuple[str, ...] = ()) -> None:
     """Remove what ``folder`` holds, links themselves (never what they point to), on its own
-    file system only: the folders the engine shows inside the sandbox (bind mounts: the
-    kernels' working and runtime folders, which ``/tmp`` holds when the engine's scratch
+    file system only: the folders the nbgrader process shows inside the sandbox (bind mounts: the
+    kernels' working and runtime folders, which ``/tmp`` holds when the nbgrader process's scratch
     folder is under ``/tmp``) are not crossed.  The sub-folders named in ``keep`` stay, emptied.
     A folder made read-only (``chmod 0555``) is made writable again first: its owner may,
     without any capability.
@@ -308,11 +308,11 @@ def kernel(socket_path: str, connection_file: str, memory_mb: int, file_mb: int,
 
 
 # --------------------------------------------------------------------------------------
-# The engine's side: one server per engine
+# The nbgrader process's side: one server per nbgrader process
 # --------------------------------------------------------------------------------------
 
 class Server:
-    """The kernel server of one grading engine: (re)started when its command changes or it died."""
+    """The kernel server of one nbgrader process: (re)started when its command changes or it died."""
 
     def __init__(self):
         self.process: subprocess.Popen | None = None

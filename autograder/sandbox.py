@@ -1,7 +1,7 @@
 """Isolation of the student kernel while autograding.
 
-Every student's notebook runs in its own kernel: under bubblewrap, a fork of the grading
-engine's kernel server (:func:`kernel_server_argv`, see :mod:`autograder.kernel_forkserver`),
+Every student's notebook runs in its own kernel: under bubblewrap, a fork of the nbgrader
+process's kernel server (:func:`kernel_server_argv`, see :mod:`autograder.kernel_forkserver`),
 which runs in the sandbox described below and has imported torch once; without it (only
 when the instructor says ``--sandbox off``), a kernel started afresh (:func:`kernel_argv`).
 Either way the kernel gets:
@@ -28,7 +28,7 @@ Either way the kernel gets:
 
 After each kernel the kernel server kills every process that kernel left and empties
 ``/tmp`` and ``/dev/shm`` (read-only folders a student made included): every kernel starts
-on a fresh writable file system.  After each student the grading engine kills and reaps
+on a fresh writable file system.  After each student the nbgrader process kills and reaps
 every process that student's kernels left behind (it adopts orphans: :func:`adopt_orphans`,
 :func:`kill_children`).
 
@@ -212,7 +212,7 @@ def kernel_argv(workdir: Path, runtime_dir: Path, *, memory_mb: int, file_mb: in
 
 def kernel_server_argv(workdir_root: Path, runtime_dir: Path, hidden: list[Path] | None = None,
                        course: bool = True, disk_mb: int = DISK_MB, cgroup: list[str] | None = None) -> list[str]:
-    """The argv of a grading engine's kernel server (:mod:`autograder.kernel_forkserver`): in
+    """The argv of a nbgrader process's kernel server (:mod:`autograder.kernel_forkserver`): in
     the sandbox, as its PID 1, with ``workdir_root`` (every kernel's working folder lies in
     it) and ``runtime_dir`` writable; ``course``: it imports torch and the course package
     once for all its kernels (notebooks that start with the course's setup cell); ``cgroup``:
@@ -226,7 +226,7 @@ def kernel_server_argv(workdir_root: Path, runtime_dir: Path, hidden: list[Path]
 
 
 def kernel_client_argv(socket_path: Path, *, memory_mb: int, file_mb: int) -> list[str]:
-    """The kernelspec argv of a kernel forked by the engine's kernel server (see
+    """The kernelspec argv of a kernel forked by the nbgrader process's kernel server (see
     :func:`kernel_server_argv`): this process lives as long as the kernel."""
     return [sys.executable, str(KERNEL_SERVER), "kernel", "--socket", str(socket_path),
             f"--memory-mb={memory_mb}", f"--file-mb={file_mb}", "-f", "{connection_file}", *KERNEL_ARGUMENTS]
@@ -305,7 +305,7 @@ def kill_children(spare: int | tuple[int | None, ...] | None = None) -> list[int
     """SIGKILL and reap every child of this process (with :func:`adopt_orphans`: every descendant).
 
     Reaping a bubblewrap sandbox's init returns only once everything in the sandbox is gone.
-    ``spare``: children left alone (the engine's kernel server and checker).  Returns the pids killed.
+    ``spare``: children left alone (the nbgrader process's kernel server and checker).  Returns the pids killed.
     """
     import signal
 

@@ -93,13 +93,13 @@ def _noop(payload: dict) -> int:
 
 def measure_dask(workers: int, submissions: list[Path], repeat: int = 1, tasks: int = 200) -> dict:
     """Start/stop of the embedded LocalCluster, and the round trip of one task carrying a submission."""
-    from autograder.grading import engine
+    from autograder.grading import dask_cluster
 
     payload = {"files": {"n.ipynb": submissions[0].read_bytes()}}
     start_stop, round_trip = [], []
     for _ in range(repeat):
         start = time.perf_counter()
-        with engine.cluster(workers) as connection:
+        with dask_cluster.cluster(workers) as connection:
             started = time.perf_counter()
             client = connection.client
             client.gather(client.map(_noop, [payload] * workers, pure=False))  # warm: imports on each worker
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "execute_seconds": round(execute, 1),
         "speedup_vs_plain_nbgrader": round(plain / pipeline, 2),
         # What N workers give when each submission costs what executing it costs: N x (plain
-        # nbgrader / direct execution). Kernels forked from the engine's kernel server (torch
+        # nbgrader / direct execution). Kernels forked from the nbgrader process's kernel server (torch
         # imported once, autograder.kernel_forkserver) make a submission cost less than that.
         "speedup_ceiling_at_execution_cost": round(jobs * plain / execute, 2),
         "efficiency_per_added_worker": {str(k): round(times[min(workers)] * min(workers) / (v * k), 2)

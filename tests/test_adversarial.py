@@ -271,9 +271,9 @@ def _kernels_in(folders: set[str]) -> list[tuple[str, str]]:
 def test_no_student_kernel_outlives_the_run(graded):
     """Hung, crashed, timed-out and finished kernels alike are gone once grading returns.
 
-    A killed engine's sandboxed kernel dies through the sandbox's parent-death signal, which
+    A killed nbgrader process's sandboxed kernel dies through the sandbox's parent-death signal, which
     the kernel receives asynchronously: on a loaded machine it may take a moment. A kernel
-    that really outlives its engine is still running after a minute.
+    that really outlives its nbgrader process is still running after a minute.
     """
     folders = {f"/autograded/{student}/{ASSIGNMENT}" for student in graded["sub"]}
     deadline = time.monotonic() + 60

@@ -89,7 +89,7 @@ def test_every_grading_path_applies_the_course_settings_and_a_change_rescores_wi
     outcomes = {o.student: o for o in grade.grade(root, jobs=1, log=log.append)}
     assert {s: (o.status, o.score, o.late_penalty) for s, o in outcomes.items()} == {
         "ann": ("unchanged", 1.0, 0.0), "bob": ("unchanged", 1.0, 0.0), "cy": ("unchanged", 1.0, 0.0)}, log
-    assert not any(o.engines for o in outcomes.values()), "a penalty change ran a notebook again"
+    assert not any(o.nbgrader_pids for o in outcomes.values()), "a penalty change ran a notebook again"
     assert "re-scored: late penalty 1 -> 0" in "\n".join(log), log
     with gradebook.open_gradebook(root) as gb:   # nbgrader's own record of the extension
         assert gb.find_submission(TINY, "bob").extension == datetime.timedelta(days=1, hours=1)

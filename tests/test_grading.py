@@ -1,5 +1,5 @@
-"""The nbgrader flow itself (course config + real ``nbgrader autograde``), the grading
-engines (on a tiny assignment), and the pieces of the pipeline that need no kernel
+"""The nbgrader flow itself (course config + real ``nbgrader autograde``), the nbgrader
+processes on the Dask workers (on a tiny assignment), and the pieces of the pipeline that need no kernel
 (feedback wording, fingerprints, discovery)."""
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def test_render_keeps_the_lines_of_a_message_and_names_the_notebook_once():
 
 
 # --------------------------------------------------------------------------------------
-# The engines: one long-lived nbgrader process per job, a new kernel per notebook
+# The nbgrader processes: one long-lived nbgrader process per job, a new kernel per notebook
 # --------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -208,16 +208,16 @@ def tiny_class(tmp_path):
     return submit
 
 
-def engine_pids(outcomes) -> set[int]:
-    """The nbgrader engine processes (on the Dask workers) that graded these outcomes."""
-    return {pid for o in outcomes for pid in o.engines}
+def nbgrader_pids(outcomes) -> set[int]:
+    """The nbgrader processes (on the Dask workers) that graded these outcomes."""
+    return {pid for o in outcomes for pid in o.nbgrader_pids}
 
 
 def wait_until_gone(pids: set[int], seconds: float = 30) -> set[int]:
-    """The pids still running after ``seconds`` (an engine exits once its Dask worker is gone)."""
+    """The pids still running after ``seconds`` (an nbgrader process exits once its Dask worker is gone)."""
     deadline = time.monotonic() + seconds
     while (alive := {pid for pid in pids if Path(f"/proc/{pid}").exists()
-                     and "autograder.worker" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")}) \
+                     and "autograder.grading.nbgrader_process" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")}) \
             and time.monotonic() < deadline:
         time.sleep(0.2)
     return alive
@@ -255,19 +255,19 @@ def tiny_graded(tmp_path_factory):
 
 @pytest.mark.slow
 @ON_THE_TINY_GRADED_CLASS
-def test_one_engine_grades_a_job_students_each_in_a_fresh_kernel(tiny_graded):
+def test_one_nbgrader_process_grades_a_job_students_each_in_a_fresh_kernel(tiny_graded):
     root, outcomes = tiny_graded
     # A kernel shared between students would fail the second one's test (the builtins marker).
     assert {o.student: o.score for o in outcomes} == {"ann": 1.0, "bob": 0.0, "cy": 1.0, "dee": 1.0}
-    assert len(engine_pids(outcomes)) == 1, "the worker's engine should grade all four students"
+    assert len(nbgrader_pids(outcomes)) == 1, "the worker's nbgrader process should grade all four students"
     assert len({o.worker for o in outcomes}) == 1 and str(os.getpid()) not in outcomes[0].worker, \
         "graded by one Dask worker process, not this one"
-    assert wait_until_gone(engine_pids(outcomes)) == set(), "the engine outlived the run"
+    assert wait_until_gone(nbgrader_pids(outcomes)) == set(), "the nbgrader process outlived the run"
 
 
 @pytest.mark.slow
-def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny_class):
-    # long enough to start an engine and a kernel on this machine now, far shorter than the sleep
+def test_nbgrader_process_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny_class):
+    # long enough to start an nbgrader process and a kernel on this machine now, far shorter than the sleep
     notebook_timeout = int(max(15, 4 * setup_cell_seconds()))
     root = tiny_class({"ann": "import time\ntime.sleep(600)\nvalue = 42", "bob": "value = 42"})
     settings = grade.Settings(timeout=300, notebook_timeout=notebook_timeout, attempts=2)
@@ -276,8 +276,8 @@ def test_engine_past_the_notebook_timeout_is_replaced_and_the_class_goes_on(tiny
     assert [i["kind"] for i in outcomes["ann"].incidents] == ["notebook_timeout"]
     assert outcomes["bob"].score == 1.0
     outcomes = list(outcomes.values())
-    assert len(engine_pids(outcomes)) == 2, "the killed engine should be replaced by exactly one new one"
-    assert wait_until_gone(engine_pids(outcomes)) == set()
+    assert len(nbgrader_pids(outcomes)) == 2, "the killed nbgrader process should be replaced by exactly one new one"
+    assert wait_until_gone(nbgrader_pids(outcomes)) == set()
 
 
 # Without bubblewrap only the explicit "off" grades.
@@ -287,7 +287,7 @@ SANDBOX_MODES = ["on", "off"] if sandbox.bwrap_path() is not None else ["off"]
 @pytest.mark.slow
 @pytest.mark.parametrize("isolation, seconds", [(m, f"417{n}") for n, m in enumerate(SANDBOX_MODES, 1)])
 def test_processes_a_student_detaches_do_not_outlive_their_grading(tiny_class, isolation, seconds):
-    """Under bubblewrap the sandbox's end takes them; without it the engine adopts and kills them."""
+    """Under bubblewrap the sandbox's end takes them; without it the nbgrader process adopts and kills them."""
     root = tiny_class({"ann": f"import subprocess\nsubprocess.Popen(['sleep', '{seconds}'], start_new_session=True)\n"
                               "value = 42"})
     outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None)
@@ -320,7 +320,7 @@ LOOK = "assert not os.path.exists('/dev/shm/left-by-a'), 'left in /dev/shm'\n"
 @pytest.mark.slow
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="kernels are forked from a server only under bubblewrap")
 def test_nothing_a_student_leaves_in_the_sandbox_reaches_the_next_student(tiny_class):
-    """One engine grades a, b, c in turn, each kernel forked from the same kernel server:
+    """One nbgrader process grades a, b, c in turn, each kernel forked from the same kernel server:
     b defines no value, so b earns nothing unless a's start-up file reached b's kernel."""
     root = tiny_class({"a": ATTACK, "b": "import os\n" + LOOK + "pass", "c": "import os\n" + LOOK + "value = 42"})
     log: list[str] = []
@@ -329,8 +329,8 @@ def test_nothing_a_student_leaves_in_the_sandbox_reaches_the_next_student(tiny_c
     assert graded == ["a", "b", "c"], f"graded in another order, so a could not reach b: {log}"
     assert {s: (o.status, o.score) for s, o in outcomes.items()} == {
         "a": ("graded", 1.0), "b": ("graded", 0.0), "c": ("graded", 1.0)}, "\n".join(log)
-    assert outcomes["a"].incidents == [] and len(set(outcomes["a"].engines + outcomes["c"].engines)) == 1, \
-        "the kernel server (and so its engine) did not survive a's SIGKILL"  # (a earns 1 only if it cannot trace it)
+    assert outcomes["a"].incidents == [] and len(set(outcomes["a"].nbgrader_pids + outcomes["c"].nbgrader_pids)) == 1, \
+        "the kernel server (and so its nbgrader process) did not survive a's SIGKILL"  # (a earns 1 only if it cannot trace it)
     test_b = next(t for t in outcomes["b"].tests if t["grade_id"] == "test_value")
     assert test_b["error"] == "NameError", test_b
     assert processes_running(sys.executable, "-c", PLANTER, "planter-4173") == []
@@ -382,10 +382,10 @@ def test_the_guard_trusts_the_package_the_kernel_imports():
     """Where the package is installed is what the sandbox shows and the guard trusts (no false tampering)."""
     import attention_lab
 
-    from autograder import worker
+    from autograder.grading import nbgrader_process
 
     assert sandbox.package_dir() == Path(attention_lab.__file__).resolve().parent
-    assert repr(str(sandbox.package_dir())) in worker.GUARD_CODE
+    assert repr(str(sandbox.package_dir())) in nbgrader_process.GUARD_CODE
 
 
 @pytest.mark.slow

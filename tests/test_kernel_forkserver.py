@@ -1,4 +1,4 @@
-"""Grading kernels forked from the engine's sandboxed kernel server (autograder.kernel_forkserver).
+"""Grading kernels forked from the nbgrader process's sandboxed kernel server (autograder.kernel_forkserver).
 
 * a forked kernel is set up as a kernel started afresh in the same sandbox: same ``sys.path``,
   ``sys.argv`` shape, working folder, environment and resource limits; each draws its own
@@ -6,7 +6,7 @@
 * the kernel server refuses to run anywhere but as PID 1 of a sandbox (it kills every other
   process of its PID namespace);
 * it imports torch and the course package only for notebooks that start with the course's
-  setup cell (a notebook without it would pay for them at every engine start).
+  setup cell (a notebook without it would pay for them at every nbgrader process start).
 
 What a student can do to the server, or leave behind for the next student, is tested
 through the grading pipeline in tests/test_grading.py.
@@ -89,7 +89,7 @@ def test_a_forked_kernel_is_set_up_as_a_fresh_sandboxed_kernel(sandbox_folders, 
     server = kernel_forkserver.Server()
     socket_path = base / "server.sock"
     sandbox.write_kernelspec(forked_spec, sandbox.kernel_client_argv(socket_path, **limits))
-    grader = {"JUPYTER_PATH": "/somewhere", "LANG": "C.UTF-8",  # what the engine sets while it grades, ...
+    grader = {"JUPYTER_PATH": "/somewhere", "LANG": "C.UTF-8",  # what the nbgrader process sets while it grades, ...
               "ATTENTION_LAB_DB_URL": f"postgresql://grader:{SECRET}@db/course", "AWS_SECRET_ACCESS_KEY": SECRET}
     environment = {**os.environ, **grader, **sandbox.kernel_environment()}  # (... and what it was started with)
     for name, value in grader.items():  # (restored after the test: later tests in this process never see them)

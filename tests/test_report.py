@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from attention_lab.checks.mha_shapes import check_merge_heads, check_split_heads
-from autograder import gradebook, report
+from autograder import class_report as report, gradebook
 from autograder.nbgrader_cli import run_nbgrader
 from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
 

@@ -77,7 +77,7 @@ def test_make_grade_refuses_without_a_working_sandbox_unless_the_instructor_turn
 
 
 # --------------------------------------------------------------------------------------
-# What a kernel sees and keeps: one class, graded by one engine
+# What a kernel sees and keeps: one class, graded by one nbgrader process
 # --------------------------------------------------------------------------------------
 
 SECRET = "hunter2-db-password"
@@ -134,7 +134,7 @@ value = 42"""
 @pytest.fixture(scope="module")
 def hostile_class(tmp_path_factory):
     """The planter first, then its victim and a collector, a thief of environments and a spy,
-    graded in one run by one engine (each kernel forked from the same kernel server), with
+    graded in one run by one nbgrader process (each kernel forked from the same kernel server), with
     the grader's database URL and password exported as `make grade DB_URL=...` exports them."""
     base = tmp_path_factory.mktemp("hostile")
     checkout = Path(tempfile.mkdtemp(prefix="other-checkout-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None))
@@ -188,7 +188,7 @@ def test_nothing_a_kernel_writes_reaches_the_next_even_in_folders_made_read_only
     its start-up file, its note in /dev/shm, the victim's answer)."""
     root, outcomes, log = hostile_class
     assert graded_order(log)[0] == "a-planter", f"the planter was not graded first: {log}"
-    assert len({pid for o in outcomes.values() for pid in o.engines}) == 1, "not one engine: nothing to show"
+    assert len({pid for o in outcomes.values() for pid in o.nbgrader_pids}) == 1, "not one nbgrader process: nothing to show"
     assert {s: (o.status, o.score) for s, o in outcomes.items() if s[1] == "-"} == {
         "a-planter": ("graded", 1.0), "b-victim": ("graded", 1.0), "c-collector": ("graded", 1.0)}, "\n".join(log)
     assert outcomes["b-victim"].incidents == []
@@ -280,7 +280,7 @@ def test_memory_processes_disk_and_time_are_limited_for_a_whole_submission(tmp_p
 
 
 def test_the_report_says_which_limits_do_not_hold_without_a_control_group(monkeypatch):
-    from autograder.grading.report import limit_lines, limits_in_force
+    from autograder.grading.run_report import limit_lines, limits_in_force
 
     monkeypatch.setattr(cgroups, "available", lambda: None)
     limits = {item["limit"]: item for item in limits_in_force(grade.Settings())}

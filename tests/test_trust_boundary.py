@@ -1,11 +1,11 @@
 """Grades nobody can forge: submissions that attack the verdict itself, graded by the real
 pipeline (intake -> Dask -> nbgrader -> the trusted checker) in one run on one class.
 
-Notebook 01's test cells run in the trusted checker (autograder.grading.checker), which calls
+Notebook 01's test cells run in the trusted checker (autograder.grading.trusted.checker), which calls
 the student's code through the bridge (attention_lab.bridge): each attack below gave an empty
 submission full marks when the test cells ran in the student's kernel.  Here each scores what
 its real answers earn (nothing), while an honest submission graded in the same run, on the same
-engines, keeps full marks.
+nbgrader processes, keeps full marks.
 """
 
 from __future__ import annotations

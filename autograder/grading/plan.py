@@ -90,12 +90,12 @@ class Outcome:
     incidents: list[dict] = field(default_factory=list)
     error: str = ""
     fingerprint: str = ""
-    engines: list[int] = field(default_factory=list)   # pid of the nbgrader process of each attempt
+    nbgrader_pids: list[int] = field(default_factory=list)   # pid of the nbgrader process of each attempt
     worker: str = ""                     # the Dask worker that graded it
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
-        for private in ("fingerprint", "engines", "worker"):
+        for private in ("fingerprint", "nbgrader_pids", "worker"):
             data.pop(private)
         return data
 

@@ -7,14 +7,14 @@ autograded notebooks, the grades and comments nbgrader recorded, the report entr
 is read from or written to the instructor's course root: no shared filesystem is assumed,
 and the parent process alone writes the gradebook (see :mod:`autograder.grading.merge`).
 
-nbgrader itself runs in an :class:`Engine`: a long-lived ``python -m autograder.worker``
+nbgrader itself runs in an :class:`NbgraderProcess`: a long-lived ``python -m autograder.grading.nbgrader_process``
 process per task slot of the worker process, started once and reused for every student
 (Python and nbgrader start once per worker, not once per student); each notebook gets a new
-kernel, under :mod:`autograder.sandbox` (under bubblewrap, forked from the engine's kernel
+kernel, under :mod:`autograder.sandbox` (under bubblewrap, forked from the nbgrader process's kernel
 server, which has imported torch once: :mod:`autograder.kernel_forkserver`).  An attempt
-that runs past ``notebook_timeout`` gets its engine killed (its kernel dies with it) and
-replaced.  Each engine grades in a course root of its own, emptied before and after each
-student; the worker's scratch folder goes with the worker, even a killed one (its engines
+that runs past ``notebook_timeout`` gets its nbgrader process killed (its kernel dies with it) and
+replaced.  Each nbgrader process grades in a course root of its own, emptied before and after each
+student; the worker's scratch folder goes with the worker, even a killed one (its nbgrader processes
 remove it once the worker is gone).
 
 A kernel that dies (``sys.exit`` is fine, ``os._exit``/segfault is not), hangs past its
@@ -23,7 +23,7 @@ timeout without answering the interrupt within the grace time, or writes more th
 its ``/tmp`` and ``/dev/shm`` are tmpfs of that size) is restarted with that cell skipped
 (it earns nothing, the others earn what they earn).  The submission is failed, never
 silently scored, after ``attempts`` tries, or once its attempts together ran past
-``submission_timeout`` seconds or (where the engine's sandbox has a control group,
+``submission_timeout`` seconds or (where the nbgrader process's sandbox has a control group,
 :mod:`autograder.cgroups`, which also holds the memory and process count of the whole
 sandbox) used more than ``cpu_seconds`` of CPU.
 """
@@ -54,24 +54,24 @@ from autograder.settings import AUTOGRADER_DIR, SETUP_CELL_ID
 
 
 # --------------------------------------------------------------------------------------
-# The engines: one long-lived nbgrader process per task slot of this worker process
+# The nbgrader processes: one long-lived nbgrader process per task slot of this worker process
 # --------------------------------------------------------------------------------------
 
 @dataclass
 class Attempt:
-    status: int | None      # nbgrader's exit status; None when the engine died or was killed
+    status: int | None      # nbgrader's exit status; None when the nbgrader process died or was killed
     timed_out: bool = False
-    log: str = ""           # what the engine printed during a failed attempt
+    log: str = ""           # what the nbgrader process printed during a failed attempt
     recorded: dict | None = None    # what nbgrader recorded, when it succeeded
-    stopped: str = ""       # why the watch (see Engine.run) stopped it: "disk" or "cpu"
+    stopped: str = ""       # why the watch (see NbgraderProcess.run) stopped it: "disk" or "cpu"
 
 
-class Engine:
-    """One ``python -m autograder.worker`` process: autogrades the students given to it.
+class NbgraderProcess:
+    """One ``python -m autograder.grading.nbgrader_process`` process: autogrades the students given to it.
 
     Started on first use and replaced after it was killed (an attempt that ran past its
     time) or died.  It runs nbgrader, never student code: each notebook gets a new kernel.
-    It exits with the process that started it (see :func:`autograder.worker.serve`).
+    It exits with the process that started it (see :func:`autograder.grading.nbgrader_process.serve`).
     """
 
     def __init__(self, folder: Path):
@@ -90,7 +90,7 @@ class Engine:
         environment = nbgrader_environment()
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "autograder.worker", "--replies", str(write_end),
+                [sys.executable, "-m", "autograder.grading.nbgrader_process", "--replies", str(write_end),
                  "--parent", str(os.getpid()), "--scratch", str(self.folder.parent)],
                 cwd=AUTOGRADER_DIR, env=environment, stdin=subprocess.PIPE, stdout=log,
                 stderr=subprocess.STDOUT, pass_fds=(write_end,), start_new_session=True)
@@ -99,7 +99,7 @@ class Engine:
         self.last_pid = self.process.pid
 
     def sandbox_group(self, memory_mb: int, processes: int) -> cgroups.Group | None:
-        """The control group of this engine's kernel server, with these limits (None where the
+        """The control group of this nbgrader process's kernel server, with these limits (None where the
         machine offers none): kept while the limits stay, so the server is kept too."""
         if self._group_limits != (memory_mb, processes):
             self.stop()
@@ -113,7 +113,7 @@ class Engine:
         self.group, self._group_limits = None, None
 
     def run(self, task: dict, timeout: float, watch=None) -> Attempt:
-        """Autograde one task (see :func:`autograder.worker.autograde`); wait at most ``timeout`` s.
+        """Autograde one task (see :func:`autograder.grading.nbgrader_process.autograde`); wait at most ``timeout`` s.
 
         ``watch``: called about every second while it runs; a reason it returns (``"disk"``,
         ``"cpu"``) stops the attempt as a timeout does.
@@ -151,23 +151,23 @@ class Engine:
                     return None
                 continue
             chunk = os.read(self._replies, 4096)
-            if not chunk:  # the engine exited
+            if not chunk:  # the nbgrader process exited
                 return None
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
 
     def course_root(self) -> Path:
-        """This engine's course root, emptied for the next student.  Its ``autograded`` (every
+        """This nbgrader process's course root, emptied for the next student.  Its ``autograded`` (every
         kernel's working folder lies in it) and ``rt`` (the kernels' runtime folder) are
-        emptied, never replaced: the engine's kernel server shows these very folders."""
+        emptied, never replaced: the nbgrader process's kernel server shows these very folders."""
         for folder in (self.folder / KERNEL_WORKDIR_ROOT, self.folder / KERNEL_RUNTIME_DIR):
             folder.mkdir(parents=True, exist_ok=True)
         empty_folder(self.folder, keep=(KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR))
         return self.folder
 
     def stop(self) -> None:
-        """Kill the engine (its kernels die with it, see autograder.sandbox)."""
+        """Kill the nbgrader process (its kernels die with it, see autograder.sandbox)."""
         if self.process is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -183,8 +183,8 @@ KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR = "autograded", "rt"
 WATCH_INTERVAL = 1.0    # seconds between two looks at a running attempt's disk and CPU use
 
 
-_idle: queue.SimpleQueue[Engine] = queue.SimpleQueue()
-_engines: list[Engine] = []
+_idle: queue.SimpleQueue[NbgraderProcess] = queue.SimpleQueue()
+_processes: list[NbgraderProcess] = []
 _lock = threading.RLock()
 _scratch: list[Path] = []
 
@@ -198,28 +198,28 @@ def scratch_base() -> Path:
 
 
 @contextlib.contextmanager
-def engine():
-    """A free engine of this process (a new one when every engine is busy)."""
+def nbgrader_process():
+    """A free nbgrader process of this Dask worker (a new one when all are busy)."""
     try:
         free = _idle.get_nowait()
     except queue.Empty:
         with _lock:
-            free = Engine(scratch_base() / f"engine{len(_engines)}")
-            _engines.append(free)
+            free = NbgraderProcess(scratch_base() / f"nbgrader{len(_processes)}")
+            _processes.append(free)
     try:
         yield free
     finally:
         _idle.put(free)
 
 
-def stop_engines() -> int:
-    """Stop every engine of this process (run on each worker when the grading run ends)."""
+def stop_nbgrader_processes() -> int:
+    """Stop every nbgrader process of this process (run on each worker when the grading run ends)."""
     with _lock:
-        for each in _engines:
+        for each in _processes:
             each.stop()
             each.remove_group()
-        stopped = len(_engines)
-        _engines.clear()
+        stopped = len(_processes)
+        _processes.clear()
         while True:
             try:
                 _idle.get_nowait()
@@ -318,7 +318,7 @@ def grade_submission(task: dict) -> dict:
     start = time.perf_counter()
     settings = task["settings"]
     student, assignment = task["student"], task["assignment"]
-    outcome = {"status": "failed", "attempts": 0, "incidents": [], "tests": [], "error": "", "engines": [],
+    outcome = {"status": "failed", "attempts": 0, "incidents": [], "tests": [], "error": "", "nbgrader_pids": [],
                "worker": f"{socket.gethostname()}:{os.getpid()}", "seconds": 0.0}
     answer = {"outcome": outcome, "notebooks": {}, "grades": {}, "timestamp": None}
     use_bwrap = settings["sandbox"] != "off"
@@ -326,7 +326,7 @@ def grade_submission(task: dict) -> dict:
         outcome["error"] = f"worker {outcome['worker']}: {sandbox.refusal()}"
         return answer
     outcome["isolation"] = "bubblewrap" if use_bwrap else "none"
-    with engine() as free:
+    with nbgrader_process() as free:
         try:
             course = free.course_root()
             _write_tree(course / "source" / assignment, task["source"])
@@ -347,9 +347,9 @@ def grade_submission(task: dict) -> dict:
     return answer
 
 
-def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engine, outcome: dict) -> dict | None:
+def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: NbgraderProcess, outcome: dict) -> dict | None:
     """The attempts at one submission (``outcome`` records them); what nbgrader recorded
-    (see :func:`autograder.worker.recorded_grades`) when it ends graded."""
+    (see :func:`autograder.grading.nbgrader_process.recorded_grades`) when it ends graded."""
     import nbformat
 
     student, assignment = task["student"], task["assignment"]
@@ -358,7 +358,7 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engi
     workdir.mkdir(parents=True)
     limits = {"memory_mb": settings["memory_mb"], "file_mb": settings["file_mb"]}
     server, group = None, None
-    if use_bwrap:  # kernels forked from the engine's sandboxed kernel server (autograder.kernel_forkserver)
+    if use_bwrap:  # kernels forked from the nbgrader process's sandboxed kernel server (autograder.kernel_forkserver)
         hidden = [course.parent, *(Path(p) for p in task.get("hide", []))]
         group = free.sandbox_group(settings["memory_mb"], settings["processes"])
         server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, runtime, hidden,
@@ -404,7 +404,7 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Engi
                "max_output_bytes": settings["max_output_bytes"],   # the late penalty: the parent's merge
                "ipc": str(runtime / "k") if use_bwrap else None, "kernel_server": server}
         result = free.run(job, timeout=min(settings["notebook_timeout"], remaining), watch=watch)
-        outcome["engines"].append(free.last_pid)
+        outcome["nbgrader_pids"].append(free.last_pid)
         try:
             report = json.loads(report_path.read_text())
         except (OSError, ValueError):

@@ -1,16 +1,16 @@
-"""The nbgrader engine of a Dask worker: autograde students one after another.
+"""The nbgrader process of a Dask worker: autograde students one after another.
 
-    python -m autograder.worker --replies FD [--parent PID --scratch DIR]   # tasks on stdin, a JSON line each
+    python -m autograder.grading.nbgrader_process --replies FD [--parent PID --scratch DIR]   # tasks on stdin, a JSON line each
 
-Started by :class:`autograder.grading.task.Engine` (on a Dask worker) and kept for every
+Started by :class:`autograder.grading.task.NbgraderProcess` (on a Dask worker) and kept for every
 student that worker grades; it exits with the process that started it (``--parent``), so a
-killed Dask worker leaves no engine and no kernel behind.
+killed Dask worker leaves no nbgrader process and no kernel behind.
 
 Each task is ``nbgrader autograde A --student S`` in that student's own temporary course
 root: the real nbgrader app, with the course's nbgrader_config.py, run in this long-lived
 process so that each student does not pay for starting Python and importing nbgrader
 (about 3 s of CPU, as much as some notebooks take to run).  Student code never runs here:
-each notebook gets a new kernel, in the sandbox -- under bubblewrap a fork of this engine's
+each notebook gets a new kernel, in the sandbox -- under bubblewrap a fork of this nbgrader process's
 kernel server (:mod:`autograder.kernel_forkserver`), so that each student does not pay for
 importing torch either; the server is asked to clear its sandbox before each answer.
 
@@ -54,14 +54,14 @@ from traitlets import Dict, Integer, Unicode
 from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
 from autograder import gradebook, sandbox
-from autograder.grading import trusted_cells
-from autograder.grading.trusted_cells import CheckedOutsideTheKernel
+from autograder.grading.trusted import cells as trusted_cells
+from autograder.grading.trusted.cells import CheckedOutsideTheKernel
 from autograder.kernel_forkserver import Server
 from autograder.results import SKIPPED_CELL, defines, hung_function, uses
 from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID,
                                  UNRESPONSIVE_GRACE)
 
-# This engine's kernel server: the sandboxed process its grading kernels are forked from.
+# This nbgrader process's kernel server: the sandboxed process its grading kernels are forked from.
 _kernel_server = Server()
 
 
@@ -336,7 +336,7 @@ def recorded_grades(task: dict) -> dict:
 
 
 def exit_with(parent: int, scratch: Path | None) -> None:
-    """Once ``parent`` (the Dask worker) is gone: kill this engine's children, remove the
+    """Once ``parent`` (the Dask worker) is gone: kill this nbgrader process's children, remove the
     worker's ``scratch`` folder (a killed worker cannot), and exit."""
     def watch() -> None:
         while True:
@@ -348,7 +348,7 @@ def exit_with(parent: int, scratch: Path | None) -> None:
 
 
 def leave(scratch: Path | None) -> None:
-    """Kill this engine's children (its kernel server too), remove ``scratch``, exit."""
+    """Kill this nbgrader process's children (its kernel server too), remove ``scratch``, exit."""
     sandbox.kill_children()
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -386,7 +386,7 @@ def serve(replies: int, parent: int | None = None, scratch: Path | None = None) 
             sys.stdout.flush()
             sys.stderr.flush()
             answer.write(json.dumps({"status": status, "recorded": recorded}) + "\n")
-    if parent:  # stdin closed: the Dask worker exited (to stop an engine, it kills it)
+    if parent:  # stdin closed: the Dask worker exited (to stop an nbgrader process, it kills it)
         leave(scratch)
     return 0
 

@@ -1,10 +1,10 @@
 """Graded test cells run in the trusted checker, not in the student's kernel.
 
 For a notebook listed in :data:`autograder.settings.CHECKED_OUTSIDE_THE_KERNEL`, an nbclient
-client with :class:`CheckedOutsideTheKernel` (grading's :class:`autograder.worker.GuardedExecute`,
+client with :class:`CheckedOutsideTheKernel` (grading's :class:`autograder.grading.nbgrader_process.GuardedExecute`,
 the test suite's :class:`autograder.execute.ForkedKernels`) does not send a graded test cell to
-the kernel.  It sends the cell -- nbgrader's copy, hidden tests included -- to this engine's
-:data:`checker` (:mod:`autograder.grading.checker`), which listens on a socket in the kernel's
+the kernel.  It sends the cell -- nbgrader's copy, hidden tests included -- to this nbgrader process's
+:data:`checker` (:mod:`autograder.grading.trusted.checker`), which listens on a socket in the kernel's
 runtime folder; it then has the kernel run the bridge's agent (silently, outside any cell),
 which connects to that socket and answers the checker's requests until the test is over.  The
 cell's outputs are the checker's: what the checks printed, and the error when the test failed.
@@ -42,7 +42,7 @@ REFUSED = ("Your notebook's kernel did not let the grader call your code (it did
 
 
 class Checker:
-    """An engine's trusted checker (:mod:`autograder.grading.checker`): one process for all its
+    """An nbgrader process's trusted checker (:mod:`autograder.grading.trusted.checker`): one process for all its
     students, (re)started when it is missing or stopped answering."""
 
     def __init__(self):
@@ -54,7 +54,7 @@ class Checker:
 
     def ensure(self) -> subprocess.Popen:
         if self.process is None or self.process.poll() is not None:
-            self.process = subprocess.Popen([sys.executable, "-m", "autograder.grading.checker"], stdin=subprocess.PIPE,
+            self.process = subprocess.Popen([sys.executable, "-m", "autograder.grading.trusted.checker"], stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, text=True, bufsize=1,
                                             cwd=str(Path(__file__).resolve().parent.parent.parent))
         return self.process
@@ -82,7 +82,7 @@ class Checker:
             self.process = None
 
 
-checker = Checker()  # this process's (one per grading engine, one per test process)
+checker = Checker()  # this process's (one per nbgrader process, one per test process)
 
 
 def checked_outside_the_kernel(notebook_name: str) -> bool:

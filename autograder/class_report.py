@@ -1,7 +1,7 @@
 """The class report: what a class did on each assignment, from the gradebook and the autograded notebooks.
 
-    python -m autograder.report                  # make report
-    python -m autograder.report --assignment 01_mha_shapes
+    python -m autograder.class_report                  # make report
+    python -m autograder.class_report --assignment 01_mha_shapes
 
 Writes ``reports/class/<assignment>/index.html`` (with ``figures/*.png`` and the same numbers
 in ``report.json``) in the course root, per assignment that has submissions, and

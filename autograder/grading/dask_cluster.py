@@ -62,7 +62,7 @@ def cluster(jobs: int, scheduler: str | None = None, processes: bool = True) -> 
     """A Dask client: on ``scheduler`` if given, else on an embedded ``LocalCluster``.
 
     ``processes=False`` runs the local workers as threads of this process (the nbgrader
-    engines and the kernels are processes of their own either way).
+    nbgrader processes and the kernels are processes of their own either way).
     """
     import dask
     from distributed import Client, LocalCluster
@@ -94,7 +94,7 @@ def cluster(jobs: int, scheduler: str | None = None, processes: bool = True) -> 
         finally:
             if not scheduler:  # the embedded workers' nbgrader processes end with the run; a shared
                 with contextlib.suppress(Exception):  # cluster's serve the next run (and other graders')
-                    client.run(worker_task.stop_engines)
+                    client.run(worker_task.stop_nbgrader_processes)
 
 
 def run(connection: Cluster, shared: dict[str, dict], tasks: list[dict]) -> Iterator[tuple[int, dict | None, str]]:

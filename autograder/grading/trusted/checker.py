@@ -1,12 +1,12 @@
 """The trusted checker: where every graded test cell of a notebook under the trust boundary runs.
 
-    python -m autograder.grading.checker     # requests on stdin, a JSON line each; answers on stdout
+    python -m autograder.grading.trusted.checker     # requests on stdin, a JSON line each; answers on stdout
 
-A grading engine (:mod:`autograder.grading.nbgrader_engine`) keeps one checker for all its
+An nbgrader process (:mod:`autograder.grading.nbgrader_process`) keeps one checker for all its
 students, next to their kernels, and sends it each graded test cell of a notebook listed in
 :data:`autograder.settings.CHECKED_OUTSIDE_THE_KERNEL`: the cell's source as nbgrader has it
 (the source notebook's, with its hidden tests: never the student's copy), and the path of a
-socket.  The checker listens there, says so, and the engine starts the bridge's agent in the
+socket.  The checker listens there, says so, and the nbgrader process starts the bridge's agent in the
 student's kernel (:func:`attention_lab.bridge.agent.serve`), which connects.  The checker
 then runs the test cell itself: the names the cell takes from the notebook are looked up in
 the kernel (data, or proxies of the student's objects: :mod:`attention_lab.bridge.remote`),
@@ -97,10 +97,10 @@ def run_cell(source: str, connection: socket.socket, timeout: float) -> tuple[li
 
 
 def serve() -> int:
-    """Answer the engine's requests: ``{"cell", "socket", "timeout", "connect_timeout"}`` ->
+    """Answer the nbgrader process's requests: ``{"cell", "socket", "timeout", "connect_timeout"}`` ->
     ``{"listening": true}`` once the socket listens, then ``{"outputs": [...]}`` (or ``{"error"}``
     when the kernel never connected).  Answers go to what was standard output; anything else
-    printed goes to standard error (the engine's log)."""
+    printed goes to standard error (the nbgrader process's log)."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr

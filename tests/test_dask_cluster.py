@@ -102,7 +102,7 @@ def dask_cluster(tmp_path_factory):
 
 def scratch_folders(logs: Path, worker: int | None = None) -> list[Path]:
     """The grading scratch folders of the cluster's workers (of one worker if given) that remain."""
-    deadline = time.monotonic() + 30   # a worker's engines remove it once the worker is gone
+    deadline = time.monotonic() + 30   # a worker's nbgrader processes remove it once the worker is gone
     while (found := sorted(logs.glob(f"tmp{'*' if worker is None else worker}/alg-worker-*"))) \
             and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -170,12 +170,12 @@ def test_a_worker_killed_mid_grading_costs_nothing(dask_cluster, tmp_path):
     def kill_when_busy() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            engines = children_running(victim.pid, "autograder.worker")
-            # the engine is grading once a kernel runs under it (a fork of its kernel server, whose
-            # client is the engine's child; a kernel of its own without bubblewrap)
-            if engines and any(children_running(e, "kernel_forkserver.py\0kernel") or children_running(e, "ipykernel")
-                               for e in engines):
-                killed.extend(engines)
+            processes = children_running(victim.pid, "autograder.grading.nbgrader_process")
+            # the nbgrader process is grading once a kernel runs under it (a fork of its kernel server, whose
+            # client is the nbgrader process's child; a kernel of its own without bubblewrap)
+            if processes and any(children_running(e, "kernel_forkserver.py\0kernel") or children_running(e, "ipykernel")
+                               for e in processes):
+                killed.extend(processes)
                 victim.send_signal(signal.SIGKILL)
                 return
             time.sleep(0.1)
@@ -195,10 +195,10 @@ def test_a_worker_killed_mid_grading_costs_nothing(dask_cluster, tmp_path):
     with gradebook.open_gradebook(root) as gb:
         submissions = gb.find_assignment(TINY).submissions
         assert sorted(s.student.id for s in submissions) == sorted(answers)   # one each, none twice
-    deadline = time.monotonic() + 30   # the killed worker's engine exits once its worker is gone
+    deadline = time.monotonic() + 30   # the killed worker's nbgrader process exits once its worker is gone
     while any(Path(f"/proc/{pid}").exists() for pid in killed) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in killed), "the killed worker's engine lives on"
+    assert not any(Path(f"/proc/{pid}").exists() for pid in killed), "the killed worker's nbgrader process lives on"
     assert scratch_folders(dask_cluster["logs"], worker=0) == [], "the killed worker's scratch folder is left"
 
 
