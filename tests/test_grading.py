@@ -223,6 +223,36 @@ def wait_until_gone(pids: set[int], seconds: float = 30) -> set[int]:
     return alive
 
 
+def test_a_leaving_nbgrader_process_removes_its_scratch_folder_even_while_it_still_writes(tmp_path):
+    """A Dask worker killed mid-grading: its nbgrader process leaves (see nbgrader_process.leave)
+    while its main thread may still be writing a student's files into the worker's scratch folder.
+    Removed before that process is gone, the folder was left behind, student files and all."""
+    scratch = tmp_path / "alg-worker-x"
+    scratch.mkdir()
+    leaving = f"""
+import pathlib, threading
+from autograder.grading import nbgrader_process
+scratch, writing = pathlib.Path({str(scratch)!r}), threading.Event()
+def write():
+    for n in range(10**9):
+        try:
+            folder = scratch / "nbgrader0" / "autograded" / str(n % 50)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "out.ipynb").write_text("x" * 1000)
+            writing.set()
+        except OSError:
+            pass
+threading.Thread(target=write, daemon=True).start()
+writing.wait()
+nbgrader_process.leave(scratch)
+"""
+    subprocess.run([sys.executable, "-c", leaving], check=True, cwd=REPO_ROOT)
+    deadline = time.monotonic() + 60
+    while scratch.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not scratch.exists(), f"left: {sorted(p.name for p in scratch.rglob('*'))[:5]}"
+
+
 def processes_running(*argv: str, parent: int | None = None) -> list[int]:
     """Processes whose command line holds ``argv`` (in a row), children of ``parent`` if given."""
     needle = b"\0" + "\0".join(argv).encode() + b"\0"

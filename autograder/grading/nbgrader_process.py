@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -347,12 +348,23 @@ def exit_with(parent: int, scratch: Path | None) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+# Removes a folder once the process holding the write end of its standard input has exited.
+_REMOVER = "import os, shutil, sys; os.read(0, 1); shutil.rmtree(sys.argv[1], ignore_errors=True)"
+
+
 def leave(scratch: Path | None) -> None:
-    """Kill this nbgrader process's children (its kernel server too), remove ``scratch``, exit."""
+    """Kill this nbgrader process's children (its kernel server too), remove ``scratch``, exit.
+
+    ``scratch`` is removed once this process is gone, not before: the main thread may be in
+    the middle of a student's autograde, writing there, until the very exit (removed while it
+    still wrote, a killed worker's folder of student files was sometimes left behind)."""
     sandbox.kill_children()
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
-    os._exit(0)
+        gone, alive = os.pipe()   # neither end is inherited by a child that execs
+        subprocess.Popen([sys.executable, "-c", _REMOVER, str(scratch)], stdin=gone, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os._exit(0)   # closes ``alive``: the remover reads end-of-file and removes what is left
 
 
 def serve(replies: int, parent: int | None = None, scratch: Path | None = None) -> int:
