@@ -99,7 +99,8 @@ floors: setup $(FLOORS_VENV)/.installed ## run the notebooks and check tests on 
 	$(FLOORS_VENV)/bin/python -m benchmarks.floors run
 
 # SANDBOX=off: grade WITHOUT isolating student code (trusted submissions only); by default
-# `make grade` refuses to grade where bubblewrap cannot run, and says why.
+# `make grade` refuses to grade where bubblewrap cannot run, and says why. Grading installs
+# nothing: `make sandbox` (or `make test`) installs bubblewrap.
 SANDBOX ?= on
 
 sandbox: ## install bubblewrap (isolates student code while grading) when it is missing
@@ -165,7 +166,7 @@ extension: setup ## a due date of its own for one student: STUDENT=<id> ASSIGNME
 
 # SCHEDULER=tcp://host:8786: grade on that Dask cluster (default: JOBS local worker processes);
 # DB_URL=postgresql://...: the shared gradebook; STUDENT=... ASSIGNMENT=...: regrade that one submission.
-grade: setup $(if $(filter off,$(SANDBOX)),,sandbox) ## autograde new/changed submissions on Dask, JOBS at a time (FORCE=1, STUDENT=/ASSIGNMENT=, SCHEDULER=, DB_URL=, SANDBOX=off)
+grade: setup ## autograde new/changed submissions on Dask, JOBS at a time (FORCE=1, STUDENT=/ASSIGNMENT=, SCHEDULER=, DB_URL=, SANDBOX=off)
 	$(BIN)/python -m autograder.grade --jobs $(JOBS) --sandbox "$(SANDBOX)" $(if $(FORCE),--force) \
 	  $(if $(SCHEDULER),--scheduler "$(SCHEDULER)") $(if $(STUDENT),--student "$(STUDENT)") \
 	  $(if $(ASSIGNMENT),--assignment "$(ASSIGNMENT)")

@@ -86,15 +86,16 @@ def unavailable_reason() -> str | None:
     if bwrap_path() is not None:
         return None
     if shutil.which("bwrap") is None:
-        return "bubblewrap (bwrap) is not installed (make sandbox installs it; Debian/Ubuntu: apt-get install bubblewrap)"
+        return ("bubblewrap (bwrap) is not installed: `make sandbox` installs it (Debian/Ubuntu, as root; or "
+                "`sudo apt-get install bubblewrap`); grading itself installs nothing")
     return "bwrap is installed but cannot create namespaces here (unprivileged user namespaces disabled?)"
 
 
 def refusal() -> str:
     """What ``make grade`` says when it refuses to grade without the sandbox."""
     return (f"refusing to grade: {unavailable_reason()}. Without the sandbox, student code runs with "
-            "no filesystem or network isolation, as your user. Install bubblewrap, or grade WITHOUT "
-            "isolation on purpose (trusted submissions only): make grade SANDBOX=off "
+            "no filesystem or network isolation, as your user. To grade WITHOUT isolation on purpose "
+            "(trusted submissions only): make grade SANDBOX=off "
             "(python -m autograder.grade --sandbox off).")
 
 

@@ -81,8 +81,11 @@ def _lab_settings(settings_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | None = None):
-    """``make <target>`` serving ``root_dir`` on a free port; stopped (whole process group) on exit."""
+def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | None = None, command: str = ""):
+    """``make <target>`` serving ``root_dir`` on a free port; stopped (whole process group) on exit.
+
+    ``command``: the shell command line that starts it instead, as the README writes it (``make
+    formgrader DB_URL=...``); the test's JupyterLab options reach it through the environment."""
     port = free_port()
     log = scratch / f"{target}.log"
     settings_dir = scratch / "lab-settings"
@@ -92,12 +95,12 @@ def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | No
     variable = "LAB_ARGS" if target == "lab" else "FORMGRADER_ARGS"
     # Validate's time limit (autograder/lab/validate.py), stretched up to 3x by load: a test's
     # wait for the dialog (15 min) is longer than the stretched limit (12 min).
+    # `make formgrader` serves FORMGRADER_ROOT (its working folder); `make lab` serves course/.
+    variables = {variable: args, **({"FORMGRADER_ROOT": str(root_dir)} if target == "formgrader" else {})}
     environment = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings_dir), ATTENTION_LAB_VALIDATE_SECONDS="240",
-                       JUPYTERLAB_WORKSPACES_DIR=str(scratch / "lab-workspaces"), **(extra_env or {}))
+                       JUPYTERLAB_WORKSPACES_DIR=str(scratch / "lab-workspaces"), **variables, **(extra_env or {}))
     with open(log, "w") as log_file:
-        # `make formgrader` serves FORMGRADER_ROOT (its working folder); `make lab` serves course/.
-        variables = [f"{variable}={args}"] + ([f"FORMGRADER_ROOT={root_dir}"] if target == "formgrader" else [])
-        process = subprocess.Popen(["make", "--no-print-directory", target, *variables], cwd=REPO_ROOT,
+        process = subprocess.Popen(command or f"make --no-print-directory {target}", shell=True, cwd=REPO_ROOT,
                                    env=environment, stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     server = LabServer(f"http://127.0.0.1:{port}", root_dir, log)

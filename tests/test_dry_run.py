@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 
-from autograder.release import REPO_ROOT
+from autograder import gradebook
+from autograder.release import REPO_ROOT, assignment_names
 from autograder.settings import COURSE_ROOT_VARIABLE
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("example_class")]
@@ -34,6 +35,9 @@ def test_the_readmes_dry_run_grades_the_example_class(tmp_path):
                                     text=True, timeout=900, input="erase\n" if target == "erase-course-root" else None)
             assert result.returncode == 0, f"{command}:\n{result.stdout}{result.stderr}"
             outputs[target] = result.stdout
+            if target == "grade":   # every assignment is in the gradebook (Formgrader lists them all)
+                with gradebook.open_gradebook(root) as gb:
+                    assigned = sorted(a.name for a in gb.assignments)
             if target == "export":
                 with open(root / "grades.csv", newline="") as handle:
                     rows = {r["student_id"]: r for r in csv.DictReader(handle) if r["assignment"] == "01_mha_shapes"}
@@ -45,4 +49,5 @@ def test_the_readmes_dry_run_grades_the_example_class(tmp_path):
     assert scores["bob"][0] == 0 < scores["dan"][0] < scores["alice"][0], scores
     assert rows["alice"]["status"] == "incomplete"   # the written answer waits for Formgrader
     assert scores["nunez"] == (0.0, scores["alice"][0]), scores   # as solved as alice, late, LATE_PENALTY=zero
+    assert assigned == assignment_names(), assigned
     assert not root.exists(), "make erase-course-root (erase typed) left the course root"

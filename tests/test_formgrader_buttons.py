@@ -6,8 +6,9 @@
   keeping the other students' hand grades;
 * Generate, Release, Collect and Release Feedback are refused with what to run instead;
 * the roster's names reach Formgrader's student list;
-* and in the browser: clicking *Generate* says to use `make release`, the roster's names are
-  shown, clicking *Generate Feedback* for a submission runs the pipeline's feedback.
+* and in the browser: clicking *Generate* says to use `make release`, in a whole sentence in view
+  (no "Traceback" box), the roster's names are shown, clicking *Generate Feedback* for a
+  submission runs the pipeline's feedback.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 
 from autograder import gradebook, release, roster
 from autograder.course_settings import CourseSettings
+from autograder.lab.instructor.pipeline_buttons import REFUSALS
 from autograder.release import mark_hidden_tests
 from tests.lab_servers import running_lab
 from tests.test_browser import TINY, pipeline, tiny_source, tiny_submission
@@ -87,9 +89,10 @@ def test_formgrader_shows_the_rosters_names(formgrader):
 
 
 @pytest.mark.parametrize("route, expected", [
-    (f"formgrader/api/assignment/{TINY}/assign", "make release"),
-    (f"formgrader/api/assignment/{TINY}/release", "no exchange"),
-    (f"formgrader/api/assignment/{TINY}/collect", "make intake"),
+    (f"formgrader/api/assignment/{TINY}/assign", "type `make release`"),
+    (f"formgrader/api/assignment/{TINY}/release", "no exchange folder"),
+    (f"formgrader/api/assignment/{TINY}/unrelease", "`make release` and `make publish`"),
+    (f"formgrader/api/assignment/{TINY}/collect", "type `make intake SUBMISSIONS="),
     (f"formgrader/api/assignment/{TINY}/release_feedback", "send them through"),
     (f"formgrader/api/assignment/{TINY}/bob/release_feedback", "send them through"),
     (f"formgrader/api/submission/{TINY}/nobody/autograde", "make intake"),
@@ -101,7 +104,8 @@ def test_buttons_that_would_fork_the_pipeline_are_refused_with_what_to_run(formg
 
     before = state()
     reply = call(formgrader, "POST", route)
-    assert reply["success"] is False and expected in reply["error"], reply
+    # the sentence is the reply's log: Formgrader shows an `error` under the heading "Traceback"
+    assert reply["success"] is False and expected in reply["log"] and not reply["error"], reply
     assert state() == before
 
 
@@ -162,6 +166,18 @@ def test_formgraders_buttons_in_the_browser(formgrader, graded, browser, screens
     refusal = page.locator("#error-modal")
     refusal.get_by_text("make release").first.wait_for()
     screenshots.take(page, "generate-refused")
+    # a sentence, whole and in view (no "Traceback" box cut at the dialog's right edge), in a wide
+    # window and in a narrow one
+    assert "Traceback" not in refusal.inner_text()
+    for width in (1400, 480):
+        page.set_viewport_size({"width": width, "height": 1000})
+        shown = refusal.locator("pre")
+        assert " ".join(shown.inner_text().split()) == REFUSALS["generate"]
+        assert shown.evaluate("e => e.scrollWidth <= e.clientWidth && e.scrollHeight <= e.clientHeight"), width
+        box, window = shown.bounding_box(), page.viewport_size
+        assert box["x"] >= 0 and box["x"] + box["width"] <= window["width"], (box, window)
+    screenshots.take(page, "generate-refused-narrow")
+    page.set_viewport_size({"width": 1400, "height": 1000})
     assert (graded / "source" / TINY / f"{TINY}.ipynb").stat().st_mtime_ns == source
     page.goto(formgrader.url(f"formgrader/manage_submissions/{TINY}"))
     row = page.locator("table tbody tr").filter(has_text="Babbage")

@@ -4,6 +4,7 @@ gradebook) that neither corrupt nor duplicate anything."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from autograder import grade, gradebook
 from autograder.settings import DB_URL_VARIABLE, REPO_ROOT
 from tests.grading_helpers import TINY, tiny_course
+from tests.lab_servers import http_get, running_lab
 from tests.postgres_server import postgres_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("postgres")]
@@ -178,6 +180,18 @@ def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_pa
             assert refused.returncode != 0 and "this course's gradebook is" in refused.stderr, \
                 command + refused.stdout + refused.stderr
             assert not (root / "gradebook.db").exists(), f"{command} wrote an SQLite gradebook"
+        # Formgrader, started as written, shows the server's gradebook: the roster's names, the hand grade
+        (tmp_path / "formgrader").mkdir()
+        with running_lab("formgrader", root, tmp_path / "formgrader", {COURSE_ROOT_VARIABLE: str(root)},
+                         command=commands[3]) as formgrader:
+            def shown(path: str) -> list[dict]:
+                return json.loads(http_get(formgrader.url(f"formgrader/api/{path}")))
+
+            students = {s["id"]: (s["first_name"], s["last_name"]) for s in shown("students")}
+            assert students == {"ann": ("Ann", "Lee"), "bob": ("Bob", "Ray")}, students
+            scores = {n["student"]: n["score"] for n in shown(f"submitted_notebooks/{TINY}/{TINY}")}
+            assert scores == {"ann": 2.5, "bob": 0.0}, scores
+        assert not (root / "gradebook.db").exists(), "make formgrader wrote an SQLite gradebook"
     finally:
         stopped = shell(commands[-1], environment)
         shutil.rmtree(home, ignore_errors=True)

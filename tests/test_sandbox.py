@@ -17,6 +17,7 @@ tests/test_kernel_forkserver.py, for fresh and forked kernels alike.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import pytest
 
 from autograder import cgroups, grade, sandbox
 from autograder.release import REPO_ROOT
-from autograder.settings import DB_URL_VARIABLE
+from autograder.settings import COURSE_ROOT_VARIABLE, DB_URL_VARIABLE
 from tests.grading_helpers import TINY, cell_limit, tiny_course
 
 needs_bwrap = pytest.mark.skipif(sandbox.bwrap_path() is None, reason="bubblewrap unavailable: no sandbox to test")
@@ -74,6 +75,41 @@ def test_make_grade_refuses_without_a_working_sandbox_unless_the_instructor_turn
     for variable, flag in (([], '--sandbox "on"'), (["SANDBOX=off"], '--sandbox "off"')):
         dry_run = subprocess.run(["make", "-n", "grade", *variable], cwd=REPO_ROOT, capture_output=True, text=True)
         assert flag in dry_run.stdout, dry_run.stdout + dry_run.stderr
+
+
+def path_without(program: str, scratch: Path) -> str:
+    """``$PATH`` on which ``program`` cannot be found: each folder holding it is replaced by a
+    scratch folder of links to everything else in it."""
+    folders = []
+    for number, folder in enumerate(os.environ["PATH"].split(os.pathsep)):
+        if not (Path(folder) / program).exists():
+            folders.append(folder)
+            continue
+        mirror = scratch / f"path{number}"
+        mirror.mkdir(parents=True)
+        for entry in Path(folder).iterdir():
+            if entry.name != program:
+                (mirror / entry.name).symlink_to(entry)
+        folders.append(str(mirror))
+    return os.pathsep.join(folders)
+
+
+def test_make_grade_installs_nothing_and_says_which_command_installs_bubblewrap(tmp_path):
+    """Grading never runs apt-get (it depended on `make sandbox`): without bubblewrap,
+    `make grade` refuses, naming the command that installs it; `make test` still installs it."""
+    planned = subprocess.run(["make", "-n", "grade"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert planned.returncode == 0 and "apt-get" not in planned.stdout, planned.stdout + planned.stderr
+    assert "apt-get" in subprocess.run(["make", "-n", "test"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                       timeout=60).stdout
+    root = tiny_course(tmp_path / "course_root", {"ann": "value = 42"})
+    environment = {**os.environ, "PATH": path_without("bwrap", tmp_path / "bin"), COURSE_ROOT_VARIABLE: str(root)}
+    assert shutil.which("bwrap", path=environment["PATH"]) is None
+    refused = subprocess.run(["make", "--no-print-directory", "grade"], cwd=REPO_ROOT, env=environment,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0, refused.stdout + refused.stderr
+    assert "bubblewrap (bwrap) is not installed: `make sandbox` installs it" in refused.stderr, refused.stderr
+    assert "apt-get install" not in refused.stdout   # what make would have echoed had it run the install
+    assert not (root / "autograded").exists() and not (root / "gradebook.db").exists(), "it graded anyway"
 
 
 # --------------------------------------------------------------------------------------

@@ -265,10 +265,18 @@ def _escaped_value(value):
     return value
 
 
+# Formgrader's dialogs show a reply's log in a <pre> that does not wrap, inside a dialog 600 px
+# wide: a sentence (a refused button's, tests/test_formgrader_buttons.py) ran off its right edge.
+# Its lines wrap here, between words, so the whole text is in view at any window width.
+READABLE_DIALOGS = ("<style>div.modal div.panel pre { white-space: pre-wrap; word-break: normal; "
+                    "overflow-wrap: anywhere; }</style>")
+
+
 class EscapingRender:
     """Formgrader's pages rendered with every value escaped (:func:`_escaped_value`) and sent
     with a Content-Security-Policy allowing the page's own scripts (all of them the template's:
-    an escaped value cannot open a script or an attribute)."""
+    an escaped value cannot open a script or an attribute); their dialogs' text wraps
+    (:data:`READABLE_DIALOGS`)."""
 
     def render(self, name, **namespace):
         environment = self.settings.get("attention_lab_escaping_jinja2_env")
@@ -276,7 +284,7 @@ class EscapingRender:
             environment = Environment(loader=FileSystemLoader([formgrader_handlers.template_path]),
                                       autoescape=True, finalize=_escaped_value)
             self.settings["attention_lab_escaping_jinja2_env"] = environment
-        page = environment.get_template(name).render(**namespace)
+        page = environment.get_template(name).render(**namespace).replace("</head>", READABLE_DIALOGS + "</head>", 1)
         self.set_header("Content-Security-Policy", content_security_policy(page))
         return page
 

@@ -15,7 +15,9 @@ API routes before nbgrader does:
   (``make release``, ``make intake``; feedback pages are sent through the LMS).
 
 Every reply has nbgrader's own shape (``success``, ``log``, ``error``), so Formgrader shows
-it in its usual dialog.
+it in its usual dialog; a refusal, and what a failed pipeline said, are the reply's log (its
+``error`` would be shown as a "Traceback"), in a box whose lines wrap (see
+``inert_submissions.READABLE_DIALOGS``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 from jupyter_server.utils import url_path_join
@@ -39,17 +40,29 @@ GRADE_TIMEOUT = 3600  # seconds: one submission graded by the pipeline (its own 
 
 REFUSALS = {
     "generate": ("Formgrader's Generate is off in Attention Lab: the student notebooks are built from "
-                 "solutions/ by `make release` (the gradebook's copy of each assignment is built by "
-                 "`make grade`), so there is one release, never a second one made here."),
-    "release": ("Formgrader's Release is off: Attention Lab uses no exchange. Students get the notebooks of "
-                "course/ (built by `make release`) through the course repository or your LMS."),
-    "unrelease": "Formgrader's Unrelease is off: Attention Lab uses no exchange (see `make release`).",
-    "collect": ("Formgrader's Collect is off: submissions come in through `make intake SUBMISSIONS=<folder>` "
+                 "solutions/ in one place, so there is one release, never a second one made here. Instead, "
+                 "type `make release` in the course's repository (the student notebooks, in course/); "
+                 "`make grade` puts each assignment in the gradebook."),
+    "release": ("Formgrader's Release is off in Attention Lab: the course uses no exchange folder. Students "
+                "get the notebooks of course/ from their own repository or your LMS: type `make publish "
+                "DEST=<folder> REPO=<owner/name>` to write the students' repository."),
+    "unrelease": ("Formgrader's Unrelease is off in Attention Lab: the course uses no exchange folder, so "
+                  "nothing was released here. To change what students get, edit solutions/, then type "
+                  "`make release` and `make publish`."),
+    "collect": ("Formgrader's Collect is off in Attention Lab: submissions come from your LMS's export, not "
+                "from an exchange folder. Instead, type `make intake SUBMISSIONS=<the export's folder>` "
                 "(checked against the roster, repaired, time-stamped), then `make grade`."),
-    "release_feedback": ("Formgrader's Release Feedback is off: Attention Lab uses no exchange. The feedback "
-                         "pages are in the course root's feedback/<student>/<assignment>/; send them through "
-                         "your LMS."),
+    "release_feedback": ("Formgrader's Release Feedback is off in Attention Lab: the course uses no exchange "
+                         "folder. Generate Feedback (or `make feedback`) writes the pages in the course root's "
+                         "feedback/<student>/<assignment>/: send them through your LMS (`make lms-export` "
+                         "zips them for Moodle)."),
 }
+
+
+def refused(sentence: str) -> dict:
+    """A refused button's reply: the sentence as the reply's log, and no ``error``. Formgrader
+    shows an ``error`` under the heading "Traceback"; a refusal is not one."""
+    return {"success": False, "log": sentence, "error": ""}
 
 
 def pipeline_command(module: str, root: str, *arguments: str) -> list[str]:
@@ -70,7 +83,8 @@ async def run_pipeline(command: list[str], timeout: float = GRADE_TIMEOUT) -> di
     log = "$ python " + " ".join(command[1:]) + "\n" + output.decode(errors="replace")
     if process.returncode == 0:
         return {"success": True, "log": log}
-    return {"success": False, "log": log, "error": f"the pipeline exited with status {process.returncode}:\n{log[-4000:]}"}
+    # what the pipeline said (a refusal: the lock of another run, no sandbox) is its output, shown once
+    return refused(f"{log.rstrip()}\n(the pipeline exited with status {process.returncode})")
 
 
 class PipelineHandler(BaseApiHandler):
@@ -93,9 +107,9 @@ class AutogradeHandler(PipelineHandler):
     async def post(self, assignment_id, student_id):
         folder = Path(self.root) / "submitted" / student_id / assignment_id
         if not folder.is_dir():
-            self.reply({"success": False, "log": "", "error": (
-                f"no submission in {folder}: submissions come in through `make intake SUBMISSIONS=<folder>` "
-                "(a withdrawn one is under archive/withdrawn/)")})
+            self.reply(refused(f"Autograde found no submission of {assignment_id} by {student_id} in {folder}: "
+                               "submissions come in through `make intake SUBMISSIONS=<folder>` (a withdrawn one "
+                               "is under archive/withdrawn/)."))
             return
         self.reply(await run_pipeline(pipeline_command(
             "grade", self.root, "--student", student_id, "--assignment", assignment_id, "--force", "--jobs", "1")))
@@ -115,8 +129,7 @@ def refusing(action: str):
         @web.authenticated
         @check_xsrf
         def post(self, *args):
-            # Formgrader shows it in a <pre> that does not wrap: lines of a readable width
-            self.reply({"success": False, "log": "", "error": textwrap.fill(REFUSALS[action], 90, break_long_words=False, break_on_hyphens=False)})
+            self.reply(refused(REFUSALS[action]))
 
     RefusedHandler.__name__ = f"Refused{action.title().replace('_', '')}Handler"
     return RefusedHandler
