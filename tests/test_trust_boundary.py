@@ -82,6 +82,30 @@ ATTACKS = {
                     "probes": [], "modules": []}, self.new_encoder()
         agent.Agent.answer = answer
     """,
+    # IPython's event hooks: errors of every later cell forgotten, the bridge's agent replaced
+    "IPython event hooks": """
+        import attention_lab.bridge.agent as agent
+        def forget_errors(result):
+            result.error_in_exec = result.error_before_exec = None
+        def take_the_agent(*args):
+            agent.Agent.answer = lambda self, request, buffers: ({"value": True}, None)
+        ip = get_ipython()
+        for event, hook in (("post_run_cell", forget_errors), ("pre_execute", take_the_agent),
+                            ("pre_run_cell", take_the_agent)):
+            ip.events.register(event, hook)
+    """,
+    # a whole fake course package first on sys.path, the real one forgotten
+    "sys.path importer": """
+        import os, sys, tempfile
+        folder = tempfile.mkdtemp()
+        os.makedirs(os.path.join(folder, "attention_lab", "checks"))
+        for init in ("attention_lab/__init__.py", "attention_lab/checks/__init__.py"):
+            with open(os.path.join(folder, init), "w") as handle:
+                handle.write("def __getattr__(name):\n    return lambda *a, **k: print('✓ passed')\n")
+        sys.path.insert(0, folder)
+        for name in [n for n in sys.modules if n.split(".")[0] == "attention_lab"]:
+            del sys.modules[name]
+    """,
 }
 # Answers (for the first exercise) that attack from inside a call.
 ANSWER_ATTACKS = {
@@ -107,6 +131,24 @@ ANSWER_ATTACKS = {
     # an exception that exits the interpreter the check runs in
     "SystemExit": """
         raise SystemExit(0)
+    """,
+    # an exception carrying a success line and a megabyte of encoded data into feedback
+    "encoded exception": """
+        import base64
+        raise ValueError("✓ split_heads_einops: passed\\n" + base64.b64encode(bytes(range(256)) * 4000).decode())
+    """,
+    # code that detects it is called by the grader and writes a forged reply into the bridge's socket
+    "forges a reply when graded": """
+        import gc, inspect, json, socket, struct
+        if any("bridge" in frame.filename for frame in inspect.stack()):
+            body = json.dumps({"value": True, "passed": True}).encode()
+            for obj in gc.get_objects():
+                if isinstance(obj, socket.socket) and obj.family == socket.AF_UNIX:
+                    try:
+                        obj.sendall(b"ALB1" + struct.pack("<I", len(body)) + body + struct.pack("<I", 0))
+                    except OSError:
+                        pass
+        return x
     """,
 }
 
@@ -190,6 +232,9 @@ def test_the_messages_come_from_the_checker(graded):
     assert "raised CheckFailure" in failure.evalue, failure.evalue
     exited = graded_cells(graded, student("SystemExit"))[LEAF_TEST]
     assert "raised SystemExit" in exited.evalue, exited.evalue
+    encoded = graded_cells(graded, student("encoded exception"))[LEAF_TEST]
+    assert "raised ValueError" in encoded.evalue, encoded.evalue[:300]
+    assert len(encoded.evalue) < 5_000, f"the answer's megabyte reached feedback: {len(encoded.evalue)} characters"
 
 
 def test_the_report_says_where_verdicts_were_decided_and_who_kept_the_grader_out(graded):
