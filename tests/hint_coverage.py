@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 
 # One reading of "this hint is in this message", and one list of the package's hints, shared
 # with the class report's mistake counts.
-from attention_lab.hint_catalog import Hint, _normalise, catalog, hint_pattern
+from attention_lab.hint_catalog import MESSAGE_SEPARATOR, Hint, _normalise, catalog, hint_pattern
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -49,7 +49,7 @@ def read_messages(folder: Path | str) -> list[str]:
 
 def untriggered(hints: Iterable[Hint], messages: Sequence[str]) -> list[Hint]:
     """The hints that appear in none of ``messages``."""
-    corpus = "\n\x00\n".join(_normalise(message) for message in messages)
+    corpus = MESSAGE_SEPARATOR.join(_normalise(message).replace(MESSAGE_SEPARATOR, " ") for message in messages)
     return [hint for hint in hints if not hint_pattern(hint.text).search(corpus)]
 
 

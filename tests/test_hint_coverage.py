@@ -55,6 +55,10 @@ def test_a_hint_counts_as_triggered_only_when_a_message_contains_it():
                                      ["divide by sqrt(4)"]) != []
     # Braces that are not format fields are matched literally.
     assert hint_coverage.untriggered([Hint("m.t/k", "m", "T_HINTS", "k", "use {0, 1} masks}")], ["use {0, 1} masks}"]) == []
+    # A format field matches text of one message, never the start of one and the end of the next.
+    split = Hint("m.t/k", "m", "T_HINTS", "k", "divide by sqrt({d}) first")
+    assert hint_coverage.untriggered([split], ["divide by sqrt(4", "16) first"]) == [split]
+    assert hint_coverage.untriggered([split], ["x", "divide by sqrt(4) first"]) == []
 
 
 def test_the_report_names_each_missing_hint_with_module_dict_and_key():

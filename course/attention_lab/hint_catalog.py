@@ -41,6 +41,14 @@ def _normalise(text: str) -> str:
     return " ".join(text.split())
 
 
+# What a format field of a hint matches: any text, within one message. Messages searched at once
+# are joined with NUL (see tests/hint_coverage.py): a field that could run on into the following
+# messages made a failed search cost the corpus's length to the power of the hint's fields (a
+# session's end spent many minutes there once the 04 checks ran both ways).
+MESSAGE_SEPARATOR = "\x00"
+ANY_TEXT_OF_ONE_MESSAGE = "[^\x00]*?"
+
+
 @functools.lru_cache(maxsize=None)  # one per hint: identify() tries every hint on every message
 def hint_pattern(text: str) -> re.Pattern:
     """A regex for the hint as it appears in a message: format fields match anything."""
@@ -51,8 +59,8 @@ def hint_pattern(text: str) -> re.Pattern:
         return re.compile(re.escape(text))
     pattern = ""
     for literal, field, _spec, _conversion in parts:
-        pattern += re.escape(literal) + (".*?" if field is not None else "")
-    return re.compile(pattern, re.DOTALL)
+        pattern += re.escape(literal) + (ANY_TEXT_OF_ONE_MESSAGE if field is not None else "")
+    return re.compile(pattern)
 
 
 def _key(key: Any) -> str:
