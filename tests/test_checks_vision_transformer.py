@@ -19,6 +19,9 @@ from einops import rearrange
 from attention_lab.checking import CheckFailure
 from attention_lab.checks import vision_transformer as checks
 from attention_lab.datasets import DIGITS_NUM_CLASSES, digits_loaders, load_digits_tensors
+from tests.bridge_harness import run_both_ways
+
+where_checks_run = run_both_ways()
 
 CPU = {"device": "cpu", "quiet": True}
 

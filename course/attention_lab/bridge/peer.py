@@ -155,9 +155,11 @@ class Peer:
 
     # -- messages ----------------------------------------------------------------------
     def send(self, connection: socket.socket, header: dict, encoder: wire.Encoder) -> None:
+        # what this side wrote into a storage it is about to forget (an input the answer changed in
+        # place, then dropped) still goes first: the receiver applies changes before it forgets
+        header["changes"] = self.changes(encoder)
         header["forget"] = self.unused()
         self.forget(header["forget"])
-        header["changes"] = self.changes(encoder)
         wire.send_frame(connection, header, encoder.buffers)
 
     def receive(self, connection: socket.socket) -> tuple[dict, list[bytes]]:

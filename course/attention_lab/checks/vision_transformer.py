@@ -37,6 +37,8 @@ from attention_lab.checking import (
     random_generator,
     shape_str,
 )
+from attention_lab.bridge import wire
+from attention_lab.bridge.probes import Probe
 from attention_lab.checks.encoder_reference import torch_encoder_layer_like
 
 
@@ -713,41 +715,103 @@ def _first_tensor_argument(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
+class BlockInputs(Probe):
+    """The token tensors ``model.blocks[index]`` is called with during one call of the model (a
+    forward pre-hook on the block, in the process where the model runs)."""
+
+    def __init__(self, model: nn.Module, index: int):
+        super().__init__(model=model, index=index)
+        self.captured: list[torch.Tensor] = []
+
+    def __enter__(self) -> "BlockInputs":
+        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            tokens = _first_tensor_argument(args, kwargs)
+            if tokens is not None:
+                self.captured.append(tokens.detach())
+
+        block = self.parameters["model"].blocks[self.parameters["index"]]
+        self._handle = block.register_forward_pre_hook(record, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._handle.remove()
+        super().__exit__(*exc)
+
+    def findings(self) -> list[torch.Tensor]:
+        return self.captured
+
+    def accept(self, findings: Any) -> None:
+        if not (isinstance(findings, list) and all(isinstance(item, torch.Tensor) for item in findings)):
+            raise wire.WireError("malformed block inputs")
+        self.captured = findings
+
+
+class GradientAfterLastBlock(Probe):
+    """d(sum of the logits)/d(output of ``model.blocks[-1]``) for one call of the model: the block's
+    output is replaced by a leaf tensor (a forward hook on the block), and the gradient is taken
+    when the model returns (a forward hook on the model), where the model runs. Findings: the
+    gradient (zeros where the logits do not depend on it), or None when the last block never ran
+    or the model returned no tensor."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model=model)
+        self.gradient: torch.Tensor | None = None
+
+    def __enter__(self) -> "GradientAfterLastBlock":
+        model, leaves = self.parameters["model"], []
+
+        def replace_output(module, args, output):
+            first = output[0] if isinstance(output, tuple) else output
+            leaf = first.detach().requires_grad_(True)
+            leaves.append(leaf)
+            return (leaf, *output[1:]) if isinstance(output, tuple) else leaf
+
+        def take_gradient(module, args, logits):
+            if leaves and isinstance(logits, torch.Tensor) and logits.requires_grad:
+                (gradient,) = torch.autograd.grad(logits.sum(), leaves[0], allow_unused=True, retain_graph=True)
+                self.gradient = torch.zeros_like(leaves[0]) if gradient is None else gradient
+            elif leaves and isinstance(logits, torch.Tensor):  # no path from the leaf to the logits at all
+                self.gradient = torch.zeros_like(leaves[0])
+
+        self._handles = [model.blocks[-1].register_forward_hook(replace_output),
+                         model.register_forward_hook(take_gradient)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        super().__exit__(*exc)
+
+    def findings(self) -> torch.Tensor | None:
+        return self.gradient
+
+    def accept(self, findings: Any) -> None:
+        if findings is not None and not isinstance(findings, torch.Tensor):
+            raise wire.WireError("a malformed gradient")
+        self.gradient = findings
+
+
 def _capture_first_block_input(model: nn.Module, images: torch.Tensor, label: str) -> torch.Tensor:
-    captured = []
-
-    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        tokens = _first_tensor_argument(args, kwargs)
-        if tokens is not None:
-            captured.append(tokens.detach())
-
-    handle = model.blocks[0].register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            call_student(model, images, call=f"{label}(images)")
-    finally:
-        handle.remove()
+    probe = BlockInputs(model, 0)
+    with torch.no_grad():
+        call_student(model, images, call=f"{label}(images)", probes=[probe])
+    captured = probe.captured
     expect_true(len(captured) == 1, f"{label}(images) called blocks[0] {len(captured)} times; it should run once.")
     return captured[0]
 
 
-def _gradient_of_last_block_output(model: nn.Module, images: torch.Tensor, label: str) -> torch.Tensor:
-    """d(sum of logits)/d(output of the last block): which tokens does the rest of the model read?"""
-    leaves = []
-
-    def replace_output(module, args, output):
-        first = output[0] if isinstance(output, tuple) else output
-        leaf = first.detach().requires_grad_(True)
-        leaves.append(leaf)
-        return (leaf, *output[1:]) if isinstance(output, tuple) else leaf
-
-    handle = model.blocks[-1].register_forward_hook(replace_output)
-    try:
-        logits = call_student(model, images, call=f"{label}(images)")
-    finally:
-        handle.remove()
-    (gradient,) = torch.autograd.grad(logits.sum(), leaves[0], allow_unused=True)
-    return torch.zeros_like(leaves[0]) if gradient is None else gradient
+def _gradient_of_last_block_output(model: nn.Module, images: torch.Tensor, label: str,
+                                   shape: tuple[int, ...]) -> torch.Tensor:
+    """d(sum of logits)/d(output of the last block): which tokens does the rest of the model read?
+    ``shape``: the last block's output, as the configuration makes it ([B, N + 1, D])."""
+    probe = GradientAfterLastBlock(model)
+    logits = call_student(model, images, call=f"{label}(images)", probes=[probe])
+    expect_true(isinstance(logits, torch.Tensor), f"{label}(images) should return the logits, got {describe(logits)}.")
+    expect_true(probe.gradient is not None, f"{label}(images) did not call blocks[-1], or its logits do not come "
+                "from it.")
+    expect_tensor(probe.gradient, what=f"the gradient of the logits of {label} by the output of its last block",
+                  shape=shape)
+    return probe.gradient
 
 
 @check("MiniViT properties: CLS is token 0 and alone feeds the head; permuting patches matters only through "
@@ -779,7 +843,7 @@ def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch
                  against="patch_embed(images) + pos_embed[:, 1:]")
 
     # 2. The head reads the class token and nothing else.
-    gradient = _gradient_of_last_block_output(model, images, label)
+    gradient = _gradient_of_last_block_output(model, images, label, (batch, num_patches + 1, config["embed_dim"]))
     reads_cls = bool(gradient[:, 0].abs().amax() > 0)
     reads_patches = float(gradient[:, 1:].abs().amax())
     if not reads_cls:  # which tokens it reads instead names the mistake
@@ -907,49 +971,133 @@ TRAIN_HINTS = {
 
 
 class _ModeRecorder(nn.Module):
-    """A linear digit classifier that records what a training loop does with it.
+    """A linear digit classifier whose forward passes a :class:`TrainingRecord` watches.
 
-    For every forward pass: whether it ran in training mode and with gradients, and the true
-    cross-entropy of that batch (the labels are looked up from the images, which are unique),
-    so the check can recompute each epoch's mean loss. For every backward pass: whether
-    gradients from an earlier step were still there. Also the weights before the first steps
-    and the first gradient, to tell an Adam-type update from a plain SGD one.
+    It knows its training set (``images`` flattened, ``labels``: plain tensors of its state, so
+    that it crosses to a student's kernel as any module of the course does) to look up the labels
+    of a batch, whose images are unique.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor):
         super().__init__()
         self.linear = nn.Linear(64, 10)
+        self.images = images.flatten(1)
+        self.labels = labels
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(images.flatten(1))
+        record = self.__dict__.get("_record")
+        if record is not None:
+            record.forward_pass(self, images, logits)
+        return logits
+
+
+class TrainingRecord(Probe):
+    """What a training loop does with a :class:`_ModeRecorder`, recorded where the loop runs.
+
+    For every forward pass: whether it ran in training mode and with gradients, and the true
+    cross-entropy of that batch (the labels looked up from the images), so the check can recompute
+    each epoch's mean loss. For every backward pass: whether gradients from an earlier step were
+    still there. Also the weights before the first steps and the first gradient, to tell an
+    Adam-type update from a plain SGD one. Findings are plain data (numbers, flags, tensors).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model=model)
         self.calls: list[tuple[bool, bool]] = []
         self.batches: list[tuple[bool, float, int]] = []  # (with gradients, mean cross-entropy, batch size)
         self.weights_seen: list[torch.Tensor] = []  # weights at the first few training forward passes
         self.first_gradient: torch.Tensor | None = None
         self.stale_gradients: list[bool] = []
-        self._images = images.flatten(1)
-        self._labels = labels
+
+    def __enter__(self) -> "TrainingRecord":
+        model = self.parameters["model"]
+        object.__setattr__(model, "_record", self)
         # A tensor hook runs before the new gradient is added to .grad: .grad is then what is left of
         # earlier backward passes, None or zero after zero_grad().
-        self.linear.weight.register_hook(self._record_leftover_gradient)
+        weight = model.linear.weight
 
-    def _record_leftover_gradient(self, gradient: torch.Tensor) -> None:
-        leftover = self.linear.weight.grad
-        self.stale_gradients.append(leftover is not None and bool(leftover.abs().sum() > 0))
-        if self.first_gradient is None:
-            self.first_gradient = gradient.detach().cpu().clone()
+        def record_leftover_gradient(gradient: torch.Tensor) -> None:
+            leftover = weight.grad
+            self.stale_gradients.append(leftover is not None and bool(leftover.abs().sum() > 0))
+            if self.first_gradient is None:
+                self.first_gradient = gradient.detach().cpu().clone()
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self._handle = weight.register_hook(record_leftover_gradient)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._handle.remove()
+        self.parameters["model"].__dict__.pop("_record", None)
+        super().__exit__(*exc)
+
+    def forward_pass(self, model: _ModeRecorder, images: torch.Tensor, logits: torch.Tensor) -> None:
         grad = torch.is_grad_enabled()
-        self.calls.append((self.training, grad))
-        logits = self.linear(images.flatten(1))
+        self.calls.append((model.training, grad))
         with torch.no_grad():
-            flat = images.detach().flatten(1).cpu().to(self._images.dtype)
-            match = (flat[:, None, :] == self._images[None]).all(dim=-1)  # [batch, dataset]
+            flat = images.detach().flatten(1).cpu().to(model.images.dtype)
+            match = (flat[:, None, :] == model.images[None]).all(dim=-1)  # [batch, dataset]
             if bool(match.any(dim=1).all()):
-                labels = self._labels[match.double().argmax(dim=1)]
+                labels = model.labels[match.double().argmax(dim=1)]
                 loss = F.cross_entropy(logits.detach().cpu().double(), labels).item()
                 self.batches.append((grad, loss, len(labels)))
         if grad and len(self.weights_seen) < 8:
-            self.weights_seen.append(self.linear.weight.detach().cpu().clone())
-        return logits
+            self.weights_seen.append(model.linear.weight.detach().cpu().clone())
+
+    def findings(self) -> dict:
+        return {"calls": [list(call) for call in self.calls], "batches": [list(batch) for batch in self.batches],
+                "weights_seen": self.weights_seen, "first_gradient": self.first_gradient,
+                "stale_gradients": self.stale_gradients}
+
+    def accept(self, findings: Any) -> None:
+        def rows(items: Any, kinds: tuple) -> bool:
+            return isinstance(items, list) and all(
+                isinstance(row, list) and len(row) == len(kinds) and all(type(v) is k for v, k in zip(row, kinds))
+                for row in items)
+
+        weight_shape = tuple(self.parameters["model"].linear.weight.shape)
+        if not (isinstance(findings, dict) and rows(findings.get("calls"), (bool, bool))
+                and rows(findings.get("batches"), (bool, float, int))
+                and isinstance(findings.get("weights_seen"), list) and len(findings["weights_seen"]) <= 8
+                and all(isinstance(w, torch.Tensor) and tuple(w.shape) == weight_shape for w in findings["weights_seen"])
+                and (findings.get("first_gradient") is None or (isinstance(findings["first_gradient"], torch.Tensor)
+                                                               and tuple(findings["first_gradient"].shape) == weight_shape))
+                and isinstance(findings.get("stale_gradients"), list)
+                and all(type(v) is bool for v in findings["stale_gradients"])):
+            raise wire.WireError("a malformed record of the training loop")
+        self.calls = [tuple(call) for call in findings["calls"]]
+        self.batches = [tuple(batch) for batch in findings["batches"]]
+        self.weights_seen = findings["weights_seen"]
+        self.first_gradient = findings["first_gradient"]
+        self.stale_gradients = findings["stale_gradients"]
+
+
+class OneCpuThread(Probe):
+    """Runs one call on one CPU thread (:func:`one_cpu_thread`) where the call runs, and measures the
+    CPU time it took there (``time.process_time``). Findings: the seconds."""
+
+    def __init__(self, device: Any):
+        super().__init__(device=str(device))
+        self.seconds: float | None = None
+
+    def __enter__(self) -> "OneCpuThread":
+        self._threads = one_cpu_thread(self.parameters["device"])
+        self._threads.__enter__()
+        self._start = time.process_time()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = time.process_time() - self._start
+        self._threads.__exit__(*exc)
+        super().__exit__(*exc)
+
+    def findings(self) -> float | None:
+        return self.seconds
+
+    def accept(self, findings: Any) -> None:
+        if not (type(findings) is float and math.isfinite(findings) and findings >= 0):
+            raise wire.WireError("a malformed CPU time")
+        self.seconds = findings
 
 
 def _unique_digits(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -981,17 +1129,17 @@ def _float_list(losses: Any, call: str, epochs: int) -> list[float]:
     return [float(value) for value in losses]
 
 
-def _is_plain_sgd_update(model: _ModeRecorder) -> bool:
+def _is_plain_sgd_update(record: TrainingRecord) -> bool:
     """True when the first optimizer step moved every weight by a fixed multiple of its gradient.
 
     Adam and AdamW divide each gradient by its own running size, so their first step is about
     ``lr`` for every weight with a real gradient; SGD's (with or without momentum) is ``lr·g``.
     """
-    gradient = model.first_gradient
-    if gradient is None or len(model.weights_seen) < 2:
+    gradient = record.first_gradient
+    if gradient is None or len(record.weights_seen) < 2:
         return False
-    first = model.weights_seen[0]
-    moved = next((w for w in model.weights_seen[1:] if not torch.equal(w, first)), None)
+    first = record.weights_seen[0]
+    moved = next((w for w in record.weights_seen[1:] if not torch.equal(w, first)), None)
     if moved is None:
         return False
     step = (moved - first).double().flatten()
@@ -1005,13 +1153,13 @@ def _is_plain_sgd_update(model: _ModeRecorder) -> bool:
     return along_gradient and not uniform
 
 
-def _expected_epoch_losses(model: _ModeRecorder, epochs: int, batches_per_epoch: int) -> dict[str, list[float]] | None:
+def _expected_epoch_losses(record: TrainingRecord, epochs: int, batches_per_epoch: int) -> dict[str, list[float]] | None:
     """What the loop should have returned, and the known wrong bookkeepings, from the recorded batches.
 
     None when the forward passes do not split into ``epochs`` epochs of ``batches_per_epoch``
     training batches (the earlier checks name that).
     """
-    events = model.batches
+    events = record.batches
     training = [index for index, (grad, _, _) in enumerate(events) if grad]
     if len(training) != epochs * batches_per_epoch:
         return None
@@ -1052,12 +1200,13 @@ def _check_training_loop(train_classifier: Callable, seed: int, device) -> None:
     before = model.linear.weight.detach().clone()
     epochs = 3
     call = f"train_classifier(model, train_loader, epochs={epochs}, lr=0.01, device={str(device)!r})"
-    with one_cpu_thread(device):
-        losses = call_student(train_classifier, model, loader, epochs, 0.01, device, call=call)
+    record = TrainingRecord(model)
+    losses = call_student(train_classifier, model, loader, epochs, 0.01, device, call=call,
+                          probes=[record, OneCpuThread(device)])
     losses = _float_list(losses, call, epochs)
     expect_true(model.linear.weight.device.type == torch.device(device).type,
                 f"after {call}, the model is on {model.linear.weight.device.type}: move it with model.to(device).")
-    training_steps = [mode for mode, grad in model.calls if grad]
+    training_steps = [mode for mode, grad in record.calls if grad]
     expect_true(len(training_steps) >= epochs * len(loader),
                 f"{call} ran {len(training_steps)} forward passes with gradients; {epochs} epochs of "
                 f"{len(loader)} batches need {epochs * len(loader)}. Loop over every batch of the loader in every epoch.")
@@ -1065,12 +1214,12 @@ def _check_training_loop(train_classifier: Callable, seed: int, device) -> None:
                 f"  Likely mistake: {TRAIN_HINTS['eval_mode']}")
     expect_true(not torch.equal(model.linear.weight.detach().cpu(), before),
                 f"{call} did not change the model's parameters.\n  Likely mistake: {TRAIN_HINTS['no_step']}")
-    stale = sum(model.stale_gradients)
-    expect_true(stale == 0, f"{call}: in {stale} of {len(model.stale_gradients)} backward passes, the gradients of "
+    stale = sum(record.stale_gradients)
+    expect_true(stale == 0, f"{call}: in {stale} of {len(record.stale_gradients)} backward passes, the gradients of "
                 f"the previous batch were still in .grad.\n  Likely mistake: {TRAIN_HINTS['no_zero_grad']}")
-    expect_true(not _is_plain_sgd_update(model), f"{call}: the optimizer is not Adam or AdamW.\n"
+    expect_true(not _is_plain_sgd_update(record), f"{call}: the optimizer is not Adam or AdamW.\n"
                 f"  Likely mistake: {TRAIN_HINTS['plain_sgd']}")
-    expected = _expected_epoch_losses(model, epochs, len(loader))
+    expected = _expected_epoch_losses(record, epochs, len(loader))
     if expected is not None and not (_matches(losses, expected["mean"]) or _matches(losses, expected["re_evaluated"])):
         shown = [round(v, 4) for v in losses]
         want = [round(v, 4) for v in expected["mean"]]
@@ -1134,10 +1283,11 @@ def check_train_classifier_outcome(train_classifier: Callable, MiniViT: Callable
     expect_true(isinstance(model, nn.Module), f"{label} should be an nn.Module, got {describe(model)}.")
     call = (f"train_classifier({label}, train_loader, epochs={OUTCOME_EPOCHS}, lr={OUTCOME_LR}, "
             f"device={str(device)!r}) with batches of {OUTCOME_BATCH}")
+    timer = OneCpuThread(device)
+    losses = call_student(train_classifier, model, train_loader, OUTCOME_EPOCHS, OUTCOME_LR, device, call=call,
+                          probes=[timer])
+    cpu_seconds = timer.seconds
     with one_cpu_thread(device):
-        start = time.process_time()
-        losses = call_student(train_classifier, model, train_loader, OUTCOME_EPOCHS, OUTCOME_LR, device, call=call)
-        cpu_seconds = time.process_time() - start
         losses = _float_list(losses, call, OUTCOME_EPOCHS)
         model.eval()
         parameter = next(model.parameters())
