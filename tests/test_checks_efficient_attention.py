@@ -30,6 +30,11 @@ from attention_lab.checks.efficient_attention import HINTS  # noqa: E402
 from attention_lab.hint_catalog import _normalise, hint_pattern  # noqa: E402
 from attention_lab.triton_kernels import TRITON_AVAILABLE, tl, triton  # noqa: E402
 from attention_lab.widgets import efficient_attention as views  # noqa: E402
+from tests.bridge_harness import run_both_ways  # noqa: E402
+
+# Every test twice: the checks in the student's kernel (the lab), and through the bridge (grading), where the
+# course's launchers run the student's Triton kernels in the student's process.
+where_checks_run = run_both_ways()
 
 CPU = {"device": "cpu", "quiet": True}
 NEG_INF = float("-inf")
