@@ -32,7 +32,8 @@ KERNEL_STARTUP_TIMEOUT = 300    # seconds for a kernel to start and run the setu
 # Notebooks whose graded test cells run in the trusted checker (autograder.grading.checker), not
 # in the student's kernel: their verdicts cannot be forged by the submission's code. The others
 # still run their test cells in the kernel (the grading report says which).
-CHECKED_OUTSIDE_THE_KERNEL = ("01_mha_shapes", "02_numpy_walkthrough", "03_positions_and_blocks", "05_llama_attention")
+CHECKED_OUTSIDE_THE_KERNEL = ("01_mha_shapes", "02_numpy_walkthrough", "03_positions_and_blocks", "05_llama_attention",
+                              "06_efficient_attention")
 UNRESPONSIVE_GRACE = 10         # seconds (at least) an interrupted kernel has to answer
 MAX_OUTPUT_BYTES = 1_000_000    # output kept per cell
 
