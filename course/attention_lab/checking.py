@@ -730,6 +730,8 @@ def call_student(
                 for probe in (tripwire, *probes):
                     stack.enter_context(probe)
                 result = fn(*args, **kwargs)
+            for probe in probes:
+                probe.returned(result, args)
     except CheckFailure:
         if (failure := _probes_failure(tripwire, probes)) is not None:
             raise failure from None

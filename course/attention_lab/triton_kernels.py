@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from attention_lab.bridge import probes, wire
+from attention_lab.bridge.probes import Probe
 
 __all__ = ["triton", "tl", "TRITON_AVAILABLE", "TritonUnavailable", "launch_flash_attention",
            "interpreter_active", "MIN_BLOCK", "poisoned_rows", "LoadWatch", "Overrun", "GuardedOutput",
@@ -501,6 +506,59 @@ class LoadWatch:
                 delattr(self._builder, name)  # the class's methods again
             self._builder = None
 
+    def findings(self) -> dict:
+        """What this watch saw, as data (a launch in the student's kernel sends it to the checker)."""
+        def overrun(found: Overrun | None) -> list | None:
+            return None if found is None else [found.operation, list(found.program), found.line[:400], found.cause]
+
+        return {"active": self.active, "stray": overrun(self.stray),
+                "beyond": [[name, overrun(found)] for name, found in self.beyond.items()],
+                "blocks": [[name, [[list(program), row] for program, row in sorted(found)]]
+                           for name, found in self.blocks.items()],
+                "touched": [[name, [[list(program), box] for program, box in found.items()]]
+                            for name, found in self.touched.items()]}
+
+    def accept(self, findings: Any) -> None:
+        """Take in what the kernel's watch saw (data from the student's process: checked to be well-formed;
+        what it says is that process's word)."""
+        def program(value: Any) -> tuple[int, ...]:
+            if not (isinstance(value, list) and len(value) <= 3 and all(type(i) is int and 0 <= i < 2**31 for i in value)):
+                raise wire.WireError("a malformed program id")
+            return tuple(value)
+
+        def overrun(value: Any) -> Overrun | None:
+            if value is None:
+                return None
+            if not (isinstance(value, list) and len(value) == 4 and value[0] in ("load", "store")
+                    and value[3] in ("no_mask", "last_lane", "past_end", "stray") and probes.strings([value[2]])):
+                raise wire.WireError("a malformed overrun")
+            return Overrun(value[0], program(value[1]), value[2], value[3])
+
+        def named(value: Any) -> list:
+            if not (isinstance(value, list) and len(value) <= 16 and all(
+                    isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and item[0].isidentifier()
+                    and len(item[0]) <= 20 for item in value)):
+                raise wire.WireError("a malformed load watch")
+            return value
+
+        if not isinstance(findings, dict) or not isinstance(findings.get("active"), bool):
+            raise wire.WireError("a malformed load watch")
+        self.active = findings["active"]
+        self.stray = overrun(findings.get("stray"))
+        for name, found in named(findings.get("beyond")):
+            self.beyond[name] = overrun(found)
+        for name, found in named(findings.get("blocks")):
+            if not (isinstance(found, list) and len(found) <= probes.MAX_FINDINGS and all(
+                    isinstance(item, list) and len(item) == 2 and type(item[1]) is int for item in found)):
+                raise wire.WireError("malformed blocks of a load watch")
+            self.blocks[name] = {(program(item[0]), item[1]) for item in found}
+        for name, found in named(findings.get("touched")):
+            if not (isinstance(found, list) and len(found) <= probes.MAX_FINDINGS and all(
+                    isinstance(item, list) and len(item) == 2 and isinstance(item[1], list) and len(item[1]) == 4
+                    and all(type(i) is int for i in item[1]) for item in found)):
+                raise wire.WireError("malformed parts of a load watch")
+            self.touched[name] = {program(item[0]): list(item[1]) for item in found}
+
     def _record(self, operation: str, builder: Any, handle: Any, pointers: Any, mask: Any) -> Any:
         """Record one operation; return its mask, with the lanes outside every watched tensor disabled."""
         import numpy as np
@@ -547,3 +605,108 @@ def _kernel_line() -> str:
             continue
         return (frame.line or "").strip()
     return ""
+
+
+# --------------------------------------------------------------------------------------
+# A launch in the student's kernel, seen from the trusted checker
+# --------------------------------------------------------------------------------------
+
+# The launchers a check may have the student's kernel run (by name: nothing else is ever run there).
+LAUNCHERS = ("launch_scale", "launch_matmul", "launch_row_softmax", "launch_online_softmax", "launch_flash_attention",
+             "launch_flash_attention_backward")
+_LAUNCH_ERRORS = {"StoreOutOfBounds": StoreOutOfBounds, "TritonUnavailable": TritonUnavailable,
+                  "NotImplementedError": NotImplementedError}
+MAX_WARNING_TEXTS, MAX_WARNINGS = 50, 10_000
+
+
+def launch(launcher: Callable, kernel: Any, *args: Any, watch: LoadWatch, **kwargs: Any) -> Any:
+    """``launcher(kernel, *args, watch=watch, **kwargs)`` where the kernel is: here in the lab; in
+    grading (``kernel`` a proxy of the student's) in the student's process, by :class:`KernelLaunch`,
+    whose report (the result, what ``watch`` saw, the warnings, the exception) is replayed here."""
+    from attention_lab.bridge import remote
+
+    if not remote.is_remote(kernel):
+        return launcher(kernel, *args, watch=watch, **kwargs)
+    probe = KernelLaunch(launcher=launcher.__name__, args=list(args), kwargs=kwargs)
+    remote.measure(kernel, probe, f"the launch of your kernel by {launcher.__name__}")
+    return probe.replay(watch)
+
+
+class KernelLaunch(Probe):
+    """One of the course's launchers (:data:`LAUNCHERS`, by name) run on the student's kernel in its own
+    process (``measure``), with a :class:`LoadWatch`; its findings are data: the launch's result (tensors),
+    the watch's records, the warnings Triton's interpreter gave, and the exception the launch raised."""
+
+    def __init__(self, launcher: str = "", args: list | None = None, kwargs: dict | None = None):
+        super().__init__(launcher=launcher, args=list(args or []), kwargs=dict(kwargs or {}))
+        if launcher not in LAUNCHERS:
+            raise wire.WireError(f"{str(launcher)[:40]!r} is not one of the course's launchers")
+        self.launcher, self.args, self.kwargs = launcher, list(args or []), dict(kwargs or {})
+
+    def measure(self, kernel: Any) -> dict:
+        """In the student's kernel: launch, and report."""
+        from attention_lab.bridge.agent import exception_data
+
+        watch = LoadWatch()
+        found: dict = {"result": None, "raised": None}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                found["result"] = globals()[self.launcher](kernel, *self.args, watch=watch, **self.kwargs)
+            except Exception as error:  # the launch's own outcome, for the checker to judge
+                found["raised"] = exception_data(error)
+                found["raised"]["message"] = str(error).strip()[-2000:]  # the end: where Triton says what broke
+        texts = Counter((w.category.__name__[:100], str(w.message)[:400]) for w in caught)
+        found["warnings"] = [[name, text, count] for (name, text), count in texts.most_common(MAX_WARNING_TEXTS)]
+        found["watch"] = watch.findings()
+        return found
+
+    def accept(self, findings: Any) -> None:
+        if not (isinstance(findings, dict) and isinstance(findings.get("warnings"), list)
+                and len(findings["warnings"]) <= MAX_WARNING_TEXTS):
+            raise wire.WireError("a malformed report of a launch")
+        result, raised = findings.get("result"), findings.get("raised")
+        if raised is None and not (isinstance(result, torch.Tensor) or (
+                isinstance(result, tuple) and result and all(isinstance(t, torch.Tensor) for t in result))):
+            raise wire.WireError("a launch that returned no tensors")
+        for item in findings["warnings"]:
+            if not (isinstance(item, list) and len(item) == 3 and probes.strings(item[:2], limit=2)
+                    and item[0].isidentifier() and type(item[2]) is int and 0 < item[2] <= MAX_WARNINGS):
+                raise wire.WireError("a malformed warning")
+        self.result = findings
+
+    def replay(self, watch: LoadWatch) -> Any:
+        """What the launch did, here: ``watch`` takes the kernel's watch's records, the warnings are
+        given again, and the launch's result is returned (or its exception raised)."""
+        from attention_lab.bridge import remote
+
+        watch.accept(self.result.get("watch"))
+        for name, text, count in self.result["warnings"]:
+            category = _warning_class(name)
+            for _ in range(count):
+                warnings.warn(text, category, stacklevel=2)
+        raised = self.result.get("raised")
+        if raised is None:
+            return self.result["result"]
+        error = remote.student_exception(raised)
+        known = _LAUNCH_ERRORS.get(str(raised.get("type")))
+        if known is StoreOutOfBounds:
+            raise StoreOutOfBounds(str(error).removeprefix("the kernel wrote past the end of ")[:100])
+        if known is not None:
+            raise known(str(error))
+        raise error
+
+
+def _warning_class(name: str) -> type:
+    """A warning category by name: Python's own, or one made with that name (a warning's class is its name)."""
+    import builtins
+
+    known = getattr(builtins, name, None)
+    if isinstance(known, type) and issubclass(known, Warning):
+        return known
+    if name not in _WARNING_CLASSES:
+        _WARNING_CLASSES[name] = type(name, (UserWarning,), {"__module__": "student"})
+    return _WARNING_CLASSES[name]
+
+
+_WARNING_CLASSES: dict[str, type] = {}

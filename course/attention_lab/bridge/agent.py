@@ -137,6 +137,7 @@ class Agent(Peer):
                      "signature": _signature(obj) if callable(obj) else None}
         if isinstance(obj, type):
             described.update({"$": "class", "module_class": issubclass(obj, nn.Module),
+                              "autograd_function": issubclass(obj, torch.autograd.Function),
                               "torch": modules.torch_classes(obj) if issubclass(obj, nn.Module) else [],
                               "dataclass": _dataclass_fields(obj, encoder)})
         elif callable(obj):
@@ -408,6 +409,8 @@ class Agent(Peer):
                     for probe in active:
                         stack.enter_context(probe)
                     result = target(*args, **kwargs)
+                for probe in active:
+                    probe.returned(result, args)
                 reply["value"] = encoder.encode(result)
                 if request.get("graph"):
                     reply["graph"] = self._keep_graph(result, request.get("parameters", []))

@@ -45,6 +45,10 @@ class Probe:
     def findings(self) -> Any:
         raise NotImplementedError
 
+    def returned(self, result: Any, args: tuple) -> None:
+        """Where the call ran, once it returned: its result and the arguments it was given (a probe that
+        measures what a call returned: what an autograd Function saved for its backward)."""
+
     def accept(self, findings: Any) -> None:
         """Take in the findings the kernel's copy of this probe sent (data, untrusted)."""
         self.result = findings

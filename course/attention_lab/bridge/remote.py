@@ -77,6 +77,9 @@ def _exception(data: Any) -> StudentException:
     return error
 
 
+student_exception = _exception  # an exception the kernel reported as data (a probe's too), rebuilt here
+
+
 def _signature(data: Any) -> inspect.Signature | None:
     if data is None:
         return None
@@ -715,9 +718,22 @@ class RemoteClassMeta(type):
 _metaclasses: dict[type, type] = {}
 
 
+class _KernelAttribute:
+    """A class attribute of a proxied class that its local base also defines (``apply`` of an autograd
+    Function): looked up in the kernel, as any other."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj: Any, cls: type) -> Any:
+        return cls.__dict__["_remote_bridge"].getattr(cls.__dict__["_remote_handle"], self.name)
+
+
 def _class_proxy(bridge: Bridge, handle: str, fields: dict) -> type:
     torch_names = fields.get("torch") or []
     base = modules.torch_module_class(torch_names[0]) if fields.get("module_class") and torch_names else object
+    if fields.get("autograd_function") is True and base is object:  # issubclass(cls, torch.autograd.Function)
+        base = torch.autograd.Function
     meta = type(base)
     if meta not in _metaclasses:
         _metaclasses[meta] = RemoteClassMeta if meta is type else \
@@ -726,6 +742,8 @@ def _class_proxy(bridge: Bridge, handle: str, fields: dict) -> type:
     namespace = {"__module__": "student", "__qualname__": str(fields.get("qualname") or name)[:200],
                  "__signature__": _signature(fields.get("signature")), "_remote_handle": handle,
                  "_remote_bridge": bridge}
+    if base is torch.autograd.Function:
+        namespace.update({attribute: _KernelAttribute(attribute) for attribute in ("apply", "forward", "backward")})
     dataclass_fields = _dataclass_fields(bridge, fields.get("dataclass"))
     if dataclass_fields is not None:
         namespace["__dataclass_fields__"] = dataclass_fields

@@ -35,6 +35,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from attention_lab.bridge import probes, remote, wire
+from attention_lab.bridge.probes import Probe
 from attention_lab.checking import (
     CheckFailure,
     RuleFailure,
@@ -394,30 +396,98 @@ def _storage(tensor: torch.Tensor) -> int:
         return -1
 
 
-class OperationWatch(TorchFunctionMode):
-    """Sees the inputs and outputs of every PyTorch function the student's code calls.
+class OperationWatch(Probe):
+    """Sees the inputs and outputs of every PyTorch function the student's code calls (a probe: in
+    grading it watches the call in the student's kernel and sends back what it saw, as data).
 
-    * ``is_wide(shape)`` -> the first new (non-view) output for which it is true is kept in
-      ``offence`` as ``(function, shape, student line)``;
-    * ``reads_row(tensor)`` -> the first reduction (max, sum, logsumexp ...) over such an input is
-      kept in ``row_read``;
+    * ``table=(S_q, S_k)`` -> the first new (non-view) output as wide as the table (:meth:`is_wide`)
+      is kept in ``offence`` as ``(function, shape, student line)``; ``narrow`` (sizes a tile or a
+      row may have): any output with S_k columns (or rows) that is not ``narrow`` counts too, and with
+      ``queries`` one with S_q columns (or rows);
+    * ``row_width`` -> the first reduction (max, sum, logsumexp ...) over an input whose last axis is
+      that wide is kept in ``row_read`` as ``(function, student line)``;
     * ``products[shape[-2:]]`` counts matrix products by the last two dims of their output.
 
     A function mode (not a dispatch mode) sees the calls as written -- ``q @ k.mT``,
     ``torch.einsum`` -- and costs no import of the compiler stack.
     """
 
-    def __init__(self, is_wide: Callable[[tuple[int, ...]], bool] | None = None,
-                 reads_row: Callable[[torch.Tensor], bool] | None = None):
-        super().__init__()
-        self.is_wide = is_wide
-        self.reads_row = reads_row
+    def __init__(self, table: Sequence[int] | None = None, narrow: Sequence[int] | None = None,
+                 queries: bool = False, row_width: int | None = None):
+        super().__init__(table=None if table is None else list(table), narrow=None if narrow is None else list(narrow),
+                         queries=bool(queries), row_width=row_width)
+        self.table = None if table is None else (int(table[0]), int(table[1]))
+        self.narrow = None if narrow is None else tuple(int(n) for n in narrow)
+        self.queries = bool(queries)
+        self.row_width = row_width
         self.offence: tuple[str, tuple[int, ...], str] | None = None
         self.row_read: tuple[str, str] | None = None
         self.products: Counter = Counter()
+        self._mode: _OperationMode | None = None
+
+    def is_wide(self, shape: tuple[int, ...]) -> bool:
+        if self.table is None or len(shape) < 2:
+            return False
+        seq_q, seq_k = self.table
+        rows, cols = shape[-2:]
+        if (rows, cols) in ((seq_q, seq_k), (seq_k, seq_q)):
+            return True
+        if self.narrow is None:
+            return False
+        wide = (cols == seq_k and rows not in self.narrow) or (rows == seq_k and cols not in self.narrow)
+        return wide or (self.queries and ((cols == seq_q and rows not in self.narrow)
+                                          or (rows == seq_q and cols not in self.narrow)))
+
+    def reads_row(self, tensor: torch.Tensor) -> bool:
+        return self.row_width is not None and tensor.dim() >= 1 and tensor.shape[-1] == self.row_width
+
+    def __enter__(self) -> "OperationWatch":
+        self._mode = _OperationMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def findings(self) -> dict:
+        return {"offence": None if self.offence is None else [self.offence[0], list(self.offence[1]), self.offence[2]],
+                "row_read": None if self.row_read is None else list(self.row_read),
+                "products": [[list(shape), count] for shape, count in self.products.items()][:probes.MAX_FINDINGS]}
+
+    def accept(self, findings: Any) -> None:
+        """What the kernel's watch saw, checked to be the data a watch reports (its numbers are the kernel's word)."""
+        if not isinstance(findings, dict):
+            raise wire.WireError("malformed operation watch")
+        offence, row_read, products = findings.get("offence"), findings.get("row_read"), findings.get("products")
+        if offence is not None:
+            if not (isinstance(offence, list) and len(offence) == 3 and probes.strings([offence[0], offence[2]])
+                    and isinstance(offence[1], list) and all(type(n) is int and n >= 0 for n in offence[1])
+                    and self.is_wide(tuple(offence[1]))):
+                raise wire.WireError("malformed operation watch")
+            self.offence = (offence[0], tuple(offence[1]), offence[2])
+        if row_read is not None:
+            if self.row_width is None:
+                raise wire.WireError("malformed operation watch")
+            self.row_read = tuple(probes.strings(row_read, limit=2))
+        if not isinstance(products, list) or len(products) > probes.MAX_FINDINGS:
+            raise wire.WireError("malformed operation watch")
+        for item in products:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], list) and len(item[0]) == 2
+                    and all(type(n) is int and n >= 0 for n in item[0]) and type(item[1]) is int and item[1] > 0):
+                raise wire.WireError("malformed operation watch")
+            self.products[tuple(item[0])] += item[1]
+
+
+class _OperationMode(TorchFunctionMode):
+    """The torch function mode an :class:`OperationWatch` watches through."""
+
+    def __init__(self, watch: OperationWatch):
+        super().__init__()
+        self.watch = watch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        watch = self.watch
         name = _function_name(func)
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outputs:
@@ -425,24 +495,23 @@ class OperationWatch(TorchFunctionMode):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         input_storages = {_storage(t) for t in inputs}
         new_outputs = [t for t in outputs if _storage(t) not in input_storages]
-        if self.is_wide is not None and self.offence is None:
+        if watch.table is not None and watch.offence is None:
             for tensor in new_outputs:
-                if self.is_wide(tuple(tensor.shape)):
-                    self.offence = (name, tuple(tensor.shape), _student_line())
+                if watch.is_wide(tuple(tensor.shape)):
+                    watch.offence = (name, tuple(tensor.shape), _student_line())
                     break
-        if (self.reads_row is not None and self.row_read is None and name in _REDUCTIONS
-                and any(self.reads_row(t) for t in inputs)):
-            self.row_read = (name, _student_line())
+        if (watch.row_width is not None and watch.row_read is None and name in _REDUCTIONS
+                and any(watch.reads_row(t) for t in inputs)):
+            watch.row_read = (name, _student_line())
         if name in _MATMULS:
             for tensor in outputs:
                 if tensor.dim() >= 2:
-                    self.products[tuple(tensor.shape[-2:])] += 1
+                    watch.products[tuple(tensor.shape[-2:])] += 1
         return out
 
 
 def _watched_call(fn: Callable, *args: Any, call: str, watch: OperationWatch, **kwargs: Any) -> Any:
-    with watch:
-        return call_student(fn, *args, call=call, **kwargs)
+    return call_student(fn, *args, call=call, probes=[watch], **kwargs)
 
 
 # --------------------------------------------------------------------------------------
@@ -538,10 +607,6 @@ def _chunked_case(chunked_attention, shape_q, seq_k, chunk_size, causal, generat
                            variants=_chunked_variants(q, k, v, causal, chunk_size))
 
 
-def _wide_table(seq_q: int, seq_k: int) -> Callable[[tuple[int, ...]], bool]:
-    return lambda shape: len(shape) >= 2 and tuple(shape[-2:]) in ((seq_q, seq_k), (seq_k, seq_q))
-
-
 def _expect_no_table(watch: OperationWatch, call: str, what: str, hint: str) -> None:
     if watch.offence is not None:
         operation, shape, line = watch.offence
@@ -568,7 +633,7 @@ def check_chunked_attention(chunked_attention: Callable, *, seed: int = 0, devic
         k = randn(1, 2, seq_k, 8, generator=generator)
         v = randn(1, 2, seq_k, 8, generator=generator)
         call = f"chunked_attention(q, k, v, chunk_size=16, causal={causal}) with S_q={seq_q}, S_k={seq_k}"
-        watch = OperationWatch(is_wide=_wide_table(seq_q, seq_k))
+        watch = OperationWatch(table=(seq_q, seq_k))
         _watched_call(chunked_attention, q, k, v, 16, causal=causal, call=call, watch=watch)
         _expect_no_table(watch, call, "the whole score table (or mask) at once, which chunking exists to avoid",
                          HINTS["full_table"])
@@ -600,7 +665,7 @@ def _streaming_case(streaming_logsumexp, x: torch.Tensor, block_size: int, label
                     watch_rows: bool) -> None:
     call = f"streaming_logsumexp(x, block_size={block_size}) with x {label} {shape_str(x.shape)}"
     width = x.shape[-1]
-    watch = OperationWatch(reads_row=lambda t: t.dim() >= 1 and t.shape[-1] == width) if watch_rows else None
+    watch = OperationWatch(row_width=width) if watch_rows else None
     if watch is not None:
         out = _watched_call(streaming_logsumexp, x, block_size, call=call, watch=watch)
     else:
@@ -907,16 +972,7 @@ def check_flash_attention_forward_memory(flash_attention_forward: Callable, *, s
     narrow = (1, head_dim, heads)
     for causal, (seq_q, seq_k) in ((False, (48, 80)), (True, (48, 80)), (True, (64, 64))):
         q, k, v = _qkv(generator, 1, heads, seq_q, seq_k, head_dim)
-
-        def is_wide(shape: tuple[int, ...], seq_q=seq_q, seq_k=seq_k) -> bool:
-            if len(shape) < 2:
-                return False
-            rows, cols = shape[-2:]
-            return ((rows, cols) in ((seq_q, seq_k), (seq_k, seq_q))
-                    or (cols == seq_k and rows not in narrow)
-                    or (rows == seq_k and cols not in narrow))
-
-        watch = OperationWatch(is_wide=is_wide)
+        watch = OperationWatch(table=(seq_q, seq_k), narrow=narrow)
         _, _, call = _call_flash(flash_attention_forward, q, k, v, 16, 16, causal, watch=watch)
         _expect_no_table(watch, call, f"a table of scores against all {seq_k} keys. FlashAttention holds only one "
                          "[block_q, block_k] tile of scores at a time",
@@ -1126,16 +1182,7 @@ def check_flash_attention_backward_memory(flash_attention_backward: Callable, *,
     narrow = (1, head_dim, heads)
     for causal, (seq_q, seq_k) in ((False, (48, 80)), (True, (48, 80))):
         inputs = _backward_inputs(generator, (1, heads, seq_q, seq_k, head_dim), causal)
-
-        def is_wide(shape: tuple[int, ...], seq_q=seq_q, seq_k=seq_k) -> bool:
-            if len(shape) < 2:
-                return False
-            rows, cols = shape[-2:]
-            return ((rows, cols) in ((seq_q, seq_k), (seq_k, seq_q))
-                    or (cols == seq_k and rows not in narrow) or (rows == seq_k and cols not in narrow)
-                    or (cols == seq_q and rows not in narrow) or (rows == seq_q and cols not in narrow))
-
-        watch = OperationWatch(is_wide=is_wide)
+        watch = OperationWatch(table=(seq_q, seq_k), narrow=narrow, queries=True)
         _, call = _call_backward(flash_attention_backward, inputs, 16, 16, causal, watch=watch)
         _expect_no_table(watch, call, "a table of scores or probabilities against all the keys (or all the queries). "
                          "The backward pass recomputes one [block_q, block_k] tile of P at a time from q, k and lse",
@@ -1159,13 +1206,43 @@ def check_flash_attention_backward_memory(flash_attention_backward: Callable, *,
                     f"the tile may see.\n  Likely mistake: {HINTS['bwd_future_blocks']}")
 
 
-def _saved_by(output: torch.Tensor) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """What a custom Function's backward will see: its saved tensors, and tensors kept as ctx attributes."""
-    node = output.grad_fn
-    saved = list(getattr(node, "saved_tensors", ()) or ())
-    attributes = {name: value for name, value in vars(node).items() if isinstance(value, torch.Tensor)} \
-        if hasattr(node, "__dict__") else {}
-    return saved, attributes
+class SavedForBackward(Probe):
+    """What a custom Function's backward will see, taken where ``apply`` ran (in grading, the student's
+    kernel): ``grad_fn`` (its text), ``backward`` (whether it is a custom Function's node), ``saved`` (the
+    tensors saved with save_for_backward) and ``kept`` (``(name, shape)`` of the tensors kept as ctx attributes
+    that are neither an input nor the output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad_fn, self.backward = "None", False
+        self.saved: list[torch.Tensor] = []
+        self.kept: list[tuple[str, tuple[int, ...]]] = []
+
+    def returned(self, result: Any, args: tuple) -> None:
+        node = getattr(result, "grad_fn", None)
+        self.grad_fn = str(node)[:200]
+        self.backward = node is not None and hasattr(node, "saved_tensors")
+        self.saved = [t.detach() for t in getattr(node, "saved_tensors", ()) or ()] if self.backward else []
+        attributes = vars(node).items() if hasattr(node, "__dict__") else ()
+        self.kept = [(str(name)[:100], tuple(value.shape)) for name, value in attributes
+                     if isinstance(value, torch.Tensor) and not any(value is x for x in (*args, result))]
+
+    def findings(self) -> dict:
+        return {"grad_fn": self.grad_fn, "backward": self.backward, "saved": self.saved,
+                "kept": [[name, list(shape)] for name, shape in self.kept]}
+
+    def accept(self, findings: Any) -> None:
+        if not (isinstance(findings, dict) and isinstance(findings.get("backward"), bool)
+                and probes.strings([findings.get("grad_fn")]) and isinstance(findings.get("saved"), list)
+                and len(findings["saved"]) <= 100 and all(isinstance(t, torch.Tensor) for t in findings["saved"])
+                and isinstance(findings.get("kept"), list) and len(findings["kept"]) <= 100):
+            raise wire.WireError("a malformed report of what a Function saved")
+        for item in findings["kept"]:
+            if not (isinstance(item, list) and len(item) == 2 and probes.strings([item[0]])
+                    and isinstance(item[1], list) and all(type(n) is int and n >= 0 for n in item[1])):
+                raise wire.WireError("a malformed report of what a Function saved")
+        self.grad_fn, self.backward, self.saved = findings["grad_fn"], findings["backward"], findings["saved"]
+        self.kept = [(name, tuple(shape)) for name, shape in findings["kept"]]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -1184,18 +1261,19 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
         q, k, v = (t.requires_grad_(True) for t in _qkv(generator, 1, 2, seq_q, seq_k, 8))
         dout = randn(1, 2, seq_q, 8, generator=generator)
         call = f"FlashAttention.apply(q, k, v, {causal}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)}"
+        saved_for_backward = SavedForBackward()
         with torch.enable_grad():
-            out = call_student(FlashAttention.apply, q, k, v, causal, call=call)
+            out = call_student(FlashAttention.apply, q, k, v, causal, call=call, probes=[saved_for_backward])
         expect_tensor(out, what=f"out from {call}", shape=q.shape, dtype=q.dtype, device=q.device)
         ignored = [Variant(lambda: reference_attention(q, k, v, False)[0], HINTS["causal_ignored"])] if causal else []
         forward_error = max(forward_error, expect_close(out, reference_attention(q, k, v, causal)[0],
                                                         what=f"out from {call}",
                                                         against="F.scaled_dot_product_attention (float64)",
                                                         variants=ignored))
-        expect_true(out.grad_fn is not None and hasattr(out.grad_fn, "saved_tensors"),
-                    f"out from {call} has no backward of FlashAttention (grad_fn {out.grad_fn}): forward must return "
-                    "the output tensor it computed, and apply (not forward) must be called.")
-        saved, attributes = _saved_by(out)
+        expect_true(saved_for_backward.backward,
+                    f"out from {call} has no backward of FlashAttention (grad_fn {saved_for_backward.grad_fn}): forward "
+                    "must return the output tensor it computed, and apply (not forward) must be called.")
+        saved = saved_for_backward.saved
         want_lse = reference_attention(q, k, v, causal)[1]
         named = []
         for tensor in saved:
@@ -1204,8 +1282,7 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
                 close = torch.allclose(tensor.detach().to(torch.float64), want_lse, rtol=1e-4, atol=1e-5)
                 match = ["lse"] if close else []
             named.append(match[0] if match else shape_str(tensor.shape))
-        kept = [f"ctx.{name} {shape_str(t.shape)}" for name, t in attributes.items()
-                if not any(t is x for x in (q, k, v, out))]
+        kept = [f"ctx.{name} {shape_str(shape)}" for name, shape in saved_for_backward.kept]
         expect_true(sorted(named) == sorted(["q", "k", "v", "out", "lse"]) and not kept,
                     f"{call}: forward saved {', '.join(named) or 'nothing'} with save_for_backward"
                     + (f" and kept {', '.join(kept)}" if kept else "")
@@ -1324,24 +1401,12 @@ def _ladder_launch(call: str, launcher: Callable, kernel: Any, *args: Any, owner
     and stores; name what went wrong. Returns the result and, when a program reached outside its own part of a
     tensor (``owners``), what it reached: a diagnosis for wrong numbers only, never a failure on its own (Triton's
     matmul tutorial wraps the last blocks' rows around, % M, and is right)."""
-    from attention_lab.triton_kernels import (TRITON_AVAILABLE, TRITON_MISSING, LoadWatch, StoreOutOfBounds,
-                                              TritonUnavailable)
+    from attention_lab.triton_kernels import TRITON_AVAILABLE, TRITON_MISSING
 
     if not TRITON_AVAILABLE:
         raise CheckFailure(TRITON_MISSING)
-    watch = LoadWatch()
-    result, stored_past = None, None
-    try:
-        result = launcher(kernel, *args, poison=POISON_ROWS, watch=watch, **kwargs)
-    except TritonUnavailable as error:
-        raise CheckFailure(str(error)) from None
-    except NotImplementedError as error:
-        raise CheckFailure(f"{call}: not implemented yet ({error}). Write the kernel.") from None
-    except StoreOutOfBounds as error:
-        stored_past = error.name
-    except Exception as error:
-        text = str(error).strip()
-        raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
+    result, watch, stored_past = _launched(call, "Write the kernel.", launcher, kernel, *args, poison=POISON_ROWS,
+                                          **kwargs)
     # What the interpreter saw names the mistake; natively only the sentinel after the output can.
     if watch.stray is not None:
         where = f" (your line: `{watch.stray.line}`)" if watch.stray.line else ""
@@ -1589,26 +1654,36 @@ def _visited_blocks_needed(seq_q: int, seq_k: int, block_q: int, block_k: int, h
     return needed * heads
 
 
-def _kernel_launch(call: str, launch: Callable[[Any], tuple], lengths: dict[str, tuple[str, int]],
-                   blank: str) -> tuple:
-    """Run ``launch(watch)`` (the course's launcher on a student's kernel, with NaN rows after each input and a
-    sentinel after each output); name a load or a store past the end. ``lengths``: name -> (length's name,
-    length) of every tensor the kernel reads or writes."""
-    from attention_lab.triton_kernels import LoadWatch, StoreOutOfBounds, TritonUnavailable
+def _launched(call: str, blank: str, launcher: Callable, kernel: Any, *args: Any, **kwargs: Any) -> tuple:
+    """``(result, watch, name of the output stored past)`` of the course's ``launcher`` run on a student's
+    ``kernel`` with a :class:`LoadWatch` (where the kernel is: in grading, in the student's process); a launch
+    that fails otherwise fails the check, ``blank``: what to do when the kernel is not written yet."""
+    from attention_lab.triton_kernels import LoadWatch, StoreOutOfBounds, TritonUnavailable, launch
 
     watch = LoadWatch()
     result, stored_past = None, None
     try:
-        result = launch(watch)
+        result = launch(launcher, kernel, *args, watch=watch, **kwargs)
     except TritonUnavailable as error:
         raise CheckFailure(str(error)) from None
     except NotImplementedError as error:
         raise CheckFailure(f"{call}: not implemented yet ({error}). {blank}") from None
     except StoreOutOfBounds as error:
         stored_past = error.name
+    except remote.BridgeError as error:
+        raise CheckFailure(f"{call}: {error}") from None
     except Exception as error:
         text = str(error).strip()
         raise CheckFailure(f"{call} raised {type(error).__name__}:\n{text[-1500:]}") from None
+    return result, watch, stored_past
+
+
+def _kernel_launch(call: str, blank: str, lengths: dict[str, tuple[str, int]], launcher: Callable, kernel: Any,
+                   *args: Any, **kwargs: Any) -> tuple:
+    """Run ``launcher(kernel, *args, **kwargs)`` (the course's launcher on a student's kernel, with NaN rows after
+    each input and a sentinel after each output); name a load or a store past the end. ``lengths``: name ->
+    (length's name, length) of every tensor the kernel reads or writes."""
+    result, watch, stored_past = _launched(call, blank, launcher, kernel, *args, poison=POISON_ROWS, **kwargs)
     # The interpreter saw every load and store: one past the last row is named, whatever it did to the numbers.
     if watch.stray is not None:
         where = f" (your line: `{watch.stray.line}`)" if watch.stray.line else ""
@@ -1637,10 +1712,8 @@ def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, devic
             f"({str(dtype).replace('torch.', '')}, {device.type})")
     lengths = {"K": ("seq_k", seq_k), "V": ("seq_k", seq_k), "Q": ("seq_q", seq_q), "out": ("seq_q", seq_q),
                "lse": ("seq_q", seq_q)}
-    (out, lse), watch = _kernel_launch(
-        call, lambda watch: launcher(kernel, q, k, v, causal=causal, block_q=block_q, block_k=block_k,
-                                     poison=POISON_ROWS, watch=watch),
-        lengths, "Write the loop over key blocks.")
+    (out, lse), watch = _kernel_launch(call, "Write the loop over key blocks.", lengths, launcher, kernel, q, k, v,
+                                       causal=causal, block_q=block_q, block_k=block_k)
     want_out, want_lse = reference_attention(q, k, v, causal)
     if bool((torch.isnan(out.detach().cpu()) & ~torch.isnan(want_out)).any()):
         raise CheckFailure(f"out from {call} holds NaN where attention is finite.\n  Likely mistake: "
@@ -1654,7 +1727,7 @@ def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, devic
                  variants=_lse_variants(q, k, causal, q.shape[-1] ** -0.5), rtol=lse_rtol, atol=lse_atol)
     # Work (seen by the interpreter): a causal kernel skips the key blocks no query of a program may see.
     if causal and watch.active:
-        visited = len(watch.blocks["K"])
+        visited = len(watch.blocks.get("K", ()))
         needed = _visited_blocks_needed(seq_q, seq_k, block_q, block_k, batch * heads)
         every = math.ceil(seq_q / block_q) * math.ceil(seq_k / block_k) * batch * heads
         expect_true(visited <= needed,
@@ -1708,11 +1781,8 @@ def _backward_kernel_case(kernel_dkdv, kernel_dq, shape, causal, block_q, block_
     seq_q, seq_k = q.shape[2], k.shape[2]
     lengths = {name: ("seq_k", seq_k) for name in ("K", "V", "dk", "dv")}
     lengths.update({name: ("seq_q", seq_q) for name in ("Q", "dout", "lse", "D", "dq")})
-    grads, _ = _kernel_launch(
-        call, lambda watch: launch_flash_attention_backward(kernel_dkdv, kernel_dq, q, k, v, out, lse, dout,
-                                                            causal=causal, block_q=block_q, block_k=block_k,
-                                                            poison=POISON_ROWS, watch=watch),
-        lengths, "Write the two kernels.")
+    grads, _ = _kernel_launch(call, "Write the two kernels.", lengths, launch_flash_attention_backward, kernel_dkdv,
+                              kernel_dq, q, k, v, out, lse, dout, causal=causal, block_q=block_q, block_k=block_k)
     scale = q.shape[-1] ** -0.5
     want = reference_gradients(q, k, v, dout, causal, scale)
     variants = _backward_variants(q, k, v, dout, causal, scale, block_q, block_k)
