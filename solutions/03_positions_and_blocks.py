@@ -1235,8 +1235,8 @@ trained_heads_explorer(trained, examples, masks_used)
 #
 # * Self-attention is permutation-**equivariant**; position encodings break the symmetry.
 # * `sinusoidal_positions`: the Transformer's fixed, absolute encoding, whose raw dot products
-#   depend only on the offset between positions — not once `W_q` and `W_k` project them,
-#   which is why RoPE (notebook 05) rotates after the projections.
+#   depend only on the offset between positions — not always once `W_q` and `W_k` project
+#   them, which is why RoPE (notebook 05) rotates after the projections.
 # * `FourierFeatures` + `CoordinateMLP`: sines and cosines of coordinates at increasing
 #   frequencies let a small MLP draw fine detail; `psnr` measured how much better.
 # * `TransformerLayer` / `Transformer`: pre-norm residual blocks, equal to
@@ -1244,9 +1244,10 @@ trained_heads_explorer(trained, examples, masks_used)
 #   activation="gelu", layer_norm_eps=1e-6, batch_first=True, norm_first=True)` (every one of
 #   those arguments matters) — with the mask converted to PyTorch's True = blocked — and a
 #   final LayerNorm for the un-normalised residual stream.
-# * `pe_shift_matrix`: a shift of a sinusoidal encoding is a fixed rotation; a generic pair of
-#   projections breaks the offset-only property of the raw table, a learned one can keep it,
-#   and RoPE guarantees it for every pair by rotating after them.
+# * `pe_shift_matrix` and `offset_only_qk`: a shift of a sinusoidal encoding is a fixed
+#   rotation; a generic pair of projections breaks the offset-only property of the raw table,
+#   a `W_qᵀ W_k` of scaled rotations per pair keeps it, and RoPE guarantees it for every pair
+#   by rotating after them.
 # * `OrderTransformer` and `previous_token_score`: four models trained on a task that needs
 #   order, and a detector that measures what their heads learned, at the lengths they saw and
 #   beyond.
