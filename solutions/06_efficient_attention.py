@@ -135,7 +135,7 @@ def chunked_attention(q, k, v, chunk_size, causal=False):
         q_chunk = q[..., start:start + chunk_size, :]  # [B, H, c, d] (c < chunk_size at the end)
         scores = q_chunk @ k.transpose(-2, -1) * scale  # [B, H, c, S_k]
         if not causal:
-            weights = torch.softmax(scores, dim=-1)
+            weights = scores.softmax(dim=-1)
         else:
             # the global query index of each row of the chunk
             rows = torch.arange(start, start + q_chunk.shape[-2], device=q.device)[:, None]
