@@ -9,7 +9,7 @@
 # `nn.TransformerEncoderLayer`. Finally you train a small Transformer on a task that needs
 # order, with and without positions, and look inside its trained heads.
 #
-# **32 points, about 132 minutes.**
+# **33 points, about 140 minutes.**
 #
 # **Notation** (as in every notebook): `B` batch, `S` sequence length, `D` model width, `H`
 # heads. **Masks** are boolean with **True = may attend**; `nn.MultiheadAttention` uses the
@@ -214,7 +214,9 @@ from attention_lab.checks.positions_and_blocks import check_answer_shift
 check_answer_shift(ANSWER_SHIFT)
 
 # %% [markdown]
-# ### Exercise 3.4 — pe_shift_matrix (3 pts, ~15 min)
+# ### Exercise 3.4 — pe_shift_matrix, then a `W_qᵀ W_k` that keeps the offset (4 pts, ~23 min)
+#
+# (3 points for `pe_shift_matrix`, 1 for `offset_only_qk` further down.)
 #
 # Work it out on one pair of features: pair `i` of `PE[p]` is `(sin(p ω_i), cos(p ω_i))`, and
 # pair `i` of `PE[p + k]` is `(sin((p + k) ω_i), cos((p + k) ω_i))`. Expand both with the
@@ -265,10 +267,59 @@ check_pe_shift_matrix(pe_shift_matrix, seed=3401, device="cpu")
 # depends only on `p - p₀`. But attention never compares raw encodings: it compares
 # `q = W_q x` with `k = W_k x`, learned projections. Then the score of two positions is
 # `PE[p]ᵀ W_qᵀ W_k PE[q]`, and the rotations cancel only if `M = W_qᵀ W_k` commutes with them:
-# `PE[p + k]ᵀ M PE[q + k] = PE[p]ᵀ R_kᵀ M R_k PE[q]`. Measure it for a generic pair of random
-# projections, and for one `M` built to commute: block-diagonal, one *scaled rotation*
-# `a_i · R(θ_i)` per frequency pair (2-D rotations commute with each other). For each offset,
-# how much do the scores of all pairs at that offset differ?
+# `PE[p + k]ᵀ M PE[q + k] = PE[p]ᵀ R_kᵀ M R_k PE[q]`, which equals `PE[p]ᵀ M PE[q]` for every
+# `p, q` when `R_kᵀ M R_k = M`. A generic pair of projections does not commute with the
+# rotations. Which `M` does? Two 2-D rotations commute with each other, and so does a rotation
+# with a multiple of one: a **scaled rotation** `a · R(θ)`.
+#
+# **Find one.** Write `offset_only_qk(scales, angles)`: the `[D, D]` matrix with one scaled
+# rotation per frequency pair on its diagonal, pair `i` where `sinusoidal_positions` keeps it
+# (features `2i` and `2i + 1`), zeros elsewhere. Its block is `pe_shift_matrix`'s block with
+# the angle `angles[i]`, times `scales[i]`:
+#
+# | name | signature | contract |
+# | --- | --- | --- |
+# | `offset_only_qk` | `(scales, angles) -> Tensor` | `scales`, `angles`: `[D/2]` → `[D, D]` block-diagonal, block `i` at rows and columns `2i, 2i+1` equal to `scales[i] · [[cos t, sin t], [−sin t, cos t]]` with `t = angles[i]`; the dtype and device of `scales`; `ValueError` naming both lengths when `scales` and `angles` differ in length |
+#
+# The check measures what it promises: `PE[p]ᵀ M PE[q]` must depend on `q − p` alone.
+
+# %% answer="offset_only_qk"
+def offset_only_qk(scales, angles):
+    """A W_qᵀW_k under which sinusoidal scores depend on the offset alone.
+
+    scales, angles: [D/2] -> [D, D], block-diagonal, block i (rows and columns 2i, 2i+1) equal
+    to scales[i] * [[cos t, sin t], [-sin t, cos t]], t = angles[i].
+    Example: offset_only_qk(torch.ones(2), torch.zeros(2)) is the 4x4 identity.
+    """
+    ### BEGIN SOLUTION
+    if scales.shape != angles.shape or scales.dim() != 1:
+        raise ValueError(f"scales ({tuple(scales.shape)}) and angles ({tuple(angles.shape)}) must both "
+                         f"be [D/2]: one scale and one angle per pair, {len(scales)} != {len(angles)}")
+    dim = 2 * scales.numel()
+    angles = angles.to(scales.dtype)
+    cos, sin = scales * torch.cos(angles), scales * torch.sin(angles)     # [D/2]
+    even = torch.arange(0, dim, 2, device=scales.device)
+    matrix = torch.zeros(dim, dim, dtype=scales.dtype, device=scales.device)
+    matrix[even, even] = cos
+    matrix[even, even + 1] = sin
+    matrix[even + 1, even] = -sin
+    matrix[even + 1, even + 1] = cos
+    return matrix
+    ### END SOLUTION
+
+
+# %% test="test_offset_only_qk" points=1
+"""offset_only_qk: one scaled rotation per pair; PE[p]ᵀ M PE[q] depends on q - p alone."""
+from attention_lab.checks.positions_and_blocks import check_offset_only_qk
+
+check_offset_only_qk(offset_only_qk)
+### BEGIN HIDDEN TESTS
+check_offset_only_qk(offset_only_qk, seed=3402, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Now measure it: for each offset, how much do the scores of all pairs at that offset differ —
+# for the raw table, after a generic pair of random projections, and with your `M`?
 
 # %%
 table = sinusoidal_positions(32, 16).double()                     # [P, D]
@@ -286,12 +337,8 @@ projected = (table @ projection_q.T) @ (table @ projection_k.T).T   # (W_q PE[p]
 print(f"raw PE . PE:       scores at one offset differ by up to {spread_along_offsets(raw):.1e}")
 print(f"after W_q and W_k: scores at one offset differ by up to "
       f"{spread_along_offsets(projected):.2f}")
-pair_scales, pair_angles = torch.rand(8, dtype=torch.float64) + 0.5, torch.rand(8) * 6.28
-commuting = torch.zeros(16, 16, dtype=torch.float64)               # M = W_qᵀ W_k, built
-for pair, (a, theta) in enumerate(zip(pair_scales, pair_angles.double())):
-    c, s_ = torch.cos(theta), torch.sin(theta)
-    commuting[2 * pair:2 * pair + 2, 2 * pair:2 * pair + 2] = a * torch.stack(
-        [torch.stack([c, -s_]), torch.stack([s_, c])])
+commuting = offset_only_qk(torch.rand(8, dtype=torch.float64) + 0.5,
+                           (torch.rand(8) * 6.28).double())          # your M = W_qᵀ W_k
 print(f"M of scaled rotations per pair: differ by up to "
       f"{spread_along_offsets(table @ commuting @ table.T):.1e}")
 
@@ -1188,8 +1235,8 @@ trained_heads_explorer(trained, examples, masks_used)
 #
 # * Self-attention is permutation-**equivariant**; position encodings break the symmetry.
 # * `sinusoidal_positions`: the Transformer's fixed, absolute encoding, whose raw dot products
-#   depend only on the offset between positions — not once `W_q` and `W_k` project them,
-#   which is why RoPE (notebook 05) rotates after the projections.
+#   depend only on the offset between positions — not always once `W_q` and `W_k` project
+#   them, which is why RoPE (notebook 05) rotates after the projections.
 # * `FourierFeatures` + `CoordinateMLP`: sines and cosines of coordinates at increasing
 #   frequencies let a small MLP draw fine detail; `psnr` measured how much better.
 # * `TransformerLayer` / `Transformer`: pre-norm residual blocks, equal to
@@ -1197,9 +1244,10 @@ trained_heads_explorer(trained, examples, masks_used)
 #   activation="gelu", layer_norm_eps=1e-6, batch_first=True, norm_first=True)` (every one of
 #   those arguments matters) — with the mask converted to PyTorch's True = blocked — and a
 #   final LayerNorm for the un-normalised residual stream.
-# * `pe_shift_matrix`: a shift of a sinusoidal encoding is a fixed rotation; a generic pair of
-#   projections breaks the offset-only property of the raw table, a learned one can keep it,
-#   and RoPE guarantees it for every pair by rotating after them.
+# * `pe_shift_matrix` and `offset_only_qk`: a shift of a sinusoidal encoding is a fixed
+#   rotation; a generic pair of projections breaks the offset-only property of the raw table,
+#   a `W_qᵀ W_k` of scaled rotations per pair keeps it, and RoPE guarantees it for every pair
+#   by rotating after them.
 # * `OrderTransformer` and `previous_token_score`: four models trained on a task that needs
 #   order, and a detector that measures what their heads learned, at the lengths they saw and
 #   beyond.

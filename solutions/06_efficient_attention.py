@@ -16,12 +16,18 @@
 # **Causal, everywhere in this notebook**: query `i` sees keys `j ≤ i + (S_k − S_q)`. The
 # triangle is aligned to the *bottom-right* corner, as in KV-cache decoding (notebook 05): the
 # last query sees every key. When `S_q = S_k` it is the usual lower triangle. With *more*
-# queries than keys, the first `S_q − S_k` queries see no key at all. This notebook's functions
-# need not handle such queries, and no check gives them any: the online softmax's `0 / 0` makes
-# their rows NaN, where `F.scaled_dot_product_attention` with the same mask returns 0 (and
-# `torch.logsumexp` gives `lse = −inf`). Production kernels guard them — subtract 0 instead of a
-# running max of `−inf`, divide by 1 where the running sum is 0 — for padded batches and
-# left-truncated caches; the cell after exercise 6.5 shows both answers.
+# queries than keys, the first `S_q − S_k` queries see no key at all, and every function here
+# gives them what `F.scaled_dot_product_attention` gives them with the same boolean mask: an
+# output row of **0**, `lse = −inf` (the log of an empty sum, as `torch.logsumexp` says), and
+# no gradient (their `dq` row is 0 and they add nothing to `dk`, `dv`). Measured in PyTorch
+# 2.13: SDPA with that mask returns 0 for those rows, and autograd through it gives 0. A naive
+# softmax gives NaN instead (`exp(−inf − (−inf))` and `0 / 0`); a finite fill such as `−1e9`
+# gives the mean of all the values. The checks give such queries to every function with
+# `causal` and name both mistakes. Production kernels guard them the same way — divide by 1
+# where the running sum is 0, subtract 0 instead of a running max of `−inf` — for padded
+# batches and left-truncated caches. (SDPA's own `is_causal=True` aligns the triangle
+# *top-left*, `j ≤ i`, so with `S_q > S_k` every query sees key 0 there: this notebook passes
+# it an explicit mask instead, or `torch.nn.attention.bias.causal_lower_right`.)
 #
 # **Precision**: your functions may compute in float32 inside even when they are given float64;
 # the checks then accept float32 accuracy and print a one-line note. (FlashAttention on a GPU
@@ -110,14 +116,15 @@ for context in (8192, 131072):
 # not a multiple of `chunk_size`. Build the causal mask for each chunk's rows only (a full
 # `[S_q, S_k]` mask would be the very table we avoid). You may use `torch.softmax`, or
 # `F.scaled_dot_product_attention` on a chunk with an explicit `attn_mask` (careful: its
-# `is_causal=True` aligns the triangle to the chunk's top-left corner).
+# `is_causal=True` aligns the triangle to the chunk's top-left corner). A query that sees no
+# key (causal, `S_q > S_k`) gets 0, as SDPA gives it.
 
 # %% answer="chunked_attention"
 def chunked_attention(q, k, v, chunk_size, causal=False):
     """Exact attention, computed chunk_size query rows at a time.
 
     q: [B, H, S_q, d], k and v: [B, H, S_k, d] -> [B, H, S_q, d].
-    causal: query i sees keys j <= i + (S_k - S_q).
+    causal: query i sees keys j <= i + (S_k - S_q); a query that sees no key gets 0.
     Example: chunked_attention(q, k, v, 16) equals F.scaled_dot_product_attention(q, k, v).
     """
     ### BEGIN SOLUTION
@@ -127,12 +134,17 @@ def chunked_attention(q, k, v, chunk_size, causal=False):
     for start in range(0, seq_q, chunk_size):
         q_chunk = q[..., start:start + chunk_size, :]  # [B, H, c, d] (c < chunk_size at the end)
         scores = q_chunk @ k.transpose(-2, -1) * scale  # [B, H, c, S_k]
-        if causal:
+        if not causal:
+            weights = scores.softmax(dim=-1)
+        else:
             # the global query index of each row of the chunk
             rows = torch.arange(start, start + q_chunk.shape[-2], device=q.device)[:, None]
             cols = torch.arange(seq_k, device=q.device)[None, :]
-            scores = scores.masked_fill(cols > rows + (seq_k - seq_q), float("-inf"))
-        outputs.append(torch.softmax(scores, dim=-1) @ v)  # [B, H, c, d]
+            keep = cols <= rows + (seq_k - seq_q)  # [c, S_k]
+            weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+            # a query that sees no key (S_q > S_k): softmax of -inf only is NaN; SDPA gives 0
+            weights = weights.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
+        outputs.append(weights @ v)  # [B, H, c, d]
     return torch.cat(outputs, dim=-2)
     ### END SOLUTION
 
@@ -347,9 +359,11 @@ block_map_explorer(seq_q=256, seq_k=256, block_q=64, block_k=64)
 # `[B, H, S_q, d]` in q's dtype, and `lse` `[B, H, S_q]`, the natural-log logsumexp of each row
 # of *scaled, masked* scores (float32 or q's dtype). `scale` defaults to `1/sqrt(d)`. Compute in
 # at least float32 (`torch.promote_types(q.dtype, torch.float32)`), so float16 input is safe.
-# The last blocks may be shorter. The checks watch every operation your code runs: no tensor
-# may be as wide as all the keys (neither `[S_q, S_k]` nor `[block_q, S_k]`), and with `causal`
-# only the tiles on and below the diagonal may be computed (`n(n+1)/2` of `n²`).
+# The last blocks may be shorter. A query that sees no key (causal, `S_q > S_k`) gets `out` 0
+# and `lse = −inf`, as at the top of the notebook. The checks watch every operation your code
+# runs: no tensor may be as wide as all the keys (neither `[S_q, S_k]` nor `[block_q, S_k]`),
+# and with `causal` only the tiles on and below the diagonal may be computed (`n(n+1)/2` of
+# `n²`).
 
 # %% answer="flash_attention_forward"
 def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
@@ -358,7 +372,7 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
     q: [B, H, S_q, d], k: [B, H, S_k, d], v: [B, H, S_k, d_v]
     -> out [B, H, S_q, d_v] (q's dtype), lse [B, H, S_q] (logsumexp of the scaled, masked scores).
     causal: query i sees keys j <= i + (S_k - S_q); key blocks no query of a block may see
-    are skipped.
+    are skipped; a query that sees no key gets out 0 and lse -inf.
     Example: out equals F.scaled_dot_product_attention(q, k, v), for any block sizes.
     """
     ### BEGIN SOLUTION
@@ -387,8 +401,11 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
                 scores = scores.masked_fill(cols > rows + offset, float("-inf"))
             v_block = v_c[..., k_start:k_start + block_k, :]
             m, l, acc = online_softmax_step(m, l, acc, scores, v_block)
-        outs.append(acc / l[..., None])
-        lses.append(m + torch.log(l))
+        # A query that saw no key (causal, S_q > S_k) ends with l = 0 (NaN, if the step computed
+        # exp(-inf - (-inf))): SDPA gives it out = 0, and its lse is -inf.
+        seen = l > 0
+        outs.append(torch.where(seen[..., None], acc / l[..., None], 0.0))
+        lses.append(torch.where(seen, m + torch.log(l), float("-inf")))
     return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
     ### END SOLUTION
 
@@ -418,13 +435,16 @@ scaled_scores = (q_demo @ k_demo.transpose(-2, -1) / 4.0).masked_fill(~bottom_ri
 print("out vs SDPA:", float((out_flash - reference_out).abs().max()),
       "| lse vs torch.logsumexp:",
       float((lse_flash - torch.logsumexp(scaled_scores, dim=-1)).abs().max()))
-# More queries (6) than keys (3), causal: queries 0-2 see no key (outside this notebook's contract)
+# More queries (6) than keys (3), causal: queries 0-2 see no key, and get 0 from both
 q_more, k_few, v_few = torch.randn(1, 1, 6, 16), torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16)
 no_key_mask = torch.ones(6, 3, dtype=torch.bool).tril(diagonal=3 - 6)
 print("S_q > S_k, first value of each row, yours:",
       flash_attention_forward(q_more, k_few, v_few, causal=True)[0][0, 0, :, 0].round(decimals=2))
 print("                                     SDPA:",
       F.scaled_dot_product_attention(q_more, k_few, v_few, attn_mask=no_key_mask)[0, 0, :, 0]
+      .round(decimals=2))
+print("              SDPA is_causal=True (top-left):",
+      F.scaled_dot_product_attention(q_more, k_few, v_few, is_causal=True)[0, 0, :, 0]
       .round(decimals=2))
 
 # %% [markdown]
@@ -676,8 +696,9 @@ check_online_softmax_kernel(online_softmax_kernel, seed=6912)
 # ### Exercise 6.10 — flash_attention_kernel (3 pts, ~25 min)
 #
 # The kernel's prologue (offsets, loading this program's queries, `m_i = −∞`, `l_i = 0`,
-# `acc = 0`) and epilogue (`acc / l_i`, `lse`, the masked stores) are given. Write the loop over
-# key blocks in between; everything it needs, you have written once already:
+# `acc = 0`) and epilogue (`acc / l_i`, `lse`, 0 and `−inf` for a query that sees no key, the
+# masked stores) are given. Write the loop over key blocks in between; everything it needs, you
+# have written once already:
 #
 # * **which key blocks**: all of them, or with `CAUSAL` only those that hold a key some query
 #   of this program may see (6.5's loop bound, with this program's rows; mind that `range`'s
@@ -734,9 +755,14 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
         acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     ### END SOLUTION
-    # Epilogue (given): normalise once, lse back to natural log, store the rows that exist.
-    acc = acc / l_i[:, None]
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # × ln 2
+    # Epilogue (given): normalise once, lse back to natural log, store the rows that exist. A
+    # query that sees no key (causal, S_q > S_k: the first S_q - S_k) gets out 0 and lse -inf,
+    # as SDPA, whatever the loop left in its row (0 / 0, or a mean under a finite fill).
+    sees_a_key = offs_q >= 0
+    if CAUSAL:
+        sees_a_key = offs_q >= seq_q - seq_k
+    acc = tl.where(sees_a_key[:, None], acc / l_i[:, None], 0.0)
+    lse = tl.where(sees_a_key, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))  # × ln 2
     row_ok = offs_q < seq_q
     tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
@@ -812,7 +838,8 @@ else:
 # (`[B, H, S_q, d_v]`). Return `(dq, dk, dv)` with the shapes and dtype of q, k and v. Compute
 # in at least float32. No tensor may be as wide as all the keys or all the queries (the check
 # watches every operation), and with `causal` the tiles no query may see are skipped, as in
-# the forward pass (the mask inside a diagonal tile is the forward's: bottom-right).
+# the forward pass (the mask inside a diagonal tile is the forward's: bottom-right). A query
+# that saw no key has `lse = −inf` and contributes nothing: its `P` is 0.
 
 # %% answer="flash_attention_backward"
 def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False,
@@ -828,7 +855,9 @@ def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, ca
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute = torch.promote_types(q.dtype, torch.float32)
     q_c, k_c, v_c, out_c, dout_c = (t.to(compute) for t in (q, k, v, out, dout))
-    lse_c = lse.to(compute)
+    # A query that sees no key (causal, S_q > S_k) has lse = -inf and P = 0: exp(s - 0), not
+    # exp(-inf - (-inf)) = NaN, which the sums over query rows would spread to every dk and dv.
+    lse_c = lse.to(compute).masked_fill(lse == float("-inf"), 0.0)
     delta = (dout_c * out_c).sum(dim=-1)  # D = rowsum(dO ∘ O): [B, H, S_q]
     dq, dk, dv = torch.zeros_like(q_c), torch.zeros_like(k_c), torch.zeros_like(v_c)
     offset = seq_k - seq_q

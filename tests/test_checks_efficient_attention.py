@@ -97,19 +97,28 @@ def chunked_sdpa(q, k, v, chunk_size, causal=False):
     return torch.cat(pieces, 2).to(q.dtype)
 
 
-def chunked_einsum(q, k, v, chunk_size, causal=False):
-    # einsum, a -1e9 additive mask, torch.split over the query axis.
-    seq_q, seq_k = q.shape[-2], k.shape[-2]
-    out, start = [], 0
-    for rows in torch.split(q, chunk_size, dim=-2):
-        scores = torch.einsum("bhqd,bhkd->bhqk", rows, k) / math.sqrt(q.shape[-1])
-        if causal:
-            i = torch.arange(start, start + rows.shape[-2], device=q.device)[:, None]
-            j = torch.arange(seq_k, device=q.device)[None, :]
-            scores = scores + (j > i + (seq_k - seq_q)).to(scores.dtype) * -1e9
-        out.append(torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v))
-        start += rows.shape[-2]
-    return torch.cat(out, dim=-2)
+def make_chunked_einsum(zero_keyless=True):
+    def chunked_einsum(q, k, v, chunk_size, causal=False):
+        # einsum, a -1e9 additive mask, torch.split over the query axis; a query that sees no key is multiplied by 0
+        # (the -1e9 fill alone gives it the mean of every value).
+        seq_q, seq_k = q.shape[-2], k.shape[-2]
+        out, start = [], 0
+        for rows in torch.split(q, chunk_size, dim=-2):
+            scores = torch.einsum("bhqd,bhkd->bhqk", rows, k) / math.sqrt(q.shape[-1])
+            sees_a_key = torch.ones(rows.shape[-2], 1, dtype=scores.dtype, device=q.device)
+            if causal:
+                i = torch.arange(start, start + rows.shape[-2], device=q.device)[:, None]
+                j = torch.arange(seq_k, device=q.device)[None, :]
+                scores = scores + (j > i + (seq_k - seq_q)).to(scores.dtype) * -1e9
+                if zero_keyless:
+                    sees_a_key = (i + (seq_k - seq_q) >= 0).to(scores.dtype)
+            out.append(torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v) * sees_a_key)
+            start += rows.shape[-2]
+        return torch.cat(out, dim=-2)
+    return chunked_einsum
+
+
+chunked_einsum = make_chunked_einsum()
 
 
 def make_chunked(bug):
@@ -134,7 +143,8 @@ def make_chunked(bug):
                 if full_mask is not None:
                     keep = full_mask[start:start + rows.shape[-2]]
                 scores = scores.masked_fill(~keep, NEG_INF)
-            outs.append(scores.softmax(-1) @ v)
+            weights = scores.softmax(-1)
+            outs.append((weights if bug == "no_key_nan" else weights.nan_to_num(0.0)) @ v)
         return torch.cat(outs, dim=-2)
     return chunked
 
@@ -142,6 +152,13 @@ def make_chunked(bug):
 @pytest.mark.parametrize("answer", [chunked_sdpa, chunked_einsum, make_chunked(None)])
 def test_chunked_attention_correct_answers_pass(answer):
     checks.check_chunked_attention(answer, **CPU)
+
+
+def test_chunked_attention_that_gives_a_query_without_keys_nan_or_a_mean_is_named():
+    # numbers of rows that see no key (causal, S_q > S_k): SDPA gives them 0
+    message = rejects(checks.check_chunked_attention, make_chunked("no_key_nan"), "no_key_softmax_nan")
+    assert "queries 0 to 17 see no key" in message and "got NaN" in message, message
+    rejects(checks.check_chunked_attention, make_chunked_einsum(zero_keyless=False), "no_key_finite_fill")
 
 
 @pytest.mark.parametrize("bug", ["no_scale", "top_left", "strict_mask", "sdpa_is_causal", "chunk_rows", "last_chunk",
@@ -344,7 +361,10 @@ def make_flash(bug=None, step=None, base2=False, work=None):
                     m = m_new
                 else:
                     m, l, acc = step(m, l, acc, s, v[..., k0:k0 + block_k, :].to(dtype))
-            outs.append(acc if bug == "normalise_terms" else acc / l[..., None])
+            out_block = acc if bug == "normalise_terms" else acc / l[..., None]
+            if bug != "no_key_nan":  # a query that saw no key: out 0 (and lse -inf below), as SDPA
+                out_block = torch.where(l[..., None] > 0, out_block, 0.0)
+            outs.append(out_block)
             if base2:
                 lse = (m + torch.log2(l)) * math.log(2)
             elif bug == "lse_log2":
@@ -357,13 +377,20 @@ def make_flash(bug=None, step=None, base2=False, work=None):
                 lse = torch.logsumexp(torch.cat(unscaled, dim=-1), dim=-1)
             else:
                 lse = m + torch.log(l)
-            lses.append(lse)
+            lses.append(lse if bug == "no_key_nan" else torch.where(l > 0, lse, NEG_INF))
         return torch.cat(outs, -2).to(q.dtype), torch.cat(lses, -1)
     return flash
 
 
-def flash_rearranged(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
-    # while loops, einops, finfo.min masking, lse returned as float32.
+def make_rearranged(flag_keyless=True):
+    def flash(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+        return rearranged_pass(q, k, v, block_q, block_k, causal, scale, flag_keyless)
+    return flash
+
+
+def rearranged_pass(q, k, v, block_q, block_k, causal, scale, flag_keyless):
+    # while loops, einops, finfo.min masking, lse returned as float32; a flag per row says whether it saw a key (the
+    # finite fill alone would give a query that sees none the mean of the values it was shown).
     b, h, seq_q, d = q.shape
     seq_k = k.shape[2]
     scale = scale or 1 / math.sqrt(d)
@@ -376,6 +403,7 @@ def flash_rearranged(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
         m = torch.full((b * h, n), -torch.inf, dtype=torch.float64)
         l = torch.zeros(b * h, n, dtype=torch.float64)
         acc = torch.zeros(b * h, n, v.shape[-1], dtype=torch.float64)
+        saw_a_key = torch.zeros(n, dtype=torch.bool) if causal else torch.ones(n, dtype=torch.bool)
         k0 = 0
         while k0 < seq_k and (not causal or k0 <= q0 + n - 1 + seq_k - seq_q):
             s = torch.bmm(rows, k2[:, k0:k0 + block_k].transpose(1, 2)) * scale
@@ -383,13 +411,19 @@ def flash_rearranged(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
                 keep = (torch.arange(k0, k0 + s.shape[-1])[None, :]
                         <= torch.arange(q0, q0 + n)[:, None] + seq_k - seq_q)
                 s = torch.where(keep, s, torch.finfo(s.dtype).min)
+                saw_a_key = saw_a_key | keep.any(-1)
             m, l, acc = make_step(None)(m, l, acc, s, v2[:, k0:k0 + block_k])
             k0 += block_k
-        outs.append(acc / l[..., None])
-        lses.append(m + l.log())
+        if not flag_keyless:  # guarded by l alone: the finite fill gives a query that sees no key l > 0
+            saw_a_key = (l > 0).all(0)
+        outs.append(torch.where(saw_a_key[:, None], acc / l[..., None], 0.0))
+        lses.append(torch.where(saw_a_key, m + l.log(), -torch.inf))
         q0 += block_q
     out = rearrange(torch.cat(outs, 1), "(b h) s d -> b h s d", b=b).to(q.dtype)
     return out, rearrange(torch.cat(lses, 1), "(b h) s -> b h s", b=b).float()
+
+
+flash_rearranged = make_rearranged()
 
 
 @pytest.mark.parametrize("answer", [make_flash(), make_flash(step=step_float32), make_flash(base2=True), flash_rearranged])
@@ -402,6 +436,12 @@ def test_flash_attention_forward_correct_answers_pass(answer):
                                  "lse_unscaled", "bound_no_offset", "bound_inclusive", "causal_ignored"])
 def test_flash_attention_forward_mistakes_are_named(bug):
     rejects(checks.check_flash_attention_forward, make_flash(bug), bug)
+
+
+def test_flash_attention_forward_that_gives_a_query_without_keys_nan_or_a_mean_is_named():
+    message = rejects(checks.check_flash_attention_forward, make_flash("no_key_nan"), "no_key_flash_nan")
+    assert "queries 0 to 20 see no key" in message, message
+    rejects(checks.check_flash_attention_forward, make_rearranged(flag_keyless=False), "no_key_finite_fill")
 
 
 @pytest.mark.parametrize("bug", ["normalise_terms", "normalise_reset"])
@@ -544,6 +584,8 @@ def make_backward(bug=None, queries_outside=False, work=None):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         dtype = work or torch.promote_types(q.dtype, torch.float32)
         q_, k_, v_, o_, do_, lse_ = (t.to(dtype) for t in (q, k, v, out, dout, lse))
+        if bug != "no_key_nan":  # a query that sees no key: lse = -inf, P = exp(-inf - 0) = 0
+            lse_ = lse_.masked_fill(lse_ == NEG_INF, 0.0)
         offset = 0 if bug == "top_left" else seq_k - seq_q
         delta = (do_ * (do_ if bug == "D_dout" else o_)).sum(-1)
         if bug == "no_D":
@@ -597,6 +639,11 @@ def test_flash_attention_backward_correct_answers_pass(answer):
                                        ("late_queries", "bwd_late_queries"), ("exp2_natural", "bwd_exp2_natural")])
 def test_flash_attention_backward_mistakes_are_named(bug, hint):
     rejects(checks.check_flash_attention_backward, make_backward(bug), hint)
+
+
+def test_flash_attention_backward_that_spreads_nan_from_a_query_without_keys_is_named():
+    message = rejects(checks.check_flash_attention_backward, make_backward("no_key_nan"), "no_key_bwd_nan")
+    assert "[1, 2, 40, 8], k and v [1, 2, 19, 8]" in message, message
 
 
 def test_flash_attention_backward_mistakes_are_named_with_float32_internals():
@@ -757,8 +804,11 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
         m_i = m_new
     # The course's epilogue expects base-2 m_i: convert (m_i is natural here).
     m_i = m_i * 1.4426950408889634
-    acc = acc / l_i[:, None]
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    sees_a_key = rows >= 0  # the given epilogue: a query that sees no key gets out 0, lse -inf
+    if CAUSAL:
+        sees_a_key = rows >= seq_q - seq_k
+    acc = tl.where(sees_a_key[:, None], acc / l_i[:, None], 0.0)
+    lse = tl.where(sees_a_key, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
     if BUG == 13:
         tl.store(Out + pid_h * stride_qh + rows[:, None] * stride_qs + cols_d[None, :], acc.to(Out.dtype.element_ty))
     else:

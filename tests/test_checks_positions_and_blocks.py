@@ -292,6 +292,95 @@ def test_pe_shift_matrix_is_checked_for_every_position():
 
 
 # --------------------------------------------------------------------------------------
+# offset_only_qk: a W_qᵀW_k whose projected scores stay offset-only
+# --------------------------------------------------------------------------------------
+
+
+def offset_only_block_diag(scales, angles):
+    """Correct, written another way: torch.block_diag of complex numbers a·e^(-it) as 2x2 real blocks."""
+    if len(scales) != len(angles):
+        raise ValueError(f"{len(scales)} scales but {len(angles)} angles")
+    blocks = []
+    for z in torch.polar(scales, -angles.to(scales.dtype)):      # a·(cos t - i sin t)
+        blocks.append(torch.stack([torch.stack([z.real, -z.imag]), torch.stack([z.imag, z.real])]))
+    return torch.block_diag(*blocks)
+
+
+def offset_only_from_shift(scales, angles):
+    """Correct, written another way: the rotation as cos(t)·I + sin(t)·J per pair, with J = [[0, 1], [-1, 0]],
+    scattered into a zero matrix with a loop."""
+    if scales.shape != angles.shape:
+        raise ValueError(f"scales has {scales.numel()} entries, angles {angles.numel()}")
+    eye = torch.eye(2, dtype=scales.dtype, device=scales.device)
+    turn = torch.tensor([[0.0, 1.0], [-1.0, 0.0]], dtype=scales.dtype, device=scales.device)
+    matrix = scales.new_zeros(2 * len(scales), 2 * len(scales))
+    for i, (a, t) in enumerate(zip(scales, angles.to(scales.dtype))):
+        matrix[2 * i:2 * i + 2, 2 * i:2 * i + 2] = a * (torch.cos(t) * eye + torch.sin(t) * turn)
+    return matrix
+
+
+def offset_only_variant(*, layout="interleaved", sin_sign=1.0, reflection=False, scaled=True, cos_only=False,
+                        same_block=False, dtype=None, check_lengths=True):
+    def offset_only_qk(scales, angles):
+        if check_lengths and len(scales) != len(angles):
+            raise ValueError(f"{len(scales)} != {len(angles)}")
+        half = len(scales)
+        matrix = torch.zeros(2 * half, 2 * half, dtype=dtype or scales.dtype, device=scales.device)
+        for i in range(half):
+            a, t = (scales[0], angles[0]) if same_block else (scales[i], angles[i])
+            a = a if scaled else torch.ones_like(a)
+            j, k = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, i + half)
+            trig = 1.0 if cos_only else a
+            matrix[j, j] = a * torch.cos(t)
+            matrix[j, k] = sin_sign * trig * torch.sin(t)
+            matrix[k, j] = (1.0 if reflection else -1.0) * sin_sign * trig * torch.sin(t)
+            matrix[k, k] = (-1.0 if reflection else 1.0) * a * torch.cos(t)
+        return matrix
+    return offset_only_qk
+
+
+def test_offset_only_qk_accepts_a_correct_answer_written_differently():
+    checks.check_offset_only_qk(offset_only_block_diag, **CPU)
+    checks.check_offset_only_qk(offset_only_from_shift, seed=4, **CPU)
+    checks.check_offset_only_qk(offset_only_variant(), seed=5, **CPU)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (offset_only_variant(layout="half"), "rotate_half"),
+    (offset_only_variant(reflection=True), "reflection"),
+    (offset_only_variant(sin_sign=-1.0), "transposed"),
+    (offset_only_variant(scaled=False), "no_scale"),
+    (offset_only_variant(cos_only=True), "partial_scale"),
+    (offset_only_variant(same_block=True), "one_block"),
+])
+def test_offset_only_qk_diagnoses_known_mistakes(answer, hint):
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_offset_only_qk(answer, **CPU)
+    assert checks.OFFSET_ONLY_HINTS[hint] in str(failure.value), str(failure.value)
+
+
+def test_offset_only_qk_measures_the_offset_only_property():
+    """A generic matrix (here: a dense random one) breaks the property: the message says by how much, at which
+    offset, and that the scores depend on the absolute positions."""
+    def dense(scales, angles):
+        generator = torch.Generator().manual_seed(0)
+        return torch.randn(2 * len(scales), 2 * len(scales), generator=generator, dtype=scales.dtype)
+
+    with pytest.raises(CheckFailure, match=r"PE\[p\]ᵀ M PE\[p \+ -?\d+\] differ from one p to another .* depend on "
+                                           r"the absolute positions"):
+        checks.check_offset_only_qk(dense, **CPU)
+
+
+@pytest.mark.parametrize("answer, message", [
+    (offset_only_variant(dtype=torch.float32), "float64"),
+    (offset_only_variant(check_lengths=False), r"offset_only_qk\(scales of 3 pairs, angles of 4\) should raise ValueError"),
+])
+def test_offset_only_qk_contract(answer, message):
+    with pytest.raises(CheckFailure, match=message):
+        checks.check_offset_only_qk(answer, **CPU)
+
+
+# --------------------------------------------------------------------------------------
 # FourierFeatures
 # --------------------------------------------------------------------------------------
 

@@ -173,6 +173,21 @@ HINTS = {
     "recomputes P from them, which is the point of FlashAttention (no [S_q, S_k] tensor is kept between the passes).",
     "bwd_gradients": "backward returns one gradient per input of forward, in order: (dq, dk, dv, None) -- None for "
     "causal, which is not a tensor.",
+    # a query that sees no key (causal, S_q > S_k): out 0, lse -inf, no gradient -- what SDPA gives it
+    "no_key_softmax_nan": "a query that sees no key is NaN: the softmax of a row whose scores are all -inf is 0 / 0. "
+    "F.scaled_dot_product_attention gives such a row 0 (with a boolean attn_mask, on a chunk too): zero the weights "
+    "of the rows that see no key, e.g. weights.masked_fill(~keep.any(-1, keepdim=True), 0.0).",
+    "no_key_flash_nan": "a query that sees no key is NaN: its running max stays -inf, so exp(m - m_new) is "
+    "exp(-inf - (-inf)) and acc / l is 0 / 0. SDPA gives it out = 0 and its lse is -inf (the log of an empty sum): "
+    "divide by 1 where l is 0, e.g. torch.where(l > 0, acc / l, 0.0) and torch.where(l > 0, m + log(l), -inf) "
+    "(or subtract 0 instead of a running max of -inf, as production kernels do).",
+    "no_key_finite_fill": "a query that sees no key must get 0 (what SDPA gives it) and lse = -inf; yours got a "
+    "weighted mean of values it may not see. A finite fill (-1e9, finfo.min) gives every key of a row whose keys "
+    "are all masked the same weight: zero the rows that see no key.",
+    "no_key_bwd_nan": "the gradients are NaN: a query that sees no key has lse = -inf, and exp(s - lse) is "
+    "exp(-inf - (-inf)) = NaN on its row, which the sums over query rows (Pᵀ dO, dSᵀ Q) spread to every key. Its P "
+    "is 0: replace lse = -inf by 0 first (lse.masked_fill(lse == -inf, 0.0)), or keep exp only where the key is "
+    "visible (torch.where(keep, exp(...), 0), tl.where in a kernel).",
     # the warm-up kernels
     "ladder_unmasked_load": "a tl.load without a mask reads memory after the tensor: here the check put NaN there; "
     "on a GPU it may crash the kernel. Load with mask=offs < n (one condition per axis that can run past the "
@@ -243,6 +258,34 @@ def causal_keep(seq_q: int, seq_k: int, device: Any = "cpu", offset: int | None 
     return cols < rows + offset if strict else cols <= rows + offset
 
 
+def keyless_queries(seq_q: int, seq_k: int, causal: bool) -> int:
+    """How many queries see no key: with causal and S_q > S_k, the first S_q - S_k (j <= i + S_k - S_q)."""
+    return max(0, seq_q - seq_k) if causal else 0
+
+
+def expect_keyless_rows(got: torch.Tensor, keyless: int, what: str, nan_hint: str, fill: float = 0.0,
+                        wrong_hint: str | None = "no_key_finite_fill") -> None:
+    """The first ``keyless`` query rows of ``got`` (query axis 2: out, lse, dq) must be ``fill``: SDPA's 0 for
+    out and dq, -inf for lse. NaN there names ``nan_hint``, another value ``wrong_hint``."""
+    if keyless <= 0:
+        return
+    rows = got.detach().to("cpu", torch.float64)[:, :, :keyless]
+    if bool((rows == fill).all()):
+        return
+    seen = "NaN" if bool(torch.isnan(rows).any()) else f"{float(rows[rows != fill].flatten()[0]):.4g}"
+    hint = nan_hint if seen == "NaN" else wrong_hint
+    raise CheckFailure(f"{what}: queries 0 to {keyless - 1} see no key (causal: query i sees keys j <= i + "
+                       f"(S_k - S_q), and S_q - S_k = {keyless}), so their rows should be {fill:g}, as "
+                       f"F.scaled_dot_product_attention gives them; got {seen}."
+                       + (f"\n  Likely mistake: {HINTS[hint]}" if hint else ""))
+
+
+def expect_no_nan(got: torch.Tensor, what: str, hint: str) -> None:
+    """A gradient with NaN where autograd through SDPA has none (a query that sees no key spread it)."""
+    if bool(torch.isnan(got.detach()).any()):
+        raise CheckFailure(f"{what} holds NaN where autograd through SDPA has none.\n  Likely mistake: {HINTS[hint]}")
+
+
 def _f64(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.detach().to("cpu", torch.float64) for t in tensors]
 
@@ -271,10 +314,11 @@ def reference_attention(q, k, v, causal: bool = False, scale: float | None = Non
 
 
 def tiled_attention(q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int,
-                    bug: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    bug: str | None = None, guard: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention's loop in float64, with one known ``bug`` (or none): ``(out, lse)``.
 
-    Used only to name mistakes: each bug gives the output a student who made it gets.
+    Used only to name mistakes: each bug gives the output a student who made it gets. ``guard``: a row that saw no
+    key (l = 0) gets out 0 and lse -inf, as the contract asks; without it, 0 / 0 (a student who also forgot that).
     """
     q, k, v = _f64(q, k, v)
     seq_q, seq_k = q.size(2), k.size(2)
@@ -319,8 +363,12 @@ def tiled_attention(q, k, v, *, causal: bool, scale: float, block_q: int, block_
             last_m = m_new
             if bug != "stale_max":
                 m = m_new
-        outs.append(acc if bug in ("normalise_inside", "normalise_terms") else acc / l[..., None])
-        lses.append(last_m + torch.log(l))
+        out = acc if bug in ("normalise_inside", "normalise_terms") else acc / l[..., None]
+        lse = last_m + torch.log(l)
+        if guard:
+            out, lse = torch.where(l[..., None] > 0, out, 0.0), torch.where(l > 0, lse, -math.inf)
+        outs.append(out)
+        lses.append(lse)
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
@@ -355,6 +403,10 @@ def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: in
                  for bug in ("normalise_inside_twice", "normalise_terms", "normalise_reset")]
     if causal:
         variants += [Variant(tiled(bug), HINTS[bug]) for bug in ("skip_diagonal", "top_left", "strict_mask")]
+        # the same, by a student whose rows that lose every key are 0 / 0 (the contract's guard forgotten too)
+        variants += [Variant(lambda bug=bug: tiled_attention(q, k, v, causal=True, scale=scale, block_q=block_q,
+                                                             block_k=block_k, bug=bug, guard=False)[0], HINTS[bug])
+                     for bug in ("skip_diagonal", "strict_mask")]
     variants.append(Variant(lambda: reference_attention(q, k, v, causal, 1.0)[0], HINTS["no_scale"]))
     if causal:
         variants.append(Variant(lambda: reference_attention(q, k, v, False, scale)[0], HINTS["causal_ignored"]))
@@ -602,6 +654,7 @@ def _chunked_case(chunked_attention, shape_q, seq_k, chunk_size, causal, generat
     short = seq_q - seq_q % chunk_size
     expect_tensor(out, what=call, shape=q.shape, dtype=dtype, device=device,
                   hints={(batch, heads, short, head_dim): HINTS["last_chunk"]} if short and short != seq_q else None)
+    expect_keyless_rows(out, keyless_queries(seq_q, seq_k, causal), call, "no_key_softmax_nan")
     expected = reference_attention(q, k, v, causal)[0]
     expect_close(out, expected, what=call, against="F.scaled_dot_product_attention (float64)",
                            variants=_chunked_variants(q, k, v, causal, chunk_size))
@@ -626,6 +679,8 @@ def check_chunked_attention(chunked_attention: Callable, *, seed: int = 0, devic
                       generator, cpu, torch.float64)
     _chunked_case(chunked_attention, (1, 2, 10, 8), 10, 64, True, generator, cpu, torch.float64)  # one chunk
     _chunked_case(chunked_attention, (1, 2, 9, 4), 9, 1, True, generator, cpu, torch.float64)  # rows one by one
+    # More queries than keys: queries 0-17 see no key (two whole chunks and part of a third) and get 0, as in SDPA.
+    _chunked_case(chunked_attention, (1, 2, 30, 8), 12, 8, True, generator, cpu, torch.float64)
     _chunked_case(chunked_attention, (2, 2, 40, 16), 56, 12, True, generator, device, torch.float32)
     # Memory: no intermediate is the whole [S_q, S_k] table (chunks are [chunk, S_k]).
     for causal, (seq_q, seq_k) in ((False, (45, 70)), (True, (45, 70)), (True, (48, 48))):
@@ -852,6 +907,9 @@ def _lse_tolerance(out: torch.Tensor, lse: torch.Tensor) -> tuple[float, float]:
 
 def _flash_case(flash_attention_forward, q, k, v, block_q, block_k, causal, scale=None) -> tuple:
     out, lse, call = _call_flash(flash_attention_forward, q, k, v, block_q, block_k, causal, scale)
+    keyless = keyless_queries(q.shape[-2], k.shape[-2], causal)
+    expect_keyless_rows(out, keyless, f"out from {call}", "no_key_flash_nan")
+    expect_keyless_rows(lse, keyless, f"lse from {call}", "no_key_flash_nan", fill=-math.inf)
     used_scale = q.shape[-1] ** -0.5 if scale is None else scale
     want_out, want_lse = reference_attention(q, k, v, causal, used_scale)
     blocks = (64, 64) if block_q is None else (block_q, block_k)
@@ -916,6 +974,8 @@ def check_flash_attention_forward(flash_attention_forward: Callable, *, seed: in
     _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, 33, 33, 8), 16, 16, True)  # last block: 1 row
     _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, 21, 21, 8, d_v=6), 8, 8, False, scale=0.3)
     _flash_case(flash_attention_forward, *_qkv(generator, 1, 1, 100, 100, 8), None, None, True)  # defaults
+    # More queries than keys: queries 0-20 see no key (two whole query blocks and part of a third).
+    _flash_case(flash_attention_forward, *_qkv(generator, 1, 2, 40, 19, 8), 8, 8, True)
     # Independent of the block sizes (including a block larger than the sequence).
     q, k, v = _qkv(generator, 1, 2, 37, 53, 8)
     reference = reference_attention(q, k, v, True)[0]
@@ -1134,11 +1194,21 @@ def gradients_from_saved(q, k, v, out, lse, dout, causal: bool, scale: float) ->
     return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ dout
 
 
+def _expect_keyless_gradients(grads: Sequence[torch.Tensor], keyless: int, call: str) -> None:
+    """Queries that see no key: no NaN in any gradient, and their dq rows 0 (as autograd through SDPA)."""
+    if keyless <= 0:
+        return
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        expect_no_nan(got, f"{name} from {call}", "no_key_bwd_nan")
+    expect_keyless_rows(grads[0], keyless, f"dq from {call}", "no_key_bwd_nan", wrong_hint=None)
+
+
 def _backward_case(flash_attention_backward, generator, shape, block_q, block_k, causal, scale=None,
                    dtype=torch.float64, device: Any = "cpu") -> None:
     inputs = _backward_inputs(generator, shape, causal, dtype, device, scale)
     grads, call = _call_backward(flash_attention_backward, inputs, block_q, block_k, causal, scale)
     q, k, v, _, _, dout = inputs
+    _expect_keyless_gradients(grads, keyless_queries(q.shape[-2], k.shape[-2], causal), call)
     used = q.shape[-1] ** -0.5 if scale is None else scale
     half = dtype in (torch.float16, torch.bfloat16)
     want = gradients_from_saved(*inputs, causal, used) if half else reference_gradients(q, k, v, dout, causal, used)
@@ -1166,6 +1236,8 @@ def check_flash_attention_backward(flash_attention_backward: Callable, *, seed: 
     _backward_case(flash_attention_backward, generator, (2, 1, 21, seq, 8), 8, 16, True)
     _backward_case(flash_attention_backward, generator, (1, 1, 19, 27, 4), 8, 8, False, scale=0.4)
     _backward_case(flash_attention_backward, generator, (1, 1, 70, 70, 8), None, None, True)  # default blocks
+    # More queries than keys: queries 0-20 see no key (lse = -inf), and get no gradient.
+    _backward_case(flash_attention_backward, generator, (1, 2, 40, 19, 8), 8, 8, True)
     _backward_case(flash_attention_backward, generator, (1, 2, seq, seq + 5, 16), 16, 16, True,
                    dtype=torch.float32, device=device)
     # Half precision in, the same dtype out, float32 inside: on the CPU too (PyTorch's CPU kernels take both).
@@ -1257,7 +1329,7 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
                 f"FlashAttention should be a subclass of torch.autograd.Function, got {describe(FlashAttention)}.")
     generator = random_generator(seed)
     forward_error = 0.0
-    for causal, (seq_q, seq_k) in ((False, (20, 28)), (True, (24, 24)), (True, (13, 30))):
+    for causal, (seq_q, seq_k) in ((False, (20, 28)), (True, (24, 24)), (True, (13, 30)), (True, (30, 13))):
         q, k, v = (t.requires_grad_(True) for t in _qkv(generator, 1, 2, seq_q, seq_k, 8))
         dout = randn(1, 2, seq_q, 8, generator=generator)
         call = f"FlashAttention.apply(q, k, v, {causal}) with q {shape_str(q.shape)}, k and v {shape_str(k.shape)}"
@@ -1265,6 +1337,8 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
         with torch.enable_grad():
             out = call_student(FlashAttention.apply, q, k, v, causal, call=call, probes=[saved_for_backward])
         expect_tensor(out, what=f"out from {call}", shape=q.shape, dtype=q.dtype, device=q.device)
+        keyless = keyless_queries(seq_q, seq_k, causal)
+        expect_keyless_rows(out, keyless, f"out from {call}", "no_key_flash_nan")
         ignored = [Variant(lambda: reference_attention(q, k, v, False)[0], HINTS["causal_ignored"])] if causal else []
         forward_error = max(forward_error, expect_close(out, reference_attention(q, k, v, causal)[0],
                                                         what=f"out from {call}",
@@ -1300,6 +1374,7 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
             raise
         except Exception as error:
             raise CheckFailure(f"the backward of {call} raised {type(error).__name__}: {error}") from None
+        _expect_keyless_gradients(grads, keyless, f"the backward of {call}")
         want = reference_gradients(q, k, v, dout, causal, 8 ** -0.5)
         for index, (name, got, expected) in enumerate(zip(("dq", "dk", "dv"), grads, want)):
             # backward with causal=False on the forward's causal out and lse: what a lost ctx.causal gives
@@ -1714,6 +1789,9 @@ def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, devic
                "lse": ("seq_q", seq_q)}
     (out, lse), watch = _kernel_launch(call, "Write the loop over key blocks.", lengths, launcher, kernel, q, k, v,
                                        causal=causal, block_q=block_q, block_k=block_k)
+    keyless = keyless_queries(seq_q, seq_k, causal)
+    expect_keyless_rows(out, keyless, f"out from {call}", "no_key_flash_nan")
+    expect_keyless_rows(lse, keyless, f"lse from {call}", "no_key_flash_nan", fill=-math.inf)
     want_out, want_lse = reference_attention(q, k, v, causal)
     if bool((torch.isnan(out.detach().cpu()) & ~torch.isnan(want_out)).any()):
         raise CheckFailure(f"out from {call} holds NaN where attention is finite.\n  Likely mistake: "
@@ -1754,6 +1832,7 @@ def check_flash_attention_kernel(flash_attention_kernel: Any, *, seed: int = 0, 
         ((1, 2, 61, 61, 16), True, 32, 32, torch.float32),
         ((1, 1, 33, 65, 16), True, 32, 16, torch.float32),  # causal bottom-right: offset 32, ends on a block start
         ((1, 2, 47, 47, 32), True, 16, 16, torch.float16),
+        ((1, 1, 70, 37, 16), True, 16, 16, torch.float32),  # S_q > S_k: queries 0-32 see no key (out 0, lse -inf)
     ]
     if sizes == "more":  # the hidden test: longer and other shapes
         cases = [((1, 1, 21, 83, 16), True, 16, 16, torch.float32),
@@ -1783,6 +1862,7 @@ def _backward_kernel_case(kernel_dkdv, kernel_dq, shape, causal, block_q, block_
     lengths.update({name: ("seq_q", seq_q) for name in ("Q", "dout", "lse", "D", "dq")})
     grads, _ = _kernel_launch(call, "Write the two kernels.", lengths, launch_flash_attention_backward, kernel_dkdv,
                               kernel_dq, q, k, v, out, lse, dout, causal=causal, block_q=block_q, block_k=block_k)
+    _expect_keyless_gradients(grads, keyless_queries(seq_q, seq_k, causal), call)
     scale = q.shape[-1] ** -0.5
     want = reference_gradients(q, k, v, dout, causal, scale)
     variants = _backward_variants(q, k, v, dout, causal, scale, block_q, block_k)
@@ -1809,7 +1889,8 @@ def check_flash_attention_backward_kernel(flash_attention_backward_kernel: Any,
     generator = random_generator(seed)
     cases = [((1, 1, 45, 61, 16), False, 16, 32, torch.float32),
              ((1, 2, 47, 47, 16), True, 32, 16, torch.float32),
-             ((1, 1, 33, 65, 32), True, 16, 16, torch.float16)]
+             ((1, 1, 33, 65, 32), True, 16, 16, torch.float16),
+             ((1, 1, 70, 37, 16), True, 16, 16, torch.float32)]  # S_q > S_k: queries 0-32 see no key
     if sizes == "more":
         cases = [((2, 1, 100, 90, 16), False, 32, 32, torch.float32),
                  ((1, 1, 21, 83, 16), True, 16, 16, torch.float32)]

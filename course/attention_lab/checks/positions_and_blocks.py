@@ -40,6 +40,7 @@ from attention_lab.checking import (
     shape_str,
     tolerance,
     add_note,
+    diagnose,
 )
 from attention_lab.checks.encoder_reference import torch_encoder_layer_like
 from attention_lab.images import draw_rose, image_dataset
@@ -1263,6 +1264,110 @@ def check_pe_shift_matrix(pe_shift_matrix: Callable, *, seed: int = 0, device: t
         _call_shift(pe_shift_matrix, offset, dim, base)
     expect_value_error(pe_shift_matrix, 2, 7, call="pe_shift_matrix(2, 7)", must_mention=(7,),
                        why="dim = 7 is odd, and the features come in sin/cos pairs")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise: offset_only_qk -- a W_qᵀW_k whose projected scores stay offset-only
+# --------------------------------------------------------------------------------------
+
+OFFSET_ONLY_HINTS = {
+    "rotate_half": "your blocks pair feature i with feature i + D/2 (the rotate-half layout of notebook 05). "
+    "sinusoidal_positions interleaves its features: pair i is (2i, 2i+1), and a block that mixes two frequencies "
+    "does not commute with the rotations that shift PE, so the scores depend on the positions.",
+    "reflection": "your blocks are reflections, a·[[cos t, sin t], [sin t, -cos t]], not rotations: a reflection "
+    "does not commute with the rotations that shift PE (R_kᵀ F R_k = F R_2k), so the scores depend on the "
+    "positions. Block i is a_i·[[cos t_i, sin t_i], [-sin t_i, cos t_i]].",
+    "transposed": "your blocks turn the other way (the sign of sin is flipped): that keeps the scores offset-only "
+    "too, but the contract's block is a_i·[[cos t_i, sin t_i], [-sin t_i, cos t_i]], the block of "
+    "pe_shift_matrix scaled by a_i.",
+    "no_scale": "the scales are missing: block i is scales[i] times the rotation by angles[i] (a scaled rotation).",
+    "partial_scale": "scales[i] multiplies only the cosines: it multiplies the whole block, "
+    "a_i·[[cos t_i, sin t_i], [-sin t_i, cos t_i]].",
+    "one_block": "every pair got the same block: pair i has its own scale and angle, scales[i] and angles[i].",
+}
+
+
+def _offset_only_matrix(scales: torch.Tensor, angles: torch.Tensor, *, layout: str = "interleaved",
+                        sin_sign: float = 1.0, lower_sign: float = -1.0, cos_scaled_only: bool = False,
+                        scaled: bool = True, same_block: bool = False) -> torch.Tensor:
+    """Block-diagonal a_i·[[cos t_i, sin t_i], [-sin t_i, cos t_i]] in float64 (the reference, and its wrong
+    variants)."""
+    scales, angles = (t.detach().to("cpu", torch.float64) for t in (scales, angles))
+    half = scales.numel()
+    matrix = torch.zeros(2 * half, 2 * half, dtype=torch.float64)
+    for i in range(half):
+        a, t = (float(scales[0]), float(angles[0])) if same_block else (float(scales[i]), float(angles[i]))
+        a = a if scaled else 1.0
+        first, second = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, i + half)
+        trig = 1.0 if cos_scaled_only else a
+        matrix[first, first] = a * math.cos(t)
+        matrix[first, second] = sin_sign * trig * math.sin(t)
+        matrix[second, first] = lower_sign * sin_sign * trig * math.sin(t)
+        matrix[second, second] = (-1.0 if lower_sign > 0 else 1.0) * a * math.cos(t)
+    return matrix
+
+
+def _offset_only_variants(scales: torch.Tensor, angles: torch.Tensor) -> list[Variant]:
+    build = lambda **kw: (lambda: _offset_only_matrix(scales, angles, **kw))  # noqa: E731
+    # with one pair the rotate-half layout is the interleaved one: no layout to tell apart
+    layouts = [Variant(build(layout="half"), OFFSET_ONLY_HINTS["rotate_half"]),
+               Variant(build(layout="half", sin_sign=-1.0), OFFSET_ONLY_HINTS["rotate_half"])]
+    return (layouts if scales.numel() > 1 else []) + [
+        Variant(build(lower_sign=1.0), OFFSET_ONLY_HINTS["reflection"]),
+        Variant(build(lower_sign=1.0, sin_sign=-1.0), OFFSET_ONLY_HINTS["reflection"]),
+        Variant(build(sin_sign=-1.0), OFFSET_ONLY_HINTS["transposed"]),
+        Variant(build(scaled=False), OFFSET_ONLY_HINTS["no_scale"]),
+        Variant(build(scaled=False, sin_sign=-1.0), OFFSET_ONLY_HINTS["no_scale"]),
+        Variant(build(cos_scaled_only=True), OFFSET_ONLY_HINTS["partial_scale"]),
+        Variant(build(same_block=True), OFFSET_ONLY_HINTS["one_block"]),
+    ]
+
+
+def _offset_spread(matrix: torch.Tensor, num_positions: int = 20) -> tuple[float, int]:
+    """Largest spread of PE[p]ᵀ M PE[q] along one offset q - p (and that offset), PE of D = M's size."""
+    table = _sinusoidal_table(num_positions, matrix.shape[0], 10000.0)                  # [P, D] float64
+    scores = table @ matrix @ table.T                                                     # [P, P]
+    spreads = [(float(d.max() - d.min()), offset) for offset in range(1 - num_positions, num_positions)
+               for d in (scores.diagonal(offset),)]
+    return max(spreads)
+
+
+def _call_offset_only(offset_only_qk: Callable, scales: torch.Tensor, angles: torch.Tensor) -> None:
+    pairs = scales.numel()
+    dtype = str(scales.dtype).replace("torch.", "")
+    call = f"offset_only_qk(scales, angles) with {pairs} pairs ({dtype}, {scales.device.type})"
+    matrix = call_student(offset_only_qk, scales, angles, call=call)
+    expect_tensor(matrix, what=call, shape=(2 * pairs, 2 * pairs), dtype=scales.dtype, device=scales.device,
+                  dtype_hint=DTYPE_RULE)
+    variants = _offset_only_variants(scales, angles)
+    rtol, atol = tolerance(scales.dtype, "cpu")
+    spread, offset = _offset_spread(matrix.detach().to("cpu", torch.float64))
+    if spread > 1e-4:
+        hint = diagnose(matrix, variants, rtol, atol, expected=_offset_only_matrix(scales, angles))
+        raise CheckFailure(f"{call}: with M = your matrix, the scores PE[p]ᵀ M PE[p + {offset}] differ from one p to "
+                           f"another by up to {spread:.3g} (PE = sinusoidal_positions(20, {2 * pairs})): they depend "
+                           "on the absolute positions, not on the offset alone."
+                           + (f"\n  Likely mistake: {hint}" if hint else ""))
+    expect_close(matrix, _offset_only_matrix(scales, angles), what=call,
+                 against="the block-diagonal matrix of a_i [[cos t_i, sin t_i], [-sin t_i, cos t_i]] "
+                         "(pair i at features 2i and 2i+1)", variants=variants)
+
+
+@check("offset_only_qk: one scaled rotation per pair; PE[p]ᵀ M PE[q] depends on q - p alone ({device})")
+def check_offset_only_qk(offset_only_qk: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """offset_only_qk: the block structure, the offset-only scores, dtype and device, the error."""
+    expect_signature(offset_only_qk, "offset_only_qk", ["scales", "angles"])
+    generator = random_generator(seed)
+    for pairs in (1, 4, 8):
+        scales = torch.rand(pairs, generator=generator, dtype=torch.float64) + 0.5
+        angles = torch.rand(pairs, generator=generator, dtype=torch.float64) * 2 * math.pi
+        _call_offset_only(offset_only_qk, scales, angles)
+    scales = torch.rand(6, generator=generator) + 0.5
+    angles = torch.rand(6, generator=generator) * 2 * math.pi
+    _call_offset_only(offset_only_qk, scales.to(device), angles.to(device))  # float32, on the device
+    expect_value_error(offset_only_qk, torch.ones(3, dtype=torch.float64), torch.zeros(4, dtype=torch.float64),
+                       call="offset_only_qk(scales of 3 pairs, angles of 4)", must_mention=(3, 4),
+                       why="scales and angles must give one scale and one angle per pair")
 
 
 # --------------------------------------------------------------------------------------

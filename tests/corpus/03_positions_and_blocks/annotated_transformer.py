@@ -30,6 +30,17 @@ def pe_shift_matrix(offset, dim, base=10000.0):
         blocks.append(torch.tensor([[c, s], [-s, c]]))
     return torch.block_diag(*blocks)
 
+# %% answer="offset_only_qk"
+def offset_only_qk(scales, angles):
+    if len(scales) != len(angles):
+        raise ValueError("got %d scales and %d angles" % (len(scales), len(angles)))
+    m = torch.zeros(2 * len(scales), 2 * len(scales), dtype=scales.dtype, device=scales.device)
+    for i in range(len(scales)):
+        a, t = scales[i].item(), angles[i].item()
+        m[2 * i, 2 * i], m[2 * i, 2 * i + 1] = a * math.cos(t), a * math.sin(t)
+        m[2 * i + 1, 2 * i], m[2 * i + 1, 2 * i + 1] = -a * math.sin(t), a * math.cos(t)
+    return m
+
 # %% answer="FourierFeatures"
 class FourierFeatures(nn.Module):
     def __init__(self, in_dim, num_frequencies):

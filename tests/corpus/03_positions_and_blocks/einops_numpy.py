@@ -37,6 +37,17 @@ def pe_shift_matrix(offset, dim, base=10000.0):
                                                                   [-np.sin(angle), np.cos(angle)]]
     return torch.from_numpy(matrix).to(torch.get_default_dtype())
 
+# %% answer="offset_only_qk"
+def offset_only_qk(scales, angles):
+    """NumPy blocks a·[[cos, sin], [-sin, cos]], laid on the diagonal with np.kron of a one-hot per pair."""
+    a, t = scales.detach().cpu().numpy(), angles.detach().cpu().numpy()
+    if a.shape != t.shape:
+        raise ValueError(f"scales {a.shape} and angles {t.shape} differ")
+    matrix = sum(np.kron(np.eye(len(a))[i][:, None] * np.eye(len(a))[i][None, :],
+                         a[i] * np.array([[np.cos(t[i]), np.sin(t[i])], [-np.sin(t[i]), np.cos(t[i])]]))
+                 for i in range(len(a)))
+    return torch.as_tensor(matrix).to(scales)
+
 # %% answer="FourierFeatures"
 from einops import rearrange
 

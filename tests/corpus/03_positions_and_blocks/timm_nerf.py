@@ -26,6 +26,15 @@ def pe_shift_matrix(offset, dim, base=10000.0):
     blocks = torch.stack([torch.stack([cos, sin], -1), torch.stack([-sin, cos], -1)], -2)   # [D/2, 2, 2]
     return torch.block_diag(*blocks.float())
 
+# %% answer="offset_only_qk"
+def offset_only_qk(scales, angles):
+    """Scaled pe_shift_matrix blocks: a·cos on the diagonal, ±a·sin next to it, with torch.block_diag."""
+    if scales.shape != angles.shape:
+        raise ValueError(f"scales{tuple(scales.shape)} vs angles{tuple(angles.shape)}")
+    cos, sin = scales * angles.cos(), scales * angles.sin()
+    blocks = torch.stack([torch.stack([cos, sin], -1), torch.stack([-sin, cos], -1)], -2)   # [D/2, 2, 2]
+    return torch.block_diag(*blocks)
+
 # %% answer="FourierFeatures"
 class FourierFeatures(nn.Module):
     """NeRF-style: the buffer holds 2^k; pi is applied in forward."""

@@ -18,7 +18,10 @@ def chunked_attention(q, k, v, chunk_size, causal=False):
             j = torch.arange(n_k, device=q.device).unsqueeze(0)
             logits = logits.masked_fill(j - i > n_k - n_q, -1e9)
         pieces.append(torch.einsum("bhij,bhjd->bhid", logits.softmax(dim=-1), vf))
-    return torch.cat(pieces, dim=2).to(q.dtype)
+    result = torch.cat(pieces, dim=2)
+    if causal and n_q > n_k:  # the first n_q - n_k queries see no key: 0, as SDPA (-1e9 gave them a mean)
+        result[:, :, :n_q - n_k] = 0.0
+    return result.to(q.dtype)
 
 # %% answer="streaming_logsumexp"
 def streaming_logsumexp(x, block_size):
@@ -69,6 +72,9 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
         out[:, row:row + rows] = acc / l[..., None]
         lse[:, row:row + rows] = m + l.log()
         row += block_q
+    if causal and n_q > n_k:  # queries that see no key: out 0, lse -inf, as SDPA and logsumexp
+        out[:, :n_q - n_k] = 0.0
+        lse[:, :n_q - n_k] = float("-inf")
     return out.reshape(b, h, n_q, d_v).to(q.dtype), lse.reshape(b, h, n_q)
 
 # %% answer="flash_attention_kernel"
@@ -111,8 +117,11 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
         acc = acc * scale_old[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     m_i = m_i * 1.4426950408889634  # the epilogue below expects base-2 units
-    acc = acc / l_i[:, None]
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    sees_a_key = offs_q >= 0  # the given epilogue: a query that sees no key gets out 0, lse -inf
+    if CAUSAL:
+        sees_a_key = offs_q >= seq_q - seq_k
+    acc = tl.where(sees_a_key[:, None], acc / l_i[:, None], 0.0)
+    lse = tl.where(sees_a_key, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
     row_ok = offs_q < seq_q
     tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
@@ -124,7 +133,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, ca
     n_q, n_k = q.size(-2), k.size(-2)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
     qf, kf, vf, of, dof = q.float(), k.float(), v.float(), out.float(), dout.float()
-    lsef = lse.float()
+    lsef = lse.float().nan_to_num(neginf=0.0)  # a query that sees no key: P = exp(-1e9 - 0) = 0
     d_row = torch.einsum("bhqd,bhqd->bhq", dof, of)
     dk_blocks = [torch.zeros_like(kf[..., s:s + block_k, :]) for s in range(0, n_k, block_k)]
     dv_blocks = [torch.zeros_like(vf[..., s:s + block_k, :]) for s in range(0, n_k, block_k)]

@@ -18,9 +18,11 @@ def softmax(x, dim=-1):
 
 def attention(q, k, v, mask=None):
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        scores = torch.where(mask, scores, torch.full_like(scores, float("-inf")))
-    return softmax(scores) @ v
+    if mask is None:
+        return softmax(scores) @ v
+    weights = softmax(torch.where(mask, scores, torch.full_like(scores, float("-inf"))))
+    # a query that sees no key: its softmax is 0 / 0; SDPA gives it 0
+    return torch.where(mask.any(dim=-1, keepdim=True), weights, torch.zeros_like(weights)) @ v
 
 
 def chunked_attention(q, k, v, chunk_size, causal=False):
@@ -84,8 +86,9 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
             if causal:
                 s = s.masked_fill(k_pos[k0:k1][None, :] > q_pos[q0:q1][:, None], -math.inf)
             m, l, acc = online_softmax_step(m, l, acc, s, v[..., k0:k1, :].to(compute_dtype))
-        out[..., q0:q1, :] = acc / l.unsqueeze(-1)
-        lse[..., q0:q1] = m + torch.log(l)
+        sees_a_key = q_pos[q0:q1] >= 0 if causal else torch.ones(q1 - q0, dtype=torch.bool, device=q.device)
+        out[..., q0:q1, :] = torch.where(sees_a_key[:, None], acc / l.unsqueeze(-1), 0.0)
+        lse[..., q0:q1] = torch.where(sees_a_key, m + torch.log(l), -math.inf)
     return out.to(q.dtype), lse
 
 # %% answer="flash_attention_kernel"
@@ -141,8 +144,11 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
             visible = visible & (keys[None, :] <= offs_q[:, None] + offset)
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_update(m_i, l_i, acc, s, v)
-    acc = acc / l_i[:, None]
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    sees_a_key = offs_q >= 0  # the given epilogue: a query that sees no key gets out 0, lse -inf
+    if CAUSAL:
+        sees_a_key = offs_q >= seq_q - seq_k
+    acc = tl.where(sees_a_key[:, None], acc / l_i[:, None], 0.0)
+    lse = tl.where(sees_a_key, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
     row_ok = offs_q < seq_q
     tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
@@ -153,6 +159,8 @@ def tile_probabilities(q_tile, k_tile, lse_rows, scale, hidden=None):
     scores = q_tile @ k_tile.mT * scale
     if hidden is not None:
         scores = torch.where(hidden, torch.full_like(scores, -math.inf), scores)
+        # hidden keys get P = 0, also where lse = -inf (a query that sees no key: exp(-inf + inf) is NaN)
+        return torch.where(hidden, torch.zeros_like(scores), (scores - lse_rows.unsqueeze(-1)).exp())
     return (scores - lse_rows.unsqueeze(-1)).exp()
 
 

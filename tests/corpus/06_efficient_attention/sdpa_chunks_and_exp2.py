@@ -69,8 +69,9 @@ def flash_attention_forward(q, k, v, block_q=64, block_k=64, causal=False, scale
                 s = torch.where(keep, s, torch.tensor(-math.inf, dtype=dtype, device=q.device))
             state = online_softmax_step(m=state[0], l=state[1], acc=state[2], scores_block=s, v_block=v_blk)
         m, l, acc = state
-        out_blocks.append(acc / l.unsqueeze(-1))
-        lse_blocks.append(m + l.log())
+        saw_a_key = torch.isfinite(m)  # a query that sees no key keeps m = -inf: out 0, lse -inf
+        out_blocks.append(torch.where(saw_a_key[..., None], acc / l.unsqueeze(-1), 0.0))
+        lse_blocks.append(torch.where(saw_a_key, m + l.log(), -math.inf))
     return torch.cat(out_blocks, dim=2).type_as(q), torch.cat(lse_blocks, dim=2)
 
 # %% answer="flash_attention_kernel"
@@ -116,8 +117,11 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
         m_i = m_ij
         k_ptrs += BLOCK_K * stride_ks
         v_ptrs += BLOCK_K * stride_vs
-    acc = acc / l_i[:, None]
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    sees_a_key = offs_q >= 0  # the given epilogue: a query that sees no key gets out 0, lse -inf
+    if CAUSAL:
+        sees_a_key = offs_q >= seq_q - seq_k
+    acc = tl.where(sees_a_key[:, None], acc / l_i[:, None], 0.0)
+    lse = tl.where(sees_a_key, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
     row_ok = offs_q < seq_q
     tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
@@ -134,7 +138,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, ca
     dtype = torch.promote_types(q.dtype, torch.float32)
     flat = [rearrange(t, "b h s d -> (b h) s d").to(dtype) for t in (q, k, v, out, dout)]
     q2, k2, v2, o2, do2 = flat
-    lse2 = rearrange(lse, "b h s -> (b h) s").to(dtype) * LOG2E
+    # clamped: a query that sees no key has lse = -inf, and exp2(-inf - (-inf)) would be NaN, not its P = 0
+    lse2 = (rearrange(lse, "b h s -> (b h) s").to(dtype) * LOG2E).clamp(min=torch.finfo(dtype).min)
     delta = (do2 * o2).sum(dim=-1, keepdim=True)
     dq2, dk2, dv2 = torch.zeros_like(q2), torch.zeros_like(k2), torch.zeros_like(v2)
 
