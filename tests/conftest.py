@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
@@ -17,6 +18,12 @@ from attention_lab.checking import HINT_LOG_ENV_VAR  # noqa: E402
 from autograder import release  # noqa: E402
 
 from tests import hint_coverage  # noqa: E402
+
+# Each test process computes on one thread, as each grading kernel and the trusted checker do:
+# `make test` runs three xdist workers on two cores, where a torch operation that waits for a
+# descheduled OpenMP thread costs many times its work (torch.equal of 64 KiB, which every
+# crossing of the bridge does: 4.5 ms with two threads on a busy machine, 0.12 ms with one).
+torch.set_num_threads(1)
 
 # Fail a whole-suite run when some hint in the package is never triggered by a test
 # (every hint is, today: a new hint comes with the test that reaches it).
