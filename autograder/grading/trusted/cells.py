@@ -35,6 +35,8 @@ from nbformat.notebooknode import NotebookNode
 from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL, UNRESPONSIVE_GRACE
 
 # The code that starts the bridge's agent in the student's kernel (silently: not a cell).
+# The folder holding the autograder package: where the checker starts, whatever the caller's folder.
+AUTOGRADER_HOME = Path(__file__).resolve().parents[3]
 AGENT_CODE = "__import__('attention_lab.bridge.agent', fromlist=['serve']).serve({path!r})"
 REFUSED = ("Your notebook's kernel did not let the grader call your code (it did not run the grader's "
            "request): this test earns no points. Code that changes how the notebook's cells run "
@@ -55,8 +57,7 @@ class Checker:
     def ensure(self) -> subprocess.Popen:
         if self.process is None or self.process.poll() is not None:
             self.process = subprocess.Popen([sys.executable, "-m", "autograder.grading.trusted.checker"], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, text=True, bufsize=1,
-                                            cwd=str(Path(__file__).resolve().parent.parent.parent))
+                                            stdout=subprocess.PIPE, text=True, bufsize=1, cwd=str(AUTOGRADER_HOME))
         return self.process
 
     def send(self, request: dict) -> None:
