@@ -292,6 +292,9 @@ def autograde(task: dict) -> int:
     if task.get("kernel_server"):  # the kernels are forks of it: (re)started when its sandbox changes
         server = task["kernel_server"]
         _kernel_server.ensure(server["argv"], server["socket"], {**os.environ, **server["environment"]})
+    if trusted_cells.checked_outside_the_kernel(task["assignment"]):
+        # started now, while nbgrader loads and the kernel starts, not at the first test cell
+        trusted_cells.checker.ensure()
     app = NbGraderApp.instance(config=config)
     try:
         app.initialize(arguments)
