@@ -10,9 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Every process the suite starts (notebook kernels, JupyterLab servers and their kernels, `make`
+# commands) computes on one OpenMP thread, as grading kernels do: `make test` runs three workers
+# on two cores, where a kernel's second thread mostly waits for a core (notebook 01's cells took
+# 8.3 s with two threads beside one busy process, 6.3 s with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402 -- after OMP_NUM_THREADS
 
 from attention_lab.checking import HINT_LOG_ENV_VAR  # noqa: E402
 from autograder import release  # noqa: E402
