@@ -133,9 +133,35 @@ def test_the_server_preloads_the_course_only_for_notebooks_with_its_setup_cell(t
     assert starts_with_the_setup_cell(source(build_source("01_mha_shapes", course_repository())))
     assert starts_with_the_setup_cell(source(tiny_notebook("value = 42", setup=True)))
     assert not starts_with_the_setup_cell(source(tiny_notebook("value = 42")))
-    for course, preloaded in ((True, "ipykernel.kernelapp,torch,torch._dynamo,attention_lab"), (False, "ipykernel.kernelapp")):
+    course_modules = "ipykernel.kernelapp,torch,torch._dynamo,attention_lab,matplotlib.font_manager,attention_lab.widgets"
+    for course, preloaded in ((True, course_modules), (False, "ipykernel.kernelapp")):
         argv = sandbox.kernel_server_argv(tmp_path, tmp_path, course=course)
         assert argv[argv.index("--preload") + 1] == preloaded
+
+
+FONT_LIST_UNBUILT = """import glob, os, sys
+from matplotlib.figure import Figure
+assert 'attention_lab.widgets' in sys.modules
+figure = Figure()
+figure.suptitle('a title needs a font')
+figure.savefig(os.devnull, format='png')
+built = glob.glob(os.path.join(os.environ['MPLCONFIGDIR'], 'fontlist-*.json'))
+assert not built, f'this kernel scanned the fonts again: {built}'
+"""
+
+
+def test_a_forked_kernel_draws_with_the_servers_font_list(forked_kernels, tmp_path):
+    """The widgets and matplotlib's font list are loaded once, in the server: MPLCONFIGDIR is in
+    the sandbox's /tmp, emptied after every student, where each kernel rebuilt the list."""
+    if forked_kernels is None:
+        pytest.skip("bubblewrap unavailable: notebooks run in fresh kernels")
+    from autograder.execute import execute_notebook
+
+    for name in ("first", "second"):  # the second after the server emptied /tmp
+        path = tmp_path / f"{name}.ipynb"
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(FONT_LIST_UNBUILT)]), path)
+        result = execute_notebook(path, kernels=forked_kernels)
+        assert not result.errors, result.summary()
 
 
 def test_forked_kernels_run_each_notebook_in_a_kernel_of_its_own(forked_kernels, tmp_path):
