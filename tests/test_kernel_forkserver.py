@@ -133,7 +133,8 @@ def test_the_server_preloads_the_course_only_for_notebooks_with_its_setup_cell(t
     assert starts_with_the_setup_cell(source(build_source("01_mha_shapes", course_repository())))
     assert starts_with_the_setup_cell(source(tiny_notebook("value = 42", setup=True)))
     assert not starts_with_the_setup_cell(source(tiny_notebook("value = 42")))
-    course_modules = "ipykernel.kernelapp,torch,torch._dynamo,attention_lab,matplotlib.font_manager,attention_lab.widgets"
+    course_modules = ("ipykernel.kernelapp,torch,torch._dynamo,attention_lab,matplotlib.font_manager,"
+                      "attention_lab.widgets.live:warm_up")
     for course, preloaded in ((True, course_modules), (False, "ipykernel.kernelapp")):
         argv = sandbox.kernel_server_argv(tmp_path, tmp_path, course=course)
         assert argv[argv.index("--preload") + 1] == preloaded
@@ -141,7 +142,7 @@ def test_the_server_preloads_the_course_only_for_notebooks_with_its_setup_cell(t
 
 FONT_LIST_UNBUILT = """import glob, os, sys
 from matplotlib.figure import Figure
-assert 'attention_lab.widgets' in sys.modules
+assert 'attention_lab.widgets.live' in sys.modules
 figure = Figure()
 figure.suptitle('a title needs a font')
 figure.savefig(os.devnull, format='png')

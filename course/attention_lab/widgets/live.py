@@ -35,6 +35,17 @@ def figure_png(figure: Figure) -> bytes:
     return buffer.getvalue()
 
 
+def warm_up() -> None:
+    """Draw one small figure with text, as every widget's does: loads the fonts and glyphs that a
+    process's first picture would otherwise load (grading's kernel server calls it once for all
+    its kernels: autograder.kernel_forkserver)."""
+    figure = Figure(figsize=(2, 1))
+    axes = figure.add_subplot()
+    axes.set_title("warm-up")
+    axes.plot([0, 1], [0, 1])
+    figure_png(figure)
+
+
 def fit_control(control: widgets.Widget) -> widgets.Widget:
     """Size ``control`` for a narrow notebook: its description in full, at least
     ``CONTROL_MIN_WIDTH_PX`` wide, never shrunk by the row it sits in; returns it."""
