@@ -212,9 +212,10 @@ WORKER_COMMAND = "make dask-worker SCHEDULER=tcp://scheduler-host:8786"
 GRADE_COMMAND = "make grade SCHEDULER=tcp://scheduler-host:8786"
 
 
-def this_scheduler(port: int) -> dict[str, str]:
-    """The README's scheduler address and port, replaced by this test's."""
-    return {"scheduler-host:8786": f"127.0.0.1:{port}", "DASK_PORT=8786": f"DASK_PORT={port}"}
+def this_scheduler(command: str, port: int) -> dict[str, str]:
+    """The README's scheduler address or port in ``command``, replaced by this test's."""
+    return ({"DASK_PORT=8786": f"DASK_PORT={port}"} if command == SCHEDULER_COMMAND
+            else {"scheduler-host:8786": f"127.0.0.1:{port}"})
 
 
 def free_port_pair() -> int:
@@ -238,7 +239,7 @@ def started(command: str, log: Path, environment: dict, port: int | None = None)
         process = subprocess.Popen(command, shell=True, cwd=REPO_ROOT, env=environment, start_new_session=True,
                                    stdout=output, stderr=subprocess.STDOUT)
     else:
-        process = start_readme_command(command, env=environment, replace=this_scheduler(port), stdout=output,
+        process = start_readme_command(command, env=environment, replace=this_scheduler(command, port), stdout=output,
                                        stderr=subprocess.STDOUT)
     try:
         yield process
@@ -267,7 +268,7 @@ def test_the_readmes_cluster_commands_grade_a_class_and_a_scheduler_without_the_
             started(WORKER_COMMAND, tmp_path / "worker.log", environment, port):
         with Client(f"tcp://127.0.0.1:{port}", timeout="120s") as client:
             client.wait_for_workers(1, timeout=300)
-        graded = run_readme_command(GRADE_COMMAND, env=environment, replace=this_scheduler(port))
+        graded = run_readme_command(GRADE_COMMAND, env=environment, replace=this_scheduler(GRADE_COMMAND, port))
     logs = "\n".join(p.read_text() for p in tmp_path.glob("*.log"))
     assert graded.returncode == 0 and "graded 2, unchanged 0, failed 0" in graded.stdout, \
         graded.stdout + graded.stderr + logs
