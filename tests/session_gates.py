@@ -45,9 +45,11 @@ def covers(args: Sequence[str], wanted: Iterable[Path]) -> bool:
 
 
 def selects_tests(option: Any) -> bool:
-    """Does the command line pick some tests of the files it collects (-k, -m, --deselect, --lf, -x)?"""
+    """Does the command line pick some tests of the files it collects (-k, -m, --deselect, --lf, -x),
+    or run none (--collect-only)?"""
     return any((getattr(option, "keyword", ""), getattr(option, "markexpr", ""), getattr(option, "deselect", None),
-                getattr(option, "lf", False), getattr(option, "exitfirst", False)))
+                getattr(option, "lf", False), getattr(option, "exitfirst", False),
+                getattr(option, "collectonly", False)))
 
 
 def whole_run(option: Any, args: Sequence[str], wanted: Iterable[Path]) -> bool:

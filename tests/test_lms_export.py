@@ -6,12 +6,10 @@ from __future__ import annotations
 import csv
 import datetime
 import os
-import subprocess
 import zipfile
 from pathlib import Path
 
 from autograder import gradebook
-from autograder.release import REPO_ROOT
 from autograder.roster import ROSTER_FILE
 from autograder.settings import COURSE_ROOT_VARIABLE
 from tests.readme_commands import run_readme_command

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -203,9 +202,7 @@ def test_a_typo_in_deadlines_is_refused_with_the_closest_name_and_sets_nothing(t
     root = tmp_path / "course_root"
     deadlines = tmp_path / "deadlines.csv"
     deadlines.write_text("assignment,duedate\n01_mha_shapes,2026-03-01\n02_numpy_walktrough,2026-03-08\n")
-    result = subprocess.run(["make", "--no-print-directory", "deadlines", f"DEADLINES={deadlines}"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, ATTENTION_LAB_COURSE_ROOT=str(root)))
+    result = run_readme_command("make deadlines", env=on(root, DEADLINES=str(deadlines)))
     assert result.returncode != 0, result.stdout
     assert "'02_numpy_walktrough' is not an assignment of this course; did you mean 02_numpy_walkthrough?" \
         in result.stderr, result.stderr
