@@ -1,5 +1,6 @@
 """Shared fixtures: one fresh build of every notebook (source and student release) per test
-session, whatever the number of workers; and the hint-coverage gate (see tests/hint_coverage.py)."""
+session, whatever the number of workers; and the session's gates (tests/session_gates.py): hint
+coverage (tests/hint_coverage.py) and the README's instructor commands (tests/readme_commands.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -23,7 +25,7 @@ import torch  # noqa: E402 -- after OMP_NUM_THREADS
 from attention_lab.checking import HINT_LOG_ENV_VAR  # noqa: E402
 from autograder import release  # noqa: E402
 
-from tests import hint_coverage  # noqa: E402
+from tests import hint_coverage, readme_commands, session_gates  # noqa: E402
 
 # Each test process computes on one thread, as each grading kernel and the trusted checker do:
 # `make test` runs three xdist workers on two cores, where a torch operation that waits for a
@@ -34,6 +36,9 @@ torch.set_num_threads(1)
 # Fail a whole-suite run when some hint in the package is never triggered by a test
 # (every hint is, today: a new hint comes with the test that reaches it).
 HINT_COVERAGE_ENFORCED = True
+# Fail a whole-suite run when a command of the README's instructor part is run by no test and
+# not exempted, with its reason, in readme_commands.NOT_RUN.
+README_COMMANDS_ENFORCED = True
 
 REPO_ROOT = release.REPO_ROOT
 ASSIGNMENTS = release.assignment_names()
@@ -99,8 +104,42 @@ def forked_kernels(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------------------
-# Hint coverage: every hint in the package appears in some test's failure message
+# The gates: judged by the process that runs the session, at its end (tests/session_gates.py)
 # --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A check of the whole session: a log folder in ``env_var`` for the tests (and every process
+    they start) to record into, and ``judge(config, folder)``: (summary lines, fail the run)."""
+
+    title: str
+    env_var: str
+    judge: Callable[[pytest.Config, str], tuple[list[str], bool]]
+
+
+def _judge_hint_coverage(config: pytest.Config, folder: str) -> tuple[list[str], bool]:
+    """Every hint in the package appears in some test's failure message."""
+    hints = hint_coverage.package_hints()
+    missing = hint_coverage.untriggered(hints, hint_coverage.read_messages(folder))
+    whole = hint_coverage.whole_suite_ran(config.option, config.args)
+    lines = hint_coverage.report(missing, len(hints), whole, HINT_COVERAGE_ENFORCED,
+                                 hint_coverage.modules_under_test(config.args))
+    return lines, HINT_COVERAGE_ENFORCED and whole and bool(missing)
+
+
+def _judge_readme_commands(config: pytest.Config, folder: str) -> tuple[list[str], bool]:
+    """Every command of the README's instructor part is run by some test, or exempted."""
+    commands = readme_commands.instructor_commands()
+    ran = readme_commands.read_log(folder)
+    missing = readme_commands.not_run(commands, ran)
+    whole = session_gates.whole_run(config.option, config.args, session_gates.TESTS_DIR.glob("test_*.py"))
+    lines = readme_commands.report(missing, ran, commands, whole, README_COMMANDS_ENFORCED)
+    return lines, README_COMMANDS_ENFORCED and whole and bool(missing)
+
+
+GATES = (Gate("hint coverage", HINT_LOG_ENV_VAR, _judge_hint_coverage),
+         Gate("README commands", readme_commands.LOG_ENV_VAR, _judge_readme_commands))
 
 
 def _is_controller(config: pytest.Config) -> bool:
@@ -109,41 +148,46 @@ def _is_controller(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Workers and notebook kernels inherit this variable and log into the same folder.
+    # Workers, kernels and commands inherit these variables and log into the same folders.
     if _is_controller(config):
-        folder = tempfile.mkdtemp(prefix="attention-lab-hint-log-")
-        config.stash[_HINT_LOG] = folder
-        os.environ[HINT_LOG_ENV_VAR] = folder
+        config.stash[_GATE_LOGS] = {}
+        for gate in GATES:
+            folder = tempfile.mkdtemp(prefix=f"attention-lab-{gate.env_var.lower()}-")
+            config.stash[_GATE_LOGS][gate.title] = folder
+            os.environ[gate.env_var] = folder
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    if not _is_controller(config) or _HINT_LOG not in config.stash:
+    if not _is_controller(config) or _GATE_LOGS not in config.stash:
         return
-    hints = hint_coverage.package_hints()
-    missing = hint_coverage.untriggered(hints, hint_coverage.read_messages(config.stash[_HINT_LOG]))
-    whole = hint_coverage.whole_suite_ran(config.option, config.args)
-    config.stash[_HINT_REPORT] = hint_coverage.report(missing, len(hints), whole, HINT_COVERAGE_ENFORCED,
-                                                      hint_coverage.modules_under_test(config.args))
-    if HINT_COVERAGE_ENFORCED and whole and missing and session.exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    config.stash[_GATE_REPORTS] = {}
+    for gate in GATES:
+        folder = config.stash[_GATE_LOGS].get(gate.title)
+        if folder is None:
+            continue
+        lines, failed = gate.judge(config, folder)
+        config.stash[_GATE_REPORTS][gate.title] = lines
+        if failed and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    lines = config.stash.get(_HINT_REPORT, None)
-    if lines:
-        terminalreporter.write_sep("-", "hint coverage")
-        for line in lines:
-            terminalreporter.write_line(line)
+    for title, lines in config.stash.get(_GATE_REPORTS, {}).items():
+        if lines:
+            terminalreporter.write_sep("-", title)
+            for line in lines:
+                terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    folder = config.stash.get(_HINT_LOG, None)
-    if folder:
-        shutil.rmtree(folder, ignore_errors=True)
-        if os.environ.get(HINT_LOG_ENV_VAR) == folder:
-            del os.environ[HINT_LOG_ENV_VAR]
+    for gate in GATES:
+        folder = config.stash.get(_GATE_LOGS, {}).get(gate.title)
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+            if os.environ.get(gate.env_var) == folder:
+                del os.environ[gate.env_var]
 
 
-_HINT_LOG = pytest.StashKey[str]()
-_HINT_REPORT = pytest.StashKey[list]()
+_GATE_LOGS = pytest.StashKey[dict]()      # gate title -> its log folder
+_GATE_REPORTS = pytest.StashKey[dict]()   # gate title -> its summary lines

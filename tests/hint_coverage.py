@@ -21,7 +21,6 @@ check tests (``.venv/bin/python -m pytest tests/test_checks_mha_shapes.py``), an
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -29,7 +28,7 @@ from typing import Any, Iterable, Sequence
 # with the class report's mistake counts.
 from attention_lab.hint_catalog import MESSAGE_SEPARATOR, Hint, _normalise, catalog, hint_pattern
 
-TESTS_DIR = Path(__file__).resolve().parent
+from tests.session_gates import TESTS_DIR, covers, read_records, whole_run
 
 
 def package_hints() -> list[Hint]:
@@ -39,12 +38,7 @@ def package_hints() -> list[Hint]:
 
 def read_messages(folder: Path | str) -> list[str]:
     """Every failure message recorded in ``folder`` (all processes)."""
-    messages = []
-    for path in sorted(Path(folder).glob("failures-*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                messages.append(json.loads(line))
-    return messages
+    return read_records(folder, "failures-*.jsonl")
 
 
 def untriggered(hints: Iterable[Hint], messages: Sequence[str]) -> list[Hint]:
@@ -53,29 +47,19 @@ def untriggered(hints: Iterable[Hint], messages: Sequence[str]) -> list[Hint]:
     return [hint for hint in hints if not hint_pattern(hint.text).search(corpus)]
 
 
+def check_test_files(tests_dir: Path = TESTS_DIR) -> list[Path]:
+    """Every ``tests/test_checks_*.py`` file, and ``tests/test_checking.py`` (the framework's own hints)."""
+    return [path for pattern in ("test_checks_*.py", "test_checking.py") for path in tests_dir.glob(pattern)]
+
+
 def covers_every_check_test(args: Sequence[str], tests_dir: Path = TESTS_DIR) -> bool:
-    """Do the command-line paths ``args`` collect every ``tests/test_checks_*.py`` file whole
-    (and ``tests/test_checking.py``, which triggers the framework's own hints)?"""
-    wanted = {path.resolve() for pattern in ("test_checks_*.py", "test_checking.py") for path in tests_dir.glob(pattern)}
-    covered = set()
-    for arg in args:
-        if "::" in arg:  # a single test or class: a subset
-            continue
-        path = Path(arg).resolve()
-        if path.is_dir():
-            covered |= {file for file in wanted if path in file.parents}
-        elif path in wanted:
-            covered.add(path)
-    return bool(wanted) and wanted <= covered
+    """Do the command-line paths ``args`` collect every check test file whole?"""
+    return covers(args, check_test_files(tests_dir))
 
 
 def whole_suite_ran(option: Any, args: Sequence[str], tests_dir: Path = TESTS_DIR) -> bool:
     """No test selection (-k, -m, --deselect, --lf, -x) and every check test file collected."""
-    selecting = (getattr(option, "keyword", ""), getattr(option, "markexpr", ""), getattr(option, "deselect", None),
-                 getattr(option, "lf", False), getattr(option, "exitfirst", False))
-    if any(selecting):
-        return False
-    return covers_every_check_test(args, tests_dir)
+    return whole_run(option, args, check_test_files(tests_dir))
 
 
 def modules_under_test(args: Sequence[str], tests_dir: Path = TESTS_DIR) -> set[str]:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.readme_commands import start_readme_command
+
 from tests.conftest import REPO_ROOT
 
 TOKEN = "attention-lab-test"
@@ -81,12 +83,16 @@ def _lab_settings(settings_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | None = None, command: str = ""):
-    """``make <target>`` serving ``root_dir`` on a free port; stopped (whole process group) on exit.
+def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | None = None, command: str = "",
+                replace: dict | None = None, port: int | None = None):
+    """``make <target>``, as the README writes it, serving ``root_dir`` on a free port; stopped
+    (whole process group) on exit.
 
-    ``command``: the shell command line that starts it instead, as the README writes it (``make
-    formgrader DB_URL=...``); the test's JupyterLab options reach it through the environment."""
-    port = free_port()
+    ``command``: another of the README's command lines that starts it (``make formgrader
+    DB_URL=...``), its placeholders ``replace`` filled in (tests/readme_commands.py); the test's
+    JupyterLab options reach it through the environment, or, where the command names its own,
+    ``port`` is the one they name."""
+    port = port or free_port()
     log = scratch / f"{target}.log"
     settings_dir = scratch / "lab-settings"
     _lab_settings(settings_dir)
@@ -100,9 +106,8 @@ def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | No
     environment = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings_dir), ATTENTION_LAB_VALIDATE_SECONDS="240",
                        JUPYTERLAB_WORKSPACES_DIR=str(scratch / "lab-workspaces"), **variables, **(extra_env or {}))
     with open(log, "w") as log_file:
-        process = subprocess.Popen(command or f"make --no-print-directory {target}", shell=True, cwd=REPO_ROOT,
-                                   env=environment, stdout=log_file, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = start_readme_command(command or f"make {target}", env=environment, replace=replace,
+                                       stdout=log_file, stderr=subprocess.STDOUT)
     server = LabServer(f"http://127.0.0.1:{port}", root_dir, log)
     try:
         deadline = time.monotonic() + SERVER_START_SECONDS

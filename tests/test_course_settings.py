@@ -19,8 +19,7 @@ from autograder.course_settings import CourseSettings
 from autograder.release import REPO_ROOT
 from autograder.settings import COURSE_ROOT_VARIABLE
 from tests.grading_helpers import TINY, tiny_course
-
-README = (REPO_ROOT / "README.md").read_text()
+from tests.readme_commands import run_readme_command
 
 
 def make(root: Path, *arguments: str) -> subprocess.CompletedProcess:
@@ -34,8 +33,6 @@ def test_make_settings_keeps_them_and_make_grade_refuses_a_one_run_late_penalty(
     result = make(root, "settings", "LATE_PENALTY=zero", "GRACE_MINUTES=15")
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads((root / "course_settings.json").read_text())["late_penalty"] == "zero"
-    shown = make(root, "settings")
-    assert "late penalty: zero" in shown.stdout and "grace period: 15 minutes" in shown.stdout, shown.stdout
     # a flag that would vanish at the next run is refused, with what to type instead
     refused = make(root, "grade", "LATE_PENALTY=zero")
     assert refused.returncode != 0 and "make settings LATE_PENALTY=zero" in refused.stderr, refused.stderr
@@ -45,11 +42,17 @@ def test_make_settings_keeps_them_and_make_grade_refuses_a_one_run_late_penalty(
     assert wrong.returncode != 0 and "late_penalty must be one of none, zero" in wrong.stderr, wrong.stderr
     assert (root / "course_settings.json").read_text() == before
     # the README's commands, as written
+    environment = dict(os.environ, **{COURSE_ROOT_VARIABLE: str(root)})
     for command in ("make settings LATE_PENALTY=zero GRACE_MINUTES=15",
                     "make extension STUDENT=alice ASSIGNMENT=01_mha_shapes UNTIL=2026-03-08T17:00+01:00"):
-        assert command in README, command
-        done = make(root, *command.split()[1:])
+        done = run_readme_command(command, env=environment)
         assert done.returncode == 0, done.stdout + done.stderr
+    shown = run_readme_command("make settings", env=environment)
+    assert "late penalty: zero" in shown.stdout and "grace period: 15 minutes" in shown.stdout, shown.stdout
+    # `make extension` alone says what it needs, and changes nothing
+    usage = run_readme_command("make extension", env=environment)
+    assert usage.returncode != 0 and "usage: make extension STUDENT=<id> ASSIGNMENT=<name> UNTIL=" in usage.stdout, \
+        usage.stdout + usage.stderr
     assert CourseSettings.load(root).extensions == {"alice/01_mha_shapes": "2026-03-08 16:00:00"}
     assert make(root, "extension", "STUDENT=alice", "ASSIGNMENT=01_mha_shapes", "REMOVE=1").returncode == 0
     assert CourseSettings.load(root).extensions == {}

@@ -29,6 +29,7 @@ import pytest
 from autograder import grade, gradebook
 from autograder.settings import REPO_ROOT
 from tests.grading_helpers import TINY, tiny_course
+from tests.readme_commands import run_readme_command, start_readme_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dask_cluster")]
 
@@ -206,14 +207,15 @@ def test_a_worker_killed_mid_grading_costs_nothing(dask_cluster, tmp_path):
 # The README's commands, as an instructor types them
 # --------------------------------------------------------------------------------------
 
-def readme_cluster_commands(port: int) -> dict[str, str]:
-    """The README's cluster commands (its bash block after "**On a cluster.**"), with this test's
-    scheduler address for ``scheduler-host:8786``: ``{first word after make: command}``."""
-    text = (REPO_ROOT / "README.md").read_text()
-    block = text.split("**On a cluster.**", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    commands = [line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
-    return {command.split()[1]: command.replace("scheduler-host:8786", f"127.0.0.1:{port}").replace("8786", str(port))
-            for command in commands}
+SCHEDULER_COMMAND = "make dask-scheduler DASK_PORT=8786"
+WORKER_COMMAND = "make dask-worker SCHEDULER=tcp://scheduler-host:8786"
+GRADE_COMMAND = "make grade SCHEDULER=tcp://scheduler-host:8786"
+
+
+def this_scheduler(command: str, port: int) -> dict[str, str]:
+    """The README's scheduler address or port in ``command``, replaced by this test's."""
+    return ({"DASK_PORT=8786": f"DASK_PORT={port}"} if command == SCHEDULER_COMMAND
+            else {"scheduler-host:8786": f"127.0.0.1:{port}"})
 
 
 def free_port_pair() -> int:
@@ -229,10 +231,16 @@ def free_port_pair() -> int:
 
 
 @contextlib.contextmanager
-def started(command: str, log: Path, environment: dict):
-    """A README command started by the shell in the repository (a process group, ended on exit)."""
-    process = subprocess.Popen(command, shell=True, cwd=REPO_ROOT, env=environment, start_new_session=True,
-                               stdout=open(log, "w"), stderr=subprocess.STDOUT)
+def started(command: str, log: Path, environment: dict, port: int | None = None):
+    """A command started by the shell in the repository (a process group, ended on exit): the
+    README's, with this test's scheduler ``port``, or (no port) one of the test's own."""
+    output = open(log, "w")
+    if port is None:
+        process = subprocess.Popen(command, shell=True, cwd=REPO_ROOT, env=environment, start_new_session=True,
+                                   stdout=output, stderr=subprocess.STDOUT)
+    else:
+        process = start_readme_command(command, env=environment, replace=this_scheduler(command, port), stdout=output,
+                                       stderr=subprocess.STDOUT)
     try:
         yield process
     finally:
@@ -243,23 +251,24 @@ def started(command: str, log: Path, environment: dict):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        output.close()
 
 
 def test_the_readmes_cluster_commands_grade_a_class_and_a_scheduler_without_the_course_is_refused(tmp_path):
     from distributed import Client
 
     port = free_port_pair()
-    commands = readme_cluster_commands(port)
-    assert set(commands) == {"dask-scheduler", "dask-worker", "grade"}, commands
     root = tiny_course(tmp_path / "course_root", {"ann": "value = 42", "bob": "value = 41"})
     environment = {**os.environ, "ATTENTION_LAB_COURSE_ROOT": str(root), "JOBS": "1"}
     environment.pop("PYTHONPATH", None)
-    with started(commands["dask-scheduler"], tmp_path / "scheduler.log", environment), \
-            started(commands["dask-worker"], tmp_path / "worker.log", environment):
+    # `make dask-worker` alone says what it needs
+    usage = run_readme_command("make dask-worker", env=environment)
+    assert usage.returncode != 0 and "usage: make dask-worker SCHEDULER=tcp://" in usage.stdout, usage.stdout
+    with started(SCHEDULER_COMMAND, tmp_path / "scheduler.log", environment, port), \
+            started(WORKER_COMMAND, tmp_path / "worker.log", environment, port):
         with Client(f"tcp://127.0.0.1:{port}", timeout="120s") as client:
             client.wait_for_workers(1, timeout=300)
-        graded = subprocess.run(commands["grade"], shell=True, cwd=REPO_ROOT, env=environment, capture_output=True,
-                                text=True, timeout=900)
+        graded = run_readme_command(GRADE_COMMAND, env=environment, replace=this_scheduler(GRADE_COMMAND, port))
     logs = "\n".join(p.read_text() for p in tmp_path.glob("*.log"))
     assert graded.returncode == 0 and "graded 2, unchanged 0, failed 0" in graded.stdout, \
         graded.stdout + graded.stderr + logs

@@ -1,19 +1,21 @@
 """The README's dry run, command by command as written, on a scratch course root: the example
 class goes through roster, deadlines, settings, intake, grading, feedback and export, and is
-erased (issue #35, item 17)."""
+erased (issue #35, item 17); on the way, the README's one-submission regrade keeps the late
+penalty and `make report` writes the class report."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
-import subprocess
 
 import pytest
 
 from autograder import gradebook
 from autograder.release import REPO_ROOT, assignment_names
 from autograder.settings import COURSE_ROOT_VARIABLE
+from tests.readme_commands import run_readme_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("example_class")]
 
@@ -31,8 +33,12 @@ def test_the_readmes_dry_run_grades_the_example_class(tmp_path):
     try:
         for command in readme_dry_run():
             target = command.split()[1]
-            result = subprocess.run(command, shell=True, cwd=REPO_ROOT, env=environment, capture_output=True,
-                                    text=True, timeout=900, input="erase\n" if target == "erase-course-root" else None)
+            if target == "export":   # the README's regrade of one submission (step 3), then the grades
+                regraded = run_readme_command("make grade STUDENT=nunez ASSIGNMENT=01_mha_shapes", env=environment)
+                assert regraded.returncode == 0, regraded.stdout + regraded.stderr
+                assert "graded 1, unchanged 0, failed 0" in regraded.stdout, regraded.stdout
+            result = run_readme_command(command, env=environment,
+                                        input="erase\n" if target == "erase-course-root" else None)
             assert result.returncode == 0, f"{command}:\n{result.stdout}{result.stderr}"
             outputs[target] = result.stdout
             if target == "grade":   # every assignment is in the gradebook (Formgrader lists them all)
@@ -41,6 +47,9 @@ def test_the_readmes_dry_run_grades_the_example_class(tmp_path):
             if target == "export":
                 with open(root / "grades.csv", newline="") as handle:
                     rows = {r["student_id"]: r for r in csv.DictReader(handle) if r["assignment"] == "01_mha_shapes"}
+                reported = run_readme_command("make report", env=environment)   # step 8, on the graded class
+                assert reported.returncode == 0, reported.stdout + reported.stderr
+                class_report = json.loads((root / "reports" / "class" / "01_mha_shapes" / "report.json").read_text())
     finally:
         shutil.rmtree(REPO_ROOT / "example-class", ignore_errors=True)
     assert "4 accepted" in outputs["intake"] and "1 late submission: nunez/01_mha_shapes" in outputs["intake"], \
@@ -50,4 +59,5 @@ def test_the_readmes_dry_run_grades_the_example_class(tmp_path):
     assert rows["alice"]["status"] == "incomplete"   # the written answer waits for Formgrader
     assert scores["nunez"] == (0.0, scores["alice"][0]), scores   # as solved as alice, late, LATE_PENALTY=zero
     assert assigned == assignment_names(), assigned
+    assert class_report["students"] == 4, class_report
     assert not root.exists(), "make erase-course-root (erase typed) left the course root"

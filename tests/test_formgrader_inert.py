@@ -27,7 +27,7 @@ from autograder import grade, gradebook
 from autograder.lab.instructor.inert_submissions import (InertHTMLExporter, content_security_policy, inert_html,
                                                         page_scripts)
 from tests.grading_helpers import TINY, tiny_course
-from tests.lab_servers import running_lab, set_formgrader_score
+from tests.lab_servers import TOKEN, free_port, running_lab, set_formgrader_score
 
 
 ELSEWHERE = "http://203.0.113.7"  # TEST-NET-3: never a real host
@@ -77,8 +77,20 @@ def hostile(tmp_path_factory):
     with gradebook.open_gradebook(root) as gb:  # names as a roster or a folder can bring them
         gb.update_or_create_student("mallory", first_name=HOSTILE_FIRST_NAME, last_name="Moriarty")
         gb.update_or_create_student(HOSTILE_ID)
-    with running_lab("formgrader", root, scratch) as server:
+    # started as the README shows for TAs, with this test's port and token
+    port = free_port()
+    with running_lab("formgrader", root, scratch, command=FOR_TAS, port=port,
+                     replace={"--port=8890": f"--port={port}", "<a long random token>": TOKEN}) as server:
         yield server, root
+
+
+FOR_TAS = ('make formgrader FORMGRADER_ARGS="--no-browser --ServerApp.ip=0.0.0.0 --port=8890 '
+           '--IdentityProvider.token=<a long random token>"')
+
+
+def start_kernel(server) -> urllib.request.Request:
+    return urllib.request.Request(server.url("api/kernels"), data=json.dumps({"name": "python3"}).encode(),
+                                  method="POST", headers={"Content-Type": "application/json"})
 
 
 @pytest.mark.slow
@@ -218,11 +230,26 @@ def test_the_instructor_lab_has_no_terminal_and_starts_no_kernel(hostile):
         urllib.request.urlopen(request, timeout=60)
     assert terminal.value.code in (403, 404)
     with pytest.raises(urllib.error.HTTPError) as kernel:
-        request = urllib.request.Request(server.url("api/kernels"), data=json.dumps({"name": "python3"}).encode(),
-                                         method="POST", headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(request, timeout=60)
+        urllib.request.urlopen(start_kernel(server), timeout=60)
     assert kernel.value.code == 403 and "INSTRUCTOR_KERNELS=on" in kernel.value.read().decode()
     assert server.api("kernelspecs")["kernelspecs"] == {}
+
+
+@pytest.mark.slow
+def test_instructor_kernels_on_turns_kernels_on_for_that_session(tmp_path):
+    """`make formgrader INSTRUCTOR_KERNELS=on`, as the README writes it (its JupyterLab options,
+    FORMGRADER_ARGS, from the environment), starts a kernel, and stops with it."""
+    root = tmp_path / "course_root"
+    root.mkdir()
+    (root / "nbgrader_config.py").write_text(f"c = get_config()\nc.CourseDirectory.root = {str(root)!r}\n")
+    with running_lab("formgrader", root, tmp_path, command="make formgrader INSTRUCTOR_KERNELS=on") as server:
+        assert "python3" in server.api("kernelspecs")["kernelspecs"]
+        with urllib.request.urlopen(start_kernel(server), timeout=120) as started:
+            assert started.status == 201
+            kernel = json.loads(started.read())
+        assert [k["id"] for k in server.api("kernels")] == [kernel["id"]]
+        urllib.request.urlopen(urllib.request.Request(server.url(f"api/kernels/{kernel['id']}"), method="DELETE"),
+                               timeout=60)
 
 
 @pytest.mark.parametrize("html, kept, gone", [

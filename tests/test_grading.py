@@ -19,8 +19,10 @@ from autograder.course_settings import CourseSettings
 from autograder.export import export
 from autograder.nbgrader_cli import run_nbgrader
 from autograder.release import REPO_ROOT, build_source, course_repository, mark_hidden_tests, write_notebook
+from autograder.settings import COURSE_ROOT_VARIABLE
 from tests.grading_helpers import (TINY, cell_limit, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
                                    tiny_notebook)
+from tests.readme_commands import run_readme_command
 
 ASSIGNMENT = "01_mha_shapes"
 
@@ -317,11 +319,21 @@ SANDBOX_MODES = ["on", "off"] if sandbox.bwrap_path() is not None else ["off"]
 @pytest.mark.slow
 @pytest.mark.parametrize("isolation, seconds", [(m, f"417{n}") for n, m in enumerate(SANDBOX_MODES, 1)])
 def test_processes_a_student_detaches_do_not_outlive_their_grading(tiny_class, isolation, seconds):
-    """Under bubblewrap the sandbox's end takes them; without it the nbgrader process adopts and kills them."""
+    """Under bubblewrap the sandbox's end takes them; without it the nbgrader process adopts and kills them.
+    Without it, grading is the README's `make grade SANDBOX=off`, which says so in the console and report."""
     root = tiny_class({"ann": f"import subprocess\nsubprocess.Popen(['sleep', '{seconds}'], start_new_session=True)\n"
                               "value = 42"})
-    outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None)
-    assert [o.score for o in outcomes] == [1.0]
+    if isolation == "on":
+        outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=lambda *_: None)
+        assert [o.score for o in outcomes] == [1.0]
+    else:
+        CourseSettings(timeout=30).save(root)   # make settings TIMEOUT=30
+        unisolated = run_readme_command("make grade SANDBOX=off", env=dict(os.environ, JOBS="1",
+                                                                            **{COURSE_ROOT_VARIABLE: str(root)}))
+        assert unisolated.returncode == 0 and "ann/00_tiny: 1 / 1" in unisolated.stdout, \
+            unisolated.stdout + unisolated.stderr
+        assert "WITHOUT filesystem and network isolation" in unisolated.stdout + unisolated.stderr
+        assert "Isolation: none: the sandbox was turned off" in (root / "reports" / "grading_report.md").read_text()
     assert processes_running("sleep", seconds) == [], "a process the student started is still running"
 
 

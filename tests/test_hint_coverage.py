@@ -116,7 +116,7 @@ def _fake_session(tmp_path, messages, args):
     (log / "failures-1.jsonl").write_text("".join(json.dumps(m) + "\n" for m in messages))
     config = SimpleNamespace(stash=pytest.Stash(), args=args,
                              option=SimpleNamespace(keyword="", markexpr="", deselect=None, lf=False, exitfirst=False))
-    config.stash[conftest._HINT_LOG] = str(log)
+    config.stash[conftest._GATE_LOGS] = {"hint coverage": str(log)}
     return SimpleNamespace(config=config, exitstatus=pytest.ExitCode.OK)
 
 
@@ -135,7 +135,7 @@ def test_the_gate_fails_a_whole_run_with_an_untriggered_hint_only_when_switched_
         session = _fake_session(tmp_path / str(case), messages, args)
         conftest.pytest_sessionfinish(session, 0)
         assert session.exitstatus == expected, (enforced, len(messages), args)
-        report = session.config.stash[conftest._HINT_REPORT]
+        report = session.config.stash[conftest._GATE_REPORTS]["hint coverage"]
         if expected == pytest.ExitCode.TESTS_FAILED:
             assert report[0].startswith("hint coverage FAILED: 1 of") and everything[0][:60] in report[1]
 

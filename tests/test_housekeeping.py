@@ -7,8 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from autograder.release import REPO_ROOT
 from autograder.settings import COURSE_ROOT_VARIABLE
+from tests.readme_commands import run_readme_command
 
 KEPT = ["gradebook.db", "roster.csv", "course_settings.json", "submitted/ann/01_mha_shapes/01_mha_shapes.ipynb",
         "archive/withdrawn/bob/01_mha_shapes/20260301T120000/01_mha_shapes.ipynb",
@@ -21,8 +21,9 @@ REBUILT = ["source/01_mha_shapes/01_mha_shapes.ipynb", "release/01_mha_shapes/01
 
 
 def make(root: Path, target: str, answer: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", target], cwd=REPO_ROOT, input=answer, capture_output=True,
-                          text=True, env=dict(os.environ, **{COURSE_ROOT_VARIABLE: str(root)}), timeout=300)
+    """The README's `make <target>`, on the course root ``root``, ``answer`` typed at its prompt."""
+    return run_readme_command(f"make {target}", input=answer, env=dict(os.environ, **{COURSE_ROOT_VARIABLE: str(root)}),
+                              timeout=300)
 
 
 def test_make_clean_keeps_what_was_typed_or_received_and_erasing_needs_the_typed_word(tmp_path):

@@ -15,6 +15,8 @@ import nbformat
 from autograder import intake, roster
 from autograder.course_settings import CourseSettings
 from autograder.release import REPO_ROOT
+from autograder.settings import COURSE_ROOT_VARIABLE
+from tests.readme_commands import run_readme_command
 
 ASSIGNMENT = "01_mha_shapes"
 ROSTER = "id,first_name,last_name,email,lms_user_id\nann,Ann,Lee,,11\nbob,Bob,Ray,,12\ncy,Cy,Doe,,13\n"
@@ -61,12 +63,13 @@ def at(hours: float) -> datetime.datetime:
 def test_canvas_late_marker_wins_over_file_times_and_the_report_counts_late_submissions(tmp_path):
     root = course(tmp_path)
     CourseSettings(late_penalty="zero").save(root)
-    folder = export(tmp_path / "canvas", {
+    folder = export(tmp_path / "Downloads" / "lms-export", {
         "leeann_11_901_01_mha_shapes.ipynb": (notebook(), at(-2)),            # on time
         "raybob_LATE_12_902_01_mha_shapes.ipynb": (notebook(), at(-1)),       # marked late, file time not
         "doecy_13_903_01_mha_shapes.ipynb": (notebook(), at(30)),             # not marked late, file time late
     })
-    result = intake_command(folder, root)
+    result = run_readme_command("make intake SUBMISSIONS=~/Downloads/lms-export",
+                                env=dict(os.environ, HOME=str(tmp_path), **{COURSE_ROOT_VARIABLE: str(root)}))
     assert result.returncode == 0, result.stdout + result.stderr
     assert stamp(root, "ann") == "2026-03-01 15:00:00.000000 UTC"
     assert stamp(root, "bob") == "2026-03-01 17:00:01.000000 UTC"
@@ -100,8 +103,10 @@ def test_the_newest_submission_wins_and_a_withdrawn_one_stays_withdrawn(tmp_path
     assert intake_command(newer, root).returncode == 0
     filed = (root / "submitted" / "ann" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text()
     roster.withdraw("bob", ASSIGNMENT, root)                              # make withdraw STUDENT=bob ...
-    again = intake_command(older, root)
-    assert again.returncode == 1, "make intake must fail when it refused files"
+    # `make intake`, the export's folder in SUBMISSIONS
+    again = run_readme_command("make intake", env=dict(os.environ, SUBMISSIONS=str(older),
+                                                       **{COURSE_ROOT_VARIABLE: str(root)}))
+    assert again.returncode != 0, "make intake must fail when it refused files"
     assert (root / "submitted" / "ann" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text() == filed
     assert stamp(root, "ann") == "2026-03-01 16:00:00.000000 UTC"
     assert not (root / "submitted" / "bob").exists(), "a withdrawn submission came back"

@@ -6,14 +6,13 @@ from __future__ import annotations
 import csv
 import datetime
 import os
-import subprocess
 import zipfile
 from pathlib import Path
 
 from autograder import gradebook
-from autograder.release import REPO_ROOT
 from autograder.roster import ROSTER_FILE
 from autograder.settings import COURSE_ROOT_VARIABLE
+from tests.readme_commands import run_readme_command
 
 ROSTER = ("id,first_name,last_name,email,lms_user_id\nzed,Zed,Adams,zed@u.example,3\nann,Ann,Lee,ann@u.example,1\n"
           "bob,Bob,Ray,bob@u.example,2\n")
@@ -44,8 +43,7 @@ def test_lms_export_has_a_row_per_student_and_a_column_per_assigned_notebook(tmp
     page = root / "feedback" / "ann" / "01_mha_shapes" / "01_mha_shapes.html"
     page.parent.mkdir(parents=True)
     page.write_text("<html>ann</html>")
-    result = subprocess.run(["make", "--no-print-directory", "lms-export"], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=300, env=dict(os.environ, **{COURSE_ROOT_VARIABLE: str(root)}))
+    result = run_readme_command("make lms-export", timeout=300, env=dict(os.environ, **{COURSE_ROOT_VARIABLE: str(root)}))
     assert result.returncode == 0, result.stdout + result.stderr
     canvas = rows(root / "lms" / "canvas_grades.csv")
     assert canvas[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", "01_mha_shapes"]

@@ -16,6 +16,7 @@ from autograder.settings import DB_URL_VARIABLE, REPO_ROOT
 from tests.grading_helpers import TINY, tiny_course
 from tests.lab_servers import http_get, running_lab
 from tests.postgres_server import postgres_server
+from tests.readme_commands import run_readme_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("postgres")]
 
@@ -105,10 +106,12 @@ def test_the_variable_make_grade_sets_grades_new_submissions_into_postgresql(dat
 # course that remembers it
 # --------------------------------------------------------------------------------------
 
-def readme_postgres_commands() -> list[str]:
-    text = (REPO_ROOT / "README.md").read_text()
-    block = text.split("**A shared gradebook (PostgreSQL).**", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    return [line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
+README_URL = "postgresql://grader:<password>@db-host:5432/attention_lab"
+SERVER_COMMAND = "make postgres-server PGDATA=$HOME/attention-lab-db PGPORT=5432 DB_PASSWORD=$(openssl rand -hex 16)"
+MIGRATE_COMMAND = f"make migrate-gradebook DB_URL={README_URL}"
+GRADE_COMMAND = f"make grade DB_URL={README_URL}"
+FORMGRADER_COMMAND = f"make formgrader DB_URL={README_URL}"
+STOP_COMMAND = "make postgres-stop PGDATA=$HOME/attention-lab-db"
 
 
 def shell(command: str, environment: dict) -> subprocess.CompletedProcess:
@@ -128,6 +131,8 @@ def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_pa
     from autograder.settings import COURSE_ROOT_VARIABLE
     from tests.postgres_server import binaries, free_port
 
+    installed = run_readme_command("make postgres")   # installs Debian's server where it is missing
+    assert installed.returncode == 0, installed.stdout + installed.stderr
     if binaries() is None:
         pytest.skip("POSTGRESQL TESTS NOT RUN: initdb/pg_ctl not found (make postgres installs Debian's postgresql)")
     # a course graded on SQLite: roster, due date, a hand grade and a comment
@@ -150,19 +155,17 @@ def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_pa
     port = free_port()
     environment = {**os.environ, "HOME": str(home), COURSE_ROOT_VARIABLE: str(root)}
     environment.pop(DB_URL_VARIABLE, None)
-    commands = [c.replace("5432", str(port)) for c in readme_postgres_commands()]
-    assert [c.split()[1] for c in commands] == ["postgres-server", "migrate-gradebook", "grade", "formgrader",
-                                                "postgres-stop"], commands
+    usage = run_readme_command("make migrate-gradebook", env=environment)   # alone: says what it needs
+    assert usage.returncode != 0 and "usage: make migrate-gradebook DB_URL=postgresql://" in usage.stdout, usage.stdout
     try:
-        started = shell(commands[0], environment)
+        started = run_readme_command(SERVER_COMMAND, env=environment, replace={"PGPORT=5432": f"PGPORT={port}"})
         assert started.returncode == 0, started.stdout + started.stderr
         url = re.search(r"On this machine: +DB_URL=(\S+)", started.stdout).group(1)
-        commands = [c.replace("postgresql://grader:<password>@db-host:" + str(port) + "/attention_lab", url)
-                    for c in commands]
+        server = {README_URL: url}
         # before the move: naming the server for an SQLite course is refused
-        early = shell(commands[2], environment)
+        early = run_readme_command(GRADE_COMMAND, env=environment, replace=server)
         assert early.returncode != 0 and "make migrate-gradebook" in early.stderr, early.stdout + early.stderr
-        moved = shell(commands[1], environment)
+        moved = run_readme_command(MIGRATE_COMMAND, env=environment, replace=server)
         assert moved.returncode == 0, moved.stdout + moved.stderr
         assert not (root / "gradebook.db").exists() and list((root / "archive").glob("gradebook-before-*.db"))
         with gradebook.open_gradebook(root, url) as gb:
@@ -171,19 +174,20 @@ def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_pa
             assert gb.find_assignment(TINY).duedate == datetime.datetime(2026, 1, 10, 12, 0)
             assert gb.find_grade("why_value", TINY, TINY, "ann").manual_score == 1.5
             assert gb.find_comment("why_value", TINY, TINY, "ann").manual_comment == "Say more."
-        graded = shell(commands[2], environment)
+        graded = run_readme_command(GRADE_COMMAND, env=environment, replace=server)
         assert graded.returncode == 0 and "graded 0, unchanged 2, failed 0" in graded.stdout, graded.stdout + graded.stderr
         assert "ann/00_tiny: 2.5 / 3" in graded.stdout, graded.stdout   # the hand grade, from the server
         # without DB_URL (or with another database's) every command refuses, and writes no SQLite file
         for command in ("make grade", "make export", "make formgrader", f"make grade DB_URL={url}x"):
-            refused = shell(command, environment)
+            refused = (run_readme_command(command, env=environment) if " " not in command.removeprefix("make ")
+                       else shell(command, environment))   # the README's commands, and another database's
             assert refused.returncode != 0 and "this course's gradebook is" in refused.stderr, \
                 command + refused.stdout + refused.stderr
             assert not (root / "gradebook.db").exists(), f"{command} wrote an SQLite gradebook"
         # Formgrader, started as written, shows the server's gradebook: the roster's names, the hand grade
         (tmp_path / "formgrader").mkdir()
         with running_lab("formgrader", root, tmp_path / "formgrader", {COURSE_ROOT_VARIABLE: str(root)},
-                         command=commands[3]) as formgrader:
+                         command=FORMGRADER_COMMAND, replace=server) as formgrader:
             def shown(path: str) -> list[dict]:
                 return json.loads(http_get(formgrader.url(f"formgrader/api/{path}")))
 
@@ -193,6 +197,6 @@ def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_pa
             assert scores == {"ann": 2.5, "bob": 0.0}, scores
         assert not (root / "gradebook.db").exists(), "make formgrader wrote an SQLite gradebook"
     finally:
-        stopped = shell(commands[-1], environment)
+        stopped = run_readme_command(STOP_COMMAND, env=environment)
         shutil.rmtree(home, ignore_errors=True)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr

@@ -4,6 +4,7 @@ its links point at it, and nothing secret is in it (issue #35, item 16) -- no ke
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,19 +15,13 @@ import nbformat
 
 from autograder import publish
 from autograder.release import REPO_ROOT, assignment_names, course_repository
-
-
-def readme_publish_command(dest) -> str:
-    text = (REPO_ROOT / "README.md").read_text()
-    block = text.split("### Publishing to students", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    (command,) = [line.strip() for line in block.splitlines() if line.strip()]
-    return command.replace("../attention-lab-students", str(dest))
+from tests.readme_commands import run_readme_command
 
 
 def test_make_publish_writes_a_students_repository_with_no_secret(tmp_path):
     dest = tmp_path / "students"
-    command = readme_publish_command(dest)
-    result = subprocess.run(command, shell=True, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    result = run_readme_command("make publish DEST=../attention-lab-students REPO=myuni/attention-lab-students",
+                                replace={"../attention-lab-students": str(dest)}, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(p.name for p in dest.iterdir()) == sorted(publish.WRITTEN)
     assert sorted(p.stem for p in (dest / "course").glob("*.ipynb")) == assignment_names()
@@ -44,6 +39,14 @@ def test_make_publish_writes_a_students_repository_with_no_secret(tmp_path):
     (built,) = (tmp_path / "wheel").glob("*.whl")
     names = zipfile.ZipFile(built).namelist()
     assert "attention_lab/checking.py" in names and not any(n.startswith(("solutions", "autograder")) for n in names)
+    # publishing again into the same folder, a clone of the students' repository, keeps its .git
+    (dest / ".git").mkdir()
+    (dest / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    again = run_readme_command("make publish", env=dict(os.environ, DEST=str(dest), REPO="myuni/attention-lab-students"),
+                               timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (dest / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n"
+    assert sorted(p.stem for p in (dest / "course").glob("*.ipynb")) == assignment_names()
 
 
 def test_the_check_finds_a_solution_a_hidden_test_or_a_private_folder(tmp_path):

@@ -8,6 +8,7 @@ import nbformat
 import pytest
 
 from autograder import release
+from tests.readme_commands import run_readme_command
 
 
 @pytest.mark.parametrize("remote, expected", [
@@ -99,3 +100,11 @@ def test_the_benchmark_validates_the_students_notebook_with_every_answer_written
     assert "raise NotImplementedError" not in text and "BEGIN HIDDEN TESTS" not in text
     answers = [cell.source for cell in source.cells if cell.metadata.get("nbgrader", {}).get("solution")]
     assert answers and all(answer in text for answer in answers)
+
+
+@pytest.mark.slow
+def test_make_release_check_passes_on_the_committed_course():
+    """The README's `make release-check`, as written: the committed course/ is what `make release`
+    builds from solutions/ (a fresh build in a scratch folder, compared byte for byte)."""
+    checked = run_readme_command("make release-check")
+    assert checked.returncode == 0 and "course/ is up to date" in checked.stdout, checked.stdout + checked.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import pytest
 
 from autograder import gradebook, intake, roster
 from autograder.release import REPO_ROOT
+from autograder.settings import COURSE_ROOT_VARIABLE
+from tests.readme_commands import run_readme_command
 
 ASSIGNMENT = "01_mha_shapes"
 ROSTER = """id,first_name,last_name,email,lms_user_id
@@ -71,9 +72,17 @@ def test_a_misspelt_student_folder_is_refused_with_the_closest_names(tmp_path, c
     assert not (course / "submitted").exists()
 
 
+def on(root: Path, **variables: str) -> dict:
+    """The environment of a README command run on the course root ``root``."""
+    return dict(os.environ, **{COURSE_ROOT_VARIABLE: str(root)}, **variables)
+
+
 def test_add_unknown_accepts_and_adds_to_the_roster(tmp_path, course):
-    entries = run(downloads(tmp_path, {"zoe/01_mha_shapes.ipynb": release()}), course, add_unknown=True)
-    assert entries["zoe/01_mha_shapes.ipynb"].status == "accepted"
+    folder = downloads(tmp_path, {"zoe/01_mha_shapes.ipynb": release()})
+    refused = run(folder, course)["zoe/01_mha_shapes.ipynb"]
+    assert refused.status == "refused" and not (course / "submitted").exists()
+    accepted = run_readme_command("make intake ADD_UNKNOWN=1", env=on(course, SUBMISSIONS=str(folder)))
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
     assert (course / "submitted" / "zoe" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").exists()
     assert "zoe" in roster.Roster.of_course(course).by_id
 
@@ -154,31 +163,36 @@ def test_withdraw_takes_out_one_submission_and_nothing_else(tmp_path, course, ve
         for student in ("alice", "bob"):
             gb.add_student(student)
             gb.add_submission(ASSIGNMENT, student)
-    others = {p: p.read_bytes() for p in course.rglob("*") if p.is_file() and "alice" not in p.parts
+    others = {p: p.read_bytes() for p in course.rglob("*") if p.is_file() and "bob" not in p.parts
               and p.name != "gradebook.db"}
-    done = roster.withdraw("alice", ASSIGNMENT, course)
-    assert len(done) == 4, done
-    assert not (course / "submitted" / "alice").exists() and not (course / "autograded" / "alice" / ASSIGNMENT).exists()
-    (archived,) = (course / "archive" / "withdrawn" / "alice" / ASSIGNMENT).iterdir()
-    assert (archived / "x.txt").read_text() == "submitted of alice"
+    command = "make withdraw STUDENT=bob ASSIGNMENT=01_mha_shapes"
+    done = run_readme_command(command, env=on(course))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (course / "submitted" / "bob").exists() and not (course / "autograded" / "bob" / ASSIGNMENT).exists()
+    (archived,) = (course / "archive" / "withdrawn" / "bob" / ASSIGNMENT).iterdir()
+    assert (archived / "x.txt").read_text() == "submitted of bob"
     assert {p: p.read_bytes() for p in others} == others
     with gradebook.open_gradebook(course) as gb:
-        assert [s.student.id for s in gb.find_assignment(ASSIGNMENT).submissions] == ["bob"]
+        assert [s.student.id for s in gb.find_assignment(ASSIGNMENT).submissions] == ["alice"]
         assert {s.id for s in gb.students} == {"alice", "bob"}
-    with pytest.raises(SystemExit, match="nothing to withdraw"):
-        roster.withdraw("alice", ASSIGNMENT, course)
+    again = run_readme_command(command, env=on(course))
+    assert again.returncode != 0 and "nothing to withdraw" in again.stderr, again.stdout + again.stderr
 
 
 def test_import_fills_the_names_formgrader_shows_and_deadlines_set_the_due_date(tmp_path, course, venv_on_path):
-    source = tmp_path / "class.csv"
-    source.write_text(ROSTER)
-    roster.import_roster(source, course)
+    usage = run_readme_command("make roster", env=on(course))   # alone: says what it needs
+    assert usage.returncode != 0 and "usage: make roster ROSTER=<csv>" in usage.stdout, usage.stdout + usage.stderr
+    (tmp_path / "Downloads").mkdir()
+    (tmp_path / "Downloads" / "class.csv").write_text(ROSTER)
+    imported = run_readme_command("make roster ROSTER=~/Downloads/class.csv", env=on(course, HOME=str(tmp_path)))
+    assert imported.returncode == 0, imported.stdout + imported.stderr
     with gradebook.open_gradebook(course) as gb:
         alice = gb.find_student("alice")
         assert (alice.first_name, alice.last_name, alice.lms_user_id) == ("Alice", "Liddell", "12345")
     deadlines = tmp_path / "deadlines.csv"
     deadlines.write_text(f"assignment,duedate\n{ASSIGNMENT},2026-03-01T17:00+01:00\n02_numpy_walkthrough,2026-03-08\n")
-    roster.set_deadlines(roster.read_deadlines(deadlines), course)
+    done = run_readme_command("make deadlines", env=on(course, DEADLINES=str(deadlines)))   # DEADLINES= as a variable
+    assert done.returncode == 0, done.stdout + done.stderr
     with gradebook.open_gradebook(course) as gb:
         assert gb.find_assignment(ASSIGNMENT).duedate == datetime.datetime(2026, 3, 1, 16, 0)
         assert gb.find_assignment("02_numpy_walkthrough").duedate == datetime.datetime(2026, 3, 8, 23, 59, 59)
@@ -188,9 +202,7 @@ def test_a_typo_in_deadlines_is_refused_with_the_closest_name_and_sets_nothing(t
     root = tmp_path / "course_root"
     deadlines = tmp_path / "deadlines.csv"
     deadlines.write_text("assignment,duedate\n01_mha_shapes,2026-03-01\n02_numpy_walktrough,2026-03-08\n")
-    result = subprocess.run(["make", "--no-print-directory", "deadlines", f"DEADLINES={deadlines}"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, ATTENTION_LAB_COURSE_ROOT=str(root)))
+    result = run_readme_command("make deadlines", env=on(root, DEADLINES=str(deadlines)))
     assert result.returncode != 0, result.stdout
     assert "'02_numpy_walktrough' is not an assignment of this course; did you mean 02_numpy_walkthrough?" \
         in result.stderr, result.stderr

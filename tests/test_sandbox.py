@@ -28,6 +28,7 @@ import nbformat
 import pytest
 
 from autograder import cgroups, grade, sandbox
+from tests.readme_commands import run_readme_command
 from autograder.release import REPO_ROOT
 from autograder.settings import COURSE_ROOT_VARIABLE, DB_URL_VARIABLE
 from tests.grading_helpers import TINY, cell_limit, tiny_course
@@ -104,12 +105,15 @@ def test_make_grade_installs_nothing_and_says_which_command_installs_bubblewrap(
     root = tiny_course(tmp_path / "course_root", {"ann": "value = 42"})
     environment = {**os.environ, "PATH": path_without("bwrap", tmp_path / "bin"), COURSE_ROOT_VARIABLE: str(root)}
     assert shutil.which("bwrap", path=environment["PATH"]) is None
-    refused = subprocess.run(["make", "--no-print-directory", "grade"], cwd=REPO_ROOT, env=environment,
-                             capture_output=True, text=True, timeout=300)
+    refused = run_readme_command("make grade", env=environment, timeout=300)
     assert refused.returncode != 0, refused.stdout + refused.stderr
     assert "bubblewrap (bwrap) is not installed: `make sandbox` installs it" in refused.stderr, refused.stderr
     assert "apt-get install" not in refused.stdout   # what make would have echoed had it run the install
     assert not (root / "autograded").exists() and not (root / "gradebook.db").exists(), "it graded anyway"
+    # `make sandbox` (which `make test` runs first) finds bubblewrap installed, or says it could not install it
+    installed = run_readme_command("make sandbox", timeout=600)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert shutil.which("bwrap") or "could not install bubblewrap" in installed.stdout, installed.stdout
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,128 @@
+"""The README-commands gate: which commands are the instructor part's, how a test runs one, and
+when the run fails (tests/readme_commands.py, the gates in tests/conftest.py) -- fast."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from autograder.release import REPO_ROOT
+from tests import readme_commands
+from tests.readme_commands import NOT_RUN, PLACEHOLDERS, commands_in, instructor_commands, run_readme_command
+
+SAMPLE = """# Course
+
+## For students
+
+`make lab` opens the lab.
+
+## For instructors
+
+Start with `make roster ROSTER=class.csv`, then `make
+grade STUDENT=ann ASSIGNMENT=01` and `make report`; the targets `grade`, `export`.
+
+```bash
+make intake SUBMISSIONS=export   # a comment
+# a comment line
+.venv/bin/python -m autograder.grade --help
+```
+
+    make formgrader FORMGRADER_ARGS="--port=8890"
+
+### A subsection
+
+`make report` again, and `python -m autograder.sandbox`.
+
+## For contributors
+
+`make test`
+"""
+
+
+def test_the_instructor_part_is_its_level_2_section_and_its_commands_are_make_spans_and_lines():
+    assert commands_in(readme_commands.instructor_part(SAMPLE)) == [
+        "make intake SUBMISSIONS=export",
+        'make formgrader FORMGRADER_ARGS="--port=8890"',
+        "make roster ROSTER=class.csv",
+        "make grade STUDENT=ann ASSIGNMENT=01",
+        "make report",
+    ]
+    readme = (REPO_ROOT / "README.md").read_text()
+    part = readme_commands.instructor_part()
+    assert part.startswith("## For instructors") and readme.index(part) + len(part) == readme.index("## For contributors")
+
+
+def test_every_command_names_makefile_targets_and_no_exemption_or_placeholder_is_stale():
+    targets = set(re.findall(r"^([a-z][a-z-]*):", (REPO_ROOT / "Makefile").read_text(), flags=re.MULTILINE))
+    commands = instructor_commands()
+    for command in commands:
+        words = command.split()[1:]
+        named = words[:next((i for i, word in enumerate(words) if "=" in word), len(words))]   # targets, then VAR=
+        assert named and set(named) <= targets, f"{command!r} names no target of the Makefile"
+    assert set(NOT_RUN) <= set(commands), f"exempted, but not in the README: {set(NOT_RUN) - set(commands)}"
+    for placeholder in PLACEHOLDERS:
+        assert any(placeholder in command for command in commands), f"placeholder in no command: {placeholder!r}"
+
+
+def test_a_command_runs_only_as_the_readme_writes_it_and_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.setenv(readme_commands.LOG_ENV_VAR, str(tmp_path))
+    with pytest.raises(AssertionError, match="not a command of the README's instructor part"):
+        run_readme_command("make settings LATE_PENALTY=none")
+    with pytest.raises(AssertionError, match="is not a placeholder a test may replace"):
+        run_readme_command("make dask-worker SCHEDULER=tcp://scheduler-host:8786", replace={"make": "echo"})
+    assert readme_commands.read_log(tmp_path) == set()
+    # (`make roster` alone prints its usage and runs nothing)
+    usage = run_readme_command("make roster")
+    assert usage.returncode == 2 and "usage: make roster ROSTER=<csv>" in usage.stdout
+    assert readme_commands.read_log(tmp_path) == {"make roster"}
+
+
+def _fake_session(tmp_path, ran, args):
+    from tests import conftest
+
+    log = tmp_path / "log"
+    log.mkdir(parents=True)
+    (log / "commands-1.jsonl").write_text("".join(json.dumps(command) + "\n" for command in ran))
+    config = SimpleNamespace(stash=pytest.Stash(), args=args,
+                             option=SimpleNamespace(keyword="", markexpr="", deselect=None, lf=False, exitfirst=False))
+    config.stash[conftest._GATE_LOGS] = {"README commands": str(log)}
+    return SimpleNamespace(config=config, exitstatus=pytest.ExitCode.OK)
+
+
+def test_the_gate_fails_a_whole_run_where_a_command_ran_in_no_test_and_names_it(tmp_path, monkeypatch):
+    from tests import conftest
+
+    run = [command for command in instructor_commands() if command not in NOT_RUN]
+    whole = [str(readme_commands.REPO_ROOT / "tests")]
+    for case, (enforced, ran, args, expected) in enumerate([
+        (True, run, whole, pytest.ExitCode.OK),
+        (True, run[1:], whole, pytest.ExitCode.TESTS_FAILED),
+        (True, [], [str(readme_commands.REPO_ROOT / "tests" / "test_roster.py")], pytest.ExitCode.OK),  # a subset
+        (False, [], whole, pytest.ExitCode.OK),
+    ]):
+        monkeypatch.setattr(conftest, "README_COMMANDS_ENFORCED", enforced)
+        session = _fake_session(tmp_path / str(case), ran, args)
+        conftest.pytest_sessionfinish(session, 0)
+        assert session.exitstatus == expected, (enforced, len(ran), args)
+        report = session.config.stash[conftest._GATE_REPORTS]["README commands"]
+        if expected == pytest.ExitCode.TESTS_FAILED:
+            assert report[0].startswith("README commands FAILED: 1 of") and report[1] == f"  {run[0]}", report
+    # a command added to the README's instructor part fails the run until a test runs it
+    readme = tmp_path / "README.md"
+    text = (REPO_ROOT / "README.md").read_text()
+    readme.write_text(text.replace("## For contributors", "Then `make grade JOBS=8`.\n\n## For contributors", 1))
+    monkeypatch.setattr(readme_commands, "README", readme)
+    monkeypatch.setattr(conftest, "README_COMMANDS_ENFORCED", True)
+    session = _fake_session(tmp_path / "added", run, whole)
+    conftest.pytest_sessionfinish(session, 0)
+    assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
+    assert session.config.stash[conftest._GATE_REPORTS]["README commands"][1:] == ["  make grade JOBS=8"]
+
+
+def test_the_session_log_variable_is_set_for_every_test():
+    import os
+
+    assert os.environ.get(readme_commands.LOG_ENV_VAR), "conftest should point the README command log at a folder"
