@@ -55,3 +55,21 @@ def selects_tests(option: Any) -> bool:
 def whole_run(option: Any, args: Sequence[str], wanted: Iterable[Path]) -> bool:
     """No test selection, and every file of ``wanted`` collected."""
     return not selects_tests(option) and covers(args, wanted)
+
+
+def fake_session(tmp_path: Path, gate: str, log_name: str, records: Iterable[Any], args: Sequence[str]) -> Any:
+    """A finished session, for a test of a gate: ``records`` as JSON lines in ``log_name`` of that
+    gate's log folder, ``args`` on the command line, no test selected by an option."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from tests import conftest
+
+    log = tmp_path / "log"
+    log.mkdir(parents=True)
+    (log / log_name).write_text("".join(json.dumps(record) + "\n" for record in records))
+    config = SimpleNamespace(stash=pytest.Stash(), args=args,
+                             option=SimpleNamespace(keyword="", markexpr="", deselect=None, lf=False, exitfirst=False))
+    config.stash[conftest._GATE_LOGS] = {gate: str(log)}
+    return SimpleNamespace(config=config, exitstatus=pytest.ExitCode.OK)

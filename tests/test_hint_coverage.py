@@ -3,7 +3,6 @@ run is judged (tests/hint_coverage.py, the hooks in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -14,7 +13,7 @@ import torch
 from attention_lab import checking
 from attention_lab.checking import HINT_LOG_ENV_VAR, CheckFailure, expect_close
 from attention_lab.hint_catalog import Hint, hints_in
-from tests import hint_coverage
+from tests import hint_coverage, session_gates
 
 FAKE_MODULE = {
     "SPLIT_HINTS": {"reshape_only": "you reshaped straight to [B, H, S, d_head]",
@@ -109,15 +108,7 @@ def test_only_a_run_of_every_check_test_without_selection_is_judged(tmp_path):
 
 
 def _fake_session(tmp_path, messages, args):
-    from tests import conftest
-
-    log = tmp_path / "log"
-    log.mkdir(parents=True)
-    (log / "failures-1.jsonl").write_text("".join(json.dumps(m) + "\n" for m in messages))
-    config = SimpleNamespace(stash=pytest.Stash(), args=args,
-                             option=SimpleNamespace(keyword="", markexpr="", deselect=None, lf=False, exitfirst=False))
-    config.stash[conftest._GATE_LOGS] = {"hint coverage": str(log)}
-    return SimpleNamespace(config=config, exitstatus=pytest.ExitCode.OK)
+    return session_gates.fake_session(tmp_path, "hint coverage", "failures-1.jsonl", messages, args)
 
 
 def test_the_gate_fails_a_whole_run_with_an_untriggered_hint_only_when_switched_on(tmp_path, monkeypatch):

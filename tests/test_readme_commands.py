@@ -3,14 +3,12 @@ when the run fails (tests/readme_commands.py, the gates in tests/conftest.py) --
 
 from __future__ import annotations
 
-import json
 import re
-from types import SimpleNamespace
 
 import pytest
 
 from autograder.release import REPO_ROOT
-from tests import readme_commands
+from tests import readme_commands, session_gates
 from tests.readme_commands import NOT_RUN, PLACEHOLDERS, commands_in, instructor_commands, run_readme_command
 
 SAMPLE = """# Course
@@ -81,15 +79,7 @@ def test_a_command_runs_only_as_the_readme_writes_it_and_is_recorded(tmp_path, m
 
 
 def _fake_session(tmp_path, ran, args):
-    from tests import conftest
-
-    log = tmp_path / "log"
-    log.mkdir(parents=True)
-    (log / "commands-1.jsonl").write_text("".join(json.dumps(command) + "\n" for command in ran))
-    config = SimpleNamespace(stash=pytest.Stash(), args=args,
-                             option=SimpleNamespace(keyword="", markexpr="", deselect=None, lf=False, exitfirst=False))
-    config.stash[conftest._GATE_LOGS] = {"README commands": str(log)}
-    return SimpleNamespace(config=config, exitstatus=pytest.ExitCode.OK)
+    return session_gates.fake_session(tmp_path, "README commands", "commands-1.jsonl", ran, args)
 
 
 def test_the_gate_fails_a_whole_run_where_a_command_ran_in_no_test_and_names_it(tmp_path, monkeypatch):
