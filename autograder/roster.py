@@ -296,15 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     withdrawing.add_argument("--student", required=True)
     withdrawing.add_argument("--assignment", required=True)
     options = parser.parse_args(argv)
+    if options.command in ("import", "deadlines") and not options.csv.is_file():
+        columns = COLUMNS if options.command == "import" else ["assignment", "duedate"]
+        print(f"{options.csv}: no such file (columns: {','.join(columns)})")
+        return 2
     if options.command == "import":
         roster = import_roster(options.csv, options.root)
         for note in roster.notes:
             print(note)
         print(f"{len(roster.students)} students in {options.root / ROSTER_FILE} and in the gradebook")
     elif options.command == "deadlines":
-        if not options.csv.exists():
-            print(f"{options.csv}: no such file (columns: assignment,duedate)")
-            return 2
         values = read_deadlines(options.csv)
         set_deadlines(values, options.root)
         for assignment, duedate in values.items():

@@ -234,3 +234,13 @@ def test_invisible_characters_in_the_roster_are_removed_and_said(tmp_path):
     path.write_text("id\nalice\nal\u200bice\n", encoding="utf-8")
     with pytest.raises(SystemExit, match="appear twice: alice"):
         roster.Roster.read(path)
+
+
+@pytest.mark.parametrize("command, columns", [("import", "id,first_name,last_name,email,lms_user_id"),
+                                               ("deadlines", "assignment,duedate")])
+def test_a_csv_that_is_not_there_is_named_with_its_columns_and_nothing_is_written(tmp_path, capsys, command, columns):
+    root = tmp_path / "course_root"
+    assert roster.main(["--root", str(root), command, str(tmp_path / "clas.csv")]) == 2
+    said = capsys.readouterr().out
+    assert f"{tmp_path / 'clas.csv'}: no such file (columns: {columns})" in said
+    assert not root.exists(), "a file that could not be read created a course root"
