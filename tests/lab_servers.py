@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.readme_commands import start_readme_command
+from tests.readme_commands import start_readme_command, stop_process_group
 
 from tests.conftest import REPO_ROOT
 
@@ -123,12 +122,7 @@ def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | No
                 time.sleep(0.5)  # polling interval, not a wait for something to happen
         yield server
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_process_group(process, grace=60)
 
 
 def copy_course(destination: Path) -> Path:

@@ -28,9 +28,11 @@ its reason, fails the run, and the summary names it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -139,6 +141,18 @@ def start_readme_command(command: str, *, env: Mapping[str, str] | None = None,
                                start_new_session=True, **popen)
     record(command)
     return process
+
+
+def stop_process_group(process: subprocess.Popen, grace: float) -> None:
+    """End a command started in a process group of its own (:func:`start_readme_command`): SIGTERM
+    to the group, SIGKILL to it after ``grace`` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def read_log(folder: Path | str) -> set[str]:

@@ -57,9 +57,11 @@ def whole_run(option: Any, args: Sequence[str], wanted: Iterable[Path]) -> bool:
     return not selects_tests(option) and covers(args, wanted)
 
 
-def fake_session(tmp_path: Path, gate: str, log_name: str, records: Iterable[Any], args: Sequence[str]) -> Any:
-    """A finished session, for a test of a gate: ``records`` as JSON lines in ``log_name`` of that
-    gate's log folder, ``args`` on the command line, no test selected by an option."""
+def judged_session(tmp_path: Path, gate: str, log_name: str, records: Iterable[Any],
+                   args: Sequence[str]) -> tuple[Any, list[str]]:
+    """For a test of a gate: a session that ran with ``args`` on the command line (no test selected
+    by an option) and logged ``records`` as JSON lines in ``log_name`` of that gate's folder, finished
+    as tests/conftest.py finishes one. Returns its exit status and that gate's summary lines."""
     from types import SimpleNamespace
 
     import pytest
@@ -72,4 +74,6 @@ def fake_session(tmp_path: Path, gate: str, log_name: str, records: Iterable[Any
     config = SimpleNamespace(stash=pytest.Stash(), args=args,
                              option=SimpleNamespace(keyword="", markexpr="", deselect=None, lf=False, exitfirst=False))
     config.stash[conftest._GATE_LOGS] = {gate: str(log)}
-    return SimpleNamespace(config=config, exitstatus=pytest.ExitCode.OK)
+    session = SimpleNamespace(config=config, exitstatus=pytest.ExitCode.OK)
+    conftest.pytest_sessionfinish(session, 0)
+    return session.exitstatus, config.stash[conftest._GATE_REPORTS][gate]

@@ -29,7 +29,7 @@ import pytest
 from autograder import grade, gradebook
 from autograder.settings import REPO_ROOT
 from tests.grading_helpers import TINY, tiny_course
-from tests.readme_commands import run_readme_command, start_readme_command
+from tests.readme_commands import run_readme_command, start_readme_command, stop_process_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dask_cluster")]
 
@@ -244,13 +244,7 @@ def started(command: str, log: Path, environment: dict, port: int | None = None)
     try:
         yield process
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_process_group(process, grace=30)
         output.close()
 
 

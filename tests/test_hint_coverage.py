@@ -107,8 +107,8 @@ def test_only_a_run_of_every_check_test_without_selection_is_judged(tmp_path):
     assert hint_coverage.covers_every_check_test(["tests"], tests_dir=tmp_path / "nothing-here") is False
 
 
-def _fake_session(tmp_path, messages, args):
-    return session_gates.fake_session(tmp_path, "hint coverage", "failures-1.jsonl", messages, args)
+def _judged(tmp_path, messages, args):
+    return session_gates.judged_session(tmp_path, "hint coverage", "failures-1.jsonl", messages, args)
 
 
 def test_the_gate_fails_a_whole_run_with_an_untriggered_hint_only_when_switched_on(tmp_path, monkeypatch):
@@ -123,10 +123,8 @@ def test_the_gate_fails_a_whole_run_with_an_untriggered_hint_only_when_switched_
         (False, [], whole, pytest.ExitCode.OK),  # gate off: listed, not failed
     ]):
         monkeypatch.setattr(conftest, "HINT_COVERAGE_ENFORCED", enforced)
-        session = _fake_session(tmp_path / str(case), messages, args)
-        conftest.pytest_sessionfinish(session, 0)
-        assert session.exitstatus == expected, (enforced, len(messages), args)
-        report = session.config.stash[conftest._GATE_REPORTS]["hint coverage"]
+        status, report = _judged(tmp_path / str(case), messages, args)
+        assert status == expected, (enforced, len(messages), args)
         if expected == pytest.ExitCode.TESTS_FAILED:
             assert report[0].startswith("hint coverage FAILED: 1 of") and everything[0][:60] in report[1]
 

@@ -78,8 +78,8 @@ def test_a_command_runs_only_as_the_readme_writes_it_and_is_recorded(tmp_path, m
     assert readme_commands.read_log(tmp_path) == {"make roster"}
 
 
-def _fake_session(tmp_path, ran, args):
-    return session_gates.fake_session(tmp_path, "README commands", "commands-1.jsonl", ran, args)
+def _judged(tmp_path, ran, args):
+    return session_gates.judged_session(tmp_path, "README commands", "commands-1.jsonl", ran, args)
 
 
 def test_the_gate_fails_a_whole_run_where_a_command_ran_in_no_test_and_names_it(tmp_path, monkeypatch):
@@ -94,10 +94,8 @@ def test_the_gate_fails_a_whole_run_where_a_command_ran_in_no_test_and_names_it(
         (False, [], whole, pytest.ExitCode.OK),
     ]):
         monkeypatch.setattr(conftest, "README_COMMANDS_ENFORCED", enforced)
-        session = _fake_session(tmp_path / str(case), ran, args)
-        conftest.pytest_sessionfinish(session, 0)
-        assert session.exitstatus == expected, (enforced, len(ran), args)
-        report = session.config.stash[conftest._GATE_REPORTS]["README commands"]
+        status, report = _judged(tmp_path / str(case), ran, args)
+        assert status == expected, (enforced, len(ran), args)
         if expected == pytest.ExitCode.TESTS_FAILED:
             assert report[0].startswith("README commands FAILED: 1 of") and report[1] == f"  {run[0]}", report
     # a command added to the README's instructor part fails the run until a test runs it
@@ -106,10 +104,9 @@ def test_the_gate_fails_a_whole_run_where_a_command_ran_in_no_test_and_names_it(
     readme.write_text(text.replace("## For contributors", "Then `make grade JOBS=8`.\n\n## For contributors", 1))
     monkeypatch.setattr(readme_commands, "README", readme)
     monkeypatch.setattr(conftest, "README_COMMANDS_ENFORCED", True)
-    session = _fake_session(tmp_path / "added", run, whole)
-    conftest.pytest_sessionfinish(session, 0)
-    assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
-    assert session.config.stash[conftest._GATE_REPORTS]["README commands"][1:] == ["  make grade JOBS=8"]
+    status, report = _judged(tmp_path / "added", run, whole)
+    assert status == pytest.ExitCode.TESTS_FAILED
+    assert report[1:] == ["  make grade JOBS=8"]
 
 
 def test_the_session_log_variable_is_set_for_every_test():
