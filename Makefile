@@ -16,6 +16,10 @@ TEST_JOBS ?= 3
 ifdef DB_URL
 export ATTENTION_LAB_DB_URL := $(DB_URL)
 endif
+# Python keeps compiled modules (__pycache__/, git-ignored) even where the environment says not to:
+# every kernel, checker and nbgrader process imports the course package, and compiling it again in
+# each one cost about 5 % of the test suite's CPU time.
+unexport PYTHONDONTWRITEBYTECODE
 # Jupyter refuses to run as root unless told to (CI and containers run as root).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 

@@ -588,6 +588,11 @@ _HEAD_MEANS_CLASS = ("class HeadMeans:\n"
                      "        return split_heads(x, num_heads).mean(dim=-1)\n")
 
 
+# The notes run the helper's own check, found in the registry that importing its module fills: this
+# module must not depend on another test having imported it first (with pytest-xdist it may not have).
+from attention_lab.checks import mha_shapes as _registers_check_split_heads  # noqa: E402,F401
+
+
 @check("head_means ({device})", uses=("split_heads", "merge_heads"))
 def check_head_means(head_means, *, seed=0, device=None):
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
@@ -664,6 +669,31 @@ def test_call_tracing_restores_the_previous_profiler():
     finally:
         sys.setprofile(None)
     assert "split_heads" in seen  # the notebook's own profiler still saw the calls
+
+
+def test_a_check_stops_watching_the_answer_once_there_is_nothing_left_to_record():
+    """Call tracing (a profiler) and the from-scratch tripwire (a torch function mode) see every call
+    and every tensor operation of the answer: under them a training check ran twice as slow. Tracing
+    stops once every helper it looks for has been seen; the tripwire is only set when a function is
+    forbidden or an input is watched."""
+    import sys
+
+    @check("loop ({device})", uses=("split_heads",))
+    def check_loop(loop, *, seed=0, device=None, forbidden=()):
+        call_student(loop, call="loop()", forbidden=forbidden)
+
+    notebook = _notebook(_HELPERS["right"], "import sys, torch\n"
+                         "def loop():\n"
+                         "    seen.append((sys.getprofile() is not None, torch._C._is_torch_function_mode_enabled()))\n"
+                         "    split_heads(torch.zeros(1, 2, 4), 2)\n"
+                         "    seen.append((sys.getprofile() is not None, torch._C._is_torch_function_mode_enabled()))\n")
+    notebook["seen"] = seen = []
+    check_loop(notebook["loop"], device="cpu", quiet=True)
+    assert seen == [(True, False), (False, False)]  # traced until split_heads ran; no tripwire at all
+    assert sys.getprofile() is None
+    seen.clear()
+    check_loop(notebook["loop"], device="cpu", quiet=True, forbidden=("softmax",))
+    assert seen == [(True, True), (False, True)]  # something forbidden: the tripwire watches throughout
 
 
 def test_no_note_when_the_helper_is_right_or_missing_or_the_answer_is_blank():

@@ -486,12 +486,18 @@ class Tripwire(Probe):
         self._mode: _TripwireMode | None = None
 
     def __enter__(self) -> "Tripwire":
-        self._mode = _TripwireMode(self)
-        self._mode.__enter__()
+        # Nothing forbidden and no input to watch: a torch function mode would see every operation
+        # of the call (a whole training run, for a loop) and record nothing; it doubles the time of a
+        # training check.
+        if self.forbidden or self.numpy_only or self.watched:
+            self._mode = _TripwireMode(self)
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
 
     def findings(self) -> dict:
         return {"tripped": list(self.tripped) if self.tripped else None,
@@ -543,14 +549,16 @@ class _TripwireMode(TorchFunctionMode):
         self.tripwire = tripwire
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Runs for every operation of the call (a training loop's included): the full name is only
+        # built for a forbidden call, the in-place bookkeeping only for an operation that can write.
         kwargs = kwargs or {}
         tripwire = self.tripwire
-        name = _torch_function_name(func)
-        short = name.rsplit(".", 1)[-1]
-        if tripwire.watched:
+        qualified = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+        short = qualified.rpartition(".")[2] if qualified else _torch_function_name(func).rsplit(".", 1)[-1]
+        if tripwire.watched and (short[-1:] == "_" or short == "__setitem__" or "out" in kwargs):
             tripwire._record_in_place(short, args, kwargs)
         if tripwire.numpy_only or short in tripwire.forbidden:
-            tripwire.tripped = tripwire.tripped or (name, short)
+            tripwire.tripped = tripwire.tripped or (_torch_function_name(func), short)
             raise tripwire.failure()
         return func(*args, **kwargs)
 
@@ -1215,6 +1223,7 @@ class CallTrace(Probe):
         self.codes: dict[types.CodeType, str] = {}
         self.called: set[str] = set()
         self._previous: Any = None
+        self._installed = False  # our profiler is set (until every helper has been seen)
 
     def bind(self, agent: Any) -> None:
         self.watch(agent.namespace)
@@ -1237,18 +1246,26 @@ class CallTrace(Probe):
             name = self.codes.get(frame.f_code)
             if name is not None:
                 self.called.add(name)
+                if self._installed and self.called.issuperset(self.codes.values()) \
+                        and sys.getprofile() == self._profile:
+                    # Every helper has been seen: stop paying for a profiler on each call of the
+                    # rest of the check (a whole training run, for a loop).
+                    sys.setprofile(self._previous)
+                    self._installed = False
         if self._previous is not None:
             self._previous(frame, event, arg)
 
     def __enter__(self) -> "CallTrace":
         self._previous = sys.getprofile()
-        if self.codes:
+        if self.codes and not self.called.issuperset(self.codes.values()):
             sys.setprofile(self._profile)
+            self._installed = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.codes:
+        if self._installed:
             sys.setprofile(self._previous)
+            self._installed = False
 
     def findings(self) -> list[str]:
         return sorted(self.called)
