@@ -466,6 +466,13 @@ def _torch_function_name(func: Any) -> str:
     return f"{module}.{name}" if module else name
 
 
+def _torch_function_short_name(func: Any) -> str:
+    """The last part of :func:`_torch_function_name` (``add_`` for ``Tensor.add_``), without building
+    the full name."""
+    qualified = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+    return qualified.rpartition(".")[2] if qualified else _torch_function_name(func).rsplit(".", 1)[-1]
+
+
 class Tripwire(Probe):
     """Watches one call of the student's code: the first forbidden PyTorch function it calls (any
     torch function, with ``numpy_only``) and the first in-place operation on each of the
@@ -528,10 +535,13 @@ class Tripwire(Probe):
             f"(matmul, softmax, masked_fill, ...).")
 
     def _record_in_place(self, short: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-        targets = []
-        if (short.endswith("_") and not short.startswith("_")) or short == "__setitem__":
-            targets.append((args[0] if args else None, short))
+        writes_first = (short.endswith("_") and not short.startswith("_")) or short == "__setitem__"
         out = kwargs.get("out")
+        if not writes_first and out is None:  # most operations: nothing written in place
+            return
+        targets = []
+        if writes_first:
+            targets.append((args[0] if args else None, short))
         for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
             targets.append((tensor, f"out={short}"))
         for tensor, operation in targets:
@@ -550,12 +560,11 @@ class _TripwireMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Runs for every operation of the call (a training loop's included): the full name is only
-        # built for a forbidden call, the in-place bookkeeping only for an operation that can write.
+        # built for a forbidden call.
         kwargs = kwargs or {}
         tripwire = self.tripwire
-        qualified = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
-        short = qualified.rpartition(".")[2] if qualified else _torch_function_name(func).rsplit(".", 1)[-1]
-        if tripwire.watched and (short[-1:] == "_" or short == "__setitem__" or "out" in kwargs):
+        short = _torch_function_short_name(func)
+        if tripwire.watched:
             tripwire._record_in_place(short, args, kwargs)
         if tripwire.numpy_only or short in tripwire.forbidden:
             tripwire.tripped = tripwire.tripped or (_torch_function_name(func), short)
