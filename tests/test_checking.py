@@ -671,6 +671,37 @@ def test_call_tracing_restores_the_previous_profiler():
     assert "split_heads" in seen  # the notebook's own profiler still saw the calls
 
 
+def test_a_check_run_under_prun_passes_and_the_profiler_goes_on_after_it():
+    """IPython's %prun runs a cell under cProfile, whose Profile object sys.getprofile returns and
+    which cannot be called as a profile function: chaining to it failed every check that traces the
+    answer's helpers or its einops calls (TypeError: 'Profile' object is not callable, a traceback
+    from the package). The checks pass under it, and cProfile profiles again once they are done."""
+    import cProfile
+    import pstats
+    import sys
+
+    from attention_lab.checks.mha_shapes import check_split_heads_einops
+
+    notebook = _notebook(_HELPERS["wrong"], _HEAD_MEANS, "import einops\n"
+                         "def split_heads_einops(x, num_heads):\n"
+                         "    if x.shape[-1] % num_heads:\n"
+                         "        raise ValueError(f'D = {x.shape[-1]} is not divisible by {num_heads} heads')\n"
+                         "    return einops.rearrange(x, 'b s (h d) -> b h s d', h=num_heads)\n"
+                         "def after_the_checks():\n"
+                         "    return 0\n")
+
+    def cell():
+        with pytest.raises(CheckFailure, match="Fix split_heads first"):
+            check_head_means(notebook["head_means"], device="cpu", quiet=True)
+        check_split_heads_einops(notebook["split_heads_einops"], device="cpu", quiet=True)
+        notebook["after_the_checks"]()
+
+    profiler = cProfile.Profile()
+    profiler.runcall(cell)
+    assert sys.getprofile() is None
+    assert "after_the_checks" in {function for _, _, function in pstats.Stats(profiler).stats}
+
+
 def test_a_check_stops_watching_the_answer_once_there_is_nothing_left_to_record():
     """Call tracing (a profiler) and the from-scratch tripwire (a torch function mode) see every call
     and every tensor operation of the answer: under them a training check ran twice as slow. Tracing

@@ -1219,10 +1219,51 @@ def _helper_codes(helper: Any) -> frozenset[types.CodeType] | None:
     return frozenset(codes) or None
 
 
+class ThreadProfiler:
+    """A probe's ``sys.setprofile`` hook, set and taken off again without breaking a profiler the
+    notebook already runs. A Python profiler (one set with ``sys.setprofile``) keeps seeing every
+    event: it is called after the hook. A C profiler (cProfile, which IPython's ``%prun`` starts, and
+    which ``sys.getprofile`` returns as its ``Profile`` object, not a function to call) pauses
+    while the hook is set and is enabled again after."""
+
+    def __init__(self, hook: Callable[[types.FrameType, str, Any], None]):
+        self.hook = hook
+        self._previous: Any = None
+        self._set: Any = None  # the function given to sys.setprofile, while it is set
+
+    @property
+    def is_set(self) -> bool:
+        return self._set is not None and sys.getprofile() is self._set
+
+    def start(self) -> None:
+        previous = self._previous = sys.getprofile()
+        if callable(previous):
+            hook = self.hook
+
+            def hook_then_previous(frame: types.FrameType, event: str, arg: Any) -> None:
+                hook(frame, event, arg)
+                previous(frame, event, arg)
+
+            self._set = hook_then_previous
+        else:
+            self._set = self.hook
+        sys.setprofile(self._set)
+
+    def stop(self) -> None:
+        """Put the previous profiler back (callable from the hook itself)."""
+        if self._set is None:
+            return
+        self._set = None
+        if self._previous is None or callable(self._previous):
+            sys.setprofile(self._previous)
+        else:
+            sys.setprofile(None)
+            self._previous.enable()
+
+
 class CallTrace(Probe):
     """Which of the student's helpers (``names``, looked up where the answer was defined) ran while
-    a check ran (``sys.setprofile``, code-object matching; the previous profiler, if any, is
-    restored). A failing check names a helper that fails its own check only when the answer
+    a check ran (a :class:`ThreadProfiler`, code-object matching). A failing check names a helper that fails its own check only when the answer
     really called it: a self-contained answer is never told to fix a helper it does not use.
     A helper that cannot be traced (a builtin) counts as called."""
 
@@ -1231,8 +1272,7 @@ class CallTrace(Probe):
         self.names, self.answer = list(names), answer
         self.codes: dict[types.CodeType, str] = {}
         self.called: set[str] = set()
-        self._previous: Any = None
-        self._installed = False  # our profiler is set (until every helper has been seen)
+        self._profiler = ThreadProfiler(self._profile)  # set until every helper has been seen
 
     def bind(self, agent: Any) -> None:
         self.watch(agent.namespace)
@@ -1255,26 +1295,18 @@ class CallTrace(Probe):
             name = self.codes.get(frame.f_code)
             if name is not None:
                 self.called.add(name)
-                if self._installed and self.called.issuperset(self.codes.values()) \
-                        and sys.getprofile() == self._profile:
+                if self.called.issuperset(self.codes.values()) and self._profiler.is_set:
                     # Every helper has been seen: stop paying for a profiler on each call of the
                     # rest of the check (a whole training run, for a loop).
-                    sys.setprofile(self._previous)
-                    self._installed = False
-        if self._previous is not None:
-            self._previous(frame, event, arg)
+                    self._profiler.stop()
 
     def __enter__(self) -> "CallTrace":
-        self._previous = sys.getprofile()
         if self.codes and not self.called.issuperset(self.codes.values()):
-            sys.setprofile(self._profile)
-            self._installed = True
+            self._profiler.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._installed:
-            sys.setprofile(self._previous)
-            self._installed = False
+        self._profiler.stop()
 
     def findings(self) -> list[str]:
         return sorted(self.called)

@@ -8,7 +8,6 @@ idiomatic answer (slicing instead of view/permute), computed in float64 at check
 from __future__ import annotations
 
 import math
-import sys
 from typing import Callable, Sequence
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn as nn
 from attention_lab.bridge.probes import Probe
 from attention_lab.checking import (
     CheckFailure,
+    ThreadProfiler,
     Variant,
     call_student,
     check,
@@ -156,7 +156,7 @@ class EinopsCalls(Probe):
         super().__init__()
         self.calls: list[tuple] = []
         self._open: dict[int, tuple] = {}
-        self._previous = None
+        self._profiler = ThreadProfiler(self._profile)
 
     def __enter__(self) -> "EinopsCalls":
         import os
@@ -164,12 +164,11 @@ class EinopsCalls(Probe):
         import einops
 
         self._root = os.path.dirname(os.path.abspath(einops.__file__)) + os.sep
-        self._previous = sys.getprofile()
-        sys.setprofile(self._profile)
+        self._profiler.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        sys.setprofile(self._previous)
+        self._profiler.stop()
 
     def _in_einops(self, frame) -> bool:
         import os
@@ -185,8 +184,6 @@ class EinopsCalls(Probe):
             elif id(frame) in self._open:
                 name, before = self._open.pop(id(frame))
                 self.calls.append((name, before, tuple(arg.shape) if isinstance(arg, torch.Tensor) else ()))
-        if self._previous is not None:
-            self._previous(frame, event, arg)
 
     def findings(self) -> list:
         return [[name, list(before), list(after)] for name, before, after in self.calls]
