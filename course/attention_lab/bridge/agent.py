@@ -336,11 +336,14 @@ class Agent(Peer):
         if not isinstance(parameters, list):
             raise wire.WireError("malformed parameters")
         inputs = [self.graph_inputs[index] for index in sorted(self.graph_inputs)]
+        named_parameters: dict[str, dict[str, nn.Parameter]] = {}  # by module handle: one walk of each module
         for item in parameters:
             module = self.handles.get(item[0]) if isinstance(item, list) and len(item) == 2 else None
             if not isinstance(module, nn.Module) or not isinstance(item[1], str):
                 raise wire.WireError("a parameter of an unknown module")
-            parameter = dict(module.named_parameters()).get(item[1])
+            if item[0] not in named_parameters:
+                named_parameters[item[0]] = dict(module.named_parameters())
+            parameter = named_parameters[item[0]].get(item[1])
             inputs.append(parameter if parameter is not None else torch.zeros(()))
         graph = self.new_id()
         self.graphs[graph] = (flat_tensors(result), inputs)
