@@ -1226,6 +1226,35 @@ def test_order_outcome_catches_positions_that_leak_into_none():
         checks.check_order_transformer_outcome(order_variant(none_adds=True), **CPU)
 
 
+def test_order_outcome_says_which_training_raised_the_same_in_the_lab_and_in_grading():
+    """In grading the check's loop runs in the student's kernel (OrderTraining); an error of the
+    model's forward during training is worded as in the lab, with the call that built the model."""
+    class FailsWhileTraining(order_variant()):
+        def forward(self, tokens, mask=None):
+            if self.training:
+                raise RuntimeError("dropout needs a generator")
+            return super().forward(tokens, mask)
+
+    with pytest.raises(CheckFailure, match=r"training OrderTransformer\(16, 32, 2, 2, 8, positions='sinusoidal'\) "
+                                           r"raised RuntimeError: dropout needs a generator"):
+        checks.check_order_transformer_outcome(FailsWhileTraining, **CPU)
+
+
+def test_order_outcome_trains_in_the_students_process_not_across_the_bridge(where_checks_run):
+    """Driven from the checker, 2 x 200 training steps took two crossings each (forward, backward):
+    the check ran 4x slower graded than in the notebook. The loop is sent to the kernel instead,
+    and the checker measures the accuracy with its own sequences."""
+    if where_checks_run != "grading":
+        pytest.skip("crossings are counted in grading")
+    from attention_lab.checks import positions_and_blocks
+    from tests.bridge_harness import bridged
+
+    with bridged({"OrderTransformer": order_variant()}) as bridge:
+        model_class = bridge.lookup(["OrderTransformer"])["OrderTransformer"]
+        positions_and_blocks.check_order_transformer_outcome(model_class, **CPU)
+        assert bridge.requests < 20, f"{bridge.requests} crossings for two training runs"
+
+
 # --------------------------------------------------------------------------------------
 # The dtype rule: a layer that computes in float32 inside
 # --------------------------------------------------------------------------------------

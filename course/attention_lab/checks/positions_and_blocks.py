@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attention_lab.bridge import remote, wire
+from attention_lab.bridge.probes import Probe
 from attention_lab.checking import _student_namespace
 from attention_lab.checking import (
     one_cpu_thread,
@@ -1629,6 +1631,56 @@ def _train_order(model: nn.Module, mask: torch.Tensor | None, seed: int, device:
     model.eval()
 
 
+def _causal_mask(device: torch.device) -> torch.Tensor:
+    return torch.ones(ORDER_LENGTH, ORDER_LENGTH, dtype=torch.bool, device=device).tril()
+
+
+class OrderTraining(Probe):
+    """The check's training loop (:func:`_train_order`) run on the student's model in the process the
+    model lives in. In the lab that is the notebook's kernel, as it always was; in grading the checker
+    sends this probe (``measure``) instead of driving the 200 steps from its side, which took two
+    crossings a step (the forward pass, then its backward) and made this check 4x slower graded
+    than in the notebook. The checker then measures the accuracy itself, with its own sequences.
+
+    What a lie costs: the kernel runs the loop, so a student who rewrites the course package there
+    can train the model another way (longer, or load weights). That buys at most this test's points,
+    as rewriting the model's forward already could: the accuracy is computed in the checker from the
+    outputs of the student's model, and no other test reads this run."""
+
+    def __init__(self, seed: int = 0, causal: bool = False):
+        if type(seed) is not int or type(causal) is not bool:
+            raise wire.WireError("a malformed training run")
+        super().__init__(seed=seed, causal=causal)
+        self.seed, self.causal = seed, causal
+
+    def measure(self, model: Any) -> dict:
+        """In the student's kernel: train, and report the exception the training raised, if any."""
+        from attention_lab.bridge.agent import exception_data
+
+        try:
+            device = next(model.parameters(), torch.empty(0)).device
+            with one_cpu_thread(device):
+                _train_order(model, _causal_mask(device) if self.causal else None, self.seed, device)
+        except Exception as error:  # the student's model raised: the checker words it
+            return {"raised": exception_data(error)}
+        return {"raised": None}
+
+    def accept(self, findings: Any) -> None:
+        if not (isinstance(findings, dict) and set(findings) == {"raised"}):
+            raise wire.WireError("a malformed report of a training run")
+        self.result = findings
+
+
+def _train_where_the_model_is(model: nn.Module, causal: bool, seed: int, device: torch.device) -> None:
+    """:func:`_train_order` in the student's process: here in the lab, sent there in grading (:class:`OrderTraining`)."""
+    if not remote.is_remote(model):
+        _train_order(model, _causal_mask(device) if causal else None, seed, device)
+        return
+    run = remote.measure(model, OrderTraining(seed=seed, causal=causal), "the training of your OrderTransformer")
+    if run.result["raised"] is not None:
+        raise remote.student_exception(run.result["raised"])
+
+
 def order_accuracy(model: nn.Module, mask: torch.Tensor | None = None, num_sequences: int = 500,
                    seed: int = 1234) -> float:
     """Token accuracy on fresh sequences (positions 1 ... S-1: position 0 has no target)."""
@@ -1647,10 +1699,9 @@ def _trained_accuracy(OrderTransformer: Callable, positions: str, causal: bool, 
     torch.manual_seed(seed)
     model = call_student(OrderTransformer, ORDER_VOCAB, ORDER_EMBED, ORDER_HEADS, ORDER_LAYERS, ORDER_LENGTH,
                          positions=positions, call=call).to(device)
-    mask = torch.ones(ORDER_LENGTH, ORDER_LENGTH, dtype=torch.bool, device=device).tril() if causal else None
     try:
-        _train_order(model, mask, seed, device)
-        return order_accuracy(model, mask)
+        _train_where_the_model_is(model, causal, seed, device)
+        return order_accuracy(model, _causal_mask(device) if causal else None)
     except CheckFailure:
         raise
     except Exception as error:
