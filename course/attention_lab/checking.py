@@ -1263,9 +1263,10 @@ class ThreadProfiler:
 
 class CallTrace(Probe):
     """Which of the student's helpers (``names``, looked up where the answer was defined) ran while
-    a check ran (a :class:`ThreadProfiler`, code-object matching). A failing check names a helper that fails its own check only when the answer
-    really called it: a self-contained answer is never told to fix a helper it does not use.
-    A helper that cannot be traced (a builtin) counts as called."""
+    a check ran (a :class:`ThreadProfiler`, code-object matching). A failing check names a helper
+    that fails its own check only when the answer really called it: a self-contained answer is
+    never told to fix a helper it does not use. A helper that cannot be traced (a builtin) counts
+    as called."""
 
     def __init__(self, names: Sequence[str] = (), answer: str | None = None):
         super().__init__(names=list(names), answer=answer)
