@@ -1671,12 +1671,14 @@ class OrderTraining(Probe):
         self.result = findings
 
 
-def _train_where_the_model_is(model: nn.Module, causal: bool, seed: int, device: torch.device) -> None:
-    """:func:`_train_order` in the student's process: here in the lab, sent there in grading (:class:`OrderTraining`)."""
+def _train_where_the_model_is(model: nn.Module, mask: torch.Tensor | None, seed: int, device: torch.device) -> None:
+    """:func:`_train_order` in the student's process: here in the lab, sent there in grading (:class:`OrderTraining`,
+    which rebuilds the causal mask there)."""
     if not remote.is_remote(model):
-        _train_order(model, _causal_mask(device) if causal else None, seed, device)
+        _train_order(model, mask, seed, device)
         return
-    run = remote.measure(model, OrderTraining(seed=seed, causal=causal), "the training of your OrderTransformer")
+    run = remote.measure(model, OrderTraining(seed=seed, causal=mask is not None),
+                         "the training of your OrderTransformer")
     if run.result["raised"] is not None:
         raise remote.student_exception(run.result["raised"])
 
@@ -1699,9 +1701,10 @@ def _trained_accuracy(OrderTransformer: Callable, positions: str, causal: bool, 
     torch.manual_seed(seed)
     model = call_student(OrderTransformer, ORDER_VOCAB, ORDER_EMBED, ORDER_HEADS, ORDER_LAYERS, ORDER_LENGTH,
                          positions=positions, call=call).to(device)
+    mask = _causal_mask(device) if causal else None
     try:
-        _train_where_the_model_is(model, causal, seed, device)
-        return order_accuracy(model, _causal_mask(device) if causal else None)
+        _train_where_the_model_is(model, mask, seed, device)
+        return order_accuracy(model, mask)
     except CheckFailure:
         raise
     except Exception as error:
