@@ -1255,6 +1255,43 @@ def test_order_outcome_trains_in_the_students_process_not_across_the_bridge(wher
         assert bridge.requests < 20, f"{bridge.requests} crossings for two training runs"
 
 
+# What a student who rewrites the course package in their kernel can make OrderTraining.measure
+# (which runs there) report, and what the check, in the checker, concludes.
+KERNEL_TRAINING_LIES = {
+    # no training at all, "nothing raised": the checker measures the untrained model itself
+    "skips the training": (lambda self, model: {"raised": None}, order_variant(),
+                           r"with sinusoidal positions, your OrderTransformer reached a token accuracy of 0\.[0-8]"),
+    # trains, but the model never sees the positions: no training reaches 0.9 (ceiling 1/7)
+    "trains a model that ignores positions": (None, order_variant(sinusoidal_adds=False),
+                                              r"with sinusoidal positions, .* accuracy of 0\.1"),
+    # a report the checker did not ask for, claiming the accuracy itself
+    "reports an accuracy": (lambda self, model: {"raised": None, "accuracy": 1.0}, order_variant(),
+                            r"training OrderTransformer\(16, 32, 2, 2, 8, positions='sinusoidal'\): your notebook's "
+                            r"kernel sent a malformed measurement of the training of your OrderTransformer"),
+    "reports no dict": (lambda self, model: "trained, 1.0", order_variant(), r"sent a malformed measurement"),
+}
+
+
+@pytest.mark.parametrize("lie", KERNEL_TRAINING_LIES)
+def test_order_outcome_is_measured_by_the_checker_whatever_the_kernel_says_of_its_training(where_checks_run, lie,
+                                                                                         monkeypatch):
+    """In grading the training loop runs in the student's kernel (OrderTraining): a rewritten loop
+    can report anything, yet the accuracy is computed in the checker from the model's outputs, so a
+    model that does not learn the order fails, and a report of another shape fails the test."""
+    if where_checks_run != "grading":
+        pytest.skip("the training is sent to the kernel in grading")
+    from attention_lab.checks import positions_and_blocks
+    from tests.bridge_harness import bridged
+
+    kernel_measure, answer, message = KERNEL_TRAINING_LIES[lie]
+    if kernel_measure is not None:  # the agent's copy of the probe (the checker only calls accept)
+        monkeypatch.setattr(positions_and_blocks.OrderTraining, "measure", kernel_measure)
+    with bridged({"OrderTransformer": answer}) as bridge:
+        model_class = bridge.lookup(["OrderTransformer"])["OrderTransformer"]
+        with pytest.raises(CheckFailure, match=message):
+            positions_and_blocks.check_order_transformer_outcome(model_class, **CPU)
+
+
 # --------------------------------------------------------------------------------------
 # The dtype rule: a layer that computes in float32 inside
 # --------------------------------------------------------------------------------------

@@ -995,11 +995,18 @@ def _statements(curves: dict[str, np.ndarray]) -> dict[str, bool]:
 @_one_thread
 def check_answer_scaling(answer: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The multiple-choice question: the check re-runs the experiment and accepts the one statement it supports."""
+    expect_choice(answer, name=SCALING_QUESTION_NAME, options="".join(CHOICES),
+                  correct_digest=choice_digest(SCALING_QUESTION_NAME, _supported_statement(seed)), hints=SCALING_HINTS)
+
+
+@functools.lru_cache(maxsize=None)
+def _supported_statement(seed: int) -> str:
+    """The one statement the peakedness experiment supports (the reference's numbers, no answer in
+    them: run once per seed, not once per check of the answer)."""
     supported = [letter for letter, holds in _statements(peakedness_curves(seed=seed)).items() if holds]
     if len(supported) != 1:  # the experiment itself went wrong: say so rather than grade at random
         raise RuntimeError(f"the peakedness experiment supports {supported}; please report this to the course staff")
-    expect_choice(answer, name=SCALING_QUESTION_NAME, options="".join(CHOICES),
-                  correct_digest=choice_digest(SCALING_QUESTION_NAME, supported[0]), hints=SCALING_HINTS)
+    return supported[0]
 
 
 # --------------------------------------------------------------------------------------

@@ -1707,6 +1707,8 @@ def _trained_accuracy(OrderTransformer: Callable, positions: str, causal: bool, 
         return order_accuracy(model, mask)
     except CheckFailure:
         raise
+    except remote.BridgeError as error:  # the kernel, not the model: a malformed report of the run
+        raise CheckFailure(f"training {call}: {error}") from None
     except Exception as error:
         raise CheckFailure(f"training {call} raised {type(error).__name__}: {error}") from error
 
