@@ -1001,8 +1001,8 @@ def check_answer_scaling(answer: Any, *, seed: int = 0, device: torch.device | N
 
 @functools.lru_cache(maxsize=None)
 def _supported_statement(seed: int) -> str:
-    """The one statement the peakedness experiment supports (the reference's numbers, no answer in
-    them: run once per seed, not once per check of the answer)."""
+    """The one statement the peakedness experiment supports, as the experiment finds it (no letter is
+    stored in clear): run once per seed, not on every check of an answer."""
     supported = [letter for letter, holds in _statements(peakedness_curves(seed=seed)).items() if holds]
     if len(supported) != 1:  # the experiment itself went wrong: say so rather than grade at random
         raise RuntimeError(f"the peakedness experiment supports {supported}; please report this to the course staff")
