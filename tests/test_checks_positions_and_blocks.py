@@ -1255,15 +1255,24 @@ def test_order_outcome_trains_in_the_students_process_not_across_the_bridge(wher
         assert bridge.requests < 20, f"{bridge.requests} crossings for two training runs"
 
 
+def _train_three_times_longer(self, model):
+    """A rewritten OrderTraining.measure: three runs of the check's loop instead of one."""
+    from attention_lab.checks import positions_and_blocks
+
+    for seed in range(3):
+        positions_and_blocks._train_order(model, None, seed, torch.device("cpu"))
+    return {"raised": None}
+
+
 # What a student who rewrites the course package in their kernel can make OrderTraining.measure
-# (which runs there) report, and what the check, in the checker, concludes.
+# (which runs there) do and report, and what the check, in the checker, concludes.
 KERNEL_TRAINING_LIES = {
     # no training at all, "nothing raised": the checker measures the untrained model itself
     "skips the training": (lambda self, model: {"raised": None}, order_variant(),
                            r"with sinusoidal positions, your OrderTransformer reached a token accuracy of 0\.[0-8]"),
-    # trains, but the model never sees the positions: no training reaches 0.9 (ceiling 1/7)
-    "trains a model that ignores positions": (None, order_variant(sinusoidal_adds=False),
-                                              r"with sinusoidal positions, .* accuracy of 0\.1"),
+    # more training for a model that never sees the positions: none reaches 0.9 (the ceiling is 1/7)
+    "trains longer a model that ignores positions": (_train_three_times_longer, order_variant(sinusoidal_adds=False),
+                                                     r"with sinusoidal positions, .* accuracy of 0\.1"),
     # a report the checker did not ask for, claiming the accuracy itself
     "reports an accuracy": (lambda self, model: {"raised": None, "accuracy": 1.0}, order_variant(),
                             r"training OrderTransformer\(16, 32, 2, 2, 8, positions='sinusoidal'\): your notebook's "
@@ -1284,8 +1293,8 @@ def test_order_outcome_is_measured_by_the_checker_whatever_the_kernel_says_of_it
     from tests.bridge_harness import bridged
 
     kernel_measure, answer, message = KERNEL_TRAINING_LIES[lie]
-    if kernel_measure is not None:  # the agent's copy of the probe (the checker only calls accept)
-        monkeypatch.setattr(positions_and_blocks.OrderTraining, "measure", kernel_measure)
+    # the agent's copy of the probe (the checker only calls accept)
+    monkeypatch.setattr(positions_and_blocks.OrderTraining, "measure", kernel_measure)
     with bridged({"OrderTransformer": answer}) as bridge:
         model_class = bridge.lookup(["OrderTransformer"])["OrderTransformer"]
         with pytest.raises(CheckFailure, match=message):
