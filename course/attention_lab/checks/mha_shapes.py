@@ -7,6 +7,7 @@ idiomatic answer (slicing instead of view/permute), computed in float64 at check
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -760,8 +761,15 @@ def _counted(module: Callable, x: torch.Tensor, projection_names: Sequence[str],
 
 def _reference_count(b: int, s: int, d: int, heads: int) -> dict:
     """The count on _CountedLayer, on the meta device (shapes only: any size costs nothing)."""
+    return dict(_reference_count_once(b, s, d, heads))
+
+
+@functools.lru_cache(maxsize=256)
+def _reference_count_once(b: int, s: int, d: int, heads: int) -> tuple:
+    # a function of the shapes alone: counted once per process (a check run again, the next student
+    # graded by the same checker), not on every run (30-40 ms each under FlopCounterMode)
     layer = _CountedLayer(d, heads, device="meta")
-    return _counted(layer, torch.empty(b, s, d, device="meta"), ("fused", "mixer"), None)
+    return tuple(_counted(layer, torch.empty(b, s, d, device="meta"), ("fused", "mixer"), None).items())
 
 
 def _students_count(MultiHeadSelfAttention: Callable | None, case: tuple, heads: int, reference: dict) -> tuple:
@@ -905,6 +913,12 @@ class _CountedBlock(nn.Module):
 
 def _block_reference_count(b: int, s: int, d: int, heads: int, hidden: int) -> dict:
     """FlopCounterMode's count of one forward pass of _CountedBlock on the meta device, by part."""
+    return dict(_block_reference_count_once(b, s, d, heads, hidden))
+
+
+@functools.lru_cache(maxsize=256)
+def _block_reference_count_once(b: int, s: int, d: int, heads: int, hidden: int) -> tuple:
+    # a function of the shapes alone, counted once per process (as _reference_count_once)
     from torch.utils.flop_counter import FlopCounterMode
 
     block = _CountedBlock(d, heads, hidden, device="meta")
@@ -917,7 +931,7 @@ def _block_reference_count(b: int, s: int, d: int, heads: int, hidden: int) -> d
         if part:
             by_part[part] += sum(operations.values())
     attention = counter.get_total_flops() - by_part["projections"] - by_part["mlp"]
-    return {"projections": int(by_part["projections"]), "attention": int(attention), "mlp": int(by_part["mlp"])}
+    return (("projections", int(by_part["projections"])), ("attention", int(attention)), ("mlp", int(by_part["mlp"])))
 
 
 def _block_flops_hint(got: dict, case: tuple, hidden: int) -> str:
