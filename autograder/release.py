@@ -233,7 +233,7 @@ def generate_releases(assignments: list[str], nbgrader_root: Path) -> dict[str, 
     Where they are all the sources ``nbgrader_root`` holds, one nbgrader process generates them
     (its glob): starting one costs about 2 s of CPU, most of a notebook's release."""
     held = {path.name for path in (nbgrader_root / "source").iterdir() if path.is_dir()}
-    patterns = ["*"] if len(assignments) > 1 and held == set(assignments) else assignments
+    patterns = ["*"] if held == set(assignments) else assignments
     for pattern in patterns:
         run_nbgrader("generate_assignment", pattern, "--force", "--log-level=WARN", root=nbgrader_root)
     return {assignment: nbformat.read(nbgrader_root / "release" / assignment / f"{assignment}.ipynb", as_version=4)

@@ -72,7 +72,6 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.interval, self.stopped = interval, threading.Event()
         self.used: dict[tuple[int, int], list] = {}
-        self.already_running: set[tuple[int, int]] = set()
 
     def read(self, first: bool) -> None:
         for entry in os.listdir("/proc"):

@@ -1278,6 +1278,9 @@ KERNEL_TRAINING_LIES = {
                             r"training OrderTransformer\(16, 32, 2, 2, 8, positions='sinusoidal'\): your notebook's "
                             r"kernel sent a malformed measurement of the training of your OrderTransformer"),
     "reports no dict": (lambda self, model: "trained, 1.0", order_variant(), r"sent a malformed measurement"),
+    # an exception report the checker cannot read (its bases are not a list)
+    "reports a malformed exception": (lambda self, model: {"raised": {"type": "X", "bases": 5}}, order_variant(),
+                                      r"training OrderTransformer\(.*\): the kernel sent a malformed exception"),
 }
 
 

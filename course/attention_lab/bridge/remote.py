@@ -59,7 +59,7 @@ _exception_classes: dict[tuple[str, tuple[str, ...]], type] = {}
 
 
 def _exception(data: Any) -> StudentException:
-    if not isinstance(data, dict):
+    if not (isinstance(data, dict) and isinstance(data.get("bases", []), list)):
         raise BridgeError("the kernel sent a malformed exception")
     name = str(data.get("type", "Exception"))[:100]
     bases = tuple(b for b in data.get("bases", []) if isinstance(b, str) and b in _BUILTIN_EXCEPTIONS)[:1]
