@@ -4,13 +4,15 @@
 
 ``make test`` is CPU-bound on a 2-core machine (its wall time is about its CPU time over the
 cores), so what makes it faster is less CPU, and this says whose: the command runs while
-``/proc`` is read every ``--interval`` seconds; each process's CPU time (user + system, what it
-used since this started) is kept under the kind its command line names (the test processes,
-kernels forked for grading, fresh kernels, chromium, nbgrader processes, ``generate_assignment``,
-the trusted checker, ...). A process that starts and ends between two reads is missed: the
-sum over kinds is compared with the machine's CPU time (``/proc/stat``) in the report.
+``/proc`` is read every ``--interval`` seconds; the CPU time (user + system) of each process of
+the command's tree is kept under the kind its command line names (the test processes, kernels
+forked for grading, fresh kernels, chromium, nbgrader processes, ``generate_assignment``, the
+trusted checker, ...). The tree is the command's descendants and, this process being their
+subreaper, the orphans they leave (a server that daemonizes); other processes on the machine are
+not counted. A process that starts and ends between two reads is missed: the sum over kinds is
+compared with the machine's CPU time (``/proc/stat``) in the report.
 
-Printed, and written to benchmarks/results/suite_cpu.json; never asserted. Linux only.
+Printed, and written to benchmarks/results/suite_cpu.json (``--output``); never asserted. Linux only.
 """
 
 from __future__ import annotations
@@ -66,14 +68,20 @@ def machine_cpu_seconds() -> tuple[float, float]:
 
 
 class Sampler(threading.Thread):
-    """Reads /proc until stopped; ``used[(pid, start)] = (command, CPU seconds since the first read)``."""
+    """Reads /proc until stopped; ``used[(pid, start)] = [command line, CPU seconds]`` for the
+    processes of the tree under ``root`` (the command), and, where ``adopting``, for every child of
+    this process: an orphan of the tree (a server that daemonizes, as pg_ctl's does) is re-parented
+    here once this process is the tree's subreaper, and is reaped here when it ends."""
 
-    def __init__(self, interval: float):
+    def __init__(self, interval: float, root: int, adopting: bool):
         super().__init__(daemon=True)
         self.interval, self.stopped = interval, threading.Event()
+        self.root, self.adopting, self.own_pid = root, adopting, os.getpid()
         self.used: dict[tuple[int, int], list] = {}
 
-    def read(self, first: bool) -> None:
+    def snapshot(self) -> dict[int, tuple[int, int, str, float]]:
+        """pid: (start time, parent pid, state, CPU seconds) of every process now."""
+        processes = {}
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -81,41 +89,79 @@ class Sampler(threading.Thread):
                 with open(f"/proc/{entry}/stat") as handle:
                     text = handle.read()
                 fields = text[text.rindex(")") + 2:].split()
-                seconds = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-                key = (int(entry), int(fields[19]))
-                if key not in self.used:
-                    with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                        command = handle.read().replace(b"\0", b" ").decode(errors="replace")
-                    # a process older than this run counts from now
-                    self.used[key] = [command, 0.0, seconds if first else 0.0]
-                self.used[key][1] = seconds - self.used[key][2]
+                processes[int(entry)] = (int(fields[19]), int(fields[1]), fields[0],
+                                         (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
             except (OSError, ValueError, IndexError):
                 continue  # gone meanwhile
+        return processes
+
+    def in_tree(self, pid: int, processes: dict) -> bool:
+        seen = set()
+        while pid in processes and pid not in seen:
+            if pid == self.root or (processes[pid][0], pid) in self.used:
+                return True
+            seen.add(pid)
+            parent = processes[pid][1]
+            if self.adopting and parent == self.own_pid:
+                return True
+            pid = parent
+        return False
+
+    def read(self) -> None:
+        processes = self.snapshot()
+        for pid, (start, parent, state, seconds) in processes.items():
+            key = (pid, start)
+            if key not in self.used:
+                if not self.in_tree(pid, processes):
+                    continue
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                        command = handle.read().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    command = ""
+                self.used[key] = [command, 0.0]
+            self.used[key][1] = seconds
+            if state == "Z" and parent == self.own_pid and pid != self.root:
+                os.waitpid(pid, os.WNOHANG)  # an adopted orphan that ended: its CPU is read
 
     def run(self) -> None:
-        self.read(first=True)
+        self.read()
         while not self.stopped.wait(self.interval):
-            self.read(first=False)
+            self.read()
 
     def stop(self) -> None:
         self.stopped.set()
         self.join()
-        self.read(first=False)
+        self.read()
 
 
-def measure(command: list[str], interval: float) -> dict:
+def become_subreaper() -> bool:
+    """Make this process the subreaper of its descendants (Linux prctl PR_SET_CHILD_SUBREAPER):
+    their orphans are re-parented here, not to init, so they stay in the tree measured. For good:
+    the command line only, never a process that starts other children (a test worker)."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def measure(command: list[str], interval: float, adopting: bool = False) -> dict:
+    """Run ``command`` and sum the CPU time of its process tree by kind. ``adopting``: this
+    process is the tree's subreaper (``become_subreaper``), so its children are the tree's orphans."""
     busy_before, idle_before = machine_cpu_seconds()
     started = time.monotonic()
-    sampler = Sampler(interval)
+    process = subprocess.Popen(command)
+    sampler = Sampler(interval, process.pid, adopting)
     sampler.start()
     try:
-        returncode = subprocess.run(command).returncode
+        returncode = process.wait()
     finally:
         sampler.stop()
     wall = time.monotonic() - started
     busy_after, idle_after = machine_cpu_seconds()
     by_kind, processes = Counter(), Counter()
-    for command_line, seconds, _ in sampler.used.values():
+    for command_line, seconds in sampler.used.values():
         kind = kind_of(command_line)
         by_kind[kind] += seconds
         processes[kind] += 1
@@ -145,13 +191,14 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between two reads of /proc")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "suite_cpu.json", help="the JSON written")
     parser.add_argument("command", nargs="*", default=["make", "test"], help="the command measured (after --)")
     options = parser.parse_args(argv)
-    result = measure(options.command, options.interval)
+    result = measure(options.command, options.interval, adopting=become_subreaper())
     print(report(result))
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "suite_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"written to {RESULTS_DIR / 'suite_cpu.json'}")
+    options.output.parent.mkdir(parents=True, exist_ok=True)
+    options.output.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"written to {options.output}")
     return result["returncode"]
 
 
