@@ -1,5 +1,18 @@
 """The course's fixed contracts: the names of every notebook's answers (notebooks, checks and the
-grading pipeline rely on them, so a rename must fail a test)."""
+grading pipeline rely on them, so a rename must fail a test); and the solution notebooks' cells."""
+
+from pathlib import Path
+
+SOLUTIONS_DIR = Path(__file__).resolve().parents[1] / "solutions"
+
+
+def solution_cells(assignment: str) -> list:
+    """The cells of ``solutions/<assignment>.py`` as jupytext reads them (``answer=`` and ``test=``
+    of a cell's header in its metadata)."""
+    import jupytext
+
+    return jupytext.read(SOLUTIONS_DIR / f"{assignment}.py", fmt="py:percent").cells
+
 
 CONTRACTS: dict[str, tuple[str, ...]] = {
     "01_mha_shapes": (

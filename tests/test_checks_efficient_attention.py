@@ -31,6 +31,7 @@ from attention_lab.hint_catalog import _normalise, hint_pattern  # noqa: E402
 from attention_lab.triton_kernels import TRITON_AVAILABLE, tl, triton  # noqa: E402
 from attention_lab.widgets import efficient_attention as views  # noqa: E402
 from tests.bridge_harness import run_both_ways  # noqa: E402
+from tests.curriculum import solution_cells  # noqa: E402
 
 # Every test twice: the checks in the student's kernel (the lab), and through the bridge (grading), where the
 # course's launchers run the student's Triton kernels in the student's process.
@@ -1183,11 +1184,7 @@ def test_gpu_check_refuses_clearly_without_cuda(capsys):
 
 
 def _solution_cells():
-    import jupytext
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "solutions" / "06_efficient_attention.py"
-    return jupytext.read(path, fmt="py:percent").cells
+    return solution_cells("06_efficient_attention")
 
 
 def test_no_code_line_of_notebook_06_is_longer_than_100_characters():

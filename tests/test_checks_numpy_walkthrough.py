@@ -17,6 +17,7 @@ import torch
 from attention_lab.checking import CheckFailure, choice_digest
 from attention_lab.checks import numpy_walkthrough as checks
 from tests.bridge_harness import run_both_ways
+from tests.curriculum import solution_cells
 from attention_lab.widgets.numpy_scores import RAW, SCALED, variance_explorer
 
 # Every test twice: the checks in the student's kernel (the lab), and through the bridge (grading).
@@ -1258,12 +1259,7 @@ def test_the_notebooks_gradient_claims_hold():
 
 
 def _notebook_02_cells():
-    from pathlib import Path
-
-    import jupytext
-
-    source = Path(__file__).resolve().parents[1] / "solutions" / "02_numpy_walkthrough.py"
-    return jupytext.read(source, fmt="py:percent").cells
+    return solution_cells("02_numpy_walkthrough")
 
 
 def test_no_demo_cell_runs_between_an_answer_and_its_check():

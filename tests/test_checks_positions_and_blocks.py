@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from attention_lab.checking import CheckFailure
 from attention_lab.checks import positions_and_blocks as checks
 from tests.bridge_harness import run_both_ways
+from tests.curriculum import solution_cells
 from attention_lab.images import draw_rose, image_dataset, pixel_coordinates
 
 # Every test twice: the checks in the student's kernel (the lab), and through the bridge (grading).
@@ -1450,12 +1451,7 @@ def _top_level_names(source: str) -> set[str]:
 
 @pytest.mark.parametrize("assignment", ["03_positions_and_blocks", "04_vision_transformer"])
 def test_demo_cells_do_not_rebind_helper_names(assignment):
-    from pathlib import Path
-
-    import jupytext
-
-    source = Path(__file__).parents[1] / "solutions" / f"{assignment}.py"
-    cells = jupytext.read(source, fmt="py:percent").cells
+    cells = solution_cells(assignment)
     demo_code = [cell.source for cell in cells if cell.cell_type == "code"
                  and "answer" not in cell.metadata and "test" not in cell.metadata]
     # The source format marks cells `answer=` / `test=` in the header: jupytext keeps them as metadata.

@@ -9,17 +9,21 @@ another way than the solution notebook (F.unfold, einops, repeat instead of expa
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from attention_lab import datasets
 from attention_lab.checking import CheckFailure
 from attention_lab.checks import vision_transformer as checks
 from attention_lab.datasets import DIGITS_NUM_CLASSES, digits_loaders, load_digits_tensors
 from tests.bridge_harness import run_both_ways
+from tests.curriculum import solution_cells
 
 where_checks_run = run_both_ways()
 
@@ -1339,6 +1343,35 @@ def test_digits_split_is_fixed_stratified_and_scaled():
     assert not torch.equal(split.test_labels, other.test_labels) or not torch.equal(split.test_images, other.test_images)
     with pytest.raises(ValueError, match="test_fraction"):
         load_digits_tensors(test_fraction=1.5)
+
+
+def test_digits_are_what_scikit_learn_loads_whichever_way_they_are_read(monkeypatch):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images, labels = datasets.digits_arrays()
+    assert np.array_equal(images, digits.images) and np.array_equal(labels, digits.target), "the CSV read directly"
+    assert labels.dtype == np.int64
+    # a scikit-learn that keeps the file elsewhere: load_digits reads it
+    monkeypatch.setattr(datasets, "Path", lambda *parts: Path("/nonexistent"))
+    images, labels = datasets.digits_arrays()
+    assert np.array_equal(images, digits.images) and np.array_equal(labels, digits.target) and labels.dtype == np.int64
+
+
+def test_the_notebooks_logistic_regression_is_scikit_learns():
+    """04 says its PyTorch baseline is scikit-learn's LogisticRegression() with its defaults: the same predictions."""
+    from sklearn.linear_model import LogisticRegression
+
+    cell = next(cell for cell in solution_cells("04_vision_transformer")
+                if cell.cell_type == "code" and "solver.step(penalised_loss)" in cell.source)
+    digits = load_digits_tensors()
+    namespace = {"digits": digits, "torch": torch, "nn": nn, "F": F, "print": lambda *args: None}
+    torch.manual_seed(0)
+    exec(cell.source, namespace)
+    reference = LogisticRegression().fit(digits.train_images.flatten(1).numpy(), digits.train_labels.numpy())
+    expected = torch.from_numpy(reference.predict(digits.test_images.flatten(1).numpy()))
+    assert torch.equal(namespace["baseline_predictions"], expected)
+    assert round(namespace["baseline_accuracy"], 3) == 0.953  # the 95.3% the notebook quotes
 
 
 def test_digits_loaders_shuffle_reproducibly():
