@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -715,6 +716,23 @@ def test_kv_cache_mistakes_are_named(wrong, phrase):
     SharedCache.k_parts, SharedCache.v_parts = [], []
     with pytest.raises(CheckFailure, match=phrase):
         checks.check_kv_cache(wrong, device=CPU, quiet=True)
+
+
+class UnsendableSeqLenCache(GoodKVCache):
+    @property
+    def seq_len(self):
+        return 2 ** 5000 + sum(p.shape[2] for p in self.k_parts)  # an integer too large for the wire
+
+
+def test_a_seq_len_the_grader_cannot_receive_is_worded_as_the_kernels_failure(where_checks_run):
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_kv_cache(UnsendableSeqLenCache, device=CPU, quiet=True)
+    text = str(failure.value)
+    assert "BridgeError" not in text, text  # a class of the course's, meaningless to a student
+    if where_checks_run == "grading":
+        assert re.search(r"reading KVCache\(\)\.seq_len: .*returned something the grader cannot receive", text), text
+    else:
+        assert "seq_len should be 0 for an empty cache" in text, text
 
 
 # --------------------------------------------------------------------------------------

@@ -233,6 +233,8 @@ def describe(value: Any) -> str:
         return "tuple of " + str(len(value)) + " (" + ", ".join(describe(v) for v in value) + ")"
     if value is None:
         return "None"
+    if remote.is_remote(value):  # a proxy's own words (its class is the course's, not the student's)
+        return repr(value)[:120]
     return f"{type(value).__name__} {value!r}"[:120]
 
 
@@ -709,6 +711,16 @@ def _probes_failure(tripwire: "Tripwire", probes: Sequence[Probe]) -> "CheckFail
     return next((failure for probe in (tripwire, *probes) if (failure := probe.failure()) is not None), None)
 
 
+def crash_message(call: str, error: BaseException) -> str:
+    """How a call that ended in ``error`` reads in a failure: ``{call} raised ValueError: text`` for
+    an exception of the student's code; for a failure of their kernel (a ``remote.BridgeError``: a
+    timeout, a malformed answer, never an exception of their code) the kernel's own words,
+    ``{call}: text``, with no class name of the course's in them."""
+    if isinstance(error, remote.BridgeError):
+        return f"{call}: {error}"
+    return f"{call} raised {type(error).__name__}: {error}"
+
+
 def call_student(
     fn: Callable,
     *args: Any,
@@ -758,11 +770,11 @@ def call_student(
             f"{call}: not implemented yet ({error}). Replace `raise NotImplementedError` with your code."
         ) from None
     except remote.BridgeError as error:
-        raise CheckFailure(f"{call}: {error}") from None
+        raise CheckFailure(crash_message(call, error)) from None
     except Exception as error:  # any other bug in the answer: say where it broke
         if (failure := _probes_failure(tripwire, probes)) is not None:
             raise failure from None
-        message = f"{call} raised {type(error).__name__}: {error}"
+        message = crash_message(call, error)
         if _is_mixed_dtype_error(error):
             message += f"\n  Likely mistake: {HINTS['mixed_dtype']}"
         # The failure keeps the traceback (it shows the student's frames), not what those frames
@@ -924,6 +936,8 @@ def expect_value_error(fn: Callable, *args: Any, call: str, why: str, must_menti
         return
     except NotImplementedError:
         raise CheckFailure(f"{call}: not implemented yet. Replace `raise NotImplementedError` with your code.") from None
+    except remote.BridgeError as error:  # the kernel's failure, not a wrong exception of the answer
+        raise CheckFailure(crash_message(call, error)) from None
     except Exception as error:
         raise CheckFailure(f"{call} should raise ValueError ({why}), but raised "
                            f"{type(error).__name__}: {error}") from None

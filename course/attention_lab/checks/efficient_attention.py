@@ -43,6 +43,7 @@ from attention_lab.checking import (
     Variant,
     call_student,
     check,
+    crash_message,
     describe,
     expect_close,
     expect_signature,
@@ -1373,7 +1374,7 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
         except CheckFailure:
             raise
         except Exception as error:
-            raise CheckFailure(f"the backward of {call} raised {type(error).__name__}: {error}") from None
+            raise CheckFailure(crash_message(f"the backward of {call}", error)) from None
         _expect_keyless_gradients(grads, keyless, f"the backward of {call}")
         want = reference_gradients(q, k, v, dout, causal, 8 ** -0.5)
         for index, (name, got, expected) in enumerate(zip(("dq", "dk", "dv"), grads, want)):

@@ -22,6 +22,7 @@ from attention_lab.checking import (
     Variant,
     call_student,
     check,
+    crash_message,
     describe,
     expect_close,
     expect_signature,
@@ -830,7 +831,7 @@ def _seq_len(cache: Any, call: str) -> int:
     except NotImplementedError:
         raise CheckFailure(f"{call}.seq_len: not implemented yet.") from None
     except Exception as error:
-        raise CheckFailure(f"reading {call}.seq_len raised {type(error).__name__}: {error}") from None
+        raise CheckFailure(crash_message(f"reading {call}.seq_len", error)) from None
     expect_true(isinstance(value, int) and not isinstance(value, bool),
                 f"{call}.seq_len should be an int (the number of cached tokens), got {describe(value)}.")
     return value

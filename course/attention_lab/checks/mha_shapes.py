@@ -21,6 +21,7 @@ from attention_lab.checking import (
     Variant,
     call_student,
     check,
+    crash_message,
     describe,
     expect_choice,
     expect_close,
@@ -788,7 +789,7 @@ def _students_count(MultiHeadSelfAttention: Callable | None, case: tuple, heads:
     except CheckFailure as failure:
         return None, str(failure).splitlines()[0]
     except Exception as error:  # e.g. not an nn.Module at all
-        return None, f"{label} raised {type(error).__name__}: {error}"
+        return None, crash_message(label, error)
     if count != reference:
         return None, (f"it counts {count['projections']:,} FLOPs in q/k/v/out_linear and {count['attention']:,} "
                       f"elsewhere, not the layer's {reference['projections']:,} and {reference['attention']:,}")

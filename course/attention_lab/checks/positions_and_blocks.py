@@ -28,6 +28,7 @@ from attention_lab.checking import (
     Variant,
     call_student,
     check,
+    crash_message,
     describe,
     expect_choice,
     expect_close,
@@ -1708,9 +1709,9 @@ def _trained_accuracy(OrderTransformer: Callable, positions: str, causal: bool, 
     except CheckFailure:
         raise
     except remote.BridgeError as error:  # the kernel, not the model: a malformed report of the run
-        raise CheckFailure(f"training {call}: {error}") from None
+        raise CheckFailure(crash_message(f"training {call}", error)) from None
     except Exception as error:
-        raise CheckFailure(f"training {call} raised {type(error).__name__}: {error}") from error
+        raise CheckFailure(crash_message(f"training {call}", error)) from error
 
 
 @check("OrderTransformer learns the order: >= 0.9 token accuracy with positions, at most the ceiling "
