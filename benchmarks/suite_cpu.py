@@ -98,7 +98,7 @@ class Sampler(threading.Thread):
     def in_tree(self, pid: int, processes: dict) -> bool:
         seen = set()
         while pid in processes and pid not in seen:
-            if pid == self.root or (processes[pid][0], pid) in self.used:
+            if pid == self.root or (pid, processes[pid][0]) in self.used:
                 return True
             seen.add(pid)
             parent = processes[pid][1]

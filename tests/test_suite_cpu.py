@@ -65,6 +65,19 @@ def test_the_command_line_counts_the_orphans_the_command_leaves(tmp_path):
     assert "course commands (autograder.*)" in completed.stdout
 
 
+def test_a_child_of_a_process_already_counted_is_counted_after_its_line_to_the_command_broke():
+    # pid: (start time, parent pid, state, CPU seconds); the command is 100
+    sampler = suite_cpu.Sampler(interval=1.0, root=100, adopting=False)
+    sampler.used[(300, 7)] = ["a server started by the command's child", 0.0]  # seen while its parent lived
+    processes = {100: (1, 50, "S", 0.0), 300: (7, 1, "S", 0.0),  # its parent ended: now init's
+                 301: (9, 300, "R", 0.0),                         # a process it started since
+                 400: (9, 1, "R", 0.0)}                           # another process on the machine
+    assert sampler.in_tree(301, processes) and sampler.in_tree(100, processes)
+    assert not sampler.in_tree(400, processes)
+    # the same pid with another start time is another process
+    assert not sampler.in_tree(301, {**processes, 300: (8, 1, "S", 0.0)})
+
+
 def test_kinds_are_told_apart_by_the_most_specific_marker():
     assert suite_cpu.kind_of("python -m autograder.nbgrader_cli generate_assignment * --CourseDirectory.db_url="
                              "postgresql://grader@127.0.0.1:5432/x") == "nbgrader generate_assignment"
