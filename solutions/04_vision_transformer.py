@@ -802,20 +802,18 @@ print(f"test accuracy: {accuracy:.1%} on {len(digits.test_labels)} images it nev
 # %% [markdown]
 # **Is that good?** Compare with the simplest classifier there is: a logistic regression (one
 # linear layer and a softmax) on the 64 raw pixels, trained on the same split — next to your
-# MiniViT's test accuracy above.
-
-# %% [markdown]
-# It is scikit-learn's `LogisticRegression()` with its defaults, written in PyTorch: one
-# `nn.Linear(64, 10)`, the cross-entropy summed over the training images plus a penalty
-# ½‖W‖² on the weights (its `C = 1`), minimised over the whole training set at once by L-BFGS.
-# That loss is convex, so every solver that converges reaches the same weights.
+# MiniViT's test accuracy above. It is scikit-learn's `LogisticRegression()` with its defaults,
+# written in PyTorch: one `nn.Linear(64, 10)`, the cross-entropy summed over the training images
+# plus a penalty ½‖W‖² on the weights (its `C = 1`), minimised over the whole training set at
+# once by L-BFGS. That loss is convex, so every solver that converges reaches the same weights.
 
 # %%
 pixels_train = digits.train_images.flatten(1).double()  # [1438, 64], float64 as scikit-learn's
 pixels_test = digits.test_images.flatten(1).double()    # [359, 64]
 baseline = nn.Linear(64, 10, dtype=torch.float64)
-solver = torch.optim.LBFGS(baseline.parameters(), max_iter=500, history_size=20, tolerance_grad=1e-8,
-                           tolerance_change=1e-12, line_search_fn="strong_wolfe")
+solver = torch.optim.LBFGS(baseline.parameters(), max_iter=500, history_size=20,
+                           tolerance_grad=1e-8, tolerance_change=1e-12,
+                           line_search_fn="strong_wolfe")
 
 
 def penalised_loss():
