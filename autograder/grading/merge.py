@@ -26,8 +26,7 @@ import nbformat
 
 from autograder import gradebook, release
 from autograder.course_settings import CourseSettings
-from autograder.grading.plan import Outcome, _hash_tree, assignments_with_source, notebook_names
-from autograder.nbgrader_cli import run_nbgrader
+from autograder.grading.plan import Outcome, _hash_tree, notebook_names
 
 def ensure_sources(root: Path, assignments: list[str]) -> None:
     """``source/<a>/<a>.ipynb`` rebuilt from ``solutions/`` (the release builder's function),
@@ -67,13 +66,8 @@ def ensure_assignments(root: Path, assignments: list[str], state: dict, url: str
                     present = False
             if not (present and sources.get(assignment) == digest.hexdigest()):
                 stale[assignment] = digest.hexdigest()
-        # Where every source is new (a new course root), one nbgrader process generates them all
-        # (its glob): each process costs seconds to start (the six notebooks: 159 -> 58 s on a
-        # loaded 2-core machine); otherwise one process per changed assignment.
-        every_source = bool(stale) and set(stale) == set(assignments_with_source(root))
-        for pattern in ["*"] if every_source else stale:
-            run_nbgrader("generate_assignment", pattern, "--force", "--log-level=ERROR",
-                         f"--CourseDirectory.db_url={url}", root=root, capture=True)
+        release.generate_assignments(list(stale), root, "--log-level=ERROR", f"--CourseDirectory.db_url={url}",
+                                     capture=True)
         sources.update(stale)
 
 
