@@ -760,17 +760,24 @@ def _counted(module: Callable, x: torch.Tensor, projection_names: Sequence[str],
     return counter.count
 
 
+def _counted_once_per_shape(count: Callable[..., dict]) -> Callable[..., dict]:
+    """``count`` (a reference count, a function of the shapes alone) run once per shape and process
+    -- a check run again, the next student graded by the same checker -- not on every run (30-40 ms
+    each under FlopCounterMode); every caller gets a dict of its own."""
+    cached = functools.lru_cache(maxsize=256)(lambda *shape: tuple(count(*shape).items()))
+
+    @functools.wraps(count)
+    def fresh(*shape: int) -> dict:
+        return dict(cached(*shape))
+
+    return fresh
+
+
+@_counted_once_per_shape
 def _reference_count(b: int, s: int, d: int, heads: int) -> dict:
     """The count on _CountedLayer, on the meta device (shapes only: any size costs nothing)."""
-    return dict(_reference_count_once(b, s, d, heads))
-
-
-@functools.lru_cache(maxsize=256)
-def _reference_count_once(b: int, s: int, d: int, heads: int) -> tuple:
-    # a function of the shapes alone: counted once per process (a check run again, the next student
-    # graded by the same checker), not on every run (30-40 ms each under FlopCounterMode)
     layer = _CountedLayer(d, heads, device="meta")
-    return tuple(_counted(layer, torch.empty(b, s, d, device="meta"), ("fused", "mixer"), None).items())
+    return _counted(layer, torch.empty(b, s, d, device="meta"), ("fused", "mixer"), None)
 
 
 def _students_count(MultiHeadSelfAttention: Callable | None, case: tuple, heads: int, reference: dict) -> tuple:
@@ -912,14 +919,9 @@ class _CountedBlock(nn.Module):
         return tokens + self.down(nn.functional.gelu(self.up(self.norm2(tokens))))
 
 
+@_counted_once_per_shape
 def _block_reference_count(b: int, s: int, d: int, heads: int, hidden: int) -> dict:
     """FlopCounterMode's count of one forward pass of _CountedBlock on the meta device, by part."""
-    return dict(_block_reference_count_once(b, s, d, heads, hidden))
-
-
-@functools.lru_cache(maxsize=256)
-def _block_reference_count_once(b: int, s: int, d: int, heads: int, hidden: int) -> tuple:
-    # a function of the shapes alone, counted once per process (as _reference_count_once)
     from torch.utils.flop_counter import FlopCounterMode
 
     block = _CountedBlock(d, heads, hidden, device="meta")
@@ -932,7 +934,7 @@ def _block_reference_count_once(b: int, s: int, d: int, heads: int, hidden: int)
         if part:
             by_part[part] += sum(operations.values())
     attention = counter.get_total_flops() - by_part["projections"] - by_part["mlp"]
-    return (("projections", int(by_part["projections"])), ("attention", int(attention)), ("mlp", int(by_part["mlp"])))
+    return {"projections": int(by_part["projections"]), "attention": int(attention), "mlp": int(by_part["mlp"])}
 
 
 def _block_flops_hint(got: dict, case: tuple, hidden: int) -> str:
