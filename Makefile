@@ -209,8 +209,11 @@ bench: setup ## measure notebook run time, autograde overhead, the trust boundar
 	$(BIN)/python -m benchmarks.kernel_shutdown
 	$(BIN)/python -m benchmarks.bridge
 
-gpu-check: setup ## on a CUDA GPU: run every solution notebook, the check tests and the Triton kernel natively; report
-	$(BIN)/python -m benchmarks.gpu_check
+# A GPU machine whose Python already holds a CUDA build of torch and the course's other packages (a
+# cloud GPU image, maybe offline): GPU_PYTHON=python3 runs the check with that Python, without setup.
+GPU_PYTHON ?=
+gpu-check: $(if $(GPU_PYTHON),,setup) ## on a CUDA GPU: run every solution notebook, the check tests and the Triton kernel natively; report (GPU_PYTHON=<a Python with CUDA torch>: no setup)
+	$(if $(GPU_PYTHON),PYTHONPATH=$(CURDIR)/course$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON),$(BIN)/python) -m benchmarks.gpu_check
 
 clean: setup ## remove what make grade/feedback/export/report rebuild (keeps the gradebook, roster, submissions, archive, reports)
 	$(BIN)/python -m autograder.housekeeping clean

@@ -60,16 +60,22 @@ class ExecutionResult:
 
 
 def notebook_client(notebook: nbformat.NotebookNode, working_dir: Path | str,
-                    timeout: int = EXECUTE_CELL_TIMEOUT) -> NotebookClient:
-    """nbclient on ``notebook`` in a fresh ``python3`` kernel, running every cell past errors.
+                    timeout: int = EXECUTE_CELL_TIMEOUT, checked_as: str | None = None) -> NotebookClient:
+    """nbclient on ``notebook`` in a fresh ``python3`` kernel, running every cell past errors; with
+    ``checked_as`` (the assignment's name), the graded test cells run in the trusted checker, as grading
+    runs them, and the kernel is unsandboxed (as ``make grade SANDBOX=off``: on a GPU machine it has the GPU).
 
     When the run is over the kernel is killed, not asked to shut down (as grading does): every
     output is in by then, and ipykernel 7.4 hangs in about one shutdown in ten -- its control
     thread waits on the IOPub thread that the main thread has already stopped -- until
     jupyter_client's SIGTERM 2.5 s later (benchmarks/kernel_shutdown.py measures it).
     """
-    return NotebookClient(notebook, timeout=timeout, kernel_name="python3", allow_errors=True,
-                          shutdown_kernel="immediate", resources={"metadata": {"path": str(working_dir)}})
+    client = (TrustedClient if checked_as else NotebookClient)(
+        notebook, timeout=timeout, kernel_name="python3", allow_errors=True, shutdown_kernel="immediate",
+        resources={"metadata": {"path": str(working_dir)}})
+    if checked_as:
+        client.notebook_name = checked_as
+    return client
 
 
 class TrustedClient(CheckedOutsideTheKernel, NotebookClient):
@@ -137,14 +143,15 @@ class ForkedKernels:
 
 
 def execute_notebook(path: Path | str, timeout: int = EXECUTE_CELL_TIMEOUT, working_dir: Path | str | None = None,
-                     kernels: ForkedKernels | None = None) -> ExecutionResult:
+                     kernels: ForkedKernels | None = None, checked: bool = False) -> ExecutionResult:
     """Run every cell (continuing past errors) and collect the errors and test outcomes; in a
-    kernel of ``kernels`` if given (which then chooses the working folder)."""
+    kernel of ``kernels`` if given (which then chooses the working folder, and whose graded test cells
+    run in the trusted checker); ``checked``: in a fresh kernel, with the graded test cells in the checker."""
     path = Path(path)
     notebook = nbformat.read(path, as_version=4)
     start = time.perf_counter()
     if kernels is None:
-        notebook_client(notebook, working_dir or path.parent, timeout).execute()
+        notebook_client(notebook, working_dir or path.parent, timeout, checked_as=path.stem if checked else None).execute()
     else:
         kernels.execute(notebook, timeout, name=path.stem)
     result = ExecutionResult(path=path, seconds=time.perf_counter() - start, notebook=notebook)

@@ -6,8 +6,10 @@ CI has no GPU, so nothing in `make test` needs one; run this wherever a GPU is l
 workstation, Colab, a cloud VM). It
 
 1. runs every solution notebook top to bottom on CUDA (the checks pin TF32 off and SDPA's math
-   backend, so their verdicts must be those of the CPU), hidden tests included;
-2. runs the tests of the checks (``tests/test_checks_*.py``, ``tests/test_checking.py``);
+   backend, so their verdicts must be those of the CPU), hidden tests included: once as in the lab, once
+   with the graded test cells in the trusted checker, as grading runs them;
+2. runs the tests of the checks (``tests/test_checks_*.py``, ``tests/test_checking.py``; their whole output
+   in ``benchmarks/results/gpu_check_tests.log``);
 3. checks notebook 06's Triton kernels *compiled for the GPU* (not the interpreter) at small and
    larger sizes, and times the forward kernel, the two backward kernels and the two end to end
    against SDPA (forward, autograd's backward, both) over several sequence lengths with
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import linecache
 import os
 import subprocess
 import sys
@@ -44,34 +47,54 @@ def cuda_missing_reason() -> str | None:
             "build of torch (e.g. Colab with a GPU runtime).")
 
 
-def run_notebooks() -> list[dict]:
-    from autograder import release
+def _execute(path: Path, checked: bool) -> dict:
     from autograder.execute import execute_notebook
 
-    rows = []
+    result = execute_notebook(path, checked=checked)
+    return {"notebook": path.stem, "where": "grading" if checked else "lab", "seconds": round(result.seconds, 1),
+            "passed": len(result.passed_tests), "failed": result.failed_tests,
+            "errors": [f"{e.grade_id or e.cell_id}: {e.ename}: {e.evalue.splitlines()[0] if e.evalue else ''}"
+                       for e in result.errors]}
+
+
+def run_notebooks() -> list[dict]:
+    """Every solution notebook on CUDA twice, each run in its own kernel, a run per core at once:
+    as in the lab (the checks in the kernel, on CUDA), and as grading runs it (the graded test cells in the
+    trusted checker; the kernel unsandboxed, so it has the GPU, as ``make grade SANDBOX=off`` on this machine)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from autograder import release
+
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         assignments = release.assignment_names()
         release.build(assignments, root / "course", root / "autograder")
-        for assignment in assignments:
-            result = execute_notebook(root / "autograder" / "source" / assignment / f"{assignment}.ipynb")
-            rows.append({"notebook": assignment, "seconds": round(result.seconds, 1),
-                         "passed": len(result.passed_tests), "failed": result.failed_tests,
-                         "errors": [f"{e.grade_id or e.cell_id}: {e.ename}: {e.evalue.splitlines()[0] if e.evalue else ''}"
-                                    for e in result.errors]})
-            print(f"  {assignment}: {result.seconds:.1f} s, {len(result.passed_tests)} tests passed, "
-                  f"{len(result.failed_tests)} failed, {len(result.errors)} cells raised", flush=True)
+        runs = [(root / "autograder" / "source" / name / f"{name}.ipynb", checked)
+                for checked in (False, True) for name in assignments]
+        # spawn: this process has initialised CUDA, which a forked child must not inherit
+        with ProcessPoolExecutor(min(len(runs), os.cpu_count() or 1), mp_context=get_context("spawn")) as pool:
+            rows = list(pool.map(_execute, *zip(*runs)))
+    for row in rows:
+        print(f"  {row['notebook']} ({row['where']}): {row['seconds']:.1f} s, {row['passed']} tests passed, "
+              f"{len(row['failed'])} failed, {len(row['errors'])} cells raised", flush=True)
     return rows
 
 
 def run_check_tests() -> dict:
     tests = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "tests").glob("test_check*.py"))
-    completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+    workers = str(min(8, os.cpu_count() or 1))
+    completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers, *tests],
                                cwd=REPO_ROOT, capture_output=True, text=True)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "gpu_check_tests.log").write_text(completed.stdout + completed.stderr)  # the failures in full
     summary = completed.stdout.strip().splitlines()[-1] if completed.stdout.strip() else completed.stderr[-500:]
-    print(f"  {summary}", flush=True)
-    return {"returncode": completed.returncode, "summary": summary,
-            "failures": [line for line in completed.stdout.splitlines() if line.startswith("FAILED")]}
+    # a failed test, or a failed gate of the whole run ("hint coverage FAILED: ...", with every test passed)
+    failures = [line for line in completed.stdout.splitlines()
+                if line.startswith("FAILED") or line.split(":")[0].endswith(" FAILED")]
+    for line in [summary, *failures]:
+        print(f"  {line}", flush=True)
+    return {"returncode": completed.returncode, "summary": summary, "failures": failures}
 
 
 def solution_namespace() -> dict:
@@ -85,7 +108,10 @@ def solution_namespace() -> dict:
          "triton", namespace)
     for cell in notebook.cells:
         if cell.cell_type == "code" and "answer" in cell.metadata:
-            exec(compile(cell.source, f"<{cell.metadata['answer']}>", "exec"), namespace)
+            # @triton.jit reads its function's source (inspect): the cell's, kept where IPython keeps a cell's
+            filename = f"<{cell.metadata['answer']}>"
+            linecache.cache[filename] = (len(cell.source), None, cell.source.splitlines(keepends=True), filename)
+            exec(compile(cell.source, filename, "exec"), namespace)
     return namespace
 
 
@@ -104,7 +130,7 @@ def check_kernel_natively() -> dict:
         try:
             check_flash_attention_kernel(kernel, device="cuda", sizes=sizes)
             report["checks"].append(f"{sizes}: passed")
-        except AssertionError as failure:
+        except Exception as failure:  # a failed check, or a kernel that does not compile for this GPU
             report["ok"] = False
             report["checks"].append(f"{sizes}: FAILED: {failure}")
     from attention_lab.checks import efficient_attention as checks
@@ -115,20 +141,25 @@ def check_kernel_natively() -> dict:
                                                          namespace["flash_attention_backward_dq_kernel"],
                                                          device="cuda", sizes=sizes)
             report["checks"].append(f"backward kernels, {sizes}: passed")
-        except AssertionError as failure:
+        except Exception as failure:  # a failed check, or a kernel that does not compile for this GPU
             report["ok"] = False
             report["checks"].append(f"backward kernels, {sizes}: FAILED: {failure}")
     for name in ("scale_kernel", "matmul_kernel", "row_softmax_kernel", "online_softmax_kernel"):  # warm-ups
         try:
             getattr(checks, f"check_{name}")(namespace[name], device="cuda")
             report["checks"].append(f"{name}: passed")
-        except AssertionError as failure:
+        except Exception as failure:  # a failed check, or a kernel that does not compile for this GPU
             report["ok"] = False
             report["checks"].append(f"{name}: FAILED: {failure}")
     torch.backends.cuda.matmul.allow_tf32 = False
-    report["timings_ms"] = time_against_sdpa(namespace, (1024, 2048, 4096, 8192, 16384))
     for line in report["checks"]:
         print(f"  kernel check {line}", flush=True)
+    try:
+        report["timings_ms"] = time_against_sdpa(namespace, (1024, 2048, 4096, 8192, 16384))
+    except Exception as failure:
+        report["ok"] = False
+        report["timings_error"] = f"{type(failure).__name__}: {failure}"
+        print(f"  timing against SDPA FAILED: {report['timings_error']}", flush=True)
     return report
 
 

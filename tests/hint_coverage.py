@@ -73,14 +73,16 @@ def modules_under_test(args: Sequence[str], tests_dir: Path = TESTS_DIR) -> set[
             if file.name.startswith("test_checks_") and file.suffix == ".py"}
 
 
-def report(missing: Sequence[Hint], total: int, whole: bool, enforced: bool, modules: Iterable[str] = ()) -> list[str]:
+def report(missing: Sequence[Hint], total: int, whole: bool, enforced: bool, modules: Iterable[str] = (),
+           why_not_judged: str = "only part of the suite ran") -> list[str]:
     """The lines of the "hint coverage" section of the test summary.
 
-    A subset run is not judged; it lists the hints of ``modules`` (those whose test files ran)
-    that it did not trigger, so a contributor can work on one notebook's checks at a time.
+    A subset run (or one where some tests cannot run: ``why_not_judged``) is not judged; it lists the hints of
+    ``modules`` (those whose test files ran) that it did not trigger, so a contributor can work on one notebook's
+    checks at a time.
     """
     if not whole:
-        lines = [f"hint coverage: not judged (only part of the suite ran); {total - len(missing)} of {total} "
+        lines = [f"hint coverage: not judged ({why_not_judged}); {total - len(missing)} of {total} "
                  "hints appeared in a failure message in this run."]
         modules = set(modules)
         nearby = [hint for hint in missing if hint.module in modules]

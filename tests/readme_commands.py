@@ -63,6 +63,7 @@ NOT_RUN = {
     "make test": "runs this suite",
     "make bench": "minutes of timing measurements, not a pass/fail check (benchmarks/)",
     "make gpu-check": "needs a CUDA GPU; the machines `make test` runs on have none",
+    "make gpu-check GPU_PYTHON=python3": "needs a CUDA GPU and a python3 with a CUDA build of torch",
     "make floors": "downloads several GB of the oldest allowed versions into a second environment",
     "make release": "rewrites the committed course/ while other tests read it; `make release-check` runs the "
                     "same build, as written, and fails unless it equals course/ byte for byte",

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import textwrap
+from pathlib import Path
 
 import torch
 
@@ -41,9 +42,9 @@ CPU = {"device": "cpu", "quiet": True}
 NEG_INF = float("-inf")
 
 
-def rejects(check, answer, hint_key: str, *extra) -> str:
+def rejects(check, answer, hint_key: str, *extra, device: str = "cpu") -> str:
     with pytest.raises(CheckFailure) as failure:
-        check(answer, *extra, **CPU)
+        check(answer, *extra, device=device, quiet=True)
     message = str(failure.value)
     assert hint_pattern(HINTS[hint_key]).search(_normalise(message)), message  # format fields match anything
     return message
@@ -869,7 +870,20 @@ def test_an_unmasked_load_fails_every_time(where_checks_run):
 def test_an_unmasked_load_shows_as_nan_where_loads_are_not_watched(monkeypatch):
     # Natively on a GPU the loads cannot be watched: the NaN rows after the tensors still name the mistake.
     monkeypatch.setattr(triton_kernels.LoadWatch, "__enter__", lambda self: self)
-    rejects(checks.check_flash_attention_kernel, Planted(7), "nan_past_end")
+    rejects(checks.check_flash_attention_kernel, Planted(7), "nan_past_end", device=KERNEL["device"])
+
+
+def test_a_launch_report_must_say_where_the_launch_ran():
+    # Where it ran decides the device the checker judges its results on (TF32 on a GPU): a report without it,
+    # or naming another device, is malformed.
+    from attention_lab.bridge import wire
+
+    probe = triton_kernels.KernelLaunch(launcher="launch_scale")
+    report = {"result": torch.zeros(3), "raised": None, "warnings": [], "watch": None, "ran_on": "cpu"}
+    probe.accept(report)
+    for where in (None, "tpu", 1):
+        with pytest.raises(wire.WireError, match="does not say where it ran"):
+            probe.accept({**report, "ran_on": where})
 
 
 def test_poisoned_rows_are_a_view_with_nan_after_each_head():
@@ -1027,7 +1041,8 @@ def test_warm_up_kernels_pass_when_right(capsys):
     ("check_matmul_kernel", planted_matmul, 2, "matmul_one_k_block"),
     pytest.param("check_matmul_kernel", planted_matmul, 3, "wrong_address", marks=INTERPRETER_ONLY),
     ("check_matmul_kernel", planted_matmul, 4, "matmul_last_slice"),
-    ("check_matmul_kernel", planted_matmul, 5, "matmul_half_accumulator"),
+    # natively fp32 tl.dot runs in TF32, as coarse as a float16 accumulator: the check names it on the CPU only
+    pytest.param("check_matmul_kernel", planted_matmul, 5, "matmul_half_accumulator", marks=INTERPRETER_ONLY),
     pytest.param("check_matmul_kernel", planted_matmul, 6, "ladder_unmasked_store", marks=INTERPRETER_ONLY),
     ("check_row_softmax_kernel", planted_softmax, 1, "softmax_other_zero"),
     ("check_row_softmax_kernel", planted_softmax, 2, "softmax_no_max"),
@@ -1038,7 +1053,7 @@ def test_warm_up_kernels_pass_when_right(capsys):
     pytest.param("check_row_softmax_kernel", planted_softmax, 6, "mask_last_lane", marks=INTERPRETER_ONLY),
 ])
 def test_warm_up_kernel_mistakes_are_named(check, kernel, bug, hint):
-    rejects(getattr(checks, check), PlantedLadder(kernel, bug), hint)
+    rejects(getattr(checks, check), PlantedLadder(kernel, bug), hint, device=KERNEL["device"])
 
 
 @needs_triton
@@ -1049,7 +1064,7 @@ def test_warm_up_mistakes_show_in_the_numbers_where_loads_are_not_watched(monkey
     # Natively on a GPU nothing watches the loads and stores: NaN after every input and in every output until a
     # program writes it still names the mistake.
     monkeypatch.setattr(triton_kernels.LoadWatch, "__enter__", lambda self: self)
-    rejects(getattr(checks, check), PlantedLadder(kernel, bug), hint)
+    rejects(getattr(checks, check), PlantedLadder(kernel, bug), hint, device=KERNEL["device"])
 
 
 def test_kernel_check_without_triton_points_to_colab(monkeypatch):
@@ -1164,10 +1179,30 @@ def test_setup_selects_the_interpreter_without_a_gpu(monkeypatch):
     from attention_lab import device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # set, then deleted: pytest restores only what it saw set, and setup's "1" must not outlive this test on a
+    # GPU machine (every kernel defined after it would be interpreted)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.delenv(device.DEVICE_ENV_VAR, raising=False)
     assert device.setup(verbose=False).type == "cpu"
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+@needs_triton
+def test_gpu_check_defines_the_solutions_kernels_compiled_not_interpreted():
+    # @triton.jit reads each kernel's source: exec'd from the solution's cells, it had none ("@jit functions should
+    # be defined in a Python file"), and make gpu-check stopped before its kernel checks and timings.
+    import subprocess
+    import sys
+
+    script = ("from benchmarks.gpu_check import solution_namespace\n"
+              "kernels = {n: type(v).__name__ for n, v in solution_namespace().items() if n.endswith('_kernel')}\n"
+              "print(sorted(set(kernels.values())), len(kernels))")
+    environ = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environ,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["['JITFunction']", "7"], done.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -193,3 +193,17 @@ def test_the_session_log_variable_is_set_for_every_test():
     import os
 
     assert os.environ.get(HINT_LOG_ENV_VAR), "conftest should point the hint log at a folder for the session"
+
+
+def test_a_whole_run_on_a_gpu_is_not_judged(monkeypatch, pytestconfig, tmp_path):
+    # On a GPU (make gpu-check) the tests that need Triton's interpreter skip, so the hints only they reach cannot
+    # appear: the gate failed a run whose every test passed.
+    from tests.conftest import _judge_hint_coverage
+
+    monkeypatch.setattr(hint_coverage, "whole_suite_ran", lambda option, args: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lines, fail = _judge_hint_coverage(pytestconfig, str(tmp_path))  # no message logged: every hint is missing
+    assert not fail and "not judged (a CUDA GPU is here" in lines[0], lines
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    lines, fail = _judge_hint_coverage(pytestconfig, str(tmp_path))
+    assert fail and lines[0].startswith("hint coverage FAILED"), lines

@@ -242,3 +242,25 @@ def test_the_report_says_where_verdicts_were_decided_and_who_kept_the_grader_out
     assert f"decided by the trusted checker, outside the student's kernel: {ASSIGNMENT}" in report
     line = next(line for line in report.splitlines() if line.startswith(f"| {student('input transformer')} |"))
     assert "kept the grader from calling the answers" in line, line
+
+
+def test_the_checker_checks_on_the_cpu_whatever_device_the_grader_names(monkeypatch, tmp_path):
+    # What the student's code returns crosses the boundary as CPU tensors. On a GPU machine the checker's checks
+    # chose CUDA (or whatever ATTENTION_LAB_DEVICE names) and would find every correct answer on the wrong device.
+    import threading
+
+    from attention_lab.bridge.agent import serve
+    from autograder.grading.trusted.cells import Checker
+
+    monkeypatch.setenv("ATTENTION_LAB_DEVICE", "cuda")  # on this machine without CUDA, a check would raise
+    checker = Checker()
+    path = str(tmp_path / "bridge.sock")
+    try:
+        checker.send({"cell": "from attention_lab.checking import resolve_device\nprint(resolve_device(None))",
+                      "socket": path, "timeout": 300, "connect_timeout": 300})
+        assert (checker.receive(300) or {}).get("listening")
+        threading.Thread(target=serve, args=(path, {}), daemon=True).start()  # the kernel's side: nothing in it
+        answer = checker.receive(300)
+    finally:
+        checker.stop()
+    assert answer and [output.get("text") for output in answer["outputs"]] == ["cpu\n"], answer

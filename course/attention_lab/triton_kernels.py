@@ -629,7 +629,20 @@ def launch(launcher: Callable, kernel: Any, *args: Any, watch: LoadWatch, **kwar
         return launcher(kernel, *args, watch=watch, **kwargs)
     probe = KernelLaunch(launcher=launcher.__name__, args=list(args), kwargs=kwargs)
     remote.measure(kernel, probe, f"the launch of your kernel by {launcher.__name__}")
-    return probe.replay(watch)
+    result = probe.replay(watch)
+    # The tensors arrive on the CPU. Back on the device the kernel ran on where this process has it: a check
+    # judges a kernel by where it ran (fp32 tl.dot runs in TF32 on a GPU), as in the lab; else the inputs'.
+    device = next((arg.device for arg in args if isinstance(arg, torch.Tensor)), torch.device("cpu"))
+    if probe.result["ran_on"] == "cuda" and torch.cuda.is_available():
+        device = torch.device("cuda")
+    return result.to(device) if isinstance(result, torch.Tensor) else tuple(tensor.to(device) for tensor in result)
+
+
+def _kernels_run_on_the_gpu() -> bool:
+    """In the student's process: whether its kernels are compiled for the GPU, as the setup cell chose (a GPU,
+    and no TRITON_INTERPRET: grading without the sandbox on a GPU machine); else they are interpreted and run on
+    CPU tensors (the sandbox has no GPU)."""
+    return torch.cuda.is_available() and not interpreter_active()
 
 
 class KernelLaunch(Probe):
@@ -648,11 +661,14 @@ class KernelLaunch(Probe):
         from attention_lab.bridge.agent import exception_data
 
         watch = LoadWatch()
-        found: dict = {"result": None, "raised": None}
+        gpu = _kernels_run_on_the_gpu()
+        there = lambda value: value.cuda() if gpu and isinstance(value, torch.Tensor) else value  # noqa: E731
+        found: dict = {"result": None, "raised": None, "ran_on": "cuda" if gpu else "cpu"}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                found["result"] = globals()[self.launcher](kernel, *self.args, watch=watch, **self.kwargs)
+                kwargs = {name: there(value) for name, value in self.kwargs.items()}
+                found["result"] = globals()[self.launcher](kernel, *map(there, self.args), watch=watch, **kwargs)
             except Exception as error:  # the launch's own outcome, for the checker to judge
                 found["raised"] = exception_data(error)
                 found["raised"]["message"] = str(error).strip()[-2000:]  # the end: where Triton says what broke
@@ -666,6 +682,8 @@ class KernelLaunch(Probe):
                 and len(findings["warnings"]) <= MAX_WARNING_TEXTS):
             raise wire.WireError("a malformed report of a launch")
         result, raised = findings.get("result"), findings.get("raised")
+        if findings.get("ran_on") not in ("cpu", "cuda"):
+            raise wire.WireError("a launch that does not say where it ran")
         if raised is None and not (isinstance(result, torch.Tensor) or (
                 isinstance(result, tuple) and result and all(isinstance(t, torch.Tensor) for t in result))):
             raise wire.WireError("a launch that returned no tensors")

@@ -114,6 +114,12 @@ def serve() -> int:
     # thread: 64 KiB compared in 4.5 ms instead of 0.12 ms, ~0.1 s per request of notebook 05.
     torch.set_num_threads(1)
     import attention_lab.checking  # noqa: F401
+    from attention_lab.device import DEVICE_ENV_VAR
+
+    # The checks run on the CPU, GPU or not: what the student's code returns crosses the boundary as CPU
+    # tensors (and the sandbox's kernel has no GPU), so checks on CUDA would find every correct answer
+    # "on cpu, not like its inputs". (A student's Triton kernel still runs natively where it was compiled.)
+    os.environ[DEVICE_ENV_VAR] = "cpu"
 
     for line in requests:
         if not line.strip():
