@@ -123,7 +123,7 @@ def _judge_hint_coverage(config: pytest.Config, folder: str) -> tuple[list[str],
     hints = hint_coverage.package_hints()
     missing = hint_coverage.untriggered(hints, hint_coverage.read_messages(folder))
     whole = hint_coverage.whole_suite_ran(config.option, config.args)
-    why_not_judged = "only part of the suite ran"
+    why_not_judged = hint_coverage.PART_OF_THE_SUITE
     if whole and torch.cuda.is_available():
         # the tests that need Triton's interpreter (its load watch) skip on a GPU: the hints only they reach cannot appear
         whole, why_not_judged = False, "a CUDA GPU is here: the tests that need Triton's interpreter were skipped"

@@ -73,8 +73,11 @@ def modules_under_test(args: Sequence[str], tests_dir: Path = TESTS_DIR) -> set[
             if file.name.startswith("test_checks_") and file.suffix == ".py"}
 
 
+PART_OF_THE_SUITE = "only part of the suite ran"  # why a run is not judged, unless another reason is given
+
+
 def report(missing: Sequence[Hint], total: int, whole: bool, enforced: bool, modules: Iterable[str] = (),
-           why_not_judged: str = "only part of the suite ran") -> list[str]:
+           why_not_judged: str = PART_OF_THE_SUITE) -> list[str]:
     """The lines of the "hint coverage" section of the test summary.
 
     A subset run (or one where some tests cannot run: ``why_not_judged``) is not judged; it lists the hints of
