@@ -116,7 +116,7 @@ def solution_namespace() -> dict:
 
 
 def check_kernel_natively() -> dict:
-    from attention_lab.checks.efficient_attention import check_flash_attention_kernel
+    from attention_lab.checks import efficient_attention as checks
     from attention_lab.triton_kernels import TRITON_AVAILABLE, interpreter_active
 
     if not TRITON_AVAILABLE:
@@ -124,33 +124,22 @@ def check_kernel_natively() -> dict:
     if interpreter_active():
         return {"ok": False, "error": "TRITON_INTERPRET=1 is set: unset it to compile the kernel for the GPU"}
     namespace = solution_namespace()
-    kernel = namespace["flash_attention_kernel"]
+    backward = (namespace["flash_attention_backward_kernel"], namespace["flash_attention_backward_dq_kernel"])
+    cases = [(sizes, lambda sizes=sizes: checks.check_flash_attention_kernel(
+        namespace["flash_attention_kernel"], device="cuda", sizes=sizes)) for sizes in ("small", "more")]
+    cases += [(f"backward kernels, {sizes}",  # the challenge: the backward pass's two kernels, compiled
+               lambda sizes=sizes: checks.check_flash_attention_backward_kernel(*backward, device="cuda", sizes=sizes))
+              for sizes in ("small", "more")]
+    cases += [(name, lambda name=name: getattr(checks, f"check_{name}")(namespace[name], device="cuda"))
+              for name in ("scale_kernel", "matmul_kernel", "row_softmax_kernel", "online_softmax_kernel")]  # warm-ups
     report: dict = {"ok": True, "checks": [], "timings_ms": []}
-    for sizes in ("small", "more"):
+    for label, run_check in cases:
         try:
-            check_flash_attention_kernel(kernel, device="cuda", sizes=sizes)
-            report["checks"].append(f"{sizes}: passed")
+            run_check()
+            report["checks"].append(f"{label}: passed")
         except Exception as failure:  # a failed check, or a kernel that does not compile for this GPU
             report["ok"] = False
-            report["checks"].append(f"{sizes}: FAILED: {failure}")
-    from attention_lab.checks import efficient_attention as checks
-
-    for sizes in ("small", "more"):  # the challenge: the backward pass's two kernels, compiled
-        try:
-            checks.check_flash_attention_backward_kernel(namespace["flash_attention_backward_kernel"],
-                                                         namespace["flash_attention_backward_dq_kernel"],
-                                                         device="cuda", sizes=sizes)
-            report["checks"].append(f"backward kernels, {sizes}: passed")
-        except Exception as failure:  # a failed check, or a kernel that does not compile for this GPU
-            report["ok"] = False
-            report["checks"].append(f"backward kernels, {sizes}: FAILED: {failure}")
-    for name in ("scale_kernel", "matmul_kernel", "row_softmax_kernel", "online_softmax_kernel"):  # warm-ups
-        try:
-            getattr(checks, f"check_{name}")(namespace[name], device="cuda")
-            report["checks"].append(f"{name}: passed")
-        except Exception as failure:  # a failed check, or a kernel that does not compile for this GPU
-            report["ok"] = False
-            report["checks"].append(f"{name}: FAILED: {failure}")
+            report["checks"].append(f"{label}: FAILED: {failure}")
     torch.backends.cuda.matmul.allow_tf32 = False
     for line in report["checks"]:
         print(f"  kernel check {line}", flush=True)
