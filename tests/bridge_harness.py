@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import socket
 import threading
-from typing import Any, Callable, Iterator
+import types
+from typing import Any, Callable, Iterable, Iterator
 
 from attention_lab.bridge.agent import Agent, answer_until_done
 from attention_lab.bridge.remote import Bridge
@@ -69,7 +71,9 @@ class BridgedChecks:
 
 def run_both_ways(name: str = "checks"):
     """An autouse fixture for a test module: every test runs with the module global ``name`` (a check
-    module) as it is (the lab), then through the bridge (grading)."""
+    module) as it is (the lab), then through the bridge (grading) -- where it calls a check at all
+    (:func:`calls_the_checks`; tests/conftest.py deselects the other grading runs: they would run
+    the same code again)."""
     import pytest
 
     @pytest.fixture(autouse=True, params=["lab", "grading"])
@@ -79,3 +83,47 @@ def run_both_ways(name: str = "checks"):
         return request.param
 
     return where_checks_run
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names a code object and the code nested in it (lambdas, comprehensions, inner functions) look up."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _global_names(constant)
+    return names
+
+
+def calls_the_checks(test: Callable, module: types.ModuleType, fixturenames: Iterable[str] = (),
+                     name: str = "checks", fixture: str = "where_checks_run") -> bool:
+    """Does ``test`` (a test function of ``module``) reach the module global ``name``: itself, through
+    a function, class or fixture of its module (followed to any depth), or by asking where its checks
+    run (``fixture`` among its own arguments)? Conservative: a name of the module that might lead
+    there is followed."""
+    if fixture in inspect.signature(test).parameters:
+        return True
+    seen: set[int] = set()
+
+    def reaches(obj: Any) -> bool:
+        if id(obj) in seen:
+            return False
+        seen.add(id(obj))
+        wrapped = getattr(obj, "_get_wrapped_function", None)  # a pytest fixture: its function
+        obj = wrapped() if callable(wrapped) else inspect.unwrap(obj) if callable(obj) else obj
+        if inspect.isclass(obj):
+            return any(reaches(member) for member in vars(obj).values() if callable(member))
+        code = getattr(obj, "__code__", None)
+        if code is None:
+            return False
+        names = _global_names(code)
+        return name in names or any(reaches(module.__dict__[other]) for other in names
+                                    if other in module.__dict__ and _defined_in(module.__dict__[other], module))
+
+    return reaches(test) or any(reaches(module.__dict__[fixture_name]) for fixture_name in fixturenames
+                                if fixture_name in module.__dict__ and _defined_in(module.__dict__[fixture_name], module))
+
+
+def _defined_in(obj: Any, module: types.ModuleType) -> bool:
+    wrapped = getattr(obj, "_get_wrapped_function", None)
+    obj = wrapped() if callable(wrapped) else obj
+    return (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == module.__name__

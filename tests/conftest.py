@@ -26,6 +26,7 @@ from attention_lab.checking import HINT_LOG_ENV_VAR  # noqa: E402
 from autograder import release  # noqa: E402
 
 from tests import hint_coverage, readme_commands, session_gates  # noqa: E402
+from tests.bridge_harness import calls_the_checks  # noqa: E402
 
 # Each test process computes on one thread, as each grading kernel and the trusted checker do:
 # `make test` runs three xdist workers on two cores, where a torch operation that waits for a
@@ -159,6 +160,19 @@ def pytest_configure(config: pytest.Config) -> None:
             folder = tempfile.mkdtemp(prefix=f"attention-lab-{gate.env_var.lower()}-")
             config.stash[_GATE_LOGS][gate.title] = folder
             os.environ[gate.env_var] = folder
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A check test runs a second time through the bridge (tests/bridge_harness.run_both_ways) only
+    where it calls a check: the grading run of a test that calls none (a widget drawn, a property
+    of the notebook's maths) would run the same code again, and is deselected."""
+    again = [item for item in items if getattr(item, "callspec", None) is not None
+             and item.callspec.params.get("where_checks_run") == "grading"
+             and not calls_the_checks(item.function, item.module, item.fixturenames)]
+    if again:
+        config.hook.pytest_deselected(items=again)
+        dropped = set(map(id, again))
+        items[:] = [item for item in items if id(item) not in dropped]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

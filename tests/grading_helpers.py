@@ -59,11 +59,12 @@ os.remove({path!r})
 
 
 @contextlib.contextmanager
-def loaded_machine(scratch: Path, *, cpu: int = 3, disk: int = 2, megabytes: int = 64, seconds: int = 420):
-    """CPU burners and disk writers for the duration of the block (each also stops itself
-    after ``seconds``; at most ``disk * megabytes`` MB on disk)."""
+def loaded_machine(scratch: Path, *, cpu: int | None = None, disk: int = 2, megabytes: int = 64, seconds: int = 420):
+    """CPU burners (``cpu``; by default one per core, enough to keep every core busy) and disk
+    writers for the duration of the block (each also stops itself after ``seconds``; at most
+    ``disk * megabytes`` MB on disk)."""
     scratch.mkdir(parents=True, exist_ok=True)
-    scripts = [BURN_CPU.format(seconds=seconds)] * cpu + [
+    scripts = [BURN_CPU.format(seconds=seconds)] * (cpu or os.cpu_count() or 1) + [
         WRITE_DISK.format(seconds=seconds, path=str(scratch / f"load{n}.bin"), megabytes=megabytes)
         for n in range(disk)]
     burners = [subprocess.Popen([sys.executable, "-c", script], start_new_session=True) for script in scripts]

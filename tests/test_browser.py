@@ -57,6 +57,21 @@ RIGHT_ATTENTION_WEIGHTS = '''def attention_weights(q, k, mask=None):
 '''
 
 
+@ON_THE_STUDENT_LAB  # its browser
+def test_the_browser_reaches_nothing_off_the_machine(browser):
+    """A page's request to another host (a name, an IPv4 or an IPv6 address) is refused at once by
+    the browser (tests/lab_servers.off_the_network); it never waits on the network."""
+    from playwright.sync_api import Error as PlaywrightError
+
+    for url in ("https://cdnjs.cloudflare.com/ajax/libs/mathjax/", "http://1.1.1.1/", "http://[2606:4700::1111]/"):
+        page = browser.new_page()  # one page each: a third goto from a page showing an error hung here
+        try:
+            with pytest.raises(PlaywrightError, match="ERR_PROXY_CONNECTION_FAILED"):
+                page.goto(url, timeout=60_000)
+        finally:
+            page.close()
+
+
 # --------------------------------------------------------------------------------------
 # JupyterLab, as a person uses it
 # --------------------------------------------------------------------------------------
