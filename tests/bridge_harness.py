@@ -108,22 +108,20 @@ def calls_the_checks(test: Callable, module: types.ModuleType, fixturenames: Ite
         if id(obj) in seen:
             return False
         seen.add(id(obj))
+        if isinstance(obj, (list, tuple, set, frozenset, dict)):  # a table of cases: its functions
+            return any(reaches(item) for item in (obj.values() if isinstance(obj, dict) else obj))
         wrapped = getattr(obj, "_get_wrapped_function", None)  # a pytest fixture: its function
-        obj = wrapped() if callable(wrapped) else inspect.unwrap(obj) if callable(obj) else obj
+        obj = wrapped() if callable(wrapped) else getattr(obj, "__func__", obj)  # static and class methods
+        obj = inspect.unwrap(obj) if callable(obj) else obj
+        if getattr(obj, "__module__", None) != module.__name__:
+            return False  # pytest's, the course's, the standard library's: not the test module's
         if inspect.isclass(obj):
-            return any(reaches(member) for member in vars(obj).values() if callable(member))
+            return any(reaches(member) for member in vars(obj).values())
         code = getattr(obj, "__code__", None)
         if code is None:
             return False
         names = _global_names(code)
-        return name in names or any(reaches(module.__dict__[other]) for other in names
-                                    if other in module.__dict__ and _defined_in(module.__dict__[other], module))
+        return name in names or any(reaches(module.__dict__[other]) for other in names if other in module.__dict__)
 
     return reaches(test) or any(reaches(module.__dict__[fixture_name]) for fixture_name in fixturenames
-                                if fixture_name in module.__dict__ and _defined_in(module.__dict__[fixture_name], module))
-
-
-def _defined_in(obj: Any, module: types.ModuleType) -> bool:
-    wrapped = getattr(obj, "_get_wrapped_function", None)
-    obj = wrapped() if callable(wrapped) else obj
-    return (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == module.__name__
+                                if fixture_name in module.__dict__)

@@ -29,6 +29,13 @@ TEST_MODULE = textwrap.dedent('''
     def draw():
         return 1
 
+    class Cases:
+        @staticmethod
+        def wrong():
+            return checks.check_it(0)
+
+    CASES = [("right", lambda: 1), ("wrong", lambda: checks.check_it(0))]
+
     def test_direct():
         checks.check_it(1)
 
@@ -46,6 +53,13 @@ TEST_MODULE = textwrap.dedent('''
 
     def test_asks_where(where_checks_run):
         pass
+
+    def test_through_a_static_method():
+        Cases.wrong()
+
+    def test_through_a_table_of_cases():
+        for label, case in CASES:
+            case()
 
     def test_a_widget():
         draw()
@@ -68,6 +82,7 @@ def module():
 
 @pytest.mark.parametrize("test, fixtures", [("test_direct", ()), ("test_through_a_helper", ()),
                                             ("test_through_a_class", ()), ("test_in_a_comprehension", ()),
+                                            ("test_through_a_static_method", ()), ("test_through_a_table_of_cases", ()),
                                             ("test_through_a_fixture", ("checked",)),
                                             ("test_asks_where", ("where_checks_run",))])
 def test_a_test_that_reaches_a_check_runs_both_ways(module, test, fixtures):
