@@ -638,13 +638,6 @@ def launch(launcher: Callable, kernel: Any, *args: Any, watch: LoadWatch, **kwar
     return result.to(device) if isinstance(result, torch.Tensor) else tuple(tensor.to(device) for tensor in result)
 
 
-def _kernels_run_on_the_gpu() -> bool:
-    """In the student's process: whether its kernels are compiled for the GPU, as the setup cell chose (a GPU,
-    and no TRITON_INTERPRET: grading without the sandbox on a GPU machine); else they are interpreted and run on
-    CPU tensors (the sandbox has no GPU)."""
-    return torch.cuda.is_available() and not interpreter_active()
-
-
 class KernelLaunch(Probe):
     """One of the course's launchers (:data:`LAUNCHERS`, by name) run on the student's kernel in its own
     process (``measure``), with a :class:`LoadWatch`; its findings are data: the launch's result (tensors),
@@ -661,7 +654,9 @@ class KernelLaunch(Probe):
         from attention_lab.bridge.agent import exception_data
 
         watch = LoadWatch()
-        gpu = _kernels_run_on_the_gpu()
+        # A kernel compiled for the GPU (defined without TRITON_INTERPRET: grading without the sandbox on a GPU
+        # machine) runs on CUDA tensors; an interpreted one on the CPU tensors that crossed (the sandbox has no GPU).
+        gpu = _compiled_for_gpu(kernel) and torch.cuda.is_available()
         there = lambda value: value.cuda() if gpu and isinstance(value, torch.Tensor) else value  # noqa: E731
         found: dict = {"result": None, "raised": None, "ran_on": "cuda" if gpu else "cpu"}
         with warnings.catch_warnings(record=True) as caught:
