@@ -244,6 +244,38 @@ def test_the_report_says_where_verdicts_were_decided_and_who_kept_the_grader_out
     assert "kept the grader from calling the answers" in line, line
 
 
+def test_a_kernel_that_finished_the_request_without_connecting_costs_no_wait(graded):
+    """The rewritten kernel answered the agent's request without running it: the checker was told
+    at once, instead of waiting out its connection time (the incident says which happened)."""
+    refusals = [i for i in graded["outcomes"][student("input transformer")].incidents if i["kind"] == "bridge_refused"]
+    assert refusals and "finished the grader's request without running it" in refusals[0]["detail"], refusals
+
+
+def test_a_cancel_ends_the_checkers_wait_and_a_late_one_is_ignored(tmp_path):
+    import threading
+
+    from attention_lab.bridge.agent import serve
+    from autograder.grading.trusted.cells import Checker
+
+    checker = Checker()
+    path = str(tmp_path / "bridge.sock")
+    cell = {"cell": "print(6 * 7)", "socket": path, "timeout": 300, "connect_timeout": 300}
+    try:
+        checker.send(cell)
+        assert (checker.receive(300) or {}).get("listening")
+        checker.cancel()  # a kernel that finished the agent's request without connecting
+        refused = checker.receive(120)  # not the 300 s the checker would otherwise wait
+        checker.cancel()  # late: this checker waits for no kernel now
+        checker.send(cell)
+        assert (checker.receive(300) or {}).get("listening")
+        threading.Thread(target=serve, args=(path, {}), daemon=True).start()
+        answered = checker.receive(300)
+    finally:
+        checker.stop()
+    assert refused and "finished the grader's request without running it" in refused.get("error", ""), refused
+    assert answered and [output.get("text") for output in answered["outputs"]] == ["42\n"], answered
+
+
 def test_the_checker_checks_on_the_cpu_whatever_device_the_grader_names(monkeypatch, tmp_path):
     # What the student's code returns crosses the boundary as CPU tensors. On a GPU machine the checker's checks
     # chose CUDA (or whatever ATTENTION_LAB_DEVICE names) and would find every correct answer on the wrong device.

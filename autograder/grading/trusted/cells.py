@@ -10,8 +10,9 @@ which connects to that socket and answers the checker's requests until the test 
 cell's outputs are the checker's: what the checks printed, and the error when the test failed.
 
 A kernel that does not run the agent (a submission that rewrites every cell it is given)
-keeps the grader out: that test, and every later one of the notebook, earns nothing, at the
-cost of one wait.  A kernel still busy once the checker is done is interrupted, then counted
+keeps the grader out: that test, and every later one of the notebook, earns nothing.  The
+checker stops waiting for it as soon as the kernel has finished the request without
+connecting; only a kernel that never finishes it costs one wait (``bridge_grace`` + 20 s).  A kernel still busy once the checker is done is interrupted, then counted
 as hung, as any cell would be.
 """
 
@@ -32,6 +33,7 @@ from nbclient.exceptions import DeadKernelError
 from nbclient.util import ensure_async
 from nbformat.notebooknode import NotebookNode
 
+from autograder.grading.trusted.checker import NOT_STARTED
 from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL, UNRESPONSIVE_GRACE
 
 # The code that starts the bridge's agent in the student's kernel (silently: not a cell).
@@ -64,6 +66,14 @@ class Checker:
         process = self.ensure()
         process.stdin.write(json.dumps(request) + "\n")
         process.stdin.flush()
+
+    def cancel(self) -> None:
+        """End the checker's wait for a kernel (it answers that the bridge was not started); a
+        checker that is not waiting ignores it."""
+        process = self.process
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # stopped meanwhile: nothing waits
+            process.stdin.write(json.dumps({"cancel": True}) + "\n")
+            process.stdin.flush()
 
     def receive(self, timeout: float) -> dict | None:
         """The checker's next answer, or None (and the checker stopped) when none came in time."""
@@ -122,16 +132,18 @@ class CheckedOutsideTheKernel:
         if not listening or not listening.get("listening"):
             return self._checker_failed(cell, number, grade_id, "the grader's checker did not start")
         msg_id = self.kc.execute(AGENT_CODE.format(path=path), silent=True, store_history=False)
-        answer = await loop.run_in_executor(None, checker.receive, connect + limit + 30)
+        answering = loop.run_in_executor(None, checker.receive, connect + limit + 30)
+        agent_returned = await self._agent_returned_before(answering, msg_id)
+        answer = await answering
         if answer is not None and "outputs" in answer:
             cell.outputs = [NotebookNode(output) for output in answer["outputs"]]
             self.checked_cells[grade_id] = {"seconds": answer.get("seconds"), "requests": answer.get("requests")}
-        elif "did not start the grader's bridge" in (answer or {}).get("error", ""):
+        elif NOT_STARTED in (answer or {}).get("error", ""):
             self.bridge_refused = True
-            self._refused(cell, number, grade_id)
+            self._refused(cell, number, grade_id, answer["error"])
         else:
             self._checker_failed(cell, number, grade_id, (answer or {}).get("error", "the grader's checker did not answer"))
-        if not await self._agent_returned(msg_id):
+        if not agent_returned and not await self._agent_returned(msg_id):
             from nbgrader.preprocessors.execute import UnresponsiveKernelError
 
             if not await ensure_async(self.km.is_alive()):  # the answer killed the kernel while the checker called it
@@ -142,15 +154,29 @@ class CheckedOutsideTheKernel:
             raise UnresponsiveKernelError()
         return cell
 
-    def _refused(self, cell, number: int, grade_id: str | None):
+    def _refused(self, cell, number: int, grade_id: str | None, how: str = "it kept the grader out at an earlier test"):
         cell.outputs = [NotebookNode(output_type="error", ename="GraderBridgeError", evalue=REFUSED, traceback=[])]
-        self.report_incident({"kind": "bridge_refused", "cell": number, "grade_id": grade_id})
+        self.report_incident({"kind": "bridge_refused", "cell": number, "grade_id": grade_id, "detail": how})
         return cell
 
     def _checker_failed(self, cell, number: int, grade_id: str | None, detail: str):
         cell.outputs = [NotebookNode(output_type="error", ename="GraderCheckerError", evalue=detail[:2000], traceback=[])]
         self.report_incident({"kind": "checker_failed", "cell": number, "grade_id": grade_id, "detail": detail[:500]})
         return cell
+
+    async def _agent_returned_before(self, answering: asyncio.Future, msg_id: str) -> bool:
+        """Whether the kernel finished the agent's request while the checker was at work (its reply
+        is taken here). A kernel that finished it without connecting never will: the checker is
+        told to stop waiting for it, at once -- a submission that rewrites its cells costs no wait."""
+        while not answering.done():
+            try:
+                msg = await self.kc.shell_channel.get_msg(timeout=0.25)
+            except Empty:
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id:
+                checker.cancel()  # ignored by a checker already done with this kernel
+                return True
+        return False
 
     async def _agent_returned(self, msg_id: str) -> bool:
         """Whether the kernel finished the agent's request (interrupted once if not, in time)."""

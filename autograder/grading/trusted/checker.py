@@ -28,6 +28,7 @@ import contextlib
 import io
 import json
 import os
+import select
 import socket
 import sys
 import time
@@ -96,15 +97,71 @@ def run_cell(source: str, connection: socket.socket, timeout: float) -> tuple[li
     return outputs, bridge.requests
 
 
+NOT_STARTED = "the kernel did not start the grader's bridge"
+
+
+class Requests:
+    """The nbgrader process's lines, read from the raw descriptor (no hidden buffer), so that the wait
+    for a kernel's connection can watch for a cancel at the same time."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.buffer = b""
+        self.ended = False
+
+    def read_more(self) -> bool:
+        """One read of what is there; False once the nbgrader process closed the pipe."""
+        chunk = os.read(self.fd, 1 << 16)
+        self.buffer += chunk
+        self.ended = not chunk
+        return bool(chunk)
+
+    def next_line(self) -> bytes | None:
+        while b"\n" not in self.buffer:
+            if self.ended or not self.read_more():
+                return None
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line
+
+    def take_cancel(self) -> bool:
+        """Whether the next complete line is a cancel (taken, then)."""
+        if b"\n" not in self.buffer:
+            return False
+        line, rest = self.buffer.split(b"\n", 1)
+        if not line.strip() or "cancel" not in json.loads(line):
+            return False
+        self.buffer = rest
+        return True
+
+
+def wait_for_the_kernel(listener: socket.socket, requests: Requests, timeout: float) -> socket.socket | str:
+    """The kernel's connection, or why there is none: it did not connect within ``timeout``, or the
+    nbgrader process cancelled the wait -- the kernel had finished the agent's request without
+    connecting (its cells are rewritten), so waiting longer would only cost time."""
+    deadline = time.monotonic() + timeout
+    while not requests.take_cancel():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or requests.ended:
+            return f"{NOT_STARTED} within {timeout:.0f} s"
+        ready = select.select([listener, requests.fd], [], [], remaining)[0]
+        if listener in ready:
+            return listener.accept()[0]
+        if ready:
+            requests.read_more()
+    return f"{NOT_STARTED}: it finished the grader's request without running it"
+
+
 def serve() -> int:
     """Answer the nbgrader process's requests: ``{"cell", "socket", "timeout", "connect_timeout"}`` ->
     ``{"listening": true}`` once the socket listens, then ``{"outputs": [...]}`` (or ``{"error"}``
-    when the kernel never connected).  Answers go to what was standard output; anything else
-    printed goes to standard error (the nbgrader process's log)."""
+    when the kernel never connected).  ``{"cancel": true}`` while the checker waits for the kernel
+    ends that wait (the answer is the error); a cancel that comes later is ignored.  Answers go to
+    what was standard output; anything else printed goes to standard error (the nbgrader
+    process's log)."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    requests = sys.stdin
+    requests = Requests(sys.stdin.fileno())
     os.environ.setdefault("MPLBACKEND", "Agg")
     import torch  # once, before the first student
 
@@ -121,10 +178,10 @@ def serve() -> int:
     # "on cpu, not like its inputs". (A student's Triton kernel still runs natively where it was compiled.)
     os.environ[DEVICE_ENV_VAR] = "cpu"
 
-    for line in requests:
-        if not line.strip():
+    while (line := requests.next_line()) is not None:
+        request = json.loads(line) if line.strip() else {}
+        if "socket" not in request:  # a blank line, or a cancel that came after its answer
             continue
-        request = json.loads(line)
         path = request["socket"]
         listener = socket.socket(socket.AF_UNIX)
         try:
@@ -132,17 +189,15 @@ def serve() -> int:
                 os.unlink(path)
             listener.bind(path)
             listener.listen(1)
-            listener.settimeout(float(request.get("connect_timeout", 60)))
             answers.write(json.dumps({"listening": True}) + "\n")
             answers.flush()
             started = time.monotonic()
-            try:
-                connection, _ = listener.accept()
-            except socket.timeout:
-                answer = {"error": "the kernel did not start the grader's bridge"}
+            connection = wait_for_the_kernel(listener, requests, float(request.get("connect_timeout", 60)))
+            if isinstance(connection, str):
+                answer = {"error": connection}
             else:
-                outputs, requests = run_cell(request["cell"], connection, float(request.get("timeout", 120)))
-                answer = {"outputs": outputs, "seconds": round(time.monotonic() - started, 3), "requests": requests}
+                outputs, crossings = run_cell(request["cell"], connection, float(request.get("timeout", 120)))
+                answer = {"outputs": outputs, "seconds": round(time.monotonic() - started, 3), "requests": crossings}
         except Exception:  # a bug of ours: this cell cannot be graded, the next one can
             answer = {"error": "the checker failed: " + traceback.format_exc(limit=5)[-2000:]}
         finally:
