@@ -5,6 +5,7 @@ coverage (tests/hint_coverage.py) and the README's instructor commands (tests/re
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ ASSIGNMENTS = release.assignment_names()
 # The browser fixtures live here, once: a session fixture imported into several test modules
 # would start one Playwright per module in the same worker, which Playwright refuses.
 # Imported after REPO_ROOT, which lab_servers reads.
-from tests.lab_servers import browser, screenshots  # noqa: E402,F401 -- fixtures
+from tests.lab_servers import browser, chromium_unavailable_reason, screenshots  # noqa: E402,F401 -- fixtures
 
 
 @dataclass(frozen=True)
@@ -162,13 +163,34 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ[gate.env_var] = folder
 
 
+def _test_of(item: pytest.Item) -> tuple[str, str]:
+    return item.module.__name__, getattr(item, "originalname", item.name)
+
+
+# A solution notebook runs top to bottom in a fresh kernel (tests/test_notebooks.py) unless this
+# session runs it in JupyterLab, which asserts the same and more (tests/test_browser.py).
+SOLUTION_IN_A_KERNEL = ("tests.test_notebooks", "test_solution_notebook_runs_top_to_bottom_and_passes_every_test")
+SOLUTION_IN_THE_LAB = ("tests.test_browser", "test_each_notebook_runs_in_the_lab_with_usable_widgets_and_closes_clean")
+# What a course cell must never show a student: warnings, and autograd internals in a printout.
+NOISE = re.compile(r"\b\w*Warning\b|grad_fn=<")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A check test runs a second time through the bridge (tests/bridge_harness.run_both_ways) only
-    where it calls a check: the grading run of a test that calls none (a widget drawn, a property
-    of the notebook's maths) would run the same code again, and is deselected."""
+    """The same run is not made twice in one session:
+
+    * a check test runs a second time through the bridge (tests/bridge_harness.run_both_ways) only
+      where it calls a check: the grading run of a test that calls none (a widget drawn, a property
+      of the notebook's maths) would run the same code again;
+    * a solution notebook that this session runs in JupyterLab (Chromium present) is not run
+      again in a fresh kernel: the lab's run asserts what that one does (every cell runs, every
+      test passes, hidden ones included, no warning or autograd noise in an output) and more."""
+    in_the_lab = set()
+    if chromium_unavailable_reason() is None:
+        in_the_lab = {item.callspec.params["assignment"] for item in items if _test_of(item) == SOLUTION_IN_THE_LAB}
     again = [item for item in items if getattr(item, "callspec", None) is not None
-             and item.callspec.params.get("where_checks_run") == "grading"
-             and not calls_the_checks(item.function, item.module, item.fixturenames)]
+             and ((item.callspec.params.get("where_checks_run") == "grading"
+                   and not calls_the_checks(item.function, item.module, item.fixturenames))
+                  or (_test_of(item) == SOLUTION_IN_A_KERNEL and item.callspec.params["assignment"] in in_the_lab))]
     if again:
         config.hook.pytest_deselected(items=again)
         dropped = set(map(id, again))

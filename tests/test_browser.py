@@ -29,7 +29,7 @@ import pytest
 
 from attention_lab.checks.mha_shapes import SPLIT_HEADS_HINTS
 from autograder import grade, release
-from tests.conftest import ASSIGNMENTS, REPO_ROOT
+from tests.conftest import ASSIGNMENTS, NOISE, REPO_ROOT
 from tests.lab_servers import copy_course, running_lab, set_formgrader_score
 
 pytestmark = [pytest.mark.slow]
@@ -329,6 +329,15 @@ def errors_in_outputs(page) -> list[str]:
     return [text[:400] for text in texts if "Traceback" in text or re.search(r"^\w*(Error|Failure)\b", text, re.M)]
 
 
+def noise_in_outputs(page) -> list[str]:
+    """Lines of the notebook's printed output and results that are warnings or autograd noise
+    (conftest.NOISE): what tests/test_notebooks.py looks for when it runs a notebook itself."""
+    texts = page.locator(".jp-Notebook .jp-OutputArea-output:is([data-mime-type='application/vnd.jupyter.stdout'], "
+                         "[data-mime-type='application/vnd.jupyter.stderr'], [data-mime-type='text/plain'])"
+                         ).all_inner_texts()
+    return [line.strip() for text in texts for line in text.splitlines() if NOISE.search(line)]
+
+
 def live_figures(page):
     """Each LiveFigure in the notebook: the widget box holding its controls and its picture."""
     return page.locator(".jp-OutputArea-output .widget-vbox:has(> .widget-image)")
@@ -439,6 +448,8 @@ def test_each_notebook_runs_in_the_lab_with_usable_widgets_and_closes_clean(assi
         finally:
             screenshots.take(page, "ran-all")
         assert not errors_in_outputs(page), errors_in_outputs(page)
+        noise = noise_in_outputs(page)
+        assert not noise, f"{path.name}: a course cell printed a warning or autograd noise:\n" + "\n".join(noise)
         cells = page.locator(".jp-Notebook .jp-CodeCell")
         for index in range(cells.count()):
             source = cells.nth(index).locator(".jp-InputArea-editor").inner_text()

@@ -13,7 +13,7 @@ import pytest
 
 from autograder import release
 from autograder.execute import execute_notebook
-from tests.conftest import ASSIGNMENTS, REPO_ROOT
+from tests.conftest import ASSIGNMENTS, NOISE, REPO_ROOT
 from tests.curriculum import CONTRACTS
 
 SOLUTION_BLOCK = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.DOTALL)
@@ -132,10 +132,6 @@ def test_every_stub_names_its_exercise(assignment, fresh_build):
             assert re.search(rf'NotImplementedError\("Exercise \d+\.\d+: implement {re.escape(grade_id)}"\)', cell.source)
 
 
-# What a course cell must never show a student: warnings, and autograd internals in a printout.
-NOISE = re.compile(r"\b\w*Warning\b|grad_fn=<")
-
-
 def _noise(notebook: nbformat.NotebookNode) -> list[str]:
     """Lines of the cells' outputs (streams and plain-text results) that are warnings or autograd noise."""
     found = []
@@ -173,6 +169,7 @@ def test_a_finished_run_kills_its_kernel_instead_of_waiting_for_its_shutdown(tmp
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_solution_notebook_runs_top_to_bottom_and_passes_every_test(assignment, fresh_build):
+    """Deselected where this session runs the notebook in JupyterLab (conftest.SOLUTION_IN_THE_LAB)."""
     result = execute_notebook(fresh_build.source(assignment))
     assert not result.errors, result.summary()
     assert sorted(result.passed_tests) == sorted(_grade_ids(fresh_build.source(assignment), "test"))
