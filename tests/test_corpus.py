@@ -10,7 +10,8 @@ a hook that reads ``args[0]`` fails here, not in a student's notebook.
 
 The notebooks run where grading runs them, in kernels forked from a sandboxed kernel server
 (fresh kernels where bubblewrap is missing): a correct answer must earn its points there. The
-solutions also run in fresh kernels (tests/test_notebooks.py) and in JupyterLab (tests/test_browser.py).
+solutions also run in JupyterLab (tests/test_browser.py), or in fresh kernels where Chromium is missing
+(tests/test_notebooks.py).
 
 Every answer of every notebook is written in at least ``STYLES_PER_ANSWER`` styles.
 """

@@ -12,8 +12,9 @@ cell's outputs are the checker's: what the checks printed, and the error when th
 A kernel that does not run the agent (a submission that rewrites every cell it is given)
 keeps the grader out: that test, and every later one of the notebook, earns nothing.  The
 checker stops waiting for it as soon as the kernel has finished the request without
-connecting; only a kernel that never finishes it costs one wait (``bridge_grace`` + 20 s).  A kernel still busy once the checker is done is interrupted, then counted
-as hung, as any cell would be.
+connecting; only a kernel that never finishes it costs one wait (``bridge_grace`` + 20 s).
+A kernel still busy once the checker is done is interrupted, then counted as hung, as any
+cell would be.
 """
 
 from __future__ import annotations
