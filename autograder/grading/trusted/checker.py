@@ -124,14 +124,15 @@ class Requests:
         return line
 
     def take_cancel(self) -> bool:
-        """Whether the next complete line is a cancel (taken, then)."""
-        if b"\n" not in self.buffer:
-            return False
-        line, rest = self.buffer.split(b"\n", 1)
-        if not line.strip() or "cancel" not in json.loads(line):
-            return False
-        self.buffer = rest
-        return True
+        """Whether the next complete line is a cancel (taken, then, with any blank line before it)."""
+        while b"\n" in self.buffer:
+            line, rest = self.buffer.split(b"\n", 1)
+            if line.strip() and "cancel" not in json.loads(line):
+                return False
+            self.buffer = rest
+            if line.strip():
+                return True
+        return False
 
 
 def wait_for_the_kernel(listener: socket.socket, requests: Requests, timeout: float) -> socket.socket | str:
