@@ -175,6 +175,7 @@ SOLUTION_IN_THE_LAB = ("tests.test_browser", "test_each_notebook_runs_in_the_lab
 NOISE = re.compile(r"\b\w*Warning\b|grad_fn=<")
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m: only what this session really runs counts
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The same run is not made twice in one session:
 
