@@ -1,10 +1,16 @@
-"""Running nbgrader's command line from Python, the one way the pipeline does it.
+"""Running nbgrader's command line from Python: in a process of its own, or in this one.
 
     python -m autograder.nbgrader_cli <nbgrader arguments>   # what run_nbgrader starts
 
 That is ``nbgrader`` itself, started through this package so that it skips the import
 ``autograder/__init__.py`` explains (a second of CPU per command), and stamps a gradebook
 it creates without running ``alembic heads`` (see :func:`autograder.gradebook.alembic_head`).
+
+:func:`run_in_process` runs the same command in the calling process, as that command would run
+it (from ``autograder/``, with its nbgrader_config.py): the pipeline's processes that have
+nbgrader loaded anyway (the grading run, each worker's nbgrader process, a release build) do not
+start Python and import nbgrader again for each command (about 1.2 s of CPU each; the command's
+own work, generating a notebook's cells in the gradebook, takes a tenth of a second).
 """
 
 from __future__ import annotations
@@ -40,6 +46,43 @@ def run_nbgrader(*arguments: str, root: Path = COURSE_ROOT, check: bool = True,
         cwd=AUTOGRADER_DIR, env=nbgrader_environment(), check=check,
         capture_output=capture, text=True,
     )
+
+
+def run_in_process(*arguments: str, config=None) -> int:
+    """``nbgrader <arguments>`` in this process; nbgrader's exit status (0: it succeeded).
+
+    ``config``: traitlets configuration given to nbgrader's app before its config files (which
+    override it, as they override a command line's defaults). The app is created afresh and reset
+    afterwards (as nbgrader's own test helper does), and the working folder, ``sys.path`` (which
+    nbgrader extends) and environment are restored: one process runs any number of commands.
+    Not thread-safe (the working folder is the process's): a process runs one at a time."""
+    from jupyter_core.application import NoStart
+    from traitlets.config import Config
+
+    from nbgrader.apps.nbgraderapp import NbGraderApp
+
+    from autograder.gradebook import stamp_in_process
+
+    if NbGraderApp.initialized():
+        raise RuntimeError("an nbgrader app is already running in this process")
+    stamp_in_process()
+    saved_folder, saved_path, saved_environment = os.getcwd(), list(sys.path), dict(os.environ)
+    app = NbGraderApp.instance(config=config or Config())
+    try:
+        os.chdir(AUTOGRADER_DIR)   # where the command runs: nbgrader reads the working folder's config
+        app.initialize(list(arguments))
+        app.start()
+        return 0
+    except NoStart:  # how Jupyter's app says that its subcommand ran
+        return 0
+    except SystemExit as error:  # nbgrader exits 1 when the command failed
+        return error.code if isinstance(error.code, int) else 1
+    finally:
+        app.reset()
+        os.chdir(saved_folder)
+        sys.path[:] = saved_path
+        os.environ.clear()
+        os.environ.update(saved_environment)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import nbformat
 
 from autograder.grading.plan import assignments_with_source
 from autograder.lab.course_notebooks import COURSE_NOTEBOOK_METADATA
-from autograder.nbgrader_cli import run_nbgrader
+from autograder.nbgrader_cli import run_in_process
 from autograder.results import HIDDEN_FAILURE
 from autograder.settings import COURSE_DIR, REPO_ROOT, SETUP_CELL_ID, SOLUTIONS_DIR
 
@@ -228,17 +228,18 @@ def released_notebook(assignment: str, course_dir: Path = COURSE_DIR) -> Path:
     return course_dir / f"{assignment}.ipynb"
 
 
-def generate_assignments(assignments: list[str], nbgrader_root: Path, *options: str, capture: bool = False) -> None:
+def generate_assignments(assignments: list[str], nbgrader_root: Path, *options: str) -> None:
     """nbgrader's ``generate_assignment --force <options>`` on ``assignments`` (their releases, and their
-    cells in the gradebook). Where they are every source ``nbgrader_root`` holds (a new course root,
-    a whole release), one nbgrader process generates them all (its glob): starting one costs about
-    2 s of CPU, most of a notebook's generation (the six notebooks: 159 -> 58 s on a loaded 2-core
-    machine); otherwise one process each."""
+    cells in the gradebook), in this process (:func:`autograder.nbgrader_cli.run_in_process`); nbgrader
+    logs what went wrong. Where they are every source ``nbgrader_root`` holds (a new course root,
+    a whole release), one command generates them all (its glob)."""
     if not assignments:
         return
     every_source = set(assignments) == set(assignments_with_source(nbgrader_root))
     for pattern in ["*"] if every_source else assignments:
-        run_nbgrader("generate_assignment", pattern, "--force", *options, root=nbgrader_root, capture=capture)
+        arguments = ["generate_assignment", pattern, "--force", *options, f"--CourseDirectory.root={nbgrader_root}"]
+        if run_in_process(*arguments) != 0:
+            raise RuntimeError(f"nbgrader {' '.join(arguments)} failed (nbgrader's messages are above)")
 
 
 def generate_releases(assignments: list[str], nbgrader_root: Path) -> dict[str, nbformat.NotebookNode]:

@@ -18,7 +18,8 @@ from autograder import feedback, grade, gradebook, results, sandbox
 from autograder.course_settings import CourseSettings
 from autograder.export import export
 from autograder.nbgrader_cli import run_nbgrader
-from autograder.release import REPO_ROOT, build_source, course_repository, mark_hidden_tests, write_notebook
+from autograder.release import (REPO_ROOT, build_source, course_repository, generate_assignments, mark_hidden_tests,
+                                write_notebook)
 from autograder.settings import COURSE_ROOT_VARIABLE
 from tests.grading_helpers import (TINY, cell_limit, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
                                    tiny_notebook)
@@ -68,6 +69,26 @@ def test_plain_nbgrader_autograde_gives_full_marks_and_zero(course_root):
     possible, autograded = sum(c.points for c in cells), sum(c.points for c in cells if not c.manual)
     assert possible > autograded > 0
     assert scores == {"solver": (autograded, possible), "blank": (0.0, possible)}
+
+
+def test_nbgrader_run_in_this_process_leaves_it_as_it_was_and_a_failure_names_the_command(tmp_path):
+    """The grading run generates the gradebook's cells with nbgrader in its own process: the same
+    cells as the command, and the process's working folder, path and environment as they were
+    (nbgrader's first import extends the path: measured after it); a source nbgrader refuses stops
+    the run with the command named."""
+    root = tiny_course(tmp_path / "autograder", {})
+    folder = os.getcwd()
+    generate_assignments([TINY], root, "--log-level=ERROR")
+    with gradebook.open_gradebook(root) as gb:
+        assert [cell.name for cell in gb.find_notebook(TINY, TINY).grade_cells] == ["test_value"]
+    before = (folder, list(sys.path), dict(os.environ))
+    generate_assignments([TINY], root, "--log-level=ERROR")
+    assert (os.getcwd(), sys.path, dict(os.environ)) == before
+    source = root / "source" / TINY / f"{TINY}.ipynb"
+    source.write_text(source.read_text().replace('"grade_id": "answer"', '"grade_id": "test_value"'))  # two cells, one id
+    with pytest.raises(RuntimeError, match=r"nbgrader generate_assignment \* --force .* failed"):
+        generate_assignments([TINY], root, "--log-level=ERROR")
+    assert (os.getcwd(), sys.path, dict(os.environ)) == before
 
 
 def test_discovery_skips_unknown_assignments_and_empty_folders(course_root):

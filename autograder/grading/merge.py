@@ -66,8 +66,7 @@ def ensure_assignments(root: Path, assignments: list[str], state: dict, url: str
                     present = False
             if not (present and sources.get(assignment) == digest.hexdigest()):
                 stale[assignment] = digest.hexdigest()
-        release.generate_assignments(list(stale), root, "--log-level=ERROR", f"--CourseDirectory.db_url={url}",
-                                     capture=True)
+        release.generate_assignments(list(stale), root, "--log-level=ERROR", f"--CourseDirectory.db_url={url}")
         sources.update(stale)
 
 

@@ -58,6 +58,7 @@ from autograder import gradebook, sandbox
 from autograder.grading.trusted import cells as trusted_cells
 from autograder.grading.trusted.cells import CheckedOutsideTheKernel
 from autograder.kernel_forkserver import Server
+from autograder.nbgrader_cli import run_in_process
 from autograder.results import SKIPPED_CELL, defines, hung_function, uses
 from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID,
                                  UNRESPONSIVE_GRACE)
@@ -261,10 +262,7 @@ def autograde(task: dict) -> int:
     afresh and reset afterwards (as nbgrader's own test helper does), so one process grades
     any number of students, each with its own kernel.
     """
-    from jupyter_core.application import NoStart
     from traitlets.config import Config
-
-    from nbgrader.apps.nbgraderapp import NbGraderApp
 
     config = Config()
     config.Autograde.autograde_preprocessors = autograde_preprocessors()
@@ -287,29 +285,19 @@ def autograde(task: dict) -> int:
     arguments = ["autograde", task["assignment"], "--student", task["student"], "--force",
                  f"--CourseDirectory.root={task['root']}", f"--CourseDirectory.db_url={task_gradebook(task)}",
                  "--log-level=WARN"]
-    saved_environment, saved_path = dict(os.environ), list(sys.path)
+    saved_environment = dict(os.environ)
     os.environ.update(task.get("environment", {}))
-    if task.get("kernel_server"):  # the kernels are forks of it: (re)started when its sandbox changes
-        server = task["kernel_server"]
-        _kernel_server.ensure(server["argv"], server["socket"], {**os.environ, **server["environment"]})
-    if trusted_cells.checked_outside_the_kernel(task["assignment"]):
-        # started now, while nbgrader loads and the kernel starts, not at the first test cell
-        trusted_cells.checker.ensure()
-    app = NbGraderApp.instance(config=config)
     try:
-        app.initialize(arguments)
-        app.start()
-        status = 0
-    except NoStart:  # how Jupyter's app says that its subcommand (autograde) ran
-        status = 0
-    except SystemExit as error:  # nbgrader exits 1 when the autograde failed
-        status = error.code if isinstance(error.code, int) else 1
+        if task.get("kernel_server"):  # the kernels are forks of it: (re)started when its sandbox changes
+            server = task["kernel_server"]
+            _kernel_server.ensure(server["argv"], server["socket"], {**os.environ, **server["environment"]})
+        if trusted_cells.checked_outside_the_kernel(task["assignment"]):
+            # started now, while nbgrader loads and the kernel starts, not at the first test cell
+            trusted_cells.checker.ensure()
+        return run_in_process(*arguments, config=config)
     finally:
-        app.reset()
         os.environ.clear()
         os.environ.update(saved_environment)
-        sys.path[:] = saved_path
-    return status
 
 
 def task_gradebook(task: dict) -> str:
