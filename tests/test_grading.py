@@ -406,8 +406,10 @@ def test_nothing_a_student_leaves_in_the_sandbox_reaches_the_next_student(tiny_c
 @pytest.mark.slow
 def test_under_load_and_a_slow_kernel_start_honest_work_is_graded_and_loops_are_still_caught(
         tiny_class, tmp_path, monkeypatch):
-    """CPU burners and disk writers run, and every kernel sleeps longer than a cell's limit
-    before it starts: slow honest cells are graded as working, an endless loop as a timeout."""
+    """A CPU burner and a disk writer run beside the two grading jobs (more busy processes than a
+    2-core machine has cores, and reads queued behind synced writes), and every kernel sleeps
+    longer than a cell's limit before it starts: slow honest cells are graded as working, an
+    endless loop as a timeout."""
     baseline = setup_cell_seconds()               # the setup cell here, now, without the burners
     # Half of what the setup cell needs: were imports on a cell's budget, every honest
     # student would time out; the honest cells themselves take milliseconds.
