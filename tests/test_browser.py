@@ -103,6 +103,22 @@ def open_from_path(page, name: str) -> None:
     wait_until_idle(page)
 
 
+def showing_only(pages: dict, browser, server, name: str):
+    """The page that the tests of one lab share (``pages``, a fixture of theirs), showing ``name``
+    as its only notebook: opened with the first notebook, then each from File > Open from Path…
+    (loading JupyterLab costs Chromium about 3 s of CPU a page). A page that a failed test left
+    with a notebook or a dialog open is closed and a new one opened."""
+    page = pages.get("page")
+    if page is not None and (page.locator(".jp-Dialog").count() or page.locator(".jp-NotebookPanel").count()):
+        page.close()
+        page = None
+    if page is None:
+        pages["page"] = page = open_notebook(browser, server, name)
+    else:
+        open_from_path(page, name)
+    return page
+
+
 def wait_until_idle(page) -> None:
     """The kernel has started (or finished what it was running): the status bar says so."""
     page.get_by_text(re.compile(r"Python 3 \(ipykernel\) \| Idle")).first.wait_for(timeout=300_000)
@@ -305,6 +321,15 @@ def solved_lab(tmp_path_factory, fresh_build):
         yield server
 
 
+@pytest.fixture(scope="module")
+def solved_lab_pages(solved_lab, browser):
+    """The page the tests of the solved lab take turns on (see :func:`showing_only`)."""
+    pages: dict = {}
+    yield pages
+    if pages.get("page") is not None:
+        pages["page"].close()
+
+
 def is_dirty(page) -> bool:
     return "jp-mod-dirty" in (page.locator(".lm-TabBar-tab.jp-mod-current").get_attribute("class") or "")
 
@@ -456,55 +481,52 @@ def exercise_controls(page, figure) -> list[str]:
 
 @ON_THE_SOLVED_LAB
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
-def test_each_notebook_runs_in_the_lab_with_usable_widgets_and_closes_clean(assignment, solved_lab, browser,
-                                                                           screenshots):
+def test_each_notebook_runs_in_the_lab_with_usable_widgets_and_closes_clean(assignment, solved_lab, solved_lab_pages,
+                                                                           browser, screenshots):
     path = solved_lab.root_dir / f"{assignment}.ipynb"
     released = path.read_bytes()
-    page = open_notebook(browser, solved_lab, path.name)
+    page = showing_only(solved_lab_pages, browser, solved_lab, path.name)
+    page.set_viewport_size(SCREEN_SIZES["1400x900"])
+    # Opening is not editing: no dirty marker once the kernel has started.
+    assert not is_dirty(page), f"{path.name} is marked modified as soon as it opens"
     try:
-        page.set_viewport_size(SCREEN_SIZES["1400x900"])
-        # Opening is not editing: no dirty marker once the kernel has started.
-        assert not is_dirty(page), f"{path.name} is marked modified as soon as it opens"
-        try:
-            run_all(page)
-        finally:
-            screenshots.take(page, "ran-all")
-        assert not errors_in_outputs(page), errors_in_outputs(page)
-        noise = noise_in_outputs(page)
-        assert not noise, f"{path.name}: a course cell printed a warning or autograd noise:\n" + "\n".join(noise)
-        cells = page.locator(".jp-Notebook .jp-CodeCell")
-        for index in range(cells.count()):
-            source = cells.nth(index).locator(".jp-InputArea-editor").inner_text()
-            if re.search(r"^check_\w+\(", source, re.M):
-                output = cells.nth(index).locator(".jp-OutputArea").inner_text()
-                assert "✓" in output, f"{path.name}: the check in cell {index} printed no ✓:\n{source}\n{output}"
-
-        figures = live_figures(page)
-        interactions = []
-        for index in range(figures.count()):
-            figure = figures.nth(index)
-            figure.scroll_into_view_if_needed()
-            for size_name, size in SCREEN_SIZES.items():
-                page.set_viewport_size(size)
-                figure.scroll_into_view_if_needed()
-                screenshots.take(page, f"widget{index}-{size_name}")
-                problems = narrow_controls(figure)
-                assert not problems, f"{path.name}, widget {index} at {size_name}: " + "; ".join(problems)
-            page.set_viewport_size(SCREEN_SIZES["1400x900"])
-            interactions += exercise_controls(page, figure)
-            figure.scroll_into_view_if_needed()
-            screenshots.take(page, f"widget{index}-after-controls")
-            assert not errors_in_outputs(page), errors_in_outputs(page)
-        print(f"{path.name}: {figures.count()} widget(s); " + "; ".join(interactions))
-
-        # Autosave writes the run (outputs dropped by the lab's pre-save hook): then closing asks nothing.
-        wait_until_saved(page)
-        wait_until_idle(page)
-        asked = close_current_tab(page)
-        screenshots.take(page, "closed")
-        assert not asked, f"closing {path.name} asked to save: {page.locator('.jp-Dialog').inner_text()}"
+        run_all(page)
     finally:
-        page.close()
+        screenshots.take(page, "ran-all")
+    assert not errors_in_outputs(page), errors_in_outputs(page)
+    noise = noise_in_outputs(page)
+    assert not noise, f"{path.name}: a course cell printed a warning or autograd noise:\n" + "\n".join(noise)
+    cells = page.locator(".jp-Notebook .jp-CodeCell")
+    for index in range(cells.count()):
+        source = cells.nth(index).locator(".jp-InputArea-editor").inner_text()
+        if re.search(r"^check_\w+\(", source, re.M):
+            output = cells.nth(index).locator(".jp-OutputArea").inner_text()
+            assert "✓" in output, f"{path.name}: the check in cell {index} printed no ✓:\n{source}\n{output}"
+
+    figures = live_figures(page)
+    interactions = []
+    for index in range(figures.count()):
+        figure = figures.nth(index)
+        figure.scroll_into_view_if_needed()
+        for size_name, size in SCREEN_SIZES.items():
+            page.set_viewport_size(size)
+            figure.scroll_into_view_if_needed()
+            screenshots.take(page, f"widget{index}-{size_name}")
+            problems = narrow_controls(figure)
+            assert not problems, f"{path.name}, widget {index} at {size_name}: " + "; ".join(problems)
+        page.set_viewport_size(SCREEN_SIZES["1400x900"])
+        interactions += exercise_controls(page, figure)
+        figure.scroll_into_view_if_needed()
+        screenshots.take(page, f"widget{index}-after-controls")
+        assert not errors_in_outputs(page), errors_in_outputs(page)
+    print(f"{path.name}: {figures.count()} widget(s); " + "; ".join(interactions))
+
+    # Autosave writes the run (outputs dropped by the lab's pre-save hook): then closing asks nothing.
+    wait_until_saved(page)
+    wait_until_idle(page)
+    asked = close_current_tab(page)
+    screenshots.take(page, "closed")
+    assert not asked, f"closing {path.name} asked to save: {page.locator('.jp-Dialog').inner_text()}"
     assert path.read_bytes() == released, f"opening, running and closing {path.name} changed the file"
 
 
