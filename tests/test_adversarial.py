@@ -112,8 +112,11 @@ def graded(tmp_path_factory):
     sub["Zoë Ångström Núñez"] = ("Copy of 01_mha_shapes.ipynb", solved, FULL)
     sub["blank"] = ("01_mha_shapes.ipynb", blank, 0.0)
     # an infinite loop in an answer: its demo cell and its test time out; 2 points lost
-    # ... and the test of block_flops, whose answer calls it (it is not run again: not waited on twice)
-    sub["loop"] = ("01_mha_shapes (1).ipynb", with_answer(solved, "attention_layer_flops", body="while True:\n    pass"), FULL - 4)
+    # ... and the test of block_flops, whose answer calls it (it is not run again: not waited on twice).
+    # It sleeps: interrupted the same way as a spinning one (the agent runs answers in the kernel's
+    # main thread), without burning two time limits of CPU; the under-load test's loop spins.
+    sub["loop"] = ("01_mha_shapes (1).ipynb", with_answer(solved, "attention_layer_flops", body=(
+        "import time\nwhile True:\n    time.sleep(0.05)")), FULL - 4)
     # ... and one that ignores the interrupt: the kernel is restarted without that cell
     sub["stubborn"] = ("01_MHA_shapes.ipynb", with_answer(solved, LAST, body=(
         "import time\nwhile True:\n    try:\n        time.sleep(0.05)\n    except BaseException:\n        pass")), FULL - 1)
