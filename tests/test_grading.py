@@ -700,7 +700,7 @@ def test_a_function_that_ran_past_the_time_limit_is_not_waited_on_again(tiny_cla
     folder = root / "submitted" / "ann" / TINY
     folder.mkdir(parents=True)
     # an endless loop that sleeps: the time limit is under test here, not the CPU it would burn (the
-    # loops of the under-load test and of the adversarial class spin)
+    # under-load test's loop spins)
     nbformat.write(notebook("def forty_two():\n    import time\n    while True:\n        time.sleep(0.05)"),
                    str(folder / f"{TINY}.ipynb"))
     (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=cell_limit()), log=lambda *_: None)
