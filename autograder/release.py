@@ -35,7 +35,6 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
 import jupytext
 import nbformat
 
-from autograder.grading.plan import assignments_with_source
 from autograder.lab.course_notebooks import COURSE_NOTEBOOK_METADATA
 from autograder.nbgrader_cli import run_in_process
 from autograder.results import HIDDEN_FAILURE
@@ -229,15 +228,11 @@ def released_notebook(assignment: str, course_dir: Path = COURSE_DIR) -> Path:
 
 
 def generate_assignments(assignments: list[str], nbgrader_root: Path, *options: str) -> None:
-    """nbgrader's ``generate_assignment --force <options>`` on ``assignments`` (their releases, and their
-    cells in the gradebook), in this process (:func:`autograder.nbgrader_cli.run_in_process`); nbgrader
-    logs what went wrong. Where they are every source ``nbgrader_root`` holds (a new course root,
-    a whole release), one command generates them all (its glob)."""
-    if not assignments:
-        return
-    every_source = set(assignments) == set(assignments_with_source(nbgrader_root))
-    for pattern in ["*"] if every_source else assignments:
-        arguments = ["generate_assignment", pattern, "--force", *options, f"--CourseDirectory.root={nbgrader_root}"]
+    """nbgrader's ``generate_assignment --force <options>`` on each of ``assignments`` (its release, and
+    its cells in the gradebook), in this process (:func:`autograder.nbgrader_cli.run_in_process`);
+    nbgrader logs what went wrong."""
+    for assignment in assignments:
+        arguments = ["generate_assignment", assignment, "--force", *options, f"--CourseDirectory.root={nbgrader_root}"]
         if run_in_process(*arguments) != 0:
             raise RuntimeError(f"nbgrader {' '.join(arguments)} failed (nbgrader's messages are above)")
 
