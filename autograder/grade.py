@@ -97,7 +97,7 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
     ``settings``: the limits of this run (default: the course settings of ``root``, which
     also give the late penalty, grace period and extensions); ``scheduler``: an existing Dask
     cluster (else an embedded one with ``jobs`` worker processes, or threads when
-    ``processes`` is False); ``db_url``: the gradebook (else ``$ATTENTION_LAB_DB_URL``, else
+    ``processes`` is False, and no more than there are submissions to grade); ``db_url``: the gradebook (else ``$ATTENTION_LAB_DB_URL``, else
     SQLite in ``root``).
     """
     root = Path(root).resolve()
@@ -145,7 +145,8 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
                       "settings": dataclasses.asdict(settings), "hide": [str(root)]} for s, _ in todo]
             # one gradebook session for every merge of the run (opening one per student cost
             # more than the merge itself)
-            with dask_cluster.cluster(jobs, scheduler, processes) as connection, \
+            # an embedded cluster starts no more workers than there are submissions to grade
+            with dask_cluster.cluster(min(jobs, len(tasks)), scheduler, processes) as connection, \
                     gradebook.open_gradebook(root, url) as book:
                 description = connection.description
                 log(f"engine: {description}")
