@@ -97,8 +97,8 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
     ``settings``: the limits of this run (default: the course settings of ``root``, which
     also give the late penalty, grace period and extensions); ``scheduler``: an existing Dask
     cluster (else an embedded one with ``jobs`` worker processes, or threads when
-    ``processes`` is False, and no more than there are submissions to grade); ``db_url``: the gradebook (else ``$ATTENTION_LAB_DB_URL``, else
-    SQLite in ``root``).
+    ``processes`` is False, and no more than there are submissions to grade); ``db_url``: the
+    gradebook (else ``$ATTENTION_LAB_DB_URL``, else SQLite in ``root``).
     """
     root = Path(root).resolve()
     policy = CourseSettings.load(root)

@@ -168,7 +168,8 @@ def answered(base, body: str):
     return notebook
 
 
-# Named to sort after every attack: the one worker grades it last.
+# Named to sort after every attack: the one worker is given it last (Dask runs a worker's tasks
+# in the order they were submitted).
 HONEST = "zz-honest"
 
 
