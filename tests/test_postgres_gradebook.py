@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from autograder import grade, gradebook
+from autograder.grading import merge
 from autograder.settings import DB_URL_VARIABLE, REPO_ROOT
 from tests.grading_helpers import TINY, tiny_course
 from tests.lab_servers import http_get, running_lab
@@ -84,6 +86,48 @@ def test_two_grading_runs_at_once_neither_corrupt_nor_duplicate(database, tmp_pa
     with gradebook.open_gradebook(roots[0], url) as gb:
         assert {s.student.id: s.score for s in gb.find_assignment(TINY).submissions} == SCORES
         assert sum(len(n.grade_cells) for n in gb.find_assignment(TINY).notebooks) == 2
+
+
+def test_a_run_reads_an_assignments_cells_only_between_another_runs_writes(database, tmp_path):
+    """Another run (another TA) writing the assignment's cells one commit at a time, as
+    generate_assignment does: the template a run builds meanwhile waits for the writer lock and
+    holds every cell (read in between, a run once failed on a cell being replaced: "Deferred
+    loader for attribute 'max_score' failed to populate correctly")."""
+    url = database("template_while_writing")
+    root = tiny_course(tmp_path / "ta", {}, written={})
+    merge.ensure_assignments(root, [TINY], {}, url)
+    with gradebook.open_gradebook(root, url) as gb:
+        cells = [(c.name, c.max_score, c.cell_type) for c in gb.find_notebook(TINY, TINY).grade_cells]
+    assert len(cells) == 2, cells
+    removed, may_finish, read = threading.Event(), threading.Event(), {}
+
+    def other_run():
+        with gradebook.writer_lock(root, url), gradebook.open_gradebook(root, url) as gb:
+            for cell in gb.find_notebook(TINY, TINY).grade_cells:
+                gb.db.delete(cell)
+            gb.db.commit()
+            removed.set()
+            may_finish.wait(timeout=300)
+            for name, max_score, cell_type in cells:
+                gb.add_grade_cell(name, TINY, TINY, max_score=max_score, cell_type=cell_type)
+            gb.db.commit()
+
+    writer = threading.Thread(target=other_run)
+    writer.start()
+    try:
+        assert removed.wait(timeout=300)
+        reader = threading.Thread(target=lambda: read.update(template=merge.template(root, TINY, url)))
+        reader.start()
+        reader.join(timeout=10)   # a read that does not wait would be over by now, cells missing
+    finally:
+        may_finish.set()
+        writer.join(timeout=300)
+    reader.join(timeout=300)
+    copy = tmp_path / "template.db"
+    copy.write_bytes(read["template"])
+    with gradebook.open_gradebook(tmp_path, f"sqlite:///{copy}") as gb:
+        assert sorted((c.name, c.max_score) for c in gb.find_notebook(TINY, TINY).grade_cells) == \
+            sorted((name, max_score) for name, max_score, _ in cells)
 
 
 def test_the_variable_make_grade_sets_grades_new_submissions_into_postgresql(database, tmp_path, monkeypatch):
