@@ -4,8 +4,8 @@ pipeline (intake -> Dask -> nbgrader -> the trusted checker) in one run on one c
 Notebook 01's test cells run in the trusted checker (autograder.grading.trusted.checker), which calls
 the student's code through the bridge (attention_lab.bridge): each attack below gave an empty
 submission full marks when the test cells ran in the student's kernel.  Here each scores what
-its real answers earn (nothing), while an honest submission graded after them in the same run,
-by the same nbgrader process, kernel server and checker (one worker), keeps full marks.
+its real answers earn (nothing), while an honest submission graded in the same run, on the one
+worker that grades every attack (its nbgrader process, kernel server and checker), keeps full marks.
 """
 
 from __future__ import annotations
@@ -168,11 +168,6 @@ def answered(base, body: str):
     return notebook
 
 
-# Named to sort after every attack: the one worker is given it last (Dask runs a worker's tasks
-# in the order they were submitted).
-HONEST = "zz-honest"
-
-
 def student(name: str) -> str:
     return name.replace(" ", "-").replace("_", "-").lower()
 
@@ -184,13 +179,13 @@ def graded(tmp_path_factory):
     source_path = root / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
     write_notebook(build_source(ASSIGNMENT, course_repository()), source_path)
     solved, blank = solved_notebook(source_path), release_notebook()
-    submissions = {HONEST: solved}
+    submissions = {"honest": solved}
     submissions.update({student(name): attacked(blank, code) for name, code in ATTACKS.items()})
     submissions.update({student(name): answered(solved, body) for name, body in ANSWER_ATTACKS.items()})
     for name, notebook in submissions.items():
         write(downloads / name / f"{ASSIGNMENT}.ipynb", notebook)
     intake.intake(downloads, root, REPO_ROOT / "course", assignments=[ASSIGNMENT])
-    # one worker: whatever an attack could leave behind in the grader's processes meets the honest one
+    # one worker: the honest submission and every attack go through the same grading processes
     outcomes = grade.grade(root, jobs=1, settings=measured_settings(), log=lambda line: None)
     return {"root": root, "outcomes": {o.student: o for o in outcomes}}
 
@@ -205,10 +200,10 @@ def test_notebook_01_is_checked_outside_the_kernel():
 
 
 def test_an_honest_submission_keeps_full_marks_beside_the_attacks(graded):
-    outcome = graded["outcomes"][HONEST]
+    outcome = graded["outcomes"]["honest"]
     assert outcome.status == "graded", outcome
     assert {o.worker for o in graded["outcomes"].values()} == {outcome.worker}
-    failed = {c.grade_id: c.evalue[:200] for c in graded_cells(graded, HONEST).values() if not c.manual and not c.passed}
+    failed = {c.grade_id: c.evalue[:200] for c in graded_cells(graded, "honest").values() if not c.manual and not c.passed}
     assert not failed, failed
     assert outcome.score == FULL
 
