@@ -820,10 +820,11 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
 
 
 class Planted:
-    """The planted kernel with one BUG, launched like a student's kernel."""
+    """The planted kernel with one BUG, launched like a student's kernel; like Triton's own wrappers
+    (triton.heuristics, triton.autotune), it keeps the kernel it wraps as ``fn``."""
 
     def __init__(self, bug: int):
-        self.bug = bug
+        self.fn, self.bug = planted_kernel, bug
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: planted_kernel[grid](*args, BUG=self.bug, **kwargs)
@@ -1014,11 +1015,39 @@ def tutorial_matmul(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn
 
 
 class PlantedLadder:
+    """A planted warm-up kernel with one BUG; it keeps the kernel as ``fn``, as Planted does."""
+
     def __init__(self, kernel, bug: int):
-        self.kernel, self.bug = kernel, bug
+        self.fn, self.bug = kernel, bug
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kernel[grid](*args, BUG=self.bug, **kwargs)
+        return lambda *args, **kwargs: self.fn[grid](*args, BUG=self.bug, **kwargs)
+
+
+@needs_triton
+def test_a_kernel_inside_tritons_wrappers_runs_where_it_was_compiled_for(monkeypatch):
+    # make gpu-check found it: on a GPU, grading decided where a kernel runs by its type, and a wrapped kernel
+    # (here the tests' own Planted; a student's triton.heuristics or triton.autotune) got the CPU tensors that
+    # crossed: "ValueError: Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)", right code failed.
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    compiled, interpreted = JITFunction(planted_scale.fn), InterpretedFunction(planted_scale.fn)
+    block_of_64 = {"BLOCK": lambda args: 64}
+    for kernel, on_gpu in ((compiled, True), (interpreted, False)):
+        for wrapped in (kernel, triton.heuristics(block_of_64)(kernel), PlantedLadder(kernel, 0),
+                        triton.autotune(configs=[triton.Config({"BLOCK": 64})], key=["n"])(kernel)):
+            assert triton_kernels._compiled_for_gpu(wrapped) is on_gpu, (wrapped, on_gpu)
+    # a launchable object that names no kernel: what this process defines now; a plain function: neither
+    launchable = {(0,): lambda *args, **kwargs: None}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_kernels._compiled_for_gpu(launchable) is False
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert triton_kernels._compiled_for_gpu(launchable) is True
+    assert triton_kernels._compiled_for_gpu(planted_scale.fn) is False
+    # a compiled kernel, wrapped, given CPU tensors: the course's message, not Triton's
+    with pytest.raises(RuntimeError, match="compiled for a GPU, but the tensors are on the CPU"):
+        triton_kernels.launch_scale(triton.heuristics({"BUG": lambda args: 0})(compiled), torch.ones(5), 2.0)
 
 
 @needs_triton
@@ -1429,4 +1458,5 @@ def test_online_softmax_kernel_mistakes_are_named(bug, hint):
 
 def test_online_softmax_launcher_takes_power_of_two_blocks_only():
     with pytest.raises(ValueError, match="power of two"):
-        triton_kernels.launch_online_softmax(PlantedLadder(planted_online_softmax, 0), torch.zeros(2, 40), block=24)
+        triton_kernels.launch_online_softmax(PlantedLadder(planted_online_softmax, 0),
+                                             torch.zeros(2, 40, device=KERNEL["device"]), block=24)

@@ -98,9 +98,24 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+MAX_KERNEL_WRAPPERS = 8  # triton.autotune(triton.heuristics(...)(kernel)): a few at most
+
+
 def _compiled_for_gpu(kernel: Any) -> bool:
-    """A kernel defined while TRITON_INTERPRET was not set: it cannot run on CPU tensors."""
-    return type(kernel).__name__ == "JITFunction"
+    """Whether ``kernel`` was defined while TRITON_INTERPRET was not set, so that it runs on CUDA tensors only:
+    a ``JITFunction``, also inside the wrappers that keep the kernel they wrap as ``.fn`` (``triton.autotune``,
+    ``triton.heuristics``, a test's kernel with its bug bound); an ``InterpretedFunction`` runs on the CPU.
+    Another object launched as ``kernel[grid](...)`` was defined as this process defines kernels now; one
+    that cannot be launched so (a function without ``@triton.jit``) fails at its launch, with Python's error."""
+    inner = kernel
+    for _ in range(MAX_KERNEL_WRAPPERS):
+        kind = type(inner).__name__
+        if kind in ("JITFunction", "InterpretedFunction"):
+            return kind == "JITFunction"
+        inner = getattr(inner, "fn", None)
+        if inner is None:
+            break
+    return hasattr(type(kernel), "__getitem__") and not interpreter_active()
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int) -> None:
