@@ -827,7 +827,7 @@ class Planted:
         self.fn, self.bug = planted_kernel, bug
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: planted_kernel[grid](*args, BUG=self.bug, **kwargs)
+        return lambda *args, **kwargs: self.fn[grid](*args, BUG=self.bug, **kwargs)
 
 
 @needs_triton
@@ -1038,8 +1038,13 @@ def test_a_kernel_inside_tritons_wrappers_runs_where_it_was_compiled_for(monkeyp
         for wrapped in (kernel, triton.heuristics(block_of_64)(kernel), PlantedLadder(kernel, 0),
                         triton.autotune(configs=[triton.Config({"BLOCK": 64})], key=["n"])(kernel)):
             assert triton_kernels._compiled_for_gpu(wrapped) is on_gpu, (wrapped, on_gpu)
-    # a launchable object that names no kernel: what this process defines now; a plain function: neither
-    launchable = {(0,): lambda *args, **kwargs: None}
+    # launched as kernel[grid](...) with no kernel inside to read: what this process defines now; a plain function
+    # (no @triton.jit): neither, and its launch fails with Python's own error
+    class Launchable:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    launchable = Launchable()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_kernels._compiled_for_gpu(launchable) is False
     monkeypatch.setenv("TRITON_INTERPRET", "0")
