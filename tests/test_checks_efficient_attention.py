@@ -1461,6 +1461,17 @@ def test_online_softmax_kernel_mistakes_are_named(bug, hint):
     assert hint in str(failure.value), str(failure.value)
 
 
+@needs_triton
+def test_kernels_given_their_constants_by_triton_heuristics_pass(capsys):
+    # right code however written: a BLOCK or a flag from triton.heuristics (in grading on a GPU such a kernel once
+    # got the CPU tensors that crossed the bridge, and failed)
+    bug_free = {"BUG": lambda args: 0}
+    checks.check_scale_kernel(triton.heuristics(bug_free)(planted_scale), device=KERNEL["device"])
+    checks.check_flash_attention_kernel(triton.heuristics(bug_free)(planted_kernel), device=KERNEL["device"])
+    out = capsys.readouterr().out
+    assert "✓ scale_kernel" in out and "✓ flash_attention_kernel" in out, out
+
+
 def test_online_softmax_launcher_takes_power_of_two_blocks_only():
     with pytest.raises(ValueError, match="power of two"):
         triton_kernels.launch_online_softmax(PlantedLadder(planted_online_softmax, 0),
