@@ -175,6 +175,17 @@ def writer_lock(root: Path, url: str | None = None):
         engine.dispose()
 
 
+@contextlib.contextmanager
+def reading(root: Path, url: str | None = None):
+    """nbgrader's ``Gradebook`` for a read that must see whole writes: taken between two writers'
+    turns (:func:`writer_lock`). On a shared PostgreSQL gradebook another grading run may be
+    writing an assignment's cells one commit at a time (``generate_assignment``): a read in
+    between saw the assignment half-built, or failed on a cell being replaced ("Deferred loader
+    for attribute 'max_score' failed")."""
+    with writer_lock(root, url), open_gradebook(root, url) as book:
+        yield book
+
+
 def migrate(root: Path, url: str) -> dict[str, int]:
     """Copy the course's SQLite gradebook, every table and row, to the empty database ``url``;
     the course root then remembers it, and the SQLite file is kept in ``archive/`` (never

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from autograder import grade, gradebook
+from autograder import export, grade, gradebook, lms_export
 from autograder.grading import merge
 from autograder.settings import DB_URL_VARIABLE, REPO_ROOT
 from tests.grading_helpers import TINY, tiny_course
@@ -88,17 +88,22 @@ def test_two_grading_runs_at_once_neither_corrupt_nor_duplicate(database, tmp_pa
         assert sum(len(n.grade_cells) for n in gb.find_assignment(TINY).notebooks) == 2
 
 
-def test_a_run_reads_an_assignments_cells_only_between_another_runs_writes(database, tmp_path):
+def test_reads_see_an_assignments_cells_only_between_another_runs_writes(database, tmp_path, monkeypatch):
     """Another run (another TA) writing the assignment's cells one commit at a time, as
-    generate_assignment does: the template a run builds meanwhile waits for the writer lock and
-    holds every cell (read in between, a run once failed on a cell being replaced: "Deferred
-    loader for attribute 'max_score' failed to populate correctly")."""
-    url = database("template_while_writing")
+    generate_assignment does: the template a run builds meanwhile, and the grades `make export`
+    and `make lms-export` read, wait for the writer lock and see every cell (read in between, a
+    run once failed on a cell being replaced: "Deferred loader for attribute 'max_score' failed
+    to populate correctly"; an export would have given the assignment 0 points)."""
+    url = database("reads_while_writing")
+    monkeypatch.setenv(DB_URL_VARIABLE, url)
     root = tiny_course(tmp_path / "ta", {}, written={})
     merge.ensure_assignments(root, [TINY], {}, url)
     with gradebook.open_gradebook(root, url) as gb:
+        gb.update_or_create_assignment(TINY, duedate="2026-03-02 17:00:00")
+        gb.add_student("ann")
         cells = [(c.name, c.max_score, c.cell_type) for c in gb.find_notebook(TINY, TINY).grade_cells]
-    assert len(cells) == 2, cells
+        points = gb.find_assignment(TINY).max_score
+    assert len(cells) == 2 and points > 0, (cells, points)
     removed, may_finish, read = threading.Event(), threading.Event(), {}
 
     def other_run():
@@ -112,22 +117,30 @@ def test_a_run_reads_an_assignments_cells_only_between_another_runs_writes(datab
                 gb.add_grade_cell(name, TINY, TINY, max_score=max_score, cell_type=cell_type)
             gb.db.commit()
 
+    reads = {"template": lambda: merge.template(root, TINY, url), "export": lambda: export.grade_rows(root),
+             "lms-export": lambda: lms_export.class_grades(root)}
     writer = threading.Thread(target=other_run)
     writer.start()
     try:
         assert removed.wait(timeout=300)
-        reader = threading.Thread(target=lambda: read.update(template=merge.template(root, TINY, url)))
-        reader.start()
-        reader.join(timeout=10)   # a read that does not wait would be over by now, cells missing
+        readers = [threading.Thread(target=lambda name=name, run=run: read.update({name: run()}))
+                   for name, run in reads.items()]
+        for reader in readers:
+            reader.start()
+        readers[0].join(timeout=10)   # reads that do not wait would be over by now, cells missing
     finally:
         may_finish.set()
         writer.join(timeout=300)
-    reader.join(timeout=300)
+    for reader in readers:
+        reader.join(timeout=300)
     copy = tmp_path / "template.db"
     copy.write_bytes(read["template"])
     with gradebook.open_gradebook(tmp_path, f"sqlite:///{copy}") as gb:
         assert sorted((c.name, c.max_score) for c in gb.find_notebook(TINY, TINY).grade_cells) == \
             sorted((name, max_score) for name, max_score, _ in cells)
+    (row,) = read["export"]
+    assert float(row[export.GRADE_COLUMNS.index("max_score")]) == points, row
+    assert read["lms-export"][1] == {TINY: points}, read["lms-export"]
 
 
 def test_the_variable_make_grade_sets_grades_new_submissions_into_postgresql(database, tmp_path, monkeypatch):

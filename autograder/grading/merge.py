@@ -71,13 +71,10 @@ def ensure_assignments(root: Path, assignments: list[str], state: dict, url: str
 
 
 def template(root: Path, assignment: str, url: str | None = None) -> bytes:
-    """An SQLite gradebook holding only ``assignment`` (cells and due date), as bytes.
-
-    Read under the writer lock: another grading run on a shared gradebook may be writing the
-    assignment's cells (``generate_assignment`` commits them one by one), and a cell read while
-    it is replaced fails the run ("Deferred loader for attribute 'max_score' failed")."""
+    """An SQLite gradebook holding only ``assignment`` (cells and due date), as bytes: read
+    between another run's writes (:func:`gradebook.reading`)."""
     with tempfile.TemporaryDirectory(prefix="alg-template-") as scratch:
-        with gradebook.writer_lock(root, url), gradebook.open_gradebook(root, url) as main, \
+        with gradebook.reading(root, url) as main, \
                 gradebook.open_gradebook(Path(scratch), f"sqlite:///{scratch}/t.db") as copy:
             found = main.find_assignment(assignment)
             copy.update_or_create_assignment(assignment, duedate=found.duedate)
