@@ -4,7 +4,8 @@ SQLite in the course root (``gradebook.db``) by default; any database nbgrader's
 reaches when ``$ATTENTION_LAB_DB_URL`` (``make grade DB_URL=postgresql://...``) or an
 explicit ``url`` names one: a PostgreSQL server lets several graders' Formgraders and the
 grading pipeline share one gradebook.  Writers take :func:`writer_lock`, so that two grading
-runs on one shared gradebook never interleave their writes.
+runs on one shared gradebook never interleave their writes; a read that must see whole writes
+(the grades exported, a run's template of an assignment) opens it with :func:`reading`.
 
 The course root remembers a gradebook on a server (``gradebook_location.json``, the URL
 without its password): a command run on that course without ``DB_URL``, or with another
