@@ -143,9 +143,8 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
             carried = IGNORED_NAMES - {TIMESTAMP_FILE}  # the submission time goes with the files
             tasks = [{"student": s.student, "assignment": s.assignment, "files": tree_files(s.folder, carried),
                       "settings": dataclasses.asdict(settings), "hide": [str(root)]} for s, _ in todo]
-            # one gradebook session for every merge of the run (opening one per student cost
-            # more than the merge itself)
-            # an embedded cluster starts no more workers than there are submissions to grade
+            # an embedded cluster starts no more workers than there are submissions to grade; one
+            # gradebook session for every merge of the run (one per student cost more than the merge)
             with dask_cluster.cluster(min(jobs, len(tasks)), scheduler, processes) as connection, \
                     gradebook.open_gradebook(root, url) as book:
                 description = connection.description
