@@ -177,14 +177,22 @@ NOISE = re.compile(r"\b\w*Warning\b|grad_fn=<")
 
 @pytest.hookimpl(trylast=True)  # after -k and -m: only what this session really runs counts
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The same run is not made twice in one session:
+    """The same run is not made twice in one session, and the longest tests start first.
+
+    Not made twice:
 
     * a check test runs a second time through the bridge (tests/bridge_harness.run_both_ways) only
       where it calls a check: the grading run of a test that calls none (a widget drawn, a property
       of the notebook's maths) would run the same code again;
     * a solution notebook that this session runs in JupyterLab (Chromium present) is not run
       again in a fresh kernel: the lab's run asserts what that one does (every cell runs, every
-      test passes, hidden ones included, no warning or autograd noise in an output) and more."""
+      test passes, hidden ones included, no warning or autograd noise in an output) and more.
+
+    Started first: the slow tests. pytest-xdist hands out its groups of several tests first, then
+    the others (a group of one test among them) in this order, and the last test a worker starts
+    decides when the run ends: the sandbox's 35-second limits test, collected among the last, left
+    one of the two cores idle for 20 s at the end of `make test`; the dry run's one-test group (60 s)
+    started at 446 s of 506 once the other slow tests went first."""
     in_the_lab = set()
     if chromium_unavailable_reason() is None:
         in_the_lab = {item.callspec.params["assignment"] for item in items if _test_of(item) == SOLUTION_IN_THE_LAB}
@@ -196,6 +204,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=again)
         dropped = set(map(id, again))
         items[:] = [item for item in items if id(item) not in dropped]
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -30,7 +30,7 @@ import pytest
 from attention_lab.checks.mha_shapes import SPLIT_HEADS_HINTS
 from autograder import grade, release
 from tests.conftest import ASSIGNMENTS, NOISE, REPO_ROOT
-from tests.lab_servers import copy_course, running_lab, set_formgrader_score
+from tests.lab_servers import copy_course, running_lab, set_formgrader_score, wait_until
 
 pytestmark = [pytest.mark.slow]
 # One group per server the tests share, so that the three run side by side on two workers
@@ -82,7 +82,7 @@ def open_notebook(context, server, name: str):
     and takes the keyboard, the menus or the current tab."""
     page = context.new_page()
     page.goto(server.url(f"lab/tree/{name}?reset"))
-    page.wait_for_function("document.querySelectorAll('.jp-Notebook .jp-Cell').length > 2")
+    wait_until(page, "document.querySelectorAll('.jp-Notebook .jp-Cell').length > 2")
     wait_until_idle(page)
     return page
 
@@ -95,7 +95,7 @@ def open_from_path(page, name: str) -> None:
     path_box = page.locator(".jp-Dialog input")
     path_box.fill(name)
     path_box.press("Enter")
-    page.wait_for_function("""(name) => {
+    wait_until(page, """(name) => {
         const tab = document.querySelector('.lm-TabBar-tab.jp-mod-current .lm-TabBar-tabLabel');
         return tab !== null && tab.textContent === name
             && document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell').length > 2;
@@ -137,8 +137,8 @@ def run_cell(page, index: int) -> str:
     before = prompt.text_content()
     prompt.click()
     page.keyboard.press("Shift+Enter")
-    page.wait_for_function(
-        """([element, before]) => element.textContent !== before && /\\[\\d+\\]/.test(element.textContent)""",
+    wait_until(
+        page, """([element, before]) => element.textContent !== before && /\\[\\d+\\]/.test(element.textContent)""",
         arg=[prompt.element_handle(), before], timeout=300_000)
     return cell.locator(".jp-Cell-outputWrapper").inner_text()
 
@@ -158,8 +158,8 @@ def squash(text: str) -> str:
 
 def wait_until_saved(page, timeout_ms: int = 120_000) -> None:
     """The notebook's tab no longer shows unsaved changes (the tests' lab autosaves every few seconds)."""
-    page.wait_for_function("() => !document.querySelector('.lm-TabBar-tab.jp-mod-current.jp-mod-dirty')",
-                           timeout=timeout_ms)
+    wait_until(page, "() => !document.querySelector('.lm-TabBar-tab.jp-mod-current.jp-mod-dirty')",
+               timeout=timeout_ms)
 
 
 def validate(page) -> str:
@@ -245,8 +245,8 @@ def test_a_student_works_through_notebook_01(student_lab, browser, screenshots):
     page.mouse.down()
     page.mouse.move(box["x"] + 150, box["y"] + box["height"] / 2, steps=10)
     page.mouse.up()
-    page.wait_for_function("([image, first]) => image.getAttribute('src') !== first",
-                           arg=[picture.element_handle(), first_picture], timeout=120_000)
+    wait_until(page, "([image, first]) => image.getAttribute('src') !== first",
+               arg=[picture.element_handle(), first_picture], timeout=120_000)
     wait_until_idle(page)
     screenshots.take(page, "explorer-after-slider")
 
@@ -339,7 +339,7 @@ def run_all(page) -> None:
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
     # Every code cell has its execution count -- or a cell failed (JupyterLab stops there) and
     # nothing runs any more ("[*]"): either way the run is over.
-    page.wait_for_function(r"""() => {
+    wait_until(page, r"""() => {
         const prompts = [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputArea-prompt')];
         const done = prompts.length > 0 && prompts.every(p => /\[\d+\]/.test(p.textContent));
         const outputs = [...document.querySelectorAll(
@@ -362,9 +362,9 @@ def close_current_tab(page) -> bool:
     title = page.locator(".lm-TabBar-tab.jp-mod-current .lm-TabBar-tabLabel").first.inner_text()
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^File$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Close Tab$")).click()
-    page.wait_for_function("""(title) => document.querySelector('.jp-Dialog') !== null
+    wait_until(page, """(title) => document.querySelector('.jp-Dialog') !== null
         || ![...document.querySelectorAll('.lm-TabBar-tab .lm-TabBar-tabLabel')].some(l => l.textContent === title)""",
-                           arg=title)
+               arg=title)
     return page.locator(".jp-Dialog").count() > 0
 
 
@@ -418,8 +418,8 @@ def narrow_controls(figure) -> list[str]:
 
 def wait_for_new_picture(page, figure, before: str) -> str:
     picture = figure.locator("> .widget-image")
-    page.wait_for_function("([image, before]) => image.getAttribute('src') !== before",
-                           arg=[picture.element_handle(), before], timeout=WIDGET_REDRAW_MS)
+    wait_until(page, "([image, before]) => image.getAttribute('src') !== before",
+               arg=[picture.element_handle(), before], timeout=WIDGET_REDRAW_MS)
     return picture.get_attribute("src")
 
 

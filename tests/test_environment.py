@@ -158,3 +158,13 @@ def test_tests_of_one_xdist_group_run_together(request):
         f"pytest {pytest.__version__} with this pytest-xdist does not keep xdist_group tests together: "
         f"this test's node id is {request.node.nodeid!r}, with no '@group_probe' (pytest-xdist#1386); "
         "install the versions pinned in constraints.txt (make setup)")
+
+
+def test_the_slow_tests_are_handed_out_first(request):
+    """tests/conftest.py puts every slow test before the others: pytest-xdist hands them out in
+    this order (its groups of several tests first), and a slow test started last keeps one
+    worker busy alone at the end of `make test`."""
+    slow = [item.get_closest_marker("slow") is not None for item in request.session.items]
+    first_quick = slow.index(False) if False in slow else len(slow)
+    late = [item.nodeid for item, is_slow in zip(request.session.items[first_quick:], slow[first_quick:]) if is_slow]
+    assert not late, f"slow tests collected after a quick one: {late[:5]}"

@@ -27,7 +27,7 @@ from autograder import grade, gradebook
 from autograder.lab.instructor.inert_submissions import (InertHTMLExporter, content_security_policy, inert_html,
                                                         page_scripts)
 from tests.grading_helpers import TINY, tiny_course
-from tests.lab_servers import TOKEN, free_port, running_lab, set_formgrader_score
+from tests.lab_servers import TOKEN, free_port, running_lab, set_formgrader_score, wait_until
 
 
 ELSEWHERE = "http://203.0.113.7"  # TEST-NET-3: never a real host
@@ -109,7 +109,7 @@ def test_a_hostile_submission_runs_nothing_in_formgrader_and_can_still_be_graded
     page.get_by_text("bold output").first.wait_for()
     set_formgrader_score(page, "why_value", "1.5")
     page.locator("a", has_text="a link").first.click()  # a javascript: link, clicked: nothing
-    page.wait_for_function("() => document.readyState === 'complete'")
+    wait_until(page, "() => document.readyState === 'complete'")
     screenshots.take(page, "hostile-submission-inert")
     assert page.evaluate("window.pwned || null") is None
     assert page.evaluate("window.violations || []") == []  # Formgrader's own scripts run under the policy
@@ -198,7 +198,7 @@ def test_the_policy_alone_stops_the_payloads(hostile, browser):
         "Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": policy}))
     page.goto(address)
     page.get_by_text("My reasoning.").first.wait_for()
-    page.wait_for_function("() => document.readyState === 'complete'")
+    wait_until(page, "() => document.readyState === 'complete'")
     violations = page.evaluate("window.violations || []")
     assert page.evaluate("window.pwned || null") is None
     assert any(v.startswith("script-src") for v in violations), violations
