@@ -38,9 +38,11 @@ def setup_cell_seconds() -> float:
     return seconds
 
 
-def cell_limit(multiple: float = 3.0, floor: float = 10.0) -> int:
-    """A per-cell limit for honest course cells: a multiple of the setup cell's time, at least ``floor``."""
-    return int(max(floor, multiple * setup_cell_seconds()) + 0.999)
+def cell_limit(multiple: float = 3.0, floor: float = 10.0, setup_seconds: float | None = None) -> int:
+    """A per-cell limit for honest course cells: a multiple of the setup cell's time (``setup_seconds``,
+    measured now when not given), at least ``floor``."""
+    seconds = setup_cell_seconds() if setup_seconds is None else setup_seconds
+    return int(max(floor, multiple * seconds) + 0.999)
 
 
 BURN_CPU = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"

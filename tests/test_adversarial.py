@@ -40,8 +40,9 @@ REAL_GRADEBOOK = COURSE_ROOT / "gradebook.db"
 
 
 def measured_settings() -> grade.Settings:
-    """Short limits, but a multiple of what an honest cell needs on this machine now."""
-    return grade.Settings(timeout=cell_limit(), notebook_timeout=int(max(400, 80 * setup_cell_seconds())),
+    """Short limits, but a multiple of what an honest cell needs on this machine now (one measurement)."""
+    seconds = setup_cell_seconds()
+    return grade.Settings(timeout=cell_limit(setup_seconds=seconds), notebook_timeout=int(max(400, 80 * seconds)),
                           memory_mb=3072, file_mb=64, max_output_bytes=200_000, attempts=5,
                           unresponsive_grace=5, sandbox="on")
 
