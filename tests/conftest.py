@@ -191,8 +191,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Started first: the slow tests. pytest-xdist hands out its groups of several tests first, then
     the others (a group of one test among them) in this order, and the last test a worker starts
     decides when the run ends: the sandbox's 35-second limits test, collected among the last, left
-    one of the two cores idle for 20 s at the end of `make test`; the dry run's one-test group (60 s)
-    started at 446 s of 506 once the other slow tests went first."""
+    one of the two cores idle for 20 s at the end of `make test`. Grouped slow tests move too: the
+    dry run's one-test group (60 s), left behind the quick tests, started at 446 s of a 506-s run."""
     in_the_lab = set()
     if chromium_unavailable_reason() is None:
         in_the_lab = {item.callspec.params["assignment"] for item in items if _test_of(item) == SOLUTION_IN_THE_LAB}
