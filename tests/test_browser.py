@@ -30,7 +30,7 @@ import pytest
 from attention_lab.checks.mha_shapes import SPLIT_HEADS_HINTS
 from autograder import grade, release
 from tests.conftest import ASSIGNMENTS, NOISE, REPO_ROOT
-from tests.lab_servers import copy_course, running_lab, set_formgrader_score, wait_until
+from tests.lab_servers import POLL_MS, copy_course, running_lab, set_formgrader_score, wait_until
 
 pytestmark = [pytest.mark.slow]
 # One group per server the tests share, so that the three run side by side on two workers
@@ -286,7 +286,7 @@ def test_each_course_notebook_opens_unmodified_saves_its_own_bytes_and_closes_wi
             page.keyboard.press("Control+s")
             deadline = time.monotonic() + 120
             while path.stat().st_mtime_ns == saved_before and time.monotonic() < deadline:
-                page.wait_for_timeout(250)  # polling the file, not waiting for a fixed time
+                page.wait_for_timeout(POLL_MS)  # polling the file, not waiting for a fixed time
             screenshots.take(page, f"{assignment}-saved")
             assert path.stat().st_mtime_ns != saved_before, f"JupyterLab never saved {path.name}"
             assert path.read_bytes() == committed, f"saving {path.name} in JupyterLab changed it"
