@@ -371,7 +371,7 @@ def write_reports(root: Path = COURSE_ROOT, assignments: list[str] | None = None
     if not gradebook.exists(root):
         raise SystemExit(f"no gradebook in {root}: run `make intake` and `make grade` first")
     written = []
-    with gradebook.open_gradebook(root) as gb:
+    with gradebook.exclusive(root) as gb:
         names = sorted(a.name for a in gb.assignments if a.submissions)
         for assignment in names:
             if assignments and assignment not in assignments:

@@ -89,7 +89,7 @@ def _yes_no(flag: bool) -> str:
 
 def export_by_question(root: Path, path: Path) -> int:
     rows = []
-    with gradebook.reading(root) as gb:
+    with gradebook.exclusive(root) as gb:
         for assignment in gb.assignments:
             for submission in assignment.submissions:
                 for notebook in submission.notebooks:
@@ -112,7 +112,7 @@ def grade_rows(root: Path) -> list[list[str]]:
     student of the gradebook. A student who submitted nothing gets empty scores, not 0, and
     ``not submitted``; ``incomplete`` while a written answer waits for a hand grade."""
     rows = []
-    with gradebook.reading(root) as gb:
+    with gradebook.exclusive(root) as gb:
         for assignment in gb.assignments:
             submitted = {s.student.id: s for s in assignment.submissions}
             for student in gb.students:

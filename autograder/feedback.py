@@ -264,7 +264,7 @@ def write_feedback(root: Path = COURSE_ROOT, students: list[str] | None = None,
     written = write_not_graded(root, students, assignments)
     if not gradebook.exists(root):
         return written
-    with gradebook.open_gradebook(root) as gb:
+    with gradebook.exclusive(root) as gb:
         for assignment in gb.assignments:
             if assignments and assignment.name not in assignments:
                 continue

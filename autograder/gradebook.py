@@ -4,8 +4,9 @@ SQLite in the course root (``gradebook.db``) by default; any database nbgrader's
 reaches when ``$ATTENTION_LAB_DB_URL`` (``make grade DB_URL=postgresql://...``) or an
 explicit ``url`` names one: a PostgreSQL server lets several graders' Formgraders and the
 grading pipeline share one gradebook.  Writers take :func:`writer_lock`, so that two grading
-runs on one shared gradebook never interleave their writes; a read that must see whole writes
-(the grades exported, a run's template of an assignment) opens it with :func:`reading`.
+runs on one shared gradebook never interleave their writes: a command that writes (due dates,
+a withdrawal) or must see whole writes (feedback, the class report, the grades exported, a
+run's template of an assignment) opens it with :func:`exclusive`.
 
 The course root remembers a gradebook on a server (``gradebook_location.json``, the URL
 without its password): a command run on that course without ``DB_URL``, or with another
@@ -177,12 +178,12 @@ def writer_lock(root: Path, url: str | None = None):
 
 
 @contextlib.contextmanager
-def reading(root: Path, url: str | None = None):
-    """nbgrader's ``Gradebook`` for a read that must see whole writes: taken between two writers'
-    turns (:func:`writer_lock`). On a shared PostgreSQL gradebook another grading run may be
-    writing an assignment's cells one commit at a time (``generate_assignment``): a read in
-    between saw the assignment half-built, or failed on a cell being replaced ("Deferred loader
-    for attribute 'max_score' failed")."""
+def exclusive(root: Path, url: str | None = None):
+    """nbgrader's ``Gradebook`` held under the writer lock (:func:`writer_lock`), for a write
+    and for a read that must see whole writes: taken between two writers' turns. On a shared
+    PostgreSQL gradebook another grading run may be writing an assignment's cells one commit at
+    a time (``generate_assignment``): a read in between saw the assignment half-built, or failed
+    on a cell being replaced ("Deferred loader for attribute 'max_score' failed")."""
     with writer_lock(root, url), open_gradebook(root, url) as book:
         yield book
 

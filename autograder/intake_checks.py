@@ -45,7 +45,7 @@ def due_dates(root: Path) -> dict[str, datetime.datetime]:
 
     if not gradebook.exists(root):
         return {}
-    with gradebook.open_gradebook(root) as gb:
+    with gradebook.exclusive(root) as gb:
         return {a.name: a.duedate.replace(tzinfo=UTC) for a in gb.assignments if a.duedate}
 
 
@@ -118,7 +118,7 @@ def hand_graded(root: Path) -> dict[tuple[str, str], list[str]]:
     if not gradebook.exists(root):
         return {}
     found: dict[tuple[str, str], list[str]] = {}
-    with gradebook.open_gradebook(root) as gb:
+    with gradebook.exclusive(root) as gb:
         for assignment in gb.assignments:
             for submission in assignment.submissions:
                 cells = sorted({g.name for n in submission.notebooks for g in n.grades

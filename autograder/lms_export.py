@@ -39,7 +39,7 @@ FOLDER = "lms"
 
 def class_grades(root: Path) -> tuple[list[str], dict[str, float], dict[tuple[str, str], tuple[float, bool]]]:
     """(assigned notebooks, their points, ``{(student, assignment): (score, incomplete)}``)."""
-    with gradebook.reading(root) as gb:
+    with gradebook.exclusive(root) as gb:
         assignments = sorted(gb.assignments, key=lambda a: a.name)
         assigned = [a for a in assignments if a.duedate] or [a for a in assignments if a.submissions]
         points = {a.name: float(a.max_score) for a in assigned}

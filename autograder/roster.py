@@ -227,7 +227,7 @@ def set_deadlines(deadlines: dict[str, datetime.datetime], root: Path = COURSE_R
     if problems:
         raise SystemExit("due dates not set: " + "; ".join(problems))
 
-    with gradebook.open_gradebook(Path(root)) as gb:
+    with gradebook.exclusive(Path(root)) as gb:
         for assignment, duedate in deadlines.items():
             gb.update_or_create_assignment(assignment, duedate=duedate)
 
@@ -255,7 +255,7 @@ def withdraw(student: str, assignment: str, root: Path = COURSE_ROOT) -> list[st
     if gradebook.exists(root):
         from nbgrader.api import MissingEntry
 
-        with gradebook.open_gradebook(root) as gb:
+        with gradebook.exclusive(root) as gb:
             try:
                 gb.remove_submission(assignment, student)
                 done.append(f"removed {student}/{assignment} from the gradebook")

@@ -4,15 +4,17 @@ gradebook) that neither corrupt nor duplicate anything."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from autograder import export, grade, gradebook, lms_export
+from autograder import class_report, export, feedback, grade, gradebook, lms_export, roster
 from autograder.grading import merge
 from autograder.settings import DB_URL_VARIABLE, REPO_ROOT
 from tests.grading_helpers import TINY, tiny_course
@@ -93,7 +95,8 @@ def test_reads_see_an_assignments_cells_only_between_another_runs_writes(databas
     generate_assignment does: the template a run builds meanwhile, and the grades `make export`
     and `make lms-export` read, wait for the writer lock and see every cell (read in between, a
     run once failed on a cell being replaced: "Deferred loader for attribute 'max_score' failed
-    to populate correctly"; an export would have given the assignment 0 points)."""
+    to populate correctly"; an export would have given the assignment 0 points). `make feedback`
+    and `make report` read, and `make deadlines` writes, in their turn too."""
     url = database("reads_while_writing")
     monkeypatch.setenv(DB_URL_VARIABLE, url)
     root = tiny_course(tmp_path / "ta", {}, written={})
@@ -104,7 +107,7 @@ def test_reads_see_an_assignments_cells_only_between_another_runs_writes(databas
         cells = [(c.name, c.max_score, c.cell_type) for c in gb.find_notebook(TINY, TINY).grade_cells]
         points = gb.find_assignment(TINY).max_score
     assert len(cells) == 2 and points > 0, (cells, points)
-    removed, may_finish, read = threading.Event(), threading.Event(), {}
+    removed, may_finish, read, finished = threading.Event(), threading.Event(), {}, {}
 
     def other_run():
         with gradebook.writer_lock(root, url), gradebook.open_gradebook(root, url) as gb:
@@ -116,15 +119,22 @@ def test_reads_see_an_assignments_cells_only_between_another_runs_writes(databas
             for name, max_score, cell_type in cells:
                 gb.add_grade_cell(name, TINY, TINY, max_score=max_score, cell_type=cell_type)
             gb.db.commit()
+            finished["the other run"] = time.monotonic()
 
     reads = {"template": lambda: merge.template(root, TINY, url), "export": lambda: export.grade_rows(root),
-             "lms-export": lambda: lms_export.class_grades(root)}
+             "lms-export": lambda: lms_export.class_grades(root), "feedback": lambda: feedback.write_feedback(root),
+             "report": lambda: class_report.write_reports(root),
+             "deadlines": lambda: roster.set_deadlines({TINY: datetime.datetime(2026, 3, 9, 17)}, root, [TINY])}
+
+    def turn(name, run):
+        read[name] = run()
+        finished[name] = time.monotonic()
+
     writer = threading.Thread(target=other_run)
     writer.start()
     try:
         assert removed.wait(timeout=300)
-        readers = [threading.Thread(target=lambda name=name, run=run: read.update({name: run()}))
-                   for name, run in reads.items()]
+        readers = [threading.Thread(target=turn, args=item) for item in reads.items()]
         for reader in readers:
             reader.start()
         readers[0].join(timeout=10)   # reads that do not wait would be over by now, cells missing
@@ -141,6 +151,10 @@ def test_reads_see_an_assignments_cells_only_between_another_runs_writes(databas
     (row,) = read["export"]
     assert float(row[export.GRADE_COLUMNS.index("max_score")]) == points, row
     assert read["lms-export"][1] == {TINY: points}, read["lms-export"]
+    assert set(finished) == {"the other run", *reads}, f"a command failed: {set(reads) - set(finished)}"
+    assert all(finished[name] > finished["the other run"] for name in reads), finished
+    with gradebook.open_gradebook(root, url) as gb:
+        assert gb.find_assignment(TINY).duedate == datetime.datetime(2026, 3, 9, 17)
 
 
 def test_the_variable_make_grade_sets_grades_new_submissions_into_postgresql(database, tmp_path, monkeypatch):

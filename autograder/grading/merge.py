@@ -72,9 +72,9 @@ def ensure_assignments(root: Path, assignments: list[str], state: dict, url: str
 
 def template(root: Path, assignment: str, url: str | None = None) -> bytes:
     """An SQLite gradebook holding only ``assignment`` (cells and due date), as bytes: read
-    between another run's writes (:func:`gradebook.reading`)."""
+    between another run's writes (:func:`gradebook.exclusive`)."""
     with tempfile.TemporaryDirectory(prefix="alg-template-") as scratch:
-        with gradebook.reading(root, url) as main, \
+        with gradebook.exclusive(root, url) as main, \
                 gradebook.open_gradebook(Path(scratch), f"sqlite:///{scratch}/t.db") as copy:
             found = main.find_assignment(assignment)
             copy.update_or_create_assignment(assignment, duedate=found.duedate)
@@ -148,7 +148,7 @@ def rescore(root: Path, keys: list[tuple[str, str]], policy: CourseSettings,
     found = {}
     if not keys:
         return found
-    with gradebook.writer_lock(root, url), gradebook.open_gradebook(root, url) as book:
+    with gradebook.exclusive(root, url) as book:
         try:
             for student, assignment in keys:
                 try:
