@@ -144,6 +144,16 @@ def _noise(notebook: nbformat.NotebookNode) -> list[str]:
     return found
 
 
+# A tqdm bar's text short of 100%: what a page without widgets shows of a bar whose text stopped there.
+STALE_PROGRESS = re.compile(r"(?<!\d)\d{1,2}%\|")
+
+
+def _stale_progress(notebook: nbformat.NotebookNode) -> list[str]:
+    """Outputs that show a progress bar short of its end (attention_lab.progress keeps a bar's text current)."""
+    return [f"{cell.id}: {output.data['text/plain']}" for cell in notebook.cells if cell.cell_type == "code"
+            for output in cell.outputs if STALE_PROGRESS.search(output.get("data", {}).get("text/plain", ""))]
+
+
 def test_noise_detector_sees_warnings_and_grad_fn():
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x")])
     notebook.cells[0].outputs = [
@@ -152,6 +162,13 @@ def test_noise_detector_sees_warnings_and_grad_fn():
         nbformat.v4.new_output("stream", name="stdout", text="✓ split_heads: shapes and values (cpu)\n"),
     ]
     assert len(_noise(notebook)) == 2
+
+
+def test_stale_progress_detector_sees_a_bar_short_of_its_end():
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x")])
+    notebook.cells[0].outputs = [nbformat.v4.new_output("display_data", data={"text/plain": text}) for text in
+                                 ("fitting:   0%|          | 0/300 [00:00<?, ?it/s]", "kept: 100%|██████████| 5/5", "")]
+    assert len(_stale_progress(notebook)) == 1
 
 
 def test_a_finished_run_kills_its_kernel_instead_of_waiting_for_its_shutdown(tmp_path):
@@ -175,6 +192,9 @@ def test_solution_notebook_runs_top_to_bottom_and_passes_every_test(assignment, 
     assert sorted(result.passed_tests) == sorted(_grade_ids(fresh_build.source(assignment), "test"))
     noise = _noise(result.notebook)
     assert not noise, "a course cell printed a warning or autograd noise:\n" + "\n".join(noise)
+    stale = _stale_progress(result.notebook)
+    assert not stale, "a progress bar's output is left short of its end, as a page without widgets shows it:\n" + \
+        "\n".join(stale)
 
 
 @pytest.mark.slow

@@ -155,3 +155,66 @@ def test_the_numbers_notebook_01_quotes_from_the_explorer():
     widget.controls["factor"].value = 1.0
     raw = [largest_weight(scaling="none (raw q·k)", d_head=d) for d in (4, 64, 256)]
     assert raw[0] == pytest.approx(0.55, abs=0.03) and raw[1] == pytest.approx(0.88, abs=0.03) and raw[2] > 0.95, raw
+
+
+@pytest.mark.parametrize("ipywidgets_version, live", [("7.7.1", True), ("8.1.9", False)])
+def test_on_colab_a_widget_is_live_with_colabs_ipywidgets_and_a_picture_alone_with_ipywidgets_8(
+        explorer, monkeypatch, ipywidgets_version, live):
+    """Colab's page draws the widgets of ipywidgets 7 (what its runtimes ship) and not those of ipywidgets 8
+    (googlecolab/colabtools#3020, #4525): there, a widget offers its picture alone, and setup says why."""
+    import sys
+    import types
+
+    from attention_lab import frontend
+
+    widget, _calls = explorer
+    assert frontend.fallback_note() is None and "application/vnd.jupyter.widget-view+json" in widget._repr_mimebundle_()
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setattr(frontend, "installed_version", lambda name: ipywidgets_version)
+    bundle = widget._repr_mimebundle_()
+    assert base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+    assert ("application/vnd.jupyter.widget-view+json" in bundle) is live
+    note = frontend.fallback_note()
+    assert (note is None) is live
+    if not live:
+        assert "ipywidgets 8.1.9" in note and "picture" in note and "Disconnect and delete runtime" in note
+
+
+PROGRESS_NOTEBOOK = [
+    "import attention_lab\ndevice = attention_lab.setup()",
+    "from tqdm.auto import tqdm, trange\nfor _ in tqdm(range(5), desc='kept'):\n    pass",
+    "for _ in trange(7, desc='gone', leave=False):\n    pass",
+    "bar = tqdm(total=4, desc='stopped')\nbar.update(2)\nbar.close()",
+    # a Colab runtime with ipywidgets 8, whose page draws no widget of it: text bars, pictures, and a note
+    "import sys, types\nsys.modules['google.colab'] = types.ModuleType('google.colab')\ndevice = attention_lab.setup()\n"
+    "import tqdm.auto\nprint(tqdm.auto.tqdm.__module__)",
+    "from attention_lab.widgets import attention_explorer\n"
+    "attention_explorer(lambda q, k, mask=None: (q @ k.transpose(-2, -1)).softmax(-1), list('abc'), num_heads=2)",
+]
+
+
+def test_progress_bars_leave_their_last_text_where_no_widget_is_drawn(tmp_path):
+    """tqdm's notebook bar (tqdm.auto, in a kernel) keeps its output's text current: at the end, a page
+    without widgets shows the bar's last state (or nothing, for a bar not to be left), never "0%" forever."""
+    import nbformat
+
+    from autograder.execute import execute_notebook
+
+    path = tmp_path / "progress.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in PROGRESS_NOTEBOOK]), path)
+    result = execute_notebook(path)
+    assert not result.errors, result.summary()
+    cells = result.notebook.cells
+    kept, gone, stopped = (cell.outputs[-1].data for cell in cells[1:4])
+    assert kept["text/plain"].startswith("kept: 100%|██████████| 5/5") and "application/vnd.jupyter.widget-view+json" in kept
+    assert gone == {"text/plain": ""}
+    assert stopped["text/plain"].startswith("stopped:  50%|█████     | 2/4")
+    # on Colab, ipywidgets 8 (this environment's pin) is drawn by no page; ipywidgets 7 (Colab's own) is
+    from attention_lab.frontend import installed_version, major_version
+
+    live = major_version(installed_version("ipywidgets")) < 8
+    colab = "".join(output.get("text", "") for output in cells[4].outputs)
+    assert ("Colab's page does not draw" in colab) is not live
+    assert colab.rstrip().endswith("attention_lab.progress" if live else "tqdm.asyncio")
+    (shown,) = [output.data for output in cells[5].outputs if "data" in output]
+    assert "image/png" in shown and ("application/vnd.jupyter.widget-view+json" in shown) is live

@@ -37,14 +37,19 @@ def seed_everything(seed: int = 0) -> None:
 
 
 def describe_environment(device: torch.device) -> str:
-    """One line naming the versions and the device, for bug reports and screenshots."""
+    """One line naming the versions and the device, for bug reports and screenshots: the helpers'
+    own, and Triton's and ipywidgets' (the two a runtime may lack or have in another version)."""
+    from attention_lab import __version__
+    from attention_lab.frontend import installed_version
+
     if device.type == "cuda":
         where = f"CUDA ({torch.cuda.get_device_name(device)})"
     else:
         where = f"CPU ({torch.get_num_threads()} threads)"
+    optional = " | ".join(f"{name} {installed_version(name) or 'not installed'}" for name in ("triton", "ipywidgets"))
     return (
-        f"Attention Lab | Python {platform.python_version()} | torch {torch.__version__} | "
-        f"numpy {np.__version__} | device: {where}"
+        f"Attention Lab {__version__} | Python {platform.python_version()} | torch {torch.__version__} | "
+        f"numpy {np.__version__} | {optional} | device: {where}"
     )
 
 
@@ -73,12 +78,21 @@ def setup(seed: int = 0, preferred: str | None = None, verbose: bool = True) -> 
 
     Without a CUDA GPU, Triton kernels (notebook 06) run in Triton's interpreter, which
     ``@triton.jit`` chooses when ``TRITON_INTERPRET=1`` is set before the kernel is defined.
+    Progress bars (``tqdm.auto``) become the course's, which read right where widgets do not
+    draw (:mod:`attention_lab.progress`).
     """
+    from attention_lab.frontend import fallback_note
+    from attention_lab.progress import use_course_progress_bars
+
     device = pick_device(preferred)
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     seed_everything(seed)
     show_figures_inline()
+    use_course_progress_bars()
     if verbose:
         print(describe_environment(device))
+        note = fallback_note()
+        if note:
+            print(note)
     return device

@@ -38,10 +38,11 @@ MIN_BLOCK = 16
 LOG2_E = 1.4426950408889634
 
 TRITON_MISSING = (
-    "Triton is not installed in this environment (Triton publishes wheels for Linux only, so "
-    "macOS and Windows have none). The rest of the course does not need it. Open this notebook "
-    "on Colab (the badge at the top: Linux, and a free GPU) to write and check the kernel, or "
-    "use a Linux machine where `make setup` installs Triton."
+    "Triton is not installed in this environment. The rest of the course does not need it; this "
+    "exercise does. On Linux, install the course with its Triton extra: `pip install -e \".[triton]\"` "
+    "in your copy of the course (`make lab` does it for you), or `pip install triton`, then restart the "
+    "kernel. Triton publishes wheels for Linux only, so macOS and Windows have none: open this notebook "
+    "on Colab (the link at the top: Linux, Triton installed, and a free GPU) to write and check the kernel."
 )
 
 

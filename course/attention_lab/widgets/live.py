@@ -20,6 +20,8 @@ from typing import Any, Callable, Mapping
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
+from attention_lab.frontend import widget_view, widgets_render_here
+
 
 DPI = 100
 # A slider shorter than this cannot be dragged to a value between its ends.
@@ -93,7 +95,9 @@ class LiveFigure:
       text boxes report a new value only when released (``continuous_update=False``).
     * ``figure`` -- the matplotlib Figure as last drawn (tests inspect its axes).
     * Displayed, it offers the live widget *and* a PNG of the figure: JupyterLab and Colab
-      render the widget; renderers without a widget manager fall back to the PNG.
+      render the widget; renderers without a widget manager fall back to the PNG. Where the page
+      is known not to draw the widget (:func:`~attention_lab.frontend.widgets_render_here`), it
+      offers the PNG alone.
     """
 
     def __init__(self, draw: Callable[..., None], controls: Mapping[str, widgets.ValueWidget],
@@ -129,7 +133,7 @@ class LiveFigure:
         self.redraw()
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        bundle = self.widget._repr_mimebundle_(**kwargs)
         # Notebook JSON carries binary outputs as base64 text.
-        bundle["image/png"] = base64.b64encode(self._image.value).decode("ascii")
-        return bundle
+        bundle = {"text/plain": f"LiveFigure (controls: {', '.join(self.controls)})",
+                  "image/png": base64.b64encode(self._image.value).decode("ascii")}
+        return {**bundle, **widget_view(self.widget)} if widgets_render_here() else bundle
