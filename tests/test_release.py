@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
+import tomllib
 
 import nbformat
 import pytest
@@ -32,15 +35,105 @@ def test_repository_falls_back_to_the_pyproject_setting_off_github(monkeypatch):
     assert release.course_repository() == "attention-lab/attention-lab"
 
 
-def test_badge_and_setup_cell_point_at_the_repository():
+def test_badge_and_setup_cell_point_at_the_repository_and_branch():
     badge = release.colab_badge("me/course", "01_x")
     assert "colab.research.google.com/github/me/course/blob/main/course/01_x.ipynb" in badge
+    assert "/github/me/course/blob/stable/course/01_x.ipynb" in release.colab_badge("me/course", "01_x", "stable")
     # a text link, no image from the network (a broken picture offline)
     assert "![" not in badge and "<img" not in badge and "Colab" in badge
     setup = release.setup_cell_source("me/course")
-    assert 'COURSE_REPOSITORY = "me/course"' in setup
+    assert 'COURSE_REPOSITORY = "me/course"' in setup and 'COURSE_BRANCH = "main"' in setup
+    assert f'HELPERS_VERSION = "{release.helpers_version()}"' in setup
+    assert 'COURSE_BRANCH = "stable"' in release.setup_cell_source("me/course", "stable")
     assert "attention_lab.setup()" in setup
     compile(setup, "setup", "exec")
+
+
+def test_the_helpers_version_is_written_once():
+    """attention_lab.__version__ is the helpers' release: the setup cells name it and the package's metadata is it."""
+    from importlib import metadata
+
+    import attention_lab
+
+    assert release.helpers_version() == attention_lab.__version__ == metadata.version("attention-lab")
+    assert "version" not in tomllib.loads((release.REPO_ROOT / "pyproject.toml").read_text())["project"]
+
+
+# The setup cell in a Python of its own, without this environment's packages (-S): the course's helpers are
+# a package of the test's (``attention_lab`` with a version, whose setup() says so), and pip is a stand-in
+# that records its command and either "installs" the helpers of the notebook's release or fails as pip
+# fails on a private repository.
+SETUP_CELL_RUNNER = r"""
+import json, pathlib, subprocess, sys
+helpers, outcome = pathlib.Path(sys.argv[1]), sys.argv[2]
+
+def write_helpers(version):
+    (helpers / "attention_lab").mkdir(parents=True, exist_ok=True)
+    (helpers / "attention_lab" / "__init__.py").write_text(
+        f"__version__ = {version!r}\ndef setup():\n    print('helpers', __version__, 'set up')\n    return 'cpu'\n")
+
+if outcome.startswith("installed "):
+    write_helpers(outcome.split()[1])
+sys.path.insert(0, str(helpers))
+calls = []
+
+def pip(command, **options):
+    calls.append({"command": command, "prompt": options["env"].get("GIT_TERMINAL_PROMPT")})
+    if outcome == "private":
+        return subprocess.CompletedProcess(command, 1, "", "Cloning https://github.com/o/r (to revision stable)\n"
+                                           "fatal: could not read Username for 'https://github.com': terminal prompts "
+                                           "disabled\nerror: subprocess-exited-with-error\n")
+    write_helpers("0.1.0")
+    return subprocess.CompletedProcess(command, 0, "", "")
+
+subprocess.run = pip
+shown = None
+try:
+    exec(compile(sys.stdin.read(), "setup cell", "exec"), {})
+except Exception as error:
+    shown = {"name": type(error).__name__, "lines": error._render_traceback_()}
+print(json.dumps({"calls": calls, "shown": shown}))
+"""
+
+
+def _run_setup_cell(tmp_path, outcome: str) -> tuple[str, dict]:
+    cell = release.setup_cell_source("o/r", "stable", version="0.1.0")
+    ran = subprocess.run([sys.executable, "-S", "-c", SETUP_CELL_RUNNER, str(tmp_path / "helpers"), outcome],
+                         input=cell, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    *printed, last = ran.stdout.splitlines()
+    return "\n".join(printed), json.loads(last)
+
+
+@pytest.mark.parametrize("installed", ["0.1.0", "0.2.0"])
+def test_the_setup_cell_installs_nothing_where_the_helpers_are_current(tmp_path, installed):
+    printed, outcome = _run_setup_cell(tmp_path, f"installed {installed}")
+    assert outcome == {"calls": [], "shown": None}
+    assert printed == f"helpers {installed} set up"
+
+
+@pytest.mark.parametrize("installed", [None, "0.0.9"])
+def test_the_setup_cell_installs_missing_or_older_helpers_saying_what_and_from_where(tmp_path, installed):
+    printed, outcome = _run_setup_cell(tmp_path, f"installed {installed}" if installed else "missing")
+    (call,) = outcome["calls"]
+    assert call["command"][-1] == "attention-lab @ git+https://github.com/o/r@stable"
+    assert "--upgrade" in call["command"] and call["prompt"] == "0"  # a password prompt would wait forever
+    lines = printed.splitlines()
+    assert lines[0].startswith("Installing the course's helpers 0.1.0 with pip from git+https://github.com/o/r@stable")
+    assert "is kept" in lines[0] and lines[1].startswith("Installed in ")
+    assert lines[2] == "helpers 0.1.0 set up"  # the new helpers, even where older ones had been imported
+
+
+def test_a_failed_install_says_what_to_check_without_a_traceback(tmp_path):
+    printed, outcome = _run_setup_cell(tmp_path, "private")
+    assert outcome["shown"]["name"] == "CourseSetupFailed" and len(outcome["calls"]) == 1
+    message = "\n".join(outcome["shown"]["lines"])
+    assert message.startswith("Could not install the course's helpers from git+https://github.com/o/r@stable.")
+    for advice in ("reaches the internet", "github.com/o/r exists", "is public", "a branch stable",
+                   "terminal prompts disabled"):
+        assert advice in message, advice
+    assert "Traceback" not in message and "CalledProcessError" not in message
+    assert "set up" not in printed
 
 
 def test_markers_become_nbgrader_metadata():
