@@ -206,9 +206,9 @@ lms-export: setup ## grades for your LMS's import (Canvas, Moodle: a row per stu
 report: setup ## the class report per assignment: autograder/course_root/reports/class/<assignment>/index.html
 	$(BIN)/python -m autograder.class_report
 
-publish: setup ## write the students' repository to DEST=<folder> for REPO=<owner/name>: notebooks, helper package, README; no solution, no hidden test
-	@test -n "$(DEST)" -a -n "$(REPO)" || { echo "usage: make publish DEST=../attention-lab-students REPO=<github owner>/<students' repository>"; exit 2; }
-	$(BIN)/python -m autograder.publish --dest "$(DEST)" --repository "$(REPO)"
+publish: setup ## write the students' repository to DEST=<folder> for REPO=<owner/name> (BRANCH=, default main): notebooks, helper package, their `make lab`, README; no solution, no hidden test
+	@test -n "$(DEST)" -a -n "$(REPO)" || { echo "usage: make publish DEST=../attention-lab-students REPO=<github owner>/<students' repository> [BRANCH=main]"; exit 2; }
+	$(BIN)/python -m autograder.publish --dest "$(DEST)" --repository "$(REPO)" $(if $(BRANCH),--branch "$(BRANCH)")
 
 bench: setup ## measure notebook run time, autograde overhead, the trust boundary, attention kernels, kernel shutdown (benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks

@@ -93,14 +93,15 @@ def _lab_settings(settings_dir: Path) -> None:
 
 @contextlib.contextmanager
 def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | None = None, command: str = "",
-                replace: dict | None = None, port: int | None = None):
+                replace: dict | None = None, port: int | None = None, students_repository: Path | None = None):
     """``make <target>``, as the README writes it, serving ``root_dir`` on a free port; stopped
     (whole process group) on exit.
 
     ``command``: another of the README's command lines that starts it (``make formgrader
     DB_URL=...``), its placeholders ``replace`` filled in (tests/readme_commands.py); the test's
     JupyterLab options reach it through the environment, or, where the command names its own,
-    ``port`` is the one they name."""
+    ``port`` is the one they name. ``students_repository``: the folder `make publish` wrote, whose own
+    ``make <target>`` runs there instead (its ``.venv``, a link to this one, taken as set up)."""
     port = port or free_port()
     log = scratch / f"{target}.log"
     settings_dir = scratch / "lab-settings"
@@ -115,8 +116,13 @@ def running_lab(target: str, root_dir: Path, scratch: Path, extra_env: dict | No
     environment = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings_dir), ATTENTION_LAB_VALIDATE_SECONDS="240",
                        JUPYTERLAB_WORKSPACES_DIR=str(scratch / "lab-workspaces"), **variables, **(extra_env or {}))
     with open(log, "w") as log_file:
-        process = start_readme_command(command or f"make {target}", env=environment, replace=replace,
-                                       stdout=log_file, stderr=subprocess.STDOUT)
+        if students_repository is None:
+            process = start_readme_command(command or f"make {target}", env=environment, replace=replace,
+                                           stdout=log_file, stderr=subprocess.STDOUT)
+        else:
+            process = subprocess.Popen(["make", "-o", ".venv/.installed", target], cwd=students_repository,
+                                       env=environment, stdout=log_file, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
     server = LabServer(f"http://127.0.0.1:{port}", root_dir, log)
     try:
         deadline = time.monotonic() + SERVER_START_SECONDS

@@ -272,7 +272,7 @@ def _handlers():
 
 
 def _jupyter_server_extension_points():
-    return [{"module": "autograder.lab.validate"}]
+    return [{"module": __name__}]  # autograder.lab.validate; lab.validate in the students' repository
 
 
 def _load_jupyter_server_extension(server_app):
