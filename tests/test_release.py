@@ -98,7 +98,8 @@ print(json.dumps({"calls": calls, "shown": shown}))
 
 def _run_setup_cell(tmp_path, outcome: str) -> tuple[str, dict]:
     cell = release.setup_cell_source("o/r", "stable", version="0.1.0")
-    ran = subprocess.run([sys.executable, "-S", "-c", SETUP_CELL_RUNNER, str(tmp_path / "helpers"), outcome],
+    # -B: no bytecode, whose cache would take the rewritten helpers (same size, same second) for the old ones
+    ran = subprocess.run([sys.executable, "-S", "-B", "-c", SETUP_CELL_RUNNER, str(tmp_path / "helpers"), outcome],
                          input=cell, capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0, ran.stderr
     *printed, last = ran.stdout.splitlines()
