@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402 -- after OMP_NUM_THREADS
 
 from attention_lab.checking import HINT_LOG_ENV_VAR  # noqa: E402
-from autograder import release  # noqa: E402
+from autograder.publishing import release  # noqa: E402
 
 from tests import hint_coverage, readme_commands, session_gates  # noqa: E402
 from tests.bridge_harness import calls_the_checks  # noqa: E402
@@ -91,9 +91,9 @@ def fresh_build(tmp_path_factory) -> Build:
 @pytest.fixture(scope="session")
 def forked_kernels(tmp_path_factory):
     """Kernels forked from one sandboxed kernel server per test process, as grading runs them
-    (see autograder.execute.ForkedKernels); None (fresh kernels) where bubblewrap is missing."""
-    from autograder import sandbox
-    from autograder.execute import ForkedKernels
+    (see autograder.grading.execute.ForkedKernels); None (fresh kernels) where bubblewrap is missing."""
+    from autograder.isolation import sandbox
+    from autograder.grading.execute import ForkedKernels
 
     if sandbox.bwrap_path() is None:
         yield None

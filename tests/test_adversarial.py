@@ -22,10 +22,14 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import feedback, grade, gradebook, intake, results, sandbox
-from autograder.export import export
-from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
-from autograder.settings import COURSE_ROOT
+from autograder.grading import grade
+from autograder.isolation import sandbox
+from autograder.reports import feedback
+from autograder.store import gradebook, results
+from autograder.term import intake
+from autograder.reports.export import export
+from autograder.publishing.release import REPO_ROOT, build_source, course_repository, write_notebook
+from autograder.places import COURSE_ROOT
 from tests.grading_helpers import cell_limit, setup_cell_seconds
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("adversarial_class")]
@@ -366,7 +370,7 @@ def test_regrading_is_idempotent_and_only_regrades_changes(graded):
 
 
 def test_make_grade_cli_reports_and_exits_zero(graded):
-    result = subprocess.run([str(REPO_ROOT / ".venv" / "bin" / "python"), "-m", "autograder.grade",
+    result = subprocess.run([str(REPO_ROOT / ".venv" / "bin" / "python"), "-m", "autograder.grading.grade",
                              "--root", str(graded["root"]), "--timeout", str(graded["settings"].timeout),
                              "--memory-mb", str(graded["settings"].memory_mb), "--file-mb", str(graded["settings"].file_mb),
                              "--max-output-bytes", str(graded["settings"].max_output_bytes), "--attempts", str(graded["settings"].attempts)],

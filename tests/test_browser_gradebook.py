@@ -8,8 +8,9 @@ import re
 
 import pytest
 
-from autograder import grade, gradebook
-from autograder.settings import DB_URL_VARIABLE
+from autograder.grading import grade
+from autograder.store import gradebook
+from autograder.places import DB_URL_VARIABLE
 from tests.grading_helpers import TINY, tiny_course
 from tests.lab_servers import running_lab, set_formgrader_score
 from tests.postgres_server import postgres_server

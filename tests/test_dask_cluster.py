@@ -26,8 +26,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import grade, gradebook
-from autograder.settings import REPO_ROOT
+from autograder.grading import grade
+from autograder.store import gradebook
+from autograder.places import REPO_ROOT
 from tests.grading_helpers import TINY, tiny_course
 from tests.readme_commands import run_readme_command, start_readme_command, stop_process_group
 
@@ -147,7 +148,7 @@ def test_a_class_grades_on_the_cluster_as_on_the_default_engine(dask_cluster, tm
 
 def test_the_command_line_grades_one_submission_on_the_cluster(dask_cluster, tmp_path):
     root = tiny_course(tmp_path / "course", {"ann": "value = 42", "bob": "value = 41"})
-    command = [sys.executable, "-m", "autograder.grade", "--root", str(root), "--timeout", "30",
+    command = [sys.executable, "-m", "autograder.grading.grade", "--root", str(root), "--timeout", "30",
                "--scheduler", dask_cluster["address"]]
     first = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     assert first.returncode == 0 and "graded 2, unchanged 0, failed 0" in first.stdout, first.stdout + first.stderr
@@ -272,7 +273,7 @@ def test_the_readmes_cluster_commands_grade_a_class_and_a_scheduler_without_the_
     port = free_port_pair()
     plain = f"{REPO_ROOT}/.venv/bin/dask scheduler --port {port} --dashboard-address :{port + 1}"
     with started(plain, tmp_path / "plain-scheduler.log", environment):
-        refused = subprocess.run([sys.executable, "-m", "autograder.grade", "--root", str(root), "--force",
+        refused = subprocess.run([sys.executable, "-m", "autograder.grading.grade", "--root", str(root), "--force",
                                   "--scheduler", f"tcp://127.0.0.1:{port}"], cwd=REPO_ROOT, env=environment,
                                  capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0, refused.stdout

@@ -12,9 +12,9 @@ import shutil
 
 import pytest
 
-from autograder import gradebook
-from autograder.release import REPO_ROOT, assignment_names
-from autograder.settings import COURSE_ROOT_VARIABLE
+from autograder.store import gradebook
+from autograder.publishing.release import REPO_ROOT, assignment_names
+from autograder.places import COURSE_ROOT_VARIABLE
 from tests.readme_commands import run_readme_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("example_class")]

@@ -23,7 +23,8 @@ from nbconvert.exporters import HTMLExporter
 from nbgrader.server_extensions.formgrader import handlers as formgrader_handlers
 from traitlets.config import Config
 
-from autograder import grade, gradebook
+from autograder.grading import grade
+from autograder.store import gradebook
 from autograder.lab.instructor.inert_submissions import (InertHTMLExporter, content_security_policy, inert_html,
                                                         page_scripts)
 from tests.grading_helpers import TINY, tiny_course

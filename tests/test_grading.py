@@ -14,13 +14,16 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import feedback, grade, gradebook, results, sandbox
-from autograder.course_settings import CourseSettings
-from autograder.export import export
-from autograder.nbgrader_cli import run_nbgrader
-from autograder.release import (REPO_ROOT, build_source, course_repository, generate_assignments, mark_hidden_tests,
+from autograder.grading import grade
+from autograder.isolation import sandbox
+from autograder.reports import feedback
+from autograder.store import gradebook, results
+from autograder.term.course_settings import CourseSettings
+from autograder.reports.export import export
+from autograder.store.nbgrader_cli import run_nbgrader
+from autograder.publishing.release import (REPO_ROOT, build_source, course_repository, generate_assignments, mark_hidden_tests,
                                 write_notebook)
-from autograder.settings import COURSE_ROOT_VARIABLE
+from autograder.places import COURSE_ROOT_VARIABLE
 from tests.grading_helpers import (TINY, cell_limit, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
                                    tiny_notebook)
 from tests.readme_commands import run_readme_command
@@ -460,7 +463,7 @@ def test_a_symlinked_virtual_environment_grades_in_the_sandbox(tiny_class, tmp_p
     link = tmp_path / "linked-venv"
     link.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
     root = tiny_class({"ann": "value = 42", "bob": "value = 41"})
-    result = subprocess.run([str(link / "bin" / "python"), "-m", "autograder.grade", "--root", str(root),
+    result = subprocess.run([str(link / "bin" / "python"), "-m", "autograder.grading.grade", "--root", str(root),
                              "--sandbox", "on", "--jobs", "1", "--timeout", "60"],
                             cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -652,7 +655,7 @@ def test_a_merge_that_fails_leaves_nothing_half_written_and_the_class_goes_on(ti
 
 
 def test_grading_before_any_intake_says_what_to_do_first(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "autograder.grade", "--root", str(tmp_path / "course")],
+    result = subprocess.run([sys.executable, "-m", "autograder.grading.grade", "--root", str(tmp_path / "course")],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "make intake SUBMISSIONS=" in result.stderr, result.stderr
     assert "graded" not in result.stdout

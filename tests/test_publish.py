@@ -13,8 +13,8 @@ import zipfile
 
 import nbformat
 
-from autograder import publish
-from autograder.release import REPO_ROOT, assignment_names, course_repository
+from autograder.publishing import publish
+from autograder.publishing.release import REPO_ROOT, assignment_names, course_repository
 from tests.readme_commands import run_readme_command
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from autograder.release import REPO_ROOT
+from autograder.publishing.release import REPO_ROOT
 from tests import readme_commands, session_gates
 from tests.readme_commands import NOT_RUN, PLACEHOLDERS, commands_in, instructor_commands, run_readme_command
 
@@ -25,14 +25,14 @@ grade STUDENT=ann ASSIGNMENT=01` and `make report`; the targets `grade`, `export
 ```bash
 make intake SUBMISSIONS=export   # a comment
 # a comment line
-.venv/bin/python -m autograder.grade --help
+.venv/bin/python -m autograder.grading.grade --help
 ```
 
     make formgrader FORMGRADER_ARGS="--port=8890"
 
 ### A subsection
 
-`make report` again, and `python -m autograder.sandbox`.
+`make report` again, and `python -m autograder.isolation.sandbox`.
 
 ## For contributors
 

@@ -7,7 +7,7 @@ import subprocess
 import nbformat
 import pytest
 
-from autograder import release
+from autograder.publishing import release
 from tests.readme_commands import run_readme_command
 
 

@@ -27,10 +27,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import cgroups, grade, sandbox
+from autograder.grading import grade
+from autograder.isolation import cgroups, sandbox
 from tests.readme_commands import run_readme_command
-from autograder.release import REPO_ROOT
-from autograder.settings import COURSE_ROOT_VARIABLE, DB_URL_VARIABLE
+from autograder.publishing.release import REPO_ROOT
+from autograder.places import COURSE_ROOT_VARIABLE, DB_URL_VARIABLE
 from tests.grading_helpers import TINY, cell_limit, tiny_course
 
 needs_bwrap = pytest.mark.skipif(sandbox.bwrap_path() is None, reason="bubblewrap unavailable: no sandbox to test")

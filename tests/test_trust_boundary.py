@@ -16,9 +16,11 @@ import textwrap
 import nbformat
 import pytest
 
-from autograder import grade, intake, results
-from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
-from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL
+from autograder.grading import grade
+from autograder.store import results
+from autograder.term import intake
+from autograder.publishing.release import REPO_ROOT, build_source, course_repository, write_notebook
+from autograder.places import CHECKED_OUTSIDE_THE_KERNEL
 from tests.test_adversarial import ASSIGNMENT, FULL, cell, measured_settings, release_notebook, solved_notebook, write
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trust_boundary")]
@@ -257,7 +259,7 @@ def test_a_cancel_ends_the_checkers_wait_and_a_late_one_is_ignored(tmp_path):
     import threading
 
     from attention_lab.bridge.agent import serve
-    from autograder.grading.trusted.cells import Checker
+    from autograder.grading.trusted.checker_client import Checker
 
     checker = Checker()
     path = str(tmp_path / "bridge.sock")
@@ -284,7 +286,7 @@ def test_the_checker_checks_on_the_cpu_whatever_device_the_grader_names(monkeypa
     import threading
 
     from attention_lab.bridge.agent import serve
-    from autograder.grading.trusted.cells import Checker
+    from autograder.grading.trusted.checker_client import Checker
 
     monkeypatch.setenv("ATTENTION_LAB_DEVICE", "cuda")  # on this machine without CUDA, a check would raise
     checker = Checker()

@@ -11,12 +11,12 @@ root: the real nbgrader app, with the course's nbgrader_config.py, run in this l
 process so that each student does not pay for starting Python and importing nbgrader
 (about 3 s of CPU, as much as some notebooks take to run).  Student code never runs here:
 each notebook gets a new kernel, in the sandbox -- under bubblewrap a fork of this nbgrader process's
-kernel server (:mod:`autograder.kernel_forkserver`), so that each student does not pay for
+kernel server (:mod:`autograder.isolation.kernel_forkserver`), so that each student does not pay for
 importing torch either; the server is asked to clear its sandbox before each answer.
 
 nbgrader runs with one change: the Execute preprocessor is :class:`GuardedExecute`, which
 
-* runs every cell in the sandboxed grading kernel (kernelspec written by autograder.grade);
+* runs every cell in the sandboxed grading kernel (kernelspec written by autograder.grading.grade);
 * gives each cell its time limit from the cell's own start, and the generated setup cell
   (which imports torch: slow on a loaded machine) the kernel start-up budget instead, so
   that start-up and imports never eat a cell's budget; an interrupted kernel has
@@ -54,13 +54,14 @@ from traitlets import Dict, Integer, Unicode
 
 from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
-from autograder import gradebook, sandbox
-from autograder.grading.trusted import cells as trusted_cells
-from autograder.grading.trusted.cells import CheckedOutsideTheKernel
-from autograder.kernel_forkserver import Server
-from autograder.nbgrader_cli import run_in_process
-from autograder.results import SKIPPED_CELL, defines, hung_function, uses
-from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID,
+from autograder.isolation import sandbox
+from autograder.store import gradebook
+from autograder.grading.trusted import checker_client as trusted_cells
+from autograder.grading.trusted.checker_client import CheckedOutsideTheKernel
+from autograder.isolation.kernel_forkserver import Server
+from autograder.store.nbgrader_cli import run_in_process
+from autograder.store.results import SKIPPED_CELL, defines, hung_function, uses
+from autograder.places import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID,
                                  UNRESPONSIVE_GRACE)
 
 # This nbgrader process's kernel server: the sandboxed process its grading kernels are forked from.
@@ -363,7 +364,7 @@ def serve(replies: int, parent: int | None = None, scratch: Path | None = None) 
 
     The answer is ``{"status": N, "recorded": ...}`` (see :func:`recorded_grades`; None
     unless N is 0) once that student's autograde is over and every process
-    its kernels left behind is killed and reaped (see :func:`autograder.sandbox.adopt_orphans`).
+    its kernels left behind is killed and reaped (see :func:`autograder.isolation.sandbox.adopt_orphans`).
     The grader kills this process (and so its kernel) when an answer is late; it starts a new
     one for the next student.  Anything nbgrader or a kernel prints goes to this process's stdout and
     stderr (the grader's log file), never to the answer channel.

@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autograder.course_settings import CourseSettings
-from autograder.settings import CELL_TIMEOUT, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, UNRESPONSIVE_GRACE
+from autograder.term.course_settings import CourseSettings
+from autograder.places import CELL_TIMEOUT, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, UNRESPONSIVE_GRACE
 
 STATE_DIR = ".grading"
 REPORTS_DIR = "reports"
@@ -209,7 +209,7 @@ def save_state(root: Path, state: dict) -> None:
 @contextlib.contextmanager
 def exclusive(root: Path):
     """One grading run per course root at a time (runs on other roots sharing a PostgreSQL
-    gradebook are serialised by the gradebook's own lock, see autograder.gradebook)."""
+    gradebook are serialised by the gradebook's own lock, see autograder.store.gradebook)."""
     lock_path = root / STATE_DIR / "lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as lock:

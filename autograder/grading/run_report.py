@@ -14,10 +14,11 @@ import datetime
 import json
 from pathlib import Path
 
-from autograder import cgroups, results, sandbox
-from autograder.course_settings import CourseSettings
+from autograder.isolation import cgroups, sandbox
+from autograder.store import results
+from autograder.term.course_settings import CourseSettings
 from autograder.grading.plan import REPORTS_DIR, Outcome, Settings
-from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL
+from autograder.places import CHECKED_OUTSIDE_THE_KERNEL
 
 
 def score_text(outcome: Outcome) -> str:

@@ -10,8 +10,8 @@ and the parent process alone writes the gradebook (see :mod:`autograder.grading.
 nbgrader itself runs in an :class:`NbgraderProcess`: a long-lived ``python -m autograder.grading.nbgrader_process``
 process per task slot of the worker process, started once and reused for every student
 (Python and nbgrader start once per worker, not once per student); each notebook gets a new
-kernel, under :mod:`autograder.sandbox` (under bubblewrap, forked from the nbgrader process's kernel
-server, which has imported torch once: :mod:`autograder.kernel_forkserver`).  An attempt
+kernel, under :mod:`autograder.isolation.sandbox` (under bubblewrap, forked from the nbgrader process's kernel
+server, which has imported torch once: :mod:`autograder.isolation.kernel_forkserver`).  An attempt
 that runs past ``notebook_timeout`` gets its nbgrader process killed (its kernel dies with it) and
 replaced.  Each nbgrader process grades in a course root of its own, emptied before and after each
 student; the worker's scratch folder goes with the worker, even a killed one (its nbgrader processes
@@ -24,7 +24,7 @@ its ``/tmp`` and ``/dev/shm`` are tmpfs of that size) is restarted with that cel
 (it earns nothing, the others earn what they earn).  The submission is failed, never
 silently scored, after ``attempts`` tries, or once its attempts together ran past
 ``submission_timeout`` seconds or (where the nbgrader process's sandbox has a control group,
-:mod:`autograder.cgroups`, which also holds the memory and process count of the whole
+:mod:`autograder.isolation.cgroups`, which also holds the memory and process count of the whole
 sandbox) used more than ``cpu_seconds`` of CPU.
 """
 
@@ -47,10 +47,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from autograder import cgroups, gradebook, results, sandbox
-from autograder.kernel_forkserver import empty_folder
-from autograder.nbgrader_cli import nbgrader_environment
-from autograder.settings import AUTOGRADER_DIR, SETUP_CELL_ID
+from autograder.isolation import cgroups, sandbox
+from autograder.store import gradebook, results
+from autograder.isolation.kernel_forkserver import empty_folder
+from autograder.store.nbgrader_cli import nbgrader_environment
+from autograder.places import AUTOGRADER_DIR, SETUP_CELL_ID
 
 
 # --------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class NbgraderProcess:
         return self.folder
 
     def stop(self) -> None:
-        """Kill the nbgrader process (its kernels die with it, see autograder.sandbox)."""
+        """Kill the nbgrader process (its kernels die with it, see autograder.isolation.sandbox)."""
         if self.process is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -358,7 +359,7 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Nbgr
     workdir.mkdir(parents=True)
     limits = {"memory_mb": settings["memory_mb"], "file_mb": settings["file_mb"]}
     server, group = None, None
-    if use_bwrap:  # kernels forked from the nbgrader process's sandboxed kernel server (autograder.kernel_forkserver)
+    if use_bwrap:  # kernels forked from the nbgrader process's sandboxed kernel server (autograder.isolation.kernel_forkserver)
         hidden = [course.parent, *(Path(p) for p in task.get("hide", []))]
         group = free.sandbox_group(settings["memory_mb"], settings["processes"])
         server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, runtime, hidden,

@@ -160,7 +160,7 @@ def _child(notebook: str, result_path: str, progress_path: str) -> None:
     config = app.config
     config.Execute.on_cell_execute = on_cell_execute
     # Killed once every cell has run, as grading does: a graceful shutdown can hang 2.5 s
-    # (autograder.execute.notebook_client says why), and the student waits for the answer.
+    # (autograder.grading.execute.notebook_client says why), and the student waits for the answer.
     config.Execute.shutdown_kernel = "immediate"
     try:
         outcome = {"success": True, "value": CourseValidator(config=config).validate(notebook)}

@@ -4,7 +4,7 @@
 
 An nbgrader process (:mod:`autograder.grading.nbgrader_process`) keeps one checker for all its
 students, next to their kernels, and sends it each graded test cell of a notebook listed in
-:data:`autograder.settings.CHECKED_OUTSIDE_THE_KERNEL`: the cell's source as nbgrader has it
+:data:`autograder.places.CHECKED_OUTSIDE_THE_KERNEL`: the cell's source as nbgrader has it
 (the source notebook's, with its hidden tests: never the student's copy), and the path of a
 socket.  The checker listens there, says so, and the nbgrader process starts the bridge's agent in the
 student's kernel (:func:`attention_lab.bridge.agent.serve`), which connects.  The checker
@@ -166,7 +166,7 @@ def serve() -> int:
     os.environ.setdefault("MPLBACKEND", "Agg")
     import torch  # once, before the first student
 
-    # One thread, as each student's kernel has (autograder.sandbox.kernel_environment): the checker
+    # One thread, as each student's kernel has (autograder.isolation.sandbox.kernel_environment): the checker
     # runs next to the engine's kernels, and a second OpenMP thread on a busy 2-core machine made
     # every crossing's storage comparison (torch.equal, bridge/peer.py) wait on a descheduled
     # thread: 64 KiB compared in 4.5 ms instead of 0.12 ms, ~0.1 s per request of notebook 05.

@@ -7,9 +7,9 @@ autograded notebook, hidden tests included, as the student's feedback; "Generate
 "Release" would build a release other than ``make release``'s. This extension answers those
 API routes before nbgrader does:
 
-* Autograde (a submission)   -> ``python -m autograder.grade --student S --assignment A --force``
+* Autograde (a submission)   -> ``python -m autograder.grading.grade --student S --assignment A --force``
                                 (sandboxed kernels, the one writer of the gradebook);
-* Generate Feedback          -> ``python -m autograder.feedback [--student S] --assignment A``
+* Generate Feedback          -> ``python -m autograder.reports.feedback [--student S] --assignment A``
                                 (feedback pages that never show test code);
 * Generate, Release, Unrelease, Collect, Release Feedback -> refused, with what to run instead
   (``make release``, ``make intake``; feedback pages are sent through the LMS).
@@ -33,8 +33,8 @@ from tornado import web
 from tornado.routing import HostMatches, Rule
 from tornado.web import _ApplicationRouter
 
-from autograder.nbgrader_cli import nbgrader_environment
-from autograder.settings import REPO_ROOT
+from autograder.store.nbgrader_cli import nbgrader_environment
+from autograder.places import REPO_ROOT
 
 GRADE_TIMEOUT = 3600  # seconds: one submission graded by the pipeline (its own limits apply inside)
 

@@ -1,7 +1,7 @@
 """Build the student release from the one source of each notebook.
 
-    python -m autograder.release           # solutions/*.py  ->  course/*.ipynb
-    python -m autograder.release --check   # exit 1 if course/ is not what a rebuild gives
+    python -m autograder.publishing.release           # solutions/*.py  ->  course/*.ipynb
+    python -m autograder.publishing.release --check   # exit 1 if course/ is not what a rebuild gives
 
 Pipeline, per notebook ``solutions/NN_name.py`` (jupytext percent format):
 
@@ -36,9 +36,9 @@ import jupytext
 import nbformat
 
 from autograder.lab.course_notebooks import COURSE_NOTEBOOK_METADATA
-from autograder.nbgrader_cli import run_in_process
-from autograder.results import HIDDEN_FAILURE
-from autograder.settings import COURSE_DIR, REPO_ROOT, SETUP_CELL_ID, SOLUTIONS_DIR
+from autograder.store.nbgrader_cli import run_in_process
+from autograder.store.results import HIDDEN_FAILURE
+from autograder.places import COURSE_DIR, REPO_ROOT, SETUP_CELL_ID, SOLUTIONS_DIR
 
 STUB = "raise NotImplementedError()"
 HIDDEN_BEGIN = "### BEGIN HIDDEN TESTS"
@@ -229,7 +229,7 @@ def released_notebook(assignment: str, course_dir: Path = COURSE_DIR) -> Path:
 
 def generate_assignments(assignments: list[str], nbgrader_root: Path, *options: str) -> None:
     """nbgrader's ``generate_assignment --force <options>`` on each of ``assignments`` (its release, and
-    its cells in the gradebook), in this process (:func:`autograder.nbgrader_cli.run_in_process`);
+    its cells in the gradebook), in this process (:func:`autograder.store.nbgrader_cli.run_in_process`);
     nbgrader logs what went wrong."""
     for assignment in assignments:
         arguments = ["generate_assignment", assignment, "--force", *options, f"--CourseDirectory.root={nbgrader_root}"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from autograder.course_settings import CourseSettings
+from autograder.term.course_settings import CourseSettings
 
 UTC = datetime.timezone.utc
 STAMP_FORMAT = "%Y-%m-%d %H:%M:%S.%f UTC"   # nbgrader's timestamp.txt
@@ -41,7 +41,7 @@ def parse_stamp(text: str) -> datetime.datetime | None:
 
 def due_dates(root: Path) -> dict[str, datetime.datetime]:
     """``{assignment: due date}`` (aware, UTC) from the course's gradebook (``make deadlines``)."""
-    from autograder import gradebook
+    from autograder.store import gradebook
 
     if not gradebook.exists(root):
         return {}
@@ -113,7 +113,7 @@ def replacement_refusal(folder: Path, text: str, when: datetime.datetime, root: 
 
 def hand_graded(root: Path) -> dict[tuple[str, str], list[str]]:
     """``{(student, assignment): [cells a grader scored or commented by hand]}`` in the gradebook."""
-    from autograder import gradebook
+    from autograder.store import gradebook
 
     if not gradebook.exists(root):
         return {}

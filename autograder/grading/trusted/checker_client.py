@@ -1,8 +1,8 @@
 """Graded test cells run in the trusted checker, not in the student's kernel.
 
-For a notebook listed in :data:`autograder.settings.CHECKED_OUTSIDE_THE_KERNEL`, an nbclient
+For a notebook listed in :data:`autograder.places.CHECKED_OUTSIDE_THE_KERNEL`, an nbclient
 client with :class:`CheckedOutsideTheKernel` (grading's :class:`autograder.grading.nbgrader_process.GuardedExecute`,
-the test suite's :class:`autograder.execute.ForkedKernels`) does not send a graded test cell to
+the test suite's :class:`autograder.grading.execute.ForkedKernels`) does not send a graded test cell to
 the kernel.  It sends the cell -- nbgrader's copy, hidden tests included -- to this nbgrader process's
 :data:`checker` (:mod:`autograder.grading.trusted.checker`), which listens on a socket in the kernel's
 runtime folder; it then has the kernel run the bridge's agent (silently, outside any cell),
@@ -35,7 +35,7 @@ from nbclient.util import ensure_async
 from nbformat.notebooknode import NotebookNode
 
 from autograder.grading.trusted.checker import NOT_STARTED
-from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL, UNRESPONSIVE_GRACE
+from autograder.places import CHECKED_OUTSIDE_THE_KERNEL, UNRESPONSIVE_GRACE
 
 # The code that starts the bridge's agent in the student's kernel (silently: not a cell).
 # The folder holding the autograder package: where the checker starts, whatever the caller's folder.

@@ -1,10 +1,10 @@
 """Running nbgrader's command line from Python: in a process of its own, or in this one.
 
-    python -m autograder.nbgrader_cli <nbgrader arguments>   # what run_nbgrader starts
+    python -m autograder.store.nbgrader_cli <nbgrader arguments>   # what run_nbgrader starts
 
 That is ``nbgrader`` itself, started through this package so that it skips the import
 ``autograder/__init__.py`` explains (a second of CPU per command), and stamps a gradebook
-it creates without running ``alembic heads`` (see :func:`autograder.gradebook.alembic_head`).
+it creates without running ``alembic heads`` (see :func:`autograder.store.gradebook.alembic_head`).
 
 :func:`run_in_process` runs the same command in the calling process, as that command would run
 it (from ``autograder/``, with its nbgrader_config.py): the pipeline's processes that have
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from autograder.settings import AUTOGRADER_DIR, COURSE_ROOT, REPO_ROOT
+from autograder.places import AUTOGRADER_DIR, COURSE_ROOT, REPO_ROOT
 
 
 def nbgrader_environment() -> dict[str, str]:
@@ -42,7 +42,7 @@ def run_nbgrader(*arguments: str, root: Path = COURSE_ROOT, check: bool = True,
                  capture: bool = False) -> subprocess.CompletedProcess:
     """``nbgrader <arguments> --CourseDirectory.root=<root>``, from ``autograder/`` (where its config is)."""
     return subprocess.run(
-        [sys.executable, "-m", "autograder.nbgrader_cli", *arguments, f"--CourseDirectory.root={root}"],
+        [sys.executable, "-m", "autograder.store.nbgrader_cli", *arguments, f"--CourseDirectory.root={root}"],
         cwd=AUTOGRADER_DIR, env=nbgrader_environment(), check=check,
         capture_output=capture, text=True,
     )
@@ -61,7 +61,7 @@ def run_in_process(*arguments: str, config=None) -> int:
 
     from nbgrader.apps.nbgraderapp import NbGraderApp
 
-    from autograder.gradebook import stamp_in_process
+    from autograder.store.gradebook import stamp_in_process
 
     if NbGraderApp.initialized():
         raise RuntimeError("an nbgrader app is already running in this process")
@@ -88,7 +88,7 @@ def run_in_process(*arguments: str, config=None) -> int:
 if __name__ == "__main__":
     from nbgrader.apps.nbgraderapp import main
 
-    from autograder.gradebook import stamp_in_process
+    from autograder.store.gradebook import stamp_in_process
 
     stamp_in_process()
     main()

@@ -1,6 +1,6 @@
 """Export the grades.
 
-    python -m autograder.export          # make export
+    python -m autograder.reports.export          # make export
 
 * ``autograder/course_root/grades.csv``: one row per student and assignment, with nbgrader's
   own columns (``nbgrader export``'s: due date, submission time, raw_score, late penalty,
@@ -30,8 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autograder import gradebook
-from autograder.settings import COURSE_ROOT
+from autograder.store import gradebook
+from autograder.places import COURSE_ROOT
 
 PENDING = "manual_grading_pending"
 QUESTION_COLUMNS = ["student", "assignment", "notebook", "grade_id", "score", "max_score", PENDING]

@@ -1,7 +1,7 @@
 """Isolation of the student kernel while autograding.
 
 Every student's notebook runs in its own kernel: under bubblewrap, a fork of the nbgrader
-process's kernel server (:func:`kernel_server_argv`, see :mod:`autograder.kernel_forkserver`),
+process's kernel server (:func:`kernel_server_argv`, see :mod:`autograder.isolation.kernel_forkserver`),
 which runs in the sandbox described below and has imported torch once; without it (only
 when the instructor says ``--sandbox off``), a kernel started afresh (:func:`kernel_argv`).
 Either way the kernel gets:
@@ -22,7 +22,7 @@ Either way the kernel gets:
   ``/proc``.  Nothing else of the machine exists in it: the gradebook, the sources (hidden
   tests), ``solutions/``, other checkouts, home folders, the other students' files;
 * **limits for the sandbox as a whole** where the machine offers a control group
-  (:mod:`autograder.cgroups`): memory of all its processes together, their number; the
+  (:mod:`autograder.isolation.cgroups`): memory of all its processes together, their number; the
   grader also holds every submission to a wall-clock and CPU budget over all its attempts
   and a disk quota on the writable folders that the host backs (:mod:`autograder.grading.task`).
 
@@ -37,9 +37,9 @@ why), unless the instructor turns the sandbox off explicitly (``make grade SANDB
 then the kernel runs under the per-process limits only, in a temporary course root holding
 only this student's files, and could reach the network or any file the grader's user can.
 
-``python -m autograder.sandbox launch [--cgroup FILE ...] --memory-mb N --file-mb M -- CMD...``
+``python -m autograder.isolation.sandbox launch [--cgroup FILE ...] --memory-mb N --file-mb M -- CMD...``
 joins the control group, applies the limits, keeps the allowed environment and ``exec``s CMD
-(what the kernelspec runs); ``python -m autograder.sandbox`` alone says which isolation and
+(what the kernelspec runs); ``python -m autograder.isolation.sandbox`` alone says which isolation and
 which limits this machine provides.
 """
 
@@ -56,10 +56,10 @@ import sys
 from pathlib import Path
 
 if not __package__:  # run as a script by the kernelspec (`python .../sandbox.py launch`)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from autograder import cgroups  # noqa: E402
-from autograder.kernel_forkserver import COURSE_MODULES, KERNEL_MODULES, set_limits  # noqa: E402
-from autograder.settings import REPO_ROOT  # noqa: E402
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from autograder.isolation import cgroups  # noqa: E402
+from autograder.isolation.kernel_forkserver import COURSE_MODULES, KERNEL_MODULES, set_limits  # noqa: E402
+from autograder.places import REPO_ROOT  # noqa: E402
 
 KERNEL_NAME = "attention-lab-grader"
 KERNEL_ARGUMENTS = ["--HistoryManager.hist_file=:memory:"]  # ipykernel's, after the connection file
@@ -96,7 +96,7 @@ def refusal() -> str:
     return (f"refusing to grade: {unavailable_reason()}. Without the sandbox, student code runs with "
             "no filesystem or network isolation, as your user. To grade WITHOUT isolation on purpose "
             "(trusted submissions only): make grade SANDBOX=off "
-            "(python -m autograder.grade --sandbox off).")
+            "(python -m autograder.grading.grade --sandbox off).")
 
 
 @functools.lru_cache(maxsize=1)
@@ -213,11 +213,11 @@ def kernel_argv(workdir: Path, runtime_dir: Path, *, memory_mb: int, file_mb: in
 
 def kernel_server_argv(workdir_root: Path, runtime_dir: Path, hidden: list[Path] | None = None,
                        course: bool = True, disk_mb: int = DISK_MB, cgroup: list[str] | None = None) -> list[str]:
-    """The argv of a nbgrader process's kernel server (:mod:`autograder.kernel_forkserver`): in
+    """The argv of a nbgrader process's kernel server (:mod:`autograder.isolation.kernel_forkserver`): in
     the sandbox, as its PID 1, with ``workdir_root`` (every kernel's working folder lies in
     it) and ``runtime_dir`` writable; ``course``: it imports torch and the course package
     once for all its kernels (notebooks that start with the course's setup cell); ``cgroup``:
-    the sandbox's control group (:attr:`autograder.cgroups.Group.procs_files`), joined first."""
+    the sandbox's control group (:attr:`autograder.isolation.cgroups.Group.procs_files`), joined first."""
     preload = KERNEL_MODULES + (COURSE_MODULES if course else ())
     return [*(_launch(0, 0, cgroup) if cgroup else []),
             *bwrap_arguments(workdir_root, runtime_dir, hidden, shown=[KERNEL_SERVER], as_pid_1=True, disk_mb=disk_mb),
@@ -252,7 +252,7 @@ def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
     """The allowed part of ``environ`` (see :data:`INHERITED_ENVIRONMENT`), with a ``PATH`` of
     the virtual environment and the system's programs: what ``launch`` hands on (a kernel
     started afresh, the kernel server, which filters its own as well: see
-    :func:`autograder.kernel_forkserver.serve`)."""
+    :func:`autograder.isolation.kernel_forkserver.serve`)."""
     allowed = {*INHERITED_ENVIRONMENT, *kernel_environment(), *SANDBOX_ENVIRONMENT}
     kept = {name: value for name, value in environ.items() if name in allowed}
     kept["PATH"] = kernel_path()

@@ -1,11 +1,11 @@
 """Take in a folder of submissions as an LMS or a shared drive gives it.
 
-    python -m autograder.intake DOWNLOADS            # make intake SUBMISSIONS=DOWNLOADS
+    python -m autograder.term.intake DOWNLOADS            # make intake SUBMISSIONS=DOWNLOADS
 
 ``DOWNLOADS/<student>/<any file name>`` (files in sub-folders too) becomes
 ``autograder/course_root/submitted/<student>/<assignment>/<assignment>.ipynb``. The originals
 are only read.  Submissions are matched against the release, the student notebooks of
-``course/`` (:func:`autograder.release.released_notebook`), which is what students got.
+``course/`` (:func:`autograder.publishing.release.released_notebook`), which is what students got.
 
 * **Names students really produce** are recognised: ``Copy of 01_mha_shapes.ipynb``
   (Colab), ``01_mha_shapes (1).ipynb``, ``01 MHA Shapes.ipynb``, other case; a notebook
@@ -55,12 +55,12 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.course_settings import CourseSettings
-from autograder.intake_checks import (due_dates, export_notices, hand_graded, replacement_refusal, stamp_text,
+from autograder.term.course_settings import CourseSettings
+from autograder.term.intake_checks import (due_dates, export_notices, hand_graded, replacement_refusal, stamp_text,
                                       submission_time)
-from autograder.release import assignment_names, released_notebook
-from autograder.roster import ROSTER_FILE, Roster, fold, normal_name
-from autograder.settings import COURSE_DIR, COURSE_ROOT, MAX_NOTEBOOK_BYTES
+from autograder.publishing.release import assignment_names, released_notebook
+from autograder.term.roster import ROSTER_FILE, Roster, fold, normal_name
+from autograder.places import COURSE_DIR, COURSE_ROOT, MAX_NOTEBOOK_BYTES
 
 IGNORED = {".DS_Store", "Thumbs.db", "desktop.ini"}
 IGNORED_DIRS = {"__MACOSX", ".ipynb_checkpoints", ".git"}
@@ -120,7 +120,7 @@ def assignment_from_name(filename: str, assignments: list[str]) -> str | None:
 
 def clean_student_id(name: str) -> tuple[str | None, str | None]:
     """(the id a student folder is filed under, None) or (None, why it cannot be): NFKC,
-    invisible format characters removed (:func:`autograder.roster.normal_name`)."""
+    invisible format characters removed (:func:`autograder.term.roster.normal_name`)."""
     student, _ = normal_name(name)
     if not student or student.startswith("."):
         return None, "empty or hidden student folder name"
@@ -382,7 +382,7 @@ def unreadable_file(submissions: Path, relative: Path) -> str | None:
     size = path.stat().st_size
     if size > MAX_NOTEBOOK_BYTES:
         return (f"{size / 1e6:.1f} MB, over the limit of {MAX_NOTEBOOK_BYTES / 1e6:g} MB for one submitted file "
-                "(MAX_NOTEBOOK_BYTES in autograder/settings.py): the student can clear its outputs and submit it again")
+                "(MAX_NOTEBOOK_BYTES in autograder/places.py): the student can clear its outputs and submit it again")
     return None
 
 
@@ -554,8 +554,8 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
 
 
 def time_notices(entries: list[Entry], root: Path) -> list[str]:
-    """The intake report's notices on this export's submission times (see autograder.intake_checks)."""
-    from autograder.intake_checks import parse_stamp
+    """The intake report's notices on this export's submission times (see autograder.term.intake_checks)."""
+    from autograder.term.intake_checks import parse_stamp
 
     taken = [e for e in entries if e.file_time]
     filed = [(e.student, e.assignment, parse_stamp(e.submitted_at)) for e in taken if e.status != "refused"]

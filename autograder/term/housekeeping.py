@@ -1,7 +1,7 @@
 """Emptying the course root: what can be rebuilt, and (asked for by name, confirmed) everything.
 
-    python -m autograder.housekeeping clean    # make clean: what the pipeline rebuilds as it was
-    python -m autograder.housekeeping erase    # make erase-course-root: everything, after a typed "erase"
+    python -m autograder.term.housekeeping clean    # make clean: what the pipeline rebuilds as it was
+    python -m autograder.term.housekeeping erase    # make erase-course-root: everything, after a typed "erase"
 
 ``clean`` removes only what the next ``make grade`` / ``make feedback`` / ``make export`` /
 ``make report`` rebuild from what is kept: the sources built from ``solutions/``, nbgrader's
@@ -22,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from autograder.settings import COURSE_ROOT
+from autograder.places import COURSE_ROOT
 
 REBUILT = ["source", "release", "exchange", "feedback", "reports/class", "grades.csv", "grades_by_question.csv"]
 CONFIRMATION = "erase"

@@ -1,7 +1,7 @@
 """A PostgreSQL server for the course's shared gradebook, started the one documented way.
 
-    python -m autograder.postgres start --data DIR --port 5432 --password SECRET   # make postgres-server
-    python -m autograder.postgres stop --data DIR                                   # make postgres-stop
+    python -m autograder.store.postgres start --data DIR --port 5432 --password SECRET   # make postgres-server
+    python -m autograder.store.postgres stop --data DIR                                   # make postgres-stop
 
 ``start`` creates the server's data folder on first use (``initdb``: a role ``grader`` with
 that password, password authentication for every connection, local or remote), starts the

@@ -26,7 +26,7 @@ COURSE_ID = "attention-lab"
 # pays for importing torch; the grader gives it the kernel start-up budget, not a cell's.
 SETUP_CELL_ID = "setup"
 
-# Grading limits (defaults of ``python -m autograder.grade``; see grade.Settings).
+# Grading limits (defaults of ``python -m autograder.grading.grade``; see grade.Settings).
 CELL_TIMEOUT = 120              # seconds a cell may run, counted from the cell's own start
 KERNEL_STARTUP_TIMEOUT = 300    # seconds for a kernel to start and run the setup cell
 # Notebooks whose graded test cells run in the trusted checker (autograder.grading.trusted.checker), not
@@ -48,7 +48,7 @@ MAX_NOTEBOOK_BYTES = 20_000_000
 LATE_PENALTY_METHOD = "none"
 
 # The course's grading settings, one JSON file in the course root (`make settings`,
-# autograder/course_settings.py): every path that grades reads it.
+# autograder/term/course_settings.py): every path that grades reads it.
 COURSE_SETTINGS_FILE = "course_settings.json"
 
 # The gradebook: SQLite in the course root unless this variable (set by `make ... DB_URL=...`)

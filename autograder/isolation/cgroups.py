@@ -14,7 +14,7 @@ kernel server, its kernels and whatever they start) together:
   limits hold on the machine (:func:`available`).
 
 :class:`Group` is one nbgrader process's group: created with the limits, joined by the sandbox's
-first process (``python -m autograder.sandbox launch --cgroup ...``, before it ``exec``s
+first process (``python -m autograder.isolation.sandbox launch --cgroup ...``, before it ``exec``s
 bubblewrap), read for the CPU time a submission used, removed with the nbgrader process.
 """
 

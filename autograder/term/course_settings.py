@@ -1,18 +1,18 @@
 """The course's grading settings: one file in the course root, read by every path that grades.
 
-    python -m autograder.course_settings                      # make settings: show them
-    python -m autograder.course_settings set late_penalty=zero grace_minutes=15
+    python -m autograder.term.course_settings                      # make settings: show them
+    python -m autograder.term.course_settings set late_penalty=zero grace_minutes=15
                                                               # make settings LATE_PENALTY=zero GRACE_MINUTES=15
-    python -m autograder.course_settings extend --student alice --assignment 01_mha_shapes --until 2026-03-08T17:00
+    python -m autograder.term.course_settings extend --student alice --assignment 01_mha_shapes --until 2026-03-08T17:00
                                                               # make extension STUDENT=... ASSIGNMENT=... UNTIL=...
-    python -m autograder.course_settings extend --student alice --assignment 01_mha_shapes --remove
+    python -m autograder.term.course_settings extend --student alice --assignment 01_mha_shapes --remove
 
 ``course_settings.json`` in the course root holds the late penalty (nbgrader's
 ``LateSubmissionPlugin`` method: ``none`` or ``zero``), a grace period (minutes after the due
 date that do not count as late), per-student extensions (a due date of their own for one
 assignment) and the grading limits (seconds per cell, the kernel start-up budget, memory and
 file size per kernel).  ``make grade`` (any ``STUDENT=``/``ASSIGNMENT=``), Formgrader's
-*Autograde* button and ``python -m autograder.grade`` all read it, and the grading report
+*Autograde* button and ``python -m autograder.grading.grade`` all read it, and the grading report
 shows it: a setting set once stays set for the term.  A change of the late penalty, the grace
 period, an extension or a due date re-scores the stored results; it re-executes nothing.
 """
@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autograder.settings import (CELL_TIMEOUT, COURSE_ROOT, COURSE_SETTINGS_FILE, KERNEL_STARTUP_TIMEOUT,
+from autograder.places import (CELL_TIMEOUT, COURSE_ROOT, COURSE_SETTINGS_FILE, KERNEL_STARTUP_TIMEOUT,
                                  LATE_PENALTY_METHOD)
 
 PENALTY_METHODS = ("none", "zero")
@@ -135,7 +135,7 @@ def assign(settings: CourseSettings, assignment_text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autograder.roster import parse_duedate
+    from autograder.term.roster import parse_duedate
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="course root (default: autograder/course_root/)")

@@ -1,6 +1,6 @@
 """Grades and feedback in the shapes an LMS imports (``make lms-export``).
 
-    python -m autograder.lms_export
+    python -m autograder.reports.lms_export
 
 ``grades.csv`` (``make export``) is nbgrader's: a row per student and assignment, every
 notebook.  An LMS's gradebook import wants a row per student and a column per assignment;
@@ -30,9 +30,9 @@ import sys
 import zipfile
 from pathlib import Path
 
-from autograder import gradebook
-from autograder.roster import Roster, Student
-from autograder.settings import COURSE_ROOT
+from autograder.store import gradebook
+from autograder.term.roster import Roster, Student
+from autograder.places import COURSE_ROOT
 
 FOLDER = "lms"
 

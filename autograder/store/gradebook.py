@@ -14,8 +14,8 @@ database's, is refused instead of writing into an SQLite file of its own; a cour
 an SQLite gradebook moves to a server with ``make migrate-gradebook DB_URL=...``
 (:func:`migrate`: every table, the roster, due dates, hand grades and comments included).
 
-    python -m autograder.gradebook migrate --to postgresql://...   # make migrate-gradebook DB_URL=...
-    python -m autograder.gradebook check                           # which gradebook; refused as above
+    python -m autograder.store.gradebook migrate --to postgresql://...   # make migrate-gradebook DB_URL=...
+    python -m autograder.store.gradebook check                           # which gradebook; refused as above
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import warnings
 import zlib
 from pathlib import Path
 
-from autograder.settings import COURSE_ID, COURSE_ROOT, DB_URL_VARIABLE
+from autograder.places import COURSE_ID, COURSE_ROOT, DB_URL_VARIABLE
 
 SQLITE_NAME = "gradebook.db"
 LOCATION_FILE = "gradebook_location.json"

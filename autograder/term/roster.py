@@ -1,8 +1,8 @@
 """The class roster, due dates, and withdrawing a wrongly filed submission.
 
-    python -m autograder.roster import students.csv          # make roster ROSTER=students.csv
-    python -m autograder.roster deadlines [deadlines.csv]    # make deadlines [DEADLINES=...]
-    python -m autograder.roster withdraw --student S --assignment A   # make withdraw STUDENT=S ASSIGNMENT=A
+    python -m autograder.term.roster import students.csv          # make roster ROSTER=students.csv
+    python -m autograder.term.roster deadlines [deadlines.csv]    # make deadlines [DEADLINES=...]
+    python -m autograder.term.roster withdraw --student S --assignment A   # make withdraw STUDENT=S ASSIGNMENT=A
 
 **Roster.** A CSV in nbgrader's own ``nbgrader db student import`` format: a column ``id``
 (the student's id: their folder name under ``submitted/``) and any of ``first_name``,
@@ -34,7 +34,7 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
-from autograder.settings import COURSE_ROOT, REPO_ROOT
+from autograder.places import COURSE_ROOT, REPO_ROOT
 
 ROSTER_FILE = "roster.csv"
 COLUMNS = ["id", "first_name", "last_name", "email", "lms_user_id"]
@@ -160,8 +160,8 @@ class Roster:
 
 def import_roster(source: Path, root: Path = COURSE_ROOT) -> Roster:
     """Keep ``source`` (normalised) as the course's roster.csv and import it into the gradebook."""
-    from autograder import gradebook
-    from autograder.nbgrader_cli import run_nbgrader
+    from autograder.store import gradebook
+    from autograder.store.nbgrader_cli import run_nbgrader
 
     roster = Roster.read(source)
     url = gradebook.db_url(root)   # refused before anything is written where it is not the course's
@@ -217,9 +217,9 @@ def set_deadlines(deadlines: dict[str, datetime.datetime], root: Path = COURSE_R
     """Each assignment's due date in the gradebook (nbgrader's Assignment.duedate); names the
     course does not have (``known``, default: the assignments of ``solutions/`` and those with a
     source in the course root) are refused, all of them, before anything is written."""
-    from autograder import gradebook
+    from autograder.store import gradebook
     from autograder.grading.plan import assignments_with_source
-    from autograder.release import assignment_names
+    from autograder.publishing.release import assignment_names
 
     if known is None:
         known = sorted(set(assignment_names()) | set(assignments_with_source(Path(root))))
@@ -234,7 +234,7 @@ def set_deadlines(deadlines: dict[str, datetime.datetime], root: Path = COURSE_R
 
 def withdraw(student: str, assignment: str, root: Path = COURSE_ROOT) -> list[str]:
     """Take one wrongly filed submission out (archived, never deleted); what was done, as text."""
-    from autograder import gradebook
+    from autograder.store import gradebook
 
     root = Path(root)
     folder = root / "submitted" / student / assignment

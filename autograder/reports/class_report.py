@@ -1,7 +1,7 @@
 """The class report: what a class did on each assignment, from the gradebook and the autograded notebooks.
 
-    python -m autograder.class_report                  # make report
-    python -m autograder.class_report --assignment 01_mha_shapes
+    python -m autograder.reports.class_report                  # make report
+    python -m autograder.reports.class_report --assignment 01_mha_shapes
 
 Writes ``reports/class/<assignment>/index.html`` (with ``figures/*.png`` and the same numbers
 in ``report.json``) in the course root, per assignment that has submissions, and
@@ -42,8 +42,8 @@ from pathlib import Path
 
 import nbformat
 
-from autograder import gradebook, results
-from autograder.settings import COURSE_ROOT
+from autograder.store import gradebook, results
+from autograder.places import COURSE_ROOT
 
 SIMILARITY_THRESHOLD = 0.9     # difflib ratio of the answer tokens from which a pair is flagged
 MIN_ANSWER_TOKENS = 30         # answers shorter than this (beyond the release's stubs) are not compared
@@ -105,7 +105,7 @@ def answer_tokens(notebook, given: dict[str, list[list[str]]]) -> list[str]:
 def given_code(root: Path, assignment: str) -> dict[str, list[list[str]]]:
     """Per answer cell, the tokens every student was given or could converge on: the release's
     stub (course/) and the model solution (the course root's source/)."""
-    from autograder.release import released_notebook
+    from autograder.publishing.release import released_notebook
 
     given: dict[str, list[list[str]]] = {}
     for path in (released_notebook(assignment), root / "source" / assignment / f"{assignment}.ipynb"):

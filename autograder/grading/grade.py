@@ -1,11 +1,11 @@
 """Autograde every submission with nbgrader (the engine of record), students in parallel on Dask.
 
-    python -m autograder.grade                 # grade new or changed submissions (make grade)
-    python -m autograder.grade --jobs 4        # four students at a time (make grade JOBS=4)
-    python -m autograder.grade --force         # regrade everything
-    python -m autograder.grade --student "Ana Núñez" --assignment 01_mha_shapes   # one regrade
-    python -m autograder.grade --scheduler tcp://host:8786     # on an existing Dask cluster
-    python -m autograder.grade --db-url postgresql://...       # a shared gradebook on a server
+    python -m autograder.grading.grade                 # grade new or changed submissions (make grade)
+    python -m autograder.grading.grade --jobs 4        # four students at a time (make grade JOBS=4)
+    python -m autograder.grading.grade --force         # regrade everything
+    python -m autograder.grading.grade --student "Ana Núñez" --assignment 01_mha_shapes   # one regrade
+    python -m autograder.grading.grade --scheduler tcp://host:8786     # on an existing Dask cluster
+    python -m autograder.grading.grade --db-url postgresql://...       # a shared gradebook on a server
 
 Layout, in the course root ``autograder/course_root/``: ``submitted/<student>/<assignment>/
 <notebook>.ipynb`` (``make intake`` puts them there, with nbgrader's ``timestamp.txt``);
@@ -22,7 +22,7 @@ How one run works (the parts live in :mod:`autograder.grading`, one module each)
    processes by default, or the cluster at ``--scheduler``.  A task carries bytes (the
    source, the student's files, a template gradebook, the settings); on the worker
    (**task**) a long-lived nbgrader process autogrades it in a temporary course root, each
-   notebook in a new sandboxed kernel (:mod:`autograder.sandbox`), and returns the autograded
+   notebook in a new sandboxed kernel (:mod:`autograder.isolation.sandbox`), and returns the autograded
    notebooks and grades.  A worker that dies mid-task: Dask gives the task to another.
 3. **merge**: as each task finishes, **this process alone** writes its grades into the
    gradebook (keeping hand grades of answers that did not change) and its notebooks into
@@ -48,16 +48,18 @@ import os
 import sys
 from pathlib import Path
 
-from autograder import gradebook, release, sandbox
+from autograder.isolation import sandbox
+from autograder.publishing import release
+from autograder.store import gradebook
 from autograder.grading import dask_cluster
-from autograder.course_settings import CourseSettings
+from autograder.term.course_settings import CourseSettings
 from autograder.grading.merge import ensure_assignments, ensure_sources, merge, rescore, template
 from autograder.grading.plan import (IGNORED_NAMES, REPORTS_DIR, STATE_DIR, TIMESTAMP_FILE, Outcome, Settings,
                                      Submission, assignments_with_source, discover, exclusive, fingerprint,
                                      load_state, notebook_names, save_state, submitted_folders, tree_files)
 from autograder.grading.run_report import console_line, full_error, limit_lines, limits_in_force, summary, write_report
 from autograder.grading.task import NbgraderProcess, start_failure_cause, tampering_incidents
-from autograder.settings import COURSE_ROOT, COURSE_SETTINGS_FILE, DB_URL_VARIABLE
+from autograder.places import COURSE_ROOT, COURSE_SETTINGS_FILE, DB_URL_VARIABLE
 
 __all__ = ["IGNORED_NAMES", "REPORTS_DIR", "STATE_DIR", "NbgraderProcess", "Outcome", "Settings", "Submission",
            "assignments_with_source", "discover", "ensure_assignments", "ensure_sources", "fingerprint", "grade",

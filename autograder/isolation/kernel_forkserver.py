@@ -62,7 +62,7 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 # have it).  Importing them creates no CUDA context, which a forked kernel could not use.
 # torch._dynamo: torch imports it (about 1 s of CPU) the first time a notebook creates an
 # optimizer or counts FLOPs, as notebooks 01, 03, 04 and 06 do. It imports Triton, so the
-# sandbox sets TRITON_INTERPRET first (autograder.sandbox.SANDBOX_ENVIRONMENT): imported
+# sandbox sets TRITON_INTERPRET first (autograder.isolation.sandbox.SANDBOX_ENVIRONMENT): imported
 # before Triton's interpreter is chosen, notebook 06's kernels fail (tests/test_corpus.py).
 # The widgets (matplotlib, ipywidgets), which every notebook shows, and matplotlib's font list:
 # a kernel builds that list into MPLCONFIGDIR, which is in the sandbox's /tmp, emptied after

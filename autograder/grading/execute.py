@@ -1,7 +1,7 @@
 """Execute a notebook top to bottom and report, per cell, what failed.
 
-    python -m autograder.execute autograder/course_root/source/01_mha_shapes/01_mha_shapes.ipynb
-    python -m autograder.execute course/01_mha_shapes.ipynb
+    python -m autograder.grading.execute autograder/course_root/source/01_mha_shapes/01_mha_shapes.ipynb
+    python -m autograder.grading.execute course/01_mha_shapes.ipynb
 
 Used by the tests (solutions pass every check; releases fail only on the blanks), the
 benchmarks and instructors checking a notebook by hand. Cells run with the notebook's
@@ -23,13 +23,13 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from autograder import sandbox
-from autograder.grading.trusted.cells import CheckedOutsideTheKernel, checked_outside_the_kernel
-from autograder.kernel_forkserver import Server
-from autograder.results import graded_cells
+from autograder.isolation import sandbox
+from autograder.grading.trusted.checker_client import CheckedOutsideTheKernel, checked_outside_the_kernel
+from autograder.isolation.kernel_forkserver import Server
+from autograder.store.results import graded_cells
 
 # Generous: this runs course notebooks for tests and instructors (training cells included),
-# not student code under grading limits (see autograder.settings for those).
+# not student code under grading limits (see autograder.places for those).
 EXECUTE_CELL_TIMEOUT = 600
 
 
@@ -80,7 +80,7 @@ def notebook_client(notebook: nbformat.NotebookNode, working_dir: Path | str,
 
 class TrustedClient(CheckedOutsideTheKernel, NotebookClient):
     """nbclient that runs a checked notebook's graded test cells in the trusted checker, as
-    grading does (:mod:`autograder.grading.trusted.cells`)."""
+    grading does (:mod:`autograder.grading.trusted.checker_client`)."""
 
     notebook_name = ""
 
@@ -93,7 +93,7 @@ class TrustedClient(CheckedOutsideTheKernel, NotebookClient):
 
 class ForkedKernels:
     """Course kernels forked from one kernel server in the grading sandbox, as an nbgrader process
-    runs them (:mod:`autograder.kernel_forkserver`): the server has imported ipykernel, torch
+    runs them (:mod:`autograder.isolation.kernel_forkserver`): the server has imported ipykernel, torch
     and the course once, so a notebook costs its cells and not a new Python importing them
     (2 to 3 s of CPU). The kernels meet grading's environment (bubblewrap's read-only system,
     one torch thread, Matplotlib's Agg backend) without its memory and file limits; each

@@ -1,8 +1,8 @@
 """Feedback for each student that is honest and leaks nothing.
 
-    python -m autograder.feedback            # make feedback
+    python -m autograder.reports.feedback            # make feedback
 
-    python -m autograder.feedback --student ana --assignment 01_mha_shapes   # one submission
+    python -m autograder.reports.feedback --student ana --assignment 01_mha_shapes   # one submission
 
 For every graded submission, ``autograder/course_root/feedback/<student>/<assignment>/<notebook>.html``
 (nbgrader's feedback folder) lists each graded cell: what it checks (the first line of the
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import nbformat
 
-from autograder import gradebook, results
-from autograder.release import HIDDEN_BEGIN, HIDDEN_END, source_path
-from autograder.settings import COURSE_ROOT
+from autograder.store import gradebook, results
+from autograder.publishing.release import HIDDEN_BEGIN, HIDDEN_END, source_path
+from autograder.places import COURSE_ROOT
 
 MAX_MESSAGE = 1500
 

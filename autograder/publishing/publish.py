@@ -1,6 +1,6 @@
 """The students' repository: what students may see, and nothing else (``make publish``).
 
-    python -m autograder.publish --dest ../attention-lab-students --repository myuni/attention-lab-students
+    python -m autograder.publishing.publish --dest ../attention-lab-students --repository myuni/attention-lab-students
 
 This repository holds ``solutions/`` (every answer and hidden test), the grading pipeline and
 its tests: keep it **private**.  ``publish`` writes, into ``--dest`` (a new folder, an empty
@@ -28,8 +28,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-from autograder.release import HIDDEN_BEGIN, HIDDEN_END, assignment_names, course_repository
-from autograder.settings import COURSE_DIR, REPO_ROOT, SOLUTIONS_DIR
+from autograder.publishing.release import HIDDEN_BEGIN, HIDDEN_END, assignment_names, course_repository
+from autograder.places import COURSE_DIR, REPO_ROOT, SOLUTIONS_DIR
 
 MARKER = ".published-by-attention-lab"
 WRITTEN = ["course", "pyproject.toml", "README.md", MARKER]

@@ -1,6 +1,6 @@
 """A small example class for a dry run of a term (``make example-class``).
 
-    python -m autograder.example_class [--dest example-class]
+    python -m autograder.term.example_class [--dest example-class]
 
 Writes, from the current release in ``course/`` and the answers of ``solutions/`` (so it is
 never stale, and no answer is committed twice):
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.release import assignment_names, build_source, course_repository, released_notebook
-from autograder.settings import REPO_ROOT
+from autograder.publishing.release import assignment_names, build_source, course_repository, released_notebook
+from autograder.places import REPO_ROOT
 
 ASSIGNMENT = "01_mha_shapes"
 FIRST_DUE = datetime.datetime(2026, 3, 2, 17, 0, tzinfo=datetime.timezone.utc)
