@@ -78,7 +78,7 @@ ATTACKS = {
     """,
     # the kernel's end of the bridge rewritten to answer whatever the grader asks with "yes"
     "bridge agent rewritten": """
-        import attention_lab.bridge.agent as agent
+        import attention_lab.bridge.kernel_side as agent
         def answer(self, request, buffers):
             return {"value": True, "values": [{"value": True}] * len(request.get("names", [])),
                     "probes": [], "modules": []}, self.new_encoder()
@@ -86,7 +86,7 @@ ATTACKS = {
     """,
     # IPython's event hooks: errors of every later cell forgotten, the bridge's agent replaced
     "IPython event hooks": """
-        import attention_lab.bridge.agent as agent
+        import attention_lab.bridge.kernel_side as agent
         def forget_errors(result):
             result.error_in_exec = result.error_before_exec = None
         def take_the_agent(*args):
@@ -258,7 +258,7 @@ def test_a_kernel_that_finished_the_request_without_connecting_costs_no_wait(gra
 def test_a_cancel_ends_the_checkers_wait_and_a_late_one_is_ignored(tmp_path):
     import threading
 
-    from attention_lab.bridge.agent import serve
+    from attention_lab.bridge.kernel_side import serve
     from autograder.grading.trusted.checker_client import Checker
 
     checker = Checker()
@@ -285,7 +285,7 @@ def test_the_checker_checks_on_the_cpu_whatever_device_the_grader_names(monkeypa
     # chose CUDA (or whatever ATTENTION_LAB_DEVICE names) and would find every correct answer on the wrong device.
     import threading
 
-    from attention_lab.bridge.agent import serve
+    from attention_lab.bridge.kernel_side import serve
     from autograder.grading.trusted.checker_client import Checker
 
     monkeypatch.setenv("ATTENTION_LAB_DEVICE", "cuda")  # on this machine without CUDA, a check would raise

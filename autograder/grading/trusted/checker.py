@@ -7,9 +7,9 @@ students, next to their kernels, and sends it each graded test cell of a noteboo
 :data:`autograder.places.CHECKED_OUTSIDE_THE_KERNEL`: the cell's source as nbgrader has it
 (the source notebook's, with its hidden tests: never the student's copy), and the path of a
 socket.  The checker listens there, says so, and the nbgrader process starts the bridge's agent in the
-student's kernel (:func:`attention_lab.bridge.agent.serve`), which connects.  The checker
+student's kernel (:func:`attention_lab.bridge.kernel_side.serve`), which connects.  The checker
 then runs the test cell itself: the names the cell takes from the notebook are looked up in
-the kernel (data, or proxies of the student's objects: :mod:`attention_lab.bridge.remote`),
+the kernel (data, or proxies of the student's objects: :mod:`attention_lab.bridge.checker_side`),
 the course's own checks run here, call the student's code through the bridge, and decide.
 The answer is the cell's outputs, as a kernel would have produced them: what the checks
 printed, and the error (its name, message and lines) when the test failed.
@@ -74,7 +74,7 @@ def _error_output(error: BaseException) -> dict:
 def run_cell(source: str, connection: socket.socket, timeout: float) -> tuple[list[dict], int]:
     """Run one test cell against the kernel at the other end of ``connection``: its outputs, and
     how many requests crossed to the kernel."""
-    from attention_lab.bridge.remote import Bridge
+    from attention_lab.bridge.checker_side import Bridge
 
     bridge = Bridge(connection, timeout)
     printed = io.StringIO()

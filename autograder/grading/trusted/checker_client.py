@@ -40,7 +40,7 @@ from autograder.places import CHECKED_OUTSIDE_THE_KERNEL, UNRESPONSIVE_GRACE
 # The code that starts the bridge's agent in the student's kernel (silently: not a cell).
 # The folder holding the autograder package: where the checker starts, whatever the caller's folder.
 AUTOGRADER_HOME = Path(__file__).resolve().parents[3]
-AGENT_CODE = "__import__('attention_lab.bridge.agent', fromlist=['serve']).serve({path!r})"
+AGENT_CODE = "__import__('attention_lab.bridge.kernel_side', fromlist=['serve']).serve({path!r})"
 REFUSED = ("Your notebook's kernel did not let the grader call your code (it did not run the grader's "
            "request): this test earns no points. Code that changes how the notebook's cells run "
            "(input or AST transformers, event hooks) keeps the grader out.")
