@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from autograder.places import (CELL_TIMEOUT, COURSE_ID, COURSE_ROOT, DB_URL_VARIABLE,  # noqa: E402
-                                 LATE_PENALTY_METHOD)
+                               LATE_PENALTY_METHOD)
 
 c = get_config()  # noqa: F821 -- provided by nbgrader when it loads this file
 

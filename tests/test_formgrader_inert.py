@@ -26,7 +26,7 @@ from traitlets.config import Config
 from autograder.grading import grade
 from autograder.store import gradebook
 from autograder.lab.instructor.inert_submissions import (InertHTMLExporter, content_security_policy, inert_html,
-                                                        page_scripts)
+                                                         page_scripts)
 from tests.grading_helpers import TINY, tiny_course
 from tests.lab_servers import TOKEN, free_port, running_lab, set_formgrader_score, wait_until
 

@@ -22,7 +22,7 @@ from autograder.term.course_settings import CourseSettings
 from autograder.reports.export import export
 from autograder.store.nbgrader_cli import run_nbgrader
 from autograder.publishing.release import (REPO_ROOT, build_source, course_repository, generate_assignments, mark_hidden_tests,
-                                write_notebook)
+                                           write_notebook)
 from autograder.places import COURSE_ROOT_VARIABLE
 from tests.grading_helpers import (TINY, cell_limit, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
                                    tiny_notebook)

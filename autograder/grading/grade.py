@@ -55,9 +55,10 @@ from autograder.grading import dask_cluster
 from autograder.term.course_settings import CourseSettings
 from autograder.grading.merge import ensure_assignments, ensure_sources, merge, rescore, template
 from autograder.grading.plan import (IGNORED_NAMES, REPORTS_DIR, STATE_DIR, TIMESTAMP_FILE, Outcome, Settings,
-                                     Submission, assignments_with_source, discover, exclusive, fingerprint,
+                                     Submission, discover, exclusive, fingerprint,
                                      load_state, notebook_names, save_state, submitted_folders, tree_files)
 from autograder.grading.run_report import console_line, full_error, limit_lines, limits_in_force, summary, write_report
+from autograder.publishing.release import assignments_with_source
 from autograder.grading.task import NbgraderProcess, start_failure_cause, tampering_incidents
 from autograder.places import COURSE_ROOT, COURSE_SETTINGS_FILE, DB_URL_VARIABLE
 

@@ -62,7 +62,7 @@ from autograder.isolation.kernel_forkserver import Server
 from autograder.store.nbgrader_cli import run_in_process
 from autograder.store.results import SKIPPED_CELL, defines, hung_function, uses
 from autograder.places import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID,
-                                 UNRESPONSIVE_GRACE)
+                               UNRESPONSIVE_GRACE)
 
 # This nbgrader process's kernel server: the sandboxed process its grading kernels are forked from.
 _kernel_server = Server()

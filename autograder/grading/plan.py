@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autograder.term.course_settings import CourseSettings
+from autograder.publishing.release import assignments_with_source
 from autograder.places import CELL_TIMEOUT, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, UNRESPONSIVE_GRACE
 
 STATE_DIR = ".grading"
@@ -103,11 +104,6 @@ class Outcome:
 # --------------------------------------------------------------------------------------
 # Discovery
 # --------------------------------------------------------------------------------------
-
-def assignments_with_source(root: Path) -> list[str]:
-    source = root / "source"
-    return sorted(p.name for p in source.iterdir() if p.is_dir() and any(p.glob("*.ipynb"))) if source.is_dir() else []
-
 
 def notebook_names(root: Path, assignment: str) -> list[str]:
     return sorted(p.stem for p in (root / "source" / assignment).glob("*.ipynb"))

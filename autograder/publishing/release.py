@@ -52,6 +52,12 @@ def assignment_names() -> list[str]:
     return sorted(path.stem for path in SOLUTIONS_DIR.glob("[0-9][0-9]_*.py"))
 
 
+def assignments_with_source(root: Path) -> list[str]:
+    """The assignments with a source notebook in the course root ``root`` (``source/<assignment>/``)."""
+    source = root / "source"
+    return sorted(p.name for p in source.iterdir() if p.is_dir() and any(p.glob("*.ipynb"))) if source.is_dir() else []
+
+
 def course_repository() -> str:
     """``owner/name`` of the GitHub repository the Colab badges and setup cells point at.
 

@@ -44,6 +44,7 @@ import nbformat
 
 from autograder.store import gradebook, results
 from autograder.places import COURSE_ROOT
+from autograder.publishing.release import released_notebook
 
 SIMILARITY_THRESHOLD = 0.9     # difflib ratio of the answer tokens from which a pair is flagged
 MIN_ANSWER_TOKENS = 30         # answers shorter than this (beyond the release's stubs) are not compared
@@ -105,8 +106,6 @@ def answer_tokens(notebook, given: dict[str, list[list[str]]]) -> list[str]:
 def given_code(root: Path, assignment: str) -> dict[str, list[list[str]]]:
     """Per answer cell, the tokens every student was given or could converge on: the release's
     stub (course/) and the model solution (the course root's source/)."""
-    from autograder.publishing.release import released_notebook
-
     given: dict[str, list[list[str]]] = {}
     for path in (released_notebook(assignment), root / "source" / assignment / f"{assignment}.ipynb"):
         if path.exists():

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from autograder.places import AUTOGRADER_DIR, COURSE_ROOT, REPO_ROOT
+from autograder.store.gradebook import stamp_in_process
 
 
 def nbgrader_environment() -> dict[str, str]:
@@ -61,8 +62,6 @@ def run_in_process(*arguments: str, config=None) -> int:
 
     from nbgrader.apps.nbgraderapp import NbGraderApp
 
-    from autograder.store.gradebook import stamp_in_process
-
     if NbGraderApp.initialized():
         raise RuntimeError("an nbgrader app is already running in this process")
     stamp_in_process()
@@ -87,8 +86,6 @@ def run_in_process(*arguments: str, config=None) -> int:
 
 if __name__ == "__main__":
     from nbgrader.apps.nbgraderapp import main
-
-    from autograder.store.gradebook import stamp_in_process
 
     stamp_in_process()
     main()

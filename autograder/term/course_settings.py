@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autograder.places import (CELL_TIMEOUT, COURSE_ROOT, COURSE_SETTINGS_FILE, KERNEL_STARTUP_TIMEOUT,
-                                 LATE_PENALTY_METHOD)
+                               LATE_PENALTY_METHOD)
+from autograder.term.roster import parse_duedate
 
 PENALTY_METHODS = ("none", "zero")
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"   # naive UTC, as nbgrader stores due dates
@@ -135,8 +136,6 @@ def assign(settings: CourseSettings, assignment_text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autograder.term.roster import parse_duedate
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="course root (default: autograder/course_root/)")
     commands = parser.add_subparsers(dest="command")

@@ -56,8 +56,8 @@ from pathlib import Path
 import nbformat
 
 from autograder.term.course_settings import CourseSettings
-from autograder.term.intake_checks import (due_dates, export_notices, hand_graded, replacement_refusal, stamp_text,
-                                      submission_time)
+from autograder.term.intake_checks import (due_dates, export_notices, hand_graded, parse_stamp, replacement_refusal,
+                                           stamp_text, submission_time)
 from autograder.publishing.release import assignment_names, released_notebook
 from autograder.term.roster import ROSTER_FILE, Roster, fold, normal_name
 from autograder.places import COURSE_DIR, COURSE_ROOT, MAX_NOTEBOOK_BYTES
@@ -555,8 +555,6 @@ def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURS
 
 def time_notices(entries: list[Entry], root: Path) -> list[str]:
     """The intake report's notices on this export's submission times (see autograder.term.intake_checks)."""
-    from autograder.term.intake_checks import parse_stamp
-
     taken = [e for e in entries if e.file_time]
     filed = [(e.student, e.assignment, parse_stamp(e.submitted_at)) for e in taken if e.status != "refused"]
     return export_notices([parse_stamp(e.file_time) for e in taken], due_dates(root), filed,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+from autograder.store import gradebook
 from autograder.term.course_settings import CourseSettings
 
 UTC = datetime.timezone.utc
@@ -41,8 +42,6 @@ def parse_stamp(text: str) -> datetime.datetime | None:
 
 def due_dates(root: Path) -> dict[str, datetime.datetime]:
     """``{assignment: due date}`` (aware, UTC) from the course's gradebook (``make deadlines``)."""
-    from autograder.store import gradebook
-
     if not gradebook.exists(root):
         return {}
     with gradebook.exclusive(root) as gb:
@@ -113,8 +112,6 @@ def replacement_refusal(folder: Path, text: str, when: datetime.datetime, root: 
 
 def hand_graded(root: Path) -> dict[tuple[str, str], list[str]]:
     """``{(student, assignment): [cells a grader scored or commented by hand]}`` in the gradebook."""
-    from autograder.store import gradebook
-
     if not gradebook.exists(root):
         return {}
     found: dict[tuple[str, str], list[str]] = {}

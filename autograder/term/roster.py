@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autograder.places import COURSE_ROOT, REPO_ROOT
+from autograder.publishing.release import assignment_names, assignments_with_source
+from autograder.store import gradebook
+from autograder.store.nbgrader_cli import run_nbgrader
 
 ROSTER_FILE = "roster.csv"
 COLUMNS = ["id", "first_name", "last_name", "email", "lms_user_id"]
@@ -160,9 +163,6 @@ class Roster:
 
 def import_roster(source: Path, root: Path = COURSE_ROOT) -> Roster:
     """Keep ``source`` (normalised) as the course's roster.csv and import it into the gradebook."""
-    from autograder.store import gradebook
-    from autograder.store.nbgrader_cli import run_nbgrader
-
     roster = Roster.read(source)
     url = gradebook.db_url(root)   # refused before anything is written where it is not the course's
     path = Path(root) / ROSTER_FILE
@@ -217,10 +217,6 @@ def set_deadlines(deadlines: dict[str, datetime.datetime], root: Path = COURSE_R
     """Each assignment's due date in the gradebook (nbgrader's Assignment.duedate); names the
     course does not have (``known``, default: the assignments of ``solutions/`` and those with a
     source in the course root) are refused, all of them, before anything is written."""
-    from autograder.store import gradebook
-    from autograder.grading.plan import assignments_with_source
-    from autograder.publishing.release import assignment_names
-
     if known is None:
         known = sorted(set(assignment_names()) | set(assignments_with_source(Path(root))))
     problems = unknown_assignments(list(deadlines), known)
@@ -234,8 +230,6 @@ def set_deadlines(deadlines: dict[str, datetime.datetime], root: Path = COURSE_R
 
 def withdraw(student: str, assignment: str, root: Path = COURSE_ROOT) -> list[str]:
     """Take one wrongly filed submission out (archived, never deleted); what was done, as text."""
-    from autograder.store import gradebook
-
     root = Path(root)
     folder = root / "submitted" / student / assignment
     done = []
