@@ -2,15 +2,15 @@
 
 nbgrader reads this file from the working folder (the pipeline runs nbgrader from
 ``autograder/``); every value that the Python pipeline also needs comes from
-``autograder/places.py``, so the two never disagree.
+``autograder/places.py`` and ``autograder/limits.py``, so the two never disagree.
 """
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-from autograder.places import (CELL_TIMEOUT, COURSE_ID, COURSE_ROOT, DB_URL_VARIABLE,  # noqa: E402
-                               LATE_PENALTY_METHOD)
+from autograder.limits import Limits  # noqa: E402
+from autograder.places import COURSE_ID, COURSE_ROOT, DB_URL_VARIABLE, LATE_PENALTY_METHOD  # noqa: E402
 
 c = get_config()  # noqa: F821 -- provided by nbgrader when it loads this file
 
@@ -29,7 +29,7 @@ c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedE
 c.ClearSolutions.enforce_metadata = True
 
 # Per-cell timeout (plain `nbgrader autograde`, Formgrader); an infinite loop costs one cell.
-c.Execute.timeout = CELL_TIMEOUT
+c.Execute.timeout = Limits.timeout
 
 c.Autograde.create_student = True
 

@@ -26,16 +26,11 @@ COURSE_ID = "attention-lab"
 # pays for importing torch; the grader gives it the kernel start-up budget, not a cell's.
 SETUP_CELL_ID = "setup"
 
-# Grading limits (defaults of ``python -m autograder.grading.grade``; see grade.Settings).
-CELL_TIMEOUT = 120              # seconds a cell may run, counted from the cell's own start
-KERNEL_STARTUP_TIMEOUT = 300    # seconds for a kernel to start and run the setup cell
 # Notebooks whose graded test cells run in the trusted checker (autograder.grading.trusted.checker), not
 # in the student's kernel: their verdicts cannot be forged by the submission's code. A notebook
 # left out would still run its test cells in the kernel (the grading report says which).
 CHECKED_OUTSIDE_THE_KERNEL = ("01_mha_shapes", "02_numpy_walkthrough", "03_positions_and_blocks", "04_vision_transformer",
                               "05_llama_attention", "06_efficient_attention")
-UNRESPONSIVE_GRACE = 10         # seconds (at least) an interrupted kernel has to answer
-MAX_OUTPUT_BYTES = 1_000_000    # output kept per cell
 
 # The largest file `make intake` takes in as a submission: the released notebooks are under
 # 100 kB; a few plots in the outputs stay far below. A bigger file is refused, saying so.

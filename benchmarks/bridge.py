@@ -25,9 +25,9 @@ from pathlib import Path
 import nbformat
 import torch
 
-from autograder.publishing import release
 from autograder.grading.execute import ForkedKernels, TrustedClient
 from autograder.places import CHECKED_OUTSIDE_THE_KERNEL
+from autograder.publishing import release
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

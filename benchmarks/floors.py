@@ -110,8 +110,8 @@ def notebook_problems(notebook) -> list[str]:
 
 
 def run_notebooks(assignments: list[str]) -> list[NotebookOutcome]:
-    from autograder.publishing import release
     from autograder.grading.execute import execute_notebook
+    from autograder.publishing import release
 
     os.environ.pop("MPLBACKEND", None)  # kernels pick their backend as a student's would
     outcomes = []

@@ -44,9 +44,10 @@ import nbformat
 
 from autograder.grading import grade
 from autograder.grading.execute import execute_notebook
-from autograder.store.nbgrader_cli import nbgrader_environment
+from autograder.limits import Limits
+from autograder.places import AUTOGRADER_DIR, REPO_ROOT
 from autograder.publishing.release import assignment_names, released_notebook, source_path
-from autograder.places import AUTOGRADER_DIR, CELL_TIMEOUT, REPO_ROOT
+from autograder.store.nbgrader_cli import nbgrader_environment
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "grading.json"
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--students", type=int, default=30, help="submissions per notebook (default 30)")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("JOBS", 2)))
     parser.add_argument("--assignments", nargs="*", default=None, help="default: every notebook")
-    parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT, help="per-cell timeout")
+    parser.add_argument("--timeout", type=int, default=Limits.timeout, help="per-cell timeout")
     parser.add_argument("--workers", type=int, nargs="*", default=None,
                         help="Dask worker processes to time the pipeline with (default: 1 and --jobs)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each measurement (the best is kept)")
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                         arrivals.append(time.perf_counter())
 
                 start, cpu_start = time.perf_counter(), _own_cpu_seconds()
-                outcomes = grade.grade(pipeline_root, jobs=count, settings=grade.Settings(
+                outcomes = grade.grade(pipeline_root, jobs=count, limits=grade.Limits(
                     timeout=options.timeout, threads=max(1, (os.cpu_count() or 1) // count)), log=log)
                 seconds = time.perf_counter() - start
                 failed += [o for o in outcomes if o.status != "graded"]

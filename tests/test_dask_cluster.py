@@ -127,12 +127,12 @@ def graded_state(root: Path) -> dict:
 
 
 def test_a_class_grades_on_the_cluster_as_on_the_default_engine(dask_cluster, tmp_path):
-    settings = grade.Settings(timeout=30, attempts=3)
+    limits = grade.Limits(timeout=30, attempts=3)
     local = tiny_course(tmp_path / "local", ANSWERS, written=WRITTEN)
     remote = tiny_course(tmp_path / "remote", ANSWERS, written=WRITTEN)
-    by_default = grade.grade(local, jobs=2, settings=settings, log=lambda *_: None)
+    by_default = grade.grade(local, jobs=2, limits=limits, log=lambda *_: None)
     log: list[str] = []
-    on_cluster = grade.grade(remote, settings=settings, scheduler=dask_cluster["address"], log=log.append)
+    on_cluster = grade.grade(remote, limits=limits, scheduler=dask_cluster["address"], log=log.append)
     assert [(o.student, o.status, o.score, o.pending) for o in on_cluster] == \
            [(o.student, o.status, o.score, o.pending) for o in by_default], "\n".join(log)
     assert {o.student: o.score for o in on_cluster} == {"ann": 1.0, "bob": 0.0, "cy": 1.0, "dee": 0.0,
@@ -185,7 +185,7 @@ def test_a_worker_killed_mid_grading_costs_nothing(dask_cluster, tmp_path):
     killer = threading.Thread(target=kill_when_busy)
     killer.start()
     log: list[str] = []
-    outcomes = grade.grade(root, settings=grade.Settings(timeout=60), scheduler=dask_cluster["address"],
+    outcomes = grade.grade(root, limits=grade.Limits(timeout=60), scheduler=dask_cluster["address"],
                            log=log.append)
     killer.join()
     assert victim.poll() is not None and killed, "the worker was not killed while grading"

@@ -23,8 +23,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from autograder.isolation import sandbox
 from autograder.grading.trusted.checker_client import CheckedOutsideTheKernel, checked_outside_the_kernel
+from autograder.isolation import sandbox
 from autograder.isolation.kernel_forkserver import Server
 from autograder.store.results import graded_cells
 

@@ -20,7 +20,7 @@ How one run works (the parts live in :mod:`autograder.grading`, one module each)
    graded becomes a task.
 2. **engine**: the tasks run on Dask, an embedded ``LocalCluster`` of ``--jobs`` worker
    processes by default, or the cluster at ``--scheduler``.  A task carries bytes (the
-   source, the student's files, a template gradebook, the settings); on the worker
+   source, the student's files, a template gradebook, the run's limits); on the worker
    (**task**) a long-lived nbgrader process autogrades it in a temporary course root, each
    notebook in a new sandboxed kernel (:mod:`autograder.isolation.sandbox`), and returns the autograded
    notebooks and grades.  A worker that dies mid-task: Dask gives the task to another.
@@ -42,27 +42,27 @@ slower, never wrong: a slow but working cell is not mistaken for a hung one.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import sys
 from pathlib import Path
 
-from autograder.isolation import sandbox
-from autograder.publishing import release
-from autograder.store import gradebook
 from autograder.grading import dask_cluster
-from autograder.term.course_settings import CourseSettings
 from autograder.grading.merge import ensure_assignments, ensure_sources, merge, rescore, template
-from autograder.grading.plan import (IGNORED_NAMES, REPORTS_DIR, STATE_DIR, TIMESTAMP_FILE, Outcome, Settings,
+from autograder.grading.plan import (IGNORED_NAMES, REPORTS_DIR, STATE_DIR, TIMESTAMP_FILE, Outcome,
                                      Submission, discover, exclusive, fingerprint,
                                      load_state, notebook_names, save_state, submitted_folders, tree_files)
 from autograder.grading.run_report import console_line, full_error, limit_lines, limits_in_force, summary, write_report
-from autograder.publishing.release import assignments_with_source
 from autograder.grading.task import NbgraderProcess, start_failure_cause, tampering_incidents
+from autograder.isolation import sandbox
+from autograder.limits import Limits
 from autograder.places import COURSE_ROOT, COURSE_SETTINGS_FILE, DB_URL_VARIABLE
+from autograder.publishing import release
+from autograder.publishing.release import assignments_with_source
+from autograder.store import gradebook
+from autograder.term.course_settings import CourseSettings
 
-__all__ = ["IGNORED_NAMES", "REPORTS_DIR", "STATE_DIR", "NbgraderProcess", "Outcome", "Settings", "Submission",
+__all__ = ["IGNORED_NAMES", "REPORTS_DIR", "STATE_DIR", "Limits", "NbgraderProcess", "Outcome", "Submission",
            "assignments_with_source", "discover", "ensure_assignments", "ensure_sources", "fingerprint", "grade",
            "SandboxUnavailable", "load_state", "main", "merge", "notebook_names", "save_state", "start_failure_cause",
            "tampering_incidents", "write_report"]
@@ -72,10 +72,10 @@ class SandboxUnavailable(Exception):
     """Grading refused: the sandbox cannot run here and the instructor did not turn it off."""
 
 
-def _isolation(settings: Settings, log) -> str:
+def _isolation(limits: Limits, log) -> str:
     """This machine's isolation (the embedded cluster's workers run here); refuses to grade
-    without it unless the settings turn it off (``make grade SANDBOX=off``)."""
-    if settings.sandbox == "off":
+    without it unless the limits turn it off (``make grade SANDBOX=off``)."""
+    if limits.sandbox == "off":
         log("WARNING: the sandbox is off (SANDBOX=off): student code runs WITHOUT filesystem and network "
             "isolation, as your user. Grade only trusted submissions this way.")
         return "none: the sandbox was turned off (--sandbox off)"
@@ -92,12 +92,12 @@ def _outcome(submission: Submission, result: dict | None, error: str) -> Outcome
     return Outcome(submission.student, submission.assignment, **data)
 
 
-def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, settings: Settings | None = None,
+def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, limits: Limits | None = None,
           students: list[str] | None = None, assignments: list[str] | None = None, log=print,
           scheduler: str | None = None, db_url: str | None = None, processes: bool = True) -> list[Outcome]:
     """Grade every new or changed submission under ``root``; return one outcome per submission.
 
-    ``settings``: the limits of this run (default: the course settings of ``root``, which
+    ``limits``: the limits of this run (default: the course settings of ``root``, which
     also give the late penalty, grace period and extensions); ``scheduler``: an existing Dask
     cluster (else an embedded one with ``jobs`` worker processes, or threads when
     ``processes`` is False, and no more than there are submissions to grade); ``db_url``: the
@@ -105,12 +105,12 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
     """
     root = Path(root).resolve()
     policy = CourseSettings.load(root)
-    settings = settings or Settings.of_course(policy)
+    limits = limits or policy.limits()
     jobs = max(1, jobs)
     url = gradebook.db_url(root, db_url)
-    isolation = _isolation(settings, log) if not scheduler else f"as each worker of {scheduler} provides"
-    limits = limits_in_force(settings) if not scheduler else []
-    for line in limit_lines(limits):
+    isolation = _isolation(limits, log) if not scheduler else f"as each worker of {scheduler} provides"
+    in_force = limits_in_force(limits) if not scheduler else []
+    for line in limit_lines(in_force):
         log(line)
     with exclusive(root):
         state = load_state(root)
@@ -122,7 +122,7 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
         save_state(root, state)
         todo, outcomes = [], []
         for submission in submissions:
-            digest = fingerprint(submission, root, settings)
+            digest = fingerprint(submission, root, limits)
             previous = state.get(submission.key, {})
             graded_folder = root / "autograded" / submission.student / submission.assignment
             if not force and previous.get("fingerprint") == digest and graded_folder.is_dir():
@@ -145,7 +145,7 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
                       for a in sorted({s.assignment for s, _ in todo})}
             carried = IGNORED_NAMES - {TIMESTAMP_FILE}  # the submission time goes with the files
             tasks = [{"student": s.student, "assignment": s.assignment, "files": tree_files(s.folder, carried),
-                      "settings": dataclasses.asdict(settings), "hide": [str(root)]} for s, _ in todo]
+                      "limits": limits, "hide": [str(root)]} for s, _ in todo]
             # an embedded cluster starts no more workers than there are submissions to grade; one
             # gradebook session for every merge of the run (one per student cost more than the merge)
             with dask_cluster.cluster(min(jobs, len(tasks)), scheduler, processes) as connection, \
@@ -176,7 +176,7 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, setti
         outcomes.sort(key=lambda o: (o.student, o.assignment))
         for unchanged in (o for o in outcomes if o.status == "unchanged"):
             log(console_line(unchanged))
-        report = write_report(root, outcomes, problems, settings, isolation, description, policy, limits)
+        report = write_report(root, outcomes, problems, limits, isolation, description, policy, in_force)
         log(f"report: {report}")
     return outcomes
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--student", action="append", help="only this student (repeatable)")
     parser.add_argument("--assignment", action="append", help="only this assignment (repeatable); with one "
                         "--student: regrade that one submission, changed or not")
-    defaults = Settings()
+    defaults = Limits()
     # the course's limits, late penalty, grace period and extensions are course settings
     # (`make settings`, read from the course root by every grading path); these four flags
     # override a limit for this one run only
@@ -247,25 +247,26 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     one_regrade = bool(options.student and options.assignment and len(options.student) == 1
                        and len(options.assignment) == 1)
-    settings = Settings.of_course(CourseSettings.load(root), notebook_timeout=options.notebook_timeout,
-                                  submission_timeout=options.submission_timeout, cpu_seconds=options.cpu_seconds,
-                                  disk_mb=options.disk_mb, processes=options.processes,
-                                  max_output_bytes=options.max_output_bytes, attempts=options.attempts,
-                                  sandbox=options.sandbox, threads=max(1, (os.cpu_count() or 1) // jobs))
+    limits = CourseSettings.load(root).limits(notebook_timeout=options.notebook_timeout,
+                                              submission_timeout=options.submission_timeout,
+                                              cpu_seconds=options.cpu_seconds, disk_mb=options.disk_mb,
+                                              processes=options.processes, max_output_bytes=options.max_output_bytes,
+                                              attempts=options.attempts, sandbox=options.sandbox,
+                                              threads=max(1, (os.cpu_count() or 1) // jobs))
     for name in ("timeout", "startup_timeout", "memory_mb", "file_mb"):
-        if getattr(options, name) is not None and getattr(options, name) != getattr(settings, name):
+        if getattr(options, name) is not None and getattr(options, name) != getattr(limits, name):
             print(f"{name} {getattr(options, name)} for this run only (the course setting, {root / COURSE_SETTINGS_FILE}: "
-                  f"{getattr(settings, name)}; `make settings` changes it)")
-            setattr(settings, name, getattr(options, name))
+                  f"{getattr(limits, name)}; `make settings` changes it)")
+            setattr(limits, name, getattr(options, name))
     gradebook.db_url(root, options.db_url)   # a gradebook this course does not use is refused before any work
     try:
         if not options.scheduler:  # refuse before building anything (grade() checks again)
-            _isolation(settings, log=lambda *_: None)
+            _isolation(limits, log=lambda *_: None)
         # The instructor's course root holds the whole course (Formgrader lists every assignment);
         # any other root (a test, a benchmark) only what was submitted to it.
         whole_course = root.resolve() == COURSE_ROOT.resolve()
         ensure_sources(root, release.assignment_names() if whole_course else sorted({a for _, a in present}))
-        outcomes = grade(root, jobs=1 if one_regrade else jobs, force=options.force or one_regrade, settings=settings,
+        outcomes = grade(root, jobs=1 if one_regrade else jobs, force=options.force or one_regrade, limits=limits,
                          students=options.student, assignments=options.assignment, scheduler=options.scheduler,
                          db_url=options.db_url)
     except SandboxUnavailable as refusal:

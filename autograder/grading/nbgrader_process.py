@@ -61,8 +61,8 @@ from autograder.grading.trusted.checker_client import CheckedOutsideTheKernel
 from autograder.isolation.kernel_forkserver import Server
 from autograder.store.nbgrader_cli import run_in_process
 from autograder.store.results import SKIPPED_CELL, defines, hung_function, uses
-from autograder.places import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID,
-                               UNRESPONSIVE_GRACE)
+from autograder.places import COURSE_ID, SETUP_CELL_ID
+from autograder.limits import Limits
 
 # This nbgrader process's kernel server: the sandboxed process its grading kernels are forked from.
 _kernel_server = Server()
@@ -98,9 +98,10 @@ class GuardedExecute(CheckedOutsideTheKernel, Execute):
 
     skip_cells = Dict({}, help="{notebook: {cell number: reason}} cells not to run").tag(config=True)
     report_path = Unicode("", help="JSON file recording progress and incidents").tag(config=True)
-    max_output_bytes = Integer(MAX_OUTPUT_BYTES, help="output kept per cell").tag(config=True)
-    unresponsive_grace = Integer(UNRESPONSIVE_GRACE, help="seconds an interrupted kernel has to answer").tag(config=True)
-    startup_timeout = Integer(KERNEL_STARTUP_TIMEOUT, help="seconds to start a kernel; also the setup cell's limit"
+    max_output_bytes = Integer(Limits.max_output_bytes, help="output kept per cell").tag(config=True)
+    unresponsive_grace = Integer(Limits.unresponsive_grace, help="seconds an interrupted kernel has to answer"
+                                 ).tag(config=True)
+    startup_timeout = Integer(Limits.startup_timeout, help="seconds to start a kernel; also the setup cell's limit"
                               ).tag(config=True)
 
     def _get_timeout(self, cell):
@@ -258,8 +259,8 @@ def autograde(task: dict) -> int:
 
     ``task``: ``root``, ``student``, ``assignment``, ``environment`` (variables set for this
     run: where the grading kernelspec and the kernel's runtime folder are) and the plan:
-    ``timeout``, ``startup_timeout``, ``grace``, ``kernel``, ``report``, ``skip``,
-    ``max_output_bytes``, ``late_penalty``, ``ipc`` (see autograder.grading.task).  nbgrader's app is created
+    ``limits`` (:class:`autograder.limits.Limits` as a dict), ``kernel``, ``report``, ``skip``,
+    ``late_penalty``, ``ipc`` (see autograder.grading.task).  nbgrader's app is created
     afresh and reset afterwards (as nbgrader's own test helper does), so one process grades
     any number of students, each with its own kernel.
     """
@@ -269,13 +270,14 @@ def autograde(task: dict) -> int:
     config.Autograde.autograde_preprocessors = autograde_preprocessors()
     execute = config.GuardedExecute
     execute.shutdown_kernel = "immediate"  # no need to wait for the student's atexit
-    execute.timeout = task["timeout"]
-    execute.startup_timeout = task["startup_timeout"]
-    execute.unresponsive_grace = task["grace"]
-    execute.iopub_timeout = task["grace"]  # after a reply or an interrupt: the kernel's last outputs
+    limits = Limits(**task["limits"])
+    execute.timeout = limits.timeout
+    execute.startup_timeout = limits.startup_timeout
+    execute.unresponsive_grace = limits.grace
+    execute.iopub_timeout = limits.grace  # after a reply or an interrupt: the kernel's last outputs
     execute.skip_cells = task["skip"]
     execute.report_path = task["report"]
-    execute.max_output_bytes = task["max_output_bytes"]
+    execute.max_output_bytes = limits.max_output_bytes
     execute.kernel_name = task["kernel"]
     # nbgrader's late-submission penalty (timestamp.txt against the assignment's due date)
     config.LateSubmissionPlugin.penalty_method = task.get("late_penalty", "none")

@@ -1,7 +1,7 @@
 """One submission, graded on a Dask worker: runs on any machine with the course installed.
 
 :func:`grade_submission` gets a task made of bytes (the source notebook, the student's files,
-a template gradebook holding only the assignment, the settings), builds a temporary course
+a template gradebook holding only the assignment, the run's limits), builds a temporary course
 root from them, autogrades it with nbgrader, and returns bytes and plain data: the
 autograded notebooks, the grades and comments nbgrader recorded, the report entry.  Nothing
 is read from or written to the instructor's course root: no shared filesystem is assumed,
@@ -31,6 +31,7 @@ sandbox) used more than ``cpu_seconds`` of CPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -52,6 +53,7 @@ from autograder.store import gradebook, results
 from autograder.isolation.kernel_forkserver import empty_folder
 from autograder.store.nbgrader_cli import nbgrader_environment
 from autograder.places import AUTOGRADER_DIR, SETUP_CELL_ID
+from autograder.limits import Limits
 
 
 # --------------------------------------------------------------------------------------
@@ -264,15 +266,15 @@ def starts_with_the_setup_cell(source: dict[str, bytes]) -> bool:
     return False
 
 
-def _skip_reason(kind: str, settings: dict) -> str:
+def _skip_reason(kind: str, limits: Limits) -> str:
     if kind == "dead":
         return ("this cell stopped the Python kernel (sys.exit()/os._exit(), a crash, or running out "
-                f"of memory: the limit is {settings['memory_mb']} MB), so the grader skipped it")
+                f"of memory: the limit is {limits.memory_mb} MB), so the grader skipped it")
     if kind == "hung":
-        return (f"this cell ran past the {settings['timeout']} s limit and did not stop when "
+        return (f"this cell ran past the {limits.timeout} s limit and did not stop when "
                 "interrupted, so the grader skipped it")
     if kind == "disk":
-        return (f"this cell wrote more than the {settings['disk_mb']} MB of files a notebook may write, "
+        return (f"this cell wrote more than the {limits.disk_mb} MB of files a notebook may write, "
                 "so the grader skipped it")
     return "this cell kept the notebook running past the grader's time limit, so the grader skipped it"
 
@@ -311,18 +313,18 @@ def grade_submission(task: dict) -> dict:
     ``task``: ``student``, ``assignment``, ``index``, ``source`` and ``files`` (``{path:
     bytes}`` of the assignment's source folder and of the student's folder, ``timestamp.txt``
     included), ``template`` (the bytes of an SQLite gradebook holding the assignment),
-    ``settings`` (:class:`autograder.grading.plan.Settings` as a dict), ``hide`` (folders of
+    ``limits`` (:class:`autograder.limits.Limits`), ``hide`` (folders of
     the parent's machine the sandbox hides as well, when the worker shares it).
 
     Returns ``{"outcome": {...}, "notebooks": {name: bytes}, "grades": {...}, "timestamp"}``.
     """
     start = time.perf_counter()
-    settings = task["settings"]
+    limits: Limits = task["limits"]
     student, assignment = task["student"], task["assignment"]
     outcome = {"status": "failed", "attempts": 0, "incidents": [], "tests": [], "error": "", "nbgrader_pids": [],
                "worker": f"{socket.gethostname()}:{os.getpid()}", "seconds": 0.0}
     answer = {"outcome": outcome, "notebooks": {}, "grades": {}, "timestamp": None}
-    use_bwrap = settings["sandbox"] != "off"
+    use_bwrap = limits.sandbox != "off"
     if use_bwrap and sandbox.bwrap_path() is None:  # fail closed: --sandbox off is the instructor's to say
         outcome["error"] = f"worker {outcome['worker']}: {sandbox.refusal()}"
         return answer
@@ -334,7 +336,7 @@ def grade_submission(task: dict) -> dict:
             submitted = course / "submitted" / student / assignment
             _write_tree(submitted, task["files"])
             (course / gradebook.SQLITE_NAME).write_bytes(task["template"])
-            recorded = _grade(course, task, settings, use_bwrap, free, outcome)
+            recorded = _grade(course, task, limits, use_bwrap, free, outcome)
             workdir = course / KERNEL_WORKDIR_ROOT / student / assignment
             if outcome["status"] == "graded":
                 for path in sorted(workdir.glob("*.ipynb")):
@@ -348,7 +350,7 @@ def grade_submission(task: dict) -> dict:
     return answer
 
 
-def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: NbgraderProcess, outcome: dict) -> dict | None:
+def _grade(course: Path, task: dict, limits: Limits, use_bwrap: bool, free: NbgraderProcess, outcome: dict) -> dict | None:
     """The attempts at one submission (``outcome`` records them); what nbgrader recorded
     (see :func:`autograder.grading.nbgrader_process.recorded_grades`) when it ends graded."""
     import nbformat
@@ -357,37 +359,35 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Nbgr
     runtime, jupyter = course / KERNEL_RUNTIME_DIR, course / "jupyter"
     workdir = course / KERNEL_WORKDIR_ROOT / student / assignment
     workdir.mkdir(parents=True)
-    limits = {"memory_mb": settings["memory_mb"], "file_mb": settings["file_mb"]}
     server, group = None, None
     if use_bwrap:  # kernels forked from the nbgrader process's sandboxed kernel server (autograder.isolation.kernel_forkserver)
         hidden = [course.parent, *(Path(p) for p in task.get("hide", []))]
-        group = free.sandbox_group(settings["memory_mb"], settings["processes"])
+        group = free.sandbox_group(limits.memory_mb, limits.processes)
         server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, runtime, hidden,
                                                      course=starts_with_the_setup_cell(task["source"]),
-                                                     disk_mb=settings["disk_mb"],
+                                                     disk_mb=limits.disk_mb,
                                                      cgroup=group.procs_files if group else None),
-                  "socket": str(free.socket_path), "environment": sandbox.kernel_environment(settings["threads"])}
-        argv = sandbox.kernel_client_argv(free.socket_path, **limits)
+                  "socket": str(free.socket_path), "environment": sandbox.kernel_environment(limits.threads)}
+        argv = sandbox.kernel_client_argv(free.socket_path, memory_mb=limits.memory_mb, file_mb=limits.file_mb)
     else:
-        argv = sandbox.kernel_argv(workdir, runtime, **limits, sandbox=False)
-    kernel = sandbox.write_kernelspec(jupyter, argv, threads=settings["threads"])
+        argv = sandbox.kernel_argv(workdir, runtime, memory_mb=limits.memory_mb, file_mb=limits.file_mb, sandbox=False)
+    kernel = sandbox.write_kernelspec(jupyter, argv, threads=limits.threads)
     report_path = course / "report.json"
     skip: dict[str, dict[str, str]] = {}
     names = {Path(name).stem for name in task["source"] if name.endswith(".ipynb") and "/" not in name}
     expected = sorted(p.stem for p in (course / "submitted" / student / assignment).glob("*.ipynb") if p.stem in names)
-    grace = max(settings["unresponsive_grace"], settings["timeout"] // 4)
-    deadline = time.monotonic() + settings["submission_timeout"]
+    deadline = time.monotonic() + limits.submission_timeout
     cpu_start = group.cpu_seconds() if group else 0.0
-    quota = settings["disk_mb"] * 2**20
+    quota = limits.disk_mb * 2**20
 
     def watch() -> str | None:
-        if group is not None and group.cpu_seconds() - cpu_start > settings["cpu_seconds"]:
+        if group is not None and group.cpu_seconds() - cpu_start > limits.cpu_seconds:
             return "cpu"
         return "disk" if disk_usage(course / KERNEL_WORKDIR_ROOT, runtime) > quota else None
 
-    over_budget = (f"its attempts together ran past the {settings['submission_timeout']} s a submission "
+    over_budget = (f"its attempts together ran past the {limits.submission_timeout} s a submission "
                    "may take (--submission-timeout), so the grader gave up")
-    for attempt in range(1, settings["attempts"] + 1):
+    for attempt in range(1, limits.attempts + 1):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             outcome["error"] = over_budget
@@ -400,11 +400,10 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Nbgr
             workdir.mkdir(parents=True, exist_ok=True)
         job = {"root": str(course), "student": student, "assignment": assignment,
                "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
-               "timeout": settings["timeout"], "startup_timeout": settings["startup_timeout"], "grace": grace,
-               "kernel": kernel, "report": str(report_path), "skip": skip,
-               "max_output_bytes": settings["max_output_bytes"],   # the late penalty: the parent's merge
+               "limits": dataclasses.asdict(limits), "kernel": kernel, "report": str(report_path), "skip": skip,
+               # (the late penalty: the parent's merge)
                "ipc": str(runtime / "k") if use_bwrap else None, "kernel_server": server}
-        result = free.run(job, timeout=min(settings["notebook_timeout"], remaining), watch=watch)
+        result = free.run(job, timeout=min(limits.notebook_timeout, remaining), watch=watch)
         outcome["nbgrader_pids"].append(free.last_pid)
         try:
             report = json.loads(report_path.read_text())
@@ -422,7 +421,7 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Nbgr
             outcome["error"] = over_budget
             break
         if result.stopped == "cpu":
-            outcome["error"] = (f"its sandbox used more than the {settings['cpu_seconds']} s of CPU a submission "
+            outcome["error"] = (f"its sandbox used more than the {limits.cpu_seconds} s of CPU a submission "
                                 "may use (--cpu-seconds), so the grader gave up")
             break
         if result.stopped == "disk" and "cell" in report:
@@ -443,13 +442,13 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Nbgr
         if str(cell) in skip.get(notebook, {}):
             outcome["error"] = f"cell {cell} of {notebook} was skipped and the kernel still failed"
             break
-        skip.setdefault(notebook, {})[str(cell)] = _skip_reason(kind, settings)
+        skip.setdefault(notebook, {})[str(cell)] = _skip_reason(kind, limits)
         outcome["incidents"].append({"kind": {"dead": "kernel_died", "hung": "kernel_unresponsive",
                                               "notebook_timeout": "notebook_timeout", "disk": "disk_quota"}[kind],
                                      "notebook": notebook, "cell": cell,
                                      "grade_id": report.get("grade_id"), "attempt": attempt})
     else:
-        outcome["error"] = f"gave up after {settings['attempts']} attempts"
+        outcome["error"] = f"gave up after {limits.attempts} attempts"
     if outcome["status"] == "graded":
         for name in expected:
             cells = results.graded_cells(nbformat.read(workdir / f"{name}.ipynb", as_version=4), name)

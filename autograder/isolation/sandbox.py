@@ -59,6 +59,7 @@ if not __package__:  # run as a script by the kernelspec (`python .../sandbox.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from autograder.isolation import cgroups  # noqa: E402
 from autograder.isolation.kernel_forkserver import COURSE_MODULES, KERNEL_MODULES, set_limits  # noqa: E402
+from autograder.limits import Limits  # noqa: E402
 from autograder.places import REPO_ROOT  # noqa: E402
 
 KERNEL_NAME = "attention-lab-grader"
@@ -126,7 +127,7 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
                 "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
                 "/sys/devices/system/cpu")
 # Size of the sandbox's /tmp (also HOME and IPYTHONDIR) and of its /dev/shm, each (tmpfs).
-DISK_MB = 512
+DISK_MB = Limits.disk_mb
 
 # What the sandbox sets for the kernel, over the environment it inherits.
 SANDBOX_ENVIRONMENT = {"HOME": "/tmp", "MPLCONFIGDIR": "/tmp/matplotlib", "IPYTHONDIR": "/tmp/ipython",

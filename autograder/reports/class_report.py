@@ -42,9 +42,9 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.store import gradebook, results
 from autograder.places import COURSE_ROOT
 from autograder.publishing.release import released_notebook
+from autograder.store import gradebook, results
 
 SIMILARITY_THRESHOLD = 0.9     # difflib ratio of the answer tokens from which a pair is flagged
 MIN_ANSWER_TOKENS = 30         # answers shorter than this (beyond the release's stubs) are not compared

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.store import gradebook, results
-from autograder.publishing.release import HIDDEN_BEGIN, HIDDEN_END, source_path
 from autograder.places import COURSE_ROOT
+from autograder.publishing.release import HIDDEN_BEGIN, HIDDEN_END, source_path
+from autograder.store import gradebook, results
 
 MAX_MESSAGE = 1500
 

@@ -27,8 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autograder.places import (CELL_TIMEOUT, COURSE_ROOT, COURSE_SETTINGS_FILE, KERNEL_STARTUP_TIMEOUT,
-                               LATE_PENALTY_METHOD)
+from autograder.limits import Limits
+from autograder.places import COURSE_ROOT, COURSE_SETTINGS_FILE, LATE_PENALTY_METHOD
 from autograder.term.roster import parse_duedate
 
 PENALTY_METHODS = ("none", "zero")
@@ -39,10 +39,11 @@ TIME_FORMAT = "%Y-%m-%d %H:%M:%S"   # naive UTC, as nbgrader stores due dates
 class CourseSettings:
     late_penalty: str = LATE_PENALTY_METHOD      # nbgrader's LateSubmissionPlugin.penalty_method
     grace_minutes: float = 0.0                   # after the due date, not yet late
-    timeout: int = CELL_TIMEOUT                  # seconds per cell, from the cell's start
-    startup_timeout: int = KERNEL_STARTUP_TIMEOUT  # seconds to start a kernel and run the setup cell
-    memory_mb: int = 4096                        # memory limit of a student kernel
-    file_mb: int = 256                           # largest file a student kernel may write
+    # the limits a course sets for the term (the others, and these defaults: autograder.limits.Limits)
+    timeout: int = Limits.timeout                # seconds per cell, from the cell's start
+    startup_timeout: int = Limits.startup_timeout  # seconds to start a kernel and run the setup cell
+    memory_mb: int = Limits.memory_mb            # memory limit of a student kernel
+    file_mb: int = Limits.file_mb                # largest file a student kernel may write
     extensions: dict[str, str] = field(default_factory=dict)   # "student/assignment": due date (UTC)
 
     # ------------------------------------------------------------------ values
@@ -59,6 +60,11 @@ class CourseSettings:
             if key.count("/") != 1:
                 raise ValueError(f"extension {key!r}: expected student/assignment")
             datetime.datetime.strptime(until, TIME_FORMAT)
+
+    def limits(self, **others) -> Limits:
+        """A grading run's limits: the four this course sets, and ``others`` (a run's own flags)."""
+        return Limits(timeout=self.timeout, startup_timeout=self.startup_timeout, memory_mb=self.memory_mb,
+                      file_mb=self.file_mb, **others)
 
     def extension(self, student: str, assignment: str) -> datetime.datetime | None:
         until = self.extensions.get(f"{student}/{assignment}")

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.publishing.release import assignment_names, build_source, course_repository, released_notebook
 from autograder.places import REPO_ROOT
+from autograder.publishing.release import assignment_names, build_source, course_repository, released_notebook
 
 ASSIGNMENT = "01_mha_shapes"
 FIRST_DUE = datetime.datetime(2026, 3, 2, 17, 0, tzinfo=datetime.timezone.utc)

@@ -35,7 +35,8 @@ from nbclient.util import ensure_async
 from nbformat.notebooknode import NotebookNode
 
 from autograder.grading.trusted.checker import NOT_STARTED
-from autograder.places import CHECKED_OUTSIDE_THE_KERNEL, UNRESPONSIVE_GRACE
+from autograder.limits import Limits
+from autograder.places import CHECKED_OUTSIDE_THE_KERNEL
 
 # The code that starts the bridge's agent in the student's kernel (silently: not a cell).
 # The folder holding the autograder package: where the checker starts, whatever the caller's folder.
@@ -107,7 +108,7 @@ class CheckedOutsideTheKernel:
 
     bridge_refused = False  # this kernel kept the grader out once: no second wait
     checked_cells: dict  # grade_id -> {"seconds", "requests"} of each cell the checker ran (benchmarks read it)
-    bridge_grace = UNRESPONSIVE_GRACE  # seconds a kernel has to start the agent, and to finish after
+    bridge_grace = Limits.unresponsive_grace  # seconds a kernel has to start the agent, and to finish after
 
     def report_incident(self, incident: dict) -> None:
         """Where incidents go (grading's report); nowhere by default."""

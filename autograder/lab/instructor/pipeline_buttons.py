@@ -33,8 +33,8 @@ from tornado import web
 from tornado.routing import HostMatches, Rule
 from tornado.web import _ApplicationRouter
 
-from autograder.store.nbgrader_cli import nbgrader_environment
 from autograder.places import REPO_ROOT
+from autograder.store.nbgrader_cli import nbgrader_environment
 
 GRADE_TIMEOUT = 3600  # seconds: one submission graded by the pipeline (its own limits apply inside)
 
