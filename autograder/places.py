@@ -26,12 +26,6 @@ COURSE_ID = "attention-lab"
 # pays for importing torch; the grader gives it the kernel start-up budget, not a cell's.
 SETUP_CELL_ID = "setup"
 
-# Notebooks whose graded test cells run in the trusted checker (autograder.grading.trusted.checker), not
-# in the student's kernel: their verdicts cannot be forged by the submission's code. A notebook
-# left out would still run its test cells in the kernel (the grading report says which).
-CHECKED_OUTSIDE_THE_KERNEL = ("01_mha_shapes", "02_numpy_walkthrough", "03_positions_and_blocks", "04_vision_transformer",
-                              "05_llama_attention", "06_efficient_attention")
-
 # The largest file `make intake` takes in as a submission: the released notebooks are under
 # 100 kB; a few plots in the outputs stay far below. A bigger file is refused, saying so.
 MAX_NOTEBOOK_BYTES = 20_000_000

@@ -26,7 +26,7 @@ import nbformat
 import torch
 
 from autograder.grading.execute import ForkedKernels, TrustedClient
-from autograder.places import CHECKED_OUTSIDE_THE_KERNEL
+from autograder.grading.trusted.checker_client import CHECKED_OUTSIDE_THE_KERNEL
 from autograder.publishing import release
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -20,8 +20,8 @@ from autograder.grading import grade
 from autograder.store import results
 from autograder.term import intake
 from autograder.publishing.release import REPO_ROOT, build_source, course_repository, write_notebook
-from autograder.places import CHECKED_OUTSIDE_THE_KERNEL
-from tests.test_adversarial import ASSIGNMENT, FULL, cell, measured_settings, release_notebook, solved_notebook, write
+from autograder.grading.trusted.checker_client import CHECKED_OUTSIDE_THE_KERNEL
+from tests.test_adversarial import ASSIGNMENT, FULL, cell, measured_limits, release_notebook, solved_notebook, write
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trust_boundary")]
 
@@ -188,7 +188,7 @@ def graded(tmp_path_factory):
         write(downloads / name / f"{ASSIGNMENT}.ipynb", notebook)
     intake.intake(downloads, root, REPO_ROOT / "course", assignments=[ASSIGNMENT])
     # one worker: the honest submission and every attack go through the same grading processes
-    outcomes = grade.grade(root, jobs=1, settings=measured_settings(), log=lambda line: None)
+    outcomes = grade.grade(root, jobs=1, limits=measured_limits(), log=lambda line: None)
     return {"root": root, "outcomes": {o.student: o for o in outcomes}}
 
 

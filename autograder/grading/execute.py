@@ -23,7 +23,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from autograder.grading.trusted.checker_client import CheckedOutsideTheKernel, checked_outside_the_kernel
+from autograder.grading.trusted.checker_client import CheckedOutsideTheKernel, runs_in_the_checker
 from autograder.isolation import sandbox
 from autograder.isolation.kernel_forkserver import Server
 from autograder.store.results import graded_cells
@@ -85,8 +85,7 @@ class TrustedClient(CheckedOutsideTheKernel, NotebookClient):
     notebook_name = ""
 
     async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
-        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("grade") \
-                and checked_outside_the_kernel(self.notebook_name):
+        if runs_in_the_checker(cell, self.notebook_name):
             return await self.check_outside_the_kernel(cell, cell_index + 1, cell.metadata["nbgrader"].get("grade_id"))
         return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
 

@@ -56,7 +56,7 @@ from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
 from autograder.isolation import sandbox
 from autograder.store import gradebook
-from autograder.grading.trusted import checker_client as trusted_cells
+from autograder.grading.trusted import checker_client
 from autograder.grading.trusted.checker_client import CheckedOutsideTheKernel
 from autograder.isolation.kernel_forkserver import Server
 from autograder.store.nbgrader_cli import run_in_process
@@ -168,7 +168,7 @@ class GuardedExecute(CheckedOutsideTheKernel, Execute):
                                    "grade_id": grade_id, "detail": hung[0]})
             return cell
         self._report(notebook=self._notebook_name, cell=number, grade_id=grade_id, started=time.time())
-        if cell.metadata.get("nbgrader", {}).get("grade") and trusted_cells.checked_outside_the_kernel(self._notebook_name):
+        if checker_client.runs_in_the_checker(cell, self._notebook_name):
             return await self.check_outside_the_kernel(cell, number, grade_id)
         if cell.metadata.get("nbgrader", {}).get("grade"):
             await self._guard(grade_id)
@@ -294,9 +294,9 @@ def autograde(task: dict) -> int:
         if task.get("kernel_server"):  # the kernels are forks of it: (re)started when its sandbox changes
             server = task["kernel_server"]
             _kernel_server.ensure(server["argv"], server["socket"], {**os.environ, **server["environment"]})
-        if trusted_cells.checked_outside_the_kernel(task["assignment"]):
+        if checker_client.checked_outside_the_kernel(task["assignment"]):
             # started now, while nbgrader loads and the kernel starts, not at the first test cell
-            trusted_cells.checker.ensure()
+            checker_client.checker.ensure()
         return run_in_process(*arguments, config=config)
     finally:
         os.environ.clear()
@@ -387,7 +387,7 @@ def serve(replies: int, parent: int | None = None, scratch: Path | None = None) 
                 traceback.print_exc()
                 status = 1
             # nothing of this student's runs on once the answer is given
-            sandbox.kill_children(spare=(_kernel_server.pid, trusted_cells.checker.pid))
+            sandbox.kill_children(spare=(_kernel_server.pid, checker_client.checker.pid))
             _kernel_server.clean()
             sys.stdout.flush()
             sys.stderr.flush()

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 
 from autograder.grading.plan import REPORTS_DIR, Outcome
+from autograder.grading.trusted.checker_client import CHECKED_OUTSIDE_THE_KERNEL
 from autograder.isolation import cgroups, sandbox
 from autograder.limits import Limits
-from autograder.places import CHECKED_OUTSIDE_THE_KERNEL
 from autograder.store import results
 from autograder.term.course_settings import CourseSettings
 

@@ -83,6 +83,7 @@ __all__ = [
     "reference_sdpa",
     "describe",
     "shape_str",
+    "wrapped_lines",
     "expect_callable",
     "expect_signature",
     "expect_tensor",
@@ -130,7 +131,7 @@ class CheckFailure(AssertionError):
                 if frame.line:
                     lines.append("    " + frame.line.strip())
             lines.append("")
-        return lines + _wrap(f"{type(self).__name__}: {self}")
+        return lines + wrapped_lines(f"{type(self).__name__}: {self}")
 
 
 class RuleFailure(CheckFailure):
@@ -202,8 +203,9 @@ def _student_frames(trace: types.TracebackType | None) -> list[traceback.FrameSu
     return [frame for frame in traceback.extract_tb(trace) if _is_student_file(frame.filename)]
 
 
-def _wrap(text: str) -> list[str]:
-    """Lines of at most _LINE_WIDTH characters; a continuation keeps its line's indent, plus two."""
+def wrapped_lines(text: str) -> list[str]:
+    """Lines of at most _LINE_WIDTH characters, as a failure is shown (in the lab, and by the grader's
+    checker); a continuation keeps its line's indent, plus two."""
     lines = []
     for line in text.splitlines() or [""]:
         indent = line[: len(line) - len(line.lstrip())]

@@ -4,7 +4,7 @@
 
 An nbgrader process (:mod:`autograder.grading.nbgrader_process`) keeps one checker for all its
 students, next to their kernels, and sends it each graded test cell of a notebook listed in
-:data:`autograder.places.CHECKED_OUTSIDE_THE_KERNEL`: the cell's source as nbgrader has it
+:data:`autograder.grading.trusted.checker_client.CHECKED_OUTSIDE_THE_KERNEL`: the cell's source as nbgrader has it
 (the source notebook's, with its hidden tests: never the student's copy), and the path of a
 socket.  The checker listens there, says so, and the nbgrader process starts the bridge's agent in the
 student's kernel (:func:`attention_lab.bridge.kernel_side.serve`), which connects.  The checker
@@ -60,12 +60,12 @@ def notebook_names(source: str) -> list[str]:
 def _error_output(error: BaseException) -> dict:
     """The error output a kernel shows for ``error``: a CheckFailure as the student sees it in the
     lab (its message, wrapped), anything else as its name and message."""
-    from attention_lab.checking import CheckFailure, _wrap
+    from attention_lab.checking import CheckFailure, wrapped_lines
 
     ename = type(error).__name__
     evalue = str(error)
     if isinstance(error, CheckFailure):
-        lines = _wrap(f"{ename}: {evalue}")
+        lines = wrapped_lines(f"{ename}: {evalue}")
     else:
         lines = [f"{ename}: {evalue}"]
     return {"output_type": "error", "ename": ename, "evalue": evalue, "traceback": lines}

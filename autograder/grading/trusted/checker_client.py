@@ -1,6 +1,6 @@
 """Graded test cells run in the trusted checker, not in the student's kernel.
 
-For a notebook listed in :data:`autograder.places.CHECKED_OUTSIDE_THE_KERNEL`, an nbclient
+For a notebook listed in :data:`CHECKED_OUTSIDE_THE_KERNEL`, an nbclient
 client with :class:`CheckedOutsideTheKernel` (grading's :class:`autograder.grading.nbgrader_process.GuardedExecute`,
 the test suite's :class:`autograder.grading.execute.ForkedKernels`) does not send a graded test cell to
 the kernel.  It sends the cell -- nbgrader's copy, hidden tests included -- to this nbgrader process's
@@ -36,7 +36,12 @@ from nbformat.notebooknode import NotebookNode
 
 from autograder.grading.trusted.checker import NOT_STARTED
 from autograder.limits import Limits
-from autograder.places import CHECKED_OUTSIDE_THE_KERNEL
+
+# Notebooks whose graded test cells run in the trusted checker (autograder.grading.trusted.checker), not
+# in the student's kernel: their verdicts cannot be forged by the submission's code. A notebook
+# left out would still run its test cells in the kernel (the grading report says which).
+CHECKED_OUTSIDE_THE_KERNEL = ("01_mha_shapes", "02_numpy_walkthrough", "03_positions_and_blocks", "04_vision_transformer",
+                              "05_llama_attention", "06_efficient_attention")
 
 # The code that starts the bridge's agent in the student's kernel (silently: not a cell).
 # The folder holding the autograder package: where the checker starts, whatever the caller's folder.
@@ -99,7 +104,17 @@ checker = Checker()  # this process's (one per nbgrader process, one per test pr
 
 
 def checked_outside_the_kernel(notebook_name: str) -> bool:
+    """Whether grading decides this notebook's verdicts in the trusted checker."""
     return notebook_name in CHECKED_OUTSIDE_THE_KERNEL
+
+
+def runs_in_the_checker(cell: NotebookNode, notebook_name: str) -> bool:
+    """Which cells go to the trusted checker, the one rule every client follows (grading's
+    GuardedExecute, the tests' TrustedClient): a graded test cell -- a code cell nbgrader grades,
+    hidden tests and all -- of a notebook checked outside the kernel. Every other cell runs in the
+    student's kernel."""
+    return (cell.cell_type == "code" and bool(cell.metadata.get("nbgrader", {}).get("grade"))
+            and checked_outside_the_kernel(notebook_name))
 
 
 class CheckedOutsideTheKernel:
