@@ -35,6 +35,11 @@ class Limits:
     threads: int = 1                   # torch/BLAS threads per kernel
 
     @property
+    def sandboxed(self) -> bool:
+        """Whether student code runs in the sandbox (``make grade SANDBOX=off`` says it does not)."""
+        return self.sandbox != "off"
+
+    @property
     def grace(self) -> int:
         """Seconds an interrupted kernel has to answer: a quarter of the cell limit, at least
         ``unresponsive_grace`` (a loaded machine slows the answer as much as the cell)."""

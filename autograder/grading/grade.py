@@ -75,7 +75,7 @@ class SandboxUnavailable(Exception):
 def _isolation(limits: Limits, log) -> str:
     """This machine's isolation (the embedded cluster's workers run here); refuses to grade
     without it unless the limits turn it off (``make grade SANDBOX=off``)."""
-    if limits.sandbox == "off":
+    if not limits.sandboxed:
         log("WARNING: the sandbox is off (SANDBOX=off): student code runs WITHOUT filesystem and network "
             "isolation, as your user. Grade only trusted submissions this way.")
         return "none: the sandbox was turned off (--sandbox off)"

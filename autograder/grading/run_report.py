@@ -71,7 +71,7 @@ def verdicts_line(outcomes: list[Outcome]) -> str:
 def limits_in_force(limits: Limits) -> list[dict]:
     """Each limit on student code, and whether it holds on this machine (where the embedded
     cluster's workers run): ``{"limit", "holds", "how"}``."""
-    sandboxed = limits.sandbox != "off" and sandbox.bwrap_path() is not None
+    sandboxed = limits.sandboxed and sandbox.bwrap_path() is not None
     group = cgroups.available() if sandboxed else None
     no_group = ("no control group here (cgroup v2 delegation or writable cgroup v1 needed)" if sandboxed
                 else "no sandbox (--sandbox off)")

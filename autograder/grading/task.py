@@ -324,11 +324,10 @@ def grade_submission(task: dict) -> dict:
     outcome = {"status": "failed", "attempts": 0, "incidents": [], "tests": [], "error": "", "nbgrader_pids": [],
                "worker": f"{socket.gethostname()}:{os.getpid()}", "seconds": 0.0}
     answer = {"outcome": outcome, "notebooks": {}, "grades": {}, "timestamp": None}
-    use_bwrap = limits.sandbox != "off"
-    if use_bwrap and sandbox.bwrap_path() is None:  # fail closed: --sandbox off is the instructor's to say
+    if limits.sandboxed and sandbox.bwrap_path() is None:  # fail closed: --sandbox off is the instructor's to say
         outcome["error"] = f"worker {outcome['worker']}: {sandbox.refusal()}"
         return answer
-    outcome["isolation"] = "bubblewrap" if use_bwrap else "none"
+    outcome["isolation"] = "bubblewrap" if limits.sandboxed else "none"
     with nbgrader_process() as free:
         try:
             course = free.course_root()
@@ -336,7 +335,7 @@ def grade_submission(task: dict) -> dict:
             submitted = course / "submitted" / student / assignment
             _write_tree(submitted, task["files"])
             (course / gradebook.SQLITE_NAME).write_bytes(task["template"])
-            recorded = _grade(course, task, limits, use_bwrap, free, outcome)
+            recorded = _grade(course, task, limits, free, outcome)
             workdir = course / KERNEL_WORKDIR_ROOT / student / assignment
             if outcome["status"] == "graded":
                 for path in sorted(workdir.glob("*.ipynb")):
@@ -350,19 +349,67 @@ def grade_submission(task: dict) -> dict:
     return answer
 
 
-def _grade(course: Path, task: dict, limits: Limits, use_bwrap: bool, free: NbgraderProcess, outcome: dict) -> dict | None:
-    """The attempts at one submission (``outcome`` records them); what nbgrader recorded
-    (see :func:`autograder.grading.nbgrader_process.recorded_grades`) when it ends graded."""
-    import nbformat
-
-    student, assignment = task["student"], task["assignment"]
-    runtime, jupyter = course / KERNEL_RUNTIME_DIR, course / "jupyter"
-    workdir = course / KERNEL_WORKDIR_ROOT / student / assignment
+def _grade(course: Path, task: dict, limits: Limits, free: NbgraderProcess, outcome: dict) -> dict | None:
+    """The attempts at one submission (``outcome`` records them): each runs every notebook; a cell
+    that killed or hung the kernel is skipped on the next, until one attempt grades them all or a
+    budget runs out. What nbgrader recorded (see
+    :func:`autograder.grading.nbgrader_process.recorded_grades`) when it ends graded."""
+    workdir = course / KERNEL_WORKDIR_ROOT / task["student"] / task["assignment"]
     workdir.mkdir(parents=True)
-    server, group = None, None
-    if use_bwrap:  # kernels forked from the nbgrader process's sandboxed kernel server (autograder.isolation.kernel_forkserver)
+    group = free.sandbox_group(limits.memory_mb, limits.processes) if limits.sandboxed else None
+    job = _job(course, task, limits, free, group)
+    expected = _expected_notebooks(course, task)
+    watch = _watch(course, limits, group)
+    deadline = time.monotonic() + limits.submission_timeout
+    for attempt in range(1, limits.attempts + 1):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            outcome["error"] = _over_budget(limits)
+            break
+        outcome["attempts"] = attempt
+        result, report = _attempt(course, job, free, attempt, timeout=min(limits.notebook_timeout, remaining),
+                                  watch=watch)
+        outcome["nbgrader_pids"].append(free.last_pid)
+        _take_incidents(outcome, report, attempt)
+        if result.status == 0 and expected and all((workdir / f"{name}.ipynb").exists() for name in expected):
+            outcome["status"] = "graded"
+            break
+        failed = _failed_cell(result, report, limits, deadline)
+        if isinstance(failed, str):
+            outcome["error"] = failed
+            break
+        kind, cell = failed
+        notebook = report.get("notebook", expected[0] if expected else "")
+        if str(cell) in job["skip"].get(notebook, {}):
+            outcome["error"] = f"cell {cell} of {notebook} was skipped and the kernel still failed"
+            break
+        job["skip"].setdefault(notebook, {})[str(cell)] = _skip_reason(kind, limits)
+        outcome["incidents"].append({"kind": SKIPPED_KINDS[kind], "notebook": notebook, "cell": cell,
+                                     "grade_id": report.get("grade_id"), "attempt": attempt})
+    else:
+        outcome["error"] = f"gave up after {limits.attempts} attempts"
+    if outcome["status"] != "graded":
+        return None
+    _take_tests(outcome, workdir, expected)
+    return result.recorded
+
+
+# Why a cell was skipped on the next attempt, as the incident that records it.
+SKIPPED_KINDS = {"dead": "kernel_died", "hung": "kernel_unresponsive", "notebook_timeout": "notebook_timeout",
+                 "disk": "disk_quota"}
+
+
+def _job(course: Path, task: dict, limits: Limits, free: NbgraderProcess, group: cgroups.Group | None) -> dict:
+    """What the nbgrader process is asked to do at every attempt (see
+    :func:`autograder.grading.nbgrader_process.autograde`; its ``skip`` grows from one attempt to
+    the next), with the kernelspec its kernels start from: under bubblewrap a fork of the nbgrader
+    process's sandboxed kernel server (:mod:`autograder.isolation.kernel_forkserver`), in the
+    sandbox's control group if there is one; without it a kernel started afresh."""
+    workdir = course / KERNEL_WORKDIR_ROOT / task["student"] / task["assignment"]
+    runtime, jupyter = course / KERNEL_RUNTIME_DIR, course / "jupyter"
+    server = None
+    if limits.sandboxed:
         hidden = [course.parent, *(Path(p) for p in task.get("hide", []))]
-        group = free.sandbox_group(limits.memory_mb, limits.processes)
         server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, runtime, hidden,
                                                      course=starts_with_the_setup_cell(task["source"]),
                                                      disk_mb=limits.disk_mb,
@@ -372,87 +419,93 @@ def _grade(course: Path, task: dict, limits: Limits, use_bwrap: bool, free: Nbgr
     else:
         argv = sandbox.kernel_argv(workdir, runtime, memory_mb=limits.memory_mb, file_mb=limits.file_mb, sandbox=False)
     kernel = sandbox.write_kernelspec(jupyter, argv, threads=limits.threads)
-    report_path = course / "report.json"
-    skip: dict[str, dict[str, str]] = {}
+    return {"root": str(course), "student": task["student"], "assignment": task["assignment"],
+            "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
+            "limits": dataclasses.asdict(limits), "kernel": kernel, "report": str(course / "report.json"), "skip": {},
+            # (the late penalty: the parent's merge)
+            "ipc": str(runtime / "k") if server else None, "kernel_server": server}
+
+
+def _expected_notebooks(course: Path, task: dict) -> list[str]:
+    """The notebooks of the student's folder that the assignment has: each must come back graded."""
     names = {Path(name).stem for name in task["source"] if name.endswith(".ipynb") and "/" not in name}
-    expected = sorted(p.stem for p in (course / "submitted" / student / assignment).glob("*.ipynb") if p.stem in names)
-    deadline = time.monotonic() + limits.submission_timeout
+    submitted = course / "submitted" / task["student"] / task["assignment"]
+    return sorted(p.stem for p in submitted.glob("*.ipynb") if p.stem in names)
+
+
+def _watch(course: Path, limits: Limits, group: cgroups.Group | None):
+    """What stops an attempt as its time limit would, looked at about every second: the sandbox's
+    CPU past ``cpu_seconds`` over all the submission's attempts (``"cpu"``), or its kernels'
+    folders past ``disk_mb`` (``"disk"``)."""
     cpu_start = group.cpu_seconds() if group else 0.0
     quota = limits.disk_mb * 2**20
 
     def watch() -> str | None:
         if group is not None and group.cpu_seconds() - cpu_start > limits.cpu_seconds:
             return "cpu"
-        return "disk" if disk_usage(course / KERNEL_WORKDIR_ROOT, runtime) > quota else None
+        return "disk" if disk_usage(course / KERNEL_WORKDIR_ROOT, course / KERNEL_RUNTIME_DIR) > quota else None
 
-    over_budget = (f"its attempts together ran past the {limits.submission_timeout} s a submission "
-                   "may take (--submission-timeout), so the grader gave up")
-    for attempt in range(1, limits.attempts + 1):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            outcome["error"] = over_budget
-            break
-        outcome["attempts"] = attempt
-        report_path.unlink(missing_ok=True)
-        if attempt > 1:  # what the last attempt's kernels wrote goes (it would count against the disk quota)
-            empty_folder(course / KERNEL_WORKDIR_ROOT)
-            empty_folder(runtime)
-            workdir.mkdir(parents=True, exist_ok=True)
-        job = {"root": str(course), "student": student, "assignment": assignment,
-               "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
-               "limits": dataclasses.asdict(limits), "kernel": kernel, "report": str(report_path), "skip": skip,
-               # (the late penalty: the parent's merge)
-               "ipc": str(runtime / "k") if use_bwrap else None, "kernel_server": server}
-        result = free.run(job, timeout=min(limits.notebook_timeout, remaining), watch=watch)
-        outcome["nbgrader_pids"].append(free.last_pid)
-        try:
-            report = json.loads(report_path.read_text())
-        except (OSError, ValueError):
-            report = {}
-        for incident in report.get("incidents", []):
-            incident.setdefault("attempt", attempt)
-            if incident not in outcome["incidents"]:
-                outcome["incidents"].append(incident)
-        produced = all((workdir / f"{name}.ipynb").exists() for name in expected)
-        if result.status == 0 and produced and expected:
-            outcome["status"] = "graded"
-            break
-        if result.timed_out and time.monotonic() >= deadline:  # (whichever cell it was in: no time to retry)
-            outcome["error"] = over_budget
-            break
-        if result.stopped == "cpu":
-            outcome["error"] = (f"its sandbox used more than the {limits.cpu_seconds} s of CPU a submission "
-                                "may use (--cpu-seconds), so the grader gave up")
-            break
-        if result.stopped == "disk" and "cell" in report:
-            kind, cell = "disk", report["cell"]
-        elif "dead_cell" in report:
-            kind, cell = "dead", report["dead_cell"]
-        elif "hung_cell" in report:
-            kind, cell = "hung", report["hung_cell"]
-        elif result.timed_out and "cell" in report:
-            kind, cell = "notebook_timeout", report["cell"]
-        else:
-            cause = start_failure_cause(result.log)
-            outcome["error"] = (("the kernel could not start: " + cause + "\n") if cause else "") + (
-                "nbgrader autograde failed" + (" (ran past --notebook-timeout)" if result.timed_out else "")
-                + ":\n" + result.log[-3000:])
-            break
-        notebook = report.get("notebook", expected[0] if expected else "")
-        if str(cell) in skip.get(notebook, {}):
-            outcome["error"] = f"cell {cell} of {notebook} was skipped and the kernel still failed"
-            break
-        skip.setdefault(notebook, {})[str(cell)] = _skip_reason(kind, limits)
-        outcome["incidents"].append({"kind": {"dead": "kernel_died", "hung": "kernel_unresponsive",
-                                              "notebook_timeout": "notebook_timeout", "disk": "disk_quota"}[kind],
-                                     "notebook": notebook, "cell": cell,
-                                     "grade_id": report.get("grade_id"), "attempt": attempt})
-    else:
-        outcome["error"] = f"gave up after {limits.attempts} attempts"
-    if outcome["status"] == "graded":
-        for name in expected:
-            cells = results.graded_cells(nbformat.read(workdir / f"{name}.ipynb", as_version=4), name)
-            outcome["tests"] += [cell.as_dict() for cell in cells]
-            outcome["incidents"] += tampering_incidents(cells)
-        return result.recorded
-    return None
+    return watch
+
+
+def _attempt(course: Path, job: dict, free: NbgraderProcess, attempt: int, timeout: float, watch) -> tuple[Attempt, dict]:
+    """One attempt at every notebook, on files the last attempt's kernels no longer hold: how it
+    ended, and the report the nbgrader process wrote (which cell ran last, what went wrong)."""
+    report_path = Path(job["report"])
+    report_path.unlink(missing_ok=True)
+    if attempt > 1:  # what the last attempt's kernels wrote goes (it would count against the disk quota)
+        empty_folder(course / KERNEL_WORKDIR_ROOT)
+        empty_folder(course / KERNEL_RUNTIME_DIR)
+        (course / KERNEL_WORKDIR_ROOT / job["student"] / job["assignment"]).mkdir(parents=True, exist_ok=True)
+    result = free.run(job, timeout=timeout, watch=watch)
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, ValueError):
+        report = {}
+    return result, report
+
+
+def _take_incidents(outcome: dict, report: dict, attempt: int) -> None:
+    """The attempt's incidents (a cell past its time limit, tampering...), each once over the attempts."""
+    for incident in report.get("incidents", []):
+        incident.setdefault("attempt", attempt)
+        if incident not in outcome["incidents"]:
+            outcome["incidents"].append(incident)
+
+
+def _over_budget(limits: Limits) -> str:
+    return (f"its attempts together ran past the {limits.submission_timeout} s a submission "
+            "may take (--submission-timeout), so the grader gave up")
+
+
+def _failed_cell(result: Attempt, report: dict, limits: Limits, deadline: float) -> tuple[str, int] | str:
+    """Why an attempt failed: the cell to skip on the next attempt, as ``(kind, cell number)``
+    (``dead``, ``hung``, ``disk``, ``notebook_timeout``), or, where no attempt can do better, why
+    the grader gives up (text)."""
+    if result.timed_out and time.monotonic() >= deadline:  # (whichever cell it was in: no time to retry)
+        return _over_budget(limits)
+    if result.stopped == "cpu":
+        return (f"its sandbox used more than the {limits.cpu_seconds} s of CPU a submission "
+                "may use (--cpu-seconds), so the grader gave up")
+    if result.stopped == "disk" and "cell" in report:
+        return "disk", report["cell"]
+    if "dead_cell" in report:
+        return "dead", report["dead_cell"]
+    if "hung_cell" in report:
+        return "hung", report["hung_cell"]
+    if result.timed_out and "cell" in report:
+        return "notebook_timeout", report["cell"]
+    cause = start_failure_cause(result.log)
+    return (("the kernel could not start: " + cause + "\n") if cause else "") + (
+        "nbgrader autograde failed" + (" (ran past --notebook-timeout)" if result.timed_out else "")
+        + ":\n" + result.log[-3000:])
+
+
+def _take_tests(outcome: dict, workdir: Path, expected: list[str]) -> None:
+    """A graded submission's tests, and the tampering its checks refused, from its graded notebooks."""
+    import nbformat
+
+    for name in expected:
+        cells = results.graded_cells(nbformat.read(workdir / f"{name}.ipynb", as_version=4), name)
+        outcome["tests"] += [cell.as_dict() for cell in cells]
+        outcome["incidents"] += tampering_incidents(cells)
