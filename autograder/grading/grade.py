@@ -49,7 +49,7 @@ from pathlib import Path
 
 from autograder.grading import dask_cluster
 from autograder.grading.merge import ensure_assignments, ensure_sources, merge, rescore, template
-from autograder.grading.plan import (IGNORED_NAMES, REPORTS_DIR, STATE_DIR, TIMESTAMP_FILE, Outcome,
+from autograder.grading.plan import (IGNORED_NAMES, STATE_DIR, TIMESTAMP_FILE, Outcome,
                                      Submission, discover, exclusive, fingerprint,
                                      load_state, notebook_names, save_state, submitted_folders, tree_files)
 from autograder.grading.run_report import console_line, full_error, limit_lines, limits_in_force, summary, write_report
@@ -60,6 +60,7 @@ from autograder.places import COURSE_ROOT, COURSE_SETTINGS_FILE, DB_URL_VARIABLE
 from autograder.publishing import release
 from autograder.publishing.release import assignments_with_source
 from autograder.store import gradebook
+from autograder.store.run_reports import REPORTS_DIR
 from autograder.term.course_settings import CourseSettings
 
 __all__ = ["IGNORED_NAMES", "REPORTS_DIR", "STATE_DIR", "Limits", "NbgraderProcess", "Outcome", "Submission",

@@ -21,7 +21,6 @@ from autograder.limits import Limits
 from autograder.publishing.release import assignments_with_source
 
 STATE_DIR = ".grading"
-REPORTS_DIR = "reports"
 TIMESTAMP_FILE = "timestamp.txt"   # nbgrader's submission time, written by intake
 IGNORED_NAMES = {".ipynb_checkpoints", "__MACOSX", ".DS_Store", TIMESTAMP_FILE}
 

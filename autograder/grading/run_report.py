@@ -10,15 +10,14 @@ console and in the report alike.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 from pathlib import Path
 
-from autograder.grading.plan import REPORTS_DIR, Outcome
+from autograder.grading.plan import Outcome
 from autograder.grading.trusted.checker_client import CHECKED_OUTSIDE_THE_KERNEL
 from autograder.isolation import cgroups, sandbox
 from autograder.limits import Limits
 from autograder.store import results
+from autograder.store.run_reports import keep_report
 from autograder.term.course_settings import CourseSettings
 
 
@@ -112,29 +111,17 @@ def full_error(outcome: Outcome) -> str:
     return "\n".join(f"      {line}" for line in outcome.error.splitlines())
 
 
-
 def write_report(root: Path, outcomes: list[Outcome], problems: list[str], run_limits: Limits,
                  isolation: str, engine: str = "", course: CourseSettings | None = None,
                  in_force: list[dict] | None = None) -> Path:
-    """This run's report, ``reports/grading_report.{md,json}``, and a copy of each under
-    ``reports/grading/`` named by its time, listed in ``reports/grading_history.md``: a
-    one-student regrade never wipes the record of the class's run."""
+    """This run's report, ``reports/grading_report.{md,json}``, kept with every earlier run's
+    (:func:`autograder.store.run_reports.keep_report`): a one-student regrade never wipes the
+    record of the class's run."""
     course = course or CourseSettings()
-    folder = root / REPORTS_DIR
-    history = folder / "grading"
-    history.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now()
-    stamp = now.isoformat(timespec="seconds")
-    name, suffix = now.strftime("%Y%m%dT%H%M%S"), 1
-    while (history / f"{name}.md").exists():
-        suffix += 1
-        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{suffix}"
-    data = json.dumps({"generated": stamp, "isolation": isolation, "engine": engine,
-                       "verdicts": verdicts_line(outcomes), "limits": in_force or [],
-                       "course_settings": dataclasses.asdict(course), "run_limits": dataclasses.asdict(run_limits),
-                       "problems": problems, "submissions": [o.as_dict() for o in outcomes]},
-                      indent=1, ensure_ascii=False)
-    lines = [f"# Grading report ({stamp})", "", f"Isolation: {isolation}", "", verdicts_line(outcomes), ""]
+    data = {"isolation": isolation, "engine": engine, "verdicts": verdicts_line(outcomes), "limits": in_force or [],
+            "course_settings": dataclasses.asdict(course), "run_limits": dataclasses.asdict(run_limits),
+            "problems": problems, "submissions": [o.as_dict() for o in outcomes]}
+    lines = ["", f"Isolation: {isolation}", "", verdicts_line(outcomes), ""]
     if in_force:
         lines += ["| limit on student code | holds here | how |", "|---|---|---|"]
         lines += [f"| {item['limit']} | {'yes' if item['holds'] else '**no**'} | {item['how']} |" for item in in_force]
@@ -156,15 +143,4 @@ def write_report(root: Path, outcomes: list[Outcome], problems: list[str], run_l
         lines += ["", "## Not graded", ""] + [f"- {p}" for p in problems]
     for o in (o for o in outcomes if o.status == "failed"):
         lines += ["", f"## {o.student} / {o.assignment}: could not be graded", "", "```", o.error, "```"]
-    text = "\n".join(lines) + "\n"
-    (folder / "grading_report.json").write_text(data)
-    (history / f"{name}.json").write_text(data)
-    (history / f"{name}.md").write_text(text)
-    path = folder / "grading_report.md"
-    path.write_text(text)
-    index = folder / "grading_history.md"
-    if not index.exists():
-        index.write_text("# Grading runs (newest last)\n\n")
-    with open(index, "a", encoding="utf-8") as handle:
-        handle.write(f"- {stamp}: {summary(outcomes)} ([report](grading/{name}.md))\n")
-    return path
+    return keep_report(root, "grading", "Grading report", lines, data, summary(outcomes))

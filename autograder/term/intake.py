@@ -61,6 +61,7 @@ from autograder.term.intake_checks import (due_dates, export_notices, hand_grade
 from autograder.publishing.release import assignment_names, released_notebook
 from autograder.term.roster import ROSTER_FILE, Roster, fold, normal_name
 from autograder.places import COURSE_DIR, COURSE_ROOT, MAX_NOTEBOOK_BYTES
+from autograder.store.run_reports import keep_report
 
 IGNORED = {".DS_Store", "Thumbs.db", "desktop.ini"}
 IGNORED_DIRS = {"__MACOSX", ".ipynb_checkpoints", ".git"}
@@ -564,39 +565,17 @@ def time_notices(entries: list[Entry], root: Path) -> list[str]:
 def write_report(entries: list[Entry], root: Path, submissions: Path, notices: list[str] | None = None) -> Path:
     """``reports/intake_report.{md,json}`` (this run) and a copy of each under ``reports/intake/``
     named by its time: earlier runs' reports are kept, and ``reports/intake_history.md`` lists them all."""
-    folder = root / "reports"
-    history = folder / "intake"
-    history.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now()
-    stamp = now.isoformat(timespec="seconds")
-    name = now.strftime("%Y%m%dT%H%M%S")
-    suffix = 1
-    while (history / f"{name}.md").exists():
-        suffix += 1
-        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{suffix}"
-    data = json.dumps({"generated": stamp, "submissions": str(submissions), "files": [asdict(e) for e in entries]},
-                      indent=1, ensure_ascii=False)
+    data = {"submissions": str(submissions), "files": [asdict(e) for e in entries]}
     counts = {s: sum(e.status == s for e in entries) for s in ("accepted", "repaired", "refused")}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
-    lines = [f"# Intake report ({stamp})", "", f"From `{submissions}`: " + summary, ""]
+    lines = ["", f"From `{submissions}`: " + summary, ""]
     lines += [f"- {notice}" for notice in notices or []] + ([""] if notices else [])
     lines += ["| file | student | status | assignment | submitted (UTC) | reasons |", "|---|---|---|---|---|---|"]
     for e in sorted(entries, key=lambda e: (e.status != "refused", e.source)):
         reasons = "; ".join(e.reasons).replace("|", "/")
         lines.append(f"| {e.source} | {e.student or '-'} | {e.status} | {e.assignment or '-'} | "
                      f"{(e.submitted_at or '-').replace(' UTC', '')} | {reasons} |")
-    text = "\n".join(lines) + "\n"
-    (folder / "intake_report.json").write_text(data)
-    (history / f"{name}.json").write_text(data)
-    (history / f"{name}.md").write_text(text)
-    path = folder / "intake_report.md"
-    path.write_text(text)
-    index = folder / "intake_history.md"
-    if not index.exists():
-        index.write_text("# Intake runs (newest last)\n\n")
-    with open(index, "a", encoding="utf-8") as handle:
-        handle.write(f"- {stamp}: `{submissions}`: {summary} ([report](intake/{name}.md))\n")
-    return path
+    return keep_report(root, "intake", "Intake report", lines, data, f"`{submissions}`: {summary}")
 
 
 def main(argv: list[str] | None = None) -> int:
