@@ -12,7 +12,6 @@ row, in kernels forked from one sandboxed kernel server, as grading runs them
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from autograder.command_line import command_line
 from autograder.grading.trusted.checker_client import CheckedOutsideTheKernel, runs_in_the_checker
 from autograder.isolation import sandbox
 from autograder.isolation.kernel_forkserver import Server
@@ -168,7 +168,7 @@ def execute_notebook(path: Path | str, timeout: int = EXECUTE_CELL_TIMEOUT, work
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("--timeout", type=int, default=EXECUTE_CELL_TIMEOUT, help="per-cell timeout in seconds")
     options = parser.parse_args(argv)

@@ -41,12 +41,12 @@ slower, never wrong: a slow but working cell is not mistaken for a hung one.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
 from pathlib import Path
 
+from autograder.command_line import command_line
 from autograder.grading import dask_cluster
 from autograder.grading.merge import ensure_assignments, ensure_sources, merge, rescore, template
 from autograder.grading.plan import (IGNORED_NAMES, STATE_DIR, TIMESTAMP_FILE, Outcome,
@@ -188,8 +188,7 @@ NOTHING_SUBMITTED = ("nothing to grade: no submissions in {submitted}.\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="the course root (default: autograder/course_root/)")
+    parser = command_line(__doc__, course_root=True)
     parser.add_argument("--jobs", "-j", type=int, default=int(os.environ.get("JOBS", 2)),
                         help="students graded at once: worker processes of the embedded Dask cluster (default: $JOBS or 2)")
     parser.add_argument("--scheduler", default=None,

@@ -35,7 +35,6 @@ nbgrader runs with one change: the Execute preprocessor is :class:`GuardedExecut
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -48,12 +47,13 @@ from pathlib import Path
 from queue import Empty
 
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
-from nbclient.util import ensure_async, run_sync
+from nbclient.util import run_sync
 from nbformat.notebooknode import NotebookNode
 from traitlets import Dict, Integer, Unicode
 
 from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
+from autograder.command_line import command_line
 from autograder.isolation import sandbox
 from autograder.store import gradebook
 from autograder.grading.trusted import checker_client
@@ -398,7 +398,7 @@ def serve(replies: int, parent: int | None = None, scratch: Path | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--replies", type=int, required=True, help="file descriptor for the answers")
     parser.add_argument("--parent", type=int, default=None, help="exit when this process is gone")
     parser.add_argument("--scratch", type=Path, default=None, help="the parent's scratch folder, removed "

@@ -57,6 +57,7 @@ from pathlib import Path
 
 if not __package__:  # run as a script by the kernelspec (`python .../sandbox.py launch`)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from autograder.command_line import command_line  # noqa: E402
 from autograder.isolation import cgroups  # noqa: E402
 from autograder.isolation.kernel_forkserver import COURSE_MODULES, KERNEL_MODULES, set_limits  # noqa: E402
 from autograder.limits import Limits  # noqa: E402
@@ -325,7 +326,7 @@ def kill_children(spare: int | tuple[int | None, ...] | None = None) -> list[int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     sub = parser.add_subparsers(dest="command")
     launch = sub.add_parser("launch", help="join the control group, apply the resource limits, keep the "
                             "allowed environment, then exec the command")

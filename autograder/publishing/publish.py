@@ -20,7 +20,6 @@ file of this repository's private folders, and no link to this repository left.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -28,6 +27,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from autograder.command_line import command_line
 from autograder.publishing.release import HIDDEN_BEGIN, HIDDEN_END, assignment_names, course_repository
 from autograder.places import COURSE_DIR, REPO_ROOT, SOLUTIONS_DIR
 
@@ -165,7 +165,7 @@ def secrets_in(dest: Path, private: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--dest", type=Path, required=True, help="the students' repository (a folder outside this one)")
     parser.add_argument("--repository", required=True, help="its GitHub name, owner/name")
     options = parser.parse_args(argv)

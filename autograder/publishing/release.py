@@ -20,7 +20,6 @@ Pipeline, per notebook ``solutions/NN_name.py`` (jupytext percent format):
 
 from __future__ import annotations
 
-import argparse
 import re
 import subprocess
 import sys
@@ -35,6 +34,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
 import jupytext
 import nbformat
 
+from autograder.command_line import command_line
 from autograder.lab.course_notebooks import COURSE_NOTEBOOK_METADATA
 from autograder.store.nbgrader_cli import run_in_process
 from autograder.store.results import HIDDEN_FAILURE
@@ -273,7 +273,7 @@ def build(assignments: list[str], course_dir: Path, nbgrader_root: Path | None =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--check", action="store_true", help="fail if course/ differs from a fresh build")
     parser.add_argument("assignments", nargs="*", help="default: every notebook in solutions/")
     options = parser.parse_args(argv)

@@ -28,7 +28,6 @@ writes the same bytes.
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import html
 import io
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import nbformat
 
+from autograder.command_line import command_line
 from autograder.places import COURSE_ROOT
 from autograder.publishing.release import released_notebook
 from autograder.store import gradebook, results
@@ -392,8 +392,7 @@ def write_reports(root: Path = COURSE_ROOT, assignments: list[str] | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=COURSE_ROOT)
+    parser = command_line(__doc__, course_root=True)
     parser.add_argument("--assignment", action="append", help="only this assignment (repeatable)")
     options = parser.parse_args(argv)
     written = write_reports(options.root, options.assignment)

@@ -25,7 +25,6 @@ the hidden tests.
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import nbformat
 
+from autograder.command_line import command_line
 from autograder.places import COURSE_ROOT
 from autograder.publishing.release import HIDDEN_BEGIN, HIDDEN_END, source_path
 from autograder.store import gradebook, results
@@ -295,8 +295,7 @@ def write_feedback(root: Path = COURSE_ROOT, students: list[str] | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=COURSE_ROOT)
+    parser = command_line(__doc__, course_root=True)
     parser.add_argument("--student", action="append", help="only this student (repeatable)")
     parser.add_argument("--assignment", action="append", help="only this assignment (repeatable)")
     options = parser.parse_args(argv)

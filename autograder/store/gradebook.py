@@ -20,7 +20,6 @@ an SQLite gradebook moves to a server with ``make migrate-gradebook DB_URL=...``
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import functools
@@ -32,7 +31,8 @@ import warnings
 import zlib
 from pathlib import Path
 
-from autograder.places import COURSE_ID, COURSE_ROOT, DB_URL_VARIABLE
+from autograder.command_line import command_line
+from autograder.places import COURSE_ID, DB_URL_VARIABLE
 
 SQLITE_NAME = "gradebook.db"
 LOCATION_FILE = "gradebook_location.json"
@@ -238,8 +238,7 @@ def migrate(root: Path, url: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="course root (default: autograder/course_root/)")
+    parser = command_line(__doc__, course_root=True)
     commands = parser.add_subparsers(dest="command", required=True)
     moving = commands.add_parser("migrate", help="copy the SQLite gradebook to a database server")
     moving.add_argument("--to", required=True, help="postgresql://role:password@host/database (an empty database)")

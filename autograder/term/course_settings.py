@@ -19,7 +19,6 @@ period, an extension or a due date re-scores the stored results; it re-executes 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -27,6 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from autograder.command_line import command_line
 from autograder.limits import Limits
 from autograder.places import COURSE_ROOT, COURSE_SETTINGS_FILE, LATE_PENALTY_METHOD
 from autograder.term.roster import parse_duedate
@@ -142,8 +142,7 @@ def assign(settings: CourseSettings, assignment_text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="course root (default: autograder/course_root/)")
+    parser = command_line(__doc__, course_root=True)
     commands = parser.add_subparsers(dest="command")
     setting = commands.add_parser("set", help="set name=value ...")
     setting.add_argument("values", nargs="+")

@@ -18,7 +18,6 @@ intake and grading.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import shutil
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import nbformat
 
+from autograder.command_line import command_line
 from autograder.places import REPO_ROOT
 from autograder.publishing.release import assignment_names, build_source, course_repository, released_notebook
 
@@ -75,7 +75,7 @@ def write(dest: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--dest", type=Path, default=REPO_ROOT / "example-class")
     options = parser.parse_args(argv)
     write(options.dest)
