@@ -124,3 +124,10 @@ def test_every_moved_command_runs_the_module_it_moved_to(old, monkeypatch):
     assert exit.value.code == 0
     assert printed.getvalue().startswith("usage:"), printed.getvalue()
     assert importlib.import_module(MOVED_COMMANDS[old]).__doc__.split("\n")[0].strip() in printed.getvalue()
+
+
+def test_the_checks_package_names_every_module_it_holds():
+    import attention_lab.checks as checks
+
+    modules = sorted(path.stem for path in Path(checks.__file__).parent.glob("*.py") if path.stem != "__init__")
+    assert [m for m in modules if f"``{m}``" not in checks.__doc__] == []

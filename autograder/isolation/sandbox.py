@@ -55,6 +55,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 if not __package__:  # run as a script by the kernelspec (`python .../sandbox.py launch`)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from autograder.command_line import command_line  # noqa: E402
@@ -292,18 +294,6 @@ def adopt_orphans() -> bool:
         return False
 
 
-def _children() -> list[int]:
-    mine = str(os.getpid())
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if stat.read_text().rsplit(")", 1)[1].split()[1] == mine:  # (comm may hold spaces)
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError):
-            continue
-    return found
-
-
 def kill_children(spare: int | tuple[int | None, ...] | None = None) -> list[int]:
     """SIGKILL and reap every child of this process (with :func:`adopt_orphans`: every descendant).
 
@@ -314,7 +304,7 @@ def kill_children(spare: int | tuple[int | None, ...] | None = None) -> list[int
 
     spared = [pid for pid in (spare if isinstance(spare, tuple) else (spare,)) if pid]
     killed = list(spared)
-    while children := [pid for pid in _children() if pid not in killed]:
+    while children := [child.pid for child in psutil.Process().children() if child.pid not in killed]:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
