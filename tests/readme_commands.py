@@ -37,7 +37,7 @@ import subprocess
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from autograder.publishing.release import REPO_ROOT
+from autograder.places import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 LOG_ENV_VAR = "ATTENTION_LAB_README_COMMAND_LOG"

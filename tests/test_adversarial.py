@@ -28,7 +28,8 @@ from autograder.reports import feedback
 from autograder.store import gradebook, results
 from autograder.term import intake
 from autograder.reports.export import export
-from autograder.publishing.release import REPO_ROOT, build_source, course_repository, write_notebook
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import build_source, course_repository, write_notebook
 from autograder.places import COURSE_ROOT
 from tests.grading_helpers import cell_limit, setup_cell_seconds
 

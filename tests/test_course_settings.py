@@ -18,7 +18,7 @@ from autograder.grading import grade
 from autograder.store import gradebook
 from autograder.term import roster
 from autograder.term.course_settings import CourseSettings
-from autograder.publishing.release import REPO_ROOT
+from autograder.places import REPO_ROOT
 from autograder.places import COURSE_ROOT_VARIABLE
 from tests.grading_helpers import TINY, tiny_course
 from tests.readme_commands import run_readme_command

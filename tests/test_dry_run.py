@@ -13,7 +13,8 @@ import shutil
 import pytest
 
 from autograder.store import gradebook
-from autograder.publishing.release import REPO_ROOT, assignment_names
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import assignment_names
 from autograder.places import COURSE_ROOT_VARIABLE
 from tests.readme_commands import run_readme_command
 

@@ -17,7 +17,8 @@ import pytest
 from autograder.reports import export, feedback
 from autograder.store import gradebook
 from autograder.store.nbgrader_cli import run_nbgrader
-from autograder.publishing.release import REPO_ROOT, build_source, course_repository, write_notebook
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import build_source, course_repository, write_notebook
 
 ASSIGNMENT = "01_mha_shapes"
 COMMENT = "Say why .view fails after a transpose: the memory is no longer contiguous."

@@ -21,7 +21,8 @@ from autograder.store import gradebook, results
 from autograder.term.course_settings import CourseSettings
 from autograder.reports.export import export
 from autograder.store.nbgrader_cli import run_nbgrader
-from autograder.publishing.release import (REPO_ROOT, build_source, course_repository, generate_assignments, mark_hidden_tests,
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import (build_source, course_repository, generate_assignments, mark_hidden_tests,
                                            write_notebook)
 from autograder.places import COURSE_ROOT_VARIABLE
 from tests.grading_helpers import (TINY, cell_limit, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,

@@ -11,7 +11,7 @@ import nbformat
 import pytest
 
 from autograder.term import intake
-from autograder.publishing.release import REPO_ROOT
+from autograder.places import REPO_ROOT
 
 ASSIGNMENT = "01_mha_shapes"
 ASSIGNMENTS = ["01_mha_shapes", "02_numpy_walkthrough", "03_masks_and_causality"]

@@ -14,7 +14,7 @@ import nbformat
 
 from autograder.term import intake, roster
 from autograder.term.course_settings import CourseSettings
-from autograder.publishing.release import REPO_ROOT
+from autograder.places import REPO_ROOT
 from autograder.places import COURSE_ROOT_VARIABLE
 from tests.readme_commands import run_readme_command
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 
-from autograder.publishing.release import REPO_ROOT
+from autograder.places import REPO_ROOT
 
 TERM = ["release", "roster", "deadlines", "settings", "intake", "grade", "formgrader", "feedback", "export", "report"]
 

@@ -14,7 +14,8 @@ import zipfile
 import nbformat
 
 from autograder.publishing import publish
-from autograder.publishing.release import REPO_ROOT, assignment_names, course_repository
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import assignment_names, course_repository
 from tests.readme_commands import run_readme_command
 
 

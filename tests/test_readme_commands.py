@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from autograder.publishing.release import REPO_ROOT
+from autograder.places import REPO_ROOT
 from tests import readme_commands, session_gates
 from tests.readme_commands import NOT_RUN, PLACEHOLDERS, commands_in, instructor_commands, run_readme_command
 

@@ -16,7 +16,8 @@ from attention_lab.checks.mha_shapes import check_merge_heads, check_split_heads
 from autograder.reports import class_report as report
 from autograder.store import gradebook
 from autograder.store.nbgrader_cli import run_nbgrader
-from autograder.publishing.release import REPO_ROOT, build_source, course_repository, write_notebook
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import build_source, course_repository, write_notebook
 
 ASSIGNMENT = "01_mha_shapes"
 

@@ -13,7 +13,7 @@ import pytest
 
 from autograder.store import gradebook
 from autograder.term import intake, roster
-from autograder.publishing.release import REPO_ROOT
+from autograder.places import REPO_ROOT
 from autograder.places import COURSE_ROOT_VARIABLE
 from tests.readme_commands import run_readme_command
 

@@ -30,7 +30,7 @@ import pytest
 from autograder.grading import grade
 from autograder.isolation import cgroups, sandbox
 from tests.readme_commands import run_readme_command
-from autograder.publishing.release import REPO_ROOT
+from autograder.places import REPO_ROOT
 from autograder.places import COURSE_ROOT_VARIABLE, DB_URL_VARIABLE
 from tests.grading_helpers import TINY, cell_limit, tiny_course
 

@@ -19,7 +19,8 @@ import pytest
 from autograder.grading import grade
 from autograder.store import results
 from autograder.term import intake
-from autograder.publishing.release import REPO_ROOT, build_source, course_repository, write_notebook
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import build_source, course_repository, write_notebook
 from autograder.grading.trusted.checker_client import CHECKED_OUTSIDE_THE_KERNEL
 from tests.test_adversarial import ASSIGNMENT, FULL, cell, measured_limits, release_notebook, solved_notebook, write
 
