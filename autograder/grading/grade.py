@@ -44,6 +44,8 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from autograder.command_line import command_line
@@ -107,7 +109,6 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, limit
     root = Path(root).resolve()
     policy = CourseSettings.load(root)
     limits = limits or policy.limits()
-    jobs = max(1, jobs)
     url = gradebook.db_url(root, db_url)
     isolation = _isolation(limits, log) if not scheduler else f"as each worker of {scheduler} provides"
     in_force = limits_in_force(limits) if not scheduler else []
@@ -121,65 +122,98 @@ def grade(root: Path = COURSE_ROOT, *, jobs: int = 2, force: bool = False, limit
         # every assignment, graded or not, so that Formgrader lists them all
         ensure_assignments(root, assignments_with_source(root), state, url)
         save_state(root, state)
-        todo, outcomes = [], []
-        for submission in submissions:
-            digest = fingerprint(submission, root, limits)
-            previous = state.get(submission.key, {})
-            graded_folder = root / "autograded" / submission.student / submission.assignment
-            if not force and previous.get("fingerprint") == digest and graded_folder.is_dir():
-                outcomes.append(Outcome(submission.student, submission.assignment, "unchanged", fingerprint=digest))
-            else:
-                todo.append((submission, digest))
-        # an unchanged row: its late penalty under today's settings and due dates, and what the
-        # gradebook holds now (hand grades included)
-        totals = rescore(root, [(o.student, o.assignment) for o in outcomes], policy, url)
-        for unchanged in outcomes:
-            found = totals.get((unchanged.student, unchanged.assignment))
-            if found:
-                (unchanged.score, unchanged.max_score, unchanged.pending, unchanged.late_penalty), before = found
-                if before != unchanged.late_penalty:
-                    unchanged.notes.append(f"re-scored: late penalty {before:g} -> {unchanged.late_penalty:g}")
+        todo, outcomes = _changed(submissions, root, state, limits, force)
+        _rescore(outcomes, root, policy, url)
         log(f"{len(todo)} to grade, {len(outcomes)} unchanged")
-        description = ""
+        engine = ""
         if todo:
-            shared = {a: {"source": tree_files(root / "source" / a), "template": template(root, a, url)}
-                      for a in sorted({s.assignment for s, _ in todo})}
-            carried = IGNORED_NAMES - {TIMESTAMP_FILE}  # the submission time goes with the files
-            tasks = [{"student": s.student, "assignment": s.assignment, "files": tree_files(s.folder, carried),
-                      "limits": limits, "hide": [str(root)]} for s, _ in todo]
-            # an embedded cluster starts no more workers than there are submissions to grade; one
-            # gradebook session for every merge of the run (one per student cost more than the merge)
-            with dask_cluster.cluster(min(jobs, len(tasks)), scheduler, processes) as connection, \
-                    gradebook.open_gradebook(root, url) as book:
-                description = connection.description
-                log(f"engine: {description}")
-                for index, result, error in dask_cluster.run(connection, shared, tasks):
-                    submission, digest = todo[index]
-                    outcome = _outcome(submission, result, error)
-                    outcome.fingerprint = digest
-                    if outcome.status == "graded":
-                        try:
-                            merge(outcome, result, root, book, url, policy)   # the gradebook's only writer
-                        except Exception as failure:
-                            outcome.status = "failed"
-                            outcome.error = f"merge failed: {type(failure).__name__}: {failure}"
-                    if outcome.status == "graded":
-                        state[submission.key] = {"fingerprint": digest, "score": outcome.score,
-                                                 "max_score": outcome.max_score,
-                                                 "graded": datetime.datetime.now().isoformat(timespec="seconds")}
-                    else:
-                        state.pop(submission.key, None)
-                    save_state(root, state)
-                    outcomes.append(outcome)
-                    log(console_line(outcome))
-                    if outcome.error:
-                        log(full_error(outcome))
+            run = Run(root, url, policy, limits, state, log)
+            engine = run.on_dask(todo, max(1, jobs), scheduler, processes, outcomes)
         outcomes.sort(key=lambda o: (o.student, o.assignment))
         for unchanged in (o for o in outcomes if o.status == "unchanged"):
             log(console_line(unchanged))
-        report = write_report(root, outcomes, problems, limits, isolation, description, policy, in_force)
+        report = write_report(root, outcomes, problems, limits, isolation, engine, policy, in_force)
         log(f"report: {report}")
     return outcomes
+
+
+def _changed(submissions: list[Submission], root: Path, state: dict, limits: Limits,
+             force: bool) -> tuple[list[tuple[Submission, str]], list[Outcome]]:
+    """The submissions to grade, each with its fingerprint (changed since it was graded, or all with
+    ``force``), and an ``unchanged`` outcome for each of the others."""
+    todo, unchanged = [], []
+    for submission in submissions:
+        digest = fingerprint(submission, root, limits)
+        previous = state.get(submission.key, {})
+        graded_folder = root / "autograded" / submission.student / submission.assignment
+        if not force and previous.get("fingerprint") == digest and graded_folder.is_dir():
+            unchanged.append(Outcome(submission.student, submission.assignment, "unchanged", fingerprint=digest))
+        else:
+            todo.append((submission, digest))
+    return todo, unchanged
+
+
+def _rescore(unchanged: list[Outcome], root: Path, policy: CourseSettings, url: str) -> None:
+    """An unchanged submission's late penalty under today's settings and due dates, and what the
+    gradebook holds now (hand grades included)."""
+    totals = rescore(root, [(o.student, o.assignment) for o in unchanged], policy, url)
+    for outcome in unchanged:
+        found = totals.get((outcome.student, outcome.assignment))
+        if found:
+            (outcome.score, outcome.max_score, outcome.pending, outcome.late_penalty), before = found
+            if before != outcome.late_penalty:
+                outcome.notes.append(f"re-scored: late penalty {before:g} -> {outcome.late_penalty:g}")
+
+
+@dataclass
+class Run:
+    """One grading run's parent side while its tasks run: where each result goes."""
+    root: Path
+    url: str                    # the gradebook
+    policy: CourseSettings
+    limits: Limits
+    state: dict                 # each graded submission's fingerprint (plan.save_state)
+    log: Callable[[str], object]
+
+    def on_dask(self, todo: list[tuple[Submission, str]], jobs: int, scheduler: str | None, processes: bool,
+                outcomes: list[Outcome]) -> str:
+        """Grade ``todo`` on Dask, merging each result as it comes (its outcome joins ``outcomes``);
+        the engine, described."""
+        shared = {a: {"source": tree_files(self.root / "source" / a), "template": template(self.root, a, self.url)}
+                  for a in sorted({s.assignment for s, _ in todo})}
+        carried = IGNORED_NAMES - {TIMESTAMP_FILE}  # the submission time goes with the files
+        tasks = [{"student": s.student, "assignment": s.assignment, "files": tree_files(s.folder, carried),
+                  "limits": self.limits, "hide": [str(self.root)]} for s, _ in todo]
+        # an embedded cluster starts no more workers than there are submissions to grade; one
+        # gradebook session for every merge of the run (one per student cost more than the merge)
+        with dask_cluster.cluster(min(jobs, len(tasks)), scheduler, processes) as connection, \
+                gradebook.open_gradebook(self.root, self.url) as book:
+            self.log(f"engine: {connection.description}")
+            for index, result, error in dask_cluster.run(connection, shared, tasks):
+                outcome = self.merged(*todo[index], result, error, book)
+                outcomes.append(outcome)
+                self.log(console_line(outcome))
+                if outcome.error:
+                    self.log(full_error(outcome))
+            return connection.description
+
+    def merged(self, submission: Submission, digest: str, result: dict | None, error: str, book) -> Outcome:
+        """A task's result in the gradebook (this process is its only writer) and the run's state."""
+        outcome = _outcome(submission, result, error)
+        outcome.fingerprint = digest
+        if outcome.status == "graded":
+            try:
+                merge(outcome, result, self.root, book, self.url, self.policy)
+            except Exception as failure:
+                outcome.status = "failed"
+                outcome.error = f"merge failed: {type(failure).__name__}: {failure}"
+        if outcome.status == "graded":
+            self.state[submission.key] = {"fingerprint": digest, "score": outcome.score, "max_score": outcome.max_score,
+                                          "graded": datetime.datetime.now().isoformat(timespec="seconds")}
+        else:
+            self.state.pop(submission.key, None)
+        save_state(self.root, self.state)
+        return outcome
 
 
 NOTHING_SUBMITTED = ("nothing to grade: no submissions in {submitted}.\n"
@@ -188,6 +222,41 @@ NOTHING_SUBMITTED = ("nothing to grade: no submissions in {submitted}.\n"
 
 
 def main(argv: list[str] | None = None) -> int:
+    options = _command_line().parse_args(argv)
+    jobs = max(1, options.jobs)
+    root = options.root
+    # Before any intake there is nothing to grade: say what to do first, quickly.
+    present = {(p.parent.name, p.name) for p in submitted_folders(root)}
+    refusal = _nothing_to_grade(root, present, options.student, options.assignment)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    one_regrade = bool(options.student and options.assignment and len(options.student) == 1
+                       and len(options.assignment) == 1)
+    limits = _limits(options, root, jobs)
+    gradebook.db_url(root, options.db_url)   # a gradebook this course does not use is refused before any work
+    try:
+        if not options.scheduler:  # refuse before building anything (grade() checks again)
+            _isolation(limits, log=lambda *_: None)
+        # The instructor's course root holds the whole course (Formgrader lists every assignment);
+        # any other root (a test, a benchmark) only what was submitted to it.
+        whole_course = root.resolve() == COURSE_ROOT.resolve()
+        ensure_sources(root, release.assignment_names() if whole_course else sorted({a for _, a in present}))
+        outcomes = grade(root, jobs=1 if one_regrade else jobs, force=options.force or one_regrade, limits=limits,
+                         students=options.student, assignments=options.assignment, scheduler=options.scheduler,
+                         db_url=options.db_url)
+    except SandboxUnavailable as refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    failed = [o for o in outcomes if o.status == "failed"]
+    print(summary(outcomes))
+    if failed:
+        print("could not grade: " + ", ".join(f"{o.student}/{o.assignment}" for o in failed)
+              + f" (see {root / REPORTS_DIR / 'grading_report.md'})")
+    return 1 if failed else 0
+
+
+def _command_line():
     parser = command_line(__doc__, course_root=True)
     parser.add_argument("--jobs", "-j", type=int, default=int(os.environ.get("JOBS", 2)),
                         help="students graded at once: worker processes of the embedded Dask cluster (default: $JOBS or 2)")
@@ -226,27 +295,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sandbox", choices=("on", "off"), default="on",
                         help="bubblewrap isolation: on (refuse to grade where it cannot run), or off (student "
                              "code runs unisolated: make grade SANDBOX=off)")
-    options = parser.parse_args(argv)
-    jobs = max(1, options.jobs)
-    root = options.root
-    # Before any intake there is nothing to grade: say what to do first, quickly.
-    folders = submitted_folders(root)
-    if not folders:
-        print(NOTHING_SUBMITTED.format(submitted=root / "submitted"), file=sys.stderr)
-        return 2
-    present = {(p.parent.name, p.name) for p in folders}
-    if options.student or options.assignment:
-        wanted = [(s, a) for s, a in present if (not options.student or s in options.student)
-                  and (not options.assignment or a in options.assignment)]
-        if not wanted:
-            asked = " / ".join(filter(None, [", ".join(options.student or []), ", ".join(options.assignment or [])]))
-            students = sorted({s for s, _ in present})
-            print(f"nothing to grade: no submission of {asked} in {root / 'submitted'}.\n"
-                  f"Students with submissions: {', '.join(students[:20])}{' ...' if len(students) > 20 else ''}",
-                  file=sys.stderr)
-            return 2
-    one_regrade = bool(options.student and options.assignment and len(options.student) == 1
-                       and len(options.assignment) == 1)
+    return parser
+
+
+def _nothing_to_grade(root: Path, present: set[tuple[str, str]], students: list[str] | None,
+                      assignments: list[str] | None) -> str | None:
+    """What to say when there is nothing to grade (before any intake; no submission of whom the
+    run asks for), else None."""
+    if not present:
+        return NOTHING_SUBMITTED.format(submitted=root / "submitted")
+    wanted = [(s, a) for s, a in present if (not students or s in students) and (not assignments or a in assignments)]
+    if wanted:
+        return None
+    asked = " / ".join(filter(None, [", ".join(students or []), ", ".join(assignments or [])]))
+    names = sorted({s for s, _ in present})
+    return (f"nothing to grade: no submission of {asked} in {root / 'submitted'}.\n"
+            f"Students with submissions: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}")
+
+
+def _limits(options, root: Path, jobs: int) -> Limits:
+    """The run's limits: the course settings', with this run's flags over them (saying so)."""
     limits = CourseSettings.load(root).limits(notebook_timeout=options.notebook_timeout,
                                               submission_timeout=options.submission_timeout,
                                               cpu_seconds=options.cpu_seconds, disk_mb=options.disk_mb,
@@ -258,26 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} {getattr(options, name)} for this run only (the course setting, {root / COURSE_SETTINGS_FILE}: "
                   f"{getattr(limits, name)}; `make settings` changes it)")
             setattr(limits, name, getattr(options, name))
-    gradebook.db_url(root, options.db_url)   # a gradebook this course does not use is refused before any work
-    try:
-        if not options.scheduler:  # refuse before building anything (grade() checks again)
-            _isolation(limits, log=lambda *_: None)
-        # The instructor's course root holds the whole course (Formgrader lists every assignment);
-        # any other root (a test, a benchmark) only what was submitted to it.
-        whole_course = root.resolve() == COURSE_ROOT.resolve()
-        ensure_sources(root, release.assignment_names() if whole_course else sorted({a for _, a in present}))
-        outcomes = grade(root, jobs=1 if one_regrade else jobs, force=options.force or one_regrade, limits=limits,
-                         students=options.student, assignments=options.assignment, scheduler=options.scheduler,
-                         db_url=options.db_url)
-    except SandboxUnavailable as refusal:
-        print(refusal, file=sys.stderr)
-        return 2
-    failed = [o for o in outcomes if o.status == "failed"]
-    print(summary(outcomes))
-    if failed:
-        print("could not grade: " + ", ".join(f"{o.student}/{o.assignment}" for o in failed)
-              + f" (see {root / REPORTS_DIR / 'grading_report.md'})")
-    return 1 if failed else 0
+    return limits
 
 
 if __name__ == "__main__":
