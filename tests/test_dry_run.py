@@ -1,6 +1,6 @@
-"""The README's dry run, command by command as written, on a scratch course root: the example
+"""The dry run (docs/instructors/2-dry-run.md), command by command as written, on a scratch course root: the example
 class goes through roster, deadlines, settings, intake, grading, feedback and export, and is
-erased (issue #35, item 17); on the way, the README's one-submission regrade keeps the late
+erased (issue #35, item 17); on the way, the grading page's one-submission regrade keeps the late
 penalty and `make report` writes the class report."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("example_class")]
 
 
 def readme_dry_run() -> list[str]:
-    text = (REPO_ROOT / "README.md").read_text()
+    text = (REPO_ROOT / "docs" / "instructors" / "2-dry-run.md").read_text()
     block = text.split("**A dry run.**", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return [line.strip() for line in block.splitlines() if line.strip()]
 
@@ -35,7 +35,7 @@ def test_the_readmes_dry_run_grades_the_example_class(tmp_path):
     try:
         for command in readme_dry_run():
             target = command.split()[1]
-            if target == "export":   # the README's regrade of one submission (step 3), then the grades
+            if target == "export":   # the grading page's regrade of one submission, then the grades
                 regraded = run_readme_command("make grade STUDENT=nunez ASSIGNMENT=01_mha_shapes", env=environment)
                 assert regraded.returncode == 0, regraded.stdout + regraded.stderr
                 assert "graded 1, unchanged 0, failed 0" in regraded.stdout, regraded.stdout
