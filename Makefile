@@ -127,7 +127,7 @@ postgres: ## install Debian's PostgreSQL server (the shared-gradebook tests star
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq postgresql) >/dev/null 2>&1 \
 	  || echo "warning: could not install postgresql; the PostgreSQL gradebook tests will be SKIPPED"; }
 
-# The shared gradebook's server (README, "A shared gradebook"): data in PGDATA, on PGPORT.
+# The shared gradebook's server (docs/instructors/6-grading-at-scale.md): data in PGDATA, on PGPORT.
 PGDATA ?= $(HOME)/attention-lab-postgres
 PGPORT ?= 5432
 postgres-server: setup ## start (created on first use) a PostgreSQL server for the gradebook: PGDATA= PGPORT= DB_PASSWORD=; prints DB_URL
@@ -146,7 +146,7 @@ test: setup sandbox browser postgres ## run the whole test suite (sets up first 
 test-fast: setup ## the suite without the slow notebook/nbgrader tests
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not slow"
 
-example-class: setup ## a dry run: write example-class/ (a roster, deadlines and a Canvas export of four students; see the README)
+example-class: setup ## a dry run: write example-class/ (a roster, deadlines and a Canvas export of four students; see docs/instructors/2-dry-run.md)
 	$(BIN)/python -m autograder.term.example_class
 
 intake: setup ## file SUBMISSIONS=<folder> (an LMS export, or <student>/<file>) under the course root's submitted/, with a report (ADD_UNKNOWN=1: accept students not on the roster)
@@ -183,7 +183,7 @@ grade: setup ## autograde new/changed submissions on Dask, JOBS at a time (FORCE
 	  $(if $(SCHEDULER),--scheduler "$(SCHEDULER)") $(if $(STUDENT),--student "$(STUDENT)") \
 	  $(if $(ASSIGNMENT),--assignment "$(ASSIGNMENT)")
 
-# A Dask cluster of other machines (README, "Grading at scale"): run from each machine's clone,
+# A Dask cluster of other machines (docs/instructors/6-grading-at-scale.md): run from each machine's clone,
 # which these put on PYTHONPATH (the scheduler, too, unpickles the course's tasks).
 DASK_PORT ?= 8786
 WORKERS ?= $(shell nproc 2>/dev/null || echo 2)

@@ -1,4 +1,19 @@
-"""The instructor side of Attention Lab: building the student release and grading with nbgrader."""
+"""The instructor side of Attention Lab: publishing the course, running a term and grading it with nbgrader.
+
+One folder per idea; each imports only from those above it in this list (docs/design.md, "The code"):
+
+    places.py, limits.py,   where everything is; a grading run's limits, every default once; the
+    command_line.py         command line of every `python -m autograder...`
+    lab/                    the two JupyterLabs: student/ (make lab), instructor/ (make formgrader)
+    store/                  the gradebook and its server, a graded notebook read, nbgrader's CLI, run reports
+    isolation/              the bubblewrap sandbox, control groups, the kernel server
+    grading/trusted/        the trusted checker, where every verdict is decided, and its client
+    publishing/             the student notebooks (release) and the students' repository (publish)
+    term/                   course settings, roster and due dates, intake, the example class, cleaning up
+    grading/, reports/      make grade; feedback, exports, the LMS's files, the class report
+
+nbgrader_config.py is nbgrader's own configuration (it reads places.py and limits.py).
+"""
 
 import importlib.abc
 import importlib.util

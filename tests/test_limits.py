@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 from autograder.grading import nbgrader_process
 from autograder.limits import Limits
@@ -46,3 +47,14 @@ def test_the_nbgrader_process_applies_the_limits_it_is_given(monkeypatch):
     execute = seen["config"].GuardedExecute
     assert (execute.timeout, execute.startup_timeout, execute.max_output_bytes) == (40, 70, 5000)
     assert execute.unresponsive_grace == execute.iopub_timeout == limits.grace == 10
+
+
+def test_the_reference_page_states_every_limit_with_its_default():
+    """docs/reference.md's table of limits: one row per field of Limits, with the default it has."""
+    from autograder.places import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "reference.md").read_text()
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ")]
+    rows = [cells for cells in rows if re.fullmatch(r"`\w+`", cells[1].strip())]
+    stated = {cells[1].strip().strip("`"): cells[2].strip() for cells in rows}
+    assert stated == {field.name: str(field.default) for field in dataclasses.fields(Limits)}

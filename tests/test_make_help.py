@@ -8,14 +8,13 @@ import re
 import subprocess
 
 from autograder.places import REPO_ROOT
-from tests.readme_commands import documented_commands
+from tests.readme_commands import documented_commands, run_readme_command
 
 TERM = ["release", "roster", "deadlines", "settings", "intake", "grade", "formgrader", "feedback", "export", "report"]
 
 
 def test_make_help_is_in_the_order_of_a_term_with_every_variable():
-    shown = subprocess.run(["make", "--no-print-directory", "help"], cwd=REPO_ROOT, capture_output=True, text=True,
-                           timeout=60).stdout
+    shown = run_readme_command("make help", timeout=60).stdout
     targets = re.findall(r"^  make (\S+)", shown, flags=re.MULTILINE)
     positions = [targets.index(t) for t in TERM]
     assert positions == sorted(positions), targets

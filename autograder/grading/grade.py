@@ -218,7 +218,7 @@ class Run:
 
 NOTHING_SUBMITTED = ("nothing to grade: no submissions in {submitted}.\n"
                      "First file the students' notebooks: make intake SUBMISSIONS=<folder of <student>/<notebook>.ipynb>"
-                     " (see the README's instructor guide), then run make grade again.")
+                     " (see docs/instructors/3-grading.md), then run make grade again.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ def summary(outcomes: list[Outcome]) -> str:
 
 
 def verdicts_line(outcomes: list[Outcome]) -> str:
-    """Where the verdicts of this run's notebooks were decided (the README's security section says why)."""
+    """Where the verdicts of this run's notebooks were decided (docs/design.md says why)."""
     notebooks = sorted({test["notebook"] for o in outcomes for test in o.tests} or {o.assignment for o in outcomes})
     outside = [n for n in notebooks if n in CHECKED_OUTSIDE_THE_KERNEL]
     inside = [n for n in notebooks if n not in CHECKED_OUTSIDE_THE_KERNEL]

@@ -106,7 +106,7 @@ class CourseSettings:
             settings = cls(**data)
             settings.check()
         except (ValueError, TypeError) as error:
-            raise SystemExit(f"{path}: {error}; fix it with `make settings` (see the README)") from None
+            raise SystemExit(f"{path}: {error}; fix it with `make settings` (see docs/reference.md)") from None
         return settings
 
     def save(self, root: Path = COURSE_ROOT) -> Path:

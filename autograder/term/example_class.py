@@ -12,7 +12,7 @@ never stale, and no answer is committed twice):
   Bob answered nothing; Ana solved everything a day late (Canvas marks it ``_LATE_``); Dan
   answered the first half (code and written answers), and his file is a Colab copy (``Copy of 01_mha_shapes.ipynb``).
 
-The folder is git-ignored; the README's dry run takes it through roster, deadlines, settings,
+The folder is git-ignored; the dry run (docs/instructors/2-dry-run.md) takes it through roster, deadlines, settings,
 intake and grading.
 """
 
