@@ -66,7 +66,7 @@ def refused(sentence: str) -> dict:
 
 
 def pipeline_command(module: str, root: str, *arguments: str) -> list[str]:
-    return [sys.executable, "-m", f"autograder.{module}", "--root", root, *arguments]
+    return [sys.executable, "-m", module, "--root", root, *arguments]
 
 
 async def run_pipeline(command: list[str], timeout: float = GRADE_TIMEOUT) -> dict:
@@ -112,7 +112,7 @@ class AutogradeHandler(PipelineHandler):
                                "is under archive/withdrawn/)."))
             return
         self.reply(await run_pipeline(pipeline_command(
-            "grade", self.root, "--student", student_id, "--assignment", assignment_id, "--force", "--jobs", "1")))
+            "autograder.grading.grade", self.root, "--student", student_id, "--assignment", assignment_id, "--force", "--jobs", "1")))
 
 
 class GenerateFeedbackHandler(PipelineHandler):
@@ -121,7 +121,7 @@ class GenerateFeedbackHandler(PipelineHandler):
     @check_notebook_dir
     async def post(self, assignment_id, student_id=None):
         arguments = ["--assignment", assignment_id] + (["--student", student_id] if student_id else [])
-        self.reply(await run_pipeline(pipeline_command("feedback", self.root, *arguments)))
+        self.reply(await run_pipeline(pipeline_command("autograder.reports.feedback", self.root, *arguments)))
 
 
 def refusing(action: str):
