@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("example_class")]
 
 def readme_dry_run() -> list[str]:
     text = (REPO_ROOT / "docs" / "instructors" / "2-dry-run.md").read_text()
-    block = text.split("**A dry run.**", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    block = text.split("\n## A dry run\n", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return [line.strip() for line in block.splitlines() if line.strip()]
 
 
@@ -63,3 +63,4 @@ def test_the_readmes_dry_run_grades_the_example_class(tmp_path):
     assert assigned == assignment_names(), assigned
     assert class_report["students"] == 4, class_report
     assert not root.exists(), "make erase-course-root (erase typed) left the course root"
+    assert "sandbox" in outputs, "the dry run starts with the sandbox"
