@@ -81,16 +81,16 @@ FORMGRADER_ROOT ?= $(or $(ATTENTION_LAB_COURSE_ROOT),autograder/course_root)
 INSTRUCTOR_KERNELS ?=
 formgrader: setup ## JupyterLab with nbgrader's Formgrader on the course root, for you and your TAs (FORMGRADER_ARGS=<JupyterLab options>, DB_URL=, INSTRUCTOR_KERNELS=on)
 	mkdir -p $(FORMGRADER_ROOT)
-	$(BIN)/python -m autograder.gradebook --root "$(FORMGRADER_ROOT)" check
+	$(BIN)/python -m autograder.store.gradebook --root "$(FORMGRADER_ROOT)" check
 	cd $(FORMGRADER_ROOT) && PATH=$(CURDIR)/$(BIN):$$PATH ATTENTION_LAB_INSTRUCTOR_KERNELS=$(INSTRUCTOR_KERNELS) \
 	  JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/lab/instructor:$(CURDIR)/autograder \
 	  $(CURDIR)/$(BIN)/jupyter lab $(ROOT_FLAG) $(FORMGRADER_ARGS)
 
 release: setup ## regenerate the student notebooks in course/ from solutions/
-	$(BIN)/python -m autograder.release
+	$(BIN)/python -m autograder.publishing.release
 
 release-check: setup ## fail if course/ is stale
-	$(BIN)/python -m autograder.release --check
+	$(BIN)/python -m autograder.publishing.release --check
 
 # The oldest versions pyproject.toml allows, in a scratch venv per Python (multi-GB: torch
 # from PyPI brings its CUDA libraries). FLOORS_PYTHON=python3.10 also tries the oldest Python.
@@ -127,18 +127,18 @@ postgres: ## install Debian's PostgreSQL server (the shared-gradebook tests star
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq postgresql) >/dev/null 2>&1 \
 	  || echo "warning: could not install postgresql; the PostgreSQL gradebook tests will be SKIPPED"; }
 
-# The shared gradebook's server (README, "A shared gradebook"): data in PGDATA, on PGPORT.
+# The shared gradebook's server (docs/instructors/6-grading-at-scale.md): data in PGDATA, on PGPORT.
 PGDATA ?= $(HOME)/attention-lab-postgres
 PGPORT ?= 5432
 postgres-server: setup ## start (created on first use) a PostgreSQL server for the gradebook: PGDATA= PGPORT= DB_PASSWORD=; prints DB_URL
-	$(BIN)/python -m autograder.postgres start --data "$(PGDATA)" --port "$(PGPORT)" --password "$(DB_PASSWORD)"
+	$(BIN)/python -m autograder.store.postgres start --data "$(PGDATA)" --port "$(PGPORT)" --password "$(DB_PASSWORD)"
 
 postgres-stop: setup ## stop the server of PGDATA=
-	$(BIN)/python -m autograder.postgres stop --data "$(PGDATA)"
+	$(BIN)/python -m autograder.store.postgres stop --data "$(PGDATA)"
 
 migrate-gradebook: setup ## move the course's SQLite gradebook (grades, hand grades, comments, students, due dates) to DB_URL=postgresql://...
 	@test -n "$(DB_URL)" || { echo "usage: make migrate-gradebook DB_URL=postgresql://grader:<password>@<host>:5432/attention_lab"; exit 2; }
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.gradebook migrate --to "$(DB_URL)"
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.store.gradebook migrate --to "$(DB_URL)"
 
 test: setup sandbox browser postgres ## run the whole test suite (sets up first if needed)
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup
@@ -146,44 +146,44 @@ test: setup sandbox browser postgres ## run the whole test suite (sets up first 
 test-fast: setup ## the suite without the slow notebook/nbgrader tests
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not slow"
 
-example-class: setup ## a dry run: write example-class/ (a roster, deadlines and a Canvas export of four students; see the README)
-	$(BIN)/python -m autograder.example_class
+example-class: setup ## a dry run: write example-class/ (a roster, deadlines and a Canvas export of four students; see docs/instructors/2-dry-run.md)
+	$(BIN)/python -m autograder.term.example_class
 
 intake: setup ## file SUBMISSIONS=<folder> (an LMS export, or <student>/<file>) under the course root's submitted/, with a report (ADD_UNKNOWN=1: accept students not on the roster)
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder>"; exit 2; }
-	$(BIN)/python -m autograder.intake "$(SUBMISSIONS)" $(if $(ADD_UNKNOWN),--add-unknown)
+	$(BIN)/python -m autograder.term.intake "$(SUBMISSIONS)" $(if $(ADD_UNKNOWN),--add-unknown)
 
 roster: setup ## import ROSTER=<csv> (id,first_name,last_name,email,lms_user_id): intake checks names against it
 	@test -n "$(ROSTER)" || { echo "usage: make roster ROSTER=<csv>"; exit 2; }
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.roster import "$(ROSTER)"
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.term.roster import "$(ROSTER)"
 
 DEADLINES ?= deadlines.csv
 deadlines: setup ## set each assignment's due date in the gradebook from DEADLINES=<csv> (assignment,duedate)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.roster deadlines "$(DEADLINES)"
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.term.roster deadlines "$(DEADLINES)"
 
 withdraw: setup ## take out one wrongly filed submission: STUDENT=<id> ASSIGNMENT=<name> (archived, not deleted)
 	@test -n "$(STUDENT)" -a -n "$(ASSIGNMENT)" || { echo "usage: make withdraw STUDENT=<id> ASSIGNMENT=<name>"; exit 2; }
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.roster withdraw --student "$(STUDENT)" --assignment "$(ASSIGNMENT)"
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.term.roster withdraw --student "$(STUDENT)" --assignment "$(ASSIGNMENT)"
 
 # Each variable given is set; none given shows the settings.
 SETTING_VARIABLES := LATE_PENALTY GRACE_MINUTES TIMEOUT STARTUP_TIMEOUT MEMORY_MB FILE_MB
 SETTING_VALUES = $(foreach v,$(SETTING_VARIABLES),$(if $($(v)),"$(shell echo $(v) | tr A-Z a-z)=$($(v))"))
 settings: setup ## show the course settings, or set them: LATE_PENALTY=none|zero GRACE_MINUTES= TIMEOUT= STARTUP_TIMEOUT= MEMORY_MB= FILE_MB=
-	$(BIN)/python -m autograder.course_settings $(if $(strip $(SETTING_VALUES)),set $(SETTING_VALUES))
+	$(BIN)/python -m autograder.term.course_settings $(if $(strip $(SETTING_VALUES)),set $(SETTING_VALUES))
 
 extension: setup ## a due date of its own for one student: STUDENT=<id> ASSIGNMENT=<name> UNTIL=<ISO date> (REMOVE=1 takes it back)
 	@test -n "$(STUDENT)" -a -n "$(ASSIGNMENT)" -a -n "$(UNTIL)$(REMOVE)" || { echo "usage: make extension STUDENT=<id> ASSIGNMENT=<name> UNTIL=<ISO date> (or REMOVE=1)"; exit 2; }
-	$(BIN)/python -m autograder.course_settings extend --student "$(STUDENT)" --assignment "$(ASSIGNMENT)" \
+	$(BIN)/python -m autograder.term.course_settings extend --student "$(STUDENT)" --assignment "$(ASSIGNMENT)" \
 	  $(if $(REMOVE),--remove,--until "$(UNTIL)")
 
 # SCHEDULER=tcp://host:8786: grade on that Dask cluster (default: JOBS local worker processes);
 # DB_URL=postgresql://...: the shared gradebook; STUDENT=... ASSIGNMENT=...: regrade that one submission.
 grade: setup ## autograde new/changed submissions on Dask, JOBS at a time (FORCE=1, STUDENT=/ASSIGNMENT=, SCHEDULER=, DB_URL=, SANDBOX=off)
-	$(BIN)/python -m autograder.grade --jobs $(JOBS) --sandbox "$(SANDBOX)" $(if $(FORCE),--force) \
+	$(BIN)/python -m autograder.grading.grade --jobs $(JOBS) --sandbox "$(SANDBOX)" $(if $(FORCE),--force) \
 	  $(if $(SCHEDULER),--scheduler "$(SCHEDULER)") $(if $(STUDENT),--student "$(STUDENT)") \
 	  $(if $(ASSIGNMENT),--assignment "$(ASSIGNMENT)")
 
-# A Dask cluster of other machines (README, "Grading at scale"): run from each machine's clone,
+# A Dask cluster of other machines (docs/instructors/6-grading-at-scale.md): run from each machine's clone,
 # which these put on PYTHONPATH (the scheduler, too, unpickles the course's tasks).
 DASK_PORT ?= 8786
 WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
@@ -195,20 +195,20 @@ dask-worker: setup ## WORKERS grading workers (default: one per core) for the cl
 	PYTHONPATH=$(CURDIR) $(BIN)/dask worker "$(SCHEDULER)" --nworkers $(WORKERS) --nthreads 1 --memory-limit 0
 
 feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/*.html
-	$(BIN)/python -m autograder.feedback
+	$(BIN)/python -m autograder.reports.feedback
 
 export: setup ## write grades.csv and grades_by_question.csv in autograder/course_root/
-	$(BIN)/python -m autograder.export
+	$(BIN)/python -m autograder.reports.export
 
 lms-export: setup ## grades for your LMS's import (Canvas, Moodle: a row per student, a column per assigned notebook) and Moodle feedback zips, in the course root's lms/
-	$(BIN)/python -m autograder.lms_export
+	$(BIN)/python -m autograder.reports.lms_export
 
 report: setup ## the class report per assignment: autograder/course_root/reports/class/<assignment>/index.html
-	$(BIN)/python -m autograder.class_report
+	$(BIN)/python -m autograder.reports.class_report
 
 publish: setup ## write the students' repository to DEST=<folder> for REPO=<owner/name> (BRANCH=, default main): notebooks, helper package, their `make lab`, README; no solution, no hidden test
 	@test -n "$(DEST)" -a -n "$(REPO)" || { echo "usage: make publish DEST=../attention-lab-students REPO=<github owner>/<students' repository> [BRANCH=main]"; exit 2; }
-	$(BIN)/python -m autograder.publish --dest "$(DEST)" --repository "$(REPO)" $(if $(BRANCH),--branch "$(BRANCH)")
+	$(BIN)/python -m autograder.publishing.publish --dest "$(DEST)" --repository "$(REPO)" $(if $(BRANCH),--branch "$(BRANCH)")
 
 bench: setup ## measure notebook run time, autograde overhead, the trust boundary, attention kernels, kernel shutdown (benchmarks/)
 	$(BIN)/python -m benchmarks.notebooks
@@ -224,7 +224,7 @@ gpu-check: $(if $(GPU_PYTHON),,setup) ## on a CUDA GPU: run every solution noteb
 	$(if $(GPU_PYTHON),PYTHONPATH=$(CURDIR)/course$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON),$(BIN)/python) -m benchmarks.gpu_check
 
 clean: setup ## remove what make grade/feedback/export/report rebuild (keeps the gradebook, roster, submissions, archive, reports)
-	$(BIN)/python -m autograder.housekeeping clean
+	$(BIN)/python -m autograder.term.housekeeping clean
 
 erase-course-root: setup ## delete the whole course root (gradebook, roster, submissions, archive): asks you to type "erase"
-	$(BIN)/python -m autograder.housekeeping erase
+	$(BIN)/python -m autograder.term.housekeeping erase

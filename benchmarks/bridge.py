@@ -25,9 +25,9 @@ from pathlib import Path
 import nbformat
 import torch
 
-from autograder import release
-from autograder.execute import ForkedKernels, TrustedClient
-from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL
+from autograder.grading.execute import ForkedKernels, TrustedClient
+from autograder.grading.trusted.checker_client import CHECKED_OUTSIDE_THE_KERNEL
+from autograder.publishing import release
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -110,8 +110,8 @@ def notebook_problems(notebook) -> list[str]:
 
 
 def run_notebooks(assignments: list[str]) -> list[NotebookOutcome]:
-    from autograder import release
-    from autograder.execute import execute_notebook
+    from autograder.grading.execute import execute_notebook
+    from autograder.publishing import release
 
     os.environ.pop("MPLBACKEND", None)  # kernels pick their backend as a student's would
     outcomes = []
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.command == "constraints":
         sys.stdout.write(floors_constraints((REPO_ROOT / "pyproject.toml").read_text()))
         return 0
-    from autograder import release
+    from autograder.publishing import release
 
     assignments = options.assignments or release.assignment_names()
     return run(assignments, sorted((REPO_ROOT / "tests").glob("test_checks_*.py")))

@@ -48,7 +48,7 @@ def cuda_missing_reason() -> str | None:
 
 
 def _execute(path: Path, checked: bool) -> dict:
-    from autograder.execute import execute_notebook
+    from autograder.grading.execute import execute_notebook
 
     result = execute_notebook(path, checked=checked)
     return {"notebook": path.stem, "where": "grading" if checked else "lab", "seconds": round(result.seconds, 1),
@@ -64,7 +64,7 @@ def run_notebooks() -> list[dict]:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from autograder import release
+    from autograder.publishing import release
 
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)

@@ -10,7 +10,7 @@ partly solved: each answer solved with probability 1/2, seeded), then measures, 
   processes), wall time, for each N of ``--workers`` (default 1 and JOBS): the efficiency per
   added worker is ``(t(1) / t(N)) / N``;
 * ``nbgrader``: plain ``nbgrader autograde <assignment>``, which grades one student at a time;
-* ``execute``: executing each submitted notebook directly (``autograder.execute``), one at a time;
+* ``execute``: executing each submitted notebook directly (``autograder.grading.execute``), one at a time;
 * ``dask``: the Dask layer alone: starting and stopping the LocalCluster, and the round trip
   of a task that carries a submission's bytes and does nothing.
 
@@ -42,11 +42,12 @@ from pathlib import Path
 
 import nbformat
 
-from autograder import grade
-from autograder.execute import execute_notebook
-from autograder.nbgrader_cli import nbgrader_environment
-from autograder.release import assignment_names, released_notebook, source_path
-from autograder.settings import AUTOGRADER_DIR, CELL_TIMEOUT, REPO_ROOT
+from autograder.grading import grade
+from autograder.grading.execute import execute_notebook
+from autograder.limits import Limits
+from autograder.places import AUTOGRADER_DIR, REPO_ROOT
+from autograder.publishing.release import assignment_names, released_notebook, source_path
+from autograder.store.nbgrader_cli import nbgrader_environment
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "grading.json"
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--students", type=int, default=30, help="submissions per notebook (default 30)")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("JOBS", 2)))
     parser.add_argument("--assignments", nargs="*", default=None, help="default: every notebook")
-    parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT, help="per-cell timeout")
+    parser.add_argument("--timeout", type=int, default=Limits.timeout, help="per-cell timeout")
     parser.add_argument("--workers", type=int, nargs="*", default=None,
                         help="Dask worker processes to time the pipeline with (default: 1 and --jobs)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each measurement (the best is kept)")
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                         arrivals.append(time.perf_counter())
 
                 start, cpu_start = time.perf_counter(), _own_cpu_seconds()
-                outcomes = grade.grade(pipeline_root, jobs=count, settings=grade.Settings(
+                outcomes = grade.grade(pipeline_root, jobs=count, limits=grade.Limits(
                     timeout=options.timeout, threads=max(1, (os.cpu_count() or 1) // count)), log=log)
                 seconds = time.perf_counter() - start
                 failed += [o for o in outcomes if o.status != "graded"]
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "speedup_vs_plain_nbgrader": round(plain / pipeline, 2),
         # What N workers give when each submission costs what executing it costs: N x (plain
         # nbgrader / direct execution). Kernels forked from the nbgrader process's kernel server (torch
-        # imported once, autograder.kernel_forkserver) make a submission cost less than that.
+        # imported once, autograder.isolation.kernel_forkserver) make a submission cost less than that.
         "speedup_ceiling_at_execution_cost": round(jobs * plain / execute, 2),
         "efficiency_per_added_worker": {str(k): round(times[min(workers)] * min(workers) / (v * k), 2)
                                         for k, v in times.items() if k != min(workers)},

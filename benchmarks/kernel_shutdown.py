@@ -6,7 +6,7 @@ Runs a one-cell notebook N times each way in a fresh kernel and reports the medi
 slowest, how many runs took over 2 s and the time in all. With ipykernel 7.4, about one
 graceful shutdown in ten hangs until jupyter_client sends SIGTERM 2.5 s later (the kernel's
 control thread waits on the IOPub thread that its main thread has already stopped), which is
-why autograder.execute, Validate and grading kill the kernel once every cell has run.
+why autograder.grading.execute, Validate and grading kill the kernel once every cell has run.
 Results go to benchmarks/results/kernel_shutdown.json. Reported, never asserted.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.execute import notebook_client
+from autograder.grading.execute import notebook_client
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STALL_SECONDS = 2.0

@@ -29,8 +29,8 @@ from pathlib import Path
 import nbformat
 import torch
 
-from autograder import release
-from autograder.execute import execute_notebook
+from autograder.grading.execute import execute_notebook
+from autograder.publishing import release
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -1,6 +1,6 @@
 """The checks as the trusted checker runs them, inside one test process.
 
-:func:`bridged` connects a :class:`attention_lab.bridge.remote.Bridge` to an agent answering from a
+:func:`bridged` connects a :class:`attention_lab.bridge.checker_side.Bridge` to an agent answering from a
 thread of this process (a socket pair instead of a kernel's socket), so that a test can hand a
 check the proxies grading hands it. :func:`through_the_bridge` wraps a check so that every answer
 it is given reaches it that way: a test module that runs its checks both ways proves that each
@@ -17,8 +17,8 @@ import threading
 import types
 from typing import Any, Callable, Iterable, Iterator
 
-from attention_lab.bridge.agent import Agent, answer_until_done
-from attention_lab.bridge.remote import Bridge
+from attention_lab.bridge.kernel_side import Agent, answer_until_done
+from attention_lab.bridge.checker_side import Bridge
 from attention_lab.checking import _student_namespace
 
 TIMEOUT = 600  # a test cell's limit in grading is 120 s; on a loaded test machine, more

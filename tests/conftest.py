@@ -1,6 +1,6 @@
 """Shared fixtures: one fresh build of every notebook (source and student release) per test
 session, whatever the number of workers; and the session's gates (tests/session_gates.py): hint
-coverage (tests/hint_coverage.py) and the README's instructor commands (tests/readme_commands.py)."""
+coverage (tests/hint_coverage.py) and the documented commands (tests/readme_commands.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402 -- after OMP_NUM_THREADS
 
 from attention_lab.checking import HINT_LOG_ENV_VAR  # noqa: E402
-from autograder import release  # noqa: E402
+from autograder.publishing import release  # noqa: E402
 
 from tests import hint_coverage, readme_commands, session_gates  # noqa: E402
 from tests.bridge_harness import calls_the_checks  # noqa: E402
@@ -38,7 +38,7 @@ torch.set_num_threads(1)
 # Fail a whole-suite run when some hint in the package is never triggered by a test
 # (every hint is, today: a new hint comes with the test that reaches it).
 HINT_COVERAGE_ENFORCED = True
-# Fail a whole-suite run when a command of the README's instructor part is run by no test and
+# Fail a whole-suite run when a documented command (the README, docs/) is run by no test and
 # not exempted, with its reason, in readme_commands.NOT_RUN.
 README_COMMANDS_ENFORCED = True
 
@@ -91,9 +91,9 @@ def fresh_build(tmp_path_factory) -> Build:
 @pytest.fixture(scope="session")
 def forked_kernels(tmp_path_factory):
     """Kernels forked from one sandboxed kernel server per test process, as grading runs them
-    (see autograder.execute.ForkedKernels); None (fresh kernels) where bubblewrap is missing."""
-    from autograder import sandbox
-    from autograder.execute import ForkedKernels
+    (see autograder.grading.execute.ForkedKernels); None (fresh kernels) where bubblewrap is missing."""
+    from autograder.isolation import sandbox
+    from autograder.grading.execute import ForkedKernels
 
     if sandbox.bwrap_path() is None:
         yield None
@@ -135,8 +135,8 @@ def _judge_hint_coverage(config: pytest.Config, folder: str) -> tuple[list[str],
 
 
 def _judge_readme_commands(config: pytest.Config, folder: str) -> tuple[list[str], bool]:
-    """Every command of the README's instructor part is run by some test, or exempted."""
-    commands = readme_commands.instructor_commands()
+    """Every documented command (the README, docs/) is run by some test, or exempted."""
+    commands = readme_commands.documented_commands()
     ran = readme_commands.read_log(folder)
     missing = readme_commands.not_run(commands, ran)
     whole = session_gates.whole_run(config.option, config.args, session_gates.TESTS_DIR.glob("test_*.py"))

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.execute import notebook_client
-from autograder.release import setup_cell_source
-from autograder.settings import SETUP_CELL_ID
+from autograder.grading.execute import notebook_client
+from autograder.publishing.release import setup_cell_source
+from autograder.places import SETUP_CELL_ID
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,7 +83,7 @@ def loaded_machine(scratch: Path, *, cpu: int = 1, disk: int = 1, megabytes: int
 
 
 def slow_kernel_start(argv_builder, seconds: float):
-    """Wrap autograder.sandbox.kernel_argv or kernel_client_argv (the kernelspec's command):
+    """Wrap autograder.isolation.sandbox.kernel_argv or kernel_client_argv (the kernelspec's command):
     the kernel sleeps ``seconds`` before it starts."""
     def argv(*args, **kwargs):
         return ["/bin/sh", "-c", f'sleep {seconds} && exec "$@"', "slow-kernel", *argv_builder(*args, **kwargs)]

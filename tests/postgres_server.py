@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from autograder.postgres import START_SECONDS, as_server_user as _as_server_user, binaries
+from autograder.store.postgres import START_SECONDS, as_server_user as _as_server_user, binaries
 
 USER = "grader"
 

@@ -1,25 +1,27 @@
-"""Every command of the README's instructor part is run by a test, as written (issue #35).
+"""Every documented command is run by a test, as written (issue #35).
 
-**The instructor part** is the README from the heading ``## For instructors`` to the next
-level-2 heading (``## For contributors``), all its ``###`` sections included: grading a class,
-publishing, Formgrader, a cluster and a shared gradebook, the trust boundary, configuration.
+**The documented pages** are the README and every page under ``docs/`` (:func:`pages`): the
+students' page, the instructors' pages in the order of a term (publishing, the dry run,
+grading, Formgrader, feedback and the LMS, grading at scale), the design, the reference and
+the contributors' page.
 
-**Its commands** are the code spans (`` `make grade` ``, a span wrapped over two lines too) and
-the lines of its code blocks (fenced, or indented by four spaces) that begin with ``make ``;
+**Their commands** are the code spans (`` `make grade` ``, a span wrapped over two lines too) and
+the lines of their code blocks (fenced, or indented by four spaces) that begin with ``make ``;
 whitespace runs count as one space and a trailing shell comment (``make grade  # ...``) is not
-part of the command. So every ``make ...`` an instructor can copy from that part is a command,
-and nothing else is: a list of targets is written as separate spans (`` `make grade` ``,
-`` `feedback` ``), never as one span that no shell could run.
+part of the command. So every ``make ...`` a reader can copy from a page is a command, and
+nothing else is: a list of targets is written as separate spans (`` `make grade` ``,
+`` `feedback` ``), never as one span that no shell could run. Each page is read on its own (a
+fenced block never spans two).
 
 **Running one**: a test calls :func:`run_readme_command` (or :func:`start_readme_command` for a
-server), which first checks that the README holds the command verbatim, then runs it exactly as
-written, by bash (the README's blocks are bash) in the repository, as an instructor types it.
-What the test needs to be different (a scratch course root, ``HOME``, JupyterLab options) goes
-through environment variables, never into the command. The only parts a test may replace are the
-:data:`PLACEHOLDERS`: another machine's address, a secret, a port or a folder shared by every
-checkout of this machine; each replacement is named in the call. Each command run is recorded
-in the folder ``$ATTENTION_LAB_README_COMMAND_LOG`` (one file per process, so pytest-xdist
-workers all contribute; tests/conftest.py sets it for the session).
+server), which first checks that a documented page holds the command verbatim, then runs it
+exactly as written, by bash (the pages' blocks are bash) in the repository, as an instructor
+types it. What the test needs to be different (a scratch course root, ``HOME``, JupyterLab
+options) goes through environment variables, never into the command. The only parts a test may
+replace are the :data:`PLACEHOLDERS`: another machine's address, a secret, a port or a folder
+shared by every checkout of this machine; each replacement is named in the call. Each command
+run is recorded in the folder ``$ATTENTION_LAB_README_COMMAND_LOG`` (one file per process, so
+pytest-xdist workers all contribute; tests/conftest.py sets it for the session).
 
 **The gate** (tests/conftest.py, beside the hint-coverage gate, judged as that one is: only when
 the whole suite ran): a command that no test ran and that :data:`NOT_RUN` does not exempt, with
@@ -37,13 +39,18 @@ import subprocess
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from autograder.release import REPO_ROOT
+from autograder.places import REPO_ROOT
 
-README = REPO_ROOT / "README.md"
+DOCS = REPO_ROOT / "docs"
 LOG_ENV_VAR = "ATTENTION_LAB_README_COMMAND_LOG"
-INSTRUCTOR_HEADING = "## For instructors"
 
-# The parts of a README command a test may replace, and why each cannot run as written here.
+
+def pages() -> list[Path]:
+    """The documented pages: the README, then docs/ (the instructors' pages in the order of a term)."""
+    return [REPO_ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+# The parts of a documented command a test may replace, and why each cannot run as written here.
 PLACEHOLDERS = {
     "scheduler-host:8786": "the scheduler machine's address: the test's scheduler, on this machine and a free port",
     "DASK_PORT=8786": "the scheduler's port: a free one (8786 may be taken, by another checkout's tests too)",
@@ -55,12 +62,14 @@ PLACEHOLDERS = {
     "../attention-lab-students": "a folder beside the clone, shared by every checkout on the machine: a scratch one",
 }
 
-# The instructor part's commands that no test runs, each with the reason. Every other command
+# The documented commands that no test runs, each with the reason. Every other command
 # is run by some test (the gate checks it); keep this short and honest.
 NOT_RUN = {
     "make setup": "installs the virtual environment; every other command runs it first (each target depends on "
                   "`setup`), and alone it may reinstall the environment the suite runs in",
     "make test": "runs this suite",
+    "make test-fast": "runs this suite's part that executes no whole notebook",
+    "make browser": "installs chromium for the browser tests; `make test` runs it before every whole run",
     "make bench": "minutes of timing measurements, not a pass/fail check (benchmarks/)",
     "make gpu-check": "needs a CUDA GPU; the machines `make test` runs on have none",
     "make gpu-check GPU_PYTHON=python3": "needs a CUDA GPU and a python3 with a CUDA build of torch",
@@ -70,21 +79,13 @@ NOT_RUN = {
 }
 
 
-def instructor_part(text: str | None = None) -> str:
-    """The README from ``## For instructors`` to the next level-2 heading."""
-    text = README.read_text(encoding="utf-8") if text is None else text
-    start = text.index(INSTRUCTOR_HEADING)
-    following = re.search(r"^## ", text[start + len(INSTRUCTOR_HEADING):], flags=re.MULTILINE)
-    return text[start:start + len(INSTRUCTOR_HEADING) + following.start()] if following else text[start:]
-
-
 def normalise(command: str) -> str:
     """One spelling of a command: whitespace runs as one space, no trailing ``# comment``."""
     return " ".join(re.sub(r"\s+#.*$", "", command.strip()).split())
 
 
 def commands_in(part: str) -> list[str]:
-    """The ``make`` commands of a README part, each once, in order (see the module docstring)."""
+    """The ``make`` commands of a page, each once, in order (see the module docstring)."""
     found = []
     fenced = re.compile(r"^```[^\n]*\n(.*?)^```", flags=re.MULTILINE | re.DOTALL)
     for block in fenced.findall(part):
@@ -95,16 +96,22 @@ def commands_in(part: str) -> list[str]:
     return list(dict.fromkeys(normalise(command) for command in found))
 
 
-def instructor_commands() -> list[str]:
-    return commands_in(instructor_part())
+def documented_text() -> list[str]:
+    """The text of each documented page."""
+    return [page.read_text(encoding="utf-8") for page in pages()]
+
+
+def documented_commands() -> list[str]:
+    """Every documented page's commands, each once, in the order of the pages."""
+    return list(dict.fromkeys(command for text in documented_text() for command in commands_in(text)))
 
 
 def _as_written(command: str, replace: Mapping[str, str]) -> str:
     """``command`` with the placeholders ``replace`` names filled in, after checking that the
-    README's instructor part holds it verbatim and that only :data:`PLACEHOLDERS` change."""
-    commands = instructor_commands()
-    assert normalise(command) in commands, f"not a command of the README's instructor part: {command!r}"
-    assert " ".join(command.split()) in " ".join(instructor_part().split()), f"not in the README verbatim: {command!r}"
+    documented pages hold it verbatim and that only :data:`PLACEHOLDERS` change."""
+    assert normalise(command) in documented_commands(), f"not a documented command: {command!r}"
+    assert any(" ".join(command.split()) in " ".join(text.split()) for text in documented_text()), \
+        f"not in the documented pages verbatim: {command!r}"
     for placeholder, value in replace.items():
         assert placeholder in PLACEHOLDERS, f"{placeholder!r} is not a placeholder a test may replace"
         assert placeholder in command, f"{placeholder!r} is not in {command!r}"
@@ -113,7 +120,7 @@ def _as_written(command: str, replace: Mapping[str, str]) -> str:
 
 
 def record(command: str) -> None:
-    """Note in the session's log that a test ran this README command."""
+    """Note in the session's log that a test ran this documented command."""
     folder = os.environ.get(LOG_ENV_VAR)
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
@@ -123,7 +130,7 @@ def record(command: str) -> None:
 
 def run_readme_command(command: str, *, env: Mapping[str, str] | None = None, input: str | None = None,
                        timeout: float = 900, replace: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run a command of the README's instructor part as written (bash, in the repository), with
+    """Run a documented command as written (bash, in the repository), with
     ``env`` as its whole environment (default: this process's); record it; return its result
     (stdout and stderr captured as text). ``replace``: placeholders to fill in (:data:`PLACEHOLDERS`)."""
     line = _as_written(command, replace or {})
@@ -135,7 +142,7 @@ def run_readme_command(command: str, *, env: Mapping[str, str] | None = None, in
 
 def start_readme_command(command: str, *, env: Mapping[str, str] | None = None,
                          replace: Mapping[str, str] | None = None, **popen) -> subprocess.Popen:
-    """Start a command of the README's instructor part as written (a server: Formgrader, a Dask
+    """Start a documented command as written (a server: Formgrader, a Dask
     scheduler or worker) in a process group of its own; record it. ``popen``: stdout, stderr."""
     line = _as_written(command, replace or {})
     process = subprocess.Popen(line, shell=True, executable="/bin/bash", cwd=REPO_ROOT, env=env,
@@ -157,7 +164,7 @@ def stop_process_group(process: subprocess.Popen, grace: float) -> None:
 
 
 def read_log(folder: Path | str) -> set[str]:
-    """The README commands that tests recorded in ``folder`` (all processes)."""
+    """The documented commands that tests recorded in ``folder`` (all processes)."""
     from tests.session_gates import read_records
 
     return set(read_records(folder, "commands-*.jsonl"))
@@ -172,13 +179,13 @@ def report(missing: Sequence[str], ran: set[str], commands: Sequence[str], whole
     """The lines of the "README commands" section of the test summary."""
     done = sum(command in ran for command in commands)
     if not whole:
-        return [f"README commands: not judged (only part of the suite ran); {done} of the instructor part's "
-                f"{len(commands)} commands ran in this run."]
+        return [f"README commands: not judged (only part of the suite ran); {done} of the {len(commands)} "
+                "documented commands ran in this run."]
     if not missing:
         exempt = [command for command in commands if command in NOT_RUN]
-        return [f"README commands: {done} of the instructor part's {len(commands)} commands ran as written; "
+        return [f"README commands: {done} of the {len(commands)} documented commands ran as written; "
                 f"not run ({len(exempt)}): " + ", ".join(exempt)]
     verdict = "FAILED" if enforced else "(not enforced yet)"
-    return [f"README commands {verdict}: {len(missing)} of the instructor part's {len(commands)} commands ran in no "
+    return [f"README commands {verdict}: {len(missing)} of the {len(commands)} documented commands ran in no "
             "test. Run each with tests.readme_commands.run_readme_command, or give the reason in NOT_RUN:"] + \
         [f"  {command}" for command in missing]

@@ -22,10 +22,15 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import feedback, grade, gradebook, intake, results, sandbox
-from autograder.export import export
-from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
-from autograder.settings import COURSE_ROOT
+from autograder.grading import grade
+from autograder.isolation import sandbox
+from autograder.reports import feedback
+from autograder.store import gradebook, results
+from autograder.term import intake
+from autograder.reports.export import export
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import build_source, course_repository, write_notebook
+from autograder.places import COURSE_ROOT
 from tests.grading_helpers import cell_limit, setup_cell_seconds
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("adversarial_class")]
@@ -39,10 +44,10 @@ LAST_TEST = "test_split_heads_einops"
 REAL_GRADEBOOK = COURSE_ROOT / "gradebook.db"
 
 
-def measured_settings() -> grade.Settings:
+def measured_limits() -> grade.Limits:
     """Short limits, but a multiple of what an honest cell needs on this machine now (one measurement)."""
     seconds = setup_cell_seconds()
-    return grade.Settings(timeout=cell_limit(setup_seconds=seconds), notebook_timeout=int(max(400, 80 * seconds)),
+    return grade.Limits(timeout=cell_limit(setup_seconds=seconds), notebook_timeout=int(max(400, 80 * seconds)),
                           memory_mb=3072, file_mb=64, max_output_bytes=200_000, attempts=5,
                           unresponsive_grace=5, sandbox="on")
 
@@ -176,15 +181,15 @@ def graded(tmp_path_factory):
     victim_before = sha(victim_file)
     source_before = sha(source_path)
     log: list[str] = []
-    settings = measured_settings()
-    outcomes = grade.grade(root, jobs=2, settings=settings, log=log.append)
+    limits = measured_limits()
+    outcomes = grade.grade(root, jobs=2, limits=limits, log=log.append)
     feedback.write_feedback(root)
     grades_csv, by_question_csv = export(root)
     return {
         "root": root, "downloads": downloads, "sub": sub, "entries": entries, "outcomes": outcomes,
         "log": log, "originals": originals, "real_before": real_before, "victim_before": victim_before,
         "victim_file": victim_file, "source_before": source_before, "source_path": source_path,
-        "grades_csv": grades_csv, "by_question_csv": by_question_csv, "settings": settings,
+        "grades_csv": grades_csv, "by_question_csv": by_question_csv, "limits": limits,
     }
 
 
@@ -353,23 +358,23 @@ def test_regrading_is_idempotent_and_only_regrades_changes(graded):
     root = graded["root"]
     before = scores(root)
     log: list[str] = []
-    outcomes = grade.grade(root, jobs=2, settings=graded["settings"], log=log.append)
+    outcomes = grade.grade(root, jobs=2, limits=graded["limits"], log=log.append)
     assert {o.status for o in outcomes} == {"unchanged"}, log
     assert scores(root) == before
     # the blank student submits again, solved this time: only that one is regraded
     solved = nbformat.read(root / "submitted" / "Zoë Ångström Núñez" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", as_version=4)
     write(root / "submitted" / "blank" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", solved)
-    outcomes = grade.grade(root, jobs=2, settings=graded["settings"], log=log.append)
+    outcomes = grade.grade(root, jobs=2, limits=graded["limits"], log=log.append)
     regraded = [o.student for o in outcomes if o.status == "graded"]
     assert regraded == ["blank"], log
     assert scores(root) == {**before, "blank": FULL}
 
 
 def test_make_grade_cli_reports_and_exits_zero(graded):
-    result = subprocess.run([str(REPO_ROOT / ".venv" / "bin" / "python"), "-m", "autograder.grade",
-                             "--root", str(graded["root"]), "--timeout", str(graded["settings"].timeout),
-                             "--memory-mb", str(graded["settings"].memory_mb), "--file-mb", str(graded["settings"].file_mb),
-                             "--max-output-bytes", str(graded["settings"].max_output_bytes), "--attempts", str(graded["settings"].attempts)],
+    result = subprocess.run([str(REPO_ROOT / ".venv" / "bin" / "python"), "-m", "autograder.grading.grade",
+                             "--root", str(graded["root"]), "--timeout", str(graded["limits"].timeout),
+                             "--memory-mb", str(graded["limits"].memory_mb), "--file-mb", str(graded["limits"].file_mb),
+                             "--max-output-bytes", str(graded["limits"].max_output_bytes), "--attempts", str(graded["limits"].attempts)],
                             cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "unchanged" in result.stdout

@@ -28,7 +28,8 @@ import nbformat
 import pytest
 
 from attention_lab.checks.mha_shapes import SPLIT_HEADS_HINTS
-from autograder import grade, release
+from autograder.grading import grade
+from autograder.publishing import release
 from tests.conftest import ASSIGNMENTS, NOISE, REPO_ROOT
 from tests.lab_servers import POLL_MS, copy_course, running_lab, set_formgrader_score, wait_until
 

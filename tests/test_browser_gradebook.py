@@ -8,8 +8,9 @@ import re
 
 import pytest
 
-from autograder import grade, gradebook
-from autograder.settings import DB_URL_VARIABLE
+from autograder.grading import grade
+from autograder.store import gradebook
+from autograder.places import DB_URL_VARIABLE
 from tests.grading_helpers import TINY, tiny_course
 from tests.lab_servers import running_lab, set_formgrader_score
 from tests.postgres_server import postgres_server
@@ -25,7 +26,7 @@ def test_formgrader_shows_and_saves_grades_in_the_postgresql_gradebook(tmp_path,
         # Formgrader reads autograder/nbgrader_config.py (the gradebook from $ATTENTION_LAB_DB_URL),
         # then this root's own config naming the root.
         (root / "nbgrader_config.py").write_text(f"c = get_config()\nc.CourseDirectory.root = {str(root)!r}\n")
-        outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), db_url=url, log=lambda *_: None)
+        outcomes = grade.grade(root, jobs=1, limits=grade.Limits(timeout=30), db_url=url, log=lambda *_: None)
         assert [o.status for o in outcomes] == ["graded", "graded"]
         with running_lab("formgrader", root, tmp_path, extra_env={DB_URL_VARIABLE: url}) as server:
             page = browser.new_page()

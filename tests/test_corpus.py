@@ -24,8 +24,8 @@ import jupytext
 import nbformat
 import pytest
 
-from autograder import release
-from autograder.execute import execute_notebook
+from autograder.publishing import release
+from autograder.grading.execute import execute_notebook
 from tests.conftest import ASSIGNMENTS
 
 CORPUS_DIR = Path(__file__).parent / "corpus"

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from autograder import grade, gradebook, roster
-from autograder.course_settings import CourseSettings
-from autograder.release import REPO_ROOT
-from autograder.settings import COURSE_ROOT_VARIABLE
+from autograder.grading import grade
+from autograder.store import gradebook
+from autograder.term import roster
+from autograder.term.course_settings import CourseSettings
+from autograder.places import REPO_ROOT
+from autograder.places import COURSE_ROOT_VARIABLE
 from tests.grading_helpers import TINY, tiny_course
 from tests.readme_commands import run_readme_command
 

@@ -26,8 +26,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import grade, gradebook
-from autograder.settings import REPO_ROOT
+from autograder.grading import grade
+from autograder.store import gradebook
+from autograder.places import REPO_ROOT
 from tests.grading_helpers import TINY, tiny_course
 from tests.readme_commands import run_readme_command, start_readme_command, stop_process_group
 
@@ -126,12 +127,12 @@ def graded_state(root: Path) -> dict:
 
 
 def test_a_class_grades_on_the_cluster_as_on_the_default_engine(dask_cluster, tmp_path):
-    settings = grade.Settings(timeout=30, attempts=3)
+    limits = grade.Limits(timeout=30, attempts=3)
     local = tiny_course(tmp_path / "local", ANSWERS, written=WRITTEN)
     remote = tiny_course(tmp_path / "remote", ANSWERS, written=WRITTEN)
-    by_default = grade.grade(local, jobs=2, settings=settings, log=lambda *_: None)
+    by_default = grade.grade(local, jobs=2, limits=limits, log=lambda *_: None)
     log: list[str] = []
-    on_cluster = grade.grade(remote, settings=settings, scheduler=dask_cluster["address"], log=log.append)
+    on_cluster = grade.grade(remote, limits=limits, scheduler=dask_cluster["address"], log=log.append)
     assert [(o.student, o.status, o.score, o.pending) for o in on_cluster] == \
            [(o.student, o.status, o.score, o.pending) for o in by_default], "\n".join(log)
     assert {o.student: o.score for o in on_cluster} == {"ann": 1.0, "bob": 0.0, "cy": 1.0, "dee": 0.0,
@@ -147,7 +148,7 @@ def test_a_class_grades_on_the_cluster_as_on_the_default_engine(dask_cluster, tm
 
 def test_the_command_line_grades_one_submission_on_the_cluster(dask_cluster, tmp_path):
     root = tiny_course(tmp_path / "course", {"ann": "value = 42", "bob": "value = 41"})
-    command = [sys.executable, "-m", "autograder.grade", "--root", str(root), "--timeout", "30",
+    command = [sys.executable, "-m", "autograder.grading.grade", "--root", str(root), "--timeout", "30",
                "--scheduler", dask_cluster["address"]]
     first = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     assert first.returncode == 0 and "graded 2, unchanged 0, failed 0" in first.stdout, first.stdout + first.stderr
@@ -184,7 +185,7 @@ def test_a_worker_killed_mid_grading_costs_nothing(dask_cluster, tmp_path):
     killer = threading.Thread(target=kill_when_busy)
     killer.start()
     log: list[str] = []
-    outcomes = grade.grade(root, settings=grade.Settings(timeout=60), scheduler=dask_cluster["address"],
+    outcomes = grade.grade(root, limits=grade.Limits(timeout=60), scheduler=dask_cluster["address"],
                            log=log.append)
     killer.join()
     assert victim.poll() is not None and killed, "the worker was not killed while grading"
@@ -272,7 +273,7 @@ def test_the_readmes_cluster_commands_grade_a_class_and_a_scheduler_without_the_
     port = free_port_pair()
     plain = f"{REPO_ROOT}/.venv/bin/dask scheduler --port {port} --dashboard-address :{port + 1}"
     with started(plain, tmp_path / "plain-scheduler.log", environment):
-        refused = subprocess.run([sys.executable, "-m", "autograder.grade", "--root", str(root), "--force",
+        refused = subprocess.run([sys.executable, "-m", "autograder.grading.grade", "--root", str(root), "--force",
                                   "--scheduler", f"tcp://127.0.0.1:{port}"], cwd=REPO_ROOT, env=environment,
                                  capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0, refused.stdout

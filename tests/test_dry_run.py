@@ -1,6 +1,6 @@
-"""The README's dry run, command by command as written, on a scratch course root: the example
+"""The dry run (docs/instructors/2-dry-run.md), command by command as written, on a scratch course root: the example
 class goes through roster, deadlines, settings, intake, grading, feedback and export, and is
-erased (issue #35, item 17); on the way, the README's one-submission regrade keeps the late
+erased (issue #35, item 17); on the way, the grading page's one-submission regrade keeps the late
 penalty and `make report` writes the class report."""
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ import shutil
 
 import pytest
 
-from autograder import gradebook
-from autograder.release import REPO_ROOT, assignment_names
-from autograder.settings import COURSE_ROOT_VARIABLE
+from autograder.store import gradebook
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import assignment_names
+from autograder.places import COURSE_ROOT_VARIABLE
 from tests.readme_commands import run_readme_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("example_class")]
 
 
 def readme_dry_run() -> list[str]:
-    text = (REPO_ROOT / "README.md").read_text()
-    block = text.split("**A dry run.**", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    text = (REPO_ROOT / "docs" / "instructors" / "2-dry-run.md").read_text()
+    block = text.split("\n## A dry run\n", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return [line.strip() for line in block.splitlines() if line.strip()]
 
 
@@ -34,7 +35,7 @@ def test_the_readmes_dry_run_grades_the_example_class(tmp_path):
     try:
         for command in readme_dry_run():
             target = command.split()[1]
-            if target == "export":   # the README's regrade of one submission (step 3), then the grades
+            if target == "export":   # the grading page's regrade of one submission, then the grades
                 regraded = run_readme_command("make grade STUDENT=nunez ASSIGNMENT=01_mha_shapes", env=environment)
                 assert regraded.returncode == 0, regraded.stdout + regraded.stderr
                 assert "graded 1, unchanged 0, failed 0" in regraded.stdout, regraded.stdout
@@ -62,3 +63,4 @@ def test_the_readmes_dry_run_grades_the_example_class(tmp_path):
     assert assigned == assignment_names(), assigned
     assert class_report["students"] == 4, class_report
     assert not root.exists(), "make erase-course-root (erase typed) left the course root"
+    assert "sandbox" in outputs, "the dry run starts with the sandbox"

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from autograder import export, gradebook, roster
+from autograder.reports import export
+from autograder.store import gradebook
+from autograder.term import roster
 
 ASSIGNMENT = "a1"
 HOSTILE = ["=2+5", "@SUM(1+1)", "+1-1", "-2+3", "\tTAB", "\rCR", "Doe, Jane", 'Quote "Q" Man', "plain"]

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 
 from attention_lab.checking import CheckFailure, call_student
-from autograder.execute import notebook_client
+from autograder.grading.execute import notebook_client
 
 SETUP = "import torch\nfrom attention_lab.checks.mha_shapes import check_split_heads"
 RAISES = ("def split_heads(x, num_heads):\n"
@@ -114,9 +114,9 @@ def test_in_a_notebook_the_traceback_is_the_message_and_the_students_frames(tmp_
 def test_the_graders_feedback_still_tells_a_visible_failure_from_a_hidden_one(tmp_path):
     """The rendered failure keeps what feedback reads: a visible check's message, and the
     HiddenTestFailure the grader's source raises when only the hidden block fails."""
-    from autograder import results
-    from autograder.feedback import explain
-    from autograder.release import mark_hidden_tests
+    from autograder.store import results
+    from autograder.reports.feedback import explain
+    from autograder.publishing.release import mark_hidden_tests
 
     def run(test_source: str) -> results.GradedCell:
         notebook = _notebook(SETUP, WRONG_NUMBERS, mark_hidden_tests(test_source))
@@ -168,8 +168,8 @@ WARNS_THEN_WRONG = ("def split_heads(x, num_heads):\n"
 def test_what_the_code_printed_or_warned_never_hides_the_checks_message(tmp_path):
     """A student's code warns and prints before its check fails: the feedback page explains the
     failure by the check's message, and the lab's Validate shows that message first."""
-    from autograder import results
-    from autograder.feedback import explain
+    from autograder.store import results
+    from autograder.reports.feedback import explain
     from autograder.lab.validate import failure_text
 
     notebook = _notebook(SETUP, WARNS_THEN_WRONG, CHECK)

@@ -14,9 +14,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import export, feedback, gradebook
-from autograder.nbgrader_cli import run_nbgrader
-from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
+from autograder.reports import export, feedback
+from autograder.store import gradebook
+from autograder.store.nbgrader_cli import run_nbgrader
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import build_source, course_repository, write_notebook
 
 ASSIGNMENT = "01_mha_shapes"
 COMMENT = "Say why .view fails after a transpose: the memory is no longer contiguous."

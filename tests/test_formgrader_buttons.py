@@ -2,7 +2,7 @@
 
 * Generate Feedback writes the pipeline's feedback page (the real state of each question, the
   grade and comment a TA typed in Formgrader), never the autograded notebook with its hidden tests;
-* Autograde grades through `python -m autograder.grade` (sandbox, one writer of the gradebook),
+* Autograde grades through `python -m autograder.grading.grade` (sandbox, one writer of the gradebook),
   keeping the other students' hand grades;
 * Generate, Release, Collect and Release Feedback are refused with what to run instead;
 * the roster's names reach Formgrader's student list;
@@ -21,10 +21,12 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import gradebook, release, roster
-from autograder.course_settings import CourseSettings
+from autograder.publishing import release
+from autograder.store import gradebook
+from autograder.term import roster
+from autograder.term.course_settings import CourseSettings
 from autograder.lab.instructor.pipeline_buttons import REFUSALS
-from autograder.release import mark_hidden_tests
+from autograder.publishing.release import mark_hidden_tests
 from tests.lab_servers import running_lab
 from tests.test_browser import TINY, pipeline, tiny_source, tiny_submission
 
@@ -145,7 +147,7 @@ def test_autograde_goes_through_the_pipeline_and_keeps_other_hand_grades(formgra
 
     reply = call(formgrader, "POST", f"formgrader/api/submission/{TINY}/ada/autograde")
     assert reply["success"] is True, reply
-    assert "python -m autograder.grade" in reply["log"] and "graded 1" in reply["log"], reply["log"]
+    assert "python -m autograder.grading.grade" in reply["log"] and "graded 1" in reply["log"], reply["log"]
     assert record.stat().st_mtime_ns != before  # written by the pipeline's merge, the gradebook's one writer
     report = json.loads((graded / "reports" / "grading_report.json").read_text())
     assert [(s["student"], s["status"]) for s in report["submissions"]] == [("ada", "graded")]
@@ -189,7 +191,7 @@ def test_formgraders_buttons_in_the_browser(formgrader, graded, browser, screens
     assert response.value.json()["success"] is True
     dialog = page.locator("#success-modal")
     dialog.get_by_text("Successfully generated feedback").wait_for()
-    assert "python -m autograder.feedback" in dialog.inner_text()
+    assert "python -m autograder.reports.feedback" in dialog.inner_text()
     screenshots.take(page, "generate-feedback-through-the-pipeline")
     assert (graded / "feedback" / "bob" / TINY / f"{TINY}.html").stat().st_mtime_ns != before
     page.close()

@@ -23,9 +23,10 @@ from nbconvert.exporters import HTMLExporter
 from nbgrader.server_extensions.formgrader import handlers as formgrader_handlers
 from traitlets.config import Config
 
-from autograder import grade, gradebook
+from autograder.grading import grade
+from autograder.store import gradebook
 from autograder.lab.instructor.inert_submissions import (InertHTMLExporter, content_security_policy, inert_html,
-                                                        page_scripts)
+                                                         page_scripts)
 from tests.grading_helpers import TINY, tiny_course
 from tests.lab_servers import TOKEN, free_port, running_lab, set_formgrader_score, wait_until
 
@@ -70,7 +71,7 @@ def hostile(tmp_path_factory):
     scratch = tmp_path_factory.mktemp("formgrader-inert")
     root = tiny_course(scratch / "course_root", {"mallory": CODE}, written={"mallory": WRITTEN})
     (root / "nbgrader_config.py").write_text(f"c = get_config()\nc.CourseDirectory.root = {str(root)!r}\n")
-    outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=60), log=lambda *_: None)
+    outcomes = grade.grade(root, jobs=1, limits=grade.Limits(timeout=60), log=lambda *_: None)
     assert [o.status for o in outcomes] == ["graded"]
     autograded = (root / "autograded" / "mallory" / TINY / f"{TINY}.ipynb").read_text()
     assert "html_output" in autograded and "application/javascript" in autograded  # the outputs are there

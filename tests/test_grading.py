@@ -14,13 +14,17 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import feedback, grade, gradebook, results, sandbox
-from autograder.course_settings import CourseSettings
-from autograder.export import export
-from autograder.nbgrader_cli import run_nbgrader
-from autograder.release import (REPO_ROOT, build_source, course_repository, generate_assignments, mark_hidden_tests,
-                                write_notebook)
-from autograder.settings import COURSE_ROOT_VARIABLE
+from autograder.grading import grade
+from autograder.isolation import sandbox
+from autograder.reports import feedback
+from autograder.store import gradebook, results
+from autograder.term.course_settings import CourseSettings
+from autograder.reports.export import export
+from autograder.store.nbgrader_cli import run_nbgrader
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import (build_source, course_repository, generate_assignments, mark_hidden_tests,
+                                           write_notebook)
+from autograder.places import COURSE_ROOT_VARIABLE
 from tests.grading_helpers import (TINY, cell_limit, loaded_machine, setup_cell_seconds, slow_kernel_start, tiny_course,
                                    tiny_notebook)
 from tests.readme_commands import run_readme_command
@@ -101,20 +105,20 @@ def test_discovery_skips_unknown_assignments_and_empty_folders(course_root):
     assert any("99_unknown" in p for p in problems) and any("bob/01_mha_shapes" in p for p in problems)
 
 
-def test_fingerprint_changes_with_submission_source_and_settings(course_root):
+def test_fingerprint_changes_with_submission_source_and_limits(course_root):
     folder = course_root / "submitted" / "ann" / ASSIGNMENT
     folder.mkdir(parents=True)
     (folder / f"{ASSIGNMENT}.ipynb").write_text("{}")
     submission = grade.Submission("ann", ASSIGNMENT, folder)
-    settings = grade.Settings()
-    first = grade.fingerprint(submission, course_root, settings)
-    assert grade.fingerprint(submission, course_root, settings) == first
+    limits = grade.Limits()
+    first = grade.fingerprint(submission, course_root, limits)
+    assert grade.fingerprint(submission, course_root, limits) == first
     (folder / ".ipynb_checkpoints").mkdir()
     (folder / ".ipynb_checkpoints" / "x.ipynb").write_text("noise")
-    assert grade.fingerprint(submission, course_root, settings) == first
-    assert grade.fingerprint(submission, course_root, grade.Settings(timeout=5)) != first
+    assert grade.fingerprint(submission, course_root, limits) == first
+    assert grade.fingerprint(submission, course_root, grade.Limits(timeout=5)) != first
     (folder / f"{ASSIGNMENT}.ipynb").write_text('{"changed": 1}')
-    assert grade.fingerprint(submission, course_root, settings) != first
+    assert grade.fingerprint(submission, course_root, limits) != first
 
 
 # --------------------------------------------------------------------------------------
@@ -302,7 +306,7 @@ def tiny_graded(tmp_path_factory):
     root = tiny_course(tmp_path_factory.mktemp("tiny-graded") / "autograder",
                        {"ann": "value = 42", "bob": "value = 41", "cy": "value = 42", "dee": "value = 42"},
                        written={"ann": "Because.", "bob": "Why not."})
-    outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=lambda *_: None)
+    outcomes = grade.grade(root, jobs=1, limits=grade.Limits(timeout=30), log=lambda *_: None)
     return root, outcomes
 
 
@@ -323,8 +327,8 @@ def test_nbgrader_process_past_the_notebook_timeout_is_replaced_and_the_class_go
     # long enough to start an nbgrader process and a kernel on this machine now, far shorter than the sleep
     notebook_timeout = int(max(15, 4 * setup_cell_seconds()))
     root = tiny_class({"ann": "import time\ntime.sleep(600)\nvalue = 42", "bob": "value = 42"})
-    settings = grade.Settings(timeout=300, notebook_timeout=notebook_timeout, attempts=2)
-    outcomes = {o.student: o for o in grade.grade(root, jobs=1, settings=settings, log=lambda *_: None)}
+    limits = grade.Limits(timeout=300, notebook_timeout=notebook_timeout, attempts=2)
+    outcomes = {o.student: o for o in grade.grade(root, jobs=1, limits=limits, log=lambda *_: None)}
     assert outcomes["ann"].status == "graded" and outcomes["ann"].score == 0.0, outcomes["ann"].error
     assert [i["kind"] for i in outcomes["ann"].incidents] == ["notebook_timeout"]
     assert outcomes["bob"].score == 1.0
@@ -345,7 +349,7 @@ def test_processes_a_student_detaches_do_not_outlive_their_grading(tiny_class, i
     root = tiny_class({"ann": f"import subprocess\nsubprocess.Popen(['sleep', '{seconds}'], start_new_session=True)\n"
                               "value = 42"})
     if isolation == "on":
-        outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=lambda *_: None)
+        outcomes = grade.grade(root, jobs=1, limits=grade.Limits(timeout=30), log=lambda *_: None)
         assert [o.score for o in outcomes] == [1.0]
     else:
         CourseSettings(timeout=30).save(root)   # make settings TIMEOUT=30
@@ -387,7 +391,7 @@ def test_nothing_a_student_leaves_in_the_sandbox_reaches_the_next_student(tiny_c
     b defines no value, so b earns nothing unless a's start-up file reached b's kernel."""
     root = tiny_class({"a": ATTACK, "b": "import os\n" + LOOK + "pass", "c": "import os\n" + LOOK + "value = 42"})
     log: list[str] = []
-    outcomes = {o.student: o for o in grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=log.append)}
+    outcomes = {o.student: o for o in grade.grade(root, jobs=1, limits=grade.Limits(timeout=30), log=log.append)}
     graded = [line.split()[1].split("/")[0] for line in log if line.strip().startswith("graded ")]
     assert graded == ["a", "b", "c"], f"graded in another order, so a could not reach b: {log}"
     assert {s: (o.status, o.score) for s, o in outcomes.items()} == {
@@ -419,11 +423,11 @@ def test_under_load_and_a_slow_kernel_start_honest_work_is_graded_and_loops_are_
     root = tiny_class({"ann": "value = 42",
                        "bob": f"import time\ntime.sleep({limit / 3:.1f})  # slow but working\nvalue = 42",
                        "cy": "while True:\n    pass\nvalue = 42"}, setup=True)
-    settings = grade.Settings(timeout=limit, unresponsive_grace=5, attempts=3)
+    limits = grade.Limits(timeout=limit, unresponsive_grace=5, attempts=3)
     log: list[str] = []
     with loaded_machine(tmp_path / "load"):
         # the kernel start is slowed in this process: the workers are threads of it
-        outcomes = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append,
+        outcomes = {o.student: o for o in grade.grade(root, jobs=2, limits=limits, log=log.append,
                                                       processes=False)}
     report = "\n".join(log) + f"\n(cell limit {limit} s, setup cell {baseline:.1f} s unloaded)"
     assert {s: (o.status, o.score) for s, o in outcomes.items()} == {
@@ -460,7 +464,7 @@ def test_a_symlinked_virtual_environment_grades_in_the_sandbox(tiny_class, tmp_p
     link = tmp_path / "linked-venv"
     link.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
     root = tiny_class({"ann": "value = 42", "bob": "value = 41"})
-    result = subprocess.run([str(link / "bin" / "python"), "-m", "autograder.grade", "--root", str(root),
+    result = subprocess.run([str(link / "bin" / "python"), "-m", "autograder.grading.grade", "--root", str(root),
                              "--sandbox", "on", "--jobs", "1", "--timeout", "60"],
                             cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -483,7 +487,7 @@ def test_a_kernel_that_cannot_start_is_reported_with_its_cause(tiny_class, monke
     monkeypatch.setattr(sandbox, "kernel_server_argv",
                         missing_interpreter(sandbox.kernel_server_argv, str(sandbox.KERNEL_SERVER)))
     root = tiny_class({"ann": "value = 42"})
-    (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=30, sandbox=isolation), log=lambda *_: None,
+    (outcome,) = grade.grade(root, jobs=1, limits=grade.Limits(timeout=30, sandbox=isolation), log=lambda *_: None,
                              processes=False)  # the Dask worker is a thread of this (monkeypatched) process
     assert outcome.status == "failed"
     first_line = outcome.error.splitlines()[0]
@@ -559,10 +563,10 @@ def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_
 
     root = tiny_class({"ann": "value = 42", "bob": "value = 41", "cy": "value = 42"},
                       written={"ann": "Because.", "bob": "Why not.", "cy": "It is."})
-    settings = grade.Settings(timeout=30)
+    limits = grade.Limits(timeout=30)
     CourseSettings(late_penalty="zero").save(root)    # make settings LATE_PENALTY=zero
     log: list[str] = []
-    first = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    first = {o.student: o for o in grade.grade(root, jobs=2, limits=limits, log=log.append)}
     # every total still waits for the written answer: the console says so
     assert all(o.pending == 2.0 for o in first.values())
     assert any("ann/00_tiny: 1 / 3 (incomplete: 2 points awaiting hand grading)" in line for line in log), log
@@ -575,7 +579,7 @@ def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_
         gb.db.commit()
     # unchanged rows show the gradebook's score, hand grades included
     log.clear()
-    second = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    second = {o.student: o for o in grade.grade(root, jobs=2, limits=limits, log=log.append)}
     assert {s: (o.status, o.score, o.pending) for s, o in second.items()} == {
         "ann": ("unchanged", 2.5, 0.0), "bob": ("unchanged", 1.5, 0.0), "cy": ("unchanged", 3.0, 0.0)}, log
     assert any(line.strip() == "unchanged ann/00_tiny: 2.5 / 3" for line in log), log
@@ -587,7 +591,7 @@ def test_a_resubmission_keeps_hand_grades_of_unchanged_answers_and_is_penalised_
     resubmit(root, "bob", "value = 41", "Now I know why.", "2026-01-09 12:00:00.000000 UTC")
     resubmit(root, "cy", "value = 42", "It is.", "2026-01-10 11:59:00.000000 UTC")
     log.clear()
-    third = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    third = {o.student: o for o in grade.grade(root, jobs=2, limits=limits, log=log.append)}
     assert {s: o.status for s, o in third.items()} == {"ann": "graded", "bob": "graded", "cy": "graded"}, log
     with gradebook.open_gradebook(root) as gb:
         ann = gb.find_grade("why_value", TINY, TINY, "ann")
@@ -632,7 +636,7 @@ def test_a_merge_that_fails_leaves_nothing_half_written_and_the_class_goes_on(ti
     monkeypatch.setattr(merging, "late_penalty", failing_for_ann)
     log: list[str] = []
     # the merges run in this process either way: the Dask worker may be a thread of it
-    outcomes = {o.student: o for o in grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=log.append,
+    outcomes = {o.student: o for o in grade.grade(root, jobs=1, limits=grade.Limits(timeout=30), log=log.append,
                                                   processes=False)}
     assert outcomes["ann"].status == "failed", outcomes["ann"]
     assert "merge failed: RuntimeError: the gradebook went away" in outcomes["ann"].error
@@ -645,14 +649,14 @@ def test_a_merge_that_fails_leaves_nothing_half_written_and_the_class_goes_on(ti
     assert not (root / "autograded" / "ann").exists()
     # the next run grades ann again (her failed merge left no fingerprint), and only her
     monkeypatch.setattr(merging, "late_penalty", late_penalty)
-    again = {o.student: o for o in grade.grade(root, jobs=1, settings=grade.Settings(timeout=30), log=lambda *_: None,
+    again = {o.student: o for o in grade.grade(root, jobs=1, limits=grade.Limits(timeout=30), log=lambda *_: None,
                                                processes=False)}
     assert {s: o.status for s, o in again.items()} == {"ann": "graded", "bob": "unchanged", "cy": "unchanged"}
     assert again["ann"].score == 1.0
 
 
 def test_grading_before_any_intake_says_what_to_do_first(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "autograder.grade", "--root", str(tmp_path / "course")],
+    result = subprocess.run([sys.executable, "-m", "autograder.grading.grade", "--root", str(tmp_path / "course")],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "make intake SUBMISSIONS=" in result.stderr, result.stderr
     assert "graded" not in result.stdout
@@ -703,7 +707,7 @@ def test_a_function_that_ran_past_the_time_limit_is_not_waited_on_again(tiny_cla
     # under-load test's loop spins)
     nbformat.write(notebook("def forty_two():\n    import time\n    while True:\n        time.sleep(0.05)"),
                    str(folder / f"{TINY}.ipynb"))
-    (outcome,) = grade.grade(root, jobs=1, settings=grade.Settings(timeout=cell_limit()), log=lambda *_: None)
+    (outcome,) = grade.grade(root, jobs=1, limits=grade.Limits(timeout=cell_limit()), log=lambda *_: None)
     assert [(i["kind"], i.get("grade_id")) for i in outcome.incidents] == [
         ("timeout", "test_one"), ("hung_function", "test_two")], outcome.incidents
     assert outcome.score == 1.0   # test_three, which defines its own forty_two, ran

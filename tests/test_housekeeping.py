@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from autograder.settings import COURSE_ROOT_VARIABLE
+from autograder.places import COURSE_ROOT_VARIABLE
 from tests.readme_commands import run_readme_command
 
 KEPT = ["gradebook.db", "roster.csv", "course_settings.json", "submitted/ann/01_mha_shapes/01_mha_shapes.ipynb",

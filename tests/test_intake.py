@@ -10,8 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import intake
-from autograder.release import REPO_ROOT
+from autograder.term import intake
+from autograder.places import REPO_ROOT
 
 ASSIGNMENT = "01_mha_shapes"
 ASSIGNMENTS = ["01_mha_shapes", "02_numpy_walkthrough", "03_masks_and_causality"]

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import nbformat
 
-from autograder import intake, roster
-from autograder.course_settings import CourseSettings
-from autograder.release import REPO_ROOT
-from autograder.settings import COURSE_ROOT_VARIABLE
+from autograder.term import intake, roster
+from autograder.term.course_settings import CourseSettings
+from autograder.places import REPO_ROOT
+from autograder.places import COURSE_ROOT_VARIABLE
 from tests.readme_commands import run_readme_command
 
 ASSIGNMENT = "01_mha_shapes"
@@ -48,7 +48,7 @@ def course(tmp_path: Path) -> Path:
 
 
 def intake_command(folder: Path, root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autograder.intake", str(folder), "--root", str(root)],
+    return subprocess.run([sys.executable, "-m", "autograder.term.intake", str(folder), "--root", str(root)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -114,7 +114,7 @@ def test_the_newest_submission_wins_and_a_withdrawn_one_stays_withdrawn(tmp_path
 
 
 def test_a_resubmission_replacing_a_hand_graded_one_says_so(tmp_path):
-    from autograder import gradebook
+    from autograder.store import gradebook
 
     root = course(tmp_path)
     first = export(tmp_path / "first", {"ann/01_mha_shapes.ipynb": (notebook("\n# one"), at(-5))})

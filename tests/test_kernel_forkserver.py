@@ -1,4 +1,4 @@
-"""Grading kernels forked from the nbgrader process's sandboxed kernel server (autograder.kernel_forkserver).
+"""Grading kernels forked from the nbgrader process's sandboxed kernel server (autograder.isolation.kernel_forkserver).
 
 * a forked kernel is set up as a kernel started afresh in the same sandbox: same ``sys.path``,
   ``sys.argv`` shape, working folder, environment and resource limits; each draws its own
@@ -24,9 +24,9 @@ import pytest
 
 import nbformat
 
-from autograder import kernel_forkserver, sandbox
+from autograder.isolation import kernel_forkserver, sandbox
 from autograder.grading.task import starts_with_the_setup_cell
-from autograder.release import build_source, course_repository
+from autograder.publishing.release import build_source, course_repository
 from tests.grading_helpers import tiny_notebook
 
 pytestmark = pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the kernel server runs only under bubblewrap")
@@ -156,7 +156,7 @@ def test_a_forked_kernel_draws_with_the_servers_font_list(forked_kernels, tmp_pa
     the sandbox's /tmp, emptied after every student, where each kernel rebuilt the list."""
     if forked_kernels is None:
         pytest.skip("bubblewrap unavailable: notebooks run in fresh kernels")
-    from autograder.execute import execute_notebook
+    from autograder.grading.execute import execute_notebook
 
     for name in ("first", "second"):  # the second after the server emptied /tmp
         path = tmp_path / f"{name}.ipynb"
@@ -166,11 +166,11 @@ def test_a_forked_kernel_draws_with_the_servers_font_list(forked_kernels, tmp_pa
 
 
 def test_forked_kernels_run_each_notebook_in_a_kernel_of_its_own(forked_kernels, tmp_path):
-    """autograder.execute.ForkedKernels (the corpus runs on it): torch already imported, and
+    """autograder.grading.execute.ForkedKernels (the corpus runs on it): torch already imported, and
     nothing the first notebook leaves -- a variable, a file in /tmp -- reaches the second."""
     if forked_kernels is None:
         pytest.skip("bubblewrap unavailable: notebooks run in fresh kernels")
-    from autograder.execute import execute_notebook
+    from autograder.grading.execute import execute_notebook
 
     first, second = tmp_path / "first.ipynb", tmp_path / "second.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(

@@ -9,9 +9,9 @@ import os
 import zipfile
 from pathlib import Path
 
-from autograder import gradebook
-from autograder.roster import ROSTER_FILE
-from autograder.settings import COURSE_ROOT_VARIABLE
+from autograder.store import gradebook
+from autograder.term.roster import ROSTER_FILE
+from autograder.places import COURSE_ROOT_VARIABLE
 from tests.readme_commands import run_readme_command
 
 ROSTER = ("id,first_name,last_name,email,lms_user_id\nzed,Zed,Adams,zed@u.example,3\nann,Ann,Lee,ann@u.example,1\n"

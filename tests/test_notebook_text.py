@@ -9,7 +9,7 @@ import re
 import nbformat
 import pytest
 
-from autograder import release
+from autograder.publishing import release
 from tests.conftest import ASSIGNMENTS
 
 TITLE_TOTALS = re.compile(r"\*\*(?P<points>\d+) points, about (?P<minutes>\d+) minutes\.\*\*")

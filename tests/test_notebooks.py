@@ -11,8 +11,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import release
-from autograder.execute import execute_notebook
+from autograder.publishing import release
+from autograder.grading.execute import execute_notebook
 from tests.conftest import ASSIGNMENTS, NOISE, REPO_ROOT
 from tests.curriculum import CONTRACTS
 
@@ -173,7 +173,7 @@ def test_stale_progress_detector_sees_a_bar_short_of_its_end():
 
 def test_a_finished_run_kills_its_kernel_instead_of_waiting_for_its_shutdown(tmp_path):
     """Once every cell has run, the kernel is killed (a graceful shutdown can hang 2.5 s, see
-    autograder.execute.notebook_client): the exit hooks a cell registered never run."""
+    autograder.grading.execute.notebook_client): the exit hooks a cell registered never run."""
     ran_at_exit = tmp_path / "exit-hook-ran"
     path = tmp_path / "exit_hook.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(

@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from autograder import class_report, export, feedback, grade, gradebook, lms_export, roster
+from autograder.grading import grade
 from autograder.grading import merge
-from autograder.settings import DB_URL_VARIABLE, REPO_ROOT
+from autograder.reports import class_report, export, feedback, lms_export
+from autograder.store import gradebook
+from autograder.term import roster
+from autograder.places import DB_URL_VARIABLE, REPO_ROOT
 from tests.grading_helpers import TINY, tiny_course
 from tests.lab_servers import http_get, running_lab
 from tests.postgres_server import postgres_server
@@ -54,7 +57,7 @@ def rows(url: str) -> dict[str, int]:
 def test_a_class_grades_into_postgresql(database, tmp_path, monkeypatch):
     url = database("one_class")
     root = tiny_course(tmp_path / "course", ANSWERS, written=WRITTEN)
-    outcomes = grade.grade(root, jobs=2, settings=grade.Settings(timeout=30), db_url=url, log=lambda *_: None)
+    outcomes = grade.grade(root, jobs=2, limits=grade.Limits(timeout=30), db_url=url, log=lambda *_: None)
     assert {o.student: (o.status, o.score, o.pending) for o in outcomes} == {
         s: ("graded", SCORES[s], PENDING[s]) for s in ANSWERS}
     assert not (root / "gradebook.db").exists(), "the SQLite gradebook was written instead"
@@ -67,7 +70,7 @@ def test_a_class_grades_into_postgresql(database, tmp_path, monkeypatch):
     # The variable `make grade DB_URL=...` sets reaches every reader of the gradebook.
     monkeypatch.setenv(DB_URL_VARIABLE, url)
     assert gradebook.db_url(root) == url and gradebook.exists(root)
-    again = grade.grade(root, jobs=2, settings=grade.Settings(timeout=30), log=lambda *_: None)
+    again = grade.grade(root, jobs=2, limits=grade.Limits(timeout=30), log=lambda *_: None)
     assert {o.student: (o.status, o.score, o.pending) for o in again} == {
         **{s: ("unchanged", SCORES[s], PENDING[s]) for s in ANSWERS}, "ann": ("unchanged", 3.0, 0.0)}
     assert rows(url) == {"student": 4, "assignment": 1, "submitted_assignment": 4, "submitted_notebook": 4,
@@ -77,7 +80,7 @@ def test_a_class_grades_into_postgresql(database, tmp_path, monkeypatch):
 def test_two_grading_runs_at_once_neither_corrupt_nor_duplicate(database, tmp_path):
     url = database("two_runs")
     roots = [tiny_course(tmp_path / f"ta{n}", ANSWERS, written=WRITTEN) for n in (1, 2)]
-    command = [sys.executable, "-m", "autograder.grade", "--jobs", "1", "--timeout", "30", "--db-url", url]
+    command = [sys.executable, "-m", "autograder.grading.grade", "--jobs", "1", "--timeout", "30", "--db-url", url]
     runs = [subprocess.Popen(command + ["--root", str(root)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True) for root in roots]
     results = [(run.wait(), run.stdout.read()) for run in runs]
@@ -164,7 +167,7 @@ def test_the_variable_make_grade_sets_grades_new_submissions_into_postgresql(dat
     url = database("from_the_variable")
     monkeypatch.setenv(DB_URL_VARIABLE, url)
     root = tiny_course(tmp_path / "course", ANSWERS, written=WRITTEN)
-    outcomes = grade.grade(root, jobs=2, settings=grade.Settings(timeout=30), log=lambda *_: None)
+    outcomes = grade.grade(root, jobs=2, limits=grade.Limits(timeout=30), log=lambda *_: None)
     assert {o.student: (o.status, o.score, o.error[-300:]) for o in outcomes} == {
         s: ("graded", SCORES[s], "") for s in ANSWERS}
     assert not (root / "gradebook.db").exists(), "the SQLite gradebook was written instead"
@@ -197,9 +200,9 @@ def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_pa
     import shutil
     import tempfile
 
-    from autograder import roster
-    from autograder.course_settings import CourseSettings
-    from autograder.settings import COURSE_ROOT_VARIABLE
+    from autograder.term import roster
+    from autograder.places import COURSE_ROOT_VARIABLE
+    from autograder.term.course_settings import CourseSettings
     from tests.postgres_server import binaries, free_port
 
     installed = run_readme_command("make postgres")   # installs Debian's server where it is missing

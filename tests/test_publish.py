@@ -26,8 +26,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import publish
-from autograder.release import REPO_ROOT, assignment_names, colab_url, course_repository, helpers_version
+from autograder.places import REPO_ROOT
+from autograder.publishing import publish
+from autograder.publishing.release import assignment_names, colab_url, course_repository, helpers_version
 from tests.lab_servers import http_get, running_lab
 from tests.readme_commands import run_readme_command
 

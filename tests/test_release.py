@@ -10,7 +10,7 @@ import tomllib
 import nbformat
 import pytest
 
-from autograder import release
+from autograder.publishing import release
 from tests.readme_commands import run_readme_command
 
 

@@ -13,9 +13,11 @@ import nbformat
 import pytest
 
 from attention_lab.checks.mha_shapes import check_merge_heads, check_split_heads
-from autograder import class_report as report, gradebook
-from autograder.nbgrader_cli import run_nbgrader
-from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
+from autograder.reports import class_report as report
+from autograder.store import gradebook
+from autograder.store.nbgrader_cli import run_nbgrader
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import build_source, course_repository, write_notebook
 
 ASSIGNMENT = "01_mha_shapes"
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import gradebook, intake, roster
-from autograder.release import REPO_ROOT
-from autograder.settings import COURSE_ROOT_VARIABLE
+from autograder.store import gradebook
+from autograder.term import intake, roster
+from autograder.places import REPO_ROOT
+from autograder.places import COURSE_ROOT_VARIABLE
 from tests.readme_commands import run_readme_command
 
 ASSIGNMENT = "01_mha_shapes"

@@ -27,10 +27,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import cgroups, grade, sandbox
+from autograder.grading import grade
+from autograder.isolation import cgroups, sandbox
 from tests.readme_commands import run_readme_command
-from autograder.release import REPO_ROOT
-from autograder.settings import COURSE_ROOT_VARIABLE, DB_URL_VARIABLE
+from autograder.places import REPO_ROOT
+from autograder.places import COURSE_ROOT_VARIABLE, DB_URL_VARIABLE
 from tests.grading_helpers import TINY, cell_limit, tiny_course
 
 needs_bwrap = pytest.mark.skipif(sandbox.bwrap_path() is None, reason="bubblewrap unavailable: no sandbox to test")
@@ -70,7 +71,7 @@ def test_make_grade_refuses_without_a_working_sandbox_unless_the_instructor_turn
     assert not (root / "autograded").exists() and not (root / "gradebook.db").exists(), "it graded anyway"
     # the explicit opt-out grades (tests/test_grading.py grades with it) and says so
     said: list[str] = []
-    assert grade._isolation(grade.Settings(sandbox="off"), said.append).startswith("none")
+    assert grade._isolation(grade.Limits(sandbox="off"), said.append).startswith("none")
     assert "WITHOUT filesystem and network isolation" in said[0]
     # `make grade` says --sandbox on unless SANDBOX=off
     for variable, flag in (([], '--sandbox "on"'), (["SANDBOX=off"], '--sandbox "off"')):
@@ -188,7 +189,7 @@ def hostile_class(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(DB_URL_VARIABLE, f"postgresql://grader:{SECRET}@db.example.org/attention_lab")
         try:
-            outcomes = grade.grade(root, jobs=1, settings=grade.Settings(timeout=60), log=log.append,
+            outcomes = grade.grade(root, jobs=1, limits=grade.Limits(timeout=60), log=log.append,
                                    db_url=f"sqlite:///{root / 'gradebook.db'}")  # (the URL above leads nowhere)
         finally:
             shutil.rmtree(checkout)
@@ -292,10 +293,10 @@ def test_memory_processes_disk_and_time_are_limited_for_a_whole_submission(tmp_p
     if group:
         with_cells(root, "burner", [f"import time\nend = time.monotonic() + {0.8 * limit:.1f}\n"
                                     "while time.monotonic() < end:\n    pass"] * 6)
-    settings = grade.Settings(timeout=limit, notebook_timeout=2 * limit, submission_timeout=3 * limit, attempts=3,
+    limits = grade.Limits(timeout=limit, notebook_timeout=2 * limit, submission_timeout=3 * limit, attempts=3,
                               cpu_seconds=max(5, limit // 2), memory_mb=1024, file_mb=8, disk_mb=24, processes=64)
     log: list[str] = []
-    outcomes = {o.student: o for o in grade.grade(root, jobs=2, settings=settings, log=log.append)}
+    outcomes = {o.student: o for o in grade.grade(root, jobs=2, limits=limits, log=log.append)}
     report = "\n".join(log)
     assert (outcomes["honest"].status, outcomes["honest"].score, outcomes["honest"].incidents) == ("graded", 1.0, []), report
     # disk: the sandbox's /tmp and /dev/shm are full at the quota; the working folder is watched
@@ -323,10 +324,10 @@ def test_the_report_says_which_limits_do_not_hold_without_a_control_group(monkey
     from autograder.grading.run_report import limit_lines, limits_in_force
 
     monkeypatch.setattr(cgroups, "available", lambda: None)
-    limits = {item["limit"]: item for item in limits_in_force(grade.Settings())}
+    limits = {item["limit"]: item for item in limits_in_force(grade.Limits())}
     assert not limits["memory of the whole sandbox"]["holds"] and not limits["processes"]["holds"]
     assert not limits["CPU time"]["holds"] and limits["memory per process"]["holds"]
     lines = limit_lines(list(limits.values()))
     assert any(line.startswith("WARNING: limit that does NOT hold here: processes") for line in lines)
-    off = {item["limit"]: item["holds"] for item in limits_in_force(grade.Settings(sandbox="off"))}
+    off = {item["limit"]: item["holds"] for item in limits_in_force(grade.Limits(sandbox="off"))}
     assert not off["network"] and not off["disk"]

@@ -79,9 +79,9 @@ def test_a_child_of_a_process_already_counted_is_counted_after_its_line_to_the_c
 
 
 def test_kinds_are_told_apart_by_the_most_specific_marker():
-    assert suite_cpu.kind_of("python -m autograder.nbgrader_cli generate_assignment * --CourseDirectory.db_url="
+    assert suite_cpu.kind_of("python -m autograder.store.nbgrader_cli generate_assignment * --CourseDirectory.db_url="
                              "postgresql://grader@127.0.0.1:5432/x") == "nbgrader generate_assignment"
-    assert suite_cpu.kind_of("python -m autograder.grade --db-url postgresql://x") == "course commands (autograder.*)"
+    assert suite_cpu.kind_of("python -m autograder.grading.grade --db-url postgresql://x") == "course commands (autograder.*)"
     assert suite_cpu.kind_of("python -m ipykernel_launcher -f /root/.local/share/jupyter/runtime/k.json") \
         == "fresh kernels (lab, nbclient, no sandbox)"
     assert suite_cpu.kind_of("/usr/lib/postgresql/15/bin/postgres -D /tmp/x") == "PostgreSQL"

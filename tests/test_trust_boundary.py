@@ -16,10 +16,13 @@ import textwrap
 import nbformat
 import pytest
 
-from autograder import grade, intake, results
-from autograder.release import REPO_ROOT, build_source, course_repository, write_notebook
-from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL
-from tests.test_adversarial import ASSIGNMENT, FULL, cell, measured_settings, release_notebook, solved_notebook, write
+from autograder.grading import grade
+from autograder.store import results
+from autograder.term import intake
+from autograder.places import REPO_ROOT
+from autograder.publishing.release import build_source, course_repository, write_notebook
+from autograder.grading.trusted.checker_client import CHECKED_OUTSIDE_THE_KERNEL
+from tests.test_adversarial import ASSIGNMENT, FULL, cell, measured_limits, release_notebook, solved_notebook, write
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trust_boundary")]
 
@@ -76,7 +79,7 @@ ATTACKS = {
     """,
     # the kernel's end of the bridge rewritten to answer whatever the grader asks with "yes"
     "bridge agent rewritten": """
-        import attention_lab.bridge.agent as agent
+        import attention_lab.bridge.kernel_side as agent
         def answer(self, request, buffers):
             return {"value": True, "values": [{"value": True}] * len(request.get("names", [])),
                     "probes": [], "modules": []}, self.new_encoder()
@@ -84,7 +87,7 @@ ATTACKS = {
     """,
     # IPython's event hooks: errors of every later cell forgotten, the bridge's agent replaced
     "IPython event hooks": """
-        import attention_lab.bridge.agent as agent
+        import attention_lab.bridge.kernel_side as agent
         def forget_errors(result):
             result.error_in_exec = result.error_before_exec = None
         def take_the_agent(*args):
@@ -186,7 +189,7 @@ def graded(tmp_path_factory):
         write(downloads / name / f"{ASSIGNMENT}.ipynb", notebook)
     intake.intake(downloads, root, REPO_ROOT / "course", assignments=[ASSIGNMENT])
     # one worker: the honest submission and every attack go through the same grading processes
-    outcomes = grade.grade(root, jobs=1, settings=measured_settings(), log=lambda line: None)
+    outcomes = grade.grade(root, jobs=1, limits=measured_limits(), log=lambda line: None)
     return {"root": root, "outcomes": {o.student: o for o in outcomes}}
 
 
@@ -256,8 +259,8 @@ def test_a_kernel_that_finished_the_request_without_connecting_costs_no_wait(gra
 def test_a_cancel_ends_the_checkers_wait_and_a_late_one_is_ignored(tmp_path):
     import threading
 
-    from attention_lab.bridge.agent import serve
-    from autograder.grading.trusted.cells import Checker
+    from attention_lab.bridge.kernel_side import serve
+    from autograder.grading.trusted.checker_client import Checker
 
     checker = Checker()
     path = str(tmp_path / "bridge.sock")
@@ -283,8 +286,8 @@ def test_the_checker_checks_on_the_cpu_whatever_device_the_grader_names(monkeypa
     # chose CUDA (or whatever ATTENTION_LAB_DEVICE names) and would find every correct answer on the wrong device.
     import threading
 
-    from attention_lab.bridge.agent import serve
-    from autograder.grading.trusted.cells import Checker
+    from attention_lab.bridge.kernel_side import serve
+    from autograder.grading.trusted.checker_client import Checker
 
     monkeypatch.setenv("ATTENTION_LAB_DEVICE", "cuda")  # on this machine without CUDA, a check would raise
     checker = Checker()

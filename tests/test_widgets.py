@@ -198,7 +198,7 @@ def test_progress_bars_leave_their_last_text_where_no_widget_is_drawn(tmp_path):
     without widgets shows the bar's last state (or nothing, for a bar not to be left), never "0%" forever."""
     import nbformat
 
-    from autograder.execute import execute_notebook
+    from autograder.grading.execute import execute_notebook
 
     path = tmp_path / "progress.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in PROGRESS_NOTEBOOK]), path)

@@ -1,4 +1,4 @@
-"""The grading pipeline behind ``python -m autograder.grade`` (``make grade``), one room per part.
+"""The grading pipeline behind ``python -m autograder.grading.grade`` (``make grade``), one room per part.
 
 In the parent process (the instructor's machine; the only writer of the gradebook and
 ``autograded/``):
@@ -18,6 +18,6 @@ On a Dask worker (any machine with the course installed; no shared filesystem):
   (:mod:`autograder.grading.nbgrader_process`), each notebook in a new sandboxed kernel;
 * :mod:`autograder.grading.trusted`: the other side of the trust boundary, next to each
   nbgrader process: the trusted checker, where every graded test cell of a notebook in
-  :data:`autograder.settings.CHECKED_OUTSIDE_THE_KERNEL` runs, reaching the student's kernel
+  :data:`autograder.grading.trusted.checker_client.CHECKED_OUTSIDE_THE_KERNEL` runs, reaching the student's kernel
   through the bridge (:mod:`attention_lab.bridge`) with data only.
 """

@@ -4,7 +4,7 @@ By default an embedded ``LocalCluster``: ``jobs`` worker processes with one thre
 this machine, started for the run and stopped after it (no service to start).  With
 ``scheduler="tcp://host:8786"`` (``make grade SCHEDULER=...``) the tasks go to an existing
 Dask cluster (``dask scheduler`` / ``dask worker``, dask-jobqueue, Kubernetes) whose workers
-have the course installed (see the README).
+have the course installed (docs/instructors/6-grading-at-scale.md).
 
 Each task carries bytes only (:func:`autograder.grading.task.grade_submission`): the
 assignment's source folder and template gradebook, sent to the cluster once per assignment
@@ -34,9 +34,9 @@ START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_met
 # Run on the scheduler and each worker before anything is submitted (``exec`` travels by name:
 # no module of the course is needed to receive it).
 COURSE_IMPORT = "import autograder.grading.task"
-START_COMMANDS = ("start them from the course's clone as the README says: `make dask-scheduler` on the "
-                  "scheduler machine, `make dask-worker SCHEDULER=...` on each worker machine (both put the "
-                  "clone on PYTHONPATH)")
+START_COMMANDS = ("start them from the course's clone as docs/instructors/6-grading-at-scale.md says: "
+                  "`make dask-scheduler` on the scheduler machine, `make dask-worker SCHEDULER=...` on each worker "
+                  "machine (both put the clone on PYTHONPATH)")
 
 
 def check_cluster(client, scheduler: str) -> None:

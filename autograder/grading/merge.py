@@ -24,8 +24,9 @@ from pathlib import Path
 
 import nbformat
 
-from autograder import gradebook, release
-from autograder.course_settings import CourseSettings
+from autograder.publishing import release
+from autograder.store import gradebook
+from autograder.term.course_settings import CourseSettings
 from autograder.grading.plan import Outcome, _hash_tree, notebook_names
 
 def ensure_sources(root: Path, assignments: list[str]) -> None:

@@ -11,12 +11,12 @@ root: the real nbgrader app, with the course's nbgrader_config.py, run in this l
 process so that each student does not pay for starting Python and importing nbgrader
 (about 3 s of CPU, as much as some notebooks take to run).  Student code never runs here:
 each notebook gets a new kernel, in the sandbox -- under bubblewrap a fork of this nbgrader process's
-kernel server (:mod:`autograder.kernel_forkserver`), so that each student does not pay for
+kernel server (:mod:`autograder.isolation.kernel_forkserver`), so that each student does not pay for
 importing torch either; the server is asked to clear its sandbox before each answer.
 
 nbgrader runs with one change: the Execute preprocessor is :class:`GuardedExecute`, which
 
-* runs every cell in the sandboxed grading kernel (kernelspec written by autograder.grade);
+* runs every cell in the sandboxed grading kernel (kernelspec written by autograder.grading.grade);
 * gives each cell its time limit from the cell's own start, and the generated setup cell
   (which imports torch: slow on a loaded machine) the kernel start-up budget instead, so
   that start-up and imports never eat a cell's budget; an interrupted kernel has
@@ -35,7 +35,6 @@ nbgrader runs with one change: the Execute preprocessor is :class:`GuardedExecut
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -48,20 +47,22 @@ from pathlib import Path
 from queue import Empty
 
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
-from nbclient.util import ensure_async, run_sync
+from nbclient.util import run_sync
 from nbformat.notebooknode import NotebookNode
 from traitlets import Dict, Integer, Unicode
 
 from nbgrader.preprocessors.execute import Execute, UnresponsiveKernelError
 
-from autograder import gradebook, sandbox
-from autograder.grading.trusted import cells as trusted_cells
-from autograder.grading.trusted.cells import CheckedOutsideTheKernel
-from autograder.kernel_forkserver import Server
-from autograder.nbgrader_cli import run_in_process
-from autograder.results import SKIPPED_CELL, defines, hung_function, uses
-from autograder.settings import (COURSE_ID, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, SETUP_CELL_ID,
-                                 UNRESPONSIVE_GRACE)
+from autograder.command_line import command_line
+from autograder.isolation import sandbox
+from autograder.store import gradebook
+from autograder.grading.trusted import checker_client
+from autograder.grading.trusted.checker_client import CheckedOutsideTheKernel
+from autograder.isolation.kernel_forkserver import Server
+from autograder.store.nbgrader_cli import run_in_process
+from autograder.store.results import SKIPPED_CELL, defines, hung_function, uses
+from autograder.places import COURSE_ID, SETUP_CELL_ID
+from autograder.limits import Limits
 
 # This nbgrader process's kernel server: the sandboxed process its grading kernels are forked from.
 _kernel_server = Server()
@@ -97,9 +98,10 @@ class GuardedExecute(CheckedOutsideTheKernel, Execute):
 
     skip_cells = Dict({}, help="{notebook: {cell number: reason}} cells not to run").tag(config=True)
     report_path = Unicode("", help="JSON file recording progress and incidents").tag(config=True)
-    max_output_bytes = Integer(MAX_OUTPUT_BYTES, help="output kept per cell").tag(config=True)
-    unresponsive_grace = Integer(UNRESPONSIVE_GRACE, help="seconds an interrupted kernel has to answer").tag(config=True)
-    startup_timeout = Integer(KERNEL_STARTUP_TIMEOUT, help="seconds to start a kernel; also the setup cell's limit"
+    max_output_bytes = Integer(Limits.max_output_bytes, help="output kept per cell").tag(config=True)
+    unresponsive_grace = Integer(Limits.unresponsive_grace, help="seconds an interrupted kernel has to answer"
+                                 ).tag(config=True)
+    startup_timeout = Integer(Limits.startup_timeout, help="seconds to start a kernel; also the setup cell's limit"
                               ).tag(config=True)
 
     def _get_timeout(self, cell):
@@ -166,7 +168,7 @@ class GuardedExecute(CheckedOutsideTheKernel, Execute):
                                    "grade_id": grade_id, "detail": hung[0]})
             return cell
         self._report(notebook=self._notebook_name, cell=number, grade_id=grade_id, started=time.time())
-        if cell.metadata.get("nbgrader", {}).get("grade") and trusted_cells.checked_outside_the_kernel(self._notebook_name):
+        if checker_client.runs_in_the_checker(cell, self._notebook_name):
             return await self.check_outside_the_kernel(cell, number, grade_id)
         if cell.metadata.get("nbgrader", {}).get("grade"):
             await self._guard(grade_id)
@@ -257,8 +259,8 @@ def autograde(task: dict) -> int:
 
     ``task``: ``root``, ``student``, ``assignment``, ``environment`` (variables set for this
     run: where the grading kernelspec and the kernel's runtime folder are) and the plan:
-    ``timeout``, ``startup_timeout``, ``grace``, ``kernel``, ``report``, ``skip``,
-    ``max_output_bytes``, ``late_penalty``, ``ipc`` (see autograder.grading.task).  nbgrader's app is created
+    ``limits`` (:class:`autograder.limits.Limits` as a dict), ``kernel``, ``report``, ``skip``,
+    ``late_penalty``, ``ipc`` (see autograder.grading.task).  nbgrader's app is created
     afresh and reset afterwards (as nbgrader's own test helper does), so one process grades
     any number of students, each with its own kernel.
     """
@@ -268,13 +270,14 @@ def autograde(task: dict) -> int:
     config.Autograde.autograde_preprocessors = autograde_preprocessors()
     execute = config.GuardedExecute
     execute.shutdown_kernel = "immediate"  # no need to wait for the student's atexit
-    execute.timeout = task["timeout"]
-    execute.startup_timeout = task["startup_timeout"]
-    execute.unresponsive_grace = task["grace"]
-    execute.iopub_timeout = task["grace"]  # after a reply or an interrupt: the kernel's last outputs
+    limits = Limits(**task["limits"])
+    execute.timeout = limits.timeout
+    execute.startup_timeout = limits.startup_timeout
+    execute.unresponsive_grace = limits.grace
+    execute.iopub_timeout = limits.grace  # after a reply or an interrupt: the kernel's last outputs
     execute.skip_cells = task["skip"]
     execute.report_path = task["report"]
-    execute.max_output_bytes = task["max_output_bytes"]
+    execute.max_output_bytes = limits.max_output_bytes
     execute.kernel_name = task["kernel"]
     # nbgrader's late-submission penalty (timestamp.txt against the assignment's due date)
     config.LateSubmissionPlugin.penalty_method = task.get("late_penalty", "none")
@@ -291,9 +294,9 @@ def autograde(task: dict) -> int:
         if task.get("kernel_server"):  # the kernels are forks of it: (re)started when its sandbox changes
             server = task["kernel_server"]
             _kernel_server.ensure(server["argv"], server["socket"], {**os.environ, **server["environment"]})
-        if trusted_cells.checked_outside_the_kernel(task["assignment"]):
+        if checker_client.checked_outside_the_kernel(task["assignment"]):
             # started now, while nbgrader loads and the kernel starts, not at the first test cell
-            trusted_cells.checker.ensure()
+            checker_client.checker.ensure()
         return run_in_process(*arguments, config=config)
     finally:
         os.environ.clear()
@@ -363,7 +366,7 @@ def serve(replies: int, parent: int | None = None, scratch: Path | None = None) 
 
     The answer is ``{"status": N, "recorded": ...}`` (see :func:`recorded_grades`; None
     unless N is 0) once that student's autograde is over and every process
-    its kernels left behind is killed and reaped (see :func:`autograder.sandbox.adopt_orphans`).
+    its kernels left behind is killed and reaped (see :func:`autograder.isolation.sandbox.adopt_orphans`).
     The grader kills this process (and so its kernel) when an answer is late; it starts a new
     one for the next student.  Anything nbgrader or a kernel prints goes to this process's stdout and
     stderr (the grader's log file), never to the answer channel.
@@ -384,7 +387,7 @@ def serve(replies: int, parent: int | None = None, scratch: Path | None = None) 
                 traceback.print_exc()
                 status = 1
             # nothing of this student's runs on once the answer is given
-            sandbox.kill_children(spare=(_kernel_server.pid, trusted_cells.checker.pid))
+            sandbox.kill_children(spare=(_kernel_server.pid, checker_client.checker.pid))
             _kernel_server.clean()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -395,7 +398,7 @@ def serve(replies: int, parent: int | None = None, scratch: Path | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--replies", type=int, required=True, help="file descriptor for the answers")
     parser.add_argument("--parent", type=int, default=None, help="exit when this process is gone")
     parser.add_argument("--scratch", type=Path, default=None, help="the parent's scratch folder, removed "

@@ -1,8 +1,8 @@
-"""What a grading run has to do (parent process): settings, submissions, fingerprints, state.
+"""What a grading run has to do (parent process): submissions, fingerprints, state.
 
 A submission is regraded when its fingerprint changed since it was last graded: its files,
 its submission time (``timestamp.txt``, written by intake), the source notebook and the
-grading settings that change what a notebook does when it runs.  The due date, the late
+limits that change what a notebook does when it runs (:meth:`autograder.limits.Limits.fingerprint`).  The due date, the late
 penalty, the grace period and extensions are not in it: a change of them re-scores the stored
 results (:func:`autograder.grading.merge.rescore`), it re-executes nothing.
 """
@@ -17,50 +17,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autograder.course_settings import CourseSettings
-from autograder.settings import CELL_TIMEOUT, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT_BYTES, UNRESPONSIVE_GRACE
+from autograder.limits import Limits
+from autograder.publishing.release import assignments_with_source
 
 STATE_DIR = ".grading"
-REPORTS_DIR = "reports"
 TIMESTAMP_FILE = "timestamp.txt"   # nbgrader's submission time, written by intake
 IGNORED_NAMES = {".ipynb_checkpoints", "__MACOSX", ".DS_Store", TIMESTAMP_FILE}
-
-
-@dataclass
-class Settings:
-    timeout: int = CELL_TIMEOUT                            # seconds per cell, from the cell's start
-    startup_timeout: int = KERNEL_STARTUP_TIMEOUT          # seconds to start a kernel and run its setup cell
-    notebook_timeout: int = 1800                           # seconds per attempt at a whole submission
-    submission_timeout: int = 3600                         # seconds for a submission, all its attempts together
-    cpu_seconds: int = 3600                                # CPU seconds of a submission's sandbox, all attempts
-    memory_mb: int = 4096                                  # memory of a kernel, and of its whole sandbox
-    file_mb: int = 256                                     # largest file a student kernel may write
-    disk_mb: int = 512                                     # what a kernel may write: /tmp, /dev/shm, its folders
-    processes: int = 256                                   # processes (and threads) in a sandbox at once
-    max_output_bytes: int = MAX_OUTPUT_BYTES               # output kept per cell
-    attempts: int = 6                                      # restarts after a kernel died or hung
-    unresponsive_grace: int = UNRESPONSIVE_GRACE           # least seconds an interrupted kernel has to answer
-    sandbox: str = "on"                                    # on (refuses without bubblewrap) | off
-    threads: int = 1                                       # torch/BLAS threads per kernel
-
-    @classmethod
-    def of_course(cls, course: CourseSettings, **others) -> Settings:
-        """The limits the course settings file sets (``make settings``), and ``others``."""
-        return cls(timeout=course.timeout, startup_timeout=course.startup_timeout, memory_mb=course.memory_mb,
-                   file_mb=course.file_mb, **others)
-
-    @property
-    def grace(self) -> int:
-        """Seconds an interrupted kernel has to answer: a quarter of the cell limit, at least
-        ``unresponsive_grace`` (a loaded machine slows the answer as much as the cell)."""
-        return max(self.unresponsive_grace, self.timeout // 4)
-
-    def fingerprint(self) -> str:
-        values = dataclasses.asdict(self)
-        for name in ("notebook_timeout", "submission_timeout", "cpu_seconds", "startup_timeout", "threads",
-                     "unresponsive_grace", "attempts"):
-            values.pop(name)
-        return json.dumps(values, sort_keys=True)
 
 
 @dataclass
@@ -103,11 +65,6 @@ class Outcome:
 # --------------------------------------------------------------------------------------
 # Discovery
 # --------------------------------------------------------------------------------------
-
-def assignments_with_source(root: Path) -> list[str]:
-    source = root / "source"
-    return sorted(p.name for p in source.iterdir() if p.is_dir() and any(p.glob("*.ipynb"))) if source.is_dir() else []
-
 
 def notebook_names(root: Path, assignment: str) -> list[str]:
     return sorted(p.stem for p in (root / "source" / assignment).glob("*.ipynb"))
@@ -177,11 +134,11 @@ def submission_timestamp(submission: Submission) -> str:
     return path.read_text(encoding="utf-8").strip() if path.is_file() else ""
 
 
-def fingerprint(submission: Submission, root: Path, settings: Settings) -> str:
+def fingerprint(submission: Submission, root: Path, limits: Limits) -> str:
     digest = hashlib.sha256()
     _hash_tree(digest, submission.folder)
     _hash_tree(digest, root / "source" / submission.assignment)
-    digest.update(settings.fingerprint().encode())
+    digest.update(limits.fingerprint().encode())
     digest.update(f"\0submitted {submission_timestamp(submission)}".encode())
     return digest.hexdigest()
 
@@ -209,7 +166,7 @@ def save_state(root: Path, state: dict) -> None:
 @contextlib.contextmanager
 def exclusive(root: Path):
     """One grading run per course root at a time (runs on other roots sharing a PostgreSQL
-    gradebook are serialised by the gradebook's own lock, see autograder.gradebook)."""
+    gradebook are serialised by the gradebook's own lock, see autograder.store.gradebook)."""
     lock_path = root / STATE_DIR / "lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as lock:

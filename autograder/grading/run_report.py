@@ -10,14 +10,15 @@ console and in the report alike.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 from pathlib import Path
 
-from autograder import cgroups, results, sandbox
-from autograder.course_settings import CourseSettings
-from autograder.grading.plan import REPORTS_DIR, Outcome, Settings
-from autograder.settings import CHECKED_OUTSIDE_THE_KERNEL
+from autograder.grading.plan import Outcome
+from autograder.grading.trusted.checker_client import CHECKED_OUTSIDE_THE_KERNEL
+from autograder.isolation import cgroups, sandbox
+from autograder.limits import Limits
+from autograder.store import results
+from autograder.store.run_reports import keep_report
+from autograder.term.course_settings import CourseSettings
 
 
 def score_text(outcome: Outcome) -> str:
@@ -54,7 +55,7 @@ def summary(outcomes: list[Outcome]) -> str:
 
 
 def verdicts_line(outcomes: list[Outcome]) -> str:
-    """Where the verdicts of this run's notebooks were decided (the README's security section says why)."""
+    """Where the verdicts of this run's notebooks were decided (docs/design.md says why)."""
     notebooks = sorted({test["notebook"] for o in outcomes for test in o.tests} or {o.assignment for o in outcomes})
     outside = [n for n in notebooks if n in CHECKED_OUTSIDE_THE_KERNEL]
     inside = [n for n in notebooks if n not in CHECKED_OUTSIDE_THE_KERNEL]
@@ -66,43 +67,43 @@ def verdicts_line(outcomes: list[Outcome]) -> str:
     return "Verdicts " + "; ".join(parts) + "." if parts else "No notebook was graded."
 
 
-def limits_in_force(settings: Settings) -> list[dict]:
+def limits_in_force(limits: Limits) -> list[dict]:
     """Each limit on student code, and whether it holds on this machine (where the embedded
     cluster's workers run): ``{"limit", "holds", "how"}``."""
-    sandboxed = settings.sandbox != "off" and sandbox.bwrap_path() is not None
+    sandboxed = limits.sandboxed and sandbox.bwrap_path() is not None
     group = cgroups.available() if sandboxed else None
     no_group = ("no control group here (cgroup v2 delegation or writable cgroup v1 needed)" if sandboxed
                 else "no sandbox (--sandbox off)")
-    per_process = f"{settings.memory_mb} MB of address space per process"
+    per_process = f"{limits.memory_mb} MB of address space per process"
 
     def limit(name: str, holds: bool, how: str) -> dict:
         return {"limit": name, "holds": holds, "how": how}
 
     return [
         limit("memory of the whole sandbox", group is not None,
-              f"{settings.memory_mb} MB for all its processes ({group})" if group else f"{no_group}; only {per_process}"),
+              f"{limits.memory_mb} MB for all its processes ({group})" if group else f"{no_group}; only {per_process}"),
         limit("memory per process", True, per_process),
         limit("processes", group is not None,
-              f"{settings.processes} processes and threads at once ({group})" if group else no_group),
-        limit("file size", True, f"{settings.file_mb} MB per file"),
+              f"{limits.processes} processes and threads at once ({group})" if group else no_group),
+        limit("file size", True, f"{limits.file_mb} MB per file"),
         limit("disk", sandboxed,
-              f"{settings.disk_mb} MB of /tmp and of /dev/shm (tmpfs), {settings.disk_mb} MB in its working and socket "
+              f"{limits.disk_mb} MB of /tmp and of /dev/shm (tmpfs), {limits.disk_mb} MB in its working and socket "
               "folders (checked every second)" if sandboxed else "no sandbox: only the per-file limit"),
-        limit("wall-clock time", True, f"{settings.timeout} s a cell, {settings.notebook_timeout} s an attempt, "
-              f"{settings.submission_timeout} s a submission (all attempts)"),
+        limit("wall-clock time", True, f"{limits.timeout} s a cell, {limits.notebook_timeout} s an attempt, "
+              f"{limits.submission_timeout} s a submission (all attempts)"),
         limit("CPU time", group is not None,
-              f"{settings.cpu_seconds} s a submission, all its processes and attempts ({group})" if group
+              f"{limits.cpu_seconds} s a submission, all its processes and attempts ({group})" if group
               else f"{no_group}; only the wall-clock limits"),
         limit("network", sandboxed, "none in the sandbox" if sandboxed else "no sandbox: the machine's network"),
     ]
 
 
-def limit_lines(limits: list[dict]) -> list[str]:
+def limit_lines(in_force: list[dict]) -> list[str]:
     """The console's lines: the limits that hold on this machine, then one line for each that does not."""
-    holding = [item["limit"] for item in limits if item["holds"]]
+    holding = [item["limit"] for item in in_force if item["holds"]]
     lines = [f"limits that hold here: {', '.join(holding)}"] if holding else []
     return lines + [f"WARNING: limit that does NOT hold here: {item['limit']}: {item['how']}"
-                    for item in limits if not item["holds"]]
+                    for item in in_force if not item["holds"]]
 
 
 def full_error(outcome: Outcome) -> str:
@@ -110,40 +111,28 @@ def full_error(outcome: Outcome) -> str:
     return "\n".join(f"      {line}" for line in outcome.error.splitlines())
 
 
-
-def write_report(root: Path, outcomes: list[Outcome], problems: list[str], settings: Settings,
+def write_report(root: Path, outcomes: list[Outcome], problems: list[str], run_limits: Limits,
                  isolation: str, engine: str = "", course: CourseSettings | None = None,
-                 limits: list[dict] | None = None) -> Path:
-    """This run's report, ``reports/grading_report.{md,json}``, and a copy of each under
-    ``reports/grading/`` named by its time, listed in ``reports/grading_history.md``: a
-    one-student regrade never wipes the record of the class's run."""
+                 in_force: list[dict] | None = None) -> Path:
+    """This run's report, ``reports/grading_report.{md,json}``, kept with every earlier run's
+    (:func:`autograder.store.run_reports.keep_report`): a one-student regrade never wipes the
+    record of the class's run."""
     course = course or CourseSettings()
-    folder = root / REPORTS_DIR
-    history = folder / "grading"
-    history.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now()
-    stamp = now.isoformat(timespec="seconds")
-    name, suffix = now.strftime("%Y%m%dT%H%M%S"), 1
-    while (history / f"{name}.md").exists():
-        suffix += 1
-        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{suffix}"
-    data = json.dumps({"generated": stamp, "isolation": isolation, "engine": engine,
-                       "verdicts": verdicts_line(outcomes), "limits": limits or [],
-                       "course_settings": dataclasses.asdict(course), "settings": dataclasses.asdict(settings),
-                       "problems": problems, "submissions": [o.as_dict() for o in outcomes]},
-                      indent=1, ensure_ascii=False)
-    lines = [f"# Grading report ({stamp})", "", f"Isolation: {isolation}", "", verdicts_line(outcomes), ""]
-    if limits:
+    data = {"isolation": isolation, "engine": engine, "verdicts": verdicts_line(outcomes), "limits": in_force or [],
+            "course_settings": dataclasses.asdict(course), "run_limits": dataclasses.asdict(run_limits),
+            "problems": problems, "submissions": [o.as_dict() for o in outcomes]}
+    lines = ["", f"Isolation: {isolation}", "", verdicts_line(outcomes), ""]
+    if in_force:
         lines += ["| limit on student code | holds here | how |", "|---|---|---|"]
-        lines += [f"| {item['limit']} | {'yes' if item['holds'] else '**no**'} | {item['how']} |" for item in limits]
+        lines += [f"| {item['limit']} | {'yes' if item['holds'] else '**no**'} | {item['how']} |" for item in in_force]
         lines += [""]
     if engine:
         lines += [f"Engine: {engine}", ""]
     lines += ["Course settings (`make settings`):", ""] + [f"- {line}" for line in course.describe()]
-    if (settings.timeout, settings.startup_timeout, settings.memory_mb, settings.file_mb) != (
+    if (run_limits.timeout, run_limits.startup_timeout, run_limits.memory_mb, run_limits.file_mb) != (
             course.timeout, course.startup_timeout, course.memory_mb, course.file_mb):
-        lines.append(f"- for this run only: {settings.timeout} s per cell, {settings.startup_timeout} s start-up, "
-                     f"{settings.memory_mb} MB memory, {settings.file_mb} MB files")
+        lines.append(f"- for this run only: {run_limits.timeout} s per cell, {run_limits.startup_timeout} s start-up, "
+                     f"{run_limits.memory_mb} MB memory, {run_limits.file_mb} MB files")
     lines += ["", "| student | assignment | status | score | notes |", "|---|---|---|---|---|"]
     for o in outcomes:
         notes = "; ".join([results.describe(i) for i in o.incidents] + o.notes)
@@ -154,15 +143,4 @@ def write_report(root: Path, outcomes: list[Outcome], problems: list[str], setti
         lines += ["", "## Not graded", ""] + [f"- {p}" for p in problems]
     for o in (o for o in outcomes if o.status == "failed"):
         lines += ["", f"## {o.student} / {o.assignment}: could not be graded", "", "```", o.error, "```"]
-    text = "\n".join(lines) + "\n"
-    (folder / "grading_report.json").write_text(data)
-    (history / f"{name}.json").write_text(data)
-    (history / f"{name}.md").write_text(text)
-    path = folder / "grading_report.md"
-    path.write_text(text)
-    index = folder / "grading_history.md"
-    if not index.exists():
-        index.write_text("# Grading runs (newest last)\n\n")
-    with open(index, "a", encoding="utf-8") as handle:
-        handle.write(f"- {stamp}: {summary(outcomes)} ([report](grading/{name}.md))\n")
-    return path
+    return keep_report(root, "grading", "Grading report", lines, data, summary(outcomes))

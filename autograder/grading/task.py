@@ -1,7 +1,7 @@
 """One submission, graded on a Dask worker: runs on any machine with the course installed.
 
 :func:`grade_submission` gets a task made of bytes (the source notebook, the student's files,
-a template gradebook holding only the assignment, the settings), builds a temporary course
+a template gradebook holding only the assignment, the run's limits), builds a temporary course
 root from them, autogrades it with nbgrader, and returns bytes and plain data: the
 autograded notebooks, the grades and comments nbgrader recorded, the report entry.  Nothing
 is read from or written to the instructor's course root: no shared filesystem is assumed,
@@ -10,8 +10,8 @@ and the parent process alone writes the gradebook (see :mod:`autograder.grading.
 nbgrader itself runs in an :class:`NbgraderProcess`: a long-lived ``python -m autograder.grading.nbgrader_process``
 process per task slot of the worker process, started once and reused for every student
 (Python and nbgrader start once per worker, not once per student); each notebook gets a new
-kernel, under :mod:`autograder.sandbox` (under bubblewrap, forked from the nbgrader process's kernel
-server, which has imported torch once: :mod:`autograder.kernel_forkserver`).  An attempt
+kernel, under :mod:`autograder.isolation.sandbox` (under bubblewrap, forked from the nbgrader process's kernel
+server, which has imported torch once: :mod:`autograder.isolation.kernel_forkserver`).  An attempt
 that runs past ``notebook_timeout`` gets its nbgrader process killed (its kernel dies with it) and
 replaced.  Each nbgrader process grades in a course root of its own, emptied before and after each
 student; the worker's scratch folder goes with the worker, even a killed one (its nbgrader processes
@@ -24,13 +24,14 @@ its ``/tmp`` and ``/dev/shm`` are tmpfs of that size) is restarted with that cel
 (it earns nothing, the others earn what they earn).  The submission is failed, never
 silently scored, after ``attempts`` tries, or once its attempts together ran past
 ``submission_timeout`` seconds or (where the nbgrader process's sandbox has a control group,
-:mod:`autograder.cgroups`, which also holds the memory and process count of the whole
+:mod:`autograder.isolation.cgroups`, which also holds the memory and process count of the whole
 sandbox) used more than ``cpu_seconds`` of CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -47,10 +48,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from autograder import cgroups, gradebook, results, sandbox
-from autograder.kernel_forkserver import empty_folder
-from autograder.nbgrader_cli import nbgrader_environment
-from autograder.settings import AUTOGRADER_DIR, SETUP_CELL_ID
+from autograder.isolation import cgroups, sandbox
+from autograder.store import gradebook, results
+from autograder.isolation.kernel_forkserver import empty_folder
+from autograder.store.nbgrader_cli import nbgrader_environment
+from autograder.places import AUTOGRADER_DIR, SETUP_CELL_ID
+from autograder.limits import Limits
 
 
 # --------------------------------------------------------------------------------------
@@ -167,7 +170,7 @@ class NbgraderProcess:
         return self.folder
 
     def stop(self) -> None:
-        """Kill the nbgrader process (its kernels die with it, see autograder.sandbox)."""
+        """Kill the nbgrader process (its kernels die with it, see autograder.isolation.sandbox)."""
         if self.process is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -263,15 +266,15 @@ def starts_with_the_setup_cell(source: dict[str, bytes]) -> bool:
     return False
 
 
-def _skip_reason(kind: str, settings: dict) -> str:
+def _skip_reason(kind: str, limits: Limits) -> str:
     if kind == "dead":
         return ("this cell stopped the Python kernel (sys.exit()/os._exit(), a crash, or running out "
-                f"of memory: the limit is {settings['memory_mb']} MB), so the grader skipped it")
+                f"of memory: the limit is {limits.memory_mb} MB), so the grader skipped it")
     if kind == "hung":
-        return (f"this cell ran past the {settings['timeout']} s limit and did not stop when "
+        return (f"this cell ran past the {limits.timeout} s limit and did not stop when "
                 "interrupted, so the grader skipped it")
     if kind == "disk":
-        return (f"this cell wrote more than the {settings['disk_mb']} MB of files a notebook may write, "
+        return (f"this cell wrote more than the {limits.disk_mb} MB of files a notebook may write, "
                 "so the grader skipped it")
     return "this cell kept the notebook running past the grader's time limit, so the grader skipped it"
 
@@ -310,22 +313,21 @@ def grade_submission(task: dict) -> dict:
     ``task``: ``student``, ``assignment``, ``index``, ``source`` and ``files`` (``{path:
     bytes}`` of the assignment's source folder and of the student's folder, ``timestamp.txt``
     included), ``template`` (the bytes of an SQLite gradebook holding the assignment),
-    ``settings`` (:class:`autograder.grading.plan.Settings` as a dict), ``hide`` (folders of
+    ``limits`` (:class:`autograder.limits.Limits`), ``hide`` (folders of
     the parent's machine the sandbox hides as well, when the worker shares it).
 
     Returns ``{"outcome": {...}, "notebooks": {name: bytes}, "grades": {...}, "timestamp"}``.
     """
     start = time.perf_counter()
-    settings = task["settings"]
+    limits: Limits = task["limits"]
     student, assignment = task["student"], task["assignment"]
     outcome = {"status": "failed", "attempts": 0, "incidents": [], "tests": [], "error": "", "nbgrader_pids": [],
                "worker": f"{socket.gethostname()}:{os.getpid()}", "seconds": 0.0}
     answer = {"outcome": outcome, "notebooks": {}, "grades": {}, "timestamp": None}
-    use_bwrap = settings["sandbox"] != "off"
-    if use_bwrap and sandbox.bwrap_path() is None:  # fail closed: --sandbox off is the instructor's to say
+    if limits.sandboxed and sandbox.bwrap_path() is None:  # fail closed: --sandbox off is the instructor's to say
         outcome["error"] = f"worker {outcome['worker']}: {sandbox.refusal()}"
         return answer
-    outcome["isolation"] = "bubblewrap" if use_bwrap else "none"
+    outcome["isolation"] = "bubblewrap" if limits.sandboxed else "none"
     with nbgrader_process() as free:
         try:
             course = free.course_root()
@@ -333,7 +335,7 @@ def grade_submission(task: dict) -> dict:
             submitted = course / "submitted" / student / assignment
             _write_tree(submitted, task["files"])
             (course / gradebook.SQLITE_NAME).write_bytes(task["template"])
-            recorded = _grade(course, task, settings, use_bwrap, free, outcome)
+            recorded = _grade(course, task, limits, free, outcome)
             workdir = course / KERNEL_WORKDIR_ROOT / student / assignment
             if outcome["status"] == "graded":
                 for path in sorted(workdir.glob("*.ipynb")):
@@ -347,112 +349,163 @@ def grade_submission(task: dict) -> dict:
     return answer
 
 
-def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: NbgraderProcess, outcome: dict) -> dict | None:
-    """The attempts at one submission (``outcome`` records them); what nbgrader recorded
-    (see :func:`autograder.grading.nbgrader_process.recorded_grades`) when it ends graded."""
-    import nbformat
-
-    student, assignment = task["student"], task["assignment"]
-    runtime, jupyter = course / KERNEL_RUNTIME_DIR, course / "jupyter"
-    workdir = course / KERNEL_WORKDIR_ROOT / student / assignment
+def _grade(course: Path, task: dict, limits: Limits, free: NbgraderProcess, outcome: dict) -> dict | None:
+    """The attempts at one submission (``outcome`` records them): each runs every notebook; a cell
+    that killed or hung the kernel is skipped on the next, until one attempt grades them all or a
+    budget runs out. What nbgrader recorded (see
+    :func:`autograder.grading.nbgrader_process.recorded_grades`) when it ends graded."""
+    workdir = course / KERNEL_WORKDIR_ROOT / task["student"] / task["assignment"]
     workdir.mkdir(parents=True)
-    limits = {"memory_mb": settings["memory_mb"], "file_mb": settings["file_mb"]}
-    server, group = None, None
-    if use_bwrap:  # kernels forked from the nbgrader process's sandboxed kernel server (autograder.kernel_forkserver)
-        hidden = [course.parent, *(Path(p) for p in task.get("hide", []))]
-        group = free.sandbox_group(settings["memory_mb"], settings["processes"])
-        server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, runtime, hidden,
-                                                     course=starts_with_the_setup_cell(task["source"]),
-                                                     disk_mb=settings["disk_mb"],
-                                                     cgroup=group.procs_files if group else None),
-                  "socket": str(free.socket_path), "environment": sandbox.kernel_environment(settings["threads"])}
-        argv = sandbox.kernel_client_argv(free.socket_path, **limits)
-    else:
-        argv = sandbox.kernel_argv(workdir, runtime, **limits, sandbox=False)
-    kernel = sandbox.write_kernelspec(jupyter, argv, threads=settings["threads"])
-    report_path = course / "report.json"
-    skip: dict[str, dict[str, str]] = {}
-    names = {Path(name).stem for name in task["source"] if name.endswith(".ipynb") and "/" not in name}
-    expected = sorted(p.stem for p in (course / "submitted" / student / assignment).glob("*.ipynb") if p.stem in names)
-    grace = max(settings["unresponsive_grace"], settings["timeout"] // 4)
-    deadline = time.monotonic() + settings["submission_timeout"]
-    cpu_start = group.cpu_seconds() if group else 0.0
-    quota = settings["disk_mb"] * 2**20
-
-    def watch() -> str | None:
-        if group is not None and group.cpu_seconds() - cpu_start > settings["cpu_seconds"]:
-            return "cpu"
-        return "disk" if disk_usage(course / KERNEL_WORKDIR_ROOT, runtime) > quota else None
-
-    over_budget = (f"its attempts together ran past the {settings['submission_timeout']} s a submission "
-                   "may take (--submission-timeout), so the grader gave up")
-    for attempt in range(1, settings["attempts"] + 1):
+    group = free.sandbox_group(limits.memory_mb, limits.processes) if limits.sandboxed else None
+    job = _job(course, task, limits, free, group)
+    expected = _expected_notebooks(course, task)
+    watch = _watch(course, limits, group)
+    deadline = time.monotonic() + limits.submission_timeout
+    for attempt in range(1, limits.attempts + 1):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            outcome["error"] = over_budget
+            outcome["error"] = _over_budget(limits)
             break
         outcome["attempts"] = attempt
-        report_path.unlink(missing_ok=True)
-        if attempt > 1:  # what the last attempt's kernels wrote goes (it would count against the disk quota)
-            empty_folder(course / KERNEL_WORKDIR_ROOT)
-            empty_folder(runtime)
-            workdir.mkdir(parents=True, exist_ok=True)
-        job = {"root": str(course), "student": student, "assignment": assignment,
-               "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
-               "timeout": settings["timeout"], "startup_timeout": settings["startup_timeout"], "grace": grace,
-               "kernel": kernel, "report": str(report_path), "skip": skip,
-               "max_output_bytes": settings["max_output_bytes"],   # the late penalty: the parent's merge
-               "ipc": str(runtime / "k") if use_bwrap else None, "kernel_server": server}
-        result = free.run(job, timeout=min(settings["notebook_timeout"], remaining), watch=watch)
+        result, report = _attempt(course, job, free, attempt, timeout=min(limits.notebook_timeout, remaining),
+                                  watch=watch)
         outcome["nbgrader_pids"].append(free.last_pid)
-        try:
-            report = json.loads(report_path.read_text())
-        except (OSError, ValueError):
-            report = {}
-        for incident in report.get("incidents", []):
-            incident.setdefault("attempt", attempt)
-            if incident not in outcome["incidents"]:
-                outcome["incidents"].append(incident)
-        produced = all((workdir / f"{name}.ipynb").exists() for name in expected)
-        if result.status == 0 and produced and expected:
+        _take_incidents(outcome, report, attempt)
+        if result.status == 0 and expected and all((workdir / f"{name}.ipynb").exists() for name in expected):
             outcome["status"] = "graded"
             break
-        if result.timed_out and time.monotonic() >= deadline:  # (whichever cell it was in: no time to retry)
-            outcome["error"] = over_budget
+        failed = _failed_cell(result, report, limits, deadline)
+        if isinstance(failed, str):
+            outcome["error"] = failed
             break
-        if result.stopped == "cpu":
-            outcome["error"] = (f"its sandbox used more than the {settings['cpu_seconds']} s of CPU a submission "
-                                "may use (--cpu-seconds), so the grader gave up")
-            break
-        if result.stopped == "disk" and "cell" in report:
-            kind, cell = "disk", report["cell"]
-        elif "dead_cell" in report:
-            kind, cell = "dead", report["dead_cell"]
-        elif "hung_cell" in report:
-            kind, cell = "hung", report["hung_cell"]
-        elif result.timed_out and "cell" in report:
-            kind, cell = "notebook_timeout", report["cell"]
-        else:
-            cause = start_failure_cause(result.log)
-            outcome["error"] = (("the kernel could not start: " + cause + "\n") if cause else "") + (
-                "nbgrader autograde failed" + (" (ran past --notebook-timeout)" if result.timed_out else "")
-                + ":\n" + result.log[-3000:])
-            break
+        kind, cell = failed
         notebook = report.get("notebook", expected[0] if expected else "")
-        if str(cell) in skip.get(notebook, {}):
+        if str(cell) in job["skip"].get(notebook, {}):
             outcome["error"] = f"cell {cell} of {notebook} was skipped and the kernel still failed"
             break
-        skip.setdefault(notebook, {})[str(cell)] = _skip_reason(kind, settings)
-        outcome["incidents"].append({"kind": {"dead": "kernel_died", "hung": "kernel_unresponsive",
-                                              "notebook_timeout": "notebook_timeout", "disk": "disk_quota"}[kind],
-                                     "notebook": notebook, "cell": cell,
+        job["skip"].setdefault(notebook, {})[str(cell)] = _skip_reason(kind, limits)
+        outcome["incidents"].append({"kind": SKIPPED_KINDS[kind], "notebook": notebook, "cell": cell,
                                      "grade_id": report.get("grade_id"), "attempt": attempt})
     else:
-        outcome["error"] = f"gave up after {settings['attempts']} attempts"
-    if outcome["status"] == "graded":
-        for name in expected:
-            cells = results.graded_cells(nbformat.read(workdir / f"{name}.ipynb", as_version=4), name)
-            outcome["tests"] += [cell.as_dict() for cell in cells]
-            outcome["incidents"] += tampering_incidents(cells)
-        return result.recorded
-    return None
+        outcome["error"] = f"gave up after {limits.attempts} attempts"
+    if outcome["status"] != "graded":
+        return None
+    _take_tests(outcome, workdir, expected)
+    return result.recorded
+
+
+# Why a cell was skipped on the next attempt, as the incident that records it.
+SKIPPED_KINDS = {"dead": "kernel_died", "hung": "kernel_unresponsive", "notebook_timeout": "notebook_timeout",
+                 "disk": "disk_quota"}
+
+
+def _job(course: Path, task: dict, limits: Limits, free: NbgraderProcess, group: cgroups.Group | None) -> dict:
+    """What the nbgrader process is asked to do at every attempt (see
+    :func:`autograder.grading.nbgrader_process.autograde`; its ``skip`` grows from one attempt to
+    the next), with the kernelspec its kernels start from: under bubblewrap a fork of the nbgrader
+    process's sandboxed kernel server (:mod:`autograder.isolation.kernel_forkserver`), in the
+    sandbox's control group if there is one; without it a kernel started afresh."""
+    workdir = course / KERNEL_WORKDIR_ROOT / task["student"] / task["assignment"]
+    runtime, jupyter = course / KERNEL_RUNTIME_DIR, course / "jupyter"
+    server = None
+    if limits.sandboxed:
+        hidden = [course.parent, *(Path(p) for p in task.get("hide", []))]
+        server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, runtime, hidden,
+                                                     course=starts_with_the_setup_cell(task["source"]),
+                                                     disk_mb=limits.disk_mb,
+                                                     cgroup=group.procs_files if group else None),
+                  "socket": str(free.socket_path), "environment": sandbox.kernel_environment(limits.threads)}
+        argv = sandbox.kernel_client_argv(free.socket_path, memory_mb=limits.memory_mb, file_mb=limits.file_mb)
+    else:
+        argv = sandbox.kernel_argv(workdir, runtime, memory_mb=limits.memory_mb, file_mb=limits.file_mb, sandbox=False)
+    kernel = sandbox.write_kernelspec(jupyter, argv, threads=limits.threads)
+    return {"root": str(course), "student": task["student"], "assignment": task["assignment"],
+            "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
+            "limits": dataclasses.asdict(limits), "kernel": kernel, "report": str(course / "report.json"), "skip": {},
+            # (the late penalty: the parent's merge)
+            "ipc": str(runtime / "k") if server else None, "kernel_server": server}
+
+
+def _expected_notebooks(course: Path, task: dict) -> list[str]:
+    """The notebooks of the student's folder that the assignment has: each must come back graded."""
+    names = {Path(name).stem for name in task["source"] if name.endswith(".ipynb") and "/" not in name}
+    submitted = course / "submitted" / task["student"] / task["assignment"]
+    return sorted(p.stem for p in submitted.glob("*.ipynb") if p.stem in names)
+
+
+def _watch(course: Path, limits: Limits, group: cgroups.Group | None):
+    """What stops an attempt as its time limit would, looked at about every second: the sandbox's
+    CPU past ``cpu_seconds`` over all the submission's attempts (``"cpu"``), or its kernels'
+    folders past ``disk_mb`` (``"disk"``)."""
+    cpu_start = group.cpu_seconds() if group else 0.0
+    quota = limits.disk_mb * 2**20
+
+    def watch() -> str | None:
+        if group is not None and group.cpu_seconds() - cpu_start > limits.cpu_seconds:
+            return "cpu"
+        return "disk" if disk_usage(course / KERNEL_WORKDIR_ROOT, course / KERNEL_RUNTIME_DIR) > quota else None
+
+    return watch
+
+
+def _attempt(course: Path, job: dict, free: NbgraderProcess, attempt: int, timeout: float, watch) -> tuple[Attempt, dict]:
+    """One attempt at every notebook, on files the last attempt's kernels no longer hold: how it
+    ended, and the report the nbgrader process wrote (which cell ran last, what went wrong)."""
+    report_path = Path(job["report"])
+    report_path.unlink(missing_ok=True)
+    if attempt > 1:  # what the last attempt's kernels wrote goes (it would count against the disk quota)
+        empty_folder(course / KERNEL_WORKDIR_ROOT)
+        empty_folder(course / KERNEL_RUNTIME_DIR)
+        (course / KERNEL_WORKDIR_ROOT / job["student"] / job["assignment"]).mkdir(parents=True, exist_ok=True)
+    result = free.run(job, timeout=timeout, watch=watch)
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, ValueError):
+        report = {}
+    return result, report
+
+
+def _take_incidents(outcome: dict, report: dict, attempt: int) -> None:
+    """The attempt's incidents (a cell past its time limit, tampering...), each once over the attempts."""
+    for incident in report.get("incidents", []):
+        incident.setdefault("attempt", attempt)
+        if incident not in outcome["incidents"]:
+            outcome["incidents"].append(incident)
+
+
+def _over_budget(limits: Limits) -> str:
+    return (f"its attempts together ran past the {limits.submission_timeout} s a submission "
+            "may take (--submission-timeout), so the grader gave up")
+
+
+def _failed_cell(result: Attempt, report: dict, limits: Limits, deadline: float) -> tuple[str, int] | str:
+    """Why an attempt failed: the cell to skip on the next attempt, as ``(kind, cell number)``
+    (``dead``, ``hung``, ``disk``, ``notebook_timeout``), or, where no attempt can do better, why
+    the grader gives up (text)."""
+    if result.timed_out and time.monotonic() >= deadline:  # (whichever cell it was in: no time to retry)
+        return _over_budget(limits)
+    if result.stopped == "cpu":
+        return (f"its sandbox used more than the {limits.cpu_seconds} s of CPU a submission "
+                "may use (--cpu-seconds), so the grader gave up")
+    if result.stopped == "disk" and "cell" in report:
+        return "disk", report["cell"]
+    if "dead_cell" in report:
+        return "dead", report["dead_cell"]
+    if "hung_cell" in report:
+        return "hung", report["hung_cell"]
+    if result.timed_out and "cell" in report:
+        return "notebook_timeout", report["cell"]
+    cause = start_failure_cause(result.log)
+    return (("the kernel could not start: " + cause + "\n") if cause else "") + (
+        "nbgrader autograde failed" + (" (ran past --notebook-timeout)" if result.timed_out else "")
+        + ":\n" + result.log[-3000:])
+
+
+def _take_tests(outcome: dict, workdir: Path, expected: list[str]) -> None:
+    """A graded submission's tests, and the tampering its checks refused, from its graded notebooks."""
+    import nbformat
+
+    for name in expected:
+        cells = results.graded_cells(nbformat.read(workdir / f"{name}.ipynb", as_version=4), name)
+        outcome["tests"] += [cell.as_dict() for cell in cells]
+        outcome["incidents"] += tampering_incidents(cells)

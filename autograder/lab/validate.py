@@ -24,6 +24,7 @@ Run as a script, the module is the child: ``python validate.py NOTEBOOK RESULT P
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -160,7 +161,7 @@ def _child(notebook: str, result_path: str, progress_path: str) -> None:
     config = app.config
     config.Execute.on_cell_execute = on_cell_execute
     # Killed once every cell has run, as grading does: a graceful shutdown can hang 2.5 s
-    # (autograder.execute.notebook_client says why), and the student waits for the answer.
+    # (autograder.grading.execute.notebook_client says why), and the student waits for the answer.
     config.Execute.shutdown_kernel = "immediate"
     try:
         outcome = {"success": True, "value": CourseValidator(config=config).validate(notebook)}
@@ -187,24 +188,13 @@ def _stop_tree(pid: int) -> None:
     except psutil.NoSuchProcess:
         return
     for process in family:
-        with _ignoring(psutil.Error):
+        with contextlib.suppress(psutil.Error):
             process.send_signal(signal.SIGTERM)
     _, alive = psutil.wait_procs(family, timeout=10)
     for process in alive:
-        with _ignoring(psutil.Error):
+        with contextlib.suppress(psutil.Error):
             process.kill()
     psutil.wait_procs(alive, timeout=10)
-
-
-class _ignoring:
-    def __init__(self, *errors):
-        self.errors = errors
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, traceback):
-        return kind is not None and issubclass(kind, self.errors)
 
 
 async def validate_notebook(path: Path, log=None, base_seconds: float | None = None) -> dict:

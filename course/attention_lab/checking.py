@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from attention_lab.bridge import remote
+from attention_lab.bridge import checker_side
 from attention_lab.bridge.probes import Probe
 
 __all__ = [
@@ -83,6 +83,7 @@ __all__ = [
     "reference_sdpa",
     "describe",
     "shape_str",
+    "wrapped_lines",
     "expect_callable",
     "expect_signature",
     "expect_tensor",
@@ -130,7 +131,7 @@ class CheckFailure(AssertionError):
                 if frame.line:
                     lines.append("    " + frame.line.strip())
             lines.append("")
-        return lines + _wrap(f"{type(self).__name__}: {self}")
+        return lines + wrapped_lines(f"{type(self).__name__}: {self}")
 
 
 class RuleFailure(CheckFailure):
@@ -202,8 +203,9 @@ def _student_frames(trace: types.TracebackType | None) -> list[traceback.FrameSu
     return [frame for frame in traceback.extract_tb(trace) if _is_student_file(frame.filename)]
 
 
-def _wrap(text: str) -> list[str]:
-    """Lines of at most _LINE_WIDTH characters; a continuation keeps its line's indent, plus two."""
+def wrapped_lines(text: str) -> list[str]:
+    """Lines of at most _LINE_WIDTH characters, as a failure is shown (in the lab, and by the grader's
+    checker); a continuation keeps its line's indent, plus two."""
     lines = []
     for line in text.splitlines() or [""]:
         indent = line[: len(line) - len(line.lstrip())]
@@ -233,7 +235,7 @@ def describe(value: Any) -> str:
         return "tuple of " + str(len(value)) + " (" + ", ".join(describe(v) for v in value) + ")"
     if value is None:
         return "None"
-    if remote.is_remote(value):  # a proxy's own words (its class is the course's, not the student's)
+    if checker_side.is_remote(value):  # a proxy's own words (its class is the course's, not the student's)
         return repr(value)[:120]
     return f"{type(value).__name__} {value!r}"[:120]
 
@@ -713,10 +715,10 @@ def _probes_failure(tripwire: "Tripwire", probes: Sequence[Probe]) -> "CheckFail
 
 def crash_message(call: str, error: BaseException) -> str:
     """How a call that ended in ``error`` reads in a failure: ``{call} raised ValueError: text`` for
-    an exception of the student's code; for a failure of their kernel (a ``remote.BridgeError``: a
+    an exception of the student's code; for a failure of their kernel (a ``checker_side.BridgeError``: a
     timeout, a malformed answer, never an exception of their code) the kernel's own words,
     ``{call}: text``, with no class name of the course's in them."""
-    if isinstance(error, remote.BridgeError):
+    if isinstance(error, checker_side.BridgeError):
         return f"{call}: {error}"
     return f"{call} raised {type(error).__name__}: {error}"
 
@@ -752,8 +754,8 @@ def call_student(
     watched = [tensor for _, tensor, _ in snapshots if isinstance(tensor, torch.Tensor)]
     tripwire = Tripwire(forbidden, exercise, numpy_only, watched)
     try:
-        if remote.is_remote(fn):  # grading: the call runs in the student's kernel, the tripwire with it
-            result = remote.remote_call(fn, args, kwargs, probes=[tripwire, *probes], what=call)
+        if checker_side.is_remote(fn):  # grading: the call runs in the student's kernel, the tripwire with it
+            result = checker_side.remote_call(fn, args, kwargs, probes=[tripwire, *probes], what=call)
         else:
             with contextlib.ExitStack() as stack:
                 for probe in (tripwire, *probes):
@@ -769,7 +771,7 @@ def call_student(
         raise CheckFailure(
             f"{call}: not implemented yet ({error}). Replace `raise NotImplementedError` with your code."
         ) from None
-    except remote.BridgeError as error:
+    except checker_side.BridgeError as error:
         raise CheckFailure(crash_message(call, error)) from None
     except Exception as error:  # any other bug in the answer: say where it broke
         if (failure := _probes_failure(tripwire, probes)) is not None:
@@ -936,7 +938,7 @@ def expect_value_error(fn: Callable, *args: Any, call: str, why: str, must_menti
         return
     except NotImplementedError:
         raise CheckFailure(f"{call}: not implemented yet. Replace `raise NotImplementedError` with your code.") from None
-    except remote.BridgeError as error:  # the kernel's failure, not a wrong exception of the answer
+    except checker_side.BridgeError as error:  # the kernel's failure, not a wrong exception of the answer
         raise CheckFailure(crash_message(call, error)) from None
     except Exception as error:
         raise CheckFailure(f"{call} should raise ValueError ({why}), but raised "
@@ -1391,7 +1393,7 @@ def check(summary: str, uses: Sequence[str] = ()) -> Callable[[Callable], Callab
             _ACTIVE_CHECKS.append(call)
             kwargs["device"] = resolve_device(kwargs.get("device"))
             trace = CallTrace(uses, getattr(answer, "__name__", None)) if uses and not _DEPENDENCY_RUN[0] else None
-            bridge = remote.bridge_of(answer)
+            bridge = checker_side.bridge_of(answer)
             if trace is not None and bridge is None:
                 trace.watch(_student_namespace(answer))
             try:

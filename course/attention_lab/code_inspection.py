@@ -44,7 +44,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from attention_lab.bridge import remote
+from attention_lab.bridge import checker_side
 from attention_lab.bridge.probes import Probe
 
 __all__ = ["Use", "find_uses", "has_loop", "answer_functions", "source_available"]
@@ -498,9 +498,9 @@ def find_uses(answer: Any, *, functions: Iterable[str] = (), methods: Iterable[s
     Uses are listed in the order the code is read, the answer's own code first. In grading
     the answer's code is read in the student's kernel (:class:`CodeFacts`).
     """
-    if remote.is_remote(answer):
+    if checker_side.is_remote(answer):
         facts = CodeFacts(functions, methods, operators, follow_helpers)
-        return remote.measure(answer, facts, "the answer's code").uses
+        return checker_side.measure(answer, facts, "the answer's code").uses
     walked = list(_walk(answer, follow_helpers))  # first: reading may import what the code imports
     targets = _targets(functions)
     methods, operators = set(methods), set(operators)
@@ -534,8 +534,8 @@ def has_loop(answer: Any, *, follow_helpers: bool = True) -> bool:
     """Whether the answer (or a helper it calls) loops: ``for``, ``while``, a comprehension or
     generator, ``map`` or ``functools.reduce``. An answer with no Python code at all (a
     builtin) does not."""
-    if remote.is_remote(answer):
-        return remote.measure(answer, CodeFacts(follow_helpers=follow_helpers), "the answer's code").loops
+    if checker_side.is_remote(answer):
+        return checker_side.measure(answer, CodeFacts(follow_helpers=follow_helpers), "the answer's code").loops
     return any(facts.loops for _function, facts in _walk(answer, follow_helpers))
 
 

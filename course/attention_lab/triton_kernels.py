@@ -639,12 +639,12 @@ def launch(launcher: Callable, kernel: Any, *args: Any, watch: LoadWatch, **kwar
     """``launcher(kernel, *args, watch=watch, **kwargs)`` where the kernel is: here in the lab; in
     grading (``kernel`` a proxy of the student's) in the student's process, by :class:`KernelLaunch`,
     whose report (the result, what ``watch`` saw, the warnings, the exception) is replayed here."""
-    from attention_lab.bridge import remote
+    from attention_lab.bridge import checker_side
 
-    if not remote.is_remote(kernel):
+    if not checker_side.is_remote(kernel):
         return launcher(kernel, *args, watch=watch, **kwargs)
     probe = KernelLaunch(launcher=launcher.__name__, args=list(args), kwargs=kwargs)
-    remote.measure(kernel, probe, f"the launch of your kernel by {launcher.__name__}")
+    checker_side.measure(kernel, probe, f"the launch of your kernel by {launcher.__name__}")
     result = probe.replay(watch)
     # The tensors arrive on the CPU. Back on the device the kernel ran on where this process has it: a check
     # judges a kernel by where it ran (fp32 tl.dot runs in TF32 on a GPU), as in the lab; else the inputs'.
@@ -667,7 +667,7 @@ class KernelLaunch(Probe):
 
     def measure(self, kernel: Any) -> dict:
         """In the student's kernel: launch, and report."""
-        from attention_lab.bridge.agent import exception_data
+        from attention_lab.bridge.kernel_side import exception_data
 
         watch = LoadWatch()
         # A kernel compiled for the GPU (defined without TRITON_INTERPRET: grading without the sandbox on a GPU
@@ -707,7 +707,7 @@ class KernelLaunch(Probe):
     def replay(self, watch: LoadWatch) -> Any:
         """What the launch did, here: ``watch`` takes the kernel's watch's records, the warnings are
         given again, and the launch's result is returned (or its exception raised)."""
-        from attention_lab.bridge import remote
+        from attention_lab.bridge import checker_side
 
         watch.accept(self.result.get("watch"))
         for name, text, count in self.result["warnings"]:
@@ -717,7 +717,7 @@ class KernelLaunch(Probe):
         raised = self.result.get("raised")
         if raised is None:
             return self.result["result"]
-        error = remote.student_exception(raised)
+        error = checker_side.student_exception(raised)
         known = _LAUNCH_ERRORS.get(str(raised.get("type")))
         if known is StoreOutOfBounds:
             raise StoreOutOfBounds(str(error).removeprefix("the kernel wrote past the end of ")[:100])

@@ -4,12 +4,12 @@
 
 An nbgrader process (:mod:`autograder.grading.nbgrader_process`) keeps one checker for all its
 students, next to their kernels, and sends it each graded test cell of a notebook listed in
-:data:`autograder.settings.CHECKED_OUTSIDE_THE_KERNEL`: the cell's source as nbgrader has it
+:data:`autograder.grading.trusted.checker_client.CHECKED_OUTSIDE_THE_KERNEL`: the cell's source as nbgrader has it
 (the source notebook's, with its hidden tests: never the student's copy), and the path of a
 socket.  The checker listens there, says so, and the nbgrader process starts the bridge's agent in the
-student's kernel (:func:`attention_lab.bridge.agent.serve`), which connects.  The checker
+student's kernel (:func:`attention_lab.bridge.kernel_side.serve`), which connects.  The checker
 then runs the test cell itself: the names the cell takes from the notebook are looked up in
-the kernel (data, or proxies of the student's objects: :mod:`attention_lab.bridge.remote`),
+the kernel (data, or proxies of the student's objects: :mod:`attention_lab.bridge.checker_side`),
 the course's own checks run here, call the student's code through the bridge, and decide.
 The answer is the cell's outputs, as a kernel would have produced them: what the checks
 printed, and the error (its name, message and lines) when the test failed.
@@ -60,12 +60,12 @@ def notebook_names(source: str) -> list[str]:
 def _error_output(error: BaseException) -> dict:
     """The error output a kernel shows for ``error``: a CheckFailure as the student sees it in the
     lab (its message, wrapped), anything else as its name and message."""
-    from attention_lab.checking import CheckFailure, _wrap
+    from attention_lab.checking import CheckFailure, wrapped_lines
 
     ename = type(error).__name__
     evalue = str(error)
     if isinstance(error, CheckFailure):
-        lines = _wrap(f"{ename}: {evalue}")
+        lines = wrapped_lines(f"{ename}: {evalue}")
     else:
         lines = [f"{ename}: {evalue}"]
     return {"output_type": "error", "ename": ename, "evalue": evalue, "traceback": lines}
@@ -74,7 +74,7 @@ def _error_output(error: BaseException) -> dict:
 def run_cell(source: str, connection: socket.socket, timeout: float) -> tuple[list[dict], int]:
     """Run one test cell against the kernel at the other end of ``connection``: its outputs, and
     how many requests crossed to the kernel."""
-    from attention_lab.bridge.remote import Bridge
+    from attention_lab.bridge.checker_side import Bridge
 
     bridge = Bridge(connection, timeout)
     printed = io.StringIO()
@@ -166,7 +166,7 @@ def serve() -> int:
     os.environ.setdefault("MPLBACKEND", "Agg")
     import torch  # once, before the first student
 
-    # One thread, as each student's kernel has (autograder.sandbox.kernel_environment): the checker
+    # One thread, as each student's kernel has (autograder.isolation.sandbox.kernel_environment): the checker
     # runs next to the engine's kernels, and a second OpenMP thread on a busy 2-core machine made
     # every crossing's storage comparison (torch.equal, bridge/peer.py) wait on a descheduled
     # thread: 64 KiB compared in 4.5 ms instead of 0.12 ms, ~0.1 s per request of notebook 05.

@@ -15,8 +15,8 @@ REPOSITORY = Path(__file__).resolve().parents[3]
 if str(REPOSITORY) not in sys.path:
     sys.path.insert(0, str(REPOSITORY))
 
-from autograder.gradebook import stamp_in_process  # noqa: E402
 from autograder.lab.instructor.inert_submissions import SHELL_VARIABLE, KernelsOffManager  # noqa: E402
+from autograder.store.gradebook import stamp_in_process  # noqa: E402
 
 c = get_config()  # noqa: F821 -- provided by Jupyter when it loads this file
 

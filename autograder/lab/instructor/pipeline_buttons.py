@@ -7,9 +7,9 @@ autograded notebook, hidden tests included, as the student's feedback; "Generate
 "Release" would build a release other than ``make release``'s. This extension answers those
 API routes before nbgrader does:
 
-* Autograde (a submission)   -> ``python -m autograder.grade --student S --assignment A --force``
+* Autograde (a submission)   -> ``python -m autograder.grading.grade --student S --assignment A --force``
                                 (sandboxed kernels, the one writer of the gradebook);
-* Generate Feedback          -> ``python -m autograder.feedback [--student S] --assignment A``
+* Generate Feedback          -> ``python -m autograder.reports.feedback [--student S] --assignment A``
                                 (feedback pages that never show test code);
 * Generate, Release, Unrelease, Collect, Release Feedback -> refused, with what to run instead
   (``make release``, ``make intake``; feedback pages are sent through the LMS).
@@ -33,8 +33,8 @@ from tornado import web
 from tornado.routing import HostMatches, Rule
 from tornado.web import _ApplicationRouter
 
-from autograder.nbgrader_cli import nbgrader_environment
-from autograder.settings import REPO_ROOT
+from autograder.places import REPO_ROOT
+from autograder.store.nbgrader_cli import nbgrader_environment
 
 GRADE_TIMEOUT = 3600  # seconds: one submission graded by the pipeline (its own limits apply inside)
 
@@ -66,7 +66,7 @@ def refused(sentence: str) -> dict:
 
 
 def pipeline_command(module: str, root: str, *arguments: str) -> list[str]:
-    return [sys.executable, "-m", f"autograder.{module}", "--root", root, *arguments]
+    return [sys.executable, "-m", module, "--root", root, *arguments]
 
 
 async def run_pipeline(command: list[str], timeout: float = GRADE_TIMEOUT) -> dict:
@@ -112,7 +112,7 @@ class AutogradeHandler(PipelineHandler):
                                "is under archive/withdrawn/)."))
             return
         self.reply(await run_pipeline(pipeline_command(
-            "grade", self.root, "--student", student_id, "--assignment", assignment_id, "--force", "--jobs", "1")))
+            "autograder.grading.grade", self.root, "--student", student_id, "--assignment", assignment_id, "--force", "--jobs", "1")))
 
 
 class GenerateFeedbackHandler(PipelineHandler):
@@ -121,7 +121,7 @@ class GenerateFeedbackHandler(PipelineHandler):
     @check_notebook_dir
     async def post(self, assignment_id, student_id=None):
         arguments = ["--assignment", assignment_id] + (["--student", student_id] if student_id else [])
-        self.reply(await run_pipeline(pipeline_command("feedback", self.root, *arguments)))
+        self.reply(await run_pipeline(pipeline_command("autograder.reports.feedback", self.root, *arguments)))
 
 
 def refusing(action: str):

@@ -80,7 +80,7 @@ class Peer:
             self._register(sid, whole)
         fields["sid"] = sid
         graph_index = getattr(encoder, "grad_inputs", {}).get(id(tensor))
-        if graph_index is not None:  # an input of the call's autograd graph (see remote.Bridge.call)
+        if graph_index is not None:  # an input of the call's autograd graph (see checker_side.Bridge.call)
             fields["grad"], fields["gi"] = True, graph_index
         if sid not in self.known_to_other:
             whole = self.storages[sid][0]

@@ -5,4 +5,7 @@
 * ``positions_and_blocks`` -- 03 Positions and the Transformer block
 * ``vision_transformer`` -- 04 Vision Transformer from patches
 * ``llama_attention`` -- 05 Llama attention: GQA, RoPE, QK-norm, KV cache
+* ``efficient_attention`` -- 06 Efficient attention: from the S×S table to a FlashAttention kernel
+
+and ``encoder_reference``, PyTorch's reference for the pre-norm Transformer block that 03 and 04 build.
 """

@@ -35,7 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from attention_lab.bridge import probes, remote, wire
+from attention_lab.bridge import checker_side, probes, wire
 from attention_lab.bridge.probes import Probe
 from attention_lab.checking import (
     CheckFailure,
@@ -1746,7 +1746,7 @@ def _launched(call: str, blank: str, launcher: Callable, kernel: Any, *args: Any
         raise CheckFailure(f"{call}: not implemented yet ({error}). {blank}") from None
     except StoreOutOfBounds as error:
         stored_past = error.name
-    except remote.BridgeError as error:
+    except checker_side.BridgeError as error:
         raise CheckFailure(f"{call}: {error}") from None
     except Exception as error:
         text = str(error).strip()

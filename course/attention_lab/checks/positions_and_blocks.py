@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention_lab.bridge import remote, wire
+from attention_lab.bridge import checker_side, wire
 from attention_lab.bridge.probes import Probe
 from attention_lab.checking import _student_namespace
 from attention_lab.checking import (
@@ -1656,7 +1656,7 @@ class OrderTraining(Probe):
 
     def measure(self, model: Any) -> dict:
         """In the student's kernel: train, and report the exception the training raised, if any."""
-        from attention_lab.bridge.agent import exception_data
+        from attention_lab.bridge.kernel_side import exception_data
 
         try:
             device = next(model.parameters(), torch.empty(0)).device
@@ -1675,13 +1675,13 @@ class OrderTraining(Probe):
 def _train_where_the_model_is(model: nn.Module, mask: torch.Tensor | None, seed: int, device: torch.device) -> None:
     """:func:`_train_order` in the student's process: here in the lab, sent there in grading (:class:`OrderTraining`,
     which rebuilds the causal mask there)."""
-    if not remote.is_remote(model):
+    if not checker_side.is_remote(model):
         _train_order(model, mask, seed, device)
         return
-    run = remote.measure(model, OrderTraining(seed=seed, causal=mask is not None),
+    run = checker_side.measure(model, OrderTraining(seed=seed, causal=mask is not None),
                          "the training of your OrderTransformer")
     if run.result["raised"] is not None:
-        raise remote.student_exception(run.result["raised"])
+        raise checker_side.student_exception(run.result["raised"])
 
 
 def order_accuracy(model: nn.Module, mask: torch.Tensor | None = None, num_sequences: int = 500,
@@ -1708,7 +1708,7 @@ def _trained_accuracy(OrderTransformer: Callable, positions: str, causal: bool, 
         return order_accuracy(model, mask)
     except CheckFailure:
         raise
-    except remote.BridgeError as error:  # the kernel, not the model: a malformed report of the run
+    except checker_side.BridgeError as error:  # the kernel, not the model: a malformed report of the run
         raise CheckFailure(crash_message(f"training {call}", error)) from None
     except Exception as error:
         raise CheckFailure(crash_message(f"training {call}", error)) from error

@@ -40,7 +40,7 @@ def figure_png(figure: Figure) -> bytes:
 def warm_up() -> None:
     """Draw one small figure with text, as every widget's does: loads the fonts and glyphs that a
     process's first picture would otherwise load (grading's kernel server calls it once for all
-    its kernels: autograder.kernel_forkserver)."""
+    its kernels: autograder.isolation.kernel_forkserver)."""
     figure = Figure(figsize=(2, 1))
     axes = figure.add_subplot()
     axes.set_title("warm-up")
