@@ -55,6 +55,7 @@ import functools
 import inspect
 import json
 import math
+import numbers
 import os
 import sys
 import sysconfig
@@ -89,6 +90,8 @@ __all__ = [
     "expect_array",
     "expect_close",
     "expect_true",
+    "is_number",
+    "is_integer",
     "expect_choice",
     "choice_digest",
     "expect_value_error",
@@ -885,6 +888,19 @@ def expect_array(value: Any, *, what: str, shape: Sequence[int] | None = None, d
 def expect_true(condition: bool, message: str) -> None:
     if not condition:
         raise CheckFailure(message)
+
+
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a real number where an exercise asks for one (a count, a measurement, a sequence
+    length): Python's int and float and NumPy's scalars (``np.int64(4608)``, ``np.float32``), never a bool, a
+    tensor or a string. The one place every check decides it."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def is_integer(value: Any) -> bool:
+    """Whether ``value`` is an integer where an exercise asks for an int: Python's int and NumPy's integer
+    scalars (``np.int64``), never a bool, a float (even 4608.0) or a tensor."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 # Mixed into every digest of a multiple-choice answer, so that a digest is not the plain hash of a letter.

@@ -49,6 +49,8 @@ from attention_lab.checking import (
     expect_signature,
     expect_tensor,
     expect_true,
+    is_integer,
+    is_number,
     freeze_module,
     randint,
     randn,
@@ -598,8 +600,7 @@ def check_attention_matrix_bytes(attention_matrix_bytes: Callable, *, seed: int 
         call = "attention_matrix_bytes(" + ", ".join(f"{n}={v}" for n, v in zip(parameters, case)) + ")"
         got = call_student(attention_matrix_bytes, *case, call=call)
         expected = _matrix_bytes_reference(case)
-        expect_true(isinstance(got, int) and not isinstance(got, bool),
-                    f"{call} should return an int (a number of bytes), got {describe(got)}.")
+        expect_true(is_integer(got), f"{call} should return an int (a number of bytes), got {describe(got)}.")
         hint = ""
         if heads > 1 and got * heads == expected:
             hint = HINTS["bytes_heads"]
@@ -1930,7 +1931,7 @@ def check_answer_backward_flops(answer, *, seed: int = 0, device: torch.device |
         raise CheckFailure(f"{name}: not implemented yet. Set {name} to a pair of numbers, e.g. (1.0, 1.0).")
     numbers = list(answer) if isinstance(answer, (tuple, list)) else None
     expect_true(numbers is not None and len(numbers) == 2
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers),
+                and all(is_number(x) and math.isfinite(x) for x in numbers),
                 f"{name} should be a pair of numbers (FlashAttention-2's ratio, the two kernels' ratio), got "
                 f"{describe(answer)}.")
     single, split = numbers

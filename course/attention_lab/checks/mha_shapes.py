@@ -29,6 +29,8 @@ from attention_lab.checking import (
     expect_tensor,
     expect_true,
     expect_value_error,
+    is_integer,
+    is_number,
     freeze_module,
     randint,
     randn,
@@ -871,7 +873,7 @@ def check_attention_layer_flops(attention_layer_flops: Callable, MultiHeadSelfAt
                     f"missing {missing}, unexpected {extra}.")
         for key in FLOPS_KEYS:
             value = got[key]
-            expect_true(isinstance(value, int) and not isinstance(value, bool),
+            expect_true(is_integer(value),
                         f"{call}[{key!r}] should be an int (a count of FLOPs), got {describe(value)}. "
                         "Integer arithmetic keeps it exact: no `/`, no `math.pow`.")
         if got != expected:
@@ -972,7 +974,7 @@ def check_block_flops(block_flops: Callable, *, seed: int = 0, device: torch.dev
                     f"missing {missing}, unexpected {extra}.")
         for key in BLOCK_FLOPS_KEYS:
             value = got[key]
-            expect_true(isinstance(value, int) and not isinstance(value, bool),
+            expect_true(is_integer(value),
                         f"{call}[{key!r}] should be an int (a count of FLOPs), got {describe(value)}. "
                         "Integer arithmetic keeps it exact: int(mlp_ratio * d_model) is the hidden width.")
         if got != expected:
@@ -1006,7 +1008,7 @@ def check_answer_attention_crossover(answer, *, seed: int = 0, device: torch.dev
     name, width = "ANSWER_ATTENTION_CROSSOVER", 768
     if answer is None:
         raise CheckFailure(f"{name}: not implemented yet. Set {name} to a number: the sequence length S.")
-    expect_true(isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer),
+    expect_true(is_number(answer) and math.isfinite(answer),
                 f"{name} should be a number (a sequence length, e.g. 1000), got {describe(answer)}.")
     wrong = {2 * width: "projections_only", 4 * width: "mlp_only", width: "one_projection",
              12 * width: "half_of_attention"}

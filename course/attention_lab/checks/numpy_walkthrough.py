@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import numbers
 import tracemalloc
 from typing import Any, Callable, Sequence
 
@@ -38,6 +37,7 @@ from attention_lab.checking import (
     expect_signature,
     expect_true,
     expect_value_error,
+    is_number,
     freeze_module,
     one_cpu_thread,
     reference_sdpa,
@@ -873,7 +873,7 @@ def _call_variance(dot_product_variance: Callable, d_head: int, sigma: float, n_
         np.random.set_state(global_state)  # the notebook's own global stream is left as it was
     if isinstance(value, np.ndarray) and value.ndim == 0:
         value = value[()]
-    expect_true(isinstance(value, numbers.Real) and not isinstance(value, bool),
+    expect_true(is_number(value),
                 f"{call} should return one float (the measured variance), got {describe(value)}.")
     value = float(value)
     if rng.bit_generator.state == rng_state:
