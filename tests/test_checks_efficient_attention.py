@@ -1374,7 +1374,7 @@ def test_the_interpreters_warnings_come_after_the_checks_message():
         message = rejects(checks.check_row_softmax_kernel, PlantedLadder(planted_softmax, 2), "softmax_no_max")
     assert not [w for w in escaped if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in escaped]
     tail = message.split("Likely mistake:")[-1]
-    assert "Warnings while your kernel ran:" in tail and "RuntimeWarning: overflow encountered in exp2" in tail, message
+    assert "Warnings while your code ran:" in tail and "RuntimeWarning: overflow encountered in exp2" in tail, message
 
 
 # --------------------------------------------------------------------------------------

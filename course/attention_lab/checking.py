@@ -62,6 +62,8 @@ import sysconfig
 import textwrap
 import traceback
 import types
+import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -1379,6 +1381,33 @@ def _dependency_notes(answer: Any, uses: Sequence[str], near_module: str, device
     return notes
 
 
+@contextlib.contextmanager
+def _warnings_held(hold: bool) -> Iterator[list]:
+    """Hold back the warnings given while a check runs (the student's code's, PyTorch's about it): printed as they
+    come they go to stderr, where nbgrader counts a test cell that wrote there as failed -- in Validate and in
+    grading -- although the check passed; and when it fails they stood above its message. A check that passes
+    drops them (its numbers were right); a failure ends with them (:func:`_with_warnings`)."""
+    if not hold:
+        yield []
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+# A failure lists at most this many different warnings, one line each.
+_WARNINGS_SHOWN = 5
+
+
+def _with_warnings(failure: CheckFailure, caught: Sequence[warnings.WarningMessage]) -> None:
+    """``failure``'s message, followed by the warnings held back while its check ran (one line each, counted)."""
+    seen = Counter(f"{w.category.__name__}: {str(w.message).strip()}" for w in caught)
+    if not seen:
+        return
+    lines = [f"    {text[:300]}" + (f" (x{count})" if count > 1 else "") for text, count in seen.items()]
+    failure.args = ("\n".join([str(failure), "  Warnings while your code ran:", *lines[:_WARNINGS_SHOWN]]),)
+
+
 def check(summary: str, uses: Sequence[str] = ()) -> Callable[[Callable], Callable]:
     """Decorator for a check function ``check_<name>(answer, *, seed=0, device=None, ...)``.
 
@@ -1411,24 +1440,28 @@ def check(summary: str, uses: Sequence[str] = ()) -> Callable[[Callable], Callab
             if trace is not None and bridge is None:
                 trace.watch(_student_namespace(answer))
             try:
-                verify_untampered()
-                with pinned_numerics(), torch.random.fork_rng(devices=[]), contextlib.ExitStack() as stack:
-                    if trace is not None and bridge is not None:  # grading: traced in the kernel, call by call
-                        bridge.ambient.append(trace)
-                        stack.callback(bridge.ambient.remove, trace)
-                    elif trace is not None:
-                        stack.enter_context(trace)
-                    function(answer, *args, **kwargs)
-            except CheckFailure as failure:
-                if uses and not getattr(failure, "dependencies_checked", False) and "not implemented yet" not in str(failure):
-                    failure.dependencies_checked = True
-                    notes = _dependency_notes(answer, uses, function.__module__, kwargs["device"],
-                                              called=trace.called if trace is not None else None)
-                    if notes:
-                        failure.args = ("\n".join([str(failure), *notes]),)
-                if outermost:
-                    _record_failure(str(failure))
-                raise
+                with _warnings_held(outermost) as held:
+                    try:
+                        verify_untampered()
+                        with pinned_numerics(), torch.random.fork_rng(devices=[]), contextlib.ExitStack() as stack:
+                            if trace is not None and bridge is not None:  # grading: traced in the kernel, call by call
+                                bridge.ambient.append(trace)
+                                stack.callback(bridge.ambient.remove, trace)
+                            elif trace is not None:
+                                stack.enter_context(trace)
+                            function(answer, *args, **kwargs)
+                    except CheckFailure as failure:
+                        if uses and not getattr(failure, "dependencies_checked", False) \
+                                and "not implemented yet" not in str(failure):
+                            failure.dependencies_checked = True
+                            notes = _dependency_notes(answer, uses, function.__module__, kwargs["device"],
+                                                      called=trace.called if trace is not None else None)
+                            if notes:
+                                failure.args = ("\n".join([str(failure), *notes]),)
+                        _with_warnings(failure, held)
+                        if outermost:
+                            _record_failure(str(failure))
+                        raise
             finally:
                 _ACTIVE_CHECKS.pop()
             if not quiet:

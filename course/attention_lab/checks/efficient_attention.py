@@ -27,7 +27,6 @@ import contextlib
 import functools
 import math
 import traceback
-import warnings
 from collections import Counter
 from typing import Any, Callable, Sequence
 
@@ -1408,26 +1407,6 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
 # --------------------------------------------------------------------------------------
 
 
-def _warnings_after_the_message(check_body: Callable) -> Callable:
-    """Run a kernel check with the warnings of Triton's interpreter held back (NumPy's RuntimeWarnings: overflow in
-    exp, inf - inf ...): printed as they come, they stood above the check's message. A failure ends with them
-    (one line each, counted); a check that passes drops them (its numbers were right)."""
-
-    @functools.wraps(check_body)
-    def run(*args: Any, **kwargs: Any) -> None:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                check_body(*args, **kwargs)
-            except CheckFailure as failure:
-                seen = Counter(f"{w.category.__name__}: {w.message}" for w in caught)
-                if seen:
-                    lines = [f"    {text}" + (f" (x{count})" if count > 1 else "") for text, count in seen.items()]
-                    failure.args = ("\n".join([str(failure), "  Warnings while your kernel ran:", *lines[:5]]),)
-                raise
-    return run
-
-
 def _overrun_hint(overrun: Any, unmasked_load: str, unmasked_store: str) -> str:
     """The hint for a load or store that reached past the end, by what the interpreter saw of its lanes."""
     if overrun.cause == "no_mask":
@@ -1517,7 +1496,6 @@ def _blocks_of(index: int, block: int, length: int) -> tuple[int, int]:
 
 
 @check("scale_kernel: alpha · x with masked loads and stores, any length ({device})")
-@_warnings_after_the_message
 def check_scale_kernel(scale_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The first warm-up: a 1-D masked load and store, on lengths that are multiples of no block."""
     from attention_lab.triton_kernels import launch_scale
@@ -1535,7 +1513,6 @@ def check_scale_kernel(scale_kernel: Any, *, seed: int = 0, device: torch.device
 
 
 @check("matmul_kernel: a tiled A @ B with a float32 accumulator, ragged M, N and K ({device})")
-@_warnings_after_the_message
 def check_matmul_kernel(matmul_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The second warm-up: blocks of C, a loop over K, masks on every ragged edge."""
     from attention_lab.triton_kernels import launch_matmul
@@ -1583,7 +1560,6 @@ def _matmul_numbers(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, call: str
 
 
 @check("row_softmax_kernel: softmax of each row, stable at ±1000, any row length ({device})")
-@_warnings_after_the_message
 def check_row_softmax_kernel(row_softmax_kernel: Any, *, seed: int = 0, device: torch.device | None = None) -> None:
     """The third warm-up: one program per row, masked lanes at -inf, the max subtracted."""
     from attention_lab.triton_kernels import launch_row_softmax
@@ -1817,7 +1793,6 @@ def _kernel_case(kernel, launcher, shape, causal, block_q, block_k, dtype, devic
 
 
 @check("flash_attention_kernel: equals SDPA and logsumexp in float32 and float16, ragged and causal, any block sizes ({device})")
-@_warnings_after_the_message
 def check_flash_attention_kernel(flash_attention_kernel: Any, *, seed: int = 0, device: torch.device | None = None,
                                  sizes: str = "small") -> None:
     """The student's Triton kernel, launched by the course's launcher: on the CPU through Triton's
@@ -1879,7 +1854,6 @@ def _backward_kernel_case(kernel_dkdv, kernel_dq, shape, causal, block_q, block_
 
 
 @check("flash_attention_backward_kernel: dq, dk, dv of two Triton kernels equal autograd through SDPA, float32 and float16, ragged, causal ({device})")
-@_warnings_after_the_message
 def check_flash_attention_backward_kernel(flash_attention_backward_kernel: Any,
                                           flash_attention_backward_dq_kernel: Any, *, seed: int = 0,
                                           device: torch.device | None = None, sizes: str = "small") -> None:
