@@ -7,8 +7,10 @@ are deliberately written another way than the solution notebook.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -667,9 +669,50 @@ def variance_via_torch(d_head, sigma, n_samples, rng):
     return float((q * k).sum(-1).var())
 
 
+def variance_loop_ddof(d_head, sigma, n_samples, rng):
+    """Right: one pair at a time in a loop, the unbiased variance (ddof=1)."""
+    products = [float(rng.normal(0.0, sigma, d_head) @ rng.normal(0.0, sigma, d_head)) for _ in range(n_samples)]
+    return np.var(products, ddof=1)  # a NumPy float64
+
+
+def variance_float32_einsum(d_head, sigma, n_samples, rng):
+    """Right: both vectors drawn at once, float32, np.var of an einsum; a NumPy float32 scalar returned."""
+    q, k = rng.standard_normal((2, n_samples, d_head), dtype=np.float32) * np.float32(sigma)
+    return np.var(np.einsum("nd,nd->n", q, k))
+
+
+def variance_formula_with_jitter(d_head, sigma, n_samples, rng):
+    """The closed form with a little noise drawn from rng: it depends on the rng and is close, but measures nothing
+    (issue #51: it got full marks)."""
+    return d_head * sigma**4 * (1 + 1e-3 * rng.standard_normal())
+
+
+def variance_of_fixed_pairs(d_head, sigma, n_samples, rng):
+    """A measurement on 10,000 pairs whatever n_samples asks for: close at every size, but n_samples ignored."""
+    return variance_mean_of_squares(d_head, sigma, 10_000, rng)
+
+
+def variance_of_fewer_pairs(d_head, sigma, n_samples, rng):
+    """A measurement on 20 pairs where n_samples is small (on all of them where it is large, so that the numbers
+    alone pass): it measures fewer pairs than asked."""
+    return variance_mean_of_squares(d_head, sigma, 20 if n_samples < 10_000 else n_samples, rng)
+
+
 def test_dot_product_variance_accepts_a_correct_answer_written_differently():
     checks.check_dot_product_variance(variance_mean_of_squares, **CPU)
     checks.check_dot_product_variance(variance_mean_of_squares, seed=3, **CPU)
+    checks.check_dot_product_variance(variance_loop_ddof, **CPU)
+    checks.check_dot_product_variance(variance_float32_einsum, seed=5, **CPU)
+
+
+@pytest.mark.parametrize("wrong, hint", [(variance_formula_with_jitter, "formula"),
+                                         (variance_of_fixed_pairs, "more_samples"),
+                                         (variance_of_fewer_pairs, "fewer_samples")])
+def test_dot_product_variance_must_measure_a_sample_whose_spread_is_its_standard_error(wrong, hint):
+    """The results of a measurement on n pairs spread over rng seeds by its standard error (issue #51)."""
+    with pytest.raises(CheckFailure, match=re.escape(checks.VARIANCE_HINTS[hint])) as failure:
+        checks.check_dot_product_variance(wrong, **CPU)
+    assert "with 100 rng seeds: the results spread by" in str(failure.value)
 
 
 @pytest.mark.parametrize("wrong, phrase", [
@@ -1173,19 +1216,20 @@ def _lse_answer(*, lse_scaled=True, masked_lse=True, lse_form="right", guard=Tru
         scores = raw / math.sqrt(Q.shape[-1])
         masked = scores if mask is None else np.where(mask, scores, -np.inf)
         m = np.max(masked, axis=-1, keepdims=True)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # (only the unguarded variant meets 0/0)
             shift = np.where(np.isfinite(m), m, 0.0) if guard else m
             exps = np.exp(masked - shift)
             total = np.sum(exps, axis=-1, keepdims=True)
             out = (exps / (np.where(total > 0, total, 1.0) if guard else total)) @ V
-            lse_source = (masked if masked_lse else scores) * (1.0 if lse_scaled else math.sqrt(Q.shape[-1]))
-            lse_m = np.max(lse_source, axis=-1, keepdims=True)
-            lse_shift = np.where(np.isfinite(lse_m), lse_m, 0.0)
-            lse_total = np.sum(np.exp(lse_source - lse_shift), axis=-1, keepdims=True)
-            lse = {"right": lse_shift + np.log(lse_total), "max": lse_m, "no_shift": np.log(lse_total),
-                   "base2": (lse_shift + np.log(lse_total)) / math.log(2)}[lse_form]
-            if guard:
-                lse = np.where(lse_total > 0, lse, -np.inf)
+        lse_source = (masked if masked_lse else scores) * (1.0 if lse_scaled else math.sqrt(Q.shape[-1]))
+        lse_m = np.max(lse_source, axis=-1, keepdims=True)
+        lse_shift = np.where(np.isfinite(lse_m), lse_m, 0.0)
+        lse_total = np.sum(np.exp(lse_source - lse_shift), axis=-1, keepdims=True)
+        log_total = np.log(np.where(lse_total > 0, lse_total, 1.0))  # no log(0)
+        lse = {"right": lse_shift + log_total, "max": lse_m, "no_shift": log_total,
+               "base2": (lse_shift + log_total) / math.log(2)}[lse_form]
+        if guard:
+            lse = np.where(lse_total > 0, lse, -np.inf)
         lse = lse if keep_axis else lse[..., 0]
         return out.astype(Q.dtype), lse.astype(Q.dtype)
     return np_attention_lse
@@ -1217,8 +1261,60 @@ def test_np_attention_lse_must_not_warn_on_a_query_with_no_key():
         np.log(np.zeros(1))  # log(0): right value, but a RuntimeWarning the student would see
         return out, lse
 
-    with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_LSE_HINTS["warning"])):
+    with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_LSE_HINTS["warning"])) as failure:
         checks.check_np_attention_lse(warns, **CPU)
+    assert "NumPy met divide by zero (your line: `np.log(np.zeros(1))" in str(failure.value)
+
+
+def lse_silenced(silence):
+    """The recipe with no guard against a query that sees no key, its warnings silenced (``silence``: how), NaN
+    and -inf repaired afterwards: right numbers, but the invalid operations the exercise is about still run."""
+    def np_attention_lse(Q, K, V, mask=None):
+        scores = Q @ np.swapaxes(K, -1, -2) / math.sqrt(Q.shape[-1])
+        if mask is not None:
+            scores = np.where(mask, scores, -np.inf)
+        with silence():
+            row_max = np.max(scores, axis=-1, keepdims=True)
+            exps = np.exp(scores - row_max)  # -inf - (-inf) = NaN on a row without keys
+            total = np.sum(exps, axis=-1, keepdims=True)
+            out = np.nan_to_num(exps / total) @ V
+            lse = np.where(np.isfinite(row_max), row_max + np.log(total), -np.inf)[..., 0]
+        return out.astype(Q.dtype), lse.astype(Q.dtype)
+    return np_attention_lse
+
+
+def _seterr_ignored():
+    @contextlib.contextmanager
+    def silence():
+        saved = np.seterr(all="ignore")
+        try:
+            yield
+        finally:
+            np.seterr(**saved)
+    return silence
+
+
+def _warnings_ignored():
+    @contextlib.contextmanager
+    def silence():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    return silence
+
+
+@pytest.mark.parametrize("silence, hint", [
+    (lambda: np.errstate(all="ignore"), "silenced"),
+    (lambda: np.errstate(invalid="ignore", divide="ignore"), "silenced"),
+    (_seterr_ignored(), "silenced"),
+    (_warnings_ignored(), "warning"),  # NumPy's own mode untouched: the invalid operation is what it names
+], ids=["errstate", "errstate_parts", "seterr", "warnings_filter"])
+def test_np_attention_lse_that_silences_numpys_warnings_is_named(silence, hint):
+    """Silencing the warning leaves the invalid operation in (issue #52: np.errstate passed)."""
+    with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_LSE_HINTS[hint])) as failure:
+        checks.check_np_attention_lse(lse_silenced(silence), **CPU)
+    assert "NumPy met invalid value (your line: `exps = np.exp(scores - row_max)" in str(failure.value)
+    assert np.geterr()["invalid"] == "warn"  # the answer's np.seterr did not outlive the call
 
 
 def test_np_attention_lse_gives_the_mean_of_the_values_a_name():
