@@ -8,6 +8,7 @@ are deliberately written another way than the solution notebook.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import warnings
@@ -1094,10 +1095,45 @@ WRONG_ATTENTION_BACKWARD = {
 }
 
 
+def test_a_backward_that_recomputes_the_softmax_is_named_not_passed():
+    """Right numbers, the wrong method: the exercise is the backward from the saved out and lse (issue #52: these
+    got full marks, and a ✓ that said "from (out, lse)")."""
+    for answer, hint in ((_attention_backward, "delta_recomputed"), (attention_backward_einsum, "delta_recomputed"),
+                         (functools.partial(_backward_from_lse, p_from="softmax"), "lse_recomputed"),
+                         (functools.partial(_backward_from_lse, delta="p_dp"), "delta_recomputed")):
+        with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_LSE_HINTS[hint])) as failure:
+            checks.check_np_attention_backward(answer, **CPU)
+        assert "and given " in str(failure.value) and "the formula with the" in str(failure.value)
+
+
+def backward_from_lse_loops(Q, K, V, out, lse, dout, mask=None):
+    """Right, written differently: a loop over (batch, head) with helpers, keyword calls, P from lse with
+    np.where so that no row without a key meets -inf - (-inf), D with einsum."""
+    def probabilities(scores, row_lse):
+        has_key = np.isfinite(row_lse)[:, None]
+        return np.where(has_key, np.exp(scores - np.where(has_key, row_lse[:, None], 0.0)), 0.0)
+
+    def gradients(q, k, v, o, row_lse, do, allowed):
+        scores = np.where(allowed, q @ k.T / np.sqrt(np.float64(q.shape[-1])).astype(q.dtype), -np.inf)
+        p = probabilities(scores=scores, row_lse=row_lse)
+        delta = np.einsum("qv,qv->q", do, np.where(np.isfinite(row_lse)[:, None], o, 0.0))
+        ds = p * (do @ v.T - delta[:, None]) / math.sqrt(q.shape[-1])
+        return ds @ k, ds.T @ q, p.T @ do
+
+    shape = Q.shape[:2] + (Q.shape[2], K.shape[2])
+    allowed = np.broadcast_to(True if mask is None else mask, shape)
+    grads = [np.zeros_like(Q), np.zeros_like(K), np.zeros_like(V)]
+    for b in range(Q.shape[0]):
+        for h in range(Q.shape[1]):
+            parts = gradients(Q[b, h], K[b, h], V[b, h], out[b, h], lse[b, h], dout[b, h], allowed[b, h])
+            for grad, part in zip(grads, parts):
+                grad[b, h] = part
+    return tuple(grads)
+
+
 def test_np_attention_backward_accepts_correct_answers_written_differently():
-    checks.check_np_attention_backward(_attention_backward, **CPU)
-    checks.check_np_attention_backward(attention_backward_einsum, **CPU)
-    checks.check_np_attention_backward(attention_backward_einsum, seed=3001, **CPU)
+    checks.check_np_attention_backward(backward_from_lse_loops, **CPU)
+    checks.check_np_attention_backward(backward_from_lse_loops, seed=3001, **CPU)
 
 
 @pytest.mark.parametrize("name", sorted(WRONG_ATTENTION_BACKWARD))
@@ -1147,8 +1183,13 @@ def test_np_attention_backward_leaves_its_inputs_alone():
         checks.check_np_attention_backward(scales_in_place, **CPU)
 
 
-def _backward_from_lse(Q, K, V, out, lse, dout, mask=None, *, p_from="lse", delta="out", guard_delta=True):
-    """The notebook's recipe (P = exp(s - lse), D = rowsum(dout ∘ out)) with one deliberate change."""
+def _backward_from_lse(Q, K, V, out, lse, dout, mask=None, *, p_from="lse", delta="out", guard_delta=True,
+                       sign=1.0, in_float32=False):
+    """The notebook's recipe (P = exp(s - lse), D = rowsum(dout ∘ out)) with one deliberate change
+    (``in_float32``: everything computed in float32, s - lse included)."""
+    dtype = Q.dtype
+    if in_float32:
+        Q, K, V, out, lse, dout = (a.astype(np.float32) for a in (Q, K, V, out, lse, dout))
     scale = 1.0 / math.sqrt(Q.shape[-1])
     raw = np.einsum("bhqd,bhkd->bhqk", Q, K)
     scores = raw if p_from == "unscaled" else raw * scale
@@ -1156,14 +1197,21 @@ def _backward_from_lse(Q, K, V, out, lse, dout, mask=None, *, p_from="lse", delt
         scores = np.where(mask, scores, -np.inf)
     finite = np.isfinite(lse)[..., None]
     with np.errstate(all="ignore"):
-        P = np.exp(scores) if p_from == "no_lse" else np.exp(scores - np.where(finite, lse[..., None], 0.0))
+        if p_from == "softmax":  # the weights again, with a softmax: lse never read
+            shifted = scores - np.where(finite, np.max(scores, axis=-1, keepdims=True), 0.0)
+            P = np.exp(shifted) / np.where(finite, np.sum(np.exp(shifted), axis=-1, keepdims=True), 1.0)
+        else:
+            P = np.exp(scores) if p_from == "no_lse" else np.exp(scores - np.where(finite, lse[..., None], 0.0))
         P = np.where(finite, P, 0.0)
         product = np.where(finite, dout * out, 0.0) if guard_delta else dout * out
-        D = np.sum(product if delta == "out" else dout, axis=-1, keepdims=True)
-        dS = P * (np.einsum("bhqv,bhkv->bhqk", dout, V) - D) * scale
+        dP = np.einsum("bhqv,bhkv->bhqk", dout, V)
+        D = {"out": lambda: np.sum(product, axis=-1, keepdims=True), "dout": lambda: np.sum(dout, axis=-1, keepdims=True),
+             "p_dp": lambda: np.sum(P * dP, axis=-1, keepdims=True),  # softmax_backward's own sum: out never read
+             "axis": lambda: np.sum(product, axis=-2, keepdims=True)}[delta]()
+        dS = sign * P * (dP - D) * scale
     grads = np.einsum("bhqk,bhkd->bhqd", dS, K), np.einsum("bhqk,bhqd->bhkd", dS, Q), \
         np.einsum("bhqk,bhqv->bhkv", P, dout)
-    return tuple(g.astype(Q.dtype) for g in grads)
+    return tuple(g.astype(dtype) for g in grads)
 
 
 def test_np_attention_backward_accepts_the_recipe_from_lse():
@@ -1177,12 +1225,39 @@ def test_np_attention_backward_accepts_the_recipe_from_lse():
     (dict(p_from="unmasked"), "lse_mask_ignored"),
     (dict(delta="dout"), "delta_unweighted"),
     (dict(guard_delta=False), "fully_masked_delta"),
+    # named since issue #52 (numbers only, or another mistake's name, before)
+    (dict(sign=-1.0), "ds_sign"),
+    (dict(delta="axis"), "delta_axis"),  # (..., 1, d_v) against dP's (..., S_q, S_k): NumPy's broadcast error
+    (dict(in_float32=True), "float32_inside"),  # s - lse in float32 too: off at large scores
 ])
 def test_np_attention_backward_names_the_mistakes_of_the_recipe_from_lse(options, hint):
     def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
         return _backward_from_lse(Q, K, V, out, lse, dout, mask, **options)
 
     with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_LSE_HINTS[hint])):
+        checks.check_np_attention_backward(np_attention_backward, **CPU)
+
+
+def test_np_attention_backward_names_a_sum_over_the_queries_where_its_shape_fits():
+    """D summed over the queries with keepdims=True, where S_k = d_v: no broadcast error, wrong numbers, named."""
+    def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
+        if V.shape[-1] != K.shape[-2]:
+            return _backward_from_lse(Q, K, V, out, lse, dout, mask)
+        return _backward_from_lse(Q, K, V, out, lse, dout, mask, delta="axis")
+
+    with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_LSE_HINTS["delta_axis"])) as failure:
+        checks.check_np_attention_backward(np_attention_backward, **CPU)
+    assert "could not be broadcast" not in str(failure.value)
+
+
+def test_np_attention_backward_names_float16_inside_on_float32_input():
+    def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
+        if Q.dtype != np.float32:
+            return _backward_from_lse(Q, K, V, out, lse, dout, mask)
+        grads = _backward_from_lse(*(a.astype(np.float16) for a in (Q, K, V, out, lse, dout)), mask)
+        return tuple(g.astype(np.float32) for g in grads)
+
+    with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_LSE_HINTS["float16_inside"])):
         checks.check_np_attention_backward(np_attention_backward, **CPU)
 
 

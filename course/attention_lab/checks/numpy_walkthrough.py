@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import re
 import tracemalloc
 from typing import Any, Callable, Sequence
 
@@ -70,9 +71,11 @@ def _array(value: Any) -> str:
     return describe(value) if not isinstance(value, np.ndarray) else f"array of shape {shape_str(value.shape)} ({value.dtype})"
 
 
-def _call(fn: Callable, *args: Any, call: str, matmul_hint: str | None = None, **kwargs: Any) -> Any:
+def _call(fn: Callable, *args: Any, call: str, matmul_hint: str | None = None, axis_hint: str | None = None,
+          **kwargs: Any) -> Any:
     """call_student with NumPy only, and a hint for the broadcasting errors NumPy raises
-    (``matmul_hint`` replaces the one for a product of mismatched shapes)."""
+    (``matmul_hint`` replaces the one for a product of mismatched shapes; ``axis_hint`` is the one for two arrays
+    of as many axes, a reduction's kept axis that is not the right one)."""
     try:
         return call_student(fn, *args, call=call, numpy_only=True, **kwargs)
     except CheckFailure as failure:
@@ -83,7 +86,12 @@ def _call(fn: Callable, *args: Any, call: str, matmul_hint: str | None = None, *
             hint = matmul_hint or ERROR_HINTS["matmul_shapes"]
             raise CheckFailure(f"{text}\n  Likely mistake: {hint}") from failure.__cause__
         if "could not be broadcast" in text:
-            raise CheckFailure(f"{text}\n  Likely mistake: {ERROR_HINTS['lost_axis']}") from failure.__cause__
+            # "... with shapes (2,2,6,6) (2,2,1,3)": as many axes is an axis kept (keepdims) but not the right one
+            shapes = re.findall(r"\(([\d,]*)\)", text.split("could not be broadcast", 1)[1])
+            ranks = {len([size for size in shape.split(",") if size]) for shape in shapes[:2]}  # "(3,)": one axis
+            hint = ERROR_HINTS["lost_axis"] if len(ranks) == 2 else axis_hint if len(shapes) >= 2 else None
+            if hint:
+                raise CheckFailure(f"{text}\n  Likely mistake: {hint}") from failure.__cause__
         raise
 
 
@@ -1451,6 +1459,25 @@ BACKWARD_LSE_HINTS = {
     "(set it to -inf before the exp, or P to 0 after), or gradient flows into masked entries.",
     "delta_unweighted": "D is rowsum(dout ∘ out), one number per query: dout multiplied by out elementwise, "
     "then summed over the value features; rowsum(dout) alone leaves out the output.",
+    "delta_axis": "D = rowsum(dout ∘ out) sums over the value features, the last axis: np.sum(dout * out, "
+    "axis=-1, keepdims=True) is one number per query, shape (..., S_q, 1); a sum over the queries (axis=-2) gives "
+    "one number per feature instead.",
+    "ds_sign": "dS has the wrong sign: dS = P ∘ (dP − D), dP first, as in the softmax's backward p · (dp − Σ dp·p); "
+    "P ∘ (D − dP) turns dQ and dK around (dV, which does not use dS, is right).",
+    "lse_recomputed": "your backward recomputes the softmax instead of using lse: its gradients stay the same "
+    "whatever lse it is given. The exercise is the backward from the saved lse: P = exp(s − lse) with the lse it "
+    "is given (s the scaled, masked scores), with no max and no sum over the keys again -- what lets "
+    "FlashAttention recompute P one tile at a time.",
+    "delta_recomputed": "your backward computes D from P and dP (Σ_j P_ij · dP_ij) instead of from out: its "
+    "gradients stay the same whatever out it is given. D = rowsum(dout ∘ out) with the out it is given needs no "
+    "row of P -- what lets FlashAttention compute it before its loops.",
+    "float32_inside": "your code computes in float32 inside (an .astype(np.float32), dtype=np.float32, or a "
+    "float32 array mixed in): on float64 input its float32 rounding shows in these gradients -- given inputs that "
+    "differ below float32's precision, it returns exactly the same numbers. Compute in the input's dtype: "
+    "float64 in, float64 inside.",
+    "float16_inside": "your code computes in float16 inside (an .astype(np.float16) or dtype=np.float16): on "
+    "float32 input its float16 rounding shows in these gradients -- given inputs that differ below float16's "
+    "precision, it returns exactly the same numbers. Compute in the input's dtype: float32 in, float32 inside.",
     "fully_masked_delta": "a fully masked query has lse = -inf, and the forward may have left NaN in its out: "
     "exp(s - lse) = exp(-inf + inf) and D = rowsum(dout ∘ NaN) are NaN, and one NaN row makes NaN of every "
     "key's gradient. Where lse is -inf (np.isfinite), set that row's P and D to 0.",
@@ -1498,8 +1525,9 @@ def _manual_attention_backward(Q, K, V, dout, mask, *, rowsum="weighted", grad_s
     return dq, dk, dv
 
 
-def _lse_backward(Q, K, V, out, lse, dout, mask, *, p_from: str = "lse", delta: str = "out"):
-    """The recipe from (out, lse) in float64, with one deliberate change, for diagnosis."""
+def _lse_backward(Q, K, V, out, lse, dout, mask, *, p_from: str = "lse", delta: str = "out", sign: float = 1.0):
+    """The recipe from (out, lse) in float64 -- with the out and lse it is given -- or with one deliberate
+    change, for diagnosis."""
     q, k, v, o, do = _t(Q), _t(K), _t(V), _t(np.nan_to_num(out)), _t(dout)
     scale = 1 / math.sqrt(q.shape[-1])
     raw = q @ k.transpose(-2, -1)
@@ -1511,8 +1539,9 @@ def _lse_backward(Q, K, V, out, lse, dout, mask, *, p_from: str = "lse", delta: 
     shift = torch.where(seen, _t(lse)[..., None], torch.zeros(()))
     p = torch.exp(scores) if p_from == "no_lse" else torch.exp(scores - shift)
     p = torch.where(seen, p, torch.zeros(()))
-    d_row = (do * o).sum(-1, keepdim=True) if delta == "out" else do.sum(-1, keepdim=True)
-    ds = p * (do @ v.transpose(-2, -1) - d_row) * scale
+    d_row = {"out": lambda: (do * o).sum(-1, keepdim=True), "dout": lambda: do.sum(-1, keepdim=True),
+             "axis": lambda: (do * o).sum(-2, keepdim=True)}[delta]()
+    ds = sign * p * (do @ v.transpose(-2, -1) - d_row) * scale
     return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ do
 
 
@@ -1546,7 +1575,9 @@ def _attention_backward_variants(Q, K, V, dout, mask) -> list[tuple[Callable[[],
 def _lse_backward_variants(Q, K, V, out, lse, dout, mask) -> list[tuple[Callable[[], Any], str]]:
     """(lazy (dQ, dK, dV) of a mistake of the lse recipe, its hint)."""
     options = [(dict(p_from="no_lse"), "lse_ignored"), (dict(p_from="unscaled"), "lse_unscaled_scores"),
-               (dict(delta="dout"), "delta_unweighted")]
+               (dict(delta="dout"), "delta_unweighted"), (dict(sign=-1.0), "ds_sign")]
+    if V.shape[-1] == K.shape[-2]:  # D summed over the queries broadcasts against dP only then
+        options.append((dict(delta="axis"), "delta_axis"))
     if mask is not None:
         options.append((dict(p_from="unmasked"), "lse_mask_ignored"))
     return [(functools.lru_cache(maxsize=1)(lambda kwargs=kwargs: _lse_backward(Q, K, V, out, lse, dout, mask,
@@ -1580,7 +1611,7 @@ def _check_attention_backward_once(np_attention_backward: Callable, Q, K, V, dou
         ([] if mask is None else [np.array(mask, copy=True)])
     with np.errstate(all="ignore"):
         result = _call(np_attention_backward, Q, K, V, out, lse, dout, mask, call=call,
-                       matmul_hint=ATTENTION_BACKWARD_HINTS["matmul_shapes"])
+                       matmul_hint=ATTENTION_BACKWARD_HINTS["matmul_shapes"], axis_hint=BACKWARD_LSE_HINTS["delta_axis"])
     expect_true(isinstance(result, (tuple, list)) and len(result) == 3,
                 f"{call} should return a tuple (dQ, dK, dV), got {describe(result)}.")
     names = ("dQ", "dK", "dV")
@@ -1610,9 +1641,66 @@ def _check_attention_backward_once(np_attention_backward: Callable, Q, K, V, dou
                          variants=[Variant(lambda compute=compute, i=index: compute()[i], hint)
                                    for compute, hint in variants])
         except CheckFailure as failure:
-            if "Likely mistake" not in str(failure) and allowed is not None:
+            if "Likely mistake" in str(failure):
+                raise
+            if allowed is not None:
                 _expect_no_leak(np_attention_backward, Q, K, V, out, lse, dout, mask, allowed, call)
+            lower = _precision_inside(np_attention_backward, Q, K, V, dout, mask, call)
+            if lower is not None:
+                raise CheckFailure(f"{failure}\n  Likely mistake: {BACKWARD_LSE_HINTS[lower + '_inside']}") from None
             raise
+
+
+def _precision_inside(np_attention_backward: Callable, Q, K, V, dout, mask, call: str) -> str | None:
+    """"float32" (float64 input) or "float16" (float32 input) when the answer computes in that lower precision
+    inside: given inputs that are exact in it, and the same inputs changed below its precision, it returns exactly
+    the same numbers (an answer that keeps the input's dtype does not). None otherwise."""
+    lower = {np.dtype(np.float64): np.float32, np.dtype(np.float32): np.float16}.get(Q.dtype)
+    if lower is None:
+        return None
+    exact = [np.asarray(a).astype(lower).astype(Q.dtype) for a in (Q, K, V, dout)]
+    out, lse = (a.astype(lower).astype(Q.dtype) for a in _forward_for_backward(*exact[:3], mask, Q.dtype, False))
+    arrays = [*exact[:3], out, lse, exact[3]]
+    nudge = Q.dtype.type(1 + float(np.finfo(lower).eps) / 64)  # below half a unit of `lower`: rounds back to it
+    results = []
+    for given in (arrays, [a * nudge for a in arrays]):
+        try:
+            with np.errstate(all="ignore"):
+                results.append(_call(np_attention_backward, *given[:6], mask, call=call))
+        except CheckFailure:
+            return None
+    same = all(isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b, equal_nan=True)
+               for a, b in zip(*results))
+    return np.dtype(lower).name if same else None
+
+
+def _expect_backward_from_saved(np_attention_backward: Callable, rng: np.random.Generator) -> None:
+    """The method: given an out that is not the forward's, then an lse shifted by a known constant per query row,
+    the gradients must change exactly as D = rowsum(dout ∘ out) and P = exp(s − lse) say. A backward that
+    recomputes D from P and dP, or P with a softmax, returns the gradients of attention whatever it is given."""
+    Q, K, V, dout = (_normal(rng, 1, 2, 6, width) for width in (4, 4, 3, 3))
+    mask = np.tril(np.ones((6, 6), dtype=bool))
+    out, lse = _forward_for_backward(Q, K, V, mask, np.float64, nan_rows=False)
+    recomputed = _attention_gradients(Q, K, V, dout, mask)  # what an answer that ignores out or lse returns
+    changes = [("out", "out + a known change (not the forward's out)", out + _normal(rng, *out.shape, scale=0.5), lse,
+                "delta_recomputed"),
+               ("lse", "lse + a known constant per query row", out, lse + rng.uniform(0.3, 1.0, lse.shape),
+                "lse_recomputed")]
+    for name, given, changed_out, changed_lse, hint in changes:
+        call = (f"np_attention_backward(Q, K, V, out, lse, dout, mask) with Q {_array(Q)}, K and V {shape_str(K.shape)}, "
+                f"a causal mask, and given {given}")
+        with np.errstate(all="ignore"):
+            result = _call(np_attention_backward, Q, K, V, changed_out, changed_lse, dout, mask, call=call)
+        expected = _lse_backward(Q, K, V, changed_out, changed_lse, dout, mask)
+        for index in (2, 0, 1):
+            if torch.allclose(expected[index], recomputed[index]):
+                continue  # this gradient does not use what was changed (dV does not use out)
+            grad_name = ("dQ", "dK", "dV")[index]
+            got = expect_array(result[index] if isinstance(result, (tuple, list)) and len(result) == 3 else result,
+                               what=f"{call} -> {grad_name}", shape=Q.shape if index == 0 else (K, K, V)[index].shape)
+            expect_close(got, expected[index], what=f"{call} -> {grad_name}",
+                         against=f"the formula with the {name} it was given (float64)",
+                         variants=[Variant(recomputed[index], BACKWARD_LSE_HINTS[hint])])
 
 
 def _expect_no_leak(np_attention_backward: Callable, Q, K, V, out, lse, dout, mask, allowed: np.ndarray,
@@ -1655,6 +1743,7 @@ def check_np_attention_backward(np_attention_backward: Callable, *, seed: int = 
     causal = np.tril(np.ones((6, 6), dtype=bool))
     case(2, 2, 6, 6, 2, 2)  # the notebook's configuration
     case(2, 2, 6, 6, 2, 2, causal, " (causal)")
+    case(1, 2, 5, 4, 3, 4)  # d_v = S_k: a sum over the wrong axis broadcasts, and is wrong
     case(2, 3, 4, 5, 8, 3, dtype=np.float32)  # cross-attention sizes, float32, d_v != d
     case(2, 3, 4, 5, 8, 3, dtype=np.float32, saved_dtype=np.float64)  # the saved arrays in another dtype
     padding = np.ones((2, 1, 1, 5), dtype=bool)
@@ -1673,6 +1762,7 @@ def check_np_attention_backward(np_attention_backward: Callable, *, seed: int = 
         b, h, s, d = (int(v) for v in rng.integers(1, 5, size=4))
         mask = rng.random((s, s)) < 0.6
         case(b, h, s, s, d, int(rng.integers(1, 5)), mask, " (random mask)")
+    _expect_backward_from_saved(np_attention_backward, rng)
 
 
 freeze_module(__name__)
