@@ -1056,6 +1056,8 @@ def order_variant(*, after=False, scaled=False, embed=True, pass_mask=True, lear
                     self.table = nn.Parameter(table)
                 elif sinusoidal_store == "plain":
                     self.table = table
+                elif sinusoidal_store == "persistent":
+                    self.register_buffer("table", table)
                 else:
                     self.register_buffer("table", table, persistent=False)
             else:
@@ -1103,6 +1105,9 @@ def test_order_transformer_accepts_a_correct_answer_written_differently():
     (order_variant(sinusoidal_store="plain"), "(?s)as a plain attribute, self.table: after model.to\\(torch.float"
                                              "(32|64)\\) it is still float(64|32).*Likely mistake: the sinusoidal "
                                              "table is a plain tensor attribute"),
+    # saved in every state_dict, unlike FourierFeatures' frequencies (issue #52: it passed)
+    (order_variant(sinusoidal_store="persistent"), "(?s)position table is the buffer 'table', and it appears in "
+                                                  "state_dict.*persistent=False"),
     (order_variant(slice_table=False), "add the rows of positions 0 ... S-1"),
     (order_variant(sinusoidal_adds=False), "no positions were added, although positions='sinusoidal'"),
     (order_variant(none_adds=True), "positions='none' must add no position table"),

@@ -1399,6 +1399,10 @@ ORDER_HINTS = {
     ".to(dtype) do not move: on a GPU the forward pass then adds a CPU table to CUDA activations and fails. "
     "Register it as a buffer, self.register_buffer(name, table, persistent=False): fixed, and it moves with the "
     "module.",
+    "sinusoidal_persistent": "the sinusoidal table is a persistent buffer: it is saved in every state_dict (a "
+    "checkpoint of the model then carries a table computed from the constructor's arguments, and loading it into a "
+    "model of another max_len fails). Register it with self.register_buffer(name, table, persistent=False), as "
+    "FourierFeatures' frequencies.",
     "sinusoidal_parameter": "the sinusoidal table is a Parameter, so the optimizer would change it: it is "
     "fixed. Register it with self.register_buffer(name, table, persistent=False) (or compute it in forward).",
     "not_sliced": "the whole [max_len, D] table was added to a sequence of S < max_len tokens: add the rows "
@@ -1528,6 +1532,11 @@ def check_order_transformer(OrderTransformer: Callable, *, seed: int = 0, device
             raise RuleFailure(f"{label} keeps its [{max_len}, {embed_dim}] position table as a plain attribute, "
                                f"self.{name}: after model.to({target}) it is still {still}.\n  Likely mistake: "
                                f"{ORDER_HINTS['sinusoidal_attribute']}")
+        saved = [name for name, tensor in model.state_dict(keep_vars=True).items() if name in dict(model.named_buffers())
+                 and tuple(tensor.shape[-2:]) == (max_len, embed_dim)]
+        if positions == "sinusoidal" and saved:
+            raise RuleFailure(f"{label}: its [{max_len}, {embed_dim}] position table is the buffer {saved[0]!r}, and it "
+                              f"appears in state_dict.\n  Likely mistake: {ORDER_HINTS['sinusoidal_persistent']}")
         if positions == "learned":
             if learned is None and _unregistered_table(model, max_len, embed_dim):
                 raise CheckFailure(f"{label}: no trainable [{max_len}, {embed_dim}] position table among the "
