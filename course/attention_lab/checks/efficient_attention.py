@@ -134,6 +134,12 @@ HINTS = {
     "at that key is dropped. The stop is one past the last key: q_end + (S_k - S_q).",
     "future_blocks": "with causal=True the loop still computes every key block: stop the key loop at the last "
     "block any query of this query block may see (start_k <= q_end - 1 + S_k - S_q), and mask only inside it.",
+    "bound_first_query": "the causal loop bound comes from the query block's first query: its other queries see "
+    "more keys (up to block_q - 1 more), and the key blocks only they see are never visited. The bound is the last "
+    "key the block's *last* query may see, q_end - 1 + (S_k - S_q).",
+    "no_tiles": "the pass computes no tile of scores: FlashAttention is made of [block_q, block_k] products of a "
+    "query block and a key block, q_blk @ k_blkᵀ, each given to online_softmax_step. (Attention over every key at "
+    "once -- SDPA, or a softmax of the whole table -- gives the same numbers without tiles.)",
     "merge": "two halves of the keys merged with their lse do not give the whole attention: lse must be the "
     "natural-log logsumexp of exactly the scores each half's softmax used.",
     # float16 / bfloat16 in: the contract "keeps dtype, computes in at least float32"
@@ -162,6 +168,18 @@ HINTS = {
     "as in the forward pass.",
     "bwd_future_blocks": "with causal=True the backward pass still computes every tile: skip the (query block, key "
     "block) tiles whose first key is beyond the reach of the block's last query, as the forward pass does.",
+    "bwd_no_tiles": "the backward pass computes no tile of scores: FlashAttention's backward recomputes P one "
+    "[block_q, block_k] tile at a time, P = exp(scale · q_blk k_blkᵀ - lse), from a product of a query block and a "
+    "key block. (autograd through SDPA, or through your forward pass, computes the gradients without any tile.)",
+    "bwd_autograd": "the backward pass is the exercise: autograd (torch.autograd.grad, .backward()) through SDPA or "
+    "through your forward pass computes the gradients for you, keeping the very [S_q, S_k] table FlashAttention "
+    "avoids. Write the tiled loops: P recomputed per tile from q, k and lse, then dV, dP, dS, dQ and dK.",
+    "bwd_lse_recomputed": "your backward recomputes the softmax instead of using lse: its gradients stay the same "
+    "whatever lse it is given. P = exp(scale · q kᵀ - lse) with the lse it is given, tile by tile -- no max and no "
+    "sum over the keys again: that is what lets the backward pass see one tile at a time.",
+    "bwd_delta_recomputed": "your backward computes D without the out it is given (from P and dP, or from an out of "
+    "its own): its gradients stay the same whatever out it is given. D = rowsum(dout ∘ out), with the given out, "
+    "one number per query row, computed before the loops.",
     "bwd_D_tile": "D is computed per tile, as rowsum(P_tile ∘ dP_tile) over this tile's keys only: D_i = Σ_j P_ij dP_ij "
     "runs over *all* the keys of row i. Compute it once per query row, before the loops, as D = rowsum(dout ∘ out).",
     "bwd_late_queries": "the loop over query blocks starts one block late: the first query block that sees a key "
@@ -173,6 +191,9 @@ HINTS = {
     "backward (ctx.causal = causal) and pass it on, flash_attention_backward(..., causal=ctx.causal).",
     "bwd_saved": "save exactly q, k, v, out and lse with ctx.save_for_backward(q, k, v, out, lse): the backward pass "
     "recomputes P from them, which is the point of FlashAttention (no [S_q, S_k] tensor is kept between the passes).",
+    "function_passes": "FlashAttention wraps your two passes: forward calls flash_attention_forward(q, k, v, "
+    "causal=causal) and saves q, k, v, out and lse; backward calls flash_attention_backward(q, k, v, out, lse, dout, "
+    "causal=ctx.causal). (SDPA, torch.logsumexp or autograd inside it give the same numbers without either pass.)",
     "bwd_gradients": "backward returns one gradient per input of forward, in order: (dq, dk, dv, None) -- None for "
     "causal, which is not a tensor.",
     # a query that sees no key (causal, S_q > S_k): out 0, lse -inf, no gradient -- what SDPA gives it
@@ -239,7 +260,17 @@ HINTS = {
     "Mask every load of K, V and Q with the row index < seq_k (seq_q for Q), other=0.0.",
     "kernel_future_blocks": "with CAUSAL the loop still visits key blocks that no query of the program may see "
     "(all masked, wasted work: the saving of causal FlashAttention is skipping them). Stop the loop after the "
-    "block that holds the last key the program's last query may see (its index + S_k - S_q).",
+    "block that holds the last key the program's last query may see (its index + S_k - S_q). Mind that Triton's // "
+    "and % truncate toward zero, unlike Python's: in a kernel -1 // 16 is 0, so a bound computed as last // BLOCK "
+    "+ 1 for a program whose queries see no key (last < 0) visits one block; compare before dividing.",
+    "not_jitted": "the kernel is a plain Python function: decorate it with @triton.jit. The launcher calls it as "
+    "kernel[grid](...), which only a Triton kernel supports.",
+    "dot_dtypes": "tl.dot was given operands of two dtypes (e.g. p in float32, v in the inputs' float16): cast "
+    "the first to the second's dtype, tl.dot(p.to(v.dtype), v) -- the product still accumulates in float32.",
+    "kernel_half_internals": "your kernel computes in {dtype}, the inputs' dtype: the result is {ulps:.0f} units in "
+    "the last place of {dtype} off, where float32 inside gives at most one (the rounding of the store). Convert "
+    "after each load, x = tl.load(...).to(tl.float32), and keep the running max and sum in float32; the store "
+    "converts to Out's dtype.",
     "kernel_boundary": "keys beyond S_k are not masked: a masked tl.load returns `other` (0) for them, which "
     "gives them score 0, not -inf. Set their scores to -inf with tl.where(offs_k[None, :] < seq_k, s, "
     "float('-inf')).",
@@ -344,6 +375,8 @@ def tiled_attention(q, k, v, *, causal: bool, scale: float, block_q: int, block_
                 break  # range(0, q_end, block_k), q_end clamped to S_q: the same, on a ragged last block
             if causal and bug == "bound_inclusive" and k_start >= rows[-1, 0] + offset:
                 break  # range(0, q_end - 1 + offset, block_k): the last key used as an exclusive stop
+            if causal and bug == "bound_first_query" and k_start > rows[0, 0] + offset:
+                break  # range(0, q_start + 1 + offset, block_k): the bound of the block's first query
             scores = q_block @ k[..., k_start:k_start + block_k, :].transpose(-1, -2) * scale
             if causal:
                 cols = torch.arange(k_start, k_start + scores.shape[-1])[None, :]
@@ -400,7 +433,8 @@ def _out_variants(q, k, v, causal: bool, scale: float, block_q: int, block_k: in
     if causal:  # loop bounds first: a bound short by S_k - S_q keys can coincide with "one block too early"
         variants += [Variant(tiled("bound_no_offset"), HINTS["bound_no_offset"]),
                      Variant(tiled("bound_no_offset_clamped"), HINTS["bound_no_offset"]),
-                     Variant(tiled("bound_inclusive"), HINTS["bound_inclusive"])]
+                     Variant(tiled("bound_inclusive"), HINTS["bound_inclusive"]),
+                     Variant(tiled("bound_first_query"), HINTS["bound_first_query"])]
     variants += [Variant(tiled(bug), HINTS["normalise_inside"])  # and divided by l again; other normalisations
                  for bug in ("normalise_inside_twice", "normalise_terms", "normalise_reset")]
     if causal:
@@ -460,7 +494,8 @@ class OperationWatch(Probe):
       ``queries`` one with S_q columns (or rows);
     * ``row_width`` -> the first reduction (max, sum, logsumexp ...) over an input whose last axis is
       that wide is kept in ``row_read`` as ``(function, student line)``;
-    * ``products[shape[-2:]]`` counts matrix products by the last two dims of their output.
+    * ``products[shape[-2:]]`` counts matrix products (a broadcast product summed over its last axis too) by the
+      last two dims of their output.
 
     A function mode (not a dispatch mode) sees the calls as written -- ``q @ k.mT``,
     ``torch.einsum`` -- and costs no import of the compiler stack.
@@ -557,7 +592,10 @@ class _OperationMode(TorchFunctionMode):
         if (watch.row_width is not None and watch.row_read is None and name in _REDUCTIONS
                 and any(watch.reads_row(t) for t in inputs)):
             watch.row_read = (name, _student_line())
-        if name in _MATMULS:
+        # A product: a matmul, or a broadcast product summed over its last axis ((q[:, None] * k[None]).sum(-1))
+        contraction = name == "sum" and len(inputs) == 1 and len(outputs) == 1 \
+            and tuple(outputs[0].shape) == tuple(inputs[0].shape[:-1])
+        if name in _MATMULS or contraction:
             for tensor in outputs:
                 if tensor.dim() >= 2:
                     watch.products[tuple(tensor.shape[-2:])] += 1
@@ -945,7 +983,7 @@ def _merge_halves(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tenso
 HALF_PRECISION_ULPS = 2.0
 
 
-def _expect_float32_inside(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+def _expect_float32_inside(got: torch.Tensor, want: torch.Tensor, what: str, hint: str = "half_internals") -> None:
     """A half-precision ``got`` that passed its dtype's tolerance must also be as precise as float32 work inside
     gives: the contract "keeps dtype, computes in at least float32"."""
     eps = torch.finfo(got.dtype).eps
@@ -955,7 +993,7 @@ def _expect_float32_inside(got: torch.Tensor, want: torch.Tensor, what: str) -> 
         dtype = str(got.dtype).replace("torch.", "")
         raise CheckFailure(f"{what} is {ulps:.0f} units in the last place of {dtype} away from the float64 reference "
                            f"of the same inputs; at most {HALF_PRECISION_ULPS:g} expected.\n  Likely mistake: "
-                           + HINTS["half_internals"].format(dtype=dtype, ulps=ulps))
+                           + HINTS[hint].format(dtype=dtype, ulps=ulps))
 
 
 @check("flash_attention_forward: out equals SDPA and lse equals logsumexp (float64, then the device); ragged S; causal bottom-right; any block sizes; halves merge exactly with lse ({device})",
@@ -1023,6 +1061,24 @@ def _tiles(counts: dict[bool, int], blocks: int) -> int:
     return round(counts[True] * blocks ** 2 / counts[False])
 
 
+def _expect_tiles(counts: dict[bool, int], seq: int, block: int, call: str, no_tiles: str, future: str) -> None:
+    """The work of a pass on S = ``seq`` in blocks of ``block``, by its [block, block] products (``counts``, without
+    and with causal): the non-causal pass computes each of its tiles (a pass with none is not tiled, whatever its
+    numbers: a "skips future tiles" measured on zero tiles says nothing), the causal one only those a query of the
+    tile may see (one extra, fully masked tile per row of tiles is fine)."""
+    blocks = seq // block
+    visited = blocks * (blocks + 1) // 2
+    expect_true(counts[False] >= blocks ** 2,
+                f"{call.format(causal=False)} with S = {seq} computed {counts[False]} products of a [{block}, "
+                f"{block}] tile's shape: each of its {blocks ** 2} tiles of scores (a query block against a key "
+                f"block) needs one.\n  Likely mistake: {HINTS[no_tiles]}")
+    allowed = counts[False] * (visited + blocks) / blocks ** 2
+    expect_true(counts[True] <= allowed,
+                f"{call.format(causal=True)} with S = {seq} computed {_tiles(counts, blocks)} [{block}, {block}] "
+                f"tiles of scores, as many as the non-causal pass. Only {visited} of the {blocks ** 2} tiles hold a "
+                f"key that some query of the tile may see.\n  Likely mistake: {HINTS[future]}")
+
+
 @check("flash_attention_forward: never builds a tensor as wide as all the keys; the causal pass skips future key blocks")
 def check_flash_attention_forward_memory(flash_attention_forward: Callable, *, seed: int = 0,
                                          device: torch.device | None = None) -> None:
@@ -1048,15 +1104,8 @@ def check_flash_attention_forward_memory(flash_attention_forward: Callable, *, s
         watch = OperationWatch()
         _call_flash(flash_attention_forward, q, k, v, block, block, causal, watch=watch)
         counts[causal] = _score_products(watch, block)
-    blocks = seq // block
-    visited = blocks * (blocks + 1) // 2
-    if counts[False] > 0:
-        allowed = counts[False] * (visited + blocks) / blocks ** 2  # one extra (fully masked) block per row is fine
-        expect_true(counts[True] <= allowed,
-                    f"flash_attention_forward(q, k, v, block_q={block}, block_k={block}, causal=True) with S = {seq} "
-                    f"computed {_tiles(counts, blocks)} [{block}, {block}] tiles of scores, as many as the non-causal "
-                    f"pass. Only {visited} of the {blocks ** 2} tiles hold a key that some query "
-                    f"of the tile may see.\n  Likely mistake: {HINTS['future_blocks']}")
+    _expect_tiles(counts, seq, block, f"flash_attention_forward(q, k, v, block_q={block}, block_k={block}, "
+                  "causal={causal})", "no_tiles", "future_blocks")
 
 
 # --------------------------------------------------------------------------------------
@@ -1163,20 +1212,26 @@ def _backward_inputs(generator, shape, causal, dtype=torch.float64, device: Any 
     return q, k, v, out.to(device, dtype), lse.to(device, torch.float32 if dtype != torch.float64 else dtype), dout
 
 
+# What the backward pass may not call: the attention it differentiates, or autograd (torch.autograd.grad, .backward(),
+# torch.func's transforms all call "grad" or "backward").
+BACKWARD_BUILTINS = ("scaled_dot_product_attention", "grad", "backward")
+
+
 def _call_backward(flash_attention_backward, inputs, block_q, block_k, causal, scale=None,
-                   watch: OperationWatch | None = None) -> tuple[tuple[torch.Tensor, ...], str]:
+                   watch: OperationWatch | None = None, given: str = "") -> tuple[tuple[torch.Tensor, ...], str]:
     q, k, v, out, lse, dout = inputs
-    call = _backward_call_text(q, k, block_q, block_k, causal, scale)
+    call = _backward_call_text(q, k, block_q, block_k, causal, scale) + (f", given {given}" if given else "")
     kwargs: dict[str, Any] = {"causal": causal}
     if block_q is not None:
         kwargs.update(block_q=block_q, block_k=block_k)
     if scale is not None:
         kwargs["scale"] = scale
     args = tuple(t.clone() for t in inputs)
-    if watch is None:
-        result = call_student(flash_attention_backward, *args, call=call, **kwargs)
-    else:
-        result = _watched_call(flash_attention_backward, *args, call=call, watch=watch, **kwargs)
+    try:
+        result = call_student(flash_attention_backward, *args, call=call, forbidden=BACKWARD_BUILTINS,
+                              probes=[] if watch is None else [watch], **kwargs)
+    except RuleFailure as failure:
+        raise RuleFailure(f"{failure}\n  Likely mistake: {HINTS['bwd_autograd']}") from None
     expect_true(isinstance(result, (tuple, list)) and len(result) == 3,
                 f"{call} should return the tuple (dq, dk, dv), got {describe(result)}.")
     for name, got, like in zip(("dq", "dk", "dv"), result, (q, k, v)):
@@ -1244,6 +1299,31 @@ def check_flash_attention_backward(flash_attention_backward: Callable, *, seed: 
     # Half precision in, the same dtype out, float32 inside: on the CPU too (PyTorch's CPU kernels take both).
     for dtype, causal in ((torch.float16, False), (torch.bfloat16, True)):
         _backward_case(flash_attention_backward, generator, (1, 2, seq, seq + 5, 16), 16, 16, causal, dtype=dtype)
+    _expect_backward_from_saved(flash_attention_backward, generator)
+
+
+def _expect_backward_from_saved(flash_attention_backward: Callable, generator: torch.Generator) -> None:
+    """The method: given an out that is not the forward's, then an lse shifted by a known constant per query row,
+    the gradients must change exactly as D = rowsum(dout ∘ out) and P = exp(scale · q kᵀ - lse) say. A backward
+    that recomputes them (autograd through SDPA, a softmax, its own forward) returns attention's gradients whatever
+    it is given. The checker chooses the inputs and compares the results itself: nothing measured in the kernel."""
+    shape, scale = (1, 2, 40, 40, 8), 8 ** -0.5
+    q, k, v, out, lse, dout = _backward_inputs(generator, shape, True)
+    recomputed = reference_gradients(q, k, v, dout, True, scale)  # what a backward that ignores out or lse returns
+    shift = 0.3 + 0.7 * torch.rand(lse.shape, generator=generator, dtype=torch.float64)
+    changes = [("out", "out + a known change (not the forward's out)", out + 0.5 * randn(*out.shape, generator=generator),
+                lse, "bwd_delta_recomputed"),
+               ("lse", "lse + a known constant per query row", out, lse + shift, "bwd_lse_recomputed")]
+    for name, given, changed_out, changed_lse, hint in changes:
+        inputs = (q, k, v, changed_out, changed_lse, dout)
+        grads, call = _call_backward(flash_attention_backward, inputs, 16, 16, True, given=given)
+        expected = gradients_from_saved(*inputs, True, scale)
+        for index in (2, 0, 1):
+            if torch.allclose(expected[index], recomputed[index]):
+                continue  # this gradient does not use what was changed (dv does not use out)
+            expect_close(grads[index], expected[index], what=f"{('dq', 'dk', 'dv')[index]} from {call}",
+                         against=f"the formula with the {name} it was given (float64)",
+                         variants=[Variant(recomputed[index], HINTS[hint])])
 
 
 @check("flash_attention_backward: never builds a tensor as wide as all the keys; the causal pass skips future tiles")
@@ -1268,15 +1348,8 @@ def check_flash_attention_backward_memory(flash_attention_backward: Callable, *,
         watch = OperationWatch()
         _call_backward(flash_attention_backward, inputs[causal], block, block, causal, watch=watch)
         counts[causal] = _score_products(watch, block)
-    blocks = seq // block
-    visited = blocks * (blocks + 1) // 2
-    if counts[False] > 0:
-        allowed = counts[False] * (visited + blocks) / blocks ** 2
-        expect_true(counts[True] <= allowed,
-                    f"flash_attention_backward(..., block_q={block}, block_k={block}, causal=True) with S = {seq} "
-                    f"computed {_tiles(counts, blocks)} [{block}, {block}] tiles, as many as the non-causal pass. "
-                    f"Only {visited} of the {blocks ** 2} tiles hold a key that some query of "
-                    f"the tile may see.\n  Likely mistake: {HINTS['bwd_future_blocks']}")
+    _expect_tiles(counts, seq, block, f"flash_attention_backward(..., block_q={block}, block_k={block}, "
+                  "causal={causal})", "bwd_no_tiles", "bwd_future_blocks")
 
 
 class SavedForBackward(Probe):
@@ -1318,6 +1391,69 @@ class SavedForBackward(Probe):
         self.kept = [(name, tuple(shape)) for name, shape in findings["kept"]]
 
 
+class PassesCalled(Probe):
+    """Which of the student's two passes a FlashAttention Function runs: ``flash_attention_forward`` during
+    ``apply``, ``flash_attention_backward`` during autograd's backward (the call trace of the dependency notes, by
+    code object). It measures the Function itself (``measure``), where it is: in grading the student's kernel, where
+    its backward runs too. Its findings are the kernel's word: a lie costs the one test that reads them."""
+
+    PASSES = {"forward": "flash_attention_forward", "backward": "flash_attention_backward"}
+
+    def __init__(self, q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                 dout: torch.Tensor | None = None, causal: bool = False):
+        super().__init__(q=q, k=k, v=v, dout=dout, causal=bool(causal))
+        self.namespace: Any = None  # the notebook's globals, where the passes are looked up
+        self.called: dict[str, bool] = {}
+        self.raised: str | None = None
+
+    def bind(self, agent: Any) -> None:
+        self.namespace = agent.namespace
+
+    def measure(self, function: Any) -> dict:
+        from attention_lab.checking import CallTrace
+
+        found: dict[str, Any] = {}
+        q, k, v = (self.parameters[name].detach().clone().requires_grad_(True) for name in ("q", "k", "v"))
+        try:
+            with torch.enable_grad():
+                with CallTrace([self.PASSES["forward"]]).watch(self.namespace) as trace:
+                    out = function.apply(q, k, v, self.parameters["causal"])
+                found["forward"] = self.PASSES["forward"] in trace.called
+                with CallTrace([self.PASSES["backward"]]).watch(self.namespace) as trace:
+                    torch.autograd.grad(out, (q, k, v), self.parameters["dout"])
+                found["backward"] = self.PASSES["backward"] in trace.called
+        except Exception as error:  # the Function's own failure: the checker says what it was
+            found["raised"] = f"{type(error).__name__}: {error}"[:500]
+        return found
+
+    def accept(self, findings: Any) -> None:
+        if not (isinstance(findings, dict) and set(findings) <= {"forward", "backward", "raised"}
+                and all(isinstance(findings[key], bool) for key in findings if key != "raised")):
+            raise wire.WireError("a malformed report of the passes a Function called")
+        self.called = {key: value for key, value in findings.items() if key != "raised"}
+        self.raised = probes.strings([findings["raised"]])[0] if "raised" in findings else None
+
+
+def _expect_passes_called(FlashAttention: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          dout: torch.Tensor, causal: bool, call: str) -> None:
+    """FlashAttention's forward runs the student's flash_attention_forward and its backward their
+    flash_attention_backward (the contract), measured where the Function is."""
+    from attention_lab.checking import _student_namespace
+
+    probe = PassesCalled(q=q, k=k, v=v, dout=dout, causal=causal)
+    if remote.is_remote(FlashAttention):
+        remote.measure(FlashAttention, probe, f"the passes {call} runs")
+    else:
+        probe.namespace = _student_namespace(FlashAttention)
+        probe.accept(probe.measure(FlashAttention))
+    if probe.raised is not None:
+        raise CheckFailure(f"{call} and its backward raised {probe.raised}")
+    for phase, name in PassesCalled.PASSES.items():
+        expect_true(probe.called.get(phase, False),
+                    f"{'' if phase == 'forward' else 'the backward of '}{call} never called your {name}."
+                    f"\n  Likely mistake: {HINTS['function_passes']}")
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.detach(), b.detach()))
 
@@ -1350,13 +1486,18 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
                     "must return the output tensor it computed, and apply (not forward) must be called.")
         saved = saved_for_backward.saved
         want_lse = reference_attention(q, k, v, causal)[1]
-        named = []
-        for tensor in saved:
-            match = [name for name, like in (("q", q), ("k", k), ("v", v), ("out", out)) if _same(tensor, like)]
-            if not match and tensor.shape == want_lse.shape:
-                close = torch.allclose(tensor.detach().to(torch.float64), want_lse, rtol=1e-4, atol=1e-5)
-                match = ["lse"] if close else []
-            named.append(match[0] if match else shape_str(tensor.shape))
+        named = [next((name for name, like in (("q", q), ("k", k), ("v", v), ("out", out)) if _same(tensor, like)),
+                      None) for tensor in saved]
+        rows = [index for index, tensor in enumerate(saved) if named[index] is None and tensor.shape == want_lse.shape
+                and tensor.is_floating_point()]
+        if len(rows) == 1:  # the one tensor where lse goes: its values, with the mistake named (not "saved the wrong
+            lse = saved[rows[0]]  # thing"); two of them (m and l, say) are what bwd_saved below says
+            rtol, atol = _lse_tolerance(out, lse)
+            expect_close(lse, want_lse, what=f"the lse that the forward of {call} saved",
+                         against="torch.logsumexp of the scaled, masked scores (float64)",
+                         variants=_lse_variants(q, k, causal, 8 ** -0.5), rtol=rtol, atol=atol)
+            named[rows[0]] = "lse"
+        named = [name or shape_str(tensor.shape) for name, tensor in zip(named, saved)]
         kept = [f"ctx.{name} {shape_str(shape)}" for name, shape in saved_for_backward.kept]
         expect_true(sorted(named) == sorted(["q", "k", "v", "out", "lse"]) and not kept,
                     f"{call}: forward saved {', '.join(named) or 'nothing'} with save_for_backward"
@@ -1400,6 +1541,10 @@ def check_flash_attention_function(FlashAttention: Any, *, seed: int = 0, device
             raise CheckFailure(f"torch.autograd.gradcheck(FlashAttention.apply, (q, k, v, causal={causal})) in float64 "
                                f"with q [1, 1, 6, 4], k and v [1, 1, 9, 4] failed: {' '.join(text[:3])[:400]}") from None
         expect_true(bool(ok), f"torch.autograd.gradcheck(FlashAttention.apply, causal={causal}) failed.")
+    # The method: the two passes of the notebook run inside it (SDPA and autograd give the same numbers without).
+    q, k, v = _qkv(generator, 1, 2, 20, 20, 8)
+    _expect_passes_called(FlashAttention, q, k, v, randn(1, 2, 20, 8, generator=generator), True,
+                          "FlashAttention.apply(q, k, v, True) with q, k and v [1, 2, 20, 8]")
 
 
 # --------------------------------------------------------------------------------------
