@@ -886,7 +886,8 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
     # 1 acc not rescaled, 2 exp on base-2 scores, 3 no boundary mask, 4 blank, 5 exp2 on natural scores,
     # 6 K loaded without a mask, 7 V without a mask, 8 Q without a mask, 9 the causal loop visits every key block,
     # 10 the causal bound forgets S_k - S_q, 11 the last visible key used as an exclusive stop,
-    # 12 acc normalised inside the loop, 13 out stored without a mask.
+    # 12 acc normalised inside the loop, 13 out stored without a mask, 14 tl.dot(p, v) with p in float32 and v in
+    # the inputs' dtype, 15 the causal bound of the block's first query.
     pid_q, pid_h = tl.program_id(0), tl.program_id(1)
     rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     cols_d = tl.arange(0, HEAD_DIM)
@@ -906,6 +907,8 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
             hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q)
         elif BUG == 11:
             hi = tl.minimum(seq_k, tl.minimum(seq_q, (pid_q + 1) * BLOCK_Q) - 1 + seq_k - seq_q)
+        elif BUG == 15:
+            hi = tl.minimum(seq_k, pid_q * BLOCK_Q + 1 + seq_k - seq_q)
         elif BUG != 9:
             hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q + seq_k - seq_q)
     for start in range(0, hi, BLOCK_K):
@@ -939,6 +942,8 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if BUG == 1:
             acc = acc + tl.dot(p.to(v.dtype), v)
+        elif BUG == 14:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         if BUG == 12:
@@ -983,11 +988,51 @@ def test_kernel_correct_answer_passes(capsys):
                                        pytest.param(8, "unmasked_load", marks=INTERPRETER_ONLY),
                                        pytest.param(9, "kernel_future_blocks", marks=INTERPRETER_ONLY),
                                        (10, "bound_no_offset"), (11, "bound_inclusive"), (12, "normalise_inside"),
-                                       (13, "kernel_unmasked_store")])
+                                       (13, "kernel_unmasked_store"),
+                                       # numbers only, or the interpreter's raw AssertionError, before issue #52
+                                       (14, "dot_dtypes"), (15, "bound_first_query")])
 def test_kernel_mistakes_are_named(bug, hint):
     with pytest.raises(CheckFailure) as failure:
         checks.check_flash_attention_kernel(Planted(bug), **KERNEL)
     assert HINTS[hint] in str(failure.value), str(failure.value)
+
+
+def plain_scale(X, Out, n, alpha, BLOCK):
+    """A kernel written without @triton.jit."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Out + offsets, alpha * tl.load(X + offsets, mask=offsets < n), mask=offsets < n)
+
+
+@needs_triton
+def test_a_kernel_without_triton_jit_is_told_to_decorate_it():
+    """TypeError: 'function' object is not subscriptable, with its cause named (issue #52)."""
+    rejects(checks.check_scale_kernel, plain_scale, "not_jitted", device=KERNEL["device"])
+
+
+@needs_triton
+@INTERPRETER_ONLY
+def test_the_given_epilogues_warnings_are_never_shown_as_the_students():
+    """A query that sees no key: the given epilogue computes 0 / 0 and log2(0), and a correct loop -inf - (-inf),
+    before tl.where discards them. NumPy warns of each in Triton's interpreter; a failing kernel's message listed
+    them as the student's (issue #52). A launch by the checks shows none; other warnings stay."""
+    import warnings
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, seq, 16, generator=generator) for seq in (70, 37, 37))
+
+    def warned(launch) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            launch()
+        return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+    raw = warned(lambda: triton_kernels.launch_flash_attention(Planted(0), q, k, v, causal=True, block_q=16,
+                                                               block_k=16))
+    assert any("invalid value" in text or "divide by zero" in text for text in raw), raw  # the interpreter does warn
+    by_the_checks = warned(lambda: triton_kernels.launch(triton_kernels.launch_flash_attention, Planted(0), q, k, v,
+                                                         watch=triton_kernels.LoadWatch(), causal=True, block_q=16,
+                                                         block_k=16))
+    assert not by_the_checks, by_the_checks  # (an overflow still shows: test_the_interpreters_warnings_come_after...)
 
 
 @needs_triton
@@ -1544,40 +1589,57 @@ def test_answer_backward_flops_takes_the_pair_and_explains_only_once_right(capsy
 
 @triton.jit
 def planted_online_softmax(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
-    # 0 correct, 1 sum not rescaled, 2 first block only, 3 padding loaded as 0, 4 no max, 5 store unmasked
+    # 0 correct, 1 sum not rescaled, 2 first block only, 3 padding loaded as 0, 4 no max, 5 store unmasked,
+    # 6 the inputs' dtype inside (float16 for float16), 7 both loops stop before the last block, 8 one block only
+    # (the row assumed to fit), 9 written (normalised) in the first loop, 10 exp2 without log2(e)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    work = tl.float32
+    if BUG == 6:
+        work = X.dtype.element_ty
+    m_i = tl.max(tl.full([BLOCK], float("-inf"), work), axis=0)
+    l_i = tl.sum(tl.zeros([BLOCK], work), axis=0)
     stop = n_cols
-    if BUG == 2:
+    if BUG == 2 or BUG == 8:
         stop = BLOCK
+    if BUG == 7:
+        stop = n_cols - BLOCK
     for start in range(0, stop, BLOCK):
         cols = start + offs
         if BUG == 3:
-            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=0.0).to(work)
         else:
-            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(work)
         if BUG == 4:
             l_i += tl.sum(tl.exp(x), axis=0)
+        elif BUG == 10:
+            m_new = tl.maximum(m_i, tl.max(x, axis=0))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(x - m_new), axis=0)
+            m_i = m_new
         else:
             m_new = tl.maximum(m_i, tl.max(x, axis=0))
             if BUG == 1:
                 l_i = l_i + tl.sum(tl.exp(x - m_new), axis=0)
             else:
-                l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+                l_i = (l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)).to(work)
             m_i = m_new
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offs
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        if BUG == 4:
-            y = (tl.exp(x) / l_i).to(Out.dtype.element_ty)
-        else:
-            y = (tl.exp(x - m_i) / l_i).to(Out.dtype.element_ty)
-        if BUG == 5:
-            tl.store(Out + row * stride_out + cols, y)
-        else:
-            tl.store(Out + row * stride_out + cols, y, mask=cols < n_cols)
+        if BUG == 8 or BUG == 9:
+            tl.store(Out + row * stride_out + cols, (tl.exp(x - m_i) / l_i).to(Out.dtype.element_ty),
+                     mask=cols < n_cols)
+    if BUG != 8 and BUG != 9:
+        for start in range(0, stop if BUG == 7 else n_cols, BLOCK):
+            cols = start + offs
+            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(work)
+            if BUG == 4:
+                y = (tl.exp(x) / l_i).to(Out.dtype.element_ty)
+            elif BUG == 10:
+                y = (tl.exp2(x - m_i) / l_i).to(Out.dtype.element_ty)
+            else:
+                y = (tl.exp(x - m_i) / l_i).to(Out.dtype.element_ty)
+            if BUG == 5:
+                tl.store(Out + row * stride_out + cols, y)
+            else:
+                tl.store(Out + row * stride_out + cols, y, mask=cols < n_cols)
 
 
 @needs_triton
@@ -1594,6 +1656,12 @@ def test_online_softmax_kernel_passes_when_right(capsys):
     (3, checks.ONLINE_SOFTMAX_HINTS["other_zero"]),
     (4, HINTS["softmax_no_max"]),
     (5, HINTS["ladder_unmasked_store"]),
+    # named since issue #52 (passed, or told "a tl.load without a mask", or numbers only)
+    (6, HINTS["kernel_half_internals"].format(dtype="float16")),
+    (7, checks.ONLINE_SOFTMAX_HINTS["unwritten_last_block"]),
+    (8, checks.ONLINE_SOFTMAX_HINTS["unwritten_after_first_block"]),
+    (9, checks.ONLINE_SOFTMAX_HINTS["normalise_first_loop"]),
+    (10, HINTS["exp2_unscaled"]),
 ])
 def test_online_softmax_kernel_mistakes_are_named(bug, hint):
     with pytest.raises(CheckFailure) as failure:
