@@ -15,6 +15,7 @@ import re
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():  # kernels below must be defined in interpreter mode (as the setup cell does)
@@ -61,6 +62,9 @@ def bytes_prod(batch_size, num_heads, seq_len, bytes_per_element):
 
 def test_attention_matrix_bytes_correct_answer_passes(capsys):
     checks.check_attention_matrix_bytes(bytes_prod, device="cpu")
+    checks.check_attention_matrix_bytes(lambda batch_size, num_heads, seq_len, bytes_per_element:  # np.int64 (#52)
+                                        np.prod([batch_size, num_heads, seq_len, seq_len, bytes_per_element]),
+                                        device="cpu")
     assert "✓ attention_matrix_bytes" in capsys.readouterr().out
 
 
@@ -1569,6 +1573,7 @@ def test_the_interpreters_warnings_come_after_the_checks_message():
 
 def test_answer_backward_flops_takes_the_pair_and_explains_only_once_right(capsys):
     checks.check_answer_backward_flops((2.5, 3.5), device="cpu")
+    checks.check_answer_backward_flops((np.float32(2.5), np.float64(3.5)), device="cpu")  # NumPy numbers (#52)
     checks.check_answer_backward_flops([5 / 2, 7 / 2], device="cpu")
     assert "3.5x its forward" in capsys.readouterr().out
     for wrong, hint in [((3.5, 2.5), "swapped"), ((5, 7), "products_not_ratio"), ((2.0, 3.5), "no_recompute"),

@@ -655,9 +655,17 @@ def psnr_no_inf(pred, target, max_value=1.0):
     return 10 * math.log10(max_value ** 2 / F.mse_loss(pred.detach(), target).item())
 
 
+def psnr_numpy(pred, target, max_value=1.0):
+    """Correct, in NumPy: a NumPy float (np.float64, or np.float32 from float32 arrays) is a number (issue #52)."""
+    error = (pred.detach().cpu().numpy() - target.detach().cpu().numpy()) ** 2
+    with np.errstate(divide="ignore"):
+        return 10 * np.log10(np.float32(max_value) ** 2 / np.mean(error))
+
+
 def test_psnr_accepts_a_correct_answer_written_differently():
     checks.check_psnr(psnr_torch, **CPU)
     checks.check_psnr(psnr_torch, seed=9, **CPU)
+    checks.check_psnr(psnr_numpy, **CPU)
 
 
 @pytest.mark.parametrize("answer, hint", [

@@ -349,6 +349,9 @@ def test_conv_to_linear_rejects_mistakes(answer, match):
 def test_parameter_count_accepts_other_correct_answer():
     checks.check_patch_embedding_parameter_count(lambda patch_size, in_channels, embed_dim:
                                                  (in_channels * patch_size ** 2 + 1) * embed_dim, **CPU)
+    checks.check_patch_embedding_parameter_count(lambda patch_size, in_channels, embed_dim:  # a NumPy int (#52)
+                                                 np.prod([in_channels, patch_size, patch_size, embed_dim]) + embed_dim,
+                                                 **CPU)
     assert (3 * 16 ** 2 + 1) * 768 == 590_592  # the number the notebook quotes for ViT-B/16
 
 
