@@ -556,6 +556,26 @@ def test_flash_built_on_query_chunks_is_not_flash():
         checks.check_flash_attention_forward_memory(chunk_rows, **CPU)
 
 
+def forward_in_numpy(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+    """Right numbers, computed in NumPy on the whole table: no tile (nor table) the checks' watch can see."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_, k_, v_ = (t.detach().cpu().double().numpy() for t in (q, k, v))
+    s = q_ @ np.swapaxes(k_, -1, -2) * scale
+    if causal:
+        s = np.where(np.arange(k.shape[-2])[None, :] <= np.arange(q.shape[-2])[:, None] + k.shape[-2] - q.shape[-2],
+                     s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - m)
+    lse = m[..., 0] + np.log(e.sum(-1))
+    return torch.from_numpy(e / e.sum(-1, keepdims=True) @ v_).to(q.dtype), torch.from_numpy(lse).to(q.dtype)
+
+
+def test_flash_without_tiles_does_not_skip_future_tiles():
+    """Its count of skipped tiles was satisfied by zero tiles (issue #52)."""
+    message = rejects(checks.check_flash_attention_forward_memory, forward_in_numpy, "no_tiles")
+    assert "causal=False) with S = 96 computed 0 products of a [16, 16] tile's shape" in message, message
+
+
 def test_flash_contract_messages():
     with pytest.raises(CheckFailure, match=r"should return the tuple \(out, lse\)"):
         checks.check_flash_attention_forward(lambda q, k, v, block_q=64, block_k=64, causal=False, scale=None:
