@@ -1381,31 +1381,38 @@ def _dependency_notes(answer: Any, uses: Sequence[str], near_module: str, device
     return notes
 
 
-@contextlib.contextmanager
-def _warnings_held(hold: bool) -> Iterator[list]:
-    """Hold back the warnings given while a check runs (the student's code's, PyTorch's about it): printed as they
-    come they go to stderr, where nbgrader counts a test cell that wrote there as failed -- in Validate and in
-    grading -- although the check passed; and when it fails they stood above its message. A check that passes
-    drops them (its numbers were right); a failure ends with them (:func:`_with_warnings`)."""
-    if not hold:
-        yield []
-        return
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield caught
-
-
-# A failure lists at most this many different warnings, one line each.
+# A failure lists at most this many different warnings, one line each, counted.
 _WARNINGS_SHOWN = 5
 
 
-def _with_warnings(failure: CheckFailure, caught: Sequence[warnings.WarningMessage]) -> None:
-    """``failure``'s message, followed by the warnings held back while its check ran (one line each, counted)."""
-    seen = Counter(f"{w.category.__name__}: {str(w.message).strip()}" for w in caught)
-    if not seen:
+@contextlib.contextmanager
+def _warnings_held(hold: bool) -> Iterator[Counter]:
+    """Hold back the warnings given while a check runs (the student's code's, PyTorch's about it), counted by text:
+    printed as they come they go to stderr, where nbgrader counts a test cell that wrote there as failed -- in
+    Validate and in grading -- although the check passed; and when it fails they stood above its message. A check
+    that passes drops them (its numbers were right); a failure ends with them (:func:`_with_warnings`). Only the
+    first few different texts are kept, however many times a training loop warns."""
+    held: Counter = Counter()
+    if not hold:
+        yield held
         return
-    lines = [f"    {text[:300]}" + (f" (x{count})" if count > 1 else "") for text, count in seen.items()]
-    failure.args = ("\n".join([str(failure), "  Warnings while your code ran:", *lines[:_WARNINGS_SHOWN]]),)
+
+    def hold_back(message: Any, category: type, *where: Any, **more: Any) -> None:
+        text = f"{category.__name__}: {str(message).strip()}"[:300]
+        if text in held or len(held) < _WARNINGS_SHOWN:
+            held[text] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hold_back
+        yield held
+
+
+def _with_warnings(failure: CheckFailure, held: Counter) -> None:
+    """``failure``'s message, followed by the warnings held back while its check ran (one line each, counted)."""
+    if held:
+        lines = [f"    {text}" + (f" (x{count})" if count > 1 else "") for text, count in held.items()]
+        failure.args = ("\n".join([str(failure), "  Warnings while your code ran:", *lines]),)
 
 
 def check(summary: str, uses: Sequence[str] = ()) -> Callable[[Callable], Callable]:

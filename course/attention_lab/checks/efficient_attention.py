@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 from attention_lab.bridge import probes, remote, wire
 from attention_lab.bridge.probes import Probe
 from attention_lab.checking import (
+    CallTrace,
     CheckFailure,
     RuleFailure,
     Variant,
@@ -58,6 +59,7 @@ from attention_lab.checking import (
     shape_str,
     tolerance,
 )
+from attention_lab.checking import _student_namespace
 
 LN_2 = math.log(2.0)
 LOG2_E = 1.0 / LN_2
@@ -1410,8 +1412,6 @@ class PassesCalled(Probe):
         self.namespace = agent.namespace
 
     def measure(self, function: Any) -> dict:
-        from attention_lab.checking import CallTrace
-
         found: dict[str, Any] = {}
         q, k, v = (self.parameters[name].detach().clone().requires_grad_(True) for name in ("q", "k", "v"))
         try:
@@ -1438,8 +1438,6 @@ def _expect_passes_called(FlashAttention: Any, q: torch.Tensor, k: torch.Tensor,
                           dout: torch.Tensor, causal: bool, call: str) -> None:
     """FlashAttention's forward runs the student's flash_attention_forward and its backward their
     flash_attention_backward (the contract), measured where the Function is."""
-    from attention_lab.checking import _student_namespace
-
     probe = PassesCalled(q=q, k=k, v=v, dout=dout, causal=causal)
     if remote.is_remote(FlashAttention):
         remote.measure(FlashAttention, probe, f"the passes {call} runs")

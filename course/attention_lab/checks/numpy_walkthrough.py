@@ -17,6 +17,7 @@ import copy
 import functools
 import math
 import re
+import traceback
 import tracemalloc
 from typing import Any, Callable, Sequence
 
@@ -45,7 +46,9 @@ from attention_lab.checking import (
     shape_str,
     tolerance,
 )
+from attention_lab.bridge import probes, wire
 from attention_lab.bridge.probes import Probe
+from attention_lab.checking import _is_student_file
 from attention_lab.code_inspection import find_uses, has_loop
 
 # --------------------------------------------------------------------------------------
@@ -1252,18 +1255,13 @@ class FloatingPointErrors(Probe):
     (and the student's line where it happened) and neither raises nor prints it. ``silenced``: the answer asked
     NumPy to ignore (or only print, warn, ...) some error."""
 
-    _ORIGINAL_MAKE_EXTOBJ = None  # NumPy's own, while a probe has replaced it
-
     def __init__(self) -> None:
         super().__init__()
         self.errors: list[str] = []  # "invalid value (your line: `...`)", in order, each once
         self.silenced = False
 
     def _record(self, kind: str, flag: int) -> None:
-        from attention_lab.checking import _is_student_file  # (the innermost frame of the answer's own code)
-
-        import traceback
-
+        """NumPy's error callback: ``kind`` ("invalid value", "divide by zero", "overflow"), where in the answer."""
         line = next((f" (your line: `{frame.line.strip()}`)" for frame in reversed(traceback.extract_stack())
                      if _is_student_file(frame.filename) and frame.line), "")
         if f"{kind}{line}" not in self.errors and len(self.errors) < 10:
@@ -1294,8 +1292,6 @@ class FloatingPointErrors(Probe):
         return {"errors": self.errors, "silenced": self.silenced}
 
     def accept(self, findings: Any) -> None:
-        from attention_lab.bridge import probes, wire
-
         if not (isinstance(findings, dict) and isinstance(findings.get("silenced"), bool)):
             raise wire.WireError("a malformed report of floating-point errors")
         self.errors, self.silenced = probes.strings(findings.get("errors"), limit=10), findings["silenced"]
@@ -1697,7 +1693,7 @@ def _expect_backward_from_saved(np_attention_backward: Callable, rng: np.random.
                 continue  # this gradient does not use what was changed (dV does not use out)
             grad_name = ("dQ", "dK", "dV")[index]
             got = expect_array(result[index] if isinstance(result, (tuple, list)) and len(result) == 3 else result,
-                               what=f"{call} -> {grad_name}", shape=Q.shape if index == 0 else (K, K, V)[index].shape)
+                               what=f"{call} -> {grad_name}", shape=(Q, K, V)[index].shape)
             expect_close(got, expected[index], what=f"{call} -> {grad_name}",
                          against=f"the formula with the {name} it was given (float64)",
                          variants=[Variant(recomputed[index], BACKWARD_LSE_HINTS[hint])])
