@@ -1253,7 +1253,8 @@ class FloatingPointErrors(Probe):
     those the answer silences included: while it runs, every error mode NumPy is asked for -- the answer's own
     ``with np.errstate(all="ignore")``, ``np.seterr``, a decorator -- is this probe's, which records each error
     (and the student's line where it happened) and neither raises nor prints it. ``silenced``: the answer asked
-    NumPy to ignore (or only print, warn, ...) some error."""
+    NumPy to ignore (or only print, warn, ...) some error. (NumPy 2's error modes all come from one function,
+    which the probe replaces while the call runs; with NumPy 1 it records the errors the answer leaves audible.)"""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1268,9 +1269,15 @@ class FloatingPointErrors(Probe):
             self.errors.append(f"{kind}{line}")
 
     def __enter__(self) -> "FloatingPointErrors":
-        from numpy._core import _ufunc_config
+        self._restore = self._fallback = None
+        try:
+            from numpy._core import _ufunc_config
 
-        original = _ufunc_config._make_extobj
+            original = _ufunc_config._make_extobj
+        except (ImportError, AttributeError):  # NumPy 1.x: its errors are seen, not those it silences
+            self._fallback = np.errstate(call=self._record, all="call", under="ignore")
+            self._fallback.__enter__()
+            return self
         ours = original(call=self._record, all="call", under="ignore")
 
         def the_probes_mode(**asked: Any) -> Any:  # what np.errstate and np.seterr set, whatever they are asked
@@ -1284,6 +1291,9 @@ class FloatingPointErrors(Probe):
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._fallback is not None:
+            self._fallback.__exit__(*exc)
+            return
         module, original = self._restore
         module._make_extobj = original
         module._extobj_contextvar.reset(self._token)  # the answer's np.seterr, undone with it
