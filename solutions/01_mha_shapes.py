@@ -736,7 +736,7 @@ check_answer_attention_crossover(ANSWER_ATTENTION_CROSSOVER, seed=1901)
 ### END HIDDEN TESTS
 
 # %%
-for seq_len in (197, 1024, 1536, 4096, 4608, 32768):
+for seq_len in (197, 1024, 2048, 4096, 8192, 32768):
     flops = block_flops(1, seq_len, 768)
     share = flops["attention"] / sum(flops.values())
     versus_projections = flops["attention"] / flops["projections"]

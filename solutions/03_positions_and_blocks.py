@@ -922,7 +922,7 @@ ANSWER_NO_POSITIONS = "C"
 ### END SOLUTION
 
 # %% test="test_ANSWER_NO_POSITIONS" points=1
-"""ANSWER_NO_POSITIONS: without positions or a mask, no model beats 1/(S-1) on this task."""
+"""ANSWER_NO_POSITIONS: the accuracy a model without positions or a mask can reach."""
 from attention_lab.checks.positions_and_blocks import check_answer_no_positions
 
 check_answer_no_positions(ANSWER_NO_POSITIONS)
@@ -944,7 +944,7 @@ ANSWER_NOPE_CAUSAL = "C"
 ### END SOLUTION
 
 # %% test="test_ANSWER_NOPE_CAUSAL" points=1
-"""ANSWER_NOPE_CAUSAL: with a causal mask and no positions, a model can find the previous token."""
+"""ANSWER_NOPE_CAUSAL: the accuracy a model with a causal mask and no positions can reach."""
 from attention_lab.checks.positions_and_blocks import check_answer_nope_causal
 
 check_answer_nope_causal(ANSWER_NOPE_CAUSAL)

@@ -900,3 +900,18 @@ def test_a_plural_subject_gets_a_plural_verb():
         expect_close([1.0, 2.0], [1.0, 3.0], what="the losses returned by f()", against="a reference run")
     with pytest.raises(CheckFailure, match=r"^the class token does not match"):
         expect_close([1.0], [2.0], what="the class token", against="x")
+
+
+# --------------------------------------------------------------------------------------
+# What a number is (issue #52: np.int64(4608) was "not a number")
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, number, integer", [
+    (4608, True, True), (4608.0, True, False), (np.int64(4608), True, True), (np.int8(3), True, True),
+    (np.uint16(3), True, True), (np.float32(2.5), True, False), (np.float64(2.5), True, False),
+    (True, False, False), (np.True_, False, False), (torch.tensor(3), False, False), ("4608", False, False),
+    (None, False, False), (np.array(3), False, False), (1 + 2j, False, False),
+])
+def test_numpy_scalars_are_numbers_and_integers_where_python_numbers_are(value, number, integer):
+    assert checking.is_number(value) is number and checking.is_integer(value) is integer

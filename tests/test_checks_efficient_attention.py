@@ -15,6 +15,7 @@ import re
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():  # kernels below must be defined in interpreter mode (as the setup cell does)
@@ -61,6 +62,9 @@ def bytes_prod(batch_size, num_heads, seq_len, bytes_per_element):
 
 def test_attention_matrix_bytes_correct_answer_passes(capsys):
     checks.check_attention_matrix_bytes(bytes_prod, device="cpu")
+    checks.check_attention_matrix_bytes(lambda batch_size, num_heads, seq_len, bytes_per_element:  # np.int64 (#52)
+                                        np.prod([batch_size, num_heads, seq_len, seq_len, bytes_per_element]),
+                                        device="cpu")
     assert "✓ attention_matrix_bytes" in capsys.readouterr().out
 
 
@@ -552,6 +556,26 @@ def test_flash_built_on_query_chunks_is_not_flash():
         checks.check_flash_attention_forward_memory(chunk_rows, **CPU)
 
 
+def forward_in_numpy(q, k, v, block_q=64, block_k=64, causal=False, scale=None):
+    """Right numbers, computed in NumPy on the whole table: no tile (nor table) the checks' watch can see."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_, k_, v_ = (t.detach().cpu().double().numpy() for t in (q, k, v))
+    s = q_ @ np.swapaxes(k_, -1, -2) * scale
+    if causal:
+        s = np.where(np.arange(k.shape[-2])[None, :] <= np.arange(q.shape[-2])[:, None] + k.shape[-2] - q.shape[-2],
+                     s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - m)
+    lse = m[..., 0] + np.log(e.sum(-1))
+    return torch.from_numpy(e / e.sum(-1, keepdims=True) @ v_).to(q.dtype), torch.from_numpy(lse).to(q.dtype)
+
+
+def test_flash_without_tiles_does_not_skip_future_tiles():
+    """Its count of skipped tiles was satisfied by zero tiles (issue #52)."""
+    message = rejects(checks.check_flash_attention_forward_memory, forward_in_numpy, "no_tiles")
+    assert "causal=False) with S = 96 computed 0 products of a [16, 16] tile's shape" in message, message
+
+
 def test_flash_contract_messages():
     with pytest.raises(CheckFailure, match=r"should return the tuple \(out, lse\)"):
         checks.check_flash_attention_forward(lambda q, k, v, block_q=64, block_k=64, causal=False, scale=None:
@@ -577,21 +601,32 @@ def test_the_emulated_loop_is_exact_without_a_bug():
 # --------------------------------------------------------------------------------------
 
 
-def make_backward(bug=None, queries_outside=False, work=None):
+def make_backward(bug=None, queries_outside=False, work=None, elementwise=False):
     """A tiled backward pass (FlashAttention-2's order: key blocks outside; ``queries_outside``: the other order);
-    ``bug`` plants one classic mistake; ``work`` forces the compute dtype (float32 inside on float64 input)."""
+    ``bug`` plants one classic mistake; ``work`` forces the compute dtype (float32 inside on float64 input);
+    ``elementwise``: each tile's scores as a broadcast product summed over d, not a matmul."""
 
     def backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         dtype = work or torch.promote_types(q.dtype, torch.float32)
         q_, k_, v_, o_, do_, lse_ = (t.to(dtype) for t in (q, k, v, out, dout, lse))
+        if bug == "lse_recomputed":  # the row's max and sum again, block by block: the given lse never read
+            lse_ = own_lse(q_, k_, block_k, causal, scale)
         if bug != "no_key_nan":  # a query that sees no key: lse = -inf, P = exp(-inf - 0) = 0
             lse_ = lse_.masked_fill(lse_ == NEG_INF, 0.0)
         offset = 0 if bug == "top_left" else seq_k - seq_q
         delta = (do_ * (do_ if bug == "D_dout" else o_)).sum(-1)
         if bug == "no_D":
             delta = torch.zeros_like(delta)
+        if bug == "D_two_pass":  # D = Σ_j P_ij dP_ij over every key, in a first pass over the tiles: out never read
+            delta = torch.zeros_like(delta)
+            for k0 in range(0, seq_k, block_k):
+                s = q_ @ k_[..., k0:k0 + block_k, :].mT * scale
+                if causal:
+                    keep = torch.arange(k0, min(seq_k, k0 + block_k))[None, :] <= torch.arange(seq_q)[:, None] + offset
+                    s = s.masked_fill(~keep, NEG_INF)
+                delta += (torch.exp(s - lse_[..., None]) * (do_ @ v_[..., k0:k0 + block_k, :].mT)).sum(-1)
         dq, dk, dv = torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
         tiles = [(q0, k0) for k0 in range(0, seq_k, block_k) for q0 in range(0, seq_q, block_q)]
         if queries_outside:
@@ -604,7 +639,10 @@ def make_backward(bug=None, queries_outside=False, work=None):
             if causal and bug == "late_queries" and k0 not in started:  # the query loop starts one block late
                 started.add(k0)
                 continue
-            s = torch.einsum("bhqd,bhkd->bhqk", q_[..., q0:q1, :], k_[..., k0:k1, :]) * scale
+            if elementwise:
+                s = (q_[..., q0:q1, None, :] * k_[..., None, k0:k1, :]).sum(-1) * scale
+            else:
+                s = torch.einsum("bhqd,bhkd->bhqk", q_[..., q0:q1, :], k_[..., k0:k1, :]) * scale
             if causal and bug != "no_mask":
                 keep = torch.arange(k0, k1)[None, :] <= torch.arange(q0, q1)[:, None] + offset
                 s = s.masked_fill(~keep, NEG_INF)
@@ -626,8 +664,53 @@ def make_backward(bug=None, queries_outside=False, work=None):
     return backward
 
 
+def own_lse(q, k, block_k, causal, scale):
+    """The logsumexp of every query's scores, by an online pass over the key blocks: what the given lse holds."""
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    rows = torch.arange(seq_q)[:, None]
+    m = torch.full(q.shape[:-1], NEG_INF, dtype=q.dtype)
+    total = torch.zeros_like(m)
+    for k0 in range(0, seq_k, block_k):
+        s = q @ k[..., k0:k0 + block_k, :].mT * scale
+        if causal:
+            s = s.masked_fill(torch.arange(k0, k0 + s.shape[-1])[None, :] > rows + seq_k - seq_q, NEG_INF)
+        new = torch.maximum(m, s.amax(-1))
+        safe = new.masked_fill(new == NEG_INF, 0.0)
+        total = total * torch.exp(m - safe) + torch.exp(s - safe[..., None]).sum(-1)
+        m = new
+    return torch.where(total > 0, m + total.log(), NEG_INF)
+
+
+def backward_by_autograd(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+    """The numbers without the exercise: autograd through SDPA (causal_lower_right, as the notebook names it)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    with torch.enable_grad():
+        q_, k_, v_ = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+        mask = causal_lower_right(q.shape[-2], k.shape[-2]) if causal else None
+        o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale)
+        return tuple(g.to(q.dtype) for g in torch.autograd.grad(o, (q_, k_, v_), dout.float()))
+
+
+def backward_in_numpy(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False, scale=None):
+    """The recipe from out and lse, right, computed in NumPy on the whole table: no tile the checks can see."""
+    import numpy as np
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_, k_, v_, o_, lse_, do_ = (t.detach().cpu().double().numpy() for t in (q, k, v, out, lse, dout))
+    s = q_ @ np.swapaxes(k_, -1, -2) * scale
+    if causal:
+        s = np.where(np.arange(k.shape[-2])[None, :] <= np.arange(q.shape[-2])[:, None] + k.shape[-2] - q.shape[-2],
+                     s, -np.inf)
+    finite = np.isfinite(lse_)[..., None]
+    p = np.where(finite, np.exp(s - np.where(finite, lse_[..., None], 0.0)), 0.0)
+    ds = p * (do_ @ np.swapaxes(v_, -1, -2) - (do_ * o_).sum(-1, keepdims=True))
+    grads = scale * ds @ k_, scale * np.swapaxes(ds, -1, -2) @ q_, np.swapaxes(p, -1, -2) @ do_
+    return tuple(torch.from_numpy(g).to(q.dtype) for g in grads)
+
+
 @pytest.mark.parametrize("answer", [make_backward(), make_backward(queries_outside=True),
-                                    make_backward(work=torch.float32)])
+                                    make_backward(work=torch.float32), make_backward(elementwise=True)])
 def test_flash_attention_backward_correct_answers_pass(answer):
     checks.check_flash_attention_backward(answer, **CPU)
     checks.check_flash_attention_backward_memory(answer, **CPU)
@@ -654,7 +737,28 @@ def test_flash_attention_backward_mistakes_are_named_with_float32_internals():
 
 def test_flash_attention_backward_that_computes_every_tile():
     message = rejects(checks.check_flash_attention_backward_memory, make_backward("future_blocks"), "bwd_future_blocks")
-    assert "computed 36 [16, 16] tiles, as many as the non-causal pass. Only 21 of the 36 tiles" in message, message
+    assert "computed 36 [16, 16] tiles of scores, as many as the non-causal pass. Only 21 of the 36 tiles" in message, \
+        message
+
+
+def test_flash_attention_backward_by_autograd_is_named_by_its_rule():
+    """Autograd through SDPA passed both checks (issue #52)."""
+    rejects(checks.check_flash_attention_backward, backward_by_autograd, "bwd_autograd")
+
+
+@pytest.mark.parametrize("bug, hint", [("lse_recomputed", "bwd_lse_recomputed"),
+                                       ("D_two_pass", "bwd_delta_recomputed")])
+def test_flash_attention_backward_must_use_the_out_and_lse_it_is_given(bug, hint):
+    """Right numbers without the method: given a changed out, then a shifted lse, the gradients must change as the
+    formula says (the checker's own inputs and comparison, whatever the kernel reports)."""
+    message = rejects(checks.check_flash_attention_backward, make_backward(bug), hint)
+    assert "given lse + a known constant per query row" in message or "given out + a known change" in message
+
+
+def test_flash_attention_backward_without_tiles_does_not_skip_future_tiles():
+    """A pass with no tile at all: its "skipped" count was satisfied by zero tiles (issue #52)."""
+    message = rejects(checks.check_flash_attention_backward_memory, backward_in_numpy, "bwd_no_tiles")
+    assert "causal=False) with S = 96 computed 0 products of a [16, 16] tile's shape" in message, message
 
 
 def test_flash_attention_backward_through_the_whole_table_is_not_flash():
@@ -669,33 +773,72 @@ def test_flash_attention_backward_through_the_whole_table_is_not_flash():
         checks.check_flash_attention_backward_memory(dense, **CPU)
 
 
-def make_function(save="right", grads=4, causal_kept=True, forward_bug=None):
-    forward, backward = make_flash(forward_bug), make_backward()
+FUNCTION_CELL = """
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        out, lse = flash_attention_forward(q, k, v, causal=causal)
+        if save == "P":
+            ctx.save_for_backward(q, k, v, out, lse, torch.softmax(q @ k.mT, -1))
+        elif save == "attribute":
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.weights = torch.softmax(q @ k.mT, -1)
+        elif save == "no_lse":
+            ctx.save_for_backward(q, k, v, out)
+        elif save == "lse_base2":
+            ctx.save_for_backward(q, k, v, out, lse / math.log(2))
+        else:
+            ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal = causal
+        return out
 
-    class FlashAttention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, causal=False):
-            out, lse = forward(q, k, v, causal=causal)
-            if save == "P":
-                ctx.save_for_backward(q, k, v, out, lse, torch.softmax(q @ k.mT, -1))
-            elif save == "attribute":
-                ctx.save_for_backward(q, k, v, out, lse)
-                ctx.weights = torch.softmax(q @ k.mT, -1)
-            elif save == "no_lse":
-                ctx.save_for_backward(q, k, v, out)
-            else:
-                ctx.save_for_backward(q, k, v, out, lse)
-            ctx.causal = causal
-            return out
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out = ctx.saved_tensors[:4]
+        lse = ctx.saved_tensors[4] if save != "no_lse" else torch.logsumexp(q @ k.mT * q.shape[-1] ** -0.5, -1)
+        if save == "lse_base2":
+            lse = lse * math.log(2)
+        dq, dk, dv = flash_attention_backward(q, k, v, out, lse, dout, causal=ctx.causal if causal_kept else False)
+        return (dq, dk, dv, None)[:grads]
+"""
 
-        @staticmethod
-        def backward(ctx, dout):
-            q, k, v, out = ctx.saved_tensors[:4]
-            lse = ctx.saved_tensors[4] if save != "no_lse" else torch.logsumexp(q @ k.mT * q.shape[-1] ** -0.5, -1)
-            dq, dk, dv = backward(q, k, v, out, lse, dout, causal=ctx.causal if causal_kept else False)
-            return (dq, dk, dv, None)[:grads]
+SDPA_FUNCTION_CELL = """
+class FlashAttention(torch.autograd.Function):
+    \"\"\"The numbers of FlashAttention without either pass: SDPA and a masked logsumexp forward, autograd backward.\"\"\"
 
-    return FlashAttention
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        mask = causal_lower_right(q.shape[-2], k.shape[-2]) if causal else None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        scores = q @ k.mT * q.shape[-1] ** -0.5
+        if causal:
+            keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - q.shape[-2])
+            scores = scores.masked_fill(~keep, float("-inf"))
+        ctx.save_for_backward(q, k, v, out, torch.logsumexp(scores, -1))
+        ctx.causal = causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
+            mask = causal_lower_right(q.shape[-2], k.shape[-2]) if ctx.causal else None
+            o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask)
+            return (*torch.autograd.grad(o, (q_, k_, v_), dout), None)
+"""
+
+
+def make_function(save="right", grads=4, causal_kept=True, forward_bug=None, cell=FUNCTION_CELL):
+    """A FlashAttention cell run in a notebook of its own: its flash_attention_forward and flash_attention_backward
+    are that notebook's globals (the check traces calls of them)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    notebook = {"torch": torch, "F": F, "math": math, "causal_lower_right": causal_lower_right,
+                "flash_attention_forward": make_flash(forward_bug), "flash_attention_backward": make_backward(),
+                "save": save, "grads": grads, "causal_kept": causal_kept}
+    exec(cell, notebook)
+    return notebook["FlashAttention"]
 
 
 def test_flash_attention_function_passes_gradcheck(capsys):
@@ -716,6 +859,27 @@ def test_flash_attention_function_that_loses_causal_is_named(function, hint):
 
 def test_flash_attention_function_with_too_few_gradients_is_named():
     rejects(checks.check_flash_attention_function, make_function(grads=3), "bwd_gradients")
+
+
+def test_flash_attention_function_must_run_the_notebooks_two_passes():
+    """SDPA and a masked logsumexp forward, autograd backward: FlashAttention's numbers, neither pass (issue #52)."""
+    message = rejects(checks.check_flash_attention_function, make_function(cell=SDPA_FUNCTION_CELL), "function_passes")
+    assert "never called your flash_attention_forward" in message, message
+
+
+def test_flash_attention_function_whose_backward_skips_the_backward_pass_is_named():
+    cell = FUNCTION_CELL.replace("dq, dk, dv = flash_attention_backward(", "dq, dk, dv = by_autograd(")
+    function = make_function(cell=cell)
+    function.forward.__globals__["by_autograd"] = backward_by_autograd
+    message = rejects(checks.check_flash_attention_function, function, "function_passes")
+    assert "the backward of FlashAttention.apply(q, k, v, True)" in message and "never called your " \
+        "flash_attention_backward" in message, message
+
+
+def test_flash_attention_function_that_saves_a_wrong_lse_is_told_its_values_not_what_it_saved():
+    """A base-2 lse saved where lse goes: it saved the right thing, with the wrong values (issue #52)."""
+    message = rejects(checks.check_flash_attention_function, make_function(save="lse_base2"), "lse_log2")
+    assert "the lse that the forward of FlashAttention.apply" in message and HINTS["bwd_saved"] not in message
 
 
 def test_the_emulated_backward_is_exact_without_a_bug():
@@ -746,7 +910,8 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
     # 1 acc not rescaled, 2 exp on base-2 scores, 3 no boundary mask, 4 blank, 5 exp2 on natural scores,
     # 6 K loaded without a mask, 7 V without a mask, 8 Q without a mask, 9 the causal loop visits every key block,
     # 10 the causal bound forgets S_k - S_q, 11 the last visible key used as an exclusive stop,
-    # 12 acc normalised inside the loop, 13 out stored without a mask.
+    # 12 acc normalised inside the loop, 13 out stored without a mask, 14 tl.dot(p, v) with p in float32 and v in
+    # the inputs' dtype, 15 the causal bound of the block's first query.
     pid_q, pid_h = tl.program_id(0), tl.program_id(1)
     rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     cols_d = tl.arange(0, HEAD_DIM)
@@ -766,6 +931,8 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
             hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q)
         elif BUG == 11:
             hi = tl.minimum(seq_k, tl.minimum(seq_q, (pid_q + 1) * BLOCK_Q) - 1 + seq_k - seq_q)
+        elif BUG == 15:
+            hi = tl.minimum(seq_k, pid_q * BLOCK_Q + 1 + seq_k - seq_q)
         elif BUG != 9:
             hi = tl.minimum(seq_k, (pid_q + 1) * BLOCK_Q + seq_k - seq_q)
     for start in range(0, hi, BLOCK_K):
@@ -799,6 +966,8 @@ def planted_kernel(Q, K, V, Out, Lse, stride_qh, stride_qs, stride_kh, stride_ks
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if BUG == 1:
             acc = acc + tl.dot(p.to(v.dtype), v)
+        elif BUG == 14:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         if BUG == 12:
@@ -843,11 +1012,51 @@ def test_kernel_correct_answer_passes(capsys):
                                        pytest.param(8, "unmasked_load", marks=INTERPRETER_ONLY),
                                        pytest.param(9, "kernel_future_blocks", marks=INTERPRETER_ONLY),
                                        (10, "bound_no_offset"), (11, "bound_inclusive"), (12, "normalise_inside"),
-                                       (13, "kernel_unmasked_store")])
+                                       (13, "kernel_unmasked_store"),
+                                       # numbers only, or the interpreter's raw AssertionError, before issue #52
+                                       (14, "dot_dtypes"), (15, "bound_first_query")])
 def test_kernel_mistakes_are_named(bug, hint):
     with pytest.raises(CheckFailure) as failure:
         checks.check_flash_attention_kernel(Planted(bug), **KERNEL)
     assert HINTS[hint] in str(failure.value), str(failure.value)
+
+
+def plain_scale(X, Out, n, alpha, BLOCK):
+    """A kernel written without @triton.jit."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Out + offsets, alpha * tl.load(X + offsets, mask=offsets < n), mask=offsets < n)
+
+
+@needs_triton
+def test_a_kernel_without_triton_jit_is_told_to_decorate_it():
+    """TypeError: 'function' object is not subscriptable, with its cause named (issue #52)."""
+    rejects(checks.check_scale_kernel, plain_scale, "not_jitted", device=KERNEL["device"])
+
+
+@needs_triton
+@INTERPRETER_ONLY
+def test_the_given_epilogues_warnings_are_never_shown_as_the_students():
+    """A query that sees no key: the given epilogue computes 0 / 0 and log2(0), and a correct loop -inf - (-inf),
+    before tl.where discards them. NumPy warns of each in Triton's interpreter; a failing kernel's message listed
+    them as the student's (issue #52). A launch by the checks shows none; other warnings stay."""
+    import warnings
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, seq, 16, generator=generator) for seq in (70, 37, 37))
+
+    def warned(launch) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            launch()
+        return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+    raw = warned(lambda: triton_kernels.launch_flash_attention(Planted(0), q, k, v, causal=True, block_q=16,
+                                                               block_k=16))
+    assert any("invalid value" in text or "divide by zero" in text for text in raw), raw  # the interpreter does warn
+    by_the_checks = warned(lambda: triton_kernels.launch(triton_kernels.launch_flash_attention, Planted(0), q, k, v,
+                                                         watch=triton_kernels.LoadWatch(), causal=True, block_q=16,
+                                                         block_k=16))
+    assert not by_the_checks, by_the_checks  # (an overflow still shows: test_the_interpreters_warnings_come_after...)
 
 
 @needs_triton
@@ -1374,7 +1583,7 @@ def test_the_interpreters_warnings_come_after_the_checks_message():
         message = rejects(checks.check_row_softmax_kernel, PlantedLadder(planted_softmax, 2), "softmax_no_max")
     assert not [w for w in escaped if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in escaped]
     tail = message.split("Likely mistake:")[-1]
-    assert "Warnings while your kernel ran:" in tail and "RuntimeWarning: overflow encountered in exp2" in tail, message
+    assert "Warnings while your code ran:" in tail and "RuntimeWarning: overflow encountered in exp2" in tail, message
 
 
 # --------------------------------------------------------------------------------------
@@ -1384,6 +1593,7 @@ def test_the_interpreters_warnings_come_after_the_checks_message():
 
 def test_answer_backward_flops_takes_the_pair_and_explains_only_once_right(capsys):
     checks.check_answer_backward_flops((2.5, 3.5), device="cpu")
+    checks.check_answer_backward_flops((np.float32(2.5), np.float64(3.5)), device="cpu")  # NumPy numbers (#52)
     checks.check_answer_backward_flops([5 / 2, 7 / 2], device="cpu")
     assert "3.5x its forward" in capsys.readouterr().out
     for wrong, hint in [((3.5, 2.5), "swapped"), ((5, 7), "products_not_ratio"), ((2.0, 3.5), "no_recompute"),
@@ -1404,40 +1614,57 @@ def test_answer_backward_flops_takes_the_pair_and_explains_only_once_right(capsy
 
 @triton.jit
 def planted_online_softmax(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr, BUG: tl.constexpr = 0):
-    # 0 correct, 1 sum not rescaled, 2 first block only, 3 padding loaded as 0, 4 no max, 5 store unmasked
+    # 0 correct, 1 sum not rescaled, 2 first block only, 3 padding loaded as 0, 4 no max, 5 store unmasked,
+    # 6 the inputs' dtype inside (float16 for float16), 7 both loops stop before the last block, 8 one block only
+    # (the row assumed to fit), 9 written (normalised) in the first loop, 10 exp2 without log2(e)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    work = tl.float32
+    if BUG == 6:
+        work = X.dtype.element_ty
+    m_i = tl.max(tl.full([BLOCK], float("-inf"), work), axis=0)
+    l_i = tl.sum(tl.zeros([BLOCK], work), axis=0)
     stop = n_cols
-    if BUG == 2:
+    if BUG == 2 or BUG == 8:
         stop = BLOCK
+    if BUG == 7:
+        stop = n_cols - BLOCK
     for start in range(0, stop, BLOCK):
         cols = start + offs
         if BUG == 3:
-            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=0.0).to(work)
         else:
-            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(work)
         if BUG == 4:
             l_i += tl.sum(tl.exp(x), axis=0)
+        elif BUG == 10:
+            m_new = tl.maximum(m_i, tl.max(x, axis=0))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(x - m_new), axis=0)
+            m_i = m_new
         else:
             m_new = tl.maximum(m_i, tl.max(x, axis=0))
             if BUG == 1:
                 l_i = l_i + tl.sum(tl.exp(x - m_new), axis=0)
             else:
-                l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+                l_i = (l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)).to(work)
             m_i = m_new
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offs
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        if BUG == 4:
-            y = (tl.exp(x) / l_i).to(Out.dtype.element_ty)
-        else:
-            y = (tl.exp(x - m_i) / l_i).to(Out.dtype.element_ty)
-        if BUG == 5:
-            tl.store(Out + row * stride_out + cols, y)
-        else:
-            tl.store(Out + row * stride_out + cols, y, mask=cols < n_cols)
+        if BUG == 8 or BUG == 9:
+            tl.store(Out + row * stride_out + cols, (tl.exp(x - m_i) / l_i).to(Out.dtype.element_ty),
+                     mask=cols < n_cols)
+    if BUG != 8 and BUG != 9:
+        for start in range(0, stop if BUG == 7 else n_cols, BLOCK):
+            cols = start + offs
+            x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(work)
+            if BUG == 4:
+                y = (tl.exp(x) / l_i).to(Out.dtype.element_ty)
+            elif BUG == 10:
+                y = (tl.exp2(x - m_i) / l_i).to(Out.dtype.element_ty)
+            else:
+                y = (tl.exp(x - m_i) / l_i).to(Out.dtype.element_ty)
+            if BUG == 5:
+                tl.store(Out + row * stride_out + cols, y)
+            else:
+                tl.store(Out + row * stride_out + cols, y, mask=cols < n_cols)
 
 
 @needs_triton
@@ -1454,6 +1681,12 @@ def test_online_softmax_kernel_passes_when_right(capsys):
     (3, checks.ONLINE_SOFTMAX_HINTS["other_zero"]),
     (4, HINTS["softmax_no_max"]),
     (5, HINTS["ladder_unmasked_store"]),
+    # named since issue #52 (passed, or told "a tl.load without a mask", or numbers only)
+    (6, HINTS["kernel_half_internals"].format(dtype="float16")),
+    (7, checks.ONLINE_SOFTMAX_HINTS["unwritten_last_block"]),
+    (8, checks.ONLINE_SOFTMAX_HINTS["unwritten_after_first_block"]),
+    (9, checks.ONLINE_SOFTMAX_HINTS["normalise_first_loop"]),
+    (10, HINTS["exp2_unscaled"]),
 ])
 def test_online_softmax_kernel_mistakes_are_named(bug, hint):
     with pytest.raises(CheckFailure) as failure:

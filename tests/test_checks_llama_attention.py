@@ -13,6 +13,7 @@ import re
 import textwrap
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -961,6 +962,10 @@ def test_is_causal_is_top_left_when_lengths_differ():
 
 def test_kv_cache_bytes_correct_answer_passes():
     checks.check_kv_cache_bytes(good_kv_cache_bytes, quiet=True)
+    # a NumPy integer is an int (issue #52: "should be an int ... got int64")
+    checks.check_kv_cache_bytes(lambda num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element:
+                                np.int64(good_kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size,
+                                                             bytes_per_element)), quiet=True)
 
 
 @pytest.mark.parametrize("wrong, phrase", [

@@ -11,6 +11,7 @@ import math
 import sys
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -524,7 +525,20 @@ def test_block_flops_accepts_the_count_by_parts():
 
 
 @pytest.mark.parametrize("wrong, phrase", [
-    (_block(lambda b, s, d, r: 2 * b * s * d * int(r * d)), "you counted one"),
+    # the MLP at half the count: one product left out, or a multiply-add counted once: both named (issue #52)
+    (_block(lambda b, s, d, r: 2 * b * s * d * int(r * d)), "a multiply-add was counted as 1 FLOP"),
+    (_block(lambda b, s, d, r: 2 * b * s * d * int(r * d)), "one of its two matrix products is missing"),
+    (_block(lambda b, s, d, r: 4 * s * d * int(r * d)), "multiply by batch_size"),  # the batch forgotten in the MLP
+    (lambda batch_size, seq_len, d_model, mlp_ratio=4: {  # every part counted with a multiply-add as one FLOP
+        key: value // 2 for key, value in block_flops_by_parts(batch_size, seq_len, d_model, mlp_ratio).items()},
+     "a multiply-add counts as 2 FLOPs"),
+    # attention over the pairs a causal mask keeps: S·(S+1)/2 of them, or half the table
+    (lambda batch_size, seq_len, d_model, mlp_ratio=4: {
+        **block_flops_by_parts(batch_size, seq_len, d_model, mlp_ratio),
+        "attention": 2 * 2 * batch_size * d_model * seq_len * (seq_len + 1) // 2}, "a mask saves no product"),
+    (lambda batch_size, seq_len, d_model, mlp_ratio=4: {
+        **block_flops_by_parts(batch_size, seq_len, d_model, mlp_ratio),
+        "attention": 2 * batch_size * seq_len * seq_len * d_model}, "or you halved it for a causal mask"),
     (_block(lambda b, s, d, r: 16 * b * s * d * d), "not d_model or 4 · d_model"),
     (_block(lambda b, s, d, r: 4 * b * s * d * d), "not d_model or 4 · d_model"),
     (_block(lambda b, s, d, r: 4 * b * s * d * r * d), "should be an int"),
@@ -539,9 +553,44 @@ def test_block_flops_names_the_mistake(wrong, phrase):
         checks.check_block_flops(wrong, **CPU)
 
 
+def test_flop_counts_may_be_numpy_integers():
+    """np.int64 is an int (issue #52): a count computed with NumPy passes."""
+    def block_flops_numpy(batch_size, seq_len, d_model, mlp_ratio=4):
+        return {key: np.int64(value) for key, value in block_flops_by_parts(batch_size, seq_len, d_model,
+                                                                            mlp_ratio).items()}
+
+    checks.check_block_flops(block_flops_numpy, **CPU)
+    checks.check_attention_layer_flops(lambda batch_size, seq_len, d_model: {
+        key: np.int64(value) for key, value in flops_by_products(batch_size, seq_len, d_model).items()},
+        SelfAttentionEinsum, **CPU)
+
+
+def test_the_check_module_ships_no_function_that_answers_the_flop_questions():
+    """The counts are FlopCounterMode's, measured on modules the checks build: no function of the package returns
+    an answer when called with the exercise's sizes (issue #51: `_reference_count(b, s, d, h)` did)."""
+    import inspect
+
+    answers = [flops_by_products(3, 7, 16), block_flops_by_parts(3, 7, 16)]
+    for name, function in vars(checks).items():
+        if not inspect.isfunction(function) or function.__module__ != checks.__name__:
+            continue
+        required = [p for p in inspect.signature(function).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        for sizes in ((3, 7, 16), (3, 7, 16, 4), (3, 7, 16, 4, 64)):
+            if len(required) != len(sizes):
+                continue
+            try:
+                result = function(*sizes)
+            except Exception:  # not a function of sizes
+                continue
+            found = dict(result.items()) if isinstance(result, dict) else None
+            assert found not in answers, f"{name}{sizes} returns an answer: {found}"
+
+
 def test_attention_crossover_takes_the_number_and_explains_only_once_right(capsys):
     checks.check_answer_attention_crossover(4608, device="cpu")
     checks.check_answer_attention_crossover(4608.0, device="cpu")
+    checks.check_answer_attention_crossover(np.int64(4608), device="cpu")  # a NumPy integer is a number (#52)
     assert "S = 6·D = 4,608" in capsys.readouterr().out
     for value, hint in [(1536, "projections_only"), (3072, "mlp_only"), (768, "one_projection"),
                         (9216, "half_of_attention")]:

@@ -7,8 +7,11 @@ are deliberately written another way than the solution notebook.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -667,9 +670,50 @@ def variance_via_torch(d_head, sigma, n_samples, rng):
     return float((q * k).sum(-1).var())
 
 
+def variance_loop_ddof(d_head, sigma, n_samples, rng):
+    """Right: one pair at a time in a loop, the unbiased variance (ddof=1)."""
+    products = [float(rng.normal(0.0, sigma, d_head) @ rng.normal(0.0, sigma, d_head)) for _ in range(n_samples)]
+    return np.var(products, ddof=1)  # a NumPy float64
+
+
+def variance_float32_einsum(d_head, sigma, n_samples, rng):
+    """Right: both vectors drawn at once, float32, np.var of an einsum; a NumPy float32 scalar returned."""
+    q, k = rng.standard_normal((2, n_samples, d_head), dtype=np.float32) * np.float32(sigma)
+    return np.var(np.einsum("nd,nd->n", q, k))
+
+
+def variance_formula_with_jitter(d_head, sigma, n_samples, rng):
+    """The closed form with a little noise drawn from rng: it depends on the rng and is close, but measures nothing
+    (issue #51: it got full marks)."""
+    return d_head * sigma**4 * (1 + 1e-3 * rng.standard_normal())
+
+
+def variance_of_fixed_pairs(d_head, sigma, n_samples, rng):
+    """A measurement on 10,000 pairs whatever n_samples asks for: close at every size, but n_samples ignored."""
+    return variance_mean_of_squares(d_head, sigma, 10_000, rng)
+
+
+def variance_of_fewer_pairs(d_head, sigma, n_samples, rng):
+    """A measurement on 20 pairs where n_samples is small (on all of them where it is large, so that the numbers
+    alone pass): it measures fewer pairs than asked."""
+    return variance_mean_of_squares(d_head, sigma, 20 if n_samples < 10_000 else n_samples, rng)
+
+
 def test_dot_product_variance_accepts_a_correct_answer_written_differently():
     checks.check_dot_product_variance(variance_mean_of_squares, **CPU)
     checks.check_dot_product_variance(variance_mean_of_squares, seed=3, **CPU)
+    checks.check_dot_product_variance(variance_loop_ddof, **CPU)
+    checks.check_dot_product_variance(variance_float32_einsum, seed=5, **CPU)
+
+
+@pytest.mark.parametrize("wrong, hint", [(variance_formula_with_jitter, "formula"),
+                                         (variance_of_fixed_pairs, "more_samples"),
+                                         (variance_of_fewer_pairs, "fewer_samples")])
+def test_dot_product_variance_must_measure_a_sample_whose_spread_is_its_standard_error(wrong, hint):
+    """The results of a measurement on n pairs spread over rng seeds by its standard error (issue #51)."""
+    with pytest.raises(CheckFailure, match=re.escape(checks.VARIANCE_HINTS[hint])) as failure:
+        checks.check_dot_product_variance(wrong, **CPU)
+    assert "with 100 rng seeds: the results spread by" in str(failure.value)
 
 
 @pytest.mark.parametrize("wrong, phrase", [
@@ -1051,10 +1095,45 @@ WRONG_ATTENTION_BACKWARD = {
 }
 
 
+def test_a_backward_that_recomputes_the_softmax_is_named_not_passed():
+    """Right numbers, the wrong method: the exercise is the backward from the saved out and lse (issue #52: these
+    got full marks, and a ✓ that said "from (out, lse)")."""
+    for answer, hint in ((_attention_backward, "delta_recomputed"), (attention_backward_einsum, "delta_recomputed"),
+                         (functools.partial(_backward_from_lse, p_from="softmax"), "lse_recomputed"),
+                         (functools.partial(_backward_from_lse, delta="p_dp"), "delta_recomputed")):
+        with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_LSE_HINTS[hint])) as failure:
+            checks.check_np_attention_backward(answer, **CPU)
+        assert "and given " in str(failure.value) and "the formula with the" in str(failure.value)
+
+
+def backward_from_lse_loops(Q, K, V, out, lse, dout, mask=None):
+    """Right, written differently: a loop over (batch, head) with helpers, keyword calls, P from lse with
+    np.where so that no row without a key meets -inf - (-inf), D with einsum."""
+    def probabilities(scores, row_lse):
+        has_key = np.isfinite(row_lse)[:, None]
+        return np.where(has_key, np.exp(scores - np.where(has_key, row_lse[:, None], 0.0)), 0.0)
+
+    def gradients(q, k, v, o, row_lse, do, allowed):
+        scores = np.where(allowed, q @ k.T / np.sqrt(np.float64(q.shape[-1])).astype(q.dtype), -np.inf)
+        p = probabilities(scores=scores, row_lse=row_lse)
+        delta = np.einsum("qv,qv->q", do, np.where(np.isfinite(row_lse)[:, None], o, 0.0))
+        ds = p * (do @ v.T - delta[:, None]) / math.sqrt(q.shape[-1])
+        return ds @ k, ds.T @ q, p.T @ do
+
+    shape = Q.shape[:2] + (Q.shape[2], K.shape[2])
+    allowed = np.broadcast_to(True if mask is None else mask, shape)
+    grads = [np.zeros_like(Q), np.zeros_like(K), np.zeros_like(V)]
+    for b in range(Q.shape[0]):
+        for h in range(Q.shape[1]):
+            parts = gradients(Q[b, h], K[b, h], V[b, h], out[b, h], lse[b, h], dout[b, h], allowed[b, h])
+            for grad, part in zip(grads, parts):
+                grad[b, h] = part
+    return tuple(grads)
+
+
 def test_np_attention_backward_accepts_correct_answers_written_differently():
-    checks.check_np_attention_backward(_attention_backward, **CPU)
-    checks.check_np_attention_backward(attention_backward_einsum, **CPU)
-    checks.check_np_attention_backward(attention_backward_einsum, seed=3001, **CPU)
+    checks.check_np_attention_backward(backward_from_lse_loops, **CPU)
+    checks.check_np_attention_backward(backward_from_lse_loops, seed=3001, **CPU)
 
 
 @pytest.mark.parametrize("name", sorted(WRONG_ATTENTION_BACKWARD))
@@ -1104,8 +1183,13 @@ def test_np_attention_backward_leaves_its_inputs_alone():
         checks.check_np_attention_backward(scales_in_place, **CPU)
 
 
-def _backward_from_lse(Q, K, V, out, lse, dout, mask=None, *, p_from="lse", delta="out", guard_delta=True):
-    """The notebook's recipe (P = exp(s - lse), D = rowsum(dout ∘ out)) with one deliberate change."""
+def _backward_from_lse(Q, K, V, out, lse, dout, mask=None, *, p_from="lse", delta="out", guard_delta=True,
+                       sign=1.0, in_float32=False):
+    """The notebook's recipe (P = exp(s - lse), D = rowsum(dout ∘ out)) with one deliberate change
+    (``in_float32``: everything computed in float32, s - lse included)."""
+    dtype = Q.dtype
+    if in_float32:
+        Q, K, V, out, lse, dout = (a.astype(np.float32) for a in (Q, K, V, out, lse, dout))
     scale = 1.0 / math.sqrt(Q.shape[-1])
     raw = np.einsum("bhqd,bhkd->bhqk", Q, K)
     scores = raw if p_from == "unscaled" else raw * scale
@@ -1113,14 +1197,21 @@ def _backward_from_lse(Q, K, V, out, lse, dout, mask=None, *, p_from="lse", delt
         scores = np.where(mask, scores, -np.inf)
     finite = np.isfinite(lse)[..., None]
     with np.errstate(all="ignore"):
-        P = np.exp(scores) if p_from == "no_lse" else np.exp(scores - np.where(finite, lse[..., None], 0.0))
+        if p_from == "softmax":  # the weights again, with a softmax: lse never read
+            shifted = scores - np.where(finite, np.max(scores, axis=-1, keepdims=True), 0.0)
+            P = np.exp(shifted) / np.where(finite, np.sum(np.exp(shifted), axis=-1, keepdims=True), 1.0)
+        else:
+            P = np.exp(scores) if p_from == "no_lse" else np.exp(scores - np.where(finite, lse[..., None], 0.0))
         P = np.where(finite, P, 0.0)
         product = np.where(finite, dout * out, 0.0) if guard_delta else dout * out
-        D = np.sum(product if delta == "out" else dout, axis=-1, keepdims=True)
-        dS = P * (np.einsum("bhqv,bhkv->bhqk", dout, V) - D) * scale
+        dP = np.einsum("bhqv,bhkv->bhqk", dout, V)
+        D = {"out": lambda: np.sum(product, axis=-1, keepdims=True), "dout": lambda: np.sum(dout, axis=-1, keepdims=True),
+             "p_dp": lambda: np.sum(P * dP, axis=-1, keepdims=True),  # softmax_backward's own sum: out never read
+             "axis": lambda: np.sum(product, axis=-2, keepdims=True)}[delta]()
+        dS = sign * P * (dP - D) * scale
     grads = np.einsum("bhqk,bhkd->bhqd", dS, K), np.einsum("bhqk,bhqd->bhkd", dS, Q), \
         np.einsum("bhqk,bhqv->bhkv", P, dout)
-    return tuple(g.astype(Q.dtype) for g in grads)
+    return tuple(g.astype(dtype) for g in grads)
 
 
 def test_np_attention_backward_accepts_the_recipe_from_lse():
@@ -1134,12 +1225,39 @@ def test_np_attention_backward_accepts_the_recipe_from_lse():
     (dict(p_from="unmasked"), "lse_mask_ignored"),
     (dict(delta="dout"), "delta_unweighted"),
     (dict(guard_delta=False), "fully_masked_delta"),
+    # named since issue #52 (numbers only, or another mistake's name, before)
+    (dict(sign=-1.0), "ds_sign"),
+    (dict(delta="axis"), "delta_axis"),  # (..., 1, d_v) against dP's (..., S_q, S_k): NumPy's broadcast error
+    (dict(in_float32=True), "float32_inside"),  # s - lse in float32 too: off at large scores
 ])
 def test_np_attention_backward_names_the_mistakes_of_the_recipe_from_lse(options, hint):
     def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
         return _backward_from_lse(Q, K, V, out, lse, dout, mask, **options)
 
     with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_LSE_HINTS[hint])):
+        checks.check_np_attention_backward(np_attention_backward, **CPU)
+
+
+def test_np_attention_backward_names_a_sum_over_the_queries_where_its_shape_fits():
+    """D summed over the queries with keepdims=True, where S_k = d_v: no broadcast error, wrong numbers, named."""
+    def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
+        if V.shape[-1] != K.shape[-2]:
+            return _backward_from_lse(Q, K, V, out, lse, dout, mask)
+        return _backward_from_lse(Q, K, V, out, lse, dout, mask, delta="axis")
+
+    with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_LSE_HINTS["delta_axis"])) as failure:
+        checks.check_np_attention_backward(np_attention_backward, **CPU)
+    assert "could not be broadcast" not in str(failure.value)
+
+
+def test_np_attention_backward_names_float16_inside_on_float32_input():
+    def np_attention_backward(Q, K, V, out, lse, dout, mask=None):
+        if Q.dtype != np.float32:
+            return _backward_from_lse(Q, K, V, out, lse, dout, mask)
+        grads = _backward_from_lse(*(a.astype(np.float16) for a in (Q, K, V, out, lse, dout)), mask)
+        return tuple(g.astype(np.float32) for g in grads)
+
+    with pytest.raises(CheckFailure, match=re.escape(checks.BACKWARD_LSE_HINTS["float16_inside"])):
         checks.check_np_attention_backward(np_attention_backward, **CPU)
 
 
@@ -1173,19 +1291,20 @@ def _lse_answer(*, lse_scaled=True, masked_lse=True, lse_form="right", guard=Tru
         scores = raw / math.sqrt(Q.shape[-1])
         masked = scores if mask is None else np.where(mask, scores, -np.inf)
         m = np.max(masked, axis=-1, keepdims=True)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # (only the unguarded variant meets 0/0)
             shift = np.where(np.isfinite(m), m, 0.0) if guard else m
             exps = np.exp(masked - shift)
             total = np.sum(exps, axis=-1, keepdims=True)
             out = (exps / (np.where(total > 0, total, 1.0) if guard else total)) @ V
-            lse_source = (masked if masked_lse else scores) * (1.0 if lse_scaled else math.sqrt(Q.shape[-1]))
-            lse_m = np.max(lse_source, axis=-1, keepdims=True)
-            lse_shift = np.where(np.isfinite(lse_m), lse_m, 0.0)
-            lse_total = np.sum(np.exp(lse_source - lse_shift), axis=-1, keepdims=True)
-            lse = {"right": lse_shift + np.log(lse_total), "max": lse_m, "no_shift": np.log(lse_total),
-                   "base2": (lse_shift + np.log(lse_total)) / math.log(2)}[lse_form]
-            if guard:
-                lse = np.where(lse_total > 0, lse, -np.inf)
+        lse_source = (masked if masked_lse else scores) * (1.0 if lse_scaled else math.sqrt(Q.shape[-1]))
+        lse_m = np.max(lse_source, axis=-1, keepdims=True)
+        lse_shift = np.where(np.isfinite(lse_m), lse_m, 0.0)
+        lse_total = np.sum(np.exp(lse_source - lse_shift), axis=-1, keepdims=True)
+        log_total = np.log(np.where(lse_total > 0, lse_total, 1.0))  # no log(0)
+        lse = {"right": lse_shift + log_total, "max": lse_m, "no_shift": log_total,
+               "base2": (lse_shift + log_total) / math.log(2)}[lse_form]
+        if guard:
+            lse = np.where(lse_total > 0, lse, -np.inf)
         lse = lse if keep_axis else lse[..., 0]
         return out.astype(Q.dtype), lse.astype(Q.dtype)
     return np_attention_lse
@@ -1217,8 +1336,78 @@ def test_np_attention_lse_must_not_warn_on_a_query_with_no_key():
         np.log(np.zeros(1))  # log(0): right value, but a RuntimeWarning the student would see
         return out, lse
 
+    with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_LSE_HINTS["warning"])) as failure:
+        checks.check_np_attention_lse(warns, **CPU)
+    assert "NumPy met divide by zero (your line: `np.log(np.zeros(1))" in str(failure.value)
+
+
+def test_np_attention_lse_on_numpy_1_still_names_an_error_it_hears(monkeypatch):
+    """NumPy 1 (the course allows >= 1.24) has no single function behind its error modes to own: the probe falls
+    back to recording the errors an answer leaves audible, and right answers pass."""
+    import types
+
+    from numpy import _core
+
+    monkeypatch.setattr(_core, "_ufunc_config", types.SimpleNamespace())  # no _make_extobj, as in NumPy 1
+    checks.check_np_attention_lse(attention_lse_by_logaddexp, **CPU)
+
+    def warns(Q, K, V, mask=None):
+        np.log(np.zeros(1))
+        return attention_lse_by_logaddexp(Q, K, V, mask)
+
     with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_LSE_HINTS["warning"])):
         checks.check_np_attention_lse(warns, **CPU)
+
+
+def lse_silenced(silence):
+    """The recipe with no guard against a query that sees no key, its warnings silenced (``silence``: how), NaN
+    and -inf repaired afterwards: right numbers, but the invalid operations the exercise is about still run."""
+    def np_attention_lse(Q, K, V, mask=None):
+        scores = Q @ np.swapaxes(K, -1, -2) / math.sqrt(Q.shape[-1])
+        if mask is not None:
+            scores = np.where(mask, scores, -np.inf)
+        with silence():
+            row_max = np.max(scores, axis=-1, keepdims=True)
+            exps = np.exp(scores - row_max)  # -inf - (-inf) = NaN on a row without keys
+            total = np.sum(exps, axis=-1, keepdims=True)
+            out = np.nan_to_num(exps / total) @ V
+            lse = np.where(np.isfinite(row_max), row_max + np.log(total), -np.inf)[..., 0]
+        return out.astype(Q.dtype), lse.astype(Q.dtype)
+    return np_attention_lse
+
+
+def _seterr_ignored():
+    @contextlib.contextmanager
+    def silence():
+        saved = np.seterr(all="ignore")
+        try:
+            yield
+        finally:
+            np.seterr(**saved)
+    return silence
+
+
+def _warnings_ignored():
+    @contextlib.contextmanager
+    def silence():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    return silence
+
+
+@pytest.mark.parametrize("silence, hint", [
+    (lambda: np.errstate(all="ignore"), "silenced"),
+    (lambda: np.errstate(invalid="ignore", divide="ignore"), "silenced"),
+    (_seterr_ignored(), "silenced"),
+    (_warnings_ignored(), "warning"),  # NumPy's own mode untouched: the invalid operation is what it names
+], ids=["errstate", "errstate_parts", "seterr", "warnings_filter"])
+def test_np_attention_lse_that_silences_numpys_warnings_is_named(silence, hint):
+    """Silencing the warning leaves the invalid operation in (issue #52: np.errstate passed)."""
+    with pytest.raises(CheckFailure, match=re.escape(checks.ATTENTION_LSE_HINTS[hint])) as failure:
+        checks.check_np_attention_lse(lse_silenced(silence), **CPU)
+    assert "NumPy met invalid value (your line: `exps = np.exp(scores - row_max)" in str(failure.value)
+    assert np.geterr()["invalid"] == "warn"  # the answer's np.seterr did not outlive the call
 
 
 def test_np_attention_lse_gives_the_mean_of_the_values_a_name():

@@ -655,9 +655,17 @@ def psnr_no_inf(pred, target, max_value=1.0):
     return 10 * math.log10(max_value ** 2 / F.mse_loss(pred.detach(), target).item())
 
 
+def psnr_numpy(pred, target, max_value=1.0):
+    """Correct, in NumPy: a NumPy float (np.float64, or np.float32 from float32 arrays) is a number (issue #52)."""
+    error = (pred.detach().cpu().numpy() - target.detach().cpu().numpy()) ** 2
+    with np.errstate(divide="ignore"):
+        return 10 * np.log10(np.float32(max_value) ** 2 / np.mean(error))
+
+
 def test_psnr_accepts_a_correct_answer_written_differently():
     checks.check_psnr(psnr_torch, **CPU)
     checks.check_psnr(psnr_torch, seed=9, **CPU)
+    checks.check_psnr(psnr_numpy, **CPU)
 
 
 @pytest.mark.parametrize("answer, hint", [
@@ -1056,6 +1064,8 @@ def order_variant(*, after=False, scaled=False, embed=True, pass_mask=True, lear
                     self.table = nn.Parameter(table)
                 elif sinusoidal_store == "plain":
                     self.table = table
+                elif sinusoidal_store == "persistent":
+                    self.register_buffer("table", table)
                 else:
                     self.register_buffer("table", table, persistent=False)
             else:
@@ -1103,6 +1113,9 @@ def test_order_transformer_accepts_a_correct_answer_written_differently():
     (order_variant(sinusoidal_store="plain"), "(?s)as a plain attribute, self.table: after model.to\\(torch.float"
                                              "(32|64)\\) it is still float(64|32).*Likely mistake: the sinusoidal "
                                              "table is a plain tensor attribute"),
+    # saved in every state_dict, unlike FourierFeatures' frequencies (issue #52: it passed)
+    (order_variant(sinusoidal_store="persistent"), "(?s)position table is the buffer 'table', and it appears in "
+                                                  "state_dict.*persistent=False"),
     (order_variant(slice_table=False), "add the rows of positions 0 ... S-1"),
     (order_variant(sinusoidal_adds=False), "no positions were added, although positions='sinusoidal'"),
     (order_variant(none_adds=True), "positions='none' must add no position table"),

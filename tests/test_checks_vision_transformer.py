@@ -8,6 +8,7 @@ another way than the solution notebook (F.unfold, einops, repeat instead of expa
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -348,6 +349,9 @@ def test_conv_to_linear_rejects_mistakes(answer, match):
 def test_parameter_count_accepts_other_correct_answer():
     checks.check_patch_embedding_parameter_count(lambda patch_size, in_channels, embed_dim:
                                                  (in_channels * patch_size ** 2 + 1) * embed_dim, **CPU)
+    checks.check_patch_embedding_parameter_count(lambda patch_size, in_channels, embed_dim:  # a NumPy int (#52)
+                                                 np.prod([in_channels, patch_size, patch_size, embed_dim]) + embed_dim,
+                                                 **CPU)
     assert (3 * 16 ** 2 + 1) * 768 == 590_592  # the number the notebook quotes for ViT-B/16
 
 
@@ -1082,6 +1086,30 @@ def _pool_wrong(mean, cls=lambda t: t[:, 0]):
 def test_pool_tokens_accepts_other_correct_answers():
     checks.check_pool_tokens(pool_timm, **CPU)
     checks.check_pool_tokens(pool_einsum, seed=3, **CPU)
+
+
+def pool_deprecated(tokens, pool="cls", mean_of=lambda patches: patches.mean(dim=1)):
+    """Right, with torch.range (deprecated: PyTorch warns on every call)."""
+    if pool not in ("cls", "mean"):
+        raise ValueError(pool)
+    if pool == "cls":
+        return tokens[:, 0]
+    return mean_of(tokens.index_select(1, torch.range(1, tokens.shape[1] - 1, dtype=torch.long)))
+
+
+def test_a_warning_of_a_right_answer_never_reaches_stderr_and_a_wrong_ones_follows_its_message(capsys):
+    """nbgrader counts a test cell that wrote to stderr as failed (Validate, grading): a check holds the warnings
+    its answer gives; it drops them when it passes, and its failure ends with them (issue #52)."""
+    checks.check_pool_tokens(pool_deprecated, device="cpu")
+    printed = capsys.readouterr()
+    assert printed.out.startswith("✓ pool_tokens") and printed.err == "", printed
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_pool_tokens(functools.partial(pool_deprecated, mean_of=lambda patches: patches.sum(dim=1)),
+                                 **CPU)
+    message = str(failure.value)
+    assert message.index("Likely mistake") < message.index("Warnings while your code ran:\n    UserWarning: "
+                                                           "torch.range is deprecated"), message
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("answer, match", [

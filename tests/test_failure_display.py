@@ -21,6 +21,14 @@ WRONG_NUMBERS = ("def split_heads(x, num_heads):\n"
                  "        raise ValueError(f'D={d} is not divisible by H={num_heads}')\n"
                  "    return x.reshape(b, num_heads, s, d // num_heads)\n")
 CHECK = "check_split_heads(split_heads, device='cpu')"
+# A right answer that makes PyTorch warn (a copy of a tensor made with torch.tensor): nbgrader counts a test cell
+# that wrote to stderr as failed, in Validate and in grading, so the check must keep the warning off stderr.
+RIGHT_BUT_WARNS = ("def split_heads(x, num_heads):\n"
+                   "    b, s, d = x.shape\n"
+                   "    if d % num_heads:\n"
+                   "        raise ValueError(f'D={d} is not divisible by H={num_heads}')\n"
+                   "    x = torch.tensor(x)  # UserWarning: To copy construct from a tensor, ...\n"
+                   "    return x.view(b, s, num_heads, d // num_heads).transpose(1, 2)\n")
 
 
 def _words(text: str) -> str:
@@ -141,9 +149,10 @@ def test_nbgrader_validate_shows_the_message_uncut(tmp_path):
     from nbgrader.validator import Validator
 
     path = tmp_path / "exercise.ipynb"
-    nbformat.write(_notebook(SETUP, WRONG_NUMBERS, CHECK, nbgrader=True), path)
+    nbformat.write(_notebook(SETUP, WRONG_NUMBERS, CHECK, RIGHT_BUT_WARNS, CHECK, nbgrader=True), path)
     validator = Validator()
     results = validator.validate(str(path))
+    assert len(results["failed"]) == 1, results  # the right answer that warned passes Validate (issue #52)
     error = results["failed"][0]["raw_error"]
     assert "attention_lab" not in error and "Traceback" not in error, error
     assert "Likely mistake: you reshaped straight to [B, H, S, d_head]" in _words(error)
@@ -167,21 +176,29 @@ WARNS_THEN_WRONG = ("def split_heads(x, num_heads):\n"
 @pytest.mark.slow
 def test_what_the_code_printed_or_warned_never_hides_the_checks_message(tmp_path):
     """A student's code warns and prints before its check fails: the feedback page explains the
-    failure by the check's message, and the lab's Validate shows that message first."""
-    from autograder.store import results
+    failure by the check's message, and the lab's Validate shows that message first, the warning
+    after it. A right answer that warns earns its point (issue #52)."""
+    from nbgrader.utils import determine_grade
+
     from autograder.reports.feedback import explain
+    from autograder.store import results
     from autograder.lab.validate import failure_text
 
-    notebook = _notebook(SETUP, WARNS_THEN_WRONG, CHECK)
-    notebook.cells[2].metadata["nbgrader"] = {"grade": True, "grade_id": "test_split_heads", "locked": True,
-                                              "points": 1, "schema_version": 3, "solution": False, "task": False}
+    notebook = _notebook(SETUP, WARNS_THEN_WRONG, CHECK, RIGHT_BUT_WARNS, CHECK)
+    for index in (2, 4):
+        notebook.cells[index].metadata["nbgrader"] = {"grade": True, "grade_id": f"test_{index}", "locked": True,
+                                                      "points": 1, "schema_version": 3, "solution": False,
+                                                      "task": False}
     notebook_client(notebook, tmp_path, timeout=300).execute()
     outputs = notebook.cells[2].outputs
-    assert any(o.output_type == "stream" and "RuntimeWarning" in o.text for o in outputs), outputs  # it did warn
-    [cell] = results.graded_cells(notebook)
-    explained = explain(cell, CHECK)
+    wrong, right = results.graded_cells(notebook)
+    explained = explain(wrong, CHECK)
     assert explained.startswith("CheckFailure: split_heads(x, num_heads="), explained
     assert "Likely mistake: you reshaped straight to" in _words(explained)
     shown = failure_text(outputs)
     assert "Likely mistake: you reshaped straight to" in _words(shown)
+    assert "RuntimeWarning: overflow encountered in matmul" in _words(shown), shown  # it did warn, after the message
     assert _words(shown).index("Likely mistake") < _words(shown).index("RuntimeWarning"), shown
+    assert not [o for o in notebook.cells[4].outputs if o.get("name") == "stderr"], notebook.cells[4].outputs
+    assert "✓ split_heads" in "".join(o.get("text", "") for o in notebook.cells[4].outputs)
+    assert right.passed and determine_grade(notebook.cells[4]) == (1, 1)  # nbgrader's own rule (stderr: 0 points)

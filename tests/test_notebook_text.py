@@ -138,13 +138,14 @@ def test_the_global_binding_scan_sees_assignments_loops_and_definitions_but_not_
 
 
 # What a check expects, written as the phrases that would give it away. A student reads every
-# markdown cell of a released notebook (a closing summary, the cell under a check) before
-# answering, so none may contain them; an answer's explanation goes into the check's success
-# message instead (tests/test_checks_<module>.py shows it appears only once the answer is right).
+# cell of a released notebook (a closing summary, the cell under a check, a test cell's docstring,
+# a demo's code) before answering, so none may contain them; an answer's explanation goes into the
+# check's success message instead (tests/test_checks_<module>.py shows it appears only once the
+# answer is right).
 ANSWER_PHRASES: dict[str, dict[str, tuple[str, ...]]] = {
     "01_mha_shapes": {
         "attention_layer_flops": ("8·B·S·D²", "4·B·S²·D"),
-        "ANSWER_ATTENTION_CROSSOVER": ("4,608", "4608", "6·D", "S > 2·D", "2·D:"),
+        "ANSWER_ATTENTION_CROSSOVER": ("4,608", "4608", "6·D", "S > 2·D", "2·D:", "1536", "1,536"),
         "block_flops": ("16·B·S·D²", "4·B·S·D·hidden"),
     },
     "02_numpy_walkthrough": {
@@ -152,8 +153,8 @@ ANSWER_PHRASES: dict[str, dict[str, tuple[str, ...]]] = {
         "derive_delta": ("dout_i · out_i", "rowsum(dout ∘ out)", "Σ_c dout_ic · out_ic"),
     },
     "03_positions_and_blocks": {
-        "ANSWER_NO_POSITIONS": ("1/(S - 1) = 1/7", "right with probability", "The ceiling."),
-        "ANSWER_NOPE_CAUSAL": ("most recent one it can see",),
+        "ANSWER_NO_POSITIONS": ("1/(S - 1) = 1/7", "right with probability", "The ceiling.", "beats 1/(S-1)"),
+        "ANSWER_NOPE_CAUSAL": ("most recent one it can see", "can find the previous token"),
         "what_one_head_does": ("puts almost all its weight", "previous-token head), stays"),
     },
     "06_efficient_attention": {
@@ -162,17 +163,17 @@ ANSWER_PHRASES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
-def _markdown_cells_giving_answers(notebook: nbformat.NotebookNode, phrases: dict[str, tuple[str, ...]]) -> list:
-    return [f"cell {index}: {phrase!r} gives away {answer}"
-            for index, cell in enumerate(notebook.cells) if cell.cell_type == "markdown"
+def _cells_giving_answers(notebook: nbformat.NotebookNode, phrases: dict[str, tuple[str, ...]]) -> list:
+    return [f"cell {index} ({cell.cell_type}): {phrase!r} gives away {answer}"
+            for index, cell in enumerate(notebook.cells)
             for answer, answer_phrases in phrases.items() for phrase in answer_phrases if phrase in cell.source]
 
 
 @pytest.mark.parametrize("assignment", sorted(ANSWER_PHRASES))
-def test_no_released_markdown_cell_gives_away_an_answer(assignment):
+def test_no_released_cell_gives_away_an_answer(assignment):
     notebook = nbformat.read(release.released_notebook(assignment), as_version=4)
     answers = {cell.metadata.get("nbgrader", {}).get("grade_id") for cell in notebook.cells}
     unknown = set(ANSWER_PHRASES[assignment]) - answers
     assert not unknown, f"{assignment} has no answer cell {sorted(unknown)}: update ANSWER_PHRASES"
-    leaks = _markdown_cells_giving_answers(notebook, ANSWER_PHRASES[assignment])
+    leaks = _cells_giving_answers(notebook, ANSWER_PHRASES[assignment])
     assert not leaks, f"{assignment}: " + "; ".join(leaks)

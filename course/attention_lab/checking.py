@@ -55,12 +55,15 @@ import functools
 import inspect
 import json
 import math
+import numbers
 import os
 import sys
 import sysconfig
 import textwrap
 import traceback
 import types
+import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -90,6 +93,8 @@ __all__ = [
     "expect_array",
     "expect_close",
     "expect_true",
+    "is_number",
+    "is_integer",
     "expect_choice",
     "choice_digest",
     "expect_value_error",
@@ -889,6 +894,19 @@ def expect_true(condition: bool, message: str) -> None:
         raise CheckFailure(message)
 
 
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a real number where an exercise asks for one (a count, a measurement, a sequence
+    length): Python's int and float and NumPy's scalars (``np.int64(4608)``, ``np.float32``), never a bool, a
+    tensor or a string. The one place every check decides it."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def is_integer(value: Any) -> bool:
+    """Whether ``value`` is an integer where an exercise asks for an int: Python's int and NumPy's integer
+    scalars (``np.int64``), never a bool, a float (even 4608.0) or a tensor."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 # Mixed into every digest of a multiple-choice answer, so that a digest is not the plain hash of a letter.
 _CHOICE_SALT = "attention-lab multiple choice v1"
 
@@ -1365,6 +1383,40 @@ def _dependency_notes(answer: Any, uses: Sequence[str], near_module: str, device
     return notes
 
 
+# A failure lists at most this many different warnings, one line each, counted.
+_WARNINGS_SHOWN = 5
+
+
+@contextlib.contextmanager
+def _warnings_held(hold: bool) -> Iterator[Counter]:
+    """Hold back the warnings given while a check runs (the student's code's, PyTorch's about it), counted by text:
+    printed as they come they go to stderr, where nbgrader counts a test cell that wrote there as failed -- in
+    Validate and in grading -- although the check passed; and when it fails they stood above its message. A check
+    that passes drops them (its numbers were right); a failure ends with them (:func:`_with_warnings`). Only the
+    first few different texts are kept, however many times a training loop warns."""
+    held: Counter = Counter()
+    if not hold:
+        yield held
+        return
+
+    def hold_back(message: Any, category: type, *where: Any, **more: Any) -> None:
+        text = f"{category.__name__}: {str(message).strip()}"[:300]
+        if text in held or len(held) < _WARNINGS_SHOWN:
+            held[text] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hold_back
+        yield held
+
+
+def _with_warnings(failure: CheckFailure, held: Counter) -> None:
+    """``failure``'s message, followed by the warnings held back while its check ran (one line each, counted)."""
+    if held:
+        lines = [f"    {text}" + (f" (x{count})" if count > 1 else "") for text, count in held.items()]
+        failure.args = ("\n".join([str(failure), "  Warnings while your code ran:", *lines]),)
+
+
 def check(summary: str, uses: Sequence[str] = ()) -> Callable[[Callable], Callable]:
     """Decorator for a check function ``check_<name>(answer, *, seed=0, device=None, ...)``.
 
@@ -1397,24 +1449,28 @@ def check(summary: str, uses: Sequence[str] = ()) -> Callable[[Callable], Callab
             if trace is not None and bridge is None:
                 trace.watch(_student_namespace(answer))
             try:
-                verify_untampered()
-                with pinned_numerics(), torch.random.fork_rng(devices=[]), contextlib.ExitStack() as stack:
-                    if trace is not None and bridge is not None:  # grading: traced in the kernel, call by call
-                        bridge.ambient.append(trace)
-                        stack.callback(bridge.ambient.remove, trace)
-                    elif trace is not None:
-                        stack.enter_context(trace)
-                    function(answer, *args, **kwargs)
-            except CheckFailure as failure:
-                if uses and not getattr(failure, "dependencies_checked", False) and "not implemented yet" not in str(failure):
-                    failure.dependencies_checked = True
-                    notes = _dependency_notes(answer, uses, function.__module__, kwargs["device"],
-                                              called=trace.called if trace is not None else None)
-                    if notes:
-                        failure.args = ("\n".join([str(failure), *notes]),)
-                if outermost:
-                    _record_failure(str(failure))
-                raise
+                with _warnings_held(outermost) as held:
+                    try:
+                        verify_untampered()
+                        with pinned_numerics(), torch.random.fork_rng(devices=[]), contextlib.ExitStack() as stack:
+                            if trace is not None and bridge is not None:  # grading: traced in the kernel, call by call
+                                bridge.ambient.append(trace)
+                                stack.callback(bridge.ambient.remove, trace)
+                            elif trace is not None:
+                                stack.enter_context(trace)
+                            function(answer, *args, **kwargs)
+                    except CheckFailure as failure:
+                        if uses and not getattr(failure, "dependencies_checked", False) \
+                                and "not implemented yet" not in str(failure):
+                            failure.dependencies_checked = True
+                            notes = _dependency_notes(answer, uses, function.__module__, kwargs["device"],
+                                                      called=trace.called if trace is not None else None)
+                            if notes:
+                                failure.args = ("\n".join([str(failure), *notes]),)
+                        _with_warnings(failure, held)
+                        if outermost:
+                            _record_failure(str(failure))
+                        raise
             finally:
                 _ACTIVE_CHECKS.pop()
             if not quiet:

@@ -16,6 +16,7 @@ kernel is defined, so ``@triton.jit`` builds an *interpreted* kernel that runs o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -635,6 +636,20 @@ _LAUNCH_ERRORS = {"StoreOutOfBounds": StoreOutOfBounds, "TritonUnavailable": Tri
 MAX_WARNING_TEXTS, MAX_WARNINGS = 50, 10_000
 
 
+# NumPy's warnings that Triton's interpreter gives for values a correct kernel computes and then discards: -inf -
+# (-inf) in a row that has seen no key yet, 0 / 0 and log2(0) in the given epilogue of a query that sees no key,
+# masked lanes. They say nothing about the student's kernel (its wrong numbers do, and the checks name them): a
+# launch by the checks never shows them. Other warnings (an overflow: a missing max) are kept.
+_DISCARDED_VALUE_WARNINGS = r"(invalid value|divide by zero) encountered"
+
+
+@contextlib.contextmanager
+def _discarded_value_warnings_ignored():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DISCARDED_VALUE_WARNINGS, category=RuntimeWarning)
+        yield
+
+
 def launch(launcher: Callable, kernel: Any, *args: Any, watch: LoadWatch, **kwargs: Any) -> Any:
     """``launcher(kernel, *args, watch=watch, **kwargs)`` where the kernel is: here in the lab; in
     grading (``kernel`` a proxy of the student's) in the student's process, by :class:`KernelLaunch`,
@@ -642,7 +657,8 @@ def launch(launcher: Callable, kernel: Any, *args: Any, watch: LoadWatch, **kwar
     from attention_lab.bridge import checker_side
 
     if not checker_side.is_remote(kernel):
-        return launcher(kernel, *args, watch=watch, **kwargs)
+        with _discarded_value_warnings_ignored():
+            return launcher(kernel, *args, watch=watch, **kwargs)
     probe = KernelLaunch(launcher=launcher.__name__, args=list(args), kwargs=kwargs)
     checker_side.measure(kernel, probe, f"the launch of your kernel by {launcher.__name__}")
     result = probe.replay(watch)
@@ -677,6 +693,7 @@ class KernelLaunch(Probe):
         found: dict = {"result": None, "raised": None, "ran_on": "cuda" if gpu else "cpu"}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            warnings.filterwarnings("ignore", message=_DISCARDED_VALUE_WARNINGS, category=RuntimeWarning)
             try:
                 kwargs = {name: there(value) for name, value in self.kwargs.items()}
                 found["result"] = globals()[self.launcher](kernel, *map(there, self.args), watch=watch, **kwargs)

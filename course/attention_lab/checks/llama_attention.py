@@ -29,6 +29,8 @@ from attention_lab.checking import (
     expect_tensor,
     expect_true,
     expect_value_error,
+    is_integer,
+    is_number,
     freeze_module,
     randint,
     randn,
@@ -312,8 +314,7 @@ def check_llama_attention_config(LlamaAttentionConfig: Any, *, seed: int = 0, de
     config = call_student(LlamaAttentionConfig, call="LlamaAttentionConfig()")
     for name, default in CONFIG_DEFAULTS.items():
         value = getattr(config, name)
-        right_type = (isinstance(value, (int, float)) and not isinstance(value, bool)) if isinstance(default, float) \
-            else (type(value) is type(default))
+        right_type = {float: is_number, int: is_integer}.get(type(default), lambda v: type(v) is type(default))(value)
         expect_true(right_type and value == default,
                     f"LlamaAttentionConfig().{name} should be {default!r} ({type(default).__name__}), got {value!r}.")
     generator = random_generator(seed)
@@ -832,7 +833,7 @@ def _seq_len(cache: Any, call: str) -> int:
         raise CheckFailure(f"{call}.seq_len: not implemented yet.") from None
     except Exception as error:
         raise CheckFailure(crash_message(f"reading {call}.seq_len", error)) from None
-    expect_true(isinstance(value, int) and not isinstance(value, bool),
+    expect_true(is_integer(value),
                 f"{call}.seq_len should be an int (the number of cached tokens), got {describe(value)}.")
     return value
 
@@ -1283,8 +1284,7 @@ def check_kv_cache_bytes(kv_cache_bytes: Callable, *, seed: int = 0, device: tor
         got = call_student(kv_cache_bytes, *case, call=call)
         dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[case[-1]]
         expected = _cache_bytes_reference(*case[:-1], dtype)
-        expect_true(isinstance(got, int) and not isinstance(got, bool),
-                    f"{call} should return an int (a number of bytes), got {describe(got)}.")
+        expect_true(is_integer(got), f"{call} should return an int (a number of bytes), got {describe(got)}.")
         hint = ""
         if got * 2 == expected:
             hint = _likely("bytes_keys_only")

@@ -7,9 +7,9 @@ idiomatic answer (slicing instead of view/permute), computed in float64 at check
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Callable, Sequence
+from fractions import Fraction
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,8 @@ from attention_lab.checking import (
     expect_tensor,
     expect_true,
     expect_value_error,
+    is_integer,
+    is_number,
     freeze_module,
     randint,
     randn,
@@ -675,7 +677,12 @@ FLOPS_HINTS = {
     "three_projections": "you left out the output projection: Q, K, V and out_linear make four [D, D] products.",
     "linear_in_s": "the attention part grows with S², not S: Q @ Kᵀ compares every query with every key "
     "([S, d_head] @ [d_head, S] per head), and weights @ V is [S, S] @ [S, d_head].",
-    "only_scores": "you counted Q @ Kᵀ but not weights @ V, which costs as much again.",
+    "only_scores": "attention is half of what the counter counts: either you counted Q @ Kᵀ but not weights @ V, "
+    "which costs as much again, or you halved it for a causal mask -- a mask saves no product: Q @ Kᵀ is computed "
+    "for every (query, key) pair, and the masked scores are set to -inf after it.",
+    "causal_half": "you counted only the (query, key) pairs a causal mask keeps, S·(S+1)/2 per head: a mask saves "
+    "no product. Q @ Kᵀ and weights @ V are computed for every pair (the masked scores are set to -inf after the "
+    "product), and FlopCounterMode counts what the products compute.",
     "no_batch": "every sequence of the batch costs the same again: multiply by batch_size.",
     "swapped": "the two entries are swapped: 'projections' grows with D², 'attention' with S².",
     "biases": "you counted the biases: FlopCounterMode counts matrix products only, so the four projections "
@@ -690,23 +697,79 @@ FLOPS_KEYS = ("projections", "attention")
 _PROJECTIONS = ("q_linear", "k_linear", "v_linear", "out_linear")
 
 
-class _CountedLayer(nn.Module):
-    """What FlopCounterMode measures when the student's own module cannot be measured: one fused
-    [D, 3D] projection (as many FLOPs as three [D, D] ones), heads cut with tensor_split, scores and
-    weighted sum written with einsum. Not the exercise's contract (no q_linear ..., forward(x) only)."""
+class _Product(nn.Module):
+    """One matrix product of two inputs (``torch.einsum(equation, a, b)``) as a module of its own, so that
+    FlopCounterMode counts it under its own name."""
+
+    def __init__(self, equation: str) -> None:
+        super().__init__()
+        self.equation = equation
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.einsum(self.equation, a, b)
+
+
+class _CountedAttention(nn.Module):
+    """What the FLOP checks count on: multi-head attention whose every matrix product is a submodule of its
+    own -- the projections ``q``, ``k``, ``v``, ``out`` and the products ``scores`` (Q @ Kᵀ) and ``mix``
+    (weights @ V) -- so that FlopCounterMode's count comes part by part. Built on the meta device (shapes,
+    no numbers: any size costs nothing). Not the exercise's contract (no q_linear ..., forward(x) only)."""
 
     def __init__(self, width: int, heads: int, device) -> None:
         super().__init__()
-        self.fused = nn.Linear(width, 3 * width, device=device)
-        self.mixer = nn.Linear(width, width, device=device)
+        self.q, self.k, self.v, self.out = (nn.Linear(width, width, device=device) for _ in range(4))
+        self.scores, self.mix = _Product("bhqd,bhkd->bhqk"), _Product("bhqk,bhkd->bhqd")
         self.heads = heads
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        parts = [torch.stack(part.tensor_split(self.heads, dim=-1), dim=1)
-                 for part in self.fused(tokens).tensor_split(3, dim=-1)]
-        scores = torch.einsum("bhqd,bhkd->bhqk", parts[0], parts[1]) * parts[0].shape[-1] ** -0.5
-        mixed = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), parts[2])
-        return self.mixer(torch.cat(mixed.unbind(1), dim=-1))
+        q, k, v = (torch.stack(projection(tokens).tensor_split(self.heads, dim=-1), dim=1)
+                   for projection in (self.q, self.k, self.v))  # [B, H, S, d_head]
+        weights = (self.scores(q, k) * q.shape[-1] ** -0.5).softmax(-1)
+        return self.out(torch.cat(self.mix(weights, v).unbind(1), dim=-1))
+
+
+class _CountedBlock(nn.Module):
+    """A pre-norm block (LayerNorm, attention, LayerNorm, MLP with GELU) whose attention is _CountedAttention
+    (explicit products: FlopCounterMode does not count SDPA's fused kernels on a CPU) and whose MLP's two
+    products are ``up`` and ``down``."""
+
+    def __init__(self, width: int, heads: int, hidden: int, device) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width, device=device)
+        self.attn = _CountedAttention(width, heads, device)
+        self.norm2 = nn.LayerNorm(width, device=device)
+        self.up = nn.Linear(width, hidden, device=device)
+        self.down = nn.Linear(hidden, width, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens + self.attn(self.norm1(tokens))
+        return tokens + self.down(nn.functional.gelu(self.up(self.norm2(tokens))))
+
+
+# The parts of the counted modules, by the key of the answer's dict they belong to ("attention": the rest).
+_PARTS = {"projections": ("q", "k", "v", "out"), "mlp": ("up", "down")}
+_PRODUCTS = ("q", "k", "v", "out", "scores", "mix", "up", "down")
+
+
+def _measured(module: nn.Module, tokens: torch.Tensor) -> dict[str, int]:
+    """FlopCounterMode's count of one forward pass of one of the check's own modules, by product (``q``, ``k``,
+    ``v``, ``out``, ``scores``, ``mix``, ``up``, ``down``), and ``total``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        module(tokens)
+    parts = {"total": int(counter.get_total_flops())}
+    for name, operations in counter.get_flop_counts().items():  # by module: "Global", "_CountedBlock.attn.q", ...
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _PRODUCTS:
+            parts[leaf] = int(sum(operations.values()))
+    return parts
+
+
+def _by_key(parts: dict[str, int], keys: Sequence[str]) -> dict[str, int]:
+    """The measured parts summed by the keys of an answer: the projections, the MLP, and attention, the rest."""
+    counts = {key: sum(parts.get(name, 0) for name in _PARTS[key]) for key in keys if key in _PARTS}
+    return {key: counts[key] if key in counts else parts["total"] - sum(counts.values()) for key in keys}
 
 
 class FlopCount(Probe):
@@ -760,26 +823,6 @@ def _counted(module: Callable, x: torch.Tensor, projection_names: Sequence[str],
     return counter.count
 
 
-def _counted_once_per_shape(count: Callable[..., dict]) -> Callable[..., dict]:
-    """``count`` (a reference count, a function of the shapes alone) run once per shape and process
-    -- a check run again, the next student graded by the same checker -- not on every run (30-40 ms
-    each under FlopCounterMode); every caller gets a dict of its own."""
-    cached = functools.lru_cache(maxsize=256)(lambda *shape: tuple(count(*shape).items()))
-
-    @functools.wraps(count)
-    def fresh(*shape: int) -> dict:
-        return dict(cached(*shape))
-
-    return fresh
-
-
-@_counted_once_per_shape
-def _reference_count(b: int, s: int, d: int, heads: int) -> dict:
-    """The count on _CountedLayer, on the meta device (shapes only: any size costs nothing)."""
-    layer = _CountedLayer(d, heads, device="meta")
-    return _counted(layer, torch.empty(b, s, d, device="meta"), ("fused", "mixer"), None)
-
-
 def _students_count(MultiHeadSelfAttention: Callable | None, case: tuple, heads: int, reference: dict) -> tuple:
     """(count, why not) on the student's own module: (None, reason) when it cannot be measured or
     does other work than a multi-head attention layer."""
@@ -803,43 +846,83 @@ def _students_count(MultiHeadSelfAttention: Callable | None, case: tuple, heads:
     return count, ""
 
 
-def _flops_hint(got: dict, case: tuple) -> str:
+def _is(got: int, measured: int | Fraction, factor: Fraction | int = 1) -> bool:
+    """``got == measured · factor`` exactly (a count is an integer: no rounding)."""
+    return got == Fraction(measured) * factor
+
+
+def _flops_mistake(got: dict, parts: dict[str, int], case: tuple, hidden: int | None = None) -> str:
+    """The likely mistake of a wrong count, named from what FlopCounterMode measured on the check's module part
+    by part (half of a part, one product of it, the batch left out, ...): no formula of the answer is written
+    here. ``hidden``: the MLP's hidden width (block_flops)."""
     b, s, d = case
-    projections, attention = 8 * b * s * d * d, 4 * b * s * s * d
-    p, a = got["projections"], got["attention"]
-    if p == projections and a > attention and a % attention == 0:  # H is not in the signature: a number typed in
-        return FLOPS_HINTS["times_heads"].format(factor=a // attention)
-    if a == attention and p > projections and (p - projections) % (b * s * d) == 0 \
-            and (p - projections) // (b * s * d) in (1, 2, 3, 4, 6, 8):  # one or two per output, 3 or 4 projections
-        return FLOPS_HINTS["biases"]
-    if (p, a) == (attention, projections) and p != a:
+    want = _by_key(parts, list(got))
+    keys = [key for key in want if got[key] != want[key]]
+    if set(got) >= {"projections", "attention"} and got["projections"] == want["attention"] \
+            and got["attention"] == want["projections"] and got["projections"] != got["attention"]:
         return FLOPS_HINTS["swapped"]
-    if b > 1 and (p * b, a * b) == (projections, attention):
-        return FLOPS_HINTS["no_batch"]
-    if 2 * p == projections and 2 * a == attention:
+    if all(_is(got[key], want[key], Fraction(1, 2)) for key in want):
         return FLOPS_HINTS["multiply_add_once"]
-    if p == projections:
-        if a * s == attention:
-            return FLOPS_HINTS["linear_in_s"]
-        if 2 * a == attention:
-            return FLOPS_HINTS["only_scores"]
-        if a > attention and (a - attention) % (b * s * s) == 0 and a - attention < attention:
-            return FLOPS_HINTS["softmax_counted"]
-    if a == attention:
-        if p * 4 == projections or p * 8 == projections:
-            return FLOPS_HINTS["one_projection"]
-        if p * 4 == projections * 3:
-            return FLOPS_HINTS["three_projections"]
-    if 2 * p * 4 == projections or 2 * p * 8 == projections:
-        return FLOPS_HINTS["one_projection"]
+    if b > 1 and all(_is(got[key], want[key], Fraction(1, b)) for key in want):
+        return FLOPS_HINTS["no_batch"]
+    for key in keys:
+        value, measured = got[key], want[key]
+        if b > 1 and _is(value, measured, Fraction(1, b)):
+            return FLOPS_HINTS["no_batch"]
+        if key == "projections":
+            if value in (parts["q"], parts["q"] // 2):
+                return FLOPS_HINTS["one_projection"]
+            if value == parts["q"] + parts["k"] + parts["v"]:
+                return FLOPS_HINTS["three_projections"]
+            if _is(value, measured, Fraction(1, 2)):
+                return FLOPS_HINTS["multiply_add_once"]
+            extra = value - measured  # a bias adds one number to each of the B·S·D outputs of a projection
+            if extra > 0 and extra % (b * s * d) == 0 and extra // (b * s * d) in (1, 2, 3, 4, 6, 8):
+                return FLOPS_HINTS["biases"]
+        elif key == "attention":
+            if value > measured and value % measured == 0 and got.get("projections") == want.get("projections"):
+                return FLOPS_HINTS["times_heads"].format(factor=value // measured)
+            if value == parts["scores"]:
+                return FLOPS_HINTS["only_scores"]
+            if s > 1 and _is(value, measured, Fraction(s + 1, 2 * s)):
+                return FLOPS_HINTS["causal_half"]
+            if s > 1 and _is(value, measured, Fraction(1, s)):
+                return FLOPS_HINTS["linear_in_s"]
+            extra = value - measured  # a few operations per score: B·S² of them per head
+            if 0 < extra < measured and extra % (b * s * s) == 0:
+                return FLOPS_HINTS["softmax_counted"]
+        elif key == "mlp":
+            if value == parts["up"]:
+                return BLOCK_FLOPS_HINTS["mlp_half"]
+            if any(width != hidden and _is(value, measured, Fraction(width, hidden)) for width in (d, 4 * d)):
+                return BLOCK_FLOPS_HINTS["mlp_ratio_ignored"]
     return ""
+
+
+def _expect_flops(got: Any, expected: dict, parts: dict, call: str, counted_on: str, case: tuple, int_hint: str,
+                  hidden: int | None = None) -> None:
+    """``got``, an answer's dict of counts, against FlopCounterMode's ``expected``; its mistake named."""
+    keys = list(expected)
+    expect_true(isinstance(got, dict), f"{call} should return a dict with the keys {keys}, got {describe(got)}.")
+    missing, extra = [k for k in keys if k not in got], [k for k in got if k not in keys]
+    expect_true(not missing and not extra, f"{call} should have exactly the keys {keys}; "
+                f"missing {missing}, unexpected {extra}.")
+    for key in keys:
+        expect_true(is_integer(got[key]), f"{call}[{key!r}] should be an int (a count of FLOPs), got "
+                    f"{describe(got[key])}. {int_hint}")
+    if got != expected:
+        hint = _flops_mistake(got, parts, case, hidden)
+        wrong = [key for key in keys if got[key] != expected[key]]
+        raise CheckFailure(f"{call} does not match FlopCounterMode's count on {counted_on}: "
+                           + "; ".join(f"{key} should be {expected[key]:,}, got {got[key]:,}" for key in wrong) + "."
+                           + (f"\n  Likely mistake: {hint}" if hint else ""))
 
 
 @check("attention_layer_flops: the FLOPs that FlopCounterMode counts on a multi-head attention layer")
 def check_attention_layer_flops(attention_layer_flops: Callable, MultiHeadSelfAttention: Callable | None = None, *,
                                 seed: int = 0, device: torch.device | None = None) -> None:
     """attention_layer_flops(batch_size, seq_len, d_model) -> {"projections", "attention"}, against
-    torch.utils.flop_counter.FlopCounterMode run on the student's own MultiHeadSelfAttention (a reference
+    torch.utils.flop_counter.FlopCounterMode run on the student's own MultiHeadSelfAttention (the check's own
     layer when theirs cannot be measured; the note says so)."""
     from attention_lab.checking import _student_namespace, add_note
 
@@ -847,14 +930,16 @@ def check_attention_layer_flops(attention_layer_flops: Callable, MultiHeadSelfAt
     if MultiHeadSelfAttention is None:
         MultiHeadSelfAttention = (_student_namespace(attention_layer_flops) or {}).get("MultiHeadSelfAttention")
     generator = random_generator(seed)
-    # Small layers are measured on the student's own module; real sizes (ViT-B, GPT-2) on a reference
-    # layer on the meta device, which has shapes and no numbers.
+    # Small layers are measured on the student's own module too; real sizes (ViT-B, GPT-2) on the check's
+    # layer only, on the meta device, which has shapes and no numbers.
     measured_cases = [(3, 7, 16, 4), (1, 9, 12, 3), (randint(2, 4, generator), randint(3, 40, generator), 8, 2)]
     real_cases = [(8, 197, 768, 12), (1, 1024, 768, 12), (randint(1, 9, generator), randint(1, 4096, generator), 64, 4)]
     fallback = None
     for batch_size, seq_len, d_model, heads in measured_cases + real_cases:
         case = (batch_size, seq_len, d_model)
-        expected = _reference_count(*case, heads)
+        parts = _measured(_CountedAttention(d_model, heads, device="meta"),
+                          torch.empty(batch_size, seq_len, d_model, device="meta"))
+        expected = _by_key(parts, FLOPS_KEYS)
         source = "a reference layer"
         if (batch_size, seq_len, d_model, heads) in measured_cases:
             students, why_not = _students_count(MultiHeadSelfAttention, case, heads, expected)
@@ -864,24 +949,8 @@ def check_attention_layer_flops(attention_layer_flops: Callable, MultiHeadSelfAt
                 fallback = why_not
         call = f"attention_layer_flops(batch_size={batch_size}, seq_len={seq_len}, d_model={d_model})"
         got = call_student(attention_layer_flops, batch_size, seq_len, d_model, call=call)
-        expect_true(isinstance(got, dict), f"{call} should return a dict with the keys {list(FLOPS_KEYS)}, "
-                    f"got {describe(got)}.")
-        missing, extra = [k for k in FLOPS_KEYS if k not in got], [k for k in got if k not in FLOPS_KEYS]
-        expect_true(not missing and not extra, f"{call} should have exactly the keys {list(FLOPS_KEYS)}; "
-                    f"missing {missing}, unexpected {extra}.")
-        for key in FLOPS_KEYS:
-            value = got[key]
-            expect_true(isinstance(value, int) and not isinstance(value, bool),
-                        f"{call}[{key!r}] should be an int (a count of FLOPs), got {describe(value)}. "
-                        "Integer arithmetic keeps it exact: no `/`, no `math.pow`.")
-        if got != expected:
-            hint = _flops_hint(got, case)
-            wrong = [key for key in FLOPS_KEYS if got[key] != expected[key]]
-            raise CheckFailure(
-                f"{call} does not match FlopCounterMode's count on {source} (B={batch_size}, S={seq_len}, "
-                f"D={d_model}, H={heads}): "
-                + "; ".join(f"{key} should be {expected[key]:,}, got {got[key]:,}" for key in wrong) + "."
-                + (f"\n  Likely mistake: {hint}" if hint else ""))
+        _expect_flops(got, expected, parts, call, f"{source} (B={batch_size}, S={seq_len}, D={d_model}, H={heads})",
+                      case, "Integer arithmetic keeps it exact: no `/`, no `math.pow`.")
     if fallback is not None:
         add_note(f"  note: your MultiHeadSelfAttention could not be measured ({fallback}), so the small "
                  "cases were counted on a reference layer instead. Fix MultiHeadSelfAttention to see your own "
@@ -893,130 +962,83 @@ def check_attention_layer_flops(attention_layer_flops: Callable, MultiHeadSelfAt
 # --------------------------------------------------------------------------------------
 
 BLOCK_FLOPS_HINTS = {
-    "mlp_one_matmul": "the MLP has two matrix products: up, [B·S, D] @ [D, hidden], and down, "
-    "[B·S, hidden] @ [hidden, D]; you counted one.",
+    "mlp_half": "the MLP's count is half of FlopCounterMode's: either one of its two matrix products is "
+    "missing -- up, [B·S, D] @ [D, hidden], and down, [B·S, hidden] @ [hidden, D], cost the same -- or a "
+    "multiply-add was counted as 1 FLOP: the counter counts 2 (one multiply, one add), so an [m, k] @ [k, n] "
+    "product costs 2·m·k·n.",
     "mlp_ratio_ignored": "the MLP's hidden width is int(mlp_ratio · d_model), not d_model or 4 · d_model "
     "whatever mlp_ratio is: the check also calls block_flops with another mlp_ratio.",
 }
 BLOCK_FLOPS_KEYS = ("projections", "attention", "mlp")
 
 
-class _CountedBlock(nn.Module):
-    """A pre-norm block (LayerNorm, attention, LayerNorm, MLP with GELU) whose attention is
-    _CountedLayer: explicit products, so that FlopCounterMode sees them (it does not count SDPA's
-    fused kernels on a CPU)."""
-
-    def __init__(self, width: int, heads: int, hidden: int, device) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(width, device=device)
-        self.attn = _CountedLayer(width, heads, device)
-        self.norm2 = nn.LayerNorm(width, device=device)
-        self.up = nn.Linear(width, hidden, device=device)
-        self.down = nn.Linear(hidden, width, device=device)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        tokens = tokens + self.attn(self.norm1(tokens))
-        return tokens + self.down(nn.functional.gelu(self.up(self.norm2(tokens))))
-
-
-@_counted_once_per_shape
-def _block_reference_count(b: int, s: int, d: int, heads: int, hidden: int) -> dict:
-    """FlopCounterMode's count of one forward pass of _CountedBlock on the meta device, by part."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    block = _CountedBlock(d, heads, hidden, device="meta")
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        block(torch.empty(b, s, d, device="meta"))
-    by_part = {"projections": 0, "mlp": 0}
-    for name, operations in counter.get_flop_counts().items():
-        leaf = name.rsplit(".", 1)[-1]
-        part = "projections" if leaf in ("fused", "mixer") else "mlp" if leaf in ("up", "down") else None
-        if part:
-            by_part[part] += sum(operations.values())
-    attention = counter.get_total_flops() - by_part["projections"] - by_part["mlp"]
-    return {"projections": int(by_part["projections"]), "attention": int(attention), "mlp": int(by_part["mlp"])}
-
-
-def _block_flops_hint(got: dict, case: tuple, hidden: int) -> str:
-    b, s, d = case
-    mlp = 4 * b * s * d * hidden
-    if got["projections"] != 8 * b * s * d * d or got["attention"] != 4 * b * s * s * d:
-        return _flops_hint(got, case)
-    if 2 * got["mlp"] == mlp:
-        return BLOCK_FLOPS_HINTS["mlp_one_matmul"]
-    if got["mlp"] != mlp and got["mlp"] in (4 * b * s * d * d, 16 * b * s * d * d):
-        return BLOCK_FLOPS_HINTS["mlp_ratio_ignored"]
-    return ""
-
-
 @check("block_flops: the FLOPs that FlopCounterMode counts on a whole pre-norm block, by part")
 def check_block_flops(block_flops: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     """block_flops(batch_size, seq_len, d_model, mlp_ratio=4) -> {"projections", "attention", "mlp"},
-    against FlopCounterMode run on a reference block on the meta device, at the default ratio and others."""
+    against FlopCounterMode run on a block of the check's on the meta device, at the default ratio and others."""
     expect_signature(block_flops, "block_flops", ["batch_size", "seq_len", "d_model", "mlp_ratio"])
     generator = random_generator(seed)
     cases = [(3, 7, 16, 4, None), (8, 197, 768, 12, None), (1, 1024, 768, 12, 2),
              (randint(1, 5, generator), randint(1, 2048, generator), 64, 4, (8 / 3, 3.5)[randint(0, 1, generator)])]
     for batch_size, seq_len, d_model, heads, mlp_ratio in cases:
-        ratio = 4 if mlp_ratio is None else mlp_ratio
-        hidden = int(ratio * d_model)
-        expected = _block_reference_count(batch_size, seq_len, d_model, heads, hidden)
+        hidden = int((4 if mlp_ratio is None else mlp_ratio) * d_model)
+        parts = _measured(_CountedBlock(d_model, heads, hidden, device="meta"),
+                          torch.empty(batch_size, seq_len, d_model, device="meta"))
         args = (batch_size, seq_len, d_model) + (() if mlp_ratio is None else (mlp_ratio,))
         call = (f"block_flops(batch_size={batch_size}, seq_len={seq_len}, d_model={d_model}"
                 + ("" if mlp_ratio is None else f", mlp_ratio={mlp_ratio:.4g}") + ")")
         got = call_student(block_flops, *args, call=call)
-        expect_true(isinstance(got, dict), f"{call} should return a dict with the keys {list(BLOCK_FLOPS_KEYS)}, "
-                    f"got {describe(got)}.")
-        missing, extra = [k for k in BLOCK_FLOPS_KEYS if k not in got], [k for k in got if k not in BLOCK_FLOPS_KEYS]
-        expect_true(not missing and not extra, f"{call} should have exactly the keys {list(BLOCK_FLOPS_KEYS)}; "
-                    f"missing {missing}, unexpected {extra}.")
-        for key in BLOCK_FLOPS_KEYS:
-            value = got[key]
-            expect_true(isinstance(value, int) and not isinstance(value, bool),
-                        f"{call}[{key!r}] should be an int (a count of FLOPs), got {describe(value)}. "
-                        "Integer arithmetic keeps it exact: int(mlp_ratio * d_model) is the hidden width.")
-        if got != expected:
-            hint = _block_flops_hint(got, (batch_size, seq_len, d_model), hidden)
-            wrong = [key for key in BLOCK_FLOPS_KEYS if got[key] != expected[key]]
-            raise CheckFailure(
-                f"{call} does not match FlopCounterMode's count on a pre-norm block (B={batch_size}, S={seq_len}, "
-                f"D={d_model}, MLP hidden width {hidden}): "
-                + "; ".join(f"{key} should be {expected[key]:,}, got {got[key]:,}" for key in wrong) + "."
-                + (f"\n  Likely mistake: {hint}" if hint else ""))
+        _expect_flops(got, _by_key(parts, BLOCK_FLOPS_KEYS), parts, call,
+                      f"a pre-norm block (B={batch_size}, S={seq_len}, D={d_model}, MLP hidden width {hidden})",
+                      (batch_size, seq_len, d_model),
+                      "Integer arithmetic keeps it exact: int(mlp_ratio * d_model) is the hidden width.", hidden)
 
 
 CROSSOVER_HINTS = {
-    "projections_only": "that is where attention passes the four projections (4·B·S²·D = 8·B·S·D²); the block "
-    "also has the MLP. Compare attention with everything else block_flops counts.",
+    "projections_only": "that is where attention passes the four projections; the block also has the MLP. "
+    "Compare attention with everything else block_flops counts.",
     "mlp_only": "that is where attention equals the MLP alone; the rest of the block is the MLP and the four "
     "projections.",
     "one_projection": "at S = D one Q @ Kᵀ costs as much as one projection; the question compares all of "
     "attention with all the rest of the block.",
-    "half_of_attention": "where attention is half the block, it equals everything else: 4·B·S²·D = the rest, "
+    "half_of_attention": "where attention is half the block, it equals everything else: attention = the rest, "
     "not 2 · the rest.",
 }
+_CROSSOVER_WIDTH = 768  # the question's block: D = 768 (GPT-2 small, ViT-B), a 4·D MLP
 
 
 @check("ANSWER_ATTENTION_CROSSOVER: the sequence length where attention is half the block's FLOPs")
 def check_answer_attention_crossover(answer, *, seed: int = 0, device: torch.device | None = None) -> None:
-    """4·B·S²·D = 8·B·S·D² + 16·B·S·D² (the four projections and a 4·D MLP) exactly at S = 6·D: 4,608 for
-    D = 768. The derivation is printed only once the answer is right."""
+    """Where attention's FLOPs equal the rest of the block's, found from FlopCounterMode's count of one block of
+    the question's width: attention grows with S², the projections and the MLP with S, so one count at any S
+    says where they meet. The derivation is printed only once the answer is right."""
     from attention_lab.checking import add_note
 
-    name, width = "ANSWER_ATTENTION_CROSSOVER", 768
+    name, width = "ANSWER_ATTENTION_CROSSOVER", _CROSSOVER_WIDTH
     if answer is None:
         raise CheckFailure(f"{name}: not implemented yet. Set {name} to a number: the sequence length S.")
-    expect_true(isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer),
+    expect_true(is_number(answer) and math.isfinite(answer),
                 f"{name} should be a number (a sequence length, e.g. 1000), got {describe(answer)}.")
-    wrong = {2 * width: "projections_only", 4 * width: "mlp_only", width: "one_projection",
-             12 * width: "half_of_attention"}
-    if abs(answer - 6 * width) > 0.5:
+    seq_len = width  # counted at S = D (any S would do)
+    parts = _measured(_CountedBlock(width, 12, 4 * width, device="meta"), torch.empty(1, seq_len, width, device="meta"))
+    counts = _by_key(parts, BLOCK_FLOPS_KEYS)
+    # attention(S) = A·(S/seq_len)², the rest(S) = R·(S/seq_len): equal at S = seq_len·R/A.
+    at = lambda rest, quadratic: seq_len * Fraction(rest, quadratic)  # noqa: E731
+    crossover = at(counts["projections"] + counts["mlp"], counts["attention"])
+    wrong = {at(counts["projections"], counts["attention"]): "projections_only",
+             at(counts["mlp"], counts["attention"]): "mlp_only",
+             at(parts["q"], parts["scores"]): "one_projection", 2 * crossover: "half_of_attention"}
+    if abs(answer - crossover) > 0.5:
         hint = next((CROSSOVER_HINTS[key] for value, key in wrong.items() if abs(answer - value) <= 0.5), "")
         raise CheckFailure(f"{name} = {answer!r} is not right: at that S attention's FLOPs do not equal the rest "
                            f"of the block's (D = {width}, MLP 4·D)." + (f"\n  Likely mistake: {hint}" if hint else ""))
-    add_note("  Why: attention costs 4·B·S²·D; the rest of the block costs 8·B·S·D² (four projections) + "
-             "16·B·S·D² (MLP at 4·D) = 24·B·S·D². They are equal at S = 6·D = 4,608 for D = 768; attention "
-             "passes the four projections alone at S = 2·D = 1,536. A ViT-B image (197 tokens) and GPT-2's "
+    # The counts as multiples of B·S²·D and B·S·D² (B = 1), for the derivation.
+    a = Fraction(counts["attention"], seq_len ** 2 * width)
+    p, m = (Fraction(counts[key], seq_len * width ** 2) for key in ("projections", "mlp"))
+    add_note(f"  Why: attention costs {a}·B·S²·D; the rest of the block costs {p}·B·S·D² (four projections) + "
+             f"{m}·B·S·D² (MLP at 4·D) = {p + m}·B·S·D². They are equal at S = {(p + m) / a}·D = {int(crossover):,} "
+             f"for D = {width}; attention passes the four projections alone at S = {p / a}·D = "
+             f"{int(at(counts['projections'], counts['attention'])):,}. A ViT-B image (197 tokens) and GPT-2's "
              "context (1,024) are far below both.")
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import numbers
+import re
+import traceback
 import tracemalloc
 from typing import Any, Callable, Sequence
 
@@ -38,13 +39,16 @@ from attention_lab.checking import (
     expect_signature,
     expect_true,
     expect_value_error,
+    is_number,
     freeze_module,
     one_cpu_thread,
     reference_sdpa,
     shape_str,
     tolerance,
 )
+from attention_lab.bridge import probes, wire
 from attention_lab.bridge.probes import Probe
+from attention_lab.checking import _is_student_file
 from attention_lab.code_inspection import find_uses, has_loop
 
 # --------------------------------------------------------------------------------------
@@ -70,9 +74,11 @@ def _array(value: Any) -> str:
     return describe(value) if not isinstance(value, np.ndarray) else f"array of shape {shape_str(value.shape)} ({value.dtype})"
 
 
-def _call(fn: Callable, *args: Any, call: str, matmul_hint: str | None = None, **kwargs: Any) -> Any:
+def _call(fn: Callable, *args: Any, call: str, matmul_hint: str | None = None, axis_hint: str | None = None,
+          **kwargs: Any) -> Any:
     """call_student with NumPy only, and a hint for the broadcasting errors NumPy raises
-    (``matmul_hint`` replaces the one for a product of mismatched shapes)."""
+    (``matmul_hint`` replaces the one for a product of mismatched shapes; ``axis_hint`` is the one for two arrays
+    of as many axes, a reduction's kept axis that is not the right one)."""
     try:
         return call_student(fn, *args, call=call, numpy_only=True, **kwargs)
     except CheckFailure as failure:
@@ -83,7 +89,12 @@ def _call(fn: Callable, *args: Any, call: str, matmul_hint: str | None = None, *
             hint = matmul_hint or ERROR_HINTS["matmul_shapes"]
             raise CheckFailure(f"{text}\n  Likely mistake: {hint}") from failure.__cause__
         if "could not be broadcast" in text:
-            raise CheckFailure(f"{text}\n  Likely mistake: {ERROR_HINTS['lost_axis']}") from failure.__cause__
+            # "... with shapes (2,2,6,6) (2,2,1,3)": as many axes is an axis kept (keepdims) but not the right one
+            shapes = re.findall(r"\(([\d,]*)\)", text.split("could not be broadcast", 1)[1])
+            ranks = {len([size for size in shape.split(",") if size]) for shape in shapes[:2]}  # "(3,)": one axis
+            hint = ERROR_HINTS["lost_axis"] if len(ranks) == 2 else axis_hint if len(shapes) >= 2 else None
+            if hint:
+                raise CheckFailure(f"{text}\n  Likely mistake: {hint}") from failure.__cause__
         raise
 
 
@@ -850,16 +861,35 @@ VARIANCE_HINTS = {
     "instead of over the d_head features. Sum over the last axis: np.sum(q * k, axis=-1).",
     "formula": "you returned the formula, not a measurement: draw n_samples pairs (q, k) with the rng you "
     "are given and measure the variance of their dot products.",
+    "more_samples": "your results vary less from one rng to the next than a measurement on n_samples pairs: "
+    "measure on exactly the n_samples pairs you are asked for (rng.normal(0.0, sigma, size=(n_samples, d_head)) "
+    "for q, the same for k), not on a fixed, larger number.",
+    "fewer_samples": "your results vary more from one rng to the next than a measurement on n_samples pairs: "
+    "measure on all the n_samples pairs you are asked for (rng.normal(0.0, sigma, size=(n_samples, d_head)) for "
+    "q, the same for k), not on fewer.",
 }
 
 
-def _variance_tolerance(d_head: int, sigma: float, n_samples: int) -> float:
-    """Five standard errors of the sample variance of q·k.
+def _standard_error(d_head: int, sigma: float, n_samples: int) -> float:
+    """The standard error of the sample variance of q·k on ``n_samples`` pairs.
 
     For q, k with iid N(0, σ²) entries, Z = q·k has E[Z²] = dσ⁴ and E[Z⁴] = (3d² + 6d)σ⁸, so
-    Var(Z²) = (2d² + 6d)σ⁸ and the mean of n squares has standard error sqrt((2d² + 6d)/n)·σ⁴.
+    Var(Z²) = (2d² + 6d)σ⁸ and the mean of n squares has standard error sqrt((2d² + 6d)/n)·σ⁴
+    (np.var, which subtracts the sample mean, and ddof=1 differ from it by O(1/n)).
     """
-    return 5.0 * math.sqrt((2 * d_head ** 2 + 6 * d_head) / n_samples) * sigma ** 4
+    return math.sqrt((2 * d_head ** 2 + 6 * d_head) / n_samples) * sigma ** 4
+
+
+def _variance_tolerance(d_head: int, sigma: float, n_samples: int) -> float:
+    """Five standard errors of the sample variance of q·k."""
+    return 5.0 * _standard_error(d_head, sigma, n_samples)
+
+
+# The spread of a measurement: this many rng seeds at a small n_samples. The standard deviation of the results of
+# a sampling answer, over its standard error, is 1 ± 0.08 here (measured on three styles, 300 trials each: 0.71 to
+# 1.28); the check accepts 0.5 to 2, six standard deviations below and twelve above. Below 0.05 nothing was
+# measured (the formula, perhaps with noise); between, more pairs than asked (a fixed size: 10,000 pairs give 0.14).
+_SPREAD_RUNS, _SPREAD_SAMPLES, _SPREAD_RANGE, _NO_SPREAD = 100, 200, (0.5, 2.0), 0.05
 
 
 def _call_variance(dot_product_variance: Callable, d_head: int, sigma: float, n_samples: int,
@@ -873,7 +903,7 @@ def _call_variance(dot_product_variance: Callable, d_head: int, sigma: float, n_
         np.random.set_state(global_state)  # the notebook's own global stream is left as it was
     if isinstance(value, np.ndarray) and value.ndim == 0:
         value = value[()]
-    expect_true(isinstance(value, numbers.Real) and not isinstance(value, bool),
+    expect_true(is_number(value),
                 f"{call} should return one float (the measured variance), got {describe(value)}.")
     value = float(value)
     if rng.bit_generator.state == rng_state:
@@ -940,11 +970,28 @@ def check_dot_product_variance(dot_product_variance: Callable, *, seed: int = 0,
             if hint:
                 message += f"\n  Likely mistake: {hint}"
             raise CheckFailure(message)
-    # Different rng states must give different measurements (no seed hidden inside the answer).
-    call = "dot_product_variance(16, 1.0, 2000, rng) with two different rng seeds"
-    first = _call_variance(dot_product_variance, 16, 1.0, 2000, np.random.default_rng(seed + 7), call)
-    second = _call_variance(dot_product_variance, 16, 1.0, 2000, np.random.default_rng(seed + 8), call)
-    expect_true(first != second, f"{call} gave the same value {first!r} twice: the result should depend on the rng.")
+    _expect_sampling_spread(dot_product_variance, seed)
+
+
+def _expect_sampling_spread(dot_product_variance: Callable, seed: int) -> None:
+    """A measurement is a sample: over many rng seeds its results spread around d·σ⁴ by its standard error, which
+    shrinks as 1/sqrt(n_samples). The formula d·σ⁴ returned as it is, or with a little noise drawn from the rng,
+    does not spread so; a measurement on fewer pairs than asked spreads more."""
+    d_head, sigma, n_samples = 16, 1.0, _SPREAD_SAMPLES
+    call = (f"dot_product_variance(d_head={d_head}, sigma={sigma}, n_samples={n_samples}, rng) with "
+            f"{_SPREAD_RUNS} rng seeds")
+    values = [_call_variance(dot_product_variance, d_head, sigma, n_samples,
+                             np.random.default_rng([seed, 52, run]), call) for run in range(_SPREAD_RUNS)]
+    spread, expected = float(np.std(values, ddof=1)), _standard_error(d_head, sigma, n_samples)
+    low, high = _SPREAD_RANGE
+    if low <= spread / expected <= high:
+        return
+    ratio = spread / expected
+    hint = VARIANCE_HINTS["formula" if ratio < _NO_SPREAD else "more_samples" if ratio < low else "fewer_samples"]
+    raise CheckFailure(f"{call}: the results spread by {spread:.3g} (their standard deviation) around "
+                       f"{float(np.mean(values)):.4g}, where a variance measured on {n_samples} pairs spreads by "
+                       f"about {expected:.3g} (its standard error, sqrt((2·d² + 6·d) / n_samples)·σ⁴).\n"
+                       f"  Likely mistake: {hint}")
 
 
 # --------------------------------------------------------------------------------------
@@ -1191,10 +1238,73 @@ ATTENTION_LSE_HINTS = {
     "fully_masked_out": "a query whose mask row is all False has no key: its out must be 0 and its lse -inf, "
     "as F.scaled_dot_product_attention and torch.logsumexp give, not NaN. A row maximum of -inf gives "
     "-inf - (-inf) = NaN: subtract 0 instead where the maximum is -inf, and divide by 1 where the sum is 0.",
+    "silenced": "your code silences NumPy (np.errstate(...), np.seterr or a warnings filter), but the invalid "
+    "operation still runs: a -inf - (-inf), a 0/0 or the log of 0 makes NaN or -inf that your code then repairs. "
+    "The exercise asks for code in which none runs: compute with np.where so that each operation gets valid "
+    "inputs (a maximum of 0 where the row's is -inf, a sum of 1 where it is 0).",
     "warning": "NumPy warned while computing it (log of 0, -inf - (-inf), 0/0): a fully masked row must give "
     "out = 0 and lse = -inf without a warning. Compute with np.where so that no invalid operation runs "
     "(e.g. a maximum of 0 where the row's is -inf, a sum of 1 where it is 0).",
 }
+
+
+class FloatingPointErrors(Probe):
+    """The floating-point errors NumPy meets while one call runs (0/0, -inf - (-inf), the log of 0, an overflow),
+    those the answer silences included: while it runs, every error mode NumPy is asked for -- the answer's own
+    ``with np.errstate(all="ignore")``, ``np.seterr``, a decorator -- is this probe's, which records each error
+    (and the student's line where it happened) and neither raises nor prints it. ``silenced``: the answer asked
+    NumPy to ignore (or only print, warn, ...) some error. (NumPy 2's error modes all come from one function,
+    which the probe replaces while the call runs; with NumPy 1 it records the errors the answer leaves audible.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[str] = []  # "invalid value (your line: `...`)", in order, each once
+        self.silenced = False
+
+    def _record(self, kind: str, flag: int) -> None:
+        """NumPy's error callback: ``kind`` ("invalid value", "divide by zero", "overflow"), where in the answer."""
+        line = next((f" (your line: `{frame.line.strip()}`)" for frame in reversed(traceback.extract_stack())
+                     if _is_student_file(frame.filename) and frame.line), "")
+        if f"{kind}{line}" not in self.errors and len(self.errors) < 10:
+            self.errors.append(f"{kind}{line}")
+
+    def __enter__(self) -> "FloatingPointErrors":
+        self._restore = self._fallback = None
+        try:
+            from numpy._core import _ufunc_config
+
+            original = _ufunc_config._make_extobj
+        except (ImportError, AttributeError):  # NumPy 1.x: its errors are seen, not those it silences
+            self._fallback = np.errstate(call=self._record, all="call", under="ignore")
+            self._fallback.__enter__()
+            return self
+        ours = original(call=self._record, all="call", under="ignore")
+
+        def the_probes_mode(**asked: Any) -> Any:  # what np.errstate and np.seterr set, whatever they are asked
+            self.silenced = self.silenced or any(mode not in (None, "raise", "call", _ufunc_config._Unspecified)
+                                                 for name, mode in asked.items() if name != "call")
+            return ours
+
+        self._restore = (_ufunc_config, original)
+        _ufunc_config._make_extobj = the_probes_mode
+        self._token = _ufunc_config._extobj_contextvar.set(ours)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fallback is not None:
+            self._fallback.__exit__(*exc)
+            return
+        module, original = self._restore
+        module._make_extobj = original
+        module._extobj_contextvar.reset(self._token)  # the answer's np.seterr, undone with it
+
+    def findings(self) -> dict:
+        return {"errors": self.errors, "silenced": self.silenced}
+
+    def accept(self, findings: Any) -> None:
+        if not (isinstance(findings, dict) and isinstance(findings.get("silenced"), bool)):
+            raise wire.WireError("a malformed report of floating-point errors")
+        self.errors, self.silenced = probes.strings(findings.get("errors"), limit=10), findings["silenced"]
 
 
 def _reference_lse(Q, K, mask) -> torch.Tensor:
@@ -1229,18 +1339,14 @@ def _lse_variants(Q, K, mask) -> list[Variant]:
 
 
 def _check_attention_lse_once(np_attention_lse: Callable, Q, K, V, mask, label: str) -> None:
-    import warnings
-
     b, h, s_q, _ = Q.shape
     d_v = V.shape[-1]
     mask_text = "no mask" if mask is None else f"a boolean mask of shape {shape_str(mask.shape)}"
     call = (f"np_attention_lse(Q, K, V, mask) with Q {_array(Q)}, K {shape_str(K.shape)}, V {shape_str(V.shape)}, "
             f"{mask_text}{label}")
     inputs = [a.copy() for a in (Q, K, V)]
-    with warnings.catch_warnings(record=True) as caught, np.errstate(divide="warn", invalid="warn", over="warn",
-                                                                     under="ignore"):
-        warnings.simplefilter("always")
-        result = _call(np_attention_lse, Q, K, V, mask, call=call)
+    errors = FloatingPointErrors()
+    result = _call(np_attention_lse, Q, K, V, mask, call=call, probes=[errors])
     expect_true(isinstance(result, tuple) and len(result) == 2,
                 f"{call} should return a tuple (out, lse), got {describe(result)}.")
     out, lse = result
@@ -1271,9 +1377,10 @@ def _check_attention_lse_once(np_attention_lse: Callable, Q, K, V, mask, label: 
     expect_close(lse, _reference_lse(Q, K, mask), what=call + " -> lse",
                  against="torch.logsumexp of the scaled, masked scores (float64; -inf for a query with no key)",
                  variants=_lse_variants(Q, K, mask))
-    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    expect_true(not warned, f"{call} is right, but NumPy warned: {warned[0] if warned else ''}.\n  Likely mistake: "
-                f"{ATTENTION_LSE_HINTS['warning']}")
+    if errors.errors:
+        hint = ATTENTION_LSE_HINTS["silenced" if errors.silenced else "warning"]
+        raise CheckFailure(f"{call} is right, but NumPy met {errors.errors[0]}"
+                           + (" and silenced it" if errors.silenced else "") + f".\n  Likely mistake: {hint}")
 
 
 @check("np_attention_lse: out equals F.scaled_dot_product_attention and lse torch.logsumexp, fully masked rows "
@@ -1358,6 +1465,25 @@ BACKWARD_LSE_HINTS = {
     "(set it to -inf before the exp, or P to 0 after), or gradient flows into masked entries.",
     "delta_unweighted": "D is rowsum(dout ∘ out), one number per query: dout multiplied by out elementwise, "
     "then summed over the value features; rowsum(dout) alone leaves out the output.",
+    "delta_axis": "D = rowsum(dout ∘ out) sums over the value features, the last axis: np.sum(dout * out, "
+    "axis=-1, keepdims=True) is one number per query, shape (..., S_q, 1); a sum over the queries (axis=-2) gives "
+    "one number per feature instead.",
+    "ds_sign": "dS has the wrong sign: dS = P ∘ (dP − D), dP first, as in the softmax's backward p · (dp − Σ dp·p); "
+    "P ∘ (D − dP) turns dQ and dK around (dV, which does not use dS, is right).",
+    "lse_recomputed": "your backward recomputes the softmax instead of using lse: its gradients stay the same "
+    "whatever lse it is given. The exercise is the backward from the saved lse: P = exp(s − lse) with the lse it "
+    "is given (s the scaled, masked scores), with no max and no sum over the keys again -- what lets "
+    "FlashAttention recompute P one tile at a time.",
+    "delta_recomputed": "your backward computes D from P and dP (Σ_j P_ij · dP_ij) instead of from out: its "
+    "gradients stay the same whatever out it is given. D = rowsum(dout ∘ out) with the out it is given needs no "
+    "row of P -- what lets FlashAttention compute it before its loops.",
+    "float32_inside": "your code computes in float32 inside (an .astype(np.float32), dtype=np.float32, or a "
+    "float32 array mixed in): on float64 input its float32 rounding shows in these gradients -- given inputs that "
+    "differ below float32's precision, it returns exactly the same numbers. Compute in the input's dtype: "
+    "float64 in, float64 inside.",
+    "float16_inside": "your code computes in float16 inside (an .astype(np.float16) or dtype=np.float16): on "
+    "float32 input its float16 rounding shows in these gradients -- given inputs that differ below float16's "
+    "precision, it returns exactly the same numbers. Compute in the input's dtype: float32 in, float32 inside.",
     "fully_masked_delta": "a fully masked query has lse = -inf, and the forward may have left NaN in its out: "
     "exp(s - lse) = exp(-inf + inf) and D = rowsum(dout ∘ NaN) are NaN, and one NaN row makes NaN of every "
     "key's gradient. Where lse is -inf (np.isfinite), set that row's P and D to 0.",
@@ -1405,8 +1531,9 @@ def _manual_attention_backward(Q, K, V, dout, mask, *, rowsum="weighted", grad_s
     return dq, dk, dv
 
 
-def _lse_backward(Q, K, V, out, lse, dout, mask, *, p_from: str = "lse", delta: str = "out"):
-    """The recipe from (out, lse) in float64, with one deliberate change, for diagnosis."""
+def _lse_backward(Q, K, V, out, lse, dout, mask, *, p_from: str = "lse", delta: str = "out", sign: float = 1.0):
+    """The recipe from (out, lse) in float64 -- with the out and lse it is given -- or with one deliberate
+    change, for diagnosis."""
     q, k, v, o, do = _t(Q), _t(K), _t(V), _t(np.nan_to_num(out)), _t(dout)
     scale = 1 / math.sqrt(q.shape[-1])
     raw = q @ k.transpose(-2, -1)
@@ -1418,8 +1545,9 @@ def _lse_backward(Q, K, V, out, lse, dout, mask, *, p_from: str = "lse", delta: 
     shift = torch.where(seen, _t(lse)[..., None], torch.zeros(()))
     p = torch.exp(scores) if p_from == "no_lse" else torch.exp(scores - shift)
     p = torch.where(seen, p, torch.zeros(()))
-    d_row = (do * o).sum(-1, keepdim=True) if delta == "out" else do.sum(-1, keepdim=True)
-    ds = p * (do @ v.transpose(-2, -1) - d_row) * scale
+    d_row = {"out": lambda: (do * o).sum(-1, keepdim=True), "dout": lambda: do.sum(-1, keepdim=True),
+             "axis": lambda: (do * o).sum(-2, keepdim=True)}[delta]()
+    ds = sign * p * (do @ v.transpose(-2, -1) - d_row) * scale
     return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ do
 
 
@@ -1453,7 +1581,9 @@ def _attention_backward_variants(Q, K, V, dout, mask) -> list[tuple[Callable[[],
 def _lse_backward_variants(Q, K, V, out, lse, dout, mask) -> list[tuple[Callable[[], Any], str]]:
     """(lazy (dQ, dK, dV) of a mistake of the lse recipe, its hint)."""
     options = [(dict(p_from="no_lse"), "lse_ignored"), (dict(p_from="unscaled"), "lse_unscaled_scores"),
-               (dict(delta="dout"), "delta_unweighted")]
+               (dict(delta="dout"), "delta_unweighted"), (dict(sign=-1.0), "ds_sign")]
+    if V.shape[-1] == K.shape[-2]:  # D summed over the queries broadcasts against dP only then
+        options.append((dict(delta="axis"), "delta_axis"))
     if mask is not None:
         options.append((dict(p_from="unmasked"), "lse_mask_ignored"))
     return [(functools.lru_cache(maxsize=1)(lambda kwargs=kwargs: _lse_backward(Q, K, V, out, lse, dout, mask,
@@ -1487,7 +1617,7 @@ def _check_attention_backward_once(np_attention_backward: Callable, Q, K, V, dou
         ([] if mask is None else [np.array(mask, copy=True)])
     with np.errstate(all="ignore"):
         result = _call(np_attention_backward, Q, K, V, out, lse, dout, mask, call=call,
-                       matmul_hint=ATTENTION_BACKWARD_HINTS["matmul_shapes"])
+                       matmul_hint=ATTENTION_BACKWARD_HINTS["matmul_shapes"], axis_hint=BACKWARD_LSE_HINTS["delta_axis"])
     expect_true(isinstance(result, (tuple, list)) and len(result) == 3,
                 f"{call} should return a tuple (dQ, dK, dV), got {describe(result)}.")
     names = ("dQ", "dK", "dV")
@@ -1517,9 +1647,66 @@ def _check_attention_backward_once(np_attention_backward: Callable, Q, K, V, dou
                          variants=[Variant(lambda compute=compute, i=index: compute()[i], hint)
                                    for compute, hint in variants])
         except CheckFailure as failure:
-            if "Likely mistake" not in str(failure) and allowed is not None:
+            if "Likely mistake" in str(failure):
+                raise
+            if allowed is not None:
                 _expect_no_leak(np_attention_backward, Q, K, V, out, lse, dout, mask, allowed, call)
+            lower = _precision_inside(np_attention_backward, Q, K, V, dout, mask, call)
+            if lower is not None:
+                raise CheckFailure(f"{failure}\n  Likely mistake: {BACKWARD_LSE_HINTS[lower + '_inside']}") from None
             raise
+
+
+def _precision_inside(np_attention_backward: Callable, Q, K, V, dout, mask, call: str) -> str | None:
+    """"float32" (float64 input) or "float16" (float32 input) when the answer computes in that lower precision
+    inside: given inputs that are exact in it, and the same inputs changed below its precision, it returns exactly
+    the same numbers (an answer that keeps the input's dtype does not). None otherwise."""
+    lower = {np.dtype(np.float64): np.float32, np.dtype(np.float32): np.float16}.get(Q.dtype)
+    if lower is None:
+        return None
+    exact = [np.asarray(a).astype(lower).astype(Q.dtype) for a in (Q, K, V, dout)]
+    out, lse = (a.astype(lower).astype(Q.dtype) for a in _forward_for_backward(*exact[:3], mask, Q.dtype, False))
+    arrays = [*exact[:3], out, lse, exact[3]]
+    nudge = Q.dtype.type(1 + float(np.finfo(lower).eps) / 64)  # below half a unit of `lower`: rounds back to it
+    results = []
+    for given in (arrays, [a * nudge for a in arrays]):
+        try:
+            with np.errstate(all="ignore"):
+                results.append(_call(np_attention_backward, *given[:6], mask, call=call))
+        except CheckFailure:
+            return None
+    same = all(isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b, equal_nan=True)
+               for a, b in zip(*results))
+    return np.dtype(lower).name if same else None
+
+
+def _expect_backward_from_saved(np_attention_backward: Callable, rng: np.random.Generator) -> None:
+    """The method: given an out that is not the forward's, then an lse shifted by a known constant per query row,
+    the gradients must change exactly as D = rowsum(dout ∘ out) and P = exp(s − lse) say. A backward that
+    recomputes D from P and dP, or P with a softmax, returns the gradients of attention whatever it is given."""
+    Q, K, V, dout = (_normal(rng, 1, 2, 6, width) for width in (4, 4, 3, 3))
+    mask = np.tril(np.ones((6, 6), dtype=bool))
+    out, lse = _forward_for_backward(Q, K, V, mask, np.float64, nan_rows=False)
+    recomputed = _attention_gradients(Q, K, V, dout, mask)  # what an answer that ignores out or lse returns
+    changes = [("out", "out + a known change (not the forward's out)", out + _normal(rng, *out.shape, scale=0.5), lse,
+                "delta_recomputed"),
+               ("lse", "lse + a known constant per query row", out, lse + rng.uniform(0.3, 1.0, lse.shape),
+                "lse_recomputed")]
+    for name, given, changed_out, changed_lse, hint in changes:
+        call = (f"np_attention_backward(Q, K, V, out, lse, dout, mask) with Q {_array(Q)}, K and V {shape_str(K.shape)}, "
+                f"a causal mask, and given {given}")
+        with np.errstate(all="ignore"):
+            result = _call(np_attention_backward, Q, K, V, changed_out, changed_lse, dout, mask, call=call)
+        expected = _lse_backward(Q, K, V, changed_out, changed_lse, dout, mask)
+        for index in (2, 0, 1):
+            if torch.allclose(expected[index], recomputed[index]):
+                continue  # this gradient does not use what was changed (dV does not use out)
+            grad_name = ("dQ", "dK", "dV")[index]
+            got = expect_array(result[index] if isinstance(result, (tuple, list)) and len(result) == 3 else result,
+                               what=f"{call} -> {grad_name}", shape=(Q, K, V)[index].shape)
+            expect_close(got, expected[index], what=f"{call} -> {grad_name}",
+                         against=f"the formula with the {name} it was given (float64)",
+                         variants=[Variant(recomputed[index], BACKWARD_LSE_HINTS[hint])])
 
 
 def _expect_no_leak(np_attention_backward: Callable, Q, K, V, out, lse, dout, mask, allowed: np.ndarray,
@@ -1562,6 +1749,7 @@ def check_np_attention_backward(np_attention_backward: Callable, *, seed: int = 
     causal = np.tril(np.ones((6, 6), dtype=bool))
     case(2, 2, 6, 6, 2, 2)  # the notebook's configuration
     case(2, 2, 6, 6, 2, 2, causal, " (causal)")
+    case(1, 2, 5, 4, 3, 4)  # d_v = S_k: a sum over the wrong axis broadcasts, and is wrong
     case(2, 3, 4, 5, 8, 3, dtype=np.float32)  # cross-attention sizes, float32, d_v != d
     case(2, 3, 4, 5, 8, 3, dtype=np.float32, saved_dtype=np.float64)  # the saved arrays in another dtype
     padding = np.ones((2, 1, 1, 5), dtype=bool)
@@ -1580,6 +1768,7 @@ def check_np_attention_backward(np_attention_backward: Callable, *, seed: int = 
         b, h, s, d = (int(v) for v in rng.integers(1, 5, size=4))
         mask = rng.random((s, s)) < 0.6
         case(b, h, s, s, d, int(rng.integers(1, 5)), mask, " (random mask)")
+    _expect_backward_from_saved(np_attention_backward, rng)
 
 
 freeze_module(__name__)

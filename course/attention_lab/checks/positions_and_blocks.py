@@ -36,6 +36,8 @@ from attention_lab.checking import (
     expect_tensor,
     expect_true,
     expect_value_error,
+    is_integer,
+    is_number,
     freeze_module,
     randint,
     randn,
@@ -416,7 +418,7 @@ def check_fourier_features(FourierFeatures: Callable, *, seed: int = 0, device: 
                    f"got {out_dim!r}.")
         if out_dim in (2 * num_frequencies, in_dim * num_frequencies) and out_dim != expected_out_dim:
             message += f"\n  Likely mistake: {FOURIER_HINTS['out_dim']}"
-        expect_true(isinstance(out_dim, int) and out_dim == expected_out_dim, message)
+        expect_true(is_integer(out_dim) and out_dim == expected_out_dim, message)
         _check_frequency_storage(module, label)
         for dtype in (torch.float64, torch.float32):
             # .to() moves and converts buffers: frequencies kept as a buffer follow the module.
@@ -600,7 +602,8 @@ def check_psnr(psnr: Callable, *, seed: int = 0, device: torch.device | None = N
         if isinstance(result, torch.Tensor):
             raise CheckFailure(f"{call} should return a Python float, got a {describe(result)}.\n"
                                f"  Likely mistake: {PSNR_HINTS['tensor']}")
-        expect_true(isinstance(result, float), f"{call} should return a Python float, got {describe(result)}.")
+        expect_true(is_number(result), f"{call} should return a Python float, got {describe(result)}.")
+        result = float(result)
         expected = _psnr_reference((pred, target), max_value)
         if not abs(result - expected) <= 1e-3:
             hint = next((h for value, h in _psnr_variants(pred, target, max_value) if abs(result - value) <= 1e-3), None)
@@ -610,10 +613,10 @@ def check_psnr(psnr: Callable, *, seed: int = 0, device: torch.device | None = N
     target = torch.rand(10, 3, generator=generator, dtype=torch.float64).to(device)
     pred = (target + 0.1).requires_grad_(True)
     result = call_student(psnr, pred, target, call="psnr(pred, target) with pred requiring grad")
-    expect_true(isinstance(result, float) and abs(result - 20.0) < 1e-6,
+    expect_true(is_number(result) and abs(result - 20.0) < 1e-6,
                 f"psnr(pred, target) with pred = target + 0.1 (MSE = 0.01) should be 20.0 dB, got {result!r}.")
     result = call_student(psnr, target, target.clone(), call="psnr(x, x) (a perfect reconstruction)")
-    expect_true(isinstance(result, float) and math.isinf(result) and result > 0,
+    expect_true(is_number(result) and math.isinf(result) and result > 0,
                 f"psnr(x, x) should be float('inf') (the MSE is 0), got {result!r}.")
 
 
@@ -672,7 +675,7 @@ def _expect_losses(losses: Any, steps: int, call: str) -> None:
         if isinstance(value, torch.Tensor):
             raise CheckFailure(f"{call} returned a list of tensors; store loss.item() (a Python float). Keeping the "
                                "tensors keeps every step's computation graph alive.")
-        expect_true(isinstance(value, float), f"{call} should return Python floats, got an item {describe(value)}.")
+        expect_true(is_number(value), f"{call} should return Python floats, got an item {describe(value)}.")
 
 
 def _tiny_model() -> nn.Module:
@@ -1396,6 +1399,10 @@ ORDER_HINTS = {
     ".to(dtype) do not move: on a GPU the forward pass then adds a CPU table to CUDA activations and fails. "
     "Register it as a buffer, self.register_buffer(name, table, persistent=False): fixed, and it moves with the "
     "module.",
+    "sinusoidal_persistent": "the sinusoidal table is a persistent buffer: it is saved in every state_dict (a "
+    "checkpoint of the model then carries a table computed from the constructor's arguments, and loading it into a "
+    "model of another max_len fails). Register it with self.register_buffer(name, table, persistent=False), as "
+    "FourierFeatures' frequencies.",
     "sinusoidal_parameter": "the sinusoidal table is a Parameter, so the optimizer would change it: it is "
     "fixed. Register it with self.register_buffer(name, table, persistent=False) (or compute it in forward).",
     "not_sliced": "the whole [max_len, D] table was added to a sequence of S < max_len tokens: add the rows "
@@ -1525,6 +1532,11 @@ def check_order_transformer(OrderTransformer: Callable, *, seed: int = 0, device
             raise RuleFailure(f"{label} keeps its [{max_len}, {embed_dim}] position table as a plain attribute, "
                                f"self.{name}: after model.to({target}) it is still {still}.\n  Likely mistake: "
                                f"{ORDER_HINTS['sinusoidal_attribute']}")
+        saved = [name for name, tensor in model.state_dict(keep_vars=True).items() if name in dict(model.named_buffers())
+                 and tuple(tensor.shape[-2:]) == (max_len, embed_dim)]
+        if positions == "sinusoidal" and saved:
+            raise RuleFailure(f"{label}: its [{max_len}, {embed_dim}] position table is the buffer {saved[0]!r}, and it "
+                              f"appears in state_dict.\n  Likely mistake: {ORDER_HINTS['sinusoidal_persistent']}")
         if positions == "learned":
             if learned is None and _unregistered_table(model, max_len, embed_dim):
                 raise CheckFailure(f"{label}: no trainable [{max_len}, {embed_dim}] position table among the "

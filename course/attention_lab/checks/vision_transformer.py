@@ -31,6 +31,8 @@ from attention_lab.checking import (
     expect_choice,
     expect_true,
     expect_value_error,
+    is_integer,
+    is_number,
     freeze_module,
     randint,
     randn,
@@ -204,7 +206,7 @@ def _check_patch_embedding_config(PatchEmbedding: Callable, img_size: int, patch
     expect_true(conv.bias is not None, f"{call}.proj should have a bias (Conv2d's default).")
     expected_patches = (img_size // patch_size) ** 2
     num_patches = getattr(module, "num_patches", None)
-    expect_true(isinstance(num_patches, int) and not isinstance(num_patches, bool) and num_patches == expected_patches,
+    expect_true(is_integer(num_patches) and num_patches == expected_patches,
                 f"{call}.num_patches should be the int (img_size // patch_size) ** 2 = {expected_patches}, got {num_patches!r}.")
     grid = img_size // patch_size
     for dtype in (torch.float64, torch.float32):
@@ -358,8 +360,7 @@ def check_patch_embedding_parameter_count(patch_embedding_parameter_count: Calla
         count = call_student(patch_embedding_parameter_count, patch_size, channels, embed_dim, call=call)
         conv = nn.Conv2d(channels, embed_dim, kernel_size=patch_size, stride=patch_size, device="meta")
         expected = sum(p.numel() for p in conv.parameters())
-        expect_true(isinstance(count, int) and not isinstance(count, bool),
-                    f"{call} should return an int, got {describe(count)}.")
+        expect_true(is_integer(count), f"{call} should return an int, got {describe(count)}.")
         if count == expected:
             continue
         weights = embed_dim * channels * patch_size * patch_size
@@ -1124,7 +1125,7 @@ def _float_list(losses: Any, call: str, epochs: int) -> list[float]:
         if isinstance(value, torch.Tensor):
             raise CheckFailure(f"{call} returned a tensor at position {index} ({describe(value)}).\n"
                                f"  Likely mistake: {TRAIN_HINTS['tensor_losses']}")
-        expect_true(isinstance(value, (float, int)) and not isinstance(value, bool) and math.isfinite(value),
+        expect_true(is_number(value) and math.isfinite(value),
                     f"{call}: the loss of epoch {index} should be a finite float, got {value!r}.")
     return [float(value) for value in losses]
 

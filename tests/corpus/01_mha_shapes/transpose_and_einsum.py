@@ -84,14 +84,18 @@ def attention_layer_flops(batch_size, seq_len, d_model):
     return {"projections": projections, "attention": 2 * (macs["bsd,btd->bst"] + macs["bst,btd->bsd"])}
 
 # %% answer="block_flops"
+import numpy as np
+
+
 def block_flops(batch_size, seq_len, d_model, mlp_ratio=4):
+    # the MLP's multiply-adds with np.prod over the einsum's index sizes: NumPy integers (np.int64), which are ints
     sizes = {"b": batch_size, "s": seq_len, "t": seq_len, "d": d_model, "e": d_model,
              "f": int(mlp_ratio * d_model)}
-    macs = {"bsd,df->bsf": math.prod(sizes[i] for i in "bsdf"), "bsf,fd->bsd": math.prod(sizes[i] for i in "bsfd")}
+    macs = {"bsd,df->bsf": np.prod([sizes[i] for i in "bsdf"]), "bsf,fd->bsd": np.prod([sizes[i] for i in "bsfd"])}
     return {**attention_layer_flops(batch_size, seq_len, d_model), "mlp": 2 * sum(macs.values())}
 
 # %% answer="ANSWER_ATTENTION_CROSSOVER"
-ANSWER_ATTENTION_CROSSOVER = 6 * 768
+ANSWER_ATTENTION_CROSSOVER = np.int64(6) * 768  # a NumPy integer
 
 # %% answer="ANSWER_DRAFT_BUG"
 ANSWER_DRAFT_BUG = "b"

@@ -56,6 +56,7 @@ def softmax_backward(p, dp, axis=-1):
     return np.moveaxis(p_last * (dp_last - row_dot), -1, axis)
 
 # %% answer="np_attention_lse"
+@np.errstate(invalid="raise", divide="raise")  # fail loudly if an invalid operation ever slips in
 def np_attention_lse(Q, K, V, mask=None):
     scores = np.einsum("...qd,...kd->...qk", Q, K) / math.sqrt(Q.shape[-1])
     if mask is not None:

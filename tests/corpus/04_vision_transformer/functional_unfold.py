@@ -146,6 +146,8 @@ def pool_tokens(tokens, pool="cls"):
     if pool == "cls":
         return tokens.select(1, 0)
     if pool == "mean":
-        patch_tokens = tokens.narrow(1, 1, tokens.shape[1] - 1)
+        # torch.range (end included) is deprecated: PyTorch warns, and the answer is right (issue #52)
+        patches = torch.range(1, tokens.shape[1] - 1, dtype=torch.long, device=tokens.device)
+        patch_tokens = tokens.index_select(1, patches)
         return patch_tokens.sum(dim=1) / patch_tokens.shape[1]
     raise ValueError(f"pool={pool!r}; expected 'cls' or 'mean'")

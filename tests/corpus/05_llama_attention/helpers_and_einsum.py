@@ -186,5 +186,9 @@ def causal_mask_lower_right(q_len, kv_len, device=None):
 
 
 # %% answer="kv_cache_bytes"
+import numpy as np
+
+
 def kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element):
-    return math.prod((2, num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element))
+    # np.prod returns a NumPy integer (np.int64): an int all the same
+    return np.prod((2, num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element), dtype=np.int64)

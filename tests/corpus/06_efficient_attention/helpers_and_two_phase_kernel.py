@@ -156,7 +156,7 @@ def flash_attention_kernel(Q, K, V, Out, Lse,
 
 # %% answer="flash_attention_backward"
 def tile_probabilities(q_tile, k_tile, lse_rows, scale, hidden=None):
-    scores = q_tile @ k_tile.mT * scale
+    scores = (q_tile.unsqueeze(-2) * k_tile.unsqueeze(-3)).sum(-1) * scale  # what @ computes: Σ_d q_d k_d
     if hidden is not None:
         scores = torch.where(hidden, torch.full_like(scores, -math.inf), scores)
         # hidden keys get P = 0, also where lse = -inf (a query that sees no key: exp(-inf + inf) is NaN)
