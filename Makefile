@@ -166,9 +166,9 @@ withdraw: setup ## take out one wrongly filed submission: STUDENT=<id> ASSIGNMEN
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.roster withdraw --student "$(STUDENT)" --assignment "$(ASSIGNMENT)"
 
 # Each variable given is set; none given shows the settings.
-SETTING_VARIABLES := LATE_PENALTY GRACE_MINUTES TIMEOUT STARTUP_TIMEOUT MEMORY_MB FILE_MB
+SETTING_VARIABLES := LATE_PENALTY GRACE_MINUTES TIMEOUT STARTUP_TIMEOUT MEMORY_MB FILE_MB TIME_ZONE
 SETTING_VALUES = $(foreach v,$(SETTING_VARIABLES),$(if $($(v)),"$(shell echo $(v) | tr A-Z a-z)=$($(v))"))
-settings: setup ## show the course settings, or set them: LATE_PENALTY=none|zero GRACE_MINUTES= TIMEOUT= STARTUP_TIMEOUT= MEMORY_MB= FILE_MB=
+settings: setup ## show the course settings, or set them: LATE_PENALTY=none|zero GRACE_MINUTES= TIME_ZONE= TIMEOUT= STARTUP_TIMEOUT= MEMORY_MB= FILE_MB=
 	$(BIN)/python -m autograder.course_settings $(if $(strip $(SETTING_VALUES)),set $(SETTING_VALUES))
 
 extension: setup ## a due date of its own for one student: STUDENT=<id> ASSIGNMENT=<name> UNTIL=<ISO date> (REMOVE=1 takes it back)

@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder import intake
+from autograder import intake, intake_files
 from autograder.release import REPO_ROOT
 
 ASSIGNMENT = "01_mha_shapes"
@@ -225,7 +225,7 @@ def test_a_file_that_breaks_the_reader_is_refused_alone(tmp_path):
 
 
 def test_a_notebook_over_the_size_limit_is_refused_naming_the_limit(tmp_path, monkeypatch):
-    monkeypatch.setattr(intake, "MAX_NOTEBOOK_BYTES", 200_000)
+    monkeypatch.setattr(intake_files, "MAX_NOTEBOOK_BYTES", 200_000)
     big = release()
     big.cells[0].metadata["padding"] = "x" * 300_000
     entries, root = run(tmp_path, {"huge/01_mha_shapes.ipynb": big, "fine/01_mha_shapes.ipynb": release()})

@@ -4,6 +4,7 @@ due dates and withdrawing a wrongly filed submission -- no kernels, fast."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
 from pathlib import Path
@@ -141,7 +142,13 @@ def test_a_resubmission_keeps_the_earlier_one_and_reports_accumulate(tmp_path, c
     assert nbformat.read(kept / f"{ASSIGNMENT}.ipynb", as_version=4).cells[-1].source == first.cells[-1].source
     current = course / "submitted" / "alice" / ASSIGNMENT
     assert nbformat.read(current / f"{ASSIGNMENT}.ipynb", as_version=4).cells[-1].source.endswith("# changed")
-    assert sorted(p.name for p in current.iterdir()) == [f"{ASSIGNMENT}.ipynb", "timestamp.txt"]
+    assert sorted(p.name for p in current.iterdir()) == [".received", f"{ASSIGNMENT}.ipynb", "timestamp.txt"]
+    # each file as received, byte for byte, beside the notebook filed (and archived with it)
+    for folder, export in ((current, "two"), (kept, "one")):
+        received = (tmp_path / export / "downloads" / "alice" / f"{ASSIGNMENT}.ipynb").read_bytes()
+        assert (folder / ".received" / f"{ASSIGNMENT}.ipynb").read_bytes() == received
+        assert json.loads((folder / ".received" / "receipt.json").read_text())["path_in_export"] == \
+            f"alice/{ASSIGNMENT}.ipynb"
     assert len(list((course / "reports" / "intake").glob("*.json"))) == 2
     assert (course / "reports" / "intake_history.md").read_text().count("([report](intake/") == 2
 

@@ -23,7 +23,10 @@ from autograder.settings import CELL_TIMEOUT, KERNEL_STARTUP_TIMEOUT, MAX_OUTPUT
 STATE_DIR = ".grading"
 REPORTS_DIR = "reports"
 TIMESTAMP_FILE = "timestamp.txt"   # nbgrader's submission time, written by intake
-IGNORED_NAMES = {".ipynb_checkpoints", "__MACOSX", ".DS_Store", TIMESTAMP_FILE}
+# the file as the student handed it in, and where it came from (autograder.intake): kept beside
+# the notebook intake filed, neither graded nor carried to a worker
+RECEIVED_FOLDER = ".received"
+IGNORED_NAMES = {".ipynb_checkpoints", "__MACOSX", ".DS_Store", TIMESTAMP_FILE, RECEIVED_FOLDER}
 
 
 @dataclass
