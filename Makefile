@@ -82,7 +82,9 @@ INSTRUCTOR_KERNELS ?=
 formgrader: setup ## JupyterLab with nbgrader's Formgrader on the course root, for you and your TAs (FORMGRADER_ARGS=<JupyterLab options>, DB_URL=, INSTRUCTOR_KERNELS=on)
 	mkdir -p $(FORMGRADER_ROOT)
 	$(BIN)/python -m autograder.gradebook --root "$(FORMGRADER_ROOT)" check
-	cd $(FORMGRADER_ROOT) && PATH=$(CURDIR)/$(BIN):$$PATH ATTENTION_LAB_INSTRUCTOR_KERNELS=$(INSTRUCTOR_KERNELS) \
+	@# a gradebook on a server: the one the course root remembers (its password from ~/.pgpass) or DB_URL's
+	gradebook=$$($(BIN)/python -m autograder.gradebook --root "$(FORMGRADER_ROOT)" url) && cd $(FORMGRADER_ROOT) && \
+	  ATTENTION_LAB_DB_URL="$$gradebook" PATH=$(CURDIR)/$(BIN):$$PATH ATTENTION_LAB_INSTRUCTOR_KERNELS=$(INSTRUCTOR_KERNELS) \
 	  JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/lab/instructor:$(CURDIR)/autograder \
 	  $(CURDIR)/$(BIN)/jupyter lab $(ROOT_FLAG) $(FORMGRADER_ARGS)
 
@@ -130,8 +132,9 @@ postgres: ## install Debian's PostgreSQL server (the shared-gradebook tests star
 # The shared gradebook's server (README, "A shared gradebook"): data in PGDATA, on PGPORT.
 PGDATA ?= $(HOME)/attention-lab-postgres
 PGPORT ?= 5432
-postgres-server: setup ## start (created on first use) a PostgreSQL server for the gradebook: PGDATA= PGPORT= DB_PASSWORD=; prints DB_URL
-	$(BIN)/python -m autograder.postgres start --data "$(PGDATA)" --port "$(PGPORT)" --password "$(DB_PASSWORD)"
+postgres-server: setup ## start (created on first use) a PostgreSQL server for the gradebook: PGDATA= PGPORT=; prints DB_URL (the password goes to ~/.pgpass, never on screen)
+	@# (DB_PASSWORD=, when given, reaches it through the environment, never on a command line `ps` shows)
+	$(BIN)/python -m autograder.postgres start --data "$(PGDATA)" --port "$(PGPORT)"
 
 postgres-stop: setup ## stop the server of PGDATA=
 	$(BIN)/python -m autograder.postgres stop --data "$(PGDATA)"
@@ -192,6 +195,7 @@ dask-scheduler: setup ## a Dask scheduler for SCHEDULER= on port DASK_PORT (8786
 
 dask-worker: setup ## WORKERS grading workers (default: one per core) for the cluster at SCHEDULER=tcp://host:8786
 	@test -n "$(SCHEDULER)" || { echo "usage: make dask-worker SCHEDULER=tcp://<scheduler-host>:8786 [WORKERS=8]"; exit 2; }
+	@$(BIN)/python -m autograder.grading.dask_cluster "$(SCHEDULER)"
 	PYTHONPATH=$(CURDIR) $(BIN)/dask worker "$(SCHEDULER)" --nworkers $(WORKERS) --nthreads 1 --memory-limit 0
 
 feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/*.html

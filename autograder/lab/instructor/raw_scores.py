@@ -36,7 +36,9 @@ SCORE_PAGES = [
     (re.compile(r"manage_students/([^/]+)(?:/([^/]+))?/?"), ("student", "assignment")),
     (re.compile(r"submissions/([^/]+)/?"), ("submission",)),
 ]
-BODY = re.compile(rb"<body[^>]*>", re.IGNORECASE)
+# where the note goes: inside the hand-grading page's first container (its fixed navigation bar
+# would cover the top of the page), else at the top of the page
+PLACES = [re.compile(rb'<div class="container">'), re.compile(rb"<body[^>]*>", re.IGNORECASE)]
 
 
 def page_subject(path: str, prefix: str) -> dict[str, str] | None:
@@ -91,7 +93,7 @@ def note(settings: CourseSettings, late: list[tuple[str, str, scores.Score]], wh
 
 
 class RawScoreNote(OutputTransform):
-    """Adds :func:`note` after ``<body>`` of each Formgrader page that shows scores."""
+    """Adds :func:`note` at the top of each Formgrader page that shows scores."""
 
     prefix = "/formgrader/"   # under the server's base_url, set when the extension loads
     settings: dict = {}       # the web application's (Formgrader's course directory)
@@ -104,8 +106,8 @@ class RawScoreNote(OutputTransform):
         if self.subject is None or status_code != 200 or not finishing \
                 or not headers.get("Content-Type", "").startswith("text/html"):
             return status_code, headers, chunk
-        body = BODY.search(chunk)
-        if body is None:
+        place = next((found for found in (pattern.search(chunk) for pattern in PLACES) if found), None)
+        if place is None:
             return status_code, headers, chunk
         try:
             added = self.note().encode()
@@ -113,7 +115,7 @@ class RawScoreNote(OutputTransform):
             added = (f"<div class='alert alert-warning' id='attention-lab-raw-scores'>Scores on this page are raw "
                      f"(before the late penalty); the late submissions could not be listed: "
                      f"{html.escape(type(error).__name__)}</div>").encode()
-        chunk = chunk[:body.end()] + added + chunk[body.end():]
+        chunk = chunk[:place.end()] + added + chunk[place.end():]
         if "Content-Length" in headers:
             headers["Content-Length"] = str(len(chunk))
         return status_code, headers, chunk
