@@ -188,7 +188,7 @@ def shell(command: str, environment: dict) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_path):
+def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_path, monkeypatch):
     """... and no password is ever printed or typed: `make postgres-server` keeps it in PostgreSQL's
     own password file (~/.pgpass) and prints the address other machines use; after the move every
     command on the course uses the server without DB_URL (issue #56)."""
@@ -243,6 +243,7 @@ def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_pa
         (line,) = [entry for entry in pgpass.read_text().splitlines() if entry.startswith(f"*:{port}:*:grader:")]
         password = line.rsplit(":", 1)[1]
         assert len(password) >= 32 and password not in started.stdout + started.stderr and password not in url
+        monkeypatch.setenv("PGPASSFILE", str(pgpass))   # this test's own reads of the server, as the instructor's machine
         again = run_readme_command(SERVER_COMMAND, env=environment, replace={"PGPORT=5432": f"PGPORT={port}"})
         assert again.returncode == 0 and pgpass.read_text().count(f"*:{port}:*:grader:{password}") == 1, again.stdout
         server = {README_URL: url}
