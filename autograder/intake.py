@@ -605,8 +605,8 @@ class Intake:
         together = copied_together([c.file.time for c in chosen])
         now = datetime.datetime.now(UTC)
         for candidate in chosen:
-            canvas = bool(candidate.lms and candidate.lms["kind"] == "Canvas")
-            why_not = not_a_submission_time(candidate.file.time, export.time, canvas, now, together)
+            lms = candidate.lms["kind"] if candidate.lms else None
+            why_not = not_a_submission_time(candidate.file.time, export.time, lms, now, together)
             candidate.entry.time_not_submission = why_not
             try:
                 self.file(candidate, why_not, due.get(candidate.assignment), by_hand)
@@ -621,8 +621,8 @@ class Intake:
         folder = self.root / "submitted" / student / assignment
         target = folder / f"{assignment}.ipynb"
         text = json.dumps(candidate.notebook, indent=1, ensure_ascii=False) + "\n"
-        canvas_late = candidate.lms["late"] if candidate.lms and candidate.lms["kind"] == "Canvas" else None
-        when, said = submission_time(candidate.file.time, why_not, canvas_late, due)
+        lms = candidate.lms or {}
+        when, said = submission_time(candidate.file.time, why_not, due, lms.get("kind"), lms.get("late", False))
         entry.file_time = stamp_text(candidate.file.time)
         if said:
             entry.reasons.append(said)

@@ -2,13 +2,14 @@
 what is filed.
 
 **Submission time.**  A file's time is its submission time only when nothing says otherwise
-(:func:`not_a_submission_time`, :func:`copied_together`): Canvas's download stamps every file
-with the time it built the zip; a copy that did not keep the times (``cp`` without ``-p``)
-stamps them with its own, all within a few seconds and as new as the export; and no
-submission comes from the future.  Such a time still comes *after* the submission, which
-bounds it: before the due date, the submission was on time; after it, Canvas's ``_LATE_``
-mark decides, and a file with no mark is refused (its lateness cannot be told) --
-:func:`submission_time`, never months of lateness made up from a copy's time.  The intake
+(:func:`not_a_submission_time`, :func:`copied_together`): Canvas's and Moodle's downloads
+stamp every file with the time they built the zip; a copy that did not keep the times (``cp``
+without ``-p``) stamps them with its own, all within a few seconds and as new as the export;
+and no submission comes from the future.  Such a time still comes *after* the submission,
+which bounds it: before the due date, the submission was on time; after it, Canvas's
+``_LATE_`` mark decides, Moodle's download counts as on time (it tells nothing; the report says
+so), and any other file is refused (its lateness cannot be told) -- :func:`submission_time`,
+never months of lateness made up from a copy's time.  The intake
 report says which times were not submission times and why, every file after its due date, a
 time in the future, and the count of late submissions under the course settings
 (:func:`export_notices`: extensions and grace period included).
@@ -56,20 +57,22 @@ COPY_SECONDS = 120                             # a copy (or an LMS building its 
 FUTURE_SLACK = datetime.timedelta(minutes=5)   # two machines' clocks may differ by this much
 
 
-def not_a_submission_time(moment: datetime.datetime, export_time: datetime.datetime | None, canvas: bool,
+def not_a_submission_time(moment: datetime.datetime, export_time: datetime.datetime | None, lms: str | None,
                           now: datetime.datetime, together: str | None = None) -> str | None:
-    """Why one file's time cannot be its submission time, or None (then it is); ``together``:
-    why the whole export's times are a copy's (:func:`copied_together`).
+    """Why one file's time cannot be its submission time, or None (then it is); ``lms``: the LMS
+    whose download named the file (``Canvas``, ``Moodle``), if any; ``together``: why the whole
+    export's times are a copy's (:func:`copied_together`).
 
-    * A file named by Canvas's bulk download: Canvas stamps every file of its zip with the time
-      it built the zip (its zipper gives no entry a time of its own), and exports no submission
-      time at all; only its ``_LATE_`` mark says whether a submission was late.
+    * A file of Canvas's or Moodle's bulk download: each stamps every file of its zip with the
+      time it built the zip (Canvas's zipper and Moodle's zip writer give no entry a time of its
+      own) and exports no submission time at all; Canvas's ``_LATE_`` mark says whether a
+      submission was late, Moodle says nothing.
     * A time after the intake: no submission comes from the future (a wrong clock).
     * A file as new as the export itself (the folder it was copied into, the zip it came in):
       it was written when the export was made -- a copy without its times (``cp`` without
       ``-p``, an upload tool) -- not submitted then."""
-    if canvas:
-        return "Canvas's download stamps each file with the time it built the zip, not the submission time"
+    if lms:
+        return f"{lms}'s download stamps each file with the time it built the zip, not the submission time"
     if together:
         return together
     if moment > now + FUTURE_SLACK:
@@ -89,17 +92,19 @@ def copied_together(times: list[datetime.datetime]) -> str | None:
     return None
 
 
-def submission_time(moment: datetime.datetime, why_not: str | None, canvas_late: bool | None,
-                    due: datetime.datetime | None) -> tuple[datetime.datetime | None, str | None]:
+def submission_time(moment: datetime.datetime, why_not: str | None, due: datetime.datetime | None,
+                    lms: str | None = None, late_mark: bool = False) -> tuple[datetime.datetime | None, str | None]:
     """The submission time of a file and what the report says of it; ``(None, why)``: it cannot
     be told (the file is refused, with why).
 
     ``moment``: the file's time; ``why_not``: why that is not its submission time (None: it is);
-    ``canvas_late``: Canvas's ``_LATE_`` mark (None: not a Canvas file).
+    ``lms``: the LMS whose download named the file; ``late_mark``: Canvas's ``_LATE_``.
 
-    * Canvas's mark decides (its file times are never submission times): marked late, 1 s late --
-      the least the mark allows, never months made up from a copy's time (a grace period excuses
-      it: the report names it); not marked, on time (at the due date at the latest).
+    * Canvas's mark decides: marked late, 1 s late -- the least the mark allows, never months made
+      up from the download's or a copy's time (a grace period excuses it: the report names it); not
+      marked, on time (at the due date at the latest).
+    * Moodle's download holds no time and no mark: on time (at the due date at the latest), and
+      the report says that lateness is not known.
     * Any other file whose time is not its submission time (a copy's): that time still comes
       *after* the submission. At or before the due date, the submission was on time. After it,
       lateness cannot be told, and the file is refused rather than filed late.
@@ -110,13 +115,15 @@ def submission_time(moment: datetime.datetime, why_not: str | None, canvas_late:
             f"its time ({stamp_text(moment)}) is not its submission time ({why_not}) and the assignment has no due "
             "date yet: set the due dates (make deadlines) before taking such an export in, or its lateness will "
             "be wrong")
-    if canvas_late:
+    if lms == "Canvas" and late_mark:
         return due + datetime.timedelta(seconds=1), (
             "Canvas marks it late and its download holds no submission time: taken as 1 s late, the least the mark "
             "allows (a grace period excuses it: look its time up in SpeedGrader)")
-    if canvas_late is False and moment > due:
-        return due, ("Canvas does not mark it late (its file time is Canvas's, not the submission's): taken as "
-                     "submitted at the due date")
+    if lms and moment > due:
+        return due, (f"{'Canvas does not mark it late' if lms == 'Canvas' else 'Moodle marks no lateness'} and its "
+                     "download holds no submission time: taken as submitted at the due date"
+                     + ("" if lms == "Canvas" else " (lateness is not known: Moodle's grading worksheet lists "
+                                                   "each submission's time)"))
     if why_not is None or moment <= due:
         return moment, None
     return None, (f"its time ({stamp_text(moment)}) is not its submission time ({why_not}) and is after the due "

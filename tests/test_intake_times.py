@@ -145,6 +145,22 @@ def test_copied_times_after_the_deadline_are_refused_unless_an_lms_mark_decides(
     assert "not a submission time: its time is in the future" in (root / "reports" / "intake_report.md").read_text()
 
 
+def test_a_moodle_download_is_on_time_and_says_that_lateness_is_not_known(tmp_path):
+    """Moodle's zip writer stamps every file with the time it built the zip, and Moodle marks no
+    lateness: filed at the due date, saying so -- not a day late for the day the download waited."""
+    root = course(tmp_path)
+    archive = tmp_path / "moodle.zip"
+    built = (DUE + datetime.timedelta(days=1)).timetuple()[:6]
+    with zipfile.ZipFile(archive, "w") as handle:
+        handle.writestr(zipfile.ZipInfo("Ann Lee_11_assignsubmission_file_/01_mha_shapes.ipynb", date_time=built),
+                        nbformat.writes(notebook()))
+    assert intake_command(archive, root).returncode == 0
+    assert stamp(root, "ann") == "2026-03-01 17:00:00.000000 UTC"
+    report = (root / "reports" / "intake_report.md").read_text()
+    assert "Moodle marks no lateness and its download holds no submission time" in report, report
+    assert "0 late submissions" in report
+
+
 def test_zip_entry_times_are_read_as_the_zip_wrote_them(tmp_path):
     """A zip's DOS times have no zone: read in the course's time zone; an extended (UTC) timestamp,
     where the zip has one, is exact."""
