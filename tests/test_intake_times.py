@@ -135,6 +135,10 @@ def test_copied_times_after_the_deadline_are_refused_unless_an_lms_mark_decides(
     report = (root / "reports" / "intake_report.md").read_text()
     assert "3 file times are not a submission time: all 3 files were written within" in report, report
     assert "is after the due date: whether it was late cannot be told" in report and "cp -p" in report
+    # one file copied alone: as new as the folder it was copied into
+    alone = export(tmp_path / "alone", {"ann/01_mha_shapes.ipynb": (notebook("ann"), datetime.datetime.now(UTC))})
+    assert intake_command(alone, root).returncode != 0
+    assert "its time is that of the export itself" in (root / "reports" / "intake_report.md").read_text()
     # the same copy, made before a due date still to come: on time
     roster.set_deadlines({ASSIGNMENT: datetime.datetime.now() + datetime.timedelta(days=7)}, root)
     assert intake_command(copied, root).returncode == 0
