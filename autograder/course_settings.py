@@ -14,8 +14,10 @@ assignment), the course's time zone (an IANA name, ``Europe/Berlin``: a due date
 extension written without an offset is in it, and so is a time in a zip without a zone) and the
 grading limits (seconds per cell, the kernel start-up budget, memory and file size per kernel).  ``make grade`` (any ``STUDENT=``/``ASSIGNMENT=``), Formgrader's
 *Autograde* button and ``python -m autograder.grade`` all read it, and the grading report
-shows it: a setting set once stays set for the term.  A change of the late penalty, the grace
-period, an extension or a due date re-scores the stored results; it re-executes nothing.
+shows it: a setting set once stays set for the term.  The late penalty, the grace period and the
+extensions are rules applied whenever a score is read (:mod:`autograder.scores`): a change counts
+at once in every export, feedback page and report, and the next ``make grade`` re-scores
+nbgrader's own record of the penalty; nothing is executed again.
 """
 
 from __future__ import annotations
