@@ -205,8 +205,8 @@ def _late(score: scores.Score, penalty: float) -> str:
     """The page's sentence on lateness (``penalty``: this notebook's share), from the course's rule now."""
     if not score.late:
         return ""
-    return f"Submitted {scores.lateness(score.seconds_late)} after the due date" + (
-        f": late penalty {penalty:g} points." if penalty else ".")
+    how_late = f"{scores.lateness(score.seconds_late)} " if score.seconds_late >= 60 else ""   # (a mark, no time)
+    return f"Submitted {how_late}after the due date" + (f": late penalty {penalty:g} points." if penalty else ".")
 
 
 def failure_in_plain_words(error: str) -> str:

@@ -81,6 +81,9 @@ def question_scores(notebook, student: str, settings: CourseSettings, late: floa
 
 
 def lateness(seconds: float) -> str:
-    """``2.0 hours`` / ``10 minutes``: how late, in words."""
+    """``2.0 hours`` / ``10 minutes`` / ``under a minute``: how late, in words (Canvas's late mark,
+    without a time, is filed as 1 s late: autograder.intake_checks)."""
     hours = seconds / 3600
-    return f"{hours:.1f} hours" if hours >= 1 else f"{seconds / 60:.0f} minutes"
+    if hours >= 1:
+        return f"{hours:.1f} hours"
+    return f"{seconds / 60:.0f} minutes" if seconds >= 60 else "under a minute"
