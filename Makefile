@@ -152,8 +152,8 @@ test-fast: setup ## the suite without the slow notebook/nbgrader tests
 example-class: setup ## a dry run: write example-class/ (a roster, deadlines and a Canvas export of four students; see the README)
 	$(BIN)/python -m autograder.example_class
 
-intake: setup ## file SUBMISSIONS=<folder> (an LMS export, or <student>/<file>) under the course root's submitted/, with a report (ADD_UNKNOWN=1: accept students not on the roster)
-	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder>"; exit 2; }
+intake: setup ## file SUBMISSIONS=<zip or folder> (an LMS's download as it comes, or <student>/<file>) under the course root's submitted/, with a report (ADD_UNKNOWN=1: accept students not on the roster)
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder or .zip>"; exit 2; }
 	$(BIN)/python -m autograder.intake "$(SUBMISSIONS)" $(if $(ADD_UNKNOWN),--add-unknown)
 
 roster: setup ## import ROSTER=<csv> (id,first_name,last_name,email,lms_user_id): intake checks names against it
@@ -204,7 +204,7 @@ feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/
 export: setup ## write grades.csv and grades_by_question.csv in autograder/course_root/
 	$(BIN)/python -m autograder.export
 
-lms-export: setup ## grades for your LMS's import (Canvas, Moodle: a row per student, a column per assigned notebook) and Moodle feedback zips, in the course root's lms/
+lms-export: setup ## grades for your LMS's import (Canvas, Moodle: a row per student, a column per assigned notebook) and the feedback zips (Canvas's Re-upload submissions, Moodle's), in the course root's lms/
 	$(BIN)/python -m autograder.lms_export
 
 report: setup ## the class report per assignment: autograder/course_root/reports/class/<assignment>/index.html
@@ -227,7 +227,7 @@ GPU_PYTHON ?=
 gpu-check: $(if $(GPU_PYTHON),,setup) ## on a CUDA GPU: run every solution notebook, the check tests and the Triton kernel natively; report (GPU_PYTHON=<a Python with CUDA torch>: no setup)
 	$(if $(GPU_PYTHON),PYTHONPATH=$(CURDIR)/course$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON),$(BIN)/python) -m benchmarks.gpu_check
 
-clean: setup ## remove what make grade/feedback/export/report rebuild (keeps the gradebook, roster, submissions, archive, reports)
+clean: setup ## remove what make grade/feedback/export/report rebuild (keeps the gradebook, roster, submissions, archive, reports, and what a running Formgrader needs)
 	$(BIN)/python -m autograder.housekeeping clean
 
 erase-course-root: setup ## delete the whole course root (gradebook, roster, submissions, archive): asks you to type "erase"
