@@ -82,7 +82,9 @@ INSTRUCTOR_KERNELS ?=
 formgrader: setup ## JupyterLab with nbgrader's Formgrader on the course root, for you and your TAs (FORMGRADER_ARGS=<JupyterLab options>, DB_URL=, INSTRUCTOR_KERNELS=on)
 	mkdir -p $(FORMGRADER_ROOT)
 	$(BIN)/python -m autograder.store.gradebook --root "$(FORMGRADER_ROOT)" check
-	cd $(FORMGRADER_ROOT) && PATH=$(CURDIR)/$(BIN):$$PATH ATTENTION_LAB_INSTRUCTOR_KERNELS=$(INSTRUCTOR_KERNELS) \
+	@# a gradebook on a server: the one the course root remembers (its password from ~/.pgpass) or DB_URL's
+	gradebook=$$($(BIN)/python -m autograder.store.gradebook --root "$(FORMGRADER_ROOT)" url) && cd $(FORMGRADER_ROOT) && \
+	  ATTENTION_LAB_DB_URL="$$gradebook" PATH=$(CURDIR)/$(BIN):$$PATH ATTENTION_LAB_INSTRUCTOR_KERNELS=$(INSTRUCTOR_KERNELS) \
 	  JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/lab/instructor:$(CURDIR)/autograder \
 	  $(CURDIR)/$(BIN)/jupyter lab $(ROOT_FLAG) $(FORMGRADER_ARGS)
 
@@ -130,8 +132,9 @@ postgres: ## install Debian's PostgreSQL server (the shared-gradebook tests star
 # The shared gradebook's server (docs/instructors/6-grading-at-scale.md): data in PGDATA, on PGPORT.
 PGDATA ?= $(HOME)/attention-lab-postgres
 PGPORT ?= 5432
-postgres-server: setup ## start (created on first use) a PostgreSQL server for the gradebook: PGDATA= PGPORT= DB_PASSWORD=; prints DB_URL
-	$(BIN)/python -m autograder.store.postgres start --data "$(PGDATA)" --port "$(PGPORT)" --password "$(DB_PASSWORD)"
+postgres-server: setup ## start (created on first use) a PostgreSQL server for the gradebook: PGDATA= PGPORT=; prints DB_URL (the password goes to ~/.pgpass, never on screen)
+	@# (DB_PASSWORD=, when given, reaches it through the environment, never on a command line `ps` shows)
+	$(BIN)/python -m autograder.store.postgres start --data "$(PGDATA)" --port "$(PGPORT)"
 
 postgres-stop: setup ## stop the server of PGDATA=
 	$(BIN)/python -m autograder.store.postgres stop --data "$(PGDATA)"
@@ -149,8 +152,8 @@ test-fast: setup ## the suite without the slow notebook/nbgrader tests
 example-class: setup ## a dry run: write example-class/ (a roster, deadlines and a Canvas export of four students; see docs/instructors/2-dry-run.md)
 	$(BIN)/python -m autograder.term.example_class
 
-intake: setup ## file SUBMISSIONS=<folder> (an LMS export, or <student>/<file>) under the course root's submitted/, with a report (ADD_UNKNOWN=1: accept students not on the roster)
-	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder>"; exit 2; }
+intake: setup ## file SUBMISSIONS=<zip or folder> (an LMS's download as it comes, or <student>/<file>) under the course root's submitted/, with a report (ADD_UNKNOWN=1: accept students not on the roster)
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make intake SUBMISSIONS=<folder or .zip>"; exit 2; }
 	$(BIN)/python -m autograder.term.intake "$(SUBMISSIONS)" $(if $(ADD_UNKNOWN),--add-unknown)
 
 roster: setup ## import ROSTER=<csv> (id,first_name,last_name,email,lms_user_id): intake checks names against it
@@ -166,9 +169,9 @@ withdraw: setup ## take out one wrongly filed submission: STUDENT=<id> ASSIGNMEN
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m autograder.term.roster withdraw --student "$(STUDENT)" --assignment "$(ASSIGNMENT)"
 
 # Each variable given is set; none given shows the settings.
-SETTING_VARIABLES := LATE_PENALTY GRACE_MINUTES TIMEOUT STARTUP_TIMEOUT MEMORY_MB FILE_MB
+SETTING_VARIABLES := LATE_PENALTY GRACE_MINUTES TIMEOUT STARTUP_TIMEOUT MEMORY_MB FILE_MB TIME_ZONE
 SETTING_VALUES = $(foreach v,$(SETTING_VARIABLES),$(if $($(v)),"$(shell echo $(v) | tr A-Z a-z)=$($(v))"))
-settings: setup ## show the course settings, or set them: LATE_PENALTY=none|zero GRACE_MINUTES= TIMEOUT= STARTUP_TIMEOUT= MEMORY_MB= FILE_MB=
+settings: setup ## show the course settings, or set them: LATE_PENALTY=none|zero GRACE_MINUTES= TIME_ZONE= TIMEOUT= STARTUP_TIMEOUT= MEMORY_MB= FILE_MB=
 	$(BIN)/python -m autograder.term.course_settings $(if $(strip $(SETTING_VALUES)),set $(SETTING_VALUES))
 
 extension: setup ## a due date of its own for one student: STUDENT=<id> ASSIGNMENT=<name> UNTIL=<ISO date> (REMOVE=1 takes it back)
@@ -192,6 +195,7 @@ dask-scheduler: setup ## a Dask scheduler for SCHEDULER= on port DASK_PORT (8786
 
 dask-worker: setup ## WORKERS grading workers (default: one per core) for the cluster at SCHEDULER=tcp://host:8786
 	@test -n "$(SCHEDULER)" || { echo "usage: make dask-worker SCHEDULER=tcp://<scheduler-host>:8786 [WORKERS=8]"; exit 2; }
+	@$(BIN)/python -m autograder.grading.dask_cluster "$(SCHEDULER)"
 	PYTHONPATH=$(CURDIR) $(BIN)/dask worker "$(SCHEDULER)" --nworkers $(WORKERS) --nthreads 1 --memory-limit 0
 
 feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/*.html
@@ -200,7 +204,7 @@ feedback: setup ## write autograder/course_root/feedback/<student>/<assignment>/
 export: setup ## write grades.csv and grades_by_question.csv in autograder/course_root/
 	$(BIN)/python -m autograder.reports.export
 
-lms-export: setup ## grades for your LMS's import (Canvas, Moodle: a row per student, a column per assigned notebook) and Moodle feedback zips, in the course root's lms/
+lms-export: setup ## grades for your LMS's import (Canvas, Moodle: a row per student, a column per assigned notebook) and the feedback zips (Canvas's Re-upload submissions, Moodle's), in the course root's lms/
 	$(BIN)/python -m autograder.reports.lms_export
 
 report: setup ## the class report per assignment: autograder/course_root/reports/class/<assignment>/index.html
@@ -223,7 +227,7 @@ GPU_PYTHON ?=
 gpu-check: $(if $(GPU_PYTHON),,setup) ## on a CUDA GPU: run every solution notebook, the check tests and the Triton kernel natively; report (GPU_PYTHON=<a Python with CUDA torch>: no setup)
 	$(if $(GPU_PYTHON),PYTHONPATH=$(CURDIR)/course$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON),$(BIN)/python) -m benchmarks.gpu_check
 
-clean: setup ## remove what make grade/feedback/export/report rebuild (keeps the gradebook, roster, submissions, archive, reports)
+clean: setup ## remove what make grade/feedback/export/report rebuild (keeps the gradebook, roster, submissions, archive, reports, and what a running Formgrader needs)
 	$(BIN)/python -m autograder.term.housekeeping clean
 
 erase-course-root: setup ## delete the whole course root (gradebook, roster, submissions, archive): asks you to type "erase"

@@ -26,6 +26,12 @@ COURSE_ID = "attention-lab"
 # pays for importing torch; the grader gives it the kernel start-up budget, not a cell's.
 SETUP_CELL_ID = "setup"
 
+# What intake writes beside each notebook it files (submitted/<student>/<assignment>/): nbgrader's
+# submission time, and the file as the student handed it in with where it came from
+# (autograder.term.intake), kept there, neither graded nor carried to a worker.
+TIMESTAMP_FILE = "timestamp.txt"
+RECEIVED_FOLDER = ".received"
+
 # The largest file `make intake` takes in as a submission: the released notebooks are under
 # 100 kB; a few plots in the outputs stay far below. A bigger file is refused, saying so.
 MAX_NOTEBOOK_BYTES = 20_000_000

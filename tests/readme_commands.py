@@ -55,8 +55,8 @@ PLACEHOLDERS = {
     "scheduler-host:8786": "the scheduler machine's address: the test's scheduler, on this machine and a free port",
     "DASK_PORT=8786": "the scheduler's port: a free one (8786 may be taken, by another checkout's tests too)",
     "PGPORT=5432": "the database server's port: a free one (5432 is the machine's own PostgreSQL's)",
-    "postgresql://grader:<password>@db-host:5432/attention_lab":
-        "the URL `make postgres-server` prints: its generated password, its host and port",
+    "postgresql://grader@db-host:5432/attention_lab":
+        "the URL `make postgres-server` prints: its host and port (its password is in ~/.pgpass)",
     "--port=8890": "Formgrader's port: a free one",
     "<a long random token>": "the token the test's requests carry",
     "../attention-lab-students": "a folder beside the clone, shared by every checkout on the machine: a scratch one",

@@ -103,3 +103,29 @@ def test_every_grading_path_applies_the_course_settings_and_a_change_rescores_wi
     # every run's report is kept, and listed
     history = (root / "reports" / "grading_history.md").read_text().splitlines()
     assert len(list((root / "reports" / "grading").glob("*.md"))) == 3 and len(history) == 2 + 3, history
+
+
+def test_a_date_without_an_offset_is_in_the_course_time_zone_and_says_so(tmp_path):
+    """Issue #56: a due date without an offset was silently UTC. It is in the course's time zone
+    (`make settings TIME_ZONE=`), and `make deadlines` and `make extension` print both times."""
+    root = tmp_path / "course_root"
+    environment = dict(os.environ, **{COURSE_ROOT_VARIABLE: str(root)})
+    wrong = make(root, "settings", "TIME_ZONE=Mars/Olympus_Mons")
+    assert wrong.returncode != 0 and "time_zone must be a time zone's name" in wrong.stderr, wrong.stderr
+    zoned = run_readme_command("make settings TIME_ZONE=Europe/Berlin", env=environment)
+    assert zoned.returncode == 0 and "time_zone: UTC -> Europe/Berlin" in zoned.stdout, zoned.stdout + zoned.stderr
+    assert "time zone: Europe/Berlin" in make(root, "settings").stdout
+    deadlines = tmp_path / "deadlines.csv"
+    deadlines.write_text("assignment,duedate\n01_mha_shapes,2026-03-01T17:00\n02_numpy_walkthrough,2026-07-01\n")
+    done = run_readme_command("make deadlines", env=dict(environment, DEADLINES=str(deadlines)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "01_mha_shapes: due 2026-03-01 16:00:00 UTC (2026-03-01 17:00 Europe/Berlin)" in done.stdout, done.stdout
+    assert "02_numpy_walkthrough: due 2026-07-01 21:59:59 UTC (2026-07-01 23:59 Europe/Berlin)" in done.stdout
+    assert "written without an offset are in the course's time zone, Europe/Berlin" in done.stdout
+    with gradebook.open_gradebook(root) as gb:
+        assert gb.find_assignment("01_mha_shapes").duedate == datetime.datetime(2026, 3, 1, 16, 0)
+    extended = make(root, "extension", "STUDENT=alice", "ASSIGNMENT=01_mha_shapes", "UNTIL=2026-03-08T17:00")
+    assert "due 2026-03-08 16:00:00 UTC (2026-03-08 17:00 Europe/Berlin)" in extended.stdout, extended.stdout
+    assert "read in the course's time zone, Europe/Berlin" in extended.stdout
+    offset = make(root, "extension", "STUDENT=bob", "ASSIGNMENT=01_mha_shapes", "UNTIL=2026-03-08T17:00+00:00")
+    assert "2026-03-08 17:00:00 UTC" in offset.stdout and "without an offset" not in offset.stdout, offset.stdout

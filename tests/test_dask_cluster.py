@@ -259,6 +259,12 @@ def test_the_readmes_cluster_commands_grade_a_class_and_a_scheduler_without_the_
     # `make dask-worker` alone says what it needs
     usage = run_readme_command("make dask-worker", env=environment)
     assert usage.returncode != 0 and "usage: make dask-worker SCHEDULER=tcp://" in usage.stdout, usage.stdout
+    # typed literally, the README's placeholder host: "not found", not Dask's "Nanny failed to start"
+    for literal in (WORKER_COMMAND, GRADE_COMMAND):
+        unknown = run_readme_command(literal, env=environment, timeout=300)
+        assert unknown.returncode != 0 and "the host 'scheduler-host' was not found" in unknown.stderr, \
+            literal + unknown.stdout + unknown.stderr
+        assert "Nanny failed" not in unknown.stdout + unknown.stderr
     with started(SCHEDULER_COMMAND, tmp_path / "scheduler.log", environment, port), \
             started(WORKER_COMMAND, tmp_path / "worker.log", environment, port):
         with Client(f"tcp://127.0.0.1:{port}", timeout="120s") as client:

@@ -16,9 +16,9 @@ import pytest
 
 from autograder.reports import export, feedback
 from autograder.store import gradebook
+from autograder.term.course_settings import CourseSettings
 from autograder.store.nbgrader_cli import run_nbgrader
-from autograder.places import REPO_ROOT
-from autograder.publishing.release import build_source, course_repository, write_notebook
+from autograder.publishing.release import REPO_ROOT, build_source, course_repository, write_notebook
 
 ASSIGNMENT = "01_mha_shapes"
 COMMENT = "Say why .view fails after a transpose: the memory is no longer contiguous."
@@ -67,8 +67,9 @@ def course(tmp_path_factory):
         gb.find_comment("split_heads_einops", ASSIGNMENT, ASSIGNMENT, "bob").manual_comment = CODE_COMMENT
         bob = gb.find_submission(ASSIGNMENT, "bob")
         bob.timestamp = datetime.datetime(2026, 3, 1, 14, 0)
-        bob.notebooks[0].late_submission_penalty = 1.0
+        bob.notebooks[0].late_submission_penalty = 1.0   # what an earlier `make grade` stored: the rule decides
         gb.db.commit()
+    CourseSettings(late_penalty="zero").save(root)        # make settings LATE_PENALTY=zero
     (root / "autograded" / "bob" / ASSIGNMENT / ".grading.json").write_text(json.dumps({"incidents": [
         {"kind": "timeout", "notebook": ASSIGNMENT, "cell": 12, "grade_id": "merge_heads", "attempt": 1}]}))
     feedback.write_feedback(root)
@@ -98,11 +99,18 @@ def test_a_hand_graded_zero_and_the_graders_comments_reach_the_student(course):
     assert COMMENT.replace("'", "&#x27;") in page and CODE_COMMENT in page and "split_heads_einops" in page
 
 
+def bob_raw_score(root) -> float:
+    with gradebook.open_gradebook(root) as gb:
+        return float(gb.find_submission(ASSIGNMENT, "bob").score)
+
+
 def test_a_time_limit_and_a_late_penalty_are_said_in_plain_words(course):
     page = page_of(course, "bob")
     assert "merge_heads ran past the time limit and was interrupted" in page
     assert "Stopped: the test ran past the time limit" in page
-    assert "Submitted 2.0 hours after the due date: late penalty 1 points." in page
+    raw = bob_raw_score(course)
+    assert f"Submitted 2.0 hours after the due date: late penalty {raw:g} points." in page
+    assert f"<b>0 / 22</b> ({raw:g} minus a late penalty of {raw:g})" in page
     ann = page_of(course, "ann")
     assert "incomplete: 1 answer still waiting for grading by hand" in ann and "after the due date" not in ann
 
@@ -113,7 +121,9 @@ def test_grades_csv_tells_not_submitted_from_zero_and_marks_incomplete_totals(co
         table = {row["student_id"]: row for row in csv.DictReader(handle)}
     assert (table["cy"]["status"], table["cy"]["score"], table["cy"]["manual_grading_pending"]) == ("not submitted", "", "")
     assert (table["ann"]["status"], table["bob"]["status"]) == ("incomplete", "complete")
-    assert table["bob"]["lms_user_id"] == "lms-bob" and float(table["bob"]["late_submission_penalty"]) == 1.0
+    assert table["bob"]["lms_user_id"] == "lms-bob"
+    assert float(table["bob"]["late_submission_penalty"]) == float(table["bob"]["raw_score"]) == bob_raw_score(course)
+    assert float(table["bob"]["score"]) == 0.0      # late under LATE_PENALTY=zero, hand grades included
 
 
 def test_a_submission_that_could_not_be_graded_gets_a_page_saying_so(tmp_path):

@@ -8,13 +8,18 @@
 * the roster's names reach Formgrader's student list;
 * and in the browser: clicking *Generate* says to use `make release`, in a whole sentence in view
   (no "Traceback" box), the roster's names are shown, clicking *Generate Feedback* for a
-  submission runs the pipeline's feedback.
+  submission runs the pipeline's feedback;
+* a hand grade typed on a late submission keeps its late penalty in every export, and
+  Formgrader's pages say their scores are raw (issue #56); `make clean` while Formgrader runs
+  leaves it working.
 """
 
 from __future__ import annotations
 
+import csv
 import datetime
 import json
+import os
 import urllib.request
 from pathlib import Path
 
@@ -27,7 +32,9 @@ from autograder.term import roster
 from autograder.term.course_settings import CourseSettings
 from autograder.lab.instructor.pipeline_buttons import REFUSALS
 from autograder.publishing.release import mark_hidden_tests
-from tests.lab_servers import running_lab
+from autograder.places import COURSE_ROOT_VARIABLE
+from tests.lab_servers import running_lab, set_formgrader_score
+from tests.readme_commands import run_readme_command
 from tests.test_browser import TINY, pipeline, tiny_source, tiny_submission
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("formgrader_buttons")]
@@ -194,4 +201,73 @@ def test_formgraders_buttons_in_the_browser(formgrader, graded, browser, screens
     assert "python -m autograder.reports.feedback" in dialog.inner_text()
     screenshots.take(page, "generate-feedback-through-the-pipeline")
     assert (graded / "feedback" / "bob" / TINY / f"{TINY}.html").stat().st_mtime_ns != before
+    page.close()
+
+
+def test_a_hand_grade_on_a_late_submission_keeps_its_late_penalty_and_formgrader_says_scores_are_raw(
+        formgrader, graded, browser, screenshots):
+    """Issue #56, "Wrong 1", on SQLite (tests/test_browser_gradebook.py: on PostgreSQL): ada's
+    notebook is late under ``LATE_PENALTY=zero`` (test_autograde_... above graded it so); a TA gives
+    her written answer full marks in Formgrader, and no `make grade` follows. `make export`, `make
+    feedback`, `make lms-export` and `make report`, as written, still give her 0 (raw 3, the late
+    penalty 3), and Formgrader's pages say that their scores are raw and list her as late."""
+    from autograder.term import scores
+
+    CourseSettings(late_penalty="zero").save(graded)    # (where this test runs alone)
+    roster.set_deadlines({TINY: datetime.datetime(2026, 1, 10, 12, 0)}, graded)
+    with gradebook.open_gradebook(graded) as gb:
+        late = scores.submission_score(gb.find_submission(TINY, "ada"), CourseSettings.load(graded)).late
+    if not late:
+        (graded / "submitted" / "ada" / TINY / "timestamp.txt").write_text("2026-01-11 12:00:00.000000 UTC")
+        assert call(formgrader, "POST", f"formgrader/api/submission/{TINY}/ada/autograde")["success"]
+    page = browser.new_page()
+    page.goto(formgrader.url("formgrader"))  # logs in (the token becomes a cookie for Formgrader's API calls)
+    page.locator("table").get_by_text(TINY, exact=True).wait_for()
+    page.goto(formgrader.url(f"formgrader/gradebook/{TINY}/{TINY}"))
+    page.locator("table tbody tr").filter(has_text="ada").wait_for()
+    note = page.locator("#attention-lab-raw-scores")
+    assert "Raw scores." in note.inner_text() and "late penalty zero" in note.inner_text(), note.inner_text()
+    assert "ada, 00_tiny: 24.0 hours late; raw 1 / 3, late penalty 1, score 0" in note.inner_text(), note.inner_text()
+    screenshots.take(page, "raw-scores-noted")
+    page.locator("table tbody tr").filter(has_text="ada").locator("td.name a:visible").click()
+    page.get_by_text("Because 2x = x + x.").first.wait_for()
+    assert "ada, 00_tiny" in page.locator("#attention-lab-raw-scores").inner_text()   # on the grading page too
+    set_formgrader_score(page, "why_double", "2")
+    screenshots.take(page, "late-submission-hand-graded")
+    page.goto(formgrader.url("formgrader/manage_students/ada"))
+    assert "raw 3 / 3, late penalty 3, score 0" in page.locator("#attention-lab-raw-scores").inner_text()
+    page.close()
+
+    environment = dict(os.environ, **{COURSE_ROOT_VARIABLE: str(graded)})
+    for command in ("make export", "make feedback", "make lms-export", "make report"):
+        done = run_readme_command(command, env=environment, timeout=600)
+        assert done.returncode == 0, command + done.stdout + done.stderr
+    with open(graded / "grades.csv", newline="") as handle:
+        ada = next(r for r in csv.DictReader(handle) if r["student_id"] == "ada")
+    assert (ada["raw_score"], ada["late_submission_penalty"], ada["score"]) == ("3.0", "3.0", "0.0"), ada
+    with open(graded / "grades_by_question.csv", newline="") as handle:
+        questions = {r["grade_id"]: (r["raw_score"], r["score"]) for r in csv.DictReader(handle) if r["student"] == "ada"}
+    assert questions == {"test_double": ("1", "0"), "why_double": ("2", "0")}, questions
+    page = (graded / "feedback" / "ada" / TINY / f"{TINY}.html").read_text()
+    assert "<b>0 / 3</b> (3 minus a late penalty of 3)" in page, page
+    with open(graded / "lms" / "canvas_grades.csv", newline="") as handle:
+        assert next(r for r in csv.reader(handle) if r[2] == "ada")[-1] == "0"
+    report = json.loads((graded / "reports" / "class" / TINY / "report.json").read_text())
+    assert report["late"] == [{"student": "ada", "late": "24.0 hours", "raw_score": 3.0, "late_penalty": 3.0,
+                               "score": 0.0}], report["late"]
+    assert "Raw scores:" in (graded / "reports" / "class" / TINY / "index.html").read_text()
+
+
+def test_make_clean_keeps_what_a_running_formgrader_needs(formgrader, graded, browser, screenshots):
+    """`make clean` while Formgrader runs: what it lists assignments from stays (source/, its
+    exchange folder), and Manage Assignments still lists the assignment (it vanished)."""
+    environment = dict(os.environ, **{COURSE_ROOT_VARIABLE: str(graded)})
+    cleaned = run_readme_command("make clean", env=environment, timeout=300)
+    assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
+    assert (graded / "exchange").is_dir() and (graded / "source").is_dir() and not (graded / "feedback").exists()
+    assert TINY in {a["name"] for a in call(formgrader, "GET", "formgrader/api/assignments")}
+    page = browser.new_page()
+    page.goto(formgrader.url("formgrader/manage_assignments"))
+    page.locator("table tbody tr").filter(has_text=TINY).wait_for()
+    screenshots.take(page, "after-make-clean")
     page.close()

@@ -623,17 +623,17 @@ def test_a_merge_that_fails_leaves_nothing_half_written_and_the_class_goes_on(ti
     """The parent keeps one gradebook session for a whole run: a merge that fails halfway (here
     nbgrader's late-penalty rule raises for ann, once her grades are written in the session)
     is rolled back, not committed with the next student's merge."""
-    from autograder.grading import merge as merging
+    from autograder.term import scores
 
     root = tiny_class({"ann": "value = 42", "bob": "value = 42", "cy": "value = 41"})
-    late_penalty = merging.late_penalty
+    late_penalty = scores.late_penalty
 
     def failing_for_ann(method, student, score, seconds_late):
         if student == "ann":
             raise RuntimeError("the gradebook went away")
         return late_penalty(method, student, score, seconds_late)
 
-    monkeypatch.setattr(merging, "late_penalty", failing_for_ann)
+    monkeypatch.setattr(scores, "late_penalty", failing_for_ann)
     log: list[str] = []
     # the merges run in this process either way: the Dask worker may be a thread of it
     outcomes = {o.student: o for o in grade.grade(root, jobs=1, limits=grade.Limits(timeout=30), log=log.append,
@@ -648,7 +648,7 @@ def test_a_merge_that_fails_leaves_nothing_half_written_and_the_class_goes_on(ti
         assert gb.find_grade("test_value", TINY, TINY, "bob").auto_score == 1.0
     assert not (root / "autograded" / "ann").exists()
     # the next run grades ann again (her failed merge left no fingerprint), and only her
-    monkeypatch.setattr(merging, "late_penalty", late_penalty)
+    monkeypatch.setattr(scores, "late_penalty", late_penalty)
     again = {o.student: o for o in grade.grade(root, jobs=1, limits=grade.Limits(timeout=30), log=lambda *_: None,
                                                processes=False)}
     assert {s: o.status for s, o in again.items()} == {"ann": "graded", "bob": "unchanged", "cy": "unchanged"}

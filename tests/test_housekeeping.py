@@ -14,8 +14,10 @@ KEPT = ["gradebook.db", "roster.csv", "course_settings.json", "submitted/ann/01_
         "archive/withdrawn/bob/01_mha_shapes/20260301T120000/01_mha_shapes.ipynb",
         "archive/submitted/ann/01_mha_shapes/20260228T120000/01_mha_shapes.ipynb",
         "reports/intake_report.md", "reports/intake/20260301T120000.md", "reports/grading_report.md",
-        "reports/grading_history.md", "autograded/ann/01_mha_shapes/01_mha_shapes.ipynb"]
-REBUILT = ["source/01_mha_shapes/01_mha_shapes.ipynb", "release/01_mha_shapes/01_mha_shapes.ipynb",
+        "reports/grading_history.md", "autograded/ann/01_mha_shapes/01_mha_shapes.ipynb",
+        "exchange/.keep", "source/01_mha_shapes/01_mha_shapes.ipynb"]   # what a running Formgrader needs
+# (tests/test_formgrader_buttons.py runs `make clean` under one)
+REBUILT = ["release/01_mha_shapes/01_mha_shapes.ipynb",
            "feedback/ann/01_mha_shapes/01_mha_shapes.html", "reports/class/01_mha_shapes/index.html", "grades.csv",
            "grades_by_question.csv"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder.term import intake
-from autograder.places import REPO_ROOT
+from autograder.term import intake, intake_files
+from autograder.publishing.release import REPO_ROOT
 
 ASSIGNMENT = "01_mha_shapes"
 ASSIGNMENTS = ["01_mha_shapes", "02_numpy_walkthrough", "03_masks_and_causality"]
@@ -225,7 +225,7 @@ def test_a_file_that_breaks_the_reader_is_refused_alone(tmp_path):
 
 
 def test_a_notebook_over_the_size_limit_is_refused_naming_the_limit(tmp_path, monkeypatch):
-    monkeypatch.setattr(intake, "MAX_NOTEBOOK_BYTES", 200_000)
+    monkeypatch.setattr(intake_files, "MAX_NOTEBOOK_BYTES", 200_000)
     big = release()
     big.cells[0].metadata["padding"] = "x" * 300_000
     entries, root = run(tmp_path, {"huge/01_mha_shapes.ipynb": big, "fine/01_mha_shapes.ipynb": release()})

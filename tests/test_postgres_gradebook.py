@@ -180,11 +180,9 @@ def test_the_variable_make_grade_sets_grades_new_submissions_into_postgresql(dat
 # course that remembers it
 # --------------------------------------------------------------------------------------
 
-README_URL = "postgresql://grader:<password>@db-host:5432/attention_lab"
-SERVER_COMMAND = "make postgres-server PGDATA=$HOME/attention-lab-db PGPORT=5432 DB_PASSWORD=$(openssl rand -hex 16)"
+README_URL = "postgresql://grader@db-host:5432/attention_lab"
+SERVER_COMMAND = "make postgres-server PGDATA=$HOME/attention-lab-db PGPORT=5432"
 MIGRATE_COMMAND = f"make migrate-gradebook DB_URL={README_URL}"
-GRADE_COMMAND = f"make grade DB_URL={README_URL}"
-FORMGRADER_COMMAND = f"make formgrader DB_URL={README_URL}"
 STOP_COMMAND = "make postgres-stop PGDATA=$HOME/attention-lab-db"
 
 
@@ -193,11 +191,15 @@ def shell(command: str, environment: dict) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_path):
+def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_path, monkeypatch):
+    """... and no password is ever printed or typed: `make postgres-server` keeps it in PostgreSQL's
+    own password file (~/.pgpass) and prints the address other machines use; after the move every
+    command on the course uses the server without DB_URL (issue #56)."""
     import datetime
     import os
     import re
     import shutil
+    import stat
     import tempfile
 
     from autograder.term import roster
@@ -228,16 +230,28 @@ def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_pa
         shutil.chown(home, "nobody")
     port = free_port()
     environment = {**os.environ, "HOME": str(home), COURSE_ROOT_VARIABLE: str(root)}
-    environment.pop(DB_URL_VARIABLE, None)
+    for variable in (DB_URL_VARIABLE, "PGPASSFILE"):
+        environment.pop(variable, None)
     usage = run_readme_command("make migrate-gradebook", env=environment)   # alone: says what it needs
     assert usage.returncode != 0 and "usage: make migrate-gradebook DB_URL=postgresql://" in usage.stdout, usage.stdout
     try:
         started = run_readme_command(SERVER_COMMAND, env=environment, replace={"PGPORT=5432": f"PGPORT={port}"})
         assert started.returncode == 0, started.stdout + started.stderr
         url = re.search(r"On this machine: +DB_URL=(\S+)", started.stdout).group(1)
+        elsewhere = re.search(r"From other machines: DB_URL=postgresql://grader@([^:/]+):(\d+)/", started.stdout)
+        assert elsewhere and elsewhere.group(1) not in ("localhost", "127.0.0.1") and elsewhere.group(2) == str(port)
+        # the password: in ~/.pgpass, readable by no one else, and never on the terminal or in a command
+        pgpass = home / ".pgpass"
+        assert stat.S_IMODE(pgpass.stat().st_mode) == 0o600
+        (line,) = [entry for entry in pgpass.read_text().splitlines() if entry.startswith(f"*:{port}:*:grader:")]
+        password = line.rsplit(":", 1)[1]
+        assert len(password) >= 32 and password not in started.stdout + started.stderr and password not in url
+        monkeypatch.setenv("PGPASSFILE", str(pgpass))   # this test's own reads of the server, as the instructor's machine
+        again = run_readme_command(SERVER_COMMAND, env=environment, replace={"PGPORT=5432": f"PGPORT={port}"})
+        assert again.returncode == 0 and pgpass.read_text().count(f"*:{port}:*:grader:{password}") == 1, again.stdout
         server = {README_URL: url}
         # before the move: naming the server for an SQLite course is refused
-        early = run_readme_command(GRADE_COMMAND, env=environment, replace=server)
+        early = shell(f"make grade DB_URL={url}", environment)
         assert early.returncode != 0 and "make migrate-gradebook" in early.stderr, early.stdout + early.stderr
         moved = run_readme_command(MIGRATE_COMMAND, env=environment, replace=server)
         assert moved.returncode == 0, moved.stdout + moved.stderr
@@ -248,20 +262,25 @@ def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_pa
             assert gb.find_assignment(TINY).duedate == datetime.datetime(2026, 1, 10, 12, 0)
             assert gb.find_grade("why_value", TINY, TINY, "ann").manual_score == 1.5
             assert gb.find_comment("why_value", TINY, TINY, "ann").manual_comment == "Say more."
-        graded = run_readme_command(GRADE_COMMAND, env=environment, replace=server)
+        # from then on the course's own commands use the server: no DB_URL, no password typed
+        graded = run_readme_command("make grade", env=environment)
         assert graded.returncode == 0 and "graded 0, unchanged 2, failed 0" in graded.stdout, graded.stdout + graded.stderr
         assert "ann/00_tiny: 2.5 / 3" in graded.stdout, graded.stdout   # the hand grade, from the server
-        # without DB_URL (or with another database's) every command refuses, and writes no SQLite file
-        for command in ("make grade", "make export", "make formgrader", f"make grade DB_URL={url}x"):
-            refused = (run_readme_command(command, env=environment) if " " not in command.removeprefix("make ")
-                       else shell(command, environment))   # the README's commands, and another database's
-            assert refused.returncode != 0 and "this course's gradebook is" in refused.stderr, \
-                command + refused.stdout + refused.stderr
-            assert not (root / "gradebook.db").exists(), f"{command} wrote an SQLite gradebook"
+        exported = run_readme_command("make export", env=environment)
+        assert exported.returncode == 0 and "ann" in (root / "grades.csv").read_text(), exported.stderr
+        # another database's URL is refused, and nothing writes an SQLite file
+        refused = shell(f"make grade DB_URL={url}x", environment)
+        assert refused.returncode != 0 and "this course's gradebook is" in refused.stderr, refused.stdout + refused.stderr
+        # a machine whose ~/.pgpass lacks the password is told what to do
+        stranger = {**environment, "HOME": str(tmp_path / "another-machine")}
+        denied = run_readme_command("make export", env=stranger)
+        assert denied.returncode != 0 and "put the line `make postgres-server` wrote in ~/.pgpass" in denied.stderr, \
+            denied.stdout + denied.stderr
+        assert not (root / "gradebook.db").exists(), "a command wrote an SQLite gradebook"
         # Formgrader, started as written, shows the server's gradebook: the roster's names, the hand grade
         (tmp_path / "formgrader").mkdir()
-        with running_lab("formgrader", root, tmp_path / "formgrader", {COURSE_ROOT_VARIABLE: str(root)},
-                         command=FORMGRADER_COMMAND, replace=server) as formgrader:
+        with running_lab("formgrader", root, tmp_path / "formgrader", {COURSE_ROOT_VARIABLE: str(root), "HOME": str(home)},
+                         command="make formgrader") as formgrader:
             def shown(path: str) -> list[dict]:
                 return json.loads(http_get(formgrader.url(f"formgrader/api/{path}")))
 
@@ -274,3 +293,19 @@ def test_the_readmes_postgresql_path_moves_a_course_with_everything_in_it(tmp_pa
         stopped = run_readme_command(STOP_COMMAND, env=environment)
         shutil.rmtree(home, ignore_errors=True)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
+def test_as_root_a_data_folder_the_server_user_cannot_reach_is_refused_saying_why(tmp_path):
+    """The README: PostgreSQL refuses root, so as root the server runs as nobody, which must reach PGDATA."""
+    import os
+
+    from autograder.store import postgres
+    from tests.postgres_server import binaries
+
+    if os.geteuid() != 0 or binaries() is None:
+        pytest.skip("runs as root, with PostgreSQL's server installed")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    with pytest.raises(SystemExit, match="runs as the user nobody .* cannot reach"):
+        postgres.start(private / "db", 5999)
+    assert not (private / "db").exists()

@@ -4,6 +4,7 @@ due dates and withdrawing a wrongly filed submission -- no kernels, fast."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
 from pathlib import Path
@@ -69,7 +70,8 @@ def test_a_misspelt_student_folder_is_refused_with_the_closest_names(tmp_path, c
     entries = run(downloads(tmp_path, {"alcie/01_mha_shapes.ipynb": release()}), course)
     entry = entries["alcie/01_mha_shapes.ipynb"]
     assert entry.status == "refused"
-    assert "'alcie' is not in the roster; did you mean alice (Alice Liddell)?" in " ".join(entry.reasons)
+    assert ("student folder 'alcie' is not in the roster; did you mean alice (Alice Liddell)? Rename the folder, or run "
+            "intake with --add-unknown (make intake ADD_UNKNOWN=1) to add them.") in entry.reasons, entry.reasons
     assert not (course / "submitted").exists()
 
 
@@ -110,14 +112,27 @@ def test_a_canvas_flat_export_is_mapped_through_the_lms_user_id(tmp_path, course
     assert entries["liddellalice_12345_777_01_mha_shapes.ipynb"].student == "alice"
     late = entries["builderbob_LATE_23456_778_Copy of 01_mha_shapes-1.ipynb"]
     assert late.student == "bob" and late.status == "accepted" and "marked late" in " ".join(late.reasons)
-    assert entries["strangerx_99999_779_01_mha_shapes.ipynb"].status == "refused"
+    stranger = entries["strangerx_99999_779_01_mha_shapes.ipynb"]
+    assert stranger.status == "refused"
+    # a sentence, with its full stop, that speaks of the file's LMS id, not of a folder
+    assert ("Canvas export's student 'strangerx' (Canvas user id 99999) is not in the roster. Add them to the roster "
+            "with their lms_user_id (make roster ROSTER=<csv>), or run intake with --add-unknown (make intake "
+            "ADD_UNKNOWN=1) to add them.") in stranger.reasons, stranger.reasons
     assert sorted(p.name for p in (course / "submitted").iterdir()) == ["alice", "bob"]
+    # taken with --add-unknown: the Canvas user id and the name the file gave are kept
+    added = run(folder, course, add_unknown=True)["strangerx_99999_779_01_mha_shapes.ipynb"]
+    assert added.status == "accepted" and "added (--add-unknown), with Canvas user id 99999" in " ".join(added.reasons)
+    kept = roster.Roster.of_course(course).by_id["strangerx"]
+    assert (kept.last_name, kept.lms_user_id) == ("strangerx", "99999")
 
 
 def test_a_moodle_export_folder_is_mapped(tmp_path, course):
     folder = downloads(tmp_path, {"Ana Núñez_34567_assignsubmission_file_/01_mha_shapes.ipynb": release()})
     entries = run(folder, course)
     assert next(iter(entries.values())).student == "nunez"
+    # a Moodle student the roster does not know keeps the full name Moodle gave, split as the roster splits it
+    assert intake.names_from_export({"kind": "Moodle", "name": "Ana María Núñez", "lms": "7"}) == {
+        "first_name": "Ana María", "last_name": "Núñez", "lms_user_id": "7"}
 
 
 def test_submission_time_goes_to_nbgraders_timestamp_file(tmp_path, course):
@@ -142,7 +157,13 @@ def test_a_resubmission_keeps_the_earlier_one_and_reports_accumulate(tmp_path, c
     assert nbformat.read(kept / f"{ASSIGNMENT}.ipynb", as_version=4).cells[-1].source == first.cells[-1].source
     current = course / "submitted" / "alice" / ASSIGNMENT
     assert nbformat.read(current / f"{ASSIGNMENT}.ipynb", as_version=4).cells[-1].source.endswith("# changed")
-    assert sorted(p.name for p in current.iterdir()) == [f"{ASSIGNMENT}.ipynb", "timestamp.txt"]
+    assert sorted(p.name for p in current.iterdir()) == [".received", f"{ASSIGNMENT}.ipynb", "timestamp.txt"]
+    # each file as received, byte for byte, beside the notebook filed (and archived with it)
+    for folder, export in ((current, "two"), (kept, "one")):
+        received = (tmp_path / export / "downloads" / "alice" / f"{ASSIGNMENT}.ipynb").read_bytes()
+        assert (folder / ".received" / f"{ASSIGNMENT}.ipynb").read_bytes() == received
+        assert json.loads((folder / ".received" / "receipt.json").read_text())["path_in_export"] == \
+            f"alice/{ASSIGNMENT}.ipynb"
     assert len(list((course / "reports" / "intake").glob("*.json"))) == 2
     assert (course / "reports" / "intake_history.md").read_text().count("([report](intake/") == 2
 

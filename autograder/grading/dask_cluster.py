@@ -19,7 +19,10 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import socket
+import sys
 import uuid
+from urllib.parse import urlsplit
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,6 +40,26 @@ COURSE_IMPORT = "import autograder.grading.task"
 START_COMMANDS = ("start them from the course's clone as docs/instructors/6-grading-at-scale.md says: "
                   "`make dask-scheduler` on the scheduler machine, `make dask-worker SCHEDULER=...` on each worker "
                   "machine (both put the clone on PYTHONPATH)")
+
+
+def scheduler_problem(scheduler: str) -> str | None:
+    """Why ``scheduler`` (``tcp://host:8786``) cannot be a scheduler's address, or None: a host
+    this machine cannot find (``scheduler-host`` copied literally from the README) is said as
+    such, where Dask would say only "Nanny failed to start" or time out."""
+    parts = urlsplit(scheduler if "://" in scheduler else f"tcp://{scheduler}")
+    usage = "SCHEDULER=tcp://<the scheduler machine's name or address>:8786 (`make dask-scheduler` runs there)"
+    try:
+        port = parts.port
+    except ValueError:
+        return f"{scheduler}: the port is not a number; {usage}"
+    if not parts.hostname or port is None:
+        return f"{scheduler}: expected a host and a port; {usage}"
+    try:
+        socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        return (f"{scheduler}: the host {parts.hostname!r} was not found ({error.strerror}): name the scheduler "
+                f"machine as this machine can reach it; {usage}")
+    return None
 
 
 def check_cluster(client, scheduler: str) -> None:
@@ -69,6 +92,9 @@ def cluster(jobs: int, scheduler: str | None = None, processes: bool = True) -> 
 
     with contextlib.ExitStack() as stack:
         if scheduler:
+            problem = scheduler_problem(scheduler)
+            if problem:
+                raise SystemExit(problem)
             client = stack.enter_context(Client(scheduler, timeout="60s"))
             check_cluster(client, scheduler)
             workers = client.scheduler_info().get("workers", {})
@@ -127,3 +153,21 @@ def run(connection: Cluster, shared: dict[str, dict], tasks: list[dict]) -> Iter
             yield index, None, f"the Dask cluster could not run it: {type(error).__name__}: {error}"
         finally:
             future.release()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m autograder.grading.dask_cluster tcp://host:8786``: the address checked before
+    ``make dask-worker`` starts Dask's worker (exit 2, saying why, when it cannot be one)."""
+    arguments = sys.argv[1:] if argv is None else argv
+    if len(arguments) != 1:
+        print("usage: python -m autograder.grading.dask_cluster tcp://<scheduler host>:<port>", file=sys.stderr)
+        return 2
+    problem = scheduler_problem(arguments[0])
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

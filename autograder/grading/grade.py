@@ -51,14 +51,13 @@ from pathlib import Path
 from autograder.command_line import command_line
 from autograder.grading import dask_cluster
 from autograder.grading.merge import ensure_assignments, ensure_sources, merge, rescore, template
-from autograder.grading.plan import (IGNORED_NAMES, STATE_DIR, TIMESTAMP_FILE, Outcome,
-                                     Submission, discover, exclusive, fingerprint,
+from autograder.grading.plan import (IGNORED_NAMES, STATE_DIR, Outcome, Submission, discover, exclusive, fingerprint,
                                      load_state, notebook_names, save_state, submitted_folders, tree_files)
 from autograder.grading.run_report import console_line, full_error, limit_lines, limits_in_force, summary, write_report
 from autograder.grading.task import NbgraderProcess, start_failure_cause, tampering_incidents
 from autograder.isolation import sandbox
 from autograder.limits import Limits
-from autograder.places import COURSE_ROOT, COURSE_SETTINGS_FILE, DB_URL_VARIABLE
+from autograder.places import COURSE_ROOT, COURSE_SETTINGS_FILE, DB_URL_VARIABLE, TIMESTAMP_FILE
 from autograder.publishing import release
 from autograder.publishing.release import assignments_with_source
 from autograder.store import gradebook

@@ -7,8 +7,8 @@
 * :func:`merge`: what a worker returned, into the gradebook and ``autograded/``: grades,
   comments, the submission time and late penalty; hand grades given earlier are kept for
   every answer that did not change (and dropped, to be given again, where it changed);
-* :func:`apply_late_policy`: a submission's late penalty under the course settings (its
-  extension, the grace period, the penalty method);
+* :func:`apply_late_policy`: nbgrader's own record of a submission's late penalty and extension
+  (computed by :mod:`autograder.term.scores`, which every reader calls again when it reads);
 * :func:`rescore`: the late penalties of stored results again, after a change of the course
   settings or a due date (nothing is re-executed), and what the gradebook says they score now.
 """
@@ -26,8 +26,10 @@ import nbformat
 
 from autograder.publishing import release
 from autograder.store import gradebook
+from autograder.term import scores
 from autograder.term.course_settings import CourseSettings
 from autograder.grading.plan import Outcome, _hash_tree, notebook_names
+from autograder.term.roster import Roster
 
 def ensure_sources(root: Path, assignments: list[str]) -> None:
     """``source/<a>/<a>.ipynb`` rebuilt from ``solutions/`` (the release builder's function),
@@ -111,32 +113,24 @@ def _read(data: bytes | None) -> nbformat.NotebookNode | None:
         return None
 
 
-def late_penalty(method: str, student: str, score: float, seconds_late: float) -> float | None:
-    """nbgrader's own rule (``LateSubmissionPlugin``, as ``AssignLatePenalties`` applies it):
-    the penalty of a notebook scoring ``score`` (hand grades included), within [0, score]."""
-    from nbgrader.plugins import LateSubmissionPlugin
-
-    if seconds_late <= 0:
-        return None
-    penalty = LateSubmissionPlugin(penalty_method=method).late_submission_penalty(student, score, seconds_late)
-    return None if penalty is None else min(max(penalty, 0.0), score)
-
-
 def apply_late_policy(book, assignment: str, student: str, policy: CourseSettings) -> float:
-    """Set the late penalty of each notebook of one submission (nbgrader's rule, method
-    ``policy.late_penalty``) from its time against the student's due date (an extension, if
-    the course settings give one, is recorded as nbgrader's ``extension``) less the grace
-    period; the submission's penalty, in the session (the caller commits)."""
+    """nbgrader's own record of one submission's lateness, for nbgrader's tools: each notebook's
+    ``late_submission_penalty`` and the submission's ``extension``, as :mod:`autograder.term.scores`
+    computes them now (every reader of this course computes them again when it reads: a hand
+    grade or a due date changed later counts); the submission's penalty, in the session (the
+    caller commits)."""
     submission = book.find_submission(assignment, student)
     due = submission.assignment.duedate
     until = policy.extension(student, assignment)
     submission.extension = (until - due) if (until and due and until > due) else None
-    seconds = policy.seconds_late(student, assignment, submission.timestamp, due)
     _reload(book)
-    for submitted in book.find_submission(assignment, student).notebooks:
-        submitted.late_submission_penalty = late_penalty(policy.late_penalty, student, float(submitted.score), seconds)
+    submission = book.find_submission(assignment, student)
+    late = scores.seconds_late(submission, policy)
+    for submitted in submission.notebooks:
+        penalty = scores.notebook_penalty(submitted, student, policy, late)
+        submitted.late_submission_penalty = penalty if late > 0 else None
     _reload(book)
-    return float(book.find_submission(assignment, student).late_submission_penalty or 0.0)
+    return scores.submission_score(book.find_submission(assignment, student), policy).penalty
 
 
 def rescore(root: Path, keys: list[tuple[str, str]], policy: CourseSettings,
@@ -157,7 +151,7 @@ def rescore(root: Path, keys: list[tuple[str, str]], policy: CourseSettings,
                 except MissingEntry:
                     continue
                 apply_late_policy(book, assignment, student, policy)
-                found[(student, assignment)] = (_totals(book.find_submission(assignment, student)), before)
+                found[(student, assignment)] = (_totals(book.find_submission(assignment, student), policy), before)
             book.db.commit()
         except BaseException:
             book.db.rollback()
@@ -182,6 +176,7 @@ def merge(outcome: Outcome, result: dict, root: Path, book, url: str | None = No
     destination = root / "autograded" / outcome.student / outcome.assignment
     with gradebook.writer_lock(root, url):
         try:
+            _student(book, outcome.student, Roster.of_course(root))
             totals, dropped = _record(book, outcome, result, destination, policy or CourseSettings())
         except BaseException:
             book.db.rollback()
@@ -203,6 +198,26 @@ def merge(outcome: Outcome, result: dict, root: Path, book, url: str | None = No
     scratch.rename(destination)
 
 
+def _student(target, student: str, roster: Roster | None) -> None:
+    """The student's row in the gradebook, created if new, with what the roster says of them
+    where the gradebook says nothing: a student intake took in with ``--add-unknown`` has the
+    LMS's user id and name there (Formgrader then shows the name, the LMS export the id); a
+    name a grader typed in Formgrader stays."""
+    from nbgrader.api import MissingEntry
+
+    person = roster.by_id.get(student) if roster else None
+    known = {name: getattr(person, name) for name in ("first_name", "last_name", "email", "lms_user_id")
+             if person is not None and getattr(person, name)}
+    try:
+        row = target.find_student(student)
+    except MissingEntry:
+        target.add_student(student, **known)
+        return
+    missing = {name: value for name, value in known.items() if not getattr(row, name)}
+    if missing:
+        target.update_or_create_student(student, **missing)
+
+
 def _archive_hand_grades(root: Path, outcome: Outcome, dropped: list[dict]) -> str:
     """The hand grades and comments a resubmission dropped, kept beside the archived submission."""
     stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
@@ -220,8 +235,7 @@ def _record(target, outcome: Outcome, result: dict, destination: Path, policy: C
 
     flagged = {i["notebook"] for i in outcome.incidents if i.get("notebook")}
     dropped: dict[tuple[str, str], dict] = {}
-    target.update_or_create_student(outcome.student)  # (nbgrader commits these two itself)
-    stamp = result.get("timestamp")
+    stamp = result.get("timestamp")   # (nbgrader commits the submission itself)
     if stamp:
         target.update_or_create_submission(outcome.assignment, outcome.student,
                                            timestamp=datetime.datetime.fromisoformat(stamp))
@@ -259,7 +273,7 @@ def _record(target, outcome: Outcome, result: dict, destination: Path, policy: C
         submitted.flagged = name in flagged
     _reload(target)  # the scores are sums the database computes: read them again
     apply_late_policy(target, outcome.assignment, outcome.student, policy)
-    totals = _totals(target.find_submission(outcome.assignment, outcome.student))
+    totals = _totals(target.find_submission(outcome.assignment, outcome.student), policy)
     target.db.commit()
     return totals, list(dropped.values())
 
@@ -270,8 +284,8 @@ def _reload(target) -> None:
     target.db.expire_all()
 
 
-def _totals(submission) -> tuple[float, float, float, float]:
+def _totals(submission, policy: CourseSettings) -> tuple[float, float, float, float]:
     """(score with the late penalty deducted, max score, points waiting for hand grading, penalty)."""
     pending = sum(g.max_score for n in submission.notebooks for g in n.grades if g.needs_manual_grade)
-    penalty = float(submission.late_submission_penalty or 0.0)
-    return float(submission.score) - penalty, float(submission.max_score), float(pending), penalty
+    score = scores.submission_score(submission, policy)
+    return score.final, score.max_score, float(pending), score.penalty

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autograder.limits import Limits
+from autograder.places import RECEIVED_FOLDER, TIMESTAMP_FILE
 from autograder.publishing.release import assignments_with_source
 
 STATE_DIR = ".grading"
-TIMESTAMP_FILE = "timestamp.txt"   # nbgrader's submission time, written by intake
-IGNORED_NAMES = {".ipynb_checkpoints", "__MACOSX", ".DS_Store", TIMESTAMP_FILE}
+IGNORED_NAMES = {".ipynb_checkpoints", "__MACOSX", ".DS_Store", TIMESTAMP_FILE, RECEIVED_FOLDER}
 
 
 @dataclass

@@ -20,7 +20,11 @@ in ``report.json``) in the course root, per assignment that has submissions, and
   (``difflib`` on the token sequences, pairs pre-selected by shared 5-token shingles);
 * submissions not graded and why (the grading report's failures: time limit, crash), those
   waiting for ``make grade``, and incidents of graded ones (time limit, crash, tampering);
-* totals still waiting for grading by hand are counted and marked incomplete.
+* totals still waiting for grading by hand are counted and marked incomplete;
+* scores are **raw** -- the points the work earned, before the late penalty -- and say so: the
+  figures measure the questions, not the deadline.  The late submissions are listed with both,
+  the raw score and the score after the course's late penalty (:mod:`autograder.term.scores`, the
+  score ``grades.csv`` and the LMS export give).
 
 The report depends only on the course root's contents: run twice on the same gradebook, it
 writes the same bytes.
@@ -45,6 +49,8 @@ from autograder.command_line import command_line
 from autograder.places import COURSE_ROOT
 from autograder.publishing.release import released_notebook
 from autograder.store import gradebook, results
+from autograder.term import scores
+from autograder.term.course_settings import CourseSettings
 
 SIMILARITY_THRESHOLD = 0.9     # difflib ratio of the answer tokens from which a pair is flagged
 MIN_ANSWER_TOKENS = 30         # answers shorter than this (beyond the release's stubs) are not compared
@@ -55,9 +61,10 @@ GROUP_FRACTION = 0.27          # upper and lower groups of the discrimination in
 @dataclass
 class Student:
     id: str
-    total: float
+    total: float                 # raw: before the late penalty
     max_score: float
     pending: bool
+    late: scores.Score | None = None   # the score under the course's late penalty, when late
     scores: dict[str, float | None] = field(default_factory=dict)   # grade_id -> score (None: pending)
     failed_tests: list[str] = field(default_factory=list)
     hints: dict[str, list[str]] = field(default_factory=dict)       # hint id -> tests where it appeared
@@ -132,13 +139,15 @@ def question_order(root: Path, assignment: str, notebooks) -> list[tuple[str, fl
 def read_class(root: Path, assignment_name: str, gb) -> tuple[list[tuple[str, float, bool]], list[Student]]:
     from attention_lab.hint_catalog import identify
 
+    settings = CourseSettings.load(root)
     assignment = gb.find_assignment(assignment_name)
     questions = question_order(root, assignment_name, assignment.notebooks)
     given = given_code(root, assignment_name)
     students = []
     for submission in sorted(assignment.submissions, key=lambda s: s.student.id):
-        student = Student(submission.student.id, float(submission.score), float(submission.max_score),
-                          bool(submission.needs_manual_grade))
+        score = scores.submission_score(submission, settings)
+        student = Student(submission.student.id, score.raw, score.max_score, score.pending,
+                          score if score.late else None)
         graded_dir = root / "autograded" / student.id / assignment_name
         for notebook in submission.notebooks:
             for grade in notebook.grades:
@@ -262,6 +271,8 @@ def build(root: Path, assignment: str, gb) -> dict:
                   "median": statistics.median(totals) if totals else None,
                   "incomplete": sum(s.pending for s in students)},
         "scores": [{"student": s.id, "score": s.total, "incomplete": s.pending} for s in students],
+        "late": [{"student": s.id, "late": scores.lateness(s.late.seconds_late), "raw_score": s.late.raw,
+                  "late_penalty": s.late.penalty, "score": s.late.final} for s in students if s.late],
         "questions": question_stats(questions, students),
         "failing_tests": [{"grade_id": g, "students": n} for g, n in sorted(failing.items(), key=lambda i: (-i[1], i[0]))],
         "mistakes": [{"hint": h, "text": texts.get(h, ""), "students": len(who), "tests": sorted(tests_of[h])}
@@ -285,10 +296,11 @@ def figures(data: dict, folder: Path) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     names = []
     figure, axis = plt.subplots(figsize=(7, 3.5))
-    scores = [row["score"] for row in data["scores"]]
+    totals = [row["score"] for row in data["scores"]]
     top = data["max_score"] or 1
-    axis.hist(scores, bins=min(20, max(5, int(top))), range=(0, top), color="#4a7ab5", edgecolor="white")
-    axis.set(xlabel="total score", ylabel="students", title=f"{data['assignment']}: total scores")
+    axis.hist(totals, bins=min(20, max(5, int(top))), range=(0, top), color="#4a7ab5", edgecolor="white")
+    axis.set(xlabel="raw total score (before late penalties)", ylabel="students",
+             title=f"{data['assignment']}: raw total scores")
     axis.yaxis.get_major_locator().set_params(integer=True)
     figure.tight_layout()
     figure.savefig(folder / "scores.png", metadata={"Software": None})
@@ -320,12 +332,21 @@ def render(data: dict, images: list[str]) -> str:
     esc = html.escape
     total = data["total"]
     out = [f"<h1>Class report: {esc(data['assignment'])}</h1>",
-           f"<p>{data['students']} graded submissions; total out of {_number(data['max_score'])}: "
-           f"mean {_number(total['mean'])}, median {_number(total['median'])}.</p>"]
+           f"<p>{data['students']} graded submissions; raw total out of {_number(data['max_score'])}: "
+           f"mean {_number(total['mean'])}, median {_number(total['median'])}.</p>",
+           f"<p class='raw' id='raw-scores'><b>Raw scores:</b> every score on this page is the points the work "
+           f"earned, before the late penalty; {len(data['late'])} late submission{'s' if len(data['late']) != 1 else ''}"
+           " (below) lose what the course settings take (grades.csv and the LMS export deduct it).</p>"]
     if total["incomplete"]:
         out.append(f"<p class='incomplete'><b>Incomplete:</b> {total['incomplete']} totals still wait for grading "
                    "by hand (Formgrader); they count those answers as 0.</p>")
     out += [f"<img src='{esc(i)}' alt='{esc(i)}'>" for i in images]
+    if data["late"]:
+        out.append("<h2>Late submissions</h2><table id='late'><tr><th>student</th><th>late by</th><th>raw score</th>"
+                   "<th>late penalty</th><th>score</th></tr>")
+        out += [f"<tr><td>{esc(r['student'])}</td><td>{esc(r['late'])}</td><td>{_number(r['raw_score'])}</td>"
+                f"<td>{_number(r['late_penalty'])}</td><td>{_number(r['score'])}</td></tr>" for r in data["late"]]
+        out.append("</table>")
     out.append("<h2>Questions</h2><table id='questions'><tr><th>question</th><th>points</th><th>mean</th>"
                "<th>median</th><th>discrimination</th><th>full</th><th>partial</th><th>zero</th><th>pending</th></tr>")
     for q in data["questions"]:

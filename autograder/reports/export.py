@@ -4,12 +4,15 @@
 
 * ``autograder/course_root/grades.csv``: one row per student and assignment, with nbgrader's
   own columns (``nbgrader export``'s: due date, submission time, raw_score, late penalty,
-  score, max_score, ...), plus ``manual_grading_pending`` (``yes`` while a written
+  score, max_score, ...; the late penalty is the course's rule applied now,
+  :mod:`autograder.term.scores`), plus ``manual_grading_pending`` (``yes`` while a written
   answer of that submission still awaits grading by hand, in Formgrader), ``status``
   (``not submitted`` -- its scores are left empty, never 0 --, ``incomplete`` while hand
   grading is pending, ``complete``) and ``lms_user_id`` (from the roster, for the LMS upload).
 * ``autograder/course_root/grades_by_question.csv``: student, assignment, notebook,
-  grade_id, score, max_score, manual_grading_pending, one row per graded cell.
+  grade_id, raw_score, score (after the late penalty: a late notebook's penalty shared out over
+  its questions, :func:`autograder.term.scores.question_scores`), max_score, manual_grading_pending,
+  one row per graded cell.
 
 Both are written with the csv module's quoting (a name with a comma or a quote stays one
 cell), each file whole or not at all (a temporary file renamed over the old one), and a
@@ -17,7 +20,8 @@ cell that a spreadsheet or an LMS import would read as a formula (``=2+5``, ``@S
 a leading ``+``, ``-``, tab or carriage return: a student chooses their folder name) starts
 with a ``'``, the OWASP rule; numbers, negative ones too, stay numbers.
 
-Scores are the gradebook's: a score or extra credit set by hand (Formgrader) counts.
+Scores are the gradebook's: a score or extra credit set by hand (Formgrader) counts, and the
+late penalty is taken from it as the course settings say when the export is written.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autograder.store import gradebook
 from autograder.places import COURSE_ROOT
+from autograder.store import gradebook
+from autograder.term import scores
+from autograder.term.course_settings import CourseSettings
 
 PENDING = "manual_grading_pending"
-QUESTION_COLUMNS = ["student", "assignment", "notebook", "grade_id", "score", "max_score", PENDING]
+QUESTION_COLUMNS = ["student", "assignment", "notebook", "grade_id", "raw_score", "score", "max_score", PENDING]
 STATUS = "status"
 LMS_ID = "lms_user_id"
 # nbgrader export's columns (its CsvExportPlugin), then the pipeline's own
@@ -88,15 +94,19 @@ def _yes_no(flag: bool) -> str:
 
 
 def export_by_question(root: Path, path: Path) -> int:
+    settings = CourseSettings.load(root)
     rows = []
     with gradebook.exclusive(root) as gb:
         for assignment in gb.assignments:
             for submission in assignment.submissions:
+                student = submission.student.id
+                late = scores.seconds_late(submission, settings)
                 for notebook in submission.notebooks:
+                    shared = scores.question_scores(notebook, student, settings, late)
                     for grade in notebook.grades:
-                        rows.append([submission.student.id, assignment.name, notebook.name, grade.name,
-                                     f"{grade.score:g}", f"{grade.max_score:g}",
-                                     _yes_no(grade.needs_manual_grade)])
+                        raw, score = shared[grade.name]
+                        rows.append([student, assignment.name, notebook.name, grade.name, f"{raw:g}",
+                                     f"{score:g}", f"{grade.max_score:g}", _yes_no(grade.needs_manual_grade)])
     rows.sort()
     write_csv(path, QUESTION_COLUMNS, rows)
     return len(rows)
@@ -111,6 +121,7 @@ def grade_rows(root: Path) -> list[list[str]]:
     """grades.csv's rows (GRADE_COLUMNS), in nbgrader export's order: each assignment, each
     student of the gradebook. A student who submitted nothing gets empty scores, not 0, and
     ``not submitted``; ``incomplete`` while a written answer waits for a hand grade."""
+    settings = CourseSettings.load(root)
     rows = []
     with gradebook.exclusive(root) as gb:
         for assignment in gb.assignments:
@@ -125,11 +136,10 @@ def grade_rows(root: Path) -> list[list[str]]:
                     row.update(timestamp="", raw_score="", late_submission_penalty="", score="",
                                **{PENDING: "", STATUS: "not submitted"})
                 else:
-                    penalty, waiting = submission.late_submission_penalty, submission.needs_manual_grade
-                    row.update(timestamp=_text(submission.timestamp), raw_score=_text(submission.score),
-                               late_submission_penalty=_text(penalty),
-                               score=_text(max(0.0, submission.score - penalty)),
-                               **{PENDING: _yes_no(waiting), STATUS: "incomplete" if waiting else "complete"})
+                    score = scores.submission_score(submission, settings)
+                    row.update(timestamp=_text(submission.timestamp), raw_score=_text(score.raw),
+                               late_submission_penalty=_text(score.penalty), score=_text(score.final),
+                               **{PENDING: _yes_no(score.pending), STATUS: "incomplete" if score.pending else "complete"})
                 rows.append([row[column] for column in GRADE_COLUMNS])
     return rows
 

@@ -9,7 +9,8 @@ For every graded submission, ``autograder/course_root/feedback/<student>/<assign
 test cell), points earned / possible (from the gradebook, so it agrees with grades.csv), its
 real state -- passed, failed, graded by hand (a written answer, or a score a grader set in
 Formgrader, with that grade) or pending (waits for a hand grade; the total then says it is
-incomplete) -- the comment a grader typed in Formgrader, a late penalty, and, when it failed:
+incomplete) -- the comment a grader typed in Formgrader, the late penalty (the course's rule as it
+stands when the page is written, :mod:`autograder.term.scores`), and, when it failed:
 
 * the visible check failed: its message (the same the student sees when running the cell);
 * only the hidden tests failed (the test raised ``HiddenTestFailure``): a sentence saying so;
@@ -36,6 +37,8 @@ from autograder.command_line import command_line
 from autograder.places import COURSE_ROOT
 from autograder.publishing.release import HIDDEN_BEGIN, HIDDEN_END, source_path
 from autograder.store import gradebook, results
+from autograder.term import scores
+from autograder.term.course_settings import CourseSettings
 
 MAX_MESSAGE = 1500
 
@@ -199,17 +202,12 @@ def _notes(graded_dir: Path, notebook: Path | None = None) -> list[str]:
     return incident_notes(record.get("incidents", []), executed)
 
 
-def _late(submission) -> tuple[float, str]:
-    try:
-        seconds = float(submission.total_seconds_late or 0)
-        penalty = float(submission.late_submission_penalty or 0)
-    except (AttributeError, TypeError, ValueError):
-        return 0.0, ""
-    if seconds <= 0:
-        return 0.0, ""
-    hours = seconds / 3600
-    when = f"{hours:.1f} hours" if hours >= 1 else f"{seconds / 60:.0f} minutes"
-    return penalty, f"Submitted {when} after the due date" + (f": late penalty {penalty:g} points." if penalty else ".")
+def _late(score: scores.Score, penalty: float) -> str:
+    """The page's sentence on lateness (``penalty``: this notebook's share), from the course's rule now."""
+    if not score.late:
+        return ""
+    how_late = f"{scores.lateness(score.seconds_late)} " if score.seconds_late >= 60 else ""   # (a mark, no time)
+    return f"Submitted {how_late}after the due date" + (f": late penalty {penalty:g} points." if penalty else ".")
 
 
 def failure_in_plain_words(error: str) -> str:
@@ -264,6 +262,7 @@ def write_feedback(root: Path = COURSE_ROOT, students: list[str] | None = None,
     written = write_not_graded(root, students, assignments)
     if not gradebook.exists(root):
         return written
+    settings = CourseSettings.load(root)
     with gradebook.exclusive(root) as gb:
         for assignment in gb.assignments:
             if assignments and assignment.name not in assignments:
@@ -273,7 +272,7 @@ def write_feedback(root: Path = COURSE_ROOT, students: list[str] | None = None,
                 if students and student not in students:
                     continue
                 graded_dir = root / "autograded" / student / assignment.name
-                penalty, late = _late(submission)
+                score = scores.submission_score(submission, settings)   # the late penalty as the rules say now
                 for notebook in submission.notebooks:
                     autograded = graded_dir / f"{notebook.name}.ipynb"
                     if not autograded.exists():
@@ -288,8 +287,9 @@ def write_feedback(root: Path = COURSE_ROOT, students: list[str] | None = None,
                     others = {name: text for name, text in sorted(comments.items()) if name not in shown}
                     target = root / "feedback" / student / assignment.name / f"{notebook.name}.html"
                     target.parent.mkdir(parents=True, exist_ok=True)
+                    penalty = scores.notebook_penalty(notebook, student, settings, score.seconds_late)
                     target.write_text(render(student, assignment.name, notebook.name, rows, _notes(graded_dir, autograded),
-                                             others, penalty, late), encoding="utf-8")
+                                             others, penalty, _late(score, penalty)), encoding="utf-8")
                     written.append(target)
     return written
 

@@ -9,13 +9,16 @@ a withdrawal) or must see whole writes (feedback, the class report, the grades e
 run's template of an assignment) opens it with :func:`exclusive`.
 
 The course root remembers a gradebook on a server (``gradebook_location.json``, the URL
-without its password): a command run on that course without ``DB_URL``, or with another
-database's, is refused instead of writing into an SQLite file of its own; a course that has
-an SQLite gradebook moves to a server with ``make migrate-gradebook DB_URL=...``
-(:func:`migrate`: every table, the roster, due dates, hand grades and comments included).
+without its password): every command run on that course uses it, with ``DB_URL`` or without,
+the password coming from PostgreSQL's own password file (``~/.pgpass``, which ``make
+postgres-server`` writes); a command naming another database is refused instead of writing
+there, and none writes into an SQLite file of its own.  A course that has an SQLite gradebook
+moves to a server with ``make migrate-gradebook DB_URL=...`` (:func:`migrate`: every table,
+the roster, due dates, hand grades and comments included).
 
     python -m autograder.store.gradebook migrate --to postgresql://...   # make migrate-gradebook DB_URL=...
     python -m autograder.store.gradebook check                           # which gradebook; refused as above
+    python -m autograder.store.gradebook url                             # a server's URL, for Formgrader (make formgrader)
 """
 
 from __future__ import annotations
@@ -60,14 +63,14 @@ def same_database(url: str, other: str) -> bool:
 
 
 def db_url(root: Path, url: str | None = None) -> str:
-    """``url``, else ``$ATTENTION_LAB_DB_URL``, else the SQLite file in ``root``: refused
-    (SystemExit) where that is not the gradebook the course root remembers, or where a
-    server is named for a course whose gradebook is still its SQLite file."""
+    """``url``, else ``$ATTENTION_LAB_DB_URL``, else the server the course root remembers, else the
+    SQLite file in ``root``: refused (SystemExit) where a URL names another gradebook than the
+    one the course root remembers, or a server for a course whose gradebook is still its
+    SQLite file."""
     named = url or os.environ.get(DB_URL_VARIABLE)
     known = remembered(root)
     if known and not named:
-        raise SystemExit(f"this course's gradebook is on a server, {known}: run the command with DB_URL=<that URL, "
-                         f"with its password> (`make ... DB_URL=...`); nothing was written to an SQLite file")
+        return known   # its password: from ~/.pgpass, as every PostgreSQL client finds it
     if known and not same_database(named, known):
         raise SystemExit(f"DB_URL names {describe(named)}, but this course's gradebook is {known} "
                          f"({Path(root) / LOCATION_FILE}); nothing was written")
@@ -94,7 +97,8 @@ def exists(root: Path, url: str | None = None) -> bool:
 
     engine = create_engine(url)
     try:
-        return "assignment" in inspect(engine).get_table_names()
+        with password_explained(url):
+            return "assignment" in inspect(engine).get_table_names()
     finally:
         engine.dispose()
 
@@ -133,6 +137,22 @@ def open_gradebook(root: Path, url: str | None = None):
     return _open(db_url(root, url))
 
 
+@contextlib.contextmanager
+def password_explained(url: str):
+    """A server that asks for a password this machine does not have: said in a sentence (what
+    to put where), not as a driver's traceback."""
+    from sqlalchemy.exc import OperationalError
+
+    try:
+        yield
+    except OperationalError as error:
+        if "password" not in str(error):
+            raise
+        raise SystemExit(f"{describe(url)} asks for the password of its role, and this machine has none for it: put "
+                         "the line `make postgres-server` wrote in ~/.pgpass on the database machine into ~/.pgpass "
+                         f"here (mode 600), or $PGPASSFILE ({str(error).strip().splitlines()[-1]})") from None
+
+
 def _open(url: str):
     """nbgrader's ``Gradebook`` at ``url``, whichever course it belongs to."""
     from nbgrader.api import Gradebook
@@ -144,7 +164,8 @@ def _open(url: str):
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own SQLAlchemy noise
-    return Gradebook(url, COURSE_ID)
+    with password_explained(url):
+        return Gradebook(url, COURSE_ID)
 
 
 @contextlib.contextmanager
@@ -165,7 +186,7 @@ def writer_lock(root: Path, url: str | None = None):
     engine = create_engine(url, poolclass=None)
     key = zlib.crc32(f"attention-lab gradebook {COURSE_ID}".encode())
     try:
-        with engine.connect() as connection:
+        with password_explained(url), engine.connect() as connection:
             connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
             connection.commit()
             try:
@@ -243,14 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     moving = commands.add_parser("migrate", help="copy the SQLite gradebook to a database server")
     moving.add_argument("--to", required=True, help="postgresql://role:password@host/database (an empty database)")
     commands.add_parser("check", help="say which gradebook this course uses (refused where it is not the one named)")
+    commands.add_parser("url", help="print the URL of the server gradebook this course uses, nothing for its SQLite "
+                                    "file (refused as check is)")
     options = parser.parse_args(argv)
     if options.command == "migrate":
         if not options.to:
             raise SystemExit("usage: make migrate-gradebook DB_URL=postgresql://role:password@host/database")
         copied = migrate(options.root, options.to)
         print("copied " + ", ".join(f"{n} {t}" for t, n in copied.items() if n))
-        print(f"this course's gradebook is now {describe(options.to)}: give DB_URL=... to every command "
-              f"(the SQLite file is kept in {options.root / 'archive'})")
+        print(f"this course's gradebook is now {describe(options.to)}: every command on this course uses it, no "
+              f"DB_URL needed (the SQLite file is kept in {options.root / 'archive'})")
+    elif options.command == "url":
+        url = db_url(options.root)
+        print(url if is_server(url) else "")
     else:
         print(f"gradebook: {describe(db_url(options.root))}")
     return 0

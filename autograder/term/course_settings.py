@@ -10,11 +10,14 @@
 ``course_settings.json`` in the course root holds the late penalty (nbgrader's
 ``LateSubmissionPlugin`` method: ``none`` or ``zero``), a grace period (minutes after the due
 date that do not count as late), per-student extensions (a due date of their own for one
-assignment) and the grading limits (seconds per cell, the kernel start-up budget, memory and
-file size per kernel).  ``make grade`` (any ``STUDENT=``/``ASSIGNMENT=``), Formgrader's
+assignment), the course's time zone (an IANA name, ``Europe/Berlin``: a due date or an
+extension written without an offset is in it, and so is a time in a zip without a zone) and the
+grading limits (seconds per cell, the kernel start-up budget, memory and file size per kernel).  ``make grade`` (any ``STUDENT=``/``ASSIGNMENT=``), Formgrader's
 *Autograde* button and ``python -m autograder.grading.grade`` all read it, and the grading report
-shows it: a setting set once stays set for the term.  A change of the late penalty, the grace
-period, an extension or a due date re-scores the stored results; it re-executes nothing.
+shows it: a setting set once stays set for the term.  The late penalty, the grace period and the
+extensions are rules applied whenever a score is read (:mod:`autograder.term.scores`): a change counts
+at once in every export, feedback page and report, and the next ``make grade`` re-scores
+nbgrader's own record of the penalty; nothing is executed again.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import dataclasses
 import datetime
 import json
 import sys
+import zoneinfo
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from autograder.command_line import command_line
 from autograder.limits import Limits
 from autograder.places import COURSE_ROOT, COURSE_SETTINGS_FILE, LATE_PENALTY_METHOD
-from autograder.term.roster import parse_duedate
+from autograder.term.due_dates import has_offset, parse_duedate
 
 PENALTY_METHODS = ("none", "zero")
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"   # naive UTC, as nbgrader stores due dates
@@ -44,6 +48,7 @@ class CourseSettings:
     startup_timeout: int = Limits.startup_timeout  # seconds to start a kernel and run the setup cell
     memory_mb: int = Limits.memory_mb            # memory limit of a student kernel
     file_mb: int = Limits.file_mb                # largest file a student kernel may write
+    time_zone: str = "UTC"                       # a date without an offset is in this zone
     extensions: dict[str, str] = field(default_factory=dict)   # "student/assignment": due date (UTC)
 
     # ------------------------------------------------------------------ values
@@ -56,6 +61,11 @@ class CourseSettings:
         for name in ("timeout", "startup_timeout", "memory_mb", "file_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive number, not {getattr(self, name)}")
+        try:
+            zoneinfo.ZoneInfo(self.time_zone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"time_zone must be a time zone's name (Europe/Berlin, America/New_York, UTC), "
+                             f"not {self.time_zone!r}") from None
         for key, until in self.extensions.items():
             if key.count("/") != 1:
                 raise ValueError(f"extension {key!r}: expected student/assignment")
@@ -65,6 +75,18 @@ class CourseSettings:
         """A grading run's limits: the four this course sets, and ``others`` (a run's own flags)."""
         return Limits(timeout=self.timeout, startup_timeout=self.startup_timeout, memory_mb=self.memory_mb,
                       file_mb=self.file_mb, **others)
+
+    @property
+    def zone(self) -> zoneinfo.ZoneInfo:
+        return zoneinfo.ZoneInfo(self.time_zone)
+
+    def local(self, moment: datetime.datetime) -> str:
+        """A naive-UTC time (as the gradebook keeps it) in words: UTC, and the course's time too."""
+        text = f"{moment:%Y-%m-%d %H:%M:%S} UTC"
+        if self.time_zone != "UTC":
+            here = moment.replace(tzinfo=datetime.timezone.utc).astimezone(self.zone)
+            text += f" ({here:%Y-%m-%d %H:%M} {self.time_zone})"
+        return text
 
     def extension(self, student: str, assignment: str) -> datetime.datetime | None:
         until = self.extensions.get(f"{student}/{assignment}")
@@ -84,9 +106,12 @@ class CourseSettings:
                  + (" (a late notebook scores 0)" if self.late_penalty == "zero" else " (lateness is recorded only)"),
                  f"grace period: {self.grace_minutes:g} minutes after the due date",
                  f"time limit per cell: {self.timeout} s; kernel start-up and setup cell: {self.startup_timeout} s",
-                 f"memory per kernel: {self.memory_mb} MB; largest file a kernel writes: {self.file_mb} MB"]
+                 f"memory per kernel: {self.memory_mb} MB; largest file a kernel writes: {self.file_mb} MB",
+                 f"time zone: {self.time_zone} (a date written without an offset is in it)"]
         if self.extensions:
-            lines.append("extensions: " + "; ".join(f"{key} due {until} UTC" for key, until in sorted(self.extensions.items())))
+            lines.append("extensions: " + "; ".join(
+                f"{key} due {self.local(datetime.datetime.strptime(until, TIME_FORMAT))}"
+                for key, until in sorted(self.extensions.items())))
         else:
             lines.append("extensions: none")
         return lines
@@ -141,6 +166,14 @@ def assign(settings: CourseSettings, assignment_text: str) -> str:
     return f"{name}: {before} -> {new}" if before != new else f"{name}: {new} (unchanged)"
 
 
+def zone_note(text: str, settings: CourseSettings) -> str:
+    """What a date typed without an offset was read as (said, never silently UTC)."""
+    if has_offset(text):
+        return ""
+    return (f" (written without an offset: read in the course's time zone, {settings.time_zone}; "
+            "`make settings TIME_ZONE=<zone>` sets it)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = command_line(__doc__, course_root=True)
     commands = parser.add_subparsers(dest="command")
@@ -149,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     extending = commands.add_parser("extend", help="a due date of its own for one student's assignment")
     extending.add_argument("--student", required=True)
     extending.add_argument("--assignment", required=True)
-    extending.add_argument("--until", help="ISO date (2026-03-08T17:00+01:00; a day alone means 23:59:59 UTC)")
+    extending.add_argument("--until", help="ISO date (2026-03-08T17:00+01:00; without an offset: the course's "
+                                           "time zone; a day alone means 23:59:59)")
     extending.add_argument("--remove", action="store_true", help="take the extension back")
     options = parser.parse_args(argv)
     settings = CourseSettings.load(options.root)
@@ -167,11 +201,11 @@ def main(argv: list[str] | None = None) -> int:
             if not options.until:
                 raise SystemExit("usage: --until <ISO date> (or --remove)")
             try:
-                until = parse_duedate(options.until)
+                until = parse_duedate(options.until, settings.zone)
             except ValueError:
                 raise SystemExit(f"{options.until!r} is not an ISO date (2026-03-08 or 2026-03-08T17:00+01:00)") from None
             settings.extensions[key] = until.strftime(TIME_FORMAT)
-            print(f"{key}: due {settings.extensions[key]} UTC")
+            print(f"{key}: due {settings.local(until)}" + zone_note(options.until, settings))
         print(f"saved in {settings.save(options.root)}: `make grade` re-scores (nothing is re-executed)")
     else:
         print(f"course settings ({Path(options.root) / COURSE_SETTINGS_FILE}):")

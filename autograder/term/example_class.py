@@ -7,10 +7,11 @@ never stale, and no answer is committed twice):
 
 * ``roster.csv``: four students, with the ids Canvas puts in its file names;
 * ``deadlines.csv``: a due date for every assignment;
-* ``lms-export/``: notebook 01 handed in by each, as Canvas's *Download Submissions* names the
-  files, with the files' times as the download keeps them: Alice solved everything, on time;
-  Bob answered nothing; Ana solved everything a day late (Canvas marks it ``_LATE_``); Dan
-  answered the first half (code and written answers), and his file is a Colab copy (``Copy of 01_mha_shapes.ipynb``).
+* ``submissions.zip``: notebook 01 handed in by each, as Canvas's *Download Submissions* gives it
+  (``<sortable name>[_LATE]_<user id>_<file id>_<file name>``, every file stamped with the time
+  Canvas built the zip): Alice solved everything, on time; Bob answered nothing; Ana solved
+  everything a day late (Canvas marks it ``_LATE_``); Dan answered the first half (code and
+  written answers), and his file is a Colab copy (``Copy of 01_mha_shapes.ipynb``).
 
 The folder is git-ignored; the dry run (docs/instructors/2-dry-run.md) takes it through roster, deadlines, settings,
 intake and grading.
@@ -19,9 +20,9 @@ intake and grading.
 from __future__ import annotations
 
 import datetime
-import os
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import nbformat
@@ -51,27 +52,27 @@ def handed_in(answered: float) -> nbformat.NotebookNode:
     return notebook
 
 
-def write(dest: Path) -> list[Path]:
+def write(dest: Path) -> Path:
+    """The example class in ``dest``; the path of its Canvas download."""
     if dest.exists():
         shutil.rmtree(dest)
-    export = dest / "lms-export"
-    export.mkdir(parents=True)
+    dest.mkdir(parents=True)
     (dest / "roster.csv").write_text(ROSTER, encoding="utf-8")
     lines = ["assignment,duedate"] + [f"{name},{(FIRST_DUE + datetime.timedelta(weeks=n)).isoformat()}"
                                       for n, name in enumerate(assignment_names())]
     (dest / "deadlines.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    files = {"liddellalice_1001_5001_01_mha_shapes.ipynb": (1.0, -3),
-             "builderbob_1002_5002_01_mha_shapes.ipynb": (0.0, -30),
-             "nunezana_LATE_1003_5003_01_mha_shapes.ipynb": (1.0, 24),
-             "smithdan_1004_5004_Copy of 01_mha_shapes.ipynb": (0.5, -1)}
-    written = []
-    for name, (answered, hours) in files.items():
-        path = export / name
-        nbformat.write(handed_in(answered), str(path))
-        moment = (FIRST_DUE + datetime.timedelta(hours=hours)).timestamp()
-        os.utime(path, (moment, moment))
-        written.append(path)
-    return written
+    files = {"liddellalice_1001_5001_01_mha_shapes.ipynb": 1.0,
+             "builderbob_1002_5002_01_mha_shapes.ipynb": 0.0,
+             "nunezana_LATE_1003_5003_01_mha_shapes.ipynb": 1.0,
+             "smithdan_1004_5004_Copy of 01_mha_shapes.ipynb": 0.5}
+    built = FIRST_DUE + datetime.timedelta(days=2)   # Canvas's server time when it built the zip (no zone)
+    download = dest / "submissions.zip"
+    with zipfile.ZipFile(download, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, answered in files.items():
+            info = zipfile.ZipInfo(name, date_time=built.timetuple()[:6])
+            info.compress_type = zipfile.ZIP_DEFLATED
+            archive.writestr(info, nbformat.writes(handed_in(answered)))
+    return download
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dest", type=Path, default=REPO_ROOT / "example-class")
     options = parser.parse_args(argv)
     write(options.dest)
-    print(f"example class in {options.dest}: roster.csv, deadlines.csv, lms-export/ (four students, notebook 01)")
+    print(f"example class in {options.dest}: roster.csv, deadlines.csv, submissions.zip (a Canvas download: four "
+          "students, notebook 01)")
     return 0
 
 

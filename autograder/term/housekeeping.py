@@ -4,12 +4,15 @@
     python -m autograder.term.housekeeping erase    # make erase-course-root: everything, after a typed "erase"
 
 ``clean`` removes only what the next ``make grade`` / ``make feedback`` / ``make export`` /
-``make report`` rebuild from what is kept: the sources built from ``solutions/``, nbgrader's
-``release/`` and exchange folder, the feedback pages, the class reports and the exports.  Kept:
-everything an instructor typed or received (the gradebook with every hand grade and comment,
-the roster, the course settings, the submissions and the archive of earlier and withdrawn
-ones, the intake and grading reports) and the autograded notebooks (a resubmission keeps the
-hand grades of answers it did not change by comparing with them).
+``make report`` rebuild from what is kept: nbgrader's ``release/``, the feedback pages, the
+class reports and the exports.  Kept: everything an instructor typed or received (the gradebook
+with every hand grade and comment, the roster, the course settings, the submissions and the
+archive of earlier and withdrawn ones, the intake and grading reports), the autograded
+notebooks (a resubmission keeps the hand grades of answers it did not change by comparing with
+them), and what a running Formgrader needs: the sources (``source/``, which ``make grade``
+builds from ``solutions/``: Formgrader lists the assignments it finds there) and its (empty)
+``exchange/`` folder, which it creates when it starts -- removed under it, every assignment
+vanished from its pages until the next ``make grade`` and a restart.
 
 ``erase`` deletes the whole course root, after listing what it holds and reading the word
 ``erase`` typed on standard input; anything else (or no input) deletes nothing.
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from autograder.places import COURSE_ROOT
 
-REBUILT = ["source", "release", "exchange", "feedback", "reports/class", "grades.csv", "grades_by_question.csv"]
+REBUILT = ["release", "feedback", "reports/class", "grades.csv", "grades_by_question.csv"]
 CONFIRMATION = "erase"
 
 
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if options.command == "clean":
         removed = clean(root)
         print(f"removed from {root}: {', '.join(removed) or 'nothing'} (rebuilt by make grade / feedback / export / "
-              "report); kept: the gradebook, roster, settings, submissions, archive, reports and autograded notebooks")
+              "report); kept: the gradebook, roster, settings, submissions, archive, reports, autograded notebooks "
+              "and what Formgrader lists assignments from, source/ and exchange/ (a running Formgrader keeps working)")
         return 0
     print(f"This deletes the course root {root} and everything in it, for good:")
     for line in inventory(root):

@@ -1,51 +1,61 @@
-"""Take in a folder of submissions as an LMS or a shared drive gives it.
+"""Take in submissions as an LMS or a shared drive gives them: a folder, or the LMS's zip itself.
 
     python -m autograder.term.intake DOWNLOADS            # make intake SUBMISSIONS=DOWNLOADS
+    python -m autograder.term.intake submissions.zip      # make intake SUBMISSIONS=~/Downloads/submissions.zip
 
 ``DOWNLOADS/<student>/<any file name>`` (files in sub-folders too) becomes
 ``autograder/course_root/submitted/<student>/<assignment>/<assignment>.ipynb``. The originals
-are only read.  Submissions are matched against the release, the student notebooks of
-``course/`` (:func:`autograder.publishing.release.released_notebook`), which is what students got.
+are only read: the file as the student handed it in is kept, byte for byte, beside the notebook
+filed (``submitted/<student>/<assignment>/.received/``, with ``receipt.json``: where it came
+from, its LMS ids, what intake repaired).  Submissions are matched against the release, the
+student notebooks of ``course/`` (:func:`autograder.publishing.release.released_notebook`), which is what
+students got.
 
 * **Names students really produce** are recognised: ``Copy of 01_mha_shapes.ipynb``
   (Colab), ``01_mha_shapes (1).ipynb``, ``01 MHA Shapes.ipynb``, other case; a notebook
   whose name says nothing is recognised by its content.
 * **Content decides**: a notebook whose cells are those of another assignment than its
   name says is refused (it would score 0 there).
-* **Stripped metadata is repaired**: Colab and other editors can drop the nbgrader cell
-  metadata; without it nbgrader would not grade the test cells. Each missing graded or
-  locked cell is found again by its content (the same source, or its first line), its
-  metadata restored, and a test cell the student deleted is put back where it belongs
-  (nbgrader restores its code anyway). When a cell cannot be told apart from another the
-  notebook is refused, with the reason.
+* **Grading metadata is repaired**, against the release, so that nbgrader grades the notebook
+  instead of refusing it whole: Colab and other editors can drop the nbgrader cell metadata
+  (each graded or locked cell is found again by its content -- the same source, or its first
+  line -- and a test cell the student deleted is put back where it belongs); Jupyter's copy
+  and paste duplicates a cell with its metadata (a locked copy is dropped, an answer's copy
+  kept ungraded); metadata changed by hand (``grade: true, points: 100``) is put back as
+  released; a cell added with grading metadata is kept, ungraded.  When a cell cannot be told
+  apart from another the notebook is refused, with the reason.
 * Invalid JSON, empty files, non-notebooks, unknown files: refused, with the reason.
 * If a student has several files for one assignment, the newest is taken.
 * **The roster** (``roster.csv`` in the course root, ``make roster``): a student folder not in
   it is refused, with the closest roster names suggested (``alcie`` -> ``alice (Alice
-  Liddell)``), unless ``--add-unknown``; a folder that names a student by another spelling
-  (case, accents, ``lastfirst``, e-mail, LMS user id) is filed under the roster's id.
-* **LMS exports as they come**: Canvas's flat folder (``lastfirst[_LATE]_<user id>_<submission
-  id>_<file>``) and Moodle's (``Full Name_<id>_assignsubmission_file_``) are read, the student
-  found through the roster's ``lms_user_id`` (or name).
-* **Submission times**: the file's modification time (unzip an LMS export keeping its
-  times) goes to nbgrader's ``submitted/<student>/<assignment>/timestamp.txt`` (UTC), which
-  its late penalty reads.
-* **History**: a resubmission replaces the one graded, and the earlier one is kept in
-  ``archive/submitted/<student>/<assignment>/<its time>/``.
+  Liddell)``), unless ``--add-unknown`` (which keeps the LMS user id and name the export
+  gave); a folder that names a student by another spelling (case, accents, ``lastfirst``,
+  e-mail, LMS user id) is filed under the roster's id.
+* **LMS exports as they come**: Canvas's ``submissions.zip`` itself, or unzipped (its flat
+  files ``lastfirst[_LATE]_<user id>_<attachment id>_<file>``), and Moodle's
+  (``Full Name_<id>_assignsubmission_file_``), the student found through the roster's
+  ``lms_user_id`` (or name).
+* **Submission times** go to nbgrader's ``submitted/<student>/<assignment>/timestamp.txt``
+  (UTC), which the late penalty reads: a file's time where it is one, and where it is not --
+  Canvas's zip stamps every file with the time it was built, a copy without ``-p`` with its own
+  -- only what can be told (:mod:`autograder.term.intake_checks`).  A zip entry's time is its
+  extended (UTC) timestamp where the zip has one, else its DOS time, which has no zone: it is
+  read in the course's time zone (``make settings TIME_ZONE=``).
+* **History**: a resubmission replaces the one graded, and the earlier one (with what was
+  received) is kept in ``archive/submitted/<student>/<assignment>/<its time>/``.
 
 The report (``reports/intake_report.{md,json}`` in the course root, this run; every run's in
 ``reports/intake/``, listed in ``reports/intake_history.md``) lists every file as accepted /
-repaired / refused with its reasons. Exit status 0 unless the folder is missing.
+repaired / refused with its reasons. Exit status 0 unless a file was refused or the export is
+missing.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import copy
 import datetime
 import json
-import os
 import re
 import shutil
 import sys
@@ -55,30 +65,33 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.term.course_settings import CourseSettings
-from autograder.term.intake_checks import (due_dates, export_notices, hand_graded, parse_stamp, replacement_refusal,
-                                           stamp_text, submission_time)
+from autograder.command_line import command_line
+from autograder.places import COURSE_DIR, COURSE_ROOT, RECEIVED_FOLDER, TIMESTAMP_FILE
 from autograder.publishing.release import assignment_names, released_notebook
-from autograder.term.roster import ROSTER_FILE, Roster, fold, normal_name
-from autograder.places import COURSE_DIR, COURSE_ROOT, MAX_NOTEBOOK_BYTES
 from autograder.store.run_reports import keep_report
+from autograder.term.course_settings import CourseSettings
+from autograder.term.intake_checks import (UTC, copied_together, due_dates, export_notices, hand_graded,
+                                      not_a_submission_time, parse_stamp, replacement_refusal, stamp_text,
+                                      submission_time)
+from autograder.term.intake_files import Export, ExportFile, open_export, utc_time
+from autograder.term.roster import ROSTER_FILE, Roster, fold, normal_name
 
-IGNORED = {".DS_Store", "Thumbs.db", "desktop.ini"}
-IGNORED_DIRS = {"__MACOSX", ".ipynb_checkpoints", ".git"}
 FORBIDDEN_IN_ID = re.compile(r"[/\\*?\[\]\x00-\x1f]")
 MIN_CONTENT_MATCH = 0.3
+RECEIPT = "receipt.json"
 
 
 @dataclass
 class Entry:
-    source: str                 # the file, relative to the submissions folder
+    source: str                 # the file, relative to the export (folder or zip)
     student: str | None
-    status: str                 # accepted | repaired | refused | unchanged
+    status: str                 # accepted | repaired | refused
     assignment: str | None = None
     destination: str | None = None
     reasons: list[str] = field(default_factory=list)
-    submitted_at: str | None = None   # what timestamp.txt says (the file's time, or the LMS's, UTC)
-    file_time: str | None = None      # the file's modification time (UTC)
+    submitted_at: str | None = None   # what timestamp.txt says (UTC)
+    file_time: str | None = None      # the file's own time (UTC)
+    time_not_submission: str | None = None   # why the file's time is not its submission time
 
 
 @dataclass
@@ -130,25 +143,45 @@ def clean_student_id(name: str) -> tuple[str | None, str | None]:
     return student, None
 
 
-# Canvas: ``lastfirst[_LATE]_<user id>_<submission id>_<file>``; Moodle: ``Full Name_<id>_assignsubmission_file_[<file>]``
-CANVAS = re.compile(r"^(?P<name>[^_]+?)(?P<late>_late)?_(?P<lms>\d+)_(?P<sub>\d+)_(?P<file>.+)$", re.IGNORECASE)
+# Canvas's bulk download ("Download Submissions": ContentZipper in Canvas's source) names each file
+# ``<sortable name>[_LATE]_<user id>_<attachment id>_<file name>``: the sortable name ("Liddell, Alice")
+# lower-cased with every non-word character removed (``liddellalice``), ``LATE`` when Canvas counts
+# it late, the file's own id in Canvas, and the name the student uploaded it under.
+# Moodle: ``Full Name_<participant id>_assignsubmission_file_[<file>]``
+CANVAS = re.compile(r"^(?P<name>[^_]+?)(?P<late>_late)?_(?P<lms>\d+)_(?P<attachment>\d+)_(?P<file>.+)$", re.IGNORECASE)
 MOODLE = re.compile(r"^(?P<name>.+?)_(?P<lms>\d+)_assignsubmission_(?:file|onlinetext)_(?P<file>.*)$", re.IGNORECASE)
 
 
 def lms_name(name: str) -> dict | None:
-    """{name, lms, file, late, kind} of a file (Canvas) or folder (Moodle) named by an LMS export."""
+    """{name, lms, file, late, kind, attachment} of a file (Canvas) or folder (Moodle) named by an
+    LMS export (``attachment``: Canvas's id of the file, which its "Re-upload submissions" reads)."""
     for kind, pattern in (("Moodle", MOODLE), ("Canvas", CANVAS)):
         match = pattern.match(name)
         if match:
             found = match.groupdict()
             return {"name": found["name"], "lms": found["lms"], "file": found["file"],
-                    "late": bool(found.get("late")), "kind": kind}
+                    "late": bool(found.get("late")), "kind": kind, "attachment": found.get("attachment")}
     return None
 
 
-def resolve_student(entry: "Entry", folder: str, roster, add_unknown: bool, lms_user_id: str = "",
+def names_from_export(lms: dict | None) -> dict[str, str]:
+    """What an LMS export says of a student the roster does not know (``--add-unknown`` keeps it):
+    the LMS user id, and the name -- Moodle's full name, split as the roster splits a ``name``;
+    Canvas's sortable name without its separators (``liddellalice``), as the last name."""
+    if lms is None:
+        return {}
+    if lms["kind"] == "Moodle":
+        first, _, last = lms["name"].strip().rpartition(" ")
+        return {"first_name": first, "last_name": last, "lms_user_id": lms["lms"]}
+    return {"last_name": lms["name"], "lms_user_id": lms["lms"]}
+
+
+
+
+def resolve_student(entry: "Entry", folder: str, roster, add_unknown: bool, lms: dict | None = None,
                     seen: dict[str, str] | None = None) -> str | None:
-    """The student id a folder (or LMS export name) stands for; None (entry refused) when unknown.
+    """The student id a folder (or an LMS export's name, ``lms``) stands for; None (entry
+    refused) when unknown.
 
     Without a roster, ``seen`` (folded name -> student folder already filed or taken in this
     run) catches ``Bob/`` beside ``bob/``."""
@@ -170,19 +203,24 @@ def resolve_student(entry: "Entry", folder: str, roster, add_unknown: bool, lms_
         if seen is not None:
             seen.setdefault(fold(student), student)
         return student
-    known, how = roster.find(student, lms_user_id)
+    known, how = roster.find(student, lms["lms"] if lms else "")
     if known:
         if how:
             entry.reasons.append(how)
         return known.id
     if add_unknown:
-        roster.add(student)
-        entry.reasons.append(f"{student!r} is not in the roster: added (--add-unknown)")
+        roster.add(student, **names_from_export(lms))
+        entry.reasons.append(f"{student!r} is not in the roster: added (--add-unknown)"
+                             + (f", with {lms['kind']} user id {lms['lms']}" if lms else ""))
         return student
     suggestions = roster.suggest(student)
-    entry.reasons.append(f"student {student!r} is not in the roster" + (
-        f"; did you mean {' or '.join(suggestions)}?" if suggestions else "") +
-        " Rename the folder, or run intake with --add-unknown (make intake ADD_UNKNOWN=1) to add them")
+    who = (f"{lms['kind']} export's student {student!r} ({lms['kind']} user id {lms['lms']})" if lms
+           else f"student folder {student!r}")
+    fix = ("Add them to the roster with their lms_user_id (make roster ROSTER=<csv>)" if lms
+           else "Rename the folder")
+    entry.reasons.append(f"{who} is not in the roster" + (f"; did you mean {' or '.join(suggestions)}?" if suggestions
+                                                           else ".")
+                         + f" {fix}, or run intake with --add-unknown (make intake ADD_UNKNOWN=1) to add them.")
     return None
 
 
@@ -236,16 +274,88 @@ def _defined_names(source: str) -> set[str]:
     return names
 
 
-def repair(notebook, release: Release) -> tuple[object, list[str], str | None]:
-    """Restore the nbgrader metadata of ``notebook`` from the release.
+def _grading(cell) -> dict:
+    """A cell's nbgrader metadata ({} when it has none, or something that is not a dict)."""
+    meta = cell.metadata.get("nbgrader")
+    return meta if isinstance(meta, dict) else {}
 
-    Returns (notebook, what was repaired, refusal reason or None).
+
+GRADING_KEYS = ("grade", "solution", "locked", "task", "points")   # what decides how nbgrader grades a cell
+
+
+def _described(meta: dict) -> str:
+    shown = {key: meta[key] for key in GRADING_KEYS if key in meta}
+    return ", ".join(f"{key}: {json.dumps(value)}" for key, value in shown.items()) or "none"
+
+
+def _unique_cell_ids(cells) -> None:
+    """nbgrader needs unique cell ids: a duplicate (or missing) one gets a new one."""
+    seen: set[str] = set()
+    for index, cell in enumerate(cells):
+        if not cell.get("id") or cell.id in seen:
+            cell.id = f"intake-{index:03d}"
+        seen.add(cell.id)
+
+
+def restore_grading_metadata(notebook, release: Release) -> list[str]:
+    """Make the grading metadata of ``notebook`` (in place) the release's, cell by cell, where an
+    accident changed it; what was done, for the report.  nbgrader's autograde refuses a whole
+    notebook for any of these, and the student would have no grade at all:
+
+    * a locked cell (a test, a read-only cell) twice, as Jupyter's copy and paste makes it (same
+      metadata): the copy is dropped (nbgrader restores a locked cell's code from the source anyway);
+    * an answer cell twice: the first stays the answer, the copy keeps its code and loses its
+      grading metadata (both run, in order);
+    * a cell of the release whose metadata differs from the release's (an answer cell saying
+      ``grade: true, points: 100``): the release's metadata is put back -- no point is forged;
+    * a cell with grading metadata that names no cell of the release (added, or pasted from
+      elsewhere): its code stays, its grading metadata goes.
+
+    Cells whose metadata was stripped are left to :func:`repair`."""
+    released = {_grading(c)["grade_id"]: _grading(c) for c in release.cells if _grading(c).get("grade_id")}
+    notes, kept, seen = [], [], set()
+    for number, cell in enumerate(notebook.cells, start=1):
+        meta = _grading(cell)
+        grade_id = meta.get("grade_id")
+        if not meta:
+            if "nbgrader" in cell.metadata:   # not a dict, or empty: nothing nbgrader can read
+                del cell.metadata["nbgrader"]
+            kept.append(cell)
+            continue
+        if grade_id not in released:
+            del cell.metadata["nbgrader"]
+            notes.append(f"cell {number} has grading metadata ({_described(meta)}) but is no cell of the release: "
+                         "kept, not graded")
+        elif grade_id in seen and released[grade_id].get("locked"):
+            notes.append(f"cell {number} is a second copy of the locked cell {grade_id!r} (copy and paste): dropped")
+            continue
+        elif grade_id in seen:
+            del cell.metadata["nbgrader"]
+            notes.append(f"cell {number} is a second copy of the answer cell {grade_id!r} (copy and paste): its code "
+                         "is kept and runs, the first copy is the one graded")
+        elif meta != released[grade_id]:
+            cell.metadata["nbgrader"] = copy.deepcopy(released[grade_id])
+            if any(meta.get(key) != released[grade_id].get(key) for key in GRADING_KEYS):
+                notes.append(f"cell {grade_id!r}: grading metadata put back as released "
+                             f"({_described(released[grade_id])}; it said {_described(meta)})")
+        seen.add(grade_id)
+        kept.append(cell)
+    notebook.cells = kept
+    return notes
+
+
+def repair(notebook, release: Release) -> tuple[object, list[str], str | None]:
+    """Restore the nbgrader metadata of ``notebook`` from the release: what an accident changed
+    (:func:`restore_grading_metadata`), then what an editor stripped.
+
+    Returns (a repaired copy, what was repaired, refusal reason or None).
     """
     notebook = copy.deepcopy(notebook)
-    notes: list[str] = []
+    notes = restore_grading_metadata(notebook, release)
     present = {c.metadata.get("nbgrader", {}).get("grade_id") for c in notebook.cells} - {None}
     wanted = [(i, c) for i, c in enumerate(release.cells) if "nbgrader" in c.metadata]
     if all(c.metadata["nbgrader"]["grade_id"] in present for _, c in wanted):
+        _unique_cell_ids(notebook.cells)
         return notebook, notes, None
     cells = notebook.cells
     # Where each release cell sits in the submission (exact content, or its nbgrader id).
@@ -325,22 +435,18 @@ def repair(notebook, release: Release) -> tuple[object, list[str], str | None]:
                     f"({', '.join(restored)})"] + others
     for after, cell in sorted(inserts, key=lambda item: item[0], reverse=True):
         cells.insert(after + 1, cell)
-    # nbgrader needs unique cell ids
-    seen: set[str] = set()
-    for index, cell in enumerate(cells):
-        if not cell.get("id") or cell.id in seen:
-            cell.id = f"intake-{index:03d}"
-        seen.add(cell.id)
+    _unique_cell_ids(cells)
     return notebook, notes, None
 
 
+
+
 # --------------------------------------------------------------------------------------
-# The intake
+# The intake, step by step
 # --------------------------------------------------------------------------------------
 
-def read_notebook(path: Path):
+def read_notebook(data: bytes):
     """(notebook, None) or (None, why it is refused)."""
-    data = path.read_bytes()
     if not data.strip():
         return None, "empty file"
     try:
@@ -360,55 +466,261 @@ def read_notebook(path: Path):
     return notebook, None
 
 
-def unreadable_file(submissions: Path, relative: Path) -> str | None:
-    """Why ``submissions/relative`` is refused before it is read, or None.
-
-    * A link (file or folder, as unzipping an archive restores it) could point anywhere on the
-      instructor's machine -- at the course's own source notebook, say -- and be filed as the
-      student's work: never followed.
-    * Anything but a regular file (a FIFO would block the intake) is refused.
-    * A notebook over MAX_NOTEBOOK_BYTES is refused before it is read (it would be parsed here
-      and shipped to every grading worker)."""
-    path = submissions
-    for part in relative.parts:
-        path = path / part
-        if path.is_symlink():
-            what = "folder" if path.is_dir() else "file"
-            where = "" if path == submissions / relative else f" ({path.relative_to(submissions)})"
-            return (f"a {what} link{where} to {os.readlink(path)}: links are not followed (a submission "
-                    "must be the file itself: unpack archives without their links)")
-    path = submissions / relative
-    if not path.is_file():
-        return "not a regular file"
-    size = path.stat().st_size
-    if size > MAX_NOTEBOOK_BYTES:
-        return (f"{size / 1e6:.1f} MB, over the limit of {MAX_NOTEBOOK_BYTES / 1e6:g} MB for one submitted file "
-                "(MAX_NOTEBOOK_BYTES in autograder/places.py): the student can clear its outputs and submit it again")
-    return None
+@dataclass
+class Candidate:
+    """A file taken in: who and what it is, the notebook to file, and what was received."""
+    entry: Entry
+    student: str
+    assignment: str
+    notebook: object            # repaired where needed
+    data: bytes                 # the file as received
+    file: ExportFile
+    lms: dict | None
+    repairs: list[str]          # what intake changed in the notebook, for the report and the receipt
 
 
-def refuse_after_error(entry: Entry, error: Exception, chosen: dict) -> None:
+class Intake:
+    """One run of ``make intake``: each step a method, in the order :meth:`run` calls them."""
+
+    def __init__(self, submissions: Path, root: Path, course_dir: Path, assignments: list[str], roster,
+                 add_unknown: bool):
+        self.submissions, self.root, self.assignments = submissions, root, assignments
+        self.releases = load_releases(course_dir, assignments)
+        self.roster, self.add_unknown = roster, add_unknown
+        self.roster_size = len(roster.students) if roster else 0
+        self.settings = CourseSettings.load(root)
+        self.entries: list[Entry] = []
+        self.seen: dict[str, str] = {}   # without a roster: folded name -> the spelling filed
+        if roster is None and (root / "submitted").is_dir():
+            self.seen = {fold(p.name): p.name for p in sorted((root / "submitted").iterdir()) if p.is_dir()}
+
+    def run(self) -> list[Entry]:
+        export = open_export(self.submissions, self.settings.zone)
+        try:
+            candidates = [c for c in map(self.take_in, export.files) if c is not None]
+        finally:
+            export.close()
+        chosen = self.newest(candidates)
+        self.file_all(chosen, export)
+        self.keep_new_students()
+        return self.entries
+
+    # ---- step 1: each file, on its own: who, which assignment, its notebook repaired
+    def take_in(self, file: ExportFile) -> Candidate | None:
+        relative = file.relative
+        entry = Entry(str(relative), relative.parts[0] if len(relative.parts) > 1 else None, "refused")
+        self.entries.append(entry)
+        if file.problem:
+            entry.reasons.append(file.problem)
+            return None
+        try:
+            return self._identify(file, entry)
+        except Exception as error:  # whatever one file does, it is that file's refusal
+            refuse_after_error(entry, error)
+            return None
+
+    def _identify(self, file: ExportFile, entry: Entry) -> Candidate | None:
+        relative = file.relative
+        filename = relative.name
+        lms = lms_name(relative.parts[0])
+        if len(relative.parts) < 2 and not lms:
+            entry.reasons.append("not inside a student folder (expected <student>/<file>, "
+                                 "or an LMS export's lastfirst_<id>_<id>_<file>)")
+            return None
+        if lms:
+            entry.reasons.append(f"{lms['kind']} export: {lms['name']}, LMS user id {lms['lms']}"
+                                 + (" (marked late)" if lms["late"] else ""))
+            if self.roster is None:
+                entry.student = lms["name"]
+                entry.reasons.append("an LMS export needs the roster to know its students "
+                                     "(make roster ROSTER=<csv> with their lms_user_id)")
+                return None
+            if len(relative.parts) < 2:
+                filename = lms["file"]
+            student = resolve_student(entry, lms["name"], self.roster, self.add_unknown, lms)
+        else:
+            student = resolve_student(entry, relative.parts[0], self.roster, self.add_unknown, seen=self.seen)
+        entry.student = student or (lms["name"] if lms else relative.parts[0])
+        if student is None:
+            return None
+        if relative.suffix.lower() != ".ipynb":
+            entry.reasons.append(f"not a notebook ({relative.suffix or 'no extension'}): unknown file")
+            return None
+        data = file.read()
+        notebook, problem = read_notebook(data)
+        if problem:
+            entry.reasons.append(problem)
+            return None
+        assignment = self._assignment(notebook, filename, entry)
+        if assignment is None:
+            return None
+        repaired, notes, refusal = repair(notebook, self.releases[assignment])
+        entry.assignment = assignment
+        if refusal:
+            entry.reasons.append("nbgrader metadata missing and cannot be repaired: " + refusal)
+            return None
+        entry.reasons += notes
+        entry.status = "repaired" if notes else "accepted"
+        return Candidate(entry, student, assignment, repaired, data, file, lms, notes)
+
+    def _assignment(self, notebook, filename: str, entry: Entry) -> str | None:
+        """Which assignment a notebook is: its content decides, its name breaks ties."""
+        by_name = assignment_from_name(filename, self.assignments)
+        scores = {a: content_match(notebook, r) for a, r in self.releases.items()}
+        best = max(scores, key=scores.get) if scores else None
+        if best is None or scores[best] < MIN_CONTENT_MATCH:
+            entry.reasons.append("its cells are not those of any notebook of this course"
+                                 + (f" (the name says {by_name})" if by_name else ""))
+            return None
+        if by_name and by_name != best and scores.get(by_name, 0) < MIN_CONTENT_MATCH:
+            entry.reasons.append(f"named like {by_name} but its cells are those of {best}: "
+                                 "the wrong notebook was submitted")
+            return None
+        assignment = by_name if by_name and scores.get(by_name, 0) >= MIN_CONTENT_MATCH else best
+        if not by_name:
+            entry.reasons.append(f"recognised by its content as {assignment}")
+        elif normalise_name(Path(filename).stem) != assignment.lower() or filename != f"{assignment}.ipynb":
+            entry.reasons.append(f"file name {filename!r} taken as {assignment}")
+        return assignment
+
+    # ---- step 2: one file per student and assignment, the newest
+    @staticmethod
+    def newest(candidates: list[Candidate]) -> list[Candidate]:
+        chosen: dict[tuple[str, str], Candidate] = {}
+        for candidate in candidates:
+            key = (candidate.student, candidate.assignment)
+            other = chosen.get(key)
+            if other is not None:
+                older, newer = (other, candidate) if other.file.time <= candidate.file.time else (candidate, other)
+                older.entry.status = "refused"
+                older.entry.reasons.append(f"superseded by the newer file {newer.entry.source!r}")
+                candidate = newer
+            chosen[key] = candidate
+        return list(chosen.values())
+
+    # ---- step 3: each chosen file's submission time, and its filing
+    def file_all(self, chosen: list[Candidate], export: Export) -> None:
+        due = due_dates(self.root)
+        by_hand = hand_graded(self.root) if chosen else {}
+        together = copied_together([c.file.time for c in chosen])
+        now = datetime.datetime.now(UTC)
+        for candidate in chosen:
+            lms = candidate.lms["kind"] if candidate.lms else None
+            why_not = not_a_submission_time(candidate.file.time, export.time, lms, now, together)
+            candidate.entry.time_not_submission = why_not
+            try:
+                self.file(candidate, why_not, due.get(candidate.assignment), by_hand)
+            except Exception as error:
+                refuse_after_error(candidate.entry, error)
+
+    def file(self, candidate: Candidate, why_not: str | None, due: datetime.datetime | None,
+             by_hand: dict[tuple[str, str], list[str]]) -> None:
+        """File one submission: a copy of the notebook (repaired where needed) where nbgrader looks
+        for it, its time, and the file as received beside it; the one it replaces archived."""
+        entry, student, assignment = candidate.entry, candidate.student, candidate.assignment
+        folder = self.root / "submitted" / student / assignment
+        target = folder / f"{assignment}.ipynb"
+        text = json.dumps(candidate.notebook, indent=1, ensure_ascii=False) + "\n"
+        lms = candidate.lms or {}
+        when, said = submission_time(candidate.file.time, why_not, due, lms.get("kind"), lms.get("late", False))
+        entry.file_time = stamp_text(candidate.file.time)
+        if said:
+            entry.reasons.append(said)
+        if when is None:
+            entry.status = "refused"
+            return
+        entry.destination = str(target.relative_to(self.root))
+        entry.submitted_at = stamp_text(when)
+        if target.exists() and target.read_text(encoding="utf-8") == text:
+            entry.reasons.append("already in place, unchanged")
+            if receipt(folder) is None:   # filed by an intake that kept no receipt
+                keep_received(folder, candidate, self.submissions)
+            return
+        refusal = replacement_refusal(folder, text, when, self.root)
+        if refusal:
+            entry.status, entry.destination = "refused", None
+            entry.reasons.append(refusal)
+            return
+        if target.exists():
+            kept = archive_previous(folder, self.root)
+            entry.reasons.append(f"replaces the previous submission (kept in {kept.relative_to(self.root)})")
+            if (student, assignment) in by_hand:
+                entry.reasons.append(f"the previous one was graded or commented by hand "
+                                     f"({', '.join(by_hand[student, assignment])}): make grade keeps that for answers "
+                                     "that did not change and names the others")
+            for old in folder.glob("*.ipynb"):
+                old.unlink()
+            shutil.rmtree(folder / RECEIVED_FOLDER, ignore_errors=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+        (folder / TIMESTAMP_FILE).write_text(entry.submitted_at + "\n")
+        keep_received(folder, candidate, self.submissions)
+        if entry.status == "repaired":
+            entry.reasons.append(f"the file as received is kept in {(folder / RECEIVED_FOLDER).relative_to(self.root)}")
+
+    # ---- step 4: students the run added to the roster (--add-unknown)
+    def keep_new_students(self) -> None:
+        if self.roster is not None and self.add_unknown and len(self.roster.students) > self.roster_size:
+            self.roster.write(self.root / ROSTER_FILE)
+
+
+def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURSE_DIR,
+           assignments: list[str] | None = None, roster=None, add_unknown: bool = False) -> list[Entry]:
+    """File every submission of ``submissions`` (a folder or a zip); ``roster``: the course's
+    (roster.csv of the course root) when not given, checked against unless ``add_unknown``."""
+    if roster is None:
+        roster = Roster.of_course(root)
+    return Intake(Path(submissions), Path(root), Path(course_dir), assignments or assignment_names(), roster,
+                  add_unknown).run()
+
+
+def refuse_after_error(entry: Entry, error: Exception) -> None:
     """One file that made the intake fail (too deeply nested to parse, say) is refused, alone."""
     if isinstance(error, RecursionError):
         why = "its JSON is nested too deeply to be a notebook"
     else:
         why = f"{type(error).__name__}: {str(error)[:200]}"
-    for key, (_, other, _) in list(chosen.items()):
-        if other is entry:
-            del chosen[key]
-    entry.status = "refused"
+    entry.status, entry.destination = "refused", None
     entry.reasons.append(f"could not be taken in ({why})")
 
 
 def _timestamp(mtime: float) -> str:
     """nbgrader's timestamp.txt format (UTC)."""
-    moment = datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc)
-    return moment.strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+    return stamp_text(utc_time(mtime))
+
+
+SAFE_FILE_NAME = re.compile(r"[^\w .()+,=@-]")
+
+
+def keep_received(folder: Path, candidate: Candidate, submissions: Path) -> None:
+    """The file as the student handed it in, byte for byte, in ``<submission>/.received/``, and
+    ``receipt.json``: where it came from, the LMS's ids (Canvas's re-upload of feedback needs
+    them: autograder.reports.lms_export), the times, and what intake repaired."""
+    received = folder / RECEIVED_FOLDER
+    received.mkdir(parents=True, exist_ok=True)
+    name = SAFE_FILE_NAME.sub("_", candidate.file.relative.name).strip(". ") or "received.ipynb"
+    (received / name).write_bytes(candidate.data)
+    entry, lms = candidate.entry, candidate.lms
+    receipt = {"file": name, "export": str(submissions), "path_in_export": str(candidate.file.relative),
+               "file_time": entry.file_time, "submitted_at": entry.submitted_at,
+               "time_not_submission": entry.time_not_submission,
+               "repaired": candidate.repairs,
+               "lms": None if lms is None else {key: lms[key] for key in ("kind", "name", "lms", "attachment", "late", "file")},
+               "received": stamp_text(datetime.datetime.now(UTC))}
+    (received / RECEIPT).write_text(json.dumps(receipt, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def receipt(folder: Path) -> dict | None:
+    """What intake recorded of the submission in ``folder`` (:func:`keep_received`), if anything."""
+    try:
+        return json.loads((folder / RECEIVED_FOLDER / RECEIPT).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def archive_previous(folder: Path, root: Path) -> Path:
-    """Keep an earlier submission: ``archive/submitted/<student>/<assignment>/<its time>/``."""
-    stamp_file = folder / "timestamp.txt"
+    """Keep an earlier submission (and what was received): ``archive/submitted/<student>/<assignment>/<its time>/``."""
+    stamp_file = folder / TIMESTAMP_FILE
     stamp = (stamp_file.read_text().strip() if stamp_file.exists() else
              _timestamp(max(p.stat().st_mtime for p in folder.iterdir())))
     name = re.sub(r"[^0-9T]", "", stamp.replace(" ", "T"))[:15] or "earlier"
@@ -422,144 +734,20 @@ def archive_previous(folder: Path, root: Path) -> Path:
     return target
 
 
-def intake(submissions: Path, root: Path = COURSE_ROOT, course_dir: Path = COURSE_DIR,
-           assignments: list[str] | None = None, roster=None, add_unknown: bool = False) -> list[Entry]:
-    """File every submission of ``submissions``; ``roster``: the course's (roster.csv of the
-    course root) when not given, checked against unless ``add_unknown``."""
-    assignments = assignments or assignment_names()
-    releases = load_releases(course_dir, assignments)
-    if roster is None:
-        roster = Roster.of_course(root)
-    roster_size = len(roster.students) if roster else 0
-    seen: dict[str, str] = {}  # without a roster: folded name -> the spelling filed
-    if roster is None and (root / "submitted").is_dir():
-        seen = {fold(p.name): p.name for p in sorted((root / "submitted").iterdir()) if p.is_dir()}
-    entries: list[Entry] = []
-    chosen: dict[tuple[str, str], tuple[float, Entry, object]] = {}
-    canvas_late: dict[tuple[str, str], bool] = {}   # Canvas's _LATE_ marker of the file chosen
-    for path in sorted(submissions.rglob("*")):
-        relative = path.relative_to(submissions)
-        if path.name in IGNORED or set(relative.parts) & IGNORED_DIRS:
-            continue
-        if any(part.startswith(".") for part in relative.parts):
-            continue
-        if path.is_dir() and not path.is_symlink():
-            continue
-        entry = Entry(str(relative), relative.parts[0] if len(relative.parts) > 1 else None, "refused")
-        entries.append(entry)
-        problem = unreadable_file(submissions, relative)
-        if problem:
-            entry.reasons.append(problem)
-            continue
-        try:
-            filename = path.name
-            lms = lms_name(relative.parts[0])
-            if len(relative.parts) < 2 and not lms:
-                entry.reasons.append("not inside a student folder (expected <student>/<file>, "
-                                     "or an LMS export's lastfirst_<id>_<id>_<file>)")
-                continue
-            if lms:
-                entry.reasons.append(f"{lms['kind']} export: {lms['name']}, LMS user id {lms['lms']}"
-                                     + (" (marked late)" if lms["late"] else ""))
-                if roster is None:
-                    entry.student = lms["name"]
-                    entry.reasons.append("an LMS export needs the roster to know its students "
-                                         "(make roster ROSTER=<csv> with their lms_user_id)")
-                    continue
-                if len(relative.parts) < 2:
-                    filename = lms["file"]
-                student = resolve_student(entry, lms["name"], roster, add_unknown, lms["lms"])
-            else:
-                student = resolve_student(entry, relative.parts[0], roster, add_unknown, seen=seen)
-            entry.student = student or (lms["name"] if lms else relative.parts[0])
-            if student is None:
-                continue
-            if path.suffix.lower() != ".ipynb":
-                entry.reasons.append(f"not a notebook ({path.suffix or 'no extension'}): unknown file")
-                continue
-            notebook, problem = read_notebook(path)
-            if problem:
-                entry.reasons.append(problem)
-                continue
-            by_name = assignment_from_name(filename, assignments)
-            scores = {a: content_match(notebook, r) for a, r in releases.items()}
-            best = max(scores, key=scores.get) if scores else None
-            if best is None or scores[best] < MIN_CONTENT_MATCH:
-                entry.reasons.append("its cells are not those of any notebook of this course"
-                                     + (f" (the name says {by_name})" if by_name else ""))
-                continue
-            if by_name and by_name != best and scores.get(by_name, 0) < MIN_CONTENT_MATCH:
-                entry.reasons.append(f"named like {by_name} but its cells are those of {best}: "
-                                     "the wrong notebook was submitted")
-                continue
-            assignment = by_name if by_name and scores.get(by_name, 0) >= MIN_CONTENT_MATCH else best
-            if not by_name:
-                entry.reasons.append(f"recognised by its content as {assignment}")
-            elif normalise_name(Path(filename).stem) != assignment.lower() or filename != f"{assignment}.ipynb":
-                entry.reasons.append(f"file name {filename!r} taken as {assignment}")
-            repaired, notes, refusal = repair(notebook, releases[assignment])
-            entry.assignment = assignment
-            if refusal:
-                entry.reasons.append("nbgrader metadata missing and cannot be repaired: " + refusal)
-                continue
-            entry.reasons += notes
-            entry.status = "repaired" if notes else "accepted"
-            key = (student, assignment)
-            mtime = path.stat().st_mtime
-            if key in chosen:
-                other_mtime, other, _ = chosen[key]
-                older, newer = (other, entry) if other_mtime <= mtime else (entry, other)
-                older.status = "refused"
-                older.reasons.append(f"superseded by the newer file {newer.source!r}")
-                if newer is other:
-                    continue
-            chosen[key] = (mtime, entry, repaired)
-            if lms and lms["kind"] == "Canvas":
-                canvas_late[key] = lms["late"]
-        except Exception as error:  # whatever one file does, it is that file's refusal
-            refuse_after_error(entry, error, chosen)
-    due = due_dates(root)
-    by_hand = hand_graded(root) if chosen else {}
-    for (student, assignment), (mtime, entry, notebook) in chosen.items():
-        folder = root / "submitted" / student / assignment
-        target = folder / f"{assignment}.ipynb"
-        text = json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
-        when, corrected = submission_time(mtime, canvas_late.get((student, assignment)), due.get(assignment))
-        entry.destination = str(target.relative_to(root))
-        entry.file_time = _timestamp(mtime)
-        entry.submitted_at = stamp_text(when)
-        if corrected:
-            entry.reasons.append(corrected)
-        if target.exists() and target.read_text(encoding="utf-8") == text:
-            entry.reasons.append("already in place, unchanged")
-            continue
-        refusal = replacement_refusal(folder, text, when, root)
-        if refusal:
-            entry.status, entry.destination = "refused", None
-            entry.reasons.append(refusal)
-            continue
-        if target.exists():
-            kept = archive_previous(folder, root)
-            entry.reasons.append(f"replaces the previous submission (kept in {kept.relative_to(root)})")
-            if (student, assignment) in by_hand:
-                entry.reasons.append(f"the previous one was graded or commented by hand ({', '.join(by_hand[student, assignment])}): "
-                                     "make grade keeps that for answers that did not change and names the others")
-            for old in folder.glob("*.ipynb"):
-                old.unlink()
-        folder.mkdir(parents=True, exist_ok=True)
-        target.write_text(text, encoding="utf-8")
-        (folder / "timestamp.txt").write_text(entry.submitted_at + "\n")
-    if roster is not None and add_unknown and len(roster.students) > roster_size:
-        roster.write(root / ROSTER_FILE)
-    return entries
-
+# --------------------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------------------
 
 def time_notices(entries: list[Entry], root: Path) -> list[str]:
     """The intake report's notices on this export's submission times (see autograder.term.intake_checks)."""
-    taken = [e for e in entries if e.file_time]
-    filed = [(e.student, e.assignment, parse_stamp(e.submitted_at)) for e in taken if e.status != "refused"]
-    return export_notices([parse_stamp(e.file_time) for e in taken], due_dates(root), filed,
-                          CourseSettings.load(root))
+    untrusted: dict[str, int] = {}
+    for entry in entries:
+        if entry.time_not_submission:
+            why = re.sub(r" \(\d{4}-\d\d-\d\d [^)]*\)", "", entry.time_not_submission)   # one line per kind of reason
+            untrusted[why] = untrusted.get(why, 0) + 1
+    filed = [(e.student, e.assignment, parse_stamp(e.submitted_at)) for e in entries
+             if e.submitted_at and e.status != "refused"]
+    return export_notices(untrusted, due_dates(root), filed, CourseSettings.load(root))
 
 
 def write_report(entries: list[Entry], root: Path, submissions: Path, notices: list[str] | None = None) -> Path:
@@ -578,16 +766,18 @@ def write_report(entries: list[Entry], root: Path, submissions: Path, notices: l
     return keep_report(root, "intake", "Intake report", lines, data, f"`{submissions}`: {summary}")
 
 
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("submissions", type=Path, help="folder laid out as <student>/<file>")
-    parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="course root (default: autograder/course_root/)")
+    parser = command_line(__doc__, course_root=True)
+    parser.add_argument("submissions", type=Path, help="a folder laid out as <student>/<file> or as an LMS exports it, "
+                                                        "or the LMS's zip itself")
     parser.add_argument("--course", type=Path, default=COURSE_DIR, help="the student release notebooks")
     parser.add_argument("--add-unknown", action="store_true",
-                        help="accept students missing from the roster (and add them to it)")
+                        help="accept students missing from the roster (and add them to it, with the LMS's id and name)")
     options = parser.parse_args(argv)
-    if not options.submissions.is_dir():
-        print(f"{options.submissions}: no such folder (make intake SUBMISSIONS=<folder>)")
+    if not options.submissions.exists():
+        print(f"{options.submissions}: no such folder or zip (make intake SUBMISSIONS=<folder or .zip>)")
         return 2
     roster = Roster.of_course(options.root)
     if roster is None:

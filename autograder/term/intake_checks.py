@@ -1,14 +1,18 @@
 """What intake checks beyond a file's contents: when it was submitted, and whether it may replace
 what is filed.
 
-**Submission time.**  A file's modification time is the submission time only when the export
-kept it (unzipped as downloaded); a plain ``cp`` stamps every file "now".  Where the LMS's
-export says more, it wins: Canvas marks a late submission ``_LATE_`` in its file name (a file
-marked late whose time is not after the due date is taken as one second late; one not marked
-late whose time is after it, as submitted at the due date).  The export as a whole is then
-cross-checked (:func:`export_notices`): every file with the same time, every file after its
-due date, a time in the future; each said in the intake report, with the count of late
-submissions under the course settings (extensions and grace period included).
+**Submission time.**  A file's time is its submission time only when nothing says otherwise
+(:func:`not_a_submission_time`, :func:`copied_together`): Canvas's and Moodle's downloads
+stamp every file with the time they built the zip; a copy that did not keep the times (``cp``
+without ``-p``) stamps them with its own, all within a few seconds and as new as the export;
+and no submission comes from the future.  Such a time still comes *after* the submission,
+which bounds it: before the due date, the submission was on time; after it, Canvas's
+``_LATE_`` mark decides, Moodle's download counts as on time (it tells nothing; the report says
+so), and any other file is refused (its lateness cannot be told) -- :func:`submission_time`,
+never months of lateness made up from a copy's time.  The intake
+report says which times were not submission times and why, every file after its due date, a
+time in the future, and the count of late submissions under the course settings
+(:func:`export_notices`: extensions and grace period included).
 
 **Replacing.**  The newest submission wins: a file older than the submission already filed
 (an older export taken in again) is refused; so is one identical to a submission withdrawn
@@ -48,38 +52,91 @@ def due_dates(root: Path) -> dict[str, datetime.datetime]:
         return {a.name: a.duedate.replace(tzinfo=UTC) for a in gb.assignments if a.duedate}
 
 
-def submission_time(mtime: float, canvas_late: bool | None,
-                    due: datetime.datetime | None) -> tuple[datetime.datetime, str | None]:
-    """The submission time of a file (its modification time, corrected by Canvas's late
-    marker where the two disagree), and why it was corrected."""
-    moment = datetime.datetime.fromtimestamp(mtime, UTC)
-    if canvas_late is None or due is None:
-        return moment, None
-    if canvas_late and moment <= due:
+COPY_SECONDS = 120                             # a copy (or an LMS building its zip) writes an export within this
+FUTURE_SLACK = datetime.timedelta(minutes=5)   # two machines' clocks may differ by this much
+
+
+def not_a_submission_time(moment: datetime.datetime, export_time: datetime.datetime | None, lms: str | None,
+                          now: datetime.datetime, together: str | None = None) -> str | None:
+    """Why one file's time cannot be its submission time, or None (then it is); ``lms``: the LMS
+    whose download named the file (``Canvas``, ``Moodle``), if any; ``together``: why the whole
+    export's times are a copy's (:func:`copied_together`).
+
+    * A file of Canvas's or Moodle's bulk download: each stamps every file of its zip with the
+      time it built the zip (Canvas's zipper and Moodle's zip writer give no entry a time of its
+      own) and exports no submission time at all; Canvas's ``_LATE_`` mark says whether a
+      submission was late, Moodle says nothing.
+    * A time after the intake: no submission comes from the future (a wrong clock).
+    * A file as new as the export itself (the folder it was copied into, the zip it came in):
+      it was written when the export was made -- a copy without its times (``cp`` without
+      ``-p``, an upload tool) -- not submitted then."""
+    if lms:
+        return f"{lms}'s download stamps each file with the time it built the zip, not the submission time"
+    if together:
+        return together
+    if moment > now + FUTURE_SLACK:
+        return "its time is in the future: this machine's clock or the export's is wrong"
+    if export_time is not None and moment >= export_time - datetime.timedelta(seconds=COPY_SECONDS):
+        return (f"its time is that of the export itself ({stamp_text(export_time)}): written by a copy that did not "
+                "keep the times (cp without -p, an upload tool), not submitted then")
+    return None
+
+
+def copied_together(times: list[datetime.datetime]) -> str | None:
+    """Why an export's times are a copy's, or None: every file written within a copy's few seconds."""
+    if len(times) > 1 and max(times) - min(times) <= datetime.timedelta(seconds=COPY_SECONDS):
+        return (f"all {len(times)} files were written within {(max(times) - min(times)).total_seconds():.0f} s of one "
+                "another: a copy that did not keep the times (cp without -p, an upload tool), not when they were "
+                "submitted")
+    return None
+
+
+def submission_time(moment: datetime.datetime, why_not: str | None, due: datetime.datetime | None,
+                    lms: str | None = None, late_mark: bool = False) -> tuple[datetime.datetime | None, str | None]:
+    """The submission time of a file and what the report says of it; ``(None, why)``: it cannot
+    be told (the file is refused, with why).
+
+    ``moment``: the file's time; ``why_not``: why that is not its submission time (None: it is);
+    ``lms``: the LMS whose download named the file; ``late_mark``: Canvas's ``_LATE_``.
+
+    * Canvas's mark decides: marked late, 1 s late -- the least the mark allows, never months made
+      up from the download's or a copy's time (a grace period excuses it: the report names it); not
+      marked, on time (at the due date at the latest).
+    * Moodle's download holds no time and no mark: on time (at the due date at the latest), and
+      the report says that lateness is not known.
+    * Any other file whose time is not its submission time (a copy's): that time still comes
+      *after* the submission. At or before the due date, the submission was on time. After it,
+      lateness cannot be told, and the file is refused rather than filed late.
+    * Without a due date a file is filed with its time; the report says when that time is not a
+      submission time (set the due dates first)."""
+    if due is None:
+        return moment, None if why_not is None else (
+            f"its time ({stamp_text(moment)}) is not its submission time ({why_not}) and the assignment has no due "
+            "date yet: set the due dates (make deadlines) before taking such an export in, or its lateness will "
+            "be wrong")
+    if lms == "Canvas" and late_mark:
         return due + datetime.timedelta(seconds=1), (
-            f"Canvas marks it late but its file time ({stamp_text(moment)}) is not after the due date: "
-            "taken as 1 s late (Canvas's export gives no exact time)")
-    if not canvas_late and moment > due:
-        return due, (f"its file time ({stamp_text(moment)}) is after the due date but Canvas does not mark it "
-                     "late: taken as submitted at the due date")
-    return moment, None
+            "Canvas marks it late and its download holds no submission time: taken as 1 s late, the least the mark "
+            "allows (a grace period excuses it: look its time up in SpeedGrader)")
+    if lms and moment > due:
+        return due, (f"{'Canvas does not mark it late' if lms == 'Canvas' else 'Moodle marks no lateness'} and its "
+                     "download holds no submission time: taken as submitted at the due date"
+                     + ("" if lms == "Canvas" else " (lateness is not known: Moodle's grading worksheet lists "
+                                                   "each submission's time)"))
+    if why_not is None or moment <= due:
+        return moment, None
+    return None, (f"its time ({stamp_text(moment)}) is not its submission time ({why_not}) and is after the due "
+                  "date: whether it was late cannot be told. Take the export in as it was downloaded (the zip "
+                  "itself, or unzipped; a copy made with cp -p keeps the times)")
 
 
-def export_notices(file_times: list[datetime.datetime], due: dict[str, datetime.datetime],
-                   filed: list[tuple[str, str, datetime.datetime]], settings: CourseSettings,
-                   now: datetime.datetime | None = None) -> list[str]:
-    """What the intake report says about this export's times: ``file_times`` of every file
-    taken, ``filed`` as ``(student, assignment, submission time)``."""
-    now = now or datetime.datetime.now(UTC)
-    notices = []
-    if len(file_times) > 1 and len(set(file_times)) == 1:
-        notices.append(f"all {len(file_times)} files have the same modification time ({stamp_text(file_times[0])}): "
-                       "the export was probably copied without its file times (cp without -p, an upload tool); "
-                       "unzip the LMS's download itself to keep them, or the late penalties are wrong")
-    future = [t for t in file_times if t > now + datetime.timedelta(minutes=5)]
-    if future:
-        notices.append(f"{len(future)} file time{'s are' if len(future) != 1 else ' is'} in the future "
-                       f"(latest {stamp_text(max(future))}): this machine's clock or the export's is wrong")
+def export_notices(untrusted: dict[str, int], due: dict[str, datetime.datetime],
+                   filed: list[tuple[str, str, datetime.datetime]], settings: CourseSettings) -> list[str]:
+    """What the intake report says about this export's times: ``untrusted`` as ``{why files'
+    times are not their submission times: how many}``, ``filed`` as ``(student, assignment,
+    submission time)``."""
+    notices = [f"{count} file time{'s are' if count != 1 else ' is'} not a submission time: {why} "
+               "(each file's line says what was done)" for why, count in sorted(untrusted.items())]
     dated = [(s, a, t) for s, a, t in filed if a in due]
     if len(dated) > 1 and all(t > due[a] for _, a, t in dated):
         notices.append(f"every one of the {len(dated)} submissions is after its due date: check that the export "

@@ -12,8 +12,8 @@ taken for ``lms_user_id``. ``import`` keeps a normalised copy as ``roster.csv`` 
 root (what ``make intake`` checks student folders against) and imports it into the gradebook
 with ``nbgrader db student import`` (Formgrader then shows the names).
 
-**Due dates.** ``deadlines.csv`` (columns ``assignment``, ``duedate``: ISO 8601, a time
-zone or UTC) sets each assignment's ``duedate`` in the gradebook, where nbgrader's late
+**Due dates.** ``deadlines.csv`` (columns ``assignment``, ``duedate``: ISO 8601, with an offset
+or in the course's time zone, ``make settings TIME_ZONE=...``) sets each assignment's ``duedate`` in the gradebook, where nbgrader's late
 penalty looks for it. Submission times are recorded by
 ``make intake`` in nbgrader's ``submitted/<student>/<assignment>/timestamp.txt``.
 
@@ -38,6 +38,8 @@ from autograder.places import COURSE_ROOT, REPO_ROOT
 from autograder.publishing.release import assignment_names, assignments_with_source
 from autograder.store import gradebook
 from autograder.store.nbgrader_cli import run_nbgrader
+from autograder.term.course_settings import CourseSettings
+from autograder.term.due_dates import parse_duedate
 
 ROSTER_FILE = "roster.csv"
 COLUMNS = ["id", "first_name", "last_name", "email", "lms_user_id"]
@@ -150,9 +152,11 @@ class Roster:
         chosen = list(dict.fromkeys(candidates[key].id for key in close))[:count]
         return [f"{i} ({self.by_id[i].name})" if self.by_id[i].name else i for i in chosen]
 
-    def add(self, student_id: str) -> None:
+    def add(self, student_id: str, **known: str) -> None:
+        """A student the roster did not have, with what is ``known`` of them (names, e-mail,
+        LMS user id: what an LMS export gave)."""
         if student_id not in self.by_id:
-            student = Student(student_id)
+            student = Student(student_id, **known)
             self.students.append(student)
             self.by_id[student_id] = student
 
@@ -174,18 +178,8 @@ def import_roster(source: Path, root: Path = COURSE_ROOT) -> Roster:
     return roster
 
 
-def parse_duedate(text: str) -> datetime.datetime:
-    """An ISO 8601 date (a day alone means its end, 23:59:59) as naive UTC, as nbgrader stores it."""
-    text = text.strip()
-    value = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    if len(text) == 10:
-        value = value.replace(hour=23, minute=59, second=59)
-    if value.tzinfo is not None:
-        value = value.astimezone(datetime.timezone.utc).replace(tzinfo=None)
-    return value
-
-
-def read_deadlines(path: Path) -> dict[str, datetime.datetime]:
+def read_deadlines(path: Path, zone: datetime.tzinfo = datetime.timezone.utc) -> dict[str, datetime.datetime]:
+    """``{assignment: due date}`` (naive UTC) of a deadlines CSV; a date without an offset is in ``zone``."""
     with open(path, newline="", encoding="utf-8-sig") as handle:
         rows = list(csv.DictReader(handle))
     deadlines = {}
@@ -194,7 +188,7 @@ def read_deadlines(path: Path) -> dict[str, datetime.datetime]:
         if not row.get("assignment") or not row.get("duedate"):
             raise SystemExit(f"{path}, line {number}: needs `assignment` and `duedate`")
         try:
-            deadlines[row["assignment"]] = parse_duedate(row["duedate"])
+            deadlines[row["assignment"]] = parse_duedate(row["duedate"], zone)
         except ValueError:
             raise SystemExit(f"{path}, line {number}: {row['duedate']!r} is not an ISO date "
                              "(2026-03-01 or 2026-03-01T17:00+01:00)") from None
@@ -300,10 +294,13 @@ def main(argv: list[str] | None = None) -> int:
             print(note)
         print(f"{len(roster.students)} students in {options.root / ROSTER_FILE} and in the gradebook")
     elif options.command == "deadlines":
-        values = read_deadlines(options.csv)
+        settings = CourseSettings.load(options.root)
+        values = read_deadlines(options.csv, settings.zone)
         set_deadlines(values, options.root)
         for assignment, duedate in values.items():
-            print(f"{assignment}: due {duedate.isoformat(sep=' ')} UTC")
+            print(f"{assignment}: due {settings.local(duedate)}")
+        print(f"dates written without an offset are in the course's time zone, {settings.time_zone} "
+              "(`make settings TIME_ZONE=<zone>` sets it; then run `make deadlines` again)")
     else:
         for line in withdraw(options.student, options.assignment, options.root):
             print(line)

@@ -43,11 +43,13 @@ if os.environ.get(SHELL_VARIABLE, "").lower() not in ("on", "1", "yes", "true"):
 
 # Formgrader's Autograde / Generate Feedback go through the pipeline (sandbox, one gradebook
 # writer, no hidden test shown); Generate / Release / Collect / Release Feedback are off, with
-# what to run instead: autograder/lab/instructor/pipeline_buttons.py.
+# what to run instead: autograder/lab/instructor/pipeline_buttons.py. Every page that shows scores
+# says they are raw, before the course's late penalty: autograder/lab/instructor/raw_scores.py.
 c.ServerApp.jpserver_extensions = {
     "nbgrader.server_extensions.formgrader": True,
     "autograder.lab.instructor.pipeline_buttons": True,
     "autograder.lab.instructor.inert_submissions": True,
+    "autograder.lab.instructor.raw_scores": True,
     "nbgrader.server_extensions.validate_assignment": True,
     "nbgrader.server_extensions.assignment_list": False,
     "nbgrader.server_extensions.course_list": False,
