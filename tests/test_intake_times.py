@@ -17,7 +17,7 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.term import intake, roster
+from autograder.term import roster
 from autograder.term.course_settings import CourseSettings
 from autograder.publishing.release import REPO_ROOT
 from autograder.places import COURSE_ROOT_VARIABLE

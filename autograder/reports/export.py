@@ -26,7 +26,6 @@ late penalty is taken from it as the course settings say when the export is writ
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import re
@@ -34,6 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from autograder.command_line import command_line
 from autograder.places import COURSE_ROOT
 from autograder.store import gradebook
 from autograder.term import scores
@@ -156,8 +156,7 @@ def export(root: Path = COURSE_ROOT) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=COURSE_ROOT)
+    parser = command_line(__doc__, course_root=True)
     options = parser.parse_args(argv)
     for path in export(options.root):
         print(f"wrote {path}")

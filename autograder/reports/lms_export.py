@@ -34,12 +34,12 @@ spreadsheet would evaluate, the file replaced whole or not at all).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from autograder.command_line import command_line
 from autograder.places import COURSE_ROOT
 from autograder.reports.export import write_csv
 from autograder.store import gradebook
@@ -136,8 +136,7 @@ def write_lms_exports(root: Path = COURSE_ROOT) -> Exported:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=COURSE_ROOT)
+    parser = command_line(__doc__, course_root=True)
     options = parser.parse_args(argv)
     if not gradebook.exists(options.root):
         print("no gradebook yet: run make grade first", file=sys.stderr)

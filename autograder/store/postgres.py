@@ -21,7 +21,6 @@ it (not under ``/root``).
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import re
@@ -32,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from autograder.command_line import command_line
 
 ROLE = "grader"
 DATABASE = "attention_lab"
@@ -192,7 +193,7 @@ def stop(data: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     starting = commands.add_parser("start")
     starting.add_argument("--data", type=Path, required=True)

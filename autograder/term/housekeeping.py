@@ -20,12 +20,11 @@ vanished from its pages until the next ``make grade`` and a restart.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
 
-from autograder.places import COURSE_ROOT
+from autograder.command_line import command_line
 
 REBUILT = ["release", "feedback", "reports/class", "grades.csv", "grades_by_question.csv"]
 CONFIRMATION = "erase"
@@ -72,8 +71,7 @@ def erase(root: Path, answer: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="course root (default: autograder/course_root/)")
+    parser = command_line(__doc__, course_root=True)
     parser.add_argument("command", choices=("clean", "erase"))
     options = parser.parse_args(argv)
     root = options.root
@@ -92,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Type {CONFIRMATION} to delete it (anything else keeps it): ", end="", flush=True)
     answer = sys.stdin.readline()
     if not erase(root, answer):
-        print(f"\nnothing deleted")
+        print("\nnothing deleted")
         return 1
     print(f"deleted {root}")
     return 0

@@ -24,7 +24,6 @@ page and gradebook entry; nothing else is touched.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime
 import difflib
@@ -34,6 +33,7 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
+from autograder.command_line import command_line
 from autograder.places import COURSE_ROOT, REPO_ROOT
 from autograder.publishing.release import assignment_names, assignments_with_source
 from autograder.store import gradebook
@@ -273,8 +273,7 @@ def forget_student_without_submissions(gb, student: str, root: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=COURSE_ROOT, help="course root (default: autograder/course_root/)")
+    parser = command_line(__doc__, course_root=True)
     commands = parser.add_subparsers(dest="command", required=True)
     importing = commands.add_parser("import", help="import a roster CSV")
     importing.add_argument("csv", type=Path)

@@ -27,7 +27,6 @@ import inspect
 import socket
 import sys
 import traceback
-import types
 from typing import Any
 
 import numpy as np

@@ -24,7 +24,6 @@ an answer passes with a one-line note.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import traceback
 from collections import Counter

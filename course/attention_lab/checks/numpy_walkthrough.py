@@ -1553,7 +1553,7 @@ def _lse_backward(Q, K, V, out, lse, dout, mask, *, p_from: str = "lse", delta: 
 
 def _attention_backward_variants(Q, K, V, dout, mask) -> list[tuple[Callable[[], Any], str]]:
     """(lazy (dQ, dK, dV) of a known mistake, its hint)."""
-    s_q, s_k, d_v = Q.shape[-2], K.shape[-2], V.shape[-1]
+    s_q, s_k = Q.shape[-2], K.shape[-2]
     options: list[tuple[dict, str]] = [
         (dict(rowsum="none"), "no_rowsum"), (dict(rowsum="unweighted"), "rowsum_unweighted"),
         (dict(grad_scale="none"), "no_scale"), (dict(grad_scale="d"), "scale_by_d"), (dict(scale_dv=True), "scale_dv"),
