@@ -116,9 +116,10 @@ print("shares of the mass on A and B:", torch.exp(lse_a - lse_ab).flatten().toli
 # %% [markdown]
 # **Which logarithm?** The `lse` above is a natural log. Kernels that compute with `exp2` (faster
 # on GPUs) keep their running maximum and sum in base 2; FlashInfer, for one, returns its `lse` in
-# base 2, `lse₂ = log₂ Σ 2^{s·log₂e} = lse · log₂ e`. Merged as if it were natural, each weight
-# becomes `e^{(lse_i − lse)·log₂ e}` = `share_i^{1.44}`: every share below 1 shrinks, the weights no
-# longer sum to 1, and nothing fails loudly:
+# base 2, `lse₂ = log₂ Σ 2^{s·log₂e} = lse · log₂ e`. Merged as if it were natural, the weights still
+# sum to 1 (they are normalised by the merged total), but each is proportional to
+# `e^{lse₂,i} = e^{lse_i · 1.44}`, that is to `share_i^{1.44}` instead of `share_i`: the part with the
+# most mass gets too much weight, the others too little — and nothing fails loudly:
 
 # %%
 log2_e = 1 / math.log(2)
@@ -126,18 +127,16 @@ lse2_a, lse2_b = lse_a * log2_e, lse_b * log2_e  # what a base-2 kernel returns
 lse2_ab = torch.logaddexp(lse2_a, lse2_b)  # the merge's formula, as if they were natural logs
 weight_a, weight_b = torch.exp(lse2_a - lse2_ab), torch.exp(lse2_b - lse2_ab)
 wrong = weight_a[..., None] * out_a + weight_b[..., None] * out_b
-print("weights of A and B (base 2 merged as natural):", weight_a.flatten().tolist(), "and",
-      weight_b.flatten().tolist())
-print("their sums:", (weight_a + weight_b).flatten().tolist(),
+print("true shares of A:", torch.exp(lse_a - lse_ab).flatten().tolist())
+print("weights of A, base 2 merged as natural:", weight_a.flatten().tolist(),
       "| out off by", float((wrong - whole_out).abs().max()))
 print("converted back (× ln 2) before merging, off by:",
       float((torch.logaddexp(lse2_a * math.log(2), lse2_b * math.log(2)) - whole_lse).abs().max()))
 
 # %% [markdown]
-# The sums above are not 1 (each weight was the `1.44`-th power of its share and then normalised
-# against a base-2 total), so the output is off. One unit convention for the whole pipeline —
-# natural here, as in `torch.logsumexp` and notebook 06 — or a conversion (`× ln 2`) at the
-# boundary.
+# The shares 0.27 and 0.64 became 0.19 and 0.69: pushed away from ½, so the output is off. One unit
+# convention for the whole pipeline — natural here, as in `torch.logsumexp` and notebook 06 — or a
+# conversion (`× ln 2`) at the boundary.
 #
 # **An empty part.** Splitting `L` keys into `n` parts can leave a part with no key (`n > L`, or a
 # sequence shorter than the others in a batch). Its sum of exponentials is an empty sum, 0, so its
@@ -800,8 +799,8 @@ cache_memory_view(PagedKVCache, lengths.tolist(), max_len=max_len, block_size=16
 #
 # A sliding window bounds what each query reads: the query at position `p` attends to the keys
 # `p − W < j ≤ p`, the `W` most recent including itself (fewer at the start). Mistral 7B uses a
-# window of 4,096 in every layer; Gemma 2 and 3, and gpt-oss, alternate windowed layers with layers
-# that see everything. A windowed layer's cache needs only the last `W` tokens.
+# window of 4,096 in every layer; Gemma 2 and 3, and gpt-oss, mix windowed layers with layers that
+# see everything. A windowed layer's cache needs only the last `W` tokens.
 
 # %% [markdown]
 # ### Exercise 7.8 — sliding_window_mask (1 pt, ~5 min)
@@ -861,7 +860,7 @@ print(sliding_window_mask(6, 6, 3).int())
 # ### StreamingLLM: sinks and a rolling window
 #
 # A rolling window that drops the oldest tokens sounds free: keep the last `n_recent` keys. Xiao et
-# al. (2023) found that it is not: in the models they measured (Llama 2, MPT, Falcon, Pythia), the
+# al. (2023) report that it is not: in the models they measured (Llama 2, MPT, Falcon, Pythia), the
 # perplexity exploded as soon as the *first* tokens left the cache, although those tokens carried
 # little meaning. Their attention heads put large weight on the first tokens whatever the content —
 # "attention sinks": the softmax must give its mass to some key, and training teaches heads to park
@@ -986,9 +985,9 @@ for length in (8, 12, 13, 20, 40):
 
 # %% [markdown]
 # Up to 12 tokens (4 sinks + 8 recent) nothing is evicted and the two agree to rounding; from the
-# 13th on, the cache has a gap and the two compute different things. Which one a trained model
-# handles better is what Xiao et al. measured (their finding: re-rotated positions, as here); this
-# cell only shows that the choice changes the result.
+# 13th on, the cache has a gap and the two compute different things. StreamingLLM rotates at cache
+# positions; this cell shows only that the choice changes the result, not which one a trained model
+# handles better (that takes a trained model).
 #
 # ### gpt-oss's learned sinks
 #
@@ -1182,8 +1181,8 @@ check_mla_attention_naive(mla_attention_naive, seed=8401)
 #
 # Multiply the query by `W_UK,h` once (a `[kv_lora_rank]` vector per head and query) and score it
 # against the cached latents directly; sum the latents with the attention weights, and apply `W_UV,h`
-# once, after. (DeepSeek's inference code can fold `W_UV` further into `W_O`.) No per-head key or
-# value over the cache ever exists.
+# once, after. (The DeepSeek-V2 paper notes that `W_UV` can be folded further into `W_O`.) No
+# per-head key or value over the cache ever exists.
 
 # %% [markdown]
 # ### Exercise 7.15 — mla_attention_absorbed (3 pts, ~20 min)

@@ -44,4 +44,10 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
         "flash_attention_kernel", "flash_attention_backward", "FlashAttention",
         "flash_attention_backward_kernel",
     ),
+    "07_inference_attention": (
+        "merge_attention_states", "split_kv_decode", "split_kv_decode_kernel", "slot_mapping", "PagedKVCache",
+        "paged_decode_attention", "sliding_window_mask", "attention_with_sinks", "streaming_kept_positions",
+        "streaming_decode", "mla_cache_entry", "mla_attention_naive", "mla_attention_absorbed", "mla_cache_bytes",
+        "tree_attention_mask", "tree_position_ids",
+    ),
 }

@@ -75,8 +75,9 @@ MERGE_HINTS = {
     "lse_sum": "the merged lse adds the parts' lses (the log of a product of their sums): add their exponentials "
     "instead, lse = log Σ_i e^(lse_i).",
     "base2": "the lse is in base 2 and merged as if it were natural (or merged with exp2/log2 while it is natural): "
-    "each weight becomes its share to the power log2(e) = 1.44, and the weights no longer sum to 1. Keep one unit: "
-    "natural logs with torch.exp/torch.log (multiply a base-2 lse by ln 2 first, and return a natural lse).",
+    "each part's weight comes out proportional to a power of its true share (share^1.44, or share^0.69), so the "
+    "part with the most mass gets the wrong weight, and the merged lse is in neither unit. Keep one unit: natural "
+    "logs with torch.exp/torch.log (multiply a base-2 lse by ln 2 first, and return a natural lse).",
     "empty_nan": "NaN from an empty part (lse = -inf, and an out that holds NaN, as a kernel's 0 / 0 leaves it): its "
     "weight e^(-inf) = 0 is right, but 0 · NaN = NaN. Choose instead of multiplying: torch.where(weight > 0, "
     "weight * out_i, 0.0).",
