@@ -33,7 +33,7 @@ KERNEL_STARTUP_TIMEOUT = 300    # seconds for a kernel to start and run the setu
 # in the student's kernel: their verdicts cannot be forged by the submission's code. A notebook
 # left out would still run its test cells in the kernel (the grading report says which).
 CHECKED_OUTSIDE_THE_KERNEL = ("01_mha_shapes", "02_numpy_walkthrough", "03_positions_and_blocks", "04_vision_transformer",
-                              "05_llama_attention", "06_efficient_attention")
+                              "05_llama_attention", "06_efficient_attention", "07_inference_attention")
 UNRESPONSIVE_GRACE = 10         # seconds (at least) an interrupted kernel has to answer
 MAX_OUTPUT_BYTES = 1_000_000    # output kept per cell
 
