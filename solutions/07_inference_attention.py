@@ -195,7 +195,7 @@ def merge_attention_states(outs, lses):
 
 
 # %% test="test_merge_attention_states" points=3
-"""merge_attention_states: the state of the union; empty parts are the identity; n parts, any order."""
+"""merge_attention_states: the state of the union; an empty part is the identity; any order."""
 from attention_lab.checks.inference_attention import check_merge_attention_states
 
 check_merge_attention_states(merge_attention_states)
@@ -208,7 +208,8 @@ parts_out = torch.stack([out_a, torch.full_like(out_b, float("nan")), out_b])
 parts_lse = torch.stack([lse_a, torch.full_like(lse_b, float("-inf")), lse_b])
 merged_out, merged_lse = merge_attention_states(parts_out, parts_lse)
 print("A, an empty part and B merged vs the whole: out",
-      float((merged_out - whole_out).abs().max()), "| lse", float((merged_lse - whole_lse).abs().max()))
+      float((merged_out - whole_out).abs().max()),
+      "| lse", float((merged_lse - whole_lse).abs().max()))
 
 # %% [markdown]
 # ## 2. Split-K decoding (Flash-Decoding)
@@ -254,7 +255,7 @@ def split_kv_decode(q, k, v, num_splits, scale=None):
     if num_splits < 1 or seq_len < 1:
         raise ValueError(f"num_splits = {num_splits} and L = {seq_len} must both be at least 1")
     if heads % kv_heads:
-        raise ValueError(f"H_q = {heads} query heads is not a multiple of H_kv = {kv_heads} KV heads")
+        raise ValueError(f"H_q = {heads} query heads is not a multiple of H_kv = {kv_heads}")
     scale = head_dim ** -0.5 if scale is None else scale
     compute = torch.promote_types(q.dtype, torch.float32)
     # query head h = g·n_rep + r sits at [g, r]: the n_rep heads of KV head g side by side
@@ -291,7 +292,8 @@ reference_step = F.scaled_dot_product_attention(q_step[:, :, None], k_cache, v_c
                                                 enable_gqa=True)[:, :, 0]
 for splits in (1, 4, 7, 400):
     out_step, _ = split_kv_decode(q_step, k_cache, v_cache, splits)
-    print(f"{splits:>3} splits: max difference from SDPA {float((out_step - reference_step).abs().max()):.1e}")
+    difference = float((out_step - reference_step).abs().max())
+    print(f"{splits:>3} splits: max difference from SDPA {difference:.1e}")
 
 # %% [markdown]
 # The result does not depend on the number of splits — 400 splits of 300 keys leave 100 of them
@@ -404,7 +406,7 @@ def triton_split_kv_decode(q, k, v, num_splits, block=16):
 
 
 # %% test="test_split_kv_decode_kernel" points=3
-"""split_kv_decode_kernel: every split's state and the merge equal SDPA; GQA; ragged; empty splits."""
+"""split_kv_decode_kernel: each split's (out, lse); GQA; ragged splits and tiles; empty splits."""
 from attention_lab.checks.inference_attention import check_split_kv_decode_kernel
 
 check_split_kv_decode_kernel(split_kv_decode_kernel)
@@ -1035,7 +1037,7 @@ def attention_with_sinks(q, k, v, sinks, window=None, scale=None):
 
 
 # %% test="test_attention_with_sinks" points=2
-"""attention_with_sinks: the sink in the denominator only; causal, windowed; sinks = -inf is plain."""
+"""attention_with_sinks: the sink in the denominator only; causal, windowed; -inf is plain."""
 from attention_lab.checks.inference_attention import check_attention_with_sinks
 
 check_attention_with_sinks(attention_with_sinks)
@@ -1146,7 +1148,7 @@ def mla_attention_naive(x, w, latent, k_pe, positions):
     batch, seq_q, _ = x.shape
     seq_k = latent.shape[1]
     heads, nope, rope, v_dim = w.n_heads, w.qk_nope_dim, w.qk_rope_dim, w.v_dim
-    q = (x @ w.w_q.T).view(batch, seq_q, heads, nope + rope).transpose(1, 2)  # [B, H, T_q, nope+rope]
+    q = (x @ w.w_q.T).view(batch, seq_q, heads, nope + rope).transpose(1, 2)  # [B, H, T_q, n+r]
     q_nope, q_pe = q.split([nope, rope], dim=-1)
     q_pe = apply_rope_at(q_pe, positions, w.rope_base)
     w_uk, w_uv = w.w_ukv.view(heads, nope + v_dim, -1).split([nope, v_dim], dim=1)
