@@ -51,7 +51,8 @@ def attention_state(q, k, v, scale=None):
 
     out [..., S_q, d_v], lse [..., S_q] = log Σ_j exp(scale · q·k_j) (natural log).
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if scale is None:
+        scale = 1 / math.sqrt(q.shape[-1])
     scores = q @ k.transpose(-2, -1) * scale  # [..., S_q, S_k]
     lse = torch.logsumexp(scores, dim=-1)
     return torch.exp(scores - lse[..., None]) @ v, lse

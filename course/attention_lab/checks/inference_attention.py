@@ -1703,9 +1703,13 @@ def check_mla_attention_absorbed_memory(mla_attention_absorbed: Callable, *, see
         x, latent, k_pe = _mla_inputs(generator, w, 2, seq_k, positions, torch.float64, cpu)
         per_head = 2 * w.n_heads * seq_k * min(w.qk_nope_dim, w.v_dim)
         watch = TensorWatch([[per_head, seq_k, None]])
-        _, call = _mla_call(mla_attention_absorbed, "mla_attention_absorbed", x, w, latent, k_pe, positions, [watch])
+        out, call = _mla_call(mla_attention_absorbed, "mla_attention_absorbed", x, w, latent, k_pe, positions, [watch])
         _expect_no_offence(watch, call, ["as many numbers as a per-head key or value of every cached token"],
                            [MLA_HINTS["per_head_kv"]])
+        expect_tensor(out, what=call, shape=x.shape, dtype=x.dtype, device=x.device)  # the rule kept, by an answer
+        expect_close(out, mla_reference(x, w, latent, k_pe, positions), what=call,
+                     against="DeepSeek's MLA with every head's keys and values rebuilt (float64)",
+                     variants=_mla_variants(x, w, latent, k_pe, positions))
 
 
 def _mla_bytes_reference(case: tuple[int, int, int, int, int, float]) -> int:
