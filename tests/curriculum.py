@@ -14,6 +14,27 @@ def solution_cells(assignment: str) -> list:
     return jupytext.read(SOLUTIONS_DIR / f"{assignment}.py", fmt="py:percent").cells
 
 
+def long_code_lines(assignment: str, limit: int = 100) -> list[tuple[int, str]]:
+    """(cell index, line) of every code line of the solution notebook longer than ``limit`` characters."""
+    return [(index, line) for index, cell in enumerate(solution_cells(assignment)) if cell.cell_type == "code"
+            for line in cell.source.splitlines() if len(line) > limit]
+
+
+def demos_before_their_check(assignment: str) -> list[str]:
+    """Code cells that call an answer between its answer cell and its first test cell: a demo a student's wrong
+    answer would crash before the check could say what is wrong."""
+    cells = solution_cells(assignment)
+    early = []
+    for index, cell in enumerate(cells):
+        name = cell.metadata.get("answer")
+        if not name:
+            continue
+        test = next(i for i in range(index, len(cells)) if cells[i].metadata.get("test", "").startswith(f"test_{name}"))
+        early += [f"{name}: {cells[i].source[:60]}" for i in range(index + 1, test)
+                  if cells[i].cell_type == "code" and f"{name}(" in cells[i].source]
+    return early
+
+
 CONTRACTS: dict[str, tuple[str, ...]] = {
     "01_mha_shapes": (
         "split_heads", "merge_heads", "attention_weights", "scaled_dot_product_attention",

@@ -41,7 +41,7 @@ from attention_lab.checks.inference_attention import (  # noqa: E402
 from attention_lab.hint_catalog import _normalise, hint_pattern  # noqa: E402
 from attention_lab.triton_kernels import TRITON_AVAILABLE, launch_split_kv_decode  # noqa: E402
 from tests.bridge_harness import run_both_ways  # noqa: E402
-from tests.curriculum import solution_cells  # noqa: E402
+from tests.curriculum import demos_before_their_check, long_code_lines, solution_cells  # noqa: E402
 
 where_checks_run = run_both_ways()
 
@@ -1280,18 +1280,8 @@ def test_gpu_check_times_the_decode_kernel_in_a_dry_run():
 
 
 def test_no_code_line_of_notebook_07_is_longer_than_100_characters():
-    long = [(index, line) for index, cell in enumerate(_solution_cells()) if cell.cell_type == "code"
-            for line in cell.source.splitlines() if len(line) > 100]
-    assert not long, long
+    assert not long_code_lines(NOTEBOOK)
 
 
 def test_no_demo_of_notebook_07_runs_an_answer_before_its_check():
-    cells = _solution_cells()
-    for index, cell in enumerate(cells):
-        name = cell.metadata.get("answer")
-        if not name:
-            continue
-        test = next(i for i in range(index, len(cells)) if cells[i].metadata.get("test", "").startswith(f"test_{name}"))
-        early = [cells[i].source[:60] for i in range(index + 1, test)
-                 if cells[i].cell_type == "code" and f"{name}(" in cells[i].source]
-        assert not early, f"{name}: a demo runs it before its check: {early}"
+    assert not demos_before_their_check(NOTEBOOK)

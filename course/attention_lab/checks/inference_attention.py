@@ -848,13 +848,14 @@ def check_split_kv_decode_kernel(split_kv_decode_kernel: Any, *, seed: int = 0, 
     if not TRITON_AVAILABLE:
         raise CheckFailure(TRITON_MISSING)
     generator = random_generator(seed)
-    # (B, H_q, H_kv, L, d), num_splits, block, dtype: no L a multiple of its splits or tiles
+    # (B, H_q, H_kv, L, d), num_splits, block, dtype: no L a multiple of its splits or tiles. The interpreter runs
+    # each program's tiles one after the other (~5 ms a tile): about 100 tiles a call of this check.
     cases = [((2, 4, 2, 37, 16), 3, 8, torch.float32),  # GQA; splits of 13, tiles of 8 cross the split ends
              ((1, 4, 1, 29, 24), 4, 16, torch.float32),  # MQA; d = 24; tiles of 16 wider than the splits of 8
              ((1, 2, 2, 5, 16), 8, 4, torch.float32),  # more splits than keys: 3 empty
              ((1, 4, 2, 50, 16), 3, 16, torch.float16)]
     if sizes == "more":
-        cases = [((2, 8, 2, 100, 32), 5, 16, torch.float32), ((1, 6, 3, 77, 40), 6, 8, torch.float32),
+        cases = [((1, 8, 2, 100, 32), 5, 32, torch.float32), ((1, 6, 3, 77, 40), 6, 16, torch.float32),
                  ((3, 2, 1, 3, 16), 4, 16, torch.float32)]
     for shape, num_splits, block, dtype in cases:
         _kernel_parts_case(split_kv_decode_kernel, generator, shape, num_splits, block, dtype, device)
@@ -1793,14 +1794,19 @@ _BAD_PARENTS = (([0], 2, "node 0 has parent 0"), ([-1, 2, 0], 2, "node 1 has par
                 ([-1, -2], 2, "node 1 has parent -2"))
 
 
+def _tree_calls(fn: Callable, name: str, generator: torch.Generator):
+    """``(parents, prefix_len, what fn returned, the call as text)`` for each tree of :func:`_tree_cases`."""
+    for parents, prefix_len, kind in _tree_cases(generator):
+        given = parents if kind == "list" else torch.tensor(parents)
+        call = f"{name}({parents if kind == 'list' else f'torch.tensor({parents})'}, {prefix_len})"
+        yield parents, prefix_len, call_student(fn, given, prefix_len, call=call), call
+
+
 @check("tree_attention_mask: each draft node sees the prefix, its ancestors and itself, nothing else; ValueError for a parent after its child")
 def check_tree_attention_mask(tree_attention_mask: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     expect_signature(tree_attention_mask, "tree_attention_mask", ["parents", "prefix_len"])
-    generator = random_generator(seed)
-    for parents, prefix_len, kind in _tree_cases(generator):
-        given = parents if kind == "list" else torch.tensor(parents)
-        call = f"tree_attention_mask({parents if kind == 'list' else f'torch.tensor({parents})'}, {prefix_len})"
-        got = call_student(tree_attention_mask, given, prefix_len, call=call)
+    for parents, prefix_len, got, call in _tree_calls(tree_attention_mask, "tree_attention_mask",
+                                                      random_generator(seed)):
         want = tree_keep(parents, prefix_len)
         expect_tensor(got, what=call, shape=want.shape, dtype=torch.bool)
         expect_exact(got, want, call, [(tree_keep(parents, prefix_len, self_visible=False), TREE_HINTS["no_self"]),
@@ -1817,11 +1823,7 @@ def check_tree_attention_mask(tree_attention_mask: Callable, *, seed: int = 0, d
 @check("tree_position_ids: prefix_len + depth of each draft node (siblings share a position)")
 def check_tree_position_ids(tree_position_ids: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
     expect_signature(tree_position_ids, "tree_position_ids", ["parents", "prefix_len"])
-    generator = random_generator(seed)
-    for parents, prefix_len, kind in _tree_cases(generator):
-        given = parents if kind == "list" else torch.tensor(parents)
-        call = f"tree_position_ids({parents if kind == 'list' else f'torch.tensor({parents})'}, {prefix_len})"
-        got = call_student(tree_position_ids, given, prefix_len, call=call)
+    for parents, prefix_len, got, call in _tree_calls(tree_position_ids, "tree_position_ids", random_generator(seed)):
         depths = tree_depths(parents)
         expect_tensor(got, what=call, shape=depths.shape, dtype=torch.long)
         expect_exact(got, prefix_len + depths, call,
