@@ -74,8 +74,8 @@ def apply_rope_at(x, positions, base=10000.0):
 # %% [markdown]
 # ## 1. Attention states merge exactly
 #
-# Take one query and a set `A` of keys. Its attention over `A` is a **state** of two numbers per
-# query (well, `1 + d_v`): with scores `s_j = scale · q·k_j`,
+# Take one query and a set `A` of keys. Its attention over `A` is a **state**: the output vector
+# `out_A` and one number, `lse_A`. With scores `s_j = scale · q·k_j`,
 #
 # $$\text{lse}_A = \log \sum_{j \in A} e^{s_j}, \qquad
 #   \text{out}_A = \sum_{j \in A} e^{s_j - \text{lse}_A}\, v_j .$$
@@ -616,9 +616,10 @@ class PagedKVCache:
 
     def fork(self, seq):
         ### BEGIN SOLUTION
+        table, length = list(self.tables[seq]), self.lengths[seq]  # KeyError before a new id
         child = self.new_sequence()
-        self.tables[child], self.lengths[child] = list(self.tables[seq]), self.lengths[seq]
-        for block in self.tables[seq]:
+        self.tables[child], self.lengths[child] = table, length
+        for block in table:
             self.owners[block] += 1
         return child
         ### END SOLUTION
