@@ -587,9 +587,9 @@ def test_paged_kv_cache_unknown_ids_and_bad_shapes():
 CACHE_FORK_MISTAKES = {
     "fork_no_cow": ("copy_last = k.shape[1] > 0 and length % self.block_size != 0 and self.owners[table[-1]] > 1",
                     "copy_last = False"),
-    "fork_copies": ("        for block in self.tables[seq]:\n            self.owners[block] += 1\n",
+    "fork_copies": ("        for block in table:\n            self.owners[block] += 1\n",
                     "        copies = []\n"
-                    "        for block in self.tables[seq]:\n"
+                    "        for block in table:\n"
                     "            new = self.free_blocks.pop()\n"
                     "            self.k_pool[new], self.v_pool[new] = self.k_pool[block], self.v_pool[block]\n"
                     "            self.owners[new] = 1\n"
