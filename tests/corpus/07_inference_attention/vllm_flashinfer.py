@@ -51,10 +51,10 @@ def split_kv_decode_kernel(Q, K, V, OutParts, LseParts,
                            num_heads, num_kv_heads, seq_len, split_len, head_dim, sm_scale,
                            BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """The state (out, lse) of one query head of one sequence over one split of its keys."""
-    row = tl.program_id(0)  # b · H_q + h
+    sequence_head = tl.program_id(0)  # b · H_q + h
     split = tl.program_id(1)
-    b = row // num_heads
-    h = row % num_heads
+    b = sequence_head // num_heads
+    h = sequence_head % num_heads
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
