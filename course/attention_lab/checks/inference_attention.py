@@ -1070,18 +1070,24 @@ def check_paged_kv_cache(PagedKVCache: Callable, *, seed: int = 0, device: torch
     small.expect_contents(seq)
 
 
-def _expect_key_error(cache: _CacheUnderTest, method: str, args: tuple) -> None:
-    call = f"{cache.name}.{method}({', '.join(str(a) for a in args)}) ({cache.where()})"
+def _expect_raises(error_type: type, fn: Callable, *args: Any, call: str, why: str, hint: str = "") -> BaseException:
+    """``fn(*args)`` must raise ``error_type`` (``why``: what makes it an error); returns what it raised."""
     try:
-        getattr(cache.cache, method)(*args)
-    except KeyError:
-        return
-    except remote.BridgeError as error:
+        fn(*args)
+    except error_type as error:
+        return error
+    except remote.BridgeError as error:  # the kernel's failure, not the answer's exception
         raise CheckFailure(f"{call}: {error}") from None
     except Exception as error:
-        raise CheckFailure(f"{call} should raise KeyError (no such sequence), but raised {type(error).__name__}: "
-                           f"{error}") from None
-    raise CheckFailure(f"{call} should raise KeyError (no such sequence), but it returned normally.")
+        raise CheckFailure(f"{call} should raise {error_type.__name__} ({why}), but raised {type(error).__name__}: "
+                           f"{error}" + (_likely(hint) if hint else "")) from None
+    raise CheckFailure(f"{call} should raise {error_type.__name__} ({why}), but it returned normally."
+                       + (_likely(hint) if hint else ""))
+
+
+def _expect_key_error(cache: _CacheUnderTest, method: str, args: tuple) -> None:
+    call = f"{cache.name}.{method}({', '.join(str(a) for a in args)}) ({cache.where()})"
+    _expect_raises(KeyError, getattr(cache.cache, method), *args, call=call, why="no such sequence")
 
 
 def _expect_memory_error(cls: Callable, generator: torch.Generator) -> None:
@@ -1091,17 +1097,8 @@ def _expect_memory_error(cls: Callable, generator: torch.Generator) -> None:
     cache.append(seq, 9, generator)  # 3 blocks: 2 free
     k, v = (randn(1, 13, 4, generator=generator) for _ in range(2))  # 22 tokens would need 6 blocks: 3 more
     call = f"cache.append({seq}, k, v) with 13 tokens ({cache.where()})"
-    try:
-        cache.cache.append(seq, k, v)
-    except MemoryError as error:
-        text = str(error)
-    except remote.BridgeError as error:
-        raise CheckFailure(f"{call}: {error}") from None
-    except Exception as error:
-        raise CheckFailure(f"{call} should raise MemoryError (3 more blocks needed, 2 free), but raised "
-                           f"{type(error).__name__}: {error}") from None
-    else:
-        raise CheckFailure(f"{call} should raise MemoryError (3 more blocks needed, 2 free), but it returned normally.")
+    text = str(_expect_raises(MemoryError, cache.cache.append, seq, k, v, call=call,
+                              why="3 more blocks needed, 2 free"))
     cache.story.append("a MemoryError")
     cache.expect_free(2, {free: PAGED_HINTS["memory_error_partial"] for free in range(2)})
     cache.expect_contents(seq, hint=PAGED_HINTS["memory_error_partial"])
@@ -1150,19 +1147,9 @@ def check_paged_kv_cache_fork(PagedKVCache: Callable, *, seed: int = 0, device: 
     other = tight.new()
     tight.append(other, 4, generator)
     k, v = (randn(1, 1, 4, generator=generator) for _ in range(2))
-    call = f"tight.append({second}, k, v) with 1 token ({tight.where()}), no block free for the copy"
-    try:
-        tight.cache.append(second, k, v)
-    except MemoryError:
-        pass
-    except remote.BridgeError as error:
-        raise CheckFailure(f"{call}: {error}") from None
-    except Exception as error:
-        raise CheckFailure(f"{call} should raise MemoryError, but raised {type(error).__name__}: "
-                           f"{error}{_likely(PAGED_HINTS['cow_memory'])}") from None
-    else:
-        raise CheckFailure(f"{call} should raise MemoryError, but it returned normally."
-                           f"{_likely(PAGED_HINTS['cow_memory'])}")
+    call = f"tight.append({second}, k, v) with 1 token ({tight.where()})"
+    _expect_raises(MemoryError, tight.cache.append, second, k, v, call=call,
+                   why="the copy of the shared block needs a block, and none is free", hint=PAGED_HINTS["cow_memory"])
     tight.story.append("a MemoryError")
     for seq in (first, second):
         tight.expect_contents(seq, hint=PAGED_HINTS["cow_memory"])
