@@ -1,4 +1,4 @@
-"""The course on a CUDA GPU: every solution notebook, the check tests, and notebook 06's Triton kernel natively.
+"""The course on a CUDA GPU: every solution notebook, the check tests, and the Triton kernels of 06 and 07 natively.
 
     python -m benchmarks.gpu_check [--skip-notebooks] [--skip-tests]      (make gpu-check)
 
@@ -14,6 +14,10 @@ workstation, Colab, a cloud VM). It
    larger sizes, and times the forward kernel, the two backward kernels and the two end to end
    against SDPA (forward, autograd's backward, both) over several sequence lengths with
    ``triton.testing.do_bench`` (float16, B = 4, H = 16, d = 64; the launchers' 64 x 64 tiles);
+4. checks notebook 07's split-K decoding kernel compiled for the GPU, and times it (its parts merged by the
+   solution's ``merge_attention_states``, as the notebook runs it) against SDPA for one query per sequence over
+   1k ... 128k keys at batch 1 and 4 (float16, H_q = 32, H_kv = 8, d = 128: Llama-3-8B's attention), with
+   enough splits to give the GPU's multiprocessors two programs each, and with one split (no Flash-Decoding);
 
 then prints one report and writes it to ``benchmarks/results/gpu_check.json``. It exits 2 at
 once, saying why, where there is no CUDA GPU, and 1 when anything failed.
@@ -24,17 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import linecache
+import math
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 KERNEL_NOTEBOOK = "06_efficient_attention"
+DECODE_NOTEBOOK = "07_inference_attention"
 
 
 def cuda_missing_reason() -> str | None:
@@ -97,15 +104,15 @@ def run_check_tests() -> dict:
     return {"returncode": completed.returncode, "summary": summary, "failures": failures}
 
 
-def solution_namespace() -> dict:
-    """The answers of notebook 06's solution (kernel included), defined in a fresh namespace."""
+def solution_namespace(notebook_name: str = KERNEL_NOTEBOOK) -> dict:
+    """The answers of a notebook's solution (its kernels included), defined in a fresh namespace."""
     import jupytext
 
-    notebook = jupytext.read(REPO_ROOT / "solutions" / f"{KERNEL_NOTEBOOK}.py", fmt="py:percent")
+    notebook = jupytext.read(REPO_ROOT / "solutions" / f"{notebook_name}.py", fmt="py:percent")
     namespace: dict = {}
     exec("import math\nimport torch\nimport torch.nn.functional as F\n"
-         "from attention_lab.triton_kernels import launch_flash_attention, launch_flash_attention_backward, tl, "
-         "triton", namespace)
+         "from attention_lab.triton_kernels import launch_flash_attention, launch_flash_attention_backward, "
+         "launch_split_kv_decode, tl, triton", namespace)
     for cell in notebook.cells:
         if cell.cell_type == "code" and "answer" in cell.metadata:
             # @triton.jit reads its function's source (inspect): the cell's, kept where IPython keeps a cell's
@@ -209,6 +216,96 @@ def time_against_sdpa(namespace: dict, seq_lens: tuple[int, ...]) -> list[dict]:
     return rows
 
 
+def check_decode_kernel_natively() -> dict:
+    """Notebook 07's split-K decoding kernel compiled for the GPU: its check (small and larger sizes), then its time
+    against SDPA for one query per sequence."""
+    from attention_lab.checks import inference_attention as checks
+    from attention_lab.triton_kernels import TRITON_AVAILABLE, interpreter_active
+
+    if not TRITON_AVAILABLE:
+        return {"ok": False, "error": "Triton is not installed (make setup installs it on Linux)"}
+    if interpreter_active():
+        return {"ok": False, "error": "TRITON_INTERPRET=1 is set: unset it to compile the kernel for the GPU"}
+    namespace = solution_namespace(DECODE_NOTEBOOK)
+    report: dict = {"ok": True, "checks": [], "timings_ms": []}
+    for sizes in ("small", "more"):
+        try:
+            checks.check_split_kv_decode_kernel(namespace["split_kv_decode_kernel"], device="cuda", sizes=sizes)
+            report["checks"].append(f"split_kv_decode_kernel, {sizes}: passed")
+        except Exception as failure:
+            report["ok"] = False
+            report["checks"].append(f"split_kv_decode_kernel, {sizes}: FAILED: {failure}")
+    for line in report["checks"]:
+        print(f"  kernel check {line}", flush=True)
+    try:
+        report["timings_ms"] = time_decode_against_sdpa(namespace, DECODE_SEQ_LENS, batches=(1, 4),
+                                                        device=torch.device("cuda"))
+    except Exception as failure:
+        report["ok"] = False
+        report["timings_error"] = f"{type(failure).__name__}: {failure}"
+        print(f"  timing against SDPA FAILED: {report['timings_error']}", flush=True)
+    return report
+
+
+DECODE_SEQ_LENS = (1024, 4096, 16384, 65536, 131072)
+# Llama-3-8B's attention: 32 query heads, 8 KV heads of 128
+DECODE_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "block": 64}
+
+
+def decode_splits(batch: int, heads: int, seq_len: int, block: int, programs: int) -> int:
+    """Splits that give the GPU about ``programs`` programs (two per multiprocessor), each at least a tile of keys:
+    Flash-Decoding's rule of thumb."""
+    return max(1, min(math.ceil(programs / (batch * heads)), math.ceil(seq_len / block)))
+
+
+def time_decode_against_sdpa(namespace: dict, seq_lens: Sequence[int], batches: Sequence[int], device: torch.device,
+                             shape: dict | None = None, timer: Callable[[Callable], float] | None = None,
+                             dtype: torch.dtype = torch.float16, programs: int | None = None) -> list[dict]:
+    """Milliseconds of notebook 07's ``split_kv_decode_kernel`` (its parts merged by ``merge_attention_states``)
+    with Flash-Decoding's splits and with one split, and of SDPA (``enable_gqa``), for one query per sequence over
+    each number of keys and batch. ``timer(fn) -> ms``: ``triton.testing.do_bench`` by default (a GPU's); a CPU
+    dry run passes a plain clock (Triton's interpreter runs the kernel there). ``programs``: how many programs the
+    splits aim at (default: two per multiprocessor of the GPU)."""
+    from attention_lab.triton_kernels import launch_split_kv_decode
+
+    shape = dict(DECODE_SHAPE if shape is None else shape)
+    if timer is None:
+        import triton.testing
+
+        timer = triton.testing.do_bench
+    if programs is None:
+        programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    kernel, merge = namespace["split_kv_decode_kernel"], namespace["merge_attention_states"]
+    heads, kv_heads, head_dim, block = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["block"]
+    rows = []
+    for batch in batches:
+        for seq_len in seq_lens:
+            q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+            k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, device=device, dtype=dtype) for _ in range(2))
+            splits = decode_splits(batch, heads, seq_len, block, programs)
+
+            def decode(num_splits: int, q=q, k=k, v=v) -> Callable:
+                return lambda: launch_split_kv_decode(kernel, q, k, v, num_splits, block=block, merge=merge)
+
+            def sdpa(q=q, k=k, v=v) -> torch.Tensor:
+                with torch.no_grad():
+                    return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+
+            reference = sdpa()[:, :, 0].float()
+            difference = float((decode(splits)()[0].float() - reference).abs().max())
+            split_ms, single_ms, sdpa_ms = timer(decode(splits)), timer(decode(1)), timer(sdpa)
+            row = {"B": batch, "L": seq_len, "splits": splits, "split_k_ms": round(split_ms, 4),
+                   "one_split_ms": round(single_ms, 4), "sdpa_ms": round(sdpa_ms, 4),
+                   "split_k/sdpa": round(split_ms / sdpa_ms, 2), "one_split/split_k": round(single_ms / split_ms, 2),
+                   "max_difference": difference}
+            rows.append(row)
+            print(f"  B={batch} L={seq_len}: split-K ({splits} splits) {row['split_k_ms']} ms, one split "
+                  f"{row['one_split_ms']} ms, SDPA {row['sdpa_ms']} ms (split-K/SDPA {row['split_k/sdpa']}, "
+                  f"difference from SDPA {difference:.1e})", flush=True)
+            del q, k, v
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-notebooks", action="store_true")
@@ -229,10 +326,13 @@ def main(argv: list[str] | None = None) -> int:
         report["check_tests"] = run_check_tests()
     print("notebook 06's Triton kernel, compiled for the GPU:", flush=True)
     report["triton_kernel"] = check_kernel_natively()
+    print("notebook 07's split-K decoding kernel, compiled for the GPU:", flush=True)
+    report["decode_kernel"] = check_decode_kernel_natively()
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / "gpu_check.json").write_text(json.dumps(report, indent=1))
     failed = (any(row["failed"] or row["errors"] for row in report.get("notebooks", []))
-              or report.get("check_tests", {}).get("returncode", 0) != 0 or not report["triton_kernel"]["ok"])
+              or report.get("check_tests", {}).get("returncode", 0) != 0 or not report["triton_kernel"]["ok"]
+              or not report["decode_kernel"]["ok"])
     print("GPU check: " + ("FAILED" if failed else "all passed") + f" (report: {RESULTS_DIR / 'gpu_check.json'})")
     return 1 if failed else 0
 

@@ -46,6 +46,7 @@ BUDGETS = {
     "04_vision_transformer": 60,
     "05_llama_attention": 30,
     "06_efficient_attention": 40,
+    "07_inference_attention": 40,
 }
 COURSE_BUDGET = 60
 

@@ -14,6 +14,27 @@ def solution_cells(assignment: str) -> list:
     return jupytext.read(SOLUTIONS_DIR / f"{assignment}.py", fmt="py:percent").cells
 
 
+def long_code_lines(assignment: str, limit: int = 100) -> list[tuple[int, str]]:
+    """(cell index, line) of every code line of the solution notebook longer than ``limit`` characters."""
+    return [(index, line) for index, cell in enumerate(solution_cells(assignment)) if cell.cell_type == "code"
+            for line in cell.source.splitlines() if len(line) > limit]
+
+
+def demos_before_their_check(assignment: str) -> list[str]:
+    """Code cells that call an answer between its answer cell and its first test cell: a demo a student's wrong
+    answer would crash before the check could say what is wrong."""
+    cells = solution_cells(assignment)
+    early = []
+    for index, cell in enumerate(cells):
+        name = cell.metadata.get("answer")
+        if not name:
+            continue
+        test = next(i for i in range(index, len(cells)) if cells[i].metadata.get("test", "").startswith(f"test_{name}"))
+        early += [f"{name}: {cells[i].source[:60]}" for i in range(index + 1, test)
+                  if cells[i].cell_type == "code" and f"{name}(" in cells[i].source]
+    return early
+
+
 CONTRACTS: dict[str, tuple[str, ...]] = {
     "01_mha_shapes": (
         "split_heads", "merge_heads", "attention_weights", "scaled_dot_product_attention",
@@ -43,5 +64,11 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
         "flash_attention_forward", "scale_kernel", "matmul_kernel", "row_softmax_kernel", "online_softmax_kernel",
         "flash_attention_kernel", "flash_attention_backward", "FlashAttention",
         "flash_attention_backward_kernel",
+    ),
+    "07_inference_attention": (
+        "merge_attention_states", "split_kv_decode", "split_kv_decode_kernel", "slot_mapping", "PagedKVCache",
+        "paged_decode_attention", "sliding_window_mask", "attention_with_sinks", "streaming_kept_positions",
+        "streaming_decode", "mla_cache_entry", "mla_attention_naive", "mla_attention_absorbed", "mla_cache_bytes",
+        "tree_attention_mask", "tree_position_ids",
     ),
 }

@@ -33,7 +33,7 @@ from attention_lab.hint_catalog import _normalise, hint_pattern  # noqa: E402
 from attention_lab.triton_kernels import TRITON_AVAILABLE, tl, triton  # noqa: E402
 from attention_lab.widgets import efficient_attention as views  # noqa: E402
 from tests.bridge_harness import run_both_ways  # noqa: E402
-from tests.curriculum import solution_cells  # noqa: E402
+from tests.curriculum import demos_before_their_check, long_code_lines, solution_cells  # noqa: E402
 
 # Every test twice: the checks in the student's kernel (the lab), and through the bridge (grading), where the
 # course's launchers run the student's Triton kernels in the student's process.
@@ -1466,21 +1466,11 @@ def _solution_cells():
 
 
 def test_no_code_line_of_notebook_06_is_longer_than_100_characters():
-    long = [(index, line) for index, cell in enumerate(_solution_cells()) if cell.cell_type == "code"
-            for line in cell.source.splitlines() if len(line) > 100]
-    assert not long, long
+    assert not long_code_lines("06_efficient_attention")
 
 
 def test_no_demo_of_notebook_06_runs_an_answer_before_its_check():
-    cells = _solution_cells()
-    for index, cell in enumerate(cells):
-        name = cell.metadata.get("answer")
-        if not name:
-            continue
-        test = next(i for i in range(index, len(cells)) if cells[i].metadata.get("test", "").startswith(f"test_{name}"))
-        early = [cells[i].source[:60] for i in range(index + 1, test)
-                 if cells[i].cell_type == "code" and f"{name}(" in cells[i].source]
-        assert not early, f"{name}: a demo runs it before its check: {early}"
+    assert not demos_before_their_check("06_efficient_attention")
 
 
 # --------------------------------------------------------------------------------------

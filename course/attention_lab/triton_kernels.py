@@ -32,7 +32,7 @@ from attention_lab.bridge.probes import Probe
 __all__ = ["triton", "tl", "TRITON_AVAILABLE", "TritonUnavailable", "launch_flash_attention",
            "interpreter_active", "MIN_BLOCK", "poisoned_rows", "LoadWatch", "Overrun", "GuardedOutput",
            "StoreOutOfBounds", "launch_scale", "launch_matmul", "launch_row_softmax", "launch_online_softmax",
-           "launch_flash_attention_backward"]
+           "launch_flash_attention_backward", "launch_split_kv_decode"]
 
 # tl.dot needs every dimension >= 16 on a GPU; the interpreter would accept less.
 MIN_BLOCK = 16
@@ -402,6 +402,95 @@ def _launch_per_row(kernel: Any, x: torch.Tensor, block: int, poison: int, watch
 
 
 # --------------------------------------------------------------------------------------
+# Notebook 07's launcher: split-K decoding (Flash-Decoding), one query per sequence
+# --------------------------------------------------------------------------------------
+
+
+def poisoned_columns(x3: torch.Tensor, extra_rows: int, extra_columns: int) -> torch.Tensor:
+    """``x3`` ``[N, S, d]`` as a view into a ``[N, S + extra_rows, d + extra_columns]`` buffer of NaN: a load
+    past a head's last row, or past a row's ``d`` features (a head size that is no power of two loaded
+    without its mask), reads NaN."""
+    if extra_rows <= 0 and extra_columns <= 0:
+        return x3.contiguous()
+    buffer = torch.full((x3.shape[0], x3.shape[1] + max(extra_rows, 0), x3.shape[2] + max(extra_columns, 0)),
+                        float("nan"), dtype=x3.dtype, device=x3.device)
+    buffer[:, :x3.shape[1], :x3.shape[2]] = x3
+    return buffer[:, :x3.shape[1], :x3.shape[2]]
+
+
+def launch_split_kv_decode(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_splits: int,
+                           block: int = 16, merge: Callable | None = None, poison: int = 0,
+                           watch: "LoadWatch | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-Decoding with ``kernel`` (the student's ``split_kv_decode_kernel``): one new query per sequence.
+
+    q ``[B, H_q, d]``; k and v ``[B, H_kv, L, d]``, ``H_q`` a multiple of ``H_kv``. The keys are cut into
+    ``num_splits`` contiguous splits of ``split_len = ceil(L / num_splits)`` (the last shorter; the trailing
+    ones empty when ``num_splits > L``). The grid is ``(B·H_q, num_splits)``: program ``(b·H_q + h, s)``
+    attends query head ``h`` of sequence ``b`` to the keys ``s·split_len … min((s + 1)·split_len, L) − 1`` of
+    its KV head, ``BLOCK = block`` keys at a time, and writes that split's state: ``out`` (``d`` float32
+    numbers) and ``lse`` (natural log; ``-inf`` and ``out = 0`` for an empty split). The kernel's arguments::
+
+        (Q, K, V, OutParts, LseParts,
+         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+         num_heads, num_kv_heads, seq_len, split_len, head_dim, sm_scale, BLOCK, BLOCK_D)
+
+    (element ``i`` of a head's row at ``+ i``: the last axis is contiguous; ``BLOCK_D`` the next power of two
+    >= ``head_dim``, ``sm_scale = 1/sqrt(d)``). The parts are ``[B, H_q, num_splits, d]`` and
+    ``[B, H_q, num_splits]``, float32. ``merge`` (the notebook passes its ``merge_attention_states``) gets them
+    with the splits on the leading axis, ``(outs [n, B, H_q, d], lses [n, B, H_q])``, and its ``(out, lse)``
+    is returned, ``out`` in q's dtype; without ``merge`` the parts themselves are returned. ``poison`` rows
+    (and, where ``d`` is no power of two, columns) of NaN follow k, v and q; the parts are
+    :class:`GuardedOutput` buffers; ``watch`` sees every load and store (in the interpreter).
+    """
+    _check_kernel(kernel, q)
+    if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"q must be [B, H_q, d] and k, v [B, H_kv, L, d]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    batch, heads, head_dim = q.shape
+    kv_heads, seq_len = k.shape[1], k.shape[2]
+    if k.shape[0] != batch or k.shape[3] != head_dim or heads % kv_heads:
+        raise ValueError(f"q [B, H_q, d] = {tuple(q.shape)} and k [B, H_kv, L, d] = {tuple(k.shape)} must share B "
+                         f"and d, and H_q = {heads} must be a multiple of H_kv = {kv_heads}")
+    if num_splits < 1 or seq_len < 1:
+        raise ValueError(f"num_splits = {num_splits} and L = {seq_len} must be at least 1")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block = {block}: must be a power of two (tl.arange needs one)")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"the kernel computes in float32 / float16 / bfloat16, got {q.dtype}")
+    block_d = triton.next_power_of_2(head_dim)
+    pad = block_d - head_dim + (poison if block_d != head_dim else 0)
+    q3 = poisoned_columns(q.reshape(batch * heads, 1, head_dim), poison, pad if poison else 0)
+    k3 = poisoned_columns(k.reshape(batch * kv_heads, seq_len, head_dim), poison, pad if poison else 0)
+    v3 = poisoned_columns(v.reshape(batch * kv_heads, seq_len, head_dim), poison, pad if poison else 0)
+    split_len = -(-seq_len // num_splits)
+    guard = max(poison, num_splits, GUARD_ROWS)
+    parts = (batch * heads, num_splits, head_dim)
+    out = GuardedOutput("out", parts, (num_splits * (head_dim + guard), head_dim + guard, 1),
+                        guard * (head_dim + guard), torch.float32, q.device)
+    lse = GuardedOutput("lse", parts[:2], (num_splits, 1), guard, torch.float32, q.device)
+    watch = LoadWatch() if watch is None else watch
+    for name, tensor, rows in (("Q", q3, 1), ("K", k3, seq_len), ("V", v3, seq_len), ("out", out.tensor, num_splits),
+                               ("lse", lse.tensor, num_splits)):
+        watch.add(name, tensor, rows)
+    with watch:
+        _run(kernel, (batch * heads, num_splits), q3, k3, v3, out.tensor, lse.tensor,
+             heads * q3.stride(0), q3.stride(0), kv_heads * k3.stride(0), k3.stride(0), k3.stride(1),
+             kv_heads * v3.stride(0), v3.stride(0), v3.stride(1),
+             heads * out.tensor.stride(0), out.tensor.stride(0), out.tensor.stride(1), heads * lse.tensor.stride(0),
+             lse.tensor.stride(0), heads, kv_heads, seq_len, split_len, head_dim, head_dim ** -0.5,
+             BLOCK=block, BLOCK_D=block_d)
+    out.verify()
+    lse.verify()
+    out_parts = out.tensor.reshape(batch, heads, num_splits, head_dim)
+    lse_parts = lse.tensor.reshape(batch, heads, num_splits)
+    if merge is None:
+        return out_parts, lse_parts
+    merged_out, merged_lse = merge(out_parts.movedim(2, 0), lse_parts.movedim(2, 0))
+    return merged_out.to(q.dtype), merged_lse
+
+
+# --------------------------------------------------------------------------------------
 # What a kernel reads and writes, seen from Triton's interpreter (the checks' second pair of eyes)
 # --------------------------------------------------------------------------------------
 
@@ -630,7 +719,7 @@ def _kernel_line() -> str:
 
 # The launchers a check may have the student's kernel run (by name: nothing else is ever run there).
 LAUNCHERS = ("launch_scale", "launch_matmul", "launch_row_softmax", "launch_online_softmax", "launch_flash_attention",
-             "launch_flash_attention_backward")
+             "launch_flash_attention_backward", "launch_split_kv_decode")
 _LAUNCH_ERRORS = {"StoreOutOfBounds": StoreOutOfBounds, "TritonUnavailable": TritonUnavailable,
                   "NotImplementedError": NotImplementedError}
 MAX_WARNING_TEXTS, MAX_WARNINGS = 50, 10_000

@@ -41,7 +41,7 @@ from autograder.limits import Limits
 # in the student's kernel: their verdicts cannot be forged by the submission's code. A notebook
 # left out would still run its test cells in the kernel (the grading report says which).
 CHECKED_OUTSIDE_THE_KERNEL = ("01_mha_shapes", "02_numpy_walkthrough", "03_positions_and_blocks", "04_vision_transformer",
-                              "05_llama_attention", "06_efficient_attention")
+                              "05_llama_attention", "06_efficient_attention", "07_inference_attention")
 
 # The code that starts the bridge's agent in the student's kernel (silently: not a cell).
 # The folder holding the autograder package: where the checker starts, whatever the caller's folder.
