@@ -112,6 +112,23 @@ class NbgraderProcess:
             self.group.remove()
         self.group, self._group_limits = None, None
 
+    def left_in_sandbox_mb(self) -> float | None:
+        """MB of memory the sandbox's control group holds that none of its processes does (see
+        :meth:`autograder.cgroups.Group.unowned_bytes`): what a student's kernels left, which the next
+        student's kernels would find missing from the sandbox's limit; None without a control group."""
+        left = self.group.unowned_bytes() if self.group is not None else None
+        return None if left is None else round(left / 2**20, 1)
+
+    def restart_sandbox(self) -> None:
+        """A new nbgrader process, kernel server and control group (the same limits) from the next
+        attempt on: the old sandbox's namespaces, and whatever its kernels left in them, go with its
+        server."""
+        limits = self._group_limits
+        self.stop()
+        self.remove_group()
+        if limits is not None:
+            self.sandbox_group(*limits)
+
     def run(self, task: dict, timeout: float, watch=None) -> Attempt:
         """Autograde one task (see :func:`autograder.grading.nbgrader_process.autograde`); wait at most ``timeout`` s.
 
@@ -181,6 +198,9 @@ class NbgraderProcess:
 
 KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR = "autograded", "rt"
 WATCH_INTERVAL = 1.0    # seconds between two looks at a running attempt's disk and CPU use
+# Memory a sandbox's control group may hold beyond its processes between two students (measured: 0 MB
+# once the kernel server has cleaned up); more, and the sandbox is restarted before the next student.
+SANDBOX_LEFT_MB = 64
 
 
 _idle: queue.SimpleQueue[NbgraderProcess] = queue.SimpleQueue()
@@ -347,6 +367,49 @@ def grade_submission(task: dict) -> dict:
     return answer
 
 
+class _Sandbox:
+    """One submission's sandbox: its nbgrader process's kernel server (its command, its control group),
+    the CPU the submission's attempts used in it, restarts, and what the submission left in it."""
+
+    def __init__(self, free: NbgraderProcess, task: dict, settings: dict, course: Path):
+        self.free, self.task, self.settings, self.course = free, task, settings, course
+        self.restarts = 0
+        self.cpu_before = 0.0   # CPU seconds used in the groups of earlier restarts
+        self._start()
+
+    def _start(self) -> None:
+        settings, course = self.settings, self.course
+        self.group = self.free.sandbox_group(settings["memory_mb"], settings["processes"])
+        self.cpu_start = self.group.cpu_seconds() if self.group else 0.0
+        hidden = [course.parent, *(Path(p) for p in self.task.get("hide", []))]
+        self.server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, course / KERNEL_RUNTIME_DIR,
+                                                          hidden, course=starts_with_the_setup_cell(self.task["source"]),
+                                                          disk_mb=settings["disk_mb"],
+                                                          cgroup=self.group.procs_files if self.group else None),
+                       "socket": str(self.free.socket_path),
+                       "environment": sandbox.kernel_environment(settings["threads"])}
+
+    def cpu_seconds(self) -> float:
+        """CPU time of this submission's attempts so far (every process of its sandbox, restarts included)."""
+        return self.cpu_before + (self.group.cpu_seconds() - self.cpu_start if self.group else 0.0)
+
+    def restart(self, reason: str, outcome: dict) -> None:
+        """A fresh sandbox (nothing this submission did is counted against it); the report says why."""
+        self.cpu_before = self.cpu_seconds()
+        self.free.restart_sandbox()
+        self._start()
+        self.restarts += 1
+        outcome["incidents"].append({"kind": "sandbox_restarted", "detail": reason})
+
+    def measure_what_was_left(self, outcome: dict) -> None:
+        """Once the submission's kernels are gone: the memory its sandbox still holds that no process does
+        (``left_in_sandbox_mb``); more than :data:`SANDBOX_LEFT_MB`, and the sandbox is restarted now."""
+        left = outcome["left_in_sandbox_mb"] = self.free.left_in_sandbox_mb()
+        if left is not None and left > SANDBOX_LEFT_MB:
+            outcome["incidents"].append({"kind": "left_in_sandbox", "detail": f"{left:.0f}"})
+            self.free.restart_sandbox()
+
+
 def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: NbgraderProcess, outcome: dict) -> dict | None:
     """The attempts at one submission (``outcome`` records them); what nbgrader recorded
     (see :func:`autograder.grading.nbgrader_process.recorded_grades`) when it ends graded."""
@@ -357,15 +420,12 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Nbgr
     workdir = course / KERNEL_WORKDIR_ROOT / student / assignment
     workdir.mkdir(parents=True)
     limits = {"memory_mb": settings["memory_mb"], "file_mb": settings["file_mb"]}
-    server, group = None, None
+    box = None
     if use_bwrap:  # kernels forked from the nbgrader process's sandboxed kernel server (autograder.kernel_forkserver)
-        hidden = [course.parent, *(Path(p) for p in task.get("hide", []))]
-        group = free.sandbox_group(settings["memory_mb"], settings["processes"])
-        server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, runtime, hidden,
-                                                     course=starts_with_the_setup_cell(task["source"]),
-                                                     disk_mb=settings["disk_mb"],
-                                                     cgroup=group.procs_files if group else None),
-                  "socket": str(free.socket_path), "environment": sandbox.kernel_environment(settings["threads"])}
+        box = _Sandbox(free, task, settings, course)
+        left = free.left_in_sandbox_mb()
+        if left is not None and left > SANDBOX_LEFT_MB:  # an earlier submission's: never this one's to pay
+            box.restart(f"it held {left:.0f} MB of memory that an earlier submission left", outcome)
         argv = sandbox.kernel_client_argv(free.socket_path, **limits)
     else:
         argv = sandbox.kernel_argv(workdir, runtime, **limits, sandbox=False)
@@ -376,11 +436,10 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Nbgr
     expected = sorted(p.stem for p in (course / "submitted" / student / assignment).glob("*.ipynb") if p.stem in names)
     grace = max(settings["unresponsive_grace"], settings["timeout"] // 4)
     deadline = time.monotonic() + settings["submission_timeout"]
-    cpu_start = group.cpu_seconds() if group else 0.0
     quota = settings["disk_mb"] * 2**20
 
     def watch() -> str | None:
-        if group is not None and group.cpu_seconds() - cpu_start > settings["cpu_seconds"]:
+        if box is not None and box.cpu_seconds() > settings["cpu_seconds"]:
             return "cpu"
         return "disk" if disk_usage(course / KERNEL_WORKDIR_ROOT, runtime) > quota else None
 
@@ -402,7 +461,7 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Nbgr
                "timeout": settings["timeout"], "startup_timeout": settings["startup_timeout"], "grace": grace,
                "kernel": kernel, "report": str(report_path), "skip": skip,
                "max_output_bytes": settings["max_output_bytes"],   # the late penalty: the parent's merge
-               "ipc": str(runtime / "k") if use_bwrap else None, "kernel_server": server}
+               "ipc": str(runtime / "k") if use_bwrap else None, "kernel_server": box and box.server}
         result = free.run(job, timeout=min(settings["notebook_timeout"], remaining), watch=watch)
         outcome["nbgrader_pids"].append(free.last_pid)
         try:
@@ -432,6 +491,12 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Nbgr
             kind, cell = "hung", report["hung_cell"]
         elif result.timed_out and "cell" in report:
             kind, cell = "notebook_timeout", report["cell"]
+        elif box is not None and "cell" not in report and not box.restarts:
+            # no cell ran: the kernel did not start, which nothing in this submission can cause (its cells
+            # run only once it has): what earlier submissions left could, so a fresh sandbox tries again
+            cause = start_failure_cause(result.log) or "nbgrader autograde failed before the first cell"
+            box.restart(f"the kernel could not start in it ({cause})", outcome)
+            continue
         else:
             cause = start_failure_cause(result.log)
             outcome["error"] = (("the kernel could not start: " + cause + "\n") if cause else "") + (
@@ -449,6 +514,8 @@ def _grade(course: Path, task: dict, settings: dict, use_bwrap: bool, free: Nbgr
                                      "grade_id": report.get("grade_id"), "attempt": attempt})
     else:
         outcome["error"] = f"gave up after {settings['attempts']} attempts"
+    if box is not None:
+        box.measure_what_was_left(outcome)
     if outcome["status"] == "graded":
         for name in expected:
             cells = results.graded_cells(nbformat.read(workdir / f"{name}.ipynb", as_version=4), name)
