@@ -128,7 +128,8 @@ class CheckedOutsideTheKernel:
         limit = float(self.timeout or 120)
         connect = float(self.bridge_grace + 20)
         loop = asyncio.get_running_loop()
-        checker.send({"cell": cell.source, "socket": path, "timeout": limit, "connect_timeout": connect})
+        checker.send({"cell": cell.source, "socket": path, "timeout": limit, "connect_timeout": connect,
+                      "code": self.submitted_code(number)})
         listening = await loop.run_in_executor(None, checker.receive, 120)
         if not listening or not listening.get("listening"):
             return self._checker_failed(cell, number, grade_id, "the grader's checker did not start")
@@ -139,6 +140,9 @@ class CheckedOutsideTheKernel:
         if answer is not None and "outputs" in answer:
             cell.outputs = [NotebookNode(output) for output in answer["outputs"]]
             self.checked_cells[grade_id] = {"seconds": answer.get("seconds"), "requests": answer.get("requests")}
+            for detail in answer.get("contradictions") or []:
+                self.report_incident({"kind": "measurement_contradicted", "cell": number, "grade_id": grade_id,
+                                      "detail": str(detail)[:500]})
         elif NOT_STARTED in (answer or {}).get("error", ""):
             self.bridge_refused = True
             self._refused(cell, number, grade_id, answer["error"])
@@ -154,6 +158,11 @@ class CheckedOutsideTheKernel:
             self.kernel_hung(number)
             raise UnresponsiveKernelError()
         return cell
+
+    def submitted_code(self, number: int) -> list[str]:
+        """The code cells of the notebook being graded before cell ``number`` (numbered from 1), as
+        submitted: the checker reads an answer's code there itself (``self.nb``: nbclient's notebook)."""
+        return [cell.source for cell in self.nb.cells[:number - 1] if cell.cell_type == "code"]
 
     def _refused(self, cell, number: int, grade_id: str | None, how: str = "it kept the grader out at an earlier test"):
         cell.outputs = [NotebookNode(output_type="error", ename="GraderBridgeError", evalue=REFUSED, traceback=[])]
