@@ -285,3 +285,59 @@ def test_the_checks_given_objects_are_unchanged_by_an_honest_answer(way):
         out = call_student(found["reads"], encoder, _Config(), torch.rand(2, 2, dtype=torch.float64),
                            call="reads(encoder, config, x)")
     assert out.shape == (2, 3)
+
+
+# --------------------------------------------------------------------------------------
+# Replies a kernel drips in, replies of 256 MiB
+# --------------------------------------------------------------------------------------
+
+def test_a_reply_that_drips_in_ends_the_test_at_its_limit_and_keeps_the_grader_out():
+    """A rewritten agent sends a byte at a time, each well within the socket's timeout: the whole reply
+    is due by the test's deadline (before, each read had the whole limit again: hours for one test), and
+    the kernel is kept out of the notebook's later tests."""
+    import socket
+    import struct
+    import threading
+    import time
+
+    from attention_lab.bridge import wire
+    from attention_lab.bridge.remote import Bridge, BridgeError
+
+    checker_end, kernel_end = socket.socketpair()
+
+    def drip():
+        wire.receive_frame(kernel_end)
+        body = b'{"values": [{"value": ' + b"1" * 20_000 + b"}]}"
+        with contextlib.suppress(OSError):
+            for byte in b"ALB1" + struct.pack("<I", len(body)) + body + struct.pack("<I", 0):
+                kernel_end.sendall(bytes([byte]))
+                time.sleep(0.02)  # 400 s for the whole reply
+
+    threading.Thread(target=drip, daemon=True).start()
+    bridge = Bridge(checker_end, timeout=1.0)
+    with pytest.raises(BridgeError, match="a little at a time"):
+        bridge.lookup(["anything"])
+    assert bridge.kept_out
+    kernel_end.close()
+    checker_end.close()
+
+
+def test_a_received_tensor_owns_the_frames_memory_once():
+    """The checker holds a 256 MiB reply once: the decoded tensor is the received buffer itself; a second
+    value on the same buffer (which no agent sends) gets a copy, never the first one's memory."""
+    import socket
+
+    from attention_lab.bridge import wire
+
+    sender, receiver = socket.socketpair()
+    encoder = wire.Encoder(on_object=lambda obj: {})
+    value = encoder.encode(torch.arange(1000, dtype=torch.float64))
+    wire.send_frame(sender, {"value": value}, encoder.buffers)
+    header, buffers = wire.receive_frame(receiver)
+    decoder = wire.Decoder(buffers, on_tagged=lambda tag, fields: None)
+    first, second = decoder.decode(header["value"]), decoder.decode(header["value"])
+    assert torch.equal(first, torch.arange(1000, dtype=torch.float64)) and torch.equal(second, first)
+    assert first.untyped_storage().data_ptr() == torch.frombuffer(buffers[0], dtype=torch.uint8).data_ptr()
+    assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    sender.close()
+    receiver.close()

@@ -143,6 +143,10 @@ class CheckedOutsideTheKernel:
             for detail in answer.get("contradictions") or []:
                 self.report_incident({"kind": "measurement_contradicted", "cell": number, "grade_id": grade_id,
                                       "detail": str(detail)[:500]})
+            if answer.get("kept_out"):  # it dripped a reply in: its later tests would cost their limits too
+                self.bridge_refused = True
+                self.report_incident({"kind": "bridge_refused", "cell": number, "grade_id": grade_id,
+                                      "detail": "it sent an answer a little at a time, past the test's limit"})
         elif NOT_STARTED in (answer or {}).get("error", ""):
             self.bridge_refused = True
             self._refused(cell, number, grade_id, answer["error"])

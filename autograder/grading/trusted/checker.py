@@ -74,10 +74,11 @@ def _error_output(error: BaseException) -> dict:
 
 
 def run_cell(source: str, connection: socket.socket, timeout: float,
-             code: list[str] | None = None) -> tuple[list[dict], int, list[str]]:
-    """Run one test cell against the kernel at the other end of ``connection``: its outputs, how many
-    requests crossed to the kernel, and where the kernel's measurements contradicted ``code`` (the
-    submitted notebook's code cells before this one, which the checks read themselves)."""
+             code: list[str] | None = None) -> tuple[list[dict], "Bridge"]:
+    """Run one test cell against the kernel at the other end of ``connection``: its outputs, and the bridge
+    (how many requests crossed, where the kernel's measurements contradicted ``code`` -- the submitted
+    notebook's code cells before this one, which the checks read themselves -- and whether it kept the
+    grader out)."""
     from attention_lab.bridge.remote import Bridge
     from attention_lab.code_inspection import SubmittedCode
 
@@ -101,7 +102,7 @@ def run_cell(source: str, connection: socket.socket, timeout: float,
         text = text[:MAX_OUTPUT] + f"\n[output truncated by the grader after {MAX_OUTPUT} characters]\n"
     if text:
         outputs.insert(0, {"output_type": "stream", "name": "stdout", "text": text})
-    return outputs, bridge.requests, bridge.contradictions
+    return outputs, bridge
 
 
 NOT_STARTED = "the kernel did not start the grader's bridge"
@@ -161,8 +162,8 @@ def wait_for_the_kernel(listener: socket.socket, requests: Requests, timeout: fl
 
 def serve() -> int:
     """Answer the nbgrader process's requests: ``{"cell", "socket", "timeout", "connect_timeout", "code"}`` ->
-    ``{"listening": true}`` once the socket listens, then ``{"outputs": [...], "contradictions": [...]}`` (or
-    ``{"error"}`` when the kernel never connected).  ``{"cancel": true}`` while the checker waits for the kernel
+    ``{"listening": true}`` once the socket listens, then ``{"outputs": [...], "contradictions": [...],
+    "kept_out": bool}`` (or ``{"error"}`` when the kernel never connected).  ``{"cancel": true}`` while the checker waits for the kernel
     ends that wait (the answer is the error); a cancel that comes later is ignored.  Answers go to
     what was standard output; anything else printed goes to standard error (the nbgrader
     process's log)."""
@@ -204,10 +205,11 @@ def serve() -> int:
             if isinstance(connection, str):
                 answer = {"error": connection}
             else:
-                outputs, crossings, contradictions = run_cell(request["cell"], connection,
-                                                              float(request.get("timeout", 120)), request.get("code"))
-                answer = {"outputs": outputs, "seconds": round(time.monotonic() - started, 3), "requests": crossings,
-                          "contradictions": contradictions}
+                outputs, bridge = run_cell(request["cell"], connection, float(request.get("timeout", 120)),
+                                           request.get("code"))
+                answer = {"outputs": outputs, "seconds": round(time.monotonic() - started, 3),
+                          "requests": bridge.requests, "contradictions": bridge.contradictions,
+                          "kept_out": bridge.kept_out}
         except Exception:  # a bug of ours: this cell cannot be graded, the next one can
             answer = {"error": "the checker failed: " + traceback.format_exc(limit=5)[-2000:]}
         finally:

@@ -47,6 +47,10 @@ class BridgeError(Exception):
     Not a CheckFailure (checks never catch it): the test fails with this message."""
 
 
+DRIPPED = ("your notebook's kernel sent its answer a little at a time, past this test's {limit:.0f} s (its copy of "
+           "the course's bridge was rewritten): the grader stops calling your code for this notebook")
+
+
 # The exception classes an answer's exception may arrive as: the built-in ones (so that the
 # checks' ``except ValueError`` works), never BaseException-only ones (SystemExit,
 # KeyboardInterrupt: those would stop the checker), never the course's own (CheckFailure).
@@ -168,6 +172,7 @@ class Bridge(Peer):
         # checker's own reading of an answer's code, whatever the kernel reports; None when grading has none.
         self.submitted: Any = None
         self.contradictions: list[str] = []  # where the kernel's measurement and the submitted code disagree
+        self.kept_out = False  # the kernel dripped a reply in: the notebook's later tests are not run
         self.writes: list[Any] = []  # the checker's objects the current call may write (its contract's)
         self.left = LeftBehind()  # what the last request's student code left of the checker's other objects
         self._writable: tuple[set[int], set[str]] | None = None  # (ids, storage ids) writable in this request
@@ -188,6 +193,9 @@ class Bridge(Peer):
             self.connection.settimeout(left)
             self.send(self.connection, header, encoder)
             reply, buffers = self.receive(self.connection, self.deadline)  # whole by then, however it drips in
+        except wire.Dripping:
+            self.kept_out = True
+            raise BridgeError(DRIPPED.format(limit=self.timeout)) from None
         except socket.timeout:
             raise BridgeError(f"this test did not finish within its {self.timeout:.0f} s: your code did not answer "
                               "in time (an endless loop, or code that keeps the grader from calling your functions)"

@@ -42,6 +42,10 @@ class WireError(ValueError):
     """A frame or value that is not well-formed data (or too large): the other side broke the protocol."""
 
 
+class Dripping(socket.timeout):
+    """A frame begun but not finished by its deadline: sent a little at a time, as no agent sends one."""
+
+
 # --------------------------------------------------------------------------------------
 # Frames
 # --------------------------------------------------------------------------------------
@@ -54,18 +58,25 @@ def send_frame(connection: socket.socket, header: dict, buffers: list[bytes | me
     connection.sendall(b"".join(parts))
 
 
-def _read_exactly(connection: socket.socket, count: int, deadline: float | None = None) -> bytearray:
+def _read_exactly(connection: socket.socket, count: int, deadline: float | None = None,
+                  begun: bool = True) -> bytearray:
     """``count`` bytes, read into one buffer (a frame's memory is held once: no chunks joined); with a
-    ``deadline`` (``time.monotonic()``), all of them by then, however slowly they come in."""
+    ``deadline`` (``time.monotonic()``), all of them by then, however slowly they come in (past it:
+    :class:`Dripping` once the frame has ``begun``, else ``socket.timeout``)."""
     data = bytearray(count)
     view, done = memoryview(data), 0
     while done < count:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise socket.timeout("the other side sent too slowly")
+                raise Dripping("a reply that drips in") if begun or done else socket.timeout("no reply")
             connection.settimeout(left)
-        received = connection.recv_into(view[done:], min(count - done, 2**20))
+        try:
+            received = connection.recv_into(view[done:], min(count - done, 2**20))
+        except socket.timeout:
+            if begun or done:
+                raise Dripping("a reply that drips in") from None
+            raise
         if not received:
             raise EOFError("the other side closed the connection")
         done += received
@@ -75,7 +86,7 @@ def _read_exactly(connection: socket.socket, count: int, deadline: float | None 
 def receive_frame(connection: socket.socket, deadline: float | None = None) -> tuple[dict, "Buffers"]:
     """The next frame: whole by ``deadline`` (``time.monotonic()``) if given, else the socket's own timeout
     applies to each read."""
-    if _read_exactly(connection, 4, deadline) != MAGIC:
+    if _read_exactly(connection, 4, deadline, begun=False) != MAGIC:
         raise WireError("not a bridge frame")
     (length,) = struct.unpack("<I", _read_exactly(connection, 4, deadline))
     if length > MAX_HEADER_BYTES:
