@@ -26,6 +26,12 @@ silently scored, after ``attempts`` tries, or once its attempts together ran pas
 ``submission_timeout`` seconds or (where the nbgrader process's sandbox has a control group,
 :mod:`autograder.cgroups`, which also holds the memory and process count of the whole
 sandbox) used more than ``cpu_seconds`` of CPU.
+
+Nothing a submission leaves in the sandbox is counted against the next: after each one the memory
+the sandbox's group holds beyond its processes is measured (``left_in_sandbox_mb``), and more than
+:data:`SANDBOX_LEFT_MB` restarts the sandbox; a sandbox found so before a submission, or one in
+which its kernel cannot start, is restarted and the submission graded in the fresh one (the
+report says so: ``left_in_sandbox``, ``sandbox_restarted``).
 """
 
 from __future__ import annotations

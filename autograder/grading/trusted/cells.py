@@ -3,11 +3,13 @@
 For a notebook listed in :data:`autograder.settings.CHECKED_OUTSIDE_THE_KERNEL`, an nbclient
 client with :class:`CheckedOutsideTheKernel` (grading's :class:`autograder.grading.nbgrader_process.GuardedExecute`,
 the test suite's :class:`autograder.execute.ForkedKernels`) does not send a graded test cell to
-the kernel.  It sends the cell -- nbgrader's copy, hidden tests included -- to this nbgrader process's
+the kernel.  It sends the cell -- nbgrader's copy, hidden tests included -- and the notebook's code
+cells before it (data: the checks read an answer's code there themselves) to this nbgrader process's
 :data:`checker` (:mod:`autograder.grading.trusted.checker`), which listens on a socket in the kernel's
 runtime folder; it then has the kernel run the bridge's agent (silently, outside any cell),
 which connects to that socket and answers the checker's requests until the test is over.  The
-cell's outputs are the checker's: what the checks printed, and the error when the test failed.
+cell's outputs are the checker's: what the checks printed, and the error when the test failed;
+where the kernel's measurements contradicted the code, the report says so.
 
 A kernel that does not run the agent (a submission that rewrites every cell it is given)
 keeps the grader out: that test, and every later one of the notebook, earns nothing.  The
