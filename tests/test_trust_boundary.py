@@ -220,8 +220,8 @@ def student(name: str) -> str:
 LLAMA_PARTS = ["causal_mask", "rope_frequencies", "apply_rope", "qk_norm", "repeat_kv", "KVCache", "LlamaAttention"]
 LLAMA_TESTS = {"test_LlamaAttention", "test_LlamaAttention_kv_cache"}
 NO_QK_NORM = ("if self.config.use_qk_norm:", "if False:  # no QK norm")
-# Notebook 05: the model turns QK norm off in the config it is given, so that the check's reference,
-# reading that config, drops QK norm too (30/32 instead of 23/32 before the fix) ...
+# Notebook 05: a model without QK norm turns it off in the config it is given, so that the check's
+# reference, reading that config, drops QK norm too ...
 TURNS_QK_NORM_OFF = ("self.config = config", "config.use_qk_norm = False\n        self.config = config")
 # ... or puts a look-alike there: equal to anything, and false.
 LOOKS_FALSE = ("self.config = config", "config.use_qk_norm = type('LooksFalse', (), {'__eq__': lambda s, o: True, "
@@ -282,7 +282,6 @@ def llama(*edits: tuple[str, str]) -> nbformat.NotebookNode:
 OTHER_NOTEBOOKS = {  # student: (assignment, the submission)
     "llama-turns-qk-norm-off": ("05_llama_attention", lambda: llama(NO_QK_NORM, TURNS_QK_NORM_OFF)),
     "llama-looks-false": ("05_llama_attention", lambda: llama(NO_QK_NORM, LOOKS_FALSE)),
-    "llama-without-qk-norm": ("05_llama_attention", lambda: llama(NO_QK_NORM)),
     "conv-into-the-check": ("04_vision_transformer", lambda: submission(
         "04_vision_transformer", [], replaced={"conv_to_linear": RANDOM_LINEAR_INTO_THE_CONV})),
     "mlp-scales-the-encoder": ("03_positions_and_blocks", lambda: submission(
@@ -455,15 +454,17 @@ def test_an_honest_llama_graded_after_the_attacks_keeps_its_points(graded):
     assert len({o.worker for o in outcomes.values()}) == 1
     honest = passed(graded, "zz-honest-llama")
     assert LLAMA_TESTS <= honest and {"test_qk_norm", "test_KVCache", "test_apply_rope"} <= honest, honest
+    # an honest kernel's measurements never contradict its code: nothing to report for either honest student
+    assert outcomes["zz-honest-llama"].incidents == [] and outcomes["honest"].incidents == [], \
+        (outcomes["zz-honest-llama"].incidents, outcomes["honest"].incidents)
 
 
 @pytest.mark.parametrize("attack", ["llama-turns-qk-norm-off", "llama-looks-false"])
 def test_a_llama_that_changes_its_config_earns_what_its_answers_earn(graded, attack):
     """Notebook 05: the constructor's change of the config fails the call that made it (the check keeps
-    its own config, and gave a copy); without QK norm the model earns what it earns without the trick."""
-    assert passed(graded, attack) == passed(graded, "llama-without-qk-norm")
-    assert graded["outcomes"][attack].score == graded["outcomes"]["llama-without-qk-norm"].score
-    assert not LLAMA_TESTS & passed(graded, attack)
+    its own config, and gave a copy): a model without QK norm earns its other answers' points and none of
+    LlamaAttention's (30/32 of a solved notebook before the fix, 23/32 without the trick)."""
+    assert passed(graded, attack) == passed(graded, "zz-honest-llama") - LLAMA_TESTS
     failure = graded_cells(graded, attack, "05_llama_attention")["test_LlamaAttention"].evalue
     assert "your `LlamaAttention.__init__` changed the config it was given: `use_qk_norm` True →" in failure, failure
 
