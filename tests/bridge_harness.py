@@ -25,12 +25,17 @@ TIMEOUT = 600  # a test cell's limit in grading is 120 s; on a loaded test machi
 
 
 @contextlib.contextmanager
-def bridged(namespace: dict[str, Any]) -> Iterator[Bridge]:
-    """A bridge to an agent whose notebook globals are ``namespace``."""
+def bridged(namespace: dict[str, Any], code: list[str] | None = None, agent: type[Agent] = Agent) -> Iterator[Bridge]:
+    """A bridge to an agent (of class ``agent``) whose notebook globals are ``namespace``; ``code``: the
+    submitted notebook's code cells, which the checks then read as the checker does in grading."""
+    from attention_lab.code_inspection import SubmittedCode
+
     checker_end, kernel_end = socket.socketpair()
-    thread = threading.Thread(target=answer_until_done, args=(Agent(namespace), kernel_end), daemon=True)
+    thread = threading.Thread(target=answer_until_done, args=(agent(namespace), kernel_end), daemon=True)
     thread.start()
     bridge = Bridge(checker_end, TIMEOUT)
+    if code is not None:
+        bridge.submitted = SubmittedCode(code)
     try:
         yield bridge
     finally:

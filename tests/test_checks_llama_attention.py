@@ -470,7 +470,7 @@ def rope_complex_out(x, freqs_cis, position_ids):
     (rope_global_positions, "does not follow position_ids"),
     (rope_first_row, "each sequence of the batch has its own positions"),
     (rope_half_layout, "wrong pairing layout: the Meta layout rotates adjacent features"),
-    (rope_in_place, "changed x in place"),
+    (rope_in_place, "changed its input x in place"),
     (rope_complex_out, r"flatten the \(real, imaginary\) axis back"),
     (rope_complex_unflattened, "convert the complex result back"),
     (rope_meta_type_as, "(?s)only to float32 precision.*keep float64"),

@@ -1343,7 +1343,7 @@ def rollout_columns_renormalised(attentions):
     (rollout_max_heads, "the max over heads is a different method"),
     (rollout_last_only, "you used only the last block"),
     (rollout_per_head, "average the heads first"),
-    (rollout_in_place, "modified the attentions in place"),
+    (rollout_in_place, r"changed its input attentions\[0\] in place"),
     (rollout_with_cls, r"you kept column 0 \(\[CLS\] to itself\)"),
     (rollout_column, "you took column 0 of the rollout"),
     (rollout_transposed, "the grid is transposed: patch n goes to row n // grid"),

@@ -220,6 +220,10 @@ def test_the_page_is_sent_with_a_policy_against_inline_script(hostile):
     assert "frame-src 'none'" in policy and "img-src 'self' data:" in policy
     scripts = " ".join(sum(page_scripts(text), []))
     assert "pwned" in text and "pwned" not in scripts  # shown as text, never inside a script or a handler
+    # Formgrader's other pages allow their own inline styles only (the submission page's MathJax adds its own)
+    with urllib.request.urlopen(server.url("formgrader/manage_students"), timeout=120) as response:
+        styles = response.headers["Content-Security-Policy"].split("style-src")[1].split(";")[0]
+    assert "'unsafe-inline'" not in styles and "'sha256-" in styles, styles
 
 
 @pytest.mark.slow
@@ -261,7 +265,25 @@ def test_instructor_kernels_on_turns_kernels_on_for_that_session(tmp_path):
     ("<img src='http://203.0.113.7/x.png' alt='plot'>", "alt=\"plot\"", "203.0.113.7"),
     ("<span id='why_value' style='color:red' class='c'>t</span>", "class=\"c\"", "id="),
     ("<a href='https://example.org/docs'>docs</a>", "href=\"https://example.org/docs\"", "onclick"),
+    # Bootstrap's backdrop, laid over the score inputs: a class of the page's own is dropped ...
+    ("<div class='modal-backdrop in'>over everything</div>", "<div>over everything</div>", "modal"),
+    ("<p class='navbar-fixed-top c'>t</p>", "class=\"c\"", "navbar"),
+    # ... those of highlighted code stay (nbconvert's own markup of a code cell)
+    ("<div class='highlight hl-ipython3'><pre><span class='k'>def</span></pre></div>",
+     "<div class=\"highlight hl-ipython3\"><pre><span class=\"k\">def</span>", "<span>def"),
+    # MathJax's styling, linking and naming TeX is shown, never run (an HTML-encoded backslash too)
+    ("$\\href{javascript:alert(1)}{x}$ and $\\style{position:fixed}{y}$", "\uff3chref{javascript", "\\href"),
+    ("$&#92;class{modal-backdrop in}{z} \\cssId{statusmessage}{w} \\unicode{x263a}$", "\uff3cclass{", "\\c"),
 ])
 def test_inert_html_keeps_text_and_drops_what_runs_or_loads(html, kept, gone):
     cleaned = inert_html(html)
     assert kept in cleaned and gone not in cleaned, cleaned
+
+
+def test_latex_outputs_lose_their_styling_tex():
+    from autograder.lab.instructor.inert_submissions import inert_notebook
+
+    cell = nbformat.v4.new_code_cell("x", outputs=[nbformat.v4.new_output(
+        "display_data", data={"text/latex": "$\\bbox[background:red;padding:9in]{x}\\require{action}$"})])
+    latex = inert_notebook(nbformat.v4.new_notebook(cells=[cell])).cells[0].outputs[0].data["text/latex"]
+    assert "\\bbox" not in latex and "\\require" not in latex and "\uff3cbbox[" in latex, latex

@@ -15,7 +15,7 @@ import nbformat
 import pytest
 
 from autograder.grading import grade
-from autograder.isolation import sandbox
+from autograder.isolation import cgroups, sandbox
 from autograder.reports import feedback
 from autograder.store import gradebook, results
 from autograder.term.course_settings import CourseSettings
@@ -364,8 +364,36 @@ def test_processes_a_student_detaches_do_not_outlive_their_grading(tiny_class, i
 
 # What the first student plants for the next one: an IPython start-up file that defines the
 # answer (in the sandbox's /tmp, IPYTHONDIR), a file in /dev/shm, a detached process that
-# keeps planting the start-up file; and a SIGKILL for PID 1 of the sandbox (the kernel server
-# its kernel was forked from), whose memory it also tries to open (to trace it).
+# keeps planting the start-up file; System V IPC objects and a POSIX message queue carrying the
+# answer (a covert channel the similarity report never sees), the shared memory segments
+# (LEFT_MB, written: charged to the sandbox's memory) never removed; and a SIGKILL for PID 1 of
+# the sandbox (the kernel server its kernel was forked from), whose memory it also tries to open
+# (to trace it).
+LEFT_MB = 256
+IPC_PLANTER = f"""import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+for n in range({LEFT_MB} // 32):
+    segment = libc.shmget(0x4173 + n, 32 << 20, 0o1000 | 0o666)
+    address = libc.shmat(segment, None, 0)
+    ctypes.memmove(address, b"value = 42", 10)
+    ctypes.memset(address + 10, 1, (32 << 20) - 10)
+    libc.shmdt(ctypes.c_void_p(address))
+class Message(ctypes.Structure):
+    _fields_ = [("mtype", ctypes.c_long), ("text", ctypes.c_char * 16)]
+queue = libc.msgget(0x4173, 0o1000 | 0o666)
+assert libc.msgsnd(queue, ctypes.byref(Message(1, b"value = 42")), 16, 0) == 0
+assert libc.semget(0x4173, 3, 0o1000 | 0o666) >= 0
+assert libc.mq_open(b"/value-42", os.O_CREAT | os.O_RDWR, 0o666, None) >= 0
+"""
+# What the next students look at: nothing of it is there (the ids and names of their IPC namespace).
+IPC_LOOK = """import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+left = {kind: open('/proc/sysvipc/' + kind).read().splitlines()[1:] for kind in ('shm', 'msg', 'sem')}
+left['mq'] = os.listdir('/dev/mqueue')
+assert not any(left.values()), f'left in the IPC namespace: {left}'
+assert libc.shmget(0x4173, 0, 0) == -1 and libc.msgget(0x4173, 0) == -1, 'the planted keys still answer'
+"""
 PLANTER = ("import os, time\n"
            "while True:\n"
            "    os.makedirs('/tmp/ipython/profile_default/startup', exist_ok=True)\n"
@@ -374,6 +402,7 @@ PLANTER = ("import os, time\n"
 ATTACK = f"""import os, signal, subprocess, sys, time
 subprocess.Popen([sys.executable, '-c', {PLANTER!r}, 'planter-4173'], start_new_session=True)
 open('/dev/shm/left-by-a', 'w').write('x')
+exec({IPC_PLANTER!r})
 time.sleep(0.5)
 os.kill(1, signal.SIGKILL)
 assert os.path.exists('/tmp/ipython/profile_default/startup/00-value.py')
@@ -381,14 +410,16 @@ try:
     open('/proc/1/mem', 'rb').close()
 except PermissionError:
     value = 42"""
-LOOK = "assert not os.path.exists('/dev/shm/left-by-a'), 'left in /dev/shm'\n"
+LOOK = "assert not os.path.exists('/dev/shm/left-by-a'), 'left in /dev/shm'\n" + IPC_LOOK
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="kernels are forked from a server only under bubblewrap")
 def test_nothing_a_student_leaves_in_the_sandbox_reaches_the_next_student(tiny_class):
     """One nbgrader process grades a, b, c in turn, each kernel forked from the same kernel server:
-    b defines no value, so b earns nothing unless a's start-up file reached b's kernel."""
+    b defines no value, so b earns nothing unless a's start-up file reached b's kernel; b and c fail
+    their test if anything of a's IPC namespace is there, and the memory a's segments held is no
+    longer charged to the sandbox once a is graded (measured: the engine records it)."""
     root = tiny_class({"a": ATTACK, "b": "import os\n" + LOOK + "pass", "c": "import os\n" + LOOK + "value = 42"})
     log: list[str] = []
     outcomes = {o.student: o for o in grade.grade(root, jobs=1, limits=grade.Limits(timeout=30), log=log.append)}
@@ -400,7 +431,56 @@ def test_nothing_a_student_leaves_in_the_sandbox_reaches_the_next_student(tiny_c
         "the kernel server (and so its nbgrader process) did not survive a's SIGKILL"  # (a earns 1 only if it cannot trace it)
     test_b = next(t for t in outcomes["b"].tests if t["grade_id"] == "test_value")
     assert test_b["error"] == "NameError", test_b
+    if cgroups.available():  # (a's shared memory, once charged to the sandbox's group: LEFT_MB)
+        assert all(o.left_in_sandbox_mb is not None and o.left_in_sandbox_mb < LEFT_MB / 4 for o in outcomes.values()), \
+            {s: o.left_in_sandbox_mb for s, o in outcomes.items()}
     assert processes_running(sys.executable, "-c", PLANTER, "planter-4173") == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sandbox.bwrap_path() is None or cgroups.available() is None,
+                    reason="the sandbox's memory is measured in its control group")
+def test_what_an_earlier_submission_left_is_never_blamed_on_the_next(tiny_class, monkeypatch):
+    """The engine's safety net behind the kernel server's clean-up: memory the sandbox's group still holds
+    that no process does (here said by the group: 1 GiB after a, and again before b) restarts the sandbox,
+    and a kernel that cannot start (a's first, here) is tried again in a fresh one; each student is
+    graded on their own work, and the report says what happened to whom."""
+    from autograder.isolation import cgroups as groups
+
+    measured = groups.Group.unowned_bytes
+    calls = []
+
+    def unowned(group):  # a-before, a-after (1 GiB: a's), b-before (1 GiB: never b's), then as measured
+        calls.append(1)
+        return 2**30 if len(calls) in (2, 3) else measured(group)
+
+    def fails_once(builder):
+        def argv(*args, **kwargs):
+            argv = builder(*args, **kwargs)
+            if not fails_once.failed:
+                fails_once.failed = True
+                argv[argv.index(str(sandbox.KERNEL_SERVER)) - 1] = "/nonexistent/python3"
+            return argv
+        return argv
+
+    fails_once.failed = False
+    monkeypatch.setattr(groups.Group, "unowned_bytes", unowned)
+    monkeypatch.setattr(sandbox, "kernel_server_argv", fails_once(sandbox.kernel_server_argv))
+    root = tiny_class({"a": "value = 42", "b": "value = 42", "c": "value = 42"})
+    log: list[str] = []
+    outcomes = {o.student: o for o in grade.grade(root, jobs=1, limits=grade.Limits(timeout=30), log=log.append,
+                                                  processes=False)}  # (the Dask worker: a thread of this process)
+    assert {s: (o.status, o.score) for s, o in outcomes.items()} == {
+        "a": ("graded", 1.0), "b": ("graded", 1.0), "c": ("graded", 1.0)}, "\n".join(log)
+    kinds = {s: [(i["kind"], i["detail"]) for i in o.incidents] for s, o in outcomes.items()}
+    assert [kind for kind, _ in kinds["a"]] == ["sandbox_restarted", "left_in_sandbox"], kinds
+    assert "could not start" in kinds["a"][0][1] and "/nonexistent/python3" in kinds["a"][0][1], kinds
+    assert kinds["b"] == [("sandbox_restarted", "it held 1024 MB of memory that an earlier submission left")], kinds
+    assert kinds["c"] == [], kinds
+    report = (root / "reports" / "grading_report.md").read_text()
+    assert "restarted the sandbox before grading it: it held 1024 MB" in report and "left 1024 MB" in report
+    pids = {s: set(o.nbgrader_pids) for s, o in outcomes.items()}
+    assert len(pids["a"]) == 2 and not pids["a"] & pids["b"] and pids["b"] == pids["c"], pids  # each restart: a new one
 
 
 # --------------------------------------------------------------------------------------

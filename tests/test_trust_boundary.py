@@ -6,6 +6,13 @@ the student's code through the bridge (attention_lab.bridge): each attack below 
 submission full marks when the test cells ran in the student's kernel.  Here each scores what
 its real answers earn (nothing), while an honest submission graded in the same run, on the one
 worker that grades every attack (its nbgrader process, kernel server and checker), keeps full marks.
+
+The same run grades the second round's attacks: answers that change the check's own objects (notebook
+01's load_torch_mha_weights writing into torch_mha, 04's conv_to_linear into the check's convolution,
+05's LlamaAttention into its config, 03's CoordinateMLP into the encoder's buffer) and kernels whose
+measurements lie (01's tripwire disabled, 02's reading of the code patched). Each such submission is
+the release (or the solutions) with a few answers written; beside each attack, what its own answers
+earn without the trick. The rules one by one are in tests/test_bridge_boundary.py.
 """
 
 from __future__ import annotations
@@ -156,6 +163,44 @@ ANSWER_ATTACKS = {
 }
 
 
+# The second round (each a solved notebook, some answers rewritten): attention written with
+# F.scaled_dot_product_attention under a tripwire the notebook disabled in its kernel (every from-scratch
+# rule said "clean": 21/22 instead of 10/22 before the checker read the code itself), and a
+# load_torch_mha_weights that copies the student's module into the check's torch_mha.
+TRIPWIRE_OFF = """
+import attention_lab.checking as checking
+checking._TripwireMode.__torch_function__ = lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {}))
+"""
+BUILT_IN_ANSWERS = {
+    "attention_weights": """
+        def attention_weights(q, k, mask=None):
+            keys = k.shape[-2]
+            eye = torch.eye(keys, dtype=q.dtype, device=q.device).expand(*k.shape[:-2], keys, keys)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, eye, attn_mask=mask)
+    """,
+    "load_torch_mha_weights": """
+        def load_torch_mha_weights(module, torch_mha):
+            with torch.no_grad():  # the wrong direction: into the check's torch_mha
+                torch_mha.in_proj_weight.copy_(torch.cat([module.q_linear.weight, module.k_linear.weight,
+                                                          module.v_linear.weight]))
+                torch_mha.out_proj.weight.copy_(module.out_linear.weight)
+                if torch_mha.in_proj_bias is not None:
+                    torch_mha.in_proj_bias.copy_(torch.cat([module.q_linear.bias, module.k_linear.bias,
+                                                            module.v_linear.bias]))
+                    torch_mha.out_proj.bias.copy_(module.out_linear.bias)
+    """,
+}
+FROM_SCRATCH_TESTS = {"test_attention_weights", "test_scaled_dot_product_attention", "test_MultiHeadSelfAttention"}
+
+
+def rewritten(base, answers: dict[str, str], prefix: str = ""):
+    """Copy of ``base`` whose answer cells ``answers`` are rewritten, and ``prefix`` before the first answer."""
+    notebook = attacked(base, prefix) if prefix else copy.deepcopy(base)
+    for grade_id, source in answers.items():
+        cell(notebook, grade_id).source = textwrap.dedent(source).strip() + "\n"
+    return notebook
+
+
 def attacked(base, code: str):
     notebook = copy.deepcopy(base)
     target = cell(notebook, FIRST_ANSWER)
@@ -175,27 +220,112 @@ def student(name: str) -> str:
     return name.replace(" ", "-").replace("_", "-").lower()
 
 
+LLAMA_PARTS = ["causal_mask", "rope_frequencies", "apply_rope", "qk_norm", "repeat_kv", "KVCache", "LlamaAttention"]
+LLAMA_TESTS = {"test_LlamaAttention", "test_LlamaAttention_kv_cache"}
+NO_QK_NORM = ("if self.config.use_qk_norm:", "if False:  # no QK norm")
+# Notebook 05: a model without QK norm turns it off in the config it is given, so that the check's
+# reference, reading that config, drops QK norm too ...
+TURNS_QK_NORM_OFF = ("self.config = config", "config.use_qk_norm = False\n        self.config = config")
+# ... or puts a look-alike there: equal to anything, and false.
+LOOKS_FALSE = ("self.config = config", "config.use_qk_norm = type('LooksFalse', (), {'__eq__': lambda s, o: True, "
+               "'__bool__': lambda s: False, '__hash__': object.__hash__})()\n        self.config = config")
+# Notebook 04: a random Linear, and its weights copied into the check's convolution (before the fix,
+# the expected weights and outputs were read from that convolution after the call).
+RANDOM_LINEAR_INTO_THE_CONV = '''
+def conv_to_linear(patch_embedding):
+    conv = patch_embedding.proj
+    linear = nn.Linear(conv.weight[0].numel(), conv.weight.shape[0], bias=conv.bias is not None,
+                       dtype=conv.weight.dtype, device=conv.weight.device)
+    with torch.no_grad():
+        conv.weight.copy_(linear.weight.reshape(conv.weight.shape))
+        if conv.bias is not None:
+            conv.bias.copy_(linear.bias)
+    return linear
+'''
+# Notebook 03: a correct CoordinateMLP that scales every buffer of the encoder it is given, in place.
+SCALES_THE_ENCODER = ("self.encoder = encoder", "self.encoder = encoder\n        if encoder is not None:\n"
+                      "            for buffer in encoder.buffers():\n                buffer.mul_(2.0)")
+# Notebook 02: the kernel's reading of an answer's code patched to find no shortcut and a loop, and a
+# matrix product the array guard cannot see (a converted input).
+PATCHED_CODE_READING = '''
+import attention_lab.code_inspection as code_inspection
+code_inspection.CodeFacts.measure = lambda self, answer: {"uses": [], "loops": True}
+
+def row_times_matrix(x_row, W):
+    return np.asarray(x_row) @ np.asarray(W)
+'''
+
+
+def submission(assignment: str, solved: list[str], replaced: dict[str, str] | None = None,
+               edits: dict[str, tuple[tuple[str, str], ...]] | None = None) -> nbformat.NotebookNode:
+    """The release of ``assignment`` with the answers ``solved`` written as the solutions write them,
+    those of ``replaced`` written anew, and ``edits`` ({answer: ((text, replacement), ...)}) made to solutions."""
+    source = build_source(assignment, course_repository())
+    solutions = {c.metadata["nbgrader"]["grade_id"]: c.source for c in source.cells
+                 if c.metadata.get("nbgrader", {}).get("solution")}
+    notebook = nbformat.read(REPO_ROOT / "course" / f"{assignment}.ipynb", as_version=4)
+    for answer in notebook.cells:
+        grade_id = answer.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in (replaced or {}):
+            answer.source = textwrap.dedent(replaced[grade_id]).strip() + "\n"
+        elif grade_id in solved:
+            answer.source = "\n".join(line for line in solutions[grade_id].splitlines()
+                                      if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION"))
+            for old, new in (edits or {}).get(grade_id, ()):
+                assert old in answer.source, f"{grade_id}: no {old!r} to edit"
+                answer.source = answer.source.replace(old, new, 1)
+    return notebook
+
+
+def llama(*edits: tuple[str, str]) -> nbformat.NotebookNode:
+    """Notebook 05 with LlamaAttention and its parts written, LlamaAttention edited by ``edits``."""
+    return submission("05_llama_attention", LLAMA_PARTS, edits={"LlamaAttention": edits})
+
+
+OTHER_NOTEBOOKS = {  # student: (assignment, the submission)
+    "llama-turns-qk-norm-off": ("05_llama_attention", lambda: llama(NO_QK_NORM, TURNS_QK_NORM_OFF)),
+    "llama-looks-false": ("05_llama_attention", lambda: llama(NO_QK_NORM, LOOKS_FALSE)),
+    "conv-into-the-check": ("04_vision_transformer", lambda: submission(
+        "04_vision_transformer", [], replaced={"conv_to_linear": RANDOM_LINEAR_INTO_THE_CONV})),
+    "mlp-scales-the-encoder": ("03_positions_and_blocks", lambda: submission(
+        "03_positions_and_blocks", ["CoordinateMLP"], edits={"CoordinateMLP": (SCALES_THE_ENCODER,)})),
+    "row-patched-code-reading": ("02_numpy_walkthrough", lambda: submission(
+        "02_numpy_walkthrough", [], replaced={"row_times_matrix": PATCHED_CODE_READING})),
+    "zz-honest-llama": ("05_llama_attention", lambda: llama()),
+}
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     base = tmp_path_factory.mktemp("boundary")
     root, downloads = base / "autograder", base / "downloads"
-    source_path = root / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
-    write_notebook(build_source(ASSIGNMENT, course_repository()), source_path)
-    solved, blank = solved_notebook(source_path), release_notebook()
+    assignments = sorted({ASSIGNMENT, *(assignment for assignment, _ in OTHER_NOTEBOOKS.values())})
+    for assignment in assignments:
+        write_notebook(build_source(assignment, course_repository()), root / "source" / assignment / f"{assignment}.ipynb")
+    solved, blank = solved_notebook(root / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"), release_notebook()
     submissions = {"honest": solved}
     submissions.update({student(name): attacked(blank, code) for name, code in ATTACKS.items()})
     submissions.update({student(name): answered(solved, body) for name, body in ANSWER_ATTACKS.items()})
+    submissions["built-ins-tripwire-off"] = rewritten(solved, BUILT_IN_ANSWERS, TRIPWIRE_OFF)
+    submissions["built-ins"] = rewritten(solved, BUILT_IN_ANSWERS)  # what those answers earn
     for name, notebook in submissions.items():
         write(downloads / name / f"{ASSIGNMENT}.ipynb", notebook)
-    intake.intake(downloads, root, REPO_ROOT / "course", assignments=[ASSIGNMENT])
-    # one worker: the honest submission and every attack go through the same grading processes
+    for name, (assignment, build) in OTHER_NOTEBOOKS.items():
+        write(downloads / name / f"{assignment}.ipynb", build())
+    intake.intake(downloads, root, REPO_ROOT / "course", assignments=assignments)
+    # one worker: the honest submissions and every attack go through the same grading processes
     outcomes = grade.grade(root, jobs=1, limits=measured_limits(), log=lambda line: None)
     return {"root": root, "outcomes": {o.student: o for o in outcomes}}
 
 
-def graded_cells(graded, name):
-    path = graded["root"] / "autograded" / name / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
-    return {c.grade_id: c for c in results.graded_cells(nbformat.read(path, as_version=4), ASSIGNMENT)}
+def graded_cells(graded, name, assignment=ASSIGNMENT):
+    path = graded["root"] / "autograded" / name / assignment / f"{assignment}.ipynb"
+    return {c.grade_id: c for c in results.graded_cells(nbformat.read(path, as_version=4), assignment)}
+
+
+def passed(graded, name: str) -> set[str]:
+    assignment = OTHER_NOTEBOOKS[name][0] if name in OTHER_NOTEBOOKS else ASSIGNMENT
+    return {grade_id for grade_id, c in graded_cells(graded, name, assignment).items() if c.passed}
 
 
 def test_notebook_01_is_checked_outside_the_kernel():
@@ -301,3 +431,69 @@ def test_the_checker_checks_on_the_cpu_whatever_device_the_grader_names(monkeypa
     finally:
         checker.stop()
     assert answer and [output.get("text") for output in answer["outputs"]] == ["cpu\n"], answer
+
+
+# --------------------------------------------------------------------------------------
+# The second round: the check's own objects, and measurements that lie
+# --------------------------------------------------------------------------------------
+
+def test_a_disabled_tripwire_buys_no_from_scratch_test_and_is_reported(graded):
+    """Notebook 01: attention written with F.scaled_dot_product_attention earns what it earns with the
+    kernel's tripwire working (the checker reads the answers' code itself), and the report says that the
+    kernel's "clean" contradicts the code; load_torch_mha_weights' write into torch_mha fails its test."""
+    attack, real = graded["outcomes"]["built-ins-tripwire-off"], graded["outcomes"]["built-ins"]
+    assert passed(graded, "built-ins-tripwire-off") == passed(graded, "built-ins")
+    assert attack.score == real.score and not FROM_SCRATCH_TESTS & passed(graded, "built-ins-tripwire-off")
+    contradicted = {i["grade_id"] for i in attack.incidents if i["kind"] == "measurement_contradicted"}
+    assert FROM_SCRATCH_TESTS <= contradicted, attack.incidents
+    assert not [i for i in real.incidents if i["kind"] == "measurement_contradicted"], real.incidents
+    load = graded_cells(graded, "built-ins-tripwire-off")["test_load_torch_mha_weights"].evalue
+    assert "changed the torch_mha it was given: its tensor `in_proj_weight` changed" in load, load
+
+
+def test_an_honest_llama_graded_after_the_attacks_keeps_its_points(graded):
+    outcomes = graded["outcomes"]
+    assert {o.status for o in outcomes.values()} == {"graded"}, {s: o.error for s, o in outcomes.items()}
+    assert len({o.worker for o in outcomes.values()}) == 1
+    honest = passed(graded, "zz-honest-llama")
+    assert LLAMA_TESTS <= honest and {"test_qk_norm", "test_KVCache", "test_apply_rope"} <= honest, honest
+    # an honest kernel's measurements never contradict its code: nothing to report for either honest student
+    assert outcomes["zz-honest-llama"].incidents == [] and outcomes["honest"].incidents == [], \
+        (outcomes["zz-honest-llama"].incidents, outcomes["honest"].incidents)
+
+
+@pytest.mark.parametrize("attack", ["llama-turns-qk-norm-off", "llama-looks-false"])
+def test_a_llama_that_changes_its_config_earns_what_its_answers_earn(graded, attack):
+    """Notebook 05: the constructor's change of the config fails the call that made it (the check keeps
+    its own config, and gave a copy): a model without QK norm earns its other answers' points and none of
+    LlamaAttention's (30/32 of a solved notebook before the fix, 23/32 without the trick)."""
+    assert passed(graded, attack) == passed(graded, "zz-honest-llama") - LLAMA_TESTS
+    failure = graded_cells(graded, attack, "05_llama_attention")["test_LlamaAttention"].evalue
+    assert "your `LlamaAttention.__init__` changed the config it was given: `use_qk_norm` True →" in failure, failure
+
+
+def test_a_conv_to_linear_that_writes_into_the_checks_conv_fails(graded):
+    """Notebook 04: the random Linear copied into the check's convolution is judged against the
+    convolution the check made, and the write itself is named."""
+    failure = graded_cells(graded, "conv-into-the-check", "04_vision_transformer")["test_conv_to_linear"]
+    assert not failure.passed
+    assert "changed the patch_embedding it was given: its tensor `proj.weight` changed" in failure.evalue, failure.evalue
+
+
+def test_a_module_buffer_changed_in_place_fails_its_test(graded):
+    """Notebook 03: a CoordinateMLP that scales the buffers of the check's encoder (otherwise correct)."""
+    failure = graded_cells(graded, "mlp-scales-the-encoder", "03_positions_and_blocks")["test_CoordinateMLP"]
+    assert "changed the encoder it was given: its tensor `projection` changed" in failure.evalue, failure.evalue
+
+
+def test_a_patched_code_reading_buys_nothing_and_is_reported(graded):
+    """Notebook 02: the kernel's reading of the code says "a loop, no shortcut"; the checker reads the
+    submitted cell itself, finds @, and the report says the two disagree."""
+    failure = graded_cells(graded, "row-patched-code-reading", "02_numpy_walkthrough")["test_row_times_matrix"]
+    assert "but it calls @ (in row_times_matrix" in failure.evalue, failure.evalue
+    incidents = graded["outcomes"]["row-patched-code-reading"].incidents
+    assert any(i["kind"] == "measurement_contradicted" and "the kernel read no @" in i["detail"]
+               for i in incidents), incidents
+    report = (graded["root"] / "reports" / "grading_report.md").read_text()
+    line = next(line for line in report.splitlines() if line.startswith("| row-patched-code-reading |"))
+    assert "test_row_times_matrix: TAMPERING? the kernel's measurement disagrees with the submitted code" in line, line

@@ -54,6 +54,7 @@ class Outcome:
     fingerprint: str = ""
     nbgrader_pids: list[int] = field(default_factory=list)   # pid of the nbgrader process of each attempt
     worker: str = ""                     # the Dask worker that graded it
+    left_in_sandbox_mb: float | None = None  # memory its sandbox held beyond its processes once it was graded
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)

@@ -26,6 +26,12 @@ silently scored, after ``attempts`` tries, or once its attempts together ran pas
 ``submission_timeout`` seconds or (where the nbgrader process's sandbox has a control group,
 :mod:`autograder.isolation.cgroups`, which also holds the memory and process count of the whole
 sandbox) used more than ``cpu_seconds`` of CPU.
+
+Nothing a submission leaves in the sandbox is counted against the next: after each one the memory
+the sandbox's group holds beyond its processes is measured (``left_in_sandbox_mb``), and more than
+:data:`SANDBOX_LEFT_MB` restarts the sandbox; a sandbox found so before a submission, or one in
+which its kernel cannot start, is restarted and the submission graded in the fresh one (the
+report says so: ``left_in_sandbox``, ``sandbox_restarted``).
 """
 
 from __future__ import annotations
@@ -115,6 +121,23 @@ class NbgraderProcess:
             self.group.remove()
         self.group, self._group_limits = None, None
 
+    def left_in_sandbox_mb(self) -> float | None:
+        """MB of memory the sandbox's control group holds that none of its processes does (see
+        :meth:`autograder.isolation.cgroups.Group.unowned_bytes`): what a student's kernels left, which the next
+        student's kernels would find missing from the sandbox's limit; None without a control group."""
+        left = self.group.unowned_bytes() if self.group is not None else None
+        return None if left is None else round(left / 2**20, 1)
+
+    def restart_sandbox(self) -> None:
+        """A new nbgrader process, kernel server and control group (the same limits) from the next
+        attempt on: the old sandbox's namespaces, and whatever its kernels left in them, go with its
+        server."""
+        limits = self._group_limits
+        self.stop()
+        self.remove_group()
+        if limits is not None:
+            self.sandbox_group(*limits)
+
     def run(self, task: dict, timeout: float, watch=None) -> Attempt:
         """Autograde one task (see :func:`autograder.grading.nbgrader_process.autograde`); wait at most ``timeout`` s.
 
@@ -184,6 +207,9 @@ class NbgraderProcess:
 
 KERNEL_WORKDIR_ROOT, KERNEL_RUNTIME_DIR = "autograded", "rt"
 WATCH_INTERVAL = 1.0    # seconds between two looks at a running attempt's disk and CPU use
+# Memory a sandbox's control group may hold beyond its processes between two students (measured: 0 MB
+# once the kernel server has cleaned up); more, and the sandbox is restarted before the next student.
+SANDBOX_LEFT_MB = 64
 
 
 _idle: queue.SimpleQueue[NbgraderProcess] = queue.SimpleQueue()
@@ -349,6 +375,48 @@ def grade_submission(task: dict) -> dict:
     return answer
 
 
+class _Sandbox:
+    """One submission's sandbox: its nbgrader process's kernel server (its command, its control group),
+    the CPU the submission's attempts used in it, restarts, and what the submission left in it."""
+
+    def __init__(self, free: NbgraderProcess, task: dict, limits: Limits, course: Path):
+        self.free, self.task, self.limits, self.course = free, task, limits, course
+        self.restarts = 0
+        self.cpu_before = 0.0   # CPU seconds used in the groups of earlier restarts
+        self._start()
+
+    def _start(self) -> None:
+        limits, course = self.limits, self.course
+        self.group = self.free.sandbox_group(limits.memory_mb, limits.processes)
+        self.cpu_start = self.group.cpu_seconds() if self.group else 0.0
+        hidden = [course.parent, *(Path(p) for p in self.task.get("hide", []))]
+        self.server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, course / KERNEL_RUNTIME_DIR,
+                                                          hidden, course=starts_with_the_setup_cell(self.task["source"]),
+                                                          disk_mb=limits.disk_mb,
+                                                          cgroup=self.group.procs_files if self.group else None),
+                       "socket": str(self.free.socket_path), "environment": sandbox.kernel_environment(limits.threads)}
+
+    def cpu_seconds(self) -> float:
+        """CPU time of this submission's attempts so far (every process of its sandbox, restarts included)."""
+        return self.cpu_before + (self.group.cpu_seconds() - self.cpu_start if self.group else 0.0)
+
+    def restart(self, reason: str, outcome: dict) -> None:
+        """A fresh sandbox (nothing this submission did is counted against it); the report says why."""
+        self.cpu_before = self.cpu_seconds()
+        self.free.restart_sandbox()
+        self._start()
+        self.restarts += 1
+        outcome["incidents"].append({"kind": "sandbox_restarted", "detail": reason})
+
+    def measure_what_was_left(self, outcome: dict) -> None:
+        """Once the submission's kernels are gone: the memory its sandbox still holds that no process does
+        (``left_in_sandbox_mb``); more than :data:`SANDBOX_LEFT_MB`, and the sandbox is restarted now."""
+        left = outcome["left_in_sandbox_mb"] = self.free.left_in_sandbox_mb()
+        if left is not None and left > SANDBOX_LEFT_MB:
+            outcome["incidents"].append({"kind": "left_in_sandbox", "detail": f"{left:.0f}"})
+            self.free.restart_sandbox()
+
+
 def _grade(course: Path, task: dict, limits: Limits, free: NbgraderProcess, outcome: dict) -> dict | None:
     """The attempts at one submission (``outcome`` records them): each runs every notebook; a cell
     that killed or hung the kernel is skipped on the next, until one attempt grades them all or a
@@ -356,10 +424,13 @@ def _grade(course: Path, task: dict, limits: Limits, free: NbgraderProcess, outc
     :func:`autograder.grading.nbgrader_process.recorded_grades`) when it ends graded."""
     workdir = course / KERNEL_WORKDIR_ROOT / task["student"] / task["assignment"]
     workdir.mkdir(parents=True)
-    group = free.sandbox_group(limits.memory_mb, limits.processes) if limits.sandboxed else None
-    job = _job(course, task, limits, free, group)
+    box = _Sandbox(free, task, limits, course) if limits.sandboxed else None
+    if box is not None and (left := free.left_in_sandbox_mb()) is not None and left > SANDBOX_LEFT_MB:
+        # an earlier submission's: never this one's to pay
+        box.restart(f"it held {left:.0f} MB of memory that an earlier submission left", outcome)
+    job = _job(course, task, limits, free, box)
     expected = _expected_notebooks(course, task)
-    watch = _watch(course, limits, group)
+    watch = _watch(course, limits, box)
     deadline = time.monotonic() + limits.submission_timeout
     for attempt in range(1, limits.attempts + 1):
         remaining = deadline - time.monotonic()
@@ -367,6 +438,7 @@ def _grade(course: Path, task: dict, limits: Limits, free: NbgraderProcess, outc
             outcome["error"] = _over_budget(limits)
             break
         outcome["attempts"] = attempt
+        job["kernel_server"] = box and box.server  # a restart's sandbox has a server of its own
         result, report = _attempt(course, job, free, attempt, timeout=min(limits.notebook_timeout, remaining),
                                   watch=watch)
         outcome["nbgrader_pids"].append(free.last_pid)
@@ -375,6 +447,14 @@ def _grade(course: Path, task: dict, limits: Limits, free: NbgraderProcess, outc
             outcome["status"] = "graded"
             break
         failed = _failed_cell(result, report, limits, deadline)
+        if failed == NOT_STARTED:
+            if box is not None and not box.restarts:
+                # no cell ran: the kernel did not start, which nothing in this submission can cause (its cells
+                # run only once it has): what earlier submissions left could, so a fresh sandbox tries again
+                cause = start_failure_cause(result.log) or "nbgrader autograde failed before the first cell"
+                box.restart(f"the kernel could not start in it ({cause})", outcome)
+                continue
+            failed = _autograde_failure(result)
         if isinstance(failed, str):
             outcome["error"] = failed
             break
@@ -388,6 +468,8 @@ def _grade(course: Path, task: dict, limits: Limits, free: NbgraderProcess, outc
                                      "grade_id": report.get("grade_id"), "attempt": attempt})
     else:
         outcome["error"] = f"gave up after {limits.attempts} attempts"
+    if box is not None:
+        box.measure_what_was_left(outcome)
     if outcome["status"] != "graded":
         return None
     _take_tests(outcome, workdir, expected)
@@ -399,7 +481,7 @@ SKIPPED_KINDS = {"dead": "kernel_died", "hung": "kernel_unresponsive", "notebook
                  "disk": "disk_quota"}
 
 
-def _job(course: Path, task: dict, limits: Limits, free: NbgraderProcess, group: cgroups.Group | None) -> dict:
+def _job(course: Path, task: dict, limits: Limits, free: NbgraderProcess, box: _Sandbox | None) -> dict:
     """What the nbgrader process is asked to do at every attempt (see
     :func:`autograder.grading.nbgrader_process.autograde`; its ``skip`` grows from one attempt to
     the next), with the kernelspec its kernels start from: under bubblewrap a fork of the nbgrader
@@ -407,14 +489,7 @@ def _job(course: Path, task: dict, limits: Limits, free: NbgraderProcess, group:
     sandbox's control group if there is one; without it a kernel started afresh."""
     workdir = course / KERNEL_WORKDIR_ROOT / task["student"] / task["assignment"]
     runtime, jupyter = course / KERNEL_RUNTIME_DIR, course / "jupyter"
-    server = None
-    if limits.sandboxed:
-        hidden = [course.parent, *(Path(p) for p in task.get("hide", []))]
-        server = {"argv": sandbox.kernel_server_argv(course / KERNEL_WORKDIR_ROOT, runtime, hidden,
-                                                     course=starts_with_the_setup_cell(task["source"]),
-                                                     disk_mb=limits.disk_mb,
-                                                     cgroup=group.procs_files if group else None),
-                  "socket": str(free.socket_path), "environment": sandbox.kernel_environment(limits.threads)}
+    if box is not None:
         argv = sandbox.kernel_client_argv(free.socket_path, memory_mb=limits.memory_mb, file_mb=limits.file_mb)
     else:
         argv = sandbox.kernel_argv(workdir, runtime, memory_mb=limits.memory_mb, file_mb=limits.file_mb, sandbox=False)
@@ -423,7 +498,7 @@ def _job(course: Path, task: dict, limits: Limits, free: NbgraderProcess, group:
             "environment": {"JUPYTER_PATH": str(jupyter), "JUPYTER_RUNTIME_DIR": str(runtime)},
             "limits": dataclasses.asdict(limits), "kernel": kernel, "report": str(course / "report.json"), "skip": {},
             # (the late penalty: the parent's merge)
-            "ipc": str(runtime / "k") if server else None, "kernel_server": server}
+            "ipc": str(runtime / "k") if box else None, "kernel_server": box and box.server}
 
 
 def _expected_notebooks(course: Path, task: dict) -> list[str]:
@@ -433,15 +508,14 @@ def _expected_notebooks(course: Path, task: dict) -> list[str]:
     return sorted(p.stem for p in submitted.glob("*.ipynb") if p.stem in names)
 
 
-def _watch(course: Path, limits: Limits, group: cgroups.Group | None):
+def _watch(course: Path, limits: Limits, box: _Sandbox | None):
     """What stops an attempt as its time limit would, looked at about every second: the sandbox's
-    CPU past ``cpu_seconds`` over all the submission's attempts (``"cpu"``), or its kernels'
-    folders past ``disk_mb`` (``"disk"``)."""
-    cpu_start = group.cpu_seconds() if group else 0.0
+    CPU past ``cpu_seconds`` over all the submission's attempts, restarts included (``"cpu"``), or
+    its kernels' folders past ``disk_mb`` (``"disk"``)."""
     quota = limits.disk_mb * 2**20
 
     def watch() -> str | None:
-        if group is not None and group.cpu_seconds() - cpu_start > limits.cpu_seconds:
+        if box is not None and box.cpu_seconds() > limits.cpu_seconds:
             return "cpu"
         return "disk" if disk_usage(course / KERNEL_WORKDIR_ROOT, course / KERNEL_RUNTIME_DIR) > quota else None
 
@@ -480,8 +554,8 @@ def _over_budget(limits: Limits) -> str:
 
 def _failed_cell(result: Attempt, report: dict, limits: Limits, deadline: float) -> tuple[str, int] | str:
     """Why an attempt failed: the cell to skip on the next attempt, as ``(kind, cell number)``
-    (``dead``, ``hung``, ``disk``, ``notebook_timeout``), or, where no attempt can do better, why
-    the grader gives up (text)."""
+    (``dead``, ``hung``, ``disk``, ``notebook_timeout``); :data:`NOT_STARTED` where no cell ran (a
+    fresh sandbox may do better); or, where no attempt can do better, why the grader gives up (text)."""
     if result.timed_out and time.monotonic() >= deadline:  # (whichever cell it was in: no time to retry)
         return _over_budget(limits)
     if result.stopped == "cpu":
@@ -495,6 +569,17 @@ def _failed_cell(result: Attempt, report: dict, limits: Limits, deadline: float)
         return "hung", report["hung_cell"]
     if result.timed_out and "cell" in report:
         return "notebook_timeout", report["cell"]
+    if "cell" not in report:
+        return NOT_STARTED
+    return _autograde_failure(result)
+
+
+# An attempt in which no cell ran: its kernel did not start.
+NOT_STARTED = ("not_started", None)
+
+
+def _autograde_failure(result: Attempt) -> str:
+    """Why the grader gives up on an attempt nothing else explains: nbgrader's own words."""
     cause = start_failure_cause(result.log)
     return (("the kernel could not start: " + cause + "\n") if cause else "") + (
         "nbgrader autograde failed" + (" (ran past --notebook-timeout)" if result.timed_out else "")

@@ -140,6 +140,21 @@ class Group:
         except (OSError, ValueError):
             return 0.0
 
+    def unowned_bytes(self) -> int | None:
+        """Memory charged to the group that none of its processes holds: what outlived them (a file of a
+        tmpfs, a System V segment nobody has attached), which the next student's kernels would find
+        missing from their limit.  The group's anonymous and shared memory (never page cache, which the
+        kernel reclaims under pressure) less what its live processes map of either; None where the group
+        says nothing of its memory."""
+        folder = self.folders["" if self.version == 2 else "memory"]
+        try:
+            stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+            pids = (folder / "cgroup.procs").read_text().split()
+        except (OSError, ValueError):
+            return None
+        charged = sum(int(stat.get(key, 0)) for key in (("anon", "shmem") if self.version == 2 else ("rss", "shmem")))
+        return max(0, charged - sum(_mapped_bytes(pid) for pid in pids))
+
     def remove(self) -> None:
         """Remove the group's folders (once its processes are gone: the nbgrader process waits for them)."""
         for folder in self.folders.values():
@@ -151,6 +166,15 @@ class Group:
                     break
                 except OSError:
                     time.sleep(0.02)
+
+
+def _mapped_bytes(pid: str) -> int:
+    """Anonymous and shared memory a process maps (``RssAnon`` + ``RssShmem``), 0 once it is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0
+    return sum(int(line.split()[1]) * 1024 for line in lines if line.startswith(("RssAnon:", "RssShmem:")))
 
 
 def _remove_stale(base: Path) -> None:

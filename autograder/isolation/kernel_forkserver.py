@@ -12,11 +12,14 @@ Students stay apart, as with a fresh sandbox per kernel:
   ignores signals it does not handle, SIGKILL included, from inside its namespace), and
   it is not dumpable, so a kernel cannot ptrace it either;
 * when a kernel ends, and whenever the nbgrader process asks (before it answers for a student), the
-  server kills every other process of the namespace (``kill(-1)``) and empties the
+  server kills every other process of the namespace (``kill(-1)``), empties the
   sandbox's ``/tmp`` (``HOME``, ``IPYTHONDIR``) and ``/dev/shm``, making writable again what
-  a kernel made read-only: every kernel starts on fresh scratch folders, and nothing a
-  student started or left there reaches the next kernel, whose working and runtime folders
-  the nbgrader process empties itself;
+  a kernel made read-only, and removes every System V shared memory segment, message queue
+  and semaphore set and every POSIX message queue of the sandbox's IPC namespace (one for all
+  its kernels: a segment left there would carry one student's message to the next, and stay
+  charged to the sandbox's memory): every kernel starts on fresh scratch folders and an empty
+  IPC namespace, and nothing a student started or left there reaches the next kernel, whose
+  working and runtime folders the nbgrader process empties itself;
 * it listens on a socket the nbgrader process created, in a folder the sandbox hides, and inherited
   as a file descriptor that each kernel closes: no kernel can reach it;
 * each kernel gets its own session, resource limits, working folder, environment (the
@@ -75,6 +78,11 @@ COURSE_MODULES = ("torch", "torch._dynamo", "attention_lab", "matplotlib.font_ma
                   "attention_lab.widgets.live:warm_up")
 # Folders of the sandbox that kernels may write and that no folder of the nbgrader process backs.
 SANDBOX_SCRATCH = ("/tmp", "/dev/shm")
+# Where the sandbox mounts its IPC namespace's POSIX message queues (bwrap --mqueue): a queue is a file there.
+POSIX_QUEUES = "/dev/mqueue"
+# The System V IPC objects of this IPC namespace, as Linux lists them, and how each kind is removed.
+SYSTEM_V_IPC = {"shm": "shmctl", "msg": "msgctl", "sem": "semctl"}
+IPC_RMID = 0
 
 
 def _prctl(option: int, value: int) -> None:
@@ -166,9 +174,38 @@ def empty_folder(folder: str | os.PathLike, keep: tuple[str, ...] = ()) -> None:
                 os.unlink(entry.path)
 
 
+def _system_v_ids(kind: str) -> list[int]:
+    """The ids of this IPC namespace's System V objects of ``kind`` (shm, msg, sem)."""
+    try:
+        lines = open(f"/proc/sysvipc/{kind}").read().splitlines()[1:]
+    except OSError:
+        return []
+    return [int(line.split()[1]) for line in lines if len(line.split()) > 1 and line.split()[1].isdigit()]
+
+
+def remove_ipc() -> int:
+    """Remove every System V shared memory segment, message queue and semaphore set of this IPC
+    namespace and every POSIX message queue; return how many.  Run once the kernels are killed: a
+    segment nobody has attached goes at once, with the memory it held.  (The server has the uid of
+    every kernel, their creator: ``IPC_RMID`` is allowed whatever permissions a kernel set.)"""
+    libc = ctypes.CDLL(None, use_errno=True)
+    removed = 0
+    for kind, function in SYSTEM_V_IPC.items():
+        for ipc_id in _system_v_ids(kind):
+            # shmctl(id, IPC_RMID, NULL), msgctl(id, IPC_RMID, NULL), semctl(id, 0, IPC_RMID)
+            arguments = (ipc_id, 0, IPC_RMID) if kind == "sem" else (ipc_id, IPC_RMID, None)
+            removed += getattr(libc, function)(*arguments) == 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir(POSIX_QUEUES):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(POSIX_QUEUES, name))
+                removed += 1
+    return removed
+
+
 def clean() -> int:
     """Kill every other process of the namespace, reap them, empty the sandbox's scratch
-    folders; return how many processes were killed."""
+    folders and IPC namespace; return how many processes were killed."""
     killed = 0
     while others := _others():
         killed = max(killed, len(others))
@@ -178,6 +215,7 @@ def clean() -> int:
         time.sleep(0.005)
     for folder in SANDBOX_SCRATCH:
         empty_folder(folder)
+    remove_ipc()
     return killed
 
 

@@ -19,16 +19,18 @@ Either way the kernel gets:
   the virtual environment and the ``attention_lab`` package; writable, the kernels' working
   folders and their socket folder, and a private ``/tmp`` (also ``HOME`` and
   ``IPYTHONDIR``) and ``/dev/shm``, tmpfs of ``--disk-mb`` each; a fresh ``/dev`` and
-  ``/proc``.  Nothing else of the machine exists in it: the gradebook, the sources (hidden
-  tests), ``solutions/``, other checkouts, home folders, the other students' files;
+  ``/proc``, and an IPC namespace of its own (its POSIX message queues in ``/dev/mqueue``).
+  Nothing else of the machine exists in it: the gradebook, the sources (hidden tests),
+  ``solutions/``, other checkouts, home folders, the other students' files;
 * **limits for the sandbox as a whole** where the machine offers a control group
   (:mod:`autograder.isolation.cgroups`): memory of all its processes together, their number; the
   grader also holds every submission to a wall-clock and CPU budget over all its attempts
   and a disk quota on the writable folders that the host backs (:mod:`autograder.grading.task`).
 
-After each kernel the kernel server kills every process that kernel left and empties
-``/tmp`` and ``/dev/shm`` (read-only folders a student made included): every kernel starts
-on a fresh writable file system.  After each student the nbgrader process kills and reaps
+After each kernel the kernel server kills every process that kernel left, empties
+``/tmp`` and ``/dev/shm`` (read-only folders a student made included) and removes every
+System V and POSIX IPC object: every kernel starts on a fresh writable file system and an
+empty IPC namespace.  After each student the nbgrader process kills and reaps
 every process that student's kernels left behind (it adopts orphans: :func:`adopt_orphans`,
 :func:`kill_children`).
 
@@ -61,7 +63,7 @@ if not __package__:  # run as a script by the kernelspec (`python .../sandbox.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from autograder.command_line import command_line  # noqa: E402
 from autograder.isolation import cgroups  # noqa: E402
-from autograder.isolation.kernel_forkserver import COURSE_MODULES, KERNEL_MODULES, set_limits  # noqa: E402
+from autograder.isolation.kernel_forkserver import COURSE_MODULES, KERNEL_MODULES, POSIX_QUEUES, set_limits  # noqa: E402
 from autograder.limits import Limits  # noqa: E402
 from autograder.places import REPO_ROOT  # noqa: E402
 
@@ -77,7 +79,8 @@ def bwrap_path() -> str | None:
         return None
     try:
         probe = subprocess.run(
-            [path, *_bwrap_base(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "true"],
+            [path, *_bwrap_base(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--mqueue", POSIX_QUEUES,
+             "true"],
             capture_output=True, timeout=30,
         )
     except (OSError, subprocess.TimeoutExpired):
@@ -170,7 +173,7 @@ def bwrap_arguments(workdir: Path, runtime_dir: Path, hidden: list[Path] | None 
     interpreter = Path(sys.base_prefix).resolve()  # the venv's python may live under $HOME (pyenv)
     size = str(disk_mb * 2**20)
     arguments = [bwrap_path() or "bwrap", *_bwrap_base(), *(["--as-pid-1"] if as_pid_1 else []),
-                 *_system_arguments(), "--dev", "/dev", "--proc", "/proc",
+                 *_system_arguments(), "--dev", "/dev", "--proc", "/proc", "--mqueue", POSIX_QUEUES,
                  "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm"]
     shown_paths = [p for p in (interpreter, venv, package_dir(), *(Path(s).resolve() for s in shown or []))
                    if p.exists()]

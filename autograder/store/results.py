@@ -116,6 +116,14 @@ INCIDENTS = {
     "bridge_refused": ("{where}: TAMPERING: the kernel kept the grader from calling the answers (no points)",
                        "{where}: your notebook kept the grader from calling your code, so its tests earned nothing."),
     "checker_failed": ("{where}: the grader's checker failed ({detail}); the test was not passed", None),
+    # a measurement taken in the kernel that the submitted code itself contradicts (its course package rewritten)
+    "measurement_contradicted": ("{where}: TAMPERING? the kernel's measurement disagrees with the submitted code: "
+                                 "{detail}", None),
+    # what one submission left in its sandbox, and the next one's fresh sandbox (never counted against it)
+    "left_in_sandbox": ("its kernels left {detail} MB of memory in the sandbox that no process held (System V "
+                        "shared memory, a file of its tmpfs...): the sandbox was restarted for the next submission", None),
+    "sandbox_restarted": ("the grader restarted the sandbox before grading it: {detail}; nothing of that was counted "
+                          "against this submission", None),
 }
 
 

@@ -72,6 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from attention_lab import code_inspection
 from attention_lab.bridge import checker_side
 from attention_lab.bridge.probes import Probe
 
@@ -159,6 +160,10 @@ HINTS = {
                      "breaks its caller, who still needs the original (this check compares your output with "
                      "the inputs it gave you). Compute a new tensor instead: `q = q * scale`, not `q *= scale`; "
                      "`masked_fill`, not `masked_fill_`.",
+    "object_changed": "a function (or a class's __init__) that is given an object reads it and leaves it as "
+                      "it was: its caller still uses it. Keep what you need in your own attributes "
+                      "(`self.use_qk_norm = config.use_qk_norm`) and copy values into your own module "
+                      "(`my_layer.weight.copy_(...)`), never into the {name} you were given.",
     "downcast": "your code computes in float32 somewhere (`.float()`, `dtype=torch.float32`, a float32 "
                 "table ...) and casts back (`.type_as(x)`, `.to(x.dtype)`): that loses float64 precision. "
                 "This exercise asks you to keep float64: compute in the input's dtype throughout.",
@@ -617,30 +622,144 @@ def _argument_names(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]
     return named
 
 
-def _input_snapshots(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(name, the argument, a copy of it) for every tensor or ndarray argument, and every tensor or
-    ndarray inside a tuple argument (``x``, ``attentions[1]``)."""
+def _is_course_object(value: Any) -> bool:
+    """An object of one of the course's own classes (a check's configuration, its reference cache), not
+    a module, tensor, class or proxy: what the bridge sends as its fields."""
+    module = type(value).__module__ or ""
+    return (module.startswith("attention_lab.") and not module.startswith("attention_lab.bridge")
+            and not isinstance(value, (type, torch.Tensor, np.ndarray, torch.nn.Module))
+            and isinstance(getattr(value, "__dict__", None), dict))
+
+
+def _copied(value: Any) -> Any:
+    """A copy of a field's value to compare with later (tensors and arrays by value)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone() if value.layout == torch.strided and not value.is_meta else value
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    return value
+
+
+def _module_tensors(module: torch.nn.Module, left: checker_side.LeftBehind | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by its qualified name (``proj.weight``); with ``left``, as
+    the student's kernel left them (a module of the checker's own, in grading)."""
+    found = {}
+
+    def walk(current: torch.nn.Module, prefix: str, depth: int) -> None:
+        current = left.module(current) if left is not None else current
+        for kind in (current._parameters, current._buffers):
+            for name, tensor in kind.items():
+                if tensor is not None:
+                    found[prefix + name] = left.tensor(tensor) if left is not None else tensor
+        for name, child in current._modules.items():
+            if child is not None and depth < 16:
+                walk(child, f"{prefix}{name}.", depth + 1)
+
+    walk(module, "", 0)
+    return found
+
+
+def _input_snapshots(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any],
+                     writes: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
+    """(name, the argument, a copy of it) for every input the call must leave as it was: each tensor or
+    ndarray argument, or one inside a tuple or list argument (``x``, ``attentions[1]``); each module's
+    parameters and buffers; each course object's fields. Arguments named in ``writes`` are left out:
+    the exercise's contract says the call writes them."""
     snapshots = []
     for name, value in _argument_names(fn, args, kwargs):
-        items = [(f"{name}[{index}]", item) for index, item in enumerate(value)] if isinstance(value, tuple) else [(name, value)]
+        if name in writes:
+            continue
+        items = [(f"{name}[{index}]", item) for index, item in enumerate(value)] \
+            if type(value) in (tuple, list) else [(name, value)]
         for item_name, item in items:
             if isinstance(item, torch.Tensor) and item.layout == torch.strided and not item.is_meta:
                 snapshots.append((item_name, item, item.detach().clone()))
             elif isinstance(item, np.ndarray):
                 snapshots.append((item_name, item, item.copy()))
+            elif isinstance(item, torch.nn.Module):
+                snapshots.append((item_name, item, {k: _copied(t) for k, t in _module_tensors(item).items()}))
+            elif _is_course_object(item):
+                snapshots.append((item_name, item, {"__class__": type(item), **{k: _copied(v) for k, v in vars(item).items()}}))
     return snapshots
 
 
 def _unchanged(current: Any, before: Any) -> bool:
     if isinstance(current, np.ndarray):
-        return current.shape == before.shape and current.dtype == before.dtype and \
-            bool(np.array_equal(current, before, equal_nan=current.dtype.kind in "fc"))
-    current = current.detach()
-    if current.shape != before.shape or current.dtype != before.dtype:
+        return isinstance(before, np.ndarray) and current.shape == before.shape and current.dtype == before.dtype \
+            and bool(np.array_equal(current, before, equal_nan=current.dtype.kind in "fc"))
+    if isinstance(current, torch.Tensor):
+        if not isinstance(before, torch.Tensor):
+            return False
+        current = current.detach()
+        if current.shape != before.shape or current.dtype != before.dtype:
+            return False
+        if current.is_floating_point() or current.is_complex():
+            return bool(((current == before) | (torch.isnan(current) & torch.isnan(before))).all())
+        return bool(torch.equal(current, before))
+    if isinstance(before, (torch.Tensor, np.ndarray)) or type(current) is not type(before):
+        return False  # (a look-alike of another class is another value, whatever its == says)
+    try:
+        return current is before or bool(before == current)
+    except Exception:  # a value whose == raises or is not a truth value: not the same
         return False
-    if current.is_floating_point() or current.is_complex():
-        return bool(((current == before) | (torch.isnan(current) & torch.isnan(before))).all())
-    return bool(torch.equal(current, before))
+
+
+def _after(value: Any, left: checker_side.LeftBehind | None) -> Any:
+    """An input as the call left it, in the form its snapshot has: in grading, as the student's kernel
+    left the checker's object (``left``; the object itself is unchanged)."""
+    if isinstance(value, torch.Tensor):
+        return left.tensor(value) if left is not None else value
+    if isinstance(value, np.ndarray):
+        return left.array(value) if left is not None else value
+    if isinstance(value, torch.nn.Module):
+        return _module_tensors(value, left)
+    fields = left.fields(value) if left is not None else None
+    return {"__class__": type(value), **(vars(value) if fields is None else fields)}
+
+
+def _changed_parts(current: dict, before: dict) -> list[tuple[str, Any, Any]]:
+    """(name, before, after) of each field or tensor that differs (MISSING where there is none)."""
+    return [(name, before.get(name, _MISSING), current.get(name, _MISSING)) for name in [*before, *current]
+            if name in before and (name not in current or not _unchanged(current[name], before[name]))
+            or name not in before]
+
+
+def _show(value: Any) -> str:
+    if value is _MISSING:
+        return "(none)"
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return describe(value)
+    return repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+
+
+def _who(fn: Callable) -> str:
+    """How a message names the student's code that ran: ``LlamaAttention.__init__``, ``MultiHeadSelfAttention.forward``,
+    ``load_torch_mha_weights``."""
+    if isinstance(fn, type):
+        return f"{fn.__name__}.__init__"
+    if isinstance(fn, torch.nn.Module):
+        return f"{type(fn).__name__}.forward"
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _expect_objects_unchanged(snapshots: Sequence[tuple[str, Any, Any]], call: str, fn: Callable,
+                              left: checker_side.LeftBehind | None) -> None:
+    """Fail, naming what changed, when the call changed a module or course object it was given."""
+    for name, value, before in snapshots:
+        if not isinstance(before, dict):
+            continue
+        changed = _changed_parts(_after(value, left), before)
+        if not changed:
+            continue
+        part, old, new = changed[0]
+        if isinstance(value, torch.nn.Module):
+            what = f"its {'parameter or buffer' if old is _MISSING or new is _MISSING else 'tensor'} `{part}`"
+            detail = f"{what} ({_show(old)} → {_show(new)})" if old is _MISSING or new is _MISSING else f"{what} changed"
+        else:
+            detail = f"`{part}` {_show(old)} → {_show(new)}"
+        others = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise CheckFailure(f"{call}: your `{_who(fn)}` changed the {name} it was given: {detail}{others}.\n"
+                           f"  Likely mistake: {HINTS['object_changed'].format(name=name)}")
 
 
 # How an in-place tensor operation reads in a message (``q *= s`` reaches PyTorch as ``mul_``).
@@ -671,24 +790,31 @@ def _same_memory(a: Any, b: Any) -> bool:
     return False
 
 
-def _handed_back(args: Sequence[Any], result: Any) -> set[int]:
+def _handed_back(args: Sequence[Any], result: Any, left: checker_side.LeftBehind | None = None) -> set[int]:
     """Positions i where the answer returned its i-th argument (its memory) as the i-th element of its
-    result: an accumulator updated in place and handed back (``acc.mul_(alpha); return m, l, acc``).
-    Whether that is allowed is the exercise's contract, so the exercise's own check decides."""
-    returned = list(result) if isinstance(result, (tuple, list)) else [result]
-    return {i for i, (argument, value) in enumerate(zip(args, returned)) if _same_memory(argument, value)}
+    result, a tuple: an accumulator updated in place and handed back (``acc.mul_(alpha); return m, l, acc``).
+    Whether that is allowed is the exercise's contract, so the exercise's own check decides. (In
+    grading the memory the answer wrote is the kernel's copy of the argument's: ``left``.)"""
+    if not isinstance(result, (tuple, list)):
+        return set()  # one tensor returned: not an accumulator (``x.mul_(2); return x`` changed the caller's x)
+    return {i for i, (argument, value) in enumerate(zip(args, result))
+            if _same_memory(_after(argument, left) if isinstance(argument, (torch.Tensor, np.ndarray)) else argument,
+                            value)}
 
 
 def _expect_inputs_unchanged(snapshots: Sequence[tuple[str, Any, Any]], in_place: Mapping[int, str], call: str,
-                             handed_back: Sequence[Any] = ()) -> None:
-    """Fail, naming the argument and the in-place operation, when the call changed one of its inputs
-    (other than those in ``handed_back``)."""
-    for name, current, before in snapshots:
-        if _unchanged(current, before) or any(current is value for value in handed_back):
+                             handed_back: Sequence[Any] = (), left: checker_side.LeftBehind | None = None) -> None:
+    """Fail, naming the argument and the in-place operation, when the call changed one of its tensor or
+    array inputs (other than those in ``handed_back``; ``left``: what it left of them, in grading)."""
+    for name, argument, before in snapshots:
+        if isinstance(before, dict):
+            continue  # a module or a course object: _expect_objects_unchanged
+        current = _after(argument, left)
+        if _unchanged(current, before) or any(argument is value for value in handed_back):
             continue
         operation = None
         if isinstance(current, torch.Tensor):
-            operation = in_place.get(_storage_key(current))
+            operation = in_place.get(_storage_key(argument))
         spelled = _in_place_operation(name.split("[")[0] if operation is None else name, operation,
                                       isinstance(current, np.ndarray))
         raise CheckFailure(f"{call}: your code changed its input {name} in place, so the caller's {name} is no "
@@ -714,8 +840,30 @@ def _is_mixed_dtype_error(error: BaseException) -> bool:
         word in text for word in ("double", "float64")) and any(word in text for word in ("float", "half"))
 
 
-def _probes_failure(tripwire: "Tripwire", probes: Sequence[Probe]) -> "CheckFailure | None":
-    return next((failure for probe in (tripwire, *probes) if (failure := probe.failure()) is not None), None)
+def _probes_failure(tripwire: "Tripwire", probes: Sequence[Probe], fn: Any = None) -> "CheckFailure | None":
+    """The failure the call's measurements earn; in grading the from-scratch rule is also decided from the
+    submitted code itself (:func:`_source_failure`), whatever the kernel's tripwire reported."""
+    if (failure := tripwire.failure()) is not None or (failure := _source_failure(fn, tripwire)) is not None:
+        return failure
+    return next((failure for probe in probes if (failure := probe.failure()) is not None), None)
+
+
+def _source_failure(fn: Any, tripwire: "Tripwire") -> "RuleFailure | None":
+    """In grading, a forbidden built-in named in the answer's submitted code (or its helpers') fails the
+    from-scratch rule as a call of it would; a kernel whose tripwire saw nothing is noted for the report."""
+    if fn is None or not (tripwire.forbidden or tripwire.numpy_only) or not checker_side.is_remote(fn):
+        return None
+    found = code_inspection.forbidden_in_source(fn, tripwire.forbidden, tripwire.numpy_only)
+    if not found:
+        return None
+    use = found[0]
+    last = use.target.rsplit(".", 1)[-1]
+    short = next((name for name in tripwire.forbidden if last in (name, *code_inspection.MODULE_FORMS.get(name, ()))),
+                 last)
+    checker_side.contradiction(fn, f"{tripwire.exercise}: the kernel reported no call of {short}, but the submitted code "
+                             f"names it: {use.describe()}")
+    tripwire.tripped = (use.target, short)
+    return tripwire.failure()
 
 
 def crash_message(call: str, error: BaseException) -> str:
@@ -736,6 +884,7 @@ def call_student(
     numpy_only: bool = False,
     inputs_unchanged: bool = True,
     probes: Sequence[Probe] = (),
+    writes: Sequence[str] = (),
     **kwargs: Any,
 ) -> Any:
     """Call the student's ``fn``; turn any exception into a message that names the call.
@@ -744,23 +893,28 @@ def call_student(
     with x of shape [2, 5, 32]"``.
 
     With ``inputs_unchanged`` (the default), a call that changes one of its tensor or ndarray
-    arguments (or one inside a tuple argument) in place fails, naming the argument and the in-place
-    operation -- before any check compares numbers computed from inputs that are no longer what
-    they were. One exception: an argument updated in place and returned in its own position (an
-    accumulator, ``f(m, l, acc) -> (m, l, acc)``) is left to the exercise's own check, which knows
-    whether its contract allows that. A crash from mixing float32 and float64 names the
-    keep-the-input's-dtype rule.
+    arguments (or one inside a tuple or list argument) in place fails, naming the argument and the
+    in-place operation -- before any check compares numbers computed from inputs that are no longer
+    what they were; so does one that changes a module it was given (its parameters or buffers) or an
+    object of the course's (a configuration's fields), naming what changed. Two exceptions: the
+    arguments named in ``writes``, which the exercise's contract says the call writes (the module
+    ``load_torch_mha_weights`` loads); and an argument updated in place and returned in its own position
+    (an accumulator, ``f(m, l, acc) -> (m, l, acc)``), left to the exercise's own check, which knows
+    whether its contract allows that. In grading the student's changes reach only the ``writes``
+    arguments: of every other object of the check's, the check keeps its own. A crash from mixing
+    float32 and float64 names the keep-the-input's-dtype rule.
 
     ``probes`` (:class:`attention_lab.bridge.probes.Probe`) measure the call where it runs: here in
     the lab, in the student's kernel when grading calls a proxy of their code.
     """
     exercise = getattr(fn, "__name__", None) or type(fn).__name__
-    snapshots = _input_snapshots(fn, args, kwargs) if inputs_unchanged else []
+    snapshots = _input_snapshots(fn, args, kwargs, writes) if inputs_unchanged else []
     watched = [tensor for _, tensor, _ in snapshots if isinstance(tensor, torch.Tensor)]
     tripwire = Tripwire(forbidden, exercise, numpy_only, watched)
+    written = [value for name, value in _argument_names(fn, args, kwargs) if name in writes]
     try:
         if checker_side.is_remote(fn):  # grading: the call runs in the student's kernel, the tripwire with it
-            result = checker_side.remote_call(fn, args, kwargs, probes=[tripwire, *probes], what=call)
+            result = checker_side.remote_call(fn, args, kwargs, probes=[tripwire, *probes], what=call, writes=written)
         else:
             with contextlib.ExitStack() as stack:
                 for probe in (tripwire, *probes):
@@ -769,7 +923,7 @@ def call_student(
             for probe in probes:
                 probe.returned(result, args)
     except CheckFailure:
-        if (failure := _probes_failure(tripwire, probes)) is not None:
+        if (failure := _probes_failure(tripwire, probes, fn)) is not None:
             raise failure from None
         raise
     except NotImplementedError as error:
@@ -779,7 +933,7 @@ def call_student(
     except checker_side.BridgeError as error:
         raise CheckFailure(crash_message(call, error)) from None
     except Exception as error:  # any other bug in the answer: say where it broke
-        if (failure := _probes_failure(tripwire, probes)) is not None:
+        if (failure := _probes_failure(tripwire, probes, fn)) is not None:
             raise failure from None
         message = crash_message(call, error)
         if _is_mixed_dtype_error(error):
@@ -788,12 +942,14 @@ def call_student(
         # held: a list that filled the memory until MemoryError is freed for the next cells.
         traceback.clear_frames(error.__traceback__)
         raise CheckFailure(message) from error
-    if (failure := _probes_failure(tripwire, probes)) is not None:  # the answer caught the exception, went on
+    if (failure := _probes_failure(tripwire, probes, fn)) is not None:  # the answer caught the exception, went on
         raise failure
     in_place = {_storage_key(watched[index]): operation for index, operation in tripwire.in_place.items()
                 if 0 <= index < len(watched)}
-    _expect_inputs_unchanged(snapshots, in_place, call,
-                             handed_back=[args[i] for i in _handed_back(args, result)] if snapshots else ())
+    left = checker_side.left_behind(fn)
+    _expect_inputs_unchanged(snapshots, in_place, call, left=left,
+                             handed_back=[args[i] for i in _handed_back(args, result, left)] if snapshots else ())
+    _expect_objects_unchanged(snapshots, call, fn, left)
     return result
 
 

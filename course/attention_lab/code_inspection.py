@@ -42,12 +42,13 @@ import sys
 import textwrap
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from attention_lab.bridge import checker_side
 from attention_lab.bridge.probes import Probe
 
-__all__ = ["Use", "find_uses", "has_loop", "answer_functions", "source_available"]
+__all__ = ["Use", "find_uses", "has_loop", "answer_functions", "source_available", "SubmittedCode",
+           "forbidden_in_source"]
 
 # Short names students use for modules; used only when a name cannot be resolved at all.
 _COMMON_ALIASES = {"np": "numpy", "sp": "scipy", "F": "torch.nn.functional", "nn": "torch.nn"}
@@ -499,8 +500,16 @@ def find_uses(answer: Any, *, functions: Iterable[str] = (), methods: Iterable[s
     the answer's code is read in the student's kernel (:class:`CodeFacts`).
     """
     if checker_side.is_remote(answer):
-        facts = CodeFacts(functions, methods, operators, follow_helpers)
-        return checker_side.measure(answer, facts, "the answer's code").uses
+        facts = checker_side.measure(answer, CodeFacts(functions, methods, operators, follow_helpers), "the answer's code")
+        source = checker_side.submitted_code(answer)
+        if source is None:  # the cells do not define it (code built at run time): the kernel's word
+            return facts.uses
+        code, name = source
+        read = code.uses(name, functions, methods, operators, depth=_HELPER_DEPTH if follow_helpers else 0)
+        if read and not facts.uses:
+            checker_side.contradiction(answer, f"{name}: the kernel read no {read[0].target} in its code, but the "
+                                               f"submitted code uses {read[0].describe()}")
+        return _unique([*read, *facts.uses])
     walked = list(_walk(answer, follow_helpers))  # first: reading may import what the code imports
     targets = _targets(functions)
     methods, operators = set(methods), set(operators)
@@ -522,6 +531,11 @@ def find_uses(answer: Any, *, functions: Iterable[str] = (), methods: Iterable[s
         for operator, line in facts.operators:
             if operator in operators:
                 uses.append(Use(operator, operator, where, line))
+    return _unique(uses)
+
+
+def _unique(uses: Iterable[Use]) -> list[Use]:
+    """Each place once (a use found twice, by two readings, is one)."""
     unique, seen = [], set()
     for use in uses:
         if (use.target, use.function, use.line) not in seen:
@@ -533,13 +547,251 @@ def find_uses(answer: Any, *, functions: Iterable[str] = (), methods: Iterable[s
 def has_loop(answer: Any, *, follow_helpers: bool = True) -> bool:
     """Whether the answer (or a helper it calls) loops: ``for``, ``while``, a comprehension or
     generator, ``map`` or ``functools.reduce``. An answer with no Python code at all (a
-    builtin) does not."""
+    builtin) does not. (In grading, the kernel's reading counts too: a helper reached through an
+    object, which the cells' text does not show, may hold the loop; where the two disagree the
+    report says so.)"""
     if checker_side.is_remote(answer):
-        return checker_side.measure(answer, CodeFacts(follow_helpers=follow_helpers), "the answer's code").loops
+        loops = checker_side.measure(answer, CodeFacts(follow_helpers=follow_helpers), "the answer's code").loops
+        source = checker_side.submitted_code(answer)
+        if source is not None and loops and not source[0].loops(source[1], depth=_HELPER_DEPTH if follow_helpers else 0):
+            checker_side.contradiction(answer, f"{source[1]}: the kernel read a loop in its code, but the submitted "
+                                               "code has none")
+        return loops
     return any(facts.loops for _function, facts in _walk(answer, follow_helpers))
+
+
+def forbidden_in_source(answer: Any, forbidden: Iterable[str] = (), numpy_only: bool = False) -> list[Use] | None:
+    """In grading, where the submitted code of ``answer`` (a proxy) and its helpers names a built-in it may
+    not call (see :meth:`SubmittedCode.forbidden`); None when the checker has no such code to read."""
+    source = checker_side.submitted_code(answer)
+    return None if source is None else source[0].forbidden(source[1], forbidden, numpy_only)
 
 
 def source_available(function: Callable) -> bool:
     """Whether :func:`find_uses` reads this function from its source (else from bytecode)."""
     function = _unwrap(function)
     return isinstance(function, types.FunctionType) and _source_tree(function) is not None
+
+
+# --------------------------------------------------------------------------------------
+# Reading the submitted notebook's cells (grading: what the checker reads itself)
+# --------------------------------------------------------------------------------------
+
+# The module forms of the built-ins a "from scratch" exercise forbids: nn.MultiheadAttention runs
+# multi_head_attention_forward, nn.RMSNorm runs rms_norm.
+MODULE_FORMS = {"multi_head_attention_forward": ("MultiheadAttention",), "rms_norm": ("RMSNorm",)}
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+@functools.lru_cache(maxsize=1024)  # the checker reads the same cells again for each test cell of a notebook
+def _cell_tree(source: str) -> ast.Module | None:
+    """A cell's code as Python's parser reads it once IPython has rewritten its magics; None if it is not Python."""
+    try:
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        source = TransformerManager().transform_cell(source)
+    except Exception:  # no IPython, or a cell it cannot rewrite: read as it is
+        pass
+    try:
+        return ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _top_level(statements: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """A cell's statements, with those inside top-level if/try/with/for blocks (never inside a def or class)."""
+    for statement in statements:
+        yield statement
+        if isinstance(statement, (ast.If, ast.For, ast.While, ast.With, ast.Try)):
+            for block in ("body", "orelse", "finalbody"):
+                yield from _top_level(getattr(statement, block, []) or [])
+            for handler in getattr(statement, "handlers", []):
+                yield from _top_level(handler.body)
+
+
+def _imported(node: ast.Import | ast.ImportFrom) -> dict[str, str]:
+    """{name bound: dotted path} of an import statement."""
+    bound = {}
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+    elif node.module and not node.level:
+        for alias in node.names:
+            bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return bound
+
+
+class SubmittedCode:
+    """The code of a submitted notebook's cells, read as data (never run): what the checker knows of an
+    answer's code whatever the student's kernel says of it.
+
+    A name's definition is its last top-level binding in the cells (``def``, ``class``, ``name = lambda``,
+    ``name = other_name``, ``name = functools.partial(f, ...)``); names are resolved through the cells'
+    imports and aliases (``import numpy as np``, ``mm = np.matmul``) and each function's own imports.
+    An answer that the cells do not define (built with ``exec``, imported from a file it wrote) reads
+    as unknown (None): its checks then have only the kernel's word.
+    """
+
+    def __init__(self, cells: Sequence[str]):
+        self.cells = list(cells)
+        self._definitions: dict[str, ast.AST] | None = None
+
+    def _read(self) -> None:
+        """Read the cells, once, when a check first asks (most tests never do)."""
+        self._definitions = {}  # name -> its def, class or lambda (or the one of the name it aliases)
+        self._aliases: dict[str, str] = {}  # name -> the dotted path it names (imports, `mm = np.matmul`)
+        for source in self.cells:
+            tree = _cell_tree(source)
+            for statement in _top_level(tree.body if tree is not None else []):
+                self._bind(statement)
+
+    @property
+    def definitions(self) -> dict[str, ast.AST]:
+        if self._definitions is None:
+            self._read()
+        return self._definitions
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        if self._definitions is None:
+            self._read()
+        return self._aliases
+
+    def _bind(self, statement: ast.stmt) -> None:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            self.definitions[statement.name] = statement
+            self.aliases.pop(statement.name, None)
+        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
+            for name, path in _imported(statement).items():
+                self.aliases[name] = path
+                self.definitions.pop(name, None)
+        elif isinstance(statement, ast.Assign) and len(statement.targets) == 1 \
+                and isinstance(statement.targets[0], ast.Name):
+            name, value = statement.targets[0].id, statement.value
+            if isinstance(value, ast.Call) and _chain(value.func) and _chain(value.func)[-1] == "partial" and value.args:
+                value = value.args[0]  # functools.partial(f, ...) is f
+            chain = _chain(value)
+            if isinstance(value, ast.Lambda):
+                self.definitions[name] = value
+                self.aliases.pop(name, None)
+            elif chain is not None and chain[0] in self.definitions and len(chain) == 1:
+                self.definitions[name] = self.definitions[chain[0]]
+                self.aliases.pop(name, None)
+            elif chain is not None and chain[0] in self.aliases:
+                self.aliases[name] = ".".join([self.aliases[chain[0]], *chain[1:]])
+                self.definitions.pop(name, None)
+            else:
+                self.definitions.pop(name, None)
+                self.aliases.pop(name, None)
+
+    def knows(self, name: str) -> bool:
+        """Whether the cells define ``name`` (a def, class, lambda, or a name for a library function)."""
+        return name in self.definitions or name in self.aliases
+
+    def functions(self, name: str, depth: int = _HELPER_DEPTH) -> list[tuple[str, ast.AST]]:
+        """(name, node) of the answer's own code (a function, a lambda, a class's methods) and of the
+        helpers it names that the cells define, a few levels deep, each once."""
+        found, todo, seen = [], [(name, 0)], set()
+        while todo:
+            current, level = todo.pop(0)
+            node = self.definitions.get(current)
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            found.append((current, node))
+            if level >= depth:
+                continue
+            for child in ast.walk(node):
+                if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Load) and child.id in self.definitions:
+                    todo.append((child.id, level + 1))
+        return found
+
+    def _resolve(self, chain: list[str], local_imports: dict[str, str], local_names: set[str]) -> str | None:
+        """The dotted path a chain of names names, when it starts at a module or library name."""
+        root = chain[0]
+        if root in local_imports:
+            base = local_imports[root]
+        elif root in local_names:
+            return None
+        elif root in self.aliases:
+            base = self.aliases[root]
+        elif root in _COMMON_ALIASES and root not in self.definitions:
+            base = _COMMON_ALIASES[root]
+        else:
+            return None
+        return ".".join([base, *chain[1:]])
+
+    def _scan(self, name: str, depth: int = _HELPER_DEPTH) -> Iterator[tuple[str, str, ast.AST, str | None]]:
+        """(written, function, node, dotted path or None) of every name, attribute chain and operator the
+        answer's code (and its helpers') uses; an operator's path is its symbol."""
+        for function, node in self.functions(name, depth):
+            local_imports: dict[str, str] = {}
+            local_names: set[str] = set()
+            for child in ast.walk(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    local_imports.update(_imported(child))
+                elif isinstance(child, ast.Name) and isinstance(child.ctx, (ast.Store, ast.Del)):
+                    local_names.add(child.id)
+                elif isinstance(child, ast.arg):
+                    local_names.add(child.arg)
+            inner = {id(child.value) for child in ast.walk(node)  # the parts of a longer chain: read with it
+                     if isinstance(child, ast.Attribute) and isinstance(child.value, (ast.Attribute, ast.Name))}
+            for child in ast.walk(node):
+                if isinstance(child, (ast.BinOp, ast.AugAssign)) and isinstance(child.op, ast.MatMult):
+                    yield "@", function, child, "@"
+                elif isinstance(child, ast.Attribute) and id(child) not in inner and isinstance(child.ctx, ast.Load):
+                    chain = _chain(child) or ["…", child.attr]
+                    yield ".".join(chain), function, child, self._resolve(chain, local_imports, local_names) \
+                        if chain[0] != "…" else None
+                elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Load) and id(child) not in inner:
+                    yield child.id, function, child, self._resolve([child.id], local_imports, local_names)
+                elif isinstance(child, ast.Call) and _chain(child.func) in (["getattr"], ["builtins", "getattr"]) \
+                        and len(child.args) >= 2 and isinstance(child.args[1], ast.Constant) \
+                        and isinstance(child.args[1].value, str):
+                    target = _chain(child.args[0])
+                    path = self._resolve(target, local_imports, local_names) if target else None
+                    yield f"getattr(…, {child.args[1].value!r})", function, child, \
+                        f"{path or '…'}.{child.args[1].value}"
+
+    def uses(self, name: str, functions: Iterable[str] = (), methods: Iterable[str] = (),
+             operators: Iterable[str] = (), depth: int = _HELPER_DEPTH) -> list[Use]:
+        """What :func:`find_uses` finds, read from the cells: the answer itself when it names one of
+        ``functions``, then each use in its code and its helpers'."""
+        functions, methods, operators = set(functions), set(methods), set(operators)
+        uses = [Use(name, self.aliases[name], name, None)] if self.aliases.get(name) in functions else []
+        for written, function, node, path in self._scan(name, depth):
+            line = getattr(node, "lineno", None)
+            if path in operators and written == path:
+                uses.append(Use(written, path, function, line))
+            elif path in functions:
+                uses.append(Use(written, path, function, line))
+            elif path is None and isinstance(node, ast.Attribute) and node.attr in methods \
+                    and not (isinstance(node.value, ast.Name) and node.value.id in self.aliases):
+                uses.append(Use(written, f".{node.attr}", function, line))
+        return _unique(uses)
+
+    def loops(self, name: str, depth: int = _HELPER_DEPTH) -> bool:
+        """What :func:`has_loop` says, read from the cells."""
+        for _function, node in self.functions(name, depth):
+            if any(isinstance(child, (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp,
+                                      ast.GeneratorExp)) for child in ast.walk(node)):
+                return True
+        return any(path in ("map", "builtins.map", "functools.reduce") or written in ("map", "reduce")
+                   for written, _function, _node, path in self._scan(name, depth) if isinstance(_node, ast.Name))
+
+    def forbidden(self, name: str, forbidden: Iterable[str] = (), numpy_only: bool = False) -> list[Use]:
+        """Where the answer's code (and its helpers') names a built-in it may not call: one of ``forbidden``
+        (``F.scaled_dot_product_attention``, the module forms of :data:`MODULE_FORMS`, ``getattr(F,
+        "scaled_dot_product_attention")``, an imported alias of one), or, ``numpy_only``, anything of torch."""
+        names = {short for short in forbidden} | {form for short in forbidden for form in MODULE_FORMS.get(short, ())}
+        found = []
+        for written, function, node, path in self._scan(name):
+            last = (path or written).rsplit(".", 1)[-1]
+            library = path is not None and path.split(".")[0] in ("torch", "…")
+            if numpy_only and path is not None and path.split(".")[0] == "torch":
+                found.append(Use(written, path, function, getattr(node, "lineno", None)))
+            elif last in names and (library or isinstance(node, (ast.Attribute, ast.Call))) \
+                    and not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                             and node.value.id == "self"):
+                found.append(Use(written, path or written, function, getattr(node, "lineno", None)))
+        return found

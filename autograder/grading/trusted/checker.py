@@ -5,9 +5,11 @@
 An nbgrader process (:mod:`autograder.grading.nbgrader_process`) keeps one checker for all its
 students, next to their kernels, and sends it each graded test cell of a notebook listed in
 :data:`autograder.grading.trusted.checker_client.CHECKED_OUTSIDE_THE_KERNEL`: the cell's source as nbgrader has it
-(the source notebook's, with its hidden tests: never the student's copy), and the path of a
-socket.  The checker listens there, says so, and the nbgrader process starts the bridge's agent in the
-student's kernel (:func:`attention_lab.bridge.kernel_side.serve`), which connects.  The checker
+(the source notebook's, with its hidden tests: never the student's copy), the submitted notebook's
+code cells before it (data: the checks read an answer's code there themselves, so that a from-scratch
+rule does not rest on the kernel's word), and the path of a socket.  The checker listens there, says
+so, and the nbgrader process starts the bridge's agent in the student's kernel
+(:func:`attention_lab.bridge.kernel_side.serve`), which connects.  The checker
 then runs the test cell itself: the names the cell takes from the notebook are looked up in
 the kernel (data, or proxies of the student's objects: :mod:`attention_lab.bridge.checker_side`),
 the course's own checks run here, call the student's code through the bridge, and decide.
@@ -33,6 +35,10 @@ import socket
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attention_lab.bridge.checker_side import Bridge
 
 MAX_OUTPUT = 20_000  # characters of printed output kept per test cell
 
@@ -71,12 +77,18 @@ def _error_output(error: BaseException) -> dict:
     return {"output_type": "error", "ename": ename, "evalue": evalue, "traceback": lines}
 
 
-def run_cell(source: str, connection: socket.socket, timeout: float) -> tuple[list[dict], int]:
-    """Run one test cell against the kernel at the other end of ``connection``: its outputs, and
-    how many requests crossed to the kernel."""
+def run_cell(source: str, connection: socket.socket, timeout: float,
+             code: list[str] | None = None) -> tuple[list[dict], Bridge]:
+    """Run one test cell against the kernel at the other end of ``connection``: its outputs, and the bridge
+    (how many requests crossed, where the kernel's measurements contradicted ``code`` -- the submitted
+    notebook's code cells before this one, which the checks read themselves -- and whether it kept the
+    grader out)."""
     from attention_lab.bridge.checker_side import Bridge
+    from attention_lab.code_inspection import SubmittedCode
 
     bridge = Bridge(connection, timeout)
+    if code is not None:
+        bridge.submitted = SubmittedCode([cell for cell in code if isinstance(cell, str)])
     printed = io.StringIO()
     outputs: list[dict] = []
     try:
@@ -94,7 +106,7 @@ def run_cell(source: str, connection: socket.socket, timeout: float) -> tuple[li
         text = text[:MAX_OUTPUT] + f"\n[output truncated by the grader after {MAX_OUTPUT} characters]\n"
     if text:
         outputs.insert(0, {"output_type": "stream", "name": "stdout", "text": text})
-    return outputs, bridge.requests
+    return outputs, bridge
 
 
 NOT_STARTED = "the kernel did not start the grader's bridge"
@@ -153,9 +165,9 @@ def wait_for_the_kernel(listener: socket.socket, requests: Requests, timeout: fl
 
 
 def serve() -> int:
-    """Answer the nbgrader process's requests: ``{"cell", "socket", "timeout", "connect_timeout"}`` ->
-    ``{"listening": true}`` once the socket listens, then ``{"outputs": [...]}`` (or ``{"error"}``
-    when the kernel never connected).  ``{"cancel": true}`` while the checker waits for the kernel
+    """Answer the nbgrader process's requests: ``{"cell", "socket", "timeout", "connect_timeout", "code"}`` ->
+    ``{"listening": true}`` once the socket listens, then ``{"outputs": [...], "contradictions": [...],
+    "kept_out": bool}`` (or ``{"error"}`` when the kernel never connected).  ``{"cancel": true}`` while the checker waits for the kernel
     ends that wait (the answer is the error); a cancel that comes later is ignored.  Answers go to
     what was standard output; anything else printed goes to standard error (the nbgrader
     process's log)."""
@@ -197,8 +209,11 @@ def serve() -> int:
             if isinstance(connection, str):
                 answer = {"error": connection}
             else:
-                outputs, crossings = run_cell(request["cell"], connection, float(request.get("timeout", 120)))
-                answer = {"outputs": outputs, "seconds": round(time.monotonic() - started, 3), "requests": crossings}
+                outputs, bridge = run_cell(request["cell"], connection, float(request.get("timeout", 120)),
+                                           request.get("code"))
+                answer = {"outputs": outputs, "seconds": round(time.monotonic() - started, 3),
+                          "requests": bridge.requests, "contradictions": bridge.contradictions,
+                          "kept_out": bridge.kept_out}
         except Exception:  # a bug of ours: this cell cannot be graded, the next one can
             answer = {"error": "the checker failed: " + traceback.format_exc(limit=5)[-2000:]}
         finally:

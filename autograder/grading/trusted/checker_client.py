@@ -3,11 +3,13 @@
 For a notebook listed in :data:`CHECKED_OUTSIDE_THE_KERNEL`, an nbclient
 client with :class:`CheckedOutsideTheKernel` (grading's :class:`autograder.grading.nbgrader_process.GuardedExecute`,
 the test suite's :class:`autograder.grading.execute.ForkedKernels`) does not send a graded test cell to
-the kernel.  It sends the cell -- nbgrader's copy, hidden tests included -- to this nbgrader process's
+the kernel.  It sends the cell -- nbgrader's copy, hidden tests included -- and the notebook's code
+cells before it (data: the checks read an answer's code there themselves) to this nbgrader process's
 :data:`checker` (:mod:`autograder.grading.trusted.checker`), which listens on a socket in the kernel's
 runtime folder; it then has the kernel run the bridge's agent (silently, outside any cell),
 which connects to that socket and answers the checker's requests until the test is over.  The
-cell's outputs are the checker's: what the checks printed, and the error when the test failed.
+cell's outputs are the checker's: what the checks printed, and the error when the test failed;
+where the kernel's measurements contradicted the code, the report says so.
 
 A kernel that does not run the agent (a submission that rewrites every cell it is given)
 keeps the grader out: that test, and every later one of the notebook, earns nothing.  The
@@ -144,7 +146,8 @@ class CheckedOutsideTheKernel:
         limit = float(self.timeout or 120)
         connect = float(self.bridge_grace + 20)
         loop = asyncio.get_running_loop()
-        checker.send({"cell": cell.source, "socket": path, "timeout": limit, "connect_timeout": connect})
+        checker.send({"cell": cell.source, "socket": path, "timeout": limit, "connect_timeout": connect,
+                      "code": self.submitted_code(number)})
         listening = await loop.run_in_executor(None, checker.receive, 120)
         if not listening or not listening.get("listening"):
             return self._checker_failed(cell, number, grade_id, "the grader's checker did not start")
@@ -155,6 +158,13 @@ class CheckedOutsideTheKernel:
         if answer is not None and "outputs" in answer:
             cell.outputs = [NotebookNode(output) for output in answer["outputs"]]
             self.checked_cells[grade_id] = {"seconds": answer.get("seconds"), "requests": answer.get("requests")}
+            for detail in answer.get("contradictions") or []:
+                self.report_incident({"kind": "measurement_contradicted", "cell": number, "grade_id": grade_id,
+                                      "detail": str(detail)[:500]})
+            if answer.get("kept_out"):  # it dripped a reply in: its later tests would cost their limits too
+                self.bridge_refused = True
+                self.report_incident({"kind": "bridge_refused", "cell": number, "grade_id": grade_id,
+                                      "detail": "it sent an answer a little at a time, past the test's limit"})
         elif NOT_STARTED in (answer or {}).get("error", ""):
             self.bridge_refused = True
             self._refused(cell, number, grade_id, answer["error"])
@@ -170,6 +180,11 @@ class CheckedOutsideTheKernel:
             self.kernel_hung(number)
             raise UnresponsiveKernelError()
         return cell
+
+    def submitted_code(self, number: int) -> list[str]:
+        """The code cells of the notebook being graded before cell ``number`` (numbered from 1), as
+        submitted: the checker reads an answer's code there itself (``self.nb``: nbclient's notebook)."""
+        return [cell.source for cell in self.nb.cells[:number - 1] if cell.cell_type == "code"]
 
     def _refused(self, cell, number: int, grade_id: str | None, how: str = "it kept the grader out at an earlier test"):
         cell.outputs = [NotebookNode(output_type="error", ename="GraderBridgeError", evalue=REFUSED, traceback=[])]

@@ -9,9 +9,13 @@ before nbgrader does and renders the same pages with everything a student wrote 
 
 * markdown and raw cells, HTML and markdown outputs pass through :func:`inert_html`: an
   allow-list of text tags (no script, style, iframe, object, svg, form, input; no event
-  handler, ``style`` or ``id`` attribute; links only to http(s) and mailto; images only
-  from ``data:image/...``); what is not allowed is shown escaped, as text, so the grader sees
-  what the student tried;
+  handler, ``style`` or ``id`` attribute; ``class`` only with the values code highlighting and
+  tables use, never one of the page's own, such as Bootstrap's ``modal-backdrop in``, which lays
+  a backdrop over the score inputs; links only to http(s) and mailto; images only from
+  ``data:image/...``), cleaned by nh3 (the Rust sanitiser ammonia); what is not allowed is shown
+  escaped, as text, so the grader sees what the student tried; the TeX commands with which
+  MathJax would style, link or name an element (``\\style``, ``\\class``, ``\\cssId``, ``\\href``,
+  ``\\unicode``, ``\\bbox``, ``\\require``) lose their backslash there and in LaTeX outputs;
 * outputs keep only the kinds Formgrader shows (text, PNG/JPEG, SVG as an image, HTML,
   markdown, LaTeX), rebuilt without their metadata; JavaScript and widget outputs are
   dropped; cell metadata keeps only nbgrader's (escaped), so tags and ids cannot reach the
@@ -20,9 +24,11 @@ before nbgrader does and renders the same pages with everything a student wrote 
   (its files, and its inline scripts by their hashes, taken from the same page rendered
   without the student's cells), images from the server or ``data:``, requests to the server
   only, no frames, no plugins: if something got through the sanitiser it would still not run,
-  nor load anything from elsewhere;
+  nor load anything from elsewhere (its styles may be inline: MathJax, from its CDN, adds the
+  styles of the math it draws as ``<style>`` elements);
 * Formgrader's other pages (nbgrader's Jinja templates, which print a student's id raw, even
-  inside a script) are rendered with every value escaped, under the same kind of policy; the
+  inside a script) are rendered with every value escaped, under the same kind of policy, whose
+  inline styles too are only the page's own, by their hashes; the
   files nbgrader serves beside a submission, and its API's answers (JSON sent as text/html),
   are sandboxed documents that run nothing if opened as a page.
 
@@ -34,15 +40,17 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 import hashlib
 import html
 import os
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 from urllib.parse import urlsplit
 
-import bleach
 import nbformat
+import nh3
 from jinja2 import Environment, FileSystemLoader, pass_context
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 from jupyter_server.utils import url_path_join
@@ -53,6 +61,7 @@ from nbgrader.server_extensions.formgrader import handlers as formgrader_handler
 from nbgrader.server_extensions.formgrader.base import BaseHandler as FormgraderBaseHandler
 from nbgrader.server_extensions.formgrader.base import check_notebook_dir, check_xsrf
 from nbgrader.server_extensions.formgrader.handlers import SubmissionFilesHandler, SubmissionHandler
+from pygments.token import STANDARD_TYPES
 from tornado import web
 from tornado.routing import HostMatches, Rule
 from tornado.web import OutputTransform, _ApplicationRouter
@@ -61,33 +70,84 @@ from tornado.web import OutputTransform, _ApplicationRouter
 # HTML a student wrote
 # --------------------------------------------------------------------------------------
 
-INERT_TAGS = ["a", "abbr", "b", "blockquote", "br", "caption", "code", "col", "colgroup", "dd", "del", "details",
+INERT_TAGS = {"a", "abbr", "b", "blockquote", "br", "caption", "code", "col", "colgroup", "dd", "del", "details",
               "div", "dl", "dt", "em", "figcaption", "figure", "h1", "h2", "h3", "h4", "h5", "h6", "hr", "i", "img",
               "ins", "kbd", "li", "mark", "ol", "p", "pre", "q", "s", "samp", "small", "span", "strike", "strong",
-              "sub", "summary", "sup", "table", "tbody", "td", "tfoot", "th", "thead", "tr", "u", "ul", "var"]
+              "sub", "summary", "sup", "table", "tbody", "td", "tfoot", "th", "thead", "tr", "u", "ul", "var"}
+INERT_ATTRIBUTES = {"*": {"class", "title"}, "a": {"href"}, "img": {"alt", "width", "height", "src"},
+                    "td": {"colspan", "rowspan", "align"}, "th": {"colspan", "rowspan", "align"}, "ol": {"start"}}
 DATA_IMAGE = re.compile(r"data:image/(png|jpeg|gif|webp|svg\+xml);base64,[A-Za-z0-9+/=\s]*$", re.IGNORECASE)
+# The class values student HTML keeps: Pygments' token classes (the code nbconvert highlights, in a
+# `highlight` or `hl-<language>` block) and pandas' `dataframe` table. None of them is a class of
+# Formgrader's page (Bootstrap's, its own), which would style or lay out what the grader uses.
+CODE_CLASSES = frozenset(name for name in STANDARD_TYPES.values() if name) | {"highlight", "dataframe"}
+HIGHLIGHT_LANGUAGE = re.compile(r"hl-[a-z0-9]{1,32}")
+# TeX commands with which MathJax styles, links or names what it draws, or loads an extension that does.
+STYLING_TEX = re.compile(r"\\(style|class|cssId|href|unicode|bbox|require)(?![A-Za-z])")
 
 
-def _inert_attribute(tag: str, name: str, value: str) -> bool:
-    """Attributes a student's HTML keeps: none that runs script, styles the page, names an
-    element Formgrader's scripts look up (``id``), or loads anything from elsewhere."""
-    if name in ("class", "title"):
-        return True
+def _inert_attribute(tag: str, name: str, value: str) -> str | None:
+    """Attributes a student's HTML keeps (nh3 has kept only those of INERT_ATTRIBUTES, with safe URLs):
+    none that loads anything from elsewhere, no class but those of :data:`CODE_CLASSES`."""
+    if name == "class":
+        kept = [word for word in value.split() if word in CODE_CLASSES or HIGHLIGHT_LANGUAGE.fullmatch(word)]
+        return " ".join(kept) or None
     if tag == "a" and name == "href":
-        return not value.strip().lower().startswith("data:")   # bleach checks the protocol too
-    if tag == "img":
-        return name in ("alt", "width", "height") or (name == "src" and bool(DATA_IMAGE.match(value.strip())))
-    if tag in ("td", "th"):
-        return name in ("colspan", "rowspan", "align")
-    return tag == "ol" and name == "start"
+        return None if value.strip().lower().startswith("data:") else value
+    if tag == "img" and name == "src":
+        return value if DATA_IMAGE.match(value.strip()) else None
+    return value
+
+
+def inert_tex(text: str) -> str:
+    """``text`` with the styling TeX commands (:data:`STYLING_TEX`) shown instead of run: ``\\href``
+    becomes ``＼href`` (a fullwidth backslash), which MathJax reads as text."""
+    return STYLING_TEX.sub(lambda match: "\uff3c" + match.group(1), text)
+
+
+class _EscapeUnknownTags(HTMLParser):
+    """HTML with every tag nh3 would drop written as text instead (``&lt;script&gt;``), and its text
+    free of styling TeX: what the grader sees of what the student tried. Only for display: nh3,
+    which parses the result as a browser does, decides what may stay a tag."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+
+    def _tag(self, tag: str, text: str) -> None:
+        self.parts.append(text if tag in INERT_TAGS else html.escape(text, quote=False))
+
+    def handle_starttag(self, tag, attrs):
+        self._tag(tag, self.get_starttag_text())
+
+    handle_startendtag = handle_starttag
+
+    def handle_endtag(self, tag):
+        self._tag(tag, f"</{tag}>")
+
+    def handle_data(self, data):
+        self.parts.append(html.escape(inert_tex(data), quote=False))
+
+    def handle_decl(self, decl):
+        self.parts.append(html.escape(f"<!{decl}>", quote=False))
+
+    def unknown_decl(self, data):
+        self.parts.append(html.escape(f"<![{data}]>", quote=False))
+
+    def handle_pi(self, data):
+        self.parts.append(html.escape(f"<?{data}>", quote=False))
 
 
 def inert_html(text) -> str:
-    """HTML from a student, made inert: an allow-list of text tags and attributes (bleach);
-    the rest escaped, shown as text."""
+    """HTML from a student, made inert: an allow-list of text tags and attributes (nh3); the rest
+    escaped, shown as text; styling TeX shown, not run (:func:`inert_tex`)."""
     text = text.decode() if isinstance(text, bytes) else str(text)
-    return bleach.clean(text, tags=INERT_TAGS, attributes=_inert_attribute,
-                        protocols=["http", "https", "mailto", "data"], strip=False, strip_comments=True)
+    escaper = _EscapeUnknownTags()
+    escaper.feed(text)
+    escaper.close()
+    return nh3.clean("".join(escaper.parts), tags=INERT_TAGS, attributes=INERT_ATTRIBUTES,
+                     attribute_filter=_inert_attribute, url_schemes={"http", "https", "mailto", "data"},
+                     link_rel=None, strip_comments=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -118,7 +178,7 @@ def _inert_output(output) -> nbformat.NotebookNode | None:
             continue
         if mimetype in ("image/png", "image/jpeg") and not BASE64.fullmatch(value):
             continue
-        data[mimetype] = value
+        data[mimetype] = inert_tex(value) if mimetype == "text/latex" else value  # (typeset by MathJax, escaped)
     if not data:
         return None
     if kind == "execute_result":
@@ -191,34 +251,46 @@ class InertHTMLExporter(HTMLExporter):
 # --------------------------------------------------------------------------------------
 
 class _Scripts(HTMLParser):
-    """The inline scripts and event-handler attributes of a page, as the browser parses them."""
+    """The inline scripts, event-handler attributes and inline styles of a page, as the browser parses them."""
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
         self.inline: list[str] = []
         self.handlers: list[str] = []
-        self._in_script = False
+        self.styles: list[str] = []  # <style> elements and style attributes
+        self._in: str | None = None  # "script" or "style" while inside one
 
     def handle_starttag(self, tag, attrs):
         self.handlers += [value or "" for name, value in attrs if name.startswith("on")]
+        self.styles += [value or "" for name, value in attrs if name == "style"]
         if tag == "script" and not any(name == "src" for name, _ in attrs):
-            self._in_script = True
+            self._in = "script"
             self.inline.append("")
+        elif tag == "style":
+            self._in = "style"
+            self.styles.append("")
 
     def handle_endtag(self, tag):
-        if tag == "script":
-            self._in_script = False
+        if tag in ("script", "style"):
+            self._in = None
 
     def handle_data(self, data):
-        if self._in_script:
+        if self._in == "script":
             self.inline[-1] += data
+        elif self._in == "style":
+            self.styles[-1] += data
+
+
+def _parsed(page: str) -> _Scripts:
+    parser = _Scripts()
+    parser.feed(page)
+    parser.close()
+    return parser
 
 
 def page_scripts(page: str) -> tuple[list[str], list[str]]:
     """(inline scripts, event handlers) of an HTML page."""
-    parser = _Scripts()
-    parser.feed(page)
-    parser.close()
+    parser = _parsed(page)
     return parser.inline, parser.handlers
 
 
@@ -226,22 +298,37 @@ def _hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
 
 
-def content_security_policy(trusted_page: str, mathjax_url: str = "") -> str:
+@functools.lru_cache(maxsize=1)
+def formgrader_script_styles() -> frozenset[str]:
+    """The style attributes Formgrader's own scripts write into the markup they build
+    (``$("<p ... style='display: none'/>")``): allowed by their hashes too."""
+    folder = Path(formgrader_handlers.template_path).parent / "static" / "js"
+    found = set()
+    for script in folder.glob("*.js"):
+        found.update(match.group(2) for match in re.finditer(r"style=(['\"])([^'\"<>]*)\1", script.read_text(errors="replace")))
+    return frozenset(found)
+
+
+def content_security_policy(trusted_page: str, mathjax_url: str = "", inline_styles: bool = False) -> str:
     """The policy for a page whose only scripts are those of ``trusted_page`` (Formgrader's
     template, rendered without student content): its inline scripts and event handlers by
-    hash, script files from the server (and MathJax's folder when it comes from a CDN)."""
-    inline, handlers = page_scripts(trusted_page)
-    scripts = {_hash(body) for body in inline}
-    handlers = {_hash(body) for body in handlers}
+    hash, script files from the server (and MathJax's folder when it comes from a CDN); its
+    inline styles, too, are the page's own (by hash, with those of Formgrader's scripts) unless
+    ``inline_styles`` (a page with MathJax, which adds the styles of the math it draws)."""
+    parsed = _parsed(trusted_page)
+    scripts = {_hash(body) for body in parsed.inline}
+    handlers = {_hash(body) for body in parsed.handlers}
     mathjax = ""
     parts = urlsplit(mathjax_url or "")
     if parts.scheme == "https" and parts.netloc:
         mathjax = f" https://{parts.netloc}{parts.path.rsplit('/', 1)[0]}/"
     hashes = " ".join(sorted(scripts | handlers))
+    styles = " 'unsafe-inline'" if inline_styles else " 'unsafe-hashes' " + " ".join(
+        sorted({_hash(style) for style in (*parsed.styles, *formgrader_script_styles())}))
     return "; ".join([
         "default-src 'none'",
         f"script-src 'self'{mathjax}" + (" 'unsafe-hashes'" if handlers else "") + (f" {hashes}" if hashes else ""),
-        f"style-src 'self' 'unsafe-inline'{mathjax}",
+        f"style-src 'self'{styles}{mathjax}",
         f"font-src 'self' data:{mathjax}",
         "img-src 'self' data:",
         "connect-src 'self'",
@@ -335,7 +422,8 @@ class InertSubmissionHandler(EscapingRender, SubmissionHandler):
         page, _ = self.exporter.from_notebook_node(notebook, resources=copy.deepcopy(resources))
         empty = nbformat.v4.new_notebook(metadata=notebook.metadata)
         trusted, _ = self.exporter.from_notebook_node(empty, resources=copy.deepcopy(resources))
-        self.set_header("Content-Security-Policy", content_security_policy(trusted, self.exporter.mathjax_url))
+        self.set_header("Content-Security-Policy", content_security_policy(trusted, self.exporter.mathjax_url,
+                                                                           inline_styles=True))
         self.set_header("Referrer-Policy", "same-origin")  # a student's link learns nothing of this page
         self.write(page)
 

@@ -13,11 +13,16 @@ anything else as a proxy that the unchanged checks use as they use the real obje
   the kernel;
 * anything else: :class:`RemoteObject` (attributes and calls go to the kernel).
 
-Arguments travel the other way: tensors and arrays as shared memory (an in-place change is
-seen here as it would be in one process), PyTorch's own modules rebuilt from their state,
-proxies as references to the kernel's objects.  Each request has a time limit; a kernel that
-answers late, with too much, or with anything that is not well-formed data fails the test
-with :class:`BridgeError`, which the checks do not catch.
+Arguments travel the other way: tensors and arrays as shared memory, PyTorch's own modules and
+the course's objects rebuilt from their state, proxies as references to the kernel's objects.
+What the student's code does to them comes back only where it may: into the student's own
+objects (the memory their modules hold), and into the arguments a check says a call writes
+(``writes``: the module ``load_torch_mha_weights`` loads, a cache a forward fills). Whatever else it
+changed of the checker's objects -- a tensor, an array, a module or a configuration the check still
+reads -- stays as it was here; what the student's code left of them is kept beside them for the
+last request (:class:`LeftBehind`), which is what the inputs-unchanged rule of the checks reads.
+Each request has a time limit; a kernel that answers late, with too much, or with anything that is
+not well-formed data fails the test with :class:`BridgeError`, which the checks do not catch.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ from attention_lab.bridge.peer import Peer, flat_tensors, random_state, set_rand
 class BridgeError(Exception):
     """The student's kernel broke the protocol, answered too late or sent what cannot be data.
     Not a CheckFailure (checks never catch it): the test fails with this message."""
+
+
+DRIPPED = ("your notebook's kernel sent its answer a little at a time, past this test's {limit:.0f} s (its copy of "
+           "the course's bridge was rewritten): the grader stops calling your code for this notebook")
 
 
 # The exception classes an answer's exception may arrive as: the built-in ones (so that the
@@ -99,6 +108,41 @@ def _signature(data: Any) -> inspect.Signature | None:
         raise BridgeError("the kernel sent a malformed signature") from None
 
 
+class LeftBehind:
+    """What the student's code left of the checker's objects in one request, where it may not write
+    them: the memory of a tensor (a copy holding the kernel's bytes), an array, a course object's
+    fields, a module's state. The checker's objects themselves are unchanged."""
+
+    def __init__(self):
+        self.storages: dict[int, torch.Tensor] = {}  # address of the checker's storage -> the kernel's copy
+        self.arrays: dict[int, np.ndarray] = {}      # id(array) -> the array as the kernel left it
+        self.objects: dict[int, dict] = {}           # id(course object) -> its fields as the kernel left them
+        self.modules: dict[int, nn.Module] = {}      # id(module) -> a module of its class in the kernel's state
+
+    def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the kernel left it: a view of the kernel's copy of its memory (or itself)."""
+        copy = self.storages.get(Peer._pointer(tensor)) if isinstance(tensor, torch.Tensor) else None
+        if copy is None:
+            return tensor
+        view = torch.empty(0, dtype=tensor.dtype)
+        view.set_(copy.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        return view
+
+    def array(self, array: np.ndarray) -> np.ndarray:
+        return self.arrays.get(id(array), array)
+
+    def fields(self, obj: Any) -> dict | None:
+        """A course object's fields as the kernel left them, or None when it left them as they were."""
+        return self.objects.get(id(obj))
+
+    def module(self, module: nn.Module) -> nn.Module:
+        """``module`` as the kernel left it (a stand-in holding the kernel's state, or itself)."""
+        return self.modules.get(id(module), module)
+
+    def __bool__(self) -> bool:
+        return bool(self.storages or self.arrays or self.objects or self.modules)
+
+
 class _OpaqueDefault:
     """A default value that is not data (it stays in the kernel)."""
 
@@ -123,6 +167,15 @@ class Bridge(Peer):
         self.arrays: list[np.ndarray] = []  # the arrays sent with this request
         self.sent_objects: dict[int, tuple[str, Any]] = {}  # id(course object) -> (its id, the object)
         self.request_objects: dict[str, Any] = {}  # the course objects sent with this request
+        self.names: dict[str, str] = {}  # handle -> the notebook's name the checker looked it up by
+        # The submitted notebook's code before this test cell, read as data (code_inspection.SubmittedCode): the
+        # checker's own reading of an answer's code, whatever the kernel reports; None when grading has none.
+        self.submitted: Any = None
+        self.contradictions: list[str] = []  # where the kernel's measurement and the submitted code disagree
+        self.kept_out = False  # the kernel dripped a reply in: the notebook's later tests are not run
+        self.writes: list[Any] = []  # the checker's objects the current call may write (its contract's)
+        self.left = LeftBehind()  # what the last request's student code left of the checker's other objects
+        self._writable: tuple[set[int], set[str]] | None = None  # (ids, storage ids) writable in this request
 
     # -- the exchange ------------------------------------------------------------------
     def request(self, header: dict, encoder: wire.Encoder | None = None) -> tuple[dict, wire.Decoder]:
@@ -131,13 +184,18 @@ class Bridge(Peer):
             encoder = self.new_encoder()
         self.requests += 1
         header["modules"] = self._module_changes(encoder)
+        self.left, self._writable = LeftBehind(), None
+        self._current_decoder = None  # (the last reply's memory: not held while the next one comes in)
         try:
             left = self.deadline - time.monotonic()
             if left <= 0:
                 raise socket.timeout
             self.connection.settimeout(left)
             self.send(self.connection, header, encoder)
-            reply, buffers = self.receive(self.connection)
+            reply, buffers = self.receive(self.connection, self.deadline)  # whole by then, however it drips in
+        except wire.Dripping:
+            self.kept_out = True
+            raise BridgeError(DRIPPED.format(limit=self.timeout)) from None
         except socket.timeout:
             raise BridgeError(f"this test did not finish within its {self.timeout:.0f} s: your code did not answer "
                               "in time (an endless loop, or code that keeps the grader from calling your functions)"
@@ -158,8 +216,35 @@ class Bridge(Peer):
             raise BridgeError(f"your notebook's kernel sent a malformed module or generator ({error})") from None
         return reply, decoder
 
+    # -- what the student's code may write ------------------------------------------------
+    def writable(self) -> tuple[set[int], set[str]]:
+        """(ids of objects, ids of storages) the kernel's changes are written into in this request: the
+        memory the student's modules hold (their proxies' tensors: theirs, whoever made them), and the
+        objects the call's contract says it writes (:attr:`writes`), with their tensors."""
+        if self._writable is None:
+            objects, tensors = set(), []
+            for proxy in self.proxies.values():
+                if isinstance(proxy, nn.Module):
+                    tensors += _tensors_of(proxy)
+            for written in self.writes:
+                objects.update(id(obj) for obj in _objects_of(written))
+                tensors += _tensors_of(written)
+            self._writable = objects, {sid for tensor in tensors if (sid := self.sid_of(tensor)) is not None}
+        return self._writable
+
+    def takes_change(self, sid: str) -> bool:
+        return not sid.startswith(self.prefix) or sid in self.writable()[1]
+
+    def fork(self, sid: str, raw: bytes) -> torch.Tensor:
+        original = self.storages[sid][0]
+        copy = super().fork(sid, raw)
+        if original.numel():
+            self.left.storages[original.untyped_storage().data_ptr()] = copy
+        return copy
+
     def _apply_array_changes(self, changes: Any, decoder: wire.Decoder) -> None:
-        """What the student's code wrote into the arrays it was given, written into ours."""
+        """What the student's code wrote into the arrays it was given: written into ours where the call
+        may write them, else kept beside them (:attr:`left`)."""
         if not isinstance(changes, list):
             raise wire.WireError("malformed array changes")
         for item in changes:
@@ -170,7 +255,9 @@ class Bridge(Peer):
             changed = decoder.decode(item[1])
             if not isinstance(changed, np.ndarray) or changed.shape != target.shape:
                 raise wire.WireError("an array change of another shape")
-            if target.flags.writeable:
+            if id(target) not in self.writable()[0]:
+                self.left.arrays[id(target)] = changed.astype(target.dtype, copy=False)
+            elif target.flags.writeable:
                 np.copyto(target.view(np.ndarray), changed.view(np.ndarray), casting="unsafe")
 
     def _apply_generator_states(self, states: Any, decoder: wire.Decoder) -> None:
@@ -246,6 +333,8 @@ class Bridge(Peer):
                 "state": encoder.encode({name: value for name, value in vars(obj).items()})}
 
     def _apply_object_states(self, states: Any, decoder: wire.Decoder) -> None:
+        """The fields the student's code left the course objects it was given with: set on ours where the
+        call may write them, else kept beside them (:attr:`left`) when they differ."""
         if not isinstance(states, list):
             raise wire.WireError("malformed object states")
         for item in states:
@@ -254,7 +343,11 @@ class Bridge(Peer):
             state = decoder.decode(item[1])
             if not isinstance(state, dict) or not all(isinstance(k, str) and k.isidentifier() for k in state):
                 raise wire.WireError("a malformed object state")
-            vars(self.request_objects[item[0]]).update(state)
+            obj = self.request_objects[item[0]]
+            if id(obj) in self.writable()[0]:
+                vars(obj).update(state)
+            elif not _same_fields(state, vars(obj)):
+                self.left.objects[id(obj)] = state
 
     def _send_module(self, module: nn.Module, encoder: wire.Encoder) -> dict:
         known = self.sent_modules.get(id(module))
@@ -338,6 +431,7 @@ class Bridge(Peer):
             cls = type(name if name.isidentifier() else "Module",
                        (RemoteModule,) if base is nn.Module else (RemoteModule, base), members)
             module = modules.empty_instance(cls)
+            object.__setattr__(module, "_remote_class_handle", _handle_of(class_proxy))
         object.__setattr__(module, "_remote_handle", handle)
         object.__setattr__(module, "_remote_bridge", self)
         self.proxies[handle] = module
@@ -349,13 +443,26 @@ class Bridge(Peer):
         self.synced[handle] = modules.fingerprint(module, self.sid_of)
 
     def _apply_module_changes(self, changes: Any, decoder: wire.Decoder) -> None:
+        """The state of the student's modules, mirrored; of the checker's own, set where the call may
+        write them, else kept beside them (:attr:`left`: a stand-in of its class in that state)."""
         self._current_decoder = decoder
         if not isinstance(changes, list):
             raise wire.WireError("malformed module changes")
+        sent = {module_id: module for module_id, module in self.sent_modules.values()}
         for item in changes:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(self.proxies.get(item[0]), nn.Module)):
-                continue  # a module of the checker's own, or one not yet received: its state comes with it
-            self._apply_state(item[0], self.proxies[item[0]], item[1])
+            if not (isinstance(item, list) and len(item) == 2):
+                continue
+            if isinstance(self.proxies.get(item[0]), nn.Module):
+                self._apply_state(item[0], self.proxies[item[0]], item[1])
+            elif item[0] in sent:  # one of the checker's own modules
+                module = sent[item[0]]
+                if id(module) in self.writable()[0]:
+                    self._apply_state(item[0], module, item[1])
+                else:
+                    stand_in = modules.empty_instance(type(module))
+                    modules.apply_state(stand_in, item[1], decoder.decode)
+                    self.left.modules[id(module)] = stand_in
+            # (else one not yet received: its state comes with it)
 
     def decoder(self, buffers: list[bytes], on_tagged) -> wire.Decoder:
         decoder = super().decoder(buffers, on_tagged)
@@ -377,6 +484,9 @@ class Bridge(Peer):
                 found[name] = self.value_of(item, decoder, name)
             except StudentException as error:
                 found[name] = _Unreadable(name, error)
+            handle = _handle_of(found[name])
+            if handle is not None:
+                self.names.setdefault(handle, name)
         return found
 
     def getattr(self, handle: str, name: str) -> Any:
@@ -408,10 +518,12 @@ class Bridge(Peer):
         return probe
 
     def call(self, handle: str, args: tuple, kwargs: dict, method: str | None = None,
-             probes: Sequence[probes_module.Probe] = (), what: str = "the call") -> Any:
+             probes: Sequence[probes_module.Probe] = (), what: str = "the call", writes: Sequence[Any] = ()) -> Any:
         """Call the kernel's object ``handle`` (or its ``method``); its probes' findings are
-        accepted into ``probes`` (and the ambient ones) before the result or exception."""
+        accepted into ``probes`` (and the ambient ones) before the result or exception. ``writes``: the
+        checker's objects among the arguments that the call may write (see :attr:`writes`)."""
         active = [*probes, *self.ambient]
+        self.writes = list(writes)
         self.generators, self.arrays, self.request_objects = [], [], {}
         encoder = self.new_encoder()
         # Gradients cross too: the arguments that require grad and the parameters of the student's
@@ -428,7 +540,10 @@ class Bridge(Peer):
                       "graph": bool(graph_inputs or parameters), "parameters": [[h, n] for h, n, _ in parameters]}
         except wire.WireError as error:
             raise BridgeError(f"the grader could not send the arguments of {what}: {error}") from None
-        reply, decoder = self.request(header, encoder)
+        try:
+            reply, decoder = self.request(header, encoder)
+        finally:
+            self.writes = []
         findings = reply.get("probes", [])
         if not isinstance(findings, list) or len(findings) != len(active):
             raise BridgeError("your notebook's kernel did not report the grader's measurements")
@@ -474,6 +589,86 @@ class Bridge(Peer):
         except OSError:
             pass
         self.connection.close()
+
+
+def _objects_of(value: Any, depth: int = 0) -> list[Any]:
+    """``value`` and what it holds (the items of containers, a course object's fields, a module's
+    submodules): every object a contract that writes ``value`` lets the call write."""
+    found = [value]
+    if depth >= wire.MAX_DEPTH:
+        return found
+    if isinstance(value, nn.Module):
+        found += [module for module in value.modules() if module is not value]
+    elif isinstance(value, (tuple, list)):
+        found += [obj for item in value for obj in _objects_of(item, depth + 1)]
+    elif isinstance(value, dict):
+        found += [obj for item in value.values() for obj in _objects_of(item, depth + 1)]
+    elif (type(value).__module__ or "").startswith("attention_lab.") and isinstance(getattr(value, "__dict__", None), dict):
+        found += [obj for item in vars(value).values() for obj in _objects_of(item, depth + 1)]
+    return found
+
+
+def _tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors ``value`` holds (see :func:`_objects_of`; a module's parameters, buffers and plain
+    tensor attributes)."""
+    tensors = []
+    for obj in _objects_of(value):
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+        elif isinstance(obj, nn.Module):
+            tensors += [t for t in (*obj._parameters.values(), *obj._buffers.values()) if t is not None]
+            tensors += [t for t in vars(obj).values() if isinstance(t, torch.Tensor)]
+    return tensors
+
+
+def _same_fields(left: dict, right: dict) -> bool:
+    """Whether two states of a course object hold the same fields and values (tensors by value)."""
+    if left.keys() != right.keys():
+        return False
+    for name, value in left.items():
+        other = right[name]
+        if isinstance(value, torch.Tensor) or isinstance(other, torch.Tensor):
+            if not (isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and value.shape == other.shape
+                    and value.dtype == other.dtype and torch.equal(value, other)):
+                return False
+        elif isinstance(value, np.ndarray) or isinstance(other, np.ndarray):
+            if not np.array_equal(value, other):
+                return False
+        elif value is not other and value != other:
+            return False
+    return True
+
+
+def _handle_of(obj: Any) -> str | None:
+    handle = obj.__dict__.get("_remote_handle") if isinstance(obj, type) else getattr(obj, "_remote_handle", None)
+    return handle if isinstance(handle, str) and is_remote(obj) else None
+
+
+def submitted_code(obj: Any) -> tuple[Any, str] | None:
+    """(the submitted notebook's code, the name ``obj`` has in it) for a proxy of an object the notebook's
+    cells define (by the name the checker looked it, or a module's class, up by); None otherwise."""
+    bridge = bridge_of(obj)
+    if bridge is None or bridge.submitted is None:
+        return None
+    name = bridge.names.get(_handle_of(obj))
+    if name is None and isinstance(obj, RemoteModule):
+        name = bridge.names.get(obj.__dict__.get("_remote_class_handle"))
+    return (bridge.submitted, name) if name is not None and bridge.submitted.knows(name) else None
+
+
+def contradiction(obj: Any, text: str) -> None:
+    """Note, for the grading report, that a measurement taken in the student's kernel contradicts what the
+    checker read in the submitted code itself (the kernel's copy of the course was rewritten)."""
+    bridge = bridge_of(obj)
+    if bridge is not None and text not in bridge.contradictions and len(bridge.contradictions) < 20:
+        bridge.contradictions.append(text[:500])
+
+
+def left_behind(obj: Any) -> LeftBehind | None:
+    """What the last request of ``obj``'s bridge (a proxy's) left of the checker's objects, or None
+    for an object of this process (the lab)."""
+    bridge = bridge_of(obj)
+    return None if bridge is None else bridge.left
 
 
 def _tensors_requiring_grad(value: Any, found: list | None = None, depth: int = 0) -> list[torch.Tensor]:
@@ -776,11 +971,11 @@ def is_remote(obj: Any) -> bool:
     return isinstance(obj, (RemoteObject, RemoteModule, RemoteClassMeta))
 
 
-def remote_call(fn: Any, args: tuple, kwargs: dict, probes: Sequence[probes_module.Probe], what: str) -> Any:
-    """Call a proxy with probes (``call_student``'s way in)."""
-    if isinstance(fn, (RemoteCallable, RemoteModule, RemoteClassMeta)):
-        return fn.remote_call(args, kwargs, probes=probes, what=what)
-    return fn._remote_bridge.call(fn._remote_handle, args, kwargs, probes=probes, what=what)
+def remote_call(fn: Any, args: tuple, kwargs: dict, probes: Sequence[probes_module.Probe], what: str,
+                writes: Sequence[Any] = ()) -> Any:
+    """Call a proxy with probes (``call_student``'s way in); ``writes``: the checker's objects among the
+    arguments that the call may write."""
+    return fn._remote_bridge.call(fn._remote_handle, args, kwargs, probes=probes, what=what, writes=writes)
 
 
 

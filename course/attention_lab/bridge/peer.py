@@ -97,8 +97,8 @@ class Peer:
             index = fields.get("b")
             if type(index) is not int or not 0 <= index < len(buffers):
                 raise wire.WireError(f"a tensor on an unknown storage {sid}")
-            raw = buffers[index]
-            whole = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            raw = wire.owned(buffers, index)
+            whole = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             self._register(sid, whole)
             self.known_to_other.add(sid)
         graph_index = fields.get("gi")
@@ -149,9 +149,29 @@ class Peer:
             raw = buffers[item[1]]
             if len(raw) != whole.numel():
                 raise wire.WireError("a change that resizes a storage")
+            if not self.takes_change(item[0]):
+                self.fork(item[0], wire.owned(buffers, item[1]))
+                continue
             with torch.no_grad():
-                whole.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else whole)
+                whole.copy_(torch.frombuffer(wire.owned(buffers, item[1]), dtype=torch.uint8) if raw else whole)
                 snapshot.copy_(whole)
+
+    def takes_change(self, sid: str) -> bool:
+        """Whether the other side's change of storage ``sid`` is written into this side's memory (else the
+        storage is forked: :meth:`fork`)."""
+        return True
+
+    def fork(self, sid: str, raw: bytearray) -> torch.Tensor:
+        """From now on, ``sid`` names a copy holding the other side's bytes ``raw`` (memory it owns); this
+        side's own memory keeps what it held (and, sent again, is shared anew). The copy, a uint8 tensor,
+        is returned."""
+        whole, _ = self.storages[sid]
+        if whole.numel():
+            self.by_pointer.pop(whole.untyped_storage().data_ptr(), None)
+        self.shared_bytes -= whole.numel()
+        copy = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        self._register(sid, copy)
+        return copy
 
     # -- messages ----------------------------------------------------------------------
     def send(self, connection: socket.socket, header: dict, encoder: wire.Encoder) -> None:
@@ -162,8 +182,8 @@ class Peer:
         self.forget(header["forget"])
         wire.send_frame(connection, header, encoder.buffers)
 
-    def receive(self, connection: socket.socket) -> tuple[dict, list[bytes]]:
-        header, buffers = wire.receive_frame(connection)
+    def receive(self, connection: socket.socket, deadline: float | None = None) -> tuple[dict, list[bytes]]:
+        header, buffers = wire.receive_frame(connection, deadline)
         forget = header.get("forget", [])
         if not isinstance(forget, list):
             raise wire.WireError("malformed storages to forget")

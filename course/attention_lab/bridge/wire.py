@@ -17,6 +17,7 @@ import json
 import math
 import socket
 import struct
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -41,6 +42,10 @@ class WireError(ValueError):
     """A frame or value that is not well-formed data (or too large): the other side broke the protocol."""
 
 
+class Dripping(socket.timeout):
+    """A frame begun but not finished by its deadline: sent a little at a time, as no agent sends one."""
+
+
 # --------------------------------------------------------------------------------------
 # Frames
 # --------------------------------------------------------------------------------------
@@ -53,41 +58,78 @@ def send_frame(connection: socket.socket, header: dict, buffers: list[bytes | me
     connection.sendall(b"".join(parts))
 
 
-def _read_exactly(connection: socket.socket, count: int) -> bytes:
-    chunks, left = [], count
-    while left:
-        chunk = connection.recv(min(left, 2**20))
-        if not chunk:
+def _read_exactly(connection: socket.socket, count: int, deadline: float | None = None,
+                  begun: bool = True) -> bytearray:
+    """``count`` bytes, read into one buffer (a frame's memory is held once: no chunks joined); with a
+    ``deadline`` (``time.monotonic()``), all of them by then, however slowly they come in (past it:
+    :class:`Dripping` once the frame has ``begun``, else ``socket.timeout``)."""
+    data = bytearray(count)
+    view, done = memoryview(data), 0
+    while done < count:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Dripping("a reply that drips in") if begun or done else socket.timeout("no reply")
+            connection.settimeout(left)
+        try:
+            received = connection.recv_into(view[done:], min(count - done, 2**20))
+        except socket.timeout:
+            if begun or done:
+                raise Dripping("a reply that drips in") from None
+            raise
+        if not received:
             raise EOFError("the other side closed the connection")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+        done += received
+    return data
 
 
-def receive_frame(connection: socket.socket) -> tuple[dict, list[bytes]]:
-    """The next frame (the socket's own timeout applies to each read)."""
-    if _read_exactly(connection, 4) != MAGIC:
+def receive_frame(connection: socket.socket, deadline: float | None = None) -> tuple[dict, "Buffers"]:
+    """The next frame: whole by ``deadline`` (``time.monotonic()``) if given, else the socket's own timeout
+    applies to each read."""
+    if _read_exactly(connection, 4, deadline, begun=False) != MAGIC:
         raise WireError("not a bridge frame")
-    (length,) = struct.unpack("<I", _read_exactly(connection, 4))
+    (length,) = struct.unpack("<I", _read_exactly(connection, 4, deadline))
     if length > MAX_HEADER_BYTES:
         raise WireError(f"a header of {length} bytes (at most {MAX_HEADER_BYTES})")
     try:
-        header = json.loads(_read_exactly(connection, length))
+        header = json.loads(_read_exactly(connection, length, deadline))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise WireError(f"a header that is not JSON ({type(error).__name__})") from None
     if not isinstance(header, dict):
         raise WireError("a header that is not an object")
-    (count,) = struct.unpack("<I", _read_exactly(connection, 4))
+    (count,) = struct.unpack("<I", _read_exactly(connection, 4, deadline))
     if count > MAX_BUFFERS:
         raise WireError(f"{count} buffers (at most {MAX_BUFFERS})")
-    buffers, total = [], length
+    buffers, total = Buffers(), length
     for _ in range(count):
-        (size,) = struct.unpack("<Q", _read_exactly(connection, 8))
+        (size,) = struct.unpack("<Q", _read_exactly(connection, 8, deadline))
         total += size
         if total > MAX_FRAME_BYTES:
             raise WireError(f"a frame of more than {MAX_FRAME_BYTES // 2**20} MiB")
-        buffers.append(_read_exactly(connection, size))
+        buffers.append(_read_exactly(connection, size, deadline))
     return header, buffers
+
+
+class Buffers(list):
+    """A received frame's buffers (bytearrays). The memory a value is rebuilt on is one of them, given
+    away without a copy the first time (a 200 MiB tensor costs 200 MiB, not three times that), copied
+    any later time (two values never share memory the sender did not share)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.taken: set[int] = set()
+
+    def take(self, index: int) -> bytearray:
+        raw = self[index]
+        if index in self.taken or not isinstance(raw, bytearray):
+            return bytearray(raw)
+        self.taken.add(index)
+        return raw
+
+
+def owned(buffers: list, index: int) -> bytearray:
+    """Buffer ``index`` of a frame as memory a value may own (see :class:`Buffers`; a plain list: a copy)."""
+    return buffers.take(index) if isinstance(buffers, Buffers) else bytearray(buffers[index])
 
 
 # --------------------------------------------------------------------------------------
@@ -215,6 +257,11 @@ class Decoder:
             raise WireError("a reference to a missing buffer")
         return self.buffers[index]
 
+    def _owned_buffer(self, fields: dict) -> bytearray:
+        """The buffer of ``fields`` as memory the value may own (see :class:`Buffers`)."""
+        self._buffer(fields)
+        return owned(self.buffers, fields["b"])
+
     def decode(self, value: Any, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
             raise WireError(f"a value nested more than {MAX_DEPTH} deep")
@@ -313,8 +360,8 @@ class Decoder:
     def _tensor(self, fields: dict) -> torch.Tensor:
         if self.on_tensor is not None and "sid" in fields:
             return self.on_tensor(None, fields)
-        storage = torch.frombuffer(bytearray(self._buffer(fields)), dtype=torch.uint8) \
-            if self._buffer(fields) else torch.empty(0, dtype=torch.uint8)
+        raw = self._owned_buffer(fields)
+        storage = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return tensor_on(storage, fields)
 
     def _array(self, fields: dict) -> np.ndarray:
@@ -324,7 +371,7 @@ class Decoder:
         count = math.prod(shape)
         if len(raw) != count * dtype.itemsize:
             raise WireError("an array buffer of the wrong size")
-        array = np.frombuffer(raw, dtype=dtype).copy()  # writable, owned
+        array = np.frombuffer(self._owned_buffer(fields), dtype=dtype)  # writable, owned
         array = array.reshape(shape[::-1]).T if fields.get("order") == "F" else array.reshape(shape)
         if "view" in fields:
             array = array.view(course_array_class(fields["view"]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Any, Callable
 
 import torch
@@ -466,7 +467,6 @@ def _meta_rope(x, positions, layout, sign, base):
 
 def _check_apply_rope_once(apply_rope: Callable, x: torch.Tensor, table: torch.Tensor, position_ids: torch.Tensor,
                            base: float) -> torch.Tensor:
-    x_before = x.clone()
     call = (f"apply_rope(x, freqs_cis, position_ids) with x a {describe(x)}, freqs_cis {shape_str(table.shape)} "
             f"({str(table.dtype).replace('torch.', '')}), position_ids {_positions_text(position_ids)}")
     out = call_student(apply_rope, x, table, position_ids, call=call)
@@ -478,7 +478,6 @@ def _check_apply_rope_once(apply_rope: Callable, x: torch.Tensor, table: torch.T
     max_position = int(position_ids.max()) if position_ids.numel() else 0
     rtol, atol = tolerance(x.dtype, x.device)
     atol = max(atol, _angle_atol(x.dtype, max_position, float(x.abs().max())))
-    expect_true(torch.equal(x, x_before), f"{call} changed x in place; return a new tensor instead.")
     # The exercise asks to keep float64 throughout: float32 internals (the notes' xq.float()) fail here.
     expect_close(out, _rope_reference(x, position_ids, base), what=call,
                  against="each pair (x[2j], x[2j+1]) rotated by the angle position·θ_j",
@@ -626,7 +625,6 @@ def check_rope_cos_sin(rope_cos_sin: Callable, *, seed: int = 0, device: torch.d
 def _check_rotate_half_rope_once(fn: Callable, x: torch.Tensor, position_ids: torch.Tensor, base: float,
                                  table_dtype: torch.dtype) -> None:
     cos, sin = (t.to(table_dtype) for t in _cos_sin_reference(x.shape[-1], position_ids, base, layout="half"))
-    x_before = x.clone()
     call = (f"apply_rope_rotate_half(x, cos, sin) with x a {describe(x)}, cos/sin {shape_str(cos.shape)} "
             f"({str(table_dtype).replace('torch.', '')}), positions {_positions_text(position_ids)}")
     try:
@@ -638,7 +636,6 @@ def _check_rotate_half_rope_once(fn: Callable, x: torch.Tensor, position_ids: to
     rtol, atol = tolerance(x.dtype, x.device)
     atol = max(atol, _angle_atol(min(x.dtype, table_dtype, key=lambda t: t.itemsize), int(position_ids.max()),
                                  float(x.abs().max())))
-    expect_true(torch.equal(x, x_before), f"{call} changed x in place; return a new tensor instead.")
     expect_close(out, _rope_reference(x, position_ids, base, "half"), what=call,
                  against="each pair (x[j], x[j + d/2]) rotated by position·θ_j (x*cos + rotate_half(x)*sin)",
                  variants=_rope_variants(x, position_ids, base, "half", lambda *a: _meta_rope(*a, base=base)),
@@ -850,8 +847,8 @@ def check_kv_cache(KVCache: Callable, *, seed: int = 0, device: torch.device | N
         for step, new in enumerate((3, 1, 1, 2)):
             k = randn(2, 4, new, 8, generator=generator, dtype=dtype, device=device)
             v = randn(2, 4, new, 8, generator=generator, dtype=dtype, device=device)
-            keys.append(k)
-            values.append(v)
+            keys.append(k.clone())  # the check's own copies: what the student's cache keeps is its own
+            values.append(v.clone())
             total += new
             call = f"KVCache.update(k, v) (update {step + 1}, k and v {describe(k)}, {total - new} tokens cached before)"
             try:
@@ -908,9 +905,12 @@ def _projection_hint(name: str, got: tuple, config: _Config) -> str:
 
 
 def _build_llama(cls: Callable, config: _Config, device: torch.device, dtype: torch.dtype,
-                 generator: torch.Generator) -> tuple[nn.Module, str]:
+                 generator: torch.Generator) -> tuple[nn.Module, str, types.SimpleNamespace]:
+    """The student's LlamaAttention(config) with the check's random weights: (module, label, those weights,
+    kept here: every reference comes from them, never from the module after the student's code ran).
+    The module gets a copy of ``config``; the check keeps reading its own."""
     label = _config_text(config)
-    module = call_student(cls, config, call=label)
+    module = call_student(cls, dataclasses.replace(config), call=label)
     expect_true(isinstance(module, nn.Module), f"{label} should be an nn.Module, got {describe(module)}.")
     h, h_kv, d, hidden = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
     shapes = {"q_proj": (h * d, hidden), "k_proj": (h_kv * d, hidden), "v_proj": (h_kv * d, hidden), "o_proj": (hidden, h * d)}
@@ -930,7 +930,13 @@ def _build_llama(cls: Callable, config: _Config, device: torch.device, dtype: to
         for parameter in module.parameters():
             fan_in = parameter.shape[-1] if parameter.dim() > 1 else 10.0
             parameter.data = randn(*parameter.shape, generator=generator, dtype=dtype, device=device) / math.sqrt(fan_in)
-    return module, label
+    weights = types.SimpleNamespace(**{name: types.SimpleNamespace(weight=_cloned(layer.weight), bias=_cloned(layer.bias))
+                                       for name in shapes for layer in [getattr(module, name)]})
+    return module, label, weights
+
+
+def _cloned(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().clone()
 
 
 def _linear64(layer: nn.Linear):
@@ -938,7 +944,7 @@ def _linear64(layer: nn.Linear):
     return layer.weight.detach().to("cpu", torch.float64), bias
 
 
-def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positions: torch.Tensor,
+def _llama_reference(weights: types.SimpleNamespace, config: _Config, x: torch.Tensor, positions: torch.Tensor,
                      n_new: int | None = None, *, mask: str = "causal", layout: str = "interleaved",
                      repeat: str = "consecutive", rope_on_v: bool = False, o_proj: bool = True,
                      scale: float | None = None, norm: str | None = None, eps: float | None = None,
@@ -946,7 +952,7 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
                      softmax_axis: int = -1) -> torch.Tensor:
     """LlamaAttention's output for the last n_new tokens of x [B, T, hidden] (earlier ones cached).
 
-    q/k/v from the module's projections, RoPE as pair rotations, QK norm from F.rms_norm, attention from
+    q/k/v from the projections' ``weights`` (as :func:`_build_llama` set them), RoPE as pair rotations, QK norm from F.rms_norm, attention from
     F.scaled_dot_product_attention(..., enable_gqa=True) on the math backend; float64 on the CPU.
     The keyword arguments select known wrong variants for diagnosis.
     """
@@ -955,8 +961,8 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
     positions = positions.to("cpu")
     b, t, _ = x.shape
     n_new = t if n_new is None else n_new
-    q = F.linear(x[:, t - n_new:], *_linear64(module.q_proj))  # [B, n, H*d]
-    k, v = F.linear(x, *_linear64(module.k_proj)), F.linear(x, *_linear64(module.v_proj))  # [B, T, H_kv*d]
+    q = F.linear(x[:, t - n_new:], *_linear64(weights.q_proj))  # [B, n, H*d]
+    k, v = F.linear(x, *_linear64(weights.k_proj)), F.linear(x, *_linear64(weights.v_proj))  # [B, T, H_kv*d]
     # split="reshape" (all three) or "reshape_q": heads cut in memory order, the sequence axis never moved.
     q = q.reshape(b, h, n_new, d) if split != "transpose" else q.view(b, n_new, h, d).transpose(1, 2)  # [B, H, n, d]
     if split == "reshape":
@@ -997,21 +1003,21 @@ def _llama_reference(module: nn.Module, config: _Config, x: torch.Tensor, positi
         out = reference_sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, scale=scale)
     out = out.reshape(b, n_new, h * d) if merge == "reshape" else out.transpose(1, 2).reshape(b, n_new, h * d)
     if o_proj:
-        return F.linear(out, *_linear64(module.o_proj))
+        return F.linear(out, *_linear64(weights.o_proj))
     return out if h * d == config.hidden_size else None
 
 
-def _llama_variants(module, config, x, positions, n_new=None, chunk_positions=None) -> list[Variant]:
+def _llama_variants(weights, config, x, positions, n_new=None, chunk_positions=None) -> list[Variant]:
     h, h_kv = config.num_attention_heads, config.num_key_value_heads
 
     def variant(hint, **kwargs):
-        return Variant(lambda: _llama_reference(module, config, x, positions, n_new, **kwargs), hint)
+        return Variant(lambda: _llama_reference(weights, config, x, positions, n_new, **kwargs), hint)
 
     variants = []
     # The cache mistakes only show once something is cached (on a prefill they equal the right answer).
     if chunk_positions is not None:
         variants += [variant(HINTS["mask_offset"], mask="top_left"), variant(HINTS["cache_ignored"], mask="new_only"),
-                     Variant(lambda: _llama_reference(module, config, x, chunk_positions, n_new), HINTS["cache_offset"])]
+                     Variant(lambda: _llama_reference(weights, config, x, chunk_positions, n_new), HINTS["cache_offset"])]
         if n_new and n_new > 1:
             variants.append(variant(HINTS["cache_mask_missing"], mask="none"))
     variants += [
@@ -1032,7 +1038,7 @@ def _llama_variants(module, config, x, positions, n_new=None, chunk_positions=No
     b, t = positions.shape
     arange = torch.arange(t, device=positions.device).expand(b, t)
     if chunk_positions is None and not torch.equal(positions, arange):
-        variants.append(Variant(lambda: _llama_reference(module, config, x, arange, n_new), HINTS["positions_ignored"]))
+        variants.append(Variant(lambda: _llama_reference(weights, config, x, arange, n_new), HINTS["positions_ignored"]))
     if config.use_qk_norm:
         variants += [variant(HINTS["l2"], norm="l2"), variant(HINTS["qk_norm_missing"], norm="none")]
         if config.rms_norm_eps != 1e-6:
@@ -1043,6 +1049,7 @@ def _llama_variants(module, config, x, positions, n_new=None, chunk_positions=No
 
 
 def _call_llama(module, label, x, position_ids=None, kv_cache=None, what=""):
+    """The student's forward (from scratch); a ``kv_cache`` is the one argument it writes (it fills it)."""
     kwargs = {}
     call = f"{label}(hidden_states"
     if position_ids is not None:
@@ -1052,10 +1059,10 @@ def _call_llama(module, label, x, position_ids=None, kv_cache=None, what=""):
         kwargs["kv_cache"] = kv_cache
         call += ", kv_cache"
     call += f") with hidden_states a {describe(x)}{what}"
-    return call_student(module, x, call=call, forbidden=FROM_SCRATCH, **kwargs), call
+    return call_student(module, x, call=call, forbidden=FROM_SCRATCH, writes=("kv_cache",), **kwargs), call
 
 
-def _check_llama_forward(module, label, config, x, position_ids=None) -> torch.Tensor:
+def _check_llama_forward(module, label, weights, config, x, position_ids=None) -> torch.Tensor:
     b, s, _ = x.shape
     out, call = _call_llama(module, label, x, position_ids)
     if isinstance(out, tuple):
@@ -1063,9 +1070,9 @@ def _check_llama_forward(module, label, config, x, position_ids=None) -> torch.T
     expect_tensor(out, what=call, shape=(b, s, config.hidden_size), dtype=x.dtype, device=x.device)
     positions = torch.arange(s).expand(b, s) if position_ids is None else position_ids.cpu()
     rtol, atol = tolerance(x.dtype, x.device)
-    expect_close(out, _llama_reference(module, config, x, positions), what=call,
+    expect_close(out, _llama_reference(weights, config, x, positions), what=call,
                  against="o_proj(SDPA(RoPE+QK-norm q, k; v; is_causal=True, enable_gqa=True)) with your weights",
-                 variants=_llama_variants(module, config, x, positions), rtol=rtol, atol=atol * 3)
+                 variants=_llama_variants(weights, config, x, positions), rtol=rtol, atol=atol * 3)
     return out
 
 
@@ -1082,8 +1089,8 @@ def check_llama_attention(LlamaAttention: Callable, *, seed: int = 0, device: to
     # 1. The notebook's configuration, float64 then float32, default positions 0 ... S-1.
     for dtype in (torch.float64, torch.float32):
         config = _Config()
-        module, label = _build_llama(LlamaAttention, config, device, dtype, generator)
-        _check_llama_forward(module, label, config, randn(2, 6, 128, generator=generator, dtype=dtype, device=device))
+        module, label, weights = _build_llama(LlamaAttention, config, device, dtype, generator)
+        _check_llama_forward(module, label, weights, config, randn(2, 6, 128, generator=generator, dtype=dtype, device=device))
     # 2. Other configurations: head_dim independent of hidden_size, bias, large eps, other theta, explicit positions.
     configs = [
         _Config(hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=True,
@@ -1092,22 +1099,23 @@ def check_llama_attention(LlamaAttention: Callable, *, seed: int = 0, device: to
         _Config(hidden_size=20, num_attention_heads=3, num_key_value_heads=1, head_dim=6, max_position_embeddings=64),
     ]
     for config in configs:
-        module, label = _build_llama(LlamaAttention, config, device, torch.float64, generator)
+        module, label, weights = _build_llama(LlamaAttention, config, device, torch.float64, generator)
         positions = torch.tensor([[7, 8, 9, 10, 11], [0, 3, 6, 9, 12]], device=device)
-        _check_llama_forward(module, label, config, randn(2, 5, config.hidden_size, generator=generator, device=device), positions)
-        _check_llama_forward(module, label, config, randn(1, 1, config.hidden_size, generator=generator, device=device))
+        _check_llama_forward(module, label, weights, config,
+                             randn(2, 5, config.hidden_size, generator=generator, device=device), positions)
+        _check_llama_forward(module, label, weights, config, randn(1, 1, config.hidden_size, generator=generator, device=device))
     # 3. With H_kv == H (and RoPE at position 0, no QK norm) it is plain causal multi-head attention.
     for h_kv in (4, 2):
         config = _Config(hidden_size=16, num_attention_heads=4, num_key_value_heads=h_kv, head_dim=4, use_qk_norm=False)
-        module, label = _build_llama(LlamaAttention, config, device, torch.float64, generator)
+        module, label, weights = _build_llama(LlamaAttention, config, device, torch.float64, generator)
         n_rep = 4 // h_kv
         torch_mha = nn.MultiheadAttention(16, 4, bias=False, batch_first=True, device=device, dtype=torch.float64)
         with torch.no_grad():
             def repeated(weight):  # K/V rows of KV head g copied for query heads g*n_rep ... (g+1)*n_rep - 1
                 return weight.view(h_kv, 4, 16).repeat_interleave(n_rep, dim=0).reshape(16, 16)
-            torch_mha.in_proj_weight.copy_(torch.cat([module.q_proj.weight, repeated(module.k_proj.weight),
-                                                      repeated(module.v_proj.weight)]))
-            torch_mha.out_proj.weight.copy_(module.o_proj.weight)
+            torch_mha.in_proj_weight.copy_(torch.cat([weights.q_proj.weight, repeated(weights.k_proj.weight),
+                                                      repeated(weights.v_proj.weight)]))
+            torch_mha.out_proj.weight.copy_(weights.o_proj.weight)
         x = randn(2, 7, 16, generator=generator, device=device)
         causal = torch.ones(7, 7, dtype=torch.bool, device=device).tril()
         expected, _ = torch_mha(x, x, x, attn_mask=~causal, need_weights=False)  # its mask: True = blocked
@@ -1115,17 +1123,17 @@ def check_llama_attention(LlamaAttention: Callable, *, seed: int = 0, device: to
         what = ("plain causal MHA (nn.MultiheadAttention)" if h_kv == 4 else
                 "nn.MultiheadAttention whose K/V heads are copies: query head h reads KV head h // n_rep")
         expect_close(out, expected, what=call + " (RoPE at position 0 is no rotation)", against=what,
-                     variants=[Variant(lambda: _llama_reference(module, config, x, torch.zeros(2, 7, dtype=torch.long),
+                     variants=[Variant(lambda: _llama_reference(weights, config, x, torch.zeros(2, 7, dtype=torch.long),
                                                                 repeat="tiled"), HINTS["tiled"])] if h_kv < 4 else [])
     # 4. Causality on random sizes: changing the last token changes no earlier output.
     for _ in range(3):
         h_kv = randint(1, 3, generator)
         config = _Config(hidden_size=randint(4, 24, generator), num_attention_heads=h_kv * randint(1, 3, generator),
                          num_key_value_heads=h_kv, head_dim=2 * randint(1, 4, generator))
-        module, label = _build_llama(LlamaAttention, config, device, torch.float64, generator)
+        module, label, weights = _build_llama(LlamaAttention, config, device, torch.float64, generator)
         s = randint(2, 8, generator)
         x = randn(2, s, config.hidden_size, generator=generator, device=device)
-        before = _check_llama_forward(module, label, config, x)
+        before = _check_llama_forward(module, label, weights, config, x)
         changed = x.clone()
         changed[:, -1] += 1.0
         after, call = _call_llama(module, label, changed, what=" (last token changed)")
@@ -1156,7 +1164,7 @@ class _ReferenceCache:
         return self.keys[:, :, :end].contiguous(), self.values[:, :, :end].contiguous()
 
 
-def _decode(module, label, config, x, chunks, cache=None, explicit_positions=None) -> None:
+def _decode(module, label, weights, config, x, chunks, cache=None, explicit_positions=None) -> None:
     """Feed x [B, T, hidden] through the cache (the course's own when None) in chunks; compare every chunk
     with one full causal pass."""
     b, t, _ = x.shape
@@ -1179,9 +1187,9 @@ def _decode(module, label, config, x, chunks, cache=None, explicit_positions=Non
                     f"after {call}, the returned kv_cache should hold {end} tokens, got seq_len {returned.seq_len!r}. "
                     "Update the cache with the new (rotated, normed) keys and values: kv_cache.update(k, v).")
         rtol, atol = tolerance(x.dtype, x.device)
-        expect_close(out, _llama_reference(module, config, x[:, :end], positions[:, :end], size), what=call + " -> out",
+        expect_close(out, _llama_reference(weights, config, x[:, :end], positions[:, :end], size), what=call + " -> out",
                      against="the same tokens' outputs in one full causal pass over the whole sequence",
-                     variants=_llama_variants(module, config, x[:, :end], positions[:, :end], size,
+                     variants=_llama_variants(weights, config, x[:, :end], positions[:, :end], size,
                                               chunk_positions=chunk_positions[:, :end] if start else None),
                      rtol=rtol, atol=atol * 3)
         cache = returned
@@ -1196,21 +1204,21 @@ def check_llama_attention_kv_cache(LlamaAttention: Callable, KVCache: Callable, 
     expect_signature(LlamaAttention, "LlamaAttention", ["config"])
     generator = random_generator(seed)
     config = _Config()
-    module, label = _build_llama(LlamaAttention, config, device, torch.float64, generator)
+    module, label, weights = _build_llama(LlamaAttention, config, device, torch.float64, generator)
     x = randn(2, 9, 128, generator=generator, device=device)
-    _decode(module, label, config, x, (4, 1, 1, 1, 1, 1))  # prefill, then one token at a time
-    _decode(module, label, config, x, (3, 2, 3, 1))  # chunked
-    _decode(module, label, config, x, (1,) * 9)  # from an empty cache, token by token
+    _decode(module, label, weights, config, x, (4, 1, 1, 1, 1, 1))  # prefill, then one token at a time
+    _decode(module, label, weights, config, x, (3, 2, 3, 1))  # chunked
+    _decode(module, label, weights, config, x, (1,) * 9)  # from an empty cache, token by token
     explicit = torch.tensor([[20 + i for i in range(9)], [i * 2 for i in range(9)]], device=device)
-    _decode(module, label, config, x, (5, 1, 3), explicit_positions=explicit)
+    _decode(module, label, weights, config, x, (5, 1, 3), explicit_positions=explicit)
     config = _Config(hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=True)
-    module, label = _build_llama(LlamaAttention, config, device, torch.float32, generator)
-    _decode(module, label, config, randn(1, 6, 24, generator=generator, dtype=torch.float32, device=device),
+    module, label, weights = _build_llama(LlamaAttention, config, device, torch.float32, generator)
+    _decode(module, label, weights, config, randn(1, 6, 24, generator=generator, dtype=torch.float32, device=device),
             (2, 1, 3))
     # Finally with the student's own KVCache.
     cache = call_student(KVCache, call="KVCache()")
     try:
-        _decode(module, label, config, randn(2, 5, 24, generator=generator, dtype=torch.float32, device=device),
+        _decode(module, label, weights, config, randn(2, 5, 24, generator=generator, dtype=torch.float32, device=device),
                 (3, 1, 1), cache)
     except CheckFailure as failure:
         raise CheckFailure(f"LlamaAttention works with the course's reference cache but not with your KVCache "

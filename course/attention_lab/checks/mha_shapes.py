@@ -7,6 +7,7 @@ idiomatic answer (slicing instead of view/permute), computed in float64 at check
 
 from __future__ import annotations
 
+import copy
 import math
 from fractions import Fraction
 from typing import Any, Callable, Sequence
@@ -632,10 +633,11 @@ def check_load_torch_mha_weights(load_torch_mha_weights: Callable, MultiHeadSelf
             for parameter in torch_mha.parameters():
                 parameter.copy_(randn(*parameter.shape, generator=generator, device=device) * 0.3)
         module = _build_module(MultiHeadSelfAttention, embed_dim, num_heads, bias, device, torch.float64)
+        original = copy.deepcopy(torch_mha)  # what every expected value comes from: the student never has it
         call = f"load_torch_mha_weights(module, torch_mha) with embed_dim={embed_dim}, bias={bias}"
-        returned = call_student(load_torch_mha_weights, module, torch_mha, call=call)
+        returned = call_student(load_torch_mha_weights, module, torch_mha, call=call, writes=("module",))
         expect_true(returned is None, f"{call} should modify module in place and return None, got {describe(returned)}.")
-        stacked_weight = torch_mha.in_proj_weight.detach()
+        stacked_weight = original.in_proj_weight.detach()
         names = ("q_linear", "k_linear", "v_linear")
         for index, name in enumerate(names):
             layer = getattr(module, name)
@@ -648,9 +650,9 @@ def check_load_torch_mha_weights(load_torch_mha_weights: Callable, MultiHeadSelf
                          variants=[Variant(block.T, LOAD_HINTS["transposed"])]
                          + [Variant(other, LOAD_HINTS["wrong_block"]) for other in others])
             if bias:
-                expect_close(layer.bias, torch_mha.in_proj_bias[index * embed_dim:(index + 1) * embed_dim],
+                expect_close(layer.bias, original.in_proj_bias[index * embed_dim:(index + 1) * embed_dim],
                              what=f"module.{name}.bias after {call}", against="the matching slice of in_proj_bias")
-        expect_close(module.out_linear.weight, torch_mha.out_proj.weight, what=f"module.out_linear.weight after {call}",
+        expect_close(module.out_linear.weight, original.out_proj.weight, what=f"module.out_linear.weight after {call}",
                      against="torch_mha.out_proj.weight")
         with torch.no_grad():
             torch_mha.in_proj_weight.add_(1.0)
@@ -660,7 +662,7 @@ def check_load_torch_mha_weights(load_torch_mha_weights: Callable, MultiHeadSelf
         with torch.no_grad():
             torch_mha.in_proj_weight.sub_(1.0)
         x = randn(2, 4, embed_dim, generator=generator, device=device)
-        expected, _ = torch_mha(x, x, x, need_weights=False)
+        expected, _ = original(x, x, x, need_weights=False)
         out = call_student(module, x, call="MultiHeadSelfAttention(x) after loading", forbidden=ATTENTION_BUILTINS)
         expect_close(out, expected, what="your MultiHeadSelfAttention's output after load_torch_mha_weights",
                      against="torch_mha(x, x, x) (the weights were copied right, so check MultiHeadSelfAttention itself)")

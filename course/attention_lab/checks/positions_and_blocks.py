@@ -525,6 +525,7 @@ def check_coordinate_mlp(CoordinateMLP: Callable, *, seed: int = 0, device: torc
     cases = [(None, 16), (5, 32), (24, 64), (randint(1, 9, generator), 8 * randint(1, 4, generator))]
     for encoder_width, hidden in cases:
         encoder = None if encoder_width is None else _StandInEncoder(encoder_width, generator)
+        pristine = copy.deepcopy(encoder)  # the references' encoder: the student's model shares the other
         label = (f"CoordinateMLP(encoder=None, hidden={hidden})" if encoder is None else
                  f"CoordinateMLP(encoder with out_dim={encoder_width}, hidden={hidden})")
         model = call_student(CoordinateMLP, encoder, hidden=hidden, call=label)
@@ -538,7 +539,7 @@ def check_coordinate_mlp(CoordinateMLP: Callable, *, seed: int = 0, device: torc
             for shape in ((7, 2), (3, 4, 2)):
                 coords = torch.rand(*shape, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
                 # The stand-in encoder's buffer moved with the model only if the model registered it.
-                reference_encoder = None if encoder is None else copy.deepcopy(encoder).to(device=device, dtype=dtype)
+                reference_encoder = None if encoder is None else copy.deepcopy(pristine).to(device=device, dtype=dtype)
                 _check_mlp_forward(model, reference_encoder, linears, coords, label)
 
 
@@ -696,7 +697,8 @@ def check_fit_image(fit_image: Callable, *, seed: int = 0, device: torch.device 
         coords = torch.rand(n, 2, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
         colors = torch.rand(n, 3, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
         call = f"fit_image(model, coords, colors, steps={steps}, lr={lr}) with coords a {describe(coords)}"
-        losses = call_student(fit_image, model, coords, colors, steps, lr, call=call, **_progress_off(fit_image))
+        losses = call_student(fit_image, model, coords, colors, steps, lr, call=call, writes=("model",),
+                              **_progress_off(fit_image))
         _expect_losses(losses, steps, call)
         variants = []
         for key, options in (("sgd", {"optimizer": "sgd"}), ("after_step", {"record": "after"}),
@@ -763,7 +765,7 @@ def check_fourier_beats_identity(FourierFeatures: Callable, CoordinateMLP: Calla
         call = f"fit_image({model_call}, coords, colors, steps={OUTCOME_STEPS}, lr={OUTCOME_LR})"
         with one_cpu_thread(device):
             losses = call_student(fit_image, model, coords, colors, OUTCOME_STEPS, OUTCOME_LR, call=call,
-                                  **_progress_off(fit_image))
+                                  writes=("model",), **_progress_off(fit_image))
         _expect_losses(losses, OUTCOME_STEPS, call)
         with torch.no_grad():
             prediction = call_student(model, coords, call=f"{model_call}(coords)")

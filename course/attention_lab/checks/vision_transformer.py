@@ -9,6 +9,7 @@ computed in float64 at check time. Nothing is hard-coded but the contract's numb
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -214,12 +215,14 @@ def _check_patch_embedding_config(PatchEmbedding: Callable, img_size: int, patch
         _jitter_parameters(module, generator)
         images = randn(2, in_channels, img_size, img_size, generator=generator, dtype=dtype, device=device)
         forward_call = f"{call}(images) with images a {describe(images)}"
+        with torch.no_grad():  # from the weights as the check set them, before the student's forward runs
+            conv_out = F.conv2d(images, conv.weight, conv.bias, stride=patch_size)  # [B, D, g, g]
+            expected = _conv_as_patch_linear(conv, images, patch_size)
         tokens = call_student(module, images, call=forward_call)
         expect_tensor(tokens, what=forward_call, shape=(2, expected_patches, embed_dim), dtype=dtype, device=device,
                       hints={(2, embed_dim, expected_patches): PATCH_EMBEDDING_HINTS["no_transpose"],
                              (2, embed_dim, grid, grid): PATCH_EMBEDDING_HINTS["no_transpose"]})
-        conv_out = F.conv2d(images, conv.weight, conv.bias, stride=patch_size)  # [B, D, g, g]
-        expect_close(tokens, _conv_as_patch_linear(conv, images, patch_size), what=forward_call,
+        expect_close(tokens, expected, what=forward_call,
                      against="the proj weights applied to each row-major patch (a Linear on patches)",
                      variants=[Variant(lambda: conv_out.reshape(2, expected_patches, embed_dim),
                                        PATCH_EMBEDDING_HINTS["reshape_not_transpose"]),
@@ -288,6 +291,7 @@ def check_conv_to_linear(conv_to_linear: Callable, *, seed: int = 0, device: tor
         reference = _ReferencePatchEmbedding(patch_size, channels, embed_dim, bias).to(device=device, dtype=dtype)
         _jitter_parameters(reference, generator)
         conv = reference.proj
+        original = copy.deepcopy(conv)  # every expected value comes from it: the student never has it
         patch_dim = channels * patch_size * patch_size
         call = (f"conv_to_linear(patch_embedding) with proj = Conv2d({channels}, {embed_dim}, kernel_size={patch_size}, "
                 f"stride={patch_size}, bias={bias}) in {str(dtype).replace('torch.', '')}")
@@ -305,21 +309,22 @@ def check_conv_to_linear(conv_to_linear: Callable, *, seed: int = 0, device: tor
         if not bias:
             expect_true(linear.bias is None,
                         f"{call}: the conv has no bias, so the Linear should have none either (bias=False).")
-        flat = conv.weight.detach().reshape(embed_dim, -1)
+        kernel = original.weight.detach()
+        flat = kernel.reshape(embed_dim, -1)
         expect_close(linear.weight, flat, what=f"the weight of {call}",
                      against="proj.weight.reshape(D, C*P*P) (the (C, P, P) order patchify uses)",
-                     variants=[Variant(conv.weight.detach().permute(0, 2, 3, 1).reshape(embed_dim, -1),
+                     variants=[Variant(kernel.permute(0, 2, 3, 1).reshape(embed_dim, -1),
                                        CONV_TO_LINEAR_HINTS["channels_last"]),
-                               Variant(conv.weight.detach().transpose(2, 3).reshape(embed_dim, -1),
+                               Variant(kernel.transpose(2, 3).reshape(embed_dim, -1),
                                        CONV_TO_LINEAR_HINTS["transposed_grid"]),
-                               Variant(conv.weight.detach().reshape(-1, embed_dim).T,
+                               Variant(kernel.reshape(-1, embed_dim).T,
                                        CONV_TO_LINEAR_HINTS["reshape_then_transpose"])])
         if bias:
             expect_true(linear.bias is not None, f"{call}: the Linear has no bias.\n  Likely mistake: {CONV_TO_LINEAR_HINTS['no_bias']}")
-            expect_close(linear.bias, conv.bias, what=f"the bias of {call}", against="proj.bias",
-                         variants=[Variant(torch.zeros_like(conv.bias), CONV_TO_LINEAR_HINTS["no_bias"])])
+            expect_close(linear.bias, original.bias, what=f"the bias of {call}", against="proj.bias",
+                         variants=[Variant(torch.zeros_like(original.bias), CONV_TO_LINEAR_HINTS["no_bias"])])
         images = randn(3, channels, 2 * patch_size, 3 * patch_size, generator=generator, dtype=dtype, device=device)
-        expected = F.conv2d(images, conv.weight, conv.bias, stride=patch_size).flatten(2).transpose(1, 2)
+        expected = F.conv2d(images, original.weight, original.bias, stride=patch_size).flatten(2).transpose(1, 2)
         with torch.no_grad():
             out = linear(_patches_by_slicing(images, patch_size))
         expect_close(out, expected, what=f"the Linear from {call} applied to row-major (C, P, P) patches",
@@ -658,13 +663,14 @@ def _check_mini_vit_forward(model: nn.Module, config: dict, label: str, hidden: 
     num_heads, depth = config["num_heads"], config["depth"]
     seq_len = (config["img_size"] // config["patch_size"]) ** 2 + 1
     call = f"{label}(images) with images a {describe(images)}"
+    with torch.no_grad():  # from the weights as the check set them, before the student's forward runs
+        expected, expected_attentions = _reference_vit(model, images, config["patch_size"], num_heads, hidden)
     logits = call_student(model, images, call=call)
     if isinstance(logits, tuple):
         raise CheckFailure(f"{call} returned {describe(logits)}; with return_attention=False it should return only "
                            "the logits [B, num_classes].")
     expect_tensor(logits, what=call, shape=(batch, config["num_classes"]), dtype=images.dtype, device=images.device)
     with torch.no_grad():
-        expected, expected_attentions = _reference_vit(model, images, config["patch_size"], num_heads, hidden)
         expect_close(logits, expected, what=call,
                      against="a ViT built from your weights with PyTorch modules (patches @ proj weights, "
                      "nn.TransformerEncoderLayer as a ViT block, LayerNorm, head on token 0). If the ViTBlock "
@@ -830,11 +836,11 @@ def check_mini_vit_properties(MiniViT: Callable, *, seed: int = 0, device: torch
     images = randn(batch, 1, 8, 8, generator=generator, device=device)
 
     # 1. Token 0 is the class token (with position 0); tokens 1..N are the patches with positions 1..N.
-    block_input = _capture_first_block_input(model, images, label)
-    expect_tensor(block_input, what=f"the input of {label}.blocks[0]", shape=(batch, num_patches + 1, config["embed_dim"]))
-    with torch.no_grad():
+    with torch.no_grad():  # from the weights as the check set them, before the student's forward runs
         cls_expected = (model.cls_token + model.pos_embed[:, :1]).expand(batch, 1, -1)
         patches_expected = _conv_as_patch_linear(model.patch_embed.proj, images, patch_size) + model.pos_embed[:, 1:]
+    block_input = _capture_first_block_input(model, images, label)
+    expect_tensor(block_input, what=f"the input of {label}.blocks[0]", shape=(batch, num_patches + 1, config["embed_dim"]))
     expect_close(block_input[:, :1], cls_expected, what=f"token 0 of the input of {label}.blocks[0]",
                  against="cls_token + pos_embed[:, 0] (the class token is prepended and has position 0)",
                  variants=[Variant(lambda: model.cls_token.expand(batch, 1, -1), MINI_VIT_HINTS["cls_no_pos"]),
@@ -1203,7 +1209,7 @@ def _check_training_loop(train_classifier: Callable, seed: int, device) -> None:
     call = f"train_classifier(model, train_loader, epochs={epochs}, lr=0.01, device={str(device)!r})"
     record = TrainingRecord(model)
     losses = call_student(train_classifier, model, loader, epochs, 0.01, device, call=call,
-                          probes=[record, OneCpuThread(device)])
+                          probes=[record, OneCpuThread(device)], writes=("model",))
     losses = _float_list(losses, call, epochs)
     expect_true(model.linear.weight.device.type == torch.device(device).type,
                 f"after {call}, the model is on {model.linear.weight.device.type}: move it with model.to(device).")
@@ -1286,7 +1292,7 @@ def check_train_classifier_outcome(train_classifier: Callable, MiniViT: Callable
             f"device={str(device)!r}) with batches of {OUTCOME_BATCH}")
     timer = OneCpuThread(device)
     losses = call_student(train_classifier, model, train_loader, OUTCOME_EPOCHS, OUTCOME_LR, device, call=call,
-                          probes=[timer])
+                          probes=[timer], writes=("model",))
     cpu_seconds = timer.seconds
     with one_cpu_thread(device):
         losses = _float_list(losses, call, OUTCOME_EPOCHS)
@@ -1336,9 +1342,7 @@ POOL_HINTS = {
 def _check_pool_once(pool_tokens: Callable, tokens: torch.Tensor, pool: str) -> None:
     batch, seq_len, embed_dim = tokens.shape
     call = f"pool_tokens(tokens, pool={pool!r}) with tokens a {describe(tokens)}"
-    before = tokens.clone()
     out = call_student(pool_tokens, tokens, pool=pool, call=call)
-    expect_true(torch.equal(tokens, before), f"{call} modified the tokens in place; return a new tensor.")
     hints = {(batch, 1, embed_dim): POOL_HINTS["keepdim"], (batch, seq_len): POOL_HINTS["mean_features"],
              (batch, seq_len - 1): POOL_HINTS["mean_features"]}
     expect_tensor(out, what=call, shape=(batch, embed_dim), dtype=tokens.dtype, device=tokens.device, hints=hints)
@@ -1411,9 +1415,7 @@ def _random_attention(batch: int, heads: int, seq_len: int, generator, dtype=tor
 def _check_cls_map_once(cls_attention_map: Callable, attention: torch.Tensor, grid: int) -> None:
     batch, heads, seq_len, _ = attention.shape
     call = f"cls_attention_map(attention, grid_size={grid}) with attention a {describe(attention)}"
-    before = attention.clone()
     out = call_student(cls_attention_map, attention, grid, call=call)
-    expect_true(torch.equal(attention, before), f"{call} modified its input in place; return a new tensor.")
     expect_tensor(out, what=call, shape=(batch, heads, grid, grid), dtype=attention.dtype, device=attention.device,
                   hints={(batch, grid, grid): CLS_MAP_HINTS["averaged"],
                          (batch, heads, grid * grid): CLS_MAP_HINTS["flat"]})
@@ -1531,7 +1533,6 @@ def _check_rollout_once(attention_rollout: Callable, attentions: Sequence[torch.
     kind = "list" if isinstance(attentions, list) else "tuple"
     call = (f"attention_rollout(attentions) with a {kind} of {len(attentions)} "
             f"{describe(attentions[0]).replace('tensor of shape', 'tensors of shape')}")
-    before = [a.clone() for a in attentions]
     try:
         out = call_student(attention_rollout, attentions, call=call)
     except CheckFailure as failure:
@@ -1539,8 +1540,6 @@ def _check_rollout_once(attention_rollout: Callable, attentions: Sequence[torch.
             add_note(ROLLOUT_FLOAT32_NOTE.format(what="mixes float32 and float64 and raises"))
             return
         raise
-    expect_true(all(torch.equal(a, b) for a, b in zip(attentions, before)),
-                f"{call} modified the attentions in place; compute new tensors instead (e.g. a = a + I, not a += I).")
     float32_inside = dtype == torch.float64 and isinstance(out, torch.Tensor) and out.dtype == torch.float32
     expect_tensor(out, what=call, shape=(batch, grid, grid), dtype=torch.float32 if float32_inside else dtype,
                   device=device, hints={(batch, heads, grid, grid): ROLLOUT_HINTS["per_head"]})
