@@ -488,6 +488,320 @@ print("plain average of the halves vs all keys: ",
 # carry equal mass.
 
 # %% [markdown]
+# ## 7. The backward pass
+#
+# Training needs `dQ, dK, dV` from `dO = ∂loss/∂out`. Autograd through the naive attention keeps
+# the `[S_q, S_k]` weights `P` between the passes: exactly the table the forward pass avoided.
+# FlashAttention keeps only `q, k, v, out` and the `lse` of each row, and *recomputes* `P`,
+# one tile at a time, in the backward pass.
+#
+# **Derive it.** With `S = scale · q kᵀ`, `P = softmax(S)` row by row and `out = P V`:
+#
+# * `out` is linear in `V` and in `P`: `dV = Pᵀ dO` and `dP = dO Vᵀ`.
+# * The softmax's vector-Jacobian product (notebook 02): `dS_ij = P_ij (dP_ij − Σ_l P_il dP_il)`.
+#   The row sum `Σ_l P_il dP_il = Σ_l P_il (dO_i · v_l) = dO_i · out_i`: call it `D_i`. It needs
+#   no row of `P` at all — one dot product per query row, computed before the loop.
+# * `S` is linear in `q` and `k`, times `scale`: `dQ = scale · dS K`, `dK = scale · dSᵀ Q`.
+# * `P_ij = exp(S_ij − lse_i)`: the saved `lse` normalises a tile of `P` without the rest of
+#   its row.
+#
+# Every formula is per tile: a `(query block, key block)` tile of `P` and `dS` contributes to
+# `dV` and `dK` of its keys and to `dQ` of its queries. FlashAttention-2 puts the loop over
+# **key blocks outside** (each program owns the `dK, dV` of one key block and accumulates
+# them in registers) and the query blocks inside; `dQ` is accumulated across key blocks. In
+# FlashAttention-2's CUDA kernel that is **one kernel**: every key-block program adds its share
+# of `dQ` to the same rows in global memory with **atomic adds** (many programs write the same
+# `dQ` rows at once, so each addition must be atomic). Section 9 builds the other design.
+
+# %% [markdown]
+# ### Exercise 6.11 — flash_attention_backward (4 pts, ~25 min)
+#
+# Write the tiled backward pass. Inputs: q, k, v, the forward's `out` and `lse`, and `dout`
+# (`[B, H, S_q, d_v]`). Return `(dq, dk, dv)` with the shapes and dtype of q, k and v. Compute
+# in at least float32. No tensor may be as wide as all the keys or all the queries (the check
+# watches every operation), and with `causal` the tiles no query may see are skipped, as in
+# the forward pass (the mask inside a diagonal tile is the forward's: bottom-right). A query
+# that saw no key has `lse = −inf` and contributes nothing: its `P` is 0.
+
+# %% answer="flash_attention_backward"
+def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False,
+                             scale=None):
+    """dq, dk, dv of attention from the saved out and lse; P recomputed tile by tile.
+
+    q: [B, H, S_q, d], k: [B, H, S_k, d], v: [B, H, S_k, d_v], out and dout: [B, H, S_q, d_v],
+    lse: [B, H, S_q] -> (dq, dk, dv) shaped and typed like q, k, v.
+    Example: equals torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), dout).
+    """
+    ### BEGIN SOLUTION
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q_c, k_c, v_c, out_c, dout_c = (t.to(compute) for t in (q, k, v, out, dout))
+    # A query that sees no key (causal, S_q > S_k) has lse = -inf and P = 0: exp(s - 0), not
+    # exp(-inf - (-inf)) = NaN, which the sums over query rows would spread to every dk and dv.
+    lse_c = lse.to(compute).masked_fill(lse == float("-inf"), 0.0)
+    delta = (dout_c * out_c).sum(dim=-1)  # D = rowsum(dO ∘ O): [B, H, S_q]
+    dq, dk, dv = torch.zeros_like(q_c), torch.zeros_like(k_c), torch.zeros_like(v_c)
+    offset = seq_k - seq_q
+    for k_start in range(0, seq_k, block_k):  # FlashAttention-2: key blocks outside
+        k_end = min(seq_k, k_start + block_k)
+        k_blk, v_blk = k_c[..., k_start:k_end, :], v_c[..., k_start:k_end, :]
+        for q_start in range(0, seq_q, block_q):
+            q_end = min(seq_q, q_start + block_q)
+            if causal and k_start > q_end - 1 + offset:
+                continue  # no query of this block sees any key of this block
+            q_blk, do_blk = q_c[..., q_start:q_end, :], dout_c[..., q_start:q_end, :]
+            scores = q_blk @ k_blk.transpose(-2, -1) * scale  # [B, H, bq, bk]
+            if causal:
+                rows = torch.arange(q_start, q_end, device=q.device)[:, None]
+                cols = torch.arange(k_start, k_end, device=q.device)[None, :]
+                scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+            # the tile of P, normalised by the saved lse
+            p = torch.exp(scores - lse_c[..., q_start:q_end, None])
+            dv[..., k_start:k_end, :] += p.transpose(-2, -1) @ do_blk
+            dp = do_blk @ v_blk.transpose(-2, -1)
+            ds = p * (dp - delta[..., q_start:q_end, None])
+            dq[..., q_start:q_end, :] += scale * ds @ k_blk
+            dk[..., k_start:k_end, :] += scale * ds.transpose(-2, -1) @ q_blk
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    ### END SOLUTION
+
+
+# %% test="test_flash_attention_backward" points=3
+"""flash_attention_backward: dq, dk, dv equal autograd through SDPA; ragged; causal; any blocks."""
+from attention_lab.checks.efficient_attention import check_flash_attention_backward
+
+check_flash_attention_backward(flash_attention_backward)
+### BEGIN HIDDEN TESTS
+check_flash_attention_backward(flash_attention_backward, seed=6801)
+### END HIDDEN TESTS
+
+# %% test="test_flash_attention_backward_memory" points=1
+"""flash_attention_backward: no tensor as wide as all the keys; causal skips the future tiles."""
+from attention_lab.checks.efficient_attention import check_flash_attention_backward_memory
+
+check_flash_attention_backward_memory(flash_attention_backward)
+### BEGIN HIDDEN TESTS
+check_flash_attention_backward_memory(flash_attention_backward, seed=6802)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.12 — FlashAttention, an autograd Function (2 pts, ~10 min)
+#
+# Wrap both passes in a `torch.autograd.Function`: `forward(ctx, q, k, v, causal=False)` runs
+# your `flash_attention_forward`, keeps **only** what the backward pass needs (the check
+# inspects what your `forward` saved: q, k, v, out and lse, with `ctx.save_for_backward`) and
+# returns `out`; `backward(ctx, dout)` returns one gradient per input of `forward`. The check
+# also runs `torch.autograd.gradcheck` on it in float64.
+
+# %% answer="FlashAttention"
+class FlashAttention(torch.autograd.Function):
+    """Attention whose backward pass recomputes P from the saved lse.
+
+    Usage: FlashAttention.apply(q, k, v, causal).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        ### BEGIN SOLUTION
+        out, lse = flash_attention_forward(q, k, v, causal=causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal = causal
+        return out
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, dout):
+        ### BEGIN SOLUTION
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_backward(q, k, v, out, lse, dout, causal=ctx.causal)
+        return dq, dk, dv, None  # no gradient for causal
+        ### END SOLUTION
+
+
+def flash_attention(q, k, v, causal=False):
+    """Differentiable FlashAttention: out [B, H, S_q, d_v]."""
+    return FlashAttention.apply(q, k, v, causal)
+
+
+# %% test="test_FlashAttention" points=2
+"""FlashAttention: saves only q, k, v, out, lse; gradients equal SDPA's; gradcheck."""
+from attention_lab.checks.efficient_attention import check_flash_attention_function
+
+check_flash_attention_function(FlashAttention)
+### BEGIN HIDDEN TESTS
+check_flash_attention_function(FlashAttention, seed=6901)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **Train with it.** Two copies of the same small causal attention model, trained on the same
+# batches of 150 tokens — three query blocks and three key blocks of 64 (the last one ragged),
+# so that the causal skipping, the rescaling across key blocks and the sums over query blocks
+# all run: one copy calls your `flash_attention`, the other `F.scaled_dot_product_attention`. If
+# your backward pass is right, the two loss curves are the same curve (up to float32 rounding).
+
+# %%
+import copy
+
+import matplotlib.pyplot as plt
+
+
+class TinyCausalModel(torch.nn.Module):
+    def __init__(self, attend, width=32, heads=2):
+        super().__init__()
+        self.attend, self.heads = attend, heads
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):  # x: [B, S, width]
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, -1))
+        return self.proj(self.attend(q, k, v).transpose(1, 2).flatten(2))
+
+
+def train_losses(model, steps=20, seed=0, seq_len=150):
+    data = torch.Generator().manual_seed(seed)
+    optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, seq_len, 32, generator=data).to(device)
+        # the running mean of the tokens so far: a causal task
+        target = x.cumsum(dim=1) / torch.arange(1, seq_len + 1, device=device)[:, None]
+        loss = F.mse_loss(model(x), target)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        losses.append(loss.item())
+    return losses
+
+
+torch.manual_seed(0)
+sdpa_model = TinyCausalModel(
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)).to(device)
+flash_model = copy.deepcopy(sdpa_model)
+flash_model.attend = lambda q, k, v: flash_attention(q, k, v, causal=True)
+threads = torch.get_num_threads()
+torch.set_num_threads(1)  # tensors this small: one CPU thread beats two that wait on each other
+try:
+    with_sdpa, with_flash = train_losses(sdpa_model), train_losses(flash_model)
+finally:
+    torch.set_num_threads(threads)
+figure, axis = plt.subplots(figsize=(6, 3))
+axis.plot(with_sdpa, label="SDPA", linewidth=3, alpha=0.5)
+axis.plot(with_flash, "--", label="your FlashAttention")
+axis.set(xlabel="step", ylabel="MSE loss", yscale="log", title="the same training, two attentions")
+axis.legend()
+plt.show()
+print("largest difference between the two loss curves:",
+      f"{max(abs(a - b) for a, b in zip(with_sdpa, with_flash)):.1e}")
+
+# %% [markdown]
+# ## 8. What attention costs: FLOPs, bytes, and the clock
+#
+# **Count before you measure.** For one head with `S_q = S_k = S` and width `d`, the two matrix
+# products `q kᵀ` and `P v` are `S²·d` multiply-adds each: `4·S²·d` FLOPs, naive or tiled. What
+# differs is the memory traffic (in elements; multiply by 2 bytes in float16):
+#
+# * naive, with the scale folded into `q` first (as the timed version below does): read q and k
+#   (`2·S·d`), **write the `S²` scores, read them and write `P` (`2·S²`), read `P`** and v
+#   (`S² + S·d`), write out (`S·d`): about `4·S²` elements. (Scaling the `[S, S]` scores
+#   instead, as notebook 01 did, reads and writes the table once more: `6·S²`.)
+# * tiled: read q and write out once (`2·S·d`); read k and v once **per query block**
+#   (`2·S·d · S/block_q`); the tiles never leave the chip.
+#
+# Their *arithmetic intensity*, FLOPs per byte, decides what bounds them: a GPU that does `F`
+# FLOP/s and moves `W` bytes/s waits for memory whenever a kernel does fewer than `F / W` FLOPs
+# per byte. Dense float16 peaks over memory bandwidth, from the data sheets (the H100 differs by
+# model; `torch.cuda.get_device_name()` says which one you have): H100 SXM 989 TFLOP/s over
+# 3.35 TB/s ≈ 295; H100 NVL 835 over 3.9 ≈ 214; H100 PCIe 756 over 2.0 ≈ 378; A100 80 GB 312
+# over 2.0 ≈ 156; Colab's T4 65 over 0.32 ≈ 203. **Predict** before running the cell: at
+# `d = 64` and `block_q = 128`, which of the two passes is below these balances, and by how much?
+
+# %%
+from attention_lab.widgets.efficient_attention import attention_traffic
+
+for seq_len in (1024, 4096, 16384):
+    traffic = attention_traffic(seq_len, head_dim=64, bytes_per_element=2, block_q=128)
+    print(f"S = {seq_len:>6}: " + " | ".join(
+        f"{name}: {flops / 1e9:6.2f} GFLOP, {moved / 2**20:8.1f} MiB, "
+        f"{flops / moved:5.0f} FLOP/byte" for name, (flops, moved) in traffic.items()))
+
+# %% [markdown]
+# The naive pass does about `d/2` = 32 FLOPs per byte at any `S`: five to twelve times below
+# every balance above, so it runs at the speed of its memory traffic — and its traffic grows
+# like `S²`. The tiled pass does about `block_q` FLOPs per byte (114–128 here; bigger query
+# blocks, fewer re-reads of k and v): four times the naive intensity — and by this model
+# *still* below every balance quoted, from 0.73× an A100's to 0.3× an H100 PCIe's. The model
+# is pessimistic for the tiled pass: it charges every re-read of k and v to the GPU's memory,
+# while many are served by its L2 cache, and FlashAttention-2 measures 50–73% of an A100's peak
+# in its forward pass (Dao, 2023) — compute-bound in practice. So the honest prediction is:
+# naive, memory-bound by a wide margin; tiled, near the balance on paper and above it once the
+# cache helps. Same FLOPs, several times fewer bytes: that is FlashAttention's speed-up.
+#
+# **Measure.** Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention`
+# and `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU also
+# your Triton kernel, in float16 — with the launcher's fixed 32 × 32 tiles and no autotuning,
+# so it is far from the best that kernel could do, while SDPA picks its kernel per GPU). On
+# Colab's T4, SDPA has no flash backend (its FlashAttention kernels need an Ampere GPU or
+# newer), so it runs its memory-efficient kernel there. On the CPU the measurement runs on one
+# thread (a thread pool that changes size under a shared machine's load bends the curves), and
+# each time is the median of rounds of three runs after a warm-up run (the first call pays for
+# allocations and, on a GPU, kernel set-up), repeated until a round moves the median by less
+# than 5% (at most 30 runs); the bars go from the fastest run to the slowest. Peak memory is that of the tensors each call creates; on the CPU
+# it is followed tensor by tensor (SDPA's fused CPU kernel allocates its small buffers out of
+# sight). Both panels are log-log, so growth like `S^p` is a straight line of slope `p`: the
+# legend gives each line's fitted slope. On a GPU the plot also prints the achieved TFLOP/s
+# (`4·B·H·S²·d` over the median time) against the card's float16 peak — a fair yardstick for
+# SDPA and your Triton kernel, not for the PyTorch flash pass, which computes its tiles in
+# float32. Ungraded; a few seconds on the CPU.
+
+# %%
+from attention_lab.widgets.efficient_attention import (attention_costs_view, gpu_peak_tflops,
+                                                      measure_attention_costs)
+
+
+def naive_attention(q, k, v):
+    scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)  # [B, H, S, S], scaled via q
+    weights = torch.softmax(scores, dim=-1)
+    return weights @ v
+
+
+contenders = {
+    "naive": naive_attention,
+    "chunked (128)": lambda q, k, v: chunked_attention(q, k, v, 128),
+    "flash, PyTorch (128)": lambda q, k, v: flash_attention_forward(q, k, v, 128, 128)[0],
+    "SDPA": F.scaled_dot_product_attention,
+}
+if device.type == "cuda":
+    contenders["flash, Triton"] = lambda q, k, v: triton_flash_attention(q, k, v)[0]
+    costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4,
+                                    num_heads=16, dtype=torch.float16, device=device)
+else:
+    costs = measure_attention_costs(contenders, [128, 256, 512, 1024], num_heads=2, device=device)
+attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
+
+# %% [markdown]
+# **What to expect.** Memory: the naive table's slope is about 2 (×4 per doubling of `S`);
+# chunked attention's and the tiled pass's about 1 (`chunk · S`, and the output plus its
+# tiles). Time: every exact method does the same `4·S²·d` FLOPs, so at large `S` every time
+# line tends to slope 2 — FlashAttention does not do less arithmetic, it moves fewer bytes.
+# **CPU and GPU differ**: a CPU has caches large enough for small tables and no separate
+# "on-chip" tile memory to exploit, and Python pays a fixed overhead per tile, so on the CPU
+# the PyTorch tiles are the slowest line and small `S` shows slopes below 2 (overheads, not
+# arithmetic, dominate). On a GPU the naive version waits for its `S²` traffic and runs out of
+# memory first, while the fused kernels (SDPA's flash backend, or yours) are faster and reach a
+# larger share of the card's peak.
+#
+# **What a CPU slope can and cannot show.** It shows how the cost of each method grows on this
+# machine once fixed overheads are small: the table's `S²` memory, and (at large `S`) the `S²`
+# arithmetic. It cannot show what the GPU section is about — a pass bound by memory traffic
+# against one bound by arithmetic, or tiles that stay on chip — because a CPU's caches serve
+# small tables either way. And it is fragile: on this course's shared 2-core machine, with the
+# thread pool left to PyTorch and the median of just three runs, the same code gave slopes from
+# 0.17 to 4.1 in three trials; on one thread with the repeat-until-stable median, 2.3 to 3.0
+# (slopes above 2: the table outgrows a cache as `S` doubles). Look at the spread bars before
+# reading a slope.
+
+# %% [markdown]
 # ## 6. The same algorithm as a Triton kernel
 #
 # A GPU kernel in [Triton](https://triton-lang.org) is a Python function run by many
@@ -806,318 +1120,25 @@ else:
     print("Triton is not installed here: open this notebook on Colab to run the kernel.")
 
 # %% [markdown]
-# ## 7. The backward pass
+# ## 9. Challenge: the backward pass as Triton kernels
 #
-# Training needs `dQ, dK, dV` from `dO = ∂loss/∂out`. Autograd through the naive attention keeps
-# the `[S_q, S_k]` weights `P` between the passes: exactly the table the forward pass avoided.
-# FlashAttention keeps only `q, k, v, out` and the `lse` of each row, and *recomputes* `P`,
-# one tile at a time, in the backward pass.
+# Two designs of the backward pass run on GPUs. **FlashAttention-2's** (section 7) is one
+# kernel: one program per key block accumulates its `dK` and `dV` in registers and adds its
+# share of `dQ` to global memory with atomic adds. The design here — that of Triton's
+# fused-attention tutorial and of Stanford's CS336 assignment — is **two kernels**, and needs
+# no atomics. The first runs **one program per key block**: it loads its block of K and V once,
+# loops over the query blocks that see it, recomputes each tile of `P` from q, k and `lse`, and
+# accumulates `dK` and `dV` in registers. The second runs one program per query block, like
+# the forward pass, loops over the key blocks, recomputes `P` (and `dP`) again, and accumulates
+# `dQ` in registers. In both kernels no two programs write the same rows: no atomics, a result
+# that does not depend on the order programs finish in (atomic float additions do), and simple
+# code — paid for with a second recomputation of `P` and `dP`, which exercise 6.13 counted.
+# `D = rowsum(dO ∘ O)` is computed by the given launcher before both (read it with
+# `launch_flash_attention_backward??`: the arguments and grids of both kernels).
 #
-# **Derive it.** With `S = scale · q kᵀ`, `P = softmax(S)` row by row and `out = P V`:
-#
-# * `out` is linear in `V` and in `P`: `dV = Pᵀ dO` and `dP = dO Vᵀ`.
-# * The softmax's vector-Jacobian product (notebook 02): `dS_ij = P_ij (dP_ij − Σ_l P_il dP_il)`.
-#   The row sum `Σ_l P_il dP_il = Σ_l P_il (dO_i · v_l) = dO_i · out_i`: call it `D_i`. It needs
-#   no row of `P` at all — one dot product per query row, computed before the loop.
-# * `S` is linear in `q` and `k`, times `scale`: `dQ = scale · dS K`, `dK = scale · dSᵀ Q`.
-# * `P_ij = exp(S_ij − lse_i)`: the saved `lse` normalises a tile of `P` without the rest of
-#   its row.
-#
-# Every formula is per tile: a `(query block, key block)` tile of `P` and `dS` contributes to
-# `dV` and `dK` of its keys and to `dQ` of its queries. FlashAttention-2 puts the loop over
-# **key blocks outside** (each program owns the `dK, dV` of one key block and accumulates
-# them in registers) and the query blocks inside; `dQ` is accumulated across key blocks. In
-# FlashAttention-2's CUDA kernel that is **one kernel**: every key-block program adds its share
-# of `dQ` to the same rows in global memory with **atomic adds** (many programs write the same
-# `dQ` rows at once, so each addition must be atomic). Section 9 builds the other design.
-
-# %% [markdown]
-# ### Exercise 6.11 — flash_attention_backward (4 pts, ~25 min)
-#
-# Write the tiled backward pass. Inputs: q, k, v, the forward's `out` and `lse`, and `dout`
-# (`[B, H, S_q, d_v]`). Return `(dq, dk, dv)` with the shapes and dtype of q, k and v. Compute
-# in at least float32. No tensor may be as wide as all the keys or all the queries (the check
-# watches every operation), and with `causal` the tiles no query may see are skipped, as in
-# the forward pass (the mask inside a diagonal tile is the forward's: bottom-right). A query
-# that saw no key has `lse = −inf` and contributes nothing: its `P` is 0.
-
-# %% answer="flash_attention_backward"
-def flash_attention_backward(q, k, v, out, lse, dout, block_q=64, block_k=64, causal=False,
-                             scale=None):
-    """dq, dk, dv of attention from the saved out and lse; P recomputed tile by tile.
-
-    q: [B, H, S_q, d], k: [B, H, S_k, d], v: [B, H, S_k, d_v], out and dout: [B, H, S_q, d_v],
-    lse: [B, H, S_q] -> (dq, dk, dv) shaped and typed like q, k, v.
-    Example: equals torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), dout).
-    """
-    ### BEGIN SOLUTION
-    seq_q, seq_k = q.shape[-2], k.shape[-2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    compute = torch.promote_types(q.dtype, torch.float32)
-    q_c, k_c, v_c, out_c, dout_c = (t.to(compute) for t in (q, k, v, out, dout))
-    # A query that sees no key (causal, S_q > S_k) has lse = -inf and P = 0: exp(s - 0), not
-    # exp(-inf - (-inf)) = NaN, which the sums over query rows would spread to every dk and dv.
-    lse_c = lse.to(compute).masked_fill(lse == float("-inf"), 0.0)
-    delta = (dout_c * out_c).sum(dim=-1)  # D = rowsum(dO ∘ O): [B, H, S_q]
-    dq, dk, dv = torch.zeros_like(q_c), torch.zeros_like(k_c), torch.zeros_like(v_c)
-    offset = seq_k - seq_q
-    for k_start in range(0, seq_k, block_k):  # FlashAttention-2: key blocks outside
-        k_end = min(seq_k, k_start + block_k)
-        k_blk, v_blk = k_c[..., k_start:k_end, :], v_c[..., k_start:k_end, :]
-        for q_start in range(0, seq_q, block_q):
-            q_end = min(seq_q, q_start + block_q)
-            if causal and k_start > q_end - 1 + offset:
-                continue  # no query of this block sees any key of this block
-            q_blk, do_blk = q_c[..., q_start:q_end, :], dout_c[..., q_start:q_end, :]
-            scores = q_blk @ k_blk.transpose(-2, -1) * scale  # [B, H, bq, bk]
-            if causal:
-                rows = torch.arange(q_start, q_end, device=q.device)[:, None]
-                cols = torch.arange(k_start, k_end, device=q.device)[None, :]
-                scores = scores.masked_fill(cols > rows + offset, float("-inf"))
-            # the tile of P, normalised by the saved lse
-            p = torch.exp(scores - lse_c[..., q_start:q_end, None])
-            dv[..., k_start:k_end, :] += p.transpose(-2, -1) @ do_blk
-            dp = do_blk @ v_blk.transpose(-2, -1)
-            ds = p * (dp - delta[..., q_start:q_end, None])
-            dq[..., q_start:q_end, :] += scale * ds @ k_blk
-            dk[..., k_start:k_end, :] += scale * ds.transpose(-2, -1) @ q_blk
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    ### END SOLUTION
-
-
-# %% test="test_flash_attention_backward" points=3
-"""flash_attention_backward: dq, dk, dv equal autograd through SDPA; ragged; causal; any blocks."""
-from attention_lab.checks.efficient_attention import check_flash_attention_backward
-
-check_flash_attention_backward(flash_attention_backward)
-### BEGIN HIDDEN TESTS
-check_flash_attention_backward(flash_attention_backward, seed=6801)
-### END HIDDEN TESTS
-
-# %% test="test_flash_attention_backward_memory" points=1
-"""flash_attention_backward: no tensor as wide as all the keys; causal skips the future tiles."""
-from attention_lab.checks.efficient_attention import check_flash_attention_backward_memory
-
-check_flash_attention_backward_memory(flash_attention_backward)
-### BEGIN HIDDEN TESTS
-check_flash_attention_backward_memory(flash_attention_backward, seed=6802)
-### END HIDDEN TESTS
-
-# %% [markdown]
-# ### Exercise 6.12 — FlashAttention, an autograd Function (2 pts, ~10 min)
-#
-# Wrap both passes in a `torch.autograd.Function`: `forward(ctx, q, k, v, causal=False)` runs
-# your `flash_attention_forward`, keeps **only** what the backward pass needs (the check
-# inspects what your `forward` saved: q, k, v, out and lse, with `ctx.save_for_backward`) and
-# returns `out`; `backward(ctx, dout)` returns one gradient per input of `forward`. The check
-# also runs `torch.autograd.gradcheck` on it in float64.
-
-# %% answer="FlashAttention"
-class FlashAttention(torch.autograd.Function):
-    """Attention whose backward pass recomputes P from the saved lse.
-
-    Usage: FlashAttention.apply(q, k, v, causal).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal=False):
-        ### BEGIN SOLUTION
-        out, lse = flash_attention_forward(q, k, v, causal=causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal = causal
-        return out
-        ### END SOLUTION
-
-    @staticmethod
-    def backward(ctx, dout):
-        ### BEGIN SOLUTION
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(q, k, v, out, lse, dout, causal=ctx.causal)
-        return dq, dk, dv, None  # no gradient for causal
-        ### END SOLUTION
-
-
-def flash_attention(q, k, v, causal=False):
-    """Differentiable FlashAttention: out [B, H, S_q, d_v]."""
-    return FlashAttention.apply(q, k, v, causal)
-
-
-# %% test="test_FlashAttention" points=2
-"""FlashAttention: saves only q, k, v, out, lse; gradients equal SDPA's; gradcheck."""
-from attention_lab.checks.efficient_attention import check_flash_attention_function
-
-check_flash_attention_function(FlashAttention)
-### BEGIN HIDDEN TESTS
-check_flash_attention_function(FlashAttention, seed=6901)
-### END HIDDEN TESTS
-
-# %% [markdown]
-# **Train with it.** Two copies of the same small causal attention model, trained on the same
-# batches of 150 tokens — three query blocks and three key blocks of 64 (the last one ragged),
-# so that the causal skipping, the rescaling across key blocks and the sums over query blocks
-# all run: one copy calls your `flash_attention`, the other `F.scaled_dot_product_attention`. If
-# your backward pass is right, the two loss curves are the same curve (up to float32 rounding).
-
-# %%
-import copy
-
-import matplotlib.pyplot as plt
-
-
-class TinyCausalModel(torch.nn.Module):
-    def __init__(self, attend, width=32, heads=2):
-        super().__init__()
-        self.attend, self.heads = attend, heads
-        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
-
-    def forward(self, x):  # x: [B, S, width]
-        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
-                   for t in self.qkv(x).chunk(3, -1))
-        return self.proj(self.attend(q, k, v).transpose(1, 2).flatten(2))
-
-
-def train_losses(model, steps=20, seed=0, seq_len=150):
-    data = torch.Generator().manual_seed(seed)
-    optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(8, seq_len, 32, generator=data).to(device)
-        # the running mean of the tokens so far: a causal task
-        target = x.cumsum(dim=1) / torch.arange(1, seq_len + 1, device=device)[:, None]
-        loss = F.mse_loss(model(x), target)
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-        losses.append(loss.item())
-    return losses
-
-
-torch.manual_seed(0)
-sdpa_model = TinyCausalModel(
-    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)).to(device)
-flash_model = copy.deepcopy(sdpa_model)
-flash_model.attend = lambda q, k, v: flash_attention(q, k, v, causal=True)
-threads = torch.get_num_threads()
-torch.set_num_threads(1)  # tensors this small: one CPU thread beats two that wait on each other
-try:
-    with_sdpa, with_flash = train_losses(sdpa_model), train_losses(flash_model)
-finally:
-    torch.set_num_threads(threads)
-figure, axis = plt.subplots(figsize=(6, 3))
-axis.plot(with_sdpa, label="SDPA", linewidth=3, alpha=0.5)
-axis.plot(with_flash, "--", label="your FlashAttention")
-axis.set(xlabel="step", ylabel="MSE loss", yscale="log", title="the same training, two attentions")
-axis.legend()
-plt.show()
-print("largest difference between the two loss curves:",
-      f"{max(abs(a - b) for a, b in zip(with_sdpa, with_flash)):.1e}")
-
-# %% [markdown]
-# ## 8. What attention costs: FLOPs, bytes, and the clock
-#
-# **Count before you measure.** For one head with `S_q = S_k = S` and width `d`, the two matrix
-# products `q kᵀ` and `P v` are `S²·d` multiply-adds each: `4·S²·d` FLOPs, naive or tiled. What
-# differs is the memory traffic (in elements; multiply by 2 bytes in float16):
-#
-# * naive, with the scale folded into `q` first (as the timed version below does): read q and k
-#   (`2·S·d`), **write the `S²` scores, read them and write `P` (`2·S²`), read `P`** and v
-#   (`S² + S·d`), write out (`S·d`): about `4·S²` elements. (Scaling the `[S, S]` scores
-#   instead, as notebook 01 did, reads and writes the table once more: `6·S²`.)
-# * tiled: read q and write out once (`2·S·d`); read k and v once **per query block**
-#   (`2·S·d · S/block_q`); the tiles never leave the chip.
-#
-# Their *arithmetic intensity*, FLOPs per byte, decides what bounds them: a GPU that does `F`
-# FLOP/s and moves `W` bytes/s waits for memory whenever a kernel does fewer than `F / W` FLOPs
-# per byte. Dense float16 peaks over memory bandwidth, from the data sheets (the H100 differs by
-# model; `torch.cuda.get_device_name()` says which one you have): H100 SXM 989 TFLOP/s over
-# 3.35 TB/s ≈ 295; H100 NVL 835 over 3.9 ≈ 214; H100 PCIe 756 over 2.0 ≈ 378; A100 80 GB 312
-# over 2.0 ≈ 156; Colab's T4 65 over 0.32 ≈ 203. **Predict** before running the cell: at
-# `d = 64` and `block_q = 128`, which of the two passes is below these balances, and by how much?
-
-# %%
-from attention_lab.widgets.efficient_attention import attention_traffic
-
-for seq_len in (1024, 4096, 16384):
-    traffic = attention_traffic(seq_len, head_dim=64, bytes_per_element=2, block_q=128)
-    print(f"S = {seq_len:>6}: " + " | ".join(
-        f"{name}: {flops / 1e9:6.2f} GFLOP, {moved / 2**20:8.1f} MiB, "
-        f"{flops / moved:5.0f} FLOP/byte" for name, (flops, moved) in traffic.items()))
-
-# %% [markdown]
-# The naive pass does about `d/2` = 32 FLOPs per byte at any `S`: five to twelve times below
-# every balance above, so it runs at the speed of its memory traffic — and its traffic grows
-# like `S²`. The tiled pass does about `block_q` FLOPs per byte (114–128 here; bigger query
-# blocks, fewer re-reads of k and v): four times the naive intensity — and by this model
-# *still* below every balance quoted, from 0.73× an A100's to 0.3× an H100 PCIe's. The model
-# is pessimistic for the tiled pass: it charges every re-read of k and v to the GPU's memory,
-# while many are served by its L2 cache, and FlashAttention-2 measures 50–73% of an A100's peak
-# in its forward pass (Dao, 2023) — compute-bound in practice. So the honest prediction is:
-# naive, memory-bound by a wide margin; tiled, near the balance on paper and above it once the
-# cache helps. Same FLOPs, several times fewer bytes: that is FlashAttention's speed-up.
-#
-# **Measure.** Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention`
-# and `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU also
-# your Triton kernel, in float16 — with the launcher's fixed 32 × 32 tiles and no autotuning,
-# so it is far from the best that kernel could do, while SDPA picks its kernel per GPU). On
-# Colab's T4, SDPA has no flash backend (its FlashAttention kernels need an Ampere GPU or
-# newer), so it runs its memory-efficient kernel there. On the CPU the measurement runs on one
-# thread (a thread pool that changes size under a shared machine's load bends the curves), and
-# each time is the median of rounds of three runs after a warm-up run (the first call pays for
-# allocations and, on a GPU, kernel set-up), repeated until a round moves the median by less
-# than 5% (at most 30 runs); the bars go from the fastest run to the slowest. Peak memory is that of the tensors each call creates; on the CPU
-# it is followed tensor by tensor (SDPA's fused CPU kernel allocates its small buffers out of
-# sight). Both panels are log-log, so growth like `S^p` is a straight line of slope `p`: the
-# legend gives each line's fitted slope. On a GPU the plot also prints the achieved TFLOP/s
-# (`4·B·H·S²·d` over the median time) against the card's float16 peak — a fair yardstick for
-# SDPA and your Triton kernel, not for the PyTorch flash pass, which computes its tiles in
-# float32. Ungraded; a few seconds on the CPU.
-
-# %%
-from attention_lab.widgets.efficient_attention import (attention_costs_view, gpu_peak_tflops,
-                                                      measure_attention_costs)
-
-
-def naive_attention(q, k, v):
-    scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)  # [B, H, S, S], scaled via q
-    weights = torch.softmax(scores, dim=-1)
-    return weights @ v
-
-
-contenders = {
-    "naive": naive_attention,
-    "chunked (128)": lambda q, k, v: chunked_attention(q, k, v, 128),
-    "flash, PyTorch (128)": lambda q, k, v: flash_attention_forward(q, k, v, 128, 128)[0],
-    "SDPA": F.scaled_dot_product_attention,
-}
-if device.type == "cuda":
-    contenders["flash, Triton"] = lambda q, k, v: triton_flash_attention(q, k, v)[0]
-    costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4,
-                                    num_heads=16, dtype=torch.float16, device=device)
-else:
-    costs = measure_attention_costs(contenders, [128, 256, 512, 1024], num_heads=2, device=device)
-attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
-
-# %% [markdown]
-# **What to expect.** Memory: the naive table's slope is about 2 (×4 per doubling of `S`);
-# chunked attention's and the tiled pass's about 1 (`chunk · S`, and the output plus its
-# tiles). Time: every exact method does the same `4·S²·d` FLOPs, so at large `S` every time
-# line tends to slope 2 — FlashAttention does not do less arithmetic, it moves fewer bytes.
-# **CPU and GPU differ**: a CPU has caches large enough for small tables and no separate
-# "on-chip" tile memory to exploit, and Python pays a fixed overhead per tile, so on the CPU
-# the PyTorch tiles are the slowest line and small `S` shows slopes below 2 (overheads, not
-# arithmetic, dominate). On a GPU the naive version waits for its `S²` traffic and runs out of
-# memory first, while the fused kernels (SDPA's flash backend, or yours) are faster and reach a
-# larger share of the card's peak.
-#
-# **What a CPU slope can and cannot show.** It shows how the cost of each method grows on this
-# machine once fixed overheads are small: the table's `S²` memory, and (at large `S`) the `S²`
-# arithmetic. It cannot show what the GPU section is about — a pass bound by memory traffic
-# against one bound by arithmetic, or tiles that stay on chip — because a CPU's caches serve
-# small tables either way. And it is fragile: on this course's shared 2-core machine, with the
-# thread pool left to PyTorch and the median of just three runs, the same code gave slopes from
-# 0.17 to 4.1 in three trials; on one thread with the repeat-until-stable median, 2.3 to 3.0
-# (slopes above 2: the table outgrows a cache as `S` doubles). Look at the spread bars before
-# reading a slope.
+# Everything is in 6.11, written per tile, with the masks and loop bounds of 6.10. Think about
+# which query blocks a key block must visit when `CAUSAL` (the first one that has a query
+# seeing one of its keys), and keep the scale: `dK` and `dQ` need it.
 
 # %% [markdown]
 # ### Exercise 6.13 — count the backward pass (2 pts, ~8 min)
@@ -1146,27 +1167,6 @@ ANSWER_BACKWARD_FLOPS = (5 / 2, 7 / 2)
 from attention_lab.checks.efficient_attention import check_answer_backward_flops
 
 check_answer_backward_flops(ANSWER_BACKWARD_FLOPS)
-
-# %% [markdown]
-# ## 9. Challenge: the backward pass as Triton kernels
-#
-# Two designs of the backward pass run on GPUs. **FlashAttention-2's** (section 7) is one
-# kernel: one program per key block accumulates its `dK` and `dV` in registers and adds its
-# share of `dQ` to global memory with atomic adds. The design here — that of Triton's
-# fused-attention tutorial and of Stanford's CS336 assignment — is **two kernels**, and needs
-# no atomics. The first runs **one program per key block**: it loads its block of K and V once,
-# loops over the query blocks that see it, recomputes each tile of `P` from q, k and `lse`, and
-# accumulates `dK` and `dV` in registers. The second runs one program per query block, like
-# the forward pass, loops over the key blocks, recomputes `P` (and `dP`) again, and accumulates
-# `dQ` in registers. In both kernels no two programs write the same rows: no atomics, a result
-# that does not depend on the order programs finish in (atomic float additions do), and simple
-# code — paid for with a second recomputation of `P` and `dP`, which exercise 6.13 counted.
-# `D = rowsum(dO ∘ O)` is computed by the given launcher before both (read it with
-# `launch_flash_attention_backward??`: the arguments and grids of both kernels).
-#
-# Everything is in 6.11, written per tile, with the masks and loop bounds of 6.10. Think about
-# which query blocks a key block must visit when `CAUSAL` (the first one that has a query
-# seeing one of its keys), and keep the scale: `dK` and `dQ` need it.
 
 # %% [markdown]
 # **Units of `Lse` and `sm_scale`.** The forward kernel of 6.10 worked in base 2: its scores
