@@ -953,10 +953,14 @@ def check_dot_product_variance(dot_product_variance: Callable, *, seed: int = 0,
 
 CHOICES = ("A", "B", "C", "D")
 SCALING_QUESTION_NAME = "ANSWER_SCALING"
+# The experiment's curves come after this check in the notebook: the hints reason from the variances.
 SCALING_HINTS = {
-    "6dddff1bb3f79bb8": "compare the 1/d_head curve with the 1/sqrt(d_head) curve at d_head = 1024: are they level with each other?",
-    "f2d0ab0cce843573": "at d_head = 1024, is the 1/d_head curve's largest weight near 1, like the raw scores'?",
-    "c5d04ac49cc59655": "at d_head = 4, is the 1/d_head curve's largest weight near 1?",
+    "6dddff1bb3f79bb8": "with 1/sqrt(d_head) the scores keep the variance σ⁴ at every width; with 1/d_head it is "
+    "σ⁴/d_head, which keeps falling as d_head grows: would rows whose scores spread less and less stay as peaked?",
+    "f2d0ab0cce843573": "the raw scores go one-hot because their variance d_head·σ⁴ grows. With 1/d_head the variance "
+    "σ⁴/d_head shrinks instead: what does a softmax make of scores that are all close to each other?",
+    "c5d04ac49cc59655": "at d_head = 4 the 1/d_head scores have the variance σ⁴/4 (a standard deviation of 0.5 for "
+    "unit entries): does a softmax over 16 such scores put nearly all its weight on one key?",
 }
 
 
@@ -1356,11 +1360,12 @@ BACKWARD_LSE_HINTS = {
     "1/sqrt(d) (and masked), not the raw Q @ Kᵀ.",
     "lse_mask_ignored": "P = exp(s - lse) was computed without the mask: a masked score must give P = 0 "
     "(set it to -inf before the exp, or P to 0 after), or gradient flows into masked entries.",
-    "delta_unweighted": "D is rowsum(dout ∘ out), one number per query: dout multiplied by out elementwise, "
-    "then summed over the value features; rowsum(dout) alone leaves out the output.",
+    "delta_unweighted": "your D is the row sum of dout alone. D_i = Σ_j dP_ij · P_ij is one number per query "
+    "(your derivation in 2.10 writes it without P or dP), and it depends on the forward's output too, not on "
+    "dout only.",
     "fully_masked_delta": "a fully masked query has lse = -inf, and the forward may have left NaN in its out: "
-    "exp(s - lse) = exp(-inf + inf) and D = rowsum(dout ∘ NaN) are NaN, and one NaN row makes NaN of every "
-    "key's gradient. Where lse is -inf (np.isfinite), set that row's P and D to 0.",
+    "exp(s - lse) = exp(-inf + inf) is NaN, so is a D computed from a NaN out, and one NaN row makes NaN of "
+    "every key's gradient. Where lse is -inf (np.isfinite), set that row's P and D to 0.",
 }
 
 
