@@ -13,7 +13,8 @@ workstation, Colab, a cloud VM). It
 3. checks notebook 06's Triton kernels *compiled for the GPU* (not the interpreter) at small and
    larger sizes, and times the forward kernel, the two backward kernels and the two end to end
    against SDPA (forward, autograd's backward, both) over several sequence lengths with
-   ``triton.testing.do_bench`` (float16, B = 4, H = 16, d = 64; the launchers' 64 x 64 tiles);
+   ``triton.testing.do_bench`` (float16, B = 4, H = 16, d = 64; 64 x 64 tiles, passed to the launchers,
+   whose default is 32 x 32);
 
 then prints one report and writes it to ``benchmarks/results/gpu_check.json``. It exits 2 at
 once, saying why, where there is no CUDA GPU, and 1 when anything failed.
