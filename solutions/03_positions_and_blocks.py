@@ -1247,9 +1247,13 @@ print("no positions, causal, sequences of 14: accuracy per position 1..13:",
 # much the scores at one offset differ — 0 if they depended on the offset alone.
 
 # %%
-first_layer = trained["sinusoidal"].transformer.layers[0].attn
+if "sinusoidal" not in trained:  # the training cell stopped before this model was trained
+    raise NotImplementedError("Exercise 3.13: implement OrderTransformer, then train (cell above)")
+from attention_lab.widgets.trained_heads import attention_layers
+
+first_layer = attention_layers(trained["sinusoidal"])[0].attn  # layer 0's nn.MultiheadAttention
 with torch.no_grad():
-    table_alone = trained["sinusoidal"].position_table[:SEQ_LEN].double()  # [S, D]
+    table_alone = sinusoidal_positions(SEQ_LEN, 32).double()  # the model's table: [S, D]
     q_rows, k_rows, _ = F.linear(table_alone, first_layer.in_proj_weight.double(),
                                  first_layer.in_proj_bias.double()).chunk(3, dim=-1)
     head_width = q_rows.shape[-1] // first_layer.num_heads

@@ -1867,11 +1867,6 @@ INDUCTION_SCORE_HINTS = {
 }
 
 
-def _as_maps(attention: Any) -> torch.Tensor:
-    """[B, layers, heads, S, S] from a tensor of that shape or a list of [B, heads, S, S]."""
-    return torch.stack(list(attention), dim=1) if isinstance(attention, (list, tuple)) else attention
-
-
 def _induction_keys(tokens: torch.Tensor, *, shift: int = 1, gap: int = 2, only: str | None = None) -> torch.Tensor:
     """[B, S_query, S_key] bool: the keys j + shift for every earlier j <= i - gap with tokens[j] == tokens[i]
     (the contract: shift 1, gap 2), or for the first or last such j only; written query by query."""
