@@ -696,12 +696,13 @@ print("attention_layer_flops(2, 50, 64):", attention_layer_flops(2, 50, 64))
 # %% [markdown]
 # ### Exercise 1.9 — the whole block, and where attention takes half (3 pts, ~15 min)
 #
-# A Transformer block is more than attention: after it comes an **MLP**, two `nn.Linear`s
-# through a hidden width `int(mlp_ratio · D)` (4·D in GPT-2 and ViT-B) with a GELU between
-# them. (Notebook 03 builds the whole block. A *pre-norm* block normalises each sublayer's input
-# with a LayerNorm and adds the sublayer's output back to its input, a *residual* connection:
-# `x = x + attn(norm1(x))`, then `x = x + mlp(norm2(x))`.) Write `block_flops(batch_size, seq_len, d_model, mlp_ratio=4)`: the matmul FLOPs of one
-# forward pass of a pre-norm block, as a dict of three ints —
+# A Transformer block is more than attention: after it comes an **MLP**, two `nn.Linear`s through
+# a hidden width `int(mlp_ratio · D)` (4·D in GPT-2 and ViT-B) with a GELU between them.
+# (Notebook 03 builds the whole block. A *pre-norm* block normalises each sublayer's input with a
+# LayerNorm and adds the sublayer's output back to its input, a *residual* connection: `x = x +
+# attn(norm1(x))`, then `x = x + mlp(norm2(x))`.) Write `block_flops(batch_size, seq_len,
+# d_model, mlp_ratio=4)`: the matmul FLOPs of one forward pass of a pre-norm block, as a dict of
+# three ints —
 #
 # * `"projections"` and `"attention"`: as in `attention_layer_flops`;
 # * `"mlp"`: the two products of the MLP (up to the hidden width, and back down to `D`).
@@ -857,12 +858,12 @@ with torch.no_grad():
         print(f"draft equals SDPA with scale={scale:.3f}:", same)
 
 # %% [markdown]
-# The draft never divides the scores by `sqrt(d_head)`: it computes attention with scale
-# 1.0. With `d_head = 64` its scores are 8× too large, and its softmax is far peakier: a mean
-# largest weight of about 0.7 against about 0.25 with the scale (1/6 ≈ 0.17 would be uniform; set
-# the explorer's scaling to "none" to see how it goes on growing with `d_head`). One more detail: a module built this way
-# returns a tensor, so code written for `nn.MultiheadAttention` that takes `[0]` of its result
-# would silently take batch element 0 instead of the output.
+# The draft never divides the scores by `sqrt(d_head)`: it computes attention with scale 1.0.
+# With `d_head = 64` its scores are 8× too large, and its softmax is far peakier: a mean largest
+# weight of about 0.7 against about 0.25 with the scale (1/6 ≈ 0.17 would be uniform; set the
+# explorer's scaling to "none" to see how it goes on growing with `d_head`). One more detail: a
+# module built this way returns a tensor, so code written for `nn.MultiheadAttention` that takes
+# `[0]` of its result would silently take batch element 0 instead of the output.
 #
 # ## What you built
 #

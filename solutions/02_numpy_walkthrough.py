@@ -757,9 +757,9 @@ for n in (512, 4096, 32768):
 # what autograd saves there.)
 #
 # The alternative is to keep almost nothing: the forward saves `out` and **one number per
-# query**, the log-sum-exp of its row of scaled, masked scores,
-# `lse_i = log Σ_j exp(s_ij)` — `B·H·S` numbers. With `Q`, `K` and `V` (which the backward needs
-# anyway: `S·d` numbers per head, not `S²`), that is all it needs:
+# query**, the log-sum-exp of its row of scaled, masked scores, `lse_i = log Σ_j exp(s_ij)` —
+# `B·H·S` numbers. With `Q`, `K` and `V` (which the backward needs anyway: `S·d` numbers per
+# head, not `S²`), that is all it needs:
 #
 # * `P_ij = exp(s_ij) / Σ_l exp(s_il) = exp(s_ij − lse_i)`: the backward recomputes `s = Q Kᵀ /
 #   sqrt(d)` (masked) and gets `P` without a softmax and without the rest of the row;
@@ -866,14 +866,14 @@ print("a query with no key: out", np_attention_lse(Q, K, V, no_key)[0][0, 0, 0],
 # come in another dtype. NumPy only, and no softmax: recompute `P = exp(s − lse)` from the
 # scaled, masked scores (masked entries 0), and take `D` the way you derived it in 2.10.
 #
-# A fully masked query arrives with `lse = -inf` and an `out` that is 0 (from
-# `np_attention_lse`, or PyTorch) or NaN (from `np_attention`'s `-inf` recipe): its row of `P`
-# and its `D` must be 0, never NaN. On query 1 of the worked example in 2.10, `exp(s − lse)`
-# would be `exp(−inf − (−inf))`, NaN in every column, and one NaN row spreads to every key's
-# gradient (`dK` and `dV` sum over the queries). Guarded, its `P` row is `[0, 0, 0]` and its `D`
-# is 0 whatever its `out` holds: its row of `dQ` is 0, and it adds nothing to `dK` or `dV`. The check compares with `torch.autograd` through
-# `F.scaled_dot_product_attention` in float64: with and without masks, fully masked rows
-# included, at large scores.
+# A fully masked query arrives with `lse = -inf` and an `out` that is 0 (from `np_attention_lse`,
+# or PyTorch) or NaN (from `np_attention`'s `-inf` recipe): its row of `P` and its `D` must be 0,
+# never NaN. On query 1 of the worked example in 2.10, `exp(s − lse)` would be `exp(−inf −
+# (−inf))`, NaN in every column, and one NaN row spreads to every key's gradient (`dK` and `dV`
+# sum over the queries). Guarded, its `P` row is `[0, 0, 0]` and its `D` is 0 whatever its `out`
+# holds: its row of `dQ` is 0, and it adds nothing to `dK` or `dV`. The check compares with
+# `torch.autograd` through `F.scaled_dot_product_attention` in float64: with and without masks,
+# fully masked rows included, at large scores.
 
 # %% answer="np_attention_backward"
 def np_attention_backward(Q, K, V, out, lse, dout, mask=None):

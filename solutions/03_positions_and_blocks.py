@@ -365,9 +365,9 @@ print(f"M of scaled rotations per pair: differ by up to "
 # train in section 5 does not — its position table alone, through its first layer's `W_q` and
 # `W_k`, gives scores that still vary by 4 to 5 along one offset (measured there; exercise 3.14
 # asks what its heads do instead). So: a generic `W` breaks it, a learned `W` can keep it, and
-# **RoPE** (notebook 05) *guarantees* it for every `W`: it adds nothing to the input but rotates `q` and `k`
-# *after* the projections, by `R(p ω)`, so that the score `(R_p q) · (R_{p'} k) =
-# qᵀ R_{p' - p} k` depends on the offset alone, whatever `W_q` and `W_k` learned.
+# **RoPE** (notebook 05) *guarantees* it for every `W`: it adds nothing to the input but rotates
+# `q` and `k` *after* the projections, by `R(p ω)`, so that the score `(R_p q) · (R_{p'} k) = qᵀ
+# R_{p' - p} k` depends on the offset alone, whatever `W_q` and `W_k` learned.
 
 # %% [markdown]
 # ### Fixed, learned, rotary — and biases on the scores

@@ -17,22 +17,22 @@
 #
 # **Causal, everywhere in this notebook**: query `i` sees keys `j ≤ i + (S_k − S_q)`. The
 # triangle is aligned to the *bottom-right* corner, as in KV-cache decoding (notebook 05): the
-# last query sees every key. When `S_q = S_k` it is the usual lower triangle. With *more*
-# queries than keys, the first `S_q − S_k` queries see no key at all, and every function here
-# gives them what `F.scaled_dot_product_attention` gives them with the same boolean mask: an
-# output row of **0**, `lse = −inf` (the log of an empty sum, as `torch.logsumexp` says), and
-# no gradient (their `dq` row is 0 and they add nothing to `dk`, `dv`). Measured in PyTorch
-# 2.13: SDPA with that mask returns 0 for those rows, and autograd through it gives 0. A naive
-# softmax gives NaN instead (`exp(−inf − (−inf))` and `0 / 0`); a finite fill such as `−1e9`
-# gives the mean of all the values. The checks give such queries to every function with
-# `causal` and name both mistakes. Production kernels guard these rows too, for padded batches
-# and left-truncated caches: flash-attn's CUDA kernels divide by 1 where the running sum is 0,
-# so the output row is 0 — but they store `lse = +∞` for it, not `−∞`, so that the backward's
-# `P = exp(s − lse)` is 0 without a special case, and `−∞` only in the partial results of a
-# split pass, the value that gives a part no weight when parts are merged (section 5). This
-# notebook stores `−∞`, as `torch.logsumexp` does, and guards the backward instead. (SDPA's own `is_causal=True` aligns the triangle
-# *top-left*, `j ≤ i`, so with `S_q > S_k` every query sees key 0 there: this notebook passes
-# it an explicit mask instead, or `torch.nn.attention.bias.causal_lower_right`.)
+# last query sees every key. When `S_q = S_k` it is the usual lower triangle. With *more* queries
+# than keys, the first `S_q − S_k` queries see no key at all, and every function here gives them
+# what `F.scaled_dot_product_attention` gives them with the same boolean mask: an output row of
+# **0**, `lse = −inf` (the log of an empty sum, as `torch.logsumexp` says), and no gradient
+# (their `dq` row is 0 and they add nothing to `dk`, `dv`). Measured in PyTorch 2.13: SDPA with
+# that mask returns 0 for those rows, and autograd through it gives 0. A naive softmax gives NaN
+# instead (`exp(−inf − (−inf))` and `0 / 0`); a finite fill such as `−1e9` gives the mean of all
+# the values. The checks give such queries to every function with `causal` and name both
+# mistakes. Production kernels guard these rows too, for padded batches and left-truncated
+# caches: flash-attn's CUDA kernels divide by 1 where the running sum is 0, so the output row is
+# 0 — but they store `lse = +∞` for it, not `−∞`, so that the backward's `P = exp(s − lse)` is 0
+# without a special case, and `−∞` only in the partial results of a split pass, the value that
+# gives a part no weight when parts are merged (section 5). This notebook stores `−∞`, as
+# `torch.logsumexp` does, and guards the backward instead. (SDPA's own `is_causal=True` aligns
+# the triangle *top-left*, `j ≤ i`, so with `S_q > S_k` every query sees key 0 there: this
+# notebook passes it an explicit mask instead, or `torch.nn.attention.bias.causal_lower_right`.)
 #
 # **Precision**: your functions may compute in float32 inside even when they are given float64;
 # the checks then accept float32 accuracy and print a one-line note. (FlashAttention on a GPU
@@ -725,8 +725,8 @@ print("largest difference between the two loss curves:",
 # H200 differ by model; `torch.cuda.get_device_name()` says which one you have): H100 SXM 989
 # TFLOP/s over 3.35 TB/s ≈ 295; H100 NVL 835 over 3.9 ≈ 214; H100 PCIe 756 over 2.0 ≈ 378; H200
 # (SXM) 989 over 4.8 ≈ 206; H200 NVL 835 over 4.8 ≈ 174; A100 80 GB 312 over 2.0 ≈ 156; Colab's
-# T4 65 over 0.32 ≈ 203. **Predict** before running the cell: at
-# `d = 64` and `block_q = 128`, which of the two passes is below these balances, and by how much?
+# T4 65 over 0.32 ≈ 203. **Predict** before running the cell: at `d = 64` and `block_q = 128`,
+# which of the two passes is below these balances, and by how much?
 
 # %%
 from attention_lab.widgets.efficient_attention import attention_traffic
@@ -739,32 +739,32 @@ for seq_len in (1024, 4096, 16384):
 
 # %% [markdown]
 # The naive pass does about `d/2` = 32 FLOPs per byte at any `S`: five to twelve times below
-# every balance above, so it runs at the speed of its memory traffic — and its traffic grows
-# like `S²`. The tiled pass does about `block_q` FLOPs per byte (114 at `S = 1k` to 127 at 16k;
-# bigger query blocks, fewer re-reads of k and v): four times the naive intensity — and by this
-# model *still* below every balance quoted: from 0.3× an H100 PCIe's (at `S = 1k`) to 0.8× an
-# A100's (at 16k). The model
-# is pessimistic for the tiled pass: it charges every re-read of k and v to the GPU's memory,
-# while many are served by its L2 cache, and FlashAttention-2 measures 50–73% of an A100's peak
-# in its forward pass (Dao, 2023) — compute-bound in practice. So the honest prediction is:
-# naive, memory-bound by a wide margin; tiled, near the balance on paper and above it once the
-# cache helps. Same FLOPs, several times fewer bytes: that is FlashAttention's speed-up.
+# every balance above, so it runs at the speed of its memory traffic — and its traffic grows like
+# `S²`. The tiled pass does about `block_q` FLOPs per byte (114 at `S = 1k` to 127 at 16k; bigger
+# query blocks, fewer re-reads of k and v): four times the naive intensity — and by this model
+# *still* below every balance quoted: from 0.3× an H100 PCIe's (at `S = 1k`) to 0.8× an A100's
+# (at 16k). The model is pessimistic for the tiled pass: it charges every re-read of k and v to
+# the GPU's memory, while many are served by its L2 cache, and FlashAttention-2 measures 50–73%
+# of an A100's peak in its forward pass (Dao, 2023) — compute-bound in practice. So the honest
+# prediction is: naive, memory-bound by a wide margin; tiled, near the balance on paper and above
+# it once the cache helps. Same FLOPs, several times fewer bytes: that is FlashAttention's
+# speed-up.
 #
 # **Measure.** Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention`
 # and `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU in
 # float16; section 8 adds your Triton kernel to the GPU's measurement). On Colab's T4, SDPA has
-# no flash backend (its FlashAttention kernels need an Ampere GPU or
-# newer), so it runs its memory-efficient kernel there. On the CPU the measurement runs on one
-# thread (a thread pool that changes size under a shared machine's load bends the curves), and
-# each time is the median of rounds of three runs after a warm-up run (the first call pays for
-# allocations and, on a GPU, kernel set-up), repeated until a round moves the median by less
-# than 5% (at most 30 runs); the bars go from the fastest run to the slowest. Peak memory is that of the tensors each call creates; on the CPU
-# it is followed tensor by tensor (SDPA's fused CPU kernel allocates its small buffers out of
-# sight). Both panels are log-log, so growth like `S^p` is a straight line of slope `p`: the
-# legend gives each line's fitted slope. On a GPU the plot also prints the achieved TFLOP/s
-# (`4·B·H·S²·d` over the median time) against the card's float16 peak — a fair yardstick for
-# SDPA, not for the PyTorch flash pass, which computes its tiles in float32. Ungraded; a few
-# seconds on the CPU.
+# no flash backend (its FlashAttention kernels need an Ampere GPU or newer), so it runs its
+# memory-efficient kernel there. On the CPU the measurement runs on one thread (a thread pool
+# that changes size under a shared machine's load bends the curves), and each time is the median
+# of rounds of three runs after a warm-up run (the first call pays for allocations and, on a GPU,
+# kernel set-up), repeated until a round moves the median by less than 5% (at most 30 runs); the
+# bars go from the fastest run to the slowest. Peak memory is that of the tensors each call
+# creates; on the CPU it is followed tensor by tensor (SDPA's fused CPU kernel allocates its
+# small buffers out of sight). Both panels are log-log, so growth like `S^p` is a straight line
+# of slope `p`: the legend gives each line's fitted slope. On a GPU the plot also prints the
+# achieved TFLOP/s (`4·B·H·S²·d` over the median time) against the card's float16 peak — a fair
+# yardstick for SDPA, not for the PyTorch flash pass, which computes its tiles in float32.
+# Ungraded; a few seconds on the CPU.
 
 # %%
 from attention_lab.widgets.efficient_attention import (attention_costs_view, gpu_peak_tflops,
@@ -793,17 +793,17 @@ attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
 # %% [markdown]
 # **What to expect.** Memory: the naive table's slope is about 2 (×4 per doubling of `S`);
 # chunked attention's about 1 (`chunk · S`; 1.15 measured on this course's CPU, `S = 128` to
-# 1,024). The tiled pass holds the output plus tiles of a fixed size, so its slope tends to 1
-# as the output outgrows the tiles, and is well below 1 at the CPU's small sizes, where the
-# tiles are still a large part of the total (0.62 measured here). Time: every exact method does the same `4·S²·d` FLOPs, so at large `S` every time
-# line tends to slope 2 — FlashAttention does not do less arithmetic, it moves fewer bytes.
-# **CPU and GPU differ**: a CPU has caches large enough for small tables and no separate
-# "on-chip" tile memory to exploit, and Python pays a fixed overhead per tile, so on the CPU
-# the PyTorch tiles are the slowest line and small `S` shows slopes below 2 (overheads, not
-# arithmetic, dominate). On a GPU the naive version waits for its `S²` traffic and runs out of
-# memory first, while the fused kernels (SDPA's flash backend, or the one you write next) are
-# faster and reach a larger share of the card's peak. That is why the rest of this notebook
-# writes the tiled pass as one GPU kernel.
+# 1,024). The tiled pass holds the output plus tiles of a fixed size, so its slope tends to 1 as
+# the output outgrows the tiles, and is well below 1 at the CPU's small sizes, where the tiles
+# are still a large part of the total (0.62 measured here). Time: every exact method does the
+# same `4·S²·d` FLOPs, so at large `S` every time line tends to slope 2 — FlashAttention does not
+# do less arithmetic, it moves fewer bytes. **CPU and GPU differ**: a CPU has caches large enough
+# for small tables and no separate "on-chip" tile memory to exploit, and Python pays a fixed
+# overhead per tile, so on the CPU the PyTorch tiles are the slowest line and small `S` shows
+# slopes below 2 (overheads, not arithmetic, dominate). On a GPU the naive version waits for its
+# `S²` traffic and runs out of memory first, while the fused kernels (SDPA's flash backend, or
+# the one you write next) are faster and reach a larger share of the card's peak. That is why the
+# rest of this notebook writes the tiled pass as one GPU kernel.
 #
 # **What a CPU slope can and cannot show.** It shows how the cost of each method grows on this
 # machine once fixed overheads are small: the table's `S²` memory, and (at large `S`) the `S²`
