@@ -1491,7 +1491,7 @@ class AttentionOnlyModel(nn.Module):
 # | --- | --- | --- |
 # | `induction_model` | `(vocab_size, max_len) -> nn.Module`; `forward(tokens [B, S]) -> logits [B, S, vocab_size]`; `.attention(tokens)` → a list of two `[B, 1, S, S]` maps | two attention-only layers (one causal head each, no MLP, a residual stream), weights set by hand; on `half` distinct random tokens repeated once, the predictions of `tokens[i + 1]` at positions `half … 2·half − 2` are right ≥ 0.95 of the time, the first half stays near chance; causal maps; layer 2's `induction_score` ≥ 0.9 |
 #
-# The checks build your model for several vocabularies and lengths and run it on 200 such
+# The checks build your model for several vocabularies and lengths and run it on 100 such
 # sequences each: the first on its predictions, the second on its maps (layer 1's
 # `previous_token_score` and layer 2's `induction_score` at least 0.9, with their own
 # detectors). They name what they see wrong: the order of the layers, the shift, the roles of

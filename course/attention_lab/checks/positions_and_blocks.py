@@ -2010,7 +2010,7 @@ INDUCTION_MODEL_HINTS = {
     "not_softmax": "the rows of layer {layer}'s map sum to {row_sum:.3g}, not 1: attention() must return the "
                    "softmax weights, each row a distribution over the keys.",
 }
-INDUCTION_SEQUENCES = 200
+INDUCTION_SEQUENCES = 100
 INDUCTION_ACCURACY = 0.95
 INDUCTION_FIRST_HALF_CEILING = 0.25  # chance is 1/vocab_size: a model that cannot see the future stays near it
 INDUCTION_SCORE_TARGET = 0.9
