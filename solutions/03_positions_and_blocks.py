@@ -6,8 +6,9 @@
 # permute along), fix it with the Transformer's sinusoidal position encoding, meet its
 # cousin the Fourier-feature encoding by teaching a small network to paint a rose, and
 # assemble the pre-norm Transformer layer and check it against PyTorch's own
-# `nn.TransformerEncoderLayer`. Finally you train a small Transformer on a task that needs
-# order, with and without positions, and look inside its trained heads.
+# `nn.TransformerEncoderLayer`. Then you train a small Transformer on a task that needs
+# order, with and without positions, and look inside its trained heads. Finally, one step
+# deeper: two heads that copy from the context — an induction head — built by hand.
 #
 # **39 points, about 170 minutes.**
 #
