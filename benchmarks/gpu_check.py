@@ -13,7 +13,8 @@ workstation, Colab, a cloud VM). It
 3. checks notebook 06's Triton kernels *compiled for the GPU* (not the interpreter) at small and
    larger sizes, and times the forward kernel, the two backward kernels and the two end to end
    against SDPA (forward, autograd's backward, both) over several sequence lengths with
-   ``triton.testing.do_bench`` (float16, B = 4, H = 16, d = 64; the launchers' 64 x 64 tiles);
+   ``triton.testing.do_bench`` (float16, B = 4, H = 16, d = 64; 64 x 64 tiles, passed to the launchers,
+   whose default is 32 x 32);
 4. checks notebook 07's split-K decoding kernel compiled for the GPU, and times it (its parts merged by the
    solution's ``merge_attention_states``, as the notebook runs it) against SDPA for one query per sequence over
    1k ... 128k keys at batch 1 and 4 (float16, H_q = 32, H_kv = 8, d = 128: Llama-3-8B's attention), with

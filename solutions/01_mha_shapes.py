@@ -355,7 +355,23 @@ print("sequence 1, head 0: the two padding keys get weight 0\n",
 # %% [markdown]
 # Combine it with a "query is real too" condition (`[B, 1, S, S]`), as some codebases do, and
 # the padding *queries* are left with no key at all. Their scores are all `-inf`, and the
-# softmax computes `exp(-inf) / Σ exp(-inf) = 0 / 0 = NaN`. Three recipes, three answers:
+# softmax computes `exp(-inf) / Σ exp(-inf) = 0 / 0 = NaN`.
+#
+# **Worked by hand first**, on rows of three scores. The softmax subtracts the row's maximum,
+# exponentiates and divides by the sum:
+#
+# | row (after the mask) | its maximum | `exp(score − max)` | sum | weights |
+# | --- | --- | --- | --- | --- |
+# | `[0.5, -inf, 2.0]`: key 1 masked | 2.0 | `[0.22, 0, 1]` | 1.22 | `[0.18, 0, 0.82]`: the masked key gets exactly 0 |
+# | `[-inf, -inf, -inf]`: every key masked | `-inf` | `exp(-inf - (-inf)) = exp(NaN)` | NaN | NaN |
+# | `[m, m, m]`, `m = finfo.min`: filled instead of `-inf` | `m` | `[1, 1, 1]` | 3 | `[1/3, 1/3, 1/3]`: the mean of the values |
+#
+# The cell below runs these rows, then three recipes on a query of the demo with no key.
+
+# %%
+worked_rows = torch.tensor([[0.5, float("-inf"), 2.0], [float("-inf")] * 3,
+                            [torch.finfo(torch.float32).min] * 3])
+print("softmax of the three rows:\n", torch.softmax(worked_rows, dim=-1).round(decimals=2))
 
 # %%
 keep = torch.ones(S, S, dtype=torch.bool, device=device)
@@ -377,46 +393,58 @@ print(f"{'mean of v':>15}:", v_row[0, 0].mean(0).round(decimals=3))
 #   contract: every row the checks give it has a key to attend to.
 # * **`torch.finfo(dtype).min`** (or `-1e9`, as in many codebases) *as a fill* keeps everything
 #   finite: the row's scores are all equal, so the softmax is uniform and the output is the
-#   **mean of all values** — harmless garbage that the loss then ignores. Hugging Face models
-#   mask this way. `-1e9` is not a float16 number, though: the cell below shows what it does
-#   there. And `finfo(dtype).min` is finite only as a fill (`masked_fill`, `torch.where`):
-#   *added* to a score as an additive mask, it overflows in float16 as soon as the score is
-#   below about −16 (`-20 + finfo(float16).min` is `-inf`; the cell below runs it), and a row
-#   of `-inf` is NaN again.
+#   **mean of all values** — harmless garbage that the loss then ignores. `-1e9` is not a float16
+#   number, though: the cell below shows what it does there. And `finfo(dtype).min` is finite
+#   only as a fill (`masked_fill`, `torch.where`). Many Hugging Face models *add* it to the
+#   scores instead, as an additive mask, and that overflows in float16 as soon as the score is
+#   below about −16 (`-20 + finfo(float16).min` is `-inf`; the cell below runs it): a row of
+#   `-inf` is NaN again.
 # * **`F.scaled_dot_product_attention`** (PyTorch 2.5 and later) returns **zeros** for a row whose
 #   boolean mask is all False.
 #
 # None of the three is "right": the padding positions' outputs are meaningless and must be
 # masked out of the loss. What matters is that they are finite, so they cannot poison the rest.
 #
-# Three more ways a row goes wrong, run below. `nn.MultiheadAttention` (its mask: True =
-# blocked) gives NaN or zeros for the same row depending on the path it takes; in PyTorch 2.13
-# on a CPU: NaN with `need_weights=True` (it computes the weights with its own softmax) and on
-# its fused inference fast path, zeros when it hands the work to SDPA. The fast path is taken
-# in eval mode, without autograd, with `batch_first=True`, the same tensor as query, key and
-# value, no `kdim`/`vdim`, `need_weights=False` — and an **even number of heads**: `(16, 4)`
-# and `(12, 4)` take it (NaN), `(16, 1)` and `(12, 3)` do not (zeros). `embed_dim` does not
-# decide it (measured on PyTorch 2.13, CPU; the last lines of the cell below).
+# Three more ways a row goes wrong, run below. `nn.MultiheadAttention` (its mask: True = blocked)
+# gives NaN or zeros for the same row depending on the path it takes. In PyTorch 2.13 on a CPU
+# (the cell runs on the CPU whatever this notebook's device): its fused inference **fast path**
+# gives NaN; off that path, `need_weights=True` gives NaN too (it computes the weights with its
+# own softmax), and `need_weights=False` gives zeros (it hands the work to SDPA). The fast path
+# is taken only when *every* one of these holds: eval mode; no autograd (`torch.no_grad()`, or
+# no parameter that requires a gradient); `batch_first=True`; the same tensor as query, key and
+# value; no `kdim`/`vdim`; `bias=True` (the default); a boolean mask or none (a float mask
+# leaves it); and an **even number of heads** — `(16, 4)` and `(12, 4)` take it, `(16, 1)` and
+# `(12, 3)` do not; `embed_dim` does not decide it. `need_weights` is *not* one of the
+# conditions: in eval mode without autograd, `need_weights=True` still takes the fast path (NaN
+# either way), and `bias=False` leaves it (zeros with `need_weights=False`). The last lines of
+# the cell below measure each case.
 # A **+inf** score (an overflow upstream) defeats even the "stable" softmax: it subtracts the
 # row's maximum, `inf - inf = NaN`, and the whole row is NaN.
 
 # %%
-mha = nn.MultiheadAttention(16, 4, batch_first=True).to(device)  # 4 heads: even, fast path allowed
-x_row = torch.randn(1, S, 16, device=device)
-paths = ((True, True, False), (True, True, True), (False, False, False))
+keep_cpu = keep.cpu()  # the paths below are PyTorch's CPU paths, as the text says
+mha = nn.MultiheadAttention(16, 4, batch_first=True)  # 4 heads: even, fast path allowed
+x_row = torch.randn(1, S, 16)
+paths = ((True, True, False), (True, True, True), (False, False, False), (False, False, True))
 for training, autograd, need_weights in paths:
     mha.train(training)
     with torch.set_grad_enabled(autograd):
-        row = mha(x_row, x_row, x_row, attn_mask=~keep, need_weights=need_weights)[0][0, -1]
+        row = mha(x_row, x_row, x_row, attn_mask=~keep_cpu, need_weights=need_weights)[0][0, -1]
     print(f"nn.MultiheadAttention, train={training!s:>5}, autograd={autograd!s:>5}, "
           f"need_weights={need_weights!s:>5}: last row", row.detach()[:3].round(decimals=3))
-mha.eval()
-with torch.no_grad():  # the fast path's gate: an even number of heads, not embed_dim
-    for width, heads in ((16, 4), (12, 4), (16, 1), (12, 3)):
-        gated = nn.MultiheadAttention(width, heads, batch_first=True).to(device).eval()
-        x_gate = torch.randn(1, S, width, device=device)
-        row = gated(x_gate, x_gate, x_gate, attn_mask=~keep, need_weights=False)[0][0, -1]
-        print(f"eval, no grad, MultiheadAttention({width:>2}, {heads}): last row {row[:2]}")
+blocked_float = torch.zeros(S, S).masked_fill(~keep_cpu, float("-inf"))  # the same mask, as floats
+gates = (("MultiheadAttention(16, 4)", dict(embed_dim=16, num_heads=4), ~keep_cpu),
+         ("MultiheadAttention(12, 4)", dict(embed_dim=12, num_heads=4), ~keep_cpu),
+         ("MultiheadAttention(16, 1)", dict(embed_dim=16, num_heads=1), ~keep_cpu),
+         ("MultiheadAttention(12, 3)", dict(embed_dim=12, num_heads=3), ~keep_cpu),
+         ("(16, 4), bias=False", dict(embed_dim=16, num_heads=4, bias=False), ~keep_cpu),
+         ("(16, 4), a float mask", dict(embed_dim=16, num_heads=4), blocked_float))
+with torch.no_grad():  # eval, no autograd: the fast path's other gates
+    for label, options, blocked in gates:
+        gated = nn.MultiheadAttention(**options, batch_first=True).eval()
+        x_gate = torch.randn(1, S, options["embed_dim"])
+        row = gated(x_gate, x_gate, x_gate, attn_mask=blocked, need_weights=False)[0][0, -1]
+        print(f"eval, no grad, need_weights=False, {label:>25}: last row {row[:2]}")
 half_scores = scores_demo.half()
 try:
     half_scores.masked_fill(~keep, -1e9)
@@ -668,10 +696,13 @@ print("attention_layer_flops(2, 50, 64):", attention_layer_flops(2, 50, 64))
 # %% [markdown]
 # ### Exercise 1.9 — the whole block, and where attention takes half (3 pts, ~15 min)
 #
-# A Transformer block is more than attention: after it comes an **MLP**, two `nn.Linear`s
-# through a hidden width `int(mlp_ratio · D)` (4·D in GPT-2 and ViT-B) with a GELU between
-# them. Write `block_flops(batch_size, seq_len, d_model, mlp_ratio=4)`: the matmul FLOPs of one
-# forward pass of a pre-norm block, as a dict of three ints —
+# A Transformer block is more than attention: after it comes an **MLP**, two `nn.Linear`s through
+# a hidden width `int(mlp_ratio · D)` (4·D in GPT-2 and ViT-B) with a GELU between them.
+# (Notebook 03 builds the whole block. A *pre-norm* block normalises each sublayer's input with a
+# LayerNorm and adds the sublayer's output back to its input, a *residual* connection: `x = x +
+# attn(norm1(x))`, then `x = x + mlp(norm2(x))`.) Write `block_flops(batch_size, seq_len,
+# d_model, mlp_ratio=4)`: the matmul FLOPs of one forward pass of a pre-norm block, as a dict of
+# three ints —
 #
 # * `"projections"` and `"attention"`: as in `attention_layer_flops`;
 # * `"mlp"`: the two products of the MLP (up to the hidden width, and back down to `D`).
@@ -827,11 +858,12 @@ with torch.no_grad():
         print(f"draft equals SDPA with scale={scale:.3f}:", same)
 
 # %% [markdown]
-# The draft never divides the scores by `sqrt(d_head)`: it computes attention with scale
-# 1.0. With `d_head = 64` its scores are 8× too large and its softmax saturates (set the
-# explorer's scaling to "none" to see what that does). One more detail: a module built this way
-# returns a tensor, so code written for `nn.MultiheadAttention` that takes `[0]` of its result
-# would silently take batch element 0 instead of the output.
+# The draft never divides the scores by `sqrt(d_head)`: it computes attention with scale 1.0.
+# With `d_head = 64` its scores are 8× too large, and its softmax is far peakier: a mean largest
+# weight of about 0.7 against about 0.25 with the scale (1/6 ≈ 0.17 would be uniform; set the
+# explorer's scaling to "none" to see how it goes on growing with `d_head`). One more detail: a
+# module built this way returns a tensor, so code written for `nn.MultiheadAttention` that takes
+# `[0]` of its result would silently take batch element 0 instead of the output.
 #
 # ## What you built
 #

@@ -8,7 +8,7 @@
 # finally write the **backward pass** by hand: the gradients that training needs, and what they
 # cost in memory.
 #
-# **34 points, about 142 minutes.**
+# **34 points, about 135 minutes.**
 #
 # **Notation** (as in every notebook): `B` batch, `S` sequence length, `D` model width, `H`
 # heads, `d_head = D // H`. The walkthrough this notebook grew from calls the feature width
@@ -153,11 +153,15 @@ print("non-square:", row_times_matrix(X[0, 0], W_narrow), "vs", X[0, 0] @ W_narr
 # its own `(S, d_head)` matrix and one `@` computes them all. (The walkthrough calls
 # `(B, S, H, d_head)` "the paper convention": the paper specifies no array layout at all.)
 #
-# ### Exercise 2.2 — np_split_heads (2 pts, ~10 min)
+# ### Exercise 2.2 — np_split_heads (2 pts, ~5 min)
 #
-# `(B, S, D) -> (B, H, S, D // H)`, where head `h` holds features `h*d_head … (h+1)*d_head - 1`
-# of every token. Use `reshape` and `transpose`. If `D` is not divisible by `num_heads`, raise
-# a `ValueError` that names both numbers.
+# A quick one: notebook 01's `split_heads` in NumPy's words. Why write it again? Every later
+# answer of this notebook is NumPy only, so it needs its own split and merge; and the NumPy
+# spelling is what you will read in NumPy and JAX code: `reshape` where notebook 01 used `view`,
+# and `transpose(0, 2, 1, 3)` — every axis in its new order — where it used `permute`.
+#
+# `(B, S, D) -> (B, H, S, D // H)`, head `h` holding features `h*d_head … (h+1)*d_head - 1` of
+# every token; a `ValueError` naming both numbers if `D` is not divisible by `num_heads`.
 
 # %% answer="np_split_heads"
 def np_split_heads(t, num_heads):
@@ -193,10 +197,11 @@ print("Q:", Q.shape)
 print("head 1 of token 0 (sequence 0):", Q[0, 1, 0], "= features 2..3 of", (X @ W_q)[0, 0])
 
 # %% [markdown]
-# ### Exercise 2.3 — np_merge_heads (1 pt, ~5 min)
+# ### Exercise 2.3 — np_merge_heads (1 pt, ~3 min)
 #
 # The inverse: `(B, H, S, d) -> (B, S, H, d) -> (B, S, H * d)`. Transpose first, then reshape
-# (NumPy's `reshape` copies when it has to, so the transposed array is no problem).
+# (NumPy's `reshape` copies when it has to, so the transposed array is no problem: no
+# `.contiguous()` step as in notebook 01).
 
 # %% answer="np_merge_heads"
 def np_merge_heads(t):
@@ -582,14 +587,23 @@ print("max difference from nn.MultiheadAttention:", difference)
 # * **C.** It falls towards 1/16: the rows flatten towards uniform weights.
 # * **D.** It is near 1 for small `d_head` and falls to 1/16 for large `d_head`.
 #
-# Set `ANSWER_SCALING` to your prediction, as a string (e.g. `ANSWER_SCALING = "A"`), then run
-# the experiment below and check it.
+# Set `ANSWER_SCALING` to your prediction, as a string (e.g. `ANSWER_SCALING = "A"`), and run its
+# check (it runs the experiment itself); the experiment after it shows you the curves.
 
 # %% answer="ANSWER_SCALING"
 ANSWER_SCALING = None  # your prediction: "A", "B", "C" or "D"
 ### BEGIN SOLUTION
 ANSWER_SCALING = "C"
 ### END SOLUTION
+
+# %% test="test_ANSWER_SCALING" points=2
+"""ANSWER_SCALING: what 1/d_head does as d_head grows (the check re-runs the experiment)."""
+from attention_lab.checks.numpy_walkthrough import check_answer_scaling
+
+check_answer_scaling(ANSWER_SCALING)
+### BEGIN HIDDEN TESTS
+check_answer_scaling(ANSWER_SCALING, seed=2801)
+### END HIDDEN TESTS
 
 # %%
 def peakedness(d, scale, num_keys=16, num_queries=200, seed=0):
@@ -627,23 +641,15 @@ for ax, name in ((ax_max, "mean largest weight"), (ax_grad, "median |∂weights/
 fig.tight_layout()
 plt.show()
 
-# %% test="test_ANSWER_SCALING" points=2
-"""ANSWER_SCALING: what 1/d_head does as d_head grows (the check re-runs the experiment)."""
-from attention_lab.checks.numpy_walkthrough import check_answer_scaling
-
-check_answer_scaling(ANSWER_SCALING)
-### BEGIN HIDDEN TESTS
-check_answer_scaling(ANSWER_SCALING, seed=2801)
-### END HIDDEN TESTS
-
 # %% [markdown]
 # The raw scores' rows go one-hot, and the gradient reaching a typical query collapses (by
 # orders of magnitude at `d_head = 1024`): the **vanishing gradient** the scaling prevents. For
 # independent unit-variance entries `1/d_head` over-corrects: its scores shrink towards 0, every
-# row tends to uniform weights, and attention stops distinguishing keys. At initialisation —
-# the random, independent `q` and `k` measured here — it starves the gradient too: the softmax's own Jacobian `∂p/∂s` stays large for a near-uniform row (the last column of
-# the table), but the factor `1/d_head` multiplies everything that flows back to `q` and `k`
-# through the scores, so `|∂p/∂q|` falls like `1/sqrt(d_head)` (÷ 2 each time `d_head` grows 4×).
+# row tends to uniform weights, and attention stops distinguishing keys. It starves the gradient
+# too, at least at initialisation (the random, independent `q` and `k` measured here). The
+# softmax's own Jacobian `∂p/∂s` stays large for a near-uniform row: the last column of the
+# table. But the factor `1/d_head` multiplies everything that flows back to `q` and `k` through
+# the scores. So `|∂p/∂q|` falls like `1/sqrt(d_head)`: ÷ 2 each time `d_head` grows 4×.
 # `1/sqrt(d_head)` keeps both curves level. (μP's `1/d_head` rests on other assumptions: its own
 # initialisation and learning rates, and `q`, `k` that become correlated in training, so that
 # `q · k` grows like `d_head` rather than `sqrt(d_head)`.)
@@ -751,8 +757,9 @@ for n in (512, 4096, 32768):
 # what autograd saves there.)
 #
 # The alternative is to keep almost nothing: the forward saves `out` and **one number per
-# query**, the log-sum-exp of its row of scaled, masked scores,
-# `lse_i = log Σ_j exp(s_ij)` — `B·H·S` numbers. That is all the backward needs:
+# query**, the log-sum-exp of its row of scaled, masked scores, `lse_i = log Σ_j exp(s_ij)` —
+# `B·H·S` numbers. With `Q`, `K` and `V` (which the backward needs anyway: `S·d` numbers per
+# head, not `S²`), that is all it needs:
 #
 # * `P_ij = exp(s_ij) / Σ_l exp(s_il) = exp(s_ij − lse_i)`: the backward recomputes `s = Q Kᵀ /
 #   sqrt(d)` (masked) and gets `P` without a softmax and without the rest of the row;
@@ -788,6 +795,15 @@ for n in (512, 4096, 32768):
 # `-inf − (−inf)`, no `log(0)`, no `0/0` may run: where a row's maximum is `-inf`, subtract 0
 # instead; where its sum is 0, divide by 1 (`np.where` picks, and computes nothing invalid if
 # its inputs are valid).
+#
+# **Worked by hand**, two queries over three keys (their scaled scores after the mask):
+#
+# | query | scores | row max `m` | subtract | `exp(·)` | sum | `out` | `lse` |
+# | --- | --- | --- | --- | --- | --- | --- | --- |
+# | 0 | `[1.0, -inf, 0.0]` | 1.0 | `m` | `[1, 0, 0.37]` | 1.37 | `(V_0 + 0.37·V_2) / 1.37` | `1 + log 1.37 = 1.31` |
+# | 1, no key | `[-inf, -inf, -inf]` | `-inf` | **0**, not `m` | `[0, 0, 0]` | 0 | divide by **1**: `0` | `-inf` |
+#
+# Subtracting `m` on row 1 would compute `-inf − (−inf) = NaN`, and dividing by its sum `0/0`.
 #
 # | name | signature | contract |
 # | --- | --- | --- |
@@ -850,11 +866,14 @@ print("a query with no key: out", np_attention_lse(Q, K, V, no_key)[0][0, 0, 0],
 # come in another dtype. NumPy only, and no softmax: recompute `P = exp(s − lse)` from the
 # scaled, masked scores (masked entries 0), and take `D` the way you derived it in 2.10.
 #
-# A fully masked query arrives with `lse = -inf` and an `out` that is 0 (from
-# `np_attention_lse`, or PyTorch) or NaN (from `np_attention`'s `-inf` recipe): its row of `P`
-# and its `D` must be 0, never NaN. The check compares with `torch.autograd` through
-# `F.scaled_dot_product_attention` in float64: with and without masks, fully masked rows
-# included, at large scores.
+# A fully masked query arrives with `lse = -inf` and an `out` that is 0 (from `np_attention_lse`,
+# or PyTorch) or NaN (from `np_attention`'s `-inf` recipe): its row of `P` and its `D` must be 0,
+# never NaN. On query 1 of the worked example in 2.10, `exp(s − lse)` would be `exp(−inf −
+# (−inf))`, NaN in every column, and one NaN row spreads to every key's gradient (`dK` and `dV`
+# sum over the queries). Guarded, its `P` row is `[0, 0, 0]` and its `D` is 0 whatever its `out`
+# holds: its row of `dQ` is 0, and it adds nothing to `dK` or `dV`. The check compares with
+# `torch.autograd` through `F.scaled_dot_product_attention` in float64: with and without masks,
+# fully masked rows included, at large scores.
 
 # %% answer="np_attention_backward"
 def np_attention_backward(Q, K, V, out, lse, dout, mask=None):

@@ -6,10 +6,11 @@
 # permute along), fix it with the Transformer's sinusoidal position encoding, meet its
 # cousin the Fourier-feature encoding by teaching a small network to paint a rose, and
 # assemble the pre-norm Transformer layer and check it against PyTorch's own
-# `nn.TransformerEncoderLayer`. Finally you train a small Transformer on a task that needs
-# order, with and without positions, and look inside its trained heads.
+# `nn.TransformerEncoderLayer`. Then you train a small Transformer on a task that needs
+# order, with and without positions, and look inside its trained heads. Finally, one step
+# deeper: two heads that copy from the context — an induction head — built by hand.
 #
-# **33 points, about 140 minutes.**
+# **39 points, about 170 minutes.**
 #
 # **Notation** (as in every notebook): `B` batch, `S` sequence length, `D` model width, `H`
 # heads. **Masks** are boolean with **True = may attend**; `nn.MultiheadAttention` uses the
@@ -75,11 +76,6 @@ print("outputs changed by the shuffle?        ",
       not torch.allclose(out_shuffled, out, atol=1e-5))
 print("outputs shuffled the same way as input?",
       torch.allclose(out_shuffled, out[:, permutation], atol=1e-5))
-
-# %% [markdown]
-# Token `i`'s output depends on its own query and on the *set* of keys and values; nothing in
-# the formula says where a token sits. So shuffling the input only shuffles the output rows,
-# the same way.
 
 # %% test="test_ANSWER_PERMUTATION" points=1
 """ANSWER_PERMUTATION: the right word for what shuffling the tokens does to self-attention."""
@@ -272,6 +268,26 @@ check_pe_shift_matrix(pe_shift_matrix, seed=3401, device="cpu")
 # rotations. Which `M` does? Two 2-D rotations commute with each other, and so does a rotation
 # with a multiple of one: a **scaled rotation** `a · R(θ)`.
 #
+# **Worked on one pair**, with numbers (the cell below): let `R` move the pair by `k·ω = 0.5`
+# rad. A generic `M = [[1, 2], [0, 1]]` comes out of `Rᵀ M R` changed — the score of two
+# positions changes when both move by `k`. A scaled rotation `M = 2·R(0.3)` comes out unchanged:
+# `Rᵀ M R = 2 · R(−0.5) R(0.3) R(0.5) = 2 · R(0.3)`, because rotations of the plane add their
+# angles, in any order.
+
+# %%
+def pair_rotation(angle):
+    """pe_shift_matrix's 2 x 2 block: moves one (sin, cos) pair forward by `angle`."""
+    return torch.tensor([[math.cos(angle), math.sin(angle)], [-math.sin(angle), math.cos(angle)]],
+                        dtype=torch.float64)
+
+
+shift = pair_rotation(0.5)  # one pair, both positions moved by k·ω = 0.5 rad
+for name, M in (("a generic M", torch.tensor([[1.0, 2.0], [0.0, 1.0]], dtype=torch.float64)),
+                ("a scaled rotation 2·R(0.3)", 2 * pair_rotation(0.3))):
+    print(f"{name}: M = {M.numpy().round(3).tolist()}, "
+          f"Rᵀ M R = {(shift.T @ M @ shift).numpy().round(3).tolist()}")
+
+# %% [markdown]
 # **Find one.** Write `offset_only_qk(scales, angles)`: the `[D, D]` matrix with one scaled
 # rotation per frequency pair on its diagonal, pair `i` where `sinusoidal_positions` keeps it
 # (features `2i` and `2i + 1`), zeros elsewhere. Its block is `pe_shift_matrix`'s block with
@@ -346,27 +362,64 @@ print(f"M of scaled rotations per pair: differ by up to "
 # The raw dot products depend on the offset only (up to rounding). After a **generic** pair of
 # projections they depend on the absolute positions too. But a **learned** `W_qᵀ W_k` *can* keep
 # the offset-only property exactly: one scaled rotation per frequency pair does (third line,
-# rounding only) — and a trained model may well find such a block (exercise 3.14 asks what one
-# head learned). So: a generic `W` breaks it, a learned `W` can keep it, and **RoPE** (notebook
-# 05) *guarantees* it for every `W`: it adds nothing to the input but rotates `q` and `k`
-# *after* the projections, by `R(p ω)`, so that the score `(R_p q) · (R_{p'} k) =
-# qᵀ R_{p' - p} k` depends on the offset alone, whatever `W_q` and `W_k` learned.
+# rounding only). Whether training finds such a block is another matter: the sinusoidal model you
+# train in section 5 does not — its position table alone, through its first layer's `W_q` and
+# `W_k`, gives scores that still vary by 4 to 5 along one offset (measured there; exercise 3.14
+# asks what its heads do instead). So: a generic `W` breaks it, a learned `W` can keep it, and
+# **RoPE** (notebook 05) *guarantees* it for every `W`: it adds nothing to the input but rotates
+# `q` and `k` *after* the projections, by `R(p ω)`, so that the score `(R_p q) · (R_{p'} k) = qᵀ
+# R_{p' - p} k` depends on the offset alone, whatever `W_q` and `W_k` learned.
 
 # %% [markdown]
-# ### Fixed, learned, rotary
+# ### Fixed, learned, rotary — and biases on the scores
 #
 # | encoding | what it is | used in |
 # | --- | --- | --- |
 # | **sinusoidal (fixed)** | the table above, added to the token embeddings; nothing learned | the original Transformer |
 # | **learned absolute** | a trainable `[max_positions, D]` table (`nn.Parameter`), added the same way; cannot go beyond `max_positions` | BERT, GPT-2, ViT (notebook 04) |
-# | **rotary (RoPE)** | no vector is added: each query and key is *rotated*, pair by pair, by the angle `p · ω_i` (the same frequencies as above), so `q · k` depends only on the offset between their positions | Llama and most recent LLMs (notebook 05 builds it) |
+# | **rotary (RoPE)** | no vector is added: each query and key is *rotated*, pair by pair, by the angle `p · ω_i` — section 2's frequencies over the head's width, `ω_i = base^(−2i/d_head)`, not `D` — so `q · k` depends only on the offset between their positions | Llama and most recent LLMs (notebook 05 builds it) |
+# | **ALiBi** | no vector is added: head `h` adds `−m_h · (i − j)` to the score of query `i` and key `j`, a fixed slope per head (`m_h = 2^(−8h/H)`: 1/2, 1/4, …, 1/256 for 8 heads); nothing learned | BLOOM, MPT |
+# | **T5 relative bias** | no vector is added: a *learned* number per head and per bucket of the offset `j − i` is added to the score; offsets below 8 (each sign) get a bucket each, larger ones logarithmically wider buckets, and every offset of 91 or more the last one | T5 |
 #
 # Sinusoidal and learned encodings are both **absolute**: each position gets its own vector
 # (the choice is fixed vs learned, not "sinusoidal vs absolute"); Vaswani et al. found the
 # two about equally good. RoPE encodes each absolute position as a rotation so that attention
-# scores see only *relative* offsets. None of them extrapolates well far beyond the
-# sequence lengths seen in training without extra tricks (for RoPE: position
-# interpolation, NTK scaling, YaRN).
+# scores see only *relative* offsets. ALiBi and T5 add nothing to the tokens at all: they bias
+# the scores by the offset, one fixed and one learned. The cell below shows one property of each
+# bias. ALiBi's is defined for any length, and Press et al. (2022) trained on 1,024 tokens and
+# found the perplexity held on longer inputs; the others do not extrapolate well far beyond the
+# lengths seen in training without extra tricks (for RoPE: position interpolation, NTK scaling,
+# YaRN), and T5's buckets cannot tell apart two offsets that both lie in its last bucket.
+
+# %%
+def alibi_bias(seq_len, num_heads):
+    """ALiBi's bias [H, S, S]: -m_h·(i - j) for key j at or before query i (a causal model)."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, num_heads + 1) / num_heads)  # [H]
+    offset = torch.arange(seq_len)[:, None] - torch.arange(seq_len)[None, :]  # i - j
+    return -slopes[:, None, None] * offset.clamp(min=0)
+
+
+def t5_bucket(offset, num_buckets=32, max_distance=128):
+    """T5's bucket of an offset j - i (bidirectional: half the buckets for each sign)."""
+    half = num_buckets // 2
+    exact = half // 2  # offsets 0 ... exact - 1 get a bucket each
+    distance = offset.abs()
+    log_bucket = exact + (torch.log(distance.clamp(min=1).float() / exact)
+                          / math.log(max_distance / exact) * (half - exact)).long()
+    return (offset > 0).long() * half + torch.where(distance < exact, distance,
+                                                   log_bucket.clamp(max=half - 1))
+
+
+# ALiBi: a bias that depends on i - j alone, so on equal content scores each step back
+# multiplies a key's weight by e^(-m): a recency preference that needs no table.
+alibi_head = alibi_bias(6, num_heads=4)[0]  # head 0: m = 1/4
+later_keys = torch.ones(6, 6, dtype=torch.bool).triu(1)
+alibi_weights = torch.softmax(alibi_head.masked_fill(later_keys, float("-inf")), dim=-1)
+print("ALiBi, head 0, query 5, equal content scores: weights", alibi_weights[5].numpy().round(3),
+      f"| each step back × {float(alibi_weights[5, 4] / alibi_weights[5, 5]):.3f} = e^(-1/4)")
+# T5: small offsets are told apart exactly, far ones share buckets (and then one bias).
+offsets = torch.tensor([-8, -1, 0, 1, 7, 8, 16, 64, 91, 128, 1000])
+print("T5 buckets:", dict(zip(offsets.tolist(), t5_bucket(offsets).tolist())))
 
 # %% [markdown]
 # ## 3. The rose: Fourier features of coordinates
@@ -1180,21 +1233,41 @@ print("no positions, causal, sequences of 14: accuracy per position 1..13:",
       " ".join(f"{a:.2f}" for a in per_position.tolist()))
 
 # %% [markdown]
-# **What the mask alone gives.** Under a causal mask "the previous token" is "the most recent
-# token the query can see", and a model needs no position table to favour recent keys. Part of
-# its score is free: at position `i` it sees only tokens `0 … i`, so even guessing at random
-# among the `i` earlier ones would score `1/i`, on average `(1 + 1/2 + … + 1/7) / 7 ≈ 0.37`.
-# The rest it learns, and the numbers above say how (measured with seed 0 on a CPU; other
-# seeds move them by a few hundredths): no head of the NoPE model is a clean previous-token
-# head. Its second layer does **recency** — about 0.5 of each query's weight on `i - 1`, 0.15
-# on `i - 2`, 0.06 on `i - 3` — a weight that falls with distance, which the first layer makes
-# possible (through the mask, a token's average over the `i + 1` tokens it sees depends on
-# where it sits). And recency is not tied to the positions it trained on: on sequences of 14 it
-# still finds the previous token at positions 8–13, with an accuracy that falls from about 0.9
-# to about 0.7 as the sequence grows past what it saw. (Haviv et al., 2022, found causal
-# language models without position encodings learning order the same way.) A causal mask is a
-# source of order — which is why the closing demo of section 4 tried each alone.
+# **Reading the numbers.** Under a causal mask "the previous token" is "the most recent token
+# the query can see", and part of a causal model's score is free: at position `i` it sees only
+# tokens `0 … i`, so even guessing at random among the `i` earlier ones would score `1/i`, on
+# average `(1 + 1/2 + … + 1/7) / 7 ≈ 0.37`. The rest it learns. How, the numbers above say if
+# you compare them with the baselines (`1/S` without a mask, ≈ 0.25 under one): which layer of
+# which model puts how much weight on `i - 1`, how the NoPE model's weight falls off with the
+# distance, and — read position by position — where the length probe's accuracy starts to fall:
+# at position 8, the first one the model never saw, or elsewhere? (Measured with seed 0 on a
+# CPU; other seeds move the numbers by a few hundredths.)
 #
+# The last line measures section 2's question on the trained sinusoidal model: its position
+# table alone through its first layer's `W_q` and `W_k` (bias included), head by head, and how
+# much the scores at one offset differ — 0 if they depended on the offset alone.
+
+# %%
+if "sinusoidal" not in trained:  # the training cell stopped before this model was trained
+    raise NotImplementedError("Exercise 3.13: implement OrderTransformer, then train (cell above)")
+from attention_lab.widgets.trained_heads import attention_layers
+
+first_layer = attention_layers(trained["sinusoidal"])[0].attn  # layer 0's nn.MultiheadAttention
+with torch.no_grad():
+    table_alone = sinusoidal_positions(SEQ_LEN, 32).double()  # the model's table: [S, D]
+    q_rows, k_rows, _ = F.linear(table_alone, first_layer.in_proj_weight.double(),
+                                 first_layer.in_proj_bias.double()).chunk(3, dim=-1)
+    head_width = q_rows.shape[-1] // first_layer.num_heads
+    spreads = []
+    for head in range(first_layer.num_heads):
+        columns = slice(head * head_width, (head + 1) * head_width)
+        position_scores = q_rows[:, columns] @ k_rows[:, columns].T / math.sqrt(head_width)
+        spreads.append(max(float(d.max() - d.min()) for d in
+                           (position_scores.diagonal(o) for o in range(2 - SEQ_LEN, SEQ_LEN - 1))))
+print("sinusoidal model, layer 0: position-only scores at one offset differ by up to",
+      [round(v, 1) for v in spreads], "(per head)")
+
+# %% [markdown]
 # **Look inside.** Each map below is one head of one layer (rows: queries, columns: keys)
 # on one test sequence; the labels are `position:token`. Switch between the models and the
 # sequences.
@@ -1222,16 +1295,301 @@ trained_heads_explorer(trained, examples, masks_used)
 # *Model answer* (numbers of seed 0 on a CPU; yours may differ by a few hundredths). Both
 # models with a position table have heads in layer 0 that read the previous token: 0.68 and
 # 0.72 of their weight on `i - 1` with sinusoidal positions (about 0.1 on `i - 2`), 0.99 and
-# 0.92 with the learned table. So the offset-only property of the
-# sinusoidal table is not what makes the head work: with 8 positions, a learned table that has
-# no such property does as well or better — any table that gives the 8 positions vectors the
-# query and key projections can tell apart will do; shift-invariance would matter for
-# positions never trained on. The head copies the previous token into position `i`, where the
-# linear head reads it out. The causal model without positions has no clean previous-token
-# head: its layer 1 does recency (about 0.5, 0.15, 0.06 on `i - 1, i - 2, i - 3`), which the
-# mask makes possible, and because recency is not tied to absolute positions it carries to
-# sequences of 14 (about 0.9 down to 0.7 at positions 8–13) — something a model with an
-# 8-row table cannot even be run on. Position 0 has no previous token and is never scored.
+# 0.92 with the learned table. So the offset-only property of the sinusoidal table is not what
+# makes the head work: the trained sinusoidal model's position-only scores at one offset differ
+# by 4 to 5 from one position to another (it did not learn section 2's scaled rotations), and with
+# 8 positions a learned table that has no such property does as well or better — any table that
+# gives the 8 positions vectors the query and key projections can tell apart will do;
+# shift-invariance would matter for positions never trained on. The head copies the previous
+# token into position `i`, where the linear head reads it out. The causal model without
+# positions has no clean previous-token head: its layer 1 does recency (about 0.5, 0.15, 0.06 on
+# `i - 1, i - 2, i - 3`), which the mask makes possible (through the mask, a token's average over
+# the `i + 1` tokens it sees depends on where it sits; Haviv et al., 2022, found causal language
+# models without position encodings learning order the same way). The length probe shows what
+# limits it: the accuracy falls smoothly with the position, already inside the training length
+# (0.97 and 0.95 at positions 6 and 7) and on past it (0.92 at 8, about 0.7 at 12 and 13), with
+# no step at 8 — recency is not tied to absolute positions, but the more keys a query sees, the
+# more weight the older ones take together. A model with an 8-row table cannot even be run on
+# 14 tokens. Position 0 has no previous token and is never scored.
+
+# %% [markdown]
+# ## 6. One step deeper: an induction head, built by hand
+#
+# A previous-token head looks one position back. Put a second head on top of it, and the pair
+# can do what no single head can: **copy from the context**. In `… A B … A`, predict `B`: find
+# the last time the current token appeared, and read the token that came after it. Olsson et
+# al. (2022) called the second head an **induction head**; they found such pairs in the
+# Transformer language models they studied, forming during training at the point where
+# in-context learning improves.
+#
+# The task makes it concrete: `half` distinct random tokens, then the same tokens once more.
+# In the first half the next token is a fresh random token, and nothing predicts it better than
+# chance; in the second half every next token can be copied from the first.
+#
+# Two heads do it, each adding what it finds to the **residual stream** (the running vector `x`
+# of section 4; here with no MLP and no LayerNorm):
+#
+# 1. **Layer 1, a previous-token head.** Query `i` attends to key `i - 1` and copies the token it
+#    finds there into a free part of the stream: every position now also carries *the token
+#    before it*.
+# 2. **Layer 2, the induction head.** Its **query** is the current token; its **key** is the
+#    *previous* token that layer 1 wrote — a key built from another head's output, what Elhage
+#    et al. (2021) call **K-composition**. Query `i` matches key `j` exactly when the token
+#    before `j` is the token at `i`: `j` is the position *after* an earlier occurrence. Its
+#    **value** is the token at `j`, the prediction.
+#
+# ```
+# position        0  1  2  3  4  5  6  7
+# token           A  B  C  D  A  B  C  D
+# previous token  -  A  B  C  D  A  B  C      (written by layer 1)
+# ```
+#
+# Query 5 holds `B`; the keys whose previous token is `B` are 2 and 6, and 6 is in its future:
+# it attends to key 2, which holds `C`, and predicts `C` — the token at position 6.
+
+# %% [markdown]
+# ### Exercise 3.15 — induction_score (2 pts, ~10 min)
+#
+# The detector first, beside `previous_token_score`: how much of its weight does a head put
+# where an induction head looks? For query `i`, take every earlier position `j < i - 1` that
+# holds the same token as `i`; the keys an induction head reads are the positions after them,
+# `j + 1` (`j = i - 1` is left out: its `j + 1` is the query itself). A (sequence, query) pair
+# scores the total weight on those keys. A head's score is the mean over every pair that has at
+# least one such `j` — a query whose token never appeared before has nowhere to look, and is
+# left out — and 0 where no pair has one.
+#
+# Worked on one sequence, `A B C A B A` (positions 0 … 5): query 3 (`A`) has `j = 0`, so key
+# 1; query 4 (`B`) has `j = 1`, so key 2; query 5 (`A`) has `j = 0` (and `j = 3`, whose key 4 is
+# fine too: `3 < 5 - 1`), so keys 1 and 4; queries 0, 1 and 2 are left out. The score is the
+# mean of `attention[3, 1]`, `attention[4, 2]` and `attention[5, 1] + attention[5, 4]`.
+#
+# | name | signature | contract |
+# | --- | --- | --- |
+# | `induction_score` | `(attention, tokens) -> Tensor` | `attention` as in `previous_token_score` (a tensor `[B, layers, heads, S, S]` or a list of `[B, heads, S, S]`), `tokens [B, S]` → `[layers, heads]`: the mean, over every (sequence, query) pair that has an earlier `j < i - 1` with `tokens[j] == tokens[i]`, of the total weight on the keys `j + 1` (each key once); 0 where no pair has one; the input's dtype and device; `ValueError` for another rank, maps that are not square, or `tokens` that do not match the maps' batch and length |
+
+# %% answer="induction_score"
+def induction_score(attention, tokens):
+    """Mean weight on the keys after earlier occurrences of the query's token, per layer and head.
+
+    attention: [B, layers, heads, S, S] tensor, or a list of [B, heads, S, S] (one per layer);
+    tokens: [B, S]. returns: [layers, heads], pooled over the (sequence, query) pairs that have an
+    earlier position j < i - 1 holding the query's token; 0 where none has; the input's dtype.
+
+    Example: for tokens A B C A B and maps whose query 3 puts all its weight on key 1 and query 4
+    on key 2, every entry is 1.
+    Raises ValueError for another rank, non-square maps, or tokens that do not match the maps.
+    """
+    ### BEGIN SOLUTION
+    if isinstance(attention, (list, tuple)):
+        attention = torch.stack(list(attention), dim=1)            # [B, layers, heads, S, S]
+    if attention.dim() != 5 or attention.shape[-1] != attention.shape[-2]:
+        raise ValueError(f"attention has shape {tuple(attention.shape)}: expected square maps "
+                         "[B, layers, heads, S, S] or a list of [B, heads, S, S]")
+    batch, seq_len = attention.shape[0], attention.shape[-1]
+    if tuple(tokens.shape) != (batch, seq_len):
+        raise ValueError(f"tokens have shape {tuple(tokens.shape)}: expected [B, S] = "
+                         f"[{batch}, {seq_len}], as the maps")
+    positions = torch.arange(seq_len, device=tokens.device)
+    same = tokens[:, :, None] == tokens[:, None, :]                 # [B, i, j]: same token
+    earlier = same & (positions[None, :] < positions[:, None] - 1)  # j < i - 1
+    keys = torch.zeros_like(earlier)
+    keys[:, :, 1:] = earlier[:, :, :-1]                             # key j + 1 for every such j
+    has_one = earlier.any(dim=-1)                                   # [B, i]: pairs that count
+    weight = (attention * keys[:, None, None].to(attention.dtype)).sum(dim=-1)  # [B, L, H, S]
+    total = (weight * has_one[:, None, None].to(attention.dtype)).sum(dim=(0, -1))
+    return total / has_one.sum().clamp(min=1)                       # 0 where no pair has one
+    ### END SOLUTION
+
+
+# %% test="test_induction_score" points=2
+"""induction_score: weight on the keys after earlier occurrences; pooled pairs; tensor or list."""
+from attention_lab.checks.positions_and_blocks import check_induction_score
+
+check_induction_score(induction_score)
+### BEGIN HIDDEN TESTS
+check_induction_score(induction_score, seed=3151, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **The model.** Two causal heads on a residual stream, given: no training, you will set every
+# weight. Each head reads the stream `x` (`[B, S, D]`) with four `[D, D]` matrices that start at
+# zero: `q = x W_q`, `k = x W_k`, `v = x W_v`, weights `softmax(q kᵀ)` over the keys `0 … i`,
+# output `(weights v) W_o`, added to `x`. There is no `1/sqrt(d)`: the size of what you set is
+# the softmax's temperature.
+
+# %%
+class CausalHead(nn.Module):
+    """One causal attention head reading and writing a residual stream of width d_model."""
+
+    def __init__(self, d_model):
+        super().__init__()
+        self.W_q, self.W_k, self.W_v, self.W_o = (nn.Parameter(torch.zeros(d_model, d_model))
+                                                  for _ in range(4))
+
+    def forward(self, x):                                    # x: [B, S, D]
+        scores = (x @ self.W_q) @ (x @ self.W_k).transpose(-2, -1)     # [B, S, S]
+        seq_len = x.shape[1]
+        later = torch.ones(seq_len, seq_len, dtype=torch.bool, device=x.device).triu(1)
+        weights = scores.masked_fill(later, float("-inf")).softmax(dim=-1)
+        return (weights @ (x @ self.W_v)) @ self.W_o, weights[:, None]   # [B, S, D], [B, 1, S, S]
+
+
+class AttentionOnlyModel(nn.Module):
+    """Token and position embeddings, two CausalHeads on a residual stream, an unembedding."""
+
+    def __init__(self, vocab_size, max_len, d_model):
+        super().__init__()
+        self.token_embedding = nn.Parameter(torch.zeros(vocab_size, d_model))
+        self.position_embedding = nn.Parameter(torch.zeros(max_len, d_model))
+        self.layers = nn.ModuleList([CausalHead(d_model), CausalHead(d_model)])
+        self.unembedding = nn.Parameter(torch.zeros(d_model, vocab_size))
+
+    def run(self, tokens):                                   # tokens: [B, S] (long)
+        x = self.token_embedding[tokens] + self.position_embedding[:tokens.shape[1]]
+        maps = []
+        for layer in self.layers:
+            out, weights = layer(x)
+            x = x + out                                      # the residual stream
+            maps.append(weights)
+        return x @ self.unembedding, maps                    # [B, S, vocab], 2 × [B, 1, S, S]
+
+    def forward(self, tokens):
+        return self.run(tokens)[0]
+
+    def attention(self, tokens):
+        return self.run(tokens)[1]
+
+# %% [markdown]
+# ### Exercise 3.16 — induction_model: the two heads, by hand (4 pts, ~20 min)
+#
+# (3 points for what it predicts, 1 for its attention maps.)
+#
+# Write `induction_model(vocab_size, max_len)`: build an `AttentionOnlyModel` and set its
+# weights (inside `torch.no_grad()`) so that it does the two steps above. A layout of the
+# stream that works — any other that keeps the four parts apart works too — with
+# `V = vocab_size`, `L = max_len` and `D = 3·V + L` features:
+#
+# | features | hold | written by | read by |
+# | --- | --- | --- | --- |
+# | `token`: `0 … V-1` | the one-hot of this position's token | the token embedding | layer 2's query and value |
+# | `position`: the next `L` | the one-hot of the position | the position embedding | layer 1's query and key |
+# | `previous`: the next `V` | the one-hot of the token one position back | layer 1 (`W_v`, `W_o`) | layer 2's key |
+# | `copied`: the last `V` | the token layer 2 attended to | layer 2 (`W_v`, `W_o`) | the unembedding |
+#
+# Row `r` of `W_q` says what feature `r` of the stream adds to each of the head's `D` query
+# coordinates (the same for `W_k`); a query and a key *meet* on a coordinate where both are
+# large. For example `W_k[position, position] = torch.eye(L)` gives the key of position `j` a 1
+# in head coordinate `j`: a query that puts 20 in coordinate `j` then scores 20 on key `j` and 0
+# on the others, which leaves the others `e^-20 ≈ 2·10⁻⁹` of its weight each.
+#
+# One trap, at position 0: it has no previous token, so its layer-1 query can only attend to
+# itself and writes its *own* token as "previous". The query at position `half` (the first
+# token, repeated) then matches key 0 as well as key 1, splits its weight, and guesses. Keep
+# layer 2 off key 0 with a large negative score (every query has exactly one 1 in its
+# `position` block: a constant it can contribute).
+#
+# | name | signature | contract |
+# | --- | --- | --- |
+# | `induction_model` | `(vocab_size, max_len) -> nn.Module`; `forward(tokens [B, S]) -> logits [B, S, vocab_size]`; `.attention(tokens)` → a list of two `[B, 1, S, S]` maps | two attention-only layers (one causal head each, no MLP, a residual stream), weights set by hand; on `half` distinct random tokens repeated once, the predictions of `tokens[i + 1]` at positions `half … 2·half − 2` are right ≥ 0.95 of the time, the first half stays near chance; causal maps; layer 2's `induction_score` ≥ 0.9 |
+#
+# The checks build your model for several vocabularies and lengths and run it on 100 such
+# sequences each: the first on its predictions, the second on its maps (layer 1's
+# `previous_token_score` and layer 2's `induction_score` at least 0.9, with their own
+# detectors). They name what they see wrong: the order of the layers, the shift, the roles of
+# query and key, the value.
+
+# %% answer="induction_model"
+def induction_model(vocab_size, max_len):
+    """A two-layer attention-only model with hand-set weights: a previous-token head, then an
+    induction head that copies the token after the last occurrence of the current one.
+
+    returns an AttentionOnlyModel (or any nn.Module with forward(tokens) -> [B, S, vocab_size]
+    logits and attention(tokens) -> [layer-1 map, layer-2 map], each [B, 1, S, S]).
+
+    Example: on tokens A B C D A B C, its prediction at position 5 (B) is C.
+    """
+    ### BEGIN SOLUTION
+    V, L, strength = vocab_size, max_len, 20.0
+    token, position = slice(0, V), slice(V, V + L)
+    previous, copied = slice(V + L, 2 * V + L), slice(2 * V + L, 3 * V + L)
+    model = AttentionOnlyModel(V, L, d_model=3 * V + L)
+    first, second = model.layers
+    with torch.no_grad():
+        model.token_embedding[:, token] = torch.eye(V)
+        model.position_embedding[:, position] = torch.eye(L)
+        # Layer 1: the query of position p asks for coordinate p - 1, the key of j answers in j.
+        first.W_q[position, position] = strength * torch.eye(L).roll(-1, dims=1)
+        first.W_k[position, position] = torch.eye(L)
+        first.W_v[token, token] = torch.eye(V)                 # what it finds: the token there ...
+        first.W_o[token, previous] = torch.eye(V)              # ... written as "previous"
+        # Layer 2: query = the current token, key = the previous token layer 1 wrote.
+        second.W_q[token, token] = strength * torch.eye(V)
+        second.W_k[previous, token] = torch.eye(V)
+        second.W_q[position, V] = 1.0                          # every query: a 1 in coordinate V ...
+        second.W_k[V, V] = -strength                           # ... and key 0 answers -strength
+        second.W_v[token, token] = torch.eye(V)                # what it finds: the token there ...
+        second.W_o[token, copied] = torch.eye(V)               # ... written as "copied"
+        model.unembedding[copied, :] = torch.eye(V)            # the logits read "copied"
+    return model
+    ### END SOLUTION
+
+
+# %% test="test_induction_model" points=3
+"""induction_model: repeated random sequences, >= 0.95 of the second half right, first at chance."""
+from attention_lab.checks.positions_and_blocks import check_induction_model
+
+check_induction_model(induction_model)
+### BEGIN HIDDEN TESTS
+check_induction_model(induction_model, seed=3161, device="cpu")
+### END HIDDEN TESTS
+
+# %% test="test_induction_model_properties" points=1
+"""induction_model: causal maps; layer 1 a previous-token head, layer 2 an induction head."""
+from attention_lab.checks.positions_and_blocks import check_induction_model_properties
+
+check_induction_model_properties(induction_model)
+### BEGIN HIDDEN TESTS
+check_induction_model_properties(induction_model, seed=3162, device="cpu")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Your two heads on one sequence of 8 distinct tokens repeated (rows: queries, columns: keys),
+# and both detectors on 200 such sequences. Layer 1 is the sub-diagonal; layer 2 is the
+# diagonal `half - 1` below the main one — each query of the second half looks `half - 1`
+# positions back, at the token after the first occurrence of its own.
+
+# %%
+import matplotlib.pyplot as plt
+
+
+def repeated_sequences(batch_size, vocab_size, half, generator):
+    """[B, 2·half]: `half` distinct random tokens, then the same tokens again."""
+    first = torch.rand(batch_size, vocab_size, generator=generator).argsort(dim=-1)[:, :half]
+    return torch.cat([first, first], dim=1)
+
+
+hand_built = induction_model(16, 32)
+probe_tokens = repeated_sequences(200, 16, 8, torch.Generator().manual_seed(3))
+with torch.no_grad():
+    predicted = hand_built(probe_tokens).argmax(dim=-1)
+    maps = hand_built.attention(probe_tokens)
+print("right next tokens, first half:",
+      f"{float((predicted[:, :7] == probe_tokens[:, 1:8]).float().mean()):.2f}",
+      "| second half:", f"{float((predicted[:, 8:15] == probe_tokens[:, 9:]).float().mean()):.2f}")
+print("previous_token_score per layer:",
+      [round(v, 2) for v in previous_token_score(maps).flatten().tolist()],
+      "| induction_score per layer:",
+      [round(v, 2) for v in induction_score(maps, probe_tokens).flatten().tolist()])
+figure, axes = plt.subplots(1, 2, figsize=(9, 4))
+labels = [f"{p}:{t}" for p, t in enumerate(probe_tokens[0].tolist())]
+for layer_index, axis in enumerate(axes):
+    axis.imshow(maps[layer_index][0, 0], cmap="viridis", vmin=0, vmax=1)
+    axis.set(title=f"layer {layer_index + 1}", xticks=range(16), yticks=range(16), xlabel="key",
+             ylabel="query")
+    axis.set_xticklabels(labels, rotation=90, fontsize=7)
+    axis.set_yticklabels(labels, fontsize=7)
+figure.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## What you built
@@ -1254,6 +1612,9 @@ trained_heads_explorer(trained, examples, masks_used)
 # * `OrderTransformer` and `previous_token_score`: four models trained on a task that needs
 #   order, and a detector that measures what their heads learned, at the lengths they saw and
 #   beyond.
+# * `induction_score` and `induction_model`: two heads composed by hand — a previous-token head,
+#   then an induction head whose key reads what the first wrote — copy the second half of a
+#   repeated sequence from its first, and a detector that finds such heads.
 #
 # Next: notebook 04 cuts images into patches and feeds them to these blocks (a Vision
 # Transformer).

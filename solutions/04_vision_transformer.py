@@ -416,13 +416,12 @@ print("nn.TransformerEncoder: ", [name for name, _ in encoder_only.named_childre
 #   patch tokens, so **it is token 0**. It carries no pixels; through attention it collects what
 #   the head needs, and the head reads only its final state. (Classifying from the *average*
 #   of the patch tokens instead — global average pooling — works as well and is common too.)
-# * **Positions.** Self-attention is permutation-*equivariant*: shuffle the input tokens and
-#   the outputs are shuffled the same way — nothing tells patch 3 from patch 12. `pos_embed
-#   [1, N + 1, D]` is a learned vector per position, added to the tokens; position 0 belongs
-#   to the class token, positions 1…N to the patches in row-major order. (This only fits
-#   images of the training size. For another size the grid of position vectors must be
-#   interpolated in 2-D; slicing `pos_embed[:, :S]` fails for a larger image and, for a
-#   smaller one, silently gives the patches the positions of a different grid.)
+# * **Positions.** `pos_embed [1, N + 1, D]` is a learned vector per position, added to the
+#   tokens; position 0 belongs to the class token, positions 1…N to the patches in row-major
+#   order. This only fits images of the training size: for another size the grid of position
+#   vectors must be interpolated in 2-D; slicing `pos_embed[:, :S]` fails for a larger image and,
+#   for a smaller one, silently gives the patches the positions of a different grid. (Why a ViT
+#   needs these vectors at all, when a CNN has no such table, is exercise 4.7's question.)
 # * **The final LayerNorm.** In a pre-norm block, `norm1` and `norm2` normalise only what goes
 #   *into* the sublayers; the residual stream `x` itself is never normalised — each block adds
 #   to it, so its scale drifts with depth. One last `norm` after the final block hands the head
@@ -1055,8 +1054,8 @@ vit_attention_explorer(vit, digits.test_images[:32], digits.test_labels[:32], cl
 # | --- | --- | --- | --- |
 # | image classification | the `[CLS]` token, **or** the average of the patch tokens (global average pooling) | one vector for the whole image | ViT, DeiT (CLS); MAE and BEiT fine-tuning, many timm models (average) |
 # | semantic segmentation | every patch token, folded back into the `grid × grid` layout | one prediction per pixel: a small decoder upsamples the patch grid | SETR, Segmenter |
-# | object detection | every patch token, as a feature map | boxes come from local features; learned *object queries* attend to them in a decoder | ViTDet (a ViT backbone); DETR attends over a *CNN's* features, not ViT patch tokens |
-# | masked image modelling | the patch tokens at the hidden positions | each predicts the pixels of its own masked patch; `[CLS]` plays no part in the loss | MAE, BEiT |
+# | object detection | every patch token, as a feature map | boxes come from local features: ViTDet builds a simple feature pyramid from the last map and puts Mask R-CNN's detection heads on it; DETR-style detectors instead let learned *object queries* attend to the features in a decoder | ViTDet (a plain ViT backbone); DETR (object queries, over a *CNN's* features, not ViT patch tokens) |
+# | masked image modelling | the outputs at the hidden positions | each predicts its own masked patch; `[CLS]` plays no part in the loss. BEiT's encoder sees a learned *mask token* at those positions and predicts each patch's **discrete visual token** (the code its dVAE tokenizer gives that patch), not pixels. MAE's encoder never sees the hidden positions at all: it encodes the visible patches only, and its small decoder, given mask tokens there, predicts their **pixels** | BEiT, MAE |
 # | image–text embedding | one global vector (often `[CLS]`), sometimes the patch tokens too | retrieval compares one image vector with one text vector; captioning and grounding attend to patch tokens | CLIP (global vector); BLIP, LLaVA (patch tokens) |
 # | dense features | every patch token | a descriptor per location, for keypoints, correspondence, depth | DINO / DINOv2 features |
 #

@@ -138,7 +138,7 @@ except ValueError as error:
 #
 # The queries get `H = 16` heads; keys and values only `H_kv = 4`. So `q_proj` is
 # `Linear(128, 16·8)` while `k_proj` and `v_proj` are `Linear(128, 4·8)`: a quarter of the
-# K/V weights and — what matters at inference — a quarter of the K/V memory (section 8).
+# K/V weights and — what matters at inference — a quarter of the K/V memory (section 12).
 # Each head is then split off exactly as in notebook 01: `view` to `[B, S, heads, d_head]`,
 # `transpose(1, 2)` to `[B, heads, S, d_head]`.
 
@@ -964,12 +964,16 @@ check_llama_attention_kv_cache(LlamaAttention, KVCache, seed=6301, device="cpu")
 # A `KVCache` that grows by `torch.cat` allocates a new tensor at every step and copies the
 # whole cache into it, so generating `S` tokens copies `O(S²)` numbers. Inference engines
 # instead **preallocate** the cache once, `[B, H_kv, max_len, d]`, and write each step's keys
-# and values in place at their positions, `cache_position` (Hugging Face's `StaticCache`; vLLM
-# splits the same idea into fixed-size blocks, "paged attention"). The storage never moves or
-# grows; `StaticCache` even runs attention over all `max_len` slots, masking the empty ones, so
-# every step has the same shapes — what CUDA graphs and `torch.compile` need. The class below
-# writes in place but returns only the filled part, with the same interface as your `KVCache`,
-# so your `LlamaAttention` runs on it unchanged:
+# and values in place at their positions, `cache_position` (Hugging Face's `StaticCache`). The
+# storage never moves or grows; `StaticCache` even runs attention over all `max_len` slots,
+# masking the empty ones, so every step has the same shapes — what CUDA graphs and
+# `torch.compile` need. The class below writes in place but returns only the filled part, with
+# the same interface as your `KVCache`, so your `LlamaAttention` runs on it unchanged.
+#
+# Reserving `max_len` for every sequence wastes what short sequences never fill. vLLM's
+# **PagedAttention** does the opposite: it hands out fixed-size blocks of cache *on demand*, as
+# a sequence grows, and finds them through a per-sequence **block table** — no sequence reserves
+# more than one partly filled block. Notebook 07 builds it.
 
 # %%
 class PreallocatedKVCache:
@@ -1040,7 +1044,10 @@ print("is_causal=True vs the right answer:", float((top_left - sees_everything).
 # Return the `[q_len, kv_len]` boolean mask, True where query `i` may attend to key `j`, i.e.
 # `j <= i + (kv_len - q_len)`, created on `device`. The queries are the *last* `q_len` of the
 # `kv_len` tokens, so `q_len > kv_len` is impossible: raise a `ValueError` that names both
-# numbers. With `q_len == kv_len` it is `causal_mask(kv_len)`.
+# numbers. With `q_len == kv_len` it is `causal_mask(kv_len)`. (Notebook 06 uses the same
+# bottom-right alignment and allows `q_len > kv_len` — it happens with a cache truncated on the
+# left — where the first `q_len − kv_len` queries see no key at all: rows every function there
+# must handle. Here the new queries always come after the whole cache, so it cannot happen.)
 
 # %% answer="causal_mask_lower_right"
 def causal_mask_lower_right(q_len, kv_len, device=None):
@@ -1141,13 +1148,42 @@ for name, shape in models.items():
 # With the same 32 layers of 32 query heads of 128, Llama-3-8B's cache is a quarter of
 # Llama-2-7B's: 128 KiB instead of 512 KiB per token; at Llama-2's full context of 4,096 tokens,
 # 0.5 GiB instead of 2 GiB per sequence, and for a batch of 32 such sequences 16 GiB instead of
-# 64 GiB. How does that compare with the weights? Count them from the same configs (plus each
-# model's MLP width and vocabulary; the input embedding and the output head are separate
-# matrices in both), and — since a decoding step reads every weight matrix once (shared by the
-# whole batch; the input embedding is a lookup that reads one row per sequence, so it is left
-# out) and every sequence's whole cache — compare the bytes one step reads with 8 KV heads and
-# with 32. A model with 32 KV heads also has 4× larger `k_proj` and `v_proj`, so the saving has
-# two parts; the last lines take them apart:
+# 64 GiB.
+
+# %% [markdown]
+# ### Exercise 5.15 — what GQA saves, in your words (2 pts, ~5 min)
+#
+# Llama-3-8B's GQA makes its KV cache 4× smaller than with 32 KV heads, yet it removes only about
+# a tenth of each layer's weights. Explain both numbers in a few sentences: which weights GQA
+# shrinks and which it leaves alone, and why the cache, not the parameter count, is what matters
+# when serving the model. (Llama-3-8B per layer: `D = 4096`, 32 query heads and 8 KV heads of
+# 128, an MLP of three `4096 × 14336` matrices.)
+
+# %% [markdown] manual="gqa_memory_vs_parameters" points=2
+# GQA shrinks only `k_proj` and `v_proj`: from `D × H·d = 4096 × 4096` to `D × H_kv·d =
+# 4096 × 1024` each. `q_proj` and `o_proj` keep all 32 heads, and the MLP (3 · 4096 · 14336 ≈
+# 176M weights) is untouched. Per layer: MHA attention 4 · 4096² ≈ 67M weights, GQA ≈ 42M, so the
+# layer goes from ≈ 243M to ≈ 218M weights — about 10% fewer.
+#
+# The KV cache, by contrast, holds *only* keys and values, `2 · L · H_kv · d · S · B` numbers,
+# so it scales with `H_kv` and shrinks by `n_rep = 4`. It also grows with the context length and
+# the batch while the weights do not: at 32 sequences of 4,096 tokens it is 64 GiB with 32 KV
+# heads and 16 GiB with 8 — about as much as the ≈ 15 GiB of 16-bit weights, and the gap widens
+# with every longer context or larger batch. What fits on the GPU — how many sequences, how long
+# — is set by the cache. Each decoding step reads every weight matrix (the input embedding
+# only row by row) and every sequence's whole cache, so the smaller cache also cuts the memory
+# traffic per step, by much less than 4× for a single sequence of 4,096 tokens (1.21×, of which
+# the cache alone 1.10× and the smaller k/v weights the rest: the weights dominate) and
+# approaching 4× as the cache grows (2.65× at 32 × 4,096 tokens).
+
+# %% [markdown]
+# **The measurement behind your answer.** How does the cache compare with the weights? The cell
+# below counts them from the same configs (plus each model's MLP width and vocabulary; the input
+# embedding and the output head are separate matrices in both), and — since a decoding step
+# reads every weight matrix once (shared by the whole batch; the input embedding is a lookup
+# that reads one row per sequence, so it is left out) and every sequence's whole cache — the
+# bytes one step reads with 8 KV heads and with 32. A model with 32 KV heads also has 4× larger
+# `k_proj` and `v_proj`, so the saving has two parts; the last lines take them apart:
 
 # %%
 def decoder_parameters(layers, hidden, heads, kv_heads, head_dim, mlp_width, vocab):
@@ -1200,32 +1236,6 @@ for batch_size in (1, 32):
 # saves). The saving grows towards 4× only as the batch and the context make the cache dominate
 # (2.65× at 32 sequences of 4,096 tokens, 2.60× from the cache alone). That is the point of GQA — more and longer sequences per GPU
 # at a small cost in quality, since four query heads now share each key/value head.
-
-# %% [markdown]
-# ### Exercise 5.15 — what GQA saves, in your words (2 pts, ~5 min)
-#
-# Llama-3-8B's GQA makes its KV cache 4× smaller than with 32 KV heads, yet it removes only about
-# a tenth of each layer's weights. Explain both numbers in a few sentences: which weights GQA
-# shrinks and which it leaves alone, and why the cache, not the parameter count, is what matters
-# when serving the model. (Llama-3-8B per layer: `D = 4096`, 32 query heads and 8 KV heads of
-# 128, an MLP of three `4096 × 14336` matrices.)
-
-# %% [markdown] manual="gqa_memory_vs_parameters" points=2
-# GQA shrinks only `k_proj` and `v_proj`: from `D × H·d = 4096 × 4096` to `D × H_kv·d =
-# 4096 × 1024` each. `q_proj` and `o_proj` keep all 32 heads, and the MLP (3 · 4096 · 14336 ≈
-# 176M weights) is untouched. Per layer: MHA attention 4 · 4096² ≈ 67M weights, GQA ≈ 42M, so the
-# layer goes from ≈ 243M to ≈ 218M weights — about 10% fewer.
-#
-# The KV cache, by contrast, holds *only* keys and values, `2 · L · H_kv · d · S · B` numbers,
-# so it scales with `H_kv` and shrinks by `n_rep = 4`. It also grows with the context length and
-# the batch while the weights do not: at 32 sequences of 4,096 tokens it is 64 GiB with 32 KV
-# heads and 16 GiB with 8 — about as much as the ≈ 15 GiB of 16-bit weights, and the gap widens
-# with every longer context or larger batch. What fits on the GPU — how many sequences, how long
-# — is set by the cache. Each decoding step reads every weight matrix (the input embedding
-# only row by row) and every sequence's whole cache, so the smaller cache also cuts the memory
-# traffic per step, by much less than 4× for a single sequence of 4,096 tokens (1.21×, of which
-# the cache alone 1.10× and the smaller k/v weights the rest: the weights dominate) and
-# approaching 4× as the cache grows (2.65× at 32 × 4,096 tokens).
 
 # %% [markdown]
 # ## What you built

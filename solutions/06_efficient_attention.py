@@ -3,11 +3,13 @@
 #
 # Every notebook so far built the `[S, S]` table of scores and softmaxed it. That table is what
 # limits the context length of a Transformer. Here you will measure it, then remove it step by
-# step — query chunks, the online softmax, the tiled FlashAttention forward pass in PyTorch —
-# and end with the same algorithm as a Triton GPU kernel, which is checked on the CPU by
-# Triton's interpreter and runs natively on a CUDA GPU (Colab).
+# step: query chunks, the online softmax, FlashAttention's tiled forward and backward passes in
+# PyTorch. Then you count why a fused kernel is faster, and write the forward pass as a Triton
+# GPU kernel, which is checked on the CPU by Triton's interpreter and runs natively on a CUDA
+# GPU (Colab).
 #
-# **31 points, about 194 minutes.**
+# **27 points, about 156 minutes.** Then a **challenge part** for those who will write GPU
+# kernels — the backward pass as Triton kernels, section 9: **4 points, about 38 minutes.**
 #
 # **Notation**: `B` batch, `H` heads, `S_q` query tokens, `S_k` key/value tokens, `d` the
 # per-head width. q is `[B, H, S_q, d]`, k and v are `[B, H, S_k, d]`. **Masks** are boolean
@@ -15,19 +17,22 @@
 #
 # **Causal, everywhere in this notebook**: query `i` sees keys `j ≤ i + (S_k − S_q)`. The
 # triangle is aligned to the *bottom-right* corner, as in KV-cache decoding (notebook 05): the
-# last query sees every key. When `S_q = S_k` it is the usual lower triangle. With *more*
-# queries than keys, the first `S_q − S_k` queries see no key at all, and every function here
-# gives them what `F.scaled_dot_product_attention` gives them with the same boolean mask: an
-# output row of **0**, `lse = −inf` (the log of an empty sum, as `torch.logsumexp` says), and
-# no gradient (their `dq` row is 0 and they add nothing to `dk`, `dv`). Measured in PyTorch
-# 2.13: SDPA with that mask returns 0 for those rows, and autograd through it gives 0. A naive
-# softmax gives NaN instead (`exp(−inf − (−inf))` and `0 / 0`); a finite fill such as `−1e9`
-# gives the mean of all the values. The checks give such queries to every function with
-# `causal` and name both mistakes. Production kernels guard them the same way — divide by 1
-# where the running sum is 0, subtract 0 instead of a running max of `−inf` — for padded
-# batches and left-truncated caches. (SDPA's own `is_causal=True` aligns the triangle
-# *top-left*, `j ≤ i`, so with `S_q > S_k` every query sees key 0 there: this notebook passes
-# it an explicit mask instead, or `torch.nn.attention.bias.causal_lower_right`.)
+# last query sees every key. When `S_q = S_k` it is the usual lower triangle. With *more* queries
+# than keys, the first `S_q − S_k` queries see no key at all, and every function here gives them
+# what `F.scaled_dot_product_attention` gives them with the same boolean mask: an output row of
+# **0**, `lse = −inf` (the log of an empty sum, as `torch.logsumexp` says), and no gradient
+# (their `dq` row is 0 and they add nothing to `dk`, `dv`). Measured in PyTorch 2.13: SDPA with
+# that mask returns 0 for those rows, and autograd through it gives 0. A naive softmax gives NaN
+# instead (`exp(−inf − (−inf))` and `0 / 0`); a finite fill such as `−1e9` gives the mean of all
+# the values. The checks give such queries to every function with `causal` and name both
+# mistakes. Production kernels guard these rows too, for padded batches and left-truncated
+# caches: flash-attn's CUDA kernels divide by 1 where the running sum is 0, so the output row is
+# 0 — but they store `lse = +∞` for it, not `−∞`, so that the backward's `P = exp(s − lse)` is 0
+# without a special case, and `−∞` only in the partial results of a split pass, the value that
+# gives a part no weight when parts are merged (section 5). This notebook stores `−∞`, as
+# `torch.logsumexp` does, and guards the backward instead. (SDPA's own `is_causal=True` aligns
+# the triangle *top-left*, `j ≤ i`, so with `S_q > S_k` every query sees key 0 there: this
+# notebook passes it an explicit mask instead, or `torch.nn.attention.bias.causal_lower_right`.)
 #
 # **Precision**: your functions may compute in float32 inside even when they are given float64;
 # the checks then accept float32 accuracy and print a one-line note. (FlashAttention on a GPU
@@ -488,325 +493,7 @@ print("plain average of the halves vs all keys: ",
 # carry equal mass.
 
 # %% [markdown]
-# ## 6. The same algorithm as a Triton kernel
-#
-# A GPU kernel in [Triton](https://triton-lang.org) is a Python function run by many
-# *programs* at once. Here program `(i, bh)` computes query rows `i·BLOCK_Q … i·BLOCK_Q +
-# BLOCK_Q − 1` of head `bh`: it loads its queries once, loops over key blocks, and keeps
-# `m_i`, `l_i` and `acc` in registers — the `[BLOCK_Q, BLOCK_K]` tile of scores never leaves
-# the chip. This is FlashAttention.
-#
-# **Where it runs.** On a CUDA GPU (Colab: *Runtime → Change runtime type → GPU*) the kernel is
-# compiled for the GPU. Without a GPU, the setup cell at the top of this notebook has set
-# `TRITON_INTERPRET=1` *before any kernel is defined* (Triton reads it when `@triton.jit`
-# runs): the kernel then runs in Triton's **interpreter** on CPU tensors, with NumPy, slowly but
-# with the same semantics. The interpreter is more lenient than the GPU compiler in two ways
-# the launcher guards against: it accepts blocks smaller than 16 in `tl.dot` (the GPU compiler
-# rejects them), and its bfloat16 `tl.dot` is wrong (so the CPU check uses float32 and float16).
-# Timing tools such as `triton.testing.do_bench` and `@triton.autotune` need a GPU.
-#
-# **Loads and stores.** `tl.load(pointers, mask=..., other=0.0)` reads a whole block; lanes
-# where `mask` is False read nothing and give `other`. A load **without** a mask past the end of
-# a tensor reads memory that is not yours: on a GPU it may crash, and in the interpreter it can
-# kill the notebook's kernel ("kernel restarting"). If that happens, restart, re-run from the
-# top, and add the mask. (Grading runs each notebook in its own process and survives a crashed
-# kernel: you lose this exercise's points, not the others'.)
-#
-# **Triton's vocabulary** for the loop: `tl.arange(0, N)` (a block of indices), `tl.load` /
-# `tl.store`, `tl.dot(a, b)` (a block matrix product, float32 accumulation; on float32 blocks a
-# GPU of the Ampere generation or newer rounds the inputs to **TF32** — 10 bits of mantissa —
-# unless told `input_precision="ieee"`, while the interpreter multiplies in full float32, so a
-# float32 kernel differs between the two by about 1e-3), `tl.trans(k)`,
-# `tl.max(x, axis=1)`, `tl.sum(x, axis=1)`, `tl.maximum`, `tl.where(condition, a, b)`,
-# `tl.exp2`, `x[:, None]` / `x[None, :]` broadcasting, `p.to(v.dtype)`. Plain Python `for` loops
-# over `range(start, stop, step)` work, with `stop` a runtime value.
-
-# %%
-from attention_lab.triton_kernels import (TRITON_AVAILABLE, interpreter_active,
-                                          launch_flash_attention, launch_flash_attention_backward,
-                                          launch_matmul, launch_online_softmax, launch_row_softmax,
-                                          launch_scale, tl, triton)
-
-print("Triton available:", TRITON_AVAILABLE,
-      "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
-
-# %% [markdown]
-# ### Warm-up: three small kernels before FlashAttention's
-#
-# Each exercise below is one idea the FlashAttention kernel needs, on its own. Their launchers
-# are given (read them with `launch_scale??` and the like); the checks run each kernel on
-# lengths that are multiples of no block, with NaN stored right after every input, and name a
-# load or a store that goes past the end.
-
-# %% [markdown]
-# ### Exercise 6.7 — scale_kernel: a masked load and store (1 pt, ~5 min)
-#
-# `out = alpha · x` for a 1-D `x` of `n` elements. Program `i` handles elements
-# `i·BLOCK … i·BLOCK + BLOCK − 1`; the last program's block runs past `n`. Its lanes past the
-# end must neither read `x` nor write `out`.
-
-# %% answer="scale_kernel"
-@triton.jit
-def scale_kernel(X, Out, n, alpha, BLOCK: tl.constexpr):
-    """Out[i] = alpha · X[i] for i < n; one program per BLOCK elements."""
-    ### BEGIN SOLUTION
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    x = tl.load(X + offsets, mask=inside, other=0.0)
-    tl.store(Out + offsets, alpha * x, mask=inside)
-    ### END SOLUTION
-
-
-# %% test="test_scale_kernel" points=1
-"""scale_kernel: alpha · x, masked loads and stores, any length."""
-from attention_lab.checks.efficient_attention import check_scale_kernel
-
-check_scale_kernel(scale_kernel)
-### BEGIN HIDDEN TESTS
-check_scale_kernel(scale_kernel, seed=6711)
-### END HIDDEN TESTS
-
-# %% [markdown]
-# ### Exercise 6.8 — matmul_kernel: a tiled matrix product (1 pt, ~10 min)
-#
-# `C = A @ B` with `A [M, K]`, `B [K, N]`. Program `(i, j)` owns the `[BLOCK_M, BLOCK_N]` block
-# of `C` at rows `i·BLOCK_M …` and columns `j·BLOCK_N …`: it walks along `K` one `BLOCK_K` slice
-# at a time, multiplies a block of `A` by a block of `B` with `tl.dot`, and accumulates in
-# float32. An element of `A` at `(r, c)` is at `A + r·stride_am + c·stride_ak`. Any of `M`, `N`
-# and `K` may stop in the middle of a block.
-
-# %% answer="matmul_kernel"
-@triton.jit
-def matmul_kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                  stride_cm, stride_cn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """C[i-block, j-block] = Σ over K-slices of A[i-block, slice] @ B[slice, j-block] (float32)."""
-    ### BEGIN SOLUTION
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        a = tl.load(A + rows[:, None] * stride_am + ks[None, :] * stride_ak,
-                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
-        b = tl.load(B + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
-        acc += tl.dot(a, b)
-    tl.store(C + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
-    ### END SOLUTION
-
-
-# %% test="test_matmul_kernel" points=1
-"""matmul_kernel: a tiled A @ B with a float32 accumulator; ragged M, N and K."""
-from attention_lab.checks.efficient_attention import check_matmul_kernel
-
-check_matmul_kernel(matmul_kernel)
-### BEGIN HIDDEN TESTS
-check_matmul_kernel(matmul_kernel, seed=6811)
-### END HIDDEN TESTS
-
-# %% [markdown]
-# ### Exercise 6.9 — softmax kernels: a row in one block, then a row of many (3 pts, ~23 min)
-#
-# **First, `row_softmax_kernel`** (1 point). One program per row of `x [rows, n_cols]`; `BLOCK` is the next power of two `≥ n_cols`, so
-# the whole row fits in one block. Make it stable for scores around ±1000, and think about what
-# the lanes past `n_cols` must hold so that they change neither the max nor the sum.
-
-# %% answer="row_softmax_kernel"
-@triton.jit
-def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
-    """Out[r] = softmax(X[r]) for the row r = program_id(0)."""
-    ### BEGIN SOLUTION
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
-    e = tl.exp(x - tl.max(x, axis=0))
-    tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
-    ### END SOLUTION
-
-
-# %% test="test_row_softmax_kernel" points=1
-"""row_softmax_kernel: the softmax of each row, stable at ±1000, any row length."""
-from attention_lab.checks.efficient_attention import check_row_softmax_kernel
-
-check_row_softmax_kernel(row_softmax_kernel)
-### BEGIN HIDDEN TESTS
-check_row_softmax_kernel(row_softmax_kernel, seed=6911)
-### END HIDDEN TESTS
-
-# %% [markdown]
-# **Then `online_softmax_kernel`** (2 points): the same softmax for rows **longer than one
-# block** — the online softmax of 6.3 and 6.4, inside one Triton program. `BLOCK` is now given
-# by the launcher (`launch_online_softmax(kernel, x, block=...)`; read it with
-# `launch_online_softmax??`) and may be much shorter than the row, so the program loops over the
-# row's column blocks twice:
-#
-# 1. a running max `m` and a running sum `l`: for each block, the new max
-#    `m_new = max(m, max(x_blk))`, then `l = l · e^(m − m_new) + Σ e^(x_blk − m_new)` — the sum
-#    taken so far is rescaled to the new max;
-# 2. a second pass over the same blocks that writes `e^(x − m) / l`.
-#
-# This is exactly the loop of FlashAttention's kernel in 6.10, with a row of scores instead of
-# `q kᵀ` and without the `V` accumulator. Compute in float32 (`x.to(tl.float32)` after the load;
-# the store converts to `Out`'s dtype, float16 included). Start `m` at −∞ and `l` at 0 as
-# float32 *scalars* the loop can update (e.g. `tl.max(tl.full([BLOCK], float("-inf"),
-# tl.float32), axis=0)`); the check gives rows whose maximum jumps by 1000 after the first
-# blocks, and rows that fall by 2000 after them.
-#
-# | name | signature | contract |
-# | --- | --- | --- |
-# | `online_softmax_kernel` | `@triton.jit (X, Out, n_cols, stride_x, stride_out, BLOCK)` | one program per row; loop over column blocks with a running max and a rescaled running sum, then a second pass writes `exp(x − m) / l`; stable for rows spanning −1000 … 1000; float32 and float16 in, the input's dtype out; any row length |
-
-# %% answer="online_softmax_kernel"
-@triton.jit
-def online_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
-    """Out[r] = softmax(X[r]) for the row r = program_id(0), in column blocks of BLOCK."""
-    ### BEGIN SOLUTION
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)  # running max, a scalar
-    l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)  # running sum against m_i
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offs
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
-        x = x.to(tl.float32)
-        m_new = tl.maximum(m_i, tl.max(x, axis=0))
-        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m_i = m_new
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offs
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
-        x = x.to(tl.float32)
-        y = tl.exp(x - m_i) / l_i
-        tl.store(Out + row * stride_out + cols, y.to(Out.dtype.element_ty), mask=cols < n_cols)
-    ### END SOLUTION
-
-
-# %% test="test_online_softmax_kernel" points=2
-"""online_softmax_kernel: the softmax of rows longer than a block, stable from -1000 to 1000."""
-from attention_lab.checks.efficient_attention import check_online_softmax_kernel
-
-check_online_softmax_kernel(online_softmax_kernel)
-### BEGIN HIDDEN TESTS
-check_online_softmax_kernel(online_softmax_kernel, seed=6912)
-### END HIDDEN TESTS
-
-# %% [markdown]
-# ### Exercise 6.10 — flash_attention_kernel (3 pts, ~25 min)
-#
-# The kernel's prologue (offsets, loading this program's queries, `m_i = −∞`, `l_i = 0`,
-# `acc = 0`) and epilogue (`acc / l_i`, `lse`, 0 and `−inf` for a query that sees no key, the
-# masked stores) are given. Write the loop over key blocks in between; everything it needs, you
-# have written once already:
-#
-# * **which key blocks**: all of them, or with `CAUSAL` only those that hold a key some query
-#   of this program may see (6.5's loop bound, with this program's rows; mind that `range`'s
-#   stop is exclusive);
-# * **the blocks of K and V**: masked loads, as in 6.7 — the last block runs past `seq_k`;
-# * **the tile of scores**: a `tl.dot` as in 6.8, times `qk_scale`. A key that does not exist
-#   (past `seq_k`) or, with `CAUSAL`, lies in a query's future (6.2's rule, bottom-right) must
-#   get no weight: what score gives weight 0?
-# * **the online-softmax update** of `m_i`, `l_i` and `acc` (6.4), in registers. The scores
-#   are in base-2 units (`qk_scale` includes `log2(e)`, as the epilogue assumes), so use
-#   `tl.exp2`; give `tl.dot` `p.to(v.dtype)` and `v` (float32 accumulation).
-
-# %% answer="flash_attention_kernel"
-@triton.jit
-def flash_attention_kernel(Q, K, V, Out, Lse,
-                           stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
-                           seq_q, seq_k, sm_scale,
-                           CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                           HEAD_DIM: tl.constexpr):
-    """One program: BLOCK_Q query rows of one (batch, head); loop over key blocks.
-
-    Q, Out: [B·H, S_q, HEAD_DIM]; K, V: [B·H, S_k, HEAD_DIM]; Lse: [B·H, S_q] float32.
-    """
-    block_index = tl.program_id(0)  # which block of query rows
-    head_index = tl.program_id(1)  # which (batch, head)
-    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] query rows of this program
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
-                mask=offs_q[:, None] < seq_q, other=0.0)  # [BLOCK_Q, HEAD_DIM]
-    qk_scale = sm_scale * 1.4426950408889634  # × log2(e): scores in base-2 units, for tl.exp2
-    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)  # running max (base-2 units)
-    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)  # running sum
-    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)  # unnormalised output
-    ### BEGIN SOLUTION
-    k_stop = seq_k
-    if CAUSAL:
-        k_stop = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + seq_k - seq_q)
-    for k_start in range(0, k_stop, BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        key_ok = offs_k[:, None] < seq_k
-        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
-                    mask=key_ok, other=0.0)
-        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
-                    mask=key_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK_K]
-        visible = offs_k[None, :] < seq_k
-        if CAUSAL:
-            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        correction = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * correction + tl.sum(p, axis=1)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    ### END SOLUTION
-    # Epilogue (given): normalise once, lse back to natural log, store the rows that exist. A
-    # query that sees no key (causal, S_q > S_k: the first S_q - S_k) gets out 0 and lse -inf,
-    # as SDPA, whatever the loop left in its row (0 / 0, or a mean under a finite fill).
-    sees_a_key = offs_q >= 0
-    if CAUSAL:
-        sees_a_key = offs_q >= seq_q - seq_k
-    acc = tl.where(sees_a_key[:, None], acc / l_i[:, None], 0.0)
-    lse = tl.where(sees_a_key, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))  # × ln 2
-    row_ok = offs_q < seq_q
-    tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
-             acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)
-
-
-# %% [markdown]
-# The launcher is given: it sees q, k and v as `[B·H, S, d]` (row `s` of head `bh` at
-# `bh·stride_h + s·stride_s`), allocates `out` and `lse`, and launches a grid of
-# `(ceil(S_q / block_q), B·H)` programs. Read it with `launch_flash_attention??`. The check
-# runs your kernel on lengths that are multiples of no block, with rows of NaN stored right
-# after each head's last row of q, k and v: a load without a mask reads them, and Triton's
-# interpreter tells the check which load it was.
-
-# %%
-def triton_flash_attention(q, k, v, causal=False):
-    """(out, lse) from your kernel: q [B, H, S_q, d], k and v [B, H, S_k, d].
-
-    d must be a power of two >= 16.
-    """
-    return launch_flash_attention(flash_attention_kernel, q, k, v, causal=causal)
-
-
-# %% test="test_flash_attention_kernel" points=3
-"""flash_attention_kernel: equals SDPA and logsumexp (fp32, fp16); ragged; causal; masked."""
-from attention_lab.checks.efficient_attention import check_flash_attention_kernel
-
-check_flash_attention_kernel(flash_attention_kernel)
-### BEGIN HIDDEN TESTS
-check_flash_attention_kernel(flash_attention_kernel, seed=6701, sizes="more")
-### END HIDDEN TESTS
-
-# %%
-if TRITON_AVAILABLE:
-    q_small, k_small, v_small = (torch.randn(1, 2, 64, 16, device=device) for _ in range(3))
-    out_triton, lse_triton = triton_flash_attention(q_small, k_small, v_small, causal=True)
-    out_torch, lse_torch = flash_attention_forward(q_small, k_small, v_small, causal=True)
-    print("Triton vs PyTorch flash: out", float((out_triton - out_torch).abs().max()),
-          "| lse", float((lse_triton - lse_torch).abs().max()))
-else:
-    print("Triton is not installed here: open this notebook on Colab to run the kernel.")
-
-# %% [markdown]
-# ## 7. The backward pass
+# ## 6. The backward pass
 #
 # Training needs `dQ, dK, dV` from `dO = ∂loss/∂out`. Autograd through the naive attention keeps
 # the `[S_q, S_k]` weights `P` between the passes: exactly the table the forward pass avoided.
@@ -827,12 +514,18 @@ else:
 # `dV` and `dK` of its keys and to `dQ` of its queries. FlashAttention-2 puts the loop over
 # **key blocks outside** (each program owns the `dK, dV` of one key block and accumulates
 # them in registers) and the query blocks inside; `dQ` is accumulated across key blocks. In
-# FlashAttention-2's CUDA kernel that is **one kernel**: every key-block program adds its share
-# of `dQ` to the same rows in global memory with **atomic adds** (many programs write the same
-# `dQ` rows at once, so each addition must be atomic). Section 9 builds the other design.
+# flash-attn's FlashAttention-2 CUDA backward that is **one main kernel**, between two small
+# ones: a pre-pass computes `D`, the main kernel does the tiles, and a last launch converts the
+# float32 `dQ` it accumulated to the inputs' dtype. In the main kernel every key-block program
+# adds its share of `dQ` to the same rows in global memory with **atomic adds** (many programs
+# write the same `dQ` rows at once, so each addition must be atomic). The programs finish in no
+# fixed order, and float additions in another order round differently: `dQ` can differ in its
+# last bits from one run to the next. flash-attn's `deterministic=True` gives each key-block
+# program its own `dQ` buffer instead and sums them in a fixed order — slower, and more memory.
+# Section 9 builds a design without atomics.
 
 # %% [markdown]
-# ### Exercise 6.11 — flash_attention_backward (4 pts, ~25 min)
+# ### Exercise 6.7 — flash_attention_backward (4 pts, ~25 min)
 #
 # Write the tiled backward pass. Inputs: q, k, v, the forward's `out` and `lse`, and `dout`
 # (`[B, H, S_q, d_v]`). Return `(dq, dk, dv)` with the shapes and dtype of q, k and v. Compute
@@ -904,7 +597,7 @@ check_flash_attention_backward_memory(flash_attention_backward, seed=6802)
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 6.12 — FlashAttention, an autograd Function (2 pts, ~10 min)
+# ### Exercise 6.8 — FlashAttention, an autograd Function (2 pts, ~10 min)
 #
 # Wrap both passes in a `torch.autograd.Function`: `forward(ctx, q, k, v, causal=False)` runs
 # your `flash_attention_forward`, keeps **only** what the backward pass needs (the check
@@ -1013,7 +706,7 @@ print("largest difference between the two loss curves:",
       f"{max(abs(a - b) for a, b in zip(with_sdpa, with_flash)):.1e}")
 
 # %% [markdown]
-# ## 8. What attention costs: FLOPs, bytes, and the clock
+# ## 7. Why a fused kernel is faster: FLOPs, bytes, and the clock
 #
 # **Count before you measure.** For one head with `S_q = S_k = S` and width `d`, the two matrix
 # products `q kᵀ` and `P v` are `S²·d` multiply-adds each: `4·S²·d` FLOPs, naive or tiled. What
@@ -1028,11 +721,12 @@ print("largest difference between the two loss curves:",
 #
 # Their *arithmetic intensity*, FLOPs per byte, decides what bounds them: a GPU that does `F`
 # FLOP/s and moves `W` bytes/s waits for memory whenever a kernel does fewer than `F / W` FLOPs
-# per byte. Dense float16 peaks over memory bandwidth, from the data sheets (the H100 differs by
-# model; `torch.cuda.get_device_name()` says which one you have): H100 SXM 989 TFLOP/s over
-# 3.35 TB/s ≈ 295; H100 NVL 835 over 3.9 ≈ 214; H100 PCIe 756 over 2.0 ≈ 378; A100 80 GB 312
-# over 2.0 ≈ 156; Colab's T4 65 over 0.32 ≈ 203. **Predict** before running the cell: at
-# `d = 64` and `block_q = 128`, which of the two passes is below these balances, and by how much?
+# per byte. Dense float16 peaks over memory bandwidth, from the data sheets (the H100 and the
+# H200 differ by model; `torch.cuda.get_device_name()` says which one you have): H100 SXM 989
+# TFLOP/s over 3.35 TB/s ≈ 295; H100 NVL 835 over 3.9 ≈ 214; H100 PCIe 756 over 2.0 ≈ 378; H200
+# (SXM) 989 over 4.8 ≈ 206; H200 NVL 835 over 4.8 ≈ 174; A100 80 GB 312 over 2.0 ≈ 156; Colab's
+# T4 65 over 0.32 ≈ 203. **Predict** before running the cell: at `d = 64` and `block_q = 128`,
+# which of the two passes is below these balances, and by how much?
 
 # %%
 from attention_lab.widgets.efficient_attention import attention_traffic
@@ -1045,32 +739,32 @@ for seq_len in (1024, 4096, 16384):
 
 # %% [markdown]
 # The naive pass does about `d/2` = 32 FLOPs per byte at any `S`: five to twelve times below
-# every balance above, so it runs at the speed of its memory traffic — and its traffic grows
-# like `S²`. The tiled pass does about `block_q` FLOPs per byte (114–128 here; bigger query
-# blocks, fewer re-reads of k and v): four times the naive intensity — and by this model
-# *still* below every balance quoted, from 0.73× an A100's to 0.3× an H100 PCIe's. The model
-# is pessimistic for the tiled pass: it charges every re-read of k and v to the GPU's memory,
-# while many are served by its L2 cache, and FlashAttention-2 measures 50–73% of an A100's peak
-# in its forward pass (Dao, 2023) — compute-bound in practice. So the honest prediction is:
-# naive, memory-bound by a wide margin; tiled, near the balance on paper and above it once the
-# cache helps. Same FLOPs, several times fewer bytes: that is FlashAttention's speed-up.
+# every balance above, so it runs at the speed of its memory traffic — and its traffic grows like
+# `S²`. The tiled pass does about `block_q` FLOPs per byte (114 at `S = 1k` to 127 at 16k; bigger
+# query blocks, fewer re-reads of k and v): four times the naive intensity — and by this model
+# *still* below every balance quoted: from 0.3× an H100 PCIe's (at `S = 1k`) to 0.8× an A100's
+# (at 16k). The model is pessimistic for the tiled pass: it charges every re-read of k and v to
+# the GPU's memory, while many are served by its L2 cache, and FlashAttention-2 measures 50–73%
+# of an A100's peak in its forward pass (Dao, 2023) — compute-bound in practice. So the honest
+# prediction is: naive, memory-bound by a wide margin; tiled, near the balance on paper and above
+# it once the cache helps. Same FLOPs, several times fewer bytes: that is FlashAttention's
+# speed-up.
 #
 # **Measure.** Naive attention (the `[S, S]` table, as in notebook 01), your `chunked_attention`
-# and `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU also
-# your Triton kernel, in float16 — with the launcher's fixed 32 × 32 tiles and no autotuning,
-# so it is far from the best that kernel could do, while SDPA picks its kernel per GPU). On
-# Colab's T4, SDPA has no flash backend (its FlashAttention kernels need an Ampere GPU or
-# newer), so it runs its memory-efficient kernel there. On the CPU the measurement runs on one
-# thread (a thread pool that changes size under a shared machine's load bends the curves), and
-# each time is the median of rounds of three runs after a warm-up run (the first call pays for
-# allocations and, on a GPU, kernel set-up), repeated until a round moves the median by less
-# than 5% (at most 30 runs); the bars go from the fastest run to the slowest. Peak memory is that of the tensors each call creates; on the CPU
-# it is followed tensor by tensor (SDPA's fused CPU kernel allocates its small buffers out of
-# sight). Both panels are log-log, so growth like `S^p` is a straight line of slope `p`: the
-# legend gives each line's fitted slope. On a GPU the plot also prints the achieved TFLOP/s
-# (`4·B·H·S²·d` over the median time) against the card's float16 peak — a fair yardstick for
-# SDPA and your Triton kernel, not for the PyTorch flash pass, which computes its tiles in
-# float32. Ungraded; a few seconds on the CPU.
+# and `flash_attention_forward`, and PyTorch's SDPA, on this notebook's device (on a GPU in
+# float16; section 8 adds your Triton kernel to the GPU's measurement). On Colab's T4, SDPA has
+# no flash backend (its FlashAttention kernels need an Ampere GPU or newer), so it runs its
+# memory-efficient kernel there. On the CPU the measurement runs on one thread (a thread pool
+# that changes size under a shared machine's load bends the curves), and each time is the median
+# of rounds of three runs after a warm-up run (the first call pays for allocations and, on a GPU,
+# kernel set-up), repeated until a round moves the median by less than 5% (at most 30 runs); the
+# bars go from the fastest run to the slowest. Peak memory is that of the tensors each call
+# creates; on the CPU it is followed tensor by tensor (SDPA's fused CPU kernel allocates its
+# small buffers out of sight). Both panels are log-log, so growth like `S^p` is a straight line
+# of slope `p`: the legend gives each line's fitted slope. On a GPU the plot also prints the
+# achieved TFLOP/s (`4·B·H·S²·d` over the median time) against the card's float16 peak — a fair
+# yardstick for SDPA, not for the PyTorch flash pass, which computes its tiles in float32.
+# Ungraded; a few seconds on the CPU.
 
 # %%
 from attention_lab.widgets.efficient_attention import (attention_costs_view, gpu_peak_tflops,
@@ -1090,7 +784,6 @@ contenders = {
     "SDPA": F.scaled_dot_product_attention,
 }
 if device.type == "cuda":
-    contenders["flash, Triton"] = lambda q, k, v: triton_flash_attention(q, k, v)[0]
     costs = measure_attention_costs(contenders, [1024, 2048, 4096, 8192], batch_size=4,
                                     num_heads=16, dtype=torch.float16, device=device)
 else:
@@ -1099,15 +792,18 @@ attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
 
 # %% [markdown]
 # **What to expect.** Memory: the naive table's slope is about 2 (×4 per doubling of `S`);
-# chunked attention's and the tiled pass's about 1 (`chunk · S`, and the output plus its
-# tiles). Time: every exact method does the same `4·S²·d` FLOPs, so at large `S` every time
-# line tends to slope 2 — FlashAttention does not do less arithmetic, it moves fewer bytes.
-# **CPU and GPU differ**: a CPU has caches large enough for small tables and no separate
-# "on-chip" tile memory to exploit, and Python pays a fixed overhead per tile, so on the CPU
-# the PyTorch tiles are the slowest line and small `S` shows slopes below 2 (overheads, not
-# arithmetic, dominate). On a GPU the naive version waits for its `S²` traffic and runs out of
-# memory first, while the fused kernels (SDPA's flash backend, or yours) are faster and reach a
-# larger share of the card's peak.
+# chunked attention's about 1 (`chunk · S`; 1.15 measured on this course's CPU, `S = 128` to
+# 1,024). The tiled pass holds the output plus tiles of a fixed size, so its slope tends to 1 as
+# the output outgrows the tiles, and is well below 1 at the CPU's small sizes, where the tiles
+# are still a large part of the total (0.62 measured here). Time: every exact method does the
+# same `4·S²·d` FLOPs, so at large `S` every time line tends to slope 2 — FlashAttention does not
+# do less arithmetic, it moves fewer bytes. **CPU and GPU differ**: a CPU has caches large enough
+# for small tables and no separate "on-chip" tile memory to exploit, and Python pays a fixed
+# overhead per tile, so on the CPU the PyTorch tiles are the slowest line and small `S` shows
+# slopes below 2 (overheads, not arithmetic, dominate). On a GPU the naive version waits for its
+# `S²` traffic and runs out of memory first, while the fused kernels (SDPA's flash backend, or
+# the one you write next) are faster and reach a larger share of the card's peak. That is why the
+# rest of this notebook writes the tiled pass as one GPU kernel.
 #
 # **What a CPU slope can and cannot show.** It shows how the cost of each method grows on this
 # machine once fixed overheads are small: the table's `S²` memory, and (at large `S`) the `S²`
@@ -1120,13 +816,386 @@ attention_costs_view(costs, peak_tflops=gpu_peak_tflops(device))
 # reading a slope.
 
 # %% [markdown]
+# ## 8. The same algorithm as a Triton kernel
+#
+# A GPU kernel in [Triton](https://triton-lang.org) is a Python function run by many
+# *programs* at once. Here program `(i, bh)` computes query rows `i·BLOCK_Q … i·BLOCK_Q +
+# BLOCK_Q − 1` of head `bh`: it loads its queries once, loops over key blocks, and keeps
+# `m_i`, `l_i` and `acc` in registers — the `[BLOCK_Q, BLOCK_K]` tile of scores never leaves
+# the chip. This is FlashAttention, and the reason section 7 gave for its speed: the same
+# FLOPs, with the bytes of one read of q, k and v per query block instead of the `S²` table.
+#
+# **Where it runs.** On a CUDA GPU (Colab: *Runtime → Change runtime type → GPU*) the kernel is
+# compiled for the GPU. Without a GPU, the setup cell at the top of this notebook has set
+# `TRITON_INTERPRET=1` *before any kernel is defined* (Triton reads it when `@triton.jit`
+# runs): the kernel then runs in Triton's **interpreter** on CPU tensors, with NumPy, slowly but
+# with the same semantics. The interpreter is more lenient than the GPU compiler in two ways
+# the launchers guard against. It accepts a `tl.dot` of any size, while Triton's compiler for
+# NVIDIA GPUs (version 3.7) requires the *reduction* dimension — the `K` of `[M, K] @ [K, N]` —
+# to be at least 16 (32 for 8-bit inputs; `M` and `N` may be smaller). In this notebook's
+# kernels every block size is the reduction dimension of some product (`BLOCK_K` and the head
+# width in the forward's `q kᵀ` and `P V`, `BLOCK_Q` in the backward's `Pᵀ dO`), so the
+# launchers ask at least 16 of each. And the interpreter's bfloat16 `tl.dot` is wrong, so the
+# CPU check uses float32 and float16.
+# Timing tools such as `triton.testing.do_bench` and `@triton.autotune` need a GPU.
+#
+# **Loads and stores.** `tl.load(pointers, mask=..., other=0.0)` reads a whole block; lanes
+# where `mask` is False read nothing and give `other`. A load **without** a mask past the end of
+# a tensor reads memory that is not yours: on a GPU it may crash, and in the interpreter it can
+# kill the notebook's kernel ("kernel restarting"). If that happens, restart, re-run from the
+# top, and add the mask. (Grading runs each notebook in its own process and survives a crashed
+# kernel: you lose this exercise's points, not the others'.)
+#
+# **Triton's vocabulary** for the loop: `tl.arange(0, N)` (a block of indices), `tl.load` /
+# `tl.store`, `tl.dot(a, b)` (a block matrix product, float32 accumulation; on float32 blocks a
+# GPU of the Ampere generation or newer rounds the inputs to **TF32** — 10 bits of mantissa —
+# unless told `input_precision="ieee"`, while the interpreter multiplies in full float32, so a
+# float32 kernel differs between the two by about 1e-3), `tl.trans(k)`,
+# `tl.max(x, axis=1)`, `tl.sum(x, axis=1)`, `tl.maximum`, `tl.where(condition, a, b)`,
+# `tl.exp2`, `x[:, None]` / `x[None, :]` broadcasting, `p.to(v.dtype)`. Plain Python `for` loops
+# over `range(start, stop, step)` work, with `stop` a runtime value.
+
+# %%
+from attention_lab.triton_kernels import (TRITON_AVAILABLE, interpreter_active,
+                                          launch_flash_attention, launch_flash_attention_backward,
+                                          launch_matmul, launch_online_softmax, launch_row_softmax,
+                                          launch_scale, tl, triton)
+
+print("Triton available:", TRITON_AVAILABLE,
+      "| runs in the interpreter (TRITON_INTERPRET=1):", interpreter_active())
+
+# %% [markdown]
+# ### Warm-up: three small kernels before FlashAttention's
+#
+# Each exercise below is one idea the FlashAttention kernel needs, on its own. Their launchers
+# are given (read them with `launch_scale??` and the like); the checks run each kernel on
+# lengths that are multiples of no block, with NaN stored right after every input, and name a
+# load or a store that goes past the end.
+
+# %% [markdown]
+# ### Exercise 6.9 — scale_kernel: a masked load and store (1 pt, ~5 min)
+#
+# `out = alpha · x` for a 1-D `x` of `n` elements. Program `i` handles elements
+# `i·BLOCK … i·BLOCK + BLOCK − 1`; the last program's block runs past `n`. Its lanes past the
+# end must neither read `x` nor write `out`.
+
+# %% answer="scale_kernel"
+@triton.jit
+def scale_kernel(X, Out, n, alpha, BLOCK: tl.constexpr):
+    """Out[i] = alpha · X[i] for i < n; one program per BLOCK elements."""
+    ### BEGIN SOLUTION
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    x = tl.load(X + offsets, mask=inside, other=0.0)
+    tl.store(Out + offsets, alpha * x, mask=inside)
+    ### END SOLUTION
+
+
+# %% test="test_scale_kernel" points=1
+"""scale_kernel: alpha · x, masked loads and stores, any length."""
+from attention_lab.checks.efficient_attention import check_scale_kernel
+
+check_scale_kernel(scale_kernel)
+### BEGIN HIDDEN TESTS
+check_scale_kernel(scale_kernel, seed=6711)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.10 — matmul_kernel: a tiled matrix product (1 pt, ~10 min)
+#
+# `C = A @ B` with `A [M, K]`, `B [K, N]`. Program `(i, j)` owns the `[BLOCK_M, BLOCK_N]` block
+# of `C` at rows `i·BLOCK_M …` and columns `j·BLOCK_N …`: it walks along `K` one `BLOCK_K` slice
+# at a time, multiplies a block of `A` by a block of `B` with `tl.dot`, and accumulates in
+# float32. An element of `A` at `(r, c)` is at `A + r·stride_am + c·stride_ak`. Any of `M`, `N`
+# and `K` may stop in the middle of a block.
+
+# %% answer="matmul_kernel"
+@triton.jit
+def matmul_kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                  stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[i-block, j-block] = Σ over K-slices of A[i-block, slice] @ B[slice, j-block] (float32)."""
+    ### BEGIN SOLUTION
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        a = tl.load(A + rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        b = tl.load(B + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc += tl.dot(a, b)
+    tl.store(C + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    ### END SOLUTION
+
+
+# %% test="test_matmul_kernel" points=1
+"""matmul_kernel: a tiled A @ B with a float32 accumulator; ragged M, N and K."""
+from attention_lab.checks.efficient_attention import check_matmul_kernel
+
+check_matmul_kernel(matmul_kernel)
+### BEGIN HIDDEN TESTS
+check_matmul_kernel(matmul_kernel, seed=6811)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.11 — softmax kernels: a row in one block, then a row of many (3 pts, ~23 min)
+#
+# **First, `row_softmax_kernel`** (1 point). One program per row of `x [rows, n_cols]`; `BLOCK` is the next power of two `≥ n_cols`, so
+# the whole row fits in one block. Make it stable for scores around ±1000, and think about what
+# the lanes past `n_cols` must hold so that they change neither the max nor the sum.
+
+# %% answer="row_softmax_kernel"
+@triton.jit
+def row_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    """Out[r] = softmax(X[r]) for the row r = program_id(0)."""
+    ### BEGIN SOLUTION
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(Out + row * stride_out + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+    ### END SOLUTION
+
+
+# %% test="test_row_softmax_kernel" points=1
+"""row_softmax_kernel: the softmax of each row, stable at ±1000, any row length."""
+from attention_lab.checks.efficient_attention import check_row_softmax_kernel
+
+check_row_softmax_kernel(row_softmax_kernel)
+### BEGIN HIDDEN TESTS
+check_row_softmax_kernel(row_softmax_kernel, seed=6911)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# **Then `online_softmax_kernel`** (2 points): the same softmax for rows **longer than one
+# block** — the online softmax of 6.3 and 6.4, inside one Triton program. `BLOCK` is now given
+# by the launcher (`launch_online_softmax(kernel, x, block=...)`; read it with
+# `launch_online_softmax??`) and may be much shorter than the row, so the program loops over the
+# row's column blocks twice:
+#
+# 1. a running max `m` and a running sum `l`: for each block, the new max
+#    `m_new = max(m, max(x_blk))`, then `l = l · e^(m − m_new) + Σ e^(x_blk − m_new)` — the sum
+#    taken so far is rescaled to the new max;
+# 2. a second pass over the same blocks that writes `e^(x − m) / l`.
+#
+# This is exactly the loop of FlashAttention's kernel in 6.12, with a row of scores instead of
+# `q kᵀ` and without the `V` accumulator. Compute in float32 (`x.to(tl.float32)` after the load;
+# the store converts to `Out`'s dtype, float16 included). `m` and `l` are one number each for the
+# whole row, carried from one iteration of the loop to the next: start them as float32
+# *scalars*, `tl.full([], float("-inf"), tl.float32)` and `tl.full([], 0.0, tl.float32)` (plain
+# `float("-inf")` and `0.0` give the same), and keep them scalars — reduce each block with
+# `tl.max(x, axis=0)` and `tl.sum(..., axis=0)` before you combine it with them. A variable the
+# loop carries must keep its type: the GPU compiler refuses an `m` that starts as a scalar and
+# comes back as a `[BLOCK]` vector ("Loop-carried variable m_i has initial type fp32 but is
+# re-assigned to <['16'], fp32> in loop"), though the interpreter lets it pass. The check gives
+# rows whose maximum jumps by 1000 after the first blocks, and rows that fall by 2000 after them.
+#
+# | name | signature | contract |
+# | --- | --- | --- |
+# | `online_softmax_kernel` | `@triton.jit (X, Out, n_cols, stride_x, stride_out, BLOCK)` | one program per row; loop over column blocks with a running max and a rescaled running sum, then a second pass writes `exp(x − m) / l`; stable for rows spanning −1000 … 1000; float32 and float16 in, the input's dtype out; any row length |
+
+# %% answer="online_softmax_kernel"
+@triton.jit
+def online_softmax_kernel(X, Out, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    """Out[r] = softmax(X[r]) for the row r = program_id(0), in column blocks of BLOCK."""
+    ### BEGIN SOLUTION
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m_i = tl.full([], float("-inf"), tl.float32)  # running max: a float32 scalar
+    l_i = tl.full([], 0.0, tl.float32)  # running sum against m_i
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+        x = x.to(tl.float32)
+        m_new = tl.maximum(m_i, tl.max(x, axis=0))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m_i = m_new
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+        x = x.to(tl.float32)
+        y = tl.exp(x - m_i) / l_i
+        tl.store(Out + row * stride_out + cols, y.to(Out.dtype.element_ty), mask=cols < n_cols)
+    ### END SOLUTION
+
+
+# %% test="test_online_softmax_kernel" points=2
+"""online_softmax_kernel: the softmax of rows longer than a block, stable from -1000 to 1000."""
+from attention_lab.checks.efficient_attention import check_online_softmax_kernel
+
+check_online_softmax_kernel(online_softmax_kernel)
+### BEGIN HIDDEN TESTS
+check_online_softmax_kernel(online_softmax_kernel, seed=6912)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 6.12 — flash_attention_kernel (3 pts, ~25 min)
+#
+# The kernel's prologue (offsets, loading this program's queries, `m_i = −∞`, `l_i = 0`,
+# `acc = 0`) and epilogue (`acc / l_i`, `lse`, 0 and `−inf` for a query that sees no key, the
+# masked stores) are given. Write the loop over key blocks in between; everything it needs, you
+# have written once already:
+#
+# * **which key blocks**: all of them, or with `CAUSAL` only those that hold a key some query
+#   of this program may see (6.5's loop bound, with this program's rows; mind that `range`'s
+#   stop is exclusive);
+# * **the blocks of K and V**: masked loads, as in 6.9 — the last block runs past `seq_k`;
+# * **the tile of scores**: a `tl.dot` as in 6.10, times `qk_scale`. A key that does not exist
+#   (past `seq_k`) or, with `CAUSAL`, lies in a query's future (6.2's rule, bottom-right) must
+#   get no weight: what score gives weight 0?
+# * **the online-softmax update** of `m_i`, `l_i` and `acc` (6.4), in registers. The scores
+#   are in base-2 units (`qk_scale` includes `log2(e)`, as the epilogue assumes), so use
+#   `tl.exp2`; give `tl.dot` `p.to(v.dtype)` and `v` (float32 accumulation).
+
+# %% answer="flash_attention_kernel"
+@triton.jit
+def flash_attention_kernel(Q, K, V, Out, Lse,
+                           stride_qh, stride_qs, stride_kh, stride_ks, stride_vh, stride_vs,
+                           seq_q, seq_k, sm_scale,
+                           CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
+    """One program: BLOCK_Q query rows of one (batch, head); loop over key blocks.
+
+    Q, Out: [B·H, S_q, HEAD_DIM]; K, V: [B·H, S_k, HEAD_DIM]; Lse: [B·H, S_q] float32.
+    """
+    block_index = tl.program_id(0)  # which block of query rows
+    head_index = tl.program_id(1)  # which (batch, head)
+    offs_q = block_index * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] query rows of this program
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
+                mask=offs_q[:, None] < seq_q, other=0.0)  # [BLOCK_Q, HEAD_DIM]
+    qk_scale = sm_scale * 1.4426950408889634  # × log2(e): scores in base-2 units, for tl.exp2
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)  # running max (base-2 units)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)  # running sum
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)  # unnormalised output
+    ### BEGIN SOLUTION
+    k_stop = seq_k
+    if CAUSAL:
+        k_stop = tl.minimum(seq_k, (block_index + 1) * BLOCK_Q + seq_k - seq_q)
+    for k_start in range(0, k_stop, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        key_ok = offs_k[:, None] < seq_k
+        k = tl.load(K + head_index * stride_kh + offs_k[:, None] * stride_ks + offs_d[None, :],
+                    mask=key_ok, other=0.0)
+        v = tl.load(V + head_index * stride_vh + offs_k[:, None] * stride_vs + offs_d[None, :],
+                    mask=key_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK_K]
+        visible = offs_k[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_q[:, None] + seq_k - seq_q)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        correction = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * correction + tl.sum(p, axis=1)
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    ### END SOLUTION
+    # Epilogue (given): normalise once, lse back to natural log, store the rows that exist. A
+    # query that sees no key (causal, S_q > S_k: the first S_q - S_k) gets out 0 and lse -inf,
+    # as SDPA, whatever the loop left in its row (0 / 0, or a mean under a finite fill).
+    sees_a_key = offs_q >= 0
+    if CAUSAL:
+        sees_a_key = offs_q >= seq_q - seq_k
+    acc = tl.where(sees_a_key[:, None], acc / l_i[:, None], 0.0)
+    lse = tl.where(sees_a_key, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))  # × ln 2
+    row_ok = offs_q < seq_q
+    tl.store(Out + head_index * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(Lse + head_index * seq_q + offs_q, lse, mask=row_ok)
+
+
+# %% [markdown]
+# The launcher is given: it sees q, k and v as `[B·H, S, d]` (row `s` of head `bh` at
+# `bh·stride_h + s·stride_s`), allocates `out` and `lse`, and launches a grid of
+# `(ceil(S_q / block_q), B·H)` programs. Read it with `launch_flash_attention??`. The check
+# runs your kernel on lengths that are multiples of no block, with rows of NaN stored right
+# after each head's last row of q, k and v: a load without a mask reads them, and Triton's
+# interpreter tells the check which load it was.
+
+# %%
+def triton_flash_attention(q, k, v, causal=False):
+    """(out, lse) from your kernel: q [B, H, S_q, d], k and v [B, H, S_k, d].
+
+    d must be a power of two >= 16.
+    """
+    return launch_flash_attention(flash_attention_kernel, q, k, v, causal=causal)
+
+
+# %% test="test_flash_attention_kernel" points=3
+"""flash_attention_kernel: equals SDPA and logsumexp (fp32, fp16); ragged; causal; masked."""
+from attention_lab.checks.efficient_attention import check_flash_attention_kernel
+
+check_flash_attention_kernel(flash_attention_kernel)
+### BEGIN HIDDEN TESTS
+check_flash_attention_kernel(flash_attention_kernel, seed=6701, sizes="more")
+### END HIDDEN TESTS
+
+# %%
+if TRITON_AVAILABLE:
+    q_small, k_small, v_small = (torch.randn(1, 2, 64, 16, device=device) for _ in range(3))
+    out_triton, lse_triton = triton_flash_attention(q_small, k_small, v_small, causal=True)
+    out_torch, lse_torch = flash_attention_forward(q_small, k_small, v_small, causal=True)
+    print("Triton vs PyTorch flash: out", float((out_triton - out_torch).abs().max()),
+          "| lse", float((lse_triton - lse_torch).abs().max()))
+else:
+    print("Triton is not installed here: open this notebook on Colab to run the kernel.")
+
+# %% [markdown]
+# **On a GPU, measure it** against SDPA and section 7's naive pass, in float16 (on the CPU the
+# interpreter's times say nothing about a GPU, and this cell only says so). Your kernel runs
+# with the launcher's fixed 32 × 32 tiles and no autotuning, so it is far from the best that
+# kernel could do, while SDPA picks its kernel per GPU; the printed TFLOP/s are a fair
+# yardstick for both, against the card's float16 peak.
+
+# %%
+if device.type == "cuda" and TRITON_AVAILABLE:
+    kernel_costs = measure_attention_costs(
+        {"naive": naive_attention, "SDPA": F.scaled_dot_product_attention,
+         "flash, Triton": lambda q, k, v: triton_flash_attention(q, k, v)[0]},
+        [1024, 2048, 4096, 8192], batch_size=4, num_heads=16, dtype=torch.float16, device=device)
+    attention_costs_view(kernel_costs, peak_tflops=gpu_peak_tflops(device))
+else:
+    print("No CUDA GPU here: open this notebook on Colab (a GPU runtime) to time your kernel.")
+
+# %% [markdown]
+# ## 9. Challenge: the backward pass as Triton kernels
+#
+# For those who will write GPU kernels: 4 points, about 38 minutes; the notebook's core ends
+# with section 8.
+#
+# Two designs of the backward pass run on GPUs. **FlashAttention-2's** (section 6) has one main
+# kernel: one program per key block accumulates its `dK` and `dV` in registers and adds its
+# share of `dQ` to global memory with atomic adds. The design here needs no atomics: the dK/dV
+# work per key block, the dQ work per query block. Triton's fused-attention tutorial splits the
+# work the same way, inside one kernel, `_attn_bwd` (after a small pre-pass for `D`): each of
+# its programs computes one key block's `dK` and `dV`, then one query block's `dQ`. Here the two
+# parts are **two kernels**. The first runs **one program per key block**: it loads its block
+# of K and V once, loops over the query blocks that see it, recomputes each tile of `P` from q,
+# k and `lse`, and accumulates `dK` and `dV` in registers. The second runs one program per query
+# block, like the forward pass, loops over the key blocks, computes from q, k, v, `dO`, `lse`
+# and `D` what `dQ` needs, and accumulates `dQ` in registers. In both kernels no two programs
+# write the same rows: no atomics, a result that does not depend on the order programs finish
+# in (atomic float additions do), and simple code — at a price in arithmetic that exercise 6.13
+# asks you to count first.
+# `D = rowsum(dO ∘ O)` is computed by the given launcher before both (read it with
+# `launch_flash_attention_backward??`: the arguments and grids of both kernels).
+#
+# Everything is in 6.7, written per tile, with the masks and loop bounds of 6.12. Think about
+# which query blocks a key block must visit when `CAUSAL` (the first one that has a query
+# seeing one of its keys), and keep the scale: `dK` and `dQ` need it.
+
+# %% [markdown]
 # ### Exercise 6.13 — count the backward pass (2 pts, ~8 min)
 #
 # The forward pass runs two matrix products of `S²·d` multiply-adds per head (`q kᵀ` and `P v`;
-# masks and causal skipping aside). Count the backward's, from section 7's formulas and from what
+# masks and causal skipping aside). Count the backward's, from section 6's formulas and from what
 # each kernel has in memory, for two designs:
 #
-# 1. **FlashAttention-2**: one kernel; each program owns a key block, loops over the query
+# 1. **FlashAttention-2**: one main kernel; each program owns a key block, loops over the query
 #    blocks, and adds its share of `dQ` to global memory with atomic adds.
 # 2. **Two kernels**: one computes `dK` and `dV` (a program per key block, looping over query
 #    blocks); the other computes `dQ` (a program per query block, looping over key blocks).
@@ -1148,28 +1217,7 @@ from attention_lab.checks.efficient_attention import check_answer_backward_flops
 check_answer_backward_flops(ANSWER_BACKWARD_FLOPS)
 
 # %% [markdown]
-# ## 9. Challenge: the backward pass as Triton kernels
-#
-# Two designs of the backward pass run on GPUs. **FlashAttention-2's** (section 7) is one
-# kernel: one program per key block accumulates its `dK` and `dV` in registers and adds its
-# share of `dQ` to global memory with atomic adds. The design here — that of Triton's
-# fused-attention tutorial and of Stanford's CS336 assignment — is **two kernels**, and needs
-# no atomics. The first runs **one program per key block**: it loads its block of K and V once,
-# loops over the query blocks that see it, recomputes each tile of `P` from q, k and `lse`, and
-# accumulates `dK` and `dV` in registers. The second runs one program per query block, like
-# the forward pass, loops over the key blocks, recomputes `P` (and `dP`) again, and accumulates
-# `dQ` in registers. In both kernels no two programs write the same rows: no atomics, a result
-# that does not depend on the order programs finish in (atomic float additions do), and simple
-# code — paid for with a second recomputation of `P` and `dP`, which exercise 6.13 counted.
-# `D = rowsum(dO ∘ O)` is computed by the given launcher before both (read it with
-# `launch_flash_attention_backward??`: the arguments and grids of both kernels).
-#
-# Everything is in 6.11, written per tile, with the masks and loop bounds of 6.10. Think about
-# which query blocks a key block must visit when `CAUSAL` (the first one that has a query
-# seeing one of its keys), and keep the scale: `dK` and `dQ` need it.
-
-# %% [markdown]
-# **Units of `Lse` and `sm_scale`.** The forward kernel of 6.10 worked in base 2: its scores
+# **Units of `Lse` and `sm_scale`.** The forward kernel of 6.12 worked in base 2: its scores
 # were multiplied by `sm_scale · log2(e)` for `tl.exp2`, and its epilogue converted the result
 # back, storing `Lse` in **natural-log** units (`× ln 2`), the units of `flash_attention_forward`'s
 # `lse`. The backward kernels receive that `Lse` and the plain `sm_scale = 1/sqrt(d)`, without
@@ -1298,10 +1346,11 @@ check_flash_attention_backward_kernel(*backward_kernels, seed=6131, sizes="more"
 #   softmax a one-pass, block-by-block computation.
 # * `flash_attention_forward`: tiles of queries × keys, no `[S_q, S_k]` tensor, future blocks
 #   skipped, and `lse` — which merges partial results exactly.
-# * `flash_attention_kernel`: the same loop as a Triton kernel, checked by the interpreter on the
-#   CPU and run natively on a GPU.
 # * `flash_attention_backward` and `FlashAttention`: the backward pass from `q, k, v, out, lse`
 #   alone — `P` recomputed per tile, `D = rowsum(dO ∘ O)` — and training that matches SDPA's.
+# * Why a fused kernel is faster: the same FLOPs, far fewer bytes.
+# * `flash_attention_kernel`: the tiled forward pass as a Triton kernel, checked by the
+#   interpreter on the CPU and run natively on a GPU.
 # * `flash_attention_backward_kernel` (the challenge): the same backward pass as two Triton
-#   kernels without atomics, dK/dV per key block and dQ per query block — the tutorial's
-#   design, not FlashAttention-2's single kernel with atomic `dQ`.
+#   kernels without atomics, dK/dV per key block and dQ per query block — the split of Triton's
+#   tutorial in two kernels, not FlashAttention-2's main kernel with atomic `dQ`.

@@ -49,6 +49,7 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
     "03_positions_and_blocks": (
         "sinusoidal_positions", "FourierFeatures", "CoordinateMLP", "psnr", "fit_image",
         "TransformerLayer", "Transformer", "pe_shift_matrix", "OrderTransformer", "previous_token_score",
+        "induction_score", "induction_model",
     ),
     "04_vision_transformer": (
         "patchify", "PatchEmbedding", "conv_to_linear", "patch_embedding_parameter_count", "ViTBlock",

@@ -1406,6 +1406,24 @@ def test_achieved_tflops_against_a_peak():
     assert "naive 0.268 (0.27%)" in text, text
 
 
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H200 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA H100 NVL", 835.0), ("NVIDIA H100 PCIe", 756.0),
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A10", 125.0), ("Tesla T4", 65.0),
+    ("Some Future GPU", None),
+])
+def test_a_gpu_is_credited_the_peak_of_its_own_model(monkeypatch, name, peak):
+    """The names are matched most specific first: an H200 NVL is not credited an H200 SXM's 989 TFLOP/s."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert views.gpu_peak_tflops("cuda") == peak
+    assert views.gpu_peak_tflops("cpu") is None
+
+
+def test_no_peak_table_key_is_shadowed_by_a_shorter_one_listed_before_it():
+    keys = list(views.GPU_PEAK_TFLOPS)
+    shadowed = [(short, long) for i, short in enumerate(keys) for long in keys[i + 1:] if short in long]
+    assert not shadowed, f"a shorter name listed first matches the longer one's cards too: {shadowed}"
+
+
 def test_naive_attention_moves_more_bytes_per_flop_than_tiled():
     traffic = views.attention_traffic(4096, 64, 2, block_q=128)
     (flops, naive), (_, tiled) = traffic["naive"], traffic["tiled"]

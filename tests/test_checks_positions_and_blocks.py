@@ -1544,3 +1544,285 @@ def test_previous_token_score_names_the_mistake(wrong, phrase):
     with pytest.raises(CheckFailure, match=phrase):
         checks.check_previous_token_score(wrong, **CPU)
 
+
+
+# --------------------------------------------------------------------------------------
+# ANSWER_PERMUTATION's explanation, and pe_shift_matrix's hints
+# --------------------------------------------------------------------------------------
+
+
+def test_answer_permutation_explains_itself_only_once_it_is_right(capsys):
+    checks.check_answer_permutation("B", device="cpu")
+    assert "says where a token sits" in capsys.readouterr().out
+    for letter in "AC":
+        with pytest.raises(CheckFailure) as failure:
+            checks.check_answer_permutation(letter, **CPU)
+        assert "says where a token sits" not in str(failure.value)
+
+
+def test_no_hint_of_pe_shift_matrix_writes_its_block_out():
+    """A hint names the mistake; it does not hand over the answer (the block [[cos t, sin t], [-sin t, cos t]])."""
+    for hint in checks.PE_SHIFT_HINTS.values():
+        assert "[[cos" not in hint and "-sin t, cos t" not in hint, hint
+    with pytest.raises(CheckFailure) as failure:
+        checks.check_pe_shift_matrix(shift_variant(sign=-1.0), **CPU)
+    assert "[[cos" not in str(failure.value)
+
+
+# --------------------------------------------------------------------------------------
+# induction_score
+# --------------------------------------------------------------------------------------
+
+
+def induction_score_by_loops(attention, tokens):
+    """A correct answer written another way: plain loops over sequences, queries and earlier positions."""
+    attention = torch.stack(list(attention), 1) if isinstance(attention, list) else attention
+    if attention.dim() != 5 or attention.shape[-1] != attention.shape[-2] \
+            or tuple(tokens.shape) != (attention.shape[0], attention.shape[-1]):
+        raise ValueError(f"attention {tuple(attention.shape)} and tokens {tuple(tokens.shape)} do not match")
+    total, pairs = torch.zeros(attention.shape[1:3], dtype=attention.dtype, device=attention.device), 0
+    for b in range(tokens.shape[0]):
+        for i in range(tokens.shape[1]):
+            keys = [j + 1 for j in range(i - 1) if tokens[b, j] == tokens[b, i]]
+            if keys:
+                total += attention[b, :, :, i, keys].sum(-1)
+                pairs += 1
+    return total / max(pairs, 1)
+
+
+def induction_score_by_einsum(attention, tokens):
+    """Another correct answer: a one-hot of the keys built with a shifted comparison, summed by einsum."""
+    maps = torch.stack(attention, dim=1) if isinstance(attention, (list, tuple)) else attention
+    if maps.dim() != 5 or maps.shape[-2] != maps.shape[-1] or tokens.shape != maps.shape[:1] + maps.shape[-1:]:
+        raise ValueError("shapes do not match")
+    s = tokens.shape[1]
+    before_key = torch.cat([torch.full_like(tokens[:, :1], -1), tokens[:, :-1]], dim=1)   # the token at k - 1
+    keys = (before_key[:, None, :] == tokens[:, :, None]) & torch.ones(s, s, dtype=torch.bool,
+                                                                      device=tokens.device).tril(-1)
+    counted = keys.any(-1)
+    weight = torch.einsum("blhqk,bqk->lh", maps, (keys & counted[..., None]).to(maps.dtype))
+    return weight / counted.sum().clamp(min=1).to(maps.dtype)
+
+
+def test_induction_score_accepts_correct_answers():
+    for answer in (induction_score_by_loops, induction_score_by_einsum):
+        checks.check_induction_score(answer, **CPU)
+        checks.check_induction_score(answer, seed=3151, **CPU)
+
+
+def _induction(pick):
+    """A wrong induction_score: the input validated as the contract says, then ``pick(maps, tokens)``."""
+    def induction_score(attention, tokens):
+        maps = torch.stack(list(attention), 1) if isinstance(attention, list) else attention
+        if maps.dim() != 5 or maps.shape[-1] != maps.shape[-2] or tokens.shape != (maps.shape[0], maps.shape[-1]):
+            raise ValueError("shapes do not match")
+        return pick(maps, tokens)
+    return induction_score
+
+
+def _keys(tokens, shift=1, gap=2):
+    s = tokens.shape[1]
+    earlier = (tokens[:, :, None] == tokens[:, None, :]) & (torch.arange(s)[None, :] <= torch.arange(s)[:, None] - gap)
+    return earlier.roll(shift, dims=-1) if shift else earlier, earlier.any(-1)
+
+
+def _pooled(maps, keys, counted):
+    weight = (maps * keys[:, None, None].to(maps.dtype)).sum(-1)
+    return (weight * counted[:, None, None]).sum((0, -1)) / counted.sum()
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (_induction(lambda m, t: _pooled(m, _keys(t, shift=0)[0], _keys(t)[1])), "the earlier occurrence j itself"),
+    (_induction(lambda m, t: _pooled(m, *_keys(t, gap=1))), "you counted j = i - 1 too"),
+    (_induction(lambda m, t: (m * _keys(t)[0][:, None, None].to(m.dtype)).sum(-1).mean((0, -1))),
+     "counting those whose token never appeared before as 0"),
+    (_induction(lambda m, t: torch.stack([_pooled(m[b:b + 1], *_keys(t[b:b + 1])) for b in range(t.shape[0])
+                                          if _keys(t[b:b + 1])[1].any()]).mean(0)),
+     "averaged the queries of each sequence first"),
+    (_induction(lambda m, t: _pooled(m, _keys(t)[0] & (_keys(t)[0].cumsum(-1) == 1), _keys(t)[1])),
+     "you counted one earlier occurrence per query"),
+    (_induction(lambda m, t: (m * _keys(t)[0][:, None, None].to(m.dtype)).sum(-1).sum((0, -1))
+                / _keys(t)[1].sum()), "not 0 / 0 = NaN"),
+    (_induction(lambda m, t: _pooled(m, *_keys(t)).transpose(0, 1)), "averaged over the wrong axes"),
+    (_induction(lambda m, t: _pooled(m, *_keys(t)).float()), "should keep the input dtype"),
+    (lambda attention, tokens: induction_score_by_loops(torch.stack(list(attention), 1) if isinstance(attention, list)
+                                                        else attention, tokens[:, :attention[0].shape[-1]]
+                                                        if isinstance(attention, list) else tokens[:, :attention.shape[-1]]),
+     "should raise ValueError"),
+])
+def test_induction_score_names_the_mistake(wrong, phrase):
+    with pytest.raises(CheckFailure, match=re.escape(phrase) if "=" in phrase or "/" in phrase else phrase):
+        checks.check_induction_score(wrong, **CPU)
+
+
+# --------------------------------------------------------------------------------------
+# induction_model
+# --------------------------------------------------------------------------------------
+
+
+class HandSetModel(nn.Module):
+    """Two causal heads on a residual stream, written another way than the notebook's: one stacked parameter per
+    layer for the four matrices, the scores through einsum, the maps kept from the last call."""
+
+    def __init__(self, vocab_size, max_len, width, causal=True):
+        super().__init__()
+        self.embed = nn.Parameter(torch.zeros(vocab_size + max_len, width))   # tokens, then positions
+        self.heads = nn.Parameter(torch.zeros(2, 4, width, width))             # [layer, (q, k, v, o), D, D]
+        self.readout = nn.Parameter(torch.zeros(width, vocab_size))
+        self.vocab_size, self.causal = vocab_size, causal
+
+    def maps_and_logits(self, tokens):
+        s = tokens.shape[1]
+        x = self.embed[tokens] + self.embed[self.vocab_size:self.vocab_size + s]
+        maps = []
+        for w_q, w_k, w_v, w_o in self.heads:
+            scores = torch.einsum("bqd,bkd->bqk", x @ w_q, x @ w_k)
+            if self.causal:
+                scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1), -torch.inf)
+            weights = scores.softmax(-1)
+            x = x + weights @ x @ w_v @ w_o
+            maps.append(weights.unsqueeze(1))
+        return maps, x @ self.readout
+
+    def forward(self, tokens):
+        return self.maps_and_logits(tokens)[1]
+
+    def attention(self, tokens):
+        return self.maps_and_logits(tokens)[0]
+
+
+def hand_set(vocab_size, max_len, *, strength=16.0, second_strength=16.0, shift=1, swap_layers=False, swap_roles=False, key_reads_token=False,
+             value_reads_previous=False, no_readout=False, guard_position_zero=True, causal=True):
+    """The induction model (or one deliberate mistake) in the layout [previous | token | copied | position]. Key 0
+    is kept off layer 2 by a key that also subtracts its own token (another way than the notebook's)."""
+    v, n = vocab_size, max_len
+    previous, token, copied, position = (slice(0, v), slice(v, 2 * v), slice(2 * v, 3 * v), slice(3 * v, 3 * v + n))
+    model = HandSetModel(v, n, 3 * v + n, causal=causal)
+    eye_v = torch.eye(v)
+    with torch.no_grad():
+        model.embed[:v, token] = eye_v
+        model.embed[v:, position] = torch.eye(n)
+        first, second = model.heads
+        first[0][position, position] = strength * torch.diag(torch.ones(n - shift), -shift) if shift >= 0 else \
+            strength * torch.diag(torch.ones(n + shift), -shift)
+        first[1][position, position] = torch.eye(n)
+        first[2][token, token] = eye_v
+        first[3][token, previous] = eye_v
+        query, key = (previous, token) if swap_roles else (token, token if key_reads_token else previous)
+        second[0][query, token] = second_strength * eye_v
+        second[1][key, token] = eye_v
+        if guard_position_zero and not (swap_roles or key_reads_token):
+            second[1][token, token] -= eye_v            # the key at 0 "previous = own token" cancels out
+        second[2][previous if value_reads_previous else token, token] = eye_v
+        second[3][token, copied] = eye_v
+        if not no_readout:
+            model.readout[copied] = eye_v
+        if swap_layers:
+            model.heads.copy_(model.heads.flip(0).clone())
+    return model
+
+
+def induction_variant(**mistakes):
+    def induction_model(vocab_size, max_len):
+        return hand_set(vocab_size, max_len, **mistakes)
+    return induction_model
+
+
+def test_induction_model_accepts_a_model_written_another_way(capsys):
+    checks.check_induction_model(induction_variant(), device="cpu")
+    assert "accuracy on the second half: 1.000" in capsys.readouterr().out
+    checks.check_induction_model_properties(induction_variant(), **CPU)
+    checks.check_induction_model(induction_variant(), seed=3161, **CPU)
+
+
+class PeeksAtTheFuture(nn.Module):
+    """attention() returns the causal maps of a correct model, but forward copies the next token."""
+
+    def __init__(self, vocab_size, max_len):
+        super().__init__()
+        self.honest = hand_set(vocab_size, max_len)
+
+    def forward(self, tokens):
+        return F.one_hot(tokens.roll(-1, dims=1), self.honest.vocab_size).float()
+
+    def attention(self, tokens):
+        return self.honest.attention(tokens)
+
+
+class ReturnsScores(nn.Module):
+    """A correct forward pass, but attention() returns each layer's map times 2 (not a distribution)."""
+
+    def __init__(self, vocab_size, max_len):
+        super().__init__()
+        self.honest = hand_set(vocab_size, max_len)
+
+    def forward(self, tokens):
+        return self.honest(tokens)
+
+    def attention(self, tokens):
+        return [2 * weights for weights in self.honest.attention(tokens)]
+
+
+@pytest.mark.parametrize("mistakes, phrase", [
+    (dict(swap_layers=True), "the two heads are in the wrong order"),
+    (dict(shift=0), "attends to the query's own position"),
+    (dict(shift=-1), "does not attend to the previous position"),
+    (dict(swap_roles=True), "query and key have swapped roles"),
+    (dict(key_reads_token=True), "matches the current token with the key's own token"),
+    (dict(value_reads_previous=True), "the model predicts the current token"),
+    (dict(no_readout=True), "but the predictions are not"),
+    (dict(guard_position_zero=False), "position 0 has no previous token"),
+    (dict(causal=False), "puts weight on future keys"),
+])
+def test_induction_model_names_the_mistake(mistakes, phrase):
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_induction_model(induction_variant(**mistakes), **CPU)
+
+
+@pytest.mark.parametrize("model, check, phrase", [
+    (PeeksAtTheFuture, checks.check_induction_model, "its forward pass sees the future"),
+    (ReturnsScores, checks.check_induction_model_properties, "must return the softmax weights"),
+])
+def test_induction_model_checks_read_the_forward_pass_and_the_maps_apart(model, check, phrase):
+    def induction_model(vocab_size, max_len):
+        return model(vocab_size, max_len)
+
+    with pytest.raises(CheckFailure, match=phrase):
+        check(induction_model, **CPU)
+
+
+@pytest.mark.parametrize("mistakes, phrase", [
+    (dict(second_strength=2.0), r"layer 2's induction score is 0\.\d+"),
+    (dict(shift=0), r"layer 1 puts 0\.\d+ of its weight on the previous position"),
+    (dict(strength=1.5), "the heads attend to the right keys, but not sharply"),
+])
+def test_induction_model_properties_read_both_heads(mistakes, phrase):
+    """Soft heads can still predict right (the largest weight is on the right key): only the maps show it."""
+    checks.check_induction_model(induction_variant(strength=1.5), **CPU)
+    with pytest.raises(CheckFailure, match=phrase):
+        checks.check_induction_model_properties(induction_variant(**mistakes), **CPU)
+
+
+def test_induction_model_contract_names_a_missing_attention_method_and_a_wrong_return():
+    with pytest.raises(CheckFailure, match="should have a method attention"):
+        checks.check_induction_model(lambda vocab_size, max_len: PlainLogits(vocab_size), **CPU)
+    with pytest.raises(CheckFailure, match="should return an nn.Module"):
+        checks.check_induction_model(lambda vocab_size, max_len: "a model", **CPU)
+
+
+class PlainLogits(nn.Module):
+    """Logits of the right shape, and no attention method."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, tokens):
+        return torch.zeros(*tokens.shape, self.vocab_size)
+
+
+def test_repeated_sequences_hold_distinct_tokens_then_the_same_again():
+    tokens = checks.repeated_sequences(50, 12, 7, torch.Generator().manual_seed(0))
+    assert tokens.shape == (50, 14)
+    assert all(len(set(row[:7])) == 7 for row in tokens.tolist())
+    assert torch.equal(tokens[:, :7], tokens[:, 7:])

@@ -7,7 +7,7 @@ the launcher of the FlashAttention kernel the student writes.
   run this part on Colab. Nothing else in the course needs Triton.
 * :func:`launch_flash_attention`: the given launcher. One program per (query block,
   batch·head); validates what the GPU compiler would reject even where the interpreter
-  accepts it (blocks < 16 in ``tl.dot``, bf16 in the interpreter).
+  accepts it (a ``tl.dot`` reduction dimension < 16), and bf16, which the interpreter gets wrong.
 
 On a machine without a CUDA GPU the course's setup cell sets ``TRITON_INTERPRET=1`` before any
 kernel is defined, so ``@triton.jit`` builds an *interpreted* kernel that runs on CPU tensors
@@ -34,7 +34,10 @@ __all__ = ["triton", "tl", "TRITON_AVAILABLE", "TritonUnavailable", "launch_flas
            "StoreOutOfBounds", "launch_scale", "launch_matmul", "launch_row_softmax", "launch_online_softmax",
            "launch_flash_attention_backward", "launch_split_kv_decode"]
 
-# tl.dot needs every dimension >= 16 on a GPU; the interpreter would accept less.
+# On an NVIDIA GPU (Triton 3.7's backend), tl.dot needs its reduction dimension K >= 16 (>= 32 for 8-bit inputs);
+# M and N may be smaller. Every block size of notebook 06's kernels is the K of some product (block_k and the head
+# width in the forward's q kᵀ and P v, block_q in the backward's Pᵀ dO and dSᵀ q), so the launchers ask it of all
+# three. The interpreter would accept less.
 MIN_BLOCK = 16
 LOG2_E = 1.4426950408889634
 
@@ -130,13 +133,15 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
     for name, size in (("block_q", block_q), ("block_k", block_k), ("head_dim", head_dim)):
         if size < MIN_BLOCK or size & (size - 1):
             raise ValueError(f"{name} = {size}: must be a power of two >= {MIN_BLOCK} (tl.arange needs powers "
-                             f"of two, and tl.dot needs every dimension >= {MIN_BLOCK} on a GPU -- Triton's "
-                             "interpreter would accept smaller blocks, but the kernel would not compile on a GPU)")
+                             f"of two; on an NVIDIA GPU tl.dot needs its reduction dimension K >= {MIN_BLOCK}, and "
+                             "every block size of these kernels is the K of some product -- Triton's interpreter "
+                             "would accept smaller blocks, but the kernel would not compile on a GPU)")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"the kernel computes in float32 / float16 / bfloat16, got {q.dtype}")
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         raise ValueError("bfloat16 tl.dot gives wrong results in Triton's interpreter: use float16 or float32 on "
-                         "the CPU (bfloat16 works on a GPU)")
+                         "the CPU. bfloat16 is meant for GPUs with bfloat16 tensor cores, of compute capability 8.0 or "
+                         "newer (an A100, L4, H100); Colab's T4 (7.5) has none")
 
 
 def poisoned_rows(x3: torch.Tensor, extra: int) -> torch.Tensor:

@@ -1000,10 +1000,14 @@ def _expect_sampling_spread(dot_product_variance: Callable, seed: int) -> None:
 
 CHOICES = ("A", "B", "C", "D")
 SCALING_QUESTION_NAME = "ANSWER_SCALING"
+# The experiment's curves come after this check in the notebook: the hints reason from the variances.
 SCALING_HINTS = {
-    "6dddff1bb3f79bb8": "compare the 1/d_head curve with the 1/sqrt(d_head) curve at d_head = 1024: are they level with each other?",
-    "f2d0ab0cce843573": "at d_head = 1024, is the 1/d_head curve's largest weight near 1, like the raw scores'?",
-    "c5d04ac49cc59655": "at d_head = 4, is the 1/d_head curve's largest weight near 1?",
+    "6dddff1bb3f79bb8": "with 1/sqrt(d_head) the scores keep the variance σ⁴ at every width; with 1/d_head it is "
+    "σ⁴/d_head, which keeps falling as d_head grows: would rows whose scores spread less and less stay as peaked?",
+    "f2d0ab0cce843573": "the raw scores go one-hot because their variance d_head·σ⁴ grows. With 1/d_head the variance "
+    "σ⁴/d_head shrinks instead: what does a softmax make of scores that are all close to each other?",
+    "c5d04ac49cc59655": "at d_head = 4 the 1/d_head scores have the variance σ⁴/4 (a standard deviation of 0.5 for "
+    "unit entries): does a softmax over 16 such scores put nearly all its weight on one key?",
 }
 
 
@@ -1463,11 +1467,12 @@ BACKWARD_LSE_HINTS = {
     "1/sqrt(d) (and masked), not the raw Q @ Kᵀ.",
     "lse_mask_ignored": "P = exp(s - lse) was computed without the mask: a masked score must give P = 0 "
     "(set it to -inf before the exp, or P to 0 after), or gradient flows into masked entries.",
-    "delta_unweighted": "D is rowsum(dout ∘ out), one number per query: dout multiplied by out elementwise, "
-    "then summed over the value features; rowsum(dout) alone leaves out the output.",
-    "delta_axis": "D = rowsum(dout ∘ out) sums over the value features, the last axis: np.sum(dout * out, "
-    "axis=-1, keepdims=True) is one number per query, shape (..., S_q, 1); a sum over the queries (axis=-2) gives "
-    "one number per feature instead.",
+    "delta_unweighted": "your D is the row sum of dout alone. D_i = Σ_j dP_ij · P_ij is one number per query "
+    "(your derivation in 2.10 writes it without P or dP), and it depends on the forward's output too, not on "
+    "dout only.",
+    "delta_axis": "your D sums over the wrong axis. It is one number per query, a sum over the value features "
+    "(the last axis, keepdims=True: shape (..., S_q, 1)); a sum over the queries (axis=-2) gives one number per "
+    "feature instead.",
     "ds_sign": "dS has the wrong sign: dS = P ∘ (dP − D), dP first, as in the softmax's backward p · (dp − Σ dp·p); "
     "P ∘ (D − dP) turns dQ and dK around (dV, which does not use dS, is right).",
     "lse_recomputed": "your backward recomputes the softmax instead of using lse: its gradients stay the same "
@@ -1475,8 +1480,8 @@ BACKWARD_LSE_HINTS = {
     "is given (s the scaled, masked scores), with no max and no sum over the keys again -- what lets "
     "FlashAttention recompute P one tile at a time.",
     "delta_recomputed": "your backward computes D from P and dP (Σ_j P_ij · dP_ij) instead of from out: its "
-    "gradients stay the same whatever out it is given. D = rowsum(dout ∘ out) with the out it is given needs no "
-    "row of P -- what lets FlashAttention compute it before its loops.",
+    "gradients stay the same whatever out it is given. Take D as you derived it in 2.10, from the out it is "
+    "given: it needs no row of P -- what lets FlashAttention compute it before its loops.",
     "float32_inside": "your code computes in float32 inside (an .astype(np.float32), dtype=np.float32, or a "
     "float32 array mixed in): on float64 input its float32 rounding shows in these gradients -- given inputs that "
     "differ below float32's precision, it returns exactly the same numbers. Compute in the input's dtype: "
@@ -1485,8 +1490,8 @@ BACKWARD_LSE_HINTS = {
     "float32 input its float16 rounding shows in these gradients -- given inputs that differ below float16's "
     "precision, it returns exactly the same numbers. Compute in the input's dtype: float32 in, float32 inside.",
     "fully_masked_delta": "a fully masked query has lse = -inf, and the forward may have left NaN in its out: "
-    "exp(s - lse) = exp(-inf + inf) and D = rowsum(dout ∘ NaN) are NaN, and one NaN row makes NaN of every "
-    "key's gradient. Where lse is -inf (np.isfinite), set that row's P and D to 0.",
+    "exp(s - lse) = exp(-inf + inf) is NaN, so is a D computed from a NaN out, and one NaN row makes NaN of "
+    "every key's gradient. Where lse is -inf (np.isfinite), set that row's P and D to 0.",
 }
 
 

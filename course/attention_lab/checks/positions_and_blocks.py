@@ -102,6 +102,9 @@ def check_answer_permutation(answer: Any, *, seed: int = 0, device: torch.device
     """The word for what shuffling the tokens does to the outputs (the right letter is stored as its digest)."""
     expect_choice(answer, name="ANSWER_PERMUTATION", options="ABC", correct_digest="23f1cd1f7d4a7599",
                   hints=PERMUTATION_HINTS)
+    add_note("  Why: token i's output depends on its own query and on the *set* of keys and values; nothing in "
+             "softmax(Q Kᵀ / sqrt(d_head)) V says where a token sits. So shuffling the input only shuffles the "
+             "output rows, the same way.")
 
 
 NO_POSITIONS_HINTS = {
@@ -1175,9 +1178,9 @@ def check_transformer(Transformer: Callable, *, seed: int = 0, device: torch.dev
 # --------------------------------------------------------------------------------------
 
 PE_SHIFT_HINTS = {
-    "transposed": "your blocks turn the wrong way: they move PE[p] to PE[p - offset]. From "
-    "sin(a + b) = sin a cos b + cos a sin b and cos(a + b) = cos a cos b - sin a sin b, the block of pair i is "
-    "[[cos t, sin t], [-sin t, cos t]] with t = offset * w_i (yours is its transpose: the sign of sin is flipped).",
+    "transposed": "your blocks turn the wrong way: they move PE[p] to PE[p - offset] (the sign of each sin is "
+    "flipped; your block is the transpose of the right one). Expand sin(a + b) and cos(a + b) with a = p w_i and "
+    "b = offset w_i again, and read off which entry of the block multiplies sin(p w_i) and which cos(p w_i).",
     "rotate_half": "your blocks pair feature i with feature i + dim/2 (the rotate-half layout of notebook 05). "
     "sinusoidal_positions interleaves its features: pair i is the features (2i, 2i+1).",
     "column_frequency": "features 2i and 2i+1 share one frequency w_i = base^(-2i/dim); you used the column "
@@ -1251,7 +1254,7 @@ def _call_shift(pe_shift_matrix: Callable, offset: int, dim: int, base: float | 
                       f"(PE = sinusoidal_positions(..., {dim}, base={base:g}); row r is position p = {start} + r)",
                  against=f"PE[p + {offset}]", variants=variants, rtol=rtol, atol=atol + 1e-6 * abs(offset))
     expect_close(matrix, _shift_matrix(offset, dim, base), what=call,
-                 against="the block-diagonal matrix of the 2x2 rotations [[cos t, sin t], [-sin t, cos t]], "
+                 against="the block-diagonal matrix of 2x2 rotations that moves pair i of PE by the angle "
                          "t = offset * base^(-2i/dim)",
                  variants=_shift_variants(offset, dim, base), atol=tolerance(torch.float32, "cpu")[1] + 1e-6 * abs(offset))
 
@@ -1852,6 +1855,328 @@ def check_previous_token_score(previous_token_score: Callable, *, seed: int = 0,
     for attention, why in bad_inputs:
         expect_value_error(previous_token_score, attention, call=f"previous_token_score(shape "
                            f"{shape_str(attention.shape)})", why=why)
+
+
+# --------------------------------------------------------------------------------------
+# One step deeper: induction_score, and an induction head built by hand (induction_model)
+# --------------------------------------------------------------------------------------
+
+INDUCTION_SCORE_HINTS = {
+    "occurrence": "you summed the weight on the earlier occurrence j itself: an induction head reads the position "
+                  "after it, key j + 1 (the token that followed the current token last time).",
+    "self_included": "you counted j = i - 1 too: its key j + 1 is the query itself, which says nothing about copying. "
+                     "Only the earlier positions j < i - 1 count.",
+    "all_queries": "you averaged over every query, counting those whose token never appeared before as 0: they have "
+                   "nowhere to look and are left out. Average over the (sequence, query) pairs that have an earlier "
+                   "occurrence only.",
+    "per_sequence": "you averaged the queries of each sequence first, then the sequences: the contract pools every "
+                    "(sequence, query) pair that has an earlier occurrence into one mean, so a sequence with more "
+                    "such queries counts more.",
+    "one_only": "you counted one earlier occurrence per query (the last, or the first): the score is the total "
+                 "weight on the keys after every earlier occurrence j < i - 1.",
+    "no_pairs": "where no (sequence, query) pair has an earlier occurrence, the score is 0 (nothing to measure), "
+                "not 0 / 0 = NaN.",
+    "wrong_axes": "you averaged over the wrong axes: the result is [layers, heads], one mean per layer and head, "
+                  "pooled over the sequences and their queries.",
+}
+
+
+def _induction_keys(tokens: torch.Tensor, *, shift: int = 1, gap: int = 2, only: str | None = None) -> torch.Tensor:
+    """[B, S_query, S_key] bool: the keys j + shift for every earlier j <= i - gap with tokens[j] == tokens[i]
+    (the contract: shift 1, gap 2), or for the first or last such j only; written query by query."""
+    batch, seq_len = tokens.shape
+    keys = torch.zeros(batch, seq_len, seq_len, dtype=torch.bool)
+    for query in range(seq_len):
+        earlier = tokens[:, : max(0, query - gap + 1)] == tokens[:, query : query + 1]   # [B, j]
+        if only is not None and earlier.shape[1]:
+            ordered = earlier if only == "first" else earlier.flip(-1)
+            kept = ordered.int().argmax(-1)                                                # [B]
+            kept = kept if only == "first" else earlier.shape[1] - 1 - kept
+            earlier = earlier & (torch.arange(earlier.shape[1])[None, :] == kept[:, None])
+        for j in range(earlier.shape[1]):
+            if j + shift < seq_len:
+                keys[:, query, j + shift] |= earlier[:, j]
+    return keys
+
+
+def _reference_induction_score(maps: torch.Tensor, tokens: torch.Tensor, *, pooling: str = "pairs",
+                               gap: int = 2, **keys: Any) -> torch.Tensor:
+    """[L, H] in float64: the weight on the induction keys, averaged as the contract says (pooled over the
+    pairs that have an earlier occurrence) or as a known mistake does."""
+    maps = maps.detach().to("cpu", torch.float64)
+    target = _induction_keys(tokens.cpu(), gap=gap, **keys)                   # [B, S, S]
+    has = _induction_keys(tokens.cpu(), gap=gap).any(-1).double()             # [B, S]: the pairs that count
+    weight = (maps * target[:, None, None].double()).sum(-1)                  # [B, L, H, S]
+    if pooling == "all_queries":
+        return weight.mean(dim=(0, -1))
+    if pooling == "per_sequence":
+        per_sequence = (weight * has[:, None, None]).sum(-1) / has.sum(-1).clamp(min=1)[:, None, None]
+        return per_sequence[has.sum(-1) > 0].mean(0) if bool(has.any()) else weight.new_zeros(maps.shape[1:3])
+    if not bool(has.any()):
+        return weight.new_zeros(maps.shape[1:3])
+    return (weight * has[:, None, None]).sum(dim=(0, -1)) / has.sum()
+
+
+def _random_tokens(batch: int, seq_len: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq_len), generator=generator)
+
+
+@check("induction_score: the weight on the keys after earlier occurrences, per layer and head")
+def check_induction_score(induction_score: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """induction_score(attention, tokens) -> [layers, heads], against a query-by-query reference; tensor or list
+    input; the pairs without an earlier occurrence left out; dtype and device kept; ValueError for bad shapes."""
+    expect_signature(induction_score, "induction_score", ["attention", "tokens"])
+    generator = random_generator(seed)
+    # Few token ids, so that queries have zero, one and several earlier occurrences, and repeats in a row.
+    cases = [(3, 2, 3, 9, 3), (2, 1, 3, 12, 4), (4, 2, 1, 7, 2),
+             (randint(1, 4, generator), randint(1, 3, generator), randint(1, 3, generator), randint(4, 14, generator),
+              randint(2, 5, generator))]
+    for batch, layers, heads, seq_len, vocab in cases:
+        maps = _random_attention(batch, layers, heads, seq_len, generator, causal=True)
+        tokens = _random_tokens(batch, seq_len, vocab, generator)
+        expected = _reference_induction_score(maps, tokens)
+        variants = [
+            Variant(lambda: _reference_induction_score(maps, tokens, shift=0), INDUCTION_SCORE_HINTS["occurrence"]),
+            Variant(lambda: _reference_induction_score(maps, tokens, gap=1), INDUCTION_SCORE_HINTS["self_included"]),
+            Variant(lambda: _reference_induction_score(maps, tokens, pooling="all_queries"),
+                    INDUCTION_SCORE_HINTS["all_queries"]),
+            Variant(lambda: _reference_induction_score(maps, tokens, pooling="per_sequence"),
+                    INDUCTION_SCORE_HINTS["per_sequence"]),
+            Variant(lambda: _reference_induction_score(maps, tokens, only="last"), INDUCTION_SCORE_HINTS["one_only"]),
+            Variant(lambda: _reference_induction_score(maps, tokens, only="first"), INDUCTION_SCORE_HINTS["one_only"]),
+        ]
+        for form in ("tensor", "list"):
+            data = maps.to(device) if form == "tensor" else [maps[:, layer].to(device) for layer in range(layers)]
+            described = (f"a tensor of shape {shape_str(maps.shape)}" if form == "tensor"
+                         else f"a list of {layers} tensors of shape {shape_str(maps[:, 0].shape)}")
+            call = (f"induction_score({described}, tokens of shape {shape_str(tokens.shape)}) "
+                    f"with tokens = {tokens.tolist()}")
+            got = call_student(induction_score, data, tokens.to(device), call=call)
+            if isinstance(got, torch.Tensor) and got.dim() == 2 and tuple(got.shape) != (layers, heads):
+                raise CheckFailure(f"{call} should have shape {shape_str((layers, heads))} ([layers, heads]), got "
+                                   f"{shape_str(got.shape)}.\n  Likely mistake: {INDUCTION_SCORE_HINTS['wrong_axes']}")
+            expect_tensor(got, what=call, shape=(layers, heads), dtype=torch.float64, device=device,
+                          hints={(heads,): INDUCTION_SCORE_HINTS["wrong_axes"],
+                                 (layers,): INDUCTION_SCORE_HINTS["wrong_axes"],
+                                 (batch, layers, heads): INDUCTION_SCORE_HINTS["wrong_axes"]})
+            expect_close(got, expected, what=call, against="the mean, over the (sequence, query) pairs that have an "
+                         "earlier occurrence j < i - 1 of the query's token, of the weight on the keys j + 1",
+                         variants=variants)
+    # No query has an earlier occurrence (distinct tokens): 0, not NaN; float32 kept.
+    maps = _random_attention(2, 2, 2, 6, generator, causal=True).float().to(device)
+    tokens = torch.stack([torch.randperm(6, generator=generator) for _ in range(2)]).to(device)
+    call = (f"induction_score(a float32 tensor of shape [2, 2, 2, 6, 6], tokens = {tokens.tolist()}) (no token "
+            "appears twice)")
+    got = call_student(induction_score, maps, tokens, call=call)
+    expect_tensor(got, what=call, shape=(2, 2), dtype=torch.float32, device=device)
+    if not bool(torch.isfinite(got).all()):
+        raise CheckFailure(f"{call} returned {got.tolist()}.\n  Likely mistake: {INDUCTION_SCORE_HINTS['no_pairs']}")
+    expect_close(got, torch.zeros(2, 2, dtype=torch.float64), what=call,
+                 against="0 for every layer and head (no pair has an earlier occurrence)")
+    maps = _random_attention(2, 1, 2, 5, generator, causal=True)
+    bad_inputs = [
+        (maps, torch.zeros(2, 6, dtype=torch.long), "tokens [2, 6] do not match maps of S = 5"),
+        (maps, torch.zeros(3, 5, dtype=torch.long), "tokens [3, 5] do not match maps of a batch of 2"),
+        (maps[:, 0], torch.zeros(2, 5, dtype=torch.long), "a tensor of rank 4 is neither [B, layers, heads, S, S] "
+         "nor a list of layers"),
+        (maps[..., :4], torch.zeros(2, 5, dtype=torch.long), "the maps are not square (5 queries, 4 keys)"),
+    ]
+    for attention, tokens, why in bad_inputs:
+        expect_value_error(induction_score, attention, tokens, why=why,
+                           call=f"induction_score(shape {shape_str(attention.shape)}, tokens of shape "
+                                f"{shape_str(tokens.shape)})")
+
+
+INDUCTION_MODEL_HINTS = {
+    "layer_order": "the two heads are in the wrong order: layer 1 (attention(tokens)[0]) must be the "
+                   "previous-token head and layer 2 the induction head. Layer 2's key reads what layer 1 wrote; in "
+                   "the other order it reads an empty part of the stream.",
+    "no_shift": "layer 1's head attends to the query's own position (mean weight {self_weight:.2f} on key i) instead "
+                "of the previous one: the shift is missing. The query of position p must match the key of "
+                "position p - 1.",
+    "shift": "layer 1's head does not attend to the previous position (mean weight {prev_weight:.2f} on key i - 1). "
+             "The query of position p must match the key of position p - 1; a query that asks for p + 1 asks for "
+             "a key the causal mask hides.",
+    "key_query_roles": "layer 2's query and key have swapped roles: its query i finds key i - 1 (mean weight "
+                       "{prev_weight:.2f}). The query carries the current token, the key the previous token that "
+                       "layer 1 wrote: then query i matches the keys whose previous token is its own token.",
+    "key_reads_token": "layer 2 matches the current token with the key's own token, so it finds the earlier "
+                       "occurrence itself (and the query's own position: mean weight {occurrence_weight:.2f}), not "
+                       "the position after it. Its key must read the previous token that layer 1 wrote.",
+    "value": "the attention maps are right, but the model predicts the current token ({copies:.0%} of the second "
+             "half): layer 2 copies the token before the attended key instead of the key's own token. Its value "
+             "must read the token part of the stream, and the unembedding what layer 2 wrote.",
+    "position_zero": "the query at position half (the first token, repeated) splits its layer-2 weight between key 1 "
+                     "and key 0 ({key_zero_weight:.2f} on key 0): position 0 has no previous token, so layer 1 wrote "
+                     "its own token there as 'previous'. Keep layer 2 off key 0: a large negative score for key 0 "
+                     "(every query has exactly one 1 in its position block, a constant to use).",
+    "soft": "the heads attend to the right keys, but not sharply: layer 1 puts {prev_weight:.2f} of its weight on "
+            "i - 1 and layer 2 {induction:.2f} on the induction keys. Make the scores' gap larger: scale W_q "
+            "(the scores have no 1/sqrt(d) here; a gap of 20 leaves the other keys e^-20 each).",
+    "readout": "the attention maps are right (layer 2's induction score {induction:.2f}), but the predictions are "
+               "not: check what layer 2's value reads, that W_o writes it into a part of the stream nothing else "
+               "uses, and that the unembedding reads that part.",
+    "future": "your model predicts {first:.0%} of the first half's next tokens, although each is a fresh random "
+              "token: its forward pass sees the future (a missing causal mask, or a forward pass that computes "
+              "something else than the maps attention() returns).",
+    "not_causal": "layer {layer} puts weight on future keys (up to {leak:.2g} on a key j > i): mask the scores of "
+                  "the keys after the query (-inf) before the softmax.",
+    "not_softmax": "the rows of layer {layer}'s map sum to {row_sum:.3g}, not 1: attention() must return the "
+                   "softmax weights, each row a distribution over the keys.",
+}
+INDUCTION_SEQUENCES = 100
+INDUCTION_ACCURACY = 0.95
+INDUCTION_FIRST_HALF_CEILING = 0.25  # chance is 1/vocab_size: a model that cannot see the future stays near it
+INDUCTION_SCORE_TARGET = 0.9
+
+
+def repeated_sequences(batch_size: int, vocab_size: int, half: int, generator: torch.Generator) -> torch.Tensor:
+    """[B, 2·half]: `half` distinct random tokens (drawn without replacement), then the same tokens again."""
+    first = torch.rand(batch_size, vocab_size, generator=generator).argsort(dim=-1)[:, :half]
+    return torch.cat([first, first], dim=1)
+
+
+def _induction_sizes(generator: torch.Generator) -> list[tuple[int, int, int]]:
+    """(vocab_size, max_len, half): a sequence of 2·half shorter than max_len, one as long, every token used."""
+    vocab = randint(8, 30, generator)
+    half = randint(4, vocab - 2, generator)
+    return [(16, 32, 8), (10, 20, 10), (23, 40, 17), (vocab, 2 * half + randint(0, 10, generator), half)]
+
+
+def _induction_run(model: Any, label: str, vocab_size: int, half: int, generator: torch.Generator,
+                   device: torch.device) -> dict[str, Any]:
+    """The model's predictions and maps on repeated sequences, and what the check reads from them."""
+    tokens = repeated_sequences(INDUCTION_SEQUENCES, vocab_size, half, generator)          # [N, S]
+    seq_len = tokens.shape[1]
+    described = f"tokens of shape {shape_str(tokens.shape)} ({half} distinct tokens, then the same again)"
+    call = f"{label}({described})"
+    logits = call_student(model, tokens.to(device), call=call)
+    expect_tensor(logits, what=call, shape=(INDUCTION_SEQUENCES, seq_len, vocab_size), device=device)
+    attention_method = getattr(model, "attention", None)
+    expect_true(callable(attention_method), f"{label} should have a method attention(tokens) that returns the "
+                "attention maps of its two layers, a list of [B, 1, S, S].")
+    call = f"{label}.attention({described})"
+    maps = call_student(attention_method, tokens.to(device), call=call)
+    expect_true(isinstance(maps, (list, tuple)) and len(maps) == 2, f"{call} should return a list of 2 maps "
+                f"(one per layer, [B, 1, S, S] each), got {describe(maps)}.")
+    for layer, layer_map in enumerate(maps):
+        expect_tensor(layer_map, what=f"{call}[{layer}]", shape=(INDUCTION_SEQUENCES, 1, seq_len, seq_len),
+                      device=device)
+    first, second = (m.detach().to("cpu", torch.float64)[:, 0] for m in maps)                 # [N, S, S] each
+    predictions = logits.detach().to("cpu").argmax(dim=-1)                                      # [N, S]
+    queries = torch.arange(1, seq_len)
+    second_half = torch.arange(half, 2 * half)
+    occurrence = torch.zeros(seq_len, seq_len, dtype=torch.float64)                             # [i, j]
+    occurrence[second_half, second_half - half] = 1.0                                           # the earlier one
+    occurrence[torch.arange(seq_len), torch.arange(seq_len)] = 1.0                               # itself
+    return {
+        "second": float((predictions[:, half:2 * half - 1] == tokens[:, half + 1:]).float().mean()),
+        "first": float((predictions[:, :half - 1] == tokens[:, 1:half]).float().mean()),
+        "copies": float((predictions[:, half:2 * half - 1] == tokens[:, half:2 * half - 1]).float().mean()),
+        "prev": [float(m[:, queries, queries - 1].mean()) for m in (first, second)],
+        "peak_prev": [float((m[:, queries].argmax(-1) == queries - 1).float().mean()) for m in (first, second)],
+        "self": float(first.diagonal(0, -2, -1).mean()),
+        "occurrence": float((second * occurrence)[:, second_half].sum(-1).mean()),
+        "key_zero": float(second[:, half, 0].mean()),
+        "induction": float(_reference_induction_score(torch.stack([first, second], 1)[:, :, None], tokens)[1, 0]),
+        "leak": [float(m.triu(1).abs().max()) for m in (first, second)],
+        "row_sum": [float((m.sum(-1) - 1).abs().max()) for m in (first, second)],
+        "label": label, "half": half,
+    }
+
+
+def _induction_mistake(run: dict[str, Any]) -> str:
+    """The hint that names what the measurements of one run say is wrong ('' if they name nothing)."""
+    hints = INDUCTION_MODEL_HINTS
+    for layer in (0, 1):
+        if run["leak"][layer] > 1e-6:
+            return hints["not_causal"].format(layer=layer + 1, leak=run["leak"][layer])
+    for layer in (0, 1):
+        if run["row_sum"][layer] > 1e-4:
+            return hints["not_softmax"].format(layer=layer + 1, row_sum=1 + run["row_sum"][layer])
+    if run["first"] > INDUCTION_FIRST_HALF_CEILING:
+        return hints["future"].format(first=run["first"])
+    if run["peak_prev"][0] < 0.9:
+        if run["peak_prev"][1] >= 0.9:
+            return hints["layer_order"]
+        if run["self"] >= 0.5:
+            return hints["no_shift"].format(self_weight=run["self"])
+        return hints["shift"].format(prev_weight=run["prev"][0])
+    if run["prev"][1] >= 0.5:
+        return hints["key_query_roles"].format(prev_weight=run["prev"][1])
+    if run["occurrence"] >= 0.5:
+        return hints["key_reads_token"].format(occurrence_weight=run["occurrence"])
+    if run["key_zero"] >= 0.2:
+        return hints["position_zero"].format(key_zero_weight=run["key_zero"])
+    if run["prev"][0] < 0.9 or run["induction"] < INDUCTION_SCORE_TARGET:
+        return hints["soft"].format(prev_weight=run["prev"][0], induction=run["induction"])
+    if run["copies"] >= 0.5:
+        return hints["value"].format(copies=run["copies"])
+    return hints["readout"].format(induction=run["induction"])
+
+
+def _build_induction_model(induction_model: Callable, vocab_size: int, max_len: int,
+                           device: torch.device) -> tuple[Any, str]:
+    label = f"induction_model({vocab_size}, {max_len})"
+    model = call_student(induction_model, vocab_size, max_len, call=label)
+    expect_true(isinstance(model, nn.Module), f"{label} should return an nn.Module, got {describe(model)}.")
+    return model.to(device), label
+
+
+def _induction_failure(run: dict[str, Any], problem: str) -> CheckFailure:
+    mistake = _induction_mistake(run)
+    return CheckFailure(f"{run['label']} on {INDUCTION_SEQUENCES} sequences of {run['half']} distinct random tokens "
+                        f"repeated once: {problem}" + (f"\n  Likely mistake: {mistake}" if mistake else ""))
+
+
+@check("induction_model: >= 0.95 of the second half's next tokens copied, the first half at chance ({device})")
+def check_induction_model(induction_model: Callable, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """induction_model(vocab_size, max_len): an nn.Module whose forward gives [B, S, V] logits and whose attention()
+    gives two [B, 1, S, S] maps; on repeated random sequences of several sizes it predicts the second half and
+    cannot predict the first."""
+    expect_signature(induction_model, "induction_model", ["vocab_size", "max_len"])
+    generator = random_generator(seed)
+    results = []
+    with one_cpu_thread(device), torch.no_grad():
+        for vocab_size, max_len, half in _induction_sizes(generator):
+            model, label = _build_induction_model(induction_model, vocab_size, max_len, device)
+            run = _induction_run(model, label, vocab_size, half, generator, device)
+            if run["first"] > INDUCTION_FIRST_HALF_CEILING:
+                raise _induction_failure(run, f"{run['first']:.3f} of the first half's next tokens are right (positions "
+                                         f"0 ... {half - 2}), above {INDUCTION_FIRST_HALF_CEILING}: chance is "
+                                         f"1/{vocab_size}.")
+            if run["second"] < INDUCTION_ACCURACY:
+                raise _induction_failure(run, f"{run['second']:.3f} of the second half's next tokens are right "
+                                         f"(positions {half} ... {2 * half - 2}); expected at least "
+                                         f"{INDUCTION_ACCURACY}.")
+            results.append(run)
+    add_note("  accuracy on the second half: " + ", ".join(f"{r['second']:.3f}" for r in results)
+             + "; on the first half: " + ", ".join(f"{r['first']:.3f}" for r in results)
+             + " (sizes: " + ", ".join(r["label"].removeprefix("induction_model") for r in results) + ")")
+
+
+@check("induction_model: causal maps, layer 1 a previous-token head, layer 2 an induction head ({device})")
+def check_induction_model_properties(induction_model: Callable, *, seed: int = 0,
+                                     device: torch.device | None = None) -> None:
+    """The maps of induction_model on repeated sequences: causal softmax rows, layer 1's weight on i - 1 and
+    layer 2's induction score (the check's own) at least 0.9."""
+    expect_signature(induction_model, "induction_model", ["vocab_size", "max_len"])
+    generator = random_generator(seed + 1)
+    with one_cpu_thread(device), torch.no_grad():
+        for vocab_size, max_len, half in _induction_sizes(generator):
+            model, label = _build_induction_model(induction_model, vocab_size, max_len, device)
+            run = _induction_run(model, label, vocab_size, half, generator, device)
+            for layer in (0, 1):
+                if run["leak"][layer] > 1e-6 or run["row_sum"][layer] > 1e-4:
+                    raise _induction_failure(run, f"layer {layer + 1}'s map is not a causal attention map.")
+            if run["prev"][0] < INDUCTION_SCORE_TARGET:
+                raise _induction_failure(run, f"layer 1 puts {run['prev'][0]:.3f} of its weight on the previous "
+                                         f"position (previous_token_score), expected at least "
+                                         f"{INDUCTION_SCORE_TARGET}.")
+            if run["induction"] < INDUCTION_SCORE_TARGET:
+                raise _induction_failure(run, f"layer 2's induction score is {run['induction']:.3f} (the weight on "
+                                         "the keys after earlier occurrences), expected at least "
+                                         f"{INDUCTION_SCORE_TARGET}.")
 
 
 freeze_module(__name__)

@@ -355,10 +355,11 @@ def attention_costs_view(results: Mapping, peak_tflops: float | None = None) -> 
                       controls, figsize=(10.0, 5.0))
 
 
-# Dense float16/bfloat16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets.
-# The H100 differs by model: look the name up most specific first ("H100 PCIe" before "H100", the SXM card).
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0,
-                   "L4": 121.0, "A10": 125.0, "T4": 65.0, "V100": 125.0}
+# Dense float16/bfloat16 tensor-core peaks (TFLOP/s, without sparsity: half the data sheets' "with sparsity"
+# figures) from the vendors' data sheets. The H100 and the H200 differ by model: the name is looked up most
+# specific first ("H200 NVL" before "H200", "H100 PCIe" before "H100", the SXM card).
+GPU_PEAK_TFLOPS = {"H200 NVL": 835.0, "H200": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
+                   "A100": 312.0, "L4": 121.0, "A10": 125.0, "T4": 65.0, "V100": 125.0}
 
 
 def gpu_peak_tflops(device: torch.device | str) -> float | None:

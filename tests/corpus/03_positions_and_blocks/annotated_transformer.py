@@ -203,3 +203,49 @@ def previous_token_score(attention):
             total = total + p_attn[:, :, i, i - 1].mean(dim=0)
         scores.append(total / (n_q - 1))
     return torch.stack(scores)
+
+# %% answer="induction_score"
+def induction_score(attention, tokens):
+    "Loops over sequences and queries, a list of keys per query, as a first draft would."
+    p_attn = torch.stack(list(attention), 1) if isinstance(attention, (list, tuple)) else attention
+    if p_attn.dim() != 5 or p_attn.shape[-1] != p_attn.shape[-2]:
+        raise ValueError("expected square maps [B, layers, heads, S, S], got %s" % (tuple(p_attn.shape),))
+    if tuple(tokens.shape) != (p_attn.shape[0], p_attn.shape[-1]):
+        raise ValueError("tokens %s do not match the maps %s" % (tuple(tokens.shape), tuple(p_attn.shape)))
+    total = torch.zeros(p_attn.shape[1:3], dtype=p_attn.dtype, device=p_attn.device)
+    pairs = 0
+    rows = tokens.tolist()
+    for b, row in enumerate(rows):
+        for i in range(len(row)):
+            keys = [j + 1 for j in range(i - 1) if row[j] == row[i]]
+            if keys:
+                total = total + p_attn[b, :, :, i, keys].sum(dim=-1)
+                pairs += 1
+    return total / pairs if pairs else total
+
+# %% answer="induction_model"
+def induction_model(vocab_size, max_len):
+    "The notebook's model in another layout ([position | token | previous | copied]); key 0 kept off layer 2 by a key "
+    "that also subtracts its own token (at position 0 'previous' is the token itself: they cancel)."
+    V, L, c = vocab_size, max_len, 25.0
+    position, token = slice(0, L), slice(L, L + V)
+    previous, copied = slice(L + V, L + 2 * V), slice(L + 2 * V, L + 3 * V)
+    model = AttentionOnlyModel(V, L, L + 3 * V)
+    one_back = torch.zeros(L, L)
+    for p in range(1, L):
+        one_back[p, p - 1] = c
+    with torch.no_grad():
+        model.token_embedding[:, token] = torch.eye(V)
+        model.position_embedding[:, position] = torch.eye(L)
+        layer_1, layer_2 = model.layers
+        layer_1.W_q[position, position] = one_back
+        layer_1.W_k[position, position] = torch.eye(L)
+        layer_1.W_v[token, previous] = torch.eye(V)   # a head may write straight into the slice it fills
+        layer_1.W_o[previous, previous] = torch.eye(V)
+        layer_2.W_q[token, token] = c * torch.eye(V)
+        layer_2.W_k[previous, token] = torch.eye(V)
+        layer_2.W_k[token, token] = -torch.eye(V)
+        layer_2.W_v[token, copied] = torch.eye(V)
+        layer_2.W_o[copied, copied] = torch.eye(V)
+        model.unembedding[copied, :] = torch.eye(V)
+    return model

@@ -194,3 +194,58 @@ def previous_token_score(attention):
     previous[torch.arange(1, q), torch.arange(q - 1)] = True  # one True per query 1 ... S-1
     picked = attention[..., previous]  # [b, l, h, S-1]
     return reduce(picked, "b l h i -> l h", "mean")
+
+# %% answer="induction_score"
+import numpy as np
+from einops import reduce
+
+
+def induction_score(attention, tokens):
+    """The key mask built in NumPy (a shifted equality, lower-triangular), the sum with einops; the result back in
+    the maps' dtype and device."""
+    attn = torch.stack(list(attention), dim=1) if isinstance(attention, (list, tuple)) else attention
+    if attn.ndim != 5 or attn.shape[-1] != attn.shape[-2] or tuple(tokens.shape) != (attn.shape[0], attn.shape[-1]):
+        raise ValueError(f"attention {tuple(attn.shape)} and tokens {tuple(tokens.shape)} do not fit together")
+    t = tokens.cpu().numpy()
+    s = t.shape[1]
+    before = np.concatenate([np.full_like(t[:, :1], -1), t[:, :-1]], axis=1)           # the token before key k
+    keys = (before[:, None, :] == t[:, :, None]) & np.tril(np.ones((s, s), dtype=bool), -1)[None]
+    counted = keys.any(-1)                                                                 # (b, i)
+    mask = torch.from_numpy(keys & counted[..., None]).to(attn.device, attn.dtype)
+    weight = reduce(attn * mask[:, None, None], "b l h i k -> l h", "sum")
+    return weight / max(int(counted.sum()), 1)
+
+# %% answer="induction_model"
+import numpy as np
+
+
+def induction_model(vocab_size, max_len):
+    """Every matrix built in NumPy from blocks of np.eye, then copied into the model; the standard layout."""
+    V, L = vocab_size, max_len
+    D = 3 * V + L
+    tok, pos, prev, out = np.arange(V), V + np.arange(L), V + L + np.arange(V), 2 * V + L + np.arange(V)
+    zeros = lambda: np.zeros((D, D))  # noqa: E731
+    q1, k1, v1, o1, q2, k2, v2, o2 = (zeros() for _ in range(8))
+    q1[pos[1:], pos[:-1]] = 30.0          # position p asks for p - 1
+    k1[pos, pos] = 1.0
+    v1[tok, tok], o1[tok, prev] = 1.0, 1.0
+    q2[tok, tok] = 30.0                   # my token ...
+    k2[prev, tok] = 1.0                   # ... against your previous token
+    q2[pos, pos[0]] = 1.0                 # a constant 1 per query ...
+    k2[pos[0], pos[0]] = -30.0            # ... and key 0 pushed away
+    v2[tok, tok], o2[tok, out] = 1.0, 1.0
+    model = AttentionOnlyModel(V, L, D)
+    with torch.no_grad():
+        for head, mats in zip(model.layers, ((q1, k1, v1, o1), (q2, k2, v2, o2))):
+            for param, mat in zip((head.W_q, head.W_k, head.W_v, head.W_o), mats):
+                param.copy_(torch.from_numpy(mat))
+        embedding = np.zeros((V, D))
+        embedding[tok, tok] = 1.0
+        model.token_embedding.copy_(torch.from_numpy(embedding))
+        positions = np.zeros((L, D))
+        positions[np.arange(L), pos] = 1.0
+        model.position_embedding.copy_(torch.from_numpy(positions))
+        unembed = np.zeros((D, V))
+        unembed[out, tok] = 1.0
+        model.unembedding.copy_(torch.from_numpy(unembed))
+    return model

@@ -175,3 +175,75 @@ def previous_token_score(attention):
     shifted = torch.roll(torch.eye(attn.shape[-1], dtype=attn.dtype, device=attn.device), -1, dims=-1)
     weight = (attn * shifted).sum(dim=-1)[..., 1:]  # [B, layers, heads, S-1]
     return weight.mean(dim=(0, -1))
+
+# %% answer="induction_score"
+def induction_score(attention, tokens):
+    """One einsum over a one-hot of the induction keys; keyword-friendly, float math in the maps' dtype."""
+    attn = torch.stack([a for a in attention], dim=1) if isinstance(attention, (list, tuple)) else attention
+    if attn.dim() != 5 or attn.size(-1) != attn.size(-2) or tokens.shape != attn.shape[:1] + attn.shape[-1:]:
+        raise ValueError(f"induction_score: maps {tuple(attn.shape)} vs tokens {tuple(tokens.shape)}")
+    n = tokens.size(1)
+    idx = torch.arange(n, device=tokens.device)
+    match = (tokens.unsqueeze(-1) == tokens.unsqueeze(-2)) & (idx.view(1, 1, n) < idx.view(1, n, 1) - 1)  # [b, i, j]
+    keys = torch.nn.functional.pad(match, (1, 0))[..., :n]                                          # j -> j + 1
+    valid = match.any(dim=-1)
+    num = torch.einsum("blhik,bik,bi->lh", attn, keys.to(attn.dtype), valid.to(attn.dtype))
+    return num / valid.sum().clamp_min(1).to(attn.dtype)
+
+# %% answer="induction_model"
+class InductionPair(nn.Module):
+    """A model of its own (not the notebook's class): bias-free nn.Linear projections, a 1/sqrt(d) scale with
+    the strength folded in, the stream as a dict of named slices."""
+
+    def __init__(self, vocab_size, max_len, strength=20.0):
+        super().__init__()
+        V, L = vocab_size, max_len
+        self.V, self.L = V, L
+        self.dim = dim = 3 * V + L
+        self.tok = nn.Embedding(V, dim)
+        self.pos = nn.Embedding(L, dim)
+        self.qkvo = nn.ModuleList([nn.ModuleList([nn.Linear(dim, dim, bias=False) for _ in range(4)])
+                                   for _ in range(2)])
+        self.head = nn.Linear(dim, V, bias=False)
+        scale = strength * math.sqrt(dim)  # cancels the 1/sqrt(dim) of forward
+        s = {"tok": slice(0, V), "pos": slice(V, V + L), "prev": slice(V + L, 2 * V + L), "copy": slice(2 * V + L, dim)}
+        with torch.no_grad():
+            for p in self.parameters():
+                p.zero_()
+            self.tok.weight[:, s["tok"]] = torch.eye(V)
+            self.pos.weight[:, s["pos"]] = torch.eye(L)
+            (q1, k1, v1, o1), (q2, k2, v2, o2) = self.qkvo
+            # nn.Linear computes x @ weight.T: weights are [out, in]
+            q1.weight[s["pos"], s["pos"]] = scale * torch.diag(torch.ones(L - 1), 1)   # in p -> out p - 1
+            k1.weight[s["pos"], s["pos"]] = torch.eye(L)
+            v1.weight[s["prev"], s["tok"]] = torch.eye(V)
+            o1.weight[s["prev"], s["prev"]] = torch.eye(V)
+            q2.weight[s["tok"], s["tok"]] = scale * torch.eye(V)
+            k2.weight[s["tok"], s["prev"]] = torch.eye(V)
+            q2.weight[V, s["pos"]] = scale / strength      # every query: a constant in coordinate V
+            k2.weight[V, V] = -strength                    # key 0 (its position one-hot is coordinate V)
+            v2.weight[s["copy"], s["tok"]] = torch.eye(V)
+            o2.weight[s["copy"], s["copy"]] = torch.eye(V)
+            self.head.weight[:, s["copy"]] = torch.eye(V)
+
+    def _run(self, tokens):
+        S = tokens.size(1)
+        x = self.tok(tokens) + self.pos(torch.arange(S, device=tokens.device))
+        future = torch.triu(torch.ones(S, S, dtype=torch.bool, device=tokens.device), diagonal=1)
+        maps = []
+        for q, k, v, o in self.qkvo:
+            logits = q(x) @ k(x).transpose(-1, -2) / math.sqrt(self.dim)
+            attn = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+            x = x + o(attn @ v(x))
+            maps.append(attn.unsqueeze(1))
+        return self.head(x), maps
+
+    def forward(self, tokens):
+        return self._run(tokens)[0]
+
+    def attention(self, tokens):
+        return self._run(tokens)[1]
+
+
+def induction_model(vocab_size, max_len):
+    return InductionPair(vocab_size, max_len)
