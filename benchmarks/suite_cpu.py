@@ -107,6 +107,14 @@ class Sampler(threading.Thread):
             pid = parent
         return False
 
+    @staticmethod
+    def command_line(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                return handle.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return ""
+
     def read(self) -> None:
         processes = self.snapshot()
         for pid, (start, parent, state, seconds) in processes.items():
@@ -114,12 +122,11 @@ class Sampler(threading.Thread):
             if key not in self.used:
                 if not self.in_tree(pid, processes):
                     continue
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                        command = handle.read().replace(b"\0", b" ").decode(errors="replace")
-                except OSError:
-                    command = ""
-                self.used[key] = [command, 0.0]
+                self.used[key] = [self.command_line(pid), 0.0]
+            elif self.used[key][0] == self.used.get((parent, processes.get(parent, (None,))[0]), [None])[0]:
+                # first seen between fork and exec, with its parent's command line: read it again, until
+                # the program it runs names itself (a loaded machine makes that window long)
+                self.used[key][0] = self.command_line(pid) or self.used[key][0]
             self.used[key][1] = seconds
             if state == "Z" and parent == self.own_pid and pid != self.root:
                 os.waitpid(pid, os.WNOHANG)  # an adopted orphan that ended: its CPU is read
