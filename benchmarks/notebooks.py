@@ -34,9 +34,10 @@ from autograder.publishing import release
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-# Seconds on 2 CPU cores: the whole course (solutions, top to bottom) within 60 s; 06 (Triton's
-# interpreter included) within 40 s and 03 (its training included) within 35 s; the others keep
-# the tighter budgets they ran well below. About 23 s of the course's time is fixed: each
+# Seconds on 2 CPU cores: the whole course (solutions, top to bottom) within 70 s (60 s for the six
+# notebooks before 07, which runs in about 7 s); 06 (Triton's interpreter included) and 07 within
+# 40 s and 03 (its training included) within 35 s; the others keep the tighter budgets they ran
+# well below. About 23 s of the course's time is fixed: each
 # notebook's fresh kernel (~0.8 s) and torch's import (~2 s), and torch._dynamo's (~1.5 s) in
 # each notebook that builds an optimizer or counts FLOPs (01, 03, 04, 06).
 BUDGETS = {
@@ -48,7 +49,7 @@ BUDGETS = {
     "06_efficient_attention": 40,
     "07_inference_attention": 40,
 }
-COURSE_BUDGET = 60
+COURSE_BUDGET = 70
 
 
 def solved_release(source: Path, released: Path, destination: Path) -> Path:
