@@ -85,7 +85,7 @@ formgrader: setup ## JupyterLab with nbgrader's Formgrader on the course root, f
 	@# a gradebook on a server: the one the course root remembers (its password from ~/.pgpass) or DB_URL's
 	gradebook=$$($(BIN)/python -m autograder.store.gradebook --root "$(FORMGRADER_ROOT)" url) && cd $(FORMGRADER_ROOT) && \
 	  ATTENTION_LAB_DB_URL="$$gradebook" PATH=$(CURDIR)/$(BIN):$$PATH ATTENTION_LAB_INSTRUCTOR_KERNELS=$(INSTRUCTOR_KERNELS) \
-	  JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/lab/instructor:$(CURDIR)/autograder \
+	  JUPYTER_CONFIG_PATH=$(CURDIR)/autograder/formgrader:$(CURDIR)/autograder \
 	  $(CURDIR)/$(BIN)/jupyter lab $(ROOT_FLAG) $(FORMGRADER_ARGS)
 
 release: setup ## regenerate the student notebooks in course/ from solutions/

@@ -4,13 +4,14 @@ One folder per idea; each imports only from those above it in this list (docs/de
 
     places.py, limits.py,   where everything is; a grading run's limits, every default once; the
     command_line.py         command line of every `python -m autograder...`
-    lab/                    the two JupyterLabs: student/ (make lab), instructor/ (make formgrader)
+    lab/                    the students' JupyterLab (make lab): notebooks kept as released, Validate
     store/                  the gradebook and its server, a graded notebook read, nbgrader's CLI, run reports
     isolation/              the bubblewrap sandbox, control groups, the kernel server
     grading/trusted/        the trusted checker, where every verdict is decided, and its client
     publishing/             the student notebooks (release) and the students' repository (publish)
     term/                   course settings, roster and due dates, intake, the example class, cleaning up
     grading/, reports/      make grade; feedback, exports, the LMS's files, the class report
+    formgrader/             the instructors' JupyterLab (make formgrader): Formgrader, inert submissions
 
 nbgrader_config.py is nbgrader's own configuration (it reads places.py and limits.py).
 """

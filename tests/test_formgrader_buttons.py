@@ -30,7 +30,7 @@ from autograder.publishing import release
 from autograder.store import gradebook
 from autograder.term import roster
 from autograder.term.course_settings import CourseSettings
-from autograder.lab.instructor.pipeline_buttons import REFUSALS
+from autograder.formgrader.pipeline_buttons import REFUSALS
 from autograder.publishing.release import mark_hidden_tests
 from autograder.places import COURSE_ROOT_VARIABLE
 from tests.lab_servers import running_lab, set_formgrader_score

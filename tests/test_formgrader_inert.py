@@ -1,4 +1,4 @@
-"""Student content is inert in Formgrader (autograder/lab/instructor/inert_submissions.py).
+"""Student content is inert in Formgrader (autograder/formgrader/inert_submissions.py).
 
 Hostile submissions are graded into the gradebook by the pipeline, then a TA opens them in
 Formgrader's hand-grading page in the real browser: a written answer with ``<img onerror>``,
@@ -25,7 +25,7 @@ from traitlets.config import Config
 
 from autograder.grading import grade
 from autograder.store import gradebook
-from autograder.lab.instructor.inert_submissions import (InertHTMLExporter, content_security_policy, inert_html,
+from autograder.formgrader.inert_submissions import (InertHTMLExporter, content_security_policy, inert_html,
                                                          page_scripts)
 from tests.grading_helpers import TINY, tiny_course
 from tests.lab_servers import TOKEN, free_port, running_lab, set_formgrader_score, wait_until
@@ -281,7 +281,7 @@ def test_inert_html_keeps_text_and_drops_what_runs_or_loads(html, kept, gone):
 
 
 def test_latex_outputs_lose_their_styling_tex():
-    from autograder.lab.instructor.inert_submissions import inert_notebook
+    from autograder.formgrader.inert_submissions import inert_notebook
 
     cell = nbformat.v4.new_code_cell("x", outputs=[nbformat.v4.new_output(
         "display_data", data={"text/latex": "$\\bbox[background:red;padding:9in]{x}\\require{action}$"})])

@@ -30,7 +30,7 @@ from autograder.store import gradebook
 from autograder.term import roster, scores
 from autograder.term.course_settings import CourseSettings
 from autograder.grading import merge
-from autograder.lab.instructor import raw_scores
+from autograder.formgrader import raw_scores
 from autograder.places import DB_URL_VARIABLE
 
 ASSIGNMENT = "a1"

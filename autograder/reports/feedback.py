@@ -19,7 +19,7 @@ stands when the page is written, :mod:`autograder.term.scores`), and, when it fa
 
 What happened while grading (a cell interrupted at the time limit, a kernel that crashed,
 modules the notebook replaced) is said in plain words.  Formgrader's "Generate Feedback"
-runs this too (autograder/lab/instructor/pipeline_buttons.py).  Never shown: the
+runs this too (autograder/formgrader/pipeline_buttons.py).  Never shown: the
 code of any test cell, tracebacks, printed output, and any message that quotes a line of
 the hidden tests.
 """

@@ -131,7 +131,7 @@ class RawScoreNote(OutputTransform):
 
 
 def _jupyter_server_extension_points():
-    return [{"module": "autograder.lab.instructor.raw_scores"}]
+    return [{"module": "autograder.formgrader.raw_scores"}]
 
 
 def _load_jupyter_server_extension(serverapp):

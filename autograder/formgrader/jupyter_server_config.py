@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 # The repository, for the extension below (autograder/ is not an installed package).
-REPOSITORY = Path(__file__).resolve().parents[3]
+REPOSITORY = Path(__file__).resolve().parents[2]
 if str(REPOSITORY) not in sys.path:
     sys.path.insert(0, str(REPOSITORY))
 
-from autograder.lab.instructor.inert_submissions import SHELL_VARIABLE, KernelsOffManager  # noqa: E402
+from autograder.formgrader.inert_submissions import SHELL_VARIABLE, KernelsOffManager  # noqa: E402
 from autograder.store.gradebook import stamp_in_process  # noqa: E402
 
 c = get_config()  # noqa: F821 -- provided by Jupyter when it loads this file
@@ -32,7 +32,7 @@ EXCHANGE.mkdir(exist_ok=True)
 c.Exchange.root = str(EXCHANGE)
 
 # Student content is inert in Formgrader's hand-grading page (sanitised, sent with a
-# Content-Security-Policy): autograder/lab/instructor/inert_submissions.py. And no shell: a
+# Content-Security-Policy): autograder/formgrader/inert_submissions.py. And no shell: a
 # terminal or a kernel here runs as the instructor, outside the sandbox, on the course root --
 # what a script slipped into a page would reach for. Off unless `make formgrader
 # INSTRUCTOR_KERNELS=on`; Formgrader itself needs neither.
@@ -43,13 +43,13 @@ if os.environ.get(SHELL_VARIABLE, "").lower() not in ("on", "1", "yes", "true"):
 
 # Formgrader's Autograde / Generate Feedback go through the pipeline (sandbox, one gradebook
 # writer, no hidden test shown); Generate / Release / Collect / Release Feedback are off, with
-# what to run instead: autograder/lab/instructor/pipeline_buttons.py. Every page that shows scores
-# says they are raw, before the course's late penalty: autograder/lab/instructor/raw_scores.py.
+# what to run instead: autograder/formgrader/pipeline_buttons.py. Every page that shows scores
+# says they are raw, before the course's late penalty: autograder/formgrader/raw_scores.py.
 c.ServerApp.jpserver_extensions = {
     "nbgrader.server_extensions.formgrader": True,
-    "autograder.lab.instructor.pipeline_buttons": True,
-    "autograder.lab.instructor.inert_submissions": True,
-    "autograder.lab.instructor.raw_scores": True,
+    "autograder.formgrader.pipeline_buttons": True,
+    "autograder.formgrader.inert_submissions": True,
+    "autograder.formgrader.raw_scores": True,
     "nbgrader.server_extensions.validate_assignment": True,
     "nbgrader.server_extensions.assignment_list": False,
     "nbgrader.server_extensions.course_list": False,

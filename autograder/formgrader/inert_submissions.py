@@ -494,7 +494,7 @@ class KernelsOffManager(AsyncMappingKernelManager):
 
 
 def _jupyter_server_extension_points():
-    return [{"module": "autograder.lab.instructor.inert_submissions"}]
+    return [{"module": "autograder.formgrader.inert_submissions"}]
 
 
 def _load_jupyter_server_extension(serverapp):

@@ -149,7 +149,7 @@ HANDLERS = [
 
 
 def _jupyter_server_extension_points():
-    return [{"module": "autograder.lab.instructor.pipeline_buttons"}]
+    return [{"module": "autograder.formgrader.pipeline_buttons"}]
 
 
 def _load_jupyter_server_extension(serverapp):
