@@ -204,7 +204,7 @@ def publish(dest: Path, repository: str, branch: str = DEFAULT_BRANCH, course_di
     if earlier.get("helpers_version") == version and earlier.get("helpers_digest") not in (None, digest):
         print(f"warning: the helpers (course/attention_lab) changed since the last publication, and their version is "
               f"still {version}: a Colab runtime that installed them keeps the old ones. Raise __version__ in "
-              "course/attention_lab/__init__.py, run `make release`, commit course/, and publish again.")
+              "course/attention_lab/version.py, run `make release`, commit course/, and publish again.")
     return secrets_in(dest, private, course_dir)
 
 

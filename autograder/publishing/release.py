@@ -83,11 +83,11 @@ def course_repository() -> str:
 def helpers_version() -> str:
     """The helpers' release, ``attention_lab.__version__``, read from its source (importing the
     package would import torch): the setup cell of every notebook names it."""
-    tree = ast.parse((COURSE_DIR / "attention_lab" / "__init__.py").read_text(encoding="utf-8"))
+    tree = ast.parse((COURSE_DIR / "attention_lab" / "version.py").read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in node.targets):
             return ast.literal_eval(node.value)
-    raise ValueError("course/attention_lab/__init__.py does not set __version__")
+    raise ValueError("course/attention_lab/version.py does not set __version__")
 
 
 def colab_url(repository: str, assignment: str, branch: str = DEFAULT_BRANCH) -> str:

@@ -10,12 +10,7 @@ Students meet three parts of this package:
   live frontend is attached).
 """
 
-# The helpers' release: numbers only (X.Y.Z), and the one place it is written (pyproject.toml reads it
-# from here). `make release` writes it into every notebook's setup cell, which reinstalls helpers older
-# than its notebook's (a Colab runtime keeps what it installed): raise it when the helpers change after
-# students have installed them.
-__version__ = "0.1.0"
-
+from attention_lab.version import __version__  # the helpers' release: raise it in version.py
 from attention_lab.device import describe_environment, pick_device, seed_everything, setup
 
 # Imported here, by the setup cell, so that the checks' snapshot of the library functions

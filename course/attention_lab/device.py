@@ -9,6 +9,10 @@ import random
 import numpy as np
 import torch
 
+from attention_lab.frontend import fallback_note, installed_version
+from attention_lab.progress import use_course_progress_bars
+from attention_lab.version import __version__
+
 DEVICE_ENV_VAR = "ATTENTION_LAB_DEVICE"
 # The backend a Jupyter kernel sets in MPLBACKEND unless the user chose another one.
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
@@ -39,9 +43,6 @@ def seed_everything(seed: int = 0) -> None:
 def describe_environment(device: torch.device) -> str:
     """One line naming the versions and the device, for bug reports and screenshots: the helpers'
     own, and Triton's and ipywidgets' (the two a runtime may lack or have in another version)."""
-    from attention_lab import __version__
-    from attention_lab.frontend import installed_version
-
     if device.type == "cuda":
         where = f"CUDA ({torch.cuda.get_device_name(device)})"
     else:
@@ -81,9 +82,6 @@ def setup(seed: int = 0, preferred: str | None = None, verbose: bool = True) -> 
     Progress bars (``tqdm.auto``) become the course's, which read right where widgets do not
     draw (:mod:`attention_lab.progress`).
     """
-    from attention_lab.frontend import fallback_note
-    from attention_lab.progress import use_course_progress_bars
-
     device = pick_device(preferred)
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
