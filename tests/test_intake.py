@@ -110,6 +110,7 @@ def test_ambiguous_stripped_notebook_is_refused(tmp_path):
         cell.metadata = {}
     test = next(c for c in notebook.cells if c.source.startswith('"""merge_heads'))
     twin = copy.deepcopy(test)
+    twin.id = "my-copy-of-the-test"  # JupyterLab gives a copied cell an id of its own
     twin.source += "\n# my own copy"
     test.source += "\n# edited"
     notebook.cells.insert(notebook.cells.index(test) + 1, twin)
