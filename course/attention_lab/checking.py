@@ -71,10 +71,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from attention_lab import code_inspection
 from attention_lab.bridge import checker_side
-from attention_lab.bridge.probes import Probe
+from attention_lab.bridge.probes import Probe, in_the_kernel
 
 __all__ = [
     "CheckFailure",
@@ -584,6 +585,65 @@ class _TripwireMode(TorchFunctionMode):
             tripwire.tripped = tripwire.tripped or (_torch_function_name(func), short)
             raise tripwire.failure()
         return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# Watching every PyTorch call of an answer (06's and 07's memory and work rules)
+# --------------------------------------------------------------------------------------
+
+# Frames that are not the student's: PyTorch, the course package, the machinery between them.
+_NOT_STUDENT_FILES = ("/torch/", "/attention_lab/", "contextlib.py", "<frozen", "/site-packages/")
+
+
+def student_line() -> str:
+    """` (your line: `source`)` for the innermost frame of the student's code (not torch, not the checks)."""
+    for frame in reversed(traceback.extract_stack()):
+        if not any(part in frame.filename for part in _NOT_STUDENT_FILES):
+            text = (frame.line or "").strip()
+            return f" (your line: `{text}`)" if text else ""
+    return ""
+
+
+class FunctionWatch(Probe):
+    """A probe that sees every PyTorch function the student's code calls and what it returns, through a
+    torch function mode entered around the call where it runs (in grading: in the student's kernel, and
+    what it kept comes back as data). A function mode (not a dispatch mode) sees the calls as written --
+    ``q @ k.mT``, ``torch.einsum`` -- and costs no import of the compiler stack. A subclass keeps what its
+    rule needs in :meth:`saw`."""
+
+    def __enter__(self) -> "FunctionWatch":
+        self._mode = _FunctionWatchMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    @in_the_kernel
+    def saw(self, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+            new_outputs: list[torch.Tensor]) -> None:
+        """One call that returned tensors: the function's name, the tensors it was given, those it returned,
+        and of those the new ones (not a view of an input: an expand, a slice or a view has no memory of
+        its own)."""
+        raise NotImplementedError
+
+
+class _FunctionWatchMode(TorchFunctionMode):
+    """The torch function mode a :class:`FunctionWatch` watches through."""
+
+    def __init__(self, watch: FunctionWatch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if outputs:
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            input_storages = {_storage_key(t) for t in inputs}
+            self.watch.saw(str(getattr(func, "__name__", func)), inputs, outputs,
+                           [t for t in outputs if _storage_key(t) not in input_storages])
+        return out
 
 
 @contextlib.contextmanager

@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-import traceback
 from collections import Counter
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from attention_lab.bridge import checker_side, probes, wire
 from attention_lab.bridge.probes import Probe
 from attention_lab.checking import (
     CallTrace,
     CheckFailure,
+    FunctionWatch,
     RuleFailure,
     Variant,
     call_student,
@@ -56,6 +54,7 @@ from attention_lab.checking import (
     random_generator,
     reference_sdpa,
     shape_str,
+    student_line,
     tolerance,
 )
 from attention_lab.checking import _student_namespace
@@ -462,30 +461,9 @@ _MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "addm
 # Reductions: applied to a whole row, they are a pass over it (a streaming answer reduces blocks only).
 _REDUCTIONS = {"amax", "max", "sum", "logsumexp", "softmax", "log_softmax", "mean", "cumsum", "sort", "topk", "norm",
                "prod", "aminmax", "argmax", "nansum", "special_logsumexp"}
-_OWN_FILES = ("/torch/", "/attention_lab/", "contextlib.py", "<frozen", "/site-packages/")
 
 
-def _function_name(func: Any) -> str:
-    return str(getattr(func, "__name__", func))
-
-
-def _student_line() -> str:
-    """` (your line: `source`)` for the innermost frame of the student's code (not torch, not the checks)."""
-    for frame in reversed(traceback.extract_stack()):
-        if not any(part in frame.filename for part in _OWN_FILES):
-            text = (frame.line or "").strip()
-            return f" (your line: `{text}`)" if text else ""
-    return ""
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return -1
-
-
-class OperationWatch(Probe):
+class OperationWatch(FunctionWatch):
     """Sees the inputs and outputs of every PyTorch function the student's code calls (a probe: in
     grading it watches the call in the student's kernel and sends back what it saw, as data).
 
@@ -497,9 +475,6 @@ class OperationWatch(Probe):
       that wide is kept in ``row_read`` as ``(function, student line)``;
     * ``products[shape[-2:]]`` counts matrix products (a broadcast product summed over its last axis too) by the
       last two dims of their output.
-
-    A function mode (not a dispatch mode) sees the calls as written -- ``q @ k.mT``,
-    ``torch.einsum`` -- and costs no import of the compiler stack.
     """
 
     def __init__(self, table: Sequence[int] | None = None, narrow: Sequence[int] | None = None,
@@ -513,7 +488,6 @@ class OperationWatch(Probe):
         self.offence: tuple[str, tuple[int, ...], str] | None = None
         self.row_read: tuple[str, str] | None = None
         self.products: Counter = Counter()
-        self._mode: _OperationMode | None = None
 
     def is_wide(self, shape: tuple[int, ...]) -> bool:
         if self.table is None or len(shape) < 2:
@@ -530,14 +504,6 @@ class OperationWatch(Probe):
 
     def reads_row(self, tensor: torch.Tensor) -> bool:
         return self.row_width is not None and tensor.dim() >= 1 and tensor.shape[-1] == self.row_width
-
-    def __enter__(self) -> "OperationWatch":
-        self._mode = _OperationMode(self)
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
 
     def findings(self) -> dict:
         return {"offence": None if self.offence is None else [self.offence[0], list(self.offence[1]), self.offence[2]],
@@ -567,40 +533,23 @@ class OperationWatch(Probe):
                 raise wire.WireError("malformed operation watch")
             self.products[tuple(item[0])] += item[1]
 
-
-class _OperationMode(TorchFunctionMode):
-    """The torch function mode an :class:`OperationWatch` watches through."""
-
-    def __init__(self, watch: OperationWatch):
-        super().__init__()
-        self.watch = watch
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        watch = self.watch
-        name = _function_name(func)
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not outputs:
-            return out
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        input_storages = {_storage(t) for t in inputs}
-        new_outputs = [t for t in outputs if _storage(t) not in input_storages]
-        if watch.table is not None and watch.offence is None:
+    def saw(self, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+            new_outputs: list[torch.Tensor]) -> None:
+        if self.table is not None and self.offence is None:
             for tensor in new_outputs:
-                if watch.is_wide(tuple(tensor.shape)):
-                    watch.offence = (name, tuple(tensor.shape), _student_line())
+                if self.is_wide(tuple(tensor.shape)):
+                    self.offence = (name, tuple(tensor.shape), student_line())
                     break
-        if (watch.row_width is not None and watch.row_read is None and name in _REDUCTIONS
-                and any(watch.reads_row(t) for t in inputs)):
-            watch.row_read = (name, _student_line())
+        if (self.row_width is not None and self.row_read is None and name in _REDUCTIONS
+                and any(self.reads_row(t) for t in inputs)):
+            self.row_read = (name, student_line())
         # A product: a matmul, or a broadcast product summed over its last axis ((q[:, None] * k[None]).sum(-1))
         contraction = name == "sum" and len(inputs) == 1 and len(outputs) == 1 \
             and tuple(outputs[0].shape) == tuple(inputs[0].shape[:-1])
         if name in _MATMULS or contraction:
             for tensor in outputs:
                 if tensor.dim() >= 2:
-                    watch.products[tuple(tensor.shape[-2:])] += 1
-        return out
+                    self.products[tuple(tensor.shape[-2:])] += 1
 
 
 def _watched_call(fn: Callable, *args: Any, call: str, watch: OperationWatch, **kwargs: Any) -> Any:

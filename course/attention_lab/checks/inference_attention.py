@@ -25,13 +25,12 @@ import math
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from attention_lab.bridge import checker_side, probes, wire
 from attention_lab.bridge.probes import Probe
 from attention_lab.checking import (
     CheckFailure,
+    FunctionWatch,
     RuleFailure,
     Variant,
     call_student,
@@ -48,17 +47,11 @@ from attention_lab.checking import (
     random_generator,
     reference_sdpa,
     shape_str,
+    student_line,
     tolerance,
 )
 from attention_lab.checks.efficient_attention import HINTS as EFFICIENT_HINTS
-from attention_lab.checks.efficient_attention import (
-    POISON_ROWS,
-    _function_name,
-    _launched,
-    _overrun_hint,
-    _storage,
-    _student_line,
-)
+from attention_lab.checks.efficient_attention import POISON_ROWS, _launched, _overrun_hint
 from attention_lab.latent_attention import MLAWeights
 
 LN_2 = math.log(2.0)
@@ -357,7 +350,7 @@ def _value_error(fn: Callable, call: str, why: str, *args: Any, must_mention: Se
 # --------------------------------------------------------------------------------------
 
 
-class TensorWatch(Probe):
+class TensorWatch(FunctionWatch):
     """Sees every tensor the student's code creates (a function mode, where the code runs) and keeps the first
     new one (not a view of an input) that a rule forbids, as ``(rule index, function, shape, student line)``.
 
@@ -372,7 +365,6 @@ class TensorWatch(Probe):
             if not (len(rule) == 3 and type(rule[0]) is int and all(r is None or type(r) is int for r in rule[1:])):
                 raise wire.WireError("a malformed tensor watch")
         self.offence: tuple[int, str, tuple[int, ...], str] | None = None
-        self._mode: _TensorMode | None = None
 
     def broken(self, shape: Sequence[int]) -> int | None:
         """The index of the first rule a tensor of ``shape`` breaks, or None."""
@@ -382,14 +374,6 @@ class TensorWatch(Probe):
                     (last is None or (len(shape) >= 1 and shape[-1] == last)):
                 return index
         return None
-
-    def __enter__(self) -> "TensorWatch":
-        self._mode = _TensorMode(self)
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
 
     def findings(self) -> Any:
         if self.offence is None:
@@ -407,29 +391,15 @@ class TensorWatch(Probe):
             raise wire.WireError("malformed tensor watch")
         self.offence = (findings[0], findings[1], tuple(findings[2]), findings[3])
 
-
-class _TensorMode(TorchFunctionMode):
-    def __init__(self, watch: TensorWatch):
-        super().__init__()
-        self.watch = watch
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        watch = self.watch
-        if watch.offence is not None:
-            return out
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not outputs:
-            return out
-        inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for tensor in outputs:
-            if _storage(tensor) in inputs:
-                continue  # a view of an input (expand, a slice, view): no memory of its own
-            rule = watch.broken(tuple(tensor.shape))
+    def saw(self, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+            new_outputs: list[torch.Tensor]) -> None:
+        if self.offence is not None:
+            return
+        for tensor in new_outputs:
+            rule = self.broken(tuple(tensor.shape))
             if rule is not None:
-                watch.offence = (rule, _function_name(func), tuple(tensor.shape), _student_line())
+                self.offence = (rule, name, tuple(tensor.shape), student_line())
                 break
-        return out
 
 
 def _watched(fn: Callable, *args: Any, call: str, rules: Sequence[Sequence[int | None]], **kwargs: Any
